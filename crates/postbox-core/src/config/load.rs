@@ -1,0 +1,140 @@
+//! Reading the config file and the environment.
+
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Env, Format, Toml, Yaml};
+use figment::Figment;
+
+use super::Config;
+use crate::redact::SecretUrl;
+use crate::Error;
+
+/// Where the configuration comes from.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigSource {
+    /// `--config FILE`; `None` reads `postbox.toml` when it exists.
+    pub file: Option<PathBuf>,
+    /// `--database-url`, overriding the file and the environment.
+    pub database_url: Option<String>,
+}
+
+/// Loads and validates the configuration: file (TOML or YAML by extension),
+/// then `POSTBOX__SECTION__KEY` variables, then command-line overrides.
+pub fn load(source: &ConfigSource) -> Result<Config, Error> {
+    let mut figment = Figment::new();
+    let file = match &source.file {
+        Some(f) => {
+            if !f.exists() {
+                return Err(Error::config(
+                    "--config",
+                    format!("file `{}` does not exist", f.display()),
+                ));
+            }
+            Some(f.clone())
+        }
+        None => Some(PathBuf::from("postbox.toml")).filter(|p| p.exists()),
+    };
+    if let Some(f) = &file {
+        figment = match extension(f) {
+            "yaml" | "yml" => figment.merge(Yaml::file(f)),
+            "toml" => figment.merge(Toml::file(f)),
+            other => {
+                return Err(Error::config(
+                    "--config",
+                    format!("`{}`: unknown extension `{other}`, use .toml or .yaml", f.display()),
+                ))
+            }
+        };
+    }
+    figment = figment.merge(Env::prefixed("POSTBOX__").split("__"));
+    let mut config: Config = figment.extract().map_err(from_figment)?;
+    if let Some(url) = &source.database_url {
+        config.database.url = SecretUrl::new(url.clone());
+    }
+    config.validate()?;
+    Ok(config)
+}
+
+fn extension(p: &Path) -> &str {
+    p.extension().and_then(|e| e.to_str()).unwrap_or("")
+}
+
+fn from_figment(errors: figment::Error) -> Error {
+    // Report the first error; figment collects several.
+    let e = errors.into_iter().next().expect("figment errors are never empty");
+    let path = &e.path;
+    let key = if path.is_empty() {
+        "(top level)".to_owned()
+    } else {
+        path.join(".")
+    };
+    let mut reason = e.kind.to_string();
+    if let Some(meta) = &e.metadata {
+        reason.push_str(&format!(" (from {})", meta.name));
+    }
+    Error::config(key, reason)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn load_str(toml: &str) -> Result<Config, Error> {
+        let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
+        f.write_all(toml.as_bytes()).unwrap();
+        load(&ConfigSource {
+            file: Some(f.path().to_owned()),
+            database_url: None,
+        })
+    }
+
+    fn key_of(toml: &str) -> String {
+        match load_str(toml) {
+            Err(Error::Config { key, .. }) => key,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_follow_the_seed() {
+        let c = load_str("").unwrap();
+        assert_eq!(c.outbox_worker.batch_size, 100);
+        assert_eq!(c.outbox_worker.max_retry_count, 10);
+        assert_eq!(c.outbox_worker.poll_interval, "1s".parse().unwrap());
+        assert_eq!(c.database.table.as_str(), "postbox_outbox");
+    }
+
+    #[test]
+    fn refuses_bad_values_naming_the_key() {
+        let w = "[outbox_worker]\n";
+        assert_eq!(key_of(&format!("{w}poll_interval = \"0s\"")), "outbox_worker.poll_interval");
+        assert_eq!(key_of(&format!("{w}batch_size = 0")), "outbox_worker.batch_size");
+        assert_eq!(
+            key_of(&format!("{w}publish_timeout = \"30s\"\nlease = \"30s\"")),
+            "outbox_worker.publish_timeout"
+        );
+        assert_eq!(key_of(&format!("{w}poll_intervall = \"1s\"")), "outbox_worker.poll_intervall");
+        assert_eq!(key_of(&format!("{w}lease = \"soon\"")), "outbox_worker.lease");
+        assert_eq!(key_of("[database]\ntable = \"room-outbox\""), "database.table");
+        assert_eq!(key_of("[[publishers]]\nkind = \"kafka\""), "publishers.0.kind");
+        assert_eq!(key_of("[[publishers]]\nkind = \"file\"\npath = \"-\"\ncolour = 1"), "publishers.0.colour");
+        assert_eq!(key_of("[database]\nurl = \"oracle://x\""), "database.url");
+    }
+
+    #[test]
+    fn secrets_do_not_leak_into_errors() {
+        let err = load_str("[database]\nurl = \"oracle://u:hunter2@h/db\"").unwrap_err();
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn seed_table_name_and_publishers_load() {
+        let c = load_str(
+            "[database]\ntable = \"room_outbox\"\napp_codes=[\"room\"]\n[[publishers]]\nkind=\"file\"\npath=\"-\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.database.table.as_str(), "room_outbox");
+        assert_eq!(c.publishers[0].name(), "file");
+    }
+}

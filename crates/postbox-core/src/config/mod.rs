@@ -1,0 +1,329 @@
+//! Configuration (SPEC §5): one TOML or YAML file, every key overridable by
+//! `POSTBOX__SECTION__KEY`, validated before anything starts.
+
+mod duration;
+mod load;
+mod publisher;
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+pub use duration::HumanDuration;
+pub use load::{load, ConfigSource};
+pub use publisher::{FilePublisherConfig, PublisherConfig};
+
+use crate::redact::{Secret, SecretUrl};
+use crate::retry::Backoff;
+use crate::{Error, TableName};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `[database]`.
+    pub database: DatabaseConfig,
+    /// `[outbox_worker]`: the relay.
+    pub outbox_worker: WorkerConfig,
+    /// `[[publishers]]`: fanout targets; a row is delivered when all confirm.
+    pub publishers: Vec<PublisherConfig>,
+    /// `[archive]`.
+    pub archive: ArchiveConfig,
+    /// `[admin]`.
+    pub admin: Option<AdminConfig>,
+}
+
+/// `[database]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// `postgres://…`, `mysql://…` or `sqlite://…`.
+    pub url: SecretUrl,
+    /// The outbox table; `<table>_archive` is its twin.
+    pub table: TableName,
+    /// Tenants this relay claims for; every claim is scoped by one.
+    pub app_codes: Vec<String>,
+    /// Largest payload `enqueue` accepts.
+    pub max_payload_bytes: usize,
+    /// Connection pool size.
+    pub max_connections: u32,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            url: SecretUrl::new("sqlite://postbox.db"),
+            table: TableName::default(),
+            app_codes: vec!["default".to_owned()],
+            max_payload_bytes: 1024 * 1024,
+            max_connections: 10,
+        }
+    }
+}
+
+/// `[outbox_worker]`: the relay's knobs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// Run the relay at all.
+    pub enabled: bool,
+    /// Sleep between claims when there is nothing to do.
+    pub poll_interval: HumanDuration,
+    /// Rows per claim query.
+    pub batch_size: u32,
+    /// Bound on every publish.
+    pub publish_timeout: HumanDuration,
+    /// How long a claim holds a row.
+    pub lease: HumanDuration,
+    /// Only `exponential_backoff`.
+    pub retry_strategy: RetryStrategy,
+    /// Attempts before a row is dead-lettered as `failed`.
+    pub max_retry_count: u32,
+    /// Delay after the first failure.
+    pub initial_backoff: HumanDuration,
+    /// Largest delay.
+    pub max_backoff: HumanDuration,
+    /// `none` or `per_aggregate`.
+    pub ordering: Ordering,
+    /// Per-event-type overrides (degradation).
+    pub event_types: BTreeMap<String, EventTypeConfig>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            enabled: true,
+            poll_interval: HumanDuration::secs(1),
+            batch_size: 100,
+            publish_timeout: HumanDuration::secs(3),
+            lease: HumanDuration::secs(30),
+            retry_strategy: RetryStrategy::ExponentialBackoff,
+            max_retry_count: 10,
+            initial_backoff: HumanDuration::secs(5),
+            max_backoff: HumanDuration::secs(300),
+            ordering: Ordering::None,
+            event_types: BTreeMap::new(),
+        }
+    }
+}
+
+impl WorkerConfig {
+    /// The backoff schedule.
+    pub fn backoff(&self) -> Backoff {
+        Backoff {
+            initial: self.initial_backoff.get(),
+            max: self.max_backoff.get(),
+        }
+    }
+
+    /// `max_retry_count` for one event type, after overrides.
+    pub fn max_retry_count_for(&self, event_type: &str) -> u32 {
+        self.event_types
+            .get(event_type)
+            .and_then(|o| o.max_retry_count)
+            .unwrap_or(self.max_retry_count)
+    }
+
+    /// Delivery guarantee for one event type, after overrides.
+    pub fn delivery_for(&self, event_type: &str) -> Delivery {
+        self.event_types
+            .get(event_type)
+            .and_then(|o| o.delivery)
+            .unwrap_or_default()
+    }
+}
+
+/// The retry schedule's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RetryStrategy {
+    /// `initial_backoff × 2^n` up to `max_backoff`, with jitter.
+    #[default]
+    ExponentialBackoff,
+}
+
+/// Ordering guarantee.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Ordering {
+    /// Any order; maximum throughput.
+    #[default]
+    None,
+    /// Per `aggregate_id`, in `aggregate_version` (else `id`) order.
+    PerAggregate,
+}
+
+/// Delivery guarantee of an event type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Delivery {
+    /// Retried until confirmed or dead-lettered.
+    #[default]
+    AtLeastOnce,
+    /// One try, never retried (superseded-anyway events such as price ticks).
+    AtMostOnce,
+}
+
+/// `[outbox_worker.event_types.<EventType>]`.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct EventTypeConfig {
+    /// Overrides `max_retry_count`.
+    pub max_retry_count: Option<u32>,
+    /// Overrides the delivery guarantee.
+    pub delivery: Option<Delivery>,
+}
+
+/// `[archive]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ArchiveConfig {
+    /// Archive from inside the relay on `interval`.
+    pub enabled: bool,
+    /// Age of delivered rows to move.
+    pub older_than: HumanDuration,
+    /// Rows per batch.
+    pub batch_size: u32,
+    /// How often the relay archives.
+    pub interval: HumanDuration,
+}
+
+impl Default for ArchiveConfig {
+    fn default() -> Self {
+        ArchiveConfig {
+            enabled: false,
+            older_than: HumanDuration::secs(30 * 86_400),
+            batch_size: 10_000,
+            interval: HumanDuration::secs(3_600),
+        }
+    }
+}
+
+/// `[admin]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Listen address.
+    #[serde(default = "default_admin_listen")]
+    pub listen: String,
+    /// Bearer token for mutating endpoints.
+    #[serde(default)]
+    pub token: Secret,
+}
+
+fn default_admin_listen() -> String {
+    "127.0.0.1:9464".to_owned()
+}
+
+impl Config {
+    /// Checks every rule that a type alone cannot; the error names the key.
+    pub fn validate(&self) -> Result<(), Error> {
+        let db = &self.database;
+        let scheme = db.url.scheme();
+        if !matches!(scheme, "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite") {
+            return Err(Error::config(
+                "database.url",
+                format!("unsupported scheme `{scheme}`: use postgres://, mysql:// or sqlite://"),
+            ));
+        }
+        if db.app_codes.is_empty() {
+            return Err(Error::config("database.app_codes", "must name at least one app_code"));
+        }
+        for code in &db.app_codes {
+            if code.is_empty() || code.len() > crate::event::MAX_ID_LEN {
+                return Err(Error::config(
+                    "database.app_codes",
+                    format!("`{code}` must be 1 to 64 bytes"),
+                ));
+            }
+        }
+        if db.max_payload_bytes == 0 {
+            return Err(Error::config("database.max_payload_bytes", "must be > 0"));
+        }
+        if db.max_connections < 2 {
+            return Err(Error::config(
+                "database.max_connections",
+                "must be at least 2 (the relay claims and marks on separate connections)",
+            ));
+        }
+
+        let w = &self.outbox_worker;
+        if w.poll_interval.get().is_zero() {
+            return Err(Error::config(
+                "outbox_worker.poll_interval",
+                "must be > 0, or an idle relay would busy-loop on the database",
+            ));
+        }
+        if w.batch_size == 0 {
+            return Err(Error::config(
+                "outbox_worker.batch_size",
+                "must be > 0 (a claim never takes the whole table)",
+            ));
+        }
+        if w.publish_timeout.get().is_zero() {
+            return Err(Error::config("outbox_worker.publish_timeout", "must be > 0"));
+        }
+        if w.publish_timeout >= w.lease {
+            return Err(Error::config(
+                "outbox_worker.publish_timeout",
+                format!(
+                    "{} must be shorter than outbox_worker.lease ({}), or a slow publish could outlive its lease and be sent twice",
+                    w.publish_timeout, w.lease
+                ),
+            ));
+        }
+        if w.max_retry_count == 0 {
+            return Err(Error::config("outbox_worker.max_retry_count", "must be ≥ 1"));
+        }
+        if w.initial_backoff.get().is_zero() {
+            return Err(Error::config("outbox_worker.initial_backoff", "must be > 0"));
+        }
+        if w.max_backoff < w.initial_backoff {
+            return Err(Error::config(
+                "outbox_worker.max_backoff",
+                format!("{} is shorter than initial_backoff ({})", w.max_backoff, w.initial_backoff),
+            ));
+        }
+        for (ty, o) in &w.event_types {
+            if o.max_retry_count == Some(0) {
+                return Err(Error::config(
+                    format!("outbox_worker.event_types.{ty}.max_retry_count"),
+                    "must be ≥ 1",
+                ));
+            }
+        }
+
+        let mut names = std::collections::HashSet::new();
+        for (i, p) in self.publishers.iter().enumerate() {
+            p.validate(&format!("publishers[{i}]"))?;
+            if !names.insert(p.name().to_owned()) {
+                return Err(Error::config(
+                    format!("publishers[{i}].name"),
+                    format!("`{}` is used twice; give each publisher its own name", p.name()),
+                ));
+            }
+            if p.name().contains(',') {
+                return Err(Error::config(format!("publishers[{i}].name"), "must not contain `,`"));
+            }
+        }
+
+        if self.archive.batch_size == 0 {
+            return Err(Error::config("archive.batch_size", "must be > 0"));
+        }
+        if self.archive.interval.get().is_zero() {
+            return Err(Error::config("archive.interval", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// Checks what the relay needs beyond [`Config::validate`].
+    pub fn validate_for_relay(&self) -> Result<(), Error> {
+        if self.publishers.is_empty() {
+            return Err(Error::config(
+                "publishers",
+                "the relay needs at least one [[publishers]] entry",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,99 @@
+//! The one error type of postbox-core and the backends.
+
+use std::fmt;
+
+/// Everything that can go wrong in postbox's library code.
+///
+/// Messages say what failed and on what; they never contain secrets (database
+/// URLs are redacted before they get here).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An event with this `(app_code, event_id)` is already in the outbox.
+    /// The caller's transaction is still usable.
+    #[error("duplicate event: app_code `{app_code}` already has event_id `{event_id}`")]
+    DuplicateEvent {
+        /// Tenant of the event.
+        app_code: String,
+        /// The id that already exists.
+        event_id: String,
+    },
+    /// The payload is larger than `database.max_payload_bytes`.
+    #[error("payload of event `{event_id}` is {size} bytes, over the limit of {limit} bytes (database.max_payload_bytes)")]
+    PayloadTooLarge {
+        /// The event's id.
+        event_id: String,
+        /// Payload size in bytes.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// A field of a new event is missing or malformed.
+    #[error("invalid event: {0}")]
+    InvalidEvent(String),
+    /// A table name that is not a plain SQL identifier.
+    #[error("invalid table name `{0}`: must match ^[A-Za-z_][A-Za-z0-9_]{{0,62}}$")]
+    InvalidTableName(String),
+    /// The configuration is wrong; `key` names the offending key.
+    #[error("config key `{key}`: {reason}")]
+    Config {
+        /// Dotted path of the key, e.g. `outbox_worker.batch_size`.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The database schema is missing or older than this postbox.
+    #[error("schema: {0}")]
+    Schema(String),
+    /// A database operation failed.
+    #[error("database error during {operation}: {source}")]
+    Database {
+        /// What postbox was doing.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Filesystem or other I/O failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What postbox was doing.
+        context: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Wraps a driver error with the operation that failed.
+    pub fn database(
+        operation: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Error::Database {
+            operation,
+            source: Box::new(source),
+        }
+    }
+
+    /// A configuration error on `key`.
+    pub fn config(key: impl Into<String>, reason: impl fmt::Display) -> Self {
+        Error::Config {
+            key: key.into(),
+            reason: reason.to_string(),
+        }
+    }
+
+    /// True for errors caused by bad input or configuration (exit code 2),
+    /// false for runtime failures (exit code 1).
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            Error::Config { .. } | Error::InvalidTableName(_) | Error::InvalidEvent(_)
+        )
+    }
+}
+
+/// Result alias used throughout postbox.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,152 @@
+//! Stage 3: write each row's result, fenced by its claim.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use super::RelayReport;
+use crate::config::WorkerConfig;
+use crate::event::{truncate_error, Fence};
+use crate::publish::PublishError;
+use crate::retry::{decide, AttemptResult, Decision};
+use crate::store::{FailureUpdate, OutboxStore};
+use crate::{ClaimedEvent, Result};
+
+/// What happened to one claimed row in one attempt.
+pub(super) struct Outcome {
+    pub event: ClaimedEvent,
+    /// Not published at all (its lease expired on its last attempt).
+    pub skip_publish: bool,
+    pub confirmed: Vec<String>,
+    pub errors: Vec<(String, PublishError)>,
+}
+
+pub(super) struct Marker {
+    pub store: Arc<dyn OutboxStore>,
+    pub config: WorkerConfig,
+}
+
+impl Marker {
+    pub async fn run(self, mut input: mpsc::Receiver<Vec<Outcome>>) -> RelayReport {
+        let mut report = RelayReport::default();
+        while let Some(outcomes) = input.recv().await {
+            self.mark(outcomes, &mut report).await;
+        }
+        report
+    }
+
+    async fn mark(&self, outcomes: Vec<Outcome>, report: &mut RelayReport) {
+        let mut delivered: HashMap<Fence, Vec<i64>> = HashMap::new();
+        for o in outcomes {
+            let r = &o.event.record;
+            let attempt = AttemptResult {
+                retry_count: r.retry_count,
+                delivered_before: r.delivered_to.clone(),
+                confirmed_now: o.confirmed.clone(),
+                errors: if o.skip_publish {
+                    vec![("relay".to_owned(), "lease expired on the last allowed attempt (the event may crash or hang its relay)".to_owned())]
+                } else {
+                    o.errors.iter().map(|(p, e)| (p.clone(), e.to_string())).collect()
+                },
+            };
+            let asked_delay = o.errors.iter().filter_map(|(_, e)| e.retry_after()).max();
+            let backoff = self.config.backoff();
+            let decision = decide(
+                &attempt,
+                self.config.max_retry_count_for(&r.event_type),
+                self.config.delivery_for(&r.event_type),
+                |n| {
+                    let d = backoff.delay(n, &mut rand::rng());
+                    asked_delay.map_or(d, |a| a.max(d))
+                },
+            );
+            let fence = o.event.fence();
+            match decision {
+                Decision::Delivered => delivered.entry(fence).or_default().push(r.id),
+                Decision::Retry { retry_count, after, delivered_to, error } => {
+                    if retry_count == 1 {
+                        tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempt = retry_count, retry_in = ?after, error = %error, "publish failed; will retry");
+                    } else {
+                        tracing::debug!(event_id = %r.event_id, attempt = retry_count, retry_in = ?after, error = %error, "publish failed again");
+                    }
+                    let update = FailureUpdate {
+                        status: crate::Status::Retryable,
+                        retry_count,
+                        retry_after_ms: after.as_millis() as i64,
+                        delivered_to,
+                        error: truncate_error(&error),
+                    };
+                    if self.write_failure(&fence, r.id, &update, &r.event_id).await {
+                        report.retried += 1;
+                    } else {
+                        report.fenced_out += 1;
+                    }
+                }
+                Decision::Failed { retry_count, delivered_to, error } => {
+                    tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempts = retry_count, error = %error, "event dead-lettered (status failed); replay it with `postbox replay`");
+                    let update = FailureUpdate {
+                        status: crate::Status::Failed,
+                        retry_count,
+                        retry_after_ms: 0,
+                        delivered_to,
+                        error: truncate_error(&error),
+                    };
+                    if self.write_failure(&fence, r.id, &update, &r.event_id).await {
+                        report.failed += 1;
+                    } else {
+                        report.fenced_out += 1;
+                    }
+                }
+            }
+        }
+        for (fence, ids) in delivered {
+            let n = retrying("mark delivered", || self.store.mark_delivered(&fence, &ids)).await;
+            let n = n.unwrap_or(0);
+            report.delivered += n;
+            if n < ids.len() as u64 {
+                let lost = ids.len() as u64 - n;
+                report.fenced_out += lost;
+                tracing::warn!(rows = lost, worker_id = %fence.worker_id, "late result dropped: the lease was taken over by another relay, which will deliver again");
+            }
+        }
+    }
+
+    async fn write_failure(&self, fence: &Fence, id: i64, update: &FailureUpdate, event_id: &str) -> bool {
+        match retrying("mark failed attempt", || self.store.mark_failed(fence, id, update)).await {
+            Ok(true) => true,
+            Ok(false) => {
+                tracing::warn!(event_id, "late result dropped: the lease was taken over by another relay");
+                false
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// Retries a result write a few times: losing it only means the lease
+/// expires and the row is delivered again, but that is worth avoiding.
+async fn retrying<T, F, Fut>(what: &'static str, mut op: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut delay = Duration::from_millis(100);
+    let mut tries = 0;
+    loop {
+        match op().await {
+            Ok(v) => return Ok(v),
+            Err(e) if tries < 5 => {
+                tries += 1;
+                tracing::warn!(error = %e, tries, "{what} failed; retrying");
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "{what} failed; the lease will expire and the rows be delivered again");
+                return Err(e);
+            }
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Stage 2: hand each batch to every publisher that has not confirmed it yet.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{marker::Outcome, Batch};
+use crate::config::{Delivery as DeliveryMode, WorkerConfig};
+use crate::publish::{Delivery, PublishError, Publisher};
+use crate::store::OutboxStore;
+use crate::{ClaimSource, ClaimedEvent};
+
+pub(super) struct PublishStage {
+    pub store: Arc<dyn OutboxStore>,
+    pub publishers: Vec<Arc<dyn Publisher>>,
+    pub config: WorkerConfig,
+}
+
+impl PublishStage {
+    /// Returns the number of rows released at shutdown.
+    pub async fn run(
+        self,
+        mut input: mpsc::Receiver<Batch>,
+        output: mpsc::Sender<Vec<Outcome>>,
+        shutdown: CancellationToken,
+    ) -> u64 {
+        let mut released = 0;
+        while let Some(batch) = input.recv().await {
+            if shutdown.is_cancelled() {
+                released += self.release(batch).await;
+                continue;
+            }
+            let outcomes = self.publish(batch).await;
+            if output.send(outcomes).await.is_err() {
+                break;
+            }
+        }
+        released
+    }
+
+    async fn release(&self, batch: Batch) -> u64 {
+        let Some(first) = batch.events.first() else {
+            return 0;
+        };
+        let fence = first.fence();
+        let ids: Vec<i64> = batch.events.iter().map(|e| e.record.id).collect();
+        match self.store.release(&fence, &ids).await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, rows = ids.len(), "could not release leases at shutdown; they expire by themselves");
+                0
+            }
+        }
+    }
+
+    async fn publish(&self, batch: Batch) -> Vec<Outcome> {
+        let timeout = self.config.publish_timeout.get();
+        let mut outcomes: Vec<Outcome> = batch.events.into_iter().map(Outcome::new).collect();
+
+        // Rows whose relay died while holding them: when the lost attempt was
+        // their last, or they may be tried only once, they are not sent again.
+        for o in &mut outcomes {
+            if o.event.source == ClaimSource::ExpiredLease {
+                let r = &o.event.record;
+                let max = self.config.max_retry_count_for(&r.event_type);
+                let once = self.config.delivery_for(&r.event_type) == DeliveryMode::AtMostOnce;
+                if r.retry_count as i64 >= max as i64 || once {
+                    o.skip_publish = true;
+                }
+            }
+        }
+
+        let per_publisher = self.publishers.iter().map(|p| {
+            let todo: Vec<usize> = outcomes
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| !o.skip_publish && !o.event.record.delivered_to.iter().any(|d| d == p.name()))
+                .map(|(i, _)| i)
+                .collect();
+            let deliveries: Vec<Delivery<'_>> =
+                todo.iter().map(|&i| Delivery::of(&outcomes[i].event.record)).collect();
+            async move {
+                let results = if deliveries.is_empty() {
+                    Vec::new()
+                } else {
+                    publish_bounded(p.as_ref(), &deliveries, timeout).await
+                };
+                (p.name().to_owned(), todo, results)
+            }
+        });
+        let all = join_all(per_publisher).await;
+        for (name, todo, results) in all {
+            for (i, result) in todo.into_iter().zip(results) {
+                match result {
+                    Ok(()) => outcomes[i].confirmed.push(name.clone()),
+                    Err(e) => outcomes[i].errors.push((name.clone(), e)),
+                }
+            }
+        }
+        outcomes
+    }
+}
+
+async fn publish_bounded(
+    p: &dyn Publisher,
+    deliveries: &[Delivery<'_>],
+    timeout: Duration,
+) -> Vec<Result<(), PublishError>> {
+    match tokio::time::timeout(timeout, p.publish(deliveries)).await {
+        Ok(results) if results.len() == deliveries.len() => results,
+        Ok(results) => {
+            tracing::error!(publisher = p.name(), expected = deliveries.len(), got = results.len(), "publisher returned the wrong number of results; treating the batch as failed");
+            vec![Err(PublishError::failed("publisher returned the wrong number of results")); deliveries.len()]
+        }
+        Err(_) => vec![Err(PublishError::Timeout(timeout)); deliveries.len()],
+    }
+}
+
+impl Outcome {
+    fn new(event: ClaimedEvent) -> Self {
+        Outcome {
+            event,
+            skip_publish: false,
+            confirmed: Vec::new(),
+            errors: Vec::new(),
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! The storage interface every database backend implements.
+
+use async_trait::async_trait;
+use serde::Serialize;
+
+use crate::event::Fence;
+use crate::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
+
+/// Parameters of one claim query.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest<'a> {
+    /// Tenant; every claim is scoped by one.
+    pub app_code: &'a str,
+    /// At most this many rows.
+    pub limit: u32,
+    /// Written into `worker_id`.
+    pub worker_id: &'a str,
+    /// Lease length; `lock_until_ms` = database now + this.
+    pub lease_ms: i64,
+}
+
+/// How a failed attempt is written (the fenced `retryable`/`failed` update).
+#[derive(Debug, Clone)]
+pub struct FailureUpdate {
+    /// `retryable` or `failed`.
+    pub status: Status,
+    /// New failed-attempt count.
+    pub retry_count: i32,
+    /// Delay from database now until due again.
+    pub retry_after_ms: i64,
+    /// Publishers confirmed so far (fanout progress).
+    pub delivered_to: Vec<String>,
+    /// Truncated error text.
+    pub error: String,
+}
+
+/// Filters shared by `events list`, `replay` and the admin API.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EventFilter {
+    /// Only this tenant.
+    pub app_code: Option<String>,
+    /// Only this status.
+    pub status: Option<Status>,
+    /// Only this type.
+    pub event_type: Option<String>,
+    /// `created_at_ms >= since_ms`.
+    pub since_ms: Option<i64>,
+    /// `created_at_ms < until_ms`.
+    pub until_ms: Option<i64>,
+    /// Only ids below this (pagination cursor, newest first).
+    pub before_id: Option<i64>,
+    /// At most this many rows.
+    pub limit: u32,
+}
+
+/// What `replay` acts on.
+#[derive(Debug, Clone)]
+pub enum ReplaySelector {
+    /// These event ids (in any app_code unless one is given).
+    EventIds {
+        /// Scope, optional.
+        app_code: Option<String>,
+        /// Ids to replay.
+        event_ids: Vec<String>,
+    },
+    /// Every row matching the filter (its `limit` is ignored).
+    Filter(EventFilter),
+}
+
+/// Counts of one tenant.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct AppStats {
+    /// Tenant.
+    pub app_code: String,
+    /// Rows by status.
+    pub pending: i64,
+    /// Claimed now.
+    pub delivering: i64,
+    /// Confirmed (including legacy `published`).
+    pub delivered: i64,
+    /// Waiting for a retry.
+    pub retryable: i64,
+    /// Dead letters.
+    pub failed: i64,
+    /// Age of the oldest pending row, in seconds (0 when none).
+    pub oldest_pending_age_seconds: f64,
+    /// Retryable rows already due.
+    pub retryable_due: i64,
+}
+
+/// Outcome of `migrate`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MigrateReport {
+    /// Versions applied by this run (empty when already up to date).
+    pub applied: Vec<u32>,
+    /// Schema version after the run.
+    pub version: u32,
+}
+
+/// Outcome of enqueueing one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnqueueOutcome {
+    /// Written, with this row id.
+    Inserted(i64),
+    /// `(app_code, event_id)` already existed; nothing written.
+    Duplicate,
+}
+
+/// An outbox table in one database.
+///
+/// Every result write is fenced by the claim's [`Fence`]: a row whose lease
+/// was taken over is left alone and the call reports fewer rows.
+#[async_trait]
+pub trait OutboxStore: Send + Sync + 'static {
+    /// `postgres`, `mysql` or `sqlite`.
+    fn backend(&self) -> &'static str;
+
+    /// The outbox table.
+    fn table(&self) -> &TableName;
+
+    /// Creates or upgrades the tables; idempotent.
+    async fn migrate(&self) -> Result<MigrateReport>;
+
+    /// Runs one of the three claim queries.
+    async fn claim(&self, source: ClaimSource, req: &ClaimRequest<'_>) -> Result<Vec<ClaimedEvent>>;
+
+    /// Marks rows `delivered`; returns how many still held `fence`.
+    async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64>;
+
+    /// Records a failed attempt; false when the fence no longer holds.
+    async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool>;
+
+    /// Gives claimed rows back without an attempt (shutdown).
+    async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64>;
+
+    /// Writes events in their own transaction (CLI and tools; services use
+    /// the backend's `enqueue` inside their own transaction).
+    async fn enqueue_batch(&self, events: &[NewEvent], max_payload_bytes: usize) -> Result<Vec<EnqueueOutcome>>;
+
+    /// Counts per tenant.
+    async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>>;
+
+    /// Rows matching a filter, newest first.
+    async fn list(&self, filter: &EventFilter) -> Result<Vec<EventRecord>>;
+
+    /// Rows with this event id (one per app_code at most).
+    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
+
+    /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`.
+    /// Returns the rows affected (or that would be, with `dry_run`).
+    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>>;
+
+    /// The database clock, epoch ms.
+    async fn now_ms(&self) -> Result<i64>;
+}
