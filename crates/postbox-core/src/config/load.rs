@@ -62,7 +62,14 @@ fn extension(p: &Path) -> &str {
 fn from_figment(errors: figment::Error) -> Error {
     // Report the first error; figment collects several.
     let e = errors.into_iter().next().expect("figment errors are never empty");
-    let path = &e.path;
+    let mut path = e.path.clone();
+    // figment names the unknown field in the path for plain tables but not
+    // inside a tagged enum (a `[[publishers]]` entry).
+    if let figment::error::Kind::UnknownField(field, _) = &e.kind {
+        if path.last() != Some(field) {
+            path.push(field.clone());
+        }
+    }
     let key = if path.is_empty() {
         "(top level)".to_owned()
     } else {
