@@ -41,6 +41,9 @@ impl Claimer {
                 }
                 sources.push(ClaimSource::Pending);
                 for source in sources {
+                    if shutdown.is_cancelled() {
+                        return claimed;
+                    }
                     let req = ClaimRequest {
                         app_code,
                         limit: batch_size,

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
+pub use tokio_util::sync::CancellationToken;
 
 use crate::config::WorkerConfig;
 use crate::publish::Publisher;

@@ -1,0 +1,233 @@
+//! Every statement the PostgreSQL backend runs. `{table}` is replaced by the
+//! validated table name, `{archive}` by its archive twin; nothing else is
+//! assembled at run time. Each claim names the index it relies on.
+
+/// The database clock in epoch milliseconds, fixed for one statement.
+macro_rules! now_ms {
+    () => {
+        "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::BIGINT"
+    };
+}
+
+/// Columns read back into an `EventRecord`, in order.
+macro_rules! columns {
+    () => {
+        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
+         delivered_to, replay_count, created_at_ms, updated_at_ms"
+    };
+}
+
+/// Same columns, qualified by the alias `o`.
+macro_rules! o_columns {
+    () => {
+        "o.id, o.app_code, o.event_id, o.event_type, o.aggregate_id, o.aggregate_version, o.payload, o.headers, \
+         o.status, o.retry_count, o.next_retry_at_ms, o.lock_until_ms, o.worker_id, o.last_error, \
+         o.delivered_to, o.replay_count, o.created_at_ms, o.updated_at_ms"
+    };
+}
+
+pub(crate) const NOW_MS: &str = concat!("SELECT ", now_ms!());
+
+/// Enqueue inside the caller's transaction. `ON CONFLICT DO NOTHING` keeps
+/// the caller's transaction usable when the event id already exists.
+pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
+     (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7) \
+     ON CONFLICT (app_code, event_id) DO NOTHING \
+     RETURNING id";
+
+/// Claim new rows. Index: `{table}_claim_retry_idx`
+/// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
+/// rows have `next_retry_at_ms = 0`, so the index order is creation order.
+pub(crate) const CLAIM_PENDING: &str = concat!(
+    "WITH picked AS (SELECT id FROM {table} \
+       WHERE app_code = $1 AND status = 'pending' \
+       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
+       lock_until_ms = ", now_ms!(), " + $4, updated_at_ms = ", now_ms!(), " \
+     FROM picked WHERE o.id = picked.id RETURNING ", o_columns!()
+);
+
+/// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
+pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
+    "WITH picked AS (SELECT id FROM {table} \
+       WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ", now_ms!(), " \
+       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
+       lock_until_ms = ", now_ms!(), " + $4, updated_at_ms = ", now_ms!(), " \
+     FROM picked WHERE o.id = picked.id RETURNING ", o_columns!()
+);
+
+/// Take over rows whose lease expired; the lost attempt is counted.
+/// Index: `{table}_claim_lease_idx` `(app_code, status, lock_until_ms, created_at_ms, event_id)`.
+pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
+    "WITH picked AS (SELECT id FROM {table} \
+       WHERE app_code = $1 AND status = 'delivering' AND lock_until_ms <= ", now_ms!(), " \
+       ORDER BY lock_until_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE {table} o SET worker_id = $3, retry_count = o.retry_count + 1, \
+       last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), \
+       lock_until_ms = ", now_ms!(), " + $4, updated_at_ms = ", now_ms!(), " \
+     FROM picked WHERE o.id = picked.id RETURNING ", o_columns!()
+);
+
+/// Fenced: only rows still leased by this claim. Primary key lookups.
+pub(crate) const MARK_DELIVERED: &str = concat!(
+    "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
+       updated_at_ms = ", now_ms!(), " \
+     WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
+);
+
+/// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
+pub(crate) const MARK_FAILED: &str = concat!(
+    "UPDATE {table} SET status = $1, retry_count = $2, next_retry_at_ms = ", now_ms!(), " + $3, \
+       lock_until_ms = 0, delivered_to = $4, last_error = $5, updated_at_ms = ", now_ms!(), " \
+     WHERE id = $6 AND status = 'delivering' AND worker_id = $7 AND lock_until_ms = $8"
+);
+
+/// Fenced release at shutdown: due again at once, no attempt counted.
+pub(crate) const RELEASE: &str = concat!(
+    "UPDATE {table} SET status = CASE WHEN retry_count = 0 THEN 'pending' ELSE 'retryable' END, \
+       next_retry_at_ms = 0, lock_until_ms = 0, worker_id = NULL, updated_at_ms = ", now_ms!(), " \
+     WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
+);
+
+/// Counts by status for one tenant.
+pub(crate) const COUNT_BY_STATUS: &str =
+    "SELECT status, COUNT(*) FROM {table} WHERE app_code = $1 GROUP BY status";
+
+/// Oldest pending row and due retries. Index: `{table}_claim_retry_idx`.
+pub(crate) const BACKLOG: &str = concat!(
+    "SELECT \
+       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = $1 AND status = 'pending'), \
+       (SELECT COUNT(*) FROM {table} WHERE app_code = $1 AND status = 'retryable' \
+          AND next_retry_at_ms <= ", now_ms!(), "), ",
+    now_ms!()
+);
+
+/// Newest first, every filter optional.
+pub(crate) const LIST: &str = concat!(
+    "SELECT ", columns!(), " FROM {table} \
+     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
+       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
+       AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND ($6::BIGINT IS NULL OR id < $6) \
+     ORDER BY id DESC LIMIT $7"
+);
+
+/// By event id. Index: `{table}_event_uq` is led by app_code, so this uses
+/// `{table}_event_id_idx`.
+pub(crate) const FIND: &str = concat!("SELECT ", columns!(), " FROM {table} WHERE event_id = $1 ORDER BY id");
+
+/// Replay by ids: back to pending with retry_count 0, keeping event_id.
+pub(crate) const REPLAY_IDS: &str = concat!(
+    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
+       updated_at_ms = ", now_ms!(), " \
+     WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' \
+     RETURNING ", columns!()
+);
+
+/// Rows a replay by ids would touch.
+pub(crate) const REPLAY_IDS_DRY: &str = concat!(
+    "SELECT ", columns!(), " FROM {table} \
+     WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' ORDER BY id"
+);
+
+/// Replay by filter.
+pub(crate) const REPLAY_FILTER: &str = concat!(
+    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
+       updated_at_ms = ", now_ms!(), " \
+     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
+       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
+       AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND status <> 'delivering' \
+     RETURNING ", columns!()
+);
+
+/// Rows a replay by filter would touch.
+pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
+    "SELECT ", columns!(), " FROM {table} \
+     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
+       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
+       AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND status <> 'delivering' ORDER BY id"
+);
+
+/// Time-range replay also brings archived rows back: copy them into the
+/// live table as pending (keeping id and event_id) unless already there.
+pub(crate) const UNARCHIVE_FILTER: &str = concat!(
+    "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
+       headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
+     SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+       'pending', 0, 0, 0, replay_count + 1, created_at_ms, ", now_ms!(), " \
+     FROM {archive} a \
+     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR 'delivered' = $2) \
+       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
+       AND ($5::BIGINT IS NULL OR created_at_ms < $5) \
+     ON CONFLICT DO NOTHING RETURNING ", columns!()
+);
+
+/// Archived rows a time-range replay would bring back.
+pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
+    "SELECT ", columns!(), " FROM {archive} a \
+     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR 'delivered' = $2) \
+       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
+       AND ($5::BIGINT IS NULL OR created_at_ms < $5) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     ORDER BY id"
+);
+
+/// Removes from the archive the rows a replay brought back.
+pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id = ANY($1)";
+
+// ---- schema ----
+
+/// Serialises concurrent `migrate` runs, of any table: they share the
+/// migrations table, whose `CREATE … IF NOT EXISTS` is not race-free.
+pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('postbox_migrate'))";
+
+pub(crate) const CREATE_MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS postbox_schema_migrations ( \
+       table_name VARCHAR(64) NOT NULL, version INT NOT NULL, description TEXT NOT NULL, \
+       applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))";
+
+pub(crate) const APPLIED_VERSIONS: &str =
+    "SELECT version FROM postbox_schema_migrations WHERE table_name = $1 ORDER BY version";
+
+pub(crate) const RECORD_VERSION: &str = concat!(
+    "INSERT INTO postbox_schema_migrations (table_name, version, description, applied_at_ms) \
+     VALUES ($1, $2, $3, ", now_ms!(), ")"
+);
+
+/// Version 1: the outbox table, its indexes and the archive twin.
+pub(crate) const V1_SCHEMA: &[&str] = &[
+    concat!(
+        "CREATE TABLE IF NOT EXISTS {table} ( \
+           id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, \
+           app_code VARCHAR(64) NOT NULL, \
+           event_id VARCHAR(64) NOT NULL, \
+           event_type VARCHAR(128) NOT NULL, \
+           aggregate_id VARCHAR(128), \
+           aggregate_version BIGINT, \
+           payload TEXT NOT NULL, \
+           headers TEXT, \
+           status VARCHAR(16) NOT NULL DEFAULT 'pending', \
+           retry_count INT NOT NULL DEFAULT 0, \
+           next_retry_at_ms BIGINT NOT NULL DEFAULT 0, \
+           lock_until_ms BIGINT NOT NULL DEFAULT 0, \
+           worker_id VARCHAR(128), \
+           last_error TEXT, \
+           delivered_to TEXT, \
+           replay_count INT NOT NULL DEFAULT 0, \
+           created_at_ms BIGINT NOT NULL DEFAULT ", "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT", ", \
+           updated_at_ms BIGINT NOT NULL DEFAULT ", "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT", ")"
+    ),
+    "CREATE UNIQUE INDEX IF NOT EXISTS {table}_event_uq ON {table} (app_code, event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_claim_retry_idx ON {table} (app_code, status, next_retry_at_ms, created_at_ms, event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_claim_lease_idx ON {table} (app_code, status, lock_until_ms, created_at_ms, event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_status_updated_idx ON {table} (app_code, status, updated_at_ms, event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_event_id_idx ON {table} (event_id)",
+    "CREATE TABLE IF NOT EXISTS {archive} (LIKE {table} INCLUDING DEFAULTS)",
+    "ALTER TABLE {archive} ALTER COLUMN id DROP IDENTITY IF EXISTS",
+    "CREATE UNIQUE INDEX IF NOT EXISTS {archive}_pk ON {archive} (id)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS {archive}_event_uq ON {archive} (app_code, event_id)",
+    "CREATE INDEX IF NOT EXISTS {archive}_created_idx ON {archive} (app_code, created_at_ms)",
+];

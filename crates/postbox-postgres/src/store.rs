@@ -1,0 +1,261 @@
+//! [`OutboxStore`] for PostgreSQL.
+
+use async_trait::async_trait;
+use sqlx::postgres::PgRow;
+use sqlx::Row;
+
+use postbox_core::event::{parse_delivered_to, Fence};
+use postbox_core::store::{
+    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
+    ReplaySelector,
+};
+use postbox_core::{ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName};
+
+use crate::PgOutbox;
+
+fn record(row: &PgRow) -> std::result::Result<EventRecord, sqlx::Error> {
+    let status: String = row.try_get(8)?;
+    Ok(EventRecord {
+        id: row.try_get(0)?,
+        app_code: row.try_get(1)?,
+        event_id: row.try_get(2)?,
+        event_type: row.try_get(3)?,
+        aggregate_id: row.try_get(4)?,
+        aggregate_version: row.try_get(5)?,
+        payload: row.try_get(6)?,
+        headers: row.try_get(7)?,
+        status: status.parse().map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
+        retry_count: row.try_get(9)?,
+        next_retry_at_ms: row.try_get(10)?,
+        lock_until_ms: row.try_get(11)?,
+        worker_id: row.try_get(12)?,
+        last_error: row.try_get(13)?,
+        delivered_to: parse_delivered_to(row.try_get::<Option<String>, _>(14)?.as_deref()),
+        replay_count: row.try_get(15)?,
+        created_at_ms: row.try_get(16)?,
+        updated_at_ms: row.try_get(17)?,
+    })
+}
+
+fn records(rows: Vec<PgRow>, op: &'static str) -> Result<Vec<EventRecord>> {
+    rows.iter()
+        .map(record)
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| Error::database(op, e))
+}
+
+#[async_trait]
+impl OutboxStore for PgOutbox {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    async fn migrate(&self) -> Result<MigrateReport> {
+        self.run_migrations().await
+    }
+
+    async fn claim(&self, source: ClaimSource, req: &ClaimRequest<'_>) -> Result<Vec<ClaimedEvent>> {
+        let sql = match source {
+            ClaimSource::Pending => &self.sql.claim_pending,
+            ClaimSource::DueRetry => &self.sql.claim_due_retries,
+            ClaimSource::ExpiredLease => &self.sql.claim_expired_leases,
+        };
+        let rows = sqlx::query(sql)
+            .bind(req.app_code)
+            .bind(i64::from(req.limit))
+            .bind(req.worker_id)
+            .bind(req.lease_ms)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("claim", e))?;
+        Ok(records(rows, "claim")?
+            .into_iter()
+            .map(|record| ClaimedEvent { record, source })
+            .collect())
+    }
+
+    async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        let done = sqlx::query(&self.sql.mark_delivered)
+            .bind(ids)
+            .bind(&fence.worker_id)
+            .bind(fence.lock_until_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("mark delivered", e))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+        let done = sqlx::query(&self.sql.mark_failed)
+            .bind(u.status.as_str())
+            .bind(u.retry_count)
+            .bind(u.retry_after_ms)
+            .bind(Some(u.delivered_to.join(",")).filter(|s| !s.is_empty()))
+            .bind(&u.error)
+            .bind(id)
+            .bind(&fence.worker_id)
+            .bind(fence.lock_until_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("mark failed attempt", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        let done = sqlx::query(&self.sql.release)
+            .bind(ids)
+            .bind(&fence.worker_id)
+            .bind(fence.lock_until_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("release leases", e))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn enqueue_batch(&self, events: &[NewEvent], max_payload_bytes: usize) -> Result<Vec<EnqueueOutcome>> {
+        for e in events {
+            e.validate(max_payload_bytes)?;
+        }
+        let this = self.clone().with_max_payload_bytes(max_payload_bytes);
+        let mut tx = self.pool.begin().await.map_err(|e| Error::database("begin", e))?;
+        let mut out = Vec::with_capacity(events.len());
+        for e in events {
+            match this.enqueue(&mut tx, e).await {
+                Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
+                Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
+                Err(err) => return Err(err),
+            }
+        }
+        tx.commit().await.map_err(|e| Error::database("commit", e))?;
+        Ok(out)
+    }
+
+    async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
+        let db = |e| Error::database("status", e);
+        let mut out = Vec::with_capacity(app_codes.len());
+        for app_code in app_codes {
+            let mut s = AppStats {
+                app_code: app_code.clone(),
+                ..Default::default()
+            };
+            let rows = sqlx::query(&self.sql.count_by_status)
+                .bind(app_code)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db)?;
+            for row in rows {
+                let status: String = row.get(0);
+                let n: i64 = row.get(1);
+                match status.parse::<Status>() {
+                    Ok(Status::Pending) => s.pending += n,
+                    Ok(Status::Delivering) => s.delivering += n,
+                    Ok(Status::Delivered) => s.delivered += n,
+                    Ok(Status::Retryable) => s.retryable += n,
+                    Ok(Status::Failed) => s.failed += n,
+                    Err(_) => tracing::warn!(status, rows = n, "rows with an unknown status"),
+                }
+            }
+            let row = sqlx::query(&self.sql.backlog)
+                .bind(app_code)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db)?;
+            let oldest: Option<i64> = row.get(0);
+            s.retryable_due = row.get(1);
+            let now: i64 = row.get(2);
+            s.oldest_pending_age_seconds = oldest.map_or(0.0, |t| (now - t).max(0) as f64 / 1000.0);
+            out.push(s);
+        }
+        Ok(out)
+    }
+
+    async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let rows = sqlx::query(&self.sql.list)
+            .bind(&f.app_code)
+            .bind(f.status.map(Status::as_str))
+            .bind(&f.event_type)
+            .bind(f.since_ms)
+            .bind(f.until_ms)
+            .bind(f.before_id)
+            .bind(i64::from(f.limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("list events", e))?;
+        records(rows, "list events")
+    }
+
+    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+        let rows = sqlx::query(&self.sql.find)
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("find event", e))?;
+        records(rows, "find event")
+    }
+
+    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
+        let db = |e| Error::database("replay", e);
+        match selector {
+            ReplaySelector::EventIds { app_code, event_ids } => {
+                let sql = if dry_run { &self.sql.replay_ids_dry } else { &self.sql.replay_ids };
+                let rows = sqlx::query(sql)
+                    .bind(event_ids)
+                    .bind(app_code)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db)?;
+                records(rows, "replay")
+            }
+            ReplaySelector::Filter(f) => {
+                let mut tx = self.pool.begin().await.map_err(db)?;
+                let live_sql = if dry_run { &self.sql.replay_filter_dry } else { &self.sql.replay_filter };
+                let rows = sqlx::query(live_sql)
+                    .bind(&f.app_code)
+                    .bind(f.status.map(Status::as_str))
+                    .bind(&f.event_type)
+                    .bind(f.since_ms)
+                    .bind(f.until_ms)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                let mut out = records(rows, "replay")?;
+                // A time range also covers rows already archived.
+                if f.since_ms.is_some() || f.until_ms.is_some() {
+                    let sql = if dry_run { &self.sql.unarchive_filter_dry } else { &self.sql.unarchive_filter };
+                    let rows = sqlx::query(sql)
+                        .bind(&f.app_code)
+                        .bind(f.status.map(Status::as_str))
+                        .bind(&f.event_type)
+                        .bind(f.since_ms)
+                        .bind(f.until_ms)
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    let back = records(rows, "replay from archive")?;
+                    if !dry_run && !back.is_empty() {
+                        let ids: Vec<i64> = back.iter().map(|r| r.id).collect();
+                        sqlx::query(&self.sql.delete_unarchived)
+                            .bind(&ids)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                    }
+                    out.extend(back);
+                }
+                tx.commit().await.map_err(db)?;
+                Ok(out)
+            }
+        }
+    }
+
+    async fn now_ms(&self) -> Result<i64> {
+        sqlx::query_scalar(&self.sql.now_ms)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| Error::database("read database clock", e))
+    }
+}

@@ -1,0 +1,111 @@
+//! PostgreSQL: the conformance suite and what only this backend does.
+
+use std::sync::Arc;
+
+use postbox_core::store::OutboxStore;
+use postbox_core::{Error, NewEvent};
+use postbox_postgres::PgOutbox;
+use postbox_testkit::servers::{ensure_database, postgres_url};
+use postbox_testkit::{conformance_suite, scratch_table};
+
+async fn outbox() -> PgOutbox {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store = PgOutbox::connect(&url, &scratch_table("pg"), 4)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", postbox_testkit::servers::how_to_start("postgres")));
+    store.migrate().await.expect("migrate");
+    store
+}
+
+async fn fresh_store() -> Arc<dyn OutboxStore> {
+    Arc::new(outbox().await)
+}
+
+conformance_suite!(fresh_store);
+
+#[tokio::test]
+async fn migrate_is_idempotent() {
+    let store = outbox().await;
+    let again = store.migrate().await.unwrap();
+    assert!(again.applied.is_empty(), "second run changes nothing");
+    assert_eq!(again.version, 1);
+}
+
+#[tokio::test]
+async fn enqueue_commits_and_rolls_back_with_the_callers_transaction() {
+    let store = outbox().await;
+    let pool = store.pool().clone();
+    sqlx::query(&format!("CREATE TABLE IF NOT EXISTS {}_rooms (id TEXT PRIMARY KEY)", store.table()))
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(&format!("INSERT INTO {}_rooms VALUES ('r1')", store.table())).execute(&mut *tx).await.unwrap();
+    let kept = NewEvent::new("room", "RoomCreated", r#"{"room":"r1"}"#);
+    store.enqueue(&mut tx, &kept).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = pool.begin().await.unwrap();
+    let dropped = NewEvent::new("room", "RoomCreated", r#"{"room":"r2"}"#);
+    store.enqueue(&mut tx, &dropped).await.unwrap();
+    tx.rollback().await.unwrap();
+
+    assert_eq!(store.find(&kept.event_id).await.unwrap().len(), 1);
+    assert!(store.find(&dropped.event_id).await.unwrap().is_empty());
+
+    // A duplicate is a typed error and the transaction stays usable.
+    let mut tx = pool.begin().await.unwrap();
+    match store.enqueue(&mut tx, &kept).await {
+        Err(Error::DuplicateEvent { event_id, .. }) => assert_eq!(event_id, kept.event_id),
+        other => panic!("expected DuplicateEvent, got {other:?}"),
+    }
+    let after = NewEvent::new("room", "RoomClosed", "{}");
+    store.enqueue(&mut tx, &after).await.expect("transaction still usable");
+    tx.commit().await.unwrap();
+    assert_eq!(store.find(&after.event_id).await.unwrap().len(), 1);
+
+    // Oversized: refused before the database is touched.
+    let small = store.clone().with_max_payload_bytes(10);
+    let mut tx = pool.begin().await.unwrap();
+    assert!(matches!(
+        small.enqueue(&mut tx, &NewEvent::new("room", "Big", "x".repeat(11))).await,
+        Err(Error::PayloadTooLarge { .. })
+    ));
+}
+
+/// The exact statement the README gives Go and PHP services.
+#[tokio::test]
+async fn readme_plain_insert_is_relayed_like_any_other_row() {
+    let store = outbox().await;
+    let readme_sql = include_str!("../../../docs/plain-insert.postgres.sql").replace("room_outbox", store.table().as_str());
+    sqlx::query(&readme_sql)
+        .bind("room")
+        .bind("0192b7a4-8d7e-7cc1-b5e3-0a5b2c1d9e01")
+        .bind("RoomCreated")
+        .bind("room-42")
+        .bind(1_i64)
+        .bind(r#"{"room_id":42}"#)
+        .bind(None::<String>)
+        .execute(store.pool())
+        .await
+        .expect("plain insert");
+    let rows = store.find("0192b7a4-8d7e-7cc1-b5e3-0a5b2c1d9e01").await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].status, postbox_core::Status::Pending);
+    assert!(rows[0].created_at_ms > 1_700_000_000_000, "created_at_ms defaults to the database clock");
+}
+
+/// Legacy `published` rows read as delivered and are never claimed.
+#[tokio::test]
+async fn legacy_published_rows_count_as_delivered() {
+    let store = outbox().await;
+    store.enqueue_batch(&[NewEvent::new("legacy", "Old", "{}")], 1024).await.unwrap();
+    sqlx::query(&format!("UPDATE {} SET status = 'published'", store.table()))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let s = store.stats(&["legacy".into()]).await.unwrap();
+    assert_eq!((s[0].delivered, s[0].pending), (1, 0));
+}

@@ -1,0 +1,92 @@
+//! Publishers for tests: they record what they were given and fail on
+//! demand.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use postbox_core::publish::{Delivery, PublishError};
+use postbox_core::Publisher;
+
+/// Records every delivery; fails the event types it is told to, or
+/// everything while `down` is set.
+#[derive(Default)]
+pub struct RecordingPublisher {
+    name: String,
+    fail_types: Vec<String>,
+    down: AtomicBool,
+    delivered: Mutex<Vec<(String, i32, bool)>>,
+    attempts: Mutex<HashMap<String, u32>>,
+}
+
+impl RecordingPublisher {
+    /// A publisher named `name` that confirms everything.
+    pub fn new(name: &str) -> Self {
+        RecordingPublisher {
+            name: name.to_owned(),
+            ..Default::default()
+        }
+    }
+
+    /// Fails every event of this type.
+    pub fn failing_type(mut self, event_type: &str) -> Self {
+        self.fail_types.push(event_type.to_owned());
+        self
+    }
+
+    /// While true, every publish fails.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// `(event_id, x-attempt, x-replayed)` of every confirmed delivery, in order.
+    pub fn delivered(&self) -> Vec<(String, i32, bool)> {
+        self.delivered.lock().unwrap().clone()
+    }
+
+    /// Event ids confirmed, in order.
+    pub fn delivered_ids(&self) -> Vec<String> {
+        self.delivered().into_iter().map(|d| d.0).collect()
+    }
+
+    /// How many times an event was offered (confirmed or not).
+    pub fn attempts(&self, event_id: &str) -> u32 {
+        self.attempts.lock().unwrap().get(event_id).copied().unwrap_or(0)
+    }
+}
+
+#[async_trait]
+impl Publisher for RecordingPublisher {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+        let down = self.down.load(Ordering::SeqCst);
+        let mut out = Vec::with_capacity(batch.len());
+        for d in batch {
+            *self
+                .attempts
+                .lock()
+                .unwrap()
+                .entry(d.record.event_id.clone())
+                .or_default() += 1;
+            if down {
+                out.push(Err(PublishError::failed(format!("{} is down", self.name))));
+            } else if self.fail_types.contains(&d.record.event_type) {
+                out.push(Err(PublishError::failed(format!(
+                    "{} refuses {}",
+                    self.name, d.record.event_type
+                ))));
+            } else {
+                self.delivered
+                    .lock()
+                    .unwrap()
+                    .push((d.record.event_id.clone(), d.attempt, d.replayed));
+                out.push(Ok(()));
+            }
+        }
+        out
+    }
+}
