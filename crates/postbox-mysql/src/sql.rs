@@ -1,0 +1,398 @@
+//! Every statement the MySQL / MariaDB backend runs. `{table}` is replaced by
+//! the validated table name, `{archive}` by its archive twin, once per
+//! store. The only other piece assembled at run time is `{ids}`, a list of
+//! `?` placeholders rendered by [`in_list`] (MySQL has no array parameter).
+//! Each claim names the index it relies on.
+
+/// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
+/// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
+/// local-time round trip through `UNIX_TIMESTAMP` has no DST ambiguity.
+macro_rules! now_ms {
+    () => {
+        "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"
+    };
+}
+
+/// Columns read back into an `EventRecord`, in order.
+macro_rules! columns {
+    () => {
+        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
+         delivered_to, replay_count, created_at_ms, updated_at_ms"
+    };
+}
+
+/// The replay filter shared by the live and archive queries. MySQL has no
+/// numbered parameters, so each value is bound twice.
+macro_rules! filter {
+    ($status:literal) => {
+        concat!(
+            "(? IS NULL OR app_code = ?) AND (? IS NULL OR ",
+            $status,
+            " = ?) \
+             AND (? IS NULL OR event_type = ?) AND (? IS NULL OR created_at_ms >= ?) \
+             AND (? IS NULL OR created_at_ms < ?)"
+        )
+    };
+}
+
+/// Every column but `id`; an outbox row's column order, for the DDL.
+macro_rules! row_columns {
+    () => {
+        concat!(
+            "app_code VARCHAR(64) NOT NULL, \
+             event_id VARCHAR(64) NOT NULL, \
+             event_type VARCHAR(128) NOT NULL, \
+             aggregate_id VARCHAR(128) NULL, \
+             aggregate_version BIGINT NULL, \
+             payload MEDIUMTEXT NOT NULL, \
+             headers TEXT NULL, \
+             status VARCHAR(16) NOT NULL DEFAULT 'pending', \
+             retry_count INT NOT NULL DEFAULT 0, \
+             next_retry_at_ms BIGINT NOT NULL DEFAULT 0, \
+             lock_until_ms BIGINT NOT NULL DEFAULT 0, \
+             worker_id VARCHAR(128) NULL, \
+             last_error TEXT NULL, \
+             delivered_to TEXT NULL, \
+             replay_count INT NOT NULL DEFAULT 0, \
+             created_at_ms BIGINT NOT NULL DEFAULT (",
+            now_ms!(),
+            "), \
+             updated_at_ms BIGINT NOT NULL DEFAULT (",
+            now_ms!(),
+            ")"
+        )
+    };
+}
+
+/// Most placeholders put into one `IN (…)` list; longer id lists are split
+/// into several statements.
+pub(crate) const MAX_IN_LIST: usize = 1024;
+
+/// How many placeholders to render for `n` ids: the next power of two, so
+/// that the few distinct statement texts stay in sqlx's prepared-statement
+/// cache. The caller binds the last id again to fill the padding (a repeated
+/// value in `IN (…)` changes nothing).
+pub(crate) fn padded_len(n: usize) -> usize {
+    n.max(1).next_power_of_two()
+}
+
+/// Replaces `{ids}` in `sql` with `n` comma-separated `?` placeholders. This
+/// and the table name are the only SQL built at run time; no value is ever
+/// spliced in.
+pub(crate) fn in_list(sql: &str, n: usize) -> String {
+    debug_assert!(n > 0, "an empty IN list is a syntax error");
+    let mut marks = String::with_capacity(n * 3);
+    for i in 0..n {
+        if i > 0 {
+            marks.push_str(", ");
+        }
+        marks.push('?');
+    }
+    sql.replace("{ids}", &marks)
+}
+
+pub(crate) const NOW_MS: &str = concat!("SELECT ", now_ms!());
+
+/// Enqueue inside the caller's transaction. A duplicate `(app_code,
+/// event_id)` fails with error 1062; MySQL undoes only that statement, so the
+/// caller's transaction stays usable.
+pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
+     (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers) \
+     VALUES (?, ?, ?, ?, ?, ?, ?)";
+
+/// Run before the claim transaction starts: read-committed locking reads
+/// take no gap locks, so a claim never blocks producers' inserts.
+pub(crate) const CLAIM_ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// Claim new rows (step 1: lock them). Index: `{table}_claim_retry_idx`
+/// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
+/// rows have `next_retry_at_ms = 0`, so the index order is creation order.
+pub(crate) const CLAIM_PENDING: &str = concat!(
+    "SELECT ",
+    columns!(),
+    ", ",
+    now_ms!(),
+    " AS db_now_ms FROM {table} \
+     WHERE app_code = ? AND status = 'pending' \
+     ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
+);
+
+/// Claim retryable rows that are due (step 1). Index: `{table}_claim_retry_idx`.
+pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
+    "SELECT ",
+    columns!(),
+    ", ",
+    now_ms!(),
+    " AS db_now_ms FROM {table} \
+     WHERE app_code = ? AND status = 'retryable' AND next_retry_at_ms <= ",
+    now_ms!(),
+    " \
+     ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
+);
+
+/// Take over rows whose lease expired (step 1). Index: `{table}_claim_lease_idx`
+/// `(app_code, status, lock_until_ms, created_at_ms, event_id)`.
+pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
+    "SELECT ",
+    columns!(),
+    ", ",
+    now_ms!(),
+    " AS db_now_ms FROM {table} \
+     WHERE app_code = ? AND status = 'delivering' AND lock_until_ms <= ",
+    now_ms!(),
+    " \
+     ORDER BY lock_until_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
+);
+
+/// Claim step 2 for pending and due rows, locked by step 1: the lease.
+/// `lock_until_ms` is computed once per claim, so it is the batch's fence.
+/// Primary key lookups.
+pub(crate) const CLAIM_TAKE: &str = "UPDATE {table} SET status = 'delivering', worker_id = ?, \
+       lock_until_ms = ?, updated_at_ms = ? \
+     WHERE id IN ({ids})";
+
+/// Claim step 2 for expired leases; the lost attempt is counted. MySQL
+/// assigns left to right, so `last_error` reads the old `worker_id` before
+/// it is overwritten. Primary key lookups.
+pub(crate) const CLAIM_TAKE_EXPIRED: &str = "UPDATE {table} SET retry_count = retry_count + 1, \
+       last_error = CONCAT('lease expired while held by ', COALESCE(worker_id, '?')), \
+       status = 'delivering', worker_id = ?, lock_until_ms = ?, updated_at_ms = ? \
+     WHERE id IN ({ids})";
+
+/// Fenced: only rows still leased by this claim. Primary key lookups.
+pub(crate) const MARK_DELIVERED: &str = concat!(
+    "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
+       updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE id IN ({ids}) AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
+);
+
+/// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
+pub(crate) const MARK_FAILED: &str = concat!(
+    "UPDATE {table} SET status = ?, retry_count = ?, next_retry_at_ms = ",
+    now_ms!(),
+    " + ?, \
+       lock_until_ms = 0, delivered_to = ?, last_error = ?, updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE id = ? AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
+);
+
+/// Fenced release at shutdown: due again at once, no attempt counted.
+pub(crate) const RELEASE: &str =
+    concat!(
+    "UPDATE {table} SET status = CASE WHEN retry_count = 0 THEN 'pending' ELSE 'retryable' END, \
+       next_retry_at_ms = 0, lock_until_ms = 0, worker_id = NULL, updated_at_ms = ", now_ms!(), " \
+     WHERE id IN ({ids}) AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
+);
+
+/// Counts by status for one tenant.
+pub(crate) const COUNT_BY_STATUS: &str =
+    "SELECT status, COUNT(*) FROM {table} WHERE app_code = ? GROUP BY status";
+
+/// Oldest pending row and due retries (app_code bound twice). Index:
+/// `{table}_claim_retry_idx`.
+pub(crate) const BACKLOG: &str = concat!(
+    "SELECT \
+       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ? AND status = 'pending'), \
+       (SELECT COUNT(*) FROM {table} WHERE app_code = ? AND status = 'retryable' \
+          AND next_retry_at_ms <= ",
+    now_ms!(),
+    "), ",
+    now_ms!()
+);
+
+/// Newest first, every filter optional (each value bound twice).
+pub(crate) const LIST: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
+     WHERE ",
+    filter!("status"),
+    " AND (? IS NULL OR id < ?) \
+     ORDER BY id DESC LIMIT ?"
+);
+
+/// By event id. Index: `{table}_event_uq` is led by app_code, so this uses
+/// `{table}_event_id_idx`.
+pub(crate) const FIND: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} WHERE event_id = ? ORDER BY id"
+);
+
+/// Rows by primary key: what a replay wrote, read back (MySQL has no
+/// `UPDATE … RETURNING`).
+pub(crate) const SELECT_IDS: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} WHERE id IN ({ids}) ORDER BY id"
+);
+
+/// Rows a replay by event ids would touch (app_code bound twice after the ids).
+pub(crate) const REPLAY_IDS_DRY: &str = concat!(
+    "SELECT ", columns!(), " FROM {table} \
+     WHERE event_id IN ({ids}) AND (? IS NULL OR app_code = ?) AND status <> 'delivering' ORDER BY id"
+);
+
+/// Replay by event ids, step 1: lock the rows.
+pub(crate) const REPLAY_IDS_LOCK: &str = "SELECT id FROM {table} \
+     WHERE event_id IN ({ids}) AND (? IS NULL OR app_code = ?) AND status <> 'delivering' \
+     ORDER BY id FOR UPDATE";
+
+/// Rows a replay by filter would touch.
+pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
+     WHERE ",
+    filter!("status"),
+    " AND status <> 'delivering' ORDER BY id"
+);
+
+/// Replay by filter, step 1: lock the rows.
+pub(crate) const REPLAY_FILTER_LOCK: &str = concat!(
+    "SELECT id FROM {table} \
+     WHERE ",
+    filter!("status"),
+    " AND status <> 'delivering' ORDER BY id FOR UPDATE"
+);
+
+/// Replay step 2 (by ids or filter), on the locked rows: back to pending
+/// with retry_count 0, keeping event_id. Primary key lookups.
+pub(crate) const REPLAY_IDS: &str = concat!(
+    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
+       updated_at_ms = ", now_ms!(), " \
+     WHERE id IN ({ids})"
+);
+
+/// Archived rows a time-range replay would bring back: those not already in
+/// the live table (archived rows are all `delivered`).
+pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
+    "SELECT ", columns!(), " FROM {archive} a \
+     WHERE ", filter!("'delivered'"), " \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id) \
+     ORDER BY id"
+);
+
+/// Time-range replay, archive step 1: lock the archived rows to bring back.
+pub(crate) const UNARCHIVE_FILTER_LOCK: &str = concat!(
+    "SELECT id FROM {archive} a \
+     WHERE ", filter!("'delivered'"), " \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id) \
+     ORDER BY id FOR UPDATE"
+);
+
+/// Archive step 2: copy them into the live table as pending (keeping id and
+/// event_id).
+pub(crate) const UNARCHIVE_IDS: &str = concat!(
+    "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
+       headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
+     SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+       'pending', 0, 0, 0, replay_count + 1, created_at_ms, ", now_ms!(), " \
+     FROM {archive} WHERE id IN ({ids})"
+);
+
+/// Archive step 3: remove from the archive the rows a replay brought back.
+pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({ids})";
+
+// ---- schema ----
+
+/// Serialises concurrent `migrate` runs (a server-wide named lock, held by
+/// one connection; DDL commits implicitly, so no transaction can do this).
+/// MySQL refuses lock names over 64 characters; truncating only makes two
+/// long table names share a lock.
+pub(crate) const MIGRATION_LOCK: &str =
+    "SELECT GET_LOCK(LEFT(CONCAT('postbox_migrate:', ?), 64), 60)";
+
+pub(crate) const MIGRATION_UNLOCK: &str =
+    "SELECT RELEASE_LOCK(LEFT(CONCAT('postbox_migrate:', ?), 64))";
+
+pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS postbox_schema_migrations ( \
+       table_name VARCHAR(64) NOT NULL, version INT NOT NULL, description TEXT NOT NULL, \
+       applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version) \
+     ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4";
+
+pub(crate) const APPLIED_VERSIONS: &str =
+    "SELECT version FROM postbox_schema_migrations WHERE table_name = ? ORDER BY version";
+
+pub(crate) const RECORD_VERSION: &str = concat!(
+    "INSERT INTO postbox_schema_migrations (table_name, version, description, applied_at_ms) \
+     VALUES (?, ?, ?, ",
+    now_ms!(),
+    ")"
+);
+
+/// Version 1: the outbox table with its indexes, and the archive twin.
+/// Indexes are inline because MySQL 8 has no `CREATE INDEX IF NOT EXISTS`.
+/// The expression defaults let other languages write a row with a plain
+/// `INSERT` of the seven event columns.
+pub(crate) const V1_SCHEMA: &[&str] = &[
+    concat!(
+        "CREATE TABLE IF NOT EXISTS {table} ( \
+           id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, ",
+        row_columns!(),
+        ", \
+           UNIQUE KEY {table}_event_uq (app_code, event_id), \
+           KEY {table}_claim_retry_idx (app_code, status, next_retry_at_ms, created_at_ms, event_id), \
+           KEY {table}_claim_lease_idx (app_code, status, lock_until_ms, created_at_ms, event_id), \
+           KEY {table}_status_updated_idx (app_code, status, updated_at_ms, event_id), \
+           KEY {table}_event_id_idx (event_id) \
+         ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+    ),
+    concat!(
+        "CREATE TABLE IF NOT EXISTS {archive} ( \
+           id BIGINT NOT NULL PRIMARY KEY, ",
+        row_columns!(),
+        ", \
+           UNIQUE KEY {archive}_event_uq (app_code, event_id), \
+           KEY {archive}_created_idx (app_code, created_at_ms) \
+         ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+    ),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_placeholder_lists() {
+        assert_eq!(
+            in_list("x IN ({ids}) AND y = ?", 3),
+            "x IN (?, ?, ?) AND y = ?"
+        );
+        assert_eq!(in_list("x IN ({ids})", 1), "x IN (?)");
+        assert_eq!(padded_len(1), 1);
+        assert_eq!(padded_len(3), 4);
+        assert_eq!(padded_len(1024), 1024);
+    }
+
+    #[test]
+    fn only_ids_is_left_to_render() {
+        for sql in [
+            CLAIM_TAKE,
+            MARK_DELIVERED,
+            RELEASE,
+            SELECT_IDS,
+            REPLAY_IDS,
+            DELETE_UNARCHIVED,
+        ] {
+            assert!(sql.contains("{ids}"), "{sql}");
+        }
+        for sql in [
+            CLAIM_PENDING,
+            LIST,
+            BACKLOG,
+            MARK_FAILED,
+            REPLAY_FILTER_LOCK,
+        ] {
+            assert!(!sql.contains("{ids}"), "{sql}");
+        }
+    }
+}

@@ -1,0 +1,478 @@
+//! [`OutboxStore`] for MySQL 8 and MariaDB 10.6+.
+//!
+//! MySQL has no `UPDATE … RETURNING`, so every statement that PostgreSQL
+//! runs as one `UPDATE … RETURNING` is a short transaction here: lock the
+//! rows (`SELECT … FOR UPDATE`), update them by primary key, and return
+//! them.
+
+use async_trait::async_trait;
+use sqlx::mysql::{MySqlArguments, MySqlRow};
+use sqlx::pool::PoolConnection;
+use sqlx::query::Query;
+use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
+
+use postbox_core::event::{parse_delivered_to, Fence};
+use postbox_core::store::{
+    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
+    ReplaySelector,
+};
+use postbox_core::{
+    ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
+};
+
+use crate::{sql, MySqlOutbox};
+
+fn record(row: &MySqlRow) -> std::result::Result<EventRecord, sqlx::Error> {
+    let status: String = row.try_get(8)?;
+    Ok(EventRecord {
+        id: row.try_get(0)?,
+        app_code: row.try_get(1)?,
+        event_id: row.try_get(2)?,
+        event_type: row.try_get(3)?,
+        aggregate_id: row.try_get(4)?,
+        aggregate_version: row.try_get(5)?,
+        payload: row.try_get(6)?,
+        headers: row.try_get(7)?,
+        status: status
+            .parse()
+            .map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
+        retry_count: row.try_get(9)?,
+        next_retry_at_ms: row.try_get(10)?,
+        lock_until_ms: row.try_get(11)?,
+        worker_id: row.try_get(12)?,
+        last_error: row.try_get(13)?,
+        delivered_to: parse_delivered_to(row.try_get::<Option<String>, _>(14)?.as_deref()),
+        replay_count: row.try_get(15)?,
+        created_at_ms: row.try_get(16)?,
+        updated_at_ms: row.try_get(17)?,
+    })
+}
+
+fn records(rows: Vec<MySqlRow>, op: &'static str) -> Result<Vec<EventRecord>> {
+    rows.iter()
+        .map(record)
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| Error::database(op, e))
+}
+
+/// The ids a locking `SELECT id …` returned.
+fn first_column(rows: &[MySqlRow]) -> std::result::Result<Vec<i64>, sqlx::Error> {
+    rows.iter().map(|r| r.try_get(0)).collect()
+}
+
+/// The values to bind for one `{ids}` list: `chunk`, padded to
+/// [`sql::padded_len`] by repeating its last element.
+fn padded<T>(chunk: &[T]) -> impl Iterator<Item = &T> {
+    let pad = sql::padded_len(chunk.len()) - chunk.len();
+    chunk
+        .iter()
+        .chain(chunk.last().into_iter().cycle().take(pad))
+}
+
+/// Binds an [`EventFilter`]'s five optional values, each twice, for the
+/// `(? IS NULL OR column = ?)` pattern.
+fn bind_filter<'q>(
+    q: Query<'q, MySql, MySqlArguments>,
+    f: &'q EventFilter,
+) -> Query<'q, MySql, MySqlArguments> {
+    let status = f.status.map(Status::as_str);
+    q.bind(&f.app_code)
+        .bind(&f.app_code)
+        .bind(status)
+        .bind(status)
+        .bind(&f.event_type)
+        .bind(&f.event_type)
+        .bind(f.since_ms)
+        .bind(f.since_ms)
+        .bind(f.until_ms)
+        .bind(f.until_ms)
+}
+
+impl MySqlOutbox {
+    /// A pooled connection whose next transaction runs at READ COMMITTED:
+    /// its locking reads take no gap locks, so claims and replays never
+    /// block producers' inserts, and rows that do not match are unlocked at
+    /// once.
+    async fn read_committed(&self) -> std::result::Result<PoolConnection<MySql>, sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        // A `&str` goes over the text protocol: nothing to prepare.
+        conn.execute(sql::CLAIM_ISOLATION).await?;
+        Ok(conn)
+    }
+
+    /// Runs `template` (an id-list statement whose `{ids}` binds come
+    /// first, followed by `tail`) over `ids` in chunks; returns the rows
+    /// affected.
+    async fn execute_ids(
+        &self,
+        conn: &mut MySqlConnection,
+        template: &str,
+        ids: &[i64],
+        tail: Option<&Fence>,
+    ) -> std::result::Result<u64, sqlx::Error> {
+        let mut affected = 0;
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(template, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text);
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            if let Some(fence) = tail {
+                q = q.bind(&fence.worker_id).bind(fence.lock_until_ms);
+            }
+            affected += q.execute(&mut *conn).await?.rows_affected();
+        }
+        Ok(affected)
+    }
+
+    /// The rows with these primary keys, in id order.
+    async fn select_ids(
+        &self,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+    ) -> Result<Vec<EventRecord>> {
+        let mut out = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(&self.sql.select_ids, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text);
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            let rows = q
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(|e| Error::database("replay", e))?;
+            out.extend(records(rows, "replay")?);
+        }
+        out.sort_by_key(|r| r.id);
+        Ok(out)
+    }
+
+    /// Puts the (locked) rows `ids` back to pending and reads them back.
+    async fn replay_locked(
+        &self,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+    ) -> Result<Vec<EventRecord>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.execute_ids(conn, &self.sql.replay_ids, ids, None)
+            .await
+            .map_err(|e| Error::database("replay", e))?;
+        self.select_ids(conn, ids).await
+    }
+}
+
+#[async_trait]
+impl OutboxStore for MySqlOutbox {
+    fn backend(&self) -> &'static str {
+        "mysql"
+    }
+
+    fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    async fn migrate(&self) -> Result<MigrateReport> {
+        self.run_migrations().await
+    }
+
+    async fn claim(
+        &self,
+        source: ClaimSource,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Vec<ClaimedEvent>> {
+        let db = |e| Error::database("claim", e);
+        let (select, take) = match source {
+            ClaimSource::Pending => (&self.sql.claim_pending, &self.sql.claim_take),
+            ClaimSource::DueRetry => (&self.sql.claim_due_retries, &self.sql.claim_take),
+            ClaimSource::ExpiredLease => {
+                (&self.sql.claim_expired_leases, &self.sql.claim_take_expired)
+            }
+        };
+        let mut conn = self.read_committed().await.map_err(db)?;
+        let mut tx = conn.begin().await.map_err(db)?;
+        // 1. Lock up to `limit` rows, skipping those another relay holds.
+        let rows = sqlx::query(select)
+            .bind(req.app_code)
+            .bind(i64::from(req.limit))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        let Some(first) = rows.first() else {
+            tx.commit().await.map_err(db)?;
+            return Ok(Vec::new());
+        };
+        // 2. One lease end for the whole batch, on the database clock: the fence.
+        let db_now_ms: i64 = first.try_get("db_now_ms").map_err(db)?;
+        let lock_until_ms = db_now_ms + req.lease_ms;
+        let mut claimed = records(rows, "claim")?;
+        // 3. Take the lease.
+        let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(take, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text)
+                .bind(req.worker_id)
+                .bind(lock_until_ms)
+                .bind(db_now_ms);
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            q.execute(&mut *tx).await.map_err(db)?;
+        }
+        // 4. Commit, and hand out the rows as the update left them.
+        tx.commit().await.map_err(db)?;
+        for r in &mut claimed {
+            if source == ClaimSource::ExpiredLease {
+                r.retry_count += 1;
+                r.last_error = Some(format!(
+                    "lease expired while held by {}",
+                    r.worker_id.as_deref().unwrap_or("?")
+                ));
+            }
+            r.status = Status::Delivering;
+            r.worker_id = Some(req.worker_id.to_owned());
+            r.lock_until_ms = lock_until_ms;
+            r.updated_at_ms = db_now_ms;
+        }
+        Ok(claimed
+            .into_iter()
+            .map(|record| ClaimedEvent { record, source })
+            .collect())
+    }
+
+    async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let db = |e| Error::database("mark delivered", e);
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        self.execute_ids(&mut conn, &self.sql.mark_delivered, ids, Some(fence))
+            .await
+            .map_err(db)
+    }
+
+    async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+        let done = sqlx::query(&self.sql.mark_failed)
+            .bind(u.status.as_str())
+            .bind(u.retry_count)
+            .bind(u.retry_after_ms)
+            .bind(Some(u.delivered_to.join(",")).filter(|s| !s.is_empty()))
+            .bind(&u.error)
+            .bind(id)
+            .bind(&fence.worker_id)
+            .bind(fence.lock_until_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("mark failed attempt", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let db = |e| Error::database("release leases", e);
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        self.execute_ids(&mut conn, &self.sql.release, ids, Some(fence))
+            .await
+            .map_err(db)
+    }
+
+    async fn enqueue_batch(
+        &self,
+        events: &[NewEvent],
+        max_payload_bytes: usize,
+    ) -> Result<Vec<EnqueueOutcome>> {
+        for e in events {
+            e.validate(max_payload_bytes)?;
+        }
+        let this = self.clone().with_max_payload_bytes(max_payload_bytes);
+        let mut tx = self
+            .pool
+            .begin()
+            .await
+            .map_err(|e| Error::database("begin", e))?;
+        let mut out = Vec::with_capacity(events.len());
+        for e in events {
+            match this.enqueue(&mut tx, e).await {
+                Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
+                Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
+                Err(err) => return Err(err),
+            }
+        }
+        tx.commit()
+            .await
+            .map_err(|e| Error::database("commit", e))?;
+        Ok(out)
+    }
+
+    async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
+        let db = |e| Error::database("status", e);
+        let mut out = Vec::with_capacity(app_codes.len());
+        for app_code in app_codes {
+            let mut s = AppStats {
+                app_code: app_code.clone(),
+                ..Default::default()
+            };
+            let rows = sqlx::query(&self.sql.count_by_status)
+                .bind(app_code)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db)?;
+            for row in rows {
+                let status: String = row.try_get(0).map_err(db)?;
+                let n: i64 = row.try_get(1).map_err(db)?;
+                match status.parse::<Status>() {
+                    Ok(Status::Pending) => s.pending += n,
+                    Ok(Status::Delivering) => s.delivering += n,
+                    Ok(Status::Delivered) => s.delivered += n,
+                    Ok(Status::Retryable) => s.retryable += n,
+                    Ok(Status::Failed) => s.failed += n,
+                    Err(_) => tracing::warn!(status, rows = n, "rows with an unknown status"),
+                }
+            }
+            let row = sqlx::query(&self.sql.backlog)
+                .bind(app_code)
+                .bind(app_code)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db)?;
+            let oldest: Option<i64> = row.try_get(0).map_err(db)?;
+            s.retryable_due = row.try_get(1).map_err(db)?;
+            let now: i64 = row.try_get(2).map_err(db)?;
+            s.oldest_pending_age_seconds = oldest.map_or(0.0, |t| (now - t).max(0) as f64 / 1000.0);
+            out.push(s);
+        }
+        Ok(out)
+    }
+
+    async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let rows = bind_filter(sqlx::query(&self.sql.list), f)
+            .bind(f.before_id)
+            .bind(f.before_id)
+            .bind(i64::from(f.limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("list events", e))?;
+        records(rows, "list events")
+    }
+
+    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+        let rows = sqlx::query(&self.sql.find)
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("find event", e))?;
+        records(rows, "find event")
+    }
+
+    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
+        let db = |e| Error::database("replay", e);
+        match selector {
+            ReplaySelector::EventIds {
+                app_code,
+                event_ids,
+            } => {
+                if event_ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let mut conn = self.read_committed().await.map_err(db)?;
+                let mut tx = conn.begin().await.map_err(db)?;
+                let (template, mut ids, mut out) = if dry_run {
+                    (
+                        &self.sql.replay_ids_dry,
+                        Vec::new(),
+                        Vec::with_capacity(event_ids.len()),
+                    )
+                } else {
+                    (
+                        &self.sql.replay_ids_lock,
+                        Vec::with_capacity(event_ids.len()),
+                        Vec::new(),
+                    )
+                };
+                for chunk in event_ids.chunks(sql::MAX_IN_LIST) {
+                    let text = sql::in_list(template, sql::padded_len(chunk.len()));
+                    let mut q = sqlx::query(&text);
+                    for event_id in padded(chunk) {
+                        q = q.bind(event_id);
+                    }
+                    let rows = q
+                        .bind(app_code)
+                        .bind(app_code)
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    if dry_run {
+                        out.extend(records(rows, "replay")?);
+                    } else {
+                        ids.extend(first_column(&rows).map_err(db)?);
+                    }
+                }
+                if !dry_run {
+                    ids.sort_unstable();
+                    ids.dedup();
+                    out = self.replay_locked(&mut tx, &ids).await?;
+                }
+                out.sort_by_key(|r| r.id);
+                tx.commit().await.map_err(db)?;
+                Ok(out)
+            }
+            ReplaySelector::Filter(f) => {
+                let mut conn = self.read_committed().await.map_err(db)?;
+                let mut tx = conn.begin().await.map_err(db)?;
+                let mut out = if dry_run {
+                    let rows = bind_filter(sqlx::query(&self.sql.replay_filter_dry), f)
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    records(rows, "replay")?
+                } else {
+                    let rows = bind_filter(sqlx::query(&self.sql.replay_filter_lock), f)
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    let ids = first_column(&rows).map_err(db)?;
+                    self.replay_locked(&mut tx, &ids).await?
+                };
+                // A time range also covers rows already archived.
+                if f.since_ms.is_some() || f.until_ms.is_some() {
+                    if dry_run {
+                        let rows = bind_filter(sqlx::query(&self.sql.unarchive_filter_dry), f)
+                            .fetch_all(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                        out.extend(records(rows, "replay from archive")?);
+                    } else {
+                        let rows = bind_filter(sqlx::query(&self.sql.unarchive_filter_lock), f)
+                            .fetch_all(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                        let ids = first_column(&rows).map_err(db)?;
+                        if !ids.is_empty() {
+                            let op = |e| Error::database("replay from archive", e);
+                            self.execute_ids(&mut tx, &self.sql.unarchive_ids, &ids, None)
+                                .await
+                                .map_err(op)?;
+                            self.execute_ids(&mut tx, &self.sql.delete_unarchived, &ids, None)
+                                .await
+                                .map_err(op)?;
+                            out.extend(self.select_ids(&mut tx, &ids).await?);
+                        }
+                    }
+                }
+                tx.commit().await.map_err(db)?;
+                Ok(out)
+            }
+        }
+    }
+
+    async fn now_ms(&self) -> Result<i64> {
+        sqlx::query_scalar(&self.sql.now_ms)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| Error::database("read database clock", e))
+    }
+}

@@ -1,0 +1,760 @@
+//! The MySQL backend against a real server (MariaDB locally).
+//!
+//! The URL comes from `POSTBOX_TEST_MYSQL_URL` (default
+//! `mysql://root@127.0.0.1:3306/postbox_test`); the database is created if
+//! missing and every test uses its own table, so tests run in parallel. An
+//! unreachable server fails the test, naming how to start it.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use sqlx::{Connection, Row};
+
+use postbox_core::event::Fence;
+use postbox_core::redact::redact_url;
+use postbox_core::store::{
+    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, OutboxStore, ReplaySelector,
+};
+use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};
+use postbox_mysql::MySqlOutbox;
+
+const START_HINT: &str =
+    "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd` \
+     (or run scripts/test), or point POSTBOX_TEST_MYSQL_URL at a MySQL 8 / MariaDB 10.6+ server";
+
+fn mysql_url() -> String {
+    std::env::var("POSTBOX_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/postbox_test".to_owned())
+}
+
+/// Splits `scheme://authority/db?query` into (`scheme://authority/`, `db`).
+fn split_db(url: &str) -> (String, String) {
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    let slash = url[after_scheme..].find('/').map(|i| after_scheme + i);
+    match slash {
+        Some(s) => {
+            let rest = &url[s + 1..];
+            let db = rest.split(['?', '#']).next().unwrap_or("");
+            (url[..=s].to_owned(), db.to_owned())
+        }
+        None => (format!("{url}/"), String::new()),
+    }
+}
+
+/// A fresh table name, unique across parallel tests and runs.
+fn scratch_table(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!(
+        "{prefix}_{:x}_{:x}_{}",
+        nanos % (1 << 40),
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Makes sure the test database exists and returns a migrated store on a
+/// fresh table.
+async fn store(prefix: &str) -> MySqlOutbox {
+    let url = mysql_url();
+    let (base, db) = split_db(&url);
+    let mut admin = sqlx::MySqlConnection::connect(&base)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "MariaDB / MySQL is not reachable at {}: {e}; {START_HINT}",
+                redact_url(&base)
+            )
+        });
+    if !db.is_empty() {
+        assert!(
+            db.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
+            "odd database name {db:?}"
+        );
+        sqlx::query(&format!(
+            "CREATE DATABASE IF NOT EXISTS `{db}` CHARACTER SET utf8mb4"
+        ))
+        .execute(&mut admin)
+        .await
+        .expect("create the test database");
+    }
+    let _ = admin.close().await;
+    let table = scratch_table(prefix);
+    let store = MySqlOutbox::connect(&url, &table, 5)
+        .await
+        .unwrap_or_else(|e| panic!("MariaDB / MySQL is not reachable: {e}; {START_HINT}"));
+    let report = store.migrate().await.expect("first migrate");
+    assert_eq!(report.applied, vec![1]);
+    assert_eq!(report.version, 1);
+    store
+}
+
+async fn drop_tables(store: &MySqlOutbox) {
+    let t = store.table().as_str().to_owned();
+    for sql in [
+        format!("DROP TABLE IF EXISTS {t}"),
+        format!("DROP TABLE IF EXISTS {t}_archive"),
+        format!("DELETE FROM postbox_schema_migrations WHERE table_name = '{t}'"),
+    ] {
+        sqlx::query(&sql).execute(store.pool()).await.unwrap();
+    }
+}
+
+fn req<'a>(app_code: &'a str, worker_id: &'a str, lease_ms: i64) -> ClaimRequest<'a> {
+    ClaimRequest {
+        app_code,
+        limit: 10,
+        worker_id,
+        lease_ms,
+    }
+}
+
+fn ids(events: &[ClaimedEvent]) -> Vec<i64> {
+    events.iter().map(|e| e.record.id).collect()
+}
+
+async fn enqueue_committed(store: &MySqlOutbox, event: &NewEvent) -> i64 {
+    let mut tx = store.pool().begin().await.unwrap();
+    let id = store.enqueue(&mut tx, event).await.unwrap();
+    tx.commit().await.unwrap();
+    id
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_serialised() {
+    let store = store("mb_migrate").await;
+    let again = store.migrate().await.unwrap();
+    assert!(
+        again.applied.is_empty(),
+        "second migrate applied {:?}",
+        again.applied
+    );
+    assert_eq!(again.version, 1);
+
+    // Two concurrent runs on a new table: exactly one applies version 1.
+    let other = MySqlOutbox::new(store.pool().clone(), &scratch_table("mb_migrate2")).unwrap();
+    let (a, b) = tokio::join!(other.migrate(), other.migrate());
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.applied.len() + b.applied.len(), 1, "{a:?} {b:?}");
+    assert_eq!((a.version, b.version), (1, 1));
+
+    drop_tables(&other).await;
+    drop_tables(&store).await;
+}
+
+#[tokio::test]
+async fn enqueue_commits_rolls_back_and_dedupes() {
+    let store = store("mb_enqueue").await;
+
+    let committed = NewEvent::new("room", "RoomCreated", r#"{"room_id":1}"#)
+        .aggregate("room-1", 1)
+        .header("trace", "abc");
+    let id = enqueue_committed(&store, &committed).await;
+    assert!(id > 0);
+
+    let rolled_back = NewEvent::new("room", "RoomCreated", r#"{"room_id":2}"#);
+    {
+        let mut tx = store.pool().begin().await.unwrap();
+        store.enqueue(&mut tx, &rolled_back).await.unwrap();
+        tx.rollback().await.unwrap();
+    }
+    assert!(store.find(&rolled_back.event_id).await.unwrap().is_empty());
+
+    let found = store.find(&committed.event_id).await.unwrap();
+    assert_eq!(found.len(), 1);
+    let row = &found[0];
+    assert_eq!(row.id, id);
+    assert_eq!(row.status, Status::Pending);
+    assert_eq!(row.aggregate_id.as_deref(), Some("room-1"));
+    assert_eq!(row.aggregate_version, Some(1));
+    assert_eq!(row.headers_map()["trace"], "abc");
+    assert!(row.created_at_ms > 0 && row.updated_at_ms >= row.created_at_ms);
+
+    // A duplicate fails, and the transaction is still usable afterwards.
+    let mut tx = store.pool().begin().await.unwrap();
+    let dup = store.enqueue(&mut tx, &committed).await.unwrap_err();
+    assert!(matches!(dup, Error::DuplicateEvent { .. }), "{dup}");
+    let after = NewEvent::new("room", "RoomClosed", "{}");
+    store.enqueue(&mut tx, &after).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(store.find(&after.event_id).await.unwrap().len(), 1);
+
+    // The same event id in another app_code is not a duplicate.
+    let other_app = NewEvent {
+        app_code: "wallet".into(),
+        ..committed.clone()
+    };
+    enqueue_committed(&store, &other_app).await;
+    assert_eq!(store.find(&committed.event_id).await.unwrap().len(), 2);
+
+    // Oversized payloads never reach the database.
+    let small = store.clone().with_max_payload_bytes(8);
+    let mut conn = store.pool().acquire().await.unwrap();
+    let big = NewEvent::new("room", "Big", "x".repeat(9));
+    assert!(matches!(
+        small.enqueue(&mut conn, &big).await,
+        Err(Error::PayloadTooLarge {
+            size: 9,
+            limit: 8,
+            ..
+        })
+    ));
+
+    // enqueue_batch reports duplicates instead of failing.
+    let fresh = NewEvent::new("room", "RoomCreated", "{}");
+    let outcomes = store
+        .enqueue_batch(&[fresh.clone(), committed.clone()], 1024)
+        .await
+        .unwrap();
+    assert!(matches!(outcomes[0], EnqueueOutcome::Inserted(_)));
+    assert_eq!(outcomes[1], EnqueueOutcome::Duplicate);
+
+    drop_tables(&store).await;
+}
+
+#[tokio::test]
+async fn claim_lease_fence_and_failure() {
+    let store = store("mb_claim").await;
+    let a = enqueue_committed(&store, &NewEvent::new("room", "A", "{}")).await;
+    let b = enqueue_committed(&store, &NewEvent::new("room", "B", "{}")).await;
+    enqueue_committed(&store, &NewEvent::new("wallet", "W", "{}")).await;
+
+    // Claim pending: scoped by app_code, in creation order, one fence.
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
+        .await
+        .unwrap();
+    assert_eq!(ids(&claimed), vec![a, b]);
+    let fence = claimed[0].fence();
+    assert_eq!(fence, claimed[1].fence());
+    assert_eq!(fence.worker_id, "w1");
+    let now = store.now_ms().await.unwrap();
+    assert!(
+        (fence.lock_until_ms - now - 30_000).abs() < 5_000,
+        "{fence:?} vs {now}"
+    );
+    for c in &claimed {
+        assert_eq!(c.record.status, Status::Delivering);
+        assert_eq!(c.source, ClaimSource::Pending);
+    }
+    // The database agrees with what claim returned.
+    let stored = store
+        .find(&claimed[0].record.event_id)
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(stored.status, Status::Delivering);
+    assert_eq!(stored.worker_id.as_deref(), Some("w1"));
+    assert_eq!(stored.lock_until_ms, fence.lock_until_ms);
+    assert_eq!(stored.updated_at_ms, claimed[0].record.updated_at_ms);
+
+    // Nothing left to claim; a live lease is not taken over.
+    assert!(store
+        .claim(ClaimSource::Pending, &req("room", "w2", 30_000))
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .claim(ClaimSource::ExpiredLease, &req("room", "w2", 30_000))
+        .await
+        .unwrap()
+        .is_empty());
+
+    // A wrong fence writes nothing.
+    let wrong = Fence {
+        worker_id: "w2".into(),
+        lock_until_ms: fence.lock_until_ms,
+    };
+    assert_eq!(store.mark_delivered(&wrong, &[a]).await.unwrap(), 0);
+    let stale = Fence {
+        worker_id: "w1".into(),
+        lock_until_ms: fence.lock_until_ms - 1,
+    };
+    assert_eq!(store.mark_delivered(&stale, &[a]).await.unwrap(), 0);
+    assert_eq!(store.mark_delivered(&fence, &[]).await.unwrap(), 0);
+
+    // The right fence delivers.
+    assert_eq!(store.mark_delivered(&fence, &[a]).await.unwrap(), 1);
+    assert_eq!(
+        store.mark_delivered(&fence, &[a]).await.unwrap(),
+        0,
+        "only once"
+    );
+
+    // A failed attempt: retryable, due later, with fanout progress.
+    let update = FailureUpdate {
+        status: Status::Retryable,
+        retry_count: 1,
+        retry_after_ms: 60_000,
+        delivered_to: vec!["file".into(), "rabbitmq".into()],
+        error: "broker down".into(),
+    };
+    assert!(!store.mark_failed(&wrong, b, &update).await.unwrap());
+    assert!(store.mark_failed(&fence, b, &update).await.unwrap());
+    let row = store
+        .list(&EventFilter {
+            status: Some(Status::Retryable),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!(row.id, b);
+    assert_eq!(row.retry_count, 1);
+    assert_eq!(row.delivered_to, vec!["file", "rabbitmq"]);
+    assert_eq!(row.last_error.as_deref(), Some("broker down"));
+    assert_eq!(row.lock_until_ms, 0);
+    assert!(row.next_retry_at_ms >= now + 50_000);
+    // Not due yet.
+    assert!(store
+        .claim(ClaimSource::DueRetry, &req("room", "w1", 30_000))
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Due at once after a zero backoff.
+    let due = FailureUpdate {
+        retry_after_ms: 0,
+        delivered_to: vec![],
+        ..update.clone()
+    };
+    let again = store
+        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
+        .await
+        .unwrap();
+    assert!(again.is_empty());
+    sqlx::query(&format!(
+        "UPDATE {} SET next_retry_at_ms = 0 WHERE id = ?",
+        store.table()
+    ))
+    .bind(b)
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let retried = store
+        .claim(ClaimSource::DueRetry, &req("room", "w3", 30_000))
+        .await
+        .unwrap();
+    assert_eq!(ids(&retried), vec![b]);
+    assert_eq!(retried[0].record.retry_count, 1);
+    assert_eq!(retried[0].record.delivered_to, vec!["file", "rabbitmq"]);
+    let f3 = retried[0].fence();
+    assert!(store.mark_failed(&f3, b, &due).await.unwrap());
+    let row = store
+        .find(&retried[0].record.event_id)
+        .await
+        .unwrap()
+        .remove(0);
+    assert!(row.delivered_to.is_empty(), "empty fanout progress is NULL");
+
+    // Expired lease: taken over by another worker, attempt counted.
+    let short = store
+        .claim(ClaimSource::DueRetry, &req("room", "w4", -1_000))
+        .await
+        .unwrap();
+    assert_eq!(ids(&short), vec![b]);
+    let taken = store
+        .claim(ClaimSource::ExpiredLease, &req("room", "w5", 30_000))
+        .await
+        .unwrap();
+    assert_eq!(ids(&taken), vec![b]);
+    let t = &taken[0].record;
+    assert_eq!(t.retry_count, 2);
+    assert_eq!(t.worker_id.as_deref(), Some("w5"));
+    assert_eq!(
+        t.last_error.as_deref(),
+        Some("lease expired while held by w4")
+    );
+    assert_eq!(taken[0].source, ClaimSource::ExpiredLease);
+    let stored = store.find(&t.event_id).await.unwrap().remove(0);
+    assert_eq!(stored.retry_count, 2);
+    assert_eq!(stored.worker_id.as_deref(), Some("w5"));
+    assert_eq!(stored.last_error, t.last_error);
+    assert_eq!(stored.status, Status::Delivering);
+    // The old holder's late result is dropped.
+    assert_eq!(
+        store.mark_delivered(&short[0].fence(), &[b]).await.unwrap(),
+        0
+    );
+
+    // Release: back to retryable (it has attempts), due at once, no attempt counted.
+    assert_eq!(store.release(&taken[0].fence(), &[b]).await.unwrap(), 1);
+    let stored = store.find(&t.event_id).await.unwrap().remove(0);
+    assert_eq!(stored.status, Status::Retryable);
+    assert_eq!(stored.retry_count, 2);
+    assert_eq!(stored.worker_id, None);
+    assert_eq!((stored.lock_until_ms, stored.next_retry_at_ms), (0, 0));
+
+    // A released never-failed row goes back to pending.
+    let c = enqueue_committed(&store, &NewEvent::new("room", "C", "{}")).await;
+    let got = store
+        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
+        .await
+        .unwrap();
+    assert_eq!(ids(&got), vec![c]);
+    assert_eq!(store.release(&got[0].fence(), &[c]).await.unwrap(), 1);
+    let stored = store
+        .list(&EventFilter {
+            limit: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .remove(0);
+    assert_eq!((stored.id, stored.status), (c, Status::Pending));
+
+    // Dead letter.
+    let got = store
+        .claim(ClaimSource::DueRetry, &req("room", "w1", 30_000))
+        .await
+        .unwrap();
+    assert_eq!(ids(&got), vec![b]);
+    let dead = FailureUpdate {
+        status: Status::Failed,
+        retry_count: 3,
+        ..update
+    };
+    assert!(store.mark_failed(&got[0].fence(), b, &dead).await.unwrap());
+
+    // Stats: a delivered, b failed, c pending; wallet's row pending.
+    let stats = store
+        .stats(&["room".into(), "wallet".into(), "nobody".into()])
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            stats[0].pending,
+            stats[0].delivering,
+            stats[0].delivered,
+            stats[0].retryable,
+            stats[0].failed
+        ),
+        (1, 0, 1, 0, 1)
+    );
+    assert!(stats[0].oldest_pending_age_seconds >= 0.0);
+    assert_eq!(stats[1].pending, 1);
+    assert_eq!(
+        stats[2],
+        postbox_core::store::AppStats {
+            app_code: "nobody".into(),
+            ..Default::default()
+        }
+    );
+
+    drop_tables(&store).await;
+}
+
+#[tokio::test]
+async fn concurrent_claims_never_overlap() {
+    let store = store("mb_concurrent").await;
+    let events: Vec<NewEvent> = (0..200)
+        .map(|i| NewEvent::new("room", "E", format!("{{\"i\":{i}}}")))
+        .collect();
+    store.enqueue_batch(&events, 1024).await.unwrap();
+    let mut tasks = Vec::new();
+    for w in 0..4 {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let worker = format!("w{w}");
+            let mut mine = Vec::new();
+            loop {
+                let got = store
+                    .claim(ClaimSource::Pending, &req("room", &worker, 30_000))
+                    .await
+                    .unwrap();
+                if got.is_empty() {
+                    break;
+                }
+                let fence = got[0].fence();
+                let batch = ids(&got);
+                assert_eq!(
+                    store.mark_delivered(&fence, &batch).await.unwrap(),
+                    batch.len() as u64
+                );
+                mine.extend(batch);
+            }
+            mine
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all.sort_unstable();
+    let n = all.len();
+    all.dedup();
+    assert_eq!(all.len(), n, "a row was claimed twice");
+    assert_eq!(n, 200);
+    drop_tables(&store).await;
+}
+
+#[tokio::test]
+async fn replay_by_ids_filter_and_archive() {
+    let store = store("mb_replay").await;
+    let t = store.table().as_str().to_owned();
+    let e1 = NewEvent::new("room", "A", "{}");
+    let e2 = NewEvent::new("room", "B", "{}");
+    let e3 = NewEvent::new("room", "A", "{}");
+    let e4 = NewEvent::new("room", "Old", "{}");
+    for e in [&e1, &e2, &e3, &e4] {
+        enqueue_committed(&store, e).await;
+    }
+    // Deliver all four.
+    let got = store
+        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .mark_delivered(&got[0].fence(), &ids(&got))
+            .await
+            .unwrap(),
+        4
+    );
+    // e3 is being delivered again right now: replay leaves it alone.
+    // e4 is archived (the way `postbox archive` does it: insert, then delete).
+    sqlx::query(&format!(
+        "INSERT INTO {t}_archive SELECT * FROM {t} WHERE event_id = ?"
+    ))
+    .bind(&e4.event_id)
+    .execute(store.pool())
+    .await
+    .unwrap();
+    sqlx::query(&format!("DELETE FROM {t} WHERE event_id = ?"))
+        .bind(&e4.event_id)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {t} SET status = 'delivering' WHERE event_id = ?"
+    ))
+    .bind(&e3.event_id)
+    .execute(store.pool())
+    .await
+    .unwrap();
+
+    // By ids: dry run changes nothing.
+    let sel = ReplaySelector::EventIds {
+        app_code: None,
+        event_ids: vec![e1.event_id.clone(), e3.event_id.clone(), "missing".into()],
+    };
+    let dry = store.replay(&sel, true).await.unwrap();
+    assert_eq!(dry.len(), 1);
+    assert_eq!(dry[0].event_id, e1.event_id);
+    assert_eq!(dry[0].status, Status::Delivered);
+    let done = store.replay(&sel, false).await.unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].event_id, e1.event_id);
+    assert_eq!(
+        (done[0].status, done[0].retry_count, done[0].replay_count),
+        (Status::Pending, 0, 1)
+    );
+    // Scoped by app_code.
+    let other = ReplaySelector::EventIds {
+        app_code: Some("wallet".into()),
+        event_ids: vec![e2.event_id.clone()],
+    };
+    assert!(store.replay(&other, false).await.unwrap().is_empty());
+
+    // By filter: status + type.
+    let f = EventFilter {
+        status: Some(Status::Delivered),
+        event_type: Some("B".into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        store
+            .replay(&ReplaySelector::Filter(f.clone()), true)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    let done = store
+        .replay(&ReplaySelector::Filter(f.clone()), false)
+        .await
+        .unwrap();
+    assert_eq!(done.len(), 1);
+    assert_eq!(
+        (done[0].event_id.as_str(), done[0].status),
+        (e2.event_id.as_str(), Status::Pending)
+    );
+    assert!(store
+        .replay(&ReplaySelector::Filter(f), false)
+        .await
+        .unwrap()
+        .is_empty());
+
+    // Time range: also brings the archived row back, keeping id and event_id.
+    let now = store.now_ms().await.unwrap();
+    let range = EventFilter {
+        app_code: Some("room".into()),
+        since_ms: Some(now - 600_000),
+        until_ms: Some(now + 600_000),
+        ..Default::default()
+    };
+    let dry = store
+        .replay(&ReplaySelector::Filter(range.clone()), true)
+        .await
+        .unwrap();
+    let mut dry_ids: Vec<&str> = dry.iter().map(|r| r.event_id.as_str()).collect();
+    dry_ids.sort_unstable();
+    let mut want = vec![
+        e1.event_id.as_str(),
+        e2.event_id.as_str(),
+        e4.event_id.as_str(),
+    ];
+    want.sort_unstable();
+    assert_eq!(dry_ids, want);
+    let done = store
+        .replay(&ReplaySelector::Filter(range.clone()), false)
+        .await
+        .unwrap();
+    assert_eq!(done.len(), 3);
+    let back = done.iter().find(|r| r.event_id == e4.event_id).unwrap();
+    assert_eq!((back.status, back.replay_count), (Status::Pending, 1));
+    let archived: i64 = sqlx::query(&format!("SELECT COUNT(*) FROM {t}_archive"))
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(archived, 0);
+    assert_eq!(store.find(&e4.event_id).await.unwrap()[0].id, back.id);
+
+    // List: newest first, filters and the id cursor.
+    let all = store
+        .list(&EventFilter {
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 4);
+    assert!(all.windows(2).all(|w| w[0].id > w[1].id));
+    let page = store
+        .list(&EventFilter {
+            before_id: Some(all[1].id),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(page.len(), 2);
+    let delivering = store
+        .list(&EventFilter {
+            status: Some(Status::Delivering),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(delivering.len(), 1);
+    assert_eq!(delivering[0].event_id, e3.event_id);
+    let typed = store
+        .list(&EventFilter {
+            event_type: Some("A".into()),
+            app_code: Some("room".into()),
+            limit: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(typed.len(), 1);
+    assert!(store
+        .list(&EventFilter {
+            app_code: Some("wallet".into()),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .is_empty());
+
+    drop_tables(&store).await;
+}
+
+#[tokio::test]
+async fn plain_insert_from_other_languages_and_legacy_rows() {
+    let store = store("mb_plain").await;
+    let t = store.table().as_str().to_owned();
+    // What the README tells Go / PHP producers to write.
+    sqlx::query(&format!(
+        "INSERT INTO {t} (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers) \
+         VALUES ('room', 'go-0001', 'RoomCreated', 'room-7', 3, '{{\"room_id\":7}}', NULL)"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let row = store.find("go-0001").await.unwrap().remove(0);
+    let now = store.now_ms().await.unwrap();
+    assert_eq!(row.status, Status::Pending);
+    assert_eq!(
+        (
+            row.retry_count,
+            row.replay_count,
+            row.next_retry_at_ms,
+            row.lock_until_ms
+        ),
+        (0, 0, 0, 0)
+    );
+    assert!(
+        (now - row.created_at_ms).abs() < 60_000,
+        "created_at_ms {} vs now {now}",
+        row.created_at_ms
+    );
+    assert_eq!(row.created_at_ms, row.updated_at_ms);
+    let got = store
+        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
+        .await
+        .unwrap();
+    assert_eq!(ids(&got), vec![row.id]);
+
+    // Legacy `published` rows read as delivered.
+    sqlx::query(&format!("UPDATE {t} SET status = 'published' WHERE id = ?"))
+        .bind(row.id)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        store.find("go-0001").await.unwrap()[0].status,
+        Status::Delivered
+    );
+    assert_eq!(store.stats(&["room".into()]).await.unwrap()[0].delivered, 1);
+
+    drop_tables(&store).await;
+}
+
+#[tokio::test]
+async fn connect_accepts_mariadb_urls_and_hides_passwords() {
+    let url = mysql_url();
+    // Make sure the server is there (and the database exists) first.
+    let s = store("mb_connect").await;
+    drop_tables(&s).await;
+    let maria = url.replacen("mysql://", "mariadb://", 1);
+    let store = MySqlOutbox::connect(&maria, "mb_connect_x", 1)
+        .await
+        .unwrap();
+    assert_eq!(store.backend(), "mysql");
+    assert!(store.now_ms().await.unwrap() > 1_600_000_000_000);
+
+    // A refused login against the real server (fast: not retried).
+    let (base, _) = split_db(&url);
+    let host = base.split("://").nth(1).unwrap_or("").trim_end_matches('/');
+    let host = host.rsplit('@').next().unwrap_or(host);
+    let bad = MySqlOutbox::connect(
+        &format!("mysql://postbox_no_such_user:hunter2@{host}/x"),
+        "t",
+        1,
+    )
+    .await
+    .unwrap_err();
+    assert!(!bad.to_string().contains("hunter2"), "{bad}");
+    let bad = MySqlOutbox::connect("mysql://root:hunter2@127.0.0.1:notaport/x", "t", 1)
+        .await
+        .unwrap_err();
+    assert!(!bad.to_string().contains("hunter2"), "{bad}");
+    assert!(MySqlOutbox::connect(&url, "bad name", 1).await.is_err());
+}

@@ -1,0 +1,68 @@
+//! Versioned, idempotent schema changes, serialised by SQLite's write lock
+//! (`BEGIN IMMEDIATE`); SQLite's DDL is transactional, so a failed run
+//! leaves nothing behind.
+
+use sqlx::Row;
+
+use postbox_core::store::MigrateReport;
+use postbox_core::{Error, Result};
+
+use crate::{finish, sql, SqliteOutbox};
+
+/// `(version, description, statements)`, applied in order.
+const MIGRATIONS: &[(u32, &str, &[&str])] = &[(
+    1,
+    "outbox table, claim indexes, archive table",
+    sql::V1_SCHEMA,
+)];
+
+impl SqliteOutbox {
+    pub(crate) async fn run_migrations(&self) -> Result<MigrateReport> {
+        let db = |e| Error::database("migrate", e);
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db)?;
+        let res = async {
+            sqlx::query(sql::CREATE_MIGRATIONS_TABLE)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            let applied: Vec<i64> = sqlx::query(sql::APPLIED_VERSIONS)
+                .bind(self.table.as_str())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db)?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let mut report = MigrateReport::default();
+            for (version, description, statements) in MIGRATIONS {
+                if applied.contains(&i64::from(*version)) {
+                    continue;
+                }
+                for stmt in *statements {
+                    sqlx::query(&self.table.render(stmt))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                }
+                sqlx::query(sql::RECORD_VERSION)
+                    .bind(self.table.as_str())
+                    .bind(i64::from(*version))
+                    .bind(*description)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                report.applied.push(*version);
+            }
+            Ok((applied, report))
+        }
+        .await;
+        let (applied, mut report) = finish(tx, res, "migrate").await?;
+        report.version = applied
+            .iter()
+            .map(|v| *v as u32)
+            .chain(report.applied.iter().copied())
+            .max()
+            .unwrap_or(0);
+        Ok(report)
+    }
+}

@@ -1,0 +1,289 @@
+//! Every statement the SQLite backend runs. `{table}` is replaced by the
+//! validated table name, `{archive}` by its archive twin; nothing else is
+//! assembled at run time: id lists travel as one JSON array parameter read
+//! with `json_each`. Each claim names the index it relies on.
+//!
+//! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
+//! number from 1 up without gaps.
+
+/// The clock in epoch milliseconds. SQLite is embedded, so this is the
+/// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
+/// floating-point error of the Julian-day round trip.
+macro_rules! now_ms {
+    () => {
+        "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)"
+    };
+}
+
+/// Columns read back into an `EventRecord`, in order.
+macro_rules! columns {
+    () => {
+        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
+         delivered_to, replay_count, created_at_ms, updated_at_ms"
+    };
+}
+
+/// Every column after `id`, with types and defaults: shared by the live
+/// table and its archive twin. Defaults make a plain `INSERT` of the seven
+/// event columns work from any language.
+macro_rules! column_defs {
+    () => {
+        concat!(
+            "app_code VARCHAR(64) NOT NULL, \
+             event_id VARCHAR(64) NOT NULL, \
+             event_type VARCHAR(128) NOT NULL, \
+             aggregate_id VARCHAR(128), \
+             aggregate_version BIGINT, \
+             payload TEXT NOT NULL, \
+             headers TEXT, \
+             status VARCHAR(16) NOT NULL DEFAULT 'pending', \
+             retry_count INTEGER NOT NULL DEFAULT 0, \
+             next_retry_at_ms BIGINT NOT NULL DEFAULT 0, \
+             lock_until_ms BIGINT NOT NULL DEFAULT 0, \
+             worker_id VARCHAR(128), \
+             last_error TEXT, \
+             delivered_to TEXT, \
+             replay_count INTEGER NOT NULL DEFAULT 0, \
+             created_at_ms BIGINT NOT NULL DEFAULT (",
+            now_ms!(),
+            "), \
+             updated_at_ms BIGINT NOT NULL DEFAULT (",
+            now_ms!(),
+            ")"
+        )
+    };
+}
+
+pub(crate) const NOW_MS: &str = concat!("SELECT ", now_ms!());
+
+/// Enqueue inside the caller's transaction. A duplicate `(app_code,
+/// event_id)` fails this statement only (SQLite's default `ABORT`), so the
+/// caller's transaction stays usable.
+pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
+     (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers) \
+     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
+
+// The three claims run inside one `BEGIN IMMEDIATE` transaction each, which
+// stands in for `FOR UPDATE SKIP LOCKED`. Parameters: ?1 app_code, ?2 limit,
+// ?3 worker_id, ?4 lock_until_ms (the fence), ?5 now.
+
+/// Claim new rows. Index: `{table}_claim_retry_idx` (pending rows have `next_retry_at_ms = 0`).
+pub(crate) const CLAIM_PENDING: &str = concat!(
+    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
+     WHERE id IN (SELECT id FROM {table} \
+       WHERE app_code = ?1 AND status = 'pending' \
+       ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
+     RETURNING ",
+    columns!()
+);
+
+/// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
+pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
+    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
+     WHERE id IN (SELECT id FROM {table} \
+       WHERE app_code = ?1 AND status = 'retryable' AND next_retry_at_ms <= ?5 \
+       ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
+     RETURNING ",
+    columns!()
+);
+
+/// Take over rows whose lease expired; the lost attempt is counted. Index: `{table}_claim_lease_idx`.
+pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
+    "UPDATE {table} SET worker_id = ?3, retry_count = retry_count + 1, \
+       last_error = 'lease expired while held by ' || COALESCE(worker_id, '?'), \
+       lock_until_ms = ?4, updated_at_ms = ?5 \
+     WHERE id IN (SELECT id FROM {table} \
+       WHERE app_code = ?1 AND status = 'delivering' AND lock_until_ms <= ?5 \
+       ORDER BY lock_until_ms, created_at_ms LIMIT ?2) \
+     RETURNING ",
+    columns!()
+);
+
+/// Fenced: only rows still leased by this claim. Primary key lookups;
+/// ?1 is a JSON array of ids.
+pub(crate) const MARK_DELIVERED: &str = concat!(
+    "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
+       updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE id IN (SELECT value FROM json_each(?1)) \
+       AND status = 'delivering' AND worker_id = ?2 AND lock_until_ms = ?3"
+);
+
+/// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
+pub(crate) const MARK_FAILED: &str = concat!(
+    "UPDATE {table} SET status = ?1, retry_count = ?2, next_retry_at_ms = ",
+    now_ms!(),
+    " + ?3, \
+       lock_until_ms = 0, delivered_to = ?4, last_error = ?5, updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE id = ?6 AND status = 'delivering' AND worker_id = ?7 AND lock_until_ms = ?8"
+);
+
+/// Fenced release at shutdown: due again at once, no attempt counted.
+pub(crate) const RELEASE: &str = concat!(
+    "UPDATE {table} SET status = CASE WHEN retry_count = 0 THEN 'pending' ELSE 'retryable' END, \
+       next_retry_at_ms = 0, lock_until_ms = 0, worker_id = NULL, updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE id IN (SELECT value FROM json_each(?1)) \
+       AND status = 'delivering' AND worker_id = ?2 AND lock_until_ms = ?3"
+);
+
+/// Counts by status for one tenant.
+pub(crate) const COUNT_BY_STATUS: &str =
+    "SELECT status, COUNT(*) FROM {table} WHERE app_code = ?1 GROUP BY status";
+
+/// Oldest pending row and due retries. Index: `{table}_claim_retry_idx`.
+pub(crate) const BACKLOG: &str = concat!(
+    "SELECT \
+       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ?1 AND status = 'pending'), \
+       (SELECT COUNT(*) FROM {table} WHERE app_code = ?1 AND status = 'retryable' \
+          AND next_retry_at_ms <= ",
+    now_ms!(),
+    "), ",
+    now_ms!()
+);
+
+/// Newest first, every filter optional.
+pub(crate) const LIST: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
+     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR status = ?2) \
+       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
+       AND (?5 IS NULL OR created_at_ms < ?5) AND (?6 IS NULL OR id < ?6) \
+     ORDER BY id DESC LIMIT ?7"
+);
+
+/// By event id. Index: `{table}_event_id_idx`.
+pub(crate) const FIND: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} WHERE event_id = ?1 ORDER BY id"
+);
+
+/// Replay by ids: back to pending with retry_count 0, keeping event_id.
+/// ?1 is a JSON array of event ids.
+pub(crate) const REPLAY_IDS: &str = concat!(
+    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
+       updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE event_id IN (SELECT value FROM json_each(?1)) AND (?2 IS NULL OR app_code = ?2) \
+       AND status <> 'delivering' \
+     RETURNING ",
+    columns!()
+);
+
+/// Rows a replay by ids would touch.
+pub(crate) const REPLAY_IDS_DRY: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
+     WHERE event_id IN (SELECT value FROM json_each(?1)) AND (?2 IS NULL OR app_code = ?2) \
+       AND status <> 'delivering' ORDER BY id"
+);
+
+/// Replay by filter.
+pub(crate) const REPLAY_FILTER: &str = concat!(
+    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
+       updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR status = ?2) \
+       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
+       AND (?5 IS NULL OR created_at_ms < ?5) AND status <> 'delivering' \
+     RETURNING ",
+    columns!()
+);
+
+/// Rows a replay by filter would touch.
+pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
+     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR status = ?2) \
+       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
+       AND (?5 IS NULL OR created_at_ms < ?5) AND status <> 'delivering' ORDER BY id"
+);
+
+/// Time-range replay also brings archived rows back: copy them into the
+/// live table as pending (keeping id and event_id) unless already there.
+/// Archived rows are delivered ones, hence the status filter.
+pub(crate) const UNARCHIVE_FILTER: &str = concat!(
+    "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
+       headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
+     SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+       'pending', 0, 0, 0, replay_count + 1, created_at_ms, ",
+    now_ms!(),
+    " \
+     FROM {archive} a \
+     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR 'delivered' = ?2) \
+       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
+       AND (?5 IS NULL OR created_at_ms < ?5) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     ORDER BY id \
+     ON CONFLICT DO NOTHING RETURNING ",
+    columns!()
+);
+
+/// Archived rows a time-range replay would bring back.
+pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {archive} a \
+     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR 'delivered' = ?2) \
+       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
+       AND (?5 IS NULL OR created_at_ms < ?5) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     ORDER BY id"
+);
+
+/// Removes from the archive the rows a replay brought back; ?1 is a JSON
+/// array of ids.
+pub(crate) const DELETE_UNARCHIVED: &str =
+    "DELETE FROM {archive} WHERE id IN (SELECT value FROM json_each(?1))";
+
+// ---- schema ----
+
+pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS postbox_schema_migrations ( \
+       table_name VARCHAR(64) NOT NULL, version INTEGER NOT NULL, description TEXT NOT NULL, \
+       applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))";
+
+pub(crate) const APPLIED_VERSIONS: &str =
+    "SELECT version FROM postbox_schema_migrations WHERE table_name = ?1 ORDER BY version";
+
+pub(crate) const RECORD_VERSION: &str = concat!(
+    "INSERT INTO postbox_schema_migrations (table_name, version, description, applied_at_ms) \
+     VALUES (?1, ?2, ?3, ",
+    now_ms!(),
+    ")"
+);
+
+/// Version 1: the outbox table, its indexes and the archive twin.
+pub(crate) const V1_SCHEMA: &[&str] = &[
+    concat!(
+        "CREATE TABLE IF NOT EXISTS {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, ",
+        column_defs!(),
+        ")"
+    ),
+    "CREATE UNIQUE INDEX IF NOT EXISTS {table}_event_uq ON {table} (app_code, event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_claim_retry_idx ON {table} (app_code, status, next_retry_at_ms, created_at_ms, event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_claim_lease_idx ON {table} (app_code, status, lock_until_ms, created_at_ms, event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_status_updated_idx ON {table} (app_code, status, updated_at_ms, event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_event_id_idx ON {table} (event_id)",
+    // The archive keeps the live ids: a rowid primary key, no AUTOINCREMENT.
+    concat!(
+        "CREATE TABLE IF NOT EXISTS {archive} (id INTEGER PRIMARY KEY, ",
+        column_defs!(),
+        ")"
+    ),
+    "CREATE UNIQUE INDEX IF NOT EXISTS {archive}_event_uq ON {archive} (app_code, event_id)",
+    "CREATE INDEX IF NOT EXISTS {archive}_created_idx ON {archive} (app_code, created_at_ms)",
+];

@@ -1,0 +1,340 @@
+//! [`OutboxStore`] for SQLite.
+
+use async_trait::async_trait;
+use sqlx::sqlite::SqliteRow;
+use sqlx::Row;
+
+use postbox_core::event::{parse_delivered_to, Fence};
+use postbox_core::store::{
+    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
+    ReplaySelector,
+};
+use postbox_core::{
+    ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
+};
+
+use crate::{finish, SqliteOutbox};
+
+fn record(row: &SqliteRow) -> std::result::Result<EventRecord, sqlx::Error> {
+    let status: String = row.try_get(8)?;
+    Ok(EventRecord {
+        id: row.try_get(0)?,
+        app_code: row.try_get(1)?,
+        event_id: row.try_get(2)?,
+        event_type: row.try_get(3)?,
+        aggregate_id: row.try_get(4)?,
+        aggregate_version: row.try_get(5)?,
+        payload: row.try_get(6)?,
+        headers: row.try_get(7)?,
+        status: status
+            .parse::<Status>()
+            .map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
+        retry_count: row.try_get(9)?,
+        next_retry_at_ms: row.try_get(10)?,
+        lock_until_ms: row.try_get(11)?,
+        worker_id: row.try_get(12)?,
+        last_error: row.try_get(13)?,
+        delivered_to: parse_delivered_to(row.try_get::<Option<String>, _>(14)?.as_deref()),
+        replay_count: row.try_get(15)?,
+        created_at_ms: row.try_get(16)?,
+        updated_at_ms: row.try_get(17)?,
+    })
+}
+
+fn records(rows: Vec<SqliteRow>, op: &'static str) -> Result<Vec<EventRecord>> {
+    rows.iter()
+        .map(record)
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| Error::database(op, e))
+}
+
+/// An id list as the JSON array text `json_each` reads.
+fn json_list<T: Clone + Into<serde_json::Value>>(items: &[T]) -> String {
+    serde_json::Value::from(items.to_vec()).to_string()
+}
+
+#[async_trait]
+impl OutboxStore for SqliteOutbox {
+    fn backend(&self) -> &'static str {
+        "sqlite"
+    }
+
+    fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    async fn migrate(&self) -> Result<MigrateReport> {
+        self.run_migrations().await
+    }
+
+    async fn claim(
+        &self,
+        source: ClaimSource,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Vec<ClaimedEvent>> {
+        let db = |e| Error::database("claim", e);
+        let sql = match source {
+            ClaimSource::Pending => &self.sql.claim_pending,
+            ClaimSource::DueRetry => &self.sql.claim_due_retries,
+            ClaimSource::ExpiredLease => &self.sql.claim_expired_leases,
+        };
+        // SQLite is embedded: the host clock is the database clock. The lease
+        // end is computed once, so every row of this claim shares one fence.
+        let now = postbox_core::time::now_ms();
+        let lock_until_ms = now + req.lease_ms;
+        // One immediate write transaction per claim, in place of
+        // `FOR UPDATE SKIP LOCKED`.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db)?;
+        let res = async {
+            let rows = sqlx::query(sql)
+                .bind(req.app_code)
+                .bind(i64::from(req.limit))
+                .bind(req.worker_id)
+                .bind(lock_until_ms)
+                .bind(now)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db)?;
+            records(rows, "claim")
+        }
+        .await;
+        let mut claimed = finish(tx, res, "claim").await?;
+        // RETURNING gives no order; hand rows out in claim order.
+        // (An expired-lease claim now shares one lease end: creation order.)
+        claimed.sort_by_key(|r| match source {
+            ClaimSource::ExpiredLease => (0, r.created_at_ms, r.id),
+            _ => (r.next_retry_at_ms, r.created_at_ms, r.id),
+        });
+        Ok(claimed
+            .into_iter()
+            .map(|record| ClaimedEvent { record, source })
+            .collect())
+    }
+
+    async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(&self.sql.mark_delivered)
+            .bind(json_list(ids))
+            .bind(&fence.worker_id)
+            .bind(fence.lock_until_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("mark delivered", e))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+        let done = sqlx::query(&self.sql.mark_failed)
+            .bind(u.status.as_str())
+            .bind(u.retry_count)
+            .bind(u.retry_after_ms)
+            .bind(Some(u.delivered_to.join(",")).filter(|s| !s.is_empty()))
+            .bind(&u.error)
+            .bind(id)
+            .bind(&fence.worker_id)
+            .bind(fence.lock_until_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("mark failed attempt", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let done = sqlx::query(&self.sql.release)
+            .bind(json_list(ids))
+            .bind(&fence.worker_id)
+            .bind(fence.lock_until_ms)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| Error::database("release leases", e))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn enqueue_batch(
+        &self,
+        events: &[NewEvent],
+        max_payload_bytes: usize,
+    ) -> Result<Vec<EnqueueOutcome>> {
+        for e in events {
+            e.validate(max_payload_bytes)?;
+        }
+        let this = self.clone().with_max_payload_bytes(max_payload_bytes);
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| Error::database("begin", e))?;
+        let res = async {
+            let mut out = Vec::with_capacity(events.len());
+            for e in events {
+                match this.enqueue(&mut tx, e).await {
+                    Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
+                    Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
+                    Err(err) => return Err(err),
+                }
+            }
+            Ok(out)
+        }
+        .await;
+        finish(tx, res, "commit").await
+    }
+
+    async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
+        let db = |e| Error::database("status", e);
+        let mut out = Vec::with_capacity(app_codes.len());
+        for app_code in app_codes {
+            let mut s = AppStats {
+                app_code: app_code.clone(),
+                ..Default::default()
+            };
+            let rows = sqlx::query(&self.sql.count_by_status)
+                .bind(app_code)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db)?;
+            for row in rows {
+                let status: String = row.try_get(0).map_err(db)?;
+                let n: i64 = row.try_get(1).map_err(db)?;
+                match status.parse::<Status>() {
+                    Ok(Status::Pending) => s.pending += n,
+                    Ok(Status::Delivering) => s.delivering += n,
+                    Ok(Status::Delivered) => s.delivered += n,
+                    Ok(Status::Retryable) => s.retryable += n,
+                    Ok(Status::Failed) => s.failed += n,
+                    Err(_) => tracing::warn!(status, rows = n, "rows with an unknown status"),
+                }
+            }
+            let row = sqlx::query(&self.sql.backlog)
+                .bind(app_code)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db)?;
+            let oldest: Option<i64> = row.try_get(0).map_err(db)?;
+            s.retryable_due = row.try_get(1).map_err(db)?;
+            let now: i64 = row.try_get(2).map_err(db)?;
+            s.oldest_pending_age_seconds = oldest.map_or(0.0, |t| (now - t).max(0) as f64 / 1000.0);
+            out.push(s);
+        }
+        Ok(out)
+    }
+
+    async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let rows = sqlx::query(&self.sql.list)
+            .bind(&f.app_code)
+            .bind(f.status.map(Status::as_str))
+            .bind(&f.event_type)
+            .bind(f.since_ms)
+            .bind(f.until_ms)
+            .bind(f.before_id)
+            .bind(i64::from(f.limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("list events", e))?;
+        records(rows, "list events")
+    }
+
+    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+        let rows = sqlx::query(&self.sql.find)
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| Error::database("find event", e))?;
+        records(rows, "find event")
+    }
+
+    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
+        let db = |e| Error::database("replay", e);
+        match selector {
+            ReplaySelector::EventIds {
+                app_code,
+                event_ids,
+            } => {
+                let sql = if dry_run {
+                    &self.sql.replay_ids_dry
+                } else {
+                    &self.sql.replay_ids
+                };
+                let rows = sqlx::query(sql)
+                    .bind(json_list(event_ids))
+                    .bind(app_code)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db)?;
+                let mut out = records(rows, "replay")?;
+                out.sort_by_key(|r| r.id);
+                Ok(out)
+            }
+            ReplaySelector::Filter(f) => {
+                // A dry run only reads (one consistent snapshot); a real
+                // replay takes the write lock up front.
+                let mut tx = if dry_run {
+                    self.pool.begin().await
+                } else {
+                    self.pool.begin_with("BEGIN IMMEDIATE").await
+                }
+                .map_err(db)?;
+                let res = async {
+                    let live_sql = if dry_run {
+                        &self.sql.replay_filter_dry
+                    } else {
+                        &self.sql.replay_filter
+                    };
+                    let rows = sqlx::query(live_sql)
+                        .bind(&f.app_code)
+                        .bind(f.status.map(Status::as_str))
+                        .bind(&f.event_type)
+                        .bind(f.since_ms)
+                        .bind(f.until_ms)
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    let mut out = records(rows, "replay")?;
+                    out.sort_by_key(|r| r.id);
+                    // A time range also covers rows already archived.
+                    if f.since_ms.is_some() || f.until_ms.is_some() {
+                        let sql = if dry_run {
+                            &self.sql.unarchive_filter_dry
+                        } else {
+                            &self.sql.unarchive_filter
+                        };
+                        let rows = sqlx::query(sql)
+                            .bind(&f.app_code)
+                            .bind(f.status.map(Status::as_str))
+                            .bind(&f.event_type)
+                            .bind(f.since_ms)
+                            .bind(f.until_ms)
+                            .fetch_all(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                        let mut back = records(rows, "replay from archive")?;
+                        back.sort_by_key(|r| r.id);
+                        if !dry_run && !back.is_empty() {
+                            let ids: Vec<i64> = back.iter().map(|r| r.id).collect();
+                            sqlx::query(&self.sql.delete_unarchived)
+                                .bind(json_list(&ids))
+                                .execute(&mut *tx)
+                                .await
+                                .map_err(db)?;
+                        }
+                        out.extend(back);
+                    }
+                    Ok(out)
+                }
+                .await;
+                finish(tx, res, "replay").await
+            }
+        }
+    }
+
+    async fn now_ms(&self) -> Result<i64> {
+        sqlx::query_scalar(&self.sql.now_ms)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| Error::database("read database clock", e))
+    }
+}

@@ -1,0 +1,17 @@
+//! SQLite runs the shared conformance suite.
+
+use std::sync::Arc;
+
+use postbox_core::store::OutboxStore;
+use postbox_sqlite::SqliteOutbox;
+use postbox_testkit::{conformance_suite, scratch_table};
+
+async fn fresh_store() -> Arc<dyn OutboxStore> {
+    let path = std::env::temp_dir().join(format!("{}.db", scratch_table("conformance")));
+    let url = format!("sqlite://{}", path.display());
+    let store = SqliteOutbox::connect(&url, "room_outbox", 4).await.expect("open SQLite");
+    store.migrate().await.expect("migrate");
+    Arc::new(store)
+}
+
+conformance_suite!(fresh_store);
