@@ -1,1 +1,47 @@
-fn main() {}
+//! The `postbox` command line (SPEC §6).
+#![forbid(unsafe_code)]
+
+mod cli;
+mod commands;
+mod error;
+mod logging;
+mod open;
+mod output;
+
+use clap::Parser;
+
+use crate::cli::{Cli, Command};
+use crate::error::CliError;
+
+fn main() {
+    let cli = Cli::parse();
+    logging::init(&cli.global);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("postbox: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = runtime.block_on(run(cli));
+    if let Err(e) = result {
+        eprintln!("postbox: {e}");
+        std::process::exit(e.exit_code());
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), CliError> {
+    let g = &cli.global;
+    match cli.command {
+        Command::Migrate => commands::migrate::run(g).await,
+        Command::Relay(args) => commands::relay::run(g, args).await,
+        Command::Status(args) => commands::status::run(g, args).await,
+        Command::Events(args) => commands::events::run(g, args).await,
+        Command::Replay(args) => commands::replay::run(g, args).await,
+        Command::Enqueue(args) => commands::enqueue::run(g, args).await,
+        Command::Quickstart(args) => commands::quickstart::run(g, args).await,
+    }
+}

@@ -54,6 +54,18 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A deadlock or serialization failure: the database rolled the
+    /// transaction back, and running it again is expected to succeed.
+    /// Services that `enqueue` inside their own transaction retry it as they
+    /// would any transaction that hit a deadlock.
+    #[error("transient database conflict during {operation} (retry the transaction): {source}")]
+    Transient {
+        /// What postbox was doing.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Filesystem or other I/O failed.
     #[error("{context}: {source}")]
     Io {
@@ -77,6 +89,31 @@ impl Error {
         }
     }
 
+    /// Wraps a driver error, classifying it by its SQLSTATE (or SQLite result
+    /// code): deadlocks and serialization failures become
+    /// [`Error::Transient`].
+    pub fn from_driver(
+        operation: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+        code: Option<&str>,
+    ) -> Self {
+        // 40001 serialization failure / MySQL deadlock, 40P01 PostgreSQL
+        // deadlock; SQLite 5 BUSY, 6 LOCKED, 517 BUSY_SNAPSHOT.
+        if matches!(code, Some("40001" | "40P01" | "5" | "6" | "517")) {
+            Error::Transient {
+                operation,
+                source: Box::new(source),
+            }
+        } else {
+            Error::database(operation, source)
+        }
+    }
+
+    /// True for a deadlock or serialization failure worth retrying.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::Transient { .. })
+    }
+
     /// A configuration error on `key`.
     pub fn config(key: impl Into<String>, reason: impl fmt::Display) -> Self {
         Error::Config {
@@ -92,6 +129,28 @@ impl Error {
             self,
             Error::Config { .. } | Error::InvalidTableName(_) | Error::InvalidEvent(_)
         )
+    }
+}
+
+/// Runs `op` again, up to five times in all, while it fails with a
+/// transient error (deadlock, serialization failure), pausing a few random
+/// milliseconds between tries. For whole transactions postbox owns.
+pub async fn retry_transient<T, F, Fut>(mut op: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let mut tries = 1;
+    loop {
+        match op().await {
+            Err(e) if e.is_transient() && tries < 5 => {
+                tries += 1;
+                let pause = rand::random_range(5..50u64) * tries;
+                tracing::debug!(error = %e, tries, "transient database conflict; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+            }
+            other => return other,
+        }
     }
 }
 

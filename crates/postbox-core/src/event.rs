@@ -333,7 +333,11 @@ mod tests {
         let e = NewEvent::new("a", "T", "x".repeat(11));
         assert!(matches!(
             e.validate(10),
-            Err(Error::PayloadTooLarge { size: 11, limit: 10, .. })
+            Err(Error::PayloadTooLarge {
+                size: 11,
+                limit: 10,
+                ..
+            })
         ));
         let e = NewEvent::new("a", "T", "{}").event_id("x".repeat(65));
         assert!(e.validate(10).unwrap_err().to_string().contains("event_id"));

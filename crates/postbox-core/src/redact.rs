@@ -76,7 +76,9 @@ impl fmt::Display for Secret {
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw = String::deserialize(d)?;
-        expand_env(&raw).map(Secret).map_err(serde::de::Error::custom)
+        expand_env(&raw)
+            .map(Secret)
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -134,8 +136,8 @@ pub fn expand_env(raw: &str) -> Result<String, String> {
             .find('}')
             .ok_or_else(|| format!("unclosed `${{` in `{}`", redact_url(raw)))?;
         let var = &after[..end];
-        let value = std::env::var(var)
-            .map_err(|_| format!("environment variable `{var}` is not set"))?;
+        let value =
+            std::env::var(var).map_err(|_| format!("environment variable `{var}` is not set"))?;
         out.push_str(&value);
         rest = &after[end + 1..];
     }
@@ -154,10 +156,7 @@ mod tests {
             "mysql://root:***@127.0.0.1:3306/db?password=***&a=b"
         );
         assert_eq!(redact_url("sqlite://postbox.db"), "sqlite://postbox.db");
-        assert_eq!(
-            redact_url("amqp://u:p@ss@h/v"),
-            "amqp://u:***@h/v"
-        );
+        assert_eq!(redact_url("amqp://u:p@ss@h/v"), "amqp://u:***@h/v");
     }
 
     #[test]
@@ -172,6 +171,8 @@ mod tests {
     fn expands_env() {
         std::env::set_var("POSTBOX_REDACT_TEST", "v");
         assert_eq!(expand_env("a${POSTBOX_REDACT_TEST}b").unwrap(), "avb");
-        assert!(expand_env("${POSTBOX_SURELY_UNSET_VAR}").unwrap_err().contains("POSTBOX_SURELY_UNSET_VAR"));
+        assert!(expand_env("${POSTBOX_SURELY_UNSET_VAR}")
+            .unwrap_err()
+            .contains("POSTBOX_SURELY_UNSET_VAR"));
     }
 }

@@ -123,7 +123,8 @@ pub trait OutboxStore: Send + Sync + 'static {
     async fn migrate(&self) -> Result<MigrateReport>;
 
     /// Runs one of the three claim queries.
-    async fn claim(&self, source: ClaimSource, req: &ClaimRequest<'_>) -> Result<Vec<ClaimedEvent>>;
+    async fn claim(&self, source: ClaimSource, req: &ClaimRequest<'_>)
+        -> Result<Vec<ClaimedEvent>>;
 
     /// Marks rows `delivered`; returns how many still held `fence`.
     async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64>;
@@ -136,7 +137,11 @@ pub trait OutboxStore: Send + Sync + 'static {
 
     /// Writes events in their own transaction (CLI and tools; services use
     /// the backend's `enqueue` inside their own transaction).
-    async fn enqueue_batch(&self, events: &[NewEvent], max_payload_bytes: usize) -> Result<Vec<EnqueueOutcome>>;
+    async fn enqueue_batch(
+        &self,
+        events: &[NewEvent],
+        max_payload_bytes: usize,
+    ) -> Result<Vec<EnqueueOutcome>>;
 
     /// Counts per tenant.
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>>;

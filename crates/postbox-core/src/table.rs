@@ -89,7 +89,16 @@ mod tests {
 
     #[test]
     fn refuses_anything_else() {
-        for bad in ["", "1abc", "room-outbox", "a b", "x;drop", "t\"", &"a".repeat(64), "é"] {
+        for bad in [
+            "",
+            "1abc",
+            "room-outbox",
+            "a b",
+            "x;drop",
+            "t\"",
+            &"a".repeat(64),
+            "é",
+        ] {
             assert!(TableName::new(bad).is_err(), "{bad}");
         }
     }

@@ -39,11 +39,11 @@ mod tests {
 
     #[test]
     fn parses_the_three_forms() {
-        assert_eq!(parse_time_arg("1700000000000", 0).unwrap(), 1_700_000_000_000);
         assert_eq!(
-            parse_time_arg("1970-01-01T00:00:01Z", 0).unwrap(),
-            1000
+            parse_time_arg("1700000000000", 0).unwrap(),
+            1_700_000_000_000
         );
+        assert_eq!(parse_time_arg("1970-01-01T00:00:01Z", 0).unwrap(), 1000);
         assert_eq!(parse_time_arg("15m", 1_000_000).unwrap(), 100_000);
         assert!(parse_time_arg("yesterday", 0).is_err());
     }

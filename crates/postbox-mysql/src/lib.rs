@@ -128,7 +128,7 @@ impl MySqlOutbox {
             .acquire_timeout(std::time::Duration::from_secs(10))
             .connect_with(opts)
             .await
-            .map_err(|e| Error::database("connecting to MySQL", e))?;
+            .map_err(|e| crate::db_error("connecting to MySQL", e))?;
         Self::new(pool, table)
     }
 
@@ -172,7 +172,17 @@ impl MySqlOutbox {
                     event_id: event.event_id.clone(),
                 })
             }
-            Err(e) => Err(Error::database("enqueue", e)),
+            Err(e) => Err(crate::db_error("enqueue", e)),
         }
     }
+}
+
+/// Wraps a driver error, telling deadlocks and serialization failures apart
+/// ([`Error::Transient`]) by their SQLSTATE.
+pub(crate) fn db_error(operation: &'static str, e: sqlx::Error) -> Error {
+    let code = e
+        .as_database_error()
+        .and_then(|d| d.code())
+        .map(|c| c.into_owned());
+    Error::from_driver(operation, e, code.as_deref())
 }

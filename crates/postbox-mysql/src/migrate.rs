@@ -21,7 +21,7 @@ const MIGRATIONS: &[(u32, &str, &[&str])] = &[(
 
 impl MySqlOutbox {
     pub(crate) async fn run_migrations(&self) -> Result<MigrateReport> {
-        let db = |e| Error::database("migrate", e);
+        let db = |e| crate::db_error("migrate", e);
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let locked: Option<i64> = sqlx::query_scalar(sql::MIGRATION_LOCK)
             .bind(self.table.as_str())
@@ -48,7 +48,7 @@ impl MySqlOutbox {
     }
 
     async fn migrate_locked(&self, conn: &mut PoolConnection<MySql>) -> Result<MigrateReport> {
-        let db = |e| Error::database("migrate", e);
+        let db = |e| crate::db_error("migrate", e);
         sqlx::query(sql::CREATE_MIGRATIONS_TABLE)
             .execute(&mut **conn)
             .await

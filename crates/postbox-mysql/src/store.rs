@@ -52,7 +52,7 @@ fn records(rows: Vec<MySqlRow>, op: &'static str) -> Result<Vec<EventRecord>> {
     rows.iter()
         .map(record)
         .collect::<std::result::Result<_, _>>()
-        .map_err(|e| Error::database(op, e))
+        .map_err(|e| crate::db_error(op, e))
 }
 
 /// The ids a locking `SELECT id …` returned.
@@ -141,7 +141,7 @@ impl MySqlOutbox {
             let rows = q
                 .fetch_all(&mut *conn)
                 .await
-                .map_err(|e| Error::database("replay", e))?;
+                .map_err(|e| crate::db_error("replay", e))?;
             out.extend(records(rows, "replay")?);
         }
         out.sort_by_key(|r| r.id);
@@ -159,7 +159,7 @@ impl MySqlOutbox {
         }
         self.execute_ids(conn, &self.sql.replay_ids, ids, None)
             .await
-            .map_err(|e| Error::database("replay", e))?;
+            .map_err(|e| crate::db_error("replay", e))?;
         self.select_ids(conn, ids).await
     }
 }
@@ -183,7 +183,7 @@ impl OutboxStore for MySqlOutbox {
         source: ClaimSource,
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
-        let db = |e| Error::database("claim", e);
+        let db = |e| crate::db_error("claim", e);
         let (select, take) = match source {
             ClaimSource::Pending => (&self.sql.claim_pending, &self.sql.claim_take),
             ClaimSource::DueRetry => (&self.sql.claim_due_retries, &self.sql.claim_take),
@@ -246,7 +246,7 @@ impl OutboxStore for MySqlOutbox {
         if ids.is_empty() {
             return Ok(0);
         }
-        let db = |e| Error::database("mark delivered", e);
+        let db = |e| crate::db_error("mark delivered", e);
         let mut conn = self.pool.acquire().await.map_err(db)?;
         self.execute_ids(&mut conn, &self.sql.mark_delivered, ids, Some(fence))
             .await
@@ -265,7 +265,7 @@ impl OutboxStore for MySqlOutbox {
             .bind(fence.lock_until_ms)
             .execute(&self.pool)
             .await
-            .map_err(|e| Error::database("mark failed attempt", e))?;
+            .map_err(|e| crate::db_error("mark failed attempt", e))?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -273,7 +273,7 @@ impl OutboxStore for MySqlOutbox {
         if ids.is_empty() {
             return Ok(0);
         }
-        let db = |e| Error::database("release leases", e);
+        let db = |e| crate::db_error("release leases", e);
         let mut conn = self.pool.acquire().await.map_err(db)?;
         self.execute_ids(&mut conn, &self.sql.release, ids, Some(fence))
             .await
@@ -289,27 +289,31 @@ impl OutboxStore for MySqlOutbox {
             e.validate(max_payload_bytes)?;
         }
         let this = self.clone().with_max_payload_bytes(max_payload_bytes);
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .map_err(|e| Error::database("begin", e))?;
-        let mut out = Vec::with_capacity(events.len());
-        for e in events {
-            match this.enqueue(&mut tx, e).await {
-                Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
-                Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
-                Err(err) => return Err(err),
+        // Our own transaction, so a deadlock is retried here.
+        postbox_core::error::retry_transient(|| async {
+            let mut tx = self
+                .pool
+                .begin()
+                .await
+                .map_err(|e| crate::db_error("begin", e))?;
+            let mut out = Vec::with_capacity(events.len());
+            for e in events {
+                match this.enqueue(&mut tx, e).await {
+                    Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
+                    Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
+                    Err(err) => return Err(err),
+                }
             }
-        }
-        tx.commit()
-            .await
-            .map_err(|e| Error::database("commit", e))?;
-        Ok(out)
+            tx.commit()
+                .await
+                .map_err(|e| crate::db_error("commit", e))?;
+            Ok(out)
+        })
+        .await
     }
 
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
-        let db = |e| Error::database("status", e);
+        let db = |e| crate::db_error("status", e);
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
             let mut s = AppStats {
@@ -355,7 +359,7 @@ impl OutboxStore for MySqlOutbox {
             .bind(i64::from(f.limit))
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| Error::database("list events", e))?;
+            .map_err(|e| crate::db_error("list events", e))?;
         records(rows, "list events")
     }
 
@@ -364,12 +368,12 @@ impl OutboxStore for MySqlOutbox {
             .bind(event_id)
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| Error::database("find event", e))?;
+            .map_err(|e| crate::db_error("find event", e))?;
         records(rows, "find event")
     }
 
     async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
-        let db = |e| Error::database("replay", e);
+        let db = |e| crate::db_error("replay", e);
         match selector {
             ReplaySelector::EventIds {
                 app_code,
@@ -452,7 +456,7 @@ impl OutboxStore for MySqlOutbox {
                             .map_err(db)?;
                         let ids = first_column(&rows).map_err(db)?;
                         if !ids.is_empty() {
-                            let op = |e| Error::database("replay from archive", e);
+                            let op = |e| crate::db_error("replay from archive", e);
                             self.execute_ids(&mut tx, &self.sql.unarchive_ids, &ids, None)
                                 .await
                                 .map_err(op)?;
@@ -473,6 +477,6 @@ impl OutboxStore for MySqlOutbox {
         sqlx::query_scalar(&self.sql.now_ms)
             .fetch_one(&self.pool)
             .await
-            .map_err(|e| Error::database("read database clock", e))
+            .map_err(|e| crate::db_error("read database clock", e))
     }
 }

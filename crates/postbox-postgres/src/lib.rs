@@ -111,7 +111,7 @@ impl PgOutbox {
             .acquire_timeout(std::time::Duration::from_secs(10))
             .connect_with(opts)
             .await
-            .map_err(|e| Error::database("connecting to PostgreSQL", e))?;
+            .map_err(|e| crate::db_error("connecting to PostgreSQL", e))?;
         Self::new(pool, table)
     }
 
@@ -144,10 +144,20 @@ impl PgOutbox {
             .bind(event.headers_json())
             .fetch_optional(conn)
             .await
-            .map_err(|e| Error::database("enqueue", e))?;
+            .map_err(|e| crate::db_error("enqueue", e))?;
         id.ok_or_else(|| Error::DuplicateEvent {
             app_code: event.app_code.clone(),
             event_id: event.event_id.clone(),
         })
     }
+}
+
+/// Wraps a driver error, telling deadlocks and serialization failures apart
+/// ([`Error::Transient`]) by their SQLSTATE.
+pub(crate) fn db_error(operation: &'static str, e: sqlx::Error) -> Error {
+    let code = e
+        .as_database_error()
+        .and_then(|d| d.code())
+        .map(|c| c.into_owned());
+    Error::from_driver(operation, e, code.as_deref())
 }

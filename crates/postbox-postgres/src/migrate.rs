@@ -3,17 +3,20 @@
 use sqlx::Row;
 
 use postbox_core::store::MigrateReport;
-use postbox_core::{Error, Result};
+use postbox_core::Result;
 
 use crate::{sql, PgOutbox};
 
 /// `(version, description, statements)`, applied in order.
-const MIGRATIONS: &[(u32, &str, &[&str])] = &[(1, "outbox table, claim indexes, archive table", sql::V1_SCHEMA)];
-
+const MIGRATIONS: &[(u32, &str, &[&str])] = &[(
+    1,
+    "outbox table, claim indexes, archive table",
+    sql::V1_SCHEMA,
+)];
 
 impl PgOutbox {
     pub(crate) async fn run_migrations(&self) -> Result<MigrateReport> {
-        let db = |e| Error::database("migrate", e);
+        let db = |e| crate::db_error("migrate", e);
         let mut tx = self.pool.begin().await.map_err(db)?;
         sqlx::query(sql::MIGRATION_LOCK)
             .execute(&mut *tx)

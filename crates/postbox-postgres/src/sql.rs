@@ -45,48 +45,74 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
        WHERE app_code = $1 AND status = 'pending' \
        ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
      UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ", now_ms!(), " + $4, updated_at_ms = ", now_ms!(), " \
-     FROM picked WHERE o.id = picked.id RETURNING ", o_columns!()
+       lock_until_ms = ",
+    now_ms!(),
+    " + $4, updated_at_ms = ",
+    now_ms!(),
+    " \
+     FROM picked WHERE o.id = picked.id RETURNING ",
+    o_columns!()
 );
 
 /// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
 pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
     "WITH picked AS (SELECT id FROM {table} \
-       WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ", now_ms!(), " \
+       WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ",
+    now_ms!(),
+    " \
        ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
      UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ", now_ms!(), " + $4, updated_at_ms = ", now_ms!(), " \
-     FROM picked WHERE o.id = picked.id RETURNING ", o_columns!()
+       lock_until_ms = ",
+    now_ms!(),
+    " + $4, updated_at_ms = ",
+    now_ms!(),
+    " \
+     FROM picked WHERE o.id = picked.id RETURNING ",
+    o_columns!()
 );
 
 /// Take over rows whose lease expired; the lost attempt is counted.
 /// Index: `{table}_claim_lease_idx` `(app_code, status, lock_until_ms, created_at_ms, event_id)`.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
     "WITH picked AS (SELECT id FROM {table} \
-       WHERE app_code = $1 AND status = 'delivering' AND lock_until_ms <= ", now_ms!(), " \
+       WHERE app_code = $1 AND status = 'delivering' AND lock_until_ms <= ",
+    now_ms!(),
+    " \
        ORDER BY lock_until_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
      UPDATE {table} o SET worker_id = $3, retry_count = o.retry_count + 1, \
        last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), \
-       lock_until_ms = ", now_ms!(), " + $4, updated_at_ms = ", now_ms!(), " \
-     FROM picked WHERE o.id = picked.id RETURNING ", o_columns!()
+       lock_until_ms = ",
+    now_ms!(),
+    " + $4, updated_at_ms = ",
+    now_ms!(),
+    " \
+     FROM picked WHERE o.id = picked.id RETURNING ",
+    o_columns!()
 );
 
 /// Fenced: only rows still leased by this claim. Primary key lookups.
 pub(crate) const MARK_DELIVERED: &str = concat!(
     "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
-       updated_at_ms = ", now_ms!(), " \
+       updated_at_ms = ",
+    now_ms!(),
+    " \
      WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
 );
 
 /// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
 pub(crate) const MARK_FAILED: &str = concat!(
-    "UPDATE {table} SET status = $1, retry_count = $2, next_retry_at_ms = ", now_ms!(), " + $3, \
-       lock_until_ms = 0, delivered_to = $4, last_error = $5, updated_at_ms = ", now_ms!(), " \
+    "UPDATE {table} SET status = $1, retry_count = $2, next_retry_at_ms = ",
+    now_ms!(),
+    " + $3, \
+       lock_until_ms = 0, delivered_to = $4, last_error = $5, updated_at_ms = ",
+    now_ms!(),
+    " \
      WHERE id = $6 AND status = 'delivering' AND worker_id = $7 AND lock_until_ms = $8"
 );
 
 /// Fenced release at shutdown: due again at once, no attempt counted.
-pub(crate) const RELEASE: &str = concat!(
+pub(crate) const RELEASE: &str =
+    concat!(
     "UPDATE {table} SET status = CASE WHEN retry_count = 0 THEN 'pending' ELSE 'retryable' END, \
        next_retry_at_ms = 0, lock_until_ms = 0, worker_id = NULL, updated_at_ms = ", now_ms!(), " \
      WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
@@ -101,13 +127,17 @@ pub(crate) const BACKLOG: &str = concat!(
     "SELECT \
        (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = $1 AND status = 'pending'), \
        (SELECT COUNT(*) FROM {table} WHERE app_code = $1 AND status = 'retryable' \
-          AND next_retry_at_ms <= ", now_ms!(), "), ",
+          AND next_retry_at_ms <= ",
+    now_ms!(),
+    "), ",
     now_ms!()
 );
 
 /// Newest first, every filter optional.
 pub(crate) const LIST: &str = concat!(
-    "SELECT ", columns!(), " FROM {table} \
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
      WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
        AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
        AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND ($6::BIGINT IS NULL OR id < $6) \
@@ -116,7 +146,11 @@ pub(crate) const LIST: &str = concat!(
 
 /// By event id. Index: `{table}_event_uq` is led by app_code, so this uses
 /// `{table}_event_id_idx`.
-pub(crate) const FIND: &str = concat!("SELECT ", columns!(), " FROM {table} WHERE event_id = $1 ORDER BY id");
+pub(crate) const FIND: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {table} WHERE event_id = $1 ORDER BY id"
+);
 
 /// Replay by ids: back to pending with retry_count 0, keeping event_id.
 pub(crate) const REPLAY_IDS: &str = concat!(
@@ -146,7 +180,9 @@ pub(crate) const REPLAY_FILTER: &str = concat!(
 
 /// Rows a replay by filter would touch.
 pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
-    "SELECT ", columns!(), " FROM {table} \
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
      WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
        AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
        AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND status <> 'delivering' ORDER BY id"
@@ -185,7 +221,8 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id = ANY
 /// migrations table, whose `CREATE … IF NOT EXISTS` is not race-free.
 pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('postbox_migrate'))";
 
-pub(crate) const CREATE_MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS postbox_schema_migrations ( \
+pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS postbox_schema_migrations ( \
        table_name VARCHAR(64) NOT NULL, version INT NOT NULL, description TEXT NOT NULL, \
        applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))";
 
@@ -194,7 +231,9 @@ pub(crate) const APPLIED_VERSIONS: &str =
 
 pub(crate) const RECORD_VERSION: &str = concat!(
     "INSERT INTO postbox_schema_migrations (table_name, version, description, applied_at_ms) \
-     VALUES ($1, $2, $3, ", now_ms!(), ")"
+     VALUES ($1, $2, $3, ",
+    now_ms!(),
+    ")"
 );
 
 /// Version 1: the outbox table, its indexes and the archive twin.

@@ -9,7 +9,9 @@ use postbox_core::store::{
     AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
     ReplaySelector,
 };
-use postbox_core::{ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName};
+use postbox_core::{
+    ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
+};
 
 use crate::PgOutbox;
 
@@ -24,7 +26,9 @@ fn record(row: &PgRow) -> std::result::Result<EventRecord, sqlx::Error> {
         aggregate_version: row.try_get(5)?,
         payload: row.try_get(6)?,
         headers: row.try_get(7)?,
-        status: status.parse().map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
+        status: status
+            .parse()
+            .map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
         retry_count: row.try_get(9)?,
         next_retry_at_ms: row.try_get(10)?,
         lock_until_ms: row.try_get(11)?,
@@ -41,7 +45,7 @@ fn records(rows: Vec<PgRow>, op: &'static str) -> Result<Vec<EventRecord>> {
     rows.iter()
         .map(record)
         .collect::<std::result::Result<_, _>>()
-        .map_err(|e| Error::database(op, e))
+        .map_err(|e| crate::db_error(op, e))
 }
 
 #[async_trait]
@@ -58,7 +62,11 @@ impl OutboxStore for PgOutbox {
         self.run_migrations().await
     }
 
-    async fn claim(&self, source: ClaimSource, req: &ClaimRequest<'_>) -> Result<Vec<ClaimedEvent>> {
+    async fn claim(
+        &self,
+        source: ClaimSource,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Vec<ClaimedEvent>> {
         let sql = match source {
             ClaimSource::Pending => &self.sql.claim_pending,
             ClaimSource::DueRetry => &self.sql.claim_due_retries,
@@ -71,7 +79,7 @@ impl OutboxStore for PgOutbox {
             .bind(req.lease_ms)
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| Error::database("claim", e))?;
+            .map_err(|e| crate::db_error("claim", e))?;
         Ok(records(rows, "claim")?
             .into_iter()
             .map(|record| ClaimedEvent { record, source })
@@ -85,7 +93,7 @@ impl OutboxStore for PgOutbox {
             .bind(fence.lock_until_ms)
             .execute(&self.pool)
             .await
-            .map_err(|e| Error::database("mark delivered", e))?;
+            .map_err(|e| crate::db_error("mark delivered", e))?;
         Ok(done.rows_affected())
     }
 
@@ -101,7 +109,7 @@ impl OutboxStore for PgOutbox {
             .bind(fence.lock_until_ms)
             .execute(&self.pool)
             .await
-            .map_err(|e| Error::database("mark failed attempt", e))?;
+            .map_err(|e| crate::db_error("mark failed attempt", e))?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -112,30 +120,44 @@ impl OutboxStore for PgOutbox {
             .bind(fence.lock_until_ms)
             .execute(&self.pool)
             .await
-            .map_err(|e| Error::database("release leases", e))?;
+            .map_err(|e| crate::db_error("release leases", e))?;
         Ok(done.rows_affected())
     }
 
-    async fn enqueue_batch(&self, events: &[NewEvent], max_payload_bytes: usize) -> Result<Vec<EnqueueOutcome>> {
+    async fn enqueue_batch(
+        &self,
+        events: &[NewEvent],
+        max_payload_bytes: usize,
+    ) -> Result<Vec<EnqueueOutcome>> {
         for e in events {
             e.validate(max_payload_bytes)?;
         }
         let this = self.clone().with_max_payload_bytes(max_payload_bytes);
-        let mut tx = self.pool.begin().await.map_err(|e| Error::database("begin", e))?;
-        let mut out = Vec::with_capacity(events.len());
-        for e in events {
-            match this.enqueue(&mut tx, e).await {
-                Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
-                Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
-                Err(err) => return Err(err),
+        // Our own transaction, so a deadlock is retried here.
+        postbox_core::error::retry_transient(|| async {
+            let mut tx = self
+                .pool
+                .begin()
+                .await
+                .map_err(|e| crate::db_error("begin", e))?;
+            let mut out = Vec::with_capacity(events.len());
+            for e in events {
+                match this.enqueue(&mut tx, e).await {
+                    Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
+                    Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
+                    Err(err) => return Err(err),
+                }
             }
-        }
-        tx.commit().await.map_err(|e| Error::database("commit", e))?;
-        Ok(out)
+            tx.commit()
+                .await
+                .map_err(|e| crate::db_error("commit", e))?;
+            Ok(out)
+        })
+        .await
     }
 
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
-        let db = |e| Error::database("status", e);
+        let db = |e| crate::db_error("status", e);
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
             let mut s = AppStats {
@@ -184,7 +206,7 @@ impl OutboxStore for PgOutbox {
             .bind(i64::from(f.limit))
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| Error::database("list events", e))?;
+            .map_err(|e| crate::db_error("list events", e))?;
         records(rows, "list events")
     }
 
@@ -193,15 +215,22 @@ impl OutboxStore for PgOutbox {
             .bind(event_id)
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| Error::database("find event", e))?;
+            .map_err(|e| crate::db_error("find event", e))?;
         records(rows, "find event")
     }
 
     async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
-        let db = |e| Error::database("replay", e);
+        let db = |e| crate::db_error("replay", e);
         match selector {
-            ReplaySelector::EventIds { app_code, event_ids } => {
-                let sql = if dry_run { &self.sql.replay_ids_dry } else { &self.sql.replay_ids };
+            ReplaySelector::EventIds {
+                app_code,
+                event_ids,
+            } => {
+                let sql = if dry_run {
+                    &self.sql.replay_ids_dry
+                } else {
+                    &self.sql.replay_ids
+                };
                 let rows = sqlx::query(sql)
                     .bind(event_ids)
                     .bind(app_code)
@@ -212,7 +241,11 @@ impl OutboxStore for PgOutbox {
             }
             ReplaySelector::Filter(f) => {
                 let mut tx = self.pool.begin().await.map_err(db)?;
-                let live_sql = if dry_run { &self.sql.replay_filter_dry } else { &self.sql.replay_filter };
+                let live_sql = if dry_run {
+                    &self.sql.replay_filter_dry
+                } else {
+                    &self.sql.replay_filter
+                };
                 let rows = sqlx::query(live_sql)
                     .bind(&f.app_code)
                     .bind(f.status.map(Status::as_str))
@@ -225,7 +258,11 @@ impl OutboxStore for PgOutbox {
                 let mut out = records(rows, "replay")?;
                 // A time range also covers rows already archived.
                 if f.since_ms.is_some() || f.until_ms.is_some() {
-                    let sql = if dry_run { &self.sql.unarchive_filter_dry } else { &self.sql.unarchive_filter };
+                    let sql = if dry_run {
+                        &self.sql.unarchive_filter_dry
+                    } else {
+                        &self.sql.unarchive_filter
+                    };
                     let rows = sqlx::query(sql)
                         .bind(&f.app_code)
                         .bind(f.status.map(Status::as_str))
@@ -256,6 +293,6 @@ impl OutboxStore for PgOutbox {
         sqlx::query_scalar(&self.sql.now_ms)
             .fetch_one(&self.pool)
             .await
-            .map_err(|e| Error::database("read database clock", e))
+            .map_err(|e| crate::db_error("read database clock", e))
     }
 }

@@ -13,7 +13,12 @@ async fn outbox() -> PgOutbox {
     ensure_database("postgres", &url).await;
     let store = PgOutbox::connect(&url, &scratch_table("pg"), 4)
         .await
-        .unwrap_or_else(|e| panic!("{}: {e}", postbox_testkit::servers::how_to_start("postgres")));
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}",
+                postbox_testkit::servers::how_to_start("postgres")
+            )
+        });
     store.migrate().await.expect("migrate");
     store
 }
@@ -36,13 +41,22 @@ async fn migrate_is_idempotent() {
 async fn enqueue_commits_and_rolls_back_with_the_callers_transaction() {
     let store = outbox().await;
     let pool = store.pool().clone();
-    sqlx::query(&format!("CREATE TABLE IF NOT EXISTS {}_rooms (id TEXT PRIMARY KEY)", store.table()))
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(&format!(
+        "CREATE TABLE IF NOT EXISTS {}_rooms (id TEXT PRIMARY KEY)",
+        store.table()
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
 
     let mut tx = pool.begin().await.unwrap();
-    sqlx::query(&format!("INSERT INTO {}_rooms VALUES ('r1')", store.table())).execute(&mut *tx).await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {}_rooms VALUES ('r1')",
+        store.table()
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
     let kept = NewEvent::new("room", "RoomCreated", r#"{"room":"r1"}"#);
     store.enqueue(&mut tx, &kept).await.unwrap();
     tx.commit().await.unwrap();
@@ -62,7 +76,10 @@ async fn enqueue_commits_and_rolls_back_with_the_callers_transaction() {
         other => panic!("expected DuplicateEvent, got {other:?}"),
     }
     let after = NewEvent::new("room", "RoomClosed", "{}");
-    store.enqueue(&mut tx, &after).await.expect("transaction still usable");
+    store
+        .enqueue(&mut tx, &after)
+        .await
+        .expect("transaction still usable");
     tx.commit().await.unwrap();
     assert_eq!(store.find(&after.event_id).await.unwrap().len(), 1);
 
@@ -70,7 +87,9 @@ async fn enqueue_commits_and_rolls_back_with_the_callers_transaction() {
     let small = store.clone().with_max_payload_bytes(10);
     let mut tx = pool.begin().await.unwrap();
     assert!(matches!(
-        small.enqueue(&mut tx, &NewEvent::new("room", "Big", "x".repeat(11))).await,
+        small
+            .enqueue(&mut tx, &NewEvent::new("room", "Big", "x".repeat(11)))
+            .await,
         Err(Error::PayloadTooLarge { .. })
     ));
 }
@@ -79,7 +98,8 @@ async fn enqueue_commits_and_rolls_back_with_the_callers_transaction() {
 #[tokio::test]
 async fn readme_plain_insert_is_relayed_like_any_other_row() {
     let store = outbox().await;
-    let readme_sql = include_str!("../../../docs/plain-insert.postgres.sql").replace("room_outbox", store.table().as_str());
+    let readme_sql = include_str!("../../../docs/plain-insert.postgres.sql")
+        .replace("room_outbox", store.table().as_str());
     sqlx::query(&readme_sql)
         .bind("room")
         .bind("0192b7a4-8d7e-7cc1-b5e3-0a5b2c1d9e01")
@@ -91,21 +111,33 @@ async fn readme_plain_insert_is_relayed_like_any_other_row() {
         .execute(store.pool())
         .await
         .expect("plain insert");
-    let rows = store.find("0192b7a4-8d7e-7cc1-b5e3-0a5b2c1d9e01").await.unwrap();
+    let rows = store
+        .find("0192b7a4-8d7e-7cc1-b5e3-0a5b2c1d9e01")
+        .await
+        .unwrap();
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].status, postbox_core::Status::Pending);
-    assert!(rows[0].created_at_ms > 1_700_000_000_000, "created_at_ms defaults to the database clock");
+    assert!(
+        rows[0].created_at_ms > 1_700_000_000_000,
+        "created_at_ms defaults to the database clock"
+    );
 }
 
 /// Legacy `published` rows read as delivered and are never claimed.
 #[tokio::test]
 async fn legacy_published_rows_count_as_delivered() {
     let store = outbox().await;
-    store.enqueue_batch(&[NewEvent::new("legacy", "Old", "{}")], 1024).await.unwrap();
-    sqlx::query(&format!("UPDATE {} SET status = 'published'", store.table()))
-        .execute(store.pool())
+    store
+        .enqueue_batch(&[NewEvent::new("legacy", "Old", "{}")], 1024)
         .await
         .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET status = 'published'",
+        store.table()
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
     let s = store.stats(&["legacy".into()]).await.unwrap();
     assert_eq!((s[0].delivered, s[0].pending), (1, 0));
 }

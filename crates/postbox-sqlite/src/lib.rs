@@ -201,7 +201,7 @@ impl SqliteOutbox {
                     event_id: event.event_id.clone(),
                 })
             }
-            Err(e) => Err(Error::database("enqueue", e)),
+            Err(e) => Err(crate::db_error("enqueue", e)),
         }
     }
 }
@@ -219,7 +219,7 @@ async fn finish<T>(
         Ok(value) => {
             tx.commit()
                 .await
-                .map_err(|e| Error::database(operation, e))?;
+                .map_err(|e| crate::db_error(operation, e))?;
             Ok(value)
         }
         Err(err) => {
@@ -315,4 +315,14 @@ mod tests {
             assert!(!is_memory_url(url), "{url}");
         }
     }
+}
+
+/// Wraps a driver error, telling deadlocks and serialization failures apart
+/// ([`Error::Transient`]) by their SQLSTATE.
+pub(crate) fn db_error(operation: &'static str, e: sqlx::Error) -> Error {
+    let code = e
+        .as_database_error()
+        .and_then(|d| d.code())
+        .map(|c| c.into_owned());
+    Error::from_driver(operation, e, code.as_deref())
 }

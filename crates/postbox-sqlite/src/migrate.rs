@@ -5,7 +5,7 @@
 use sqlx::Row;
 
 use postbox_core::store::MigrateReport;
-use postbox_core::{Error, Result};
+use postbox_core::Result;
 
 use crate::{finish, sql, SqliteOutbox};
 
@@ -18,7 +18,7 @@ const MIGRATIONS: &[(u32, &str, &[&str])] = &[(
 
 impl SqliteOutbox {
     pub(crate) async fn run_migrations(&self) -> Result<MigrateReport> {
-        let db = |e| Error::database("migrate", e);
+        let db = |e| crate::db_error("migrate", e);
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db)?;
         let res = async {
             sqlx::query(sql::CREATE_MIGRATIONS_TABLE)

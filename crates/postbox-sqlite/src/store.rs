@@ -45,7 +45,7 @@ fn records(rows: Vec<SqliteRow>, op: &'static str) -> Result<Vec<EventRecord>> {
     rows.iter()
         .map(record)
         .collect::<std::result::Result<_, _>>()
-        .map_err(|e| Error::database(op, e))
+        .map_err(|e| crate::db_error(op, e))
 }
 
 /// An id list as the JSON array text `json_each` reads.
@@ -72,7 +72,7 @@ impl OutboxStore for SqliteOutbox {
         source: ClaimSource,
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
-        let db = |e| Error::database("claim", e);
+        let db = |e| crate::db_error("claim", e);
         let sql = match source {
             ClaimSource::Pending => &self.sql.claim_pending,
             ClaimSource::DueRetry => &self.sql.claim_due_retries,
@@ -121,7 +121,7 @@ impl OutboxStore for SqliteOutbox {
             .bind(fence.lock_until_ms)
             .execute(&self.pool)
             .await
-            .map_err(|e| Error::database("mark delivered", e))?;
+            .map_err(|e| crate::db_error("mark delivered", e))?;
         Ok(done.rows_affected())
     }
 
@@ -137,7 +137,7 @@ impl OutboxStore for SqliteOutbox {
             .bind(fence.lock_until_ms)
             .execute(&self.pool)
             .await
-            .map_err(|e| Error::database("mark failed attempt", e))?;
+            .map_err(|e| crate::db_error("mark failed attempt", e))?;
         Ok(done.rows_affected() == 1)
     }
 
@@ -151,7 +151,7 @@ impl OutboxStore for SqliteOutbox {
             .bind(fence.lock_until_ms)
             .execute(&self.pool)
             .await
-            .map_err(|e| Error::database("release leases", e))?;
+            .map_err(|e| crate::db_error("release leases", e))?;
         Ok(done.rows_affected())
     }
 
@@ -164,28 +164,32 @@ impl OutboxStore for SqliteOutbox {
             e.validate(max_payload_bytes)?;
         }
         let this = self.clone().with_max_payload_bytes(max_payload_bytes);
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(|e| Error::database("begin", e))?;
-        let res = async {
-            let mut out = Vec::with_capacity(events.len());
-            for e in events {
-                match this.enqueue(&mut tx, e).await {
-                    Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
-                    Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
-                    Err(err) => return Err(err),
+        // Our own transaction, so a conflict is retried here.
+        postbox_core::error::retry_transient(|| async {
+            let mut tx = self
+                .pool
+                .begin_with("BEGIN IMMEDIATE")
+                .await
+                .map_err(|e| crate::db_error("begin", e))?;
+            let res = async {
+                let mut out = Vec::with_capacity(events.len());
+                for e in events {
+                    match this.enqueue(&mut tx, e).await {
+                        Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
+                        Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
+                        Err(err) => return Err(err),
+                    }
                 }
+                Ok(out)
             }
-            Ok(out)
-        }
-        .await;
-        finish(tx, res, "commit").await
+            .await;
+            finish(tx, res, "commit").await
+        })
+        .await
     }
 
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
-        let db = |e| Error::database("status", e);
+        let db = |e| crate::db_error("status", e);
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
             let mut s = AppStats {
@@ -234,7 +238,7 @@ impl OutboxStore for SqliteOutbox {
             .bind(i64::from(f.limit))
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| Error::database("list events", e))?;
+            .map_err(|e| crate::db_error("list events", e))?;
         records(rows, "list events")
     }
 
@@ -243,12 +247,12 @@ impl OutboxStore for SqliteOutbox {
             .bind(event_id)
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| Error::database("find event", e))?;
+            .map_err(|e| crate::db_error("find event", e))?;
         records(rows, "find event")
     }
 
     async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
-        let db = |e| Error::database("replay", e);
+        let db = |e| crate::db_error("replay", e);
         match selector {
             ReplaySelector::EventIds {
                 app_code,
@@ -335,6 +339,6 @@ impl OutboxStore for SqliteOutbox {
         sqlx::query_scalar(&self.sql.now_ms)
             .fetch_one(&self.pool)
             .await
-            .map_err(|e| Error::database("read database clock", e))
+            .map_err(|e| crate::db_error("read database clock", e))
     }
 }

@@ -9,7 +9,9 @@ use postbox_testkit::{conformance_suite, scratch_table};
 async fn fresh_store() -> Arc<dyn OutboxStore> {
     let path = std::env::temp_dir().join(format!("{}.db", scratch_table("conformance")));
     let url = format!("sqlite://{}", path.display());
-    let store = SqliteOutbox::connect(&url, "room_outbox", 4).await.expect("open SQLite");
+    let store = SqliteOutbox::connect(&url, "room_outbox", 4)
+        .await
+        .expect("open SQLite");
     store.migrate().await.expect("migrate");
     Arc::new(store)
 }

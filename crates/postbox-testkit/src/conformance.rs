@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use postbox_core::config::{HumanDuration, WorkerConfig};
 use postbox_core::event::Fence;
+use postbox_core::relay::CancellationToken;
 use postbox_core::relay::{Relay, RelayReport};
 use postbox_core::store::{
     AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, OutboxStore, ReplaySelector,
 };
 use postbox_core::{ClaimSource, Error, NewEvent, Publisher, Status};
-use postbox_core::relay::CancellationToken;
 
 use crate::RecordingPublisher;
 
@@ -70,7 +70,10 @@ pub fn fast_worker() -> WorkerConfig {
 
 fn events(n: usize, event_type: &str) -> Vec<NewEvent> {
     (0..n)
-        .map(|i| NewEvent::new(APP, event_type, format!(r#"{{"n":{i}}}"#)).aggregate(format!("agg-{}", i % 7), i as i64))
+        .map(|i| {
+            NewEvent::new(APP, event_type, format!(r#"{{"n":{i}}}"#))
+                .aggregate(format!("agg-{}", i % 7), i as i64)
+        })
         .collect()
 }
 
@@ -89,7 +92,11 @@ fn req<'a>(worker: &'a str, limit: u32, lease_ms: i64) -> ClaimRequest<'a> {
 }
 
 async fn stats(store: &dyn OutboxStore) -> AppStats {
-    store.stats(&[APP.to_owned()]).await.expect("stats").remove(0)
+    store
+        .stats(&[APP.to_owned()])
+        .await
+        .expect("stats")
+        .remove(0)
 }
 
 async fn status_of(store: &dyn OutboxStore, event_id: &str) -> postbox_core::EventRecord {
@@ -114,7 +121,10 @@ pub async fn run_relay_until(
         if done(&s) {
             break;
         }
-        assert!(Instant::now() < deadline, "relay did not reach the expected state in 30 s: {s:?}");
+        assert!(
+            Instant::now() < deadline,
+            "relay did not reach the expected state in 30 s: {s:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     shutdown.cancel();
@@ -126,18 +136,38 @@ pub async fn run_relay_until(
 pub async fn claim_pending_takes_batches_and_leases(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), &events(5, "T")).await;
     let before = store.now_ms().await.unwrap();
-    let first = store.claim(ClaimSource::Pending, &req("w1", 3, 30_000)).await.unwrap();
+    let first = store
+        .claim(ClaimSource::Pending, &req("w1", 3, 30_000))
+        .await
+        .unwrap();
     assert_eq!(first.len(), 3);
     for c in &first {
         assert_eq!(c.record.status, Status::Delivering);
         assert_eq!(c.record.worker_id.as_deref(), Some("w1"));
-        assert!(c.record.lock_until_ms >= before + 30_000 - 5, "lease on the database clock");
+        assert!(
+            c.record.lock_until_ms >= before + 30_000 - 5,
+            "lease on the database clock"
+        );
         assert_eq!(c.fence(), first[0].fence(), "one fence per claim");
     }
-    let second = store.claim(ClaimSource::Pending, &req("w2", 3, 30_000)).await.unwrap();
+    let second = store
+        .claim(ClaimSource::Pending, &req("w2", 3, 30_000))
+        .await
+        .unwrap();
     assert_eq!(second.len(), 2);
-    assert!(store.claim(ClaimSource::Pending, &req("w3", 3, 30_000)).await.unwrap().is_empty());
-    assert!(store.claim(ClaimSource::ExpiredLease, &req("w3", 3, 30_000)).await.unwrap().is_empty(), "live leases are not taken");
+    assert!(store
+        .claim(ClaimSource::Pending, &req("w3", 3, 30_000))
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(
+        store
+            .claim(ClaimSource::ExpiredLease, &req("w3", 3, 30_000))
+            .await
+            .unwrap()
+            .is_empty(),
+        "live leases are not taken"
+    );
     let mut ids: Vec<_> = first.iter().chain(&second).map(|c| c.record.id).collect();
     ids.sort();
     ids.dedup();
@@ -148,15 +178,28 @@ pub async fn claim_pending_takes_batches_and_leases(store: Arc<dyn OutboxStore>)
 /// Only the claim that holds the lease can mark a row delivered.
 pub async fn mark_delivered_is_fenced(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), &events(2, "T")).await;
-    let claimed = store.claim(ClaimSource::Pending, &req("w1", 10, 30_000)).await.unwrap();
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 10, 30_000))
+        .await
+        .unwrap();
     let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
     let fence = claimed[0].fence();
-    let wrong_worker = Fence { worker_id: "other".into(), ..fence.clone() };
-    let wrong_lease = Fence { lock_until_ms: fence.lock_until_ms + 1, ..fence.clone() };
+    let wrong_worker = Fence {
+        worker_id: "other".into(),
+        ..fence.clone()
+    };
+    let wrong_lease = Fence {
+        lock_until_ms: fence.lock_until_ms + 1,
+        ..fence.clone()
+    };
     assert_eq!(store.mark_delivered(&wrong_worker, &ids).await.unwrap(), 0);
     assert_eq!(store.mark_delivered(&wrong_lease, &ids).await.unwrap(), 0);
     assert_eq!(store.mark_delivered(&fence, &ids).await.unwrap(), 2);
-    assert_eq!(store.mark_delivered(&fence, &ids).await.unwrap(), 0, "a delivered row is never marked twice");
+    assert_eq!(
+        store.mark_delivered(&fence, &ids).await.unwrap(),
+        0,
+        "a delivered row is never marked twice"
+    );
     let s = stats(store.as_ref()).await;
     assert_eq!((s.delivered, s.delivering), (2, 0));
 }
@@ -165,7 +208,10 @@ pub async fn mark_delivered_is_fenced(store: Arc<dyn OutboxStore>) {
 /// only the due-retry claim takes it.
 pub async fn failed_attempt_becomes_retryable_after_backoff(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), &events(2, "T")).await;
-    let claimed = store.claim(ClaimSource::Pending, &req("w1", 10, 30_000)).await.unwrap();
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 10, 30_000))
+        .await
+        .unwrap();
     let fence = claimed[0].fence();
     let (late, soon) = (&claimed[0].record, &claimed[1].record);
     let update = |after: i64| FailureUpdate {
@@ -175,9 +221,21 @@ pub async fn failed_attempt_becomes_retryable_after_backoff(store: Arc<dyn Outbo
         delivered_to: vec!["rabbit".into()],
         error: "broker said no".into(),
     };
-    assert!(store.mark_failed(&fence, late.id, &update(60_000)).await.unwrap());
-    assert!(store.mark_failed(&fence, soon.id, &update(0)).await.unwrap());
-    assert!(!store.mark_failed(&fence, soon.id, &update(0)).await.unwrap(), "fenced: no longer leased");
+    assert!(store
+        .mark_failed(&fence, late.id, &update(60_000))
+        .await
+        .unwrap());
+    assert!(store
+        .mark_failed(&fence, soon.id, &update(0))
+        .await
+        .unwrap());
+    assert!(
+        !store
+            .mark_failed(&fence, soon.id, &update(0))
+            .await
+            .unwrap(),
+        "fenced: no longer leased"
+    );
 
     let row = status_of(store.as_ref(), &late.event_id).await;
     assert_eq!(row.status, Status::Retryable);
@@ -185,10 +243,20 @@ pub async fn failed_attempt_becomes_retryable_after_backoff(store: Arc<dyn Outbo
     assert_eq!(row.last_error.as_deref(), Some("broker said no"));
     assert_eq!(row.delivered_to, vec!["rabbit".to_string()]);
     let wait = row.next_retry_at_ms - row.updated_at_ms;
-    assert!((59_000..=60_000).contains(&wait), "due 60 s after the failure, got {wait} ms");
+    assert!(
+        (59_000..=60_000).contains(&wait),
+        "due 60 s after the failure, got {wait} ms"
+    );
 
-    assert!(store.claim(ClaimSource::Pending, &req("w2", 10, 30_000)).await.unwrap().is_empty());
-    let due = store.claim(ClaimSource::DueRetry, &req("w2", 10, 30_000)).await.unwrap();
+    assert!(store
+        .claim(ClaimSource::Pending, &req("w2", 10, 30_000))
+        .await
+        .unwrap()
+        .is_empty());
+    let due = store
+        .claim(ClaimSource::DueRetry, &req("w2", 10, 30_000))
+        .await
+        .unwrap();
     assert_eq!(due.len(), 1, "only the row whose backoff is over");
     assert_eq!(due[0].record.event_id, soon.event_id);
     assert_eq!(due[0].record.retry_count, 1);
@@ -199,18 +267,32 @@ pub async fn failed_attempt_becomes_retryable_after_backoff(store: Arc<dyn Outbo
 /// holder's late result is dropped.
 pub async fn expired_lease_is_taken_over_and_counted(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), &events(1, "T")).await;
-    let old = store.claim(ClaimSource::Pending, &req("slow", 10, 50)).await.unwrap();
+    let old = store
+        .claim(ClaimSource::Pending, &req("slow", 10, 50))
+        .await
+        .unwrap();
     assert_eq!(old.len(), 1);
-    assert!(store.claim(ClaimSource::ExpiredLease, &req("w2", 10, 30_000)).await.unwrap().is_empty());
+    assert!(store
+        .claim(ClaimSource::ExpiredLease, &req("w2", 10, 30_000))
+        .await
+        .unwrap()
+        .is_empty());
     tokio::time::sleep(Duration::from_millis(120)).await;
-    let new = store.claim(ClaimSource::ExpiredLease, &req("w2", 10, 30_000)).await.unwrap();
+    let new = store
+        .claim(ClaimSource::ExpiredLease, &req("w2", 10, 30_000))
+        .await
+        .unwrap();
     assert_eq!(new.len(), 1);
     assert_eq!(new[0].record.retry_count, 1, "the lost attempt counts");
     assert_eq!(new[0].record.worker_id.as_deref(), Some("w2"));
     assert_eq!(new[0].record.event_id, old[0].record.event_id);
 
     let id = old[0].record.id;
-    assert_eq!(store.mark_delivered(&old[0].fence(), &[id]).await.unwrap(), 0, "late result dropped");
+    assert_eq!(
+        store.mark_delivered(&old[0].fence(), &[id]).await.unwrap(),
+        0,
+        "late result dropped"
+    );
     let late_failure = FailureUpdate {
         status: Status::Failed,
         retry_count: 9,
@@ -218,8 +300,14 @@ pub async fn expired_lease_is_taken_over_and_counted(store: Arc<dyn OutboxStore>
         delivered_to: vec![],
         error: "late".into(),
     };
-    assert!(!store.mark_failed(&old[0].fence(), id, &late_failure).await.unwrap());
-    assert_eq!(store.mark_delivered(&new[0].fence(), &[id]).await.unwrap(), 1);
+    assert!(!store
+        .mark_failed(&old[0].fence(), id, &late_failure)
+        .await
+        .unwrap());
+    assert_eq!(
+        store.mark_delivered(&new[0].fence(), &[id]).await.unwrap(),
+        1
+    );
     let row = status_of(store.as_ref(), &new[0].record.event_id).await;
     assert_eq!(row.status, Status::Delivered);
     assert_eq!(row.retry_count, 1);
@@ -228,11 +316,29 @@ pub async fn expired_lease_is_taken_over_and_counted(store: Arc<dyn OutboxStore>
 /// Released rows are claimable again at once, with no attempt counted.
 pub async fn release_returns_rows_without_an_attempt(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), &events(3, "T")).await;
-    let claimed = store.claim(ClaimSource::Pending, &req("w1", 10, 30_000)).await.unwrap();
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 10, 30_000))
+        .await
+        .unwrap();
     let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
-    assert_eq!(store.release(&Fence { worker_id: "x".into(), ..claimed[0].fence() }, &ids).await.unwrap(), 0);
+    assert_eq!(
+        store
+            .release(
+                &Fence {
+                    worker_id: "x".into(),
+                    ..claimed[0].fence()
+                },
+                &ids
+            )
+            .await
+            .unwrap(),
+        0
+    );
     assert_eq!(store.release(&claimed[0].fence(), &ids).await.unwrap(), 3);
-    let again = store.claim(ClaimSource::Pending, &req("w2", 10, 30_000)).await.unwrap();
+    let again = store
+        .claim(ClaimSource::Pending, &req("w2", 10, 30_000))
+        .await
+        .unwrap();
     assert_eq!(again.len(), 3);
     assert!(again.iter().all(|c| c.record.retry_count == 0));
 }
@@ -242,7 +348,10 @@ pub async fn release_returns_rows_without_an_attempt(store: Arc<dyn OutboxStore>
 pub async fn replay_keeps_event_id_and_resets_retry_count(store: Arc<dyn OutboxStore>) {
     let evs = events(3, "T");
     enqueue(store.as_ref(), &evs).await;
-    let claimed = store.claim(ClaimSource::Pending, &req("w1", 10, 30_000)).await.unwrap();
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 10, 30_000))
+        .await
+        .unwrap();
     let fence = claimed[0].fence();
     for c in &claimed {
         let dead = FailureUpdate {
@@ -256,14 +365,24 @@ pub async fn replay_keeps_event_id_and_resets_retry_count(store: Arc<dyn OutboxS
     }
     assert_eq!(stats(store.as_ref()).await.failed, 3);
 
-    let by_id = ReplaySelector::EventIds { app_code: None, event_ids: vec![evs[0].event_id.clone()] };
+    let by_id = ReplaySelector::EventIds {
+        app_code: None,
+        event_ids: vec![evs[0].event_id.clone()],
+    };
     let dry = store.replay(&by_id, true).await.unwrap();
     assert_eq!(dry.len(), 1);
-    assert_eq!(stats(store.as_ref()).await.failed, 3, "dry run changes nothing");
+    assert_eq!(
+        stats(store.as_ref()).await.failed,
+        3,
+        "dry run changes nothing"
+    );
     let done = store.replay(&by_id, false).await.unwrap();
     assert_eq!(done.len(), 1);
     let row = status_of(store.as_ref(), &evs[0].event_id).await;
-    assert_eq!((row.status, row.retry_count, row.replay_count), (Status::Pending, 0, 1));
+    assert_eq!(
+        (row.status, row.retry_count, row.replay_count),
+        (Status::Pending, 0, 1)
+    );
     assert_eq!(row.event_id, evs[0].event_id);
 
     let by_status = ReplaySelector::Filter(EventFilter {
@@ -278,25 +397,54 @@ pub async fn replay_keeps_event_id_and_resets_retry_count(store: Arc<dyn OutboxS
 
     // A replayed row is marked as such for consumers.
     let p = Arc::new(RecordingPublisher::new("rec"));
-    run_relay_until(store.clone(), vec![p.clone()], fast_worker(), |s| s.delivered == 3).await;
-    assert!(p.delivered().iter().all(|(_, attempt, replayed)| *attempt == 1 && *replayed));
+    run_relay_until(store.clone(), vec![p.clone()], fast_worker(), |s| {
+        s.delivered == 3
+    })
+    .await;
+    assert!(p
+        .delivered()
+        .iter()
+        .all(|(_, attempt, replayed)| *attempt == 1 && *replayed));
 }
 
 /// Duplicates and oversized payloads are typed errors, and nothing is
 /// written for them.
 pub async fn duplicate_and_oversized_enqueue_are_typed_errors(store: Arc<dyn OutboxStore>) {
     let e = NewEvent::new(APP, "T", "{}");
-    assert_eq!(store.enqueue_batch(std::slice::from_ref(&e), 1024).await.unwrap().len(), 1);
-    let again = store.enqueue_batch(&[e.clone(), NewEvent::new(APP, "T", "{}")], 1024).await.unwrap();
+    assert_eq!(
+        store
+            .enqueue_batch(std::slice::from_ref(&e), 1024)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    let again = store
+        .enqueue_batch(&[e.clone(), NewEvent::new(APP, "T", "{}")], 1024)
+        .await
+        .unwrap();
     assert_eq!(again[0], EnqueueOutcome::Duplicate);
-    assert!(matches!(again[1], EnqueueOutcome::Inserted(_)), "a duplicate does not spoil the batch");
+    assert!(
+        matches!(again[1], EnqueueOutcome::Inserted(_)),
+        "a duplicate does not spoil the batch"
+    );
     // The same event id in another app_code is a different event.
-    let other_app = NewEvent { app_code: "other".into(), ..e.clone() };
-    assert!(matches!(store.enqueue_batch(&[other_app], 1024).await.unwrap()[0], EnqueueOutcome::Inserted(_)));
+    let other_app = NewEvent {
+        app_code: "other".into(),
+        ..e.clone()
+    };
+    assert!(matches!(
+        store.enqueue_batch(&[other_app], 1024).await.unwrap()[0],
+        EnqueueOutcome::Inserted(_)
+    ));
 
     let big = NewEvent::new(APP, "T", "x".repeat(2048));
     match store.enqueue_batch(&[big], 1024).await {
-        Err(Error::PayloadTooLarge { size: 2048, limit: 1024, .. }) => {}
+        Err(Error::PayloadTooLarge {
+            size: 2048,
+            limit: 1024,
+            ..
+        }) => {}
         other => panic!("expected PayloadTooLarge, got {other:?}"),
     }
     assert_eq!(stats(store.as_ref()).await.pending, 2);
@@ -305,8 +453,14 @@ pub async fn duplicate_and_oversized_enqueue_are_typed_errors(store: Arc<dyn Out
 /// Status counts and the backlog figures.
 pub async fn stats_count_by_status(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), &events(4, "T")).await;
-    let claimed = store.claim(ClaimSource::Pending, &req("w1", 2, 30_000)).await.unwrap();
-    store.mark_delivered(&claimed[0].fence(), &[claimed[0].record.id]).await.unwrap();
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 2, 30_000))
+        .await
+        .unwrap();
+    store
+        .mark_delivered(&claimed[0].fence(), &[claimed[0].record.id])
+        .await
+        .unwrap();
     let retry_now = FailureUpdate {
         status: Status::Retryable,
         retry_count: 1,
@@ -314,17 +468,35 @@ pub async fn stats_count_by_status(store: Arc<dyn OutboxStore>) {
         delivered_to: vec![],
         error: "e".into(),
     };
-    store.mark_failed(&claimed[1].fence(), claimed[1].record.id, &retry_now).await.unwrap();
+    store
+        .mark_failed(&claimed[1].fence(), claimed[1].record.id, &retry_now)
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(30)).await;
     let s = stats(store.as_ref()).await;
-    assert_eq!((s.pending, s.delivering, s.delivered, s.retryable, s.failed), (2, 0, 1, 1, 0));
+    assert_eq!(
+        (s.pending, s.delivering, s.delivered, s.retryable, s.failed),
+        (2, 0, 1, 1, 0)
+    );
     assert_eq!(s.retryable_due, 1);
     assert!(s.oldest_pending_age_seconds > 0.0);
-    let listed = store.list(&EventFilter { status: Some(Status::Pending), limit: 10, ..Default::default() }).await.unwrap();
+    let listed = store
+        .list(&EventFilter {
+            status: Some(Status::Pending),
+            limit: 10,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(listed.len(), 2);
     assert!(listed[0].id > listed[1].id, "newest first");
     let page = store
-        .list(&EventFilter { limit: 10, before_id: Some(listed[0].id), app_code: Some(APP.into()), ..Default::default() })
+        .list(&EventFilter {
+            limit: 10,
+            before_id: Some(listed[0].id),
+            app_code: Some(APP.into()),
+            ..Default::default()
+        })
         .await
         .unwrap();
     assert!(page.iter().all(|r| r.id < listed[0].id));
@@ -336,7 +508,10 @@ pub async fn relay_delivers_everything(store: Arc<dyn OutboxStore>) {
     let evs = events(230, "T");
     enqueue(store.as_ref(), &evs).await;
     let p = Arc::new(RecordingPublisher::new("rec"));
-    let report = run_relay_until(store.clone(), vec![p.clone()], fast_worker(), |s| s.delivered == 230).await;
+    let report = run_relay_until(store.clone(), vec![p.clone()], fast_worker(), |s| {
+        s.delivered == 230
+    })
+    .await;
     let mut got = p.delivered_ids();
     got.sort();
     let mut want: Vec<String> = evs.iter().map(|e| e.event_id.clone()).collect();
@@ -354,7 +529,10 @@ pub async fn relay_fanout_retries_only_the_failed_publisher(store: Arc<dyn Outbo
     let healthy = Arc::new(RecordingPublisher::new("rabbit"));
     let flaky = Arc::new(RecordingPublisher::new("hook"));
     flaky.set_down(true);
-    let config = WorkerConfig { max_retry_count: 50, ..fast_worker() };
+    let config = WorkerConfig {
+        max_retry_count: 50,
+        ..fast_worker()
+    };
     let (s, f, h) = (store.clone(), flaky.clone(), healthy.clone());
     let heal = tokio::spawn(async move {
         // Let every row fail at least once on the webhook.
@@ -366,18 +544,38 @@ pub async fn relay_fanout_retries_only_the_failed_publisher(store: Arc<dyn Outbo
         tokio::time::sleep(Duration::from_millis(100)).await;
         f.set_down(false);
     });
-    run_relay_until(store.clone(), vec![healthy.clone(), flaky.clone()], config, |s| s.delivered == 40).await;
+    run_relay_until(
+        store.clone(),
+        vec![healthy.clone(), flaky.clone()],
+        config,
+        |s| s.delivered == 40,
+    )
+    .await;
     heal.await.unwrap();
     let mut h_ids = healthy.delivered_ids();
     h_ids.sort();
     h_ids.dedup();
-    assert_eq!(healthy.delivered_ids().len(), 40, "healthy publisher got each event once");
+    assert_eq!(
+        healthy.delivered_ids().len(),
+        40,
+        "healthy publisher got each event once"
+    );
     assert_eq!(h_ids.len(), 40);
     let mut f_ids = flaky.delivered_ids();
     f_ids.sort();
     f_ids.dedup();
-    assert_eq!(f_ids.len(), 40, "the flaky publisher got every event in the end");
-    assert!(flaky.delivered().iter().all(|(_, attempt, _)| *attempt >= 2), "retries carry x-attempt");
+    assert_eq!(
+        f_ids.len(),
+        40,
+        "the flaky publisher got every event in the end"
+    );
+    assert!(
+        flaky
+            .delivered()
+            .iter()
+            .all(|(_, attempt, _)| *attempt >= 2),
+        "retries carry x-attempt"
+    );
     for e in &evs {
         let row = status_of(store.as_ref(), &e.event_id).await;
         assert_eq!(row.status, Status::Delivered);
@@ -392,13 +590,20 @@ pub async fn relay_dead_letters_poison_while_others_flow(store: Arc<dyn OutboxSt
     enqueue(store.as_ref(), &good).await;
     enqueue(store.as_ref(), &bad).await;
     let p = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
-    let report = run_relay_until(store.clone(), vec![p.clone()], fast_worker(), |s| s.delivered == 60 && s.failed == 5).await;
+    let report = run_relay_until(store.clone(), vec![p.clone()], fast_worker(), |s| {
+        s.delivered == 60 && s.failed == 5
+    })
+    .await;
     assert_eq!(report.failed, 5);
     for e in &bad {
         let row = status_of(store.as_ref(), &e.event_id).await;
         assert_eq!(row.status, Status::Failed);
         assert_eq!(row.retry_count, 3, "dead-lettered at max_retry_count");
-        assert!(row.last_error.as_deref().unwrap_or("").contains("refuses Poison"));
+        assert!(row
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("refuses Poison"));
         assert_eq!(p.attempts(&e.event_id), 3);
     }
     // A dead letter is never retried automatically.
@@ -421,8 +626,14 @@ pub async fn relay_follows_the_backoff_schedule(store: Arc<dyn OutboxStore>) {
     run_relay_until(store.clone(), vec![p.clone()], config, |s| s.failed == 1).await;
     let took = start.elapsed();
     // Waits after failures 1..3: 200, 400, 400 (capped) ms, each ≥ 3/4 of that.
-    assert!(took >= Duration::from_millis(750), "retries came too fast: {took:?}");
-    assert!(took < Duration::from_secs(5), "retries came too slowly: {took:?}");
+    assert!(
+        took >= Duration::from_millis(750),
+        "retries came too fast: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "retries came too slowly: {took:?}"
+    );
     assert_eq!(p.attempts(&e.event_id), 4);
 }
 
@@ -431,10 +642,16 @@ pub async fn relay_follows_the_backoff_schedule(store: Arc<dyn OutboxStore>) {
 pub async fn relay_dead_letters_an_event_whose_last_lease_expired(store: Arc<dyn OutboxStore>) {
     let e = NewEvent::new(APP, "Crashy", "{}");
     enqueue(store.as_ref(), std::slice::from_ref(&e)).await;
-    store.claim(ClaimSource::Pending, &req("crashed-relay", 10, 1)).await.unwrap();
+    store
+        .claim(ClaimSource::Pending, &req("crashed-relay", 10, 1))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(30)).await;
     let p = Arc::new(RecordingPublisher::new("rec"));
-    let config = WorkerConfig { max_retry_count: 1, ..fast_worker() };
+    let config = WorkerConfig {
+        max_retry_count: 1,
+        ..fast_worker()
+    };
     run_relay_until(store.clone(), vec![p.clone()], config, |s| s.failed == 1).await;
     assert_eq!(p.attempts(&e.event_id), 0);
     let row = status_of(store.as_ref(), &e.event_id).await;
@@ -451,20 +668,36 @@ pub async fn relay_shutdown_releases_and_leaves_nothing_delivering(store: Arc<dy
         fn name(&self) -> &str {
             self.0.name()
         }
-        async fn publish(&self, batch: &[postbox_core::publish::Delivery<'_>]) -> Vec<Result<(), postbox_core::PublishError>> {
+        async fn publish(
+            &self,
+            batch: &[postbox_core::publish::Delivery<'_>],
+        ) -> Vec<Result<(), postbox_core::PublishError>> {
             tokio::time::sleep(Duration::from_millis(150)).await;
             self.0.publish(batch).await
         }
     }
     enqueue(store.as_ref(), &events(300, "T")).await;
     let slow = Arc::new(Slow(RecordingPublisher::new("slow")));
-    let config = WorkerConfig { batch_size: 20, ..fast_worker() };
-    let report = run_relay_until(store.clone(), vec![slow.clone()], config, |s| s.delivered >= 20).await;
+    let config = WorkerConfig {
+        batch_size: 20,
+        ..fast_worker()
+    };
+    let report = run_relay_until(store.clone(), vec![slow.clone()], config, |s| {
+        s.delivered >= 20
+    })
+    .await;
     let s = stats(store.as_ref()).await;
     assert_eq!(s.delivering, 0, "no lease left behind: {s:?}");
     assert_eq!(s.delivered + s.pending, 300);
-    assert_eq!(s.delivered as usize, slow.0.delivered().len(), "everything published was marked");
-    assert!(report.released > 0, "claimed-but-unstarted batches were released: {report:?}");
+    assert_eq!(
+        s.delivered as usize,
+        slow.0.delivered().len(),
+        "everything published was marked"
+    );
+    assert!(
+        report.released > 0,
+        "claimed-but-unstarted batches were released: {report:?}"
+    );
 }
 
 /// `delivery = "at_most_once"` types get one try and are never retried.
@@ -476,7 +709,10 @@ pub async fn relay_skips_retries_for_at_most_once_types(store: Arc<dyn OutboxSto
     let mut config = fast_worker();
     config.event_types.insert(
         "PriceTick".into(),
-        EventTypeConfig { delivery: Some(Delivery::AtMostOnce), max_retry_count: None },
+        EventTypeConfig {
+            delivery: Some(Delivery::AtMostOnce),
+            max_retry_count: None,
+        },
     );
     run_relay_until(store.clone(), vec![p.clone()], config, |s| s.failed == 1).await;
     assert_eq!(p.attempts(&e.event_id), 1);

@@ -52,7 +52,12 @@ impl RecordingPublisher {
 
     /// How many times an event was offered (confirmed or not).
     pub fn attempts(&self, event_id: &str) -> u32 {
-        self.attempts.lock().unwrap().get(event_id).copied().unwrap_or(0)
+        self.attempts
+            .lock()
+            .unwrap()
+            .get(event_id)
+            .copied()
+            .unwrap_or(0)
     }
 }
 
@@ -80,10 +85,11 @@ impl Publisher for RecordingPublisher {
                     self.name, d.record.event_type
                 ))));
             } else {
-                self.delivered
-                    .lock()
-                    .unwrap()
-                    .push((d.record.event_id.clone(), d.attempt, d.replayed));
+                self.delivered.lock().unwrap().push((
+                    d.record.event_id.clone(),
+                    d.attempt,
+                    d.replayed,
+                ));
                 out.push(Ok(()));
             }
         }

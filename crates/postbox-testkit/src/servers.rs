@@ -44,7 +44,9 @@ pub async fn ensure_database(server: &str, url: &str) {
                     .expect("query pg_database");
             if !exists {
                 // Two test binaries may race here; losing the race is fine.
-                let _ = sqlx::query(&format!("CREATE DATABASE {db}")).execute(&mut c).await;
+                let _ = sqlx::query(&format!("CREATE DATABASE {db}"))
+                    .execute(&mut c)
+                    .await;
             }
         }
         "mysql" => {

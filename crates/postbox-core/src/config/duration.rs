@@ -49,7 +49,11 @@ impl std::str::FromStr for HumanDuration {
     fn from_str(s: &str) -> Result<Self, String> {
         humantime::parse_duration(s.trim())
             .map(HumanDuration)
-            .map_err(|e| format!("`{s}` is not a duration ({e}); write e.g. \"250ms\", \"5s\", \"5m\", \"30d\""))
+            .map_err(|e| {
+                format!(
+                    "`{s}` is not a duration ({e}); write e.g. \"250ms\", \"5s\", \"5m\", \"30d\""
+                )
+            })
     }
 }
 
@@ -72,8 +76,17 @@ mod tests {
 
     #[test]
     fn parses_spec_examples() {
-        for (s, ms) in [("250ms", 250), ("5s", 5_000), ("5m", 300_000), ("30d", 2_592_000_000)] {
-            assert_eq!(s.parse::<HumanDuration>().unwrap().as_millis_i64(), ms, "{s}");
+        for (s, ms) in [
+            ("250ms", 250),
+            ("5s", 5_000),
+            ("5m", 300_000),
+            ("30d", 2_592_000_000),
+        ] {
+            assert_eq!(
+                s.parse::<HumanDuration>().unwrap().as_millis_i64(),
+                ms,
+                "{s}"
+            );
         }
         assert!("5 parsecs".parse::<HumanDuration>().is_err());
         assert!("".parse::<HumanDuration>().is_err());

@@ -41,7 +41,10 @@ pub fn load(source: &ConfigSource) -> Result<Config, Error> {
             other => {
                 return Err(Error::config(
                     "--config",
-                    format!("`{}`: unknown extension `{other}`, use .toml or .yaml", f.display()),
+                    format!(
+                        "`{}`: unknown extension `{other}`, use .toml or .yaml",
+                        f.display()
+                    ),
                 ))
             }
         };
@@ -61,7 +64,10 @@ fn extension(p: &Path) -> &str {
 
 fn from_figment(errors: figment::Error) -> Error {
     // Report the first error; figment collects several.
-    let e = errors.into_iter().next().expect("figment errors are never empty");
+    let e = errors
+        .into_iter()
+        .next()
+        .expect("figment errors are never empty");
     let mut path = e.path.clone();
     // figment names the unknown field in the path for plain tables but not
     // inside a tagged enum (a `[[publishers]]` entry).
@@ -115,17 +121,38 @@ mod tests {
     #[test]
     fn refuses_bad_values_naming_the_key() {
         let w = "[outbox_worker]\n";
-        assert_eq!(key_of(&format!("{w}poll_interval = \"0s\"")), "outbox_worker.poll_interval");
-        assert_eq!(key_of(&format!("{w}batch_size = 0")), "outbox_worker.batch_size");
+        assert_eq!(
+            key_of(&format!("{w}poll_interval = \"0s\"")),
+            "outbox_worker.poll_interval"
+        );
+        assert_eq!(
+            key_of(&format!("{w}batch_size = 0")),
+            "outbox_worker.batch_size"
+        );
         assert_eq!(
             key_of(&format!("{w}publish_timeout = \"30s\"\nlease = \"30s\"")),
             "outbox_worker.publish_timeout"
         );
-        assert_eq!(key_of(&format!("{w}poll_intervall = \"1s\"")), "outbox_worker.poll_intervall");
-        assert_eq!(key_of(&format!("{w}lease = \"soon\"")), "outbox_worker.lease");
-        assert_eq!(key_of("[database]\ntable = \"room-outbox\""), "database.table");
-        assert_eq!(key_of("[[publishers]]\nkind = \"kafka\""), "publishers.0.kind");
-        assert_eq!(key_of("[[publishers]]\nkind = \"file\"\npath = \"-\"\ncolour = 1"), "publishers.0.colour");
+        assert_eq!(
+            key_of(&format!("{w}poll_intervall = \"1s\"")),
+            "outbox_worker.poll_intervall"
+        );
+        assert_eq!(
+            key_of(&format!("{w}lease = \"soon\"")),
+            "outbox_worker.lease"
+        );
+        assert_eq!(
+            key_of("[database]\ntable = \"room-outbox\""),
+            "database.table"
+        );
+        assert_eq!(
+            key_of("[[publishers]]\nkind = \"kafka\""),
+            "publishers.0.kind"
+        );
+        assert_eq!(
+            key_of("[[publishers]]\nkind = \"file\"\npath = \"-\"\ncolour = 1"),
+            "publishers.0.colour"
+        );
         assert_eq!(key_of("[database]\nurl = \"oracle://x\""), "database.url");
     }
 

@@ -220,14 +220,20 @@ impl Config {
     pub fn validate(&self) -> Result<(), Error> {
         let db = &self.database;
         let scheme = db.url.scheme();
-        if !matches!(scheme, "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite") {
+        if !matches!(
+            scheme,
+            "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite"
+        ) {
             return Err(Error::config(
                 "database.url",
                 format!("unsupported scheme `{scheme}`: use postgres://, mysql:// or sqlite://"),
             ));
         }
         if db.app_codes.is_empty() {
-            return Err(Error::config("database.app_codes", "must name at least one app_code"));
+            return Err(Error::config(
+                "database.app_codes",
+                "must name at least one app_code",
+            ));
         }
         for code in &db.app_codes {
             if code.is_empty() || code.len() > crate::event::MAX_ID_LEN {
@@ -261,7 +267,10 @@ impl Config {
             ));
         }
         if w.publish_timeout.get().is_zero() {
-            return Err(Error::config("outbox_worker.publish_timeout", "must be > 0"));
+            return Err(Error::config(
+                "outbox_worker.publish_timeout",
+                "must be > 0",
+            ));
         }
         if w.publish_timeout >= w.lease {
             return Err(Error::config(
@@ -273,15 +282,24 @@ impl Config {
             ));
         }
         if w.max_retry_count == 0 {
-            return Err(Error::config("outbox_worker.max_retry_count", "must be ≥ 1"));
+            return Err(Error::config(
+                "outbox_worker.max_retry_count",
+                "must be ≥ 1",
+            ));
         }
         if w.initial_backoff.get().is_zero() {
-            return Err(Error::config("outbox_worker.initial_backoff", "must be > 0"));
+            return Err(Error::config(
+                "outbox_worker.initial_backoff",
+                "must be > 0",
+            ));
         }
         if w.max_backoff < w.initial_backoff {
             return Err(Error::config(
                 "outbox_worker.max_backoff",
-                format!("{} is shorter than initial_backoff ({})", w.max_backoff, w.initial_backoff),
+                format!(
+                    "{} is shorter than initial_backoff ({})",
+                    w.max_backoff, w.initial_backoff
+                ),
             ));
         }
         for (ty, o) in &w.event_types {
@@ -299,11 +317,17 @@ impl Config {
             if !names.insert(p.name().to_owned()) {
                 return Err(Error::config(
                     format!("publishers[{i}].name"),
-                    format!("`{}` is used twice; give each publisher its own name", p.name()),
+                    format!(
+                        "`{}` is used twice; give each publisher its own name",
+                        p.name()
+                    ),
                 ));
             }
             if p.name().contains(',') {
-                return Err(Error::config(format!("publishers[{i}].name"), "must not contain `,`"));
+                return Err(Error::config(
+                    format!("publishers[{i}].name"),
+                    "must not contain `,`",
+                ));
             }
         }
 

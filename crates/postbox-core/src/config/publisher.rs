@@ -33,7 +33,10 @@ impl PublisherConfig {
             PublisherConfig::File(c) => c.name.as_deref(),
         } {
             if name.is_empty() || name.len() > 64 {
-                return Err(Error::config(format!("{key}.name"), "must be 1 to 64 bytes"));
+                return Err(Error::config(
+                    format!("{key}.name"),
+                    "must be 1 to 64 bytes",
+                ));
             }
         }
         match self {

@@ -65,9 +65,18 @@ impl Claimer {
                             if events.len() as u32 == batch_size {
                                 any_full = true;
                             }
-                            if out.send(Batch { events }).await.is_err() {
+                            let batch = Batch {
+                                events,
+                                claimed_at: Instant::now(),
+                            };
+                            if out.send(batch).await.is_err() {
                                 return claimed;
                             }
+                        }
+                        Err(e) if e.is_transient() => {
+                            // A deadlock with a producer or another relay:
+                            // the claim was rolled back; claim again soon.
+                            tracing::debug!(app_code, ?source, error = %e, "claim hit a transient conflict");
                         }
                         Err(e) => {
                             any_error = true;

@@ -48,7 +48,10 @@ impl Marker {
                 errors: if o.skip_publish {
                     vec![("relay".to_owned(), "lease expired on the last allowed attempt (the event may crash or hang its relay)".to_owned())]
                 } else {
-                    o.errors.iter().map(|(p, e)| (p.clone(), e.to_string())).collect()
+                    o.errors
+                        .iter()
+                        .map(|(p, e)| (p.clone(), e.to_string()))
+                        .collect()
                 },
             };
             let asked_delay = o.errors.iter().filter_map(|(_, e)| e.retry_after()).max();
@@ -65,7 +68,12 @@ impl Marker {
             let fence = o.event.fence();
             match decision {
                 Decision::Delivered => delivered.entry(fence).or_default().push(r.id),
-                Decision::Retry { retry_count, after, delivered_to, error } => {
+                Decision::Retry {
+                    retry_count,
+                    after,
+                    delivered_to,
+                    error,
+                } => {
                     if retry_count == 1 {
                         tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempt = retry_count, retry_in = ?after, error = %error, "publish failed; will retry");
                     } else {
@@ -84,7 +92,11 @@ impl Marker {
                         report.fenced_out += 1;
                     }
                 }
-                Decision::Failed { retry_count, delivered_to, error } => {
+                Decision::Failed {
+                    retry_count,
+                    delivered_to,
+                    error,
+                } => {
                     tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempts = retry_count, error = %error, "event dead-lettered (status failed); replay it with `postbox replay`");
                     let update = FailureUpdate {
                         status: crate::Status::Failed,
@@ -113,11 +125,24 @@ impl Marker {
         }
     }
 
-    async fn write_failure(&self, fence: &Fence, id: i64, update: &FailureUpdate, event_id: &str) -> bool {
-        match retrying("mark failed attempt", || self.store.mark_failed(fence, id, update)).await {
+    async fn write_failure(
+        &self,
+        fence: &Fence,
+        id: i64,
+        update: &FailureUpdate,
+        event_id: &str,
+    ) -> bool {
+        match retrying("mark failed attempt", || {
+            self.store.mark_failed(fence, id, update)
+        })
+        .await
+        {
             Ok(true) => true,
             Ok(false) => {
-                tracing::warn!(event_id, "late result dropped: the lease was taken over by another relay");
+                tracing::warn!(
+                    event_id,
+                    "late result dropped: the lease was taken over by another relay"
+                );
                 false
             }
             Err(_) => false,
@@ -132,7 +157,7 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
 {
-    let mut delay = Duration::from_millis(100);
+    let mut delay = Duration::from_millis(20);
     let mut tries = 0;
     loop {
         match op().await {

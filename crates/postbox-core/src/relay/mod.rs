@@ -46,6 +46,8 @@ pub struct RelayReport {
 /// A batch claimed by one query.
 pub(crate) struct Batch {
     events: Vec<ClaimedEvent>,
+    /// When the claim returned, on this host's monotonic clock.
+    claimed_at: std::time::Instant,
 }
 
 /// Moves committed outbox rows to every publisher.
@@ -89,7 +91,7 @@ impl Relay {
     /// Runs until `shutdown` is cancelled, then finishes in-flight publishes,
     /// releases unstarted leases and returns the counters.
     pub async fn run(self, shutdown: CancellationToken) -> Result<RelayReport> {
-        let (claimed_tx, claimed_rx) = mpsc::channel::<Batch>(2);
+        let (claimed_tx, claimed_rx) = mpsc::channel::<Batch>(1);
         let (results_tx, results_rx) = mpsc::channel(2);
         tracing::info!(
             worker_id = %self.worker_id,

@@ -33,12 +33,30 @@ impl PublishStage {
                 released += self.release(batch).await;
                 continue;
             }
+            if !self.lease_left_for_a_publish(&batch) {
+                // Publishing now could outlive the lease, and another relay
+                // would send the same rows again: give them back instead.
+                tracing::warn!(
+                    rows = batch.events.len(),
+                    waited = ?batch.claimed_at.elapsed(),
+                    "batch waited too long for its publish; released unstarted (the database or a publisher is slower than the lease allows)"
+                );
+                released += self.release(batch).await;
+                continue;
+            }
             let outcomes = self.publish(batch).await;
             if output.send(outcomes).await.is_err() {
                 break;
             }
         }
         released
+    }
+
+    /// True while a publish started now ends (at `publish_timeout`) with at
+    /// least a fifth of the lease left for marking the result.
+    fn lease_left_for_a_publish(&self, batch: &Batch) -> bool {
+        let lease = self.config.lease.get();
+        batch.claimed_at.elapsed() + self.config.publish_timeout.get() <= lease.mul_f32(0.8)
     }
 
     async fn release(&self, batch: Batch) -> u64 {
@@ -77,11 +95,15 @@ impl PublishStage {
             let todo: Vec<usize> = outcomes
                 .iter()
                 .enumerate()
-                .filter(|(_, o)| !o.skip_publish && !o.event.record.delivered_to.iter().any(|d| d == p.name()))
+                .filter(|(_, o)| {
+                    !o.skip_publish && !o.event.record.delivered_to.iter().any(|d| d == p.name())
+                })
                 .map(|(i, _)| i)
                 .collect();
-            let deliveries: Vec<Delivery<'_>> =
-                todo.iter().map(|&i| Delivery::of(&outcomes[i].event.record)).collect();
+            let deliveries: Vec<Delivery<'_>> = todo
+                .iter()
+                .map(|&i| Delivery::of(&outcomes[i].event.record))
+                .collect();
             async move {
                 let results = if deliveries.is_empty() {
                     Vec::new()
@@ -112,8 +134,18 @@ async fn publish_bounded(
     match tokio::time::timeout(timeout, p.publish(deliveries)).await {
         Ok(results) if results.len() == deliveries.len() => results,
         Ok(results) => {
-            tracing::error!(publisher = p.name(), expected = deliveries.len(), got = results.len(), "publisher returned the wrong number of results; treating the batch as failed");
-            vec![Err(PublishError::failed("publisher returned the wrong number of results")); deliveries.len()]
+            tracing::error!(
+                publisher = p.name(),
+                expected = deliveries.len(),
+                got = results.len(),
+                "publisher returned the wrong number of results; treating the batch as failed"
+            );
+            vec![
+                Err(PublishError::failed(
+                    "publisher returned the wrong number of results"
+                ));
+                deliveries.len()
+            ]
         }
         Err(_) => vec![Err(PublishError::Timeout(timeout)); deliveries.len()],
     }

@@ -119,7 +119,10 @@ mod tests {
             errors: vec![],
             ..failing(3)
         };
-        assert_eq!(decide(&r, 10, Delivery::AtLeastOnce, secs), Decision::Delivered);
+        assert_eq!(
+            decide(&r, 10, Delivery::AtLeastOnce, secs),
+            Decision::Delivered
+        );
     }
 
     #[test]

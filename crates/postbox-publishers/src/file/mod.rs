@@ -44,8 +44,7 @@ impl FilePublisher {
 /// headers (`x-attempt`, `x-replayed`).
 pub fn envelope_line(d: &Delivery<'_>) -> String {
     let mut env = Envelope::from_record(d.record);
-    env.headers
-        .insert("x-attempt".to_owned(), d.attempt.into());
+    env.headers.insert("x-attempt".to_owned(), d.attempt.into());
     if d.replayed {
         env.headers.insert("x-replayed".to_owned(), true.into());
     }
@@ -73,7 +72,9 @@ impl Publisher for FilePublisher {
         .await;
         match result {
             Ok(()) => vec![Ok(()); batch.len()],
-            Err(e) => vec![Err(PublishError::failed(format!("writing {}: {e}", self.name))); batch.len()],
+            Err(e) => {
+                vec![Err(PublishError::failed(format!("writing {}: {e}", self.name))); batch.len()]
+            }
         }
     }
 
@@ -124,8 +125,10 @@ mod tests {
         let batch: Vec<_> = records.iter().map(Delivery::of).collect();
         assert!(p.publish(&batch).await.iter().all(|r| r.is_ok()));
         let text = std::fs::read_to_string(&path).unwrap();
-        let lines: Vec<serde_json::Value> =
-            text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
         assert_eq!(lines.len(), 2);
         assert_eq!(lines[0]["event_id"], "e1");
         assert_eq!(lines[1]["aggregate_version"], 2);

@@ -1,0 +1,183 @@
+//! Arguments.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// postbox: the database committed, so the message will be delivered.
+#[derive(Debug, Parser)]
+#[command(name = "postbox", version, about, propagate_version = true)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every command takes.
+#[derive(Debug, Args, Clone)]
+pub struct Global {
+    /// Configuration file, TOML or YAML (default: postbox.toml when present).
+    #[arg(long, global = true, env = "POSTBOX_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Database URL, overriding the file and POSTBOX__DATABASE__URL.
+    #[arg(long, global = true)]
+    pub database_url: Option<String>,
+    /// Machine-readable JSON output.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Log line format on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Log filter (`info`, `postbox_core=debug`, …); also RUST_LOG.
+    #[arg(long, global = true)]
+    pub log: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create or upgrade the outbox tables and indexes (idempotent).
+    Migrate,
+    /// Relay committed rows to every publisher until SIGINT/SIGTERM.
+    Relay(RelayArgs),
+    /// Counts by status, oldest pending age and backlog per app_code.
+    Status(StatusArgs),
+    /// Inspect outbox rows.
+    Events(EventsArgs),
+    /// Put rows back to pending with retry_count 0, keeping their event_id.
+    Replay(ReplayArgs),
+    /// Write events: one from flags, or many from a JSON-lines file.
+    Enqueue(EnqueueArgs),
+    /// A self-contained demo on SQLite and a JSON-lines file; no servers needed.
+    Quickstart(QuickstartArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RelayArgs {
+    /// Only these app_codes (default: database.app_codes).
+    #[arg(long = "app-code")]
+    pub app_codes: Vec<String>,
+    /// Run `migrate` before relaying.
+    #[arg(long)]
+    pub migrate: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Only these app_codes (default: database.app_codes).
+    #[arg(long = "app-code")]
+    pub app_codes: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct EventsArgs {
+    #[command(subcommand)]
+    pub command: EventsCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EventsCommand {
+    /// Rows matching the filters, newest first.
+    List(ListArgs),
+    /// One event with its state and last error.
+    Show(ShowArgs),
+}
+
+/// Filters shared by `events list` and `replay`.
+#[derive(Debug, Args, Clone, Default)]
+pub struct FilterArgs {
+    /// pending, delivering, delivered, retryable or failed.
+    #[arg(long)]
+    pub status: Option<String>,
+    /// Only this event type.
+    #[arg(long)]
+    pub event_type: Option<String>,
+    /// Only this app_code.
+    #[arg(long)]
+    pub app_code: Option<String>,
+    /// Created at or after: RFC 3339, epoch ms, or a duration ago (`2h`).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Created before: RFC 3339, epoch ms, or a duration ago.
+    #[arg(long)]
+    pub until: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// At most this many rows.
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+    /// Only rows with a smaller id (next page).
+    #[arg(long)]
+    pub before_id: Option<i64>,
+}
+
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    /// The event's id.
+    pub event_id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// Event ids to replay.
+    pub event_ids: Vec<String>,
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Show what would be replayed, change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct EnqueueArgs {
+    /// JSON-lines file of envelopes (`-` for stdin); given event_ids are kept.
+    #[arg(long, conflicts_with_all = ["event_type", "payload"])]
+    pub file: Option<PathBuf>,
+    /// Event type, e.g. RoomCreated.
+    #[arg(long, required_unless_present = "file")]
+    pub event_type: Option<String>,
+    /// Payload (JSON by convention).
+    #[arg(long, required_unless_present = "file")]
+    pub payload: Option<String>,
+    /// app_code (default: the first of database.app_codes).
+    #[arg(long)]
+    pub app_code: Option<String>,
+    /// Event id (default: a new UUIDv7).
+    #[arg(long)]
+    pub event_id: Option<String>,
+    /// Aggregate id (ordering scope).
+    #[arg(long)]
+    pub aggregate_id: Option<String>,
+    /// Aggregate version.
+    #[arg(long)]
+    pub aggregate_version: Option<i64>,
+    /// Extra header, `key=value`; repeatable.
+    #[arg(long = "header")]
+    pub headers: Vec<String>,
+    /// Rows per transaction when reading a file.
+    #[arg(long, default_value_t = 500)]
+    pub batch_size: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct QuickstartArgs {
+    /// Folder for the demo's database, output and config.
+    #[arg(long, default_value = "postbox-quickstart")]
+    pub dir: PathBuf,
+    /// How many demo events to write.
+    #[arg(long, default_value_t = 500)]
+    pub events: u32,
+    /// Demo events written per second.
+    #[arg(long, default_value_t = 100)]
+    pub rate: u32,
+}

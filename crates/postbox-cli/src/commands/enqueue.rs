@@ -1,0 +1,214 @@
+//! `postbox enqueue`: one event from flags, or a JSON-lines file of
+//! envelopes (for example a file sink's output, or missed events to upload).
+
+use std::io::BufRead;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::{Deserialize, Serialize};
+
+use postbox_core::store::EnqueueOutcome;
+use postbox_core::NewEvent;
+
+use crate::cli::{EnqueueArgs, Global};
+use crate::error::CliError;
+use crate::open::{load_config, open_store, require_schema};
+use crate::output;
+
+/// One line of `--file`: the SPEC §4 envelope; `event_id` and `app_code`
+/// are optional.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line {
+    event_id: Option<String>,
+    app_code: Option<String>,
+    event_type: String,
+    aggregate_id: Option<String>,
+    aggregate_version: Option<i64>,
+    #[serde(default)]
+    headers: Option<serde_json::Map<String, serde_json::Value>>,
+    payload: serde_json::Value,
+    /// Present in envelopes written by a sink; the outbox sets its own.
+    #[allow(dead_code)]
+    created_at_ms: Option<i64>,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct Summary {
+    inserted: u64,
+    duplicates: u64,
+    invalid: Vec<Invalid>,
+}
+
+#[derive(Debug, Serialize)]
+struct Invalid {
+    line: u64,
+    error: String,
+}
+
+pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
+    let config = load_config(g)?;
+    let default_app = args
+        .app_code
+        .clone()
+        .unwrap_or_else(|| config.database.app_codes[0].clone());
+    let max_payload = config.database.max_payload_bytes;
+    let store = open_store(&config).await?;
+    require_schema(store.as_ref()).await?;
+
+    let Some(path) = &args.file else {
+        let mut event = NewEvent::new(
+            default_app,
+            args.event_type.clone().unwrap_or_default(),
+            args.payload.clone().unwrap_or_default(),
+        );
+        if let Some(id) = &args.event_id {
+            event = event.event_id(id.clone());
+        }
+        event.aggregate_id = args.aggregate_id.clone();
+        event.aggregate_version = args.aggregate_version;
+        for h in &args.headers {
+            let (k, v) = h
+                .split_once('=')
+                .ok_or_else(|| CliError::usage(format!("--header `{h}`: write key=value")))?;
+            event = event.header(k, v);
+        }
+        event.validate(max_payload)?;
+        let out = store
+            .enqueue_batch(std::slice::from_ref(&event), max_payload)
+            .await?;
+        if out[0] == EnqueueOutcome::Duplicate {
+            return Err(CliError::runtime(format!(
+                "duplicate event: app_code `{}` already has event_id `{}`",
+                event.app_code, event.event_id
+            )));
+        }
+        if g.json {
+            return output::json(
+                &serde_json::json!({"event_id": event.event_id, "app_code": event.app_code}),
+            );
+        }
+        println!("{}", event.event_id);
+        return Ok(());
+    };
+
+    let (reader, total_bytes): (Box<dyn BufRead>, Option<u64>) = if path.as_os_str() == "-" {
+        (Box::new(std::io::BufReader::new(std::io::stdin())), None)
+    } else {
+        let f = std::fs::File::open(path)
+            .map_err(|e| CliError::usage(format!("--file `{}`: {e}", path.display())))?;
+        let len = f.metadata().map(|m| m.len()).ok();
+        (Box::new(std::io::BufReader::new(f)), len)
+    };
+    let bar = progress(total_bytes);
+    let mut summary = Summary::default();
+    let mut batch = Vec::with_capacity(args.batch_size);
+    let mut line_no = 0u64;
+    for line in reader.lines() {
+        line_no += 1;
+        let line = line.map_err(|e| CliError::runtime(format!("reading line {line_no}: {e}")))?;
+        bar.inc(line.len() as u64 + 1);
+        if line.trim().is_empty() {
+            continue;
+        }
+        match parse_line(&line, &default_app, max_payload) {
+            Ok(e) => batch.push(e),
+            Err(error) => summary.invalid.push(Invalid {
+                line: line_no,
+                error,
+            }),
+        }
+        if batch.len() >= args.batch_size.max(1) {
+            write_batch(store.as_ref(), &mut batch, max_payload, &mut summary).await?;
+            bar.set_message(format!(
+                "{} written, {} duplicate, {} invalid",
+                summary.inserted,
+                summary.duplicates,
+                summary.invalid.len()
+            ));
+        }
+    }
+    write_batch(store.as_ref(), &mut batch, max_payload, &mut summary).await?;
+    bar.finish_and_clear();
+
+    if g.json {
+        output::json(&summary)?;
+    } else {
+        println!(
+            "{} line(s): {} written, {} duplicate (already in the outbox), {} invalid",
+            line_no,
+            summary.inserted,
+            summary.duplicates,
+            summary.invalid.len()
+        );
+        for bad in summary.invalid.iter().take(20) {
+            eprintln!("  line {}: {}", bad.line, bad.error);
+        }
+        if summary.invalid.len() > 20 {
+            eprintln!("  … and {} more", summary.invalid.len() - 20);
+        }
+    }
+    if summary.invalid.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::runtime(format!(
+            "{} invalid line(s) were skipped; every valid line was written",
+            summary.invalid.len()
+        )))
+    }
+}
+
+fn parse_line(line: &str, default_app: &str, max_payload: usize) -> Result<NewEvent, String> {
+    let l: Line = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    let payload = match l.payload {
+        serde_json::Value::String(s) => s,
+        other => other.to_string(),
+    };
+    let mut headers = l.headers.unwrap_or_default();
+    // Delivery metadata of an earlier delivery, not part of the event.
+    headers.remove("x-attempt");
+    headers.remove("x-replayed");
+    let mut e = NewEvent::new(
+        l.app_code.unwrap_or_else(|| default_app.to_owned()),
+        l.event_type,
+        payload,
+    );
+    if let Some(id) = l.event_id {
+        e = e.event_id(id);
+    }
+    e.aggregate_id = l.aggregate_id;
+    e.aggregate_version = l.aggregate_version;
+    e.headers = Some(headers).filter(|h| !h.is_empty());
+    e.validate(max_payload).map_err(|err| err.to_string())?;
+    Ok(e)
+}
+
+async fn write_batch(
+    store: &dyn postbox_core::OutboxStore,
+    batch: &mut Vec<NewEvent>,
+    max_payload: usize,
+    summary: &mut Summary,
+) -> Result<(), CliError> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    for outcome in store.enqueue_batch(batch, max_payload).await? {
+        match outcome {
+            EnqueueOutcome::Inserted(_) => summary.inserted += 1,
+            EnqueueOutcome::Duplicate => summary.duplicates += 1,
+        }
+    }
+    batch.clear();
+    Ok(())
+}
+
+fn progress(total_bytes: Option<u64>) -> ProgressBar {
+    let bar = match total_bytes {
+        Some(n) => ProgressBar::new(n).with_style(
+            ProgressStyle::with_template("{bar:30} {percent:>3}% {bytes}/{total_bytes} {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ),
+        None => ProgressBar::new_spinner(),
+    };
+    bar.set_draw_target(ProgressDrawTarget::stderr());
+    bar
+}

@@ -1,0 +1,32 @@
+//! `postbox migrate`.
+
+use crate::cli::Global;
+use crate::error::CliError;
+use crate::open::{load_config, open_store};
+use crate::output;
+
+pub async fn run(g: &Global) -> Result<(), CliError> {
+    let config = load_config(g)?;
+    let store = open_store(&config).await?;
+    let report = store.migrate().await?;
+    if g.json {
+        return output::json(&report);
+    }
+    if report.applied.is_empty() {
+        println!(
+            "{} `{}` is up to date (schema version {}).",
+            store.backend(),
+            store.table(),
+            report.version
+        );
+    } else {
+        println!(
+            "{} `{}`: applied schema versions {:?}; now at version {}.",
+            store.backend(),
+            store.table(),
+            report.applied,
+            report.version
+        );
+    }
+    Ok(())
+}

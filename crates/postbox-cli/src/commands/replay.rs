@@ -1,0 +1,86 @@
+//! `postbox replay`.
+
+use postbox_core::store::ReplaySelector;
+
+use crate::cli::{Global, ReplayArgs};
+use crate::error::CliError;
+use crate::open::{load_config, open_store, require_schema};
+use crate::output;
+
+pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
+    let f = &args.filter;
+    let has_filter =
+        f.status.is_some() || f.event_type.is_some() || f.since.is_some() || f.until.is_some();
+    let selector = match (args.event_ids.is_empty(), has_filter) {
+        (false, false) => ReplaySelector::EventIds {
+            app_code: f.app_code.clone(),
+            event_ids: args.event_ids.clone(),
+        },
+        (true, true) => ReplaySelector::Filter(super::filter(f, 0)?),
+        (false, true) => {
+            return Err(CliError::usage(
+                "give either event ids or filters (--status, --event-type, --since, --until), not both",
+            ))
+        }
+        (true, false) => {
+            return Err(CliError::usage(
+                "nothing selected: give event ids, or --status failed, or --since/--until (with --dry-run to preview)",
+            ))
+        }
+    };
+    let config = load_config(g)?;
+    let store = open_store(&config).await?;
+    require_schema(store.as_ref()).await?;
+    let rows = store.replay(&selector, args.dry_run).await?;
+    if !args.dry_run {
+        for r in &rows {
+            tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin = "cli", "event replayed");
+        }
+    }
+    if g.json {
+        #[derive(serde::Serialize)]
+        struct Out<'a> {
+            dry_run: bool,
+            count: usize,
+            events: &'a [postbox_core::EventRecord],
+        }
+        return output::json(&Out {
+            dry_run: args.dry_run,
+            count: rows.len(),
+            events: &rows,
+        });
+    }
+    let verb = if args.dry_run {
+        "would replay"
+    } else {
+        "replayed"
+    };
+    println!("{verb} {} event(s)", rows.len());
+    if !rows.is_empty() {
+        output::event_table(&rows[..rows.len().min(50)]);
+        if rows.len() > 50 {
+            println!("… and {} more", rows.len() - 50);
+        }
+    }
+    if let ReplaySelector::EventIds { event_ids, .. } = &selector {
+        let missing: Vec<&String> = event_ids
+            .iter()
+            .filter(|id| !rows.iter().any(|r| &r.event_id == *id))
+            .collect();
+        if !missing.is_empty() {
+            eprintln!(
+                "not found or being delivered right now: {}",
+                missing
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            return Err(CliError::runtime(format!(
+                "{} event id(s) not replayed",
+                missing.len()
+            )));
+        }
+    }
+    Ok(())
+}

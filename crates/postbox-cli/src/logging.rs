@@ -1,0 +1,21 @@
+//! Structured logs on stderr, text or JSON (`--log-format json`).
+
+use tracing_subscriber::EnvFilter;
+
+use crate::cli::{Global, LogFormat};
+
+pub fn init(g: &Global) {
+    let filter = g
+        .log
+        .clone()
+        .map(EnvFilter::new)
+        .or_else(|| EnvFilter::try_from_default_env().ok())
+        .unwrap_or_else(|| EnvFilter::new("info,sqlx=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match g.log_format {
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => builder.with_target(false).init(),
+    }
+}

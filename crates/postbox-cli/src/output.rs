@@ -1,0 +1,55 @@
+//! Human and JSON output.
+
+use serde::Serialize;
+
+use postbox_core::EventRecord;
+
+use crate::error::CliError;
+
+/// Prints `value` as pretty JSON on stdout.
+pub fn json<T: Serialize + ?Sized>(value: &T) -> Result<(), CliError> {
+    let text = serde_json::to_string_pretty(value).map_err(CliError::runtime)?;
+    println!("{text}");
+    Ok(())
+}
+
+/// `2026-11-30 10:00:00.123Z` for epoch ms (empty for 0).
+pub fn time(ms: i64) -> String {
+    if ms <= 0 {
+        return String::new();
+    }
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms as u64);
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// Shortens `s` to `max` characters with an ellipsis.
+pub fn clip(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        s.to_owned()
+    } else {
+        let mut out: String = s.chars().take(max.saturating_sub(1)).collect();
+        out.push('…');
+        out
+    }
+}
+
+/// A table of rows, one line each.
+pub fn event_table(rows: &[EventRecord]) {
+    println!(
+        "{:>10}  {:<12} {:<36}  {:<20} {:<10} {:>5}  {:<24}  LAST ERROR",
+        "ID", "APP", "EVENT ID", "TYPE", "STATUS", "TRIES", "CREATED"
+    );
+    for r in rows {
+        println!(
+            "{:>10}  {:<12} {:<36}  {:<20} {:<10} {:>5}  {:<24}  {}",
+            r.id,
+            clip(&r.app_code, 12),
+            clip(&r.event_id, 36),
+            clip(&r.event_type, 20),
+            r.status.as_str(),
+            r.retry_count,
+            time(r.created_at_ms),
+            clip(r.last_error.as_deref().unwrap_or(""), 60)
+        );
+    }
+}

@@ -1,0 +1,299 @@
+//! The `postbox` binary as a user runs it: exit codes, config errors that
+//! name their key, secrets kept out of output, the SQLite workflow end to
+//! end, and the quickstart.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn postbox(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_postbox"));
+    cmd.current_dir(dir).args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run postbox")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn write_config(dir: &Path, body: &str) -> String {
+    let path = dir.join("postbox.toml");
+    std::fs::write(&path, body).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+const GOOD: &str = r#"
+[database]
+url = "sqlite://DIR/outbox.db"
+table = "room_outbox"
+app_codes = ["room"]
+
+[outbox_worker]
+poll_interval = "50ms"
+
+[[publishers]]
+kind = "file"
+path = "DIR/out.jsonl"
+"#;
+
+fn good(dir: &Path) -> String {
+    GOOD.replace("DIR", dir.to_str().unwrap())
+}
+
+#[test]
+fn bad_config_exits_2_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "poll_interval = \"0s\"",
+            "[outbox_worker]",
+            "outbox_worker.poll_interval",
+        ),
+        (
+            "batch_size = 0",
+            "[outbox_worker]",
+            "outbox_worker.batch_size",
+        ),
+        (
+            "publish_timeout = \"40s\"",
+            "[outbox_worker]",
+            "outbox_worker.publish_timeout",
+        ),
+        (
+            "pol_interval = \"1s\"",
+            "[outbox_worker]",
+            "outbox_worker.pol_interval",
+        ),
+        (
+            "lease = \"a while\"",
+            "[outbox_worker]",
+            "outbox_worker.lease",
+        ),
+        ("table = \"room-outbox\"", "[database]", "database.table"),
+    ];
+    for (line, section, key) in cases {
+        let body = good(dir.path()).replace(section, &format!("{section}\n{line}"));
+        // Drop the good file's own value of the key under test.
+        let body = body
+            .replace("table = \"room_outbox\"\n", "")
+            .replace("poll_interval = \"50ms\"\n", "");
+        let cfg = write_config(dir.path(), &body);
+        let out = postbox(dir.path(), &["--config", &cfg, "status"], &[]);
+        assert_eq!(out.status.code(), Some(2), "{line}: {}", text(&out));
+        assert!(
+            text(&out).contains(key),
+            "{line}: message names `{key}`: {}",
+            text(&out)
+        );
+    }
+    let cfg = write_config(
+        dir.path(),
+        &good(dir.path()).replace("kind = \"file\"", "kind = \"kafka\""),
+    );
+    let out = postbox(dir.path(), &["--config", &cfg, "relay"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).contains("publishers.0.kind") && text(&out).contains("kafka"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn env_overrides_the_file_and_is_validated_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), &good(dir.path()));
+    let out = postbox(
+        dir.path(),
+        &["--config", &cfg, "status"],
+        &[("POSTBOX__OUTBOX_WORKER__BATCH_SIZE", "0")],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).contains("outbox_worker.batch_size"),
+        "{}",
+        text(&out)
+    );
+}
+
+#[test]
+fn secrets_never_reach_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = good(dir.path()).replace(
+        &format!("sqlite://{}/outbox.db", dir.path().display()),
+        "postgres://app:hunter2@127.0.0.1:1/nope",
+    );
+    let cfg = write_config(dir.path(), &body);
+    let out = postbox(dir.path(), &["--config", &cfg, "status"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(!text(&out).contains("hunter2"), "{}", text(&out));
+}
+
+#[test]
+fn sqlite_workflow_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), &good(dir.path()));
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+
+    let out = run(&["status"]);
+    assert_eq!(out.status.code(), Some(1), "no schema yet: {}", text(&out));
+    assert!(text(&out).contains("postbox migrate"));
+    assert!(run(&["migrate"]).status.success());
+    let again = run(&["--json", "migrate"]);
+    let report: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(
+        report["applied"],
+        serde_json::json!([]),
+        "second migrate changes nothing"
+    );
+
+    let one = run(&[
+        "enqueue",
+        "--event-type",
+        "RoomCreated",
+        "--payload",
+        r#"{"room":1}"#,
+        "--event-id",
+        "evt-1",
+        "--header",
+        "trace=abc",
+    ]);
+    assert!(one.status.success(), "{}", text(&one));
+    let dup = run(&[
+        "enqueue",
+        "--event-type",
+        "RoomCreated",
+        "--payload",
+        "{}",
+        "--event-id",
+        "evt-1",
+    ]);
+    assert_eq!(dup.status.code(), Some(1));
+    assert!(text(&dup).contains("duplicate"));
+
+    let file = dir.path().join("missed.jsonl");
+    std::fs::write(
+        &file,
+        "{\"event_id\":\"evt-2\",\"event_type\":\"GiftSent\",\"payload\":{\"gift\":7}}\n\
+         not json\n\
+         {\"event_id\":\"evt-1\",\"event_type\":\"RoomCreated\",\"payload\":{}}\n\
+         {\"event_type\":\"MemberJoined\",\"aggregate_id\":\"room-1\",\"aggregate_version\":3,\"payload\":\"raw text\"}\n",
+    )
+    .unwrap();
+    let up = run(&["--json", "enqueue", "--file", file.to_str().unwrap()]);
+    assert_eq!(
+        up.status.code(),
+        Some(1),
+        "an invalid line is reported: {}",
+        text(&up)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&up.stdout).unwrap();
+    assert_eq!(summary["inserted"], 2, "{summary}");
+    assert_eq!(summary["duplicates"], 1);
+    assert_eq!(summary["invalid"][0]["line"], 2);
+
+    // Relay until everything is delivered, then SIGTERM.
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir.path())
+        .args(["--config", &cfg, "relay"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let s = run(&["--json", "status"]);
+        let v: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
+        if v[0]["delivered"] == 3 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "not delivered: {v}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(relay.wait().unwrap().success(), "relay exits 0 on SIGTERM");
+
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.path().join("out.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    let first = lines.iter().find(|l| l["event_id"] == "evt-1").unwrap();
+    assert_eq!(first["payload"]["room"], 1);
+    assert_eq!(first["headers"]["trace"], "abc");
+    assert_eq!(first["app_code"], "room");
+
+    let list = run(&["--json", "events", "list", "--status", "delivered"]);
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(rows.len(), 3);
+    let show = run(&["events", "show", "evt-2"]);
+    assert!(
+        text(&show).contains("GiftSent") && text(&show).contains("delivered"),
+        "{}",
+        text(&show)
+    );
+
+    let nothing = run(&["replay"]);
+    assert_eq!(nothing.status.code(), Some(2), "replay needs a selector");
+    let dry = run(&["--json", "replay", "evt-2", "--dry-run"]);
+    let d: serde_json::Value = serde_json::from_slice(&dry.stdout).unwrap();
+    assert_eq!(
+        (d["count"].as_i64(), d["dry_run"].as_bool()),
+        (Some(1), Some(true))
+    );
+    assert!(run(&["replay", "evt-2"]).status.success());
+    let row: serde_json::Value =
+        serde_json::from_slice(&run(&["--json", "events", "show", "evt-2"]).stdout).unwrap();
+    assert_eq!(row[0]["status"], "pending");
+    assert_eq!(row[0]["event_id"], "evt-2");
+    assert_eq!(row[0]["replay_count"], 1);
+    let bad_time = run(&["replay", "--since", "yesterday"]);
+    assert_eq!(bad_time.status.code(), Some(2));
+    assert!(text(&bad_time).contains("--since"));
+}
+
+#[test]
+fn quickstart_runs_with_no_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = postbox(
+        dir.path(),
+        &["quickstart", "--events", "300", "--rate", "1000"],
+        &[],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    let lines =
+        std::fs::read_to_string(dir.path().join("postbox-quickstart/events.jsonl")).unwrap();
+    let ids: std::collections::HashSet<String> = lines
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["event_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(ids.len(), 300, "every demo event delivered");
+    assert!(text(&out).contains("Where to look"));
+    // The config it leaves behind works for the next commands.
+    let cfg = dir.path().join("postbox-quickstart/postbox.toml");
+    let st = postbox(
+        dir.path(),
+        &["--config", cfg.to_str().unwrap(), "--json", "status"],
+        &[],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    assert_eq!(v[0]["delivered"], 300);
+}

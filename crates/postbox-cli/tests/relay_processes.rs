@@ -1,0 +1,352 @@
+//! Four real `postbox relay` processes drain 20,000 events written by
+//! concurrent producers while one relay is SIGKILLed and restarted twice.
+//! Every event is delivered at least once, nothing is left undelivered, and
+//! every duplicate is explained by a killed relay's lease.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use postbox_core::store::{EnqueueOutcome, OutboxStore};
+use postbox_core::{NewEvent, Status};
+use postbox_testkit::scratch_table;
+use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url, postgres_url};
+use tokio::process::{Child, Command};
+
+const EVENTS_PER_PRODUCER: usize = 5_000;
+const PRODUCERS: usize = 4;
+const RELAYS: usize = 4;
+const APPS: [&str; 2] = ["room", "wallet"];
+
+struct Relay {
+    child: Child,
+    out: PathBuf,
+}
+
+fn config(dir: &Path, url: &str, table: &str, out: &Path) -> PathBuf {
+    let path = dir.join(format!(
+        "{}.toml",
+        out.file_stem().unwrap().to_str().unwrap()
+    ));
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[database]
+url = "{url}"
+table = "{table}"
+app_codes = ["room", "wallet"]
+max_connections = 4
+
+[outbox_worker]
+poll_interval = "50ms"
+batch_size = 100
+publish_timeout = "1s"
+lease = "8s"
+max_retry_count = 10
+initial_backoff = "100ms"
+max_backoff = "1s"
+
+[[publishers]]
+kind = "file"
+path = "{out}"
+"#,
+            out = out.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn start_relay(dir: &Path, url: &str, table: &str, slot: usize, incarnation: usize) -> Relay {
+    let out = dir.join(format!("relay-{slot}-{incarnation}.jsonl"));
+    let cfg = config(dir, url, table, &out);
+    let log = std::fs::File::create(dir.join(format!("relay-{slot}-{incarnation}.log"))).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .args([
+            "--config",
+            cfg.to_str().unwrap(),
+            "--log-format",
+            "json",
+            "relay",
+        ])
+        .stdout(Stdio::null())
+        .stderr(log)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start postbox relay");
+    Relay { child, out }
+}
+
+fn signal(name: &str, pid: &str) {
+    let st = std::process::Command::new("kill")
+        .args([&format!("-{name}"), pid])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{name} {pid}");
+}
+
+/// True when relay 0's current incarnation holds leased rows right now.
+async fn holds_leases(store: &dyn OutboxStore, dir: &Path, incarnation: usize) -> bool {
+    let log =
+        std::fs::read_to_string(dir.join(format!("relay-0-{incarnation}.log"))).unwrap_or_default();
+    let Some(worker_id) = log.lines().find_map(|l| {
+        let v: serde_json::Value = serde_json::from_str(l).ok()?;
+        (v["message"] == "relay started").then(|| v["worker_id"].as_str().map(str::to_owned))?
+    }) else {
+        return false;
+    };
+    let filter = postbox_core::store::EventFilter {
+        status: Some(Status::Delivering),
+        limit: 1000,
+        ..Default::default()
+    };
+    let leased = store.list(&filter).await.expect("list delivering rows");
+    leased
+        .iter()
+        .any(|r| r.worker_id.as_deref() == Some(worker_id.as_str()))
+}
+
+async fn stats(store: &dyn OutboxStore) -> (i64, i64) {
+    let all = store.stats(&APPS.map(String::from)).await.expect("stats");
+    let delivered = all.iter().map(|s| s.delivered).sum();
+    let open = all
+        .iter()
+        .map(|s| s.pending + s.delivering + s.retryable + s.failed)
+        .sum();
+    (delivered, open)
+}
+
+async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
+    let table = store.table().as_str().to_owned();
+    // Kept after the run (relay logs and outputs) for a look when it fails.
+    let dir = &std::env::temp_dir().join(format!("postbox-relay-processes-{}", store.backend()));
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).unwrap();
+
+    let cfg = config(dir, url, &table, &dir.join("migrate.jsonl"));
+    let migrate = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .args(["--config", cfg.to_str().unwrap(), "migrate"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        migrate.status.success(),
+        "migrate: {}",
+        String::from_utf8_lossy(&migrate.stderr)
+    );
+
+    let mut relays: Vec<Relay> = (0..RELAYS)
+        .map(|slot| start_relay(dir, url, &table, slot, 0))
+        .collect();
+    let mut killed_outputs = Vec::new();
+
+    let producers: Vec<_> = (0..PRODUCERS)
+        .map(|p| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let mut ids = Vec::with_capacity(EVENTS_PER_PRODUCER);
+                for chunk in 0..EVENTS_PER_PRODUCER / 50 {
+                    let batch: Vec<NewEvent> = (0..50)
+                        .map(|i| {
+                            let n = chunk * 50 + i;
+                            NewEvent::new(
+                                APPS[n % 2],
+                                "LoadTest",
+                                format!(r#"{{"producer":{p},"n":{n}}}"#),
+                            )
+                            .aggregate(format!("agg-{}", n % 97), n as i64)
+                        })
+                        .collect();
+                    let out = store.enqueue_batch(&batch, 1 << 20).await.expect("enqueue");
+                    assert!(out.iter().all(|o| matches!(o, EnqueueOutcome::Inserted(_))));
+                    ids.extend(batch.into_iter().map(|e| e.event_id));
+                }
+                ids
+            })
+        })
+        .collect();
+
+    let total = (EVENTS_PER_PRODUCER * PRODUCERS) as i64;
+    let kill_at = [total / 4, total * 3 / 5];
+    let mut kills = 0;
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let (delivered, open) = stats(store.as_ref()).await;
+        if kills < kill_at.len() && delivered >= kill_at[kills] {
+            // Freeze relay 0 and kill it only if it holds leases right then:
+            // a kill between publish and mark is what this test is about.
+            let victim = &mut relays[0];
+            let pid = victim.child.id().expect("relay 0 running").to_string();
+            signal("STOP", &pid);
+            if holds_leases(store.as_ref(), dir, kills).await {
+                victim.child.start_kill().expect("SIGKILL relay 0");
+                victim.child.wait().await.unwrap();
+                killed_outputs.push(victim.out.clone());
+                kills += 1;
+                eprintln!("SIGKILLed relay 0 at {delivered} delivered while it held leases; restarting it");
+                relays[0] = start_relay(dir, url, &table, 0, kills);
+            } else {
+                signal("CONT", &pid);
+            }
+        }
+        if delivered == total && open == 0 {
+            break;
+        }
+        if Instant::now() >= deadline {
+            assert_eq!(kills, 2, "relay 0 was never seen holding leases");
+            let s = store.stats(&APPS.map(String::from)).await.unwrap();
+            let logs: Vec<String> = (0..RELAYS)
+                .map(|slot| {
+                    std::fs::read_to_string(dir.join(format!("relay-{slot}-0.log")))
+                        .unwrap_or_default()
+                        .lines()
+                        .rev()
+                        .take(5)
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .collect();
+            panic!("not drained in time: {delivered} delivered, {open} open: {s:?}\nlast log lines:\n{}", logs.join("\n---\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(kills, 2, "both kills happened during the run");
+
+    let mut produced = Vec::new();
+    for p in producers {
+        produced.extend(p.await.unwrap());
+    }
+    assert_eq!(produced.len(), total as usize);
+
+    // Graceful stop: SIGTERM, and every relay exits 0.
+    for r in &mut relays {
+        let pid = r.child.id().expect("relay still running");
+        let st = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+    for (slot, r) in relays.iter_mut().enumerate() {
+        let status = tokio::time::timeout(Duration::from_secs(20), r.child.wait())
+            .await
+            .expect("relay exits after SIGTERM")
+            .unwrap();
+        assert!(status.success(), "relay {slot} exited with {status}");
+    }
+
+    // Read every relay's output; a killed relay may have left a torn last line.
+    let mut seen: HashMap<String, Vec<PathBuf>> = HashMap::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if !path
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("relay-")
+            || path.extension().unwrap() != "jsonl"
+        {
+            continue;
+        }
+        for line in std::fs::read_to_string(&path).unwrap().lines() {
+            match serde_json::from_str::<serde_json::Value>(line) {
+                Ok(v) => seen
+                    .entry(v["event_id"].as_str().unwrap().to_owned())
+                    .or_default()
+                    .push(path.clone()),
+                Err(e) => assert!(
+                    killed_outputs.contains(&path),
+                    "bad line in a live relay's output {}: {e}",
+                    path.display()
+                ),
+            }
+        }
+    }
+    let missing: Vec<&String> = produced
+        .iter()
+        .filter(|id| !seen.contains_key(*id))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} events never delivered, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
+    let produced_set: HashSet<&String> = produced.iter().collect();
+    assert!(
+        seen.keys().all(|k| produced_set.contains(k)),
+        "nothing but produced events was delivered"
+    );
+
+    let duplicates: Vec<(&String, &Vec<PathBuf>)> =
+        seen.iter().filter(|(_, files)| files.len() > 1).collect();
+    for (event_id, files) in &duplicates {
+        let row = store.find(event_id).await.unwrap().remove(0);
+        assert!(
+            files.iter().any(|f| killed_outputs.contains(f)),
+            "duplicate {event_id} not explained by a killed relay: {files:?}, row {row:?}"
+        );
+        assert_eq!(row.status, Status::Delivered);
+        assert!(
+            row.retry_count >= 1,
+            "{event_id}: the killed lease was counted as an attempt"
+        );
+    }
+    // The kills hit relays holding leases: their rows were taken over.
+    let mut taken_over = 0u64;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "log") {
+            for line in std::fs::read_to_string(&path).unwrap().lines() {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(line) {
+                    if v["message"]
+                        .as_str()
+                        .is_some_and(|m| m.starts_with("took over expired leases"))
+                    {
+                        taken_over += v["rows"].as_u64().unwrap_or(0);
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        taken_over > 0,
+        "the killed relays held leases that others took over"
+    );
+    let total_lines: usize = seen.values().map(Vec::len).sum();
+    println!(
+        "{}: {} events, {} deliveries, {} duplicates (all from the {} SIGKILLed relay incarnations), {} rows taken over from killed leases",
+        store.backend(),
+        total,
+        total_lines,
+        total_lines - total as usize,
+        killed_outputs.len(),
+        taken_over
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_relays_with_kills_postgres() {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store = postbox_postgres::PgOutbox::connect(&url, &scratch_table("conc"), 8)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
+    store.migrate().await.unwrap();
+    drain_with_kills(Arc::new(store), &url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_relays_with_kills_mariadb() {
+    let url = mysql_url();
+    ensure_database("mysql", &url).await;
+    let store = postbox_mysql::MySqlOutbox::connect(&url, &scratch_table("conc"), 8)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
+    store.migrate().await.unwrap();
+    drain_with_kills(Arc::new(store), &url).await;
+}
