@@ -231,6 +231,16 @@ async fn finish<T>(
     }
 }
 
+/// Wraps a driver error, telling deadlocks and serialization failures apart
+/// ([`Error::Transient`]) by their SQLSTATE.
+pub(crate) fn db_error(operation: &'static str, e: sqlx::Error) -> Error {
+    let code = e
+        .as_database_error()
+        .and_then(|d| d.code())
+        .map(|c| c.into_owned());
+    Error::from_driver(operation, e, code.as_deref())
+}
+
 #[cfg(test)]
 mod tests {
     use super::is_memory_url;
@@ -315,14 +325,4 @@ mod tests {
             assert!(!is_memory_url(url), "{url}");
         }
     }
-}
-
-/// Wraps a driver error, telling deadlocks and serialization failures apart
-/// ([`Error::Transient`]) by their SQLSTATE.
-pub(crate) fn db_error(operation: &'static str, e: sqlx::Error) -> Error {
-    let code = e
-        .as_database_error()
-        .and_then(|d| d.code())
-        .map(|c| c.into_owned());
-    Error::from_driver(operation, e, code.as_deref())
 }
