@@ -97,6 +97,32 @@ pub struct MigrateReport {
     pub version: u32,
 }
 
+/// How the database runs one claim query, measured by running it inside a
+/// transaction that is rolled back (PostgreSQL `EXPLAIN ANALYZE`, MariaDB
+/// `ANALYZE`) or by asking the planner (SQLite `EXPLAIN QUERY PLAN`).
+#[derive(Debug, Clone, Serialize)]
+pub struct QueryPlan {
+    /// `claim_pending`, `claim_due_retries` or `claim_expired_leases`.
+    pub query: &'static str,
+    /// The index the query is written for.
+    pub expected_index: String,
+    /// Indexes the plan reads the outbox table through.
+    pub indexes_used: Vec<String>,
+    /// True when the plan scans the whole table or a whole index.
+    pub full_scan: bool,
+    /// Outbox rows the execution read (where the database reports it).
+    pub rows_examined: Option<u64>,
+    /// The database's own plan output.
+    pub plan: String,
+}
+
+impl QueryPlan {
+    /// The query reads through the index it was written for and scans nothing whole.
+    pub fn is_good(&self) -> bool {
+        !self.full_scan && self.indexes_used.iter().any(|i| i == &self.expected_index)
+    }
+}
+
 /// Outcome of enqueueing one event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -158,4 +184,8 @@ pub trait OutboxStore: Send + Sync + 'static {
 
     /// The database clock, epoch ms.
     async fn now_ms(&self) -> Result<i64>;
+
+    /// Plans of the three claim queries for `app_code`, taking up to `limit`
+    /// rows. Nothing is changed: executions are rolled back.
+    async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>>;
 }

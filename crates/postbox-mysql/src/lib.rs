@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod explain;
 mod migrate;
 mod sql;
 mod store;

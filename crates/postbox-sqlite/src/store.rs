@@ -341,4 +341,12 @@ impl OutboxStore for SqliteOutbox {
             .await
             .map_err(|e| crate::db_error("read database clock", e))
     }
+
+    async fn explain_claims(
+        &self,
+        app_code: &str,
+        limit: u32,
+    ) -> Result<Vec<postbox_core::store::QueryPlan>> {
+        self.explain_claim_queries(app_code, limit).await
+    }
 }

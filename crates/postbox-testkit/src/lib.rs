@@ -10,3 +10,32 @@ pub mod servers;
 
 pub use publishers::RecordingPublisher;
 pub use servers::{mysql_url, postgres_url, scratch_table};
+
+/// Checks claim plans: each reads through the index it was written for,
+/// scans nothing whole, and (where measured) reads at most `max_rows` rows.
+pub fn assert_claim_plans(plans: &[postbox_core::store::QueryPlan], max_rows: u64) {
+    assert_eq!(plans.len(), 3, "three claim queries");
+    for p in plans {
+        assert!(
+            p.is_good(),
+            "{} does not use {} (uses {:?}, full scan {}):\n{}",
+            p.query,
+            p.expected_index,
+            p.indexes_used,
+            p.full_scan,
+            p.plan
+        );
+        if let Some(rows) = p.rows_examined {
+            assert!(
+                rows <= max_rows,
+                "{} read {rows} rows, more than {max_rows}:\n{}",
+                p.query,
+                p.plan
+            );
+        }
+        println!(
+            "{}: index {:?}, rows read {:?}",
+            p.query, p.indexes_used, p.rows_examined
+        );
+    }
+}

@@ -1,0 +1,120 @@
+//! Claim plans via MariaDB's `ANALYZE FORMAT=JSON` (executed, then rolled
+//! back), falling back to `EXPLAIN FORMAT=JSON` on MySQL.
+
+use serde_json::Value;
+use sqlx::{Connection, Row};
+
+use postbox_core::store::QueryPlan;
+use postbox_core::Result;
+
+use crate::MySqlOutbox;
+
+/// A string literal for the two values an explained claim needs. `ANALYZE`
+/// cannot be prepared, so they are inlined; quotes and backslashes escaped.
+fn literal(s: &str) -> String {
+    format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
+}
+
+impl MySqlOutbox {
+    pub(crate) async fn explain_claim_queries(
+        &self,
+        app_code: &str,
+        limit: u32,
+    ) -> Result<Vec<QueryPlan>> {
+        let db = |e| crate::db_error("explain claims", e);
+        let t = self.table.as_str();
+        let queries = [
+            (
+                "claim_pending",
+                &self.sql.claim_pending,
+                format!("{t}_claim_retry_idx"),
+            ),
+            (
+                "claim_due_retries",
+                &self.sql.claim_due_retries,
+                format!("{t}_claim_retry_idx"),
+            ),
+            (
+                "claim_expired_leases",
+                &self.sql.claim_expired_leases,
+                format!("{t}_claim_lease_idx"),
+            ),
+        ];
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        let mut tx = conn.begin().await.map_err(db)?;
+        let mut plans = Vec::with_capacity(queries.len());
+        for (query, sql, expected_index) in queries {
+            let inlined =
+                sql.replacen('?', &literal(app_code), 1)
+                    .replacen('?', &limit.to_string(), 1);
+            let analyzed = raw(&mut tx, format!("ANALYZE FORMAT=JSON {inlined}")).await;
+            let (rows, measured) = match analyzed {
+                Ok(rows) => (rows, true),
+                // MySQL 8 has no ANALYZE statement: plan only.
+                Err(_) => (
+                    raw(&mut tx, format!("EXPLAIN FORMAT=JSON {inlined}"))
+                        .await
+                        .map_err(db)?,
+                    false,
+                ),
+            };
+            let text: String = rows
+                .first()
+                .map(|r| r.try_get_unchecked(0))
+                .transpose()
+                .map_err(db)?
+                .unwrap_or_default();
+            let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+            let mut plan = QueryPlan {
+                query,
+                expected_index,
+                indexes_used: Vec::new(),
+                full_scan: false,
+                rows_examined: measured.then_some(0),
+                plan: text,
+            };
+            visit(&json, t, &mut plan);
+            plans.push(plan);
+        }
+        tx.rollback().await.map_err(db)?;
+        Ok(plans)
+    }
+}
+
+/// Runs a statement that cannot be prepared.
+async fn raw(
+    conn: &mut sqlx::MySqlConnection,
+    sql: String,
+) -> Result<Vec<sqlx::mysql::MySqlRow>, sqlx::Error> {
+    use sqlx::Executor;
+    // A plain string with no arguments goes over the text protocol.
+    conn.fetch_all(sql.as_str()).await
+}
+
+/// Finds every `"table": {…}` access of `table` in the JSON plan.
+fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
+    match node {
+        Value::Object(map) => {
+            if map.get("table_name").and_then(Value::as_str) == Some(table) {
+                let access = map.get("access_type").and_then(Value::as_str).unwrap_or("");
+                if access == "ALL" || access == "index" {
+                    plan.full_scan = true;
+                }
+                if let Some(key) = map.get("key").and_then(Value::as_str) {
+                    if !plan.indexes_used.iter().any(|k| k == key) {
+                        plan.indexes_used.push(key.to_owned());
+                    }
+                }
+                let n = |k: &str| map.get(k).and_then(Value::as_f64);
+                if let (Some(total), Some(r_rows)) = (plan.rows_examined.as_mut(), n("r_rows")) {
+                    *total += (r_rows * n("r_loops").unwrap_or(1.0)).round() as u64;
+                }
+            }
+            for v in map.values() {
+                visit(v, table, plan);
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| visit(v, table, plan)),
+        _ => {}
+    }
+}

@@ -1,0 +1,57 @@
+//! With 1,000,000 delivered rows (and another tenant's backlog) in the
+//! table, every claim query reads through its `app_code`-led index and
+//! touches only rows it could claim (MariaDB `ANALYZE` measures it).
+
+use postbox_core::store::OutboxStore;
+use postbox_mysql::MySqlOutbox;
+use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url};
+use postbox_testkit::{assert_claim_plans, scratch_table};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_use_their_index_over_a_million_delivered_rows() {
+    let url = mysql_url();
+    ensure_database("mysql", &url).await;
+    let store = MySqlOutbox::connect(&url, &scratch_table("plans"), 2)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
+    store.migrate().await.unwrap();
+    let t = store.table().as_str().to_owned();
+    let load = [
+        // History: a million delivered rows (MariaDB's sequence engine).
+        format!("INSERT INTO {t} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+                 SELECT 'plan', CONCAT('d-', seq), 'Old', '{{}}', 'delivered', 1000000000000 + seq, 1000000000000 + seq \
+                 FROM seq_1_to_1000000"),
+        format!("INSERT INTO {t} (app_code, event_id, event_type, payload) \
+                 SELECT 'other', CONCAT('o-', seq), 'New', '{{}}' FROM seq_1_to_20000"),
+        format!("INSERT INTO {t} (app_code, event_id, event_type, payload) \
+                 SELECT 'plan', CONCAT('p-', seq), 'New', '{{}}' FROM seq_1_to_150"),
+        format!("INSERT INTO {t} (app_code, event_id, event_type, payload, status, retry_count, next_retry_at_ms) \
+                 SELECT 'plan', CONCAT('r-', seq), 'Retry', '{{}}', 'retryable', 1, IF(seq <= 100, 0, 9000000000000000) \
+                 FROM seq_1_to_200"),
+        format!("INSERT INTO {t} (app_code, event_id, event_type, payload, status, worker_id, lock_until_ms) \
+                 SELECT 'plan', CONCAT('l-', seq), 'Leased', '{{}}', 'delivering', 'w', IF(seq <= 100, 0, 9000000000000000) \
+                 FROM seq_1_to_200"),
+        format!("ANALYZE TABLE {t}"),
+    ];
+    for sql in &load {
+        sqlx::query(sql)
+            .execute(store.pool())
+            .await
+            .expect("load rows");
+    }
+    let plans = store.explain_claims("plan", 100).await.unwrap();
+    assert!(
+        plans.iter().all(|p| p.rows_examined.is_some()),
+        "MariaDB measures rows read"
+    );
+    assert_claim_plans(&plans, 250);
+    let s = store.stats(&["plan".into()]).await.unwrap().remove(0);
+    assert_eq!(
+        (s.pending, s.retryable, s.delivering, s.delivered),
+        (150, 200, 200, 1_000_000)
+    );
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+}
