@@ -112,12 +112,27 @@ pub async fn run_relay_until(
     config: WorkerConfig,
     done: impl Fn(&AppStats) -> bool,
 ) -> RelayReport {
+    run_relay_until_for(store, publishers, config, APP, done).await
+}
+
+/// [`run_relay_until`] for the tenant `app`.
+pub async fn run_relay_until_for(
+    store: Arc<dyn OutboxStore>,
+    publishers: Vec<Arc<dyn Publisher>>,
+    config: WorkerConfig,
+    app: &str,
+    done: impl Fn(&AppStats) -> bool,
+) -> RelayReport {
     let shutdown = CancellationToken::new();
-    let relay = Relay::new(store.clone(), publishers, config, vec![APP.to_owned()]);
+    let relay = Relay::new(store.clone(), publishers, config, vec![app.to_owned()]);
     let handle = tokio::spawn(relay.run(shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let s = stats(store.as_ref()).await;
+        let s = store
+            .stats(&[app.to_owned()])
+            .await
+            .expect("stats")
+            .remove(0);
         if done(&s) {
             break;
         }

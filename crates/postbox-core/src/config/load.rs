@@ -154,6 +154,10 @@ mod tests {
             "publishers.0.colour"
         );
         assert_eq!(key_of("[database]\nurl = \"oracle://x\""), "database.url");
+        assert_eq!(
+            key_of(&format!("{w}ordering = \"per_aggregate\"")),
+            "outbox_worker.ordering"
+        );
     }
 
     #[test]

@@ -1,0 +1,93 @@
+//! A poison event type is dead-lettered while the rest flows, and the log
+//! says so once per event — not once per poll or per attempt.
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use postbox_core::config::{HumanDuration, WorkerConfig};
+use postbox_core::store::OutboxStore;
+use postbox_core::NewEvent;
+use postbox_postgres::PgOutbox;
+use postbox_testkit::conformance::{fast_worker, run_relay_until_for};
+use postbox_testkit::servers::{ensure_database, how_to_start, postgres_url};
+use postbox_testkit::{scratch_table, RecordingPublisher};
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_is_dead_lettered_and_logged_once_per_event() {
+    let logs = Captured::default();
+    let writer = logs.clone();
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .init();
+
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store = PgOutbox::connect(&url, &scratch_table("poison"), 4)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
+    store.migrate().await.unwrap();
+    let store: Arc<dyn OutboxStore> = Arc::new(store);
+    let good: Vec<NewEvent> = (0..200)
+        .map(|i| NewEvent::new("conf", "Good", format!("{{\"n\":{i}}}")))
+        .collect();
+    let bad: Vec<NewEvent> = (0..5)
+        .map(|i| NewEvent::new("conf", "Poison", format!("{{\"n\":{i}}}")))
+        .collect();
+    store.enqueue_batch(&bad, 1 << 20).await.unwrap();
+    store.enqueue_batch(&good, 1 << 20).await.unwrap();
+
+    let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
+    let config = WorkerConfig {
+        max_retry_count: 6,
+        initial_backoff: HumanDuration::millis(20),
+        max_backoff: HumanDuration::millis(60),
+        ..fast_worker()
+    };
+    run_relay_until_for(
+        store.clone(),
+        vec![publisher.clone()],
+        config,
+        "conf",
+        |s| s.delivered == 200 && s.failed == 5,
+    )
+    .await;
+
+    for e in &bad {
+        assert_eq!(
+            publisher.attempts(&e.event_id),
+            6,
+            "tried max_retry_count times"
+        );
+    }
+    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    for e in &bad {
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains(&e.event_id)).collect();
+        assert_eq!(
+            lines.len(),
+            2,
+            "one line at the first failure, one when dead-lettered, not one per attempt:\n{}",
+            lines.join("\n")
+        );
+        assert!(
+            lines[0].contains("will retry") && lines[1].contains("dead-lettered"),
+            "{}",
+            lines.join("\n")
+        );
+    }
+    assert!(!text.contains("claim failed"), "{text}");
+}
