@@ -88,6 +88,53 @@ pub struct AppStats {
     pub retryable_due: i64,
 }
 
+impl AppStats {
+    /// Zero counts for `app_code`.
+    pub fn new(app_code: &str) -> Self {
+        AppStats {
+            app_code: app_code.to_owned(),
+            ..Default::default()
+        }
+    }
+
+    /// Adds `n` rows of the stored status `status` (legacy `published`
+    /// counts as delivered).
+    pub fn count(&mut self, status: &str, n: i64) {
+        match status.parse::<Status>() {
+            Ok(Status::Pending) => self.pending += n,
+            Ok(Status::Delivering) => self.delivering += n,
+            Ok(Status::Delivered) => self.delivered += n,
+            Ok(Status::Retryable) => self.retryable += n,
+            Ok(Status::Failed) => self.failed += n,
+            Err(_) => tracing::warn!(status, rows = n, "rows with an unknown status"),
+        }
+    }
+
+    /// Sets the backlog figures from the oldest pending `created_at_ms`, the
+    /// due retries and the database clock.
+    pub fn backlog(&mut self, oldest_pending_ms: Option<i64>, retryable_due: i64, now_ms: i64) {
+        self.retryable_due = retryable_due;
+        self.oldest_pending_age_seconds =
+            oldest_pending_ms.map_or(0.0, |t| (now_ms - t).max(0) as f64 / 1000.0);
+    }
+}
+
+/// The three claim queries: name, source, and the index (suffix after the
+/// table name) each is written for. Backends and `doctor` iterate this.
+pub const CLAIM_QUERIES: [(&str, ClaimSource, &str); 3] = [
+    ("claim_pending", ClaimSource::Pending, "_claim_retry_idx"),
+    (
+        "claim_due_retries",
+        ClaimSource::DueRetry,
+        "_claim_retry_idx",
+    ),
+    (
+        "claim_expired_leases",
+        ClaimSource::ExpiredLease,
+        "_claim_lease_idx",
+    ),
+];
+
 /// Outcome of `migrate`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct MigrateReport {

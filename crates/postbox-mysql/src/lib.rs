@@ -63,6 +63,15 @@ struct Statements {
 }
 
 impl Statements {
+    /// The statement that selects (and locks) rows for one claim query.
+    fn claim_select(&self, source: postbox_core::ClaimSource) -> &str {
+        match source {
+            postbox_core::ClaimSource::Pending => &self.claim_pending,
+            postbox_core::ClaimSource::DueRetry => &self.claim_due_retries,
+            postbox_core::ClaimSource::ExpiredLease => &self.claim_expired_leases,
+        }
+    }
+
     fn new(t: &TableName) -> Self {
         Statements {
             now_ms: sql::NOW_MS.to_owned(),

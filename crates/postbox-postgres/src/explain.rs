@@ -3,7 +3,7 @@
 use serde_json::Value;
 use sqlx::Row;
 
-use postbox_core::store::QueryPlan;
+use postbox_core::store::{QueryPlan, CLAIM_QUERIES};
 use postbox_core::Result;
 
 use crate::PgOutbox;
@@ -16,26 +16,11 @@ impl PgOutbox {
     ) -> Result<Vec<QueryPlan>> {
         let db = |e| crate::db_error("explain claims", e);
         let t = self.table.as_str();
-        let queries = [
-            (
-                "claim_pending",
-                &self.sql.claim_pending,
-                format!("{t}_claim_retry_idx"),
-            ),
-            (
-                "claim_due_retries",
-                &self.sql.claim_due_retries,
-                format!("{t}_claim_retry_idx"),
-            ),
-            (
-                "claim_expired_leases",
-                &self.sql.claim_expired_leases,
-                format!("{t}_claim_lease_idx"),
-            ),
-        ];
-        let mut plans = Vec::with_capacity(queries.len());
+        let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
         let mut tx = self.pool.begin().await.map_err(db)?;
-        for (query, sql, expected_index) in queries {
+        for (query, source, index_suffix) in CLAIM_QUERIES {
+            let sql = self.sql.claim_select(source);
+            let expected_index = format!("{t}{index_suffix}");
             let row = sqlx::query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"))
                 .bind(app_code)
                 .bind(i64::from(limit))

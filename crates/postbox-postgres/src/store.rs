@@ -67,11 +67,7 @@ impl OutboxStore for PgOutbox {
         source: ClaimSource,
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
-        let sql = match source {
-            ClaimSource::Pending => &self.sql.claim_pending,
-            ClaimSource::DueRetry => &self.sql.claim_due_retries,
-            ClaimSource::ExpiredLease => &self.sql.claim_expired_leases,
-        };
+        let sql = self.sql.claim_select(source);
         let rows = sqlx::query(sql)
             .bind(req.app_code)
             .bind(i64::from(req.limit))
@@ -160,10 +156,7 @@ impl OutboxStore for PgOutbox {
         let db = |e| crate::db_error("status", e);
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
-            let mut s = AppStats {
-                app_code: app_code.clone(),
-                ..Default::default()
-            };
+            let mut s = AppStats::new(app_code);
             let rows = sqlx::query(&self.sql.count_by_status)
                 .bind(app_code)
                 .fetch_all(&self.pool)
@@ -172,14 +165,7 @@ impl OutboxStore for PgOutbox {
             for row in rows {
                 let status: String = row.get(0);
                 let n: i64 = row.get(1);
-                match status.parse::<Status>() {
-                    Ok(Status::Pending) => s.pending += n,
-                    Ok(Status::Delivering) => s.delivering += n,
-                    Ok(Status::Delivered) => s.delivered += n,
-                    Ok(Status::Retryable) => s.retryable += n,
-                    Ok(Status::Failed) => s.failed += n,
-                    Err(_) => tracing::warn!(status, rows = n, "rows with an unknown status"),
-                }
+                s.count(&status, n);
             }
             let row = sqlx::query(&self.sql.backlog)
                 .bind(app_code)
@@ -187,9 +173,9 @@ impl OutboxStore for PgOutbox {
                 .await
                 .map_err(db)?;
             let oldest: Option<i64> = row.get(0);
-            s.retryable_due = row.get(1);
+            let due: i64 = row.get(1);
             let now: i64 = row.get(2);
-            s.oldest_pending_age_seconds = oldest.map_or(0.0, |t| (now - t).max(0) as f64 / 1000.0);
+            s.backlog(oldest, due, now);
             out.push(s);
         }
         Ok(out)

@@ -2,7 +2,7 @@
 
 use sqlx::Row;
 
-use postbox_core::store::QueryPlan;
+use postbox_core::store::{QueryPlan, CLAIM_QUERIES};
 use postbox_core::Result;
 
 use crate::SqliteOutbox;
@@ -15,25 +15,10 @@ impl SqliteOutbox {
     ) -> Result<Vec<QueryPlan>> {
         let db = |e| crate::db_error("explain claims", e);
         let t = self.table.as_str();
-        let queries = [
-            (
-                "claim_pending",
-                &self.sql.claim_pending,
-                format!("{t}_claim_retry_idx"),
-            ),
-            (
-                "claim_due_retries",
-                &self.sql.claim_due_retries,
-                format!("{t}_claim_retry_idx"),
-            ),
-            (
-                "claim_expired_leases",
-                &self.sql.claim_expired_leases,
-                format!("{t}_claim_lease_idx"),
-            ),
-        ];
-        let mut plans = Vec::with_capacity(queries.len());
-        for (query, sql, expected_index) in queries {
+        let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
+        for (query, source, index_suffix) in CLAIM_QUERIES {
+            let sql = self.sql.claim_select(source);
+            let expected_index = format!("{t}{index_suffix}");
             // Parameters only shape the plan here; their values do not matter.
             let rows = sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))
                 .bind(app_code)

@@ -73,11 +73,7 @@ impl OutboxStore for SqliteOutbox {
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
         let db = |e| crate::db_error("claim", e);
-        let sql = match source {
-            ClaimSource::Pending => &self.sql.claim_pending,
-            ClaimSource::DueRetry => &self.sql.claim_due_retries,
-            ClaimSource::ExpiredLease => &self.sql.claim_expired_leases,
-        };
+        let sql = self.sql.claim_select(source);
         // SQLite is embedded: the host clock is the database clock. The lease
         // end is computed once, so every row of this claim shares one fence.
         let now = postbox_core::time::now_ms();
@@ -192,10 +188,7 @@ impl OutboxStore for SqliteOutbox {
         let db = |e| crate::db_error("status", e);
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
-            let mut s = AppStats {
-                app_code: app_code.clone(),
-                ..Default::default()
-            };
+            let mut s = AppStats::new(app_code);
             let rows = sqlx::query(&self.sql.count_by_status)
                 .bind(app_code)
                 .fetch_all(&self.pool)
@@ -204,14 +197,7 @@ impl OutboxStore for SqliteOutbox {
             for row in rows {
                 let status: String = row.try_get(0).map_err(db)?;
                 let n: i64 = row.try_get(1).map_err(db)?;
-                match status.parse::<Status>() {
-                    Ok(Status::Pending) => s.pending += n,
-                    Ok(Status::Delivering) => s.delivering += n,
-                    Ok(Status::Delivered) => s.delivered += n,
-                    Ok(Status::Retryable) => s.retryable += n,
-                    Ok(Status::Failed) => s.failed += n,
-                    Err(_) => tracing::warn!(status, rows = n, "rows with an unknown status"),
-                }
+                s.count(&status, n);
             }
             let row = sqlx::query(&self.sql.backlog)
                 .bind(app_code)
@@ -219,9 +205,9 @@ impl OutboxStore for SqliteOutbox {
                 .await
                 .map_err(db)?;
             let oldest: Option<i64> = row.try_get(0).map_err(db)?;
-            s.retryable_due = row.try_get(1).map_err(db)?;
+            let due: i64 = row.try_get(1).map_err(db)?;
             let now: i64 = row.try_get(2).map_err(db)?;
-            s.oldest_pending_age_seconds = oldest.map_or(0.0, |t| (now - t).max(0) as f64 / 1000.0);
+            s.backlog(oldest, due, now);
             out.push(s);
         }
         Ok(out)
