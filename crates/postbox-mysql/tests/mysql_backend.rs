@@ -5,86 +5,25 @@
 //! missing and every test uses its own table, so tests run in parallel. An
 //! unreachable server fails the test, naming how to start it.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-
-use sqlx::{Connection, Row};
+use sqlx::Row;
 
 use postbox_core::event::Fence;
-use postbox_core::redact::redact_url;
 use postbox_core::store::{
     ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, OutboxStore, ReplaySelector,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};
 use postbox_mysql::MySqlOutbox;
-
-const START_HINT: &str =
-    "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd` \
-     (or run scripts/test), or point POSTBOX_TEST_MYSQL_URL at a MySQL 8 / MariaDB 10.6+ server";
-
-fn mysql_url() -> String {
-    std::env::var("POSTBOX_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/postbox_test".to_owned())
-}
-
-/// Splits `scheme://authority/db?query` into (`scheme://authority/`, `db`).
-fn split_db(url: &str) -> (String, String) {
-    let after_scheme = url.find("://").map_or(0, |i| i + 3);
-    let slash = url[after_scheme..].find('/').map(|i| after_scheme + i);
-    match slash {
-        Some(s) => {
-            let rest = &url[s + 1..];
-            let db = rest.split(['?', '#']).next().unwrap_or("");
-            (url[..=s].to_owned(), db.to_owned())
-        }
-        None => (format!("{url}/"), String::new()),
-    }
-}
-
-/// A fresh table name, unique across parallel tests and runs.
-fn scratch_table(prefix: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    format!(
-        "{prefix}_{:x}_{:x}_{}",
-        nanos % (1 << 40),
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
+use postbox_testkit::scratch_table;
+use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url};
 
 /// Makes sure the test database exists and returns a migrated store on a
 /// fresh table.
 async fn store(prefix: &str) -> MySqlOutbox {
     let url = mysql_url();
-    let (base, db) = split_db(&url);
-    let mut admin = sqlx::MySqlConnection::connect(&base)
+    ensure_database("mysql", &url).await;
+    let store = MySqlOutbox::connect(&url, &scratch_table(prefix), 5)
         .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "MariaDB / MySQL is not reachable at {}: {e}; {START_HINT}",
-                redact_url(&base)
-            )
-        });
-    if !db.is_empty() {
-        assert!(
-            db.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'),
-            "odd database name {db:?}"
-        );
-        sqlx::query(&format!(
-            "CREATE DATABASE IF NOT EXISTS `{db}` CHARACTER SET utf8mb4"
-        ))
-        .execute(&mut admin)
-        .await
-        .expect("create the test database");
-    }
-    let _ = admin.close().await;
-    let table = scratch_table(prefix);
-    let store = MySqlOutbox::connect(&url, &table, 5)
-        .await
-        .unwrap_or_else(|e| panic!("MariaDB / MySQL is not reachable: {e}; {START_HINT}"));
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
     let report = store.migrate().await.expect("first migrate");
     assert_eq!(report.applied, vec![1]);
     assert_eq!(report.version, 1);
@@ -741,9 +680,14 @@ async fn connect_accepts_mariadb_urls_and_hides_passwords() {
     assert!(store.now_ms().await.unwrap() > 1_600_000_000_000);
 
     // A refused login against the real server (fast: not retried).
-    let (base, _) = split_db(&url);
-    let host = base.split("://").nth(1).unwrap_or("").trim_end_matches('/');
-    let host = host.rsplit('@').next().unwrap_or(host);
+    let authority = url
+        .split("://")
+        .nth(1)
+        .unwrap_or("")
+        .split('/')
+        .next()
+        .unwrap_or("");
+    let host = authority.rsplit('@').next().unwrap_or(authority);
     let bad = MySqlOutbox::connect(
         &format!("mysql://postbox_no_such_user:hunter2@{host}/x"),
         "t",
