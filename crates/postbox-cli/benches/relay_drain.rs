@@ -151,6 +151,7 @@ async fn baseline(store: &dyn OutboxStore, rows: u64) -> f64 {
         limit: BATCH,
         worker_id: "baseline",
         lease_ms: 30_000,
+        ordered: false,
     };
     loop {
         let batch = store

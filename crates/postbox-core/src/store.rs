@@ -17,6 +17,8 @@ pub struct ClaimRequest<'a> {
     pub worker_id: &'a str,
     /// Lease length; `lock_until_ms` = database now + this.
     pub lease_ms: i64,
+    /// Per-aggregate ordering: claim only the head event of each aggregate.
+    pub ordered: bool,
 }
 
 /// How a failed attempt is written (the fenced `retryable`/`failed` update).

@@ -27,7 +27,7 @@ impl MySqlOutbox {
         let mut tx = conn.begin().await.map_err(db)?;
         let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
         for (query, source, index_suffix) in CLAIM_QUERIES {
-            let sql = self.sql.claim_select(source);
+            let sql = self.sql.claim_select(source, false);
             let expected_index = format!("{t}{index_suffix}");
             let inlined =
                 sql.replacen('?', &literal(app_code), 1)

@@ -105,6 +105,22 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 /// take no gap locks, so a claim never blocks producers' inserts.
 pub(crate) const CLAIM_ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
+/// `c` is the head of its aggregate: no earlier event of the same aggregate
+/// is still pending, delivering or retryable (`failed` ones do not hold the
+/// aggregate back). Earlier means a lower `aggregate_version`, or a lower `id`
+/// where either version is unset or they are equal. Index:
+/// `{table}_aggregate_idx (app_code, aggregate_id, id)`.
+macro_rules! head_of_aggregate {
+    () => {
+        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
+           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
+             AND p.status IN ('pending', 'delivering', 'retryable') \
+             AND (p.aggregate_version < c.aggregate_version \
+               OR ((p.aggregate_version IS NULL OR c.aggregate_version IS NULL \
+                    OR p.aggregate_version = c.aggregate_version) AND p.id < c.id)))) "
+    };
+}
+
 /// Claim new rows (step 1: lock them). Index: `{table}_claim_retry_idx`
 /// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
 /// rows have `next_retry_at_ms = 0`, so the index order is creation order.
@@ -118,6 +134,18 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
      ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
 );
 
+/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
+pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
+    "SELECT ",
+    columns!(),
+    ", ",
+    now_ms!(),
+    " AS db_now_ms FROM {table} c \
+     WHERE app_code = ? AND status = 'pending'",
+    head_of_aggregate!(),
+    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
+);
+
 /// Claim retryable rows that are due (step 1). Index: `{table}_claim_retry_idx`.
 pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
     "SELECT ",
@@ -129,6 +157,19 @@ pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
     now_ms!(),
     " \
      ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
+);
+
+/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
+pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = concat!(
+    "SELECT ",
+    columns!(),
+    ", ",
+    now_ms!(),
+    " AS db_now_ms FROM {table} c \
+     WHERE app_code = ? AND status = 'retryable' AND next_retry_at_ms <= ",
+    now_ms!(),
+    head_of_aggregate!(),
+    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
 );
 
 /// Take over rows whose lease expired (step 1). Index: `{table}_claim_lease_idx`
@@ -343,7 +384,8 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
            KEY {table}_claim_retry_idx (app_code, status, next_retry_at_ms, created_at_ms, event_id), \
            KEY {table}_claim_lease_idx (app_code, status, lock_until_ms, created_at_ms, event_id), \
            KEY {table}_status_updated_idx (app_code, status, updated_at_ms, event_id), \
-           KEY {table}_event_id_idx (event_id) \
+           KEY {table}_event_id_idx (event_id), \
+           KEY {table}_aggregate_idx (app_code, aggregate_id, id) \
          ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
     ),
     concat!(

@@ -184,12 +184,10 @@ impl OutboxStore for MySqlOutbox {
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
         let db = |e| crate::db_error("claim", e);
-        let (select, take) = match source {
-            ClaimSource::Pending => (&self.sql.claim_pending, &self.sql.claim_take),
-            ClaimSource::DueRetry => (&self.sql.claim_due_retries, &self.sql.claim_take),
-            ClaimSource::ExpiredLease => {
-                (&self.sql.claim_expired_leases, &self.sql.claim_take_expired)
-            }
+        let select = self.sql.claim_select(source, req.ordered);
+        let take = match source {
+            ClaimSource::ExpiredLease => &self.sql.claim_take_expired,
+            ClaimSource::Pending | ClaimSource::DueRetry => &self.sql.claim_take,
         };
         let mut conn = self.read_committed().await.map_err(db)?;
         let mut tx = conn.begin().await.map_err(db)?;

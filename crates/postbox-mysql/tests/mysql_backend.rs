@@ -47,6 +47,7 @@ fn req<'a>(app_code: &'a str, worker_id: &'a str, lease_ms: i64) -> ClaimRequest
         limit: 10,
         worker_id,
         lease_ms,
+        ordered: false,
     }
 }
 

@@ -19,7 +19,7 @@ impl PgOutbox {
         let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
         let mut tx = self.pool.begin().await.map_err(db)?;
         for (query, source, index_suffix) in CLAIM_QUERIES {
-            let sql = self.sql.claim_select(source);
+            let sql = self.sql.claim_select(source, false);
             let expected_index = format!("{t}{index_suffix}");
             let row = sqlx::query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"))
                 .bind(app_code)

@@ -27,6 +27,22 @@ macro_rules! o_columns {
     };
 }
 
+/// `c` is the head of its aggregate: no earlier event of the same aggregate
+/// is still pending, delivering or retryable (`failed` ones do not hold the
+/// aggregate back). Earlier means a lower `aggregate_version`, or a lower `id`
+/// where either version is unset or they are equal. Index:
+/// `{table}_aggregate_idx (app_code, aggregate_id, id)`.
+macro_rules! head_of_aggregate {
+    () => {
+        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
+           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
+             AND p.status IN ('pending', 'delivering', 'retryable') \
+             AND (p.aggregate_version < c.aggregate_version \
+               OR ((p.aggregate_version IS NULL OR c.aggregate_version IS NULL \
+                    OR p.aggregate_version = c.aggregate_version) AND p.id < c.id)))) "
+    };
+}
+
 pub(crate) const NOW_MS: &str = concat!("SELECT ", now_ms!());
 
 /// Enqueue inside the caller's transaction. `ON CONFLICT DO NOTHING` keeps
@@ -54,11 +70,46 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
     o_columns!()
 );
 
+/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
+pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
+    "WITH picked AS (SELECT id FROM {table} c \
+       WHERE app_code = $1 AND status = 'pending'",
+    head_of_aggregate!(),
+    " \
+       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
+       lock_until_ms = ",
+    now_ms!(),
+    " + $4, updated_at_ms = ",
+    now_ms!(),
+    " \
+     FROM picked WHERE o.id = picked.id RETURNING ",
+    o_columns!()
+);
+
 /// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
 pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
     "WITH picked AS (SELECT id FROM {table} \
        WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ",
     now_ms!(),
+    " \
+       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
+     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
+       lock_until_ms = ",
+    now_ms!(),
+    " + $4, updated_at_ms = ",
+    now_ms!(),
+    " \
+     FROM picked WHERE o.id = picked.id RETURNING ",
+    o_columns!()
+);
+
+/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
+pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = concat!(
+    "WITH picked AS (SELECT id FROM {table} c \
+       WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ",
+    now_ms!(),
+    head_of_aggregate!(),
     " \
        ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
      UPDATE {table} o SET status = 'delivering', worker_id = $3, \
@@ -264,6 +315,7 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     "CREATE INDEX IF NOT EXISTS {table}_claim_lease_idx ON {table} (app_code, status, lock_until_ms, created_at_ms, event_id)",
     "CREATE INDEX IF NOT EXISTS {table}_status_updated_idx ON {table} (app_code, status, updated_at_ms, event_id)",
     "CREATE INDEX IF NOT EXISTS {table}_event_id_idx ON {table} (event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_aggregate_idx ON {table} (app_code, aggregate_id, id)",
     "CREATE TABLE IF NOT EXISTS {archive} (LIKE {table} INCLUDING DEFAULTS)",
     "ALTER TABLE {archive} ALTER COLUMN id DROP IDENTITY IF EXISTS",
     "CREATE UNIQUE INDEX IF NOT EXISTS {archive}_pk ON {archive} (id)",

@@ -67,7 +67,7 @@ impl OutboxStore for PgOutbox {
         source: ClaimSource,
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
-        let sql = self.sql.claim_select(source);
+        let sql = self.sql.claim_select(source, req.ordered);
         let rows = sqlx::query(sql)
             .bind(req.app_code)
             .bind(i64::from(req.limit))

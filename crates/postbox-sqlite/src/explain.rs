@@ -17,7 +17,7 @@ impl SqliteOutbox {
         let t = self.table.as_str();
         let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
         for (query, source, index_suffix) in CLAIM_QUERIES {
-            let sql = self.sql.claim_select(source);
+            let sql = self.sql.claim_select(source, false);
             let expected_index = format!("{t}{index_suffix}");
             // Parameters only shape the plan here; their values do not matter.
             let rows = sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))

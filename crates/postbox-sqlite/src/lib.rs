@@ -55,6 +55,8 @@ struct Statements {
     insert_event: String,
     claim_pending: String,
     claim_due_retries: String,
+    claim_pending_ordered: String,
+    claim_due_retries_ordered: String,
     claim_expired_leases: String,
     mark_delivered: String,
     mark_failed: String,
@@ -73,12 +75,16 @@ struct Statements {
 }
 
 impl Statements {
-    /// The statement that selects (and locks) rows for one claim query.
-    fn claim_select(&self, source: postbox_core::ClaimSource) -> &str {
-        match source {
-            postbox_core::ClaimSource::Pending => &self.claim_pending,
-            postbox_core::ClaimSource::DueRetry => &self.claim_due_retries,
-            postbox_core::ClaimSource::ExpiredLease => &self.claim_expired_leases,
+    /// The statement that selects (and locks) rows for one claim query;
+    /// `ordered` picks the per-aggregate variant.
+    fn claim_select(&self, source: postbox_core::ClaimSource, ordered: bool) -> &str {
+        use postbox_core::ClaimSource::*;
+        match (source, ordered) {
+            (Pending, false) => &self.claim_pending,
+            (Pending, true) => &self.claim_pending_ordered,
+            (DueRetry, false) => &self.claim_due_retries,
+            (DueRetry, true) => &self.claim_due_retries_ordered,
+            (ExpiredLease, _) => &self.claim_expired_leases,
         }
     }
 
@@ -88,6 +94,8 @@ impl Statements {
             insert_event: t.render(sql::INSERT_EVENT),
             claim_pending: t.render(sql::CLAIM_PENDING),
             claim_due_retries: t.render(sql::CLAIM_DUE_RETRIES),
+            claim_pending_ordered: t.render(sql::CLAIM_PENDING_ORDERED),
+            claim_due_retries_ordered: t.render(sql::CLAIM_DUE_RETRIES_ORDERED),
             claim_expired_leases: t.render(sql::CLAIM_EXPIRED_LEASES),
             mark_delivered: t.render(sql::MARK_DELIVERED),
             mark_failed: t.render(sql::MARK_FAILED),

@@ -68,6 +68,22 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 // stands in for `FOR UPDATE SKIP LOCKED`. Parameters: ?1 app_code, ?2 limit,
 // ?3 worker_id, ?4 lock_until_ms (the fence), ?5 now.
 
+/// `c` is the head of its aggregate: no earlier event of the same aggregate
+/// is still pending, delivering or retryable (`failed` ones do not hold the
+/// aggregate back). Earlier means a lower `aggregate_version`, or a lower `id`
+/// where either version is unset or they are equal. Index:
+/// `{table}_aggregate_idx (app_code, aggregate_id, id)`.
+macro_rules! head_of_aggregate {
+    () => {
+        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
+           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
+             AND p.status IN ('pending', 'delivering', 'retryable') \
+             AND (p.aggregate_version < c.aggregate_version \
+               OR ((p.aggregate_version IS NULL OR c.aggregate_version IS NULL \
+                    OR p.aggregate_version = c.aggregate_version) AND p.id < c.id)))) "
+    };
+}
+
 /// Claim new rows. Index: `{table}_claim_retry_idx` (pending rows have `next_retry_at_ms = 0`).
 pub(crate) const CLAIM_PENDING: &str = concat!(
     "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
@@ -78,12 +94,34 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
     columns!()
 );
 
+/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
+pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
+    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
+     WHERE id IN (SELECT id FROM {table} c \
+       WHERE app_code = ?1 AND status = 'pending'",
+    head_of_aggregate!(),
+    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
+     RETURNING ",
+    columns!()
+);
+
 /// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
 pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
     "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
      WHERE id IN (SELECT id FROM {table} \
        WHERE app_code = ?1 AND status = 'retryable' AND next_retry_at_ms <= ?5 \
        ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
+     RETURNING ",
+    columns!()
+);
+
+/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
+pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = concat!(
+    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
+     WHERE id IN (SELECT id FROM {table} c \
+       WHERE app_code = ?1 AND status = 'retryable' AND next_retry_at_ms <= ?5",
+    head_of_aggregate!(),
+    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
      RETURNING ",
     columns!()
 );
@@ -278,6 +316,7 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     "CREATE INDEX IF NOT EXISTS {table}_claim_lease_idx ON {table} (app_code, status, lock_until_ms, created_at_ms, event_id)",
     "CREATE INDEX IF NOT EXISTS {table}_status_updated_idx ON {table} (app_code, status, updated_at_ms, event_id)",
     "CREATE INDEX IF NOT EXISTS {table}_event_id_idx ON {table} (event_id)",
+    "CREATE INDEX IF NOT EXISTS {table}_aggregate_idx ON {table} (app_code, aggregate_id, id)",
     // The archive keeps the live ids: a rowid primary key, no AUTOINCREMENT.
     concat!(
         "CREATE TABLE IF NOT EXISTS {archive} (id INTEGER PRIMARY KEY, ",

@@ -73,7 +73,7 @@ impl OutboxStore for SqliteOutbox {
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
         let db = |e| crate::db_error("claim", e);
-        let sql = self.sql.claim_select(source);
+        let sql = self.sql.claim_select(source, req.ordered);
         // SQLite is embedded: the host clock is the database clock. The lease
         // end is computed once, so every row of this claim shares one fence.
         let now = postbox_core::time::now_ms();

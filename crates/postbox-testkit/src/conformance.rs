@@ -39,6 +39,7 @@ macro_rules! conformance_suite {
             relay_dead_letters_an_event_whose_last_lease_expired,
             relay_shutdown_releases_and_leaves_nothing_delivering,
             relay_skips_retries_for_at_most_once_types,
+            relay_orders_events_per_aggregate,
         );
     };
     (@cases $make:path, $($case:ident),* $(,)?) => {
@@ -88,6 +89,7 @@ fn req<'a>(worker: &'a str, limit: u32, lease_ms: i64) -> ClaimRequest<'a> {
         limit,
         worker_id: worker,
         lease_ms,
+        ordered: false,
     }
 }
 
@@ -283,7 +285,7 @@ pub async fn failed_attempt_becomes_retryable_after_backoff(store: Arc<dyn Outbo
 pub async fn expired_lease_is_taken_over_and_counted(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), &events(1, "T")).await;
     let old = store
-        .claim(ClaimSource::Pending, &req("slow", 10, 50))
+        .claim(ClaimSource::Pending, &req("slow", 10, 500))
         .await
         .unwrap();
     assert_eq!(old.len(), 1);
@@ -292,7 +294,7 @@ pub async fn expired_lease_is_taken_over_and_counted(store: Arc<dyn OutboxStore>
         .await
         .unwrap()
         .is_empty());
-    tokio::time::sleep(Duration::from_millis(120)).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
     let new = store
         .claim(ClaimSource::ExpiredLease, &req("w2", 10, 30_000))
         .await
@@ -731,4 +733,106 @@ pub async fn relay_skips_retries_for_at_most_once_types(store: Arc<dyn OutboxSto
     );
     run_relay_until(store.clone(), vec![p.clone()], config, |s| s.failed == 1).await;
     assert_eq!(p.attempts(&e.event_id), 1);
+}
+
+/// `ordering = "per_aggregate"` with two relays: each aggregate's events are
+/// published in version order (id order without versions), and a failing
+/// event holds back only the later events of its own aggregate.
+pub async fn relay_orders_events_per_aggregate(store: Arc<dyn OutboxStore>) {
+    use postbox_core::config::Ordering;
+    // Aggregate A: versions written out of order (v2 first).
+    let a: Vec<NewEvent> = [2, 1, 3, 4, 5]
+        .iter()
+        .map(|v| NewEvent::new(APP, "A", format!("{{\"v\":{v}}}")).aggregate("A", *v))
+        .collect();
+    // Aggregate B: its first event always fails.
+    let mut b: Vec<NewEvent> = (2..=5)
+        .map(|v| NewEvent::new(APP, "B", "{}").aggregate("B", v))
+        .collect();
+    b.insert(0, NewEvent::new(APP, "Poison", "{}").aggregate("B", 1));
+    // Aggregate C: no versions, id order.
+    let c: Vec<NewEvent> = (0..10)
+        .map(|i| {
+            let mut e = NewEvent::new(APP, "C", format!("{{\"i\":{i}}}"));
+            e.aggregate_id = Some("C".into());
+            e
+        })
+        .collect();
+    let free: Vec<NewEvent> = (0..10).map(|_| NewEvent::new(APP, "Free", "{}")).collect();
+    for batch in [&a, &b, &c, &free] {
+        enqueue(store.as_ref(), batch).await;
+    }
+
+    let p = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
+    let config = WorkerConfig {
+        ordering: Ordering::PerAggregate,
+        max_retry_count: 4,
+        initial_backoff: HumanDuration::millis(100),
+        max_backoff: HumanDuration::millis(400),
+        ..fast_worker()
+    };
+    let shutdown = CancellationToken::new();
+    let relays: Vec<_> = ["r1", "r2"]
+        .iter()
+        .map(|w| {
+            let publishers: Vec<Arc<dyn Publisher>> = vec![p.clone()];
+            let relay = Relay::new(
+                store.clone(),
+                publishers,
+                config.clone(),
+                vec![APP.to_owned()],
+            )
+            .with_worker_id(*w);
+            tokio::spawn(relay.run(shutdown.clone()))
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = stats(store.as_ref()).await;
+        if s.delivered == 29 && s.failed == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not done: {s:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    for r in relays {
+        r.await.unwrap().unwrap();
+    }
+
+    let offers = p.offers();
+    let pos = |id: &str| {
+        offers
+            .iter()
+            .position(|(e, ok)| e == id && *ok)
+            .unwrap_or_else(|| panic!("{id} delivered"))
+    };
+    let last_offer = |id: &str| offers.iter().rposition(|(e, _)| e == id).unwrap();
+    let mut a_by_version = a.clone();
+    a_by_version.sort_by_key(|e| e.aggregate_version);
+    let a_order: Vec<usize> = a_by_version.iter().map(|e| pos(&e.event_id)).collect();
+    assert!(
+        a_order.windows(2).all(|w| w[0] < w[1]),
+        "A in version order: {a_order:?}"
+    );
+    let c_order: Vec<usize> = c.iter().map(|e| pos(&e.event_id)).collect();
+    assert!(
+        c_order.windows(2).all(|w| w[0] < w[1]),
+        "C in id order: {c_order:?}"
+    );
+    let b_tail: Vec<usize> = b[1..].iter().map(|e| pos(&e.event_id)).collect();
+    assert!(
+        b_tail.windows(2).all(|w| w[0] < w[1]),
+        "B in version order: {b_tail:?}"
+    );
+    let b1_dead = last_offer(&b[0].event_id);
+    assert!(
+        b_tail[0] > b1_dead,
+        "B v2 waited for B v1 to be dead-lettered"
+    );
+    assert_eq!(p.attempts(&b[0].event_id), 4);
+    assert!(
+        *a_order.last().unwrap() < b1_dead && *c_order.last().unwrap() < b1_dead,
+        "other aggregates were not held back by B's failing event"
+    );
 }

@@ -18,6 +18,7 @@ pub struct RecordingPublisher {
     down: AtomicBool,
     delivered: Mutex<Vec<(String, i32, bool)>>,
     attempts: Mutex<HashMap<String, u32>>,
+    offers: Mutex<Vec<(String, bool)>>,
 }
 
 impl RecordingPublisher {
@@ -50,6 +51,11 @@ impl RecordingPublisher {
         self.delivered().into_iter().map(|d| d.0).collect()
     }
 
+    /// Every offer in order: `(event_id, confirmed)`.
+    pub fn offers(&self) -> Vec<(String, bool)> {
+        self.offers.lock().unwrap().clone()
+    }
+
     /// How many times an event was offered (confirmed or not).
     pub fn attempts(&self, event_id: &str) -> u32 {
         self.attempts
@@ -77,6 +83,11 @@ impl Publisher for RecordingPublisher {
                 .unwrap()
                 .entry(d.record.event_id.clone())
                 .or_default() += 1;
+            let ok = !down && !self.fail_types.contains(&d.record.event_type);
+            self.offers
+                .lock()
+                .unwrap()
+                .push((d.record.event_id.clone(), ok));
             if down {
                 out.push(Err(PublishError::failed(format!("{} is down", self.name))));
             } else if self.fail_types.contains(&d.record.event_type) {

@@ -155,7 +155,7 @@ mod tests {
         );
         assert_eq!(key_of("[database]\nurl = \"oracle://x\""), "database.url");
         assert_eq!(
-            key_of(&format!("{w}ordering = \"per_aggregate\"")),
+            key_of(&format!("{w}ordering = \"by_moon\"")),
             "outbox_worker.ordering"
         );
     }

@@ -281,12 +281,6 @@ impl Config {
                 ),
             ));
         }
-        if w.ordering == Ordering::PerAggregate {
-            return Err(Error::config(
-                "outbox_worker.ordering",
-                "\"per_aggregate\" is not available in this version of the relay; use \"none\" and let consumers drop stale events by aggregate_version",
-            ));
-        }
         if w.max_retry_count == 0 {
             return Err(Error::config(
                 "outbox_worker.max_retry_count",

@@ -7,7 +7,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::Batch;
-use crate::config::WorkerConfig;
+use crate::config::{Ordering, WorkerConfig};
 use crate::store::{ClaimRequest, OutboxStore};
 use crate::ClaimSource;
 
@@ -49,6 +49,7 @@ impl Claimer {
                         limit: batch_size,
                         worker_id: &self.worker_id,
                         lease_ms: self.config.lease.as_millis_i64(),
+                        ordered: self.config.ordering == Ordering::PerAggregate,
                     };
                     match self.store.claim(source, &req).await {
                         Ok(events) if events.is_empty() => {}
