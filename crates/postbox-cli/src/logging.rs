@@ -1,18 +1,22 @@
 //! Structured logs on stderr, text or JSON (`--log-format json`).
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{Global, LogFormat};
 
-pub fn init(g: &Global) {
+/// `default_filter` applies when neither `--log` nor RUST_LOG is given.
+pub fn init(g: &Global, default_filter: &str) {
     let filter = g
         .log
         .clone()
         .map(EnvFilter::new)
         .or_else(|| EnvFilter::try_from_default_env().ok())
-        .unwrap_or_else(|| EnvFilter::new("info,sqlx=warn"));
+        .unwrap_or_else(|| EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match g.log_format {
         LogFormat::Json => builder.json().flatten_event(true).init(),

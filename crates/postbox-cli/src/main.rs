@@ -15,7 +15,12 @@ use crate::error::CliError;
 
 fn main() {
     let cli = Cli::parse();
-    logging::init(&cli.global);
+    // The quickstart shows its own status line; keep the relay's info lines out of it.
+    let default_log = match cli.command {
+        Command::Quickstart(_) => "warn",
+        _ => "info,sqlx=warn",
+    };
+    logging::init(&cli.global, default_log);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
