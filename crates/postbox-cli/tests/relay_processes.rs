@@ -181,6 +181,9 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
             let victim = &mut relays[0];
             let pid = victim.child.id().expect("relay 0 running").to_string();
             signal("STOP", &pid);
+            // Let statements it had already sent (a claim's commit, a mark)
+            // finish on the server, so the leases seen below are really held.
+            tokio::time::sleep(Duration::from_millis(300)).await;
             if holds_leases(store.as_ref(), dir, kills).await {
                 victim.child.start_kill().expect("SIGKILL relay 0");
                 victim.child.wait().await.unwrap();
