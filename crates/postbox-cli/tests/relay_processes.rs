@@ -44,7 +44,7 @@ max_connections = 4
 poll_interval = "50ms"
 batch_size = 100
 publish_timeout = "1s"
-lease = "8s"
+lease = "15s"
 max_retry_count = 10
 initial_backoff = "100ms"
 max_backoff = "1s"
@@ -138,9 +138,6 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
         String::from_utf8_lossy(&migrate.stderr)
     );
 
-    let mut relays: Vec<Relay> = (0..RELAYS)
-        .map(|slot| start_relay(dir, url, &table, slot, 0))
-        .collect();
     let mut killed_outputs = Vec::new();
 
     let producers: Vec<_> = (0..PRODUCERS)
@@ -170,20 +167,28 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
         .collect();
 
     let total = (EVENTS_PER_PRODUCER * PRODUCERS) as i64;
-    let kill_at = [total / 4, total * 3 / 5];
+    // The relays start against a backlog (as after an outage) while the
+    // producers keep writing, so they drain full batches and hold leases.
+    while stats(store.as_ref()).await.1 < total / 3 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut relays: Vec<Relay> = (0..RELAYS)
+        .map(|slot| start_relay(dir, url, &table, slot, 0))
+        .collect();
+    let kill_at = [total / 10, total * 3 / 10];
     let mut kills = 0;
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
         let (delivered, open) = stats(store.as_ref()).await;
         if kills < kill_at.len() && delivered >= kill_at[kills] {
-            // Freeze relay 0 and kill it only if it holds leases right then:
-            // a kill between publish and mark is what this test is about.
+            // Freeze relay 0 and kill it only if it still holds leases once
+            // the statements it had already sent (a claim's commit, a mark)
+            // have finished on the server: a kill between publish and mark
+            // is what this test is about.
             let victim = &mut relays[0];
             let pid = victim.child.id().expect("relay 0 running").to_string();
             signal("STOP", &pid);
-            // Let statements it had already sent (a claim's commit, a mark)
-            // finish on the server, so the leases seen below are really held.
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             if holds_leases(store.as_ref(), dir, kills).await {
                 victim.child.start_kill().expect("SIGKILL relay 0");
                 victim.child.wait().await.unwrap();
@@ -193,6 +198,7 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
                 relays[0] = start_relay(dir, url, &table, 0, kills);
             } else {
                 signal("CONT", &pid);
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
         if delivered == total && open == 0 {
@@ -214,7 +220,7 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
                 .collect();
             panic!("not drained in time: {delivered} delivered, {open} open: {s:?}\nlast log lines:\n{}", logs.join("\n---\n"));
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(kills, 2, "both kills happened during the run");
 
