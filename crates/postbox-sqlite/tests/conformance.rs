@@ -17,3 +17,19 @@ async fn fresh_store() -> Arc<dyn OutboxStore> {
 }
 
 conformance_suite!(fresh_store);
+
+/// A relay with no publisher refuses to start instead of marking every row
+/// delivered.
+#[tokio::test]
+async fn relay_without_publishers_refuses_to_run() {
+    use postbox_core::relay::{CancellationToken, Relay};
+    let store = fresh_store().await;
+    let relay = Relay::new(
+        store,
+        vec![],
+        postbox_core::config::WorkerConfig::default(),
+        vec!["a".into()],
+    );
+    let err = relay.run(CancellationToken::new()).await.unwrap_err();
+    assert!(err.to_string().contains("publishers"), "{err}");
+}

@@ -91,6 +91,19 @@ impl Relay {
     /// Runs until `shutdown` is cancelled, then finishes in-flight publishes,
     /// releases unstarted leases and returns the counters.
     pub async fn run(self, shutdown: CancellationToken) -> Result<RelayReport> {
+        // With no publisher every row would count as confirmed by all.
+        if self.publishers.is_empty() {
+            return Err(crate::Error::config(
+                "publishers",
+                "the relay needs at least one publisher",
+            ));
+        }
+        if self.app_codes.is_empty() {
+            return Err(crate::Error::config(
+                "database.app_codes",
+                "the relay needs at least one app_code",
+            ));
+        }
         let (claimed_tx, claimed_rx) = mpsc::channel::<Batch>(1);
         let (results_tx, results_rx) = mpsc::channel(2);
         tracing::info!(
