@@ -60,6 +60,96 @@ pub async fn ensure_database(server: &str, url: &str) {
         }
         other => panic!("unknown server {other}"),
     }
+    drop_stale_scratch_tables(server, url).await;
+}
+
+/// Drops scratch tables (see [`scratch_table`]) left by earlier test
+/// processes, once per process, so repeated runs do not grow the test
+/// database. Tables of this process are kept.
+async fn drop_stale_scratch_tables(server: &str, url: &str) {
+    use sqlx::Connection;
+    let key = format!("{server} {url}");
+    static SEEN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    if SEEN.lock().unwrap().contains(&key) {
+        return;
+    }
+    let mine = format!("_{}_", std::process::id());
+    let stale = |names: Vec<String>| -> Vec<String> {
+        names
+            .into_iter()
+            .filter(|n| is_scratch(n) && !n.contains(&mine))
+            .collect()
+    };
+    match server {
+        "postgres" => {
+            let Ok(mut c) = sqlx::PgConnection::connect(url).await else {
+                return;
+            };
+            let names: Vec<String> = sqlx::query_scalar(
+                "SELECT tablename::TEXT FROM pg_tables WHERE schemaname = 'public'",
+            )
+            .fetch_all(&mut c)
+            .await
+            .unwrap_or_default();
+            for t in stale(names) {
+                let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
+                    .execute(&mut c)
+                    .await;
+            }
+            let _ = sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name NOT IN (SELECT tablename::TEXT FROM pg_tables)")
+                .execute(&mut c)
+                .await;
+        }
+        _ => {
+            let Ok(mut c) = sqlx::MySqlConnection::connect(url).await else {
+                return;
+            };
+            let names: Vec<String> = sqlx::query_scalar("SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE()")
+                .fetch_all(&mut c)
+                .await
+                .unwrap_or_default();
+            for t in stale(names) {
+                let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
+                    .execute(&mut c)
+                    .await;
+            }
+            let _ = sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name NOT IN (SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE())")
+                .execute(&mut c)
+                .await;
+        }
+    }
+    SEEN.lock().unwrap().push(key);
+}
+
+/// `{prefix}_{pid}_{n}_{6 hex}` (and its `_archive` twin), as made by
+/// [`scratch_table`].
+fn is_scratch(name: &str) -> bool {
+    let base = name.strip_suffix("_archive").unwrap_or(name);
+    let parts: Vec<&str> = base.rsplitn(4, '_').collect();
+    parts.len() == 4
+        && parts[0].len() == 6
+        && parts[0].chars().all(|c| c.is_ascii_hexdigit())
+        && parts[1].chars().all(|c| c.is_ascii_digit())
+        && parts[2].chars().all(|c| c.is_ascii_digit())
+        && !parts[3].is_empty()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn recognises_scratch_tables_only() {
+        let t = super::scratch_table("pg");
+        assert!(super::is_scratch(&t), "{t}");
+        assert!(super::is_scratch(&format!("{t}_archive")));
+        for other in [
+            "room_outbox",
+            "postbox_schema_migrations",
+            "wallet_outbox_archive",
+            "a_1_2_xyz",
+        ] {
+            assert!(!super::is_scratch(other), "{other}");
+        }
+    }
 }
 
 /// A table name no other test uses: `{prefix}_{pid}_{n}_{random}`.
