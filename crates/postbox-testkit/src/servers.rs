@@ -134,6 +134,15 @@ fn is_scratch(name: &str) -> bool {
         && !parts[3].is_empty()
 }
 
+/// A table name no other test uses: `{prefix}_{pid}_{n}_{random}`.
+pub fn scratch_table(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let r = uuid::Uuid::now_v7().simple().to_string();
+    let r = &r[r.len() - 6..];
+    format!("{prefix}_{}_{n}_{}", std::process::id(), r)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -150,13 +159,4 @@ mod tests {
             assert!(!super::is_scratch(other), "{other}");
         }
     }
-}
-
-/// A table name no other test uses: `{prefix}_{pid}_{n}_{random}`.
-pub fn scratch_table(prefix: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    let n = N.fetch_add(1, Ordering::Relaxed);
-    let r = uuid::Uuid::now_v7().simple().to_string();
-    let r = &r[r.len() - 6..];
-    format!("{prefix}_{}_{n}_{}", std::process::id(), r)
 }
