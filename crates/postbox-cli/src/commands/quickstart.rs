@@ -126,10 +126,14 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     println!("Where to look:");
     println!("  head -3 {}", out.display());
     let cfg = config_path.display();
-    println!("  postbox --config {cfg} status");
-    println!("  postbox --config {cfg} events list --limit 5");
-    println!("  postbox --config {cfg} enqueue --event-type Hello --payload '{{\"hi\":1}}'");
-    println!("  postbox --config {cfg} relay        # delivers it; Ctrl-C to stop");
+    // The binary as it was run (e.g. target/release/postbox under cargo run).
+    let bin = std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| "postbox".to_owned());
+    println!("  {bin} --config {cfg} status");
+    println!("  {bin} --config {cfg} events list --limit 5");
+    println!("  {bin} --config {cfg} enqueue --event-type Hello --payload '{{\"hi\":1}}'");
+    println!("  {bin} --config {cfg} relay        # delivers it; Ctrl-C to stop");
     if g.json {
         crate::output::json(&serde_json::json!({
             "database": db, "output": out, "config": config_path,
