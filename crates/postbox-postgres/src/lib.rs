@@ -170,12 +170,4 @@ impl PgOutbox {
     }
 }
 
-/// Wraps a driver error, telling deadlocks and serialization failures apart
-/// ([`Error::Transient`]) by their SQLSTATE.
-pub(crate) fn db_error(operation: &'static str, e: sqlx::Error) -> Error {
-    let code = e
-        .as_database_error()
-        .and_then(|d| d.code())
-        .map(|c| c.into_owned());
-    Error::from_driver(operation, e, code.as_deref())
-}
+pub(crate) use postbox_sqlx::db_error;

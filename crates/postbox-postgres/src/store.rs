@@ -1,10 +1,9 @@
 //! [`OutboxStore`] for PostgreSQL.
 
 use async_trait::async_trait;
-use sqlx::postgres::PgRow;
 use sqlx::Row;
 
-use postbox_core::event::{parse_delivered_to, Fence};
+use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
     ReplaySelector,
@@ -15,38 +14,7 @@ use postbox_core::{
 
 use crate::PgOutbox;
 
-fn record(row: &PgRow) -> std::result::Result<EventRecord, sqlx::Error> {
-    let status: String = row.try_get(8)?;
-    Ok(EventRecord {
-        id: row.try_get(0)?,
-        app_code: row.try_get(1)?,
-        event_id: row.try_get(2)?,
-        event_type: row.try_get(3)?,
-        aggregate_id: row.try_get(4)?,
-        aggregate_version: row.try_get(5)?,
-        payload: row.try_get(6)?,
-        headers: row.try_get(7)?,
-        status: status
-            .parse()
-            .map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
-        retry_count: row.try_get(9)?,
-        next_retry_at_ms: row.try_get(10)?,
-        lock_until_ms: row.try_get(11)?,
-        worker_id: row.try_get(12)?,
-        last_error: row.try_get(13)?,
-        delivered_to: parse_delivered_to(row.try_get::<Option<String>, _>(14)?.as_deref()),
-        replay_count: row.try_get(15)?,
-        created_at_ms: row.try_get(16)?,
-        updated_at_ms: row.try_get(17)?,
-    })
-}
-
-fn records(rows: Vec<PgRow>, op: &'static str) -> Result<Vec<EventRecord>> {
-    rows.iter()
-        .map(record)
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|e| crate::db_error(op, e))
-}
+use postbox_sqlx::records;
 
 #[async_trait]
 impl OutboxStore for PgOutbox {
