@@ -182,6 +182,18 @@ pub enum EnqueueOutcome {
     Duplicate,
 }
 
+impl EnqueueOutcome {
+    /// Classifies one insert of a batch: a duplicate is an outcome, not an
+    /// error, so one known event does not spoil the batch.
+    pub fn from_insert(result: Result<i64>) -> Result<Self> {
+        match result {
+            Ok(id) => Ok(EnqueueOutcome::Inserted(id)),
+            Err(crate::Error::DuplicateEvent { .. }) => Ok(EnqueueOutcome::Duplicate),
+            Err(e) => Err(e),
+        }
+    }
+}
+
 /// An outbox table in one database.
 ///
 /// Every result write is fenced by the claim's [`Fence`]: a row whose lease

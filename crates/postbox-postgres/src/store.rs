@@ -8,9 +8,7 @@ use postbox_core::store::{
     AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
     ReplaySelector,
 };
-use postbox_core::{
-    ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
-};
+use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
 use crate::PgOutbox;
 
@@ -106,11 +104,7 @@ impl OutboxStore for PgOutbox {
                 .map_err(|e| crate::db_error("begin", e))?;
             let mut out = Vec::with_capacity(events.len());
             for e in events {
-                match this.enqueue(&mut tx, e).await {
-                    Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
-                    Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
-                    Err(err) => return Err(err),
-                }
+                out.push(EnqueueOutcome::from_insert(this.enqueue(&mut tx, e).await)?);
             }
             tx.commit()
                 .await

@@ -8,9 +8,7 @@ use postbox_core::store::{
     AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
     ReplaySelector,
 };
-use postbox_core::{
-    ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
-};
+use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
 use crate::{finish, SqliteOutbox};
 
@@ -138,11 +136,7 @@ impl OutboxStore for SqliteOutbox {
             let res = async {
                 let mut out = Vec::with_capacity(events.len());
                 for e in events {
-                    match this.enqueue(&mut tx, e).await {
-                        Ok(id) => out.push(EnqueueOutcome::Inserted(id)),
-                        Err(Error::DuplicateEvent { .. }) => out.push(EnqueueOutcome::Duplicate),
-                        Err(err) => return Err(err),
-                    }
+                    out.push(EnqueueOutcome::from_insert(this.enqueue(&mut tx, e).await)?);
                 }
                 Ok(out)
             }
