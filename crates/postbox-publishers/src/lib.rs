@@ -17,6 +17,10 @@ use postbox_core::{Publisher, Result};
 pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     match config {
         PublisherConfig::File(c) => Ok(Arc::new(file::FilePublisher::open(c).await?)),
+        other => Err(postbox_core::Error::config(
+            "publishers",
+            format!("kind `{}` is not built yet", other.kind()),
+        )),
     }
 }
 

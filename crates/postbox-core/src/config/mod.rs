@@ -11,7 +11,10 @@ use serde::Deserialize;
 
 pub use duration::HumanDuration;
 pub use load::{load, ConfigSource};
-pub use publisher::{FilePublisherConfig, PublisherConfig};
+pub use publisher::{
+    FilePublisherConfig, NatsPublisherConfig, PublisherConfig, RabbitMqPublisherConfig,
+    RedisPublisherConfig, WebhookPublisherConfig,
+};
 
 use crate::redact::{Secret, SecretUrl};
 use crate::retry::Backoff;

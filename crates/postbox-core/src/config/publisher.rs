@@ -1,7 +1,10 @@
-//! `[[publishers]]` entries, one variant per `kind`.
+//! `[[publishers]]` entries, one variant per `kind` (SPEC §5).
 
 use serde::Deserialize;
 
+use super::HumanDuration;
+use crate::redact::{Secret, SecretUrl};
+use crate::template::Template;
 use crate::Error;
 
 /// One fanout target. The `kind` key selects the variant.
@@ -10,42 +13,140 @@ use crate::Error;
 pub enum PublisherConfig {
     /// JSON lines to a file or stdout.
     File(FilePublisherConfig),
+    /// A RabbitMQ exchange, with publisher confirms.
+    Rabbitmq(RabbitMqPublisherConfig),
+    /// A NATS JetStream stream, acknowledged by PubAck.
+    Nats(NatsPublisherConfig),
+    /// A Redis stream (`XADD`).
+    Redis(RedisPublisherConfig),
+    /// An HTTP endpoint receiving the JSON envelope.
+    Webhook(WebhookPublisherConfig),
 }
 
 impl PublisherConfig {
     /// The publisher's name (defaults to its kind): labels metrics and
     /// per-publisher progress.
     pub fn name(&self) -> &str {
-        match self {
-            PublisherConfig::File(c) => c.name.as_deref().unwrap_or("file"),
-        }
+        self.configured_name().unwrap_or(self.kind())
     }
 
     /// The `kind` key.
     pub fn kind(&self) -> &'static str {
         match self {
             PublisherConfig::File(_) => "file",
+            PublisherConfig::Rabbitmq(_) => "rabbitmq",
+            PublisherConfig::Nats(_) => "nats",
+            PublisherConfig::Redis(_) => "redis",
+            PublisherConfig::Webhook(_) => "webhook",
+        }
+    }
+
+    fn configured_name(&self) -> Option<&str> {
+        match self {
+            PublisherConfig::File(c) => c.name.as_deref(),
+            PublisherConfig::Rabbitmq(c) => c.name.as_deref(),
+            PublisherConfig::Nats(c) => c.name.as_deref(),
+            PublisherConfig::Redis(c) => c.name.as_deref(),
+            PublisherConfig::Webhook(c) => c.name.as_deref(),
+        }
+    }
+
+    /// The URL it connects to, if any (for `doctor` and start-up logs; print
+    /// it with `Display`, which hides the password).
+    pub fn url(&self) -> Option<&SecretUrl> {
+        match self {
+            PublisherConfig::File(_) => None,
+            PublisherConfig::Rabbitmq(c) => Some(&c.url),
+            PublisherConfig::Nats(c) => Some(&c.url),
+            PublisherConfig::Redis(c) => Some(&c.url),
+            PublisherConfig::Webhook(c) => Some(&c.url),
         }
     }
 
     pub(crate) fn validate(&self, key: &str) -> Result<(), Error> {
-        if let Some(name) = match self {
-            PublisherConfig::File(c) => c.name.as_deref(),
-        } {
-            if name.is_empty() || name.len() > 64 {
+        if let Some(name) = self.configured_name() {
+            let ok = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'));
+            if !ok {
+                // `delivered_to` joins names with commas, so names are plain.
                 return Err(Error::config(
                     format!("{key}.name"),
-                    "must be 1 to 64 bytes",
+                    "must be 1 to 64 characters of A-Z, a-z, 0-9, `_`, `-` or `.`",
                 ));
             }
         }
-        match self {
-            PublisherConfig::File(c) if c.path.is_empty() => Err(Error::config(
-                format!("{key}.path"),
-                "is empty; give a file path or \"-\" for stdout",
-            )),
-            PublisherConfig::File(_) => Ok(()),
+        let url_schemes: &[&str] = match self {
+            PublisherConfig::File(c) if c.path.is_empty() => {
+                return Err(Error::config(
+                    format!("{key}.path"),
+                    "is empty; give a file path or \"-\" for stdout",
+                ))
+            }
+            PublisherConfig::File(_) => return Ok(()),
+            PublisherConfig::Rabbitmq(c) => {
+                if c.exchange.is_empty() {
+                    return Err(Error::config(
+                        format!("{key}.exchange"),
+                        "is empty; the default exchange cannot confirm routing, name an exchange",
+                    ));
+                }
+                &["amqp", "amqps"]
+            }
+            PublisherConfig::Nats(c) => {
+                if c.stream.is_empty()
+                    || c.stream
+                        .chars()
+                        .any(|ch| matches!(ch, '.' | '*' | '>' | ' ' | '/' | '\\'))
+                {
+                    return Err(Error::config(
+                        format!("{key}.stream"),
+                        "must be a non-empty JetStream stream name without `.`, `*`, `>`, spaces or slashes",
+                    ));
+                }
+                &["nats", "tls"]
+            }
+            PublisherConfig::Redis(c) => {
+                if c.maxlen == Some(0) {
+                    return Err(Error::config(
+                        format!("{key}.maxlen"),
+                        "must be > 0 (leave it out for an unbounded stream)",
+                    ));
+                }
+                &["redis", "rediss"]
+            }
+            PublisherConfig::Webhook(c) => {
+                if c.timeout.get().is_zero() {
+                    return Err(Error::config(format!("{key}.timeout"), "must be > 0"));
+                }
+                if matches!(&c.secret, Some(s) if s.is_empty()) {
+                    return Err(Error::config(
+                        format!("{key}.secret"),
+                        "is empty; leave it out to send unsigned requests",
+                    ));
+                }
+                &["http", "https"]
+            }
+        };
+        let url = self.url().expect("every broker publisher has a url");
+        if !url_schemes.contains(&url.scheme()) {
+            return Err(Error::config(
+                format!("{key}.url"),
+                format!(
+                    "unsupported scheme `{}` for kind `{}`: use {}",
+                    url.scheme(),
+                    self.kind(),
+                    url_schemes
+                        .iter()
+                        .map(|s| format!("{s}://"))
+                        .collect::<Vec<_>>()
+                        .join(" or ")
+                ),
+            ));
         }
+        Ok(())
     }
 }
 
@@ -58,4 +159,95 @@ pub struct FilePublisherConfig {
     pub name: Option<String>,
     /// File to append to, `-` for stdout.
     pub path: String,
+}
+
+/// `kind = "rabbitmq"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RabbitMqPublisherConfig {
+    /// Name (default `rabbitmq`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `amqp://user:pass@host:5672/vhost` or `amqps://…`.
+    pub url: SecretUrl,
+    /// The exchange messages are published to.
+    pub exchange: String,
+    /// Routing key template (default `{event_type}`).
+    #[serde(default = "default_routing_key")]
+    pub routing_key: Template,
+    /// Declare the exchange (durable `topic`) when missing; otherwise a
+    /// missing exchange is an error at start.
+    #[serde(default)]
+    pub declare: bool,
+}
+
+/// `kind = "nats"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsPublisherConfig {
+    /// Name (default `nats`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `nats://host:4222`.
+    pub url: SecretUrl,
+    /// Subject template (default `{app_code}.{event_type}`).
+    #[serde(default = "default_subject")]
+    pub subject: Template,
+    /// The JetStream stream that must capture the subjects.
+    pub stream: String,
+    /// Create the stream (file storage, the subjects of `subject` with
+    /// placeholders as wildcards) when missing.
+    #[serde(default)]
+    pub declare: bool,
+}
+
+/// `kind = "redis"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisPublisherConfig {
+    /// Name (default `redis`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `redis://host:6379/0` or `rediss://…`.
+    pub url: SecretUrl,
+    /// Stream name template (default `postbox.{app_code}`).
+    #[serde(default = "default_stream")]
+    pub stream: Template,
+    /// Approximate `MAXLEN ~` trimming on every `XADD`.
+    #[serde(default)]
+    pub maxlen: Option<u64>,
+}
+
+/// `kind = "webhook"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookPublisherConfig {
+    /// Name (default `webhook`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The endpoint receiving `POST` requests.
+    pub url: SecretUrl,
+    /// HMAC-SHA256 key; when set every request is signed.
+    #[serde(default)]
+    pub secret: Option<Secret>,
+    /// Per-request timeout (default 10s; the relay's `publish_timeout`
+    /// still bounds the whole batch).
+    #[serde(default = "default_webhook_timeout")]
+    pub timeout: HumanDuration,
+}
+
+fn default_routing_key() -> Template {
+    Template::parse("{event_type}").expect("valid default template")
+}
+
+fn default_subject() -> Template {
+    Template::parse("{app_code}.{event_type}").expect("valid default template")
+}
+
+fn default_stream() -> Template {
+    Template::parse("postbox.{app_code}").expect("valid default template")
+}
+
+fn default_webhook_timeout() -> HumanDuration {
+    HumanDuration::secs(10)
 }

@@ -1,0 +1,1 @@
+//! postbox admin API, metrics and dashboard (issue 5).

@@ -1,0 +1,1 @@
+//! postbox consumers (issue 4).
