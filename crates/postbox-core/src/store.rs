@@ -69,6 +69,37 @@ pub enum ReplaySelector {
     Filter(EventFilter),
 }
 
+/// What one entry of an event's attempt history records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HistoryKind {
+    /// A publisher refused, failed or timed out.
+    Failed,
+    /// A lease expired before the result was written (counted as an attempt).
+    LeaseExpired,
+    /// The attempt that made the row `failed` (dead letter).
+    DeadLettered,
+    /// An operator put the row back to `pending`.
+    Replayed,
+}
+
+/// One entry of an event's attempt history (bounded per event). Together
+/// with the row's `created_at_ms` and its delivered time it gives the
+/// timeline `events show` and the admin API display.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HistoryEntry {
+    /// Database time of the entry, epoch ms.
+    pub at_ms: i64,
+    /// What happened.
+    pub kind: HistoryKind,
+    /// The attempt number it concerns (1 for the first delivery attempt).
+    pub attempt: i32,
+    /// The publisher that failed, when one did.
+    pub publisher: Option<String>,
+    /// Error text (failures) or origin (replays: `cli`, `api 10.0.0.7`, …).
+    pub detail: Option<String>,
+}
+
 /// Counts of one tenant.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct AppStats {
@@ -249,4 +280,10 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Plans of the three claim queries for `app_code`, taking up to `limit`
     /// rows. Nothing is changed: executions are rolled back.
     async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>>;
+
+    /// The attempt history of an event, oldest first.
+    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+        let _ = event_id;
+        Ok(Vec::new())
+    }
 }
