@@ -5,11 +5,12 @@
 //! it, never a silent skip.
 
 pub mod conformance;
+pub mod publisher_suite;
 pub mod publishers;
 pub mod servers;
 
 pub use publishers::RecordingPublisher;
-pub use servers::{mysql_url, postgres_url, scratch_table};
+pub use servers::{amqp_url, mysql_url, nats_url, postgres_url, redis_url, scratch_table};
 
 /// Checks claim plans: each reads through the index it was written for,
 /// scans nothing whole, and (where measured) reads at most `max_rows` rows.
