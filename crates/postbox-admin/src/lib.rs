@@ -1,1 +1,26 @@
-//! postbox admin API, metrics and dashboard (issue 5).
+//! The postbox admin server: Prometheus `/metrics`, `/healthz`, a JSON API
+//! over the outbox table and a small dashboard at `/` (SPEC §8).
+//!
+//! ```text
+//!  StatsPoller ──every interval──▶ store.stats() ─▶ gauges + Snapshot
+//!                                                     │
+//!  GET /metrics ◀── PrometheusHandle::render()        │ (no query per scrape)
+//!  GET /api/stats ◀───────────────────────────────────┘
+//!  GET /api/events…, POST …/replay ──▶ store (replay needs the bearer token)
+//! ```
+//!
+//! The relay records its counters through the `metrics` facade; a process
+//! that installs [`install_recorder`] before it starts the relay serves them.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod api;
+mod auth;
+mod dashboard;
+mod poller;
+mod recorder;
+mod server;
+
+pub use poller::{Snapshot, StatsPoller};
+pub use recorder::install_recorder;
+pub use server::{AdminServer, AdminSettings};

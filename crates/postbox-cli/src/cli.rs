@@ -54,6 +54,8 @@ pub enum Command {
     Replay(ReplayArgs),
     /// Write events: one from flags, or many from a JSON-lines file.
     Enqueue(EnqueueArgs),
+    /// Serve the admin API, /metrics and the dashboard (from `[admin]`).
+    Serve(ServeArgs),
     /// A self-contained demo on SQLite and a JSON-lines file; no servers needed.
     Quickstart(QuickstartArgs),
 }
@@ -66,6 +68,16 @@ pub struct RelayArgs {
     /// Run `migrate` before relaying.
     #[arg(long)]
     pub migrate: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Listen address, overriding `admin.listen` (default 127.0.0.1:9464).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Only these app_codes (default: database.app_codes).
+    #[arg(long = "app-code")]
+    pub app_codes: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -180,4 +192,11 @@ pub struct QuickstartArgs {
     /// Demo events written per second.
     #[arg(long, default_value_t = 100)]
     pub rate: u32,
+    /// Dashboard address (a free port is taken when this one is busy).
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    pub listen: String,
+    /// Keep serving the dashboard after the demo until Ctrl-C (default:
+    /// only when stdout is a terminal).
+    #[arg(long)]
+    pub keep_serving: bool,
 }

@@ -14,6 +14,7 @@ pub mod config;
 pub mod envelope;
 pub mod error;
 pub mod event;
+pub mod metrics;
 pub mod publish;
 pub mod redact;
 pub mod relay;

@@ -100,6 +100,15 @@ pub struct HistoryEntry {
     pub detail: Option<String>,
 }
 
+/// Rows of one tenant delivered in one minute (the dashboard's chart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MinuteCount {
+    /// Start of the minute, epoch ms (database clock).
+    pub minute_ms: i64,
+    /// Rows marked delivered in that minute (by `updated_at_ms`).
+    pub delivered: i64,
+}
+
 /// Counts of one tenant.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct AppStats {
@@ -266,6 +275,13 @@ pub trait OutboxStore: Send + Sync + 'static {
 
     /// Rows matching a filter, newest first.
     async fn list(&self, filter: &EventFilter) -> Result<Vec<EventRecord>>;
+
+    /// Rows of `app_code` delivered per minute since `since_ms`, oldest
+    /// minute first; minutes without deliveries are absent. Reads only the
+    /// delivered rows of that range, through the `(app_code, status,
+    /// updated_at_ms)` index.
+    async fn delivered_per_minute(&self, app_code: &str, since_ms: i64)
+        -> Result<Vec<MinuteCount>>;
 
     /// Rows with this event id (one per app_code at most).
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;

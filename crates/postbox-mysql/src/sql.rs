@@ -245,16 +245,19 @@ pub(crate) const BACKLOG: &str = concat!(
     now_ms!()
 );
 
-/// Newest first, every filter optional (each value bound twice).
-pub(crate) const LIST: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} \
-     WHERE ",
-    filter!("status"),
-    " AND (? IS NULL OR id < ?) \
-     ORDER BY id DESC LIMIT ?"
-);
+/// `list` without its predicates: `postbox_sqlx::list_query` appends only
+/// the filters given, then `ORDER BY id DESC LIMIT`. Indexes: the primary key
+/// (no filter), `{table}_status_id_idx (app_code, status, id)` (tenant and
+/// status, e.g. the dashboard's failed list).
+pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
+
+/// Rows delivered per minute since a time, for the dashboard's chart.
+/// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
+/// a range read of the last hour's delivered rows only.
+pub(crate) const DELIVERED_PER_MINUTE: &str =
+    "SELECT (updated_at_ms DIV 60000) * 60000 AS minute_ms, COUNT(*) \
+     FROM {table} WHERE app_code = ? AND status = 'delivered' AND updated_at_ms >= ? \
+     GROUP BY minute_ms ORDER BY minute_ms";
 
 /// By event id. Index: `{table}_event_uq` is led by app_code, so this uses
 /// `{table}_event_id_idx`.
@@ -370,6 +373,11 @@ pub(crate) const RECORD_VERSION: &str = concat!(
     ")"
 );
 
+/// Version 2: the index the admin API's lists read newest first per tenant
+/// and status (keyset pagination by id).
+pub(crate) const V2_LIST_INDEX: &[&str] =
+    &["CREATE INDEX {table}_status_id_idx ON {table} (app_code, status, id)"];
+
 /// Version 1: the outbox table with its indexes, and the archive twin.
 /// Indexes are inline because MySQL 8 has no `CREATE INDEX IF NOT EXISTS`.
 /// The expression defaults let other languages write a row with a plain
@@ -429,7 +437,7 @@ mod tests {
         }
         for sql in [
             CLAIM_PENDING,
-            LIST,
+            LIST_SELECT,
             BACKLOG,
             MARK_FAILED,
             REPLAY_FILTER_LOCK,

@@ -13,14 +13,16 @@ use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
-    ReplaySelector,
+    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, MinuteCount,
+    OutboxStore, ReplaySelector,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
 use crate::{sql, MySqlOutbox};
 
-use postbox_sqlx::records;
+use postbox_sqlx::{records, ListArg, Placeholders};
+
+const PH: Placeholders = Placeholders::Question;
 
 /// The ids a locking `SELECT id …` returned.
 fn first_column(rows: &[MySqlRow]) -> std::result::Result<Vec<i64>, sqlx::Error> {
@@ -304,14 +306,42 @@ impl OutboxStore for MySqlOutbox {
     }
 
     async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
-        let rows = bind_filter(sqlx::query(&self.sql.list), f)
-            .bind(f.before_id)
-            .bind(f.before_id)
-            .bind(i64::from(f.limit))
+        let q = postbox_sqlx::list_query(&self.sql.list_select, f, PH);
+        let sql = self.table.render(&q.sql);
+        let mut query = sqlx::query(&sql);
+        for arg in q.args {
+            query = match arg {
+                ListArg::Text(s) => query.bind(s),
+                ListArg::Int(i) => query.bind(i),
+            };
+        }
+        let rows = query
             .fetch_all(&self.pool)
             .await
             .map_err(|e| crate::db_error("list events", e))?;
         records(rows, "list events")
+    }
+
+    async fn delivered_per_minute(
+        &self,
+        app_code: &str,
+        since_ms: i64,
+    ) -> Result<Vec<MinuteCount>> {
+        let rows = sqlx::query(&self.sql.delivered_per_minute)
+            .bind(app_code)
+            .bind(since_ms)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("delivered per minute", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(MinuteCount {
+                    minute_ms: r.try_get(0)?,
+                    delivered: r.try_get(1)?,
+                })
+            })
+            .collect::<std::result::Result<_, sqlx::Error>>()
+            .map_err(|e| crate::db_error("delivered per minute", e))
     }
 
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {

@@ -184,16 +184,19 @@ pub(crate) const BACKLOG: &str = concat!(
     now_ms!()
 );
 
-/// Newest first, every filter optional.
-pub(crate) const LIST: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND ($6::BIGINT IS NULL OR id < $6) \
-     ORDER BY id DESC LIMIT $7"
-);
+/// `list` without its predicates: `postbox_sqlx::list_query` appends only
+/// the filters given, then `ORDER BY id DESC LIMIT`. Indexes: the primary key
+/// (no filter), `{table}_status_id_idx (app_code, status, id)` (tenant and
+/// status, e.g. the dashboard's failed list).
+pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
+
+/// Rows delivered per minute since a time, for the dashboard's chart.
+/// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
+/// a range read of the last hour's delivered rows only.
+pub(crate) const DELIVERED_PER_MINUTE: &str =
+    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) \
+     FROM {table} WHERE app_code = $1 AND status = 'delivered' AND updated_at_ms >= $2 \
+     GROUP BY minute_ms ORDER BY minute_ms";
 
 /// By event id. Index: `{table}_event_uq` is led by app_code, so this uses
 /// `{table}_event_id_idx`.
@@ -286,6 +289,11 @@ pub(crate) const RECORD_VERSION: &str = concat!(
     now_ms!(),
     ")"
 );
+
+/// Version 2: the index the admin API's lists read newest first per tenant
+/// and status (keyset pagination by id).
+pub(crate) const V2_LIST_INDEX: &[&str] =
+    &["CREATE INDEX IF NOT EXISTS {table}_status_id_idx ON {table} (app_code, status, id)"];
 
 /// Version 1: the outbox table, its indexes and the archive twin.
 pub(crate) const V1_SCHEMA: &[&str] = &[

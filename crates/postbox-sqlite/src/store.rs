@@ -5,14 +5,16 @@ use sqlx::Row;
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
-    ReplaySelector,
+    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, MinuteCount,
+    OutboxStore, ReplaySelector,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
 use crate::{finish, SqliteOutbox};
 
-use postbox_sqlx::records;
+use postbox_sqlx::{records, ListArg, Placeholders};
+
+const PH: Placeholders = Placeholders::Question;
 
 /// An id list as the JSON array text `json_each` reads.
 fn json_list<T: Clone + Into<serde_json::Value>>(items: &[T]) -> String {
@@ -176,18 +178,42 @@ impl OutboxStore for SqliteOutbox {
     }
 
     async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
-        let rows = sqlx::query(&self.sql.list)
-            .bind(&f.app_code)
-            .bind(f.status.map(Status::as_str))
-            .bind(&f.event_type)
-            .bind(f.since_ms)
-            .bind(f.until_ms)
-            .bind(f.before_id)
-            .bind(i64::from(f.limit))
+        let q = postbox_sqlx::list_query(&self.sql.list_select, f, PH);
+        let sql = self.table.render(&q.sql);
+        let mut query = sqlx::query(&sql);
+        for arg in q.args {
+            query = match arg {
+                ListArg::Text(s) => query.bind(s),
+                ListArg::Int(i) => query.bind(i),
+            };
+        }
+        let rows = query
             .fetch_all(&self.pool)
             .await
             .map_err(|e| crate::db_error("list events", e))?;
         records(rows, "list events")
+    }
+
+    async fn delivered_per_minute(
+        &self,
+        app_code: &str,
+        since_ms: i64,
+    ) -> Result<Vec<MinuteCount>> {
+        let rows = sqlx::query(&self.sql.delivered_per_minute)
+            .bind(app_code)
+            .bind(since_ms)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("delivered per minute", e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(MinuteCount {
+                    minute_ms: r.try_get(0)?,
+                    delivered: r.try_get(1)?,
+                })
+            })
+            .collect::<std::result::Result<_, sqlx::Error>>()
+            .map_err(|e| crate::db_error("delivered per minute", e))
     }
 
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {

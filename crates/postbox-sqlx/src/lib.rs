@@ -4,6 +4,10 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod list;
+
+pub use list::{list_query, ListArg, ListQuery, Placeholders};
+
 use postbox_core::event::parse_delivered_to;
 use postbox_core::{Error, EventRecord, Result, Status};
 use sqlx::{ColumnIndex, Decode, Row, Type};

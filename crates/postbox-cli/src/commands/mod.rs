@@ -6,6 +6,7 @@ pub mod migrate;
 pub mod quickstart;
 pub mod relay;
 pub mod replay;
+pub mod serve;
 pub mod status;
 
 use postbox_core::store::EventFilter;

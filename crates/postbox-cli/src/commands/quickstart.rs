@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use postbox_core::config::{self, ConfigSource};
+use std::io::IsTerminal;
+
+use postbox_admin::{AdminServer, AdminSettings};
+use postbox_core::config::{self, AdminConfig, ConfigSource};
 use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::NewEvent;
 
@@ -36,8 +39,16 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     ] {
         let _ = std::fs::remove_file(stale);
     }
-    std::fs::write(&config_path, demo_config(&db, &out))
-        .map_err(|e| CliError::runtime(format!("writing `{}`: {e}", config_path.display())))?;
+    std::fs::write(
+        &config_path,
+        demo_config(
+            &db,
+            &out,
+            &args.listen,
+            &postbox_core::event::new_event_id(),
+        ),
+    )
+    .map_err(|e| CliError::runtime(format!("writing `{}`: {e}", config_path.display())))?;
 
     let config = config::load(&ConfigSource {
         file: Some(config_path.clone()),
@@ -47,9 +58,20 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     store.migrate().await?;
     let publishers = postbox_publishers::build_all(&config.publishers).await?;
 
+    let admin = config.admin.clone().unwrap_or_else(|| AdminConfig {
+        listen: args.listen.clone(),
+        token: Default::default(),
+    });
+    let dashboard = bind_dashboard(store.clone(), &admin, &args.listen, &config).await?;
+    let dashboard_addr = dashboard.local_addr()?;
+
     println!("postbox quickstart");
     println!("  database   {}", db.display());
     println!("  relay to   {}", out.display());
+    println!(
+        "  dashboard  http://{dashboard_addr}/   (admin token for Replay: in {})",
+        config_path.display()
+    );
     println!(
         "  writing {} demo events at {}/s; Ctrl-C stops early\n",
         args.events, args.rate
@@ -57,6 +79,8 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
+    let dashboard_stop = CancellationToken::new();
+    let dashboard_task = tokio::spawn(dashboard.run(dashboard_stop.clone()));
     let relay = Relay::new(
         store.clone(),
         publishers,
@@ -134,16 +158,52 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     println!("  {bin} --config {cfg} events list --limit 5");
     println!("  {bin} --config {cfg} enqueue --event-type Hello --payload '{{\"hi\":1}}'");
     println!("  {bin} --config {cfg} relay        # delivers it; Ctrl-C to stop");
+    println!("  {bin} --config {cfg} serve        # the dashboard again");
     if g.json {
         crate::output::json(&serde_json::json!({
             "database": db, "output": out, "config": config_path,
             "written": written, "delivered": delivered, "lines": lines,
+            "dashboard": format!("http://{dashboard_addr}/"),
         }))?;
+    }
+    if args.keep_serving || (std::io::stdout().is_terminal() && !shutdown.is_cancelled()) {
+        println!("\nThe dashboard stays up at http://{dashboard_addr}/ ; Ctrl-C to stop.");
+        let stop = CancellationToken::new();
+        spawn_signal_handler(stop.clone());
+        stop.cancelled().await;
+    }
+    dashboard_stop.cancel();
+    match dashboard_task.await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "dashboard stopped"),
+        Err(e) => tracing::warn!(error = %e, "dashboard task failed"),
     }
     Ok(())
 }
 
-fn demo_config(db: &Path, out: &Path) -> String {
+/// The admin server on `listen`, or on a free port when that one is taken
+/// (another quickstart or a relay already serving there).
+async fn bind_dashboard(
+    store: std::sync::Arc<dyn postbox_core::store::OutboxStore>,
+    admin: &AdminConfig,
+    listen: &str,
+    config: &postbox_core::config::Config,
+) -> Result<AdminServer, CliError> {
+    let mut settings = AdminSettings::from_config(admin, config.database.app_codes.clone());
+    settings.listen = listen.to_owned();
+    settings.poll_interval = Duration::from_secs(1);
+    match AdminServer::bind(store.clone(), settings.clone()).await {
+        Ok(s) => Ok(s),
+        Err(postbox_core::Error::Io { .. }) => {
+            let host = listen.rsplit_once(':').map_or("127.0.0.1", |(h, _)| h);
+            settings.listen = format!("{host}:0");
+            Ok(AdminServer::bind(store, settings).await?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn demo_config(db: &Path, out: &Path, listen: &str, token: &str) -> String {
     format!(
         r#"# Written by `postbox quickstart`.
 [database]
@@ -158,6 +218,12 @@ batch_size = 100
 [[publishers]]
 kind = "file"
 path = "{out}"
+
+# `postbox serve` and the quickstart's dashboard; the token lets the
+# dashboard's Replay button put a failed event back to pending.
+[admin]
+listen = "{listen}"
+token = "{token}"
 "#,
         db = db.display(),
         out = out.display()

@@ -29,8 +29,21 @@ pub async fn run(g: &Global, args: RelayArgs) -> Result<(), CliError> {
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
+    let admin = crate::commands::serve::spawn_if_configured(
+        &config,
+        store.clone(),
+        app_codes.clone(),
+        shutdown.clone(),
+    )
+    .await?;
     let relay = Relay::new(store, publishers, config.outbox_worker.clone(), app_codes);
-    let report = relay.run(shutdown).await?;
+    let report = relay.run(shutdown.clone()).await;
+    // The admin server stops with the relay, whatever ended it.
+    shutdown.cancel();
+    if let Some(admin) = admin {
+        let _ = admin.await;
+    }
+    let report = report?;
     if g.json {
         output::json(&report)?;
     }

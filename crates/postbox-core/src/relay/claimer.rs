@@ -57,6 +57,8 @@ impl Claimer {
                             db_errors = 0;
                             claimed += events.len() as u64;
                             if source == ClaimSource::ExpiredLease {
+                                metrics::counter!(crate::metrics::LEASE_EXPIRED_TOTAL)
+                                    .increment(events.len() as u64);
                                 tracing::warn!(
                                     app_code,
                                     rows = events.len(),

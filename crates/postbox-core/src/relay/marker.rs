@@ -39,6 +39,8 @@ impl Marker {
 
     async fn mark(&self, outcomes: Vec<Outcome>, report: &mut RelayReport) {
         let mut delivered: HashMap<Fence, Vec<i64>> = HashMap::new();
+        // Row id → created_at_ms, for the delivery lag histogram.
+        let mut created_at: HashMap<i64, i64> = HashMap::new();
         for o in outcomes {
             let r = &o.event.record;
             let attempt = AttemptResult {
@@ -67,7 +69,10 @@ impl Marker {
             );
             let fence = o.event.fence();
             match decision {
-                Decision::Delivered => delivered.entry(fence).or_default().push(r.id),
+                Decision::Delivered => {
+                    created_at.insert(r.id, r.created_at_ms);
+                    delivered.entry(fence).or_default().push(r.id)
+                }
                 Decision::Retry {
                     retry_count,
                     after,
@@ -107,6 +112,8 @@ impl Marker {
                     };
                     if self.write_failure(&fence, r.id, &update, &r.event_id).await {
                         report.failed += 1;
+                        metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => r.app_code.clone())
+                            .increment(1);
                     } else {
                         report.fenced_out += 1;
                     }
@@ -117,6 +124,7 @@ impl Marker {
             let n = retrying("mark delivered", || self.store.mark_delivered(&fence, &ids)).await;
             let n = n.unwrap_or(0);
             report.delivered += n;
+            record_delivery_lag(&ids, n, &created_at);
             if n < ids.len() as u64 {
                 let lost = ids.len() as u64 - n;
                 report.fenced_out += lost;
@@ -146,6 +154,22 @@ impl Marker {
                 false
             }
             Err(_) => false,
+        }
+    }
+}
+
+/// One `postbox_delivery_lag_seconds` sample per delivered row. When the
+/// fence dropped some rows (`n` < ids) it is unknown which: none is recorded,
+/// the relay that took them over records them.
+fn record_delivery_lag(ids: &[i64], n: u64, created_at: &HashMap<i64, i64>) {
+    if n != ids.len() as u64 {
+        return;
+    }
+    let now = crate::time::now_ms();
+    let lag = metrics::histogram!(crate::metrics::DELIVERY_LAG_SECONDS);
+    for id in ids {
+        if let Some(created) = created_at.get(id) {
+            lag.record((now - created).max(0) as f64 / 1000.0);
         }
     }
 }

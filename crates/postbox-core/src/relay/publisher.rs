@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{marker::Outcome, Batch};
 use crate::config::{Delivery as DeliveryMode, WorkerConfig};
+use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, Publisher};
 use crate::store::OutboxStore;
 use crate::{ClaimSource, ClaimedEvent};
@@ -126,7 +127,40 @@ impl PublishStage {
     }
 }
 
+/// [`publish_within`] and its metrics: one duration sample per call, one
+/// `postbox_publish_total` increment per event.
 async fn publish_bounded(
+    p: &dyn Publisher,
+    deliveries: &[Delivery<'_>],
+    timeout: Duration,
+) -> Vec<Result<(), PublishError>> {
+    let started = std::time::Instant::now();
+    let results = publish_within(p, deliveries, timeout).await;
+    let publisher = p.name().to_owned();
+    metrics::histogram!(m::PUBLISH_DURATION_SECONDS, "publisher" => publisher.clone())
+        .record(started.elapsed().as_secs_f64());
+    let (mut ok, mut error, mut timeout) = (0u64, 0u64, 0u64);
+    for r in &results {
+        match r {
+            Ok(()) => ok += 1,
+            Err(PublishError::Timeout(_)) => timeout += 1,
+            Err(_) => error += 1,
+        }
+    }
+    for (result, n) in [
+        (m::RESULT_OK, ok),
+        (m::RESULT_ERROR, error),
+        (m::RESULT_TIMEOUT, timeout),
+    ] {
+        if n > 0 {
+            metrics::counter!(m::PUBLISH_TOTAL, "publisher" => publisher.clone(), "result" => result)
+                .increment(n);
+        }
+    }
+    results
+}
+
+async fn publish_within(
     p: &dyn Publisher,
     deliveries: &[Delivery<'_>],
     timeout: Duration,

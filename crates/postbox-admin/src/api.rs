@@ -1,0 +1,379 @@
+//! The HTTP handlers: health, metrics, stats, event lists, one event's
+//! timeline, and replay (the one mutating call, behind the bearer token).
+
+use std::net::SocketAddr;
+
+use axum::extract::{ConnectInfo, Path, Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+
+use postbox_core::store::{EventFilter, HistoryEntry, HistoryKind, ReplaySelector};
+use postbox_core::time::{now_ms, parse_time_arg};
+use postbox_core::{EventRecord, Status};
+
+use crate::auth::Refusal;
+use crate::server::AppState;
+
+/// Rows per page unless `limit` says otherwise.
+const DEFAULT_PAGE: u32 = 50;
+/// Largest page.
+const MAX_PAGE: u32 = 500;
+
+/// A JSON error: `{"error": "..."}` with a status code.
+pub(crate) struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+impl From<postbox_core::Error> for ApiError {
+    fn from(e: postbox_core::Error) -> Self {
+        tracing::error!(error = %e, "admin API: store call failed");
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+    }
+}
+
+impl From<Refusal> for ApiError {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::NoTokenConfigured => ApiError::new(
+                StatusCode::FORBIDDEN,
+                "mutating calls are disabled: no admin token is configured (set `admin.token`, e.g. token = \"${POSTBOX_ADMIN_TOKEN}\")",
+            ),
+            Refusal::BadToken => ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong admin token: send `Authorization: Bearer <admin.token>`",
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut res = (
+            self.status,
+            Json(serde_json::json!({ "error": self.message })),
+        )
+            .into_response();
+        if self.status == StatusCode::UNAUTHORIZED {
+            res.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer realm=\"postbox\""),
+            );
+        }
+        res
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+pub(crate) async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
+    let body = state.prometheus.render();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+pub(crate) async fn stats(State(state): State<AppState>) -> Json<crate::Snapshot> {
+    Json(state.poller.snapshot())
+}
+
+/// `GET /api/events` query: the CLI's filters plus the page cursor.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ListParams {
+    app_code: Option<String>,
+    status: Option<String>,
+    event_type: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+    before_id: Option<i64>,
+    limit: Option<u32>,
+}
+
+/// One page of rows, newest first.
+#[derive(Debug, Serialize)]
+pub(crate) struct Page {
+    items: Vec<EventRecord>,
+    /// Pass as `before_id` for the next page; null on the last page.
+    next: Option<i64>,
+}
+
+impl ListParams {
+    fn filter(&self) -> ApiResult<EventFilter> {
+        let now = now_ms();
+        let time = |name: &str, v: &Option<String>| {
+            v.as_deref()
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    parse_time_arg(s, now)
+                        .map_err(|e| ApiError::bad_request(format!("{name}: {e}")))
+                })
+                .transpose()
+        };
+        let status = self
+            .status
+            .as_deref()
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                s.parse::<Status>()
+                    .map_err(|e| ApiError::bad_request(format!("status: {e}")))
+            })
+            .transpose()?;
+        let limit = self.limit.unwrap_or(DEFAULT_PAGE);
+        if limit == 0 || limit > MAX_PAGE {
+            return Err(ApiError::bad_request(format!(
+                "limit: {limit} is out of range 1..={MAX_PAGE}"
+            )));
+        }
+        let non_empty = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+        Ok(EventFilter {
+            app_code: non_empty(&self.app_code),
+            status,
+            event_type: non_empty(&self.event_type),
+            since_ms: time("since", &self.since)?,
+            until_ms: time("until", &self.until)?,
+            before_id: self.before_id,
+            limit,
+        })
+    }
+}
+
+pub(crate) async fn list(
+    State(state): State<AppState>,
+    Query(params): Query<ListParams>,
+) -> ApiResult<Json<Page>> {
+    let filter = params.filter()?;
+    let items = state.store.list(&filter).await?;
+    let next = if items.len() as u32 == filter.limit {
+        items.last().map(|r| r.id)
+    } else {
+        None
+    };
+    Ok(Json(Page { items, next }))
+}
+
+/// One step of an event's life.
+#[derive(Debug, Serialize)]
+pub(crate) struct TimelineEntry {
+    at_ms: i64,
+    /// `enqueued`, `failed`, `lease_expired`, `dead_lettered`, `replayed`,
+    /// `delivered`.
+    kind: &'static str,
+    app_code: String,
+    attempt: Option<i32>,
+    publisher: Option<String>,
+    detail: Option<String>,
+}
+
+/// `GET /api/events/{event_id}`: the row(s) and the timeline.
+#[derive(Debug, Serialize)]
+pub(crate) struct EventDetail {
+    event_id: String,
+    rows: Vec<EventRecord>,
+    timeline: Vec<TimelineEntry>,
+}
+
+fn history_kind(k: HistoryKind) -> &'static str {
+    match k {
+        HistoryKind::Failed => "failed",
+        HistoryKind::LeaseExpired => "lease_expired",
+        HistoryKind::DeadLettered => "dead_lettered",
+        HistoryKind::Replayed => "replayed",
+    }
+}
+
+/// Enqueue, the recorded attempts, then delivery, oldest first.
+fn timeline(rows: &[EventRecord], history: Vec<HistoryEntry>) -> Vec<TimelineEntry> {
+    let mut out = Vec::new();
+    let app_of_history = rows.first().map(|r| r.app_code.clone()).unwrap_or_default();
+    for r in rows {
+        out.push(TimelineEntry {
+            at_ms: r.created_at_ms,
+            kind: "enqueued",
+            app_code: r.app_code.clone(),
+            attempt: None,
+            publisher: None,
+            detail: Some(r.event_type.clone()),
+        });
+        if r.status == Status::Delivered {
+            out.push(TimelineEntry {
+                at_ms: r.updated_at_ms,
+                kind: "delivered",
+                app_code: r.app_code.clone(),
+                attempt: Some(r.retry_count + 1),
+                publisher: None,
+                detail: None,
+            });
+        }
+    }
+    for h in history {
+        out.push(TimelineEntry {
+            at_ms: h.at_ms,
+            kind: history_kind(h.kind),
+            app_code: app_of_history.clone(),
+            attempt: Some(h.attempt),
+            publisher: h.publisher,
+            detail: h.detail,
+        });
+    }
+    out.sort_by_key(|e| e.at_ms);
+    out
+}
+
+pub(crate) async fn show(
+    State(state): State<AppState>,
+    Path(event_id): Path<String>,
+) -> ApiResult<Json<EventDetail>> {
+    let rows = state.store.find(&event_id).await?;
+    if rows.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no event `{event_id}` in table `{}`", state.store.table()),
+        ));
+    }
+    let history = state.store.history(&event_id).await?;
+    let timeline = timeline(&rows, history);
+    Ok(Json(EventDetail {
+        event_id,
+        rows,
+        timeline,
+    }))
+}
+
+/// `POST …/replay` query: narrows the replay to one tenant.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ReplayParams {
+    app_code: Option<String>,
+}
+
+/// Rows put back to `pending`.
+#[derive(Debug, Serialize)]
+pub(crate) struct Replayed {
+    replayed: Vec<EventRecord>,
+}
+
+pub(crate) async fn replay(
+    State(state): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Path(event_id): Path<String>,
+    Query(params): Query<ReplayParams>,
+) -> ApiResult<Json<Replayed>> {
+    let origin = format!("api {}", peer.ip());
+    if let Err(refusal) = state.token.check(&headers) {
+        tracing::warn!(event_id, origin, reason = ?refusal, "admin API: replay refused");
+        return Err(refusal.into());
+    }
+    let selector = ReplaySelector::EventIds {
+        app_code: params.app_code.clone().filter(|s| !s.is_empty()),
+        event_ids: vec![event_id.clone()],
+    };
+    let replayed = state.store.replay(&selector, false).await?;
+    if replayed.is_empty() {
+        let rows = state.store.find(&event_id).await?;
+        return Err(if rows.is_empty() {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no event `{event_id}` to replay"),
+            )
+        } else {
+            ApiError::new(
+                StatusCode::CONFLICT,
+                format!("event `{event_id}` is being delivered right now; replay it once its attempt ends"),
+            )
+        });
+    }
+    for r in &replayed {
+        tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin, "replayed: back to pending");
+    }
+    Ok(Json(Replayed { replayed }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(status: Status) -> EventRecord {
+        EventRecord {
+            id: 1,
+            app_code: "room".into(),
+            event_id: "e1".into(),
+            event_type: "T".into(),
+            aggregate_id: None,
+            aggregate_version: None,
+            payload: "{}".into(),
+            headers: None,
+            status,
+            retry_count: 1,
+            next_retry_at_ms: 0,
+            lock_until_ms: 0,
+            worker_id: None,
+            last_error: None,
+            delivered_to: vec![],
+            replay_count: 0,
+            created_at_ms: 1_000,
+            updated_at_ms: 3_000,
+        }
+    }
+
+    #[test]
+    fn timeline_runs_from_enqueue_through_attempts_to_delivery() {
+        let history = vec![HistoryEntry {
+            at_ms: 2_000,
+            kind: HistoryKind::Failed,
+            attempt: 1,
+            publisher: Some("file".into()),
+            detail: Some("disk full".into()),
+        }];
+        let t = timeline(&[row(Status::Delivered)], history);
+        let kinds: Vec<_> = t.iter().map(|e| e.kind).collect();
+        assert_eq!(kinds, ["enqueued", "failed", "delivered"]);
+        assert_eq!(t[2].attempt, Some(2));
+        let t = timeline(&[row(Status::Failed)], vec![]);
+        assert_eq!(t.len(), 1, "no delivered step for a failed row");
+    }
+
+    #[test]
+    fn list_params_validate_names_the_parameter() {
+        let p = ListParams {
+            app_code: Some(String::new()),
+            status: Some("lost".into()),
+            event_type: None,
+            since: None,
+            until: None,
+            before_id: None,
+            limit: None,
+        };
+        let e = p.filter().err().unwrap();
+        assert!(e.message.starts_with("status:"), "{}", e.message);
+        let p = ListParams {
+            status: None,
+            limit: Some(0),
+            ..p
+        };
+        assert!(p.filter().err().unwrap().message.starts_with("limit:"));
+    }
+}

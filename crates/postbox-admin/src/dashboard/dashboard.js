@@ -1,0 +1,179 @@
+// postbox dashboard: polls /api/stats and the failed list every few seconds.
+// Plain JS, no dependencies; served from the postbox binary.
+"use strict";
+
+const REFRESH_MS = 3000;
+const TOKEN_KEY = "postbox-admin-token";
+const STATUSES = ["pending", "delivering", "delivered", "retryable", "failed"];
+
+const $ = (sel) => document.querySelector(sel);
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") e.className = v;
+    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else e.setAttribute(k, v);
+  }
+  for (const c of children) e.append(c instanceof Node ? c : String(c ?? ""));
+  return e;
+}
+
+function age(seconds) {
+  if (!seconds) return "—";
+  if (seconds < 120) return seconds.toFixed(1) + " s";
+  if (seconds < 7200) return (seconds / 60).toFixed(1) + " min";
+  return (seconds / 3600).toFixed(1) + " h";
+}
+
+function time(ms) {
+  return new Date(ms).toLocaleString();
+}
+
+async function getJson(url, init) {
+  const res = await fetch(url, init);
+  let body = null;
+  try { body = await res.json(); } catch (_) { /* not JSON */ }
+  if (!res.ok) {
+    const err = new Error((body && body.error) || res.status + " " + res.statusText);
+    err.status = res.status;
+    throw err;
+  }
+  return body;
+}
+
+let appCodes = [];
+
+function renderStats(snap) {
+  appCodes = snap.apps.map((a) => a.app_code);
+  const body = $("#apps tbody");
+  body.replaceChildren(...snap.apps.map((a) => {
+    const cells = STATUSES.map((s) => el("td", {
+      class: "num" + (a[s] > 0 ? " nonzero" : ""), "data-status": s,
+    }, a[s]));
+    return el("tr", { "data-app": a.app_code }, el("td", {}, a.app_code), ...cells,
+      el("td", { class: "num", "data-age": "" }, age(a.oldest_pending_age_seconds)));
+  }));
+  renderChart(snap);
+  const upd = $("#updated");
+  if (snap.error) {
+    upd.textContent = "database unreachable: " + snap.error;
+    upd.classList.add("stale");
+  } else {
+    upd.textContent = "updated " + time(snap.taken_at_ms || Date.now());
+    upd.classList.remove("stale");
+  }
+}
+
+function renderChart(snap) {
+  const svg = $("#chart");
+  const now = snap.taken_at_ms || Date.now();
+  const first = Math.floor((now - 3600000) / 60000) * 60000;
+  const perMinute = new Map();
+  for (const counts of Object.values(snap.delivered_per_minute || {})) {
+    for (const c of counts) perMinute.set(c.minute_ms, (perMinute.get(c.minute_ms) || 0) + c.delivered);
+  }
+  const bars = [];
+  for (let i = 0; i <= 60; i++) bars.push(perMinute.get(first + i * 60000) || 0);
+  const max = Math.max(1, ...bars);
+  const w = 600 / bars.length;
+  const ns = "http://www.w3.org/2000/svg";
+  svg.replaceChildren(...bars.map((n, i) => {
+    const r = document.createElementNS(ns, "rect");
+    const h = (n / max) * 136;
+    r.setAttribute("x", (i * w + 0.5).toFixed(1));
+    r.setAttribute("width", Math.max(1, w - 1).toFixed(1));
+    r.setAttribute("y", (140 - h).toFixed(1));
+    r.setAttribute("height", h.toFixed(1));
+    const t = document.createElementNS(ns, "title");
+    t.textContent = new Date(first + i * 60000).toLocaleTimeString() + ": " + n + " delivered";
+    r.append(t);
+    return r;
+  }));
+  $("#chart-max").textContent = "max " + max + "/min";
+}
+
+async function loadFailed() {
+  const pages = await Promise.all(appCodes.map((a) =>
+    getJson("/api/events?status=failed&limit=50&app_code=" + encodeURIComponent(a))));
+  const rows = pages.flatMap((p) => p.items).sort((a, b) => b.id - a.id);
+  $("#failed-empty").hidden = rows.length > 0;
+  $("#failed tbody").replaceChildren(...rows.map((r) => el("tr", {
+    "data-event-id": r.event_id, "data-app": r.app_code, onclick: () => showTimeline(r.event_id),
+  },
+  el("td", { class: "num" }, r.id), el("td", {}, r.app_code), el("td", {}, el("code", {}, r.event_id)),
+  el("td", {}, r.event_type), el("td", { class: "num" }, r.retry_count),
+  el("td", { class: "error" }, r.last_error || ""), el("td", {}, time(r.updated_at_ms)),
+  el("td", {}, el("button", {
+    class: "replay", type: "button",
+    onclick: (ev) => { ev.stopPropagation(); replay(r, ev.target); },
+  }, "Replay")))));
+}
+
+function token(forceAsk) {
+  let t = sessionStorage.getItem(TOKEN_KEY);
+  if (!t || forceAsk) {
+    t = window.prompt("Admin token (admin.token) for replays:");
+    if (!t) return null;
+    sessionStorage.setItem(TOKEN_KEY, t);
+  }
+  return t;
+}
+
+function say(text, ok) {
+  const m = $("#replay-message");
+  m.textContent = text;
+  m.className = ok ? "ok" : "error";
+}
+
+async function replay(row, button, retried) {
+  const t = token(retried);
+  if (!t) return say("Replay cancelled: no token given.", false);
+  button.disabled = true;
+  try {
+    const url = "/api/events/" + encodeURIComponent(row.event_id) + "/replay?app_code=" + encodeURIComponent(row.app_code);
+    await getJson(url, { method: "POST", headers: { Authorization: "Bearer " + t } });
+    say("Replayed " + row.event_id + ": pending again.", true);
+    await refresh();
+  } catch (e) {
+    button.disabled = false;
+    if (e.status === 401 && !retried) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      return replay(row, button, true);
+    }
+    say("Replay of " + row.event_id + " failed: " + e.message, false);
+  }
+}
+
+async function showTimeline(eventId) {
+  try {
+    const d = await getJson("/api/events/" + encodeURIComponent(eventId));
+    $("#timeline-id").textContent = eventId;
+    $("#timeline").replaceChildren(...d.timeline.map((t) => el("li", {},
+      time(t.at_ms) + " ", el("span", { class: "kind kind-" + t.kind }, t.kind),
+      t.attempt != null ? " · attempt " + t.attempt : "",
+      t.publisher ? " · " + t.publisher : "",
+      t.detail ? " · " + t.detail : "")));
+    const last = d.rows[d.rows.length - 1];
+    if (last && last.last_error && !d.timeline.some((t) => t.detail === last.last_error)) {
+      $("#timeline").append(el("li", {}, "last error: ", el("span", { class: "kind kind-failed" }, last.last_error)));
+    }
+    $("#timeline-section").hidden = false;
+  } catch (e) {
+    say("Cannot load " + eventId + ": " + e.message, false);
+  }
+}
+
+async function refresh() {
+  try {
+    renderStats(await getJson("/api/stats"));
+    await loadFailed();
+  } catch (e) {
+    const upd = $("#updated");
+    upd.textContent = "admin server unreachable: " + e.message;
+    upd.classList.add("stale");
+  }
+}
+
+refresh();
+setInterval(refresh, REFRESH_MS);

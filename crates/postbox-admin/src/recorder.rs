@@ -1,0 +1,62 @@
+//! The process-wide Prometheus recorder.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use postbox_core::metrics as m;
+use postbox_core::{Error, Result};
+
+/// Publish calls: from a local file append to a slow broker confirm.
+const PUBLISH_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Created → delivered: from a relay keeping up to an hour-long outage.
+const LAG_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the Prometheus recorder as the global `metrics` recorder (once
+/// per process; later calls return the same handle) and describes every
+/// postbox metric. Histograms are exported with buckets.
+///
+/// Fails when another global recorder was installed first.
+pub fn install_recorder() -> Result<PrometheusHandle> {
+    if let Some(h) = HANDLE.get() {
+        return Ok(h.clone());
+    }
+    let refused = |e: metrics_exporter_prometheus::BuildError| {
+        Error::config(
+            "admin",
+            format!("cannot install the Prometheus recorder: {e}"),
+        )
+    };
+    let recorder = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(m::PUBLISH_DURATION_SECONDS.to_owned()),
+            PUBLISH_BUCKETS,
+        )
+        .map_err(refused)?
+        .set_buckets_for_metric(
+            Matcher::Full(m::DELIVERY_LAG_SECONDS.to_owned()),
+            LAG_BUCKETS,
+        )
+        .map_err(refused)?
+        .build_recorder();
+    let handle = recorder.handle();
+    // Two threads racing here: the loser's recorder is dropped, and it gets
+    // the winner's handle.
+    match metrics::set_global_recorder(recorder) {
+        Ok(()) => {
+            m::describe();
+            Ok(HANDLE.get_or_init(|| handle).clone())
+        }
+        Err(e) => HANDLE.get().cloned().ok_or_else(|| {
+            Error::config(
+                "admin",
+                format!("cannot install the Prometheus recorder: {e}"),
+            )
+        }),
+    }
+}

@@ -1,0 +1,140 @@
+//! Binding the listener and serving the routes until shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::{get, post};
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use postbox_core::config::AdminConfig;
+use postbox_core::redact::Secret;
+use postbox_core::store::OutboxStore;
+use postbox_core::{Error, Result};
+
+use crate::auth::TokenCheck;
+use crate::poller::StatsPoller;
+use crate::{api, dashboard};
+
+/// What the admin server needs besides the store.
+#[derive(Debug, Clone)]
+pub struct AdminSettings {
+    /// Listen address, `host:port` (port 0 picks a free one).
+    pub listen: String,
+    /// Bearer token of mutating calls; without one they are refused.
+    pub token: Option<Secret>,
+    /// Tenants shown by the gauges, `/api/stats` and the dashboard.
+    pub app_codes: Vec<String>,
+    /// How often the gauges are refreshed from the database.
+    pub poll_interval: Duration,
+}
+
+impl AdminSettings {
+    /// Settings from `[admin]` and `database.app_codes`, polling every 5 s.
+    pub fn from_config(admin: &AdminConfig, app_codes: Vec<String>) -> Self {
+        AdminSettings {
+            listen: admin.listen.clone(),
+            token: Some(admin.token.clone()).filter(|t| !t.is_empty()),
+            app_codes,
+            poll_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Shared by every handler.
+#[derive(Clone)]
+pub(crate) struct AppState {
+    pub store: Arc<dyn OutboxStore>,
+    pub poller: StatsPoller,
+    pub prometheus: PrometheusHandle,
+    pub token: TokenCheck,
+}
+
+/// An admin server bound to its address, not yet serving.
+pub struct AdminServer {
+    listener: TcpListener,
+    state: AppState,
+}
+
+impl AdminServer {
+    /// Installs the Prometheus recorder (once per process) and binds
+    /// `settings.listen`.
+    pub async fn bind(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
+        let prometheus = crate::install_recorder()?;
+        let addr: SocketAddr = settings.listen.parse().map_err(|e| {
+            Error::config(
+                "admin.listen",
+                format!("`{}` is not a host:port address: {e}", settings.listen),
+            )
+        })?;
+        let listener = TcpListener::bind(addr).await.map_err(|e| Error::Io {
+            context: format!("admin server cannot listen on {addr} (admin.listen)"),
+            source: e,
+        })?;
+        if settings.token.is_none() {
+            tracing::warn!(
+                "admin.token is not set: replay and every other mutating call is refused"
+            );
+        }
+        let poller = StatsPoller::new(
+            store.clone(),
+            settings.app_codes.clone(),
+            settings.poll_interval,
+            Some(prometheus.clone()),
+        );
+        Ok(AdminServer {
+            listener,
+            state: AppState {
+                store,
+                poller,
+                prometheus,
+                token: TokenCheck::new(settings.token.as_ref()),
+            },
+        })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.listener.local_addr().map_err(|e| Error::Io {
+            context: "admin server address".to_owned(),
+            source: e,
+        })
+    }
+
+    /// Serves until `shutdown` is cancelled; polls the gauges meanwhile.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+        let addr = self.local_addr()?;
+        // The first figures before the first request.
+        self.state.poller.poll_once().await;
+        let poll_task = tokio::spawn(self.state.poller.clone().run(shutdown.clone()));
+        tracing::info!(%addr, "admin API and dashboard listening on http://{addr}/");
+        let app = router(self.state).into_make_service_with_connect_info::<SocketAddr>();
+        let stop = shutdown.clone();
+        let served = axum::serve(self.listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+        shutdown.cancel();
+        let _ = poll_task.await;
+        served.map_err(|e| Error::Io {
+            context: format!("admin server on {addr}"),
+            source: e,
+        })
+    }
+}
+
+fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/", get(dashboard::index))
+        .route("/dashboard.js", get(dashboard::script))
+        .route("/dashboard.css", get(dashboard::style))
+        .route("/healthz", get(api::healthz))
+        .route("/metrics", get(api::metrics))
+        .route("/api/stats", get(api::stats))
+        .route("/api/events", get(api::list))
+        .route("/api/events/{event_id}", get(api::show))
+        .route("/api/events/{event_id}/replay", post(api::replay))
+        .with_state(state)
+}

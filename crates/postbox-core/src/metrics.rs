@@ -1,0 +1,69 @@
+//! Prometheus metric names (SPEC §8), in one place so that the relay, the
+//! admin gauge poller and the dashboard never disagree on a name.
+//!
+//! The relay records through the [`metrics`] facade; nothing is exported
+//! unless the process installs a recorder (`postbox-admin` installs the
+//! Prometheus one). Call [`describe`] once after installing it.
+
+/// Counter `{publisher, result}`: publishes by outcome, one per event and
+/// publisher. `result` is one of [`RESULT_OK`], [`RESULT_ERROR`],
+/// [`RESULT_TIMEOUT`].
+pub const PUBLISH_TOTAL: &str = "postbox_publish_total";
+/// Histogram `{publisher}`: seconds one publish call took (a whole batch).
+pub const PUBLISH_DURATION_SECONDS: &str = "postbox_publish_duration_seconds";
+/// Histogram: seconds from `created_at_ms` to the delivered mark.
+pub const DELIVERY_LAG_SECONDS: &str = "postbox_delivery_lag_seconds";
+/// Counter `{app_code}`: rows that became `failed` (dead letters).
+pub const DEAD_LETTERED_TOTAL: &str = "postbox_dead_lettered_total";
+/// Counter: expired leases taken over (each counts as a failed attempt).
+pub const LEASE_EXPIRED_TOTAL: &str = "postbox_lease_expired_total";
+/// Counter: rows moved to the archive table.
+pub const ARCHIVED_TOTAL: &str = "postbox_archived_total";
+/// Gauge `{app_code, status}`: rows per status, from the admin poller.
+pub const OUTBOX_EVENTS: &str = "postbox_outbox_events";
+/// Gauge `{app_code}`: age of the oldest pending row, from the admin poller.
+pub const OUTBOX_OLDEST_PENDING_AGE_SECONDS: &str = "postbox_outbox_oldest_pending_age_seconds";
+
+/// `result` label of a confirmed publish.
+pub const RESULT_OK: &str = "ok";
+/// `result` label of a publish the target refused or failed.
+pub const RESULT_ERROR: &str = "error";
+/// `result` label of a publish cut off by `publish_timeout`.
+pub const RESULT_TIMEOUT: &str = "timeout";
+
+/// Registers units and help texts with the installed recorder.
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        PUBLISH_TOTAL,
+        "Publishes by publisher and result (ok, error, timeout), one per event."
+    );
+    describe_histogram!(
+        PUBLISH_DURATION_SECONDS,
+        Unit::Seconds,
+        "Time one publish call to a publisher took."
+    );
+    describe_histogram!(
+        DELIVERY_LAG_SECONDS,
+        Unit::Seconds,
+        "Time from an event's creation to its delivered mark."
+    );
+    describe_counter!(
+        DEAD_LETTERED_TOTAL,
+        "Events that ran out of attempts and became failed."
+    );
+    describe_counter!(
+        LEASE_EXPIRED_TOTAL,
+        "Expired leases taken over; each counts as a failed attempt."
+    );
+    describe_counter!(ARCHIVED_TOTAL, "Rows moved to the archive table.");
+    describe_gauge!(
+        OUTBOX_EVENTS,
+        "Outbox rows by app_code and status (polled on an interval)."
+    );
+    describe_gauge!(
+        OUTBOX_OLDEST_PENDING_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest pending row per app_code (polled on an interval)."
+    );
+}

@@ -1,0 +1,153 @@
+//! The `list` query, built per filter combination.
+//!
+//! One statement with `(? IS NULL OR …)` for every optional filter cannot be
+//! planned for the filters actually given: the planner picks one plan for all
+//! of them and reads far too many rows at 1,000,000. Here only the given
+//! filters become predicates, so a query with `app_code` and `status` reads
+//! `{table}_status_id_idx (app_code, status, id)` backwards and stops after
+//! `limit` rows (keyset pagination by `id` descending), and a query without
+//! filters reads the primary key backwards.
+
+use postbox_core::store::EventFilter;
+
+/// How a dialect writes its placeholders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placeholders {
+    /// PostgreSQL: `$1`, `$2`, …
+    Numbered,
+    /// MySQL and SQLite: `?`.
+    Question,
+}
+
+/// One bound value, in placeholder order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListArg<'a> {
+    /// A text column value.
+    Text(&'a str),
+    /// An integer column value.
+    Int(i64),
+}
+
+/// A list statement and its values.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListQuery<'a> {
+    /// The statement; `{table}` still to be rendered by the caller's
+    /// validated [`TableName`](postbox_core::TableName).
+    pub sql: String,
+    /// Values, one per placeholder, in order.
+    pub args: Vec<ListArg<'a>>,
+}
+
+/// The list statement for `filter`: `select_from` (`SELECT <columns> FROM
+/// {table}`) followed by a predicate per given filter, newest first, at most
+/// `filter.limit` rows.
+pub fn list_query<'a>(
+    select_from: &str,
+    filter: &'a EventFilter,
+    p: Placeholders,
+) -> ListQuery<'a> {
+    let mut preds: Vec<&'static str> = Vec::new();
+    let mut args = Vec::new();
+    if let Some(a) = &filter.app_code {
+        preds.push("app_code = ");
+        args.push(ListArg::Text(a));
+    }
+    if let Some(s) = filter.status {
+        preds.push("status = ");
+        args.push(ListArg::Text(s.as_str()));
+    }
+    if let Some(t) = &filter.event_type {
+        preds.push("event_type = ");
+        args.push(ListArg::Text(t));
+    }
+    if let Some(since) = filter.since_ms {
+        preds.push("created_at_ms >= ");
+        args.push(ListArg::Int(since));
+    }
+    if let Some(until) = filter.until_ms {
+        preds.push("created_at_ms < ");
+        args.push(ListArg::Int(until));
+    }
+    if let Some(before) = filter.before_id {
+        preds.push("id < ");
+        args.push(ListArg::Int(before));
+    }
+    let placeholder = |n: usize| match p {
+        Placeholders::Numbered => format!("${n}"),
+        Placeholders::Question => "?".to_owned(),
+    };
+    let mut sql = select_from.to_owned();
+    for (i, pred) in preds.iter().enumerate() {
+        sql.push_str(if i == 0 { " WHERE " } else { " AND " });
+        sql.push_str(pred);
+        sql.push_str(&placeholder(i + 1));
+    }
+    sql.push_str(" ORDER BY id DESC LIMIT ");
+    sql.push_str(&placeholder(preds.len() + 1));
+    args.push(ListArg::Int(i64::from(filter.limit)));
+    ListQuery { sql, args }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postbox_core::Status;
+
+    #[test]
+    fn no_filter_reads_the_primary_key_backwards() {
+        let f = EventFilter {
+            limit: 50,
+            ..Default::default()
+        };
+        let q = list_query("SELECT id FROM {table}", &f, Placeholders::Numbered);
+        assert_eq!(q.sql, "SELECT id FROM {table} ORDER BY id DESC LIMIT $1");
+        assert_eq!(q.args, vec![ListArg::Int(50)]);
+    }
+
+    #[test]
+    fn only_given_filters_become_predicates_in_order() {
+        let f = EventFilter {
+            app_code: Some("room".into()),
+            status: Some(Status::Failed),
+            before_id: Some(900),
+            limit: 20,
+            ..Default::default()
+        };
+        let q = list_query("SELECT id FROM {table}", &f, Placeholders::Numbered);
+        assert_eq!(
+            q.sql,
+            "SELECT id FROM {table} WHERE app_code = $1 AND status = $2 AND id < $3 ORDER BY id DESC LIMIT $4"
+        );
+        assert_eq!(
+            q.args,
+            vec![
+                ListArg::Text("room"),
+                ListArg::Text("failed"),
+                ListArg::Int(900),
+                ListArg::Int(20)
+            ]
+        );
+        let q = list_query("SELECT id FROM {table}", &f, Placeholders::Question);
+        assert_eq!(
+            q.sql,
+            "SELECT id FROM {table} WHERE app_code = ? AND status = ? AND id < ? ORDER BY id DESC LIMIT ?"
+        );
+    }
+
+    #[test]
+    fn time_range_and_type() {
+        let f = EventFilter {
+            event_type: Some("T".into()),
+            since_ms: Some(1),
+            until_ms: Some(2),
+            limit: 1,
+            ..Default::default()
+        };
+        let q = list_query("S", &f, Placeholders::Question);
+        assert_eq!(
+            q.sql,
+            "S WHERE event_type = ? AND created_at_ms >= ? AND created_at_ms < ? ORDER BY id DESC LIMIT ?"
+        );
+        assert_eq!(q.args.len(), 4);
+    }
+}
