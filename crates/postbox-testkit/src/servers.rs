@@ -15,11 +15,37 @@ pub fn mysql_url() -> String {
         .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/postbox_test".to_owned())
 }
 
+/// `POSTBOX_TEST_AMQP_URL`, default `amqp://guest:guest@127.0.0.1:5672/%2f`.
+pub fn amqp_url() -> String {
+    std::env::var("POSTBOX_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// `POSTBOX_TEST_NATS_URL`, default `nats://127.0.0.1:4222`.
+pub fn nats_url() -> String {
+    std::env::var("POSTBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// `POSTBOX_TEST_REDIS_URL`, default `redis://127.0.0.1:6379/0`.
+pub fn redis_url() -> String {
+    std::env::var("POSTBOX_TEST_REDIS_URL")
+        .unwrap_or_else(|_| "redis://127.0.0.1:6379/0".to_owned())
+}
+
+/// A broker object name (queue, exchange, stream, subject token) no other
+/// test uses: `{prefix}_{pid}_{n}_{random}`.
+pub fn scratch_name(prefix: &str) -> String {
+    scratch_table(prefix)
+}
+
 /// How to start each server on a Debian machine, for failure messages.
 pub fn how_to_start(server: &str) -> &'static str {
     match server {
         "postgres" => "PostgreSQL is not reachable: start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` or run scripts/test, which starts every server the suite needs",
         "mysql" => "MariaDB is not reachable: start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd` or run scripts/test",
+        "rabbitmq" => "RabbitMQ is not reachable on POSTBOX_TEST_AMQP_URL: start it with `rabbitmq-server -detached` or run scripts/test",
+        "nats" => "NATS is not reachable on POSTBOX_TEST_NATS_URL: start it with `nats-server -js &` or run scripts/test",
+        "redis" => "Redis is not reachable on POSTBOX_TEST_REDIS_URL: start it with `redis-server --daemonize yes` or run scripts/test",
         _ => "a server the tests need is not reachable: run scripts/test",
     }
 }

@@ -161,6 +161,19 @@ impl<DB: sqlx::Database, H> InboxHandler<DB, H> {
     }
 }
 
+/// `mariadb://` is spelled `mysql://` for sqlx; a SQLite file is created when
+/// missing (`mode=rwc`) unless the URL says otherwise.
+pub(crate) fn normalise_url(url: &str) -> String {
+    if let Some(rest) = url.strip_prefix("mariadb://") {
+        return format!("mysql://{rest}");
+    }
+    if url.starts_with("sqlite:") && !url.contains("mode=") && !url.contains(":memory:") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        return format!("{url}{sep}mode=rwc");
+    }
+    url.to_owned()
+}
+
 fn db_err(what: &str, e: sqlx::Error) -> HandlerError {
     HandlerError::new(format!("inbox {what}: {e}"))
 }
@@ -175,7 +188,7 @@ macro_rules! inbox_backend {
                 let table = postbox_core::TableName::new(table)?;
                 let pool = sqlx::pool::PoolOptions::<$db>::new()
                     .max_connections(8)
-                    .connect(url)
+                    .connect(&$crate::inbox::normalise_url(url))
                     .await
                     .map_err(|e| postbox_core::Error::database("connecting to the inbox database", e))?;
                 let inbox = Self::from_pool(pool, table);
