@@ -52,6 +52,8 @@ pub enum Command {
     Events(EventsArgs),
     /// Put rows back to pending with retry_count 0, keeping their event_id.
     Replay(ReplayArgs),
+    /// Run the [[consumers]] entries (HTTP bridge) until SIGINT/SIGTERM.
+    Consume,
     /// Write events: one from flags, or many from a JSON-lines file.
     Enqueue(EnqueueArgs),
     /// Serve the admin API, /metrics and the dashboard (from `[admin]`).

@@ -41,6 +41,7 @@ fn main() {
 async fn run(cli: Cli) -> Result<(), CliError> {
     let g = &cli.global;
     match cli.command {
+        Command::Consume => commands::consume::run(g).await,
         Command::Migrate => commands::migrate::run(g).await,
         Command::Relay(args) => commands::relay::run(g, args).await,
         Command::Status(args) => commands::status::run(g, args).await,

@@ -1,1 +1,31 @@
-//! postbox consumers (issue 4).
+//! The receiving side of postbox (SPEC §7): consumers that process each event
+//! exactly once in effect.
+//!
+//! - [`Handler`] is what a consumer calls for every message: an [`Message`]
+//!   (the SPEC §4 envelope plus delivery facts) in, [`Handled`] or a
+//!   [`HandlerError`] out. An error takes the retry path; it never loops.
+//! - [`inbox`] makes a handler idempotent: the handler's own writes and the
+//!   inbox row `(consumer_group, event_id)` commit in one transaction
+//!   ([`inbox::TxHandler`]), and per `aggregate_id` an older
+//!   `aggregate_version` than the last one seen is skipped as stale.
+//! - [`rabbitmq::RabbitMqConsumer`] runs a handler on a queue: bounded by
+//!   `prefetch`, manual ack after success, retries through `<queue>.retry`,
+//!   dead letters in `<queue>.dead`.
+//! - [`http::HttpHandler`] is the bridge for services in other languages: it
+//!   POSTs the envelope and treats 2xx as success.
+//!
+//! Every outcome is counted as `postbox_consume_total{consumer,result}`.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod handler;
+pub mod http;
+pub mod inbox;
+pub mod message;
+pub mod metrics;
+pub mod rabbitmq;
+pub mod retry;
+
+pub use handler::{Handled, Handler, HandlerError};
+pub use message::Message;
+pub use retry::{RetryDecision, RetryPolicy};

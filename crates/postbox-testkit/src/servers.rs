@@ -32,6 +32,12 @@ pub fn redis_url() -> String {
         .unwrap_or_else(|_| "redis://127.0.0.1:6379/0".to_owned())
 }
 
+/// A broker object name (queue, exchange, stream, subject token) no other
+/// test uses: `{prefix}_{pid}_{n}_{random}`.
+pub fn scratch_name(prefix: &str) -> String {
+    scratch_table(prefix)
+}
+
 /// How to start each server on a Debian machine, for failure messages.
 pub fn how_to_start(server: &str) -> &'static str {
     match server {
@@ -93,11 +99,12 @@ async fn drop_stale_scratch_tables(server: &str, url: &str) {
     if SEEN.lock().unwrap().contains(&key) {
         return;
     }
-    let mine = format!("_{}_", std::process::id());
+    // A table is stale when the process that made it is gone: test binaries
+    // of several runs (or engineers) may share the server at once.
     let stale = |names: Vec<String>| -> Vec<String> {
         names
             .into_iter()
-            .filter(|n| is_scratch(n) && !n.contains(&mine))
+            .filter(|n| scratch_pid(n).is_some_and(|pid| !process_alive(pid)))
             .collect()
     };
     match server {
@@ -141,17 +148,29 @@ async fn drop_stale_scratch_tables(server: &str, url: &str) {
     SEEN.lock().unwrap().push(key);
 }
 
-/// `{prefix}_{pid}_{n}_{6 hex}` (and its `_archive` twin), as made by
-/// [`scratch_table`].
-fn is_scratch(name: &str) -> bool {
-    let base = name.strip_suffix("_archive").unwrap_or(name);
+/// Whether process `pid` still runs on this machine.
+fn process_alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The pid in `{prefix}_{pid}_{n}_{6 hex}` (or one of its twins:
+/// `_archive`, `_history`, `_versions`), as made by [`scratch_table`].
+fn scratch_pid(name: &str) -> Option<u32> {
+    let base = ["_archive", "_history", "_versions"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
     let parts: Vec<&str> = base.rsplitn(4, '_').collect();
-    parts.len() == 4
+    let ok = parts.len() == 4
         && parts[0].len() == 6
         && parts[0].chars().all(|c| c.is_ascii_hexdigit())
         && parts[1].chars().all(|c| c.is_ascii_digit())
-        && parts[2].chars().all(|c| c.is_ascii_digit())
-        && !parts[3].is_empty()
+        && !parts[3].is_empty();
+    if ok {
+        parts[2].parse().ok()
+    } else {
+        None
+    }
 }
 
 /// A table name no other test uses: `{prefix}_{pid}_{n}_{random}`.
@@ -168,15 +187,18 @@ mod tests {
     #[test]
     fn recognises_scratch_tables_only() {
         let t = super::scratch_table("pg");
-        assert!(super::is_scratch(&t), "{t}");
-        assert!(super::is_scratch(&format!("{t}_archive")));
+        let pid = Some(std::process::id());
+        assert_eq!(super::scratch_pid(&t), pid, "{t}");
+        assert_eq!(super::scratch_pid(&format!("{t}_archive")), pid);
+        assert_eq!(super::scratch_pid(&format!("{t}_history")), pid);
+        assert!(super::process_alive(std::process::id()));
         for other in [
             "room_outbox",
             "postbox_schema_migrations",
             "wallet_outbox_archive",
             "a_1_2_xyz",
         ] {
-            assert!(!super::is_scratch(other), "{other}");
+            assert_eq!(super::scratch_pid(other), None, "{other}");
         }
     }
 }

@@ -1,5 +1,6 @@
 //! One file per command.
 
+pub mod consume;
 pub mod enqueue;
 pub mod events;
 pub mod migrate;

@@ -161,6 +161,54 @@ mod tests {
     }
 
     #[test]
+    fn consumers_load_with_defaults_and_refuse_bad_keys() {
+        let base = "[[consumers]]\nkind = \"rabbitmq\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nqueue = \"console_bus\"\n";
+        let c = load_str(&format!(
+            "{base}bindings = [{{ exchange = \"postbox\" }}]\nhandler = {{ http = \"http://127.0.0.1:8080/events\" }}\ninbox = {{ url = \"sqlite://inbox.db\" }}\n"
+        ))
+        .unwrap();
+        let c = &c.consumers[0];
+        assert_eq!(c.prefetch, 1);
+        assert_eq!(c.max_attempts, 5);
+        assert_eq!(c.name(), "console_bus");
+        assert_eq!(c.consumer_group(), "console_bus");
+        assert_eq!(c.bindings[0].routing_key, "#");
+        assert_eq!(c.inbox.as_ref().unwrap().table.as_str(), "postbox_inbox");
+        assert_eq!(c.inbox_retention, "7d".parse().unwrap());
+        for (extra, key) in [
+            ("prefetch = 0", "consumers.0.prefetch"),
+            ("prefetch = 70000", "consumers.0.prefetch"),
+            ("max_attempts = 0", "consumers.0.max_attempts"),
+            ("retry_delay = \"0s\"", "consumers.0.retry_delay"),
+            (
+                "retry_delay = \"10s\"\nmax_retry_delay = \"1s\"",
+                "consumers.0.max_retry_delay",
+            ),
+            (
+                "handler = { http = \"ftp://x\" }",
+                "consumers.0.handler.http",
+            ),
+            ("inbox = { url = \"oracle://x\" }", "consumers.0.inbox.url"),
+            (
+                "inbox = { url = \"sqlite://x\", table = \"a-b\" }",
+                "consumers.0.inbox.table",
+            ),
+            ("colour = 1", "consumers.0.colour"),
+        ] {
+            assert_eq!(key_of(&format!("{base}{extra}")), key, "{extra}");
+        }
+        assert_eq!(
+            key_of(&format!("{base}{base}")),
+            "consumers.1.name",
+            "two consumers on one queue need names"
+        );
+        assert_eq!(
+            key_of("[[consumers]]\nkind = \"rabbitmq\"\nurl = \"nats://x\"\nqueue = \"q\""),
+            "consumers.0.url"
+        );
+    }
+
+    #[test]
     fn secrets_do_not_leak_into_errors() {
         let err = load_str("[database]\nurl = \"oracle://u:hunter2@h/db\"").unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");

@@ -1,6 +1,7 @@
 //! Configuration (SPEC §5): one TOML or YAML file, every key overridable by
 //! `POSTBOX__SECTION__KEY`, validated before anything starts.
 
+mod consumer;
 mod duration;
 mod load;
 mod publisher;
@@ -9,6 +10,10 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+pub use consumer::{
+    BindingConfig, ConsumerConfig, ConsumerKind, HandlerConfig, InboxConfig,
+    MAX_CONSUMER_GROUP_LEN, MAX_QUEUE_LEN,
+};
 pub use duration::HumanDuration;
 pub use load::{load, ConfigSource};
 pub use publisher::{
@@ -34,6 +39,8 @@ pub struct Config {
     pub archive: ArchiveConfig,
     /// `[admin]`.
     pub admin: Option<AdminConfig>,
+    /// `[[consumers]]`: what `postbox consume` runs.
+    pub consumers: Vec<ConsumerConfig>,
 }
 
 /// `[database]`.
@@ -330,6 +337,20 @@ impl Config {
                 return Err(Error::config(
                     format!("publishers[{i}].name"),
                     "must not contain `,`",
+                ));
+            }
+        }
+
+        let mut consumer_names = std::collections::HashSet::new();
+        for (i, c) in self.consumers.iter().enumerate() {
+            c.validate(&format!("consumers.{i}"))?;
+            if !consumer_names.insert(c.name().to_owned()) {
+                return Err(Error::config(
+                    format!("consumers.{i}.name"),
+                    format!(
+                        "`{}` is used twice (the name defaults to the queue); give each consumer its own name",
+                        c.name()
+                    ),
                 ));
             }
         }

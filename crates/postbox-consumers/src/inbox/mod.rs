@@ -1,0 +1,381 @@
+//! The inbox: exactly-once effect on top of at-least-once delivery.
+//!
+//! For every event the inbox inserts `(consumer_group, event_id)` and, when
+//! the event names an aggregate and a version, checks and moves the
+//! aggregate's last version — in the **same** transaction as the handler's own
+//! writes ([`TxHandler`]). A redelivered event finds its row and has no second
+//! effect ([`Handled::Duplicate`]); an event older than the aggregate's last
+//! version is skipped ([`Handled::Stale`]). Either way the message is
+//! acknowledged.
+//!
+//! Two tables, created on first use ([`Inbox::migrate`]): `<table>` keyed by
+//! `(consumer_group, event_id)` and `<table>_versions` keyed by
+//! `(consumer_group, aggregate_id)`. Rows older than the retention are
+//! deleted in batches by [`Inbox::purge`].
+//!
+//! ```no_run
+//! use postbox_consumers::inbox::{Inbox, InboxHandler, TxHandler};
+//! use postbox_consumers::{HandlerError, Message};
+//!
+//! struct CreditWallet;
+//!
+//! #[async_trait::async_trait]
+//! impl TxHandler<sqlx::Postgres> for CreditWallet {
+//!     async fn handle(
+//!         &self,
+//!         tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+//!         message: &Message,
+//!     ) -> Result<(), HandlerError> {
+//!         sqlx::query("UPDATE wallet SET balance = balance + 1 WHERE id = $1")
+//!             .bind(message.envelope.aggregate_id.clone())
+//!             .execute(&mut **tx)
+//!             .await
+//!             .map_err(HandlerError::new)?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # async fn run() -> Result<(), postbox_core::Error> {
+//! let inbox = Inbox::<sqlx::Postgres>::connect("postgres://localhost/app", "postbox_inbox").await?;
+//! let handler = InboxHandler::new(inbox, "wallet", CreditWallet);
+//! # Ok(()) }
+//! ```
+
+mod mysql;
+mod postgres;
+mod sqlite;
+
+use std::marker::PhantomData;
+
+use async_trait::async_trait;
+use postbox_core::TableName;
+
+use crate::{HandlerError, Message};
+
+/// A handler whose writes commit together with the inbox row.
+///
+/// `tx` is the inbox's transaction: write through it (`&mut **tx`) and do not
+/// commit it; the inbox commits after the handler returns `Ok`, and rolls
+/// everything back on `Err`.
+#[async_trait]
+pub trait TxHandler<DB: sqlx::Database>: Send + Sync {
+    /// Handles `message` inside `tx`.
+    async fn handle(
+        &self,
+        tx: &mut sqlx::Transaction<'static, DB>,
+        message: &Message,
+    ) -> Result<(), HandlerError>;
+}
+
+/// The inbox tables of one database (PostgreSQL, MySQL/MariaDB or SQLite).
+#[derive(Debug)]
+pub struct Inbox<DB: sqlx::Database> {
+    pool: sqlx::Pool<DB>,
+    table: TableName,
+    sql: Statements,
+    _db: PhantomData<DB>,
+}
+
+impl<DB: sqlx::Database> Clone for Inbox<DB> {
+    fn clone(&self) -> Self {
+        Inbox {
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            sql: self.sql.clone(),
+            _db: PhantomData,
+        }
+    }
+}
+
+/// One dialect's statements with the table name filled in.
+#[derive(Debug, Clone)]
+struct Statements {
+    create: Vec<String>,
+    insert_event: String,
+    insert_version: String,
+    lock_version: String,
+    update_version: String,
+    purge_events: String,
+    purge_versions: String,
+}
+
+impl Statements {
+    fn render(table: &TableName, dialect: &sql::Dialect) -> Self {
+        let r = |s: &str| s.replace("{table}", table.as_str());
+        Statements {
+            create: dialect.create.iter().map(|s| r(s)).collect(),
+            insert_event: r(dialect.insert_event),
+            insert_version: r(dialect.insert_version),
+            lock_version: r(dialect.lock_version),
+            update_version: r(dialect.update_version),
+            purge_events: r(dialect.purge_events),
+            purge_versions: r(dialect.purge_versions),
+        }
+    }
+}
+
+/// The inbox decision before the handler runs.
+enum Admission {
+    Fresh,
+    Duplicate,
+    Stale { remembered: i64 },
+}
+
+impl<DB: sqlx::Database> Inbox<DB> {
+    /// The pool the inbox uses; a service may share it for its other work.
+    pub fn pool(&self) -> &sqlx::Pool<DB> {
+        &self.pool
+    }
+
+    /// The inbox table (`<table>_versions` is its twin).
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+}
+
+/// Runs an inner [`TxHandler`] through an [`Inbox`]; this is the [`Handler`]
+/// a consumer drives.
+///
+/// [`Handler`]: crate::Handler
+#[derive(Debug)]
+pub struct InboxHandler<DB: sqlx::Database, H> {
+    inbox: Inbox<DB>,
+    consumer_group: String,
+    inner: H,
+}
+
+impl<DB: sqlx::Database, H> InboxHandler<DB, H> {
+    /// `inner` runs in the inbox transaction of `consumer_group`; groups
+    /// dedupe independently, so two services may handle the same event.
+    pub fn new(inbox: Inbox<DB>, consumer_group: impl Into<String>, inner: H) -> Self {
+        InboxHandler {
+            inbox,
+            consumer_group: consumer_group.into(),
+            inner,
+        }
+    }
+
+    /// The inbox.
+    pub fn inbox(&self) -> &Inbox<DB> {
+        &self.inbox
+    }
+}
+
+/// `mariadb://` is spelled `mysql://` for sqlx; a SQLite file is created when
+/// missing (`mode=rwc`) unless the URL says otherwise.
+pub(crate) fn normalise_url(url: &str) -> String {
+    if let Some(rest) = url.strip_prefix("mariadb://") {
+        return format!("mysql://{rest}");
+    }
+    if url.starts_with("sqlite:") && !url.contains("mode=") && !url.contains(":memory:") {
+        let sep = if url.contains('?') { '&' } else { '?' };
+        return format!("{url}{sep}mode=rwc");
+    }
+    url.to_owned()
+}
+
+fn db_err(what: &str, e: sqlx::Error) -> HandlerError {
+    HandlerError::new(format!("inbox {what}: {e}"))
+}
+
+/// Generates the inbox operations for one sqlx database; only the statements
+/// differ between dialects.
+macro_rules! inbox_backend {
+    ($db:ty, $dialect:expr) => {
+        impl $crate::inbox::Inbox<$db> {
+            /// Connects to `url` and creates the inbox tables when missing.
+            pub async fn connect(url: &str, table: &str) -> Result<Self, postbox_core::Error> {
+                let table = postbox_core::TableName::new(table)?;
+                let pool = sqlx::pool::PoolOptions::<$db>::new()
+                    .max_connections(8)
+                    .connect(&$crate::inbox::normalise_url(url))
+                    .await
+                    .map_err(|e| postbox_core::Error::database("connecting to the inbox database", e))?;
+                let inbox = Self::from_pool(pool, table);
+                inbox.migrate().await?;
+                Ok(inbox)
+            }
+
+            /// Uses an existing pool (the service's own); call
+            /// [`Inbox::migrate`] once before use.
+            pub fn from_pool(pool: sqlx::Pool<$db>, table: postbox_core::TableName) -> Self {
+                let sql = $crate::inbox::Statements::render(&table, &$dialect);
+                $crate::inbox::Inbox {
+                    pool,
+                    table,
+                    sql,
+                    _db: std::marker::PhantomData,
+                }
+            }
+
+            /// Creates `<table>` and `<table>_versions` and their indexes when
+            /// missing; idempotent, safe from many processes at once.
+            pub async fn migrate(&self) -> Result<(), postbox_core::Error> {
+                let mut tx = self
+                    .pool
+                    .begin()
+                    .await
+                    .map_err(|e| postbox_core::Error::database("inbox migrate", e))?;
+                for stmt in &self.sql.create {
+                    sqlx::query(stmt)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(|e| postbox_core::Error::database("inbox migrate", e))?;
+                }
+                tx.commit()
+                    .await
+                    .map_err(|e| postbox_core::Error::database("inbox migrate", e))
+            }
+
+            /// Runs `handler` and the inbox bookkeeping of `message` for
+            /// `consumer_group` in one transaction.
+            pub async fn process<H: $crate::inbox::TxHandler<$db> + ?Sized>(
+                &self,
+                consumer_group: &str,
+                message: &$crate::Message,
+                handler: &H,
+            ) -> Result<$crate::Handled, $crate::HandlerError> {
+                use $crate::inbox::{db_err, Admission};
+                let mut tx = self.pool.begin().await.map_err(|e| db_err("begin", e))?;
+                let env = &message.envelope;
+                let now = postbox_core::time::now_ms();
+                let admission = async {
+                    let inserted = sqlx::query(&self.sql.insert_event)
+                        .bind(consumer_group)
+                        .bind(&env.event_id)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected();
+                    if inserted == 0 {
+                        return Ok(Admission::Duplicate);
+                    }
+                    let (Some(aggregate), Some(version)) = (&env.aggregate_id, env.aggregate_version) else {
+                        return Ok(Admission::Fresh);
+                    };
+                    let inserted = sqlx::query(&self.sql.insert_version)
+                        .bind(consumer_group)
+                        .bind(aggregate)
+                        .bind(version)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected();
+                    if inserted == 1 {
+                        return Ok(Admission::Fresh);
+                    }
+                    let remembered: i64 = sqlx::query_scalar(&self.sql.lock_version)
+                        .bind(consumer_group)
+                        .bind(aggregate)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    if version < remembered {
+                        return Ok(Admission::Stale { remembered });
+                    }
+                    sqlx::query(&self.sql.update_version)
+                        .bind(version)
+                        .bind(now)
+                        .bind(consumer_group)
+                        .bind(aggregate)
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok::<_, sqlx::Error>(Admission::Fresh)
+                }
+                .await
+                .map_err(|e| db_err("check", e))?;
+                match admission {
+                    Admission::Duplicate => {
+                        let _ = tx.rollback().await;
+                        return Ok($crate::Handled::Duplicate);
+                    }
+                    Admission::Stale { remembered } => {
+                        tracing::info!(
+                            event_id = %env.event_id,
+                            aggregate_id = env.aggregate_id.as_deref().unwrap_or(""),
+                            aggregate_version = env.aggregate_version,
+                            remembered,
+                            "stale event skipped: the inbox has seen a newer version of its aggregate"
+                        );
+                        let _ = tx.rollback().await;
+                        return Ok($crate::Handled::Stale);
+                    }
+                    Admission::Fresh => {}
+                }
+                if let Err(e) = handler.handle(&mut tx, message).await {
+                    let _ = tx.rollback().await;
+                    return Err(e);
+                }
+                tx.commit().await.map_err(|e| db_err("commit", e))?;
+                Ok($crate::Handled::Ok)
+            }
+
+            /// Deletes inbox rows (and aggregate versions) recorded before
+            /// `before_ms`, `batch_size` rows per statement, until none are
+            /// left; returns how many rows went.
+            pub async fn purge(&self, before_ms: i64, batch_size: u32) -> Result<u64, postbox_core::Error> {
+                let mut total = 0;
+                for stmt in [&self.sql.purge_events, &self.sql.purge_versions] {
+                    loop {
+                        let n = sqlx::query(stmt)
+                            .bind(before_ms)
+                            .bind(i64::from(batch_size))
+                            .execute(&self.pool)
+                            .await
+                            .map_err(|e| postbox_core::Error::database("inbox purge", e))?
+                            .rows_affected();
+                        total += n;
+                        if n < u64::from(batch_size) {
+                            break;
+                        }
+                    }
+                }
+                Ok(total)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl<H: $crate::inbox::TxHandler<$db>> $crate::Handler for $crate::inbox::InboxHandler<$db, H> {
+            async fn handle(&self, message: &$crate::Message) -> Result<$crate::Handled, $crate::HandlerError> {
+                self.inbox.process(&self.consumer_group, message, &self.inner).await
+            }
+        }
+    };
+}
+
+pub(crate) use inbox_backend;
+
+pub(crate) mod sql {
+    /// One dialect's statements; `{table}` is replaced by the validated
+    /// inbox table name.
+    pub struct Dialect {
+        /// Idempotent DDL, run in one transaction.
+        pub create: &'static [&'static str],
+        /// Binds group, event_id, now; affects 0 rows for a duplicate.
+        pub insert_event: &'static str,
+        /// Binds group, aggregate_id, version, now; 0 rows when the aggregate
+        /// is known already.
+        pub insert_version: &'static str,
+        /// Binds group, aggregate_id; returns the version, locking the row.
+        pub lock_version: &'static str,
+        /// Binds version, now, group, aggregate_id.
+        pub update_version: &'static str,
+        /// Binds cut-off ms, batch size.
+        pub purge_events: &'static str,
+        /// Binds cut-off ms, batch size.
+        pub purge_versions: &'static str,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_name_the_table() {
+        let t = TableName::new("room_inbox").unwrap();
+        let s = Statements::render(&t, &postgres::DIALECT);
+        assert!(s.insert_event.contains("room_inbox "), "{}", s.insert_event);
+        assert!(s.lock_version.contains("room_inbox_versions"));
+        assert!(s.create.iter().all(|c| !c.contains("{table}")));
+    }
+}

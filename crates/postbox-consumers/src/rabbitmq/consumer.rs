@@ -1,0 +1,388 @@
+//! The consume loop: one message at a time per channel, ack after success,
+//! retry and dead copies confirmed before the original is acked, reconnect
+//! with backoff.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
+use postbox_core::config::{ConsumerConfig, ConsumerKind};
+use postbox_core::Error;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::delivery::{copy_properties, message_from_delivery};
+use super::topology::{dead_queue, declare_topology, retry_queue};
+use crate::metrics::count;
+use crate::{Handler, RetryDecision, RetryPolicy};
+
+/// `{queue}-{host}-{pid}`: tells the processes on one queue apart in the
+/// management UI and `rabbitmqctl list_consumers`.
+pub fn consumer_tag(queue: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    format!("{queue}-{host}-{}", std::process::id())
+}
+
+/// What a consumer did until it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumeReport {
+    /// Handled and acknowledged.
+    pub ok: u64,
+    /// Already in the inbox: acknowledged without a second effect.
+    pub duplicate: u64,
+    /// Older than the aggregate's last version: acknowledged and skipped.
+    pub stale: u64,
+    /// Failed and sent to `<queue>.retry`.
+    pub retry: u64,
+    /// Failed for the last time (or unreadable) and sent to `<queue>.dead`.
+    pub dead: u64,
+}
+
+/// Why a session with the broker ended.
+enum SessionEnd {
+    /// Shutdown was asked for and done.
+    Cancelled,
+    /// The broker refused the setup (missing queue, mismatched arguments,
+    /// access): retrying cannot help.
+    Fatal(Error),
+    /// The connection or channel broke: reconnect.
+    Broken(String),
+}
+
+/// A RabbitMQ consumer driving one [`Handler`].
+pub struct RabbitMqConsumer {
+    config: ConsumerConfig,
+    handler: Arc<dyn Handler>,
+    policy: RetryPolicy,
+    tag: String,
+}
+
+impl std::fmt::Debug for RabbitMqConsumer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitMqConsumer")
+            .field("name", &self.config.name())
+            .field("queue", &self.config.queue)
+            .field("url", &self.config.url)
+            .field("tag", &self.tag)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitMqConsumer {
+    /// A consumer of `config` (a `kind = "rabbitmq"` entry) calling `handler`
+    /// for every message.
+    pub fn new(config: ConsumerConfig, handler: Arc<dyn Handler>) -> Result<Self, Error> {
+        if config.kind != ConsumerKind::Rabbitmq {
+            return Err(Error::config(
+                "kind",
+                format!("`{}` is not a RabbitMQ consumer", config.kind.as_str()),
+            ));
+        }
+        let policy = RetryPolicy {
+            max_attempts: config.max_attempts,
+            retry_delay: config.retry_delay.get(),
+            max_retry_delay: config.max_retry_delay.get(),
+        };
+        let tag = consumer_tag(&config.queue);
+        Ok(RabbitMqConsumer {
+            config,
+            handler,
+            policy,
+            tag,
+        })
+    }
+
+    /// Replaces the consumer tag (default `{queue}-{host}-{pid}`); a process
+    /// running several consumers on one queue gives each its own.
+    pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
+        self.tag = tag.into();
+        self
+    }
+
+    /// The consumer tag; also the AMQP connection name.
+    pub fn tag(&self) -> &str {
+        &self.tag
+    }
+
+    /// Consumes until `shutdown` is cancelled, then stops taking messages,
+    /// finishes (and acknowledges) the one in hand and returns. A broken
+    /// connection is re-established with a growing pause (0.5 s to 30 s);
+    /// messages it held unacknowledged are redelivered by the broker.
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
+        let mut report = ConsumeReport::default();
+        let mut pause = Duration::from_millis(500);
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(report);
+            }
+            let mut connected = false;
+            match self.session(&shutdown, &mut report, &mut connected).await {
+                SessionEnd::Cancelled => return Ok(report),
+                SessionEnd::Fatal(e) => return Err(e),
+                SessionEnd::Broken(reason) => {
+                    if connected {
+                        pause = Duration::from_millis(500);
+                    }
+                    tracing::warn!(
+                        consumer = self.config.name(),
+                        url = %self.config.url,
+                        reason,
+                        retry_in_ms = pause.as_millis() as u64,
+                        "RabbitMQ connection lost; reconnecting"
+                    );
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(report),
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                    pause = (pause * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+    }
+
+    async fn session(
+        &self,
+        shutdown: &CancellationToken,
+        report: &mut ConsumeReport,
+        connected: &mut bool,
+    ) -> SessionEnd {
+        let broken = |e: lapin::Error| SessionEnd::Broken(e.to_string());
+        let props = ConnectionProperties::default().with_connection_name(self.tag.clone().into());
+        let conn = match Connection::connect(self.config.url.expose(), props).await {
+            Ok(c) => c,
+            Err(e) => return broken(e),
+        };
+        let setup = async {
+            let consuming = conn.create_channel().await?;
+            let publishing = conn.create_channel().await?;
+            publishing
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            Ok::<_, lapin::Error>((consuming, publishing))
+        };
+        let (consuming, publishing) = match setup.await {
+            Ok(c) => c,
+            Err(e) => return broken(e),
+        };
+        let topology = async {
+            if self.config.declare {
+                declare_topology(&consuming, &self.config).await?;
+            }
+            // Not global: the limit is per consumer, which is what prefetch = 1
+            // promises (one unacked message per consumer).
+            consuming
+                .basic_qos(self.config.prefetch, BasicQosOptions { global: false })
+                .await?;
+            consuming
+                .basic_consume(
+                    self.config.queue.as_str().into(),
+                    self.tag.as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+        };
+        let mut consumer = match topology.await {
+            Ok(c) => c,
+            Err(e) if e.is_amqp_soft_error() => {
+                let _ = conn.close(200, "setup refused".into()).await;
+                let hint = if self.config.declare {
+                    "check that the queue was not declared before with other arguments, and the user's permissions"
+                } else {
+                    "declare the queue, or set declare = true"
+                };
+                return SessionEnd::Fatal(Error::config(
+                    "queue",
+                    format!(
+                        "RabbitMQ refused consuming `{}`: {e} ({hint})",
+                        self.config.queue
+                    ),
+                ));
+            }
+            Err(e) => return broken(e),
+        };
+        *connected = true;
+        tracing::info!(
+            consumer = self.config.name(),
+            queue = %self.config.queue,
+            tag = %self.tag,
+            prefetch = self.config.prefetch,
+            "consuming"
+        );
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => {
+                    // Stop taking; anything prefetched but not started goes
+                    // back to the queue when the channel closes.
+                    let _ = consuming.basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default()).await;
+                    let _ = consuming.close(200, "shutdown".into()).await;
+                    let _ = publishing.close(200, "shutdown".into()).await;
+                    let _ = conn.close(200, "shutdown".into()).await;
+                    tracing::info!(consumer = self.config.name(), "consumer stopped");
+                    return SessionEnd::Cancelled;
+                }
+                next = consumer.next() => next,
+            };
+            let delivery = match next {
+                Some(Ok(d)) => d,
+                Some(Err(e)) => return broken(e),
+                None => return SessionEnd::Broken("the broker cancelled the consumer".to_owned()),
+            };
+            if let Err(reason) = self.process(delivery, &publishing, report).await {
+                return SessionEnd::Broken(reason);
+            }
+        }
+    }
+
+    /// Handles one delivery to the end: acked, or copied and then acked. An
+    /// error leaves it unacked (the broker redelivers it after reconnect).
+    async fn process(
+        &self,
+        delivery: Delivery,
+        publishing: &Channel,
+        report: &mut ConsumeReport,
+    ) -> Result<(), String> {
+        let name = self.config.name();
+        let message = match message_from_delivery(
+            &delivery.properties,
+            delivery.routing_key.as_str(),
+            &delivery.data,
+            delivery.redelivered,
+        ) {
+            Ok(m) => m,
+            Err(reason) => {
+                tracing::warn!(consumer = name, reason, "unreadable message: dead-lettered");
+                self.copy(&delivery, publishing, None, Some(&reason), 1)
+                    .await?;
+                ack(&delivery).await?;
+                count(name, "dead");
+                report.dead += 1;
+                return Ok(());
+            }
+        };
+        let span =
+            tracing::info_span!("event", event_id = %message.event_id(), attempt = message.attempt);
+        async {
+            match self.handler.handle(&message).await {
+                Ok(handled) => {
+                    ack(&delivery).await?;
+                    count(name, handled.as_str());
+                    match handled {
+                        crate::Handled::Ok => report.ok += 1,
+                        crate::Handled::Duplicate => report.duplicate += 1,
+                        crate::Handled::Stale => report.stale += 1,
+                    }
+                    tracing::debug!(consumer = name, result = handled.as_str(), "handled");
+                }
+                Err(e) => match self.policy.decide(message.attempt) {
+                    RetryDecision::Retry {
+                        delay,
+                        next_attempt,
+                    } => {
+                        self.copy(&delivery, publishing, Some(delay), None, next_attempt)
+                            .await?;
+                        ack(&delivery).await?;
+                        count(name, "retry");
+                        report.retry += 1;
+                        tracing::warn!(
+                            consumer = name,
+                            error = %e,
+                            retry_in_ms = delay.as_millis() as u64,
+                            next_attempt,
+                            "handler failed; retrying later"
+                        );
+                    }
+                    RetryDecision::Dead => {
+                        self.copy(
+                            &delivery,
+                            publishing,
+                            None,
+                            Some(e.message()),
+                            message.attempt,
+                        )
+                        .await?;
+                        ack(&delivery).await?;
+                        count(name, "dead");
+                        report.dead += 1;
+                        tracing::error!(
+                            consumer = name,
+                            error = %e,
+                            dead_queue = %dead_queue(&self.config.queue),
+                            "handler failed on the last attempt; dead-lettered"
+                        );
+                    }
+                },
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Publishes a retry copy (with `delay`) or a dead copy (with
+    /// `last_error`) and waits for the broker's confirm.
+    async fn copy(
+        &self,
+        delivery: &Delivery,
+        publishing: &Channel,
+        delay: Option<Duration>,
+        last_error: Option<&str>,
+        attempt: u32,
+    ) -> Result<(), String> {
+        let queue = match delay {
+            Some(_) => retry_queue(&self.config.queue),
+            None => dead_queue(&self.config.queue),
+        };
+        let props = copy_properties(
+            &delivery.properties,
+            attempt,
+            delay.map(|d| d.as_millis()),
+            last_error,
+        );
+        let confirm = publishing
+            .basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                &delivery.data,
+                props,
+            )
+            .await
+            .map_err(|e| format!("publishing to {queue}: {e}"))?
+            .await
+            .map_err(|e| format!("confirm from {queue}: {e}"))?;
+        match confirm {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(format!(
+                "{queue} does not exist (the copy was returned unroutable): declare it, or set declare = true"
+            )),
+            Confirmation::Nack(_) => Err(format!("the broker refused the copy to {queue}")),
+            Confirmation::NotRequested => Err("publisher confirms are off".to_owned()),
+        }
+    }
+}
+
+async fn ack(delivery: &Delivery) -> Result<(), String> {
+    delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("ack: {e}"))
+}

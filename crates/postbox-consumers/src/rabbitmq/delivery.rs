@@ -1,0 +1,266 @@
+//! From an AMQP delivery to a [`Message`], and back to the properties of a
+//! retry or dead copy.
+
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::BasicProperties;
+use postbox_core::envelope::Envelope;
+use postbox_core::event::MAX_ID_LEN;
+
+use crate::message::{CONSUME_ATTEMPT_HEADER, LAST_ERROR_HEADER};
+use crate::Message;
+
+/// Headers that map to envelope fields, not to `envelope.headers`.
+const AGGREGATE_ID: &str = "x-aggregate-id";
+const AGGREGATE_VERSION: &str = "x-aggregate-version";
+const CREATED_AT_MS: &str = "x-created-at-ms";
+
+/// Reads the SPEC §4 mapping of the RabbitMQ publisher: `message_id` is the
+/// event id, `type` the event type, `app_id` the app code, and the
+/// `x-aggregate-id`, `x-aggregate-version`, `x-created-at-ms` headers the
+/// envelope fields of those names. Every other header (`x-attempt`,
+/// `x-replayed`, the service's own) stays in `envelope.headers`.
+///
+/// A message without a usable `message_id` cannot be deduplicated and is
+/// refused with the reason (the consumer dead-letters it).
+pub fn message_from_delivery(
+    properties: &BasicProperties,
+    routing_key: &str,
+    body: &[u8],
+    redelivered: bool,
+) -> Result<Message, String> {
+    let event_id = properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.as_str().to_owned())
+        .filter(|s| !s.is_empty())
+        .ok_or("the message has no message_id property (postbox publishes the event_id there)")?;
+    if event_id.len() > MAX_ID_LEN {
+        return Err(format!(
+            "message_id is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
+            event_id.len()
+        ));
+    }
+    let mut headers = serde_json::Map::new();
+    let mut aggregate_id = None;
+    let mut aggregate_version = None;
+    let mut created_at_ms = None;
+    let mut attempt = 1;
+    if let Some(table) = properties.headers() {
+        for (key, value) in table {
+            let key = key.as_str();
+            match key {
+                AGGREGATE_ID => aggregate_id = as_string(value),
+                AGGREGATE_VERSION => {
+                    aggregate_version = Some(as_i64(value).ok_or_else(|| {
+                        format!("header {AGGREGATE_VERSION} is not an integer: {value:?}")
+                    })?)
+                }
+                CREATED_AT_MS => created_at_ms = as_i64(value),
+                CONSUME_ATTEMPT_HEADER => {
+                    attempt = as_i64(value)
+                        .and_then(|a| u32::try_from(a).ok())
+                        .filter(|a| *a >= 1)
+                        .unwrap_or(1);
+                    headers.insert(key.to_owned(), to_json(value));
+                }
+                // Broker bookkeeping of dead-lettering, not the event's.
+                k if k == "x-death"
+                    || k.starts_with("x-first-death")
+                    || k.starts_with("x-last-death") => {}
+                _ => {
+                    headers.insert(key.to_owned(), to_json(value));
+                }
+            }
+        }
+    }
+    let created_at_ms = created_at_ms
+        .or_else(|| {
+            properties
+                .timestamp()
+                .map(|s| (s as i64).saturating_mul(1000))
+        })
+        .unwrap_or(0);
+    let payload = serde_json::from_slice(body)
+        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(body).into_owned()));
+    Ok(Message {
+        envelope: Envelope {
+            event_id,
+            app_code: short(properties.app_id()).unwrap_or_default(),
+            event_type: short(properties.kind()).unwrap_or_else(|| routing_key.to_owned()),
+            aggregate_id,
+            aggregate_version,
+            created_at_ms,
+            headers,
+            payload,
+        },
+        attempt,
+        redelivered,
+    })
+}
+
+/// Properties of a copy: the original's identity and headers, persistent,
+/// with the next attempt number, and either a delay (`expiration`) or the
+/// last error.
+pub(crate) fn copy_properties(
+    original: &BasicProperties,
+    next_attempt: u32,
+    expiration_ms: Option<u128>,
+    last_error: Option<&str>,
+) -> BasicProperties {
+    let mut headers = original.headers().clone().unwrap_or_default();
+    headers.insert(
+        CONSUME_ATTEMPT_HEADER.into(),
+        AMQPValue::LongLongInt(i64::from(next_attempt)),
+    );
+    if let Some(e) = last_error {
+        // Long errors would bloat every copy; the start says what failed.
+        let e: String = e.chars().take(1000).collect();
+        headers.insert(LAST_ERROR_HEADER.into(), AMQPValue::LongString(e.into()));
+    }
+    let mut p = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    if let Some(v) = original.message_id() {
+        p = p.with_message_id(v.clone());
+    }
+    if let Some(v) = original.kind() {
+        p = p.with_type(v.clone());
+    }
+    if let Some(v) = original.app_id() {
+        p = p.with_app_id(v.clone());
+    }
+    if let Some(v) = original.timestamp() {
+        p = p.with_timestamp(*v);
+    }
+    if let Some(v) = original.content_type() {
+        p = p.with_content_type(v.clone());
+    }
+    if let Some(v) = original.content_encoding() {
+        p = p.with_content_encoding(v.clone());
+    }
+    if let Some(v) = original.correlation_id() {
+        p = p.with_correlation_id(v.clone());
+    }
+    if let Some(ms) = expiration_ms {
+        p = p.with_expiration(ShortString::from(ms.max(1).to_string()));
+    }
+    p
+}
+
+fn short(v: &Option<ShortString>) -> Option<String> {
+    v.as_ref().map(|s| s.as_str().to_owned())
+}
+
+fn as_string(v: &AMQPValue) -> Option<String> {
+    match v {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        AMQPValue::Void => None,
+        other => as_i64(other).map(|i| i.to_string()),
+    }
+}
+
+fn as_i64(v: &AMQPValue) -> Option<i64> {
+    match v {
+        AMQPValue::ShortShortInt(i) => Some(i64::from(*i)),
+        AMQPValue::ShortShortUInt(i) => Some(i64::from(*i)),
+        AMQPValue::ShortInt(i) => Some(i64::from(*i)),
+        AMQPValue::ShortUInt(i) => Some(i64::from(*i)),
+        AMQPValue::LongInt(i) => Some(i64::from(*i)),
+        AMQPValue::LongUInt(i) => Some(i64::from(*i)),
+        AMQPValue::LongLongInt(i) => Some(*i),
+        AMQPValue::Timestamp(i) => i64::try_from(*i).ok(),
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.trim().parse().ok(),
+        AMQPValue::ShortString(s) => s.as_str().trim().parse().ok(),
+        _ => None,
+    }
+}
+
+fn to_json(v: &AMQPValue) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        AMQPValue::Boolean(b) => Value::Bool(*b),
+        AMQPValue::Float(f) => {
+            serde_json::Number::from_f64(f64::from(*f)).map_or(Value::Null, Value::Number)
+        }
+        AMQPValue::Double(f) => serde_json::Number::from_f64(*f).map_or(Value::Null, Value::Number),
+        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => {
+            Value::String(as_string(v).unwrap_or_default())
+        }
+        AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(to_json).collect()),
+        AMQPValue::FieldTable(t) => Value::Object(table_to_json(t)),
+        AMQPValue::ByteArray(b) => {
+            Value::String(String::from_utf8_lossy(b.as_slice()).into_owned())
+        }
+        AMQPValue::Void => Value::Null,
+        AMQPValue::DecimalValue(d) => Value::String(format!("{d:?}")),
+        other => as_i64(other).map_or(Value::Null, |i| Value::Number(i.into())),
+    }
+}
+
+fn table_to_json(t: &FieldTable) -> serde_json::Map<String, serde_json::Value> {
+    t.into_iter()
+        .map(|(k, v)| (k.as_str().to_owned(), to_json(v)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn props() -> BasicProperties {
+        let mut h = FieldTable::default();
+        h.insert(AGGREGATE_ID.into(), AMQPValue::LongString("room-1".into()));
+        h.insert(AGGREGATE_VERSION.into(), AMQPValue::LongLongInt(7));
+        h.insert(
+            CREATED_AT_MS.into(),
+            AMQPValue::LongLongInt(1_700_000_000_123),
+        );
+        h.insert("x-attempt".into(), AMQPValue::LongInt(2));
+        h.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+        BasicProperties::default()
+            .with_message_id("ev-1".into())
+            .with_type("RoomCreated".into())
+            .with_app_id("room".into())
+            .with_headers(h)
+    }
+
+    #[test]
+    fn maps_the_publisher_headers_to_the_envelope() {
+        let m = message_from_delivery(&props(), "rk", br#"{"a":1}"#, false).unwrap();
+        let e = &m.envelope;
+        assert_eq!(e.event_id, "ev-1");
+        assert_eq!(e.event_type, "RoomCreated");
+        assert_eq!(e.app_code, "room");
+        assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
+        assert_eq!(e.aggregate_version, Some(7));
+        assert_eq!(e.created_at_ms, 1_700_000_000_123);
+        assert_eq!(e.payload, serde_json::json!({"a": 1}));
+        assert_eq!(e.headers["x-attempt"], 2);
+        assert_eq!(e.headers["tenant"], "acme");
+        assert!(!e.headers.contains_key(AGGREGATE_ID));
+        assert_eq!(m.attempt, 1);
+    }
+
+    #[test]
+    fn a_copy_carries_the_next_attempt_and_is_read_back() {
+        let copy = copy_properties(&props(), 3, Some(2000), None);
+        assert_eq!(copy.expiration().as_ref().unwrap().as_str(), "2000");
+        assert_eq!(copy.delivery_mode(), &Some(2));
+        let m = message_from_delivery(&copy, "rk", b"not json", true).unwrap();
+        assert_eq!(m.attempt, 3);
+        assert_eq!(m.envelope.event_id, "ev-1");
+        assert_eq!(m.envelope.payload, serde_json::json!("not json"));
+        let dead = copy_properties(&copy, 4, None, Some("boom"));
+        assert!(dead.expiration().is_none());
+        let h = dead.headers().as_ref().unwrap();
+        assert!(h.contains_key(LAST_ERROR_HEADER));
+    }
+
+    #[test]
+    fn refuses_messages_without_an_event_id() {
+        let err =
+            message_from_delivery(&BasicProperties::default(), "rk", b"{}", false).unwrap_err();
+        assert!(err.contains("message_id"), "{err}");
+    }
+}

@@ -1,0 +1,20 @@
+//! The RabbitMQ consumer (SPEC §7).
+//!
+//! One connection per consumer with two channels: the consuming channel has
+//! `basic.qos(prefetch)` and manual acks; the publishing channel is in
+//! confirm mode and carries retry and dead-letter copies. A message is
+//! acknowledged only after its handler succeeded, or after its retry or dead
+//! copy was confirmed by the broker, so nothing is lost in between.
+//!
+//! Topology (`declare = true`): `<queue>` (durable), `<queue>.retry` (durable;
+//! a copy waits there for its per-message `expiration`, then dead-letters
+//! back to `<queue>` through the default exchange), `<queue>.dead` (durable),
+//! and the bindings.
+
+mod consumer;
+mod delivery;
+mod topology;
+
+pub use consumer::{consumer_tag, ConsumeReport, RabbitMqConsumer};
+pub use delivery::message_from_delivery;
+pub use topology::{dead_queue, declare_topology, retry_queue};

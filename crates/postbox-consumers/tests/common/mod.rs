@@ -1,0 +1,122 @@
+//! Shared helpers of the consumer tests: a RabbitMQ connection, scratch
+//! queues, publishing events the way the relay does, and a consumer config.
+#![allow(dead_code)]
+
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use postbox_core::config::{ConsumerConfig, ConsumerKind, HumanDuration};
+use postbox_core::redact::SecretUrl;
+use postbox_testkit::servers::{amqp_url, how_to_start, scratch_name};
+
+/// A connection and a confirming channel for the test's own publishing.
+pub async fn broker() -> (Connection, Channel) {
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("rabbitmq")));
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    (conn, ch)
+}
+
+/// A queue name no other test uses.
+pub fn scratch_queue(prefix: &str) -> String {
+    scratch_name(prefix)
+}
+
+/// A consumer of `queue` that declares its topology.
+pub fn consumer_config(queue: &str) -> ConsumerConfig {
+    ConsumerConfig {
+        kind: ConsumerKind::Rabbitmq,
+        name: None,
+        url: SecretUrl::new(amqp_url()),
+        queue: queue.to_owned(),
+        bindings: vec![],
+        declare: true,
+        prefetch: 1,
+        max_attempts: 5,
+        retry_delay: HumanDuration::millis(200),
+        max_retry_delay: HumanDuration::secs(5),
+        consumer_group: None,
+        handler: None,
+        inbox: None,
+        inbox_retention: HumanDuration::secs(7 * 86_400),
+    }
+}
+
+/// Declares `queue` and its twins as the consumer would.
+pub async fn declare(ch: &Channel, queue: &str) {
+    postbox_consumers::rabbitmq::declare_topology(ch, &consumer_config(queue))
+        .await
+        .unwrap();
+}
+
+/// Publishes one event to `queue` through the default exchange with the
+/// relay's mapping (SPEC §4), and waits for the confirm.
+pub async fn publish(
+    ch: &Channel,
+    queue: &str,
+    event_id: &str,
+    aggregate: Option<(&str, i64)>,
+    payload: &str,
+) {
+    let mut h = FieldTable::default();
+    h.insert("x-attempt".into(), AMQPValue::LongLongInt(1));
+    h.insert(
+        "x-created-at-ms".into(),
+        AMQPValue::LongLongInt(postbox_core::time::now_ms()),
+    );
+    if let Some((id, v)) = aggregate {
+        h.insert("x-aggregate-id".into(), AMQPValue::LongString(id.into()));
+        h.insert("x-aggregate-version".into(), AMQPValue::LongLongInt(v));
+    }
+    let props = BasicProperties::default()
+        .with_message_id(event_id.into())
+        .with_type("TestEvent".into())
+        .with_app_id("test".into())
+        .with_delivery_mode(2)
+        .with_headers(h);
+    ch.basic_publish(
+        "".into(),
+        queue.into(),
+        BasicPublishOptions::default(),
+        payload.as_bytes(),
+        props,
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+}
+
+/// Messages ready in `queue`.
+pub async fn ready(ch: &Channel, queue: &str) -> u32 {
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
+/// Deletes `queue` and its twins.
+pub async fn delete(ch: &Channel, queue: &str) {
+    for q in [
+        queue.to_owned(),
+        format!("{queue}.retry"),
+        format!("{queue}.dead"),
+    ] {
+        let _ = ch
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+}

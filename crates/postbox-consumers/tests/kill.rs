@@ -1,0 +1,206 @@
+//! SIGKILL a consumer between its effect and its ack, several times: every
+//! killed event is redelivered, found in the PostgreSQL inbox, and the effect
+//! table holds each event exactly once.
+//!
+//! The test binary re-runs itself as the consumer process (`child_consumer`
+//! with `POSTBOX_KILL_CHILD=1`). The child holds chosen events for a while
+//! after their transaction committed and before returning to the consumer
+//! (which acks on return), and says so on stdout: the parent kills it then.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use postbox_consumers::inbox::{Inbox, InboxHandler, TxHandler};
+use postbox_consumers::rabbitmq::RabbitMqConsumer;
+use postbox_consumers::{Handled, Handler, HandlerError, Message};
+use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio_util::sync::CancellationToken;
+
+use common::*;
+
+const EVENTS: usize = 200;
+const KILL_AT: [&str; 4] = ["ev-20", "ev-60", "ev-110", "ev-170"];
+
+struct Effect {
+    table: String,
+}
+
+#[async_trait]
+impl TxHandler<sqlx::Postgres> for Effect {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+        m: &Message,
+    ) -> Result<(), HandlerError> {
+        sqlx::query(&format!(
+            "INSERT INTO {} (event_id) VALUES ($1)",
+            self.table
+        ))
+        .bind(m.event_id())
+        .execute(&mut **tx)
+        .await
+        .map_err(HandlerError::new)?;
+        Ok(())
+    }
+}
+
+/// Reports every outcome on stdout and holds the chosen events after their
+/// commit, before the ack.
+struct Reporting<H> {
+    inner: H,
+    hold: HashSet<String>,
+}
+
+#[async_trait]
+impl<H: Handler> Handler for Reporting<H> {
+    async fn handle(&self, m: &Message) -> Result<Handled, HandlerError> {
+        let handled = self.inner.handle(m).await?;
+        println!("{} {}", handled.as_str(), m.event_id());
+        if handled == Handled::Ok && self.hold.contains(m.event_id()) {
+            println!("hold {}", m.event_id());
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        }
+        Ok(handled)
+    }
+}
+
+/// The consumer process; does nothing unless started by the test below.
+#[tokio::test]
+async fn child_consumer() {
+    if std::env::var("POSTBOX_KILL_CHILD").is_err() {
+        return;
+    }
+    let var = |k: &str| std::env::var(k).unwrap();
+    let inbox = Inbox::<sqlx::Postgres>::connect(&postgres_url(), &var("KILL_INBOX"))
+        .await
+        .unwrap();
+    let handler = Reporting {
+        inner: InboxHandler::new(
+            inbox,
+            "kill-test",
+            Effect {
+                table: var("KILL_EFFECT"),
+            },
+        ),
+        hold: var("KILL_AT").split(',').map(str::to_owned).collect(),
+    };
+    let consumer =
+        RabbitMqConsumer::new(consumer_config(&var("KILL_QUEUE")), Arc::new(handler)).unwrap();
+    consumer.run(CancellationToken::new()).await.unwrap();
+}
+
+#[tokio::test]
+async fn sigkill_between_effect_and_ack_has_no_second_effect() {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let inbox = scratch_table("kill_inbox");
+    let effect = scratch_table("kill_effect");
+    sqlx::query(&format!("CREATE TABLE {effect} (event_id TEXT NOT NULL)"))
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("kill");
+    declare(&ch, &queue).await;
+    for i in 0..EVENTS {
+        publish(&ch, &queue, &format!("ev-{i}"), None, "{}").await;
+    }
+
+    let start = Instant::now();
+    let mut kills = Vec::new();
+    let mut duplicates = Vec::new();
+    loop {
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "child_consumer",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("POSTBOX_KILL_CHILD", "1")
+            .env("KILL_INBOX", &inbox)
+            .env("KILL_EFFECT", &effect)
+            .env("KILL_QUEUE", &queue)
+            .env("KILL_AT", KILL_AT.join(","))
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let mut killed = false;
+        loop {
+            let line = tokio::select! {
+                line = lines.next_line() => line.unwrap(),
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                    if kills.len() == KILL_AT.len() && ready(&ch, &queue).await == 0 {
+                        let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(DISTINCT event_id) FROM {effect}"))
+                            .fetch_one(&pool).await.unwrap();
+                        if n == EVENTS as i64 { break; }
+                    }
+                    assert!(start.elapsed() < Duration::from_secs(50), "run did not finish; kills {kills:?}");
+                    continue;
+                }
+            };
+            let Some(line) = line else { break };
+            // libtest prints `test child_consumer ... ` before the first line.
+            let line = line.rsplit("... ").next().unwrap_or(&line).to_owned();
+            if let Some(id) = line.strip_prefix("duplicate ") {
+                duplicates.push(id.to_owned());
+            }
+            if let Some(id) = line.strip_prefix("hold ") {
+                if !kills.iter().any(|k| k == id) {
+                    // Committed, not acked: kill now.
+                    child.start_kill().unwrap();
+                    child.wait().await.unwrap();
+                    kills.push(id.to_owned());
+                    killed = true;
+                    break;
+                }
+            }
+        }
+        if !killed {
+            child.start_kill().unwrap();
+            child.wait().await.unwrap();
+            break;
+        }
+    }
+
+    assert_eq!(kills, KILL_AT, "every planned kill happened");
+    for id in KILL_AT {
+        assert!(
+            duplicates.iter().any(|d| d == id),
+            "{id} was redelivered after the kill and found in the inbox (duplicates seen: {duplicates:?})"
+        );
+    }
+    let rows: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "SELECT event_id, COUNT(*) FROM {effect} GROUP BY event_id HAVING COUNT(*) <> 1"
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(rows.is_empty(), "effects not exactly once: {rows:?}");
+    let total: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {effect}"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(total, EVENTS as i64);
+    println!(
+        "{} kills, {} redeliveries found in the inbox, {total} effects",
+        kills.len(),
+        duplicates.len()
+    );
+    for t in [effect, format!("{inbox}_versions"), inbox] {
+        let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
+            .execute(&pool)
+            .await;
+    }
+    delete(&ch, &queue).await;
+}

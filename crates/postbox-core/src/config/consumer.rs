@@ -1,0 +1,287 @@
+//! `[[consumers]]` entries (SPEC §7): what `postbox consume` runs.
+
+use serde::Deserialize;
+
+use super::HumanDuration;
+use crate::redact::SecretUrl;
+use crate::{Error, TableName};
+
+/// Longest queue name: AMQP names are at most 255 bytes and the queue gets
+/// `.retry` and `.dead` twins.
+pub const MAX_QUEUE_LEN: usize = 200;
+
+/// Longest `consumer_group` (the inbox column is `VARCHAR(128)`).
+pub const MAX_CONSUMER_GROUP_LEN: usize = 128;
+
+/// The broker a consumer reads from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ConsumerKind {
+    /// A RabbitMQ queue with `.retry` and `.dead` twins.
+    Rabbitmq,
+    /// A NATS JetStream durable pull consumer.
+    Nats,
+    /// A Redis Streams consumer group.
+    Redis,
+}
+
+impl ConsumerKind {
+    /// The `kind` key's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConsumerKind::Rabbitmq => "rabbitmq",
+            ConsumerKind::Nats => "nats",
+            ConsumerKind::Redis => "redis",
+        }
+    }
+}
+
+/// One `[[consumers]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConsumerConfig {
+    /// `rabbitmq`, `nats` or `redis`.
+    pub kind: ConsumerKind,
+    /// Labels metrics (`postbox_consume_total{consumer}`) and logs; defaults
+    /// to the queue name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Broker URL (`amqp://…`, `nats://…`, `redis://…`).
+    pub url: SecretUrl,
+    /// The queue (RabbitMQ), stream (Redis) or durable consumer (NATS).
+    pub queue: String,
+    /// Exchange bindings of the queue, declared when `declare = true`.
+    #[serde(default)]
+    pub bindings: Vec<BindingConfig>,
+    /// Declare `<queue>`, `<queue>.retry`, `<queue>.dead` and the bindings.
+    #[serde(default)]
+    pub declare: bool,
+    /// Unacknowledged messages per consumer (default 1).
+    #[serde(default = "default_prefetch")]
+    pub prefetch: u16,
+    /// Handler attempts before a message is dead-lettered (default 5).
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// Delay after the first failure; doubles with each attempt (default 1s).
+    #[serde(default = "default_retry_delay")]
+    pub retry_delay: HumanDuration,
+    /// Cap of the growing delay (default 5m).
+    #[serde(default = "default_max_retry_delay")]
+    pub max_retry_delay: HumanDuration,
+    /// Inbox dedupe scope (default: the queue name).
+    #[serde(default)]
+    pub consumer_group: Option<String>,
+    /// Where `postbox consume` delivers each event.
+    #[serde(default)]
+    pub handler: Option<HandlerConfig>,
+    /// Dedupe through an inbox table.
+    #[serde(default)]
+    pub inbox: Option<InboxConfig>,
+    /// How long inbox rows are kept (default 7d).
+    #[serde(default = "default_inbox_retention")]
+    pub inbox_retention: HumanDuration,
+}
+
+/// One `{ exchange, routing_key }` binding.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BindingConfig {
+    /// The exchange (declared as a durable `topic` exchange when missing).
+    pub exchange: String,
+    /// Binding pattern (default `#`: everything).
+    #[serde(default = "default_binding_key")]
+    pub routing_key: String,
+}
+
+/// `handler = { http = URL, timeout = "10s" }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandlerConfig {
+    /// Endpoint receiving a `POST` of the SPEC §4 envelope per event.
+    pub http: SecretUrl,
+    /// Per-request timeout (default 10s); a timeout takes the retry path.
+    #[serde(default = "default_handler_timeout")]
+    pub timeout: HumanDuration,
+}
+
+/// `inbox = { url = …, table = "postbox_inbox" }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InboxConfig {
+    /// `postgres://…`, `mysql://…` or `sqlite://…`.
+    pub url: SecretUrl,
+    /// Inbox table (`<table>_versions` is its twin).
+    #[serde(default = "default_inbox_table")]
+    pub table: TableName,
+}
+
+impl ConsumerConfig {
+    /// The metrics and log label.
+    pub fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or(&self.queue)
+    }
+
+    /// The inbox dedupe scope.
+    pub fn consumer_group(&self) -> &str {
+        self.consumer_group.as_deref().unwrap_or(&self.queue)
+    }
+
+    /// Checks one entry; `key` is its path, e.g. `consumers.0`.
+    pub(crate) fn validate(&self, key: &str) -> Result<(), Error> {
+        let schemes: &[&str] = match self.kind {
+            ConsumerKind::Rabbitmq => &["amqp", "amqps"],
+            ConsumerKind::Nats => &["nats", "tls"],
+            ConsumerKind::Redis => &["redis", "rediss"],
+        };
+        if !schemes.contains(&self.url.scheme()) {
+            return Err(Error::config(
+                format!("{key}.url"),
+                format!(
+                    "unsupported scheme `{}` for kind `{}`: use {}://",
+                    self.url.scheme(),
+                    self.kind.as_str(),
+                    schemes.join(":// or ")
+                ),
+            ));
+        }
+        if let Some(name) = &self.name {
+            if name.is_empty() || name.len() > 64 {
+                return Err(Error::config(
+                    format!("{key}.name"),
+                    "must be 1 to 64 bytes",
+                ));
+            }
+        }
+        let plain = |s: &str| {
+            s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':'))
+        };
+        if self.queue.is_empty() || self.queue.len() > MAX_QUEUE_LEN || !plain(&self.queue) {
+            return Err(Error::config(
+                format!("{key}.queue"),
+                format!("must be 1 to {MAX_QUEUE_LEN} characters of A-Z, a-z, 0-9, `_`, `-`, `.` or `:`"),
+            ));
+        }
+        for (i, b) in self.bindings.iter().enumerate() {
+            if b.exchange.is_empty() || b.exchange.len() > 255 {
+                return Err(Error::config(
+                    format!("{key}.bindings.{i}.exchange"),
+                    "must be 1 to 255 bytes (the default exchange cannot be bound)",
+                ));
+            }
+            if b.routing_key.len() > 255 {
+                return Err(Error::config(
+                    format!("{key}.bindings.{i}.routing_key"),
+                    "must be at most 255 bytes",
+                ));
+            }
+        }
+        if self.prefetch == 0 {
+            return Err(Error::config(
+                format!("{key}.prefetch"),
+                "must be ≥ 1 (0 would mean no limit on unacknowledged messages)",
+            ));
+        }
+        if self.max_attempts == 0 {
+            return Err(Error::config(format!("{key}.max_attempts"), "must be ≥ 1"));
+        }
+        if self.retry_delay.get().is_zero() {
+            return Err(Error::config(
+                format!("{key}.retry_delay"),
+                "must be > 0: a failed message is never requeued at once",
+            ));
+        }
+        if self.max_retry_delay < self.retry_delay {
+            return Err(Error::config(
+                format!("{key}.max_retry_delay"),
+                format!(
+                    "{} is shorter than retry_delay ({})",
+                    self.max_retry_delay, self.retry_delay
+                ),
+            ));
+        }
+        if let Some(group) = &self.consumer_group {
+            if group.is_empty() || group.len() > MAX_CONSUMER_GROUP_LEN {
+                return Err(Error::config(
+                    format!("{key}.consumer_group"),
+                    format!("must be 1 to {MAX_CONSUMER_GROUP_LEN} bytes"),
+                ));
+            }
+        } else if self.inbox.is_some() && self.queue.len() > MAX_CONSUMER_GROUP_LEN {
+            return Err(Error::config(
+                format!("{key}.consumer_group"),
+                "defaults to the queue name, which is longer than 128 bytes: set it",
+            ));
+        }
+        if let Some(h) = &self.handler {
+            if !matches!(h.http.scheme(), "http" | "https") {
+                return Err(Error::config(
+                    format!("{key}.handler.http"),
+                    format!(
+                        "unsupported scheme `{}`: use http:// or https://",
+                        h.http.scheme()
+                    ),
+                ));
+            }
+            if h.timeout.get().is_zero() {
+                return Err(Error::config(
+                    format!("{key}.handler.timeout"),
+                    "must be > 0",
+                ));
+            }
+        }
+        if let Some(inbox) = &self.inbox {
+            if !matches!(
+                inbox.url.scheme(),
+                "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite"
+            ) {
+                return Err(Error::config(
+                    format!("{key}.inbox.url"),
+                    format!(
+                        "unsupported scheme `{}`: use postgres://, mysql:// or sqlite://",
+                        inbox.url.scheme()
+                    ),
+                ));
+            }
+        }
+        if self.inbox_retention.get().is_zero() {
+            return Err(Error::config(
+                format!("{key}.inbox_retention"),
+                "must be > 0",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn default_prefetch() -> u16 {
+    1
+}
+
+fn default_max_attempts() -> u32 {
+    5
+}
+
+fn default_retry_delay() -> HumanDuration {
+    HumanDuration::secs(1)
+}
+
+fn default_max_retry_delay() -> HumanDuration {
+    HumanDuration::secs(300)
+}
+
+fn default_inbox_retention() -> HumanDuration {
+    HumanDuration::secs(7 * 86_400)
+}
+
+fn default_binding_key() -> String {
+    "#".to_owned()
+}
+
+fn default_handler_timeout() -> HumanDuration {
+    HumanDuration::secs(10)
+}
+
+fn default_inbox_table() -> TableName {
+    TableName::new("postbox_inbox").expect("valid default inbox table")
+}
