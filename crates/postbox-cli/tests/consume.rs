@@ -327,7 +327,7 @@ async fn three_processes_with_prefetch_one_share_a_queue() {
         handled_per_process.iter().all(|n| *n > 0),
         "every process did work: {handled_per_process:?}"
     );
-    let keys = keys.lock().unwrap();
+    let keys = keys.lock().unwrap().clone();
     let mut distinct: Vec<&String> = keys.iter().collect();
     distinct.sort();
     distinct.dedup();

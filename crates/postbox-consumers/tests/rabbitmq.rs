@@ -78,7 +78,7 @@ async fn poison_lands_in_dead_after_growing_delays_while_others_flow() {
     stop.cancel();
     let report = run.await.unwrap().unwrap();
 
-    let seen = handler.seen.lock().unwrap();
+    let seen = handler.seen.lock().unwrap().clone();
     let poison = &seen["poison"];
     let attempts: Vec<u32> = poison.iter().map(|(_, a)| *a).collect();
     assert_eq!(
