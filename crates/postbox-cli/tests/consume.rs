@@ -463,3 +463,34 @@ async fn bad_consumer_config_exits_2_naming_the_key() {
         assert!(stderr.contains(&format!("`{key}`")), "{key}: {stderr}");
     }
 }
+
+#[tokio::test]
+async fn migrate_creates_the_inbox_of_a_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    let toml = format!(
+        "[database]\nurl = \"sqlite://{}\"\n{}",
+        dir.path().join("outbox.db").display(),
+        consume_toml_with_inbox("q", "http://127.0.0.1:1/", &inbox)
+    );
+    let config = write_config(dir.path(), &toml);
+    let out = postbox()
+        .args(["--config", config.to_str().unwrap(), "migrate"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("inbox `bridge_inbox`"));
+    use sqlx::Connection;
+    let mut c = sqlx::SqliteConnection::connect(&inbox).await.unwrap();
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .fetch_all(&mut c)
+            .await
+            .unwrap();
+    assert_eq!(tables, ["bridge_inbox", "bridge_inbox_versions"]);
+}

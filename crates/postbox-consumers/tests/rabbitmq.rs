@@ -289,7 +289,13 @@ async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
 /// Closes the broker connection named `name` (this test's own, never others).
 async fn close_connection_named(name: &str) -> bool {
     let out = tokio::process::Command::new("rabbitmqctl")
-        .args(["-q", "--no-table-headers", "list_connections", "pid", "client_properties"])
+        .args([
+            "-q",
+            "--no-table-headers",
+            "list_connections",
+            "pid",
+            "client_properties",
+        ])
         .output()
         .await
         .expect("rabbitmqctl on PATH");
@@ -302,7 +308,12 @@ async fn close_connection_named(name: &str) -> bool {
         return false;
     };
     tokio::process::Command::new("rabbitmqctl")
-        .args(["-q", "close_connection", pid, "postbox test: simulated drop"])
+        .args([
+            "-q",
+            "close_connection",
+            pid,
+            "postbox test: simulated drop",
+        ])
         .status()
         .await
         .unwrap()
@@ -326,7 +337,10 @@ async fn reconnects_after_the_broker_drops_the_connection() {
         publish(&ch, &queue, &format!("r-{i}"), None, "{}").await;
     }
     let seen = |h: &Recording| h.seen.lock().unwrap().len();
-    wait_until("five handled", Duration::from_secs(10), async || seen(&handler) == 5).await;
+    wait_until("five handled", Duration::from_secs(10), async || {
+        seen(&handler) == 5
+    })
+    .await;
     let mut closed = false;
     for _ in 0..10 {
         if close_connection_named(&name).await {
@@ -338,9 +352,11 @@ async fn reconnects_after_the_broker_drops_the_connection() {
     for i in 5..10 {
         publish(&ch, &queue, &format!("r-{i}"), None, "{}").await;
     }
-    wait_until("ten handled after the reconnect", Duration::from_secs(20), async || {
-        seen(&handler) == 10
-    })
+    wait_until(
+        "ten handled after the reconnect",
+        Duration::from_secs(20),
+        async || seen(&handler) == 10,
+    )
     .await;
     stop.cancel();
     let report = run.await.unwrap().unwrap();
