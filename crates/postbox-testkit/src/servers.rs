@@ -32,20 +32,14 @@ pub fn redis_url() -> String {
         .unwrap_or_else(|_| "redis://127.0.0.1:6379/0".to_owned())
 }
 
-/// A broker object name (queue, exchange, stream, subject token) no other
-/// test uses: `{prefix}_{pid}_{n}_{random}`.
-pub fn scratch_name(prefix: &str) -> String {
-    scratch_table(prefix)
-}
-
 /// How to start each server on a Debian machine, for failure messages.
 pub fn how_to_start(server: &str) -> &'static str {
     match server {
         "postgres" => "PostgreSQL is not reachable: start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start` or run scripts/test, which starts every server the suite needs",
         "mysql" => "MariaDB is not reachable: start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd` or run scripts/test",
-        "rabbitmq" => "RabbitMQ is not reachable on POSTBOX_TEST_AMQP_URL: start it with `rabbitmq-server -detached` or run scripts/test",
-        "nats" => "NATS is not reachable on POSTBOX_TEST_NATS_URL: start it with `nats-server -js &` or run scripts/test",
-        "redis" => "Redis is not reachable on POSTBOX_TEST_REDIS_URL: start it with `redis-server --daemonize yes` or run scripts/test",
+        "rabbitmq" => "RabbitMQ is not reachable: start it with `rabbitmq-server -detached` or run scripts/test",
+        "nats" => "NATS is not reachable: start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log` or run scripts/test",
+        "redis" => "Redis is not reachable: start it with `redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log` or run scripts/test",
         _ => "a server the tests need is not reachable: run scripts/test",
     }
 }
@@ -167,6 +161,12 @@ pub fn scratch_table(prefix: &str) -> String {
     let r = uuid::Uuid::now_v7().simple().to_string();
     let r = &r[r.len() - 6..];
     format!("{prefix}_{}_{n}_{}", std::process::id(), r)
+}
+
+/// A broker object name (queue, exchange, stream, subject token) no other
+/// test uses: `{prefix}_{pid}_{n}_{random}`.
+pub fn scratch_name(prefix: &str) -> String {
+    scratch_table(prefix)
 }
 
 #[cfg(test)]
