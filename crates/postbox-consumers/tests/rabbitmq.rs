@@ -78,7 +78,7 @@ async fn poison_lands_in_dead_after_growing_delays_while_others_flow() {
     stop.cancel();
     let report = run.await.unwrap().unwrap();
 
-    let seen = handler.seen.lock().unwrap();
+    let seen = handler.seen.lock().unwrap().clone();
     let poison = &seen["poison"];
     let attempts: Vec<u32> = poison.iter().map(|(_, a)| *a).collect();
     assert_eq!(
@@ -283,5 +283,83 @@ async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
         async || ready(&ch, &queue).await == 4,
     )
     .await;
+    delete(&ch, &queue).await;
+}
+
+/// Closes the broker connection named `name` (this test's own, never others).
+async fn close_connection_named(name: &str) -> bool {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "--no-table-headers",
+            "list_connections",
+            "pid",
+            "client_properties",
+        ])
+        .output()
+        .await
+        .expect("rabbitmqctl on PATH");
+    let listing = String::from_utf8_lossy(&out.stdout).to_string();
+    let Some(pid) = listing
+        .lines()
+        .find(|l| l.contains(&format!("\"{name}\"")))
+        .and_then(|l| l.split('\t').next())
+    else {
+        return false;
+    };
+    tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "close_connection",
+            pid,
+            "postbox test: simulated drop",
+        ])
+        .status()
+        .await
+        .unwrap()
+        .success()
+}
+
+#[tokio::test]
+async fn reconnects_after_the_broker_drops_the_connection() {
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("reconnect");
+    declare(&ch, &queue).await;
+    let handler = Arc::new(Recording::default());
+    let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler.clone()).unwrap();
+    let name = consumer.tag().to_owned();
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let stop = stop.clone();
+        async move { consumer.run(stop).await }
+    });
+    for i in 0..5 {
+        publish(&ch, &queue, &format!("r-{i}"), None, "{}").await;
+    }
+    let seen = |h: &Recording| h.seen.lock().unwrap().len();
+    wait_until("five handled", Duration::from_secs(10), async || {
+        seen(&handler) == 5
+    })
+    .await;
+    let mut closed = false;
+    for _ in 0..10 {
+        if close_connection_named(&name).await {
+            closed = true;
+            break;
+        }
+    }
+    assert!(closed, "could not find the consumer's connection `{name}`");
+    for i in 5..10 {
+        publish(&ch, &queue, &format!("r-{i}"), None, "{}").await;
+    }
+    wait_until(
+        "ten handled after the reconnect",
+        Duration::from_secs(20),
+        async || seen(&handler) == 10,
+    )
+    .await;
+    stop.cancel();
+    let report = run.await.unwrap().unwrap();
+    assert_eq!(report.ok, 10);
     delete(&ch, &queue).await;
 }

@@ -32,12 +32,6 @@ pub fn redis_url() -> String {
         .unwrap_or_else(|_| "redis://127.0.0.1:6379/0".to_owned())
 }
 
-/// A broker object name (queue, exchange, stream, subject token) no other
-/// test uses: `{prefix}_{pid}_{n}_{random}`.
-pub fn scratch_name(prefix: &str) -> String {
-    scratch_table(prefix)
-}
-
 /// How to start each server on a Debian machine, for failure messages.
 pub fn how_to_start(server: &str) -> &'static str {
     match server {
@@ -180,6 +174,12 @@ pub fn scratch_table(prefix: &str) -> String {
     let r = uuid::Uuid::now_v7().simple().to_string();
     let r = &r[r.len() - 6..];
     format!("{prefix}_{}_{n}_{}", std::process::id(), r)
+}
+
+/// A broker object name (queue, exchange, stream, subject token) no other
+/// test uses: `{prefix}_{pid}_{n}_{random}`.
+pub fn scratch_name(prefix: &str) -> String {
+    scratch_table(prefix)
 }
 
 #[cfg(test)]

@@ -78,6 +78,30 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     failure.map_or(Ok(()), Err)
 }
 
+/// Creates the inbox tables of every consumer that has one (for `postbox
+/// migrate`); returns a line per inbox.
+pub async fn migrate_inboxes(consumers: &[ConsumerConfig]) -> Result<Vec<String>, CliError> {
+    let mut done = Vec::new();
+    for (i, c) in consumers.iter().enumerate() {
+        let Some(inbox) = &c.inbox else { continue };
+        let (url, table) = (inbox.url.expose(), inbox.table.as_str());
+        let result = match inbox.url.scheme() {
+            "postgres" | "postgresql" => {
+                Inbox::<sqlx::Postgres>::connect(url, table).await.map(drop)
+            }
+            "mysql" | "mariadb" => Inbox::<sqlx::MySql>::connect(url, table).await.map(drop),
+            _ => Inbox::<sqlx::Sqlite>::connect(url, table).await.map(drop),
+        };
+        result
+            .map_err(|e| CliError::runtime(format!("consumers.{i}.inbox ({}): {e}", inbox.url)))?;
+        done.push(format!(
+            "inbox `{table}` of consumer `{}` is ready",
+            c.name()
+        ));
+    }
+    Ok(done)
+}
+
 /// The HTTP bridge, through the inbox when one is configured; starts the
 /// inbox purge.
 async fn build_handler(

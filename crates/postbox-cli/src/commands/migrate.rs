@@ -9,6 +9,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     let config = load_config(g)?;
     let store = open_store(&config).await?;
     let report = store.migrate().await?;
+    let inboxes = super::consume::migrate_inboxes(&config.consumers).await?;
     if g.json {
         return output::json(&report);
     }
@@ -27,6 +28,9 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
             report.applied,
             report.version
         );
+    }
+    for line in inboxes {
+        println!("{line}.");
     }
     Ok(())
 }

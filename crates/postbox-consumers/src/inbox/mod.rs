@@ -371,6 +371,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn urls_are_spelled_for_sqlx() {
+        assert_eq!(normalise_url("mariadb://root@h/db"), "mysql://root@h/db");
+        assert_eq!(normalise_url("sqlite://x.db"), "sqlite://x.db?mode=rwc");
+        assert_eq!(
+            normalise_url("sqlite://x.db?mode=ro"),
+            "sqlite://x.db?mode=ro"
+        );
+        assert_eq!(normalise_url("postgres://h/db"), "postgres://h/db");
+    }
+
+    #[test]
     fn statements_name_the_table() {
         let t = TableName::new("room_inbox").unwrap();
         let s = Statements::render(&t, &postgres::DIALECT);

@@ -1,0 +1,496 @@
+//! `postbox consume` as a process: prefetch 1 across three processes on one
+//! queue, the bridge to a Python handler, config errors.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use postbox_testkit::servers::{amqp_url, how_to_start, scratch_table};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+
+fn postbox() -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_postbox"));
+    c.env_remove("POSTBOX_CONFIG").kill_on_drop(true);
+    c
+}
+
+async fn broker() -> (Connection, Channel) {
+    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("rabbitmq")));
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    (conn, ch)
+}
+
+/// Publishes with the relay's mapping, straight to `queue`.
+async fn publish(ch: &Channel, queue: &str, event_id: &str, payload: &str) {
+    let mut h = FieldTable::default();
+    h.insert("x-attempt".into(), AMQPValue::LongLongInt(1));
+    h.insert(
+        "x-created-at-ms".into(),
+        AMQPValue::LongLongInt(1_700_000_000_000),
+    );
+    h.insert(
+        "x-aggregate-id".into(),
+        AMQPValue::LongString("room-7".into()),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(event_id.into())
+        .with_type("RoomCreated".into())
+        .with_app_id("room".into())
+        .with_delivery_mode(2)
+        .with_headers(h);
+    ch.basic_publish(
+        "".into(),
+        queue.into(),
+        BasicPublishOptions::default(),
+        payload.as_bytes(),
+        props,
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+}
+
+/// Publishes without waiting for the confirm; returns it.
+async fn publish_nowait(ch: &Channel, queue: &str, event_id: &str) -> lapin::PublisherConfirm {
+    let props = BasicProperties::default()
+        .with_message_id(event_id.into())
+        .with_type("RoomCreated".into())
+        .with_app_id("room".into())
+        .with_delivery_mode(2);
+    ch.basic_publish(
+        "".into(),
+        queue.into(),
+        BasicPublishOptions::default(),
+        b"{}",
+        props,
+    )
+    .await
+    .unwrap()
+}
+
+async fn delete_queues(ch: &Channel, queue: &str) {
+    for q in [
+        queue.to_owned(),
+        format!("{queue}.retry"),
+        format!("{queue}.dead"),
+    ] {
+        let _ = ch
+            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+}
+
+fn write_config(dir: &Path, body: &str) -> std::path::PathBuf {
+    let path = dir.join("postbox.toml");
+    std::fs::File::create(&path)
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    path
+}
+
+fn consumer_toml(queue: &str, handler_url: &str, extra: &str) -> String {
+    format!(
+        "[[consumers]]\nkind = \"rabbitmq\"\nurl = \"{}\"\nqueue = \"{queue}\"\ndeclare = true\nprefetch = 1\nretry_delay = \"200ms\"\nhandler = {{ http = \"{handler_url}\", timeout = \"5s\" }}\n{extra}",
+        amqp_url()
+    )
+}
+
+/// A minimal HTTP/1.1 server that answers every POST with 200 after `hold`,
+/// recording the `Idempotency-Key` of each request.
+async fn slow_server(hold: Duration) -> (String, Arc<Mutex<Vec<String>>>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/events", listener.local_addr().unwrap());
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let seen = keys.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let seen = seen.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 8192];
+                loop {
+                    // One request: headers, then Content-Length bytes of body.
+                    let (head_end, len) = loop {
+                        if let Some(pos) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..pos]).to_lowercase();
+                            let len = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+                            break (pos + 4, len);
+                        }
+                        match sock.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    while buf.len() < head_end + len {
+                        match sock.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+                    if let Some(key) = head.lines().find_map(|l| {
+                        l.to_lowercase()
+                            .starts_with("idempotency-key:")
+                            .then(|| l[16..].trim().to_owned())
+                    }) {
+                        seen.lock().unwrap().push(key);
+                    }
+                    buf.drain(..head_end + len);
+                    tokio::time::sleep(hold).await;
+                    if sock
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, keys)
+}
+
+/// `rabbitmqctl`: the channels consuming `queue` and their unacked counts.
+async fn sample_unacked(queue: &str) -> Vec<(String, u64)> {
+    let pids = consumer_channels(queue).await;
+    unacked_on(&pids).await
+}
+
+/// `rabbitmqctl list_consumers`: the channels consuming `queue`.
+async fn consumer_channels(queue: &str) -> Vec<String> {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "--no-table-headers",
+            "list_consumers",
+            "queue_name",
+            "channel_pid",
+        ])
+        .output()
+        .await
+        .expect("rabbitmqctl on PATH");
+    let pids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split('\t');
+            (f.next()? == queue).then(|| f.next().map(str::to_owned))?
+        })
+        .collect();
+    pids
+}
+
+/// `rabbitmqctl list_channels`: unacked messages on each of `pids`.
+async fn unacked_on(pids: &[String]) -> Vec<(String, u64)> {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "--no-table-headers",
+            "list_channels",
+            "pid",
+            "messages_unacknowledged",
+        ])
+        .output()
+        .await
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split('\t');
+            let pid = f.next()?.to_owned();
+            let unacked = f.next()?.trim().parse().ok()?;
+            pids.contains(&pid).then_some((pid, unacked))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_with_prefetch_one_share_a_queue() {
+    const N: usize = 1000;
+    let (_conn, ch) = broker().await;
+    let queue = scratch_table("prefetch");
+    let (url, keys) = slow_server(Duration::from_millis(20)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &consumer_toml(&queue, &url, ""));
+
+    // Declare through a first process start, then fill the queue.
+    let mut procs = Vec::new();
+    for _ in 0..3 {
+        procs.push(
+            postbox()
+                .args([
+                    "--config",
+                    config.to_str().unwrap(),
+                    "--log",
+                    "postbox_consumers=debug",
+                    "consume",
+                ])
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+    }
+    // Read the logs as they come, so that a full pipe never stalls a consumer.
+    let logs: Vec<_> = procs
+        .iter_mut()
+        .map(|p| {
+            let mut err = p.stderr.take().unwrap();
+            tokio::spawn(async move {
+                let mut s = String::new();
+                let _ = err.read_to_string(&mut s).await;
+                s
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    let pids = loop {
+        let pids = consumer_channels(&queue).await;
+        if pids.len() == 3 {
+            break pids;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "three consumers did not start"
+        );
+    };
+    // Publish the whole backlog quickly: confirms are awaited together.
+    let mut confirms = Vec::new();
+    for i in 0..N {
+        confirms.push(publish_nowait(&ch, &queue, &format!("p-{i}")).await);
+    }
+    for c in confirms {
+        c.await.unwrap();
+    }
+    let mut samples = Vec::new();
+    while keys.lock().unwrap().len() < N {
+        assert!(
+            start.elapsed() < Duration::from_secs(55),
+            "not all messages handled"
+        );
+        let s = unacked_on(&pids).await;
+        if keys.lock().unwrap().len() < N - 50 {
+            samples.push(s);
+        }
+    }
+    for p in &mut procs {
+        let pid = p.id().unwrap() as i32;
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+    }
+    let mut handled_per_process = Vec::new();
+    for (mut p, log) in procs.into_iter().zip(logs) {
+        let status = p.wait().await.unwrap();
+        assert!(status.success(), "consume exits 0 on SIGTERM: {status:?}");
+        let log = log.await.unwrap();
+        handled_per_process.push(log.lines().filter(|l| l.contains("handled")).count());
+    }
+    println!(
+        "handled per process: {handled_per_process:?}; {} samples: {samples:?}",
+        samples.len()
+    );
+    assert!(
+        samples.len() >= 2,
+        "too few rabbitmqctl samples during the run"
+    );
+    for s in &samples {
+        for (pid, unacked) in s {
+            assert!(
+                *unacked <= 1,
+                "channel {pid} held {unacked} unacked messages with prefetch 1"
+            );
+        }
+    }
+    assert!(
+        samples.iter().any(|s| s.iter().any(|(_, u)| *u == 1)),
+        "samples saw work in flight"
+    );
+    assert!(
+        handled_per_process.iter().all(|n| *n > 0),
+        "every process did work: {handled_per_process:?}"
+    );
+    let keys = keys.lock().unwrap().clone();
+    let mut distinct: Vec<&String> = keys.iter().collect();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), N, "every message reached the handler");
+    assert_eq!(handled_per_process.iter().sum::<usize>(), N);
+    delete_queues(&ch, &queue).await;
+}
+
+#[tokio::test]
+async fn the_bridge_delivers_to_a_python_handler_once_per_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("received.jsonl");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/handler.py");
+    let mut python = tokio::process::Command::new("python3")
+        .arg(&script)
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 on PATH");
+    let port = BufReader::new(python.stdout.take().unwrap())
+        .lines()
+        .next_line()
+        .await
+        .unwrap()
+        .expect("the handler prints its port");
+
+    let (_conn, ch) = broker().await;
+    let queue = scratch_table("bridge");
+    let inbox = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    let config = write_config(
+        dir.path(),
+        &consume_toml_with_inbox(&queue, &format!("http://127.0.0.1:{port}/events"), &inbox),
+    );
+    let mut consume = postbox()
+        .args(["--config", config.to_str().unwrap(), "consume"])
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while sample_unacked(&queue).await.is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "consumer did not start"
+        );
+    }
+    publish(&ch, &queue, "py-1", r#"{"room":7}"#).await;
+    publish(&ch, &queue, "py-2", "not json").await;
+    publish(&ch, &queue, "py-1", r#"{"room":7}"#).await; // a redelivery
+    publish(&ch, &queue, "py-3", "[1,2]").await;
+    let read = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&out)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    while read().len() < 3 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "python handler got {:?}",
+            read()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The redelivered py-1 sits between py-2 and py-3: it was not posted again.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got = read();
+    let ids: Vec<&str> = got
+        .iter()
+        .map(|g| g["envelope"]["event_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["py-1", "py-2", "py-3"]);
+    let first = &got[0];
+    assert_eq!(first["idempotency_key"], "py-1");
+    let e = &first["envelope"];
+    assert_eq!(e["event_type"], "RoomCreated");
+    assert_eq!(e["app_code"], "room");
+    assert_eq!(e["aggregate_id"], "room-7");
+    assert_eq!(e["created_at_ms"], 1_700_000_000_000i64);
+    assert_eq!(e["payload"], serde_json::json!({"room": 7}));
+    assert_eq!(e["headers"]["x-attempt"], 1);
+    assert_eq!(got[1]["envelope"]["payload"], "not json");
+
+    let pid = consume.id().unwrap();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), consume.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    delete_queues(&ch, &queue).await;
+}
+
+fn consume_toml_with_inbox(queue: &str, url: &str, inbox: &str) -> String {
+    consumer_toml(
+        queue,
+        url,
+        &format!(
+            "consumer_group = \"py\"\ninbox = {{ url = \"{inbox}\", table = \"bridge_inbox\" }}\n"
+        ),
+    )
+}
+
+#[tokio::test]
+async fn bad_consumer_config_exits_2_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cases = HashMap::new();
+    cases.insert(
+        "consumers.0.prefetch",
+        consumer_toml("q", "http://127.0.0.1:1/", "prefetch = 0\n").replace("prefetch = 1\n", ""),
+    );
+    cases.insert(
+        "consumers.0.handler",
+        "[[consumers]]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1\"\nqueue = \"q\"\n"
+            .to_owned(),
+    );
+    cases.insert(
+        "consumers.0.handler.http",
+        consumer_toml("q", "ftp://x", ""),
+    );
+    for (key, toml) in cases {
+        let config = write_config(dir.path(), &toml);
+        let out = postbox()
+            .args(["--config", config.to_str().unwrap(), "consume"])
+            .output()
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{key}: {stderr}");
+        assert!(stderr.contains(&format!("`{key}`")), "{key}: {stderr}");
+    }
+}
+
+#[tokio::test]
+async fn migrate_creates_the_inbox_of_a_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    let toml = format!(
+        "[database]\nurl = \"sqlite://{}\"\n{}",
+        dir.path().join("outbox.db").display(),
+        consume_toml_with_inbox("q", "http://127.0.0.1:1/", &inbox)
+    );
+    let config = write_config(dir.path(), &toml);
+    let out = postbox()
+        .args(["--config", config.to_str().unwrap(), "migrate"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("inbox `bridge_inbox`"));
+    use sqlx::Connection;
+    let mut c = sqlx::SqliteConnection::connect(&inbox).await.unwrap();
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .fetch_all(&mut c)
+            .await
+            .unwrap();
+    assert_eq!(tables, ["bridge_inbox", "bridge_inbox_versions"]);
+}
