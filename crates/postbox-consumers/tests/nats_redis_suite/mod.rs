@@ -421,6 +421,44 @@ pub async fn a_killed_consumers_message_is_redelivered(b: &dyn Broker, extra: se
     assert_eq!(b.outstanding(&g).await, 0);
 }
 
+/// Graceful shutdown: cancelled while a message is in hand, the consumer
+/// finishes it, acks it and returns without taking another.
+pub async fn shutdown_finishes_the_message_in_hand(b: &dyn Broker) {
+    let g = group("stop");
+    for i in 0..3 {
+        b.publish(&TestEvent::new(i)).await;
+    }
+    let calls = Calls::default();
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        b.config(&g, serde_json::json!({})),
+        recording("a", &calls, Duration::from_millis(700)),
+        "a",
+        cancel.clone(),
+    );
+    wait_until(Duration::from_secs(10), "a message in hand", || {
+        !calls.lock().unwrap().is_empty()
+    })
+    .await;
+    let report = stop(&cancel, task).await;
+    assert_eq!(
+        calls.lock().unwrap().len(),
+        1,
+        "nothing taken after the shutdown"
+    );
+    assert_eq!(report.ok, 1, "{report:?}");
+    assert_eq!(
+        b.unacked(&g).await.total,
+        0,
+        "the message in hand was acked"
+    );
+    assert_eq!(
+        b.outstanding(&g).await,
+        2,
+        "the others wait for the next consumer"
+    );
+}
+
 /// An effect table written in the inbox transaction.
 struct Effects;
 
@@ -532,6 +570,13 @@ macro_rules! stream_consumer_suite {
         async fn a_killed_consumers_message_is_redelivered() {
             let b = $new.await;
             nats_redis_suite::a_killed_consumers_message_is_redelivered(&b, $kill).await;
+            b.cleanup().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn shutdown_finishes_the_message_in_hand() {
+            let b = $new.await;
+            nats_redis_suite::shutdown_finishes_the_message_in_hand(&b).await;
             b.cleanup().await;
         }
 

@@ -409,3 +409,87 @@ fn default_handler_timeout() -> HumanDuration {
 fn default_inbox_table() -> TableName {
     TableName::new("postbox_inbox").expect("valid default inbox table")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(extra: serde_json::Value) -> ConsumerConfig {
+        let mut c = serde_json::json!({
+            "kind": "nats",
+            "url": "nats://127.0.0.1:4222",
+            "stream": "ORDERS",
+            "subject": "orders.>",
+            "consumer_group": "billing",
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        serde_json::from_value(c).unwrap()
+    }
+
+    fn key_of(extra: serde_json::Value) -> String {
+        match entry(extra).validate("consumers.0") {
+            Err(Error::Config { key, .. }) => key,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn nats_keys_load_with_defaults() {
+        let c = entry(serde_json::json!({}));
+        c.validate("consumers.0").unwrap();
+        assert_eq!(c.queue, "ORDERS");
+        assert_eq!(c.ack_wait.get(), std::time::Duration::from_secs(30));
+        assert_eq!(c.nats_dead_subject(), "ORDERS.dead.billing");
+        let c = entry(serde_json::json!({ "dead_subject": "dead.orders" }));
+        assert_eq!(c.nats_dead_subject(), "dead.orders");
+    }
+
+    #[test]
+    fn bad_nats_and_redis_keys_are_named() {
+        use serde_json::json;
+        assert_eq!(key_of(json!({ "stream": "OR.DERS" })), "consumers.0.queue");
+        assert_eq!(
+            key_of(json!({ "consumer_group": "a.b" })),
+            "consumers.0.consumer_group"
+        );
+        assert_eq!(
+            key_of(json!({ "subject": "orders..x" })),
+            "consumers.0.subject"
+        );
+        assert_eq!(
+            key_of(json!({ "subject": "orders.>.x" })),
+            "consumers.0.subject"
+        );
+        assert_eq!(
+            key_of(json!({ "dead_subject": "dead.*" })),
+            "consumers.0.dead_subject"
+        );
+        assert_eq!(
+            key_of(json!({ "ack_wait": "10ms" })),
+            "consumers.0.ack_wait"
+        );
+        assert_eq!(
+            key_of(json!({ "subject": null, "declare": true })),
+            "consumers.0.subject"
+        );
+        assert_eq!(
+            key_of(json!({ "kind": "redis", "url": "redis://127.0.0.1:6379/0" })),
+            "consumers.0.subject"
+        );
+        assert_eq!(
+            key_of(
+                json!({ "kind": "redis", "url": "redis://127.0.0.1:6379/0", "subject": null, "dead_subject": "x" })
+            ),
+            "consumers.0.dead_subject"
+        );
+        assert_eq!(
+            key_of(json!({ "bindings": [{ "exchange": "postbox" }] })),
+            "consumers.0.bindings"
+        );
+        let redis =
+            entry(json!({ "kind": "redis", "url": "redis://127.0.0.1:6379/0", "subject": null }));
+        redis.validate("consumers.0").unwrap();
+    }
+}
