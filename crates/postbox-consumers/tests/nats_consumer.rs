@@ -38,6 +38,7 @@ impl NatsBroker {
             .await
             .unwrap_or_else(|e| panic!("{HOW_TO_START} ({e})"));
         let js = jetstream::new(client);
+        drop_stale_streams(&js).await;
         let stream = nats_redis_suite::group("PBT");
         let prefix = stream.to_lowercase();
         js.create_stream(stream::Config {
@@ -50,6 +51,27 @@ impl NatsBroker {
         .unwrap_or_else(|e| panic!("creating the scratch stream (is JetStream on? `-js`): {e}"));
         NatsBroker { stream, prefix, js }
     }
+}
+
+/// Deletes scratch streams (`PBT…_<pid>_<hex>`) that test processes which
+/// panicked before cleaning up left behind; this process's are kept.
+async fn drop_stale_streams(js: &jetstream::Context) {
+    use futures::StreamExt;
+    static ONCE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    ONCE.get_or_init(|| async {
+        let mine = format!("_{}_", std::process::id());
+        let names: Vec<String> = js
+            .stream_names()
+            .filter_map(|n| async move { n.ok() })
+            .collect()
+            .await;
+        for name in names {
+            if name.starts_with("PBT") && !name.contains(&mine) {
+                let _ = js.delete_stream(&name).await;
+            }
+        }
+    })
+    .await;
 }
 
 #[async_trait]

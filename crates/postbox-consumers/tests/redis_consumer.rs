@@ -35,11 +35,34 @@ impl RedisBroker {
             .get_multiplexed_async_connection()
             .await
             .unwrap_or_else(|e| panic!("{HOW_TO_START} ({e})"));
+        drop_stale_streams(&conn).await;
         RedisBroker {
             stream: nats_redis_suite::group("pbt:stream").replace('_', ":"),
             conn,
         }
     }
+}
+
+/// Deletes scratch streams (`pbt:stream:<pid>:<hex>` and their `.dead`
+/// twins) that test processes which panicked before cleaning up left behind;
+/// this process's are kept.
+async fn drop_stale_streams(conn: &MultiplexedConnection) {
+    static ONCE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    ONCE.get_or_init(|| async {
+        let mine = format!(":{}:", std::process::id());
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("pbt:stream:*")
+            .query_async(&mut conn.clone())
+            .await
+            .unwrap_or_default();
+        for key in keys.into_iter().filter(|k| !k.contains(&mine)) {
+            let _: redis::RedisResult<i64> = redis::cmd("DEL")
+                .arg(key)
+                .query_async(&mut conn.clone())
+                .await;
+        }
+    })
+    .await;
 }
 
 #[async_trait]
