@@ -11,6 +11,12 @@
 //! - [`rabbitmq::RabbitMqConsumer`] runs a handler on a queue: bounded by
 //!   `prefetch`, manual ack after success, retries through `<queue>.retry`,
 //!   dead letters in `<queue>.dead`.
+//! - [`nats::NatsConsumer`] runs a handler on a JetStream durable pull
+//!   consumer: `prefetch` messages per pull, nak with a growing delay, a
+//!   dead subject confirmed by PubAck before the original is terminated.
+//! - [`redis::RedisConsumer`] runs a handler in a Redis Streams consumer
+//!   group: `XACK` after success, due retries claimed from the pending list,
+//!   `<stream>.dead` after `max_attempts` deliveries.
 //! - [`http::HttpHandler`] is the bridge for services in other languages: it
 //!   POSTs the envelope and treats 2xx as success.
 //!
@@ -23,7 +29,9 @@ pub mod http;
 pub mod inbox;
 pub mod message;
 pub mod metrics;
+pub mod nats;
 pub mod rabbitmq;
+pub mod redis;
 pub mod retry;
 
 pub use handler::{Handled, Handler, HandlerError};

@@ -48,8 +48,26 @@ pub struct ConsumerConfig {
     pub name: Option<String>,
     /// Broker URL (`amqp://…`, `nats://…`, `redis://…`).
     pub url: SecretUrl,
-    /// The queue (RabbitMQ), stream (Redis) or durable consumer (NATS).
+    /// The queue (RabbitMQ) or the stream (NATS JetStream stream, Redis
+    /// stream key); `stream` is accepted as another name for this key.
+    #[serde(alias = "stream")]
     pub queue: String,
+    /// NATS: the subject filter of the durable consumer (default: every
+    /// subject of the stream); with `declare = true` also the subjects a
+    /// missing stream is created with.
+    #[serde(default)]
+    pub subject: Option<String>,
+    /// NATS: where a message goes after `max_attempts` (default
+    /// `<stream>.dead.<consumer_group>`). Some stream must capture it and the
+    /// consumer's own filter must not; `declare = true` creates a
+    /// `<stream>_dead` stream capturing `<stream>.dead.>` when none does.
+    #[serde(default)]
+    pub dead_subject: Option<String>,
+    /// NATS: how long the server waits for the ack of a message whose
+    /// consumer went silent before redelivering it (default 30s). A handler
+    /// still running keeps its message with progress signals.
+    #[serde(default = "default_ack_wait")]
+    pub ack_wait: HumanDuration,
     /// Exchange bindings of the queue, declared when `declare = true`.
     #[serde(default)]
     pub bindings: Vec<BindingConfig>,
@@ -126,8 +144,93 @@ impl ConsumerConfig {
         self.consumer_group.as_deref().unwrap_or(&self.queue)
     }
 
+    /// NATS: the dead-letter subject (see [`ConsumerConfig::dead_subject`]).
+    pub fn nats_dead_subject(&self) -> String {
+        self.dead_subject
+            .clone()
+            .unwrap_or_else(|| format!("{}.dead.{}", self.queue, self.consumer_group()))
+    }
+
+    /// Checks the keys that only some kinds take, and the names NATS and
+    /// Redis put limits on.
+    fn validate_kind_keys(&self, key: &str) -> Result<(), Error> {
+        let only = |name: &str, kinds: &str| {
+            Err(Error::config(
+                format!("{key}.{name}"),
+                format!(
+                    "is not used by kind `{}` (only by {kinds})",
+                    self.kind.as_str()
+                ),
+            ))
+        };
+        if self.kind != ConsumerKind::Rabbitmq && !self.bindings.is_empty() {
+            return only("bindings", "rabbitmq");
+        }
+        if self.kind != ConsumerKind::Nats {
+            if self.subject.is_some() {
+                return only("subject", "nats");
+            }
+            if self.dead_subject.is_some() {
+                return only("dead_subject", "nats");
+            }
+            return Ok(());
+        }
+        // JetStream stream and durable names: no `.`, `*`, `>`, whitespace
+        // or path separators (they become API subject tokens and file names).
+        let nats_name = |s: &str| {
+            !s.is_empty()
+                && s.chars().all(|c| {
+                    !matches!(c, '.' | '*' | '>' | '/' | '\\')
+                        && !c.is_whitespace()
+                        && !c.is_control()
+                })
+        };
+        if !nats_name(&self.queue) {
+            return Err(Error::config(
+                format!("{key}.queue"),
+                "a JetStream stream name must not contain `.`, `*`, `>`, slashes or spaces",
+            ));
+        }
+        if !nats_name(self.consumer_group()) {
+            return Err(Error::config(
+                format!("{key}.consumer_group"),
+                "names the durable JetStream consumer, so it must not contain `.`, `*`, `>`, slashes or spaces",
+            ));
+        }
+        if let Some(subject) = &self.subject {
+            if !valid_subject(subject, true) {
+                return Err(Error::config(
+                    format!("{key}.subject"),
+                    "must be a NATS subject: dot-separated non-empty tokens without spaces (`*` and a final `>` allowed)",
+                ));
+            }
+        }
+        if self.declare && self.subject.is_none() {
+            // Only needed when the stream is missing, but a config that
+            // works only while the stream exists is a trap.
+            return Err(Error::config(
+                format!("{key}.subject"),
+                "declare = true needs the subjects to create the stream with: set subject (for example `orders.>`)",
+            ));
+        }
+        if !valid_subject(&self.nats_dead_subject(), false) {
+            return Err(Error::config(
+                format!("{key}.dead_subject"),
+                "must be a NATS subject without wildcards: dot-separated non-empty tokens without spaces",
+            ));
+        }
+        if self.ack_wait.get() < std::time::Duration::from_millis(100) {
+            return Err(Error::config(
+                format!("{key}.ack_wait"),
+                "must be at least 100ms",
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks one entry; `key` is its path, e.g. `consumers.0`.
     pub(crate) fn validate(&self, key: &str) -> Result<(), Error> {
+        self.validate_kind_keys(key)?;
         let schemes: &[&str] = match self.kind {
             ConsumerKind::Rabbitmq => &["amqp", "amqps"],
             ConsumerKind::Nats => &["nats", "tls"],
@@ -254,6 +357,27 @@ impl ConsumerConfig {
     }
 }
 
+/// A NATS subject: non-empty dot-separated tokens without whitespace;
+/// `*` tokens and a final `>` only when `wildcards`.
+fn valid_subject(subject: &str, wildcards: bool) -> bool {
+    let tokens: Vec<&str> = subject.split('.').collect();
+    let last = tokens.len() - 1;
+    !subject.is_empty()
+        && tokens.iter().enumerate().all(|(i, t)| {
+            !t.is_empty()
+                && !t.chars().any(|c| c.is_whitespace() || c.is_control())
+                && match *t {
+                    "*" => wildcards,
+                    ">" => wildcards && i == last,
+                    t => !t.contains('*') && !t.contains('>'),
+                }
+        })
+}
+
+fn default_ack_wait() -> HumanDuration {
+    HumanDuration::secs(30)
+}
+
 fn default_prefetch() -> u16 {
     1
 }
@@ -284,4 +408,88 @@ fn default_handler_timeout() -> HumanDuration {
 
 fn default_inbox_table() -> TableName {
     TableName::new("postbox_inbox").expect("valid default inbox table")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(extra: serde_json::Value) -> ConsumerConfig {
+        let mut c = serde_json::json!({
+            "kind": "nats",
+            "url": "nats://127.0.0.1:4222",
+            "stream": "ORDERS",
+            "subject": "orders.>",
+            "consumer_group": "billing",
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        serde_json::from_value(c).unwrap()
+    }
+
+    fn key_of(extra: serde_json::Value) -> String {
+        match entry(extra).validate("consumers.0") {
+            Err(Error::Config { key, .. }) => key,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn nats_keys_load_with_defaults() {
+        let c = entry(serde_json::json!({}));
+        c.validate("consumers.0").unwrap();
+        assert_eq!(c.queue, "ORDERS");
+        assert_eq!(c.ack_wait.get(), std::time::Duration::from_secs(30));
+        assert_eq!(c.nats_dead_subject(), "ORDERS.dead.billing");
+        let c = entry(serde_json::json!({ "dead_subject": "dead.orders" }));
+        assert_eq!(c.nats_dead_subject(), "dead.orders");
+    }
+
+    #[test]
+    fn bad_nats_and_redis_keys_are_named() {
+        use serde_json::json;
+        assert_eq!(key_of(json!({ "stream": "OR.DERS" })), "consumers.0.queue");
+        assert_eq!(
+            key_of(json!({ "consumer_group": "a.b" })),
+            "consumers.0.consumer_group"
+        );
+        assert_eq!(
+            key_of(json!({ "subject": "orders..x" })),
+            "consumers.0.subject"
+        );
+        assert_eq!(
+            key_of(json!({ "subject": "orders.>.x" })),
+            "consumers.0.subject"
+        );
+        assert_eq!(
+            key_of(json!({ "dead_subject": "dead.*" })),
+            "consumers.0.dead_subject"
+        );
+        assert_eq!(
+            key_of(json!({ "ack_wait": "10ms" })),
+            "consumers.0.ack_wait"
+        );
+        assert_eq!(
+            key_of(json!({ "subject": null, "declare": true })),
+            "consumers.0.subject"
+        );
+        assert_eq!(
+            key_of(json!({ "kind": "redis", "url": "redis://127.0.0.1:6379/0" })),
+            "consumers.0.subject"
+        );
+        assert_eq!(
+            key_of(
+                json!({ "kind": "redis", "url": "redis://127.0.0.1:6379/0", "subject": null, "dead_subject": "x" })
+            ),
+            "consumers.0.dead_subject"
+        );
+        assert_eq!(
+            key_of(json!({ "bindings": [{ "exchange": "postbox" }] })),
+            "consumers.0.bindings"
+        );
+        let redis =
+            entry(json!({ "kind": "redis", "url": "redis://127.0.0.1:6379/0", "subject": null }));
+        redis.validate("consumers.0").unwrap();
+    }
 }

@@ -1,0 +1,191 @@
+//! From a JetStream message to a [`Message`], and the headers of a dead copy.
+
+use async_nats::HeaderMap;
+use postbox_core::envelope::Envelope;
+use postbox_core::event::MAX_ID_LEN;
+
+use crate::message::{CONSUME_ATTEMPT_HEADER, LAST_ERROR_HEADER};
+use crate::Message;
+
+/// The publisher's dedupe header: the event id.
+pub const MSG_ID: &str = "Nats-Msg-Id";
+/// On a dead copy: the event id (its `Nats-Msg-Id` is made per consumer
+/// group, so that two groups' dead copies of one event are both kept).
+pub const EVENT_ID: &str = "x-event-id";
+const EVENT_TYPE: &str = "x-event-type";
+const APP_CODE: &str = "x-app-code";
+const AGGREGATE_ID: &str = "x-aggregate-id";
+const AGGREGATE_VERSION: &str = "x-aggregate-version";
+const CREATED_AT_MS: &str = "x-created-at-ms";
+
+/// Reads the SPEC §4 mapping of the NATS publisher: `Nats-Msg-Id` is the
+/// event id (`x-event-id` on a dead copy), `x-event-type`, `x-app-code`,
+/// `x-aggregate-id`, `x-aggregate-version` and `x-created-at-ms` the envelope
+/// fields of those names; every other header (`x-attempt`, `x-replayed`, the
+/// service's own) stays in `envelope.headers` as a string. `delivered` is
+/// JetStream's delivery count, which is the consumer's attempt number.
+///
+/// A message without an event id cannot be deduplicated and is refused with
+/// the reason (the consumer dead-letters it).
+pub fn message_from_nats(
+    headers: Option<&HeaderMap>,
+    subject: &str,
+    payload: &[u8],
+    delivered: u32,
+) -> Result<Message, String> {
+    let mut msg_id = None;
+    let mut event_id = None;
+    let mut event_type = None;
+    let mut app_code = None;
+    let mut aggregate_id = None;
+    let mut aggregate_version = None;
+    let mut created_at_ms = None;
+    let mut extra = serde_json::Map::new();
+    for (name, values) in headers.into_iter().flat_map(|h| h.iter()) {
+        let Some(value) = values.last().map(|v| v.as_str().to_owned()) else {
+            continue;
+        };
+        let key: &str = name.as_ref();
+        match key.to_ascii_lowercase().as_str() {
+            "nats-msg-id" => msg_id = Some(value),
+            EVENT_ID => event_id = Some(value),
+            EVENT_TYPE => event_type = Some(value),
+            APP_CODE => app_code = Some(value),
+            AGGREGATE_ID => aggregate_id = Some(value),
+            AGGREGATE_VERSION => {
+                aggregate_version = Some(value.trim().parse::<i64>().map_err(|_| {
+                    format!("header {AGGREGATE_VERSION} is not an integer: {value:?}")
+                })?)
+            }
+            CREATED_AT_MS => created_at_ms = value.trim().parse::<i64>().ok(),
+            // Server bookkeeping, not the event's.
+            k if k.starts_with("nats-") => {}
+            _ => {
+                extra.insert(key.to_owned(), serde_json::Value::String(value));
+            }
+        }
+    }
+    let event_id = event_id
+        .or(msg_id)
+        .filter(|s| !s.is_empty())
+        .ok_or("the message has no Nats-Msg-Id header (postbox publishes the event_id there)")?;
+    if event_id.len() > MAX_ID_LEN {
+        return Err(format!(
+            "the event id is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
+            event_id.len()
+        ));
+    }
+    let payload = serde_json::from_slice(payload).unwrap_or_else(|_| {
+        serde_json::Value::String(String::from_utf8_lossy(payload).into_owned())
+    });
+    let attempt = delivered.max(1);
+    Ok(Message {
+        envelope: Envelope {
+            event_id,
+            app_code: app_code.unwrap_or_default(),
+            event_type: event_type.unwrap_or_else(|| subject.to_owned()),
+            aggregate_id,
+            aggregate_version,
+            created_at_ms: created_at_ms.unwrap_or(0),
+            headers: extra,
+            payload,
+        },
+        attempt,
+        redelivered: attempt > 1,
+    })
+}
+
+/// Headers of a dead copy: the original's, with `x-event-id`, the attempt
+/// count, the last error (one line, at most 1,000 characters) and a
+/// `Nats-Msg-Id` of `<event_id>:dead:<durable>`, so that a copy re-sent after
+/// a lost PubAck is dropped by the stream's duplicate window, while the dead
+/// copies of two consumer groups are both kept.
+pub fn dead_headers(
+    original: Option<&HeaderMap>,
+    event_id: Option<&str>,
+    durable: &str,
+    attempt: u32,
+    last_error: &str,
+) -> HeaderMap {
+    let mut h = original.cloned().unwrap_or_default();
+    let error: String = last_error
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .take(1000)
+        .collect();
+    h.insert(CONSUME_ATTEMPT_HEADER, attempt.to_string().as_str());
+    h.insert(LAST_ERROR_HEADER, error.as_str());
+    if let Some(id) = event_id {
+        h.insert(EVENT_ID, id);
+        h.insert(MSG_ID, format!("{id}:dead:{durable}").as_str());
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn published() -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(MSG_ID, "ev-1");
+        h.insert(EVENT_TYPE, "RoomCreated");
+        h.insert(APP_CODE, "room");
+        h.insert(AGGREGATE_ID, "room-1");
+        h.insert(AGGREGATE_VERSION, "7");
+        h.insert(CREATED_AT_MS, "1700000000123");
+        h.insert("x-attempt", "2");
+        h.insert("tenant", "acme");
+        h
+    }
+
+    #[test]
+    fn maps_the_publisher_headers_to_the_envelope() {
+        let m =
+            message_from_nats(Some(&published()), "room.RoomCreated", br#"{"a":1}"#, 1).unwrap();
+        let e = &m.envelope;
+        assert_eq!(e.event_id, "ev-1");
+        assert_eq!(e.event_type, "RoomCreated");
+        assert_eq!(e.app_code, "room");
+        assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
+        assert_eq!(e.aggregate_version, Some(7));
+        assert_eq!(e.created_at_ms, 1_700_000_000_123);
+        assert_eq!(e.payload, serde_json::json!({"a": 1}));
+        assert_eq!(e.headers["x-attempt"], "2");
+        assert_eq!(e.headers["tenant"], "acme");
+        assert_eq!(e.headers.len(), 2, "{:?}", e.headers);
+        assert_eq!((m.attempt, m.redelivered), (1, false));
+    }
+
+    #[test]
+    fn the_delivery_count_is_the_attempt() {
+        let m = message_from_nats(Some(&published()), "s", b"x", 3).unwrap();
+        assert_eq!((m.attempt, m.redelivered), (3, true));
+        assert_eq!(m.envelope.payload, serde_json::json!("x"));
+    }
+
+    #[test]
+    fn a_dead_copy_keeps_the_event_and_says_why() {
+        let h = dead_headers(
+            Some(&published()),
+            Some("ev-1"),
+            "billing",
+            5,
+            "boom\nline two",
+        );
+        assert_eq!(h.get(MSG_ID).unwrap().as_str(), "ev-1:dead:billing");
+        assert_eq!(h.get(LAST_ERROR_HEADER).unwrap().as_str(), "boom line two");
+        let m = message_from_nats(Some(&h), "s", b"{}", 1).unwrap();
+        assert_eq!(m.envelope.event_id, "ev-1");
+        assert_eq!(m.envelope.headers[CONSUME_ATTEMPT_HEADER], "5");
+    }
+
+    #[test]
+    fn refuses_messages_without_an_event_id() {
+        let err = message_from_nats(None, "s", b"{}", 1).unwrap_err();
+        assert!(err.contains("Nats-Msg-Id"), "{err}");
+        let mut h = published();
+        h.insert(AGGREGATE_VERSION, "seven");
+        assert!(message_from_nats(Some(&h), "s", b"{}", 1).is_err());
+    }
+}

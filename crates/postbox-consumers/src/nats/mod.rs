@@ -1,0 +1,34 @@
+//! The NATS JetStream consumer (SPEC §7).
+//!
+//! A durable pull consumer named after `consumer_group` on the stream
+//! `queue` (filtered by `subject`), with explicit acks. Every process pulls
+//! at most `prefetch` messages and settles them all before pulling again, so
+//! it never holds more than `prefetch` unacknowledged messages; any number of
+//! processes share the durable. (`max_ack_pending` is left to the server:
+//! it counts the whole group, nak'ed messages waiting for their delay
+//! included, so setting it to `prefetch` would let one failing message stop
+//! every process.)
+//!
+//! - Success: ack, confirmed by the server.
+//! - Failure: nak with a delay of `retry_delay × 2^(n-1)` (capped at
+//!   `max_retry_delay`); the attempt number `n` is JetStream's delivery count.
+//! - After `max_attempts`: a copy goes to the dead subject (default
+//!   `<stream>.dead.<consumer_group>`, headers `x-last-error`,
+//!   `x-consume-attempt`, `x-event-id`), and only after its PubAck is the
+//!   original terminated. A message delivered more than `max_attempts` times
+//!   (its consumers died mid-message) is dead-lettered without being handled
+//!   again. `max_deliver` is `max_attempts + 5`, a backstop only.
+//! - A consumer that dies mid-message: the server redelivers after
+//!   `ack_wait`; a running handler keeps its message with progress signals.
+//!
+//! With `declare = true` the stream (capturing `subject`), a `<stream>_dead`
+//! stream capturing `<stream>.dead.>` (when no stream captures the dead
+//! subject) and the durable consumer are created.
+
+mod consumer;
+mod message;
+mod topology;
+
+pub use consumer::NatsConsumer;
+pub use message::{dead_headers, message_from_nats};
+pub use topology::{dead_stream, subject_matches, MAX_DELIVER_MARGIN};

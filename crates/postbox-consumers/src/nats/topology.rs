@@ -1,0 +1,213 @@
+//! The stream, the dead-letter subject's stream and the durable consumer.
+
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::context::{
+    ConsumerInfoErrorKind, GetStreamByNameErrorKind, GetStreamErrorKind,
+};
+use async_nats::jetstream::stream::{self, ConsumerErrorKind};
+use async_nats::jetstream::Context;
+use async_nats::jetstream::ErrorCode;
+use postbox_core::config::ConsumerConfig;
+use postbox_core::Error;
+
+/// Deliveries the server allows beyond `max_attempts` before it stops
+/// redelivering: room for consumers that died mid-message and for dead
+/// copies that could not be published yet. The consumer dead-letters long
+/// before; this only stops a loop if dead-lettering keeps failing.
+pub const MAX_DELIVER_MARGIN: u32 = 5;
+
+/// Why the set-up failed.
+pub(crate) enum SetupError {
+    /// The server answered no: retrying cannot help.
+    Fatal(Error),
+    /// The server did not answer: reconnect and try again.
+    Broken(String),
+}
+
+/// `<stream>_dead`: the stream `declare = true` creates for dead copies when
+/// no stream captures the dead subject.
+pub fn dead_stream(stream: &str) -> String {
+    format!("{stream}_dead")
+}
+
+/// Whether the subject filter `filter` (with `*` and `>`) matches `subject`.
+pub fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut f = filter.split('.');
+    let mut s = subject.split('.');
+    loop {
+        match (f.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+/// Makes sure the stream and a home for dead copies exist (creating them when
+/// `declare = true`), then returns the durable pull consumer (created or
+/// updated when `declare = true`).
+pub(crate) async fn prepare(
+    js: &Context,
+    config: &ConsumerConfig,
+) -> Result<PullConsumer, SetupError> {
+    let name = config.queue.as_str();
+    let stream = match js.get_stream(name).await {
+        Ok(s) => s,
+        Err(e) if is_stream_not_found(e.kind()) => {
+            let Some(subject) = config.subject.clone().filter(|_| config.declare) else {
+                return Err(SetupError::Fatal(Error::config(
+                    "queue",
+                    format!("JetStream stream `{name}` does not exist: create it, or set declare = true and subject"),
+                )));
+            };
+            js.create_stream(stream::Config {
+                name: name.to_owned(),
+                subjects: vec![subject.clone()],
+                storage: stream::StorageType::File,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| {
+                SetupError::Fatal(Error::config(
+                    "queue",
+                    format!("cannot create JetStream stream `{name}` for `{subject}`: {e}"),
+                ))
+            })?;
+            tracing::info!(stream = name, subject, "created JetStream stream");
+            js.get_stream(name)
+                .await
+                .map_err(|e| SetupError::Broken(e.to_string()))?
+        }
+        Err(e) => {
+            return Err(SetupError::Broken(format!(
+                "looking up stream `{name}`: {e}"
+            )))
+        }
+    };
+    ensure_dead_home(js, config).await?;
+    let durable = config.consumer_group();
+    if config.declare {
+        stream
+            .create_consumer(pull::Config {
+                durable_name: Some(durable.to_owned()),
+                deliver_policy: DeliverPolicy::All,
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: config.ack_wait.get(),
+                max_deliver: i64::from(config.max_attempts.saturating_add(MAX_DELIVER_MARGIN)),
+                filter_subject: config.subject.clone().unwrap_or_default(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| consumer_error(config, e))
+    } else {
+        match stream.consumer_info(durable).await {
+            Err(e) if matches!(e.kind(), ConsumerInfoErrorKind::NotFound) => {
+                Err(SetupError::Fatal(Error::config(
+                    "consumer_group",
+                    format!(
+                        "durable consumer `{durable}` does not exist on stream `{}`: create it, or set declare = true",
+                        config.queue
+                    ),
+                )))
+            }
+            Err(e) => Err(SetupError::Broken(format!("looking up consumer `{durable}`: {e}"))),
+            Ok(_) => stream
+                .get_consumer(durable)
+                .await
+                .map_err(|e| SetupError::Broken(format!("binding consumer `{durable}`: {e}"))),
+        }
+    }
+}
+
+/// The dead subject must land in some stream, and not in one this consumer
+/// reads (the copy would come back as a new message and loop).
+async fn ensure_dead_home(js: &Context, config: &ConsumerConfig) -> Result<(), SetupError> {
+    let dead = config.nats_dead_subject();
+    match js.stream_by_subject(dead.clone()).await {
+        Ok(owner) => {
+            let filter = config.subject.as_deref().unwrap_or(">");
+            if owner == config.queue && subject_matches(filter, &dead) {
+                return Err(SetupError::Fatal(Error::config(
+                    "dead_subject",
+                    format!(
+                        "`{dead}` is captured by stream `{owner}` and matches this consumer's filter `{filter}`: dead copies would be consumed again; choose a dead_subject outside the filter"
+                    ),
+                )));
+            }
+            Ok(())
+        }
+        Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
+            if !config.declare {
+                return Err(SetupError::Fatal(Error::config(
+                    "dead_subject",
+                    format!(
+                        "no JetStream stream captures `{dead}`: create one, or set declare = true"
+                    ),
+                )));
+            }
+            let home = dead_stream(&config.queue);
+            let subjects = if config.dead_subject.is_none() {
+                format!("{}.dead.>", config.queue)
+            } else {
+                dead.clone()
+            };
+            js.create_stream(stream::Config {
+                name: home.clone(),
+                subjects: vec![subjects.clone()],
+                storage: stream::StorageType::File,
+                duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| {
+                SetupError::Fatal(Error::config(
+                    "dead_subject",
+                    format!("cannot create stream `{home}` for `{subjects}`: {e}"),
+                ))
+            })?;
+            tracing::info!(stream = %home, subject = %subjects, "created JetStream stream for dead copies");
+            Ok(())
+        }
+        Err(e) => Err(SetupError::Broken(format!(
+            "looking up the stream of `{dead}`: {e}"
+        ))),
+    }
+}
+
+fn is_stream_not_found(kind: GetStreamErrorKind) -> bool {
+    matches!(kind, GetStreamErrorKind::JetStream(e) if e.error_code() == ErrorCode::STREAM_NOT_FOUND)
+}
+
+fn consumer_error(config: &ConsumerConfig, e: stream::ConsumerError) -> SetupError {
+    let durable = config.consumer_group();
+    match e.kind() {
+        ConsumerErrorKind::JetStream(j) => SetupError::Fatal(Error::config(
+            "consumer_group",
+            format!(
+                "JetStream refused durable consumer `{durable}` on stream `{}`: {j} (an existing consumer of that name with another filter or settings must be removed or renamed)",
+                config.queue
+            ),
+        )),
+        _ => SetupError::Broken(format!("setting up consumer `{durable}`: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn filters_match_like_nats() {
+        assert!(subject_matches(">", "a.b"));
+        assert!(subject_matches("a.*", "a.b"));
+        assert!(!subject_matches("a.*", "a.b.c"));
+        assert!(subject_matches("a.>", "a.b.c"));
+        assert!(!subject_matches("a.>", "a"));
+        assert!(subject_matches("a.b", "a.b"));
+        assert!(!subject_matches("*.*", "S.dead.group"));
+    }
+}

@@ -1,0 +1,199 @@
+//! From a stream entry's fields to a [`Message`], and the fields of a dead
+//! copy.
+
+use std::collections::HashMap;
+
+use postbox_core::envelope::Envelope;
+use postbox_core::event::MAX_ID_LEN;
+use redis::Value;
+
+use crate::message::{CONSUME_ATTEMPT_HEADER, LAST_ERROR_HEADER};
+use crate::Message;
+
+/// The fields of the SPEC §4 mapping, in the order the publisher writes them.
+const FIELDS: [&str; 8] = [
+    "event_id",
+    "event_type",
+    "app_code",
+    "aggregate_id",
+    "aggregate_version",
+    "created_at_ms",
+    "headers",
+    "payload",
+];
+
+fn text(fields: &HashMap<String, Value>, name: &str) -> Option<String> {
+    fields
+        .get(name)
+        .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+}
+
+/// Reads the fields of the Redis publisher: `event_id`, `event_type`,
+/// `app_code`, `aggregate_id` and `aggregate_version` (absent when the event
+/// has none), `created_at_ms`, `headers` (a JSON object) and `payload`.
+/// `deliveries` is the group's delivery count of the entry, which is the
+/// consumer's attempt number.
+///
+/// An entry without an `event_id` cannot be deduplicated and is refused with
+/// the reason (the consumer dead-letters it).
+pub fn message_from_entry(
+    fields: &HashMap<String, Value>,
+    deliveries: u32,
+) -> Result<Message, String> {
+    let event_id = text(fields, "event_id")
+        .filter(|s| !s.is_empty())
+        .ok_or("the entry has no event_id field (postbox's Redis publisher writes one)")?;
+    if event_id.len() > MAX_ID_LEN {
+        return Err(format!(
+            "event_id is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
+            event_id.len()
+        ));
+    }
+    let aggregate_version = match text(fields, "aggregate_version") {
+        None => None,
+        Some(v) => Some(
+            v.trim()
+                .parse::<i64>()
+                .map_err(|_| format!("field aggregate_version is not an integer: {v:?}"))?,
+        ),
+    };
+    let headers = match text(fields, "headers") {
+        None => serde_json::Map::new(),
+        Some(h) => match serde_json::from_str::<serde_json::Value>(&h) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => return Err(format!("field headers is not a JSON object: {h:?}")),
+        },
+    };
+    let payload = text(fields, "payload").unwrap_or_default();
+    let payload = serde_json::from_str(&payload).unwrap_or(serde_json::Value::String(payload));
+    let attempt = deliveries.max(1);
+    Ok(Message {
+        envelope: Envelope {
+            event_id,
+            app_code: text(fields, "app_code").unwrap_or_default(),
+            event_type: text(fields, "event_type").unwrap_or_default(),
+            aggregate_id: text(fields, "aggregate_id"),
+            aggregate_version,
+            created_at_ms: text(fields, "created_at_ms")
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0),
+            headers,
+            payload,
+        },
+        attempt,
+        redelivered: attempt > 1,
+    })
+}
+
+/// The field/value pairs of a dead copy: the entry's own fields unchanged,
+/// except `headers`, which gains `x-consume-attempt` and `x-last-error` (at
+/// most 1,000 characters), plus `consumer_group` and `source_id` (the
+/// original entry's id) for whoever inspects the dead stream.
+pub fn dead_fields(
+    fields: &HashMap<String, Value>,
+    source_id: &str,
+    group: &str,
+    attempt: u32,
+    last_error: &str,
+) -> Vec<(String, Vec<u8>)> {
+    let mut headers = text(fields, "headers")
+        .and_then(|h| match serde_json::from_str(&h) {
+            Ok(serde_json::Value::Object(map)) => Some(map),
+            _ => None,
+        })
+        .unwrap_or_default();
+    headers.insert(CONSUME_ATTEMPT_HEADER.to_owned(), attempt.into());
+    let error: String = last_error.chars().take(1000).collect();
+    headers.insert(LAST_ERROR_HEADER.to_owned(), error.into());
+    let raw = |v: &Value| redis::from_redis_value_ref::<Vec<u8>>(v).unwrap_or_default();
+    let mut out: Vec<(String, Vec<u8>)> = Vec::with_capacity(fields.len() + 3);
+    for name in FIELDS {
+        if name == "headers" {
+            out.push((
+                name.to_owned(),
+                serde_json::Value::Object(headers.clone())
+                    .to_string()
+                    .into_bytes(),
+            ));
+        } else if let Some(v) = fields.get(name) {
+            out.push((name.to_owned(), raw(v)));
+        }
+    }
+    let mut others: Vec<_> = fields
+        .iter()
+        .filter(|(k, _)| {
+            !FIELDS.contains(&k.as_str()) && !matches!(k.as_str(), "consumer_group" | "source_id")
+        })
+        .collect();
+    others.sort_by(|a, b| a.0.cmp(b.0));
+    out.extend(others.into_iter().map(|(k, v)| (k.clone(), raw(v))));
+    out.push(("consumer_group".to_owned(), group.as_bytes().to_vec()));
+    out.push(("source_id".to_owned(), source_id.as_bytes().to_vec()));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn published() -> HashMap<String, Value> {
+        [
+            ("event_id", "ev-1"),
+            ("event_type", "RoomCreated"),
+            ("app_code", "room"),
+            ("aggregate_id", "room-1"),
+            ("aggregate_version", "7"),
+            ("created_at_ms", "1700000000123"),
+            ("headers", r#"{"tenant":"acme","x-attempt":2}"#),
+            ("payload", r#"{"a":1}"#),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), Value::BulkString(v.as_bytes().to_vec())))
+        .collect()
+    }
+
+    #[test]
+    fn maps_the_publisher_fields_to_the_envelope() {
+        let m = message_from_entry(&published(), 1).unwrap();
+        let e = &m.envelope;
+        assert_eq!(e.event_id, "ev-1");
+        assert_eq!(e.event_type, "RoomCreated");
+        assert_eq!(e.app_code, "room");
+        assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
+        assert_eq!(e.aggregate_version, Some(7));
+        assert_eq!(e.created_at_ms, 1_700_000_000_123);
+        assert_eq!(e.payload, serde_json::json!({"a": 1}));
+        assert_eq!(e.headers["x-attempt"], 2);
+        assert_eq!(e.headers["tenant"], "acme");
+        assert_eq!((m.attempt, m.redelivered), (1, false));
+        let m = message_from_entry(&published(), 4).unwrap();
+        assert_eq!((m.attempt, m.redelivered), (4, true));
+    }
+
+    #[test]
+    fn a_dead_copy_keeps_the_fields_and_says_why() {
+        let dead = dead_fields(&published(), "1-0", "billing", 5, "boom");
+        let map: HashMap<String, Value> = dead
+            .into_iter()
+            .map(|(k, v)| (k, Value::BulkString(v)))
+            .collect();
+        assert_eq!(text(&map, "source_id").as_deref(), Some("1-0"));
+        assert_eq!(text(&map, "consumer_group").as_deref(), Some("billing"));
+        let m = message_from_entry(&map, 1).unwrap();
+        assert_eq!(m.envelope.event_id, "ev-1");
+        assert_eq!(m.envelope.aggregate_version, Some(7));
+        assert_eq!(m.envelope.headers[LAST_ERROR_HEADER], "boom");
+        assert_eq!(m.envelope.headers[CONSUME_ATTEMPT_HEADER], 5);
+        assert_eq!(m.envelope.headers["tenant"], "acme");
+    }
+
+    #[test]
+    fn refuses_entries_without_an_event_id() {
+        let mut f = published();
+        f.remove("event_id");
+        assert!(message_from_entry(&f, 1).unwrap_err().contains("event_id"));
+        let mut f = published();
+        f.insert("headers".into(), Value::BulkString(b"[1]".to_vec()));
+        assert!(message_from_entry(&f, 1).is_err());
+    }
+}

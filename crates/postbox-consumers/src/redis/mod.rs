@@ -1,0 +1,25 @@
+//! The Redis Streams consumer (SPEC §7).
+//!
+//! A member of the consumer group `consumer_group` on the stream `queue`,
+//! named `{group}-{host}-{pid}`. `declare = true` creates the group (from
+//! the start of the stream, `XGROUP CREATE … 0 MKSTREAM`).
+//!
+//! - New entries: `XREADGROUP … COUNT prefetch BLOCK`, so a consumer holds
+//!   at most `prefetch` entries it has not settled; `XACK` after the handler
+//!   succeeded.
+//! - Failure: the entry stays pending. Once it has been idle for
+//!   `retry_delay × 2^(n-1)` (capped; `n` is the group's delivery count) any
+//!   consumer of the group claims it (`XPENDING … IDLE` then `XCLAIM`) and
+//!   tries again. The same path picks up entries of consumers that died.
+//!   While a handler runs, its entries' idle time is reset (`XCLAIM …
+//!   JUSTID`), so a slow handler keeps them.
+//! - After `max_attempts` deliveries: the entry is `XADD`ed to
+//!   `<stream>.dead` (its fields, `headers` with `x-last-error` and
+//!   `x-consume-attempt`, plus `consumer_group` and `source_id`) and then
+//!   `XACK`ed.
+
+mod consumer;
+mod entry;
+
+pub use consumer::{dead_stream, RedisConsumer};
+pub use entry::{dead_fields, message_from_entry};

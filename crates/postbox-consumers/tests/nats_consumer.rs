@@ -1,0 +1,249 @@
+//! The NATS JetStream consumer against the real server
+//! (`POSTBOX_TEST_NATS_URL`, default `nats://127.0.0.1:4222`).
+
+mod nats_redis_suite;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use async_nats::HeaderMap;
+use async_trait::async_trait;
+use nats_redis_suite::{Broker, DeadCopy, TestEvent, Unacked};
+use postbox_consumers::nats::{dead_stream, NatsConsumer};
+use postbox_consumers::rabbitmq::ConsumeReport;
+use postbox_consumers::Handler;
+use postbox_core::config::ConsumerConfig;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+fn nats_url() -> String {
+    std::env::var("POSTBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+const HOW_TO_START: &str = "NATS is not reachable: start it with `nats-server -a 127.0.0.1 -p 4222 -js` or run scripts/test";
+
+struct NatsBroker {
+    /// Stream name; its subjects are `<prefix>.>`.
+    stream: String,
+    prefix: String,
+    js: jetstream::Context,
+}
+
+impl NatsBroker {
+    /// A scratch stream with a short duplicate window, so that a test can
+    /// publish the same event id twice.
+    async fn new() -> Self {
+        let client = async_nats::connect(nats_url())
+            .await
+            .unwrap_or_else(|e| panic!("{HOW_TO_START} ({e})"));
+        let js = jetstream::new(client);
+        drop_stale_streams(&js).await;
+        let stream = nats_redis_suite::group("PBT");
+        let prefix = stream.to_lowercase();
+        js.create_stream(stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            duplicate_window: Duration::from_millis(100),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("creating the scratch stream (is JetStream on? `-js`): {e}"));
+        NatsBroker { stream, prefix, js }
+    }
+}
+
+/// Deletes scratch streams (`PBT…_<pid>_<hex>`) that test processes which
+/// panicked before cleaning up left behind; this process's are kept.
+async fn drop_stale_streams(js: &jetstream::Context) {
+    use futures::StreamExt;
+    static ONCE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    ONCE.get_or_init(|| async {
+        let mine = format!("_{}_", std::process::id());
+        let names: Vec<String> = js
+            .stream_names()
+            .filter_map(|n| async move { n.ok() })
+            .collect()
+            .await;
+        for name in names {
+            if name.starts_with("PBT") && !name.contains(&mine) {
+                let _ = js.delete_stream(&name).await;
+            }
+        }
+    })
+    .await;
+}
+
+#[async_trait]
+impl Broker for NatsBroker {
+    fn config(&self, group: &str, overrides: serde_json::Value) -> ConsumerConfig {
+        let mut c = serde_json::json!({
+            "kind": "nats",
+            "url": nats_url(),
+            "stream": self.stream,
+            "subject": format!("{}.>", self.prefix),
+            "consumer_group": group,
+            "declare": true,
+            "retry_delay": "300ms",
+        });
+        for (k, v) in overrides.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        serde_json::from_value(c).unwrap()
+    }
+
+    /// Exactly the headers of postbox's NATS publisher, on
+    /// `<prefix>.<app_code>.<event_type>`.
+    async fn publish(&self, e: &TestEvent) {
+        let mut h = HeaderMap::new();
+        for (k, v) in &e.headers {
+            h.insert(
+                k.as_str(),
+                v.as_str()
+                    .map(str::to_owned)
+                    .unwrap_or_else(|| v.to_string())
+                    .as_str(),
+            );
+        }
+        h.insert("Nats-Msg-Id", e.event_id.as_str());
+        h.insert("x-event-type", e.event_type.as_str());
+        h.insert("x-app-code", e.app_code.as_str());
+        if let Some(a) = &e.aggregate_id {
+            h.insert("x-aggregate-id", a.as_str());
+        }
+        if let Some(v) = e.aggregate_version {
+            h.insert("x-aggregate-version", v.to_string().as_str());
+        }
+        h.insert("x-created-at-ms", e.created_at_ms.to_string().as_str());
+        h.insert("x-attempt", "1");
+        // Past the duplicate window, so a deliberate duplicate is stored.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let subject = format!("{}.{}.{}", self.prefix, e.app_code, e.event_type);
+        let ack = self
+            .js
+            .publish_with_headers(subject, h, e.payload.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(!ack.duplicate);
+    }
+
+    async fn unacked(&self, group: &str) -> Unacked {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        match stream.consumer_info(group).await {
+            Ok(info) => Unacked {
+                per_consumer: None,
+                total: info.num_ack_pending as u64,
+            },
+            Err(_) => Unacked::default(),
+        }
+    }
+
+    async fn outstanding(&self, group: &str) -> u64 {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let info = stream.consumer_info(group).await.unwrap();
+        info.num_ack_pending as u64 + info.num_pending
+    }
+
+    async fn dead(&self, group: &str) -> Vec<DeadCopy> {
+        let Ok(dead) = self.js.get_stream(dead_stream(&self.stream)).await else {
+            return Vec::new();
+        };
+        let subject = format!("{}.dead.{group}", self.stream);
+        match dead.get_last_raw_message_by_subject(&subject).await {
+            Ok(m) => vec![DeadCopy {
+                event_id: m.headers.get("x-event-id").unwrap().as_str().to_owned(),
+                last_error: m.headers.get("x-last-error").unwrap().as_str().to_owned(),
+            }],
+            Err(_) => Vec::new(),
+        }
+    }
+
+    fn spawn(
+        &self,
+        config: ConsumerConfig,
+        handler: Arc<dyn Handler>,
+        tag: &str,
+        cancel: CancellationToken,
+    ) -> JoinHandle<Result<ConsumeReport, postbox_core::Error>> {
+        let consumer = NatsConsumer::new(config, handler).unwrap().with_tag(tag);
+        tokio::spawn(async move { consumer.run(cancel).await })
+    }
+
+    async fn cleanup(&self) {
+        let _ = self.js.delete_stream(&self.stream).await;
+        let _ = self.js.delete_stream(dead_stream(&self.stream)).await;
+    }
+}
+
+stream_consumer_suite!(
+    NatsBroker::new(),
+    kill_config = serde_json::json!({ "ack_wait": "1s" })
+);
+
+#[tokio::test]
+async fn a_dead_subject_the_consumer_would_read_again_is_refused() {
+    let b = NatsBroker::new().await;
+    let config = b.config(
+        "loop",
+        serde_json::json!({ "dead_subject": format!("{}.dead", b.prefix) }),
+    );
+    let handler = nats_redis_suite::recording("a", &Default::default(), Duration::ZERO);
+    let err = NatsConsumer::new(config, handler)
+        .unwrap()
+        .run(CancellationToken::new())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("dead_subject"), "{err}");
+    b.cleanup().await;
+}
+
+#[tokio::test]
+async fn declare_creates_a_missing_stream() {
+    let b = NatsBroker::new().await;
+    let name = nats_redis_suite::group("PBTNEW");
+    let mut config = b.config("fresh", serde_json::json!({}));
+    config.queue = name.clone();
+    config.subject = Some(format!("{}.>", name.to_lowercase()));
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        config,
+        nats_redis_suite::recording("a", &Default::default(), Duration::ZERO),
+        "a",
+        cancel.clone(),
+    );
+    let start = std::time::Instant::now();
+    while b.js.get_stream(&name).await.is_err()
+        || b.js
+            .get_stream(&name)
+            .await
+            .unwrap()
+            .consumer_info("fresh")
+            .await
+            .is_err()
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "declare created nothing"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cancel.cancel();
+    task.await.unwrap().unwrap();
+    let consumer =
+        b.js.get_stream(&name)
+            .await
+            .unwrap()
+            .consumer_info("fresh")
+            .await
+            .unwrap();
+    assert_eq!(consumer.config.max_deliver, 5 + 5);
+    assert_eq!(
+        consumer.config.ack_policy,
+        jetstream::consumer::AckPolicy::Explicit
+    );
+    let _ = b.js.delete_stream(&name).await;
+    let _ = b.js.delete_stream(dead_stream(&name)).await;
+    b.cleanup().await;
+}

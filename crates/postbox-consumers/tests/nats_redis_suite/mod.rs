@@ -1,0 +1,590 @@
+//! The consumer cases every stream broker (NATS JetStream, Redis Streams)
+//! must pass, written once. Each broker's test file implements [`Broker`]
+//! (publish in the postbox publisher's wire format, sample the server, read
+//! the dead letters) and runs [`stream_consumer_suite!`].
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use postbox_consumers::rabbitmq::ConsumeReport;
+use postbox_consumers::{Handled, Handler, HandlerError, Message};
+use postbox_core::config::ConsumerConfig;
+use postbox_core::envelope::Envelope;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// One event as a test publishes it.
+#[derive(Debug, Clone)]
+pub struct TestEvent {
+    pub event_id: String,
+    pub event_type: String,
+    pub app_code: String,
+    pub aggregate_id: Option<String>,
+    pub aggregate_version: Option<i64>,
+    pub created_at_ms: i64,
+    pub headers: serde_json::Map<String, serde_json::Value>,
+    pub payload: String,
+}
+
+impl TestEvent {
+    pub fn new(n: usize) -> Self {
+        let mut headers = serde_json::Map::new();
+        headers.insert("tenant".into(), "acme".into());
+        TestEvent {
+            event_id: format!("{}-{n}", uuid::Uuid::now_v7()),
+            event_type: "RoomCreated".into(),
+            app_code: "room".into(),
+            aggregate_id: Some(format!("room-{n}")),
+            aggregate_version: Some(n as i64 + 1),
+            created_at_ms: 1_700_000_000_000 + n as i64,
+            headers,
+            payload: format!(r#"{{"n":{n}}}"#),
+        }
+    }
+
+    /// The envelope a consumer must hand over (the publishers add
+    /// `x-attempt` = 1 to the headers).
+    pub fn envelope(&self) -> Envelope {
+        Envelope {
+            event_id: self.event_id.clone(),
+            app_code: self.app_code.clone(),
+            event_type: self.event_type.clone(),
+            aggregate_id: self.aggregate_id.clone(),
+            aggregate_version: self.aggregate_version,
+            created_at_ms: self.created_at_ms,
+            headers: self.headers.clone(),
+            payload: serde_json::from_str(&self.payload).unwrap(),
+        }
+    }
+}
+
+/// What the server says about unacknowledged messages of a group.
+#[derive(Debug, Default)]
+pub struct Unacked {
+    /// Per consumer where the server tells them apart (Redis).
+    pub per_consumer: Option<HashMap<String, u64>>,
+    pub total: u64,
+}
+
+/// A dead copy as read back from the broker.
+#[derive(Debug, Clone)]
+pub struct DeadCopy {
+    pub event_id: String,
+    pub last_error: String,
+}
+
+/// One broker's scratch set-up.
+#[async_trait]
+pub trait Broker: Send + Sync + 'static {
+    /// A consumer entry for `group` on this scratch stream.
+    fn config(&self, group: &str, overrides: serde_json::Value) -> ConsumerConfig;
+    /// Publishes `e` exactly as the postbox publisher does.
+    async fn publish(&self, e: &TestEvent);
+    /// Unacknowledged messages of `group`.
+    async fn unacked(&self, group: &str) -> Unacked;
+    /// Messages of `group` not yet delivered or not yet acknowledged.
+    async fn outstanding(&self, group: &str) -> u64;
+    /// The dead copies of `group`.
+    async fn dead(&self, group: &str) -> Vec<DeadCopy>;
+    /// Starts a consumer named `tag`.
+    fn spawn(
+        &self,
+        config: ConsumerConfig,
+        handler: Arc<dyn Handler>,
+        tag: &str,
+        cancel: CancellationToken,
+    ) -> JoinHandle<Result<ConsumeReport, postbox_core::Error>>;
+    /// Removes the scratch streams.
+    async fn cleanup(&self);
+}
+
+/// One handler call.
+#[derive(Debug, Clone)]
+pub struct Call {
+    pub who: String,
+    pub message: Message,
+    pub at: Instant,
+}
+
+pub type Calls = Arc<Mutex<Vec<Call>>>;
+
+/// Records every call, sleeps `work`, and fails events whose id is in
+/// `poison`.
+pub struct Recording {
+    pub who: String,
+    pub calls: Calls,
+    pub work: Duration,
+    pub poison: Vec<String>,
+    /// Never returns for the first message (a consumer that hangs, to be
+    /// killed).
+    pub hang: bool,
+}
+
+#[async_trait]
+impl Handler for Recording {
+    async fn handle(&self, message: &Message) -> Result<Handled, HandlerError> {
+        self.calls.lock().unwrap().push(Call {
+            who: self.who.clone(),
+            message: message.clone(),
+            at: Instant::now(),
+        });
+        if self.hang {
+            futures::future::pending::<()>().await;
+        }
+        tokio::time::sleep(self.work).await;
+        if self.poison.iter().any(|p| p == message.event_id()) {
+            return Err(HandlerError::new(format!("poison {}", message.event_id())));
+        }
+        Ok(Handled::Ok)
+    }
+}
+
+pub fn recording(who: &str, calls: &Calls, work: Duration) -> Arc<dyn Handler> {
+    Arc::new(Recording {
+        who: who.into(),
+        calls: calls.clone(),
+        work,
+        poison: Vec::new(),
+        hang: false,
+    })
+}
+
+/// Waits until `done` holds, panicking with `what` after `limit`.
+pub async fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn group(prefix: &str) -> String {
+    let r = uuid::Uuid::now_v7().simple().to_string();
+    format!("{prefix}_{}_{}", std::process::id(), &r[r.len() - 6..])
+}
+
+async fn stop(
+    cancel: &CancellationToken,
+    task: JoinHandle<Result<ConsumeReport, postbox_core::Error>>,
+) -> ConsumeReport {
+    cancel.cancel();
+    tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("the consumer stops within 10 s of shutdown")
+        .expect("consumer task")
+        .expect("consumer run")
+}
+
+/// (1) N messages reach the handler with the right envelope and are acked.
+pub async fn delivers_every_message_with_its_envelope(b: &dyn Broker) {
+    let g = group("all");
+    let events: Vec<TestEvent> = (0..20).map(TestEvent::new).collect();
+    for e in &events {
+        b.publish(e).await;
+    }
+    let calls = Calls::default();
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        b.config(&g, serde_json::json!({})),
+        recording("a", &calls, Duration::ZERO),
+        "a",
+        cancel.clone(),
+    );
+    wait_until(Duration::from_secs(20), "20 messages handled", || {
+        calls.lock().unwrap().len() >= 20
+    })
+    .await;
+    let report = stop(&cancel, task).await;
+    assert_eq!(report.ok, 20, "{report:?}");
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 20, "each message handled once");
+    let by_id: HashMap<&str, &Message> = calls
+        .iter()
+        .map(|c| (c.message.event_id(), &c.message))
+        .collect();
+    for e in &events {
+        let m = by_id.get(e.event_id.as_str()).expect("every event arrives");
+        let mut want = e.envelope();
+        want.headers
+            .insert("x-attempt".into(), m.envelope.headers["x-attempt"].clone());
+        assert_eq!(m.envelope, want);
+        assert_eq!(
+            m.envelope.headers["x-attempt"]
+                .to_string()
+                .trim_matches('"'),
+            "1"
+        );
+        assert_eq!((m.attempt, m.redelivered), (1, false));
+    }
+    assert_eq!(b.outstanding(&g).await, 0, "nothing left pending");
+}
+
+/// (2) Two consumers share the work; with prefetch 1 neither ever holds
+/// more than one unacked message.
+pub async fn two_consumers_share_the_work_one_unacked_each(b: &dyn Broker) {
+    let g = group("share");
+    let n = 60;
+    for i in 0..n {
+        b.publish(&TestEvent::new(i)).await;
+    }
+    let calls = Calls::default();
+    let cancel = CancellationToken::new();
+    let config = b.config(&g, serde_json::json!({ "prefetch": 1 }));
+    let t1 = b.spawn(
+        config.clone(),
+        recording("one", &calls, Duration::from_millis(20)),
+        &format!("{g}-one"),
+        cancel.clone(),
+    );
+    let t2 = b.spawn(
+        config,
+        recording("two", &calls, Duration::from_millis(20)),
+        &format!("{g}-two"),
+        cancel.clone(),
+    );
+    let start = Instant::now();
+    let mut samples = 0;
+    let mut max_total = 0;
+    while calls.lock().unwrap().len() < n {
+        assert!(start.elapsed() < Duration::from_secs(30), "timed out");
+        let u = b.unacked(&g).await;
+        samples += 1;
+        max_total = max_total.max(u.total);
+        if let Some(per) = &u.per_consumer {
+            for (consumer, held) in per {
+                assert!(*held <= 1, "{consumer} held {held} unacked messages");
+            }
+        }
+        assert!(u.total <= 2, "{} unacked in the group", u.total);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let r1 = stop(&cancel, t1).await;
+    let r2 = stop(&cancel, t2).await;
+    assert_eq!(r1.ok + r2.ok, n as u64);
+    assert!(
+        r1.ok > 0 && r2.ok > 0,
+        "both did work: {} and {}",
+        r1.ok,
+        r2.ok
+    );
+    assert!(
+        samples > 10 && max_total >= 1,
+        "sampled {samples} times, max {max_total}"
+    );
+    assert_eq!(b.outstanding(&g).await, 0);
+}
+
+/// (3) A poison message is retried with growing delays while the others
+/// flow, then lands in the dead letters with its last error.
+pub async fn poison_goes_dead_after_growing_delays(b: &dyn Broker) {
+    let g = group("poison");
+    let poison = TestEvent::new(0);
+    b.publish(&poison).await;
+    let good: Vec<TestEvent> = (1..11).map(TestEvent::new).collect();
+    for e in &good {
+        b.publish(e).await;
+    }
+    let calls = Calls::default();
+    let cancel = CancellationToken::new();
+    let handler = Arc::new(Recording {
+        who: "a".into(),
+        calls: calls.clone(),
+        work: Duration::ZERO,
+        poison: vec![poison.event_id.clone()],
+        hang: false,
+    });
+    let config = b.config(
+        &g,
+        serde_json::json!({ "max_attempts": 4, "retry_delay": "200ms", "max_retry_delay": "2s" }),
+    );
+    let task = b.spawn(config, handler, "a", cancel.clone());
+    let start = Instant::now();
+    let dead = loop {
+        let d = b.dead(&g).await;
+        if !d.is_empty() {
+            break d;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no dead copy after 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let report = stop(&cancel, task).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].event_id, poison.event_id);
+    assert!(dead[0].last_error.contains("poison"), "{dead:?}");
+    let calls = calls.lock().unwrap().clone();
+    let tries: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.message.event_id() == poison.event_id)
+        .collect();
+    let attempts: Vec<u32> = tries.iter().map(|c| c.message.attempt).collect();
+    assert_eq!(attempts, [1, 2, 3, 4]);
+    assert_eq!(
+        tries
+            .iter()
+            .map(|c| c.message.redelivered)
+            .collect::<Vec<_>>(),
+        [false, true, true, true]
+    );
+    let gaps: Vec<Duration> = tries.windows(2).map(|w| w[1].at - w[0].at).collect();
+    eprintln!("poison retry gaps: {gaps:?}");
+    for (gap, want_ms) in gaps.iter().zip([200u64, 400, 800]) {
+        let want = Duration::from_millis(want_ms);
+        assert!(
+            *gap >= want.mul_f64(0.9),
+            "gap {gap:?} shorter than {want:?}"
+        );
+        assert!(
+            *gap < want + Duration::from_millis(1500),
+            "gap {gap:?} much longer than {want:?}"
+        );
+    }
+    // The others flowed while the poison waited.
+    let last_good = calls
+        .iter()
+        .filter(|c| c.message.event_id() != poison.event_id)
+        .map(|c| c.at)
+        .max()
+        .unwrap();
+    assert_eq!(
+        calls.len() - tries.len(),
+        good.len(),
+        "every good message handled once"
+    );
+    assert!(
+        last_good < tries[1].at,
+        "good messages were held back by the poison"
+    );
+    assert_eq!(
+        (report.ok, report.retry, report.dead),
+        (10, 3, 1),
+        "{report:?}"
+    );
+    assert_eq!(b.outstanding(&g).await, 0);
+}
+
+/// (4) A consumer that dies mid-message: the message goes to the other.
+pub async fn a_killed_consumers_message_is_redelivered(b: &dyn Broker, extra: serde_json::Value) {
+    let g = group("kill");
+    let e = TestEvent::new(0);
+    b.publish(&e).await;
+    let calls = Calls::default();
+    let config = b.config(&g, extra);
+    let hang = Arc::new(Recording {
+        who: "doomed".into(),
+        calls: calls.clone(),
+        work: Duration::ZERO,
+        poison: Vec::new(),
+        hang: true,
+    });
+    let doomed_cancel = CancellationToken::new();
+    let doomed = b.spawn(config.clone(), hang, &format!("{g}-doomed"), doomed_cancel);
+    wait_until(
+        Duration::from_secs(10),
+        "the doomed consumer took the message",
+        || !calls.lock().unwrap().is_empty(),
+    )
+    .await;
+    doomed.abort();
+    let _ = doomed.await;
+    let cancel = CancellationToken::new();
+    let survivor = b.spawn(
+        config,
+        recording("survivor", &calls, Duration::ZERO),
+        &format!("{g}-survivor"),
+        cancel.clone(),
+    );
+    wait_until(
+        Duration::from_secs(20),
+        "redelivery to the survivor",
+        || calls.lock().unwrap().iter().any(|c| c.who == "survivor"),
+    )
+    .await;
+    let report = stop(&cancel, survivor).await;
+    let calls = calls.lock().unwrap().clone();
+    let again = calls.iter().find(|c| c.who == "survivor").unwrap();
+    assert_eq!(again.message.event_id(), e.event_id);
+    assert_eq!(
+        (again.message.attempt, again.message.redelivered),
+        (2, true)
+    );
+    assert_eq!(report.ok, 1);
+    assert_eq!(b.outstanding(&g).await, 0);
+}
+
+/// Graceful shutdown: cancelled while a message is in hand, the consumer
+/// finishes it, acks it and returns without taking another.
+pub async fn shutdown_finishes_the_message_in_hand(b: &dyn Broker) {
+    let g = group("stop");
+    for i in 0..3 {
+        b.publish(&TestEvent::new(i)).await;
+    }
+    let calls = Calls::default();
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        b.config(&g, serde_json::json!({})),
+        recording("a", &calls, Duration::from_millis(700)),
+        "a",
+        cancel.clone(),
+    );
+    wait_until(Duration::from_secs(10), "a message in hand", || {
+        !calls.lock().unwrap().is_empty()
+    })
+    .await;
+    let report = stop(&cancel, task).await;
+    assert_eq!(
+        calls.lock().unwrap().len(),
+        1,
+        "nothing taken after the shutdown"
+    );
+    assert_eq!(report.ok, 1, "{report:?}");
+    assert_eq!(
+        b.unacked(&g).await.total,
+        0,
+        "the message in hand was acked"
+    );
+    assert_eq!(
+        b.outstanding(&g).await,
+        2,
+        "the others wait for the next consumer"
+    );
+}
+
+/// An effect table written in the inbox transaction.
+struct Effects;
+
+#[async_trait]
+impl postbox_consumers::inbox::TxHandler<sqlx::Sqlite> for Effects {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>,
+        message: &Message,
+    ) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
+            .bind(message.event_id())
+            .execute(&mut **tx)
+            .await
+            .map_err(HandlerError::new)?;
+        Ok(())
+    }
+}
+
+/// (5) With the inbox, a duplicate is counted `duplicate` and an older
+/// version `stale`; each effect happens once.
+pub async fn inbox_counts_duplicates_and_stale_versions(b: &dyn Broker) {
+    use postbox_consumers::inbox::{Inbox, InboxHandler};
+    let g = group("inbox");
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("inbox.db").display()
+    );
+    let inbox = Inbox::<sqlx::Sqlite>::connect(&url, "postbox_inbox")
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE effects (event_id TEXT NOT NULL)")
+        .execute(inbox.pool())
+        .await
+        .unwrap();
+    let pool = inbox.pool().clone();
+    let mut v1 = TestEvent::new(1);
+    v1.aggregate_id = Some("room-x".into());
+    v1.aggregate_version = Some(1);
+    let mut v2 = TestEvent::new(2);
+    v2.aggregate_id = Some("room-x".into());
+    v2.aggregate_version = Some(2);
+    let mut old = TestEvent::new(3);
+    old.aggregate_id = Some("room-x".into());
+    old.aggregate_version = Some(1);
+    b.publish(&v1).await;
+    b.publish(&v2).await;
+    b.publish(&v1).await; // a redelivered or republished copy
+    b.publish(&old).await;
+    let handler = Arc::new(InboxHandler::new(inbox, g.clone(), Effects));
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        b.config(&g, serde_json::json!({})),
+        handler,
+        "a",
+        cancel.clone(),
+    );
+    let start = Instant::now();
+    let report = loop {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM postbox_inbox")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if n >= 2 && b.outstanding(&g).await == 0 {
+            break stop(&cancel, task).await;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "timed out");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        (report.ok, report.duplicate, report.stale),
+        (2, 1, 1),
+        "{report:?}"
+    );
+    let effects: Vec<String> = sqlx::query_scalar("SELECT event_id FROM effects ORDER BY rowid")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(effects, [v1.event_id.clone(), v2.event_id.clone()]);
+}
+
+/// Runs every case against a broker built by `$new` (an async expression).
+#[macro_export]
+macro_rules! stream_consumer_suite {
+    ($new:expr, kill_config = $kill:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn delivers_every_message_with_its_envelope() {
+            let b = $new.await;
+            nats_redis_suite::delivers_every_message_with_its_envelope(&b).await;
+            b.cleanup().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn two_consumers_share_the_work_one_unacked_each() {
+            let b = $new.await;
+            nats_redis_suite::two_consumers_share_the_work_one_unacked_each(&b).await;
+            b.cleanup().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn poison_goes_dead_after_growing_delays() {
+            let b = $new.await;
+            nats_redis_suite::poison_goes_dead_after_growing_delays(&b).await;
+            b.cleanup().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn a_killed_consumers_message_is_redelivered() {
+            let b = $new.await;
+            nats_redis_suite::a_killed_consumers_message_is_redelivered(&b, $kill).await;
+            b.cleanup().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn shutdown_finishes_the_message_in_hand() {
+            let b = $new.await;
+            nats_redis_suite::shutdown_finishes_the_message_in_hand(&b).await;
+            b.cleanup().await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn inbox_counts_duplicates_and_stale_versions() {
+            let b = $new.await;
+            nats_redis_suite::inbox_counts_duplicates_and_stale_versions(&b).await;
+            b.cleanup().await;
+        }
+    };
+}
