@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use postbox_consumers::http::HttpHandler;
 use postbox_consumers::inbox::{Inbox, InboxHandler};
+use postbox_consumers::nats::NatsConsumer;
 use postbox_consumers::rabbitmq::RabbitMqConsumer;
+use postbox_consumers::redis::RedisConsumer;
 use postbox_consumers::{Handler, RetryPolicy};
 use postbox_core::config::{ConsumerConfig, ConsumerKind};
 use postbox_core::relay::CancellationToken;
@@ -28,16 +30,6 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
         );
     }
     for (i, c) in config.consumers.iter().enumerate() {
-        if c.kind != ConsumerKind::Rabbitmq {
-            return Err(Error::config(
-                format!("consumers.{i}.kind"),
-                format!(
-                    "`{}` consumers are not available in this version of postbox consume; use rabbitmq",
-                    c.kind.as_str()
-                ),
-            )
-            .into());
-        }
         if c.handler.is_none() {
             return Err(Error::config(
                 format!("consumers.{i}.handler"),
@@ -53,10 +45,22 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     let mut tasks = tokio::task::JoinSet::new();
     for (i, c) in config.consumers.iter().enumerate() {
         let handler = build_handler(i, c, &shutdown).await?;
-        let consumer = RabbitMqConsumer::new(c.clone(), handler)?;
         let shutdown = shutdown.clone();
         let name = c.name().to_owned();
-        tasks.spawn(async move { (name, consumer.run(shutdown).await) });
+        match c.kind {
+            ConsumerKind::Rabbitmq => {
+                let consumer = RabbitMqConsumer::new(c.clone(), handler)?;
+                tasks.spawn(async move { (name, consumer.run(shutdown).await) });
+            }
+            ConsumerKind::Nats => {
+                let consumer = NatsConsumer::new(c.clone(), handler)?;
+                tasks.spawn(async move { (name, consumer.run(shutdown).await) });
+            }
+            ConsumerKind::Redis => {
+                let consumer = RedisConsumer::new(c.clone(), handler)?;
+                tasks.spawn(async move { (name, consumer.run(shutdown).await) });
+            }
+        }
     }
     let mut failure = None;
     while let Some(joined) = tasks.join_next().await {
