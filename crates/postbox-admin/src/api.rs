@@ -309,6 +309,8 @@ pub(crate) async fn replay(
     for r in &replayed {
         tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin, "replayed: back to pending");
     }
+    // Fresh counts for the dashboard that asked, without waiting a poll.
+    state.poller.poll_once().await;
     Ok(Json(Replayed { replayed }))
 }
 

@@ -1,0 +1,233 @@
+//! The admin API against PostgreSQL: replay needs the token, pages cover
+//! every row once, an event shows its timeline.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use postbox_admin::{AdminServer, AdminSettings};
+use postbox_core::redact::Secret;
+use postbox_core::relay::CancellationToken;
+use postbox_core::store::OutboxStore;
+use postbox_core::{NewEvent, Status};
+use postbox_postgres::PgOutbox;
+use postbox_testkit::http::request;
+use postbox_testkit::servers::ensure_database;
+use postbox_testkit::{postgres_url, scratch_table};
+
+const TOKEN: &str = "test-admin-token-7f3a";
+
+struct Fixture {
+    store: Arc<dyn OutboxStore>,
+    table: String,
+    pool: sqlx::PgPool,
+}
+
+async fn fixture(prefix: &str) -> Fixture {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let table = scratch_table(prefix);
+    let store: Arc<dyn OutboxStore> =
+        Arc::new(PgOutbox::connect(&url, &table, 4).await.expect("connect"));
+    store.migrate().await.expect("migrate");
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    Fixture { store, table, pool }
+}
+
+impl Fixture {
+    async fn enqueue(&self, app: &str, n: usize) -> Vec<String> {
+        let evs: Vec<NewEvent> = (0..n)
+            .map(|i| NewEvent::new(app, "Thing", format!(r#"{{"n":{i}}}"#)))
+            .collect();
+        self.store
+            .enqueue_batch(&evs, 1 << 20)
+            .await
+            .expect("enqueue");
+        evs.into_iter().map(|e| e.event_id).collect()
+    }
+
+    /// Makes a row a dead letter, as the relay would after its last attempt.
+    async fn dead_letter(&self, event_id: &str) {
+        sqlx::query(&format!(
+            "UPDATE {} SET status = 'failed', retry_count = 3, last_error = 'broker said no' WHERE event_id = $1",
+            self.table
+        ))
+        .bind(event_id)
+        .execute(&self.pool)
+        .await
+        .expect("dead-letter");
+    }
+
+    async fn serve(&self, app: &str, token: Option<&str>) -> (SocketAddr, CancellationToken) {
+        let server = AdminServer::bind(
+            self.store.clone(),
+            AdminSettings {
+                listen: "127.0.0.1:0".into(),
+                token: token.map(Secret::new),
+                app_codes: vec![app.into()],
+                poll_interval: Duration::from_millis(100),
+            },
+        )
+        .await
+        .expect("bind admin");
+        let addr = server.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(server.run(stop.clone()));
+        (addr, stop)
+    }
+}
+
+#[tokio::test]
+async fn replay_needs_the_token_and_keeps_the_event_id() {
+    let fx = fixture("api_replay").await;
+    let app = "api";
+    let ids = fx.enqueue(app, 3).await;
+    fx.dead_letter(&ids[1]).await;
+    let (addr, stop) = fx.serve(app, Some(TOKEN)).await;
+    let path = format!("/api/events/{}/replay", ids[1]);
+
+    let none = request(addr, "POST", &path, &[]).await;
+    assert_eq!(none.status, 401, "{}", none.body);
+    assert!(none.json()["error"].as_str().unwrap().contains("Bearer"));
+    let wrong = request(addr, "POST", &path, &[("Authorization", "Bearer nope")]).await;
+    assert_eq!(wrong.status, 401, "{}", wrong.body);
+    let almost = format!("Bearer {}", &TOKEN[..TOKEN.len() - 1]);
+    let wrong = request(addr, "POST", &path, &[("Authorization", &almost)]).await;
+    assert_eq!(wrong.status, 401);
+    let row = fx.store.find(&ids[1]).await.unwrap().remove(0);
+    assert_eq!(
+        row.status,
+        Status::Failed,
+        "a refused replay changes nothing"
+    );
+
+    let bearer = format!("Bearer {TOKEN}");
+    let ok = request(addr, "POST", &path, &[("Authorization", &bearer)]).await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    assert_eq!(ok.json()["replayed"][0]["event_id"], ids[1].as_str());
+    let row = fx.store.find(&ids[1]).await.unwrap().remove(0);
+    assert_eq!(row.status, Status::Pending);
+    assert_eq!(row.event_id, ids[1]);
+    assert_eq!(row.retry_count, 0);
+    assert_eq!(row.replay_count, 1);
+
+    let missing = request(
+        addr,
+        "POST",
+        "/api/events/no-such-event/replay",
+        &[("Authorization", &bearer)],
+    )
+    .await;
+    assert_eq!(missing.status, 404, "{}", missing.body);
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn without_a_configured_token_replay_is_refused() {
+    let fx = fixture("api_notoken").await;
+    let app = "api";
+    let ids = fx.enqueue(app, 1).await;
+    fx.dead_letter(&ids[0]).await;
+    let (addr, stop) = fx.serve(app, None).await;
+    let path = format!("/api/events/{}/replay", ids[0]);
+    for auth in [vec![], vec![("Authorization", "Bearer ")]] {
+        let res = request(addr, "POST", &path, &auth).await;
+        assert_eq!(res.status, 403, "{}", res.body);
+        assert!(res.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("admin.token"));
+    }
+    assert_eq!(
+        fx.store.find(&ids[0]).await.unwrap()[0].status,
+        Status::Failed
+    );
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn pages_cover_every_row_exactly_once() {
+    let fx = fixture("api_pages").await;
+    let app = "pages";
+    let mut ids = fx.enqueue(app, 125).await;
+    // Another tenant's rows never show up in this one's pages.
+    fx.enqueue("other", 7).await;
+    for id in ids.iter().step_by(10) {
+        fx.dead_letter(id).await;
+    }
+    let (addr, stop) = fx.serve(app, None).await;
+
+    for (query, expected) in [
+        (format!("app_code={app}"), ids.clone()),
+        (
+            format!("app_code={app}&status=failed"),
+            ids.iter().step_by(10).cloned().collect::<Vec<_>>(),
+        ),
+    ] {
+        let mut seen = Vec::new();
+        let mut last_id = i64::MAX;
+        let mut cursor: Option<i64> = None;
+        let mut pages = 0;
+        loop {
+            let path = match cursor {
+                Some(c) => format!("/api/events?{query}&limit=50&before_id={c}"),
+                None => format!("/api/events?{query}&limit=50"),
+            };
+            let page = request(addr, "GET", &path, &[]).await;
+            assert_eq!(page.status, 200, "{}", page.body);
+            let page = page.json();
+            pages += 1;
+            for item in page["items"].as_array().unwrap() {
+                let id = item["id"].as_i64().unwrap();
+                assert!(id < last_id, "newest first");
+                last_id = id;
+                assert_eq!(item["app_code"], app);
+                seen.push(item["event_id"].as_str().unwrap().to_owned());
+            }
+            match page["next"].as_i64() {
+                Some(n) => cursor = Some(n),
+                None => break,
+            }
+            assert!(pages < 10, "pagination does not end");
+        }
+        let unique: HashSet<_> = seen.iter().collect();
+        assert_eq!(unique.len(), seen.len(), "{query}: a row on two pages");
+        let mut want = expected.clone();
+        want.sort();
+        seen.sort();
+        assert_eq!(seen, want, "{query}: every row exactly once");
+    }
+    ids.sort();
+
+    let bad = request(addr, "GET", "/api/events?status=lost", &[]).await;
+    assert_eq!(bad.status, 400);
+    assert!(bad.json()["error"].as_str().unwrap().starts_with("status:"));
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn an_event_shows_its_rows_and_timeline() {
+    let fx = fixture("api_show").await;
+    let app = "show";
+    let ids = fx.enqueue(app, 1).await;
+    let (addr, stop) = fx.serve(app, None).await;
+    let res = request(addr, "GET", &format!("/api/events/{}", ids[0]), &[]).await;
+    assert_eq!(res.status, 200, "{}", res.body);
+    let d = res.json();
+    assert_eq!(d["rows"][0]["event_id"], ids[0].as_str());
+    assert_eq!(d["timeline"][0]["kind"], "enqueued");
+    let res = request(addr, "GET", "/api/events/nope", &[]).await;
+    assert_eq!(res.status, 404);
+    assert!(res.json()["error"].as_str().unwrap().contains("nope"));
+
+    let health = request(addr, "GET", "/healthz", &[]).await;
+    assert_eq!(health.status, 200);
+    let page = request(addr, "GET", "/", &[]).await;
+    assert_eq!(page.status, 200);
+    assert!(page.body.contains("/dashboard.js"));
+    let stats = request(addr, "GET", "/api/stats", &[]).await.json();
+    assert_eq!(stats["apps"][0]["app_code"], app);
+    assert_eq!(stats["apps"][0]["pending"], 1);
+    stop.cancel();
+}

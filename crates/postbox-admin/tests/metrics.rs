@@ -1,0 +1,128 @@
+//! After a relay run against PostgreSQL, `/metrics` is valid Prometheus
+//! text with the delivered count and the publish counters. Its own test
+//! binary: the recorder and its counters are process-wide.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use postbox_admin::{AdminServer, AdminSettings};
+use postbox_core::relay::CancellationToken;
+use postbox_core::store::OutboxStore;
+use postbox_core::{NewEvent, Publisher};
+use postbox_postgres::PgOutbox;
+use postbox_testkit::conformance::{fast_worker, run_relay_until_for};
+use postbox_testkit::http::{parse_prometheus, request, sample_value};
+use postbox_testkit::servers::ensure_database;
+use postbox_testkit::{postgres_url, scratch_table, RecordingPublisher};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_after_a_relay_run() {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store: Arc<dyn OutboxStore> = Arc::new(
+        PgOutbox::connect(&url, &scratch_table("metrics"), 4)
+            .await
+            .expect("connect"),
+    );
+    store.migrate().await.expect("migrate");
+    let app = "metrics";
+    let good: Vec<NewEvent> = (0..40)
+        .map(|i| NewEvent::new(app, "Good", format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    let poison: Vec<NewEvent> = (0..3)
+        .map(|i| NewEvent::new(app, "Poison", format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    store.enqueue_batch(&good, 1 << 20).await.expect("enqueue");
+    store
+        .enqueue_batch(&poison, 1 << 20)
+        .await
+        .expect("enqueue");
+
+    // The server installs the recorder before the relay records anything.
+    let server = AdminServer::bind(
+        store.clone(),
+        AdminSettings {
+            listen: "127.0.0.1:0".into(),
+            token: None,
+            app_codes: vec![app.into()],
+            poll_interval: Duration::from_millis(100),
+        },
+    )
+    .await
+    .expect("bind admin");
+    let addr = server.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let serving = tokio::spawn(server.run(stop.clone()));
+
+    let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
+    let publishers: Vec<Arc<dyn Publisher>> = vec![publisher.clone()];
+    let worker = fast_worker(); // max_retry_count 3
+    let report = run_relay_until_for(store.clone(), publishers, worker, app, |s| {
+        s.delivered == 40 && s.failed == 3
+    })
+    .await;
+    assert_eq!((report.delivered, report.failed), (40, 3));
+    // Let the poller see the final counts.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+
+    let res = request(addr, "GET", "/metrics", &[]).await;
+    assert_eq!(res.status, 200);
+    assert!(res
+        .headers
+        .iter()
+        .any(|(k, v)| k == "content-type" && v.starts_with("text/plain")));
+    let samples = parse_prometheus(&res.body).unwrap_or_else(|e| panic!("{e}\n{}", res.body));
+    let v = |name: &str, labels: &[(&str, &str)]| {
+        sample_value(&samples, name, labels)
+            .unwrap_or_else(|| panic!("no {name}{labels:?} in\n{}", res.body))
+    };
+    let rec = ("publisher", "rec");
+    assert_eq!(v("postbox_publish_total", &[rec, ("result", "ok")]), 40.0);
+    // Three poison events, three attempts each.
+    assert_eq!(v("postbox_publish_total", &[rec, ("result", "error")]), 9.0);
+    assert!(sample_value(
+        &samples,
+        "postbox_publish_total",
+        &[rec, ("result", "timeout")]
+    )
+    .is_none());
+    assert!(v("postbox_publish_duration_seconds_count", &[rec]) >= 1.0);
+    assert_eq!(v("postbox_delivery_lag_seconds_count", &[]), 40.0);
+    assert_eq!(v("postbox_dead_lettered_total", &[("app_code", app)]), 3.0);
+    let events = |status| {
+        v(
+            "postbox_outbox_events",
+            &[("app_code", app), ("status", status)],
+        )
+    };
+    assert_eq!(events("delivered"), 40.0);
+    assert_eq!(events("failed"), 3.0);
+    assert_eq!(events("pending"), 0.0);
+    assert_eq!(
+        v(
+            "postbox_outbox_oldest_pending_age_seconds",
+            &[("app_code", app)]
+        ),
+        0.0
+    );
+    assert!(
+        res.body
+            .contains("# TYPE postbox_delivery_lag_seconds histogram"),
+        "histograms are exported with buckets:\n{}",
+        res.body
+    );
+
+    // The same snapshot serves /api/stats.
+    let stats = request(addr, "GET", "/api/stats", &[]).await.json();
+    assert_eq!(stats["apps"][0]["delivered"], 40);
+    let per_minute: i64 = stats["delivered_per_minute"][app]
+        .as_array()
+        .expect("chart data")
+        .iter()
+        .map(|m| m["delivered"].as_i64().unwrap())
+        .sum();
+    assert_eq!(per_minute, 40, "the chart counts every delivered row");
+
+    stop.cancel();
+    serving.await.unwrap().expect("admin server stops cleanly");
+}

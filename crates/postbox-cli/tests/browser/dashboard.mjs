@@ -1,0 +1,62 @@
+// Drives the postbox dashboard in headless Chromium. Called by
+// crates/postbox-cli/tests/dashboard.rs with a JSON argument:
+//   { url, token, app, counts: {status: n}, replay: event_id }
+// Checks the counts shown, replays a failed event through its button
+// (entering the token at the prompt) and waits for it to leave the failed
+// list. Exits non-zero with the reason on any failure.
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { chromium } from "playwright-core";
+
+const args = JSON.parse(process.argv[2]);
+const userDataDir = mkdtempSync(join(tmpdir(), "postbox-chromium-"));
+const context = await chromium.launchPersistentContext(userDataDir, {
+  executablePath: "/usr/bin/chromium",
+  headless: true,
+  args: [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+  ],
+});
+const result = { prompts: 0, timeline: [] };
+try {
+  const page = context.pages()[0] ?? (await context.newPage());
+  page.on("dialog", async (d) => {
+    result.prompts += 1;
+    await d.accept(args.token);
+  });
+  const requests = [];
+  page.on("request", (r) => requests.push(r.url()));
+  await page.goto(args.url, { waitUntil: "load" });
+
+  const cell = (status) => page.locator(`#apps tr[data-app="${args.app}"] td[data-status="${status}"]`);
+  for (const [status, n] of Object.entries(args.counts)) {
+    await cell(status).filter({ hasText: new RegExp(`^${n}$`) }).waitFor({ timeout: 15000 });
+  }
+  const failedRows = page.locator("#failed tbody tr");
+  await failedRows.first().waitFor({ timeout: 15000 });
+  result.failed_listed = await failedRows.count();
+
+  // The timeline of the event about to be replayed.
+  const row = page.locator(`#failed tr[data-event-id="${args.replay}"]`);
+  await row.locator("td").first().click();
+  await page.locator("#timeline li").first().waitFor({ timeout: 10000 });
+  result.timeline = await page.locator("#timeline li").allTextContents();
+
+  await row.locator("button.replay").click();
+  await row.waitFor({ state: "detached", timeout: 15000 });
+  result.message = await page.locator("#replay-message").textContent();
+  // The counts follow on the server's next poll.
+  await cell("failed").filter({ hasText: new RegExp(`^${args.counts.failed - 1}$`) }).waitFor({ timeout: 20000 });
+  result.failed_after = await failedRows.count();
+  result.offsite_requests = requests.filter((u) => !u.startsWith(args.url));
+  console.log(JSON.stringify(result));
+} catch (e) {
+  console.error("dashboard check failed:", e.message);
+  console.error(JSON.stringify(result));
+  process.exitCode = 1;
+} finally {
+  await context.close();
+  rmSync(userDataDir, { recursive: true, force: true });
+}
