@@ -9,8 +9,9 @@
 //!
 //! The connection is a [`ConnectionManager`]: after a dropped connection the
 //! batch in flight fails (and is retried by the relay), and the next batch
-//! reconnects. Each connection announces itself as library
-//! `postbox-<publisher name>` (`CLIENT LIST` shows it as `lib-name`).
+//! reconnects. On Redis 7.2 and later each connection announces itself as
+//! library `postbox-<publisher name>` (`lib-name` in `CLIENT LIST`); older
+//! servers ignore it.
 
 use std::time::Duration;
 
