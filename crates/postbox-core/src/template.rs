@@ -85,6 +85,37 @@ impl Template {
         out
     }
 
+    /// Renders the template with every placeholder value passed through
+    /// `escape` first (NATS makes each value exactly one subject token this
+    /// way, whatever dots it contains).
+    pub fn render_escaped(&self, event: &EventRecord, escape: impl Fn(&str) -> String) -> String {
+        let mut out = String::with_capacity(self.source.len() + 32);
+        for part in &self.parts {
+            match part {
+                Part::Literal(s) => out.push_str(s),
+                Part::AppCode => out.push_str(&escape(&event.app_code)),
+                Part::EventType => out.push_str(&escape(&event.event_type)),
+                Part::AggregateId => {
+                    out.push_str(&escape(event.aggregate_id.as_deref().unwrap_or("_")))
+                }
+            }
+        }
+        out
+    }
+
+    /// The template with every placeholder replaced by `with` (for example
+    /// `*`, to derive the subjects a NATS stream captures).
+    pub fn with_placeholders_as(&self, with: &str) -> String {
+        let mut out = String::with_capacity(self.source.len());
+        for part in &self.parts {
+            match part {
+                Part::Literal(s) => out.push_str(s),
+                _ => out.push_str(with),
+            }
+        }
+        out
+    }
+
     /// The template as written.
     pub fn as_str(&self) -> &str {
         &self.source
@@ -136,6 +167,15 @@ mod tests {
     fn renders_placeholders() {
         let t = Template::parse("x.{app_code}.{event_type}.{aggregate_id}").unwrap();
         assert_eq!(t.render(&record()), "x.room.RoomCreated._");
+    }
+
+    #[test]
+    fn escapes_values_and_replaces_placeholders() {
+        let t = Template::parse("x.{app_code}.{aggregate_id}").unwrap();
+        let mut r = record();
+        r.aggregate_id = Some("a.b".into());
+        assert_eq!(t.render_escaped(&r, |v| v.replace('.', "_")), "x.room.a_b");
+        assert_eq!(t.with_placeholders_as("*"), "x.*.*");
     }
 
     #[test]

@@ -7,6 +7,9 @@
 #![warn(missing_docs)]
 
 pub mod file;
+pub mod nats;
+pub mod redis;
+pub mod webhook;
 
 use std::sync::Arc;
 
@@ -17,6 +20,9 @@ use postbox_core::{Publisher, Result};
 pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     match config {
         PublisherConfig::File(c) => Ok(Arc::new(file::FilePublisher::open(c).await?)),
+        PublisherConfig::Nats(c) => Ok(Arc::new(nats::NatsPublisher::connect(c).await?)),
+        PublisherConfig::Redis(c) => Ok(Arc::new(redis::RedisPublisher::connect(c).await?)),
+        PublisherConfig::Webhook(c) => Ok(Arc::new(webhook::WebhookPublisher::new(c)?)),
         other => Err(postbox_core::Error::config(
             "publishers",
             format!("kind `{}` is not built yet", other.kind()),

@@ -1,0 +1,279 @@
+//! `kind = "nats"`: NATS JetStream (SPEC §4). The body is the payload; the
+//! subject comes from the `subject` template; `Nats-Msg-Id` is the event id,
+//! so the stream drops a resend inside its duplicate window; the metadata
+//! rides in headers. An event counts as delivered only on the stream's
+//! PubAck; a PubAck marked `duplicate` is delivered too, and counted in
+//! `postbox_publish_duplicates_total`.
+//!
+//! # Subjects
+//!
+//! Every placeholder renders as exactly one subject token: in its value the
+//! characters `.`, `*`, `>`, whitespace and control characters become `_`
+//! (an aggregate id `order.42` is published on `….order_42`), and an empty
+//! value becomes `_`. So the subjects a stream must capture are the template
+//! with every token that holds a placeholder replaced by `*`:
+//! `{app_code}.{event_type}` → `*.*`, `room.{aggregate_id}.events` →
+//! `room.*.events`. `declare = true` creates the stream with that subject
+//! filter.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, context::PublishErrorKind, stream};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::future::join_all;
+
+use postbox_core::config::NatsPublisherConfig;
+use postbox_core::publish::{Delivery, PublishError};
+use postbox_core::redact::redact_url;
+use postbox_core::template::Template;
+use postbox_core::{Error, Publisher, Result};
+
+/// How long a publish waits for its PubAck. While the client is
+/// disconnected, messages wait in its buffer and the ack times out into a
+/// retryable failure instead of hanging.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Publishes to a JetStream stream and awaits each PubAck.
+pub struct NatsPublisher {
+    name: String,
+    subject: Template,
+    stream: String,
+    client: async_nats::Client,
+    js: jetstream::Context,
+}
+
+impl NatsPublisher {
+    /// Connects, then checks that the stream exists, creating it when
+    /// `declare = true`.
+    pub async fn connect(config: &NatsPublisherConfig) -> Result<Self> {
+        let name = config.name.clone().unwrap_or_else(|| "nats".to_owned());
+        let url = config.url.expose();
+        let client = async_nats::ConnectOptions::new()
+            .name(format!("postbox publisher {name}"))
+            .connect(url)
+            .await
+            .map_err(|e| start_error(&name, &config.url, format!("cannot connect: {e}")))?;
+        let js = jetstream::ContextBuilder::new()
+            .timeout(ACK_TIMEOUT)
+            .build(client.clone());
+        let publisher = NatsPublisher {
+            name,
+            subject: config.subject.clone(),
+            stream: config.stream.clone(),
+            client,
+            js,
+        };
+        publisher.ensure_stream(config).await?;
+        Ok(publisher)
+    }
+
+    async fn ensure_stream(&self, config: &NatsPublisherConfig) -> Result<()> {
+        match self.js.get_stream(&self.stream).await {
+            Ok(_) => Ok(()),
+            Err(e) if is_stream_not_found(&e) => {
+                if !config.declare {
+                    return Err(Error::config(
+                        format!("publishers.{}.stream", self.name),
+                        format!(
+                            "JetStream stream `{}` does not exist: create it (capturing `{}`) or set `declare = true`",
+                            self.stream,
+                            stream_subjects(&self.subject)
+                        ),
+                    ));
+                }
+                let subjects = stream_subjects(&self.subject);
+                self.js
+                    .create_stream(stream::Config {
+                        name: self.stream.clone(),
+                        subjects: vec![subjects.clone()],
+                        storage: stream::StorageType::File,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(|e| {
+                        start_error(
+                            &self.name,
+                            &config.url,
+                            format!(
+                                "cannot create stream `{}` for subjects `{subjects}`: {e}",
+                                self.stream
+                            ),
+                        )
+                    })?;
+                tracing::info!(publisher = %self.name, stream = %self.stream, subjects = %subjects, "created JetStream stream");
+                Ok(())
+            }
+            Err(e) => Err(start_error(
+                &self.name,
+                &config.url,
+                format!("cannot look up stream `{}`: {e}", self.stream),
+            )),
+        }
+    }
+
+    /// The subject `d` is published on.
+    pub fn subject_of(&self, d: &Delivery<'_>) -> String {
+        subject_for(&self.subject, d.record)
+    }
+
+    fn headers(&self, d: &Delivery<'_>) -> std::result::Result<HeaderMap, String> {
+        let r = d.record;
+        let mut h = HeaderMap::new();
+        let mut put = |k: &str, v: &str| -> std::result::Result<(), String> {
+            let name: HeaderName = k
+                .parse()
+                .map_err(|_| format!("header name `{k}` is not valid in NATS"))?;
+            let value: HeaderValue = v
+                .parse()
+                .map_err(|_| format!("header `{k}` has a value NATS refuses (line break)"))?;
+            h.insert(name, value);
+            Ok(())
+        };
+        for (k, v) in r.headers_map() {
+            match v {
+                serde_json::Value::String(s) => put(&k, &s)?,
+                other => put(&k, &other.to_string())?,
+            }
+        }
+        put("Nats-Msg-Id", &r.event_id)?;
+        put("x-event-type", &r.event_type)?;
+        put("x-app-code", &r.app_code)?;
+        if let Some(a) = &r.aggregate_id {
+            put("x-aggregate-id", a)?;
+        }
+        if let Some(v) = r.aggregate_version {
+            put("x-aggregate-version", &v.to_string())?;
+        }
+        put("x-created-at-ms", &r.created_at_ms.to_string())?;
+        put("x-attempt", &d.attempt.to_string())?;
+        if d.replayed {
+            put("x-replayed", "true")?;
+        }
+        Ok(h)
+    }
+
+    fn publish_error(&self, subject: &str, e: &jetstream::context::PublishError) -> PublishError {
+        let message = match e.kind() {
+            PublishErrorKind::StreamNotFound => format!(
+                "{}: no JetStream stream captures subject `{subject}` (expected stream `{}`): fix `subject` or the stream's subjects",
+                self.name, self.stream
+            ),
+            PublishErrorKind::TimedOut => format!(
+                "{}: no PubAck for `{subject}` within {ACK_TIMEOUT:?} (NATS unreachable or the stream is slow); will retry",
+                self.name
+            ),
+            _ => format!("{}: publishing to `{subject}` failed: {e}", self.name),
+        };
+        PublishError::failed(message)
+    }
+}
+
+#[async_trait]
+impl Publisher for NatsPublisher {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<std::result::Result<(), PublishError>> {
+        // Send the whole batch first, then await the acks together: one
+        // round trip for the batch rather than one per event.
+        let mut pending = Vec::with_capacity(batch.len());
+        for d in batch {
+            let subject = self.subject_of(d);
+            let sent = match self.headers(d) {
+                Err(m) => Err(PublishError::failed(format!(
+                    "{}: event {}: {m}",
+                    self.name, d.record.event_id
+                ))),
+                Ok(headers) => {
+                    let body = Bytes::from(d.record.payload.clone().into_bytes());
+                    self.js
+                        .publish_with_headers(subject.clone(), headers, body)
+                        .await
+                        .map_err(|e| self.publish_error(&subject, &e))
+                }
+            };
+            pending.push((subject, sent));
+        }
+        let acks = pending.into_iter().map(|(subject, sent)| async move {
+            let ack = sent?
+                .await
+                .map_err(|e| self.publish_error(&subject, &e))?;
+            if ack.duplicate {
+                metrics::counter!("postbox_publish_duplicates_total", "publisher" => self.name.clone())
+                    .increment(1);
+            }
+            Ok(())
+        });
+        join_all(acks).await
+    }
+
+    async fn close(&self) {
+        if let Err(e) = self.client.flush().await {
+            tracing::debug!(publisher = %self.name, error = %e, "flush at close failed");
+        }
+    }
+}
+
+/// The subject of `record` under `template`: each placeholder value becomes
+/// exactly one token (see the module docs).
+pub fn subject_for(template: &Template, record: &postbox_core::EventRecord) -> String {
+    template.render_escaped(record, subject_token)
+}
+
+/// The subject filter a stream needs to capture every subject of
+/// `template`: each token holding a placeholder becomes `*`.
+pub fn stream_subjects(template: &Template) -> String {
+    const MARK: &str = "\u{0}";
+    template
+        .with_placeholders_as(MARK)
+        .split('.')
+        .map(|token| if token.contains(MARK) { "*" } else { token })
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+fn subject_token(value: &str) -> String {
+    if value.is_empty() {
+        return "_".to_owned();
+    }
+    value
+        .chars()
+        .map(|c| {
+            if matches!(c, '.' | '*' | '>') || c.is_whitespace() || c.is_control() {
+                '_'
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
+fn is_stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    use jetstream::context::GetStreamErrorKind;
+    matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+}
+
+fn start_error(name: &str, url: &postbox_core::redact::SecretUrl, reason: String) -> Error {
+    Error::Io {
+        context: format!("publisher `{name}` at {url}"),
+        source: std::io::Error::other(redact_url(&reason)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_single_tokens() {
+        let t = Template::parse("{app_code}.{event_type}.{aggregate_id}").unwrap();
+        assert_eq!(stream_subjects(&t), "*.*.*");
+        let t = Template::parse("room.{app_code}-{event_type}.x").unwrap();
+        assert_eq!(stream_subjects(&t), "room.*.x");
+        assert_eq!(subject_token("order.42 a>*"), "order_42_a__");
+        assert_eq!(subject_token(""), "_");
+    }
+}

@@ -1,0 +1,250 @@
+//! The NATS JetStream publisher against the local server: the conformance
+//! suite read back with a JetStream consumer, duplicates by `Nats-Msg-Id`,
+//! and the start-up and routing errors.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer};
+use async_trait::async_trait;
+use futures::StreamExt;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use postbox_core::config::NatsPublisherConfig;
+use postbox_core::publish::Delivery;
+use postbox_core::redact::SecretUrl;
+use postbox_core::template::Template;
+use postbox_core::Publisher;
+use postbox_publishers::nats::{subject_for, NatsPublisher};
+use postbox_testkit::publisher_suite::{check_publisher, sample_events, ReadBack, Received};
+use postbox_testkit::servers::how_to_start;
+use postbox_testkit::{nats_url, scratch_table};
+
+/// A scratch stream name and subject prefix, unique per process and test.
+fn scratch() -> (String, String) {
+    let base = scratch_table("pbt");
+    (base.to_uppercase(), base)
+}
+
+async fn jetstream() -> jetstream::Context {
+    let client = async_nats::connect(nats_url())
+        .await
+        .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("nats")));
+    jetstream::new(client)
+}
+
+fn config(name: &str, stream: &str, subject: &str, declare: bool) -> NatsPublisherConfig {
+    NatsPublisherConfig {
+        name: Some(name.to_owned()),
+        url: SecretUrl::new(nats_url()),
+        subject: Template::parse(subject).unwrap(),
+        stream: stream.to_owned(),
+        declare,
+    }
+}
+
+/// Deletes the stream when the test ends, however it ends.
+struct DropStream(String);
+
+impl Drop for DropStream {
+    fn drop(&mut self) {
+        let name = self.0.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                if let Ok(client) = async_nats::connect(nats_url()).await {
+                    let _ = jetstream::new(client).delete_stream(&name).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+struct StreamReader {
+    js: jetstream::Context,
+    stream: String,
+}
+
+#[async_trait]
+impl ReadBack for StreamReader {
+    async fn read(&mut self, expected: usize, timeout: Duration) -> Vec<Received> {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        let consumer = stream
+            .create_consumer(consumer::pull::Config {
+                ack_policy: consumer::AckPolicy::None,
+                deliver_policy: consumer::DeliverPolicy::All,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut messages = consumer.messages().await.unwrap();
+        let mut out = Vec::new();
+        let deadline = tokio::time::Instant::now() + timeout;
+        while out.len() < expected {
+            match tokio::time::timeout_at(deadline, messages.next()).await {
+                Ok(Some(Ok(m))) => out.push(received(&m)),
+                Ok(Some(Err(e))) => panic!("reading the stream: {e}"),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        // Anything extra shows up within a short grace period.
+        while let Ok(Some(Ok(m))) =
+            tokio::time::timeout(Duration::from_millis(300), messages.next()).await
+        {
+            out.push(received(&m));
+        }
+        out
+    }
+}
+
+fn received(m: &jetstream::Message) -> Received {
+    let mut headers: BTreeMap<String, String> = BTreeMap::new();
+    if let Some(h) = &m.headers {
+        for (k, v) in h.iter() {
+            headers.insert(k.to_string(), v[0].to_string());
+        }
+    }
+    let mut take = |k: &str| headers.remove(k);
+    let event_id = take("Nats-Msg-Id").expect("Nats-Msg-Id header");
+    let event_type = take("x-event-type").unwrap_or_default();
+    let app_code = take("x-app-code").unwrap_or_default();
+    let aggregate_id = take("x-aggregate-id");
+    let aggregate_version = take("x-aggregate-version").map(|v| v.parse().unwrap());
+    let created_at_ms = take("x-created-at-ms").unwrap().parse().unwrap();
+    let attempt = take("x-attempt").unwrap().parse().unwrap();
+    let replayed = take("x-replayed").as_deref() == Some("true");
+    Received {
+        event_id,
+        event_type,
+        app_code,
+        aggregate_id,
+        aggregate_version,
+        created_at_ms,
+        headers: headers
+            .into_iter()
+            .map(|(k, v)| (k, serde_json::Value::String(v)))
+            .collect(),
+        attempt,
+        replayed,
+        payload: serde_json::from_slice(&m.payload).expect("JSON payload"),
+        route: m.subject.to_string(),
+    }
+}
+
+#[tokio::test]
+async fn nats_publisher_passes_the_publisher_suite() {
+    let (stream, prefix) = scratch();
+    let _cleanup = DropStream(stream.clone());
+    let template = format!("{prefix}.{{app_code}}.{{event_type}}.{{aggregate_id}}");
+    let publisher = NatsPublisher::connect(&config("nats", &stream, &template, true))
+        .await
+        .expect("connect and declare the stream");
+    let mut events = sample_events("room", 120);
+    // A dotted aggregate id still lands in the stream, as one token.
+    events[0].aggregate_id = Some("order.42".to_owned());
+    let mut reader = StreamReader {
+        js: jetstream().await,
+        stream: stream.clone(),
+    };
+    let t = Template::parse(&template).unwrap();
+    check_publisher(&publisher, &events, 50, &mut reader, |e| subject_for(&t, e)).await;
+    assert_eq!(
+        subject_for(&t, &events[0]),
+        format!("{prefix}.room.RoomCreated.order_42")
+    );
+    publisher.close().await;
+}
+
+fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder).expect("first recorder of this binary");
+        handle
+    })
+}
+
+#[tokio::test]
+async fn a_resent_event_is_a_counted_duplicate_stored_once() {
+    let metrics = prometheus();
+    let (stream, prefix) = scratch();
+    let _cleanup = DropStream(stream.clone());
+    let name = format!("nats-dup-{}", std::process::id());
+    let publisher = NatsPublisher::connect(&config(
+        &name,
+        &stream,
+        &format!("{prefix}.{{event_type}}"),
+        true,
+    ))
+    .await
+    .unwrap();
+    let events = sample_events("room", 2);
+    let first = [Delivery::of(&events[0]), Delivery::of(&events[1])];
+    assert!(publisher.publish(&first).await.iter().all(Result::is_ok));
+    let again = [Delivery::of(&events[0])];
+    let results = publisher.publish(&again).await;
+    assert!(
+        results[0].is_ok(),
+        "a duplicate counts as delivered: {results:?}"
+    );
+
+    let line = format!("postbox_publish_duplicates_total{{publisher=\"{name}\"}} 1");
+    let rendered = metrics.render();
+    assert!(rendered.contains(&line), "{line} not in:\n{rendered}");
+    let mut s = jetstream().await.get_stream(&stream).await.unwrap();
+    assert_eq!(s.info().await.unwrap().state.messages, 2, "stored once");
+}
+
+#[tokio::test]
+async fn a_missing_stream_is_a_clear_error_at_start() {
+    let (stream, prefix) = scratch();
+    let err = NatsPublisher::connect(&config(
+        "nats-missing",
+        &stream,
+        &format!("{prefix}.{{event_type}}"),
+        false,
+    ))
+    .await
+    .err()
+    .expect("a missing stream without declare is refused");
+    let text = err.to_string();
+    assert!(
+        text.contains("nats-missing") && text.contains(&stream) && text.contains("declare"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_subject_no_stream_captures_is_a_failed_attempt() {
+    let (stream, prefix) = scratch();
+    let _cleanup = DropStream(stream.clone());
+    NatsPublisher::connect(&config(
+        "nats-a",
+        &stream,
+        &format!("{prefix}.a.{{event_type}}"),
+        true,
+    ))
+    .await
+    .unwrap();
+    // The stream exists but captures only `<prefix>.a.*`.
+    let stray = NatsPublisher::connect(&config(
+        "nats-stray",
+        &stream,
+        &format!("{prefix}.b.{{event_type}}"),
+        false,
+    ))
+    .await
+    .unwrap();
+    let events = sample_events("room", 1);
+    let results = stray.publish(&[Delivery::of(&events[0])]).await;
+    let err = results[0]
+        .as_ref()
+        .expect_err("nothing captured it")
+        .to_string();
+    assert!(
+        err.contains("no JetStream stream captures") && err.contains(&format!("{prefix}.b.")),
+        "{err}"
+    );
+}

@@ -1,0 +1,234 @@
+//! The Redis Streams publisher against the local server: the conformance
+//! suite read back with `XRANGE`, `MAXLEN ~` trimming, and a relay run
+//! through killed connections.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use postbox_core::config::RedisPublisherConfig;
+use postbox_core::publish::Delivery;
+use postbox_core::redact::SecretUrl;
+use postbox_core::store::OutboxStore;
+use postbox_core::template::Template;
+use postbox_core::{NewEvent, Publisher};
+use postbox_publishers::redis::RedisPublisher;
+use postbox_sqlite::SqliteOutbox;
+use postbox_testkit::conformance::{fast_worker, run_relay_until_for};
+use postbox_testkit::publisher_suite::{check_publisher, sample_events, ReadBack, Received};
+use postbox_testkit::servers::how_to_start;
+use postbox_testkit::{redis_url, scratch_table};
+use redis::AsyncCommands;
+
+async fn admin() -> redis::aio::MultiplexedConnection {
+    redis::Client::open(redis_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("redis")))
+}
+
+fn config(name: &str, stream: &str, maxlen: Option<u64>) -> RedisPublisherConfig {
+    RedisPublisherConfig {
+        name: Some(name.to_owned()),
+        url: SecretUrl::new(redis_url()),
+        stream: Template::parse(stream).unwrap(),
+        maxlen,
+    }
+}
+
+/// Deletes the scratch keys when the test ends.
+struct DropKeys(Vec<String>);
+
+impl Drop for DropKeys {
+    fn drop(&mut self) {
+        if let Ok(mut c) = redis::Client::open(redis_url()).and_then(|c| c.get_connection()) {
+            let _: redis::RedisResult<()> = redis::cmd("DEL").arg(&self.0).query(&mut c);
+        }
+    }
+}
+
+type Entry = (String, BTreeMap<String, String>);
+
+async fn xrange(stream: &str) -> Vec<Entry> {
+    let mut c = admin().await;
+    let reply: redis::streams::StreamRangeReply = c.xrange_all(stream).await.unwrap();
+    reply
+        .ids
+        .into_iter()
+        .map(|id| {
+            let fields = id
+                .map
+                .iter()
+                .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap()))
+                .collect();
+            (stream.to_owned(), fields)
+        })
+        .collect()
+}
+
+struct XRangeReader(Vec<String>);
+
+#[async_trait]
+impl ReadBack for XRangeReader {
+    async fn read(&mut self, _expected: usize, _timeout: Duration) -> Vec<Received> {
+        let mut out = Vec::new();
+        for stream in &self.0 {
+            for (route, f) in xrange(stream).await {
+                let mut headers: BTreeMap<String, serde_json::Value> =
+                    serde_json::from_str(&f["headers"]).expect("headers field is a JSON object");
+                let attempt = headers
+                    .remove("x-attempt")
+                    .and_then(|a| a.as_i64())
+                    .unwrap();
+                let replayed = headers.remove("x-replayed").and_then(|r| r.as_bool());
+                out.push(Received {
+                    event_id: f["event_id"].clone(),
+                    event_type: f["event_type"].clone(),
+                    app_code: f["app_code"].clone(),
+                    aggregate_id: f.get("aggregate_id").cloned(),
+                    aggregate_version: f.get("aggregate_version").map(|v| v.parse().unwrap()),
+                    created_at_ms: f["created_at_ms"].parse().unwrap(),
+                    headers,
+                    attempt: attempt as i32,
+                    replayed: replayed.unwrap_or(false),
+                    payload: serde_json::from_str(&f["payload"]).unwrap(),
+                    route,
+                });
+            }
+        }
+        out
+    }
+}
+
+#[tokio::test]
+async fn redis_publisher_passes_the_publisher_suite() {
+    let prefix = scratch_table("pbt");
+    let template = format!("{prefix}:{{app_code}}");
+    let streams = vec![format!("{prefix}:room"), format!("{prefix}:hall")];
+    let _cleanup = DropKeys(streams.clone());
+    let publisher = RedisPublisher::connect(&config("redis", &template, None))
+        .await
+        .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("redis")));
+    let mut events = sample_events("room", 90);
+    events.extend(sample_events("hall", 30));
+    let mut reader = XRangeReader(streams);
+    let t = Template::parse(&template).unwrap();
+    check_publisher(&publisher, &events, 50, &mut reader, |e| t.render(e)).await;
+}
+
+#[tokio::test]
+async fn maxlen_keeps_the_stream_near_its_bound() {
+    let stream = scratch_table("pbt_maxlen");
+    let _cleanup = DropKeys(vec![stream.clone()]);
+    let publisher = RedisPublisher::connect(&config("redis-maxlen", &stream, Some(100)))
+        .await
+        .unwrap();
+    let events = sample_events("room", 1000);
+    for chunk in events.chunks(100) {
+        let batch: Vec<Delivery<'_>> = chunk.iter().map(Delivery::of).collect();
+        assert!(publisher.publish(&batch).await.iter().all(Result::is_ok));
+    }
+    let len: u64 = admin().await.xlen(&stream).await.unwrap();
+    // `~` trims whole stream nodes (100 entries by default), never below n.
+    assert!(
+        (100..=250).contains(&len),
+        "XLEN {len} after 1000 XADDs with MAXLEN ~ 100"
+    );
+}
+
+/// A Redis ACL user for one test, so its connections can be found and
+/// killed without touching anyone else's; deleted (with its connections)
+/// when the test ends.
+struct ScratchUser(String);
+
+impl ScratchUser {
+    async fn create() -> (Self, String) {
+        let user = scratch_table("pbt_user");
+        let _: () = redis::cmd("ACL")
+            .arg(&["SETUSER", &user, "on", ">s3cret-pw", "~*", "&*", "+@all"])
+            .query_async(&mut admin().await)
+            .await
+            .unwrap();
+        let url = redis_url().replacen("redis://", &format!("redis://{user}:s3cret-pw@"), 1);
+        (ScratchUser(user), url)
+    }
+}
+
+impl Drop for ScratchUser {
+    fn drop(&mut self) {
+        if let Ok(mut c) = redis::Client::open(redis_url()).and_then(|c| c.get_connection()) {
+            let _: redis::RedisResult<()> =
+                redis::cmd("ACL").arg("DELUSER").arg(&self.0).query(&mut c);
+        }
+    }
+}
+
+#[tokio::test]
+async fn killed_connections_lose_nothing() {
+    const N: usize = 3000;
+    let stream = scratch_table("pbt_kill");
+    let _cleanup = DropKeys(vec![stream.clone()]);
+    let (user, url) = ScratchUser::create().await;
+    let mut c = config("redis-kill", &stream, None);
+    c.url = SecretUrl::new(url);
+    let publisher: Arc<dyn Publisher> = Arc::new(RedisPublisher::connect(&c).await.unwrap());
+
+    let path = std::env::temp_dir().join(format!("{}.db", scratch_table("redis_kill")));
+    let store = SqliteOutbox::connect(&format!("sqlite://{}", path.display()), "outbox", 4)
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let store: Arc<dyn OutboxStore> = Arc::new(store);
+    let app = "kill";
+    let events: Vec<NewEvent> = (0..N)
+        .map(|i| NewEvent::new(app, "Tick", format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    store.enqueue_batch(&events, 1 << 20).await.unwrap();
+
+    // Kill the publisher's connections three times while the relay runs.
+    let killer = {
+        let store = store.clone();
+        let user = user.0.clone();
+        tokio::spawn(async move {
+            let mut killed = 0;
+            let mut admin = admin().await;
+            for round in 1..=3 {
+                loop {
+                    let s = store.stats(&[app.to_owned()]).await.unwrap().remove(0);
+                    if s.delivered as usize >= round * N / 5 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let n: i64 = redis::cmd("CLIENT")
+                    .arg(&["KILL", "USER", &user])
+                    .query_async(&mut admin)
+                    .await
+                    .unwrap();
+                killed += n;
+            }
+            killed
+        })
+    };
+    let mut worker = fast_worker();
+    worker.max_retry_count = 20;
+    let report = run_relay_until_for(store.clone(), vec![publisher], worker, app, |s| {
+        s.delivered as usize == N
+    })
+    .await;
+    let killed = killer.await.unwrap();
+    assert!(
+        killed >= 1,
+        "no connection was killed: the test proved nothing"
+    );
+
+    let ids: HashSet<String> = xrange(&stream)
+        .await
+        .into_iter()
+        .map(|(_, f)| f["event_id"].clone())
+        .collect();
+    assert_eq!(ids.len(), N, "every event in the stream ({report:?})");
+    let _ = std::fs::remove_file(&path);
+}

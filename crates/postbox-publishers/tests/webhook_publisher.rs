@@ -1,0 +1,255 @@
+//! The webhook publisher against a small axum receiver in the test: the
+//! conformance suite, HMAC signatures checked by the receiver's own code,
+//! and retries through the real relay (500 then 200, 410, 429 with
+//! `Retry-After`).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use hmac::{Hmac, Mac};
+use postbox_core::config::{HumanDuration, WebhookPublisherConfig};
+use postbox_core::publish::Delivery;
+use postbox_core::redact::{Secret, SecretUrl};
+use postbox_core::store::OutboxStore;
+use postbox_core::{NewEvent, Publisher};
+use postbox_publishers::webhook::WebhookPublisher;
+use postbox_sqlite::SqliteOutbox;
+use postbox_testkit::conformance::{fast_worker, run_relay_until_for};
+use postbox_testkit::publisher_suite::{check_publisher, sample_events, ReadBack, Received};
+use postbox_testkit::scratch_table;
+use sha2::Sha256;
+
+const SECRET: &str = "receiver-secret";
+
+/// One request the receiver accepted (signature valid).
+#[derive(Clone)]
+struct Request {
+    path: String,
+    idempotency_key: String,
+    body: serde_json::Value,
+    at: Instant,
+}
+
+#[derive(Default)]
+struct Inner {
+    accepted: Vec<Request>,
+    rejected: usize,
+    /// Answers to give, in order; `default` once empty.
+    script: VecDeque<(u16, Option<&'static str>)>,
+    default: u16,
+}
+
+#[derive(Clone, Default)]
+struct Receiver(Arc<Mutex<Inner>>);
+
+/// The receiver's own check: HMAC-SHA256 over `<timestamp>.<body>`.
+fn signature_ok(headers: &HeaderMap, body: &[u8]) -> bool {
+    let get = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
+    let (Some(ts), Some(sig)) = (get("x-postbox-timestamp"), get("x-postbox-signature")) else {
+        return false;
+    };
+    let Some(hex_sig) = sig.strip_prefix("v1=") else {
+        return false;
+    };
+    let Ok(ts_num) = ts.parse::<u64>() else {
+        return false;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    if now.abs_diff(ts_num) > 300 {
+        return false;
+    }
+    let Ok(given) = hex::decode(hex_sig) else {
+        return false;
+    };
+    let mut mac = Hmac::<Sha256>::new_from_slice(SECRET.as_bytes()).unwrap();
+    mac.update(ts.as_bytes());
+    mac.update(b".");
+    mac.update(body);
+    mac.verify_slice(&given).is_ok()
+}
+
+async fn handle(State(r): State<Receiver>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let mut inner = r.0.lock().unwrap();
+    if !signature_ok(&headers, &body) {
+        inner.rejected += 1;
+        return (StatusCode::UNAUTHORIZED, "bad signature").into_response();
+    }
+    assert_eq!(headers["content-type"], "application/json");
+    inner.accepted.push(Request {
+        path: uri.path().to_owned(),
+        idempotency_key: headers["idempotency-key"].to_str().unwrap().to_owned(),
+        body: serde_json::from_slice(&body).unwrap(),
+        at: Instant::now(),
+    });
+    let default = inner.default;
+    let (status, retry_after) = inner.script.pop_front().unwrap_or((default, None));
+    let mut response = (StatusCode::from_u16(status).unwrap(), "receiver says no").into_response();
+    if let Some(ra) = retry_after {
+        response
+            .headers_mut()
+            .insert("retry-after", ra.parse().unwrap());
+    }
+    response
+}
+
+impl Receiver {
+    /// Starts a receiver answering `default` unless scripted otherwise;
+    /// returns it and its base URL.
+    async fn start(default: u16) -> (Receiver, String) {
+        let r = Receiver::default();
+        r.0.lock().unwrap().default = default;
+        let app = axum::Router::new().fallback(handle).with_state(r.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (r, format!("http://{addr}"))
+    }
+
+    fn accepted(&self) -> Vec<Request> {
+        self.0.lock().unwrap().accepted.clone()
+    }
+}
+
+fn config(url: &str, secret: &str) -> WebhookPublisherConfig {
+    WebhookPublisherConfig {
+        name: Some("webhook".to_owned()),
+        url: SecretUrl::new(url),
+        secret: Some(Secret::new(secret)),
+        timeout: HumanDuration::secs(5),
+    }
+}
+
+#[async_trait]
+impl ReadBack for Receiver {
+    async fn read(&mut self, _expected: usize, _timeout: Duration) -> Vec<Received> {
+        self.accepted()
+            .iter()
+            .map(|r| Received::from_envelope(&r.body, r.path.clone()))
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn webhook_publisher_passes_the_publisher_suite() {
+    let (mut receiver, base) = Receiver::start(200).await;
+    let publisher =
+        WebhookPublisher::new(&config(&format!("{base}/hooks/in?token=abc"), SECRET)).unwrap();
+    let events = sample_events("room", 120);
+    check_publisher(&publisher, &events, 50, &mut receiver, |_| {
+        "/hooks/in".to_owned()
+    })
+    .await;
+    for r in receiver.accepted() {
+        assert_eq!(r.idempotency_key, r.body["event_id"].as_str().unwrap());
+    }
+}
+
+#[tokio::test]
+async fn a_wrong_secret_is_rejected_by_the_receiver() {
+    let (receiver, base) = Receiver::start(200).await;
+    let publisher = WebhookPublisher::new(&config(
+        &format!("http://u:pw@{}/in?token=tok", &base[7..]),
+        "wrong",
+    ))
+    .unwrap();
+    let events = sample_events("room", 1);
+    let results = publisher.publish(&[Delivery::of(&events[0])]).await;
+    let err = results[0]
+        .as_ref()
+        .expect_err("401 is a failed attempt")
+        .to_string();
+    assert!(
+        err.contains("401") && err.contains("not retryable"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("pw") && !err.contains("tok") && !err.contains("wrong"),
+        "{err}"
+    );
+    assert_eq!(receiver.0.lock().unwrap().rejected, 1);
+    assert!(receiver.accepted().is_empty());
+}
+
+async fn store_with(app: &str, n: usize) -> Arc<dyn OutboxStore> {
+    let path = std::env::temp_dir().join(format!("{}.db", scratch_table("webhook")));
+    let store = SqliteOutbox::connect(&format!("sqlite://{}", path.display()), "outbox", 4)
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let events: Vec<NewEvent> = (0..n)
+        .map(|i| NewEvent::new(app, "Ping", format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    store.enqueue_batch(&events, 1 << 20).await.unwrap();
+    Arc::new(store)
+}
+
+fn publisher(base: &str) -> Vec<Arc<dyn Publisher>> {
+    vec![Arc::new(
+        WebhookPublisher::new(&config(&format!("{base}/in"), SECRET)).unwrap(),
+    )]
+}
+
+#[tokio::test]
+async fn a_500_then_200_is_delivered_through_the_relay() {
+    let (receiver, base) = Receiver::start(200).await;
+    receiver.0.lock().unwrap().script.push_back((500, None));
+    let store = store_with("w500", 1).await;
+    run_relay_until_for(store, publisher(&base), fast_worker(), "w500", |s| {
+        s.delivered == 1
+    })
+    .await;
+    let got = receiver.accepted();
+    assert_eq!(got.len(), 2, "one 500, one 200");
+    assert_eq!(got[0].idempotency_key, got[1].idempotency_key);
+    assert_eq!(
+        got[0].idempotency_key,
+        got[0].body["event_id"].as_str().unwrap()
+    );
+    assert_eq!(got[0].body["headers"]["x-attempt"], 1);
+    assert_eq!(got[1].body["headers"]["x-attempt"], 2);
+}
+
+#[tokio::test]
+async fn a_410_is_retried_until_failed_at_max_retry_count() {
+    let (receiver, base) = Receiver::start(410).await;
+    let store = store_with("w410", 1).await;
+    let worker = fast_worker();
+    let max = worker.max_retry_count as usize;
+    run_relay_until_for(store, publisher(&base), worker, "w410", |s| s.failed == 1).await;
+    let got = receiver.accepted();
+    assert!(
+        (max..=max + 1).contains(&got.len()),
+        "{} attempts for max_retry_count {max}",
+        got.len()
+    );
+}
+
+#[tokio::test]
+async fn a_429_retry_after_delays_the_retry() {
+    let (receiver, base) = Receiver::start(200).await;
+    receiver
+        .0
+        .lock()
+        .unwrap()
+        .script
+        .push_back((429, Some("2")));
+    let store = store_with("w429", 1).await;
+    // fast_worker backs off at most 200 ms: only Retry-After explains 2 s.
+    run_relay_until_for(store, publisher(&base), fast_worker(), "w429", |s| {
+        s.delivered == 1
+    })
+    .await;
+    let got = receiver.accepted();
+    assert_eq!(got.len(), 2);
+    let waited = got[1].at - got[0].at;
+    assert!(waited >= Duration::from_secs(2), "retried after {waited:?}");
+}
