@@ -34,6 +34,22 @@ pub struct FailureUpdate {
     pub delivered_to: Vec<String>,
     /// Truncated error text.
     pub error: String,
+    /// The publishers that failed this attempt (comma-separated when
+    /// several); `None` when nothing was published (a lease that expired on
+    /// the last allowed attempt). Written to the attempt history.
+    pub publisher: Option<String>,
+}
+
+impl FailureUpdate {
+    /// The history entry this update writes: `dead_lettered` when it makes
+    /// the row `failed`, else `failed`.
+    pub fn history_kind(&self) -> HistoryKind {
+        if self.status == Status::Failed {
+            HistoryKind::DeadLettered
+        } else {
+            HistoryKind::Failed
+        }
+    }
 }
 
 /// Filters shared by `events list`, `replay` and the admin API.
@@ -92,12 +108,40 @@ pub struct HistoryEntry {
     pub at_ms: i64,
     /// What happened.
     pub kind: HistoryKind,
-    /// The attempt number it concerns (1 for the first delivery attempt).
+    /// The attempt number it concerns (1 for the first delivery attempt);
+    /// 0 for a replay, which is not a delivery attempt.
     pub attempt: i32,
     /// The publisher that failed, when one did.
     pub publisher: Option<String>,
     /// Error text (failures) or origin (replays: `cli`, `api 10.0.0.7`, …).
     pub detail: Option<String>,
+}
+
+/// Most history entries kept per `(app_code, event_id)`; writing one more
+/// deletes the oldest.
+pub const HISTORY_LIMIT: i64 = 20;
+
+impl HistoryKind {
+    /// The stored name (`failed`, `lease_expired`, `dead_lettered`, `replayed`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HistoryKind::Failed => "failed",
+            HistoryKind::LeaseExpired => "lease_expired",
+            HistoryKind::DeadLettered => "dead_lettered",
+            HistoryKind::Replayed => "replayed",
+        }
+    }
+
+    /// Reads a stored name; `None` for one this version does not know.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "failed" => HistoryKind::Failed,
+            "lease_expired" => HistoryKind::LeaseExpired,
+            "dead_lettered" => HistoryKind::DeadLettered,
+            "replayed" => HistoryKind::Replayed,
+            _ => return None,
+        })
+    }
 }
 
 /// Counts of one tenant.
@@ -271,8 +315,16 @@ pub trait OutboxStore: Send + Sync + 'static {
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
 
     /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`.
-    /// Returns the rows affected (or that would be, with `dry_run`).
-    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>>;
+    /// Returns the rows affected (or that would be, with `dry_run`). Each
+    /// replayed row gets a [`HistoryKind::Replayed`] history entry whose
+    /// detail is `origin` (`cli`, `api 10.0.0.7:51234`, …), written in the
+    /// same transaction.
+    async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>>;
 
     /// The database clock, epoch ms.
     async fn now_ms(&self) -> Result<i64>;
@@ -281,9 +333,8 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// rows. Nothing is changed: executions are rolled back.
     async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>>;
 
-    /// The attempt history of an event, oldest first.
-    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
-        let _ = event_id;
-        Ok(Vec::new())
-    }
+    /// The attempt history of an event (every app_code), oldest first: at
+    /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in
+    /// `<table>_history`, keyed by event id, so it outlives archiving.
+    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>>;
 }

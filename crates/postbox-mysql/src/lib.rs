@@ -62,6 +62,12 @@ struct Statements {
     unarchive_filter_lock: String,
     unarchive_ids: String,
     delete_unarchived: String,
+    history_failed: String,
+    history_lease_expired: String,
+    history_replayed: String,
+    history_over_limit: String,
+    history_prune: String,
+    history: String,
 }
 
 impl Statements {
@@ -106,6 +112,12 @@ impl Statements {
             unarchive_filter_lock: t.render(sql::UNARCHIVE_FILTER_LOCK),
             unarchive_ids: t.render(sql::UNARCHIVE_IDS),
             delete_unarchived: t.render(sql::DELETE_UNARCHIVED),
+            history_failed: t.render(sql::HISTORY_FAILED),
+            history_lease_expired: t.render(sql::HISTORY_LEASE_EXPIRED),
+            history_replayed: t.render(sql::HISTORY_REPLAYED),
+            history_over_limit: t.render(sql::HISTORY_OVER_LIMIT),
+            history_prune: t.render(sql::HISTORY_PRUNE),
+            history: t.render(sql::HISTORY),
         }
     }
 }

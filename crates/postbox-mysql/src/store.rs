@@ -13,14 +13,14 @@ use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, OutboxStore,
-    ReplaySelector,
+    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, HistoryEntry,
+    MigrateReport, OutboxStore, ReplaySelector, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
 use crate::{sql, MySqlOutbox};
 
-use postbox_sqlx::records;
+use postbox_sqlx::{history_entries, records};
 
 /// The ids a locking `SELECT id …` returned.
 fn first_column(rows: &[MySqlRow]) -> std::result::Result<Vec<i64>, sqlx::Error> {
@@ -115,6 +115,58 @@ impl MySqlOutbox {
         Ok(out)
     }
 
+    /// Writes one history entry per row of `ids` with `template`
+    /// (`{ids}` list; `origin`, when given, is bound first), then prunes.
+    async fn record_history(
+        &self,
+        conn: &mut MySqlConnection,
+        template: &str,
+        origin: Option<&str>,
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(template, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text);
+            if let Some(origin) = origin {
+                q = q.bind(origin);
+            }
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            q.execute(&mut *conn).await?;
+        }
+        self.prune_history(conn, ids).await
+    }
+
+    /// Deletes history beyond [`HISTORY_LIMIT`] entries for the events of rows `ids`.
+    async fn prune_history(
+        &self,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(&self.sql.history_over_limit, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text);
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            let over = q.bind(HISTORY_LIMIT).fetch_all(&mut *conn).await?;
+            for row in over {
+                let event_id: String = row.try_get(0)?;
+                let app_code: String = row.try_get(1)?;
+                sqlx::query(&self.sql.history_prune)
+                    .bind(&event_id)
+                    .bind(&app_code)
+                    .bind(&event_id)
+                    .bind(&app_code)
+                    .bind(HISTORY_LIMIT - 1)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
     /// Puts the (locked) rows `ids` back to pending and reads them back.
     async fn replay_locked(
         &self,
@@ -186,6 +238,12 @@ impl OutboxStore for MySqlOutbox {
             }
             q.execute(&mut *tx).await.map_err(db)?;
         }
+        // The takeover counted an attempt: record it with the claim.
+        if source == ClaimSource::ExpiredLease {
+            self.record_history(&mut tx, &self.sql.history_lease_expired, None, &ids)
+                .await
+                .map_err(db)?;
+        }
         // 4. Commit, and hand out the rows as the update left them.
         tx.commit().await.map_err(db)?;
         for r in &mut claimed {
@@ -219,6 +277,8 @@ impl OutboxStore for MySqlOutbox {
     }
 
     async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+        let db = |e| crate::db_error("mark failed attempt", e);
+        let mut tx = self.pool.begin().await.map_err(db)?;
         let done = sqlx::query(&self.sql.mark_failed)
             .bind(u.status.as_str())
             .bind(u.retry_count)
@@ -228,10 +288,24 @@ impl OutboxStore for MySqlOutbox {
             .bind(id)
             .bind(&fence.worker_id)
             .bind(fence.lock_until_ms)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await
-            .map_err(|e| crate::db_error("mark failed attempt", e))?;
-        Ok(done.rows_affected() == 1)
+            .map_err(db)?;
+        let written = done.rows_affected() == 1;
+        if written {
+            sqlx::query(&self.sql.history_failed)
+                .bind(u.history_kind().as_str())
+                .bind(u.retry_count)
+                .bind(&u.publisher)
+                .bind(&u.error)
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            self.prune_history(&mut tx, &[id]).await.map_err(db)?;
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(written)
     }
 
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
@@ -323,7 +397,12 @@ impl OutboxStore for MySqlOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
+    async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
         match selector {
             ReplaySelector::EventIds {
@@ -372,6 +451,12 @@ impl OutboxStore for MySqlOutbox {
                     out = self.replay_locked(&mut tx, &ids).await?;
                 }
                 out.sort_by_key(|r| r.id);
+                if !dry_run && !out.is_empty() {
+                    let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+                    self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                        .await
+                        .map_err(db)?;
+                }
                 tx.commit().await.map_err(db)?;
                 Ok(out)
             }
@@ -418,10 +503,25 @@ impl OutboxStore for MySqlOutbox {
                         }
                     }
                 }
+                if !dry_run && !out.is_empty() {
+                    let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+                    self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                        .await
+                        .map_err(db)?;
+                }
                 tx.commit().await.map_err(db)?;
                 Ok(out)
             }
         }
+    }
+
+    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+        let rows = sqlx::query(&self.sql.history)
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("read history", e))?;
+        history_entries(rows)
     }
 
     async fn now_ms(&self) -> Result<i64> {

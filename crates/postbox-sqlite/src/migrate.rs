@@ -10,11 +10,14 @@ use postbox_core::Result;
 use crate::{finish, sql, SqliteOutbox};
 
 /// `(version, description, statements)`, applied in order.
-const MIGRATIONS: &[(u32, &str, &[&str])] = &[(
-    1,
-    "outbox table, claim indexes, archive table",
-    sql::V1_SCHEMA,
-)];
+pub(crate) const MIGRATIONS: &[(u32, &str, &[&str])] = &[
+    (
+        1,
+        "outbox table, claim indexes, archive table",
+        sql::V1_SCHEMA,
+    ),
+    (2, "attempt history", sql::V2_HISTORY),
+];
 
 impl SqliteOutbox {
     pub(crate) async fn run_migrations(&self) -> Result<MigrateReport> {

@@ -287,6 +287,52 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
 pub(crate) const DELETE_UNARCHIVED: &str =
     "DELETE FROM {archive} WHERE id IN (SELECT value FROM json_each(?1))";
 
+// ---- attempt history ----
+// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
+// row's id, so an event's history outlives archiving. Every write runs in
+// the transaction of the state change it records.
+
+/// One failed attempt of row ?1: kind ?2 (`failed` or `dead_lettered`),
+/// attempt ?3, publisher ?4, error ?5.
+pub(crate) const HISTORY_FAILED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
+);
+
+/// Rows ?1 (JSON array) were just taken over after their lease expired;
+/// the claim already counted the attempt and wrote `last_error`.
+pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", 'lease_expired', retry_count, NULL, last_error FROM {table} \
+     WHERE id IN (SELECT value FROM json_each(?1))"
+);
+
+/// Rows ?1 (JSON array) were just replayed from origin ?2.
+pub(crate) const HISTORY_REPLAYED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", 'replayed', 0, NULL, ?2 FROM {table} WHERE id IN (SELECT value FROM json_each(?1))"
+);
+
+/// Keeps the newest ?2 entries of each event of rows ?1 (JSON array).
+/// Index: `{table}_history_event_idx (event_id, app_code, id)`, read backwards.
+pub(crate) const HISTORY_PRUNE: &str = "DELETE FROM {table}_history AS d \
+     WHERE EXISTS (SELECT 1 FROM {table} t \
+         WHERE t.id IN (SELECT value FROM json_each(?1)) \
+           AND t.event_id = d.event_id AND t.app_code = d.app_code) \
+       AND d.id < (SELECT h.id FROM {table}_history h \
+         WHERE h.event_id = d.event_id AND h.app_code = d.app_code \
+         ORDER BY h.id DESC LIMIT 1 OFFSET ?2 - 1)";
+
+/// An event's history, oldest first. Index: `{table}_history_event_idx`.
+pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail \
+     FROM {table}_history WHERE event_id = ?1 ORDER BY id";
+
 // ---- schema ----
 
 pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
@@ -325,4 +371,19 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     ),
     "CREATE UNIQUE INDEX IF NOT EXISTS {archive}_event_uq ON {archive} (app_code, event_id)",
     "CREATE INDEX IF NOT EXISTS {archive}_created_idx ON {archive} (app_code, created_at_ms)",
+];
+
+/// Version 2: the bounded attempt history, keyed by event id so that it
+/// survives archiving of the outbox row.
+pub(crate) const V2_HISTORY: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS {table}_history ( \
+       id INTEGER PRIMARY KEY AUTOINCREMENT, \
+       app_code VARCHAR(64) NOT NULL, \
+       event_id VARCHAR(64) NOT NULL, \
+       at_ms BIGINT NOT NULL, \
+       kind VARCHAR(16) NOT NULL, \
+       attempt INTEGER NOT NULL, \
+       publisher VARCHAR(512), \
+       detail TEXT)",
+    "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
 ];

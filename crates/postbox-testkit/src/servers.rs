@@ -121,10 +121,13 @@ async fn drop_stale_scratch_tables(server: &str, url: &str) {
     SEEN.lock().unwrap().push(key);
 }
 
-/// `{prefix}_{pid}_{n}_{6 hex}` (and its `_archive` twin), as made by
-/// [`scratch_table`].
+/// `{prefix}_{pid}_{n}_{6 hex}` (and its `_archive` and `_history`
+/// twins), as made by [`scratch_table`].
 fn is_scratch(name: &str) -> bool {
-    let base = name.strip_suffix("_archive").unwrap_or(name);
+    let base = name
+        .strip_suffix("_archive")
+        .or_else(|| name.strip_suffix("_history"))
+        .unwrap_or(name);
     let parts: Vec<&str> = base.rsplitn(4, '_').collect();
     parts.len() == 4
         && parts[0].len() == 6
@@ -150,6 +153,7 @@ mod tests {
         let t = super::scratch_table("pg");
         assert!(super::is_scratch(&t), "{t}");
         assert!(super::is_scratch(&format!("{t}_archive")));
+        assert!(super::is_scratch(&format!("{t}_history")));
         for other in [
             "room_outbox",
             "postbox_schema_migrations",

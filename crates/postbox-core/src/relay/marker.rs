@@ -66,6 +66,13 @@ impl Marker {
                 },
             );
             let fence = o.event.fence();
+            let failed_publishers = (!o.skip_publish && !o.errors.is_empty()).then(|| {
+                o.errors
+                    .iter()
+                    .map(|(p, _)| p.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            });
             match decision {
                 Decision::Delivered => delivered.entry(fence).or_default().push(r.id),
                 Decision::Retry {
@@ -85,6 +92,7 @@ impl Marker {
                         retry_after_ms: after.as_millis() as i64,
                         delivered_to,
                         error: truncate_error(&error),
+                        publisher: failed_publishers.clone(),
                     };
                     if self.write_failure(&fence, r.id, &update, &r.event_id).await {
                         report.retried += 1;
@@ -104,6 +112,7 @@ impl Marker {
                         retry_after_ms: 0,
                         delivered_to,
                         error: truncate_error(&error),
+                        publisher: failed_publishers.clone(),
                     };
                     if self.write_failure(&fence, r.id, &update, &r.event_id).await {
                         report.failed += 1;
