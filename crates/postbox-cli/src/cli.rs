@@ -52,6 +52,8 @@ pub enum Command {
     Events(EventsArgs),
     /// Put rows back to pending with retry_count 0, keeping their event_id.
     Replay(ReplayArgs),
+    /// Move delivered rows older than a cut-off into <table>_archive, in batches.
+    Archive(ArchiveArgs),
     /// Write events: one from flags, or many from a JSON-lines file.
     Enqueue(EnqueueArgs),
     /// A self-contained demo on SQLite and a JSON-lines file; no servers needed.
@@ -136,6 +138,22 @@ pub struct ReplayArgs {
     /// Show what would be replayed, change nothing.
     #[arg(long)]
     pub dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ArchiveArgs {
+    /// Move rows last updated longer ago than this (default: archive.older_than).
+    #[arg(long)]
+    pub older_than: Option<String>,
+    /// Rows per batch, one transaction each (default: archive.batch_size).
+    #[arg(long)]
+    pub batch_size: Option<u32>,
+    /// Stop after this many batches.
+    #[arg(long)]
+    pub max_batches: Option<u64>,
+    /// Only these app_codes (default: database.app_codes).
+    #[arg(long = "app-code")]
+    pub app_codes: Vec<String>,
 }
 
 #[derive(Debug, Args)]

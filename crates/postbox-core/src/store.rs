@@ -212,6 +212,42 @@ pub const CLAIM_QUERIES: [(&str, ClaimSource, &str); 3] = [
     ),
 ];
 
+/// What one archive run moves: `delivered` (and legacy `published`) rows of
+/// these app_codes last updated before `before_ms`.
+#[derive(Debug, Clone)]
+pub struct ArchiveRequest {
+    /// Tenants to archive, one after another (the archive query is scoped
+    /// by app_code so that it reads `{table}_status_updated_idx`).
+    pub app_codes: Vec<String>,
+    /// Cut-off on the database clock, epoch ms: rows with
+    /// `updated_at_ms < before_ms` move.
+    pub before_ms: i64,
+    /// Rows per batch (one transaction each).
+    pub batch_size: u32,
+    /// Stop after this many batches (`None`: until done).
+    pub max_batches: Option<u64>,
+}
+
+/// Outcome of one archive run.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ArchiveReport {
+    /// Rows moved into `<table>_archive`.
+    pub moved: u64,
+    /// Batches that moved rows.
+    pub batches: u64,
+    /// False when `max_batches` stopped the run before it was done.
+    pub complete: bool,
+    /// Another archiver held the lock; nothing was done.
+    pub locked_out: bool,
+}
+
+/// The archive queries (one per archived status): name and the index
+/// (suffix after the table name) each is written for. `doctor` checks them.
+pub const ARCHIVE_QUERIES: [(&str, &str, &str); 2] = [
+    ("archive_delivered", "delivered", "_status_updated_idx"),
+    ("archive_published", "published", "_status_updated_idx"),
+];
+
 /// Outcome of `migrate`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct MigrateReport {
@@ -332,6 +368,19 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Plans of the three claim queries for `app_code`, taking up to `limit`
     /// rows. Nothing is changed: executions are rolled back.
     async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>>;
+
+    /// Moves old `delivered`/`published` rows into `<table>_archive` in
+    /// batches, each one transaction that inserts what the archive lacks
+    /// (unique `id`) and deletes from the outbox only rows present in the
+    /// archive, so a crash at any point loses and duplicates nothing.
+    /// Only one archiver runs at a time per table: when another holds the
+    /// lock this returns at once with `locked_out`. `on_batch` is called
+    /// with the rows each batch moved.
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport>;
 
     /// The attempt history of an event (every app_code), oldest first: at
     /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in

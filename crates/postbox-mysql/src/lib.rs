@@ -68,6 +68,9 @@ struct Statements {
     history_over_limit: String,
     history_prune: String,
     history: String,
+    archive_pick_lock: String,
+    archive_copy: String,
+    archive_delete: String,
 }
 
 impl Statements {
@@ -118,6 +121,9 @@ impl Statements {
             history_over_limit: t.render(sql::HISTORY_OVER_LIMIT),
             history_prune: t.render(sql::HISTORY_PRUNE),
             history: t.render(sql::HISTORY),
+            archive_pick_lock: t.render(sql::ARCHIVE_PICK_LOCK),
+            archive_copy: t.render(sql::ARCHIVE_COPY),
+            archive_delete: t.render(sql::ARCHIVE_DELETE),
         }
     }
 }

@@ -391,6 +391,42 @@ pub(crate) const HISTORY_PRUNE: &str = "DELETE FROM {table}_history \
 pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail \
      FROM {table}_history WHERE event_id = ? ORDER BY id";
 
+// ---- archive ----
+
+/// One archiver per table: a named lock on the archiver's own connection,
+/// not waited for (released at the end, or when the session dies).
+pub(crate) const ARCHIVE_LOCK: &str = "SELECT GET_LOCK(LEFT(CONCAT('postbox_archive:', ?), 64), 0)";
+
+pub(crate) const ARCHIVE_UNLOCK: &str =
+    "SELECT RELEASE_LOCK(LEFT(CONCAT('postbox_archive:', ?), 64))";
+
+/// The rows one archive batch takes (app_code, status, cut-off, batch
+/// size). Index: `{table}_status_updated_idx`
+/// `(app_code, status, updated_at_ms, event_id)`, read in its order.
+#[allow(dead_code)] // the statement `doctor` explains
+pub(crate) const ARCHIVE_PICK: &str = "SELECT id FROM {table} \
+     WHERE app_code = ? AND status = ? AND updated_at_ms < ? \
+     ORDER BY updated_at_ms, event_id LIMIT ?";
+
+/// [`ARCHIVE_PICK`], locking the rows for the batch's transaction.
+pub(crate) const ARCHIVE_PICK_LOCK: &str = "SELECT id FROM {table} \
+     WHERE app_code = ? AND status = ? AND updated_at_ms < ? \
+     ORDER BY updated_at_ms, event_id LIMIT ? FOR UPDATE";
+
+/// Archive step 2: copy what the archive lacks (unique `id`; a row already
+/// there from an earlier run is skipped). Primary key lookups.
+pub(crate) const ARCHIVE_COPY: &str = concat!(
+    "INSERT IGNORE INTO {archive} (",
+    columns!(),
+    ") SELECT ",
+    columns!(),
+    " FROM {table} WHERE id IN ({ids})"
+);
+
+/// Archive step 3: delete from the outbox only rows present in the archive.
+pub(crate) const ARCHIVE_DELETE: &str = "DELETE FROM {table} WHERE id IN ({ids}) \
+     AND EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id)";
+
 // ---- schema ----
 
 /// Serialises concurrent `migrate` runs (a server-wide named lock, held by

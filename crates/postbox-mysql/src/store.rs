@@ -13,8 +13,9 @@ use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, HistoryEntry,
-    MigrateReport, OutboxStore, ReplaySelector, HISTORY_LIMIT,
+    AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
+    FailureUpdate, HistoryEntry, MigrateReport, OutboxStore, ReplaySelector, ARCHIVE_QUERIES,
+    HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -165,6 +166,58 @@ impl MySqlOutbox {
             }
         }
         Ok(())
+    }
+
+    /// Archive batches on `conn`, which holds the archive lock.
+    async fn archive_locked(
+        &self,
+        conn: &mut PoolConnection<MySql>,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        let db = |e| crate::db_error("archive", e);
+        let mut report = ArchiveReport::default();
+        for app_code in &req.app_codes {
+            for (_, status, _) in ARCHIVE_QUERIES {
+                loop {
+                    if req.max_batches.is_some_and(|m| report.batches >= m) {
+                        return Ok(report);
+                    }
+                    conn.execute(sql::CLAIM_ISOLATION).await.map_err(db)?;
+                    let mut tx = conn.begin().await.map_err(db)?;
+                    let rows = sqlx::query(&self.sql.archive_pick_lock)
+                        .bind(app_code)
+                        .bind(status)
+                        .bind(req.before_ms)
+                        .bind(i64::from(req.batch_size))
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    let ids = first_column(&rows).map_err(db)?;
+                    let mut moved = 0;
+                    if !ids.is_empty() {
+                        self.execute_ids(&mut tx, &self.sql.archive_copy, &ids, None)
+                            .await
+                            .map_err(db)?;
+                        moved = self
+                            .execute_ids(&mut tx, &self.sql.archive_delete, &ids, None)
+                            .await
+                            .map_err(db)?;
+                    }
+                    tx.commit().await.map_err(db)?;
+                    // Zero: done, or only rows the archive refuses (an
+                    // event id archived before under another id) are left.
+                    if moved == 0 {
+                        break;
+                    }
+                    report.moved += moved;
+                    report.batches += 1;
+                    on_batch(moved);
+                }
+            }
+        }
+        report.complete = true;
+        Ok(report)
     }
 
     /// Puts the (locked) rows `ids` back to pending and reads them back.
@@ -513,6 +566,37 @@ impl OutboxStore for MySqlOutbox {
                 Ok(out)
             }
         }
+    }
+
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        let db = |e| crate::db_error("archive", e);
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        let locked: Option<i64> = sqlx::query_scalar(sql::ARCHIVE_LOCK)
+            .bind(self.table.as_str())
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db)?;
+        if locked != Some(1) {
+            return Ok(ArchiveReport {
+                locked_out: true,
+                ..Default::default()
+            });
+        }
+        let report = self.archive_locked(&mut conn, req, on_batch).await;
+        let released = sqlx::query(sql::ARCHIVE_UNLOCK)
+            .bind(self.table.as_str())
+            .execute(&mut *conn)
+            .await;
+        if let Err(e) = released {
+            // The lock dies with the session: make sure the session dies.
+            tracing::warn!(error = %e, "could not release the archive lock; closing its connection");
+            conn.close_on_drop();
+        }
+        report
     }
 
     async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {

@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod archive;
 mod explain;
 mod migrate;
 mod sql;
@@ -60,6 +61,7 @@ struct Statements {
     history_replayed: String,
     history_prune: String,
     history: String,
+    archive_batch: String,
 }
 
 impl Statements {
@@ -104,6 +106,7 @@ impl Statements {
             history_replayed: t.render(sql::HISTORY_REPLAYED),
             history_prune: t.render(sql::HISTORY_PRUNE),
             history: t.render(sql::HISTORY),
+            archive_batch: t.render(sql::ARCHIVE_BATCH),
         }
     }
 }

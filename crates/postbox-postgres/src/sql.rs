@@ -309,6 +309,46 @@ pub(crate) const HISTORY_PRUNE: &str = "DELETE FROM {table}_history d USING {tab
 pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail \
      FROM {table}_history WHERE event_id = $1 ORDER BY id";
 
+// ---- archive ----
+
+/// One archiver per table: a session lock on the archiver's own connection
+/// (released at the end, or when the session dies with its process).
+pub(crate) const ARCHIVE_LOCK: &str =
+    "SELECT pg_try_advisory_lock(hashtext('postbox_archive:' || $1))";
+
+pub(crate) const ARCHIVE_UNLOCK: &str =
+    "SELECT pg_advisory_unlock(hashtext('postbox_archive:' || $1))";
+
+/// The rows one archive batch takes ($1 app_code, $2 status, $3 cut-off,
+/// $4 batch size). Index: `{table}_status_updated_idx`
+/// `(app_code, status, updated_at_ms, event_id)`, read in its order.
+macro_rules! archive_pick {
+    () => {
+        "SELECT id FROM {table} WHERE app_code = $1 AND status = $2 AND updated_at_ms < $3 \
+         ORDER BY updated_at_ms, event_id LIMIT $4"
+    };
+}
+
+/// One archive batch, one statement: copy what the archive lacks (unique
+/// `id`), then delete from the outbox only rows now in the archive (copied
+/// here, or by an earlier run). Returns the rows deleted.
+pub(crate) const ARCHIVE_BATCH: &str = concat!(
+    "WITH picked AS (",
+    archive_pick!(),
+    " FOR UPDATE), \
+     copied AS (INSERT INTO {archive} (",
+    columns!(),
+    ") SELECT ",
+    columns!(),
+    " FROM {table} WHERE id IN (SELECT id FROM picked) ON CONFLICT DO NOTHING RETURNING id) \
+     DELETE FROM {table} t WHERE t.id IN (SELECT id FROM picked) \
+       AND (t.id IN (SELECT id FROM copied) OR EXISTS (SELECT 1 FROM {archive} a WHERE a.id = t.id))"
+);
+
+/// The selecting part of [`ARCHIVE_BATCH`], for `doctor`'s EXPLAIN.
+#[allow(dead_code)] // the statement `doctor` explains
+pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
+
 // ---- schema ----
 
 /// Serialises concurrent `migrate` runs, of any table: they share the

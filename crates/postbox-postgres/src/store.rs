@@ -5,8 +5,8 @@ use sqlx::Row;
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, HistoryEntry,
-    MigrateReport, OutboxStore, ReplaySelector, HISTORY_LIMIT,
+    AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
+    FailureUpdate, HistoryEntry, MigrateReport, OutboxStore, ReplaySelector, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -297,6 +297,14 @@ impl OutboxStore for PgOutbox {
         }
         tx.commit().await.map_err(db)?;
         Ok(out)
+    }
+
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        self.archive_rows(req, on_batch).await
     }
 
     async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {

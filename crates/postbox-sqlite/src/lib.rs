@@ -77,6 +77,8 @@ struct Statements {
     history_replayed: String,
     history_prune: String,
     history: String,
+    archive_copy: String,
+    archive_delete: String,
 }
 
 impl Statements {
@@ -121,6 +123,8 @@ impl Statements {
             history_replayed: t.render(sql::HISTORY_REPLAYED),
             history_prune: t.render(sql::HISTORY_PRUNE),
             history: t.render(sql::HISTORY),
+            archive_copy: t.render(sql::ARCHIVE_COPY),
+            archive_delete: t.render(sql::ARCHIVE_DELETE),
         }
     }
 }

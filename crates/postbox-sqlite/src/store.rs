@@ -5,8 +5,9 @@ use sqlx::Row;
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, HistoryEntry,
-    MigrateReport, OutboxStore, ReplaySelector, HISTORY_LIMIT,
+    AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
+    FailureUpdate, HistoryEntry, MigrateReport, OutboxStore, ReplaySelector, ARCHIVE_QUERIES,
+    HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -358,6 +359,55 @@ impl OutboxStore for SqliteOutbox {
         }
         .await;
         finish(tx, res, "replay").await
+    }
+
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        let db = |e| crate::db_error("archive", e);
+        let mut report = ArchiveReport::default();
+        for app_code in &req.app_codes {
+            for (_, status, _) in ARCHIVE_QUERIES {
+                loop {
+                    if req.max_batches.is_some_and(|m| report.batches >= m) {
+                        return Ok(report);
+                    }
+                    let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db)?;
+                    let batch = |sql| {
+                        sqlx::query(sql)
+                            .bind(app_code)
+                            .bind(status)
+                            .bind(req.before_ms)
+                            .bind(i64::from(req.batch_size))
+                    };
+                    let res = async {
+                        batch(&self.sql.archive_copy)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                        let deleted = batch(&self.sql.archive_delete)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                        Ok(deleted.rows_affected())
+                    }
+                    .await;
+                    let moved = finish(tx, res, "archive").await?;
+                    // Zero: done, or only rows the archive refuses (an
+                    // event id archived before under another id) are left.
+                    if moved == 0 {
+                        break;
+                    }
+                    report.moved += moved;
+                    report.batches += 1;
+                    on_batch(moved);
+                }
+            }
+        }
+        report.complete = true;
+        Ok(report)
     }
 
     async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {

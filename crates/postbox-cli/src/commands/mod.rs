@@ -1,5 +1,6 @@
 //! One file per command.
 
+pub mod archive;
 pub mod enqueue;
 pub mod events;
 pub mod migrate;

@@ -29,8 +29,22 @@ pub async fn run(g: &Global, args: RelayArgs) -> Result<(), CliError> {
 
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
+    let archiver = config.archive.enabled.then(|| {
+        tokio::spawn(postbox_core::archive::run_scheduled(
+            store.clone(),
+            config.archive.clone(),
+            app_codes.clone(),
+            shutdown.clone(),
+        ))
+    });
     let relay = Relay::new(store, publishers, config.outbox_worker.clone(), app_codes);
-    let report = relay.run(shutdown).await?;
+    let report = relay.run(shutdown.clone()).await;
+    // The relay stops only on shutdown or error; stop the archiver with it.
+    shutdown.cancel();
+    if let Some(task) = archiver {
+        let _ = task.await;
+    }
+    let report = report?;
     if g.json {
         output::json(&report)?;
     }
