@@ -54,6 +54,8 @@ pub enum Command {
     Replay(ReplayArgs),
     /// Move delivered rows older than a cut-off into <table>_archive, in batches.
     Archive(ArchiveArgs),
+    /// Check schema, indexes, the plan of every claim and archive query, and the config.
+    Doctor,
     /// Write events: one from flags, or many from a JSON-lines file.
     Enqueue(EnqueueArgs),
     /// A self-contained demo on SQLite and a JSON-lines file; no servers needed.

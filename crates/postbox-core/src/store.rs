@@ -248,6 +248,45 @@ pub const ARCHIVE_QUERIES: [(&str, &str, &str); 2] = [
     ("archive_published", "published", "_status_updated_idx"),
 ];
 
+/// What `doctor` found in the database catalog.
+#[derive(Debug, Clone, Serialize)]
+pub struct SchemaReport {
+    /// Highest migration applied to this table (0: none).
+    pub version: u32,
+    /// The version this build migrates to.
+    pub latest_version: u32,
+    /// Every table and index this build expects, and whether it exists.
+    pub objects: Vec<SchemaObject>,
+}
+
+/// One expected table or index.
+#[derive(Debug, Clone, Serialize)]
+pub struct SchemaObject {
+    /// `table` or `index`.
+    pub kind: &'static str,
+    /// Its name.
+    pub name: String,
+    /// Found in the catalog.
+    pub present: bool,
+}
+
+/// The index names (suffixes after the table name) every backend creates
+/// under that name; PostgreSQL adds `_archive_pk`.
+pub const EXPECTED_INDEXES: [&str; 9] = [
+    "_event_uq",
+    "_claim_retry_idx",
+    "_claim_lease_idx",
+    "_status_updated_idx",
+    "_event_id_idx",
+    "_aggregate_idx",
+    "_archive_event_uq",
+    "_archive_created_idx",
+    "_history_event_idx",
+];
+
+/// The tables (suffixes after the table name).
+pub const EXPECTED_TABLES: [&str; 3] = ["", "_archive", "_history"];
+
 /// Outcome of `migrate`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct MigrateReport {
@@ -381,6 +420,17 @@ pub trait OutboxStore: Send + Sync + 'static {
         req: &ArchiveRequest,
         on_batch: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<ArchiveReport>;
+
+    /// The schema version and which expected tables and indexes exist, read
+    /// from the catalog.
+    async fn inspect_schema(&self) -> Result<SchemaReport>;
+
+    /// Whether every claim query ([`CLAIM_QUERIES`]) and archive query
+    /// ([`ARCHIVE_QUERIES`]) *can* read through the index it is written for,
+    /// whatever the table's size: PostgreSQL plans with sequential scans
+    /// disabled, MariaDB reports the candidate keys, SQLite plans without
+    /// statistics. Nothing is changed.
+    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>>;
 
     /// The attempt history of an event (every app_code), oldest first: at
     /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in

@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod doctor;
 mod explain;
 mod migrate;
 mod sql;
@@ -68,6 +69,7 @@ struct Statements {
     history_over_limit: String,
     history_prune: String,
     history: String,
+    archive_pick: String,
     archive_pick_lock: String,
     archive_copy: String,
     archive_delete: String,
@@ -121,6 +123,7 @@ impl Statements {
             history_over_limit: t.render(sql::HISTORY_OVER_LIMIT),
             history_prune: t.render(sql::HISTORY_PRUNE),
             history: t.render(sql::HISTORY),
+            archive_pick: t.render(sql::ARCHIVE_PICK),
             archive_pick_lock: t.render(sql::ARCHIVE_PICK_LOCK),
             archive_copy: t.render(sql::ARCHIVE_COPY),
             archive_delete: t.render(sql::ARCHIVE_DELETE),

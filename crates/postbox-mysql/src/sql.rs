@@ -403,7 +403,6 @@ pub(crate) const ARCHIVE_UNLOCK: &str =
 /// The rows one archive batch takes (app_code, status, cut-off, batch
 /// size). Index: `{table}_status_updated_idx`
 /// `(app_code, status, updated_at_ms, event_id)`, read in its order.
-#[allow(dead_code)] // the statement `doctor` explains
 pub(crate) const ARCHIVE_PICK: &str = "SELECT id FROM {table} \
      WHERE app_code = ? AND status = ? AND updated_at_ms < ? \
      ORDER BY updated_at_ms, event_id LIMIT ?";
@@ -426,6 +425,17 @@ pub(crate) const ARCHIVE_COPY: &str = concat!(
 /// Archive step 3: delete from the outbox only rows present in the archive.
 pub(crate) const ARCHIVE_DELETE: &str = "DELETE FROM {table} WHERE id IN ({ids}) \
      AND EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id)";
+
+// ---- doctor ----
+
+/// The table's schema version.
+pub(crate) const DOCTOR_VERSION: &str =
+    "SELECT MAX(version) FROM postbox_schema_migrations WHERE table_name = ?";
+
+/// Tables and indexes of the current database, by name.
+pub(crate) const DOCTOR_OBJECTS: &str =
+    "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE() \
+     UNION SELECT CAST(index_name AS CHAR) FROM information_schema.statistics WHERE table_schema = DATABASE()";
 
 // ---- schema ----
 

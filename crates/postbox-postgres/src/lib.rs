@@ -21,6 +21,7 @@
 #![warn(missing_docs)]
 
 mod archive;
+mod doctor;
 mod explain;
 mod migrate;
 mod sql;
@@ -62,6 +63,7 @@ struct Statements {
     history_prune: String,
     history: String,
     archive_batch: String,
+    archive_pick: String,
 }
 
 impl Statements {
@@ -107,6 +109,7 @@ impl Statements {
             history_prune: t.render(sql::HISTORY_PRUNE),
             history: t.render(sql::HISTORY),
             archive_batch: t.render(sql::ARCHIVE_BATCH),
+            archive_pick: t.render(sql::ARCHIVE_PICK),
         }
     }
 }

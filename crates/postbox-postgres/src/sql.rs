@@ -346,8 +346,18 @@ pub(crate) const ARCHIVE_BATCH: &str = concat!(
 );
 
 /// The selecting part of [`ARCHIVE_BATCH`], for `doctor`'s EXPLAIN.
-#[allow(dead_code)] // the statement `doctor` explains
 pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
+
+// ---- doctor ----
+
+/// The table's schema version.
+pub(crate) const DOCTOR_VERSION: &str =
+    "SELECT MAX(version) FROM postbox_schema_migrations WHERE table_name = $1";
+
+/// Tables and indexes of the current schema, by name.
+pub(crate) const DOCTOR_OBJECTS: &str =
+    "SELECT c.relname::TEXT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+     WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p', 'i')";
 
 // ---- schema ----
 

@@ -31,6 +31,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod doctor;
 mod explain;
 mod migrate;
 mod sql;
@@ -77,6 +78,7 @@ struct Statements {
     history_replayed: String,
     history_prune: String,
     history: String,
+    archive_pick: String,
     archive_copy: String,
     archive_delete: String,
 }
@@ -123,6 +125,7 @@ impl Statements {
             history_replayed: t.render(sql::HISTORY_REPLAYED),
             history_prune: t.render(sql::HISTORY_PRUNE),
             history: t.render(sql::HISTORY),
+            archive_pick: t.render(sql::ARCHIVE_PICK),
             archive_copy: t.render(sql::ARCHIVE_COPY),
             archive_delete: t.render(sql::ARCHIVE_DELETE),
         }

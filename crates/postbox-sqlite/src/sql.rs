@@ -349,7 +349,6 @@ macro_rules! archive_pick {
 }
 
 /// [`ARCHIVE_COPY`]'s selection, for `doctor`'s EXPLAIN.
-#[allow(dead_code)] // the statement `doctor` explains
 pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
 
 /// Archive step 1: copy what the archive lacks (unique `id`).
@@ -369,6 +368,16 @@ pub(crate) const ARCHIVE_DELETE: &str = concat!(
     archive_pick!(),
     ") AND EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id)"
 );
+
+// ---- doctor ----
+
+/// The table's schema version.
+pub(crate) const DOCTOR_VERSION: &str =
+    "SELECT MAX(version) FROM postbox_schema_migrations WHERE table_name = ?1";
+
+/// Tables and indexes, by name.
+pub(crate) const DOCTOR_OBJECTS: &str =
+    "SELECT name FROM sqlite_master WHERE type IN ('table', 'index')";
 
 // ---- schema ----
 

@@ -6,8 +6,8 @@ use sqlx::Row;
 use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
-    FailureUpdate, HistoryEntry, MigrateReport, OutboxStore, ReplaySelector, ARCHIVE_QUERIES,
-    HISTORY_LIMIT,
+    FailureUpdate, HistoryEntry, MigrateReport, OutboxStore, QueryPlan, ReplaySelector,
+    SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -408,6 +408,14 @@ impl OutboxStore for SqliteOutbox {
         }
         report.complete = true;
         Ok(report)
+    }
+
+    async fn inspect_schema(&self) -> Result<SchemaReport> {
+        self.schema_report().await
+    }
+
+    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
+        self.index_use(app_code).await
     }
 
     async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {

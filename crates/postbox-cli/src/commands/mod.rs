@@ -1,6 +1,7 @@
 //! One file per command.
 
 pub mod archive;
+pub mod doctor;
 pub mod enqueue;
 pub mod events;
 pub mod migrate;
