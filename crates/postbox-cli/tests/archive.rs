@@ -340,3 +340,64 @@ async fn sqlite_archive_moves_old_rows_and_survives_a_kill() {
     };
     archive_scenario(Db::Lite(pool), &url, &t, gen).await;
 }
+
+/// `postbox relay` with `[archive] enabled = true` archives what it
+/// delivered on its interval, and stops archiving with the relay on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_archives_on_its_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let config = dir.path().join("postbox.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"sqlite://{d}/outbox.db\"\ntable = \"room_outbox\"\napp_codes = [\"room\"]\n\
+             [outbox_worker]\npoll_interval = \"50ms\"\n\
+             [[publishers]]\nkind = \"file\"\npath = \"{d}/out.jsonl\"\n\
+             [archive]\nenabled = true\nolder_than = \"1ms\"\ninterval = \"200ms\"\n"
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let out = postbox(dir.path(), &["--config", config, "migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    for i in 0..5 {
+        let payload = format!("{{\"n\":{i}}}");
+        let out = postbox(
+            dir.path(),
+            &[
+                "--config",
+                config,
+                "enqueue",
+                "--app-code",
+                "room",
+                "--event-type",
+                "T",
+                "--payload",
+                &payload,
+            ],
+        );
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir.path())
+        .args(["--config", config, "relay"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("sqlite://{d}/outbox.db");
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let db = Db::Lite(pool);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while db.count("SELECT COUNT(*) FROM room_outbox_archive").await < 5 {
+        assert!(Instant::now() < deadline, "the relay never archived");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(db.count("SELECT COUNT(*) FROM room_outbox").await, 0);
+    let pid = relay.id().to_string();
+    let killed = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(killed.success());
+    let status = relay.wait().unwrap();
+    assert!(status.success(), "relay exit after SIGTERM: {status:?}");
+}
