@@ -52,27 +52,31 @@ impl OutboxStore for PgOutbox {
     ) -> Result<Vec<ClaimedEvent>> {
         let db = |e| crate::db_error("claim", e);
         let sql = self.sql.claim_select(source, req.ordered);
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        let rows = sqlx::query(sql)
+        let query = sqlx::query(sql)
             .bind(req.app_code)
             .bind(i64::from(req.limit))
             .bind(req.worker_id)
-            .bind(req.lease_ms)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db)?;
-        let claimed = records(rows, "claim")?;
-        if source == ClaimSource::ExpiredLease && !claimed.is_empty() {
-            // The takeover counted an attempt: record it with the claim.
-            let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
-            sqlx::query(&self.sql.history_lease_expired)
-                .bind(&ids)
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
-            self.prune_history(&mut tx, &ids).await.map_err(db)?;
-        }
-        tx.commit().await.map_err(db)?;
+            .bind(req.lease_ms);
+        let claimed = if source == ClaimSource::ExpiredLease {
+            // The takeover counts an attempt: record it in the claim's
+            // transaction.
+            let mut tx = self.pool.begin().await.map_err(db)?;
+            let claimed = records(query.fetch_all(&mut *tx).await.map_err(db)?, "claim")?;
+            if !claimed.is_empty() {
+                let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+                sqlx::query(&self.sql.history_lease_expired)
+                    .bind(&ids)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                self.prune_history(&mut tx, &ids).await.map_err(db)?;
+            }
+            tx.commit().await.map_err(db)?;
+            claimed
+        } else {
+            // One statement: no transaction round trips on the hot path.
+            records(query.fetch_all(&self.pool).await.map_err(db)?, "claim")?
+        };
         Ok(claimed
             .into_iter()
             .map(|record| ClaimedEvent { record, source })
