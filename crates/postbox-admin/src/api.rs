@@ -291,7 +291,7 @@ pub(crate) async fn replay(
         app_code: params.app_code.clone().filter(|s| !s.is_empty()),
         event_ids: vec![event_id.clone()],
     };
-    let replayed = state.store.replay(&selector, false).await?;
+    let replayed = state.store.replay(&selector, false, &origin).await?;
     if replayed.is_empty() {
         let rows = state.store.find(&event_id).await?;
         return Err(if rows.is_empty() {

@@ -54,6 +54,10 @@ pub enum Command {
     Replay(ReplayArgs),
     /// Run the [[consumers]] entries (HTTP bridge) until SIGINT/SIGTERM.
     Consume,
+    /// Move delivered rows older than a cut-off into <table>_archive, in batches.
+    Archive(ArchiveArgs),
+    /// Check schema, indexes, the plan of every claim and archive query, and the config.
+    Doctor,
     /// Write events: one from flags, or many from a JSON-lines file.
     Enqueue(EnqueueArgs),
     /// Serve the admin API, /metrics and the dashboard (from `[admin]`).
@@ -150,6 +154,22 @@ pub struct ReplayArgs {
     /// Show what would be replayed, change nothing.
     #[arg(long)]
     pub dry_run: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ArchiveArgs {
+    /// Move rows last updated longer ago than this (default: archive.older_than).
+    #[arg(long)]
+    pub older_than: Option<String>,
+    /// Rows per batch, one transaction each (default: archive.batch_size).
+    #[arg(long)]
+    pub batch_size: Option<u32>,
+    /// Stop after this many batches.
+    #[arg(long)]
+    pub max_batches: Option<u64>,
+    /// Only these app_codes (default: database.app_codes).
+    #[arg(long = "app-code")]
+    pub app_codes: Vec<String>,
 }
 
 #[derive(Debug, Args)]

@@ -47,6 +47,8 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Status(args) => commands::status::run(g, args).await,
         Command::Events(args) => commands::events::run(g, args).await,
         Command::Replay(args) => commands::replay::run(g, args).await,
+        Command::Archive(args) => commands::archive::run(g, args).await,
+        Command::Doctor => commands::doctor::run(g).await,
         Command::Enqueue(args) => commands::enqueue::run(g, args).await,
         Command::Serve(args) => commands::serve::run(g, args).await,
         Command::Quickstart(args) => commands::quickstart::run(g, args).await,

@@ -34,6 +34,22 @@ pub struct FailureUpdate {
     pub delivered_to: Vec<String>,
     /// Truncated error text.
     pub error: String,
+    /// The publishers that failed this attempt (comma-separated when
+    /// several); `None` when nothing was published (a lease that expired on
+    /// the last allowed attempt). Written to the attempt history.
+    pub publisher: Option<String>,
+}
+
+impl FailureUpdate {
+    /// The history entry this update writes: `dead_lettered` when it makes
+    /// the row `failed`, else `failed`.
+    pub fn history_kind(&self) -> HistoryKind {
+        if self.status == Status::Failed {
+            HistoryKind::DeadLettered
+        } else {
+            HistoryKind::Failed
+        }
+    }
 }
 
 /// Filters shared by `events list`, `replay` and the admin API.
@@ -92,7 +108,8 @@ pub struct HistoryEntry {
     pub at_ms: i64,
     /// What happened.
     pub kind: HistoryKind,
-    /// The attempt number it concerns (1 for the first delivery attempt).
+    /// The attempt number it concerns (1 for the first delivery attempt);
+    /// 0 for a replay, which is not a delivery attempt.
     pub attempt: i32,
     /// The publisher that failed, when one did.
     pub publisher: Option<String>,
@@ -107,6 +124,33 @@ pub struct MinuteCount {
     pub minute_ms: i64,
     /// Rows marked delivered in that minute (by `updated_at_ms`).
     pub delivered: i64,
+}
+
+/// Most history entries kept per `(app_code, event_id)`; writing one more
+/// deletes the oldest.
+pub const HISTORY_LIMIT: i64 = 20;
+
+impl HistoryKind {
+    /// The stored name (`failed`, `lease_expired`, `dead_lettered`, `replayed`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HistoryKind::Failed => "failed",
+            HistoryKind::LeaseExpired => "lease_expired",
+            HistoryKind::DeadLettered => "dead_lettered",
+            HistoryKind::Replayed => "replayed",
+        }
+    }
+
+    /// Reads a stored name; `None` for one this version does not know.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "failed" => HistoryKind::Failed,
+            "lease_expired" => HistoryKind::LeaseExpired,
+            "dead_lettered" => HistoryKind::DeadLettered,
+            "replayed" => HistoryKind::Replayed,
+            _ => return None,
+        })
+    }
 }
 
 /// Counts of one tenant.
@@ -176,6 +220,81 @@ pub const CLAIM_QUERIES: [(&str, ClaimSource, &str); 3] = [
         "_claim_lease_idx",
     ),
 ];
+
+/// What one archive run moves: `delivered` (and legacy `published`) rows of
+/// these app_codes last updated before `before_ms`.
+#[derive(Debug, Clone)]
+pub struct ArchiveRequest {
+    /// Tenants to archive, one after another (the archive query is scoped
+    /// by app_code so that it reads `{table}_status_updated_idx`).
+    pub app_codes: Vec<String>,
+    /// Cut-off on the database clock, epoch ms: rows with
+    /// `updated_at_ms < before_ms` move.
+    pub before_ms: i64,
+    /// Rows per batch (one transaction each).
+    pub batch_size: u32,
+    /// Stop after this many batches (`None`: until done).
+    pub max_batches: Option<u64>,
+}
+
+/// Outcome of one archive run.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ArchiveReport {
+    /// Rows moved into `<table>_archive`.
+    pub moved: u64,
+    /// Batches that moved rows.
+    pub batches: u64,
+    /// False when `max_batches` stopped the run before it was done.
+    pub complete: bool,
+    /// Another archiver held the lock; nothing was done.
+    pub locked_out: bool,
+}
+
+/// The archive queries (one per archived status): name and the index
+/// (suffix after the table name) each is written for. `doctor` checks them.
+pub const ARCHIVE_QUERIES: [(&str, &str, &str); 2] = [
+    ("archive_delivered", "delivered", "_status_updated_idx"),
+    ("archive_published", "published", "_status_updated_idx"),
+];
+
+/// What `doctor` found in the database catalog.
+#[derive(Debug, Clone, Serialize)]
+pub struct SchemaReport {
+    /// Highest migration applied to this table (0: none).
+    pub version: u32,
+    /// The version this build migrates to.
+    pub latest_version: u32,
+    /// Every table and index this build expects, and whether it exists.
+    pub objects: Vec<SchemaObject>,
+}
+
+/// One expected table or index.
+#[derive(Debug, Clone, Serialize)]
+pub struct SchemaObject {
+    /// `table` or `index`.
+    pub kind: &'static str,
+    /// Its name.
+    pub name: String,
+    /// Found in the catalog.
+    pub present: bool,
+}
+
+/// The index names (suffixes after the table name) every backend creates
+/// under that name; PostgreSQL adds `_archive_pk`.
+pub const EXPECTED_INDEXES: [&str; 9] = [
+    "_event_uq",
+    "_claim_retry_idx",
+    "_claim_lease_idx",
+    "_status_updated_idx",
+    "_event_id_idx",
+    "_aggregate_idx",
+    "_archive_event_uq",
+    "_archive_created_idx",
+    "_history_event_idx",
+];
+
+/// The tables (suffixes after the table name).
+pub const EXPECTED_TABLES: [&str; 3] = ["", "_archive", "_history"];
 
 /// Outcome of `migrate`.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -287,8 +406,16 @@ pub trait OutboxStore: Send + Sync + 'static {
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
 
     /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`.
-    /// Returns the rows affected (or that would be, with `dry_run`).
-    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>>;
+    /// Returns the rows affected (or that would be, with `dry_run`). Each
+    /// replayed row gets a [`HistoryKind::Replayed`] history entry whose
+    /// detail is `origin` (`cli`, `api 10.0.0.7:51234`, …), written in the
+    /// same transaction.
+    async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>>;
 
     /// The database clock, epoch ms.
     async fn now_ms(&self) -> Result<i64>;
@@ -297,9 +424,32 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// rows. Nothing is changed: executions are rolled back.
     async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>>;
 
-    /// The attempt history of an event, oldest first.
-    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
-        let _ = event_id;
-        Ok(Vec::new())
-    }
+    /// Moves old `delivered`/`published` rows into `<table>_archive` in
+    /// batches, each one transaction that inserts what the archive lacks
+    /// (unique `id`) and deletes from the outbox only rows present in the
+    /// archive, so a crash at any point loses and duplicates nothing.
+    /// Only one archiver runs at a time per table: when another holds the
+    /// lock this returns at once with `locked_out`. `on_batch` is called
+    /// with the rows each batch moved.
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport>;
+
+    /// The schema version and which expected tables and indexes exist, read
+    /// from the catalog.
+    async fn inspect_schema(&self) -> Result<SchemaReport>;
+
+    /// Whether every claim query ([`CLAIM_QUERIES`]) and archive query
+    /// ([`ARCHIVE_QUERIES`]) *can* read through the index it is written for,
+    /// whatever the table's size: PostgreSQL plans with sequential scans
+    /// disabled, MariaDB reports the candidate keys, SQLite plans without
+    /// statistics. Nothing is changed.
+    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>>;
+
+    /// The attempt history of an event (every app_code), oldest first: at
+    /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in
+    /// `<table>_history`, keyed by event id, so it outlives archiving.
+    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>>;
 }

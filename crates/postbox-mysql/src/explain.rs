@@ -11,7 +11,7 @@ use crate::MySqlOutbox;
 
 /// A string literal for the two values an explained claim needs. `ANALYZE`
 /// cannot be prepared, so they are inlined; quotes and backslashes escaped.
-fn literal(s: &str) -> String {
+pub(crate) fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
 }
 

@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod doctor;
 mod explain;
 mod migrate;
 mod sql;
@@ -63,6 +64,16 @@ struct Statements {
     unarchive_filter_lock: String,
     unarchive_ids: String,
     delete_unarchived: String,
+    history_failed: String,
+    history_lease_expired: String,
+    history_replayed: String,
+    history_over_limit: String,
+    history_prune: String,
+    history: String,
+    archive_pick: String,
+    archive_pick_lock: String,
+    archive_copy: String,
+    archive_delete: String,
 }
 
 impl Statements {
@@ -108,6 +119,16 @@ impl Statements {
             unarchive_filter_lock: t.render(sql::UNARCHIVE_FILTER_LOCK),
             unarchive_ids: t.render(sql::UNARCHIVE_IDS),
             delete_unarchived: t.render(sql::DELETE_UNARCHIVED),
+            history_failed: t.render(sql::HISTORY_FAILED),
+            history_lease_expired: t.render(sql::HISTORY_LEASE_EXPIRED),
+            history_replayed: t.render(sql::HISTORY_REPLAYED),
+            history_over_limit: t.render(sql::HISTORY_OVER_LIMIT),
+            history_prune: t.render(sql::HISTORY_PRUNE),
+            history: t.render(sql::HISTORY),
+            archive_pick: t.render(sql::ARCHIVE_PICK),
+            archive_pick_lock: t.render(sql::ARCHIVE_PICK_LOCK),
+            archive_copy: t.render(sql::ARCHIVE_COPY),
+            archive_delete: t.render(sql::ARCHIVE_DELETE),
         }
     }
 }

@@ -345,6 +345,101 @@ pub(crate) const UNARCHIVE_IDS: &str = concat!(
 /// Archive step 3: remove from the archive the rows a replay brought back.
 pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({ids})";
 
+// ---- attempt history ----
+// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
+// row's id, so an event's history outlives archiving. Every write runs in
+// the transaction of the state change it records.
+
+/// One failed attempt: kind (`failed` or `dead_lettered`), attempt,
+/// publisher, error, then the row id.
+pub(crate) const HISTORY_FAILED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", ?, ?, ?, ? FROM {table} WHERE id = ?"
+);
+
+/// Rows `{ids}` were just taken over after their lease expired; the claim
+/// already counted the attempt and wrote `last_error`.
+pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id IN ({ids})"
+);
+
+/// Rows `{ids}` were just replayed; the origin is bound first.
+pub(crate) const HISTORY_REPLAYED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", 'replayed', 0, NULL, ? FROM {table} WHERE id IN ({ids})"
+);
+
+/// Events of rows `{ids}` holding more than `?` entries. Index:
+/// `{table}_history_event_idx (event_id, app_code, id)`.
+pub(crate) const HISTORY_OVER_LIMIT: &str = "SELECT h.event_id, h.app_code \
+     FROM {table} t JOIN {table}_history h ON h.event_id = t.event_id AND h.app_code = t.app_code \
+     WHERE t.id IN ({ids}) GROUP BY h.event_id, h.app_code HAVING COUNT(*) > ?";
+
+/// Keeps the newest entries of one event (event_id, app_code, then both
+/// again and the limit − 1). The derived table is materialised, so MySQL
+/// accepts reading the table it deletes from.
+pub(crate) const HISTORY_PRUNE: &str = "DELETE FROM {table}_history \
+     WHERE event_id = ? AND app_code = ? AND id < (SELECT id FROM ( \
+       SELECT id FROM {table}_history WHERE event_id = ? AND app_code = ? \
+       ORDER BY id DESC LIMIT 1 OFFSET ?) AS keep_from)";
+
+/// An event's history, oldest first. Index: `{table}_history_event_idx`.
+pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail \
+     FROM {table}_history WHERE event_id = ? ORDER BY id";
+
+// ---- archive ----
+
+/// One archiver per table: a named lock on the archiver's own connection,
+/// not waited for (released at the end, or when the session dies).
+pub(crate) const ARCHIVE_LOCK: &str = "SELECT GET_LOCK(LEFT(CONCAT('postbox_archive:', ?), 64), 0)";
+
+pub(crate) const ARCHIVE_UNLOCK: &str =
+    "SELECT RELEASE_LOCK(LEFT(CONCAT('postbox_archive:', ?), 64))";
+
+/// The rows one archive batch takes (app_code, status, cut-off, batch
+/// size). Index: `{table}_status_updated_idx`
+/// `(app_code, status, updated_at_ms, event_id)`, read in its order.
+pub(crate) const ARCHIVE_PICK: &str = "SELECT id FROM {table} \
+     WHERE app_code = ? AND status = ? AND updated_at_ms < ? \
+     ORDER BY updated_at_ms, event_id LIMIT ?";
+
+/// [`ARCHIVE_PICK`], locking the rows for the batch's transaction.
+pub(crate) const ARCHIVE_PICK_LOCK: &str = "SELECT id FROM {table} \
+     WHERE app_code = ? AND status = ? AND updated_at_ms < ? \
+     ORDER BY updated_at_ms, event_id LIMIT ? FOR UPDATE";
+
+/// Archive step 2: copy what the archive lacks (unique `id`; a row already
+/// there from an earlier run is skipped). Primary key lookups.
+pub(crate) const ARCHIVE_COPY: &str = concat!(
+    "INSERT IGNORE INTO {archive} (",
+    columns!(),
+    ") SELECT ",
+    columns!(),
+    " FROM {table} WHERE id IN ({ids})"
+);
+
+/// Archive step 3: delete from the outbox only rows present in the archive.
+pub(crate) const ARCHIVE_DELETE: &str = "DELETE FROM {table} WHERE id IN ({ids}) \
+     AND EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id)";
+
+// ---- doctor ----
+
+/// The table's schema version.
+pub(crate) const DOCTOR_VERSION: &str =
+    "SELECT MAX(version) FROM postbox_schema_migrations WHERE table_name = ?";
+
+/// Tables and indexes of the current database, by name.
+pub(crate) const DOCTOR_OBJECTS: &str =
+    "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE() \
+     UNION SELECT CAST(index_name AS CHAR) FROM information_schema.statistics WHERE table_schema = DATABASE()";
+
 // ---- schema ----
 
 /// Serialises concurrent `migrate` runs (a server-wide named lock, held by
@@ -373,9 +468,9 @@ pub(crate) const RECORD_VERSION: &str = concat!(
     ")"
 );
 
-/// Version 2: the index the admin API's lists read newest first per tenant
+/// Version 3: the index the admin API's lists read newest first per tenant
 /// and status (keyset pagination by id).
-pub(crate) const V2_LIST_INDEX: &[&str] =
+pub(crate) const V3_LIST_INDEX: &[&str] =
     &["CREATE INDEX {table}_status_id_idx ON {table} (app_code, status, id)"];
 
 /// Version 1: the outbox table with its indexes, and the archive twin.
@@ -406,6 +501,20 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
          ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
     ),
 ];
+
+/// Version 2: the bounded attempt history, keyed by event id so that it
+/// survives archiving of the outbox row.
+pub(crate) const V2_HISTORY: &[&str] = &["CREATE TABLE IF NOT EXISTS {table}_history ( \
+       id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+       app_code VARCHAR(64) NOT NULL, \
+       event_id VARCHAR(64) NOT NULL, \
+       at_ms BIGINT NOT NULL, \
+       kind VARCHAR(16) NOT NULL, \
+       attempt INT NOT NULL, \
+       publisher VARCHAR(512) NULL, \
+       detail TEXT NULL, \
+       KEY {table}_history_event_idx (event_id, app_code, id) \
+     ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"];
 
 #[cfg(test)]
 mod tests {

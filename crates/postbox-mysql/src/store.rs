@@ -13,14 +13,15 @@ use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, MinuteCount,
-    OutboxStore, ReplaySelector,
+    AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
+    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
+    ReplaySelector, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
 use crate::{sql, MySqlOutbox};
 
-use postbox_sqlx::{records, ListArg, Placeholders};
+use postbox_sqlx::{history_entries, records, ListArg, Placeholders};
 
 const PH: Placeholders = Placeholders::Question;
 
@@ -117,6 +118,110 @@ impl MySqlOutbox {
         Ok(out)
     }
 
+    /// Writes one history entry per row of `ids` with `template`
+    /// (`{ids}` list; `origin`, when given, is bound first), then prunes.
+    async fn record_history(
+        &self,
+        conn: &mut MySqlConnection,
+        template: &str,
+        origin: Option<&str>,
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(template, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text);
+            if let Some(origin) = origin {
+                q = q.bind(origin);
+            }
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            q.execute(&mut *conn).await?;
+        }
+        self.prune_history(conn, ids).await
+    }
+
+    /// Deletes history beyond [`HISTORY_LIMIT`] entries for the events of rows `ids`.
+    async fn prune_history(
+        &self,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(&self.sql.history_over_limit, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text);
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            let over = q.bind(HISTORY_LIMIT).fetch_all(&mut *conn).await?;
+            for row in over {
+                let event_id: String = row.try_get(0)?;
+                let app_code: String = row.try_get(1)?;
+                sqlx::query(&self.sql.history_prune)
+                    .bind(&event_id)
+                    .bind(&app_code)
+                    .bind(&event_id)
+                    .bind(&app_code)
+                    .bind(HISTORY_LIMIT - 1)
+                    .execute(&mut *conn)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Archive batches on `conn`, which holds the archive lock.
+    async fn archive_locked(
+        &self,
+        conn: &mut PoolConnection<MySql>,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        let db = |e| crate::db_error("archive", e);
+        let mut report = ArchiveReport::default();
+        for app_code in &req.app_codes {
+            for (_, status, _) in ARCHIVE_QUERIES {
+                loop {
+                    if req.max_batches.is_some_and(|m| report.batches >= m) {
+                        return Ok(report);
+                    }
+                    conn.execute(sql::CLAIM_ISOLATION).await.map_err(db)?;
+                    let mut tx = conn.begin().await.map_err(db)?;
+                    let rows = sqlx::query(&self.sql.archive_pick_lock)
+                        .bind(app_code)
+                        .bind(status)
+                        .bind(req.before_ms)
+                        .bind(i64::from(req.batch_size))
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    let ids = first_column(&rows).map_err(db)?;
+                    let mut moved = 0;
+                    if !ids.is_empty() {
+                        self.execute_ids(&mut tx, &self.sql.archive_copy, &ids, None)
+                            .await
+                            .map_err(db)?;
+                        moved = self
+                            .execute_ids(&mut tx, &self.sql.archive_delete, &ids, None)
+                            .await
+                            .map_err(db)?;
+                    }
+                    tx.commit().await.map_err(db)?;
+                    // Zero: done, or only rows the archive refuses (an
+                    // event id archived before under another id) are left.
+                    if moved == 0 {
+                        break;
+                    }
+                    report.moved += moved;
+                    report.batches += 1;
+                    on_batch(moved);
+                }
+            }
+        }
+        report.complete = true;
+        Ok(report)
+    }
+
     /// Puts the (locked) rows `ids` back to pending and reads them back.
     async fn replay_locked(
         &self,
@@ -188,6 +293,12 @@ impl OutboxStore for MySqlOutbox {
             }
             q.execute(&mut *tx).await.map_err(db)?;
         }
+        // The takeover counted an attempt: record it with the claim.
+        if source == ClaimSource::ExpiredLease {
+            self.record_history(&mut tx, &self.sql.history_lease_expired, None, &ids)
+                .await
+                .map_err(db)?;
+        }
         // 4. Commit, and hand out the rows as the update left them.
         tx.commit().await.map_err(db)?;
         for r in &mut claimed {
@@ -221,6 +332,8 @@ impl OutboxStore for MySqlOutbox {
     }
 
     async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+        let db = |e| crate::db_error("mark failed attempt", e);
+        let mut tx = self.pool.begin().await.map_err(db)?;
         let done = sqlx::query(&self.sql.mark_failed)
             .bind(u.status.as_str())
             .bind(u.retry_count)
@@ -230,10 +343,24 @@ impl OutboxStore for MySqlOutbox {
             .bind(id)
             .bind(&fence.worker_id)
             .bind(fence.lock_until_ms)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await
-            .map_err(|e| crate::db_error("mark failed attempt", e))?;
-        Ok(done.rows_affected() == 1)
+            .map_err(db)?;
+        let written = done.rows_affected() == 1;
+        if written {
+            sqlx::query(&self.sql.history_failed)
+                .bind(u.history_kind().as_str())
+                .bind(u.retry_count)
+                .bind(&u.publisher)
+                .bind(&u.error)
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            self.prune_history(&mut tx, &[id]).await.map_err(db)?;
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(written)
     }
 
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
@@ -353,7 +480,12 @@ impl OutboxStore for MySqlOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
+    async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
         match selector {
             ReplaySelector::EventIds {
@@ -402,6 +534,12 @@ impl OutboxStore for MySqlOutbox {
                     out = self.replay_locked(&mut tx, &ids).await?;
                 }
                 out.sort_by_key(|r| r.id);
+                if !dry_run && !out.is_empty() {
+                    let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+                    self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                        .await
+                        .map_err(db)?;
+                }
                 tx.commit().await.map_err(db)?;
                 Ok(out)
             }
@@ -448,10 +586,64 @@ impl OutboxStore for MySqlOutbox {
                         }
                     }
                 }
+                if !dry_run && !out.is_empty() {
+                    let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+                    self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                        .await
+                        .map_err(db)?;
+                }
                 tx.commit().await.map_err(db)?;
                 Ok(out)
             }
         }
+    }
+
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        let db = |e| crate::db_error("archive", e);
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        let locked: Option<i64> = sqlx::query_scalar(sql::ARCHIVE_LOCK)
+            .bind(self.table.as_str())
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db)?;
+        if locked != Some(1) {
+            return Ok(ArchiveReport {
+                locked_out: true,
+                ..Default::default()
+            });
+        }
+        let report = self.archive_locked(&mut conn, req, on_batch).await;
+        let released = sqlx::query(sql::ARCHIVE_UNLOCK)
+            .bind(self.table.as_str())
+            .execute(&mut *conn)
+            .await;
+        if let Err(e) = released {
+            // The lock dies with the session: make sure the session dies.
+            tracing::warn!(error = %e, "could not release the archive lock; closing its connection");
+            conn.close_on_drop();
+        }
+        report
+    }
+
+    async fn inspect_schema(&self) -> Result<SchemaReport> {
+        self.schema_report().await
+    }
+
+    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
+        self.index_use(app_code).await
+    }
+
+    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+        let rows = sqlx::query(&self.sql.history)
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("read history", e))?;
+        history_entries(rows)
     }
 
     async fn now_ms(&self) -> Result<i64> {

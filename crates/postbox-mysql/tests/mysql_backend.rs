@@ -25,8 +25,8 @@ async fn store(prefix: &str) -> MySqlOutbox {
         .await
         .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
     let report = store.migrate().await.expect("first migrate");
-    assert_eq!(report.applied, vec![1, 2]);
-    assert_eq!(report.version, 2);
+    assert_eq!(report.applied, vec![1, 2, 3]);
+    assert_eq!(report.version, 3);
     store
 }
 
@@ -35,6 +35,7 @@ async fn drop_tables(store: &MySqlOutbox) {
     for sql in [
         format!("DROP TABLE IF EXISTS {t}"),
         format!("DROP TABLE IF EXISTS {t}_archive"),
+        format!("DROP TABLE IF EXISTS {t}_history"),
         format!("DELETE FROM postbox_schema_migrations WHERE table_name = '{t}'"),
     ] {
         sqlx::query(&sql).execute(store.pool()).await.unwrap();
@@ -71,7 +72,7 @@ async fn migrate_is_idempotent_and_serialised() {
         "second migrate applied {:?}",
         again.applied
     );
-    assert_eq!(again.version, 2);
+    assert_eq!(again.version, 3);
 
     // Two concurrent runs on a new table: exactly one applies the versions.
     let other = MySqlOutbox::new(store.pool().clone(), &scratch_table("mb_migrate2")).unwrap();
@@ -231,6 +232,7 @@ async fn claim_lease_fence_and_failure() {
         retry_after_ms: 60_000,
         delivered_to: vec!["file".into(), "rabbitmq".into()],
         error: "broker down".into(),
+        publisher: Some("p".into()),
     };
     assert!(!store.mark_failed(&wrong, b, &update).await.unwrap());
     assert!(store.mark_failed(&fence, b, &update).await.unwrap());
@@ -482,11 +484,11 @@ async fn replay_by_ids_filter_and_archive() {
         app_code: None,
         event_ids: vec![e1.event_id.clone(), e3.event_id.clone(), "missing".into()],
     };
-    let dry = store.replay(&sel, true).await.unwrap();
+    let dry = store.replay(&sel, true, "test").await.unwrap();
     assert_eq!(dry.len(), 1);
     assert_eq!(dry[0].event_id, e1.event_id);
     assert_eq!(dry[0].status, Status::Delivered);
-    let done = store.replay(&sel, false).await.unwrap();
+    let done = store.replay(&sel, false, "test").await.unwrap();
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].event_id, e1.event_id);
     assert_eq!(
@@ -498,7 +500,11 @@ async fn replay_by_ids_filter_and_archive() {
         app_code: Some("wallet".into()),
         event_ids: vec![e2.event_id.clone()],
     };
-    assert!(store.replay(&other, false).await.unwrap().is_empty());
+    assert!(store
+        .replay(&other, false, "test")
+        .await
+        .unwrap()
+        .is_empty());
 
     // By filter: status + type.
     let f = EventFilter {
@@ -508,14 +514,14 @@ async fn replay_by_ids_filter_and_archive() {
     };
     assert_eq!(
         store
-            .replay(&ReplaySelector::Filter(f.clone()), true)
+            .replay(&ReplaySelector::Filter(f.clone()), true, "test")
             .await
             .unwrap()
             .len(),
         1
     );
     let done = store
-        .replay(&ReplaySelector::Filter(f.clone()), false)
+        .replay(&ReplaySelector::Filter(f.clone()), false, "test")
         .await
         .unwrap();
     assert_eq!(done.len(), 1);
@@ -524,7 +530,7 @@ async fn replay_by_ids_filter_and_archive() {
         (e2.event_id.as_str(), Status::Pending)
     );
     assert!(store
-        .replay(&ReplaySelector::Filter(f), false)
+        .replay(&ReplaySelector::Filter(f), false, "test")
         .await
         .unwrap()
         .is_empty());
@@ -538,7 +544,7 @@ async fn replay_by_ids_filter_and_archive() {
         ..Default::default()
     };
     let dry = store
-        .replay(&ReplaySelector::Filter(range.clone()), true)
+        .replay(&ReplaySelector::Filter(range.clone()), true, "test")
         .await
         .unwrap();
     let mut dry_ids: Vec<&str> = dry.iter().map(|r| r.event_id.as_str()).collect();
@@ -551,7 +557,7 @@ async fn replay_by_ids_filter_and_archive() {
     want.sort_unstable();
     assert_eq!(dry_ids, want);
     let done = store
-        .replay(&ReplaySelector::Filter(range.clone()), false)
+        .replay(&ReplaySelector::Filter(range.clone()), false, "test")
         .await
         .unwrap();
     assert_eq!(done.len(), 3);

@@ -48,7 +48,7 @@ impl PgOutbox {
 }
 
 /// Collects the scans of `table` in a plan tree.
-fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
+pub(crate) fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
     if node["Relation Name"].as_str() == Some(table) {
         let kind = node["Node Type"].as_str().unwrap_or("");
         if kind == "Seq Scan" {

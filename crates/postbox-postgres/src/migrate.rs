@@ -8,13 +8,14 @@ use postbox_core::Result;
 use crate::{sql, PgOutbox};
 
 /// `(version, description, statements)`, applied in order.
-const MIGRATIONS: &[(u32, &str, &[&str])] = &[
+pub(crate) const MIGRATIONS: &[(u32, &str, &[&str])] = &[
     (
         1,
         "outbox table, claim indexes, archive table",
         sql::V1_SCHEMA,
     ),
-    (2, "list index (app_code, status, id)", sql::V2_LIST_INDEX),
+    (2, "attempt history", sql::V2_HISTORY),
+    (3, "list index (app_code, status, id)", sql::V3_LIST_INDEX),
 ];
 
 impl PgOutbox {

@@ -5,16 +5,33 @@ use sqlx::Row;
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, MinuteCount,
-    OutboxStore, ReplaySelector,
+    AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
+    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
+    ReplaySelector, SchemaReport, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
 use crate::PgOutbox;
 
-use postbox_sqlx::{records, ListArg, Placeholders};
+use postbox_sqlx::{history_entries, records, ListArg, Placeholders};
 
 const PH: Placeholders = Placeholders::Numbered;
+
+impl PgOutbox {
+    /// Deletes history beyond [`HISTORY_LIMIT`] entries for the events of rows `ids`.
+    async fn prune_history(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        sqlx::query(&self.sql.history_prune)
+            .bind(ids)
+            .bind(HISTORY_LIMIT)
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
+}
 
 #[async_trait]
 impl OutboxStore for PgOutbox {
@@ -35,16 +52,34 @@ impl OutboxStore for PgOutbox {
         source: ClaimSource,
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
+        let db = |e| crate::db_error("claim", e);
         let sql = self.sql.claim_select(source, req.ordered);
-        let rows = sqlx::query(sql)
+        let query = sqlx::query(sql)
             .bind(req.app_code)
             .bind(i64::from(req.limit))
             .bind(req.worker_id)
-            .bind(req.lease_ms)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| crate::db_error("claim", e))?;
-        Ok(records(rows, "claim")?
+            .bind(req.lease_ms);
+        let claimed = if source == ClaimSource::ExpiredLease {
+            // The takeover counts an attempt: record it in the claim's
+            // transaction.
+            let mut tx = self.pool.begin().await.map_err(db)?;
+            let claimed = records(query.fetch_all(&mut *tx).await.map_err(db)?, "claim")?;
+            if !claimed.is_empty() {
+                let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+                sqlx::query(&self.sql.history_lease_expired)
+                    .bind(&ids)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                self.prune_history(&mut tx, &ids).await.map_err(db)?;
+            }
+            tx.commit().await.map_err(db)?;
+            claimed
+        } else {
+            // One statement: no transaction round trips on the hot path.
+            records(query.fetch_all(&self.pool).await.map_err(db)?, "claim")?
+        };
+        Ok(claimed
             .into_iter()
             .map(|record| ClaimedEvent { record, source })
             .collect())
@@ -62,6 +97,8 @@ impl OutboxStore for PgOutbox {
     }
 
     async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+        let db = |e| crate::db_error("mark failed attempt", e);
+        let mut tx = self.pool.begin().await.map_err(db)?;
         let done = sqlx::query(&self.sql.mark_failed)
             .bind(u.status.as_str())
             .bind(u.retry_count)
@@ -71,10 +108,24 @@ impl OutboxStore for PgOutbox {
             .bind(id)
             .bind(&fence.worker_id)
             .bind(fence.lock_until_ms)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await
-            .map_err(|e| crate::db_error("mark failed attempt", e))?;
-        Ok(done.rows_affected() == 1)
+            .map_err(db)?;
+        let written = done.rows_affected() == 1;
+        if written {
+            sqlx::query(&self.sql.history_failed)
+                .bind(id)
+                .bind(u.history_kind().as_str())
+                .bind(u.retry_count)
+                .bind(&u.publisher)
+                .bind(&u.error)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            self.prune_history(&mut tx, &[id]).await.map_err(db)?;
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(written)
     }
 
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
@@ -193,9 +244,15 @@ impl OutboxStore for PgOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
+    async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
-        match selector {
+        let mut tx = self.pool.begin().await.map_err(db)?;
+        let out = match selector {
             ReplaySelector::EventIds {
                 app_code,
                 event_ids,
@@ -208,13 +265,12 @@ impl OutboxStore for PgOutbox {
                 let rows = sqlx::query(sql)
                     .bind(event_ids)
                     .bind(app_code)
-                    .fetch_all(&self.pool)
+                    .fetch_all(&mut *tx)
                     .await
                     .map_err(db)?;
-                records(rows, "replay")
+                records(rows, "replay")?
             }
             ReplaySelector::Filter(f) => {
-                let mut tx = self.pool.begin().await.map_err(db)?;
                 let live_sql = if dry_run {
                     &self.sql.replay_filter_dry
                 } else {
@@ -257,10 +313,46 @@ impl OutboxStore for PgOutbox {
                     }
                     out.extend(back);
                 }
-                tx.commit().await.map_err(db)?;
-                Ok(out)
+                out
             }
+        };
+        if !dry_run && !out.is_empty() {
+            let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+            sqlx::query(&self.sql.history_replayed)
+                .bind(&ids)
+                .bind(origin)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            self.prune_history(&mut tx, &ids).await.map_err(db)?;
         }
+        tx.commit().await.map_err(db)?;
+        Ok(out)
+    }
+
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        self.archive_rows(req, on_batch).await
+    }
+
+    async fn inspect_schema(&self) -> Result<SchemaReport> {
+        self.schema_report().await
+    }
+
+    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
+        self.index_use(app_code).await
+    }
+
+    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+        let rows = sqlx::query(&self.sql.history)
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("read history", e))?;
+        history_entries(rows)
     }
 
     async fn now_ms(&self) -> Result<i64> {

@@ -50,7 +50,7 @@ async fn claims_use_their_index_over_a_million_delivered_rows() {
         (s.pending, s.retryable, s.delivering, s.delivered),
         (150, 200, 200, 1_000_000)
     );
-    sqlx::query(&format!("DROP TABLE {t}, {t}_archive"))
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
         .execute(store.pool())
         .await
         .unwrap();

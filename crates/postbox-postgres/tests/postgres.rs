@@ -34,7 +34,7 @@ async fn migrate_is_idempotent() {
     let store = outbox().await;
     let again = store.migrate().await.unwrap();
     assert!(again.applied.is_empty(), "second run changes nothing");
-    assert_eq!(again.version, 2);
+    assert_eq!(again.version, 3);
 }
 
 #[tokio::test]
@@ -162,7 +162,7 @@ async fn time_range_replay_covers_archived_rows() {
         until_ms: Some(6000),
         ..Default::default()
     });
-    let dry = store.replay(&range, true).await.unwrap();
+    let dry = store.replay(&range, true, "test").await.unwrap();
     assert_eq!(
         dry.iter().map(|r| r.event_id.as_str()).collect::<Vec<_>>(),
         ["archived-1"]
@@ -172,7 +172,7 @@ async fn time_range_replay_covers_archived_rows() {
         "dry run changes nothing"
     );
 
-    let done = store.replay(&range, false).await.unwrap();
+    let done = store.replay(&range, false, "test").await.unwrap();
     assert_eq!(done.len(), 1);
     let row = store.find("archived-1").await.unwrap().remove(0);
     assert_eq!(

@@ -18,7 +18,6 @@ impl SqliteOutbox {
         let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
         for (query, source, index_suffix) in CLAIM_QUERIES {
             let sql = self.sql.claim_select(source, false);
-            let expected_index = format!("{t}{index_suffix}");
             // Parameters only shape the plan here; their values do not matter.
             let rows = sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))
                 .bind(app_code)
@@ -30,20 +29,30 @@ impl SqliteOutbox {
                 .await
                 .map_err(db)?;
             let text: Vec<String> = rows.iter().map(|r| r.get::<String, _>(3)).collect();
-            let indexes_used = text
-                .iter()
-                .filter_map(|d| d.split(" INDEX ").nth(1))
-                .map(|rest| rest.split_whitespace().next().unwrap_or("").to_owned())
-                .collect();
-            plans.push(QueryPlan {
-                query,
-                expected_index,
-                indexes_used,
-                full_scan: text.iter().any(|d| d.starts_with(&format!("SCAN {t}"))),
-                rows_examined: None,
-                plan: text.join("\n"),
-            });
+            plans.push(query_plan(query, t, index_suffix, text));
         }
         Ok(plans)
+    }
+}
+
+/// A plan from `EXPLAIN QUERY PLAN`'s detail lines.
+pub(crate) fn query_plan(
+    query: &'static str,
+    table: &str,
+    index_suffix: &str,
+    text: Vec<String>,
+) -> QueryPlan {
+    let indexes_used = text
+        .iter()
+        .filter_map(|d| d.split(" INDEX ").nth(1))
+        .map(|rest| rest.split_whitespace().next().unwrap_or("").to_owned())
+        .collect();
+    QueryPlan {
+        query,
+        expected_index: format!("{table}{index_suffix}"),
+        indexes_used,
+        full_scan: text.iter().any(|d| d.starts_with(&format!("SCAN {table}"))),
+        rows_examined: None,
+        plan: text.join("\n"),
     }
 }

@@ -31,6 +31,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod doctor;
 mod explain;
 mod migrate;
 mod sql;
@@ -73,6 +74,14 @@ struct Statements {
     unarchive_filter: String,
     unarchive_filter_dry: String,
     delete_unarchived: String,
+    history_failed: String,
+    history_lease_expired: String,
+    history_replayed: String,
+    history_prune: String,
+    history: String,
+    archive_pick: String,
+    archive_copy: String,
+    archive_delete: String,
 }
 
 impl Statements {
@@ -113,6 +122,14 @@ impl Statements {
             unarchive_filter: t.render(sql::UNARCHIVE_FILTER),
             unarchive_filter_dry: t.render(sql::UNARCHIVE_FILTER_DRY),
             delete_unarchived: t.render(sql::DELETE_UNARCHIVED),
+            history_failed: t.render(sql::HISTORY_FAILED),
+            history_lease_expired: t.render(sql::HISTORY_LEASE_EXPIRED),
+            history_replayed: t.render(sql::HISTORY_REPLAYED),
+            history_prune: t.render(sql::HISTORY_PRUNE),
+            history: t.render(sql::HISTORY),
+            archive_pick: t.render(sql::ARCHIVE_PICK),
+            archive_copy: t.render(sql::ARCHIVE_COPY),
+            archive_delete: t.render(sql::ARCHIVE_DELETE),
         }
     }
 }

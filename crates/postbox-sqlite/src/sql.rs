@@ -290,6 +290,98 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
 pub(crate) const DELETE_UNARCHIVED: &str =
     "DELETE FROM {archive} WHERE id IN (SELECT value FROM json_each(?1))";
 
+// ---- attempt history ----
+// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
+// row's id, so an event's history outlives archiving. Every write runs in
+// the transaction of the state change it records.
+
+/// One failed attempt of row ?1: kind ?2 (`failed` or `dead_lettered`),
+/// attempt ?3, publisher ?4, error ?5.
+pub(crate) const HISTORY_FAILED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
+);
+
+/// Rows ?1 (JSON array) were just taken over after their lease expired;
+/// the claim already counted the attempt and wrote `last_error`.
+pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", 'lease_expired', retry_count, NULL, last_error FROM {table} \
+     WHERE id IN (SELECT value FROM json_each(?1))"
+);
+
+/// Rows ?1 (JSON array) were just replayed from origin ?2.
+pub(crate) const HISTORY_REPLAYED: &str = concat!(
+    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, ",
+    now_ms!(),
+    ", 'replayed', 0, NULL, ?2 FROM {table} WHERE id IN (SELECT value FROM json_each(?1))"
+);
+
+/// Keeps the newest ?2 entries of each event of rows ?1 (JSON array).
+/// Index: `{table}_history_event_idx (event_id, app_code, id)`, read backwards.
+pub(crate) const HISTORY_PRUNE: &str = "DELETE FROM {table}_history AS d \
+     WHERE EXISTS (SELECT 1 FROM {table} t \
+         WHERE t.id IN (SELECT value FROM json_each(?1)) \
+           AND t.event_id = d.event_id AND t.app_code = d.app_code) \
+       AND d.id < (SELECT h.id FROM {table}_history h \
+         WHERE h.event_id = d.event_id AND h.app_code = d.app_code \
+         ORDER BY h.id DESC LIMIT 1 OFFSET ?2 - 1)";
+
+/// An event's history, oldest first. Index: `{table}_history_event_idx`.
+pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail \
+     FROM {table}_history WHERE event_id = ?1 ORDER BY id";
+
+// ---- archive ----
+// Each batch is one `BEGIN IMMEDIATE` transaction: SQLite's write lock
+// keeps a second archiver (or anything else) out while it runs.
+
+/// The rows one archive batch takes (?1 app_code, ?2 status, ?3 cut-off,
+/// ?4 batch size). Index: `{table}_status_updated_idx`
+/// `(app_code, status, updated_at_ms, event_id)`, read in its order, which
+/// is deterministic, so the copy and the delete see the same rows.
+macro_rules! archive_pick {
+    () => {
+        "SELECT id FROM {table} WHERE app_code = ?1 AND status = ?2 AND updated_at_ms < ?3 \
+         ORDER BY updated_at_ms, event_id LIMIT ?4"
+    };
+}
+
+/// [`ARCHIVE_COPY`]'s selection, for `doctor`'s EXPLAIN.
+pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
+
+/// Archive step 1: copy what the archive lacks (unique `id`).
+pub(crate) const ARCHIVE_COPY: &str = concat!(
+    "INSERT OR IGNORE INTO {archive} (",
+    columns!(),
+    ") SELECT ",
+    columns!(),
+    " FROM {table} WHERE id IN (",
+    archive_pick!(),
+    ")"
+);
+
+/// Archive step 2: delete from the outbox only rows present in the archive.
+pub(crate) const ARCHIVE_DELETE: &str = concat!(
+    "DELETE FROM {table} WHERE id IN (",
+    archive_pick!(),
+    ") AND EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id)"
+);
+
+// ---- doctor ----
+
+/// The table's schema version.
+pub(crate) const DOCTOR_VERSION: &str =
+    "SELECT MAX(version) FROM postbox_schema_migrations WHERE table_name = ?1";
+
+/// Tables and indexes, by name.
+pub(crate) const DOCTOR_OBJECTS: &str =
+    "SELECT name FROM sqlite_master WHERE type IN ('table', 'index')";
+
 // ---- schema ----
 
 pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
@@ -307,9 +399,9 @@ pub(crate) const RECORD_VERSION: &str = concat!(
     ")"
 );
 
-/// Version 2: the index the admin API's lists read newest first per tenant
+/// Version 3: the index the admin API's lists read newest first per tenant
 /// and status (keyset pagination by id).
-pub(crate) const V2_LIST_INDEX: &[&str] =
+pub(crate) const V3_LIST_INDEX: &[&str] =
     &["CREATE INDEX IF NOT EXISTS {table}_status_id_idx ON {table} (app_code, status, id)"];
 
 /// Version 1: the outbox table, its indexes and the archive twin.
@@ -333,4 +425,19 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     ),
     "CREATE UNIQUE INDEX IF NOT EXISTS {archive}_event_uq ON {archive} (app_code, event_id)",
     "CREATE INDEX IF NOT EXISTS {archive}_created_idx ON {archive} (app_code, created_at_ms)",
+];
+
+/// Version 2: the bounded attempt history, keyed by event id so that it
+/// survives archiving of the outbox row.
+pub(crate) const V2_HISTORY: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS {table}_history ( \
+       id INTEGER PRIMARY KEY AUTOINCREMENT, \
+       app_code VARCHAR(64) NOT NULL, \
+       event_id VARCHAR(64) NOT NULL, \
+       at_ms BIGINT NOT NULL, \
+       kind VARCHAR(16) NOT NULL, \
+       attempt INTEGER NOT NULL, \
+       publisher VARCHAR(512), \
+       detail TEXT)",
+    "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
 ];

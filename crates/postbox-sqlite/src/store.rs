@@ -5,20 +5,55 @@ use sqlx::Row;
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, MigrateReport, MinuteCount,
-    OutboxStore, ReplaySelector,
+    AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
+    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
+    ReplaySelector, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
 use crate::{finish, SqliteOutbox};
 
-use postbox_sqlx::{records, ListArg, Placeholders};
+use postbox_sqlx::{history_entries, records, ListArg, Placeholders};
 
 const PH: Placeholders = Placeholders::Question;
 
 /// An id list as the JSON array text `json_each` reads.
 fn json_list<T: Clone + Into<serde_json::Value>>(items: &[T]) -> String {
     serde_json::Value::from(items.to_vec()).to_string()
+}
+
+impl SqliteOutbox {
+    /// Writes one history entry per row of `ids` with `sql` (?1 the ids,
+    /// ?2 the origin when given), then deletes entries beyond
+    /// [`HISTORY_LIMIT`] for those events.
+    async fn record_history(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        sql: &str,
+        origin: Option<&str>,
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        let list = json_list(ids);
+        let mut q = sqlx::query(sql).bind(&list);
+        if let Some(origin) = origin {
+            q = q.bind(origin);
+        }
+        q.execute(&mut *conn).await?;
+        self.prune_history(conn, &list).await
+    }
+
+    async fn prune_history(
+        &self,
+        conn: &mut sqlx::SqliteConnection,
+        ids_json: &str,
+    ) -> std::result::Result<(), sqlx::Error> {
+        sqlx::query(&self.sql.history_prune)
+            .bind(ids_json)
+            .bind(HISTORY_LIMIT)
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
 }
 
 #[async_trait]
@@ -59,7 +94,15 @@ impl OutboxStore for SqliteOutbox {
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(db)?;
-            records(rows, "claim")
+            let claimed = records(rows, "claim")?;
+            if source == ClaimSource::ExpiredLease && !claimed.is_empty() {
+                // The takeover counted an attempt: record it with the claim.
+                let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+                self.record_history(&mut tx, &self.sql.history_lease_expired, None, &ids)
+                    .await
+                    .map_err(db)?;
+            }
+            Ok(claimed)
         }
         .await;
         let mut claimed = finish(tx, res, "claim").await?;
@@ -90,19 +133,40 @@ impl OutboxStore for SqliteOutbox {
     }
 
     async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
-        let done = sqlx::query(&self.sql.mark_failed)
-            .bind(u.status.as_str())
-            .bind(u.retry_count)
-            .bind(u.retry_after_ms)
-            .bind(Some(u.delivered_to.join(",")).filter(|s| !s.is_empty()))
-            .bind(&u.error)
-            .bind(id)
-            .bind(&fence.worker_id)
-            .bind(fence.lock_until_ms)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| crate::db_error("mark failed attempt", e))?;
-        Ok(done.rows_affected() == 1)
+        let db = |e| crate::db_error("mark failed attempt", e);
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db)?;
+        let res = async {
+            let done = sqlx::query(&self.sql.mark_failed)
+                .bind(u.status.as_str())
+                .bind(u.retry_count)
+                .bind(u.retry_after_ms)
+                .bind(Some(u.delivered_to.join(",")).filter(|s| !s.is_empty()))
+                .bind(&u.error)
+                .bind(id)
+                .bind(&fence.worker_id)
+                .bind(fence.lock_until_ms)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            let written = done.rows_affected() == 1;
+            if written {
+                sqlx::query(&self.sql.history_failed)
+                    .bind(id)
+                    .bind(u.history_kind().as_str())
+                    .bind(u.retry_count)
+                    .bind(&u.publisher)
+                    .bind(&u.error)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                self.prune_history(&mut tx, &json_list(&[id]))
+                    .await
+                    .map_err(db)?;
+            }
+            Ok(written)
+        }
+        .await;
+        finish(tx, res, "mark failed attempt").await
     }
 
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
@@ -225,62 +289,50 @@ impl OutboxStore for SqliteOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(&self, selector: &ReplaySelector, dry_run: bool) -> Result<Vec<EventRecord>> {
+    async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
-        match selector {
-            ReplaySelector::EventIds {
-                app_code,
-                event_ids,
-            } => {
-                let sql = if dry_run {
-                    &self.sql.replay_ids_dry
-                } else {
-                    &self.sql.replay_ids
-                };
-                let rows = sqlx::query(sql)
-                    .bind(json_list(event_ids))
-                    .bind(app_code)
-                    .fetch_all(&self.pool)
-                    .await
-                    .map_err(db)?;
-                let mut out = records(rows, "replay")?;
-                out.sort_by_key(|r| r.id);
-                Ok(out)
-            }
-            ReplaySelector::Filter(f) => {
-                // A dry run only reads (one consistent snapshot); a real
-                // replay takes the write lock up front.
-                let mut tx = if dry_run {
-                    self.pool.begin().await
-                } else {
-                    self.pool.begin_with("BEGIN IMMEDIATE").await
-                }
-                .map_err(db)?;
-                let res = async {
-                    let live_sql = if dry_run {
-                        &self.sql.replay_filter_dry
+        // A dry run only reads (one consistent snapshot); a real replay
+        // takes the write lock up front.
+        let mut tx = if dry_run {
+            self.pool.begin().await
+        } else {
+            self.pool.begin_with("BEGIN IMMEDIATE").await
+        }
+        .map_err(db)?;
+        let res = async {
+            let out = match selector {
+                ReplaySelector::EventIds {
+                    app_code,
+                    event_ids,
+                } => {
+                    let sql = if dry_run {
+                        &self.sql.replay_ids_dry
                     } else {
-                        &self.sql.replay_filter
+                        &self.sql.replay_ids
                     };
-                    let rows = sqlx::query(live_sql)
-                        .bind(&f.app_code)
-                        .bind(f.status.map(Status::as_str))
-                        .bind(&f.event_type)
-                        .bind(f.since_ms)
-                        .bind(f.until_ms)
+                    let rows = sqlx::query(sql)
+                        .bind(json_list(event_ids))
+                        .bind(app_code)
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(db)?;
                     let mut out = records(rows, "replay")?;
                     out.sort_by_key(|r| r.id);
-                    // A time range also covers rows already archived.
-                    if f.since_ms.is_some() || f.until_ms.is_some() {
-                        let sql = if dry_run {
-                            &self.sql.unarchive_filter_dry
+                    out
+                }
+                ReplaySelector::Filter(f) => {
+                    {
+                        let live_sql = if dry_run {
+                            &self.sql.replay_filter_dry
                         } else {
-                            &self.sql.unarchive_filter
+                            &self.sql.replay_filter
                         };
-                        let rows = sqlx::query(sql)
+                        let rows = sqlx::query(live_sql)
                             .bind(&f.app_code)
                             .bind(f.status.map(Status::as_str))
                             .bind(&f.event_type)
@@ -289,24 +341,116 @@ impl OutboxStore for SqliteOutbox {
                             .fetch_all(&mut *tx)
                             .await
                             .map_err(db)?;
-                        let mut back = records(rows, "replay from archive")?;
-                        back.sort_by_key(|r| r.id);
-                        if !dry_run && !back.is_empty() {
-                            let ids: Vec<i64> = back.iter().map(|r| r.id).collect();
-                            sqlx::query(&self.sql.delete_unarchived)
-                                .bind(json_list(&ids))
-                                .execute(&mut *tx)
+                        let mut out = records(rows, "replay")?;
+                        out.sort_by_key(|r| r.id);
+                        // A time range also covers rows already archived.
+                        if f.since_ms.is_some() || f.until_ms.is_some() {
+                            let sql = if dry_run {
+                                &self.sql.unarchive_filter_dry
+                            } else {
+                                &self.sql.unarchive_filter
+                            };
+                            let rows = sqlx::query(sql)
+                                .bind(&f.app_code)
+                                .bind(f.status.map(Status::as_str))
+                                .bind(&f.event_type)
+                                .bind(f.since_ms)
+                                .bind(f.until_ms)
+                                .fetch_all(&mut *tx)
                                 .await
                                 .map_err(db)?;
+                            let mut back = records(rows, "replay from archive")?;
+                            back.sort_by_key(|r| r.id);
+                            if !dry_run && !back.is_empty() {
+                                let ids: Vec<i64> = back.iter().map(|r| r.id).collect();
+                                sqlx::query(&self.sql.delete_unarchived)
+                                    .bind(json_list(&ids))
+                                    .execute(&mut *tx)
+                                    .await
+                                    .map_err(db)?;
+                            }
+                            out.extend(back);
                         }
-                        out.extend(back);
+                        out
                     }
-                    Ok(out)
                 }
-                .await;
-                finish(tx, res, "replay").await
+            };
+            if !dry_run && !out.is_empty() {
+                let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+                self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                    .await
+                    .map_err(db)?;
+            }
+            Ok(out)
+        }
+        .await;
+        finish(tx, res, "replay").await
+    }
+
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        let db = |e| crate::db_error("archive", e);
+        let mut report = ArchiveReport::default();
+        for app_code in &req.app_codes {
+            for (_, status, _) in ARCHIVE_QUERIES {
+                loop {
+                    if req.max_batches.is_some_and(|m| report.batches >= m) {
+                        return Ok(report);
+                    }
+                    let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(db)?;
+                    let batch = |sql| {
+                        sqlx::query(sql)
+                            .bind(app_code)
+                            .bind(status)
+                            .bind(req.before_ms)
+                            .bind(i64::from(req.batch_size))
+                    };
+                    let res = async {
+                        batch(&self.sql.archive_copy)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                        let deleted = batch(&self.sql.archive_delete)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                        Ok(deleted.rows_affected())
+                    }
+                    .await;
+                    let moved = finish(tx, res, "archive").await?;
+                    // Zero: done, or only rows the archive refuses (an
+                    // event id archived before under another id) are left.
+                    if moved == 0 {
+                        break;
+                    }
+                    report.moved += moved;
+                    report.batches += 1;
+                    on_batch(moved);
+                }
             }
         }
+        report.complete = true;
+        Ok(report)
+    }
+
+    async fn inspect_schema(&self) -> Result<SchemaReport> {
+        self.schema_report().await
+    }
+
+    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
+        self.index_use(app_code).await
+    }
+
+    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+        let rows = sqlx::query(&self.sql.history)
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("read history", e))?;
+        history_entries(rows)
     }
 
     async fn now_ms(&self) -> Result<i64> {

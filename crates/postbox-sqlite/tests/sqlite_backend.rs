@@ -43,7 +43,7 @@ async fn scratch(name: &str) -> Scratch {
         .await
         .expect("connect");
     let report = outbox.migrate().await.expect("migrate");
-    assert_eq!(report.applied, vec![1, 2]);
+    assert_eq!(report.applied, vec![1, 2, 3]);
     Scratch { path, outbox }
 }
 
@@ -101,6 +101,7 @@ fn failure(status: Status, retry_count: i32, retry_after_ms: i64) -> FailureUpda
         retry_after_ms,
         delivered_to: vec!["file".into()],
         error: "broker down".into(),
+        publisher: Some("p".into()),
     }
 }
 
@@ -109,11 +110,11 @@ async fn migrate_is_idempotent() {
     let s = scratch("migrate").await;
     let again = s.outbox.migrate().await.unwrap();
     assert!(again.applied.is_empty());
-    assert_eq!(again.version, 2);
+    assert_eq!(again.version, 3);
     // A second table in the same database gets its own versions.
     let other = SqliteOutbox::new(s.outbox.pool().clone(), "wallet_outbox").unwrap();
-    assert_eq!(other.migrate().await.unwrap().applied, vec![1, 2]);
-    assert_eq!(other.migrate().await.unwrap().version, 2);
+    assert_eq!(other.migrate().await.unwrap().applied, vec![1, 2, 3]);
+    assert_eq!(other.migrate().await.unwrap().version, 3);
     assert_eq!(s.outbox.backend(), "sqlite");
 }
 
@@ -449,7 +450,7 @@ async fn replay_by_ids() {
     };
 
     // Dry run: reports, changes nothing. The delivering row is left alone.
-    let dry = o.replay(&sel, true).await.unwrap();
+    let dry = o.replay(&sel, true, "test").await.unwrap();
     assert_eq!(
         dry.iter().map(|r| r.id).collect::<Vec<_>>(),
         vec![ids_[0], ids_[1], ids_[3]]
@@ -462,9 +463,9 @@ async fn replay_by_ids() {
         app_code: Some("wallet".into()),
         event_ids: wanted,
     };
-    assert!(o.replay(&other, false).await.unwrap().is_empty());
+    assert!(o.replay(&other, false, "test").await.unwrap().is_empty());
 
-    let done = o.replay(&sel, false).await.unwrap();
+    let done = o.replay(&sel, false, "test").await.unwrap();
     assert_eq!(done.len(), 3);
     for r in &done {
         assert_eq!(r.status, Status::Pending);
@@ -490,10 +491,10 @@ async fn replay_by_filter_and_time_range_with_archive() {
         status: Some(Status::Failed),
         ..Default::default()
     });
-    let dry = o.replay(&failed_only, true).await.unwrap();
+    let dry = o.replay(&failed_only, true, "test").await.unwrap();
     assert_eq!(dry.iter().map(|r| r.id).collect::<Vec<_>>(), vec![ids_[1]]);
     assert_eq!(one(o, &events[1].event_id).await.status, Status::Failed);
-    let done = o.replay(&failed_only, false).await.unwrap();
+    let done = o.replay(&failed_only, false, "test").await.unwrap();
     assert_eq!(done.len(), 1);
     assert_eq!(one(o, &events[1].event_id).await.status, Status::Pending);
 
@@ -516,14 +517,14 @@ async fn replay_by_filter_and_time_range_with_archive() {
         event_type: Some("Delivered".into()),
         ..Default::default()
     });
-    let dry = o.replay(&range, true).await.unwrap();
+    let dry = o.replay(&range, true, "test").await.unwrap();
     assert_eq!(dry.iter().map(|r| r.id).collect::<Vec<_>>(), vec![ids_[0]]);
     assert!(
         o.find(&events[0].event_id).await.unwrap().is_empty(),
         "dry run moved a row"
     );
 
-    let back = o.replay(&range, false).await.unwrap();
+    let back = o.replay(&range, false, "test").await.unwrap();
     assert_eq!(back.len(), 1);
     let row = one(o, &events[0].event_id).await;
     assert_eq!(row.id, ids_[0], "keeps the id");
@@ -546,7 +547,7 @@ async fn replay_by_filter_and_time_range_with_archive() {
         until_ms: Some(1),
         ..Default::default()
     });
-    assert!(o.replay(&empty, false).await.unwrap().is_empty());
+    assert!(o.replay(&empty, false, "test").await.unwrap().is_empty());
 }
 
 #[tokio::test]
@@ -733,7 +734,7 @@ async fn connects_to_memory_and_plain_paths() {
     let p = SqliteOutbox::connect(&format!("sqlite:{}", path.display()), TABLE, 2)
         .await
         .unwrap();
-    assert_eq!(p.migrate().await.unwrap().applied, vec![1, 2]);
+    assert_eq!(p.migrate().await.unwrap().applied, vec![1, 2, 3]);
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(p.pool())
         .await
@@ -804,7 +805,7 @@ async fn a_failed_claim_rolls_back_its_transaction() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("claim"), "{err}");
-    assert_eq!(o.migrate().await.unwrap().applied, vec![1, 2]);
+    assert_eq!(o.migrate().await.unwrap().applied, vec![1, 2, 3]);
     enqueue_all(&o, &[ev("A")]).await;
     assert_eq!(claim(&o, ClaimSource::Pending, "w", 1000).await.len(), 1);
 }

@@ -70,3 +70,41 @@ where
         .collect::<std::result::Result<_, _>>()
         .map_err(|e| db_error(op, e))
 }
+
+/// Reads history rows selected as `at_ms, kind, attempt, publisher, detail`.
+/// An entry of a kind this version does not know is skipped with a warning.
+pub fn history_entries<R>(rows: Vec<R>) -> Result<Vec<postbox_core::store::HistoryEntry>>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let read = || -> std::result::Result<_, sqlx::Error> {
+            let kind: String = row.try_get(1)?;
+            Ok((
+                kind,
+                row.try_get::<i64, _>(0)?,
+                row.try_get::<i32, _>(2)?,
+                row.try_get::<Option<String>, _>(3)?,
+                row.try_get::<Option<String>, _>(4)?,
+            ))
+        };
+        let (kind, at_ms, attempt, publisher, detail) =
+            read().map_err(|e| db_error("read history", e))?;
+        match postbox_core::store::HistoryKind::parse(&kind) {
+            Some(kind) => out.push(postbox_core::store::HistoryEntry {
+                at_ms,
+                kind,
+                attempt,
+                publisher,
+                detail,
+            }),
+            None => tracing::warn!(kind, "history entry of an unknown kind skipped"),
+        }
+    }
+    Ok(out)
+}

@@ -12,7 +12,8 @@ use postbox_core::event::Fence;
 use postbox_core::relay::CancellationToken;
 use postbox_core::relay::{Relay, RelayReport};
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, OutboxStore, ReplaySelector,
+    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, HistoryKind, OutboxStore,
+    ReplaySelector, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, Error, NewEvent, Publisher, Status};
 
@@ -40,6 +41,7 @@ macro_rules! conformance_suite {
             relay_shutdown_releases_and_leaves_nothing_delivering,
             relay_skips_retries_for_at_most_once_types,
             relay_orders_events_per_aggregate,
+            history_records_attempts_dead_letters_and_replays,
         );
     };
     (@cases $make:path, $($case:ident),* $(,)?) => {
@@ -237,6 +239,7 @@ pub async fn failed_attempt_becomes_retryable_after_backoff(store: Arc<dyn Outbo
         retry_after_ms: after,
         delivered_to: vec!["rabbit".into()],
         error: "broker said no".into(),
+        publisher: Some("p".into()),
     };
     assert!(store
         .mark_failed(&fence, late.id, &update(60_000))
@@ -316,6 +319,7 @@ pub async fn expired_lease_is_taken_over_and_counted(store: Arc<dyn OutboxStore>
         retry_after_ms: 0,
         delivered_to: vec![],
         error: "late".into(),
+        publisher: Some("p".into()),
     };
     assert!(!store
         .mark_failed(&old[0].fence(), id, &late_failure)
@@ -377,6 +381,7 @@ pub async fn replay_keeps_event_id_and_resets_retry_count(store: Arc<dyn OutboxS
             retry_after_ms: 0,
             delivered_to: vec![],
             error: "gone".into(),
+            publisher: Some("p".into()),
         };
         assert!(store.mark_failed(&fence, c.record.id, &dead).await.unwrap());
     }
@@ -386,14 +391,14 @@ pub async fn replay_keeps_event_id_and_resets_retry_count(store: Arc<dyn OutboxS
         app_code: None,
         event_ids: vec![evs[0].event_id.clone()],
     };
-    let dry = store.replay(&by_id, true).await.unwrap();
+    let dry = store.replay(&by_id, true, "test").await.unwrap();
     assert_eq!(dry.len(), 1);
     assert_eq!(
         stats(store.as_ref()).await.failed,
         3,
         "dry run changes nothing"
     );
-    let done = store.replay(&by_id, false).await.unwrap();
+    let done = store.replay(&by_id, false, "test").await.unwrap();
     assert_eq!(done.len(), 1);
     let row = status_of(store.as_ref(), &evs[0].event_id).await;
     assert_eq!(
@@ -407,8 +412,14 @@ pub async fn replay_keeps_event_id_and_resets_retry_count(store: Arc<dyn OutboxS
         status: Some(Status::Failed),
         ..Default::default()
     });
-    assert_eq!(store.replay(&by_status, true).await.unwrap().len(), 2);
-    assert_eq!(store.replay(&by_status, false).await.unwrap().len(), 2);
+    assert_eq!(
+        store.replay(&by_status, true, "test").await.unwrap().len(),
+        2
+    );
+    assert_eq!(
+        store.replay(&by_status, false, "test").await.unwrap().len(),
+        2
+    );
     let s = stats(store.as_ref()).await;
     assert_eq!((s.pending, s.failed), (3, 0));
 
@@ -484,6 +495,7 @@ pub async fn stats_count_by_status(store: Arc<dyn OutboxStore>) {
         retry_after_ms: 0,
         delivered_to: vec![],
         error: "e".into(),
+        publisher: Some("p".into()),
     };
     store
         .mark_failed(&claimed[1].fence(), claimed[1].record.id, &retry_now)
@@ -834,5 +846,131 @@ pub async fn relay_orders_events_per_aggregate(store: Arc<dyn OutboxStore>) {
     assert!(
         *a_order.last().unwrap() < b1_dead && *c_order.last().unwrap() < b1_dead,
         "other aggregates were not held back by B's failing event"
+    );
+}
+
+/// Failed attempts (with publisher, error and attempt number), expired-lease
+/// takeovers, dead-lettering and replays (with their origin) are recorded in
+/// order; a result dropped by the fence records nothing; the history keeps
+/// the newest [`HISTORY_LIMIT`] entries per event.
+pub async fn history_records_attempts_dead_letters_and_replays(store: Arc<dyn OutboxStore>) {
+    let evs = events(2, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let id_of = |e: &NewEvent| e.event_id.clone();
+    let (first, other) = (id_of(&evs[0]), id_of(&evs[1]));
+    assert!(store.history(&first).await.unwrap().is_empty());
+
+    // Attempt 1 fails at publisher `hook`.
+    let got = store
+        .claim(ClaimSource::Pending, &req("w1", 1, 30_000))
+        .await
+        .unwrap();
+    assert_eq!(got[0].record.event_id, first);
+    let fail = FailureUpdate {
+        status: Status::Retryable,
+        retry_count: 1,
+        retry_after_ms: 0,
+        delivered_to: vec![],
+        error: "hook: 503 Service Unavailable".into(),
+        publisher: Some("hook".into()),
+    };
+    assert!(store
+        .mark_failed(&got[0].fence(), got[0].record.id, &fail)
+        .await
+        .unwrap());
+    // A late result under a stale fence records nothing.
+    assert!(!store
+        .mark_failed(&got[0].fence(), got[0].record.id, &fail)
+        .await
+        .unwrap());
+
+    // Attempt 2: the lease expires and another relay takes over.
+    let again = store
+        .claim(ClaimSource::DueRetry, &req("slow", 10, 300))
+        .await
+        .unwrap();
+    assert_eq!(again.len(), 1);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let taken = store
+        .claim(ClaimSource::ExpiredLease, &req("w2", 10, 30_000))
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+
+    // Attempt 3 dead-letters it.
+    let dead = FailureUpdate {
+        status: Status::Failed,
+        retry_count: 3,
+        error: "hook: 400 Bad Request".into(),
+        ..fail.clone()
+    };
+    assert!(store
+        .mark_failed(&taken[0].fence(), taken[0].record.id, &dead)
+        .await
+        .unwrap());
+    let by_id = ReplaySelector::EventIds {
+        app_code: None,
+        event_ids: vec![first.clone()],
+    };
+    assert_eq!(
+        store.replay(&by_id, true, "cli").await.unwrap().len(),
+        1,
+        "dry run"
+    );
+    assert_eq!(
+        store
+            .replay(&by_id, false, "api 127.0.0.1:9")
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+
+    let h = store.history(&first).await.unwrap();
+    let kinds: Vec<HistoryKind> = h.iter().map(|e| e.kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            HistoryKind::Failed,
+            HistoryKind::LeaseExpired,
+            HistoryKind::DeadLettered,
+            HistoryKind::Replayed
+        ],
+        "{h:#?}"
+    );
+    assert_eq!(h[0].attempt, 1);
+    assert_eq!(h[0].publisher.as_deref(), Some("hook"));
+    assert_eq!(
+        h[0].detail.as_deref(),
+        Some("hook: 503 Service Unavailable")
+    );
+    assert_eq!(h[1].attempt, 2, "the expired lease counted as attempt 2");
+    assert!(
+        h[1].detail.as_deref().unwrap_or("").contains("slow"),
+        "{h:#?}"
+    );
+    assert_eq!(h[2].attempt, 3);
+    assert_eq!(h[2].detail.as_deref(), Some("hook: 400 Bad Request"));
+    assert_eq!(h[3].detail.as_deref(), Some("api 127.0.0.1:9"));
+    assert!(h.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+    assert!(
+        store.history(&other).await.unwrap().is_empty(),
+        "other events untouched"
+    );
+
+    // Bounded: 25 more replays keep only the newest HISTORY_LIMIT entries.
+    for i in 0..25 {
+        store
+            .replay(&by_id, false, &format!("cli {i}"))
+            .await
+            .unwrap();
+    }
+    let h = store.history(&first).await.unwrap();
+    assert_eq!(h.len() as i64, HISTORY_LIMIT);
+    assert!(h.iter().all(|e| e.kind == HistoryKind::Replayed));
+    assert_eq!(h.last().unwrap().detail.as_deref(), Some("cli 24"));
+    assert_eq!(
+        h[0].detail.as_deref(),
+        Some(format!("cli {}", 25 - HISTORY_LIMIT).as_str())
     );
 }

@@ -1,5 +1,10 @@
 //! `postbox events list|show`.
 
+use serde::Serialize;
+
+use postbox_core::store::HistoryEntry;
+use postbox_core::{EventRecord, Status};
+
 use crate::cli::{EventsArgs, EventsCommand, Global};
 use crate::error::CliError;
 use crate::open::{load_config, open_store, require_schema};
@@ -34,8 +39,16 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                     store.table()
                 )));
             }
+            let history = store.history(&show.event_id).await?;
             if g.json {
-                return output::json(&rows);
+                let shown: Vec<Shown> = rows
+                    .iter()
+                    .map(|r| Shown {
+                        timeline: timeline(r, &history),
+                        record: r,
+                    })
+                    .collect();
+                return output::json(&shown);
             }
             for r in rows {
                 println!("event_id           {}", r.event_id);
@@ -76,9 +89,74 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                 );
                 println!("headers            {}", r.headers.as_deref().unwrap_or("-"));
                 println!("payload            {}", r.payload);
+                println!("timeline");
+                for step in timeline(&r, &history) {
+                    let mut line = format!("  {:<24}  {:<13}", output::time(step.at_ms), step.kind);
+                    if let Some(a) = step.attempt.filter(|a| *a > 0) {
+                        line.push_str(&format!("  attempt {a}"));
+                    }
+                    if let Some(p) = step.publisher {
+                        line.push_str(&format!("  [{p}]"));
+                    }
+                    if let Some(d) = step.detail {
+                        line.push_str(&format!("  {d}"));
+                    }
+                    println!("{line}");
+                }
                 println!();
             }
             Ok(())
         }
     }
+}
+
+/// `events show --json`: the row's fields and its timeline.
+#[derive(Serialize)]
+struct Shown<'a> {
+    #[serde(flatten)]
+    record: &'a EventRecord,
+    timeline: Vec<Step>,
+}
+
+/// One step of an event's life, from enqueue to delivery.
+#[derive(Serialize)]
+struct Step {
+    at_ms: i64,
+    /// `enqueued`, a history kind, or `delivered`.
+    kind: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    attempt: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    publisher: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+}
+
+/// Enqueued (created_at), each history entry, then delivered (updated_at)
+/// when the row is delivered.
+fn timeline(r: &EventRecord, history: &[HistoryEntry]) -> Vec<Step> {
+    let mut steps = vec![Step {
+        at_ms: r.created_at_ms,
+        kind: "enqueued",
+        attempt: None,
+        publisher: None,
+        detail: None,
+    }];
+    steps.extend(history.iter().map(|h| Step {
+        at_ms: h.at_ms,
+        kind: h.kind.as_str(),
+        attempt: Some(h.attempt),
+        publisher: h.publisher.clone(),
+        detail: h.detail.clone(),
+    }));
+    if r.status == Status::Delivered {
+        steps.push(Step {
+            at_ms: r.updated_at_ms,
+            kind: "delivered",
+            attempt: Some(r.retry_count + 1),
+            publisher: None,
+            detail: (!r.delivered_to.is_empty()).then(|| r.delivered_to.join(", ")),
+        });
+    }
+    steps
 }

@@ -1,6 +1,8 @@
 //! One file per command.
 
+pub mod archive;
 pub mod consume;
+pub mod doctor;
 pub mod enqueue;
 pub mod events;
 pub mod migrate;

@@ -36,10 +36,22 @@ pub async fn run(g: &Global, args: RelayArgs) -> Result<(), CliError> {
         shutdown.clone(),
     )
     .await?;
+    let archiver = config.archive.enabled.then(|| {
+        tokio::spawn(postbox_core::archive::run_scheduled(
+            store.clone(),
+            config.archive.clone(),
+            app_codes.clone(),
+            shutdown.clone(),
+        ))
+    });
     let relay = Relay::new(store, publishers, config.outbox_worker.clone(), app_codes);
     let report = relay.run(shutdown.clone()).await;
-    // The admin server stops with the relay, whatever ended it.
+    // The relay stops only on shutdown or error; the admin server and the
+    // archiver stop with it.
     shutdown.cancel();
+    if let Some(task) = archiver {
+        let _ = task.await;
+    }
     if let Some(admin) = admin {
         let _ = admin.await;
     }

@@ -31,7 +31,7 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
     let config = load_config(g)?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
-    let rows = store.replay(&selector, args.dry_run).await?;
+    let rows = store.replay(&selector, args.dry_run, "cli").await?;
     if !args.dry_run {
         for r in &rows {
             tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin = "cli", "event replayed");

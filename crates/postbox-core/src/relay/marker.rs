@@ -68,6 +68,13 @@ impl Marker {
                 },
             );
             let fence = o.event.fence();
+            let failed_publishers = (!o.skip_publish && !o.errors.is_empty()).then(|| {
+                o.errors
+                    .iter()
+                    .map(|(p, _)| p.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            });
             match decision {
                 Decision::Delivered => {
                     created_at.insert(r.id, r.created_at_ms);
@@ -90,6 +97,7 @@ impl Marker {
                         retry_after_ms: after.as_millis() as i64,
                         delivered_to,
                         error: truncate_error(&error),
+                        publisher: failed_publishers.clone(),
                     };
                     if self.write_failure(&fence, r.id, &update, &r.event_id).await {
                         report.retried += 1;
@@ -109,6 +117,7 @@ impl Marker {
                         retry_after_ms: 0,
                         delivered_to,
                         error: truncate_error(&error),
+                        publisher: failed_publishers.clone(),
                     };
                     if self.write_failure(&fence, r.id, &update, &r.event_id).await {
                         report.failed += 1;

@@ -1,0 +1,240 @@
+//! `postbox doctor`: schema, indexes, query plans and config, each a named
+//! check that is ok, warn or fail; exit 1 when any fails.
+
+use serde::Serialize;
+
+use postbox_core::config::Config;
+use postbox_core::store::OutboxStore;
+
+use crate::cli::Global;
+use crate::error::CliError;
+use crate::open::{load_config, open_store};
+use crate::output;
+
+/// How a check came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+#[derive(Debug, Serialize)]
+struct Check {
+    name: String,
+    level: Level,
+    message: String,
+}
+
+fn check(name: impl Into<String>, level: Level, message: impl Into<String>) -> Check {
+    Check {
+        name: name.into(),
+        level,
+        message: message.into(),
+    }
+}
+
+pub async fn run(g: &Global) -> Result<(), CliError> {
+    let config = load_config(g)?;
+    let store = open_store(&config).await?;
+    let mut checks = database_checks(store.as_ref(), &config).await;
+    checks.extend(config_checks(&config));
+
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| c.level == Level::Fail)
+        .map(|c| c.name.as_str())
+        .collect();
+    if g.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            ok: bool,
+            backend: &'a str,
+            table: &'a str,
+            checks: &'a [Check],
+        }
+        output::json(&Out {
+            ok: failed.is_empty(),
+            backend: store.backend(),
+            table: store.table().as_str(),
+            checks: &checks,
+        })?;
+    } else {
+        for c in &checks {
+            let tag = match c.level {
+                Level::Ok => "ok  ",
+                Level::Warn => "WARN",
+                Level::Fail => "FAIL",
+            };
+            println!("{tag}  {:<44} {}", c.name, c.message);
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(CliError::runtime(format!(
+            "{} check(s) failed: {}",
+            failed.len(),
+            failed.join(", ")
+        )))
+    }
+}
+
+async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check> {
+    let mut checks = Vec::new();
+    match store.inspect_schema().await {
+        Ok(schema) => {
+            checks.push(if schema.version == 0 {
+                check(
+                    "schema_version",
+                    Level::Fail,
+                    format!(
+                        "table `{}` was never migrated: run `postbox migrate`",
+                        store.table()
+                    ),
+                )
+            } else if schema.version < schema.latest_version {
+                check(
+                    "schema_version",
+                    Level::Fail,
+                    format!(
+                        "version {} of {}: run `postbox migrate`",
+                        schema.version, schema.latest_version
+                    ),
+                )
+            } else {
+                check(
+                    "schema_version",
+                    Level::Ok,
+                    format!("version {}", schema.version),
+                )
+            });
+            for o in &schema.objects {
+                let name = format!("{}:{}", o.kind, o.name);
+                checks.push(if o.present {
+                    check(name, Level::Ok, "present")
+                } else {
+                    check(
+                        name,
+                        Level::Fail,
+                        format!("{} `{}` is missing: run `postbox migrate`", o.kind, o.name),
+                    )
+                });
+            }
+        }
+        Err(e) => checks.push(check("schema", Level::Fail, e.to_string())),
+    }
+    let app_code = config
+        .database
+        .app_codes
+        .first()
+        .map_or("default", String::as_str);
+    match store.explain_index_use(app_code).await {
+        Ok(plans) => {
+            for p in plans {
+                let name = format!("plan:{}", p.query);
+                checks.push(if p.is_good() {
+                    check(name, Level::Ok, format!("uses {}", p.expected_index))
+                } else {
+                    let used = if p.indexes_used.is_empty() {
+                        "no index (full scan)".to_owned()
+                    } else {
+                        p.indexes_used.join(", ")
+                    };
+                    check(
+                        name,
+                        Level::Fail,
+                        format!(
+                            "query `{}` cannot use index `{}` (plan uses {used}); run `postbox migrate` or recreate the index",
+                            p.query, p.expected_index
+                        ),
+                    )
+                });
+            }
+        }
+        Err(e) => checks.push(check(
+            "plans",
+            Level::Fail,
+            format!("cannot explain the claim and archive queries: {e}"),
+        )),
+    }
+    checks
+}
+
+fn config_checks(config: &Config) -> Vec<Check> {
+    let w = &config.outbox_worker;
+    let a = &config.archive;
+    let mut checks = Vec::new();
+    // Validation already refuses publish_timeout >= lease; flag a thin margin.
+    checks.push(if w.publish_timeout.get() * 2 > w.lease.get() {
+        check(
+            "config:lease_margin",
+            Level::Warn,
+            format!(
+                "outbox_worker.publish_timeout ({}) is more than half of outbox_worker.lease ({}): batches that queue behind a slow publish are released unpublished and a slow relay may lose its lease",
+                w.publish_timeout, w.lease
+            ),
+        )
+    } else {
+        check(
+            "config:lease_margin",
+            Level::Ok,
+            format!("publish_timeout {} within lease {}", w.publish_timeout, w.lease),
+        )
+    });
+    let horizon = w.max_backoff.get() * w.max_retry_count;
+    checks.push(check(
+        "config:redelivery_horizon",
+        Level::Ok,
+        format!(
+            "a failing event is retried for up to ~{} (max_retry_count {} × max_backoff {}); consumers' inbox retention should exceed it",
+            humantime::format_duration(horizon),
+            w.max_retry_count,
+            w.max_backoff
+        ),
+    ));
+    checks.push(if !a.enabled {
+        check(
+            "config:archive",
+            Level::Warn,
+            "archive.enabled is false: delivered rows accumulate in the outbox table; enable [archive] or run `postbox archive` on a schedule",
+        )
+    } else if a.older_than.get() < a.interval.get() {
+        check(
+            "config:archive",
+            Level::Warn,
+            format!(
+                "archive.older_than ({}) is shorter than archive.interval ({}): rows are kept for uneven times",
+                a.older_than, a.interval
+            ),
+        )
+    } else {
+        check(
+            "config:archive",
+            Level::Ok,
+            format!("every {}, rows older than {}", a.interval, a.older_than),
+        )
+    });
+    if a.batch_size > 50_000 {
+        checks.push(check(
+            "config:archive_batch_size",
+            Level::Warn,
+            format!(
+                "archive.batch_size {} holds locks and grows the WAL/binlog for long; 10000 is the default",
+                a.batch_size
+            ),
+        ));
+    }
+    if w.batch_size > 1_000 {
+        checks.push(check(
+            "config:batch_size",
+            Level::Warn,
+            format!(
+                "outbox_worker.batch_size {} makes each claim hold many leases at once",
+                w.batch_size
+            ),
+        ));
+    }
+    checks
+}

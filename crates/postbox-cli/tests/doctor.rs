@@ -1,0 +1,158 @@
+//! `postbox doctor` on PostgreSQL, MariaDB and SQLite: it passes on a fresh
+//! migration (tiny tables, where planners would scan anyway), and fails
+//! naming the index and the query once an index is dropped.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use postbox_testkit::scratch_table;
+use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url, postgres_url};
+
+fn postbox(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("run postbox")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs the scenario; `drop_index(sql)` runs one statement on the database.
+async fn doctor_scenario<F, Fut>(url: &str, t: &str, drop_index: F)
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("postbox.toml");
+    std::fs::write(
+        &config,
+        format!("[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"doc\"]\n"),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+
+    // Before migrating: fails, naming the schema.
+    let out = postbox(dir.path(), &["--config", config, "doctor"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("schema_version"), "{}", text(&out));
+
+    let out = postbox(dir.path(), &["--config", config, "migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = postbox(dir.path(), &["--config", config, "--json", "doctor"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["ok"], true);
+    let checks = report["checks"].as_array().unwrap();
+    for q in [
+        "plan:claim_pending",
+        "plan:claim_due_retries",
+        "plan:claim_expired_leases",
+        "plan:archive_delivered",
+        "plan:archive_published",
+        &format!("index:{t}_claim_lease_idx"),
+        &format!("index:{t}_history_event_idx"),
+    ] {
+        let c = checks
+            .iter()
+            .find(|c| c["name"] == q)
+            .unwrap_or_else(|| panic!("no check {q}: {report:#}"));
+        assert_eq!(c["level"], "ok", "{c:#}");
+    }
+
+    let index = format!("{t}_claim_lease_idx");
+    drop_index(index.clone()).await;
+    let out = postbox(dir.path(), &["--config", config, "doctor"]);
+    let shown = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{shown}");
+    assert!(
+        shown.contains(&format!("index:{index}")),
+        "names the missing index: {shown}"
+    );
+    assert!(
+        shown.contains("FAIL  plan:claim_expired_leases"),
+        "names the query that lost its index: {shown}"
+    );
+    assert!(
+        shown.contains("ok    plan:claim_pending"),
+        "other queries still fine: {shown}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_doctor_passes_fresh_and_names_a_dropped_index() {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let pool = sqlx::PgPool::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
+    let t = scratch_table("doc");
+    doctor_scenario(&url, &t, |index| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(&format!("DROP INDEX {index}"))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_doctor_passes_fresh_and_names_a_dropped_index() {
+    let url = mysql_url();
+    ensure_database("mysql", &url).await;
+    let pool = sqlx::MySqlPool::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
+    let t = scratch_table("doc");
+    let table = t.clone();
+    doctor_scenario(&url, &t, |index| {
+        let pool = pool.clone();
+        let table = table.clone();
+        async move {
+            sqlx::query(&format!("DROP INDEX {index} ON {table}"))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_doctor_passes_fresh_and_names_a_dropped_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
+    let opts = url
+        .parse::<sqlx::sqlite::SqliteConnectOptions>()
+        .unwrap()
+        .create_if_missing(true);
+    let pool = sqlx::SqlitePool::connect_with(opts).await.unwrap();
+    doctor_scenario(&url, "room_outbox", |index| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(&format!("DROP INDEX {index}"))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+}
