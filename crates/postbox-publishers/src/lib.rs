@@ -7,6 +7,7 @@
 #![warn(missing_docs)]
 
 pub mod file;
+pub mod rabbitmq;
 
 use std::sync::Arc;
 
@@ -17,6 +18,9 @@ use postbox_core::{Publisher, Result};
 pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     match config {
         PublisherConfig::File(c) => Ok(Arc::new(file::FilePublisher::open(c).await?)),
+        PublisherConfig::Rabbitmq(c) => {
+            Ok(Arc::new(rabbitmq::RabbitMqPublisher::connect(c).await?))
+        }
         other => Err(postbox_core::Error::config(
             "publishers",
             format!("kind `{}` is not built yet", other.kind()),
