@@ -120,7 +120,11 @@ async fn closed_connections_during_a_10000_event_run_lose_nothing() {
     let mut closes = 0;
     for threshold in [N / 5, N / 2, 4 * N / 5] {
         while inbox.len() < threshold {
-            assert!(started.elapsed() < Duration::from_secs(50), "stalled at {}", inbox.len());
+            assert!(
+                started.elapsed() < Duration::from_secs(50),
+                "stalled at {}",
+                inbox.len()
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let n = tokio::task::spawn_blocking({
@@ -157,7 +161,10 @@ async fn closed_connections_during_a_10000_event_run_lose_nothing() {
         messages - distinct
     );
     assert_eq!(distinct, N, "every event reached the queue");
-    assert_eq!((s.pending, s.retryable, s.failed, s.delivering), (0, 0, 0, 0));
+    assert_eq!(
+        (s.pending, s.retryable, s.failed, s.delivering),
+        (0, 0, 0, 0)
+    );
     publisher.close().await;
 }
 
@@ -192,7 +199,10 @@ async fn an_unroutable_event_is_retried_then_dead_lettered() {
     })
     .await;
     relay.stop().await;
-    assert!(saw_retryable, "unroutable rows went retryable before failed");
+    assert!(
+        saw_retryable,
+        "unroutable rows went retryable before failed"
+    );
     assert_eq!(s.retryable + s.pending + s.delivering, 0);
     let failed = store
         .list(&EventFilter {
@@ -208,7 +218,9 @@ async fn an_unroutable_event_is_retried_then_dead_lettered() {
         assert_eq!(r.retry_count, 3);
         let err = r.last_error.as_deref().unwrap_or_default();
         assert!(
-            err.contains(&format!("unroutable: exchange {exchange}, routing key Nobody")),
+            err.contains(&format!(
+                "unroutable: exchange {exchange}, routing key Nobody"
+            )),
             "{err}"
         );
     }
@@ -226,7 +238,8 @@ async fn an_unroutable_event_is_retried_then_dead_lettered() {
 struct WatermarkGuard(String);
 
 impl WatermarkGuard {
-    fn set_zero() -> Self {
+    /// Reads the current watermark, to be restored by `drop`.
+    fn read() -> Self {
         let current = rabbitmqctl(&["eval", "vm_memory_monitor:get_vm_memory_high_watermark()."]);
         let current = current.trim().to_owned();
         // A leftover 0 from a killed run is not worth restoring.
@@ -235,8 +248,11 @@ impl WatermarkGuard {
             _ if current.starts_with("{absolute,") => current,
             _ => "0.4".to_owned(),
         };
-        rabbitmqctl(&["set_vm_memory_high_watermark", "0"]);
         WatermarkGuard(restore)
+    }
+
+    fn set_zero(&self) {
+        rabbitmqctl(&["set_vm_memory_high_watermark", "0"]);
     }
 }
 
@@ -256,7 +272,10 @@ impl Drop for WatermarkGuard {
             .map(|s| s.success())
             .unwrap_or(false);
         if !ok {
-            eprintln!("COULD NOT RESTORE the RabbitMQ memory watermark: run `rabbitmqctl {}`", args.join(" "));
+            eprintln!(
+                "COULD NOT RESTORE the RabbitMQ memory watermark: run `rabbitmqctl {}`",
+                args.join(" ")
+            );
         }
     }
 }
@@ -264,7 +283,7 @@ impl Drop for WatermarkGuard {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_alarm_delays_delivery_without_loss() {
     let _serial = SERIAL.lock().await;
-    const N: usize = 3000;
+    const N: usize = 10_000;
     let store = store().await;
     enqueue(store.as_ref(), N, "Tick").await;
     let exchange = scratch("alarm");
@@ -282,14 +301,20 @@ async fn a_memory_alarm_delays_delivery_without_loss() {
         ..patient_worker()
     };
     let started = Instant::now();
+    let guard = tokio::task::spawn_blocking(WatermarkGuard::read)
+        .await
+        .unwrap();
     let relay = start_relay(store.clone(), publisher.clone(), worker);
-    while inbox.len() < N / 10 {
+    while inbox.len() < N / 20 {
         assert!(started.elapsed() < Duration::from_secs(20));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let guard = tokio::task::spawn_blocking(WatermarkGuard::set_zero)
-        .await
-        .unwrap();
+    let guard = tokio::task::spawn_blocking(move || {
+        guard.set_zero();
+        guard
+    })
+    .await
+    .unwrap();
     let alarm_at = Instant::now();
     // Publishes time out or fail while the alarm holds; rows wait as retryable.
     let mut max_retryable = 0;
@@ -320,6 +345,9 @@ async fn a_memory_alarm_delays_delivery_without_loss() {
     assert!(during.delivered < N as i64, "the alarm held delivery back");
     assert!(max_retryable > 0, "blocked publishes made rows retryable");
     assert_eq!(distinct, N, "every event reached the queue");
-    assert_eq!((s.pending, s.retryable, s.failed, s.delivering), (0, 0, 0, 0));
+    assert_eq!(
+        (s.pending, s.retryable, s.failed, s.delivering),
+        (0, 0, 0, 0)
+    );
     publisher.close().await;
 }

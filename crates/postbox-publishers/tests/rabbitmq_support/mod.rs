@@ -205,7 +205,12 @@ pub fn rabbitmqctl(args: &[&str]) -> String {
     let out = std::process::Command::new("rabbitmqctl")
         .args(args)
         .output()
-        .unwrap_or_else(|e| panic!("rabbitmqctl not runnable ({e}); {}", how_to_start("rabbitmq")));
+        .unwrap_or_else(|e| {
+            panic!(
+                "rabbitmqctl not runnable ({e}); {}",
+                how_to_start("rabbitmq")
+            )
+        });
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -216,9 +221,16 @@ pub fn rabbitmqctl(args: &[&str]) -> String {
 }
 
 /// Closes every connection whose client-provided name is `connection_name`
-/// (found with `list_connections name client_properties`); returns how many.
+/// (found with `list_connections pid client_properties`; this broker's
+/// `close_connection` takes the connection's pid); returns how many.
 pub fn close_connections_named(connection_name: &str) -> usize {
-    let list = rabbitmqctl(&["list_connections", "-q", "--no-table-headers", "name", "client_properties"]);
+    let list = rabbitmqctl(&[
+        "list_connections",
+        "-q",
+        "--no-table-headers",
+        "pid",
+        "client_properties",
+    ]);
     let mut closed = 0;
     for line in list.lines() {
         if !line.contains(&format!("\"{connection_name}\"")) {
