@@ -8,6 +8,7 @@
 
 pub mod file;
 pub mod nats;
+pub mod rabbitmq;
 pub mod redis;
 pub mod webhook;
 
@@ -20,21 +21,35 @@ use postbox_core::{Publisher, Result};
 pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     match config {
         PublisherConfig::File(c) => Ok(Arc::new(file::FilePublisher::open(c).await?)),
+        PublisherConfig::Rabbitmq(c) => {
+            Ok(Arc::new(rabbitmq::RabbitMqPublisher::connect(c).await?))
+        }
         PublisherConfig::Nats(c) => Ok(Arc::new(nats::NatsPublisher::connect(c).await?)),
         PublisherConfig::Redis(c) => Ok(Arc::new(redis::RedisPublisher::connect(c).await?)),
         PublisherConfig::Webhook(c) => Ok(Arc::new(webhook::WebhookPublisher::new(c)?)),
-        other => Err(postbox_core::Error::config(
-            "publishers",
-            format!("kind `{}` is not built yet", other.kind()),
-        )),
     }
 }
 
 /// Builds every configured publisher, in order.
 pub async fn build_all(configs: &[PublisherConfig]) -> Result<Vec<Arc<dyn Publisher>>> {
     let mut out = Vec::with_capacity(configs.len());
-    for c in configs {
-        out.push(build(c).await?);
+    for (i, c) in configs.iter().enumerate() {
+        out.push(build(c).await.map_err(|e| at_index(e, i))?);
     }
     Ok(out)
+}
+
+/// Publishers name their keys `publishers.<key>`; the config error a user
+/// sees names the entry, `publishers[i].<key>`, as validation does.
+fn at_index(e: postbox_core::Error, i: usize) -> postbox_core::Error {
+    match e {
+        postbox_core::Error::Config { key, reason } => postbox_core::Error::Config {
+            key: match key.strip_prefix("publishers.") {
+                Some(rest) => format!("publishers[{i}].{rest}"),
+                None => key,
+            },
+            reason,
+        },
+        other => other,
+    }
 }

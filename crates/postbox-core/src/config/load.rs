@@ -209,6 +209,17 @@ mod tests {
     }
 
     #[test]
+    fn rabbitmq_ca_file_needs_amqps() {
+        let p = "[[publishers]]\nkind = \"rabbitmq\"\nexchange = \"x\"\nca_file = \"ca.pem\"\n";
+        assert_eq!(
+            key_of(&format!("{p}url = \"amqp://h/\"")),
+            "publishers[0].ca_file"
+        );
+        let c = load_str(&format!("{p}url = \"amqps://h/\"")).unwrap();
+        assert_eq!(c.publishers[0].kind(), "rabbitmq");
+    }
+
+    #[test]
     fn secrets_do_not_leak_into_errors() {
         let err = load_str("[database]\nurl = \"oracle://u:hunter2@h/db\"").unwrap_err();
         assert!(!err.to_string().contains("hunter2"), "{err}");

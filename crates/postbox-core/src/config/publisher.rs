@@ -93,6 +93,27 @@ impl PublisherConfig {
                         "is empty; the default exchange cannot confirm routing, name an exchange",
                     ));
                 }
+                if c.exchange.len() > 255 {
+                    return Err(Error::config(
+                        format!("{key}.exchange"),
+                        "is longer than 255 bytes, the AMQP limit for exchange names",
+                    ));
+                }
+                match c.ca_file.as_deref() {
+                    Some("") => {
+                        return Err(Error::config(
+                            format!("{key}.ca_file"),
+                            "is empty; leave it out to trust only the public web roots",
+                        ))
+                    }
+                    Some(_) if c.url.scheme() != "amqps" => {
+                        return Err(Error::config(
+                            format!("{key}.ca_file"),
+                            "is only used for TLS: use an amqps:// url or leave ca_file out",
+                        ))
+                    }
+                    _ => {}
+                }
                 &["amqp", "amqps"]
             }
             PublisherConfig::Nats(c) => {
@@ -179,6 +200,11 @@ pub struct RabbitMqPublisherConfig {
     /// missing exchange is an error at start.
     #[serde(default)]
     pub declare: bool,
+    /// PEM file of CA certificates trusted for `amqps://`, in addition to
+    /// the public web roots (for a broker whose certificate a private CA
+    /// signed). Only valid with `amqps://`.
+    #[serde(default)]
+    pub ca_file: Option<String>,
 }
 
 /// `kind = "nats"`.

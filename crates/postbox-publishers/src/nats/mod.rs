@@ -75,7 +75,7 @@ impl NatsPublisher {
             Err(e) if is_stream_not_found(&e) => {
                 if !config.declare {
                     return Err(Error::config(
-                        format!("publishers.{}.stream", self.name),
+                        "publishers.stream",
                         format!(
                             "JetStream stream `{}` does not exist: create it (capturing `{}`) or set `declare = true`",
                             self.stream,

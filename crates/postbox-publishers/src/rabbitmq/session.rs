@@ -1,0 +1,384 @@
+//! The task that owns the connection: publishes batches one at a time,
+//! awaits their confirms together, and reconnects with backoff.
+//!
+//! Callers talk to it through a queue and a reply channel, so a caller that
+//! gives up (the relay's `publish_timeout` drops its future) never leaves a
+//! connection half-updated: the session sees the reply channel close, stops
+//! waiting, and retires the channel so late confirms of the abandoned batch
+//! can never be mistaken for the next batch's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::join_all;
+use lapin::message::BasicReturnMessage;
+use lapin::options::BasicPublishOptions;
+use lapin::Channel;
+use postbox_core::publish::PublishError;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::{timeout, Instant};
+
+use super::backoff::reconnect_delay;
+use super::connection::{Link, OpenError, Target, CONNECT_TIMEOUT};
+use super::message::Outgoing;
+
+/// How often an idle session looks for a connection that died.
+const HEALTH_CHECK: Duration = Duration::from_secs(1);
+/// How long closing a channel or connection may take in the background.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Results of one batch, one per message, in order.
+pub(super) type Results = Vec<Result<(), PublishError>>;
+
+/// What a [`super::RabbitMqPublisher`] asks of its session.
+pub(super) enum Request {
+    /// Publish these messages (or report why one could not be built).
+    Publish {
+        messages: Vec<Result<Outgoing, String>>,
+        reply: oneshot::Sender<Results>,
+    },
+    /// Close the connection and stop.
+    Close { done: oneshot::Sender<()> },
+}
+
+pub(super) struct Session {
+    target: Arc<Target>,
+    link: Option<Link>,
+    /// Consecutive failed connection attempts.
+    failures: u32,
+    next_attempt: Instant,
+    last_error: String,
+}
+
+impl Session {
+    /// A session starting on the link opened at start.
+    pub fn new(target: Arc<Target>, link: Link) -> Self {
+        Session {
+            target,
+            link: Some(link),
+            failures: 0,
+            next_attempt: Instant::now(),
+            last_error: String::new(),
+        }
+    }
+
+    /// Serves requests until `Close` or until every sender is gone.
+    pub async fn run(mut self, mut requests: mpsc::Receiver<Request>) {
+        let mut health = tokio::time::interval(HEALTH_CHECK);
+        health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let disconnected = self.link.is_none();
+            tokio::select! {
+                request = requests.recv() => match request {
+                    Some(Request::Publish { messages, reply }) => self.publish(messages, reply).await,
+                    Some(Request::Close { done }) => {
+                        self.close().await;
+                        let _ = done.send(());
+                        return;
+                    }
+                    None => {
+                        self.close().await;
+                        return;
+                    }
+                },
+                _ = tokio::time::sleep_until(self.next_attempt), if disconnected => self.reconnect().await,
+                _ = health.tick() => self.check_health(),
+            }
+        }
+    }
+
+    async fn publish(
+        &mut self,
+        messages: Vec<Result<Outgoing, String>>,
+        mut reply: oneshot::Sender<Results>,
+    ) {
+        if reply.is_closed() {
+            return; // the caller gave up while this waited in the queue
+        }
+        let channel = match self.ready_channel().await {
+            Ok(channel) => channel,
+            Err(reason) => {
+                let results = messages
+                    .iter()
+                    .map(|m| match m {
+                        Ok(_) => Err(PublishError::failed(reason.clone())),
+                        Err(own) => Err(PublishError::failed(own.clone())),
+                    })
+                    .collect();
+                let _ = reply.send(results);
+                return;
+            }
+        };
+        let outcome = tokio::select! {
+            outcome = send_and_confirm(&channel, &self.target, &messages) => outcome,
+            _ = reply.closed() => None,
+        };
+        let Some((results, broken)) = outcome else {
+            // The relay stopped waiting (its publish_timeout, or shutdown).
+            // What was sent may still be confirmed and routed: the rows are
+            // retried, so a consumer may see those events twice.
+            self.retire_channel("a publish was abandoned before all confirms arrived");
+            return;
+        };
+        if let Some(reason) = broken {
+            self.lose_channel(&reason);
+        }
+        let _ = reply.send(results);
+    }
+
+    /// The publishing channel, reconnecting or reopening it when needed.
+    async fn ready_channel(&mut self) -> Result<Channel, String> {
+        self.check_health();
+        if self.link.is_none() && Instant::now() >= self.next_attempt {
+            self.reconnect().await;
+        }
+        let Some(link) = &mut self.link else {
+            let wait = self.next_attempt.saturating_duration_since(Instant::now());
+            return Err(format!(
+                "not connected to RabbitMQ ({}); next attempt in {} ms",
+                self.last_error,
+                wait.as_millis()
+            ));
+        };
+        if link.connection.status().blocked() {
+            let reason = link
+                .blocked
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or_else(|| "resource alarm".to_owned());
+            return Err(format!(
+                "the broker blocks publishing on this connection ({reason}); the event is retried once the alarm clears"
+            ));
+        }
+        if let Some(channel) = link.channel.as_ref().filter(|c| c.status().connected()) {
+            return Ok(channel.clone());
+        }
+        match timeout(CONNECT_TIMEOUT, self.target.open_channel(&link.connection)).await {
+            Ok(Ok(channel)) => {
+                link.channel = Some(channel.clone());
+                Ok(channel)
+            }
+            Ok(Err(reason)) => {
+                self.lose_connection(&reason);
+                Err(reason)
+            }
+            Err(_) => {
+                let reason = format!("opening a channel on {} timed out", self.target.url);
+                self.lose_connection(&reason);
+                Err(reason)
+            }
+        }
+    }
+
+    /// One connection attempt, bounded by [`CONNECT_TIMEOUT`]; on failure
+    /// the next attempt waits out the backoff.
+    async fn reconnect(&mut self) {
+        let result = match timeout(CONNECT_TIMEOUT, self.target.open()).await {
+            Ok(Ok(link)) => Ok(link),
+            Ok(Err(OpenError::MissingExchange)) => Err(self.target.missing_exchange().to_string()),
+            Ok(Err(OpenError::Other(reason))) => Err(reason),
+            Err(_) => Err(format!(
+                "connecting to {} timed out after {:?}",
+                self.target.url, CONNECT_TIMEOUT
+            )),
+        };
+        match result {
+            Ok(link) => {
+                tracing::info!(
+                    publisher = %self.target.name,
+                    url = %self.target.url,
+                    failed_attempts = self.failures,
+                    "reconnected to RabbitMQ"
+                );
+                self.link = Some(link);
+                self.failures = 0;
+            }
+            Err(reason) => {
+                self.failures = self.failures.saturating_add(1);
+                let delay = reconnect_delay(self.failures, rand::random::<f64>());
+                self.next_attempt = Instant::now() + delay;
+                tracing::warn!(
+                    publisher = %self.target.name,
+                    error = %reason,
+                    failed_attempts = self.failures,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "could not reconnect to RabbitMQ"
+                );
+                self.last_error = reason;
+            }
+        }
+    }
+
+    /// Drops a connection the broker or the network closed, so the next
+    /// attempt starts at once.
+    fn check_health(&mut self) {
+        let Some(link) = &self.link else { return };
+        let status = link.connection.status();
+        if !status.connected() {
+            let state = if status.blocked() { "blocked, " } else { "" };
+            let state = match (status.closing(), status.closed(), status.errored()) {
+                (true, _, _) => format!("{state}closing"),
+                (_, true, _) => format!("{state}closed"),
+                (_, _, true) => format!("{state}failed"),
+                _ => format!("{state}not connected"),
+            };
+            let reason = format!("connection to {} lost ({state})", self.target.url);
+            self.lose_connection(&reason);
+        }
+    }
+
+    /// After a failed publish: a dead connection is replaced, a channel the
+    /// broker closed (e.g. a deleted exchange) is reopened.
+    fn lose_channel(&mut self, reason: &str) {
+        match &self.link {
+            Some(link) if link.connection.status().connected() => self.retire_channel(reason),
+            _ => self.lose_connection(reason),
+        }
+    }
+
+    /// Closes the publishing channel in the background; the next publish
+    /// opens a new one. Closing waits for the broker (a blocked connection
+    /// sends nothing until the alarm clears), so nothing here blocks.
+    fn retire_channel(&mut self, reason: &str) {
+        let Some(channel) = self.link.as_mut().and_then(|l| l.channel.take()) else {
+            return;
+        };
+        tracing::debug!(publisher = %self.target.name, %reason, "retiring the publishing channel");
+        tokio::spawn(async move {
+            let _ = timeout(
+                CLOSE_TIMEOUT,
+                channel.close(200, "postbox: channel retired".into()),
+            )
+            .await;
+        });
+    }
+
+    fn lose_connection(&mut self, reason: &str) {
+        let Some(link) = self.link.take() else { return };
+        tracing::warn!(publisher = %self.target.name, error = %reason, "lost the RabbitMQ connection; reconnecting");
+        self.last_error = reason.to_owned();
+        self.next_attempt = Instant::now();
+        close_in_background(link);
+    }
+
+    async fn close(&mut self) {
+        if let Some(link) = self.link.take() {
+            let _ = timeout(
+                Duration::from_secs(2),
+                link.connection
+                    .close(200, "postbox publisher closing".into()),
+            )
+            .await;
+        }
+    }
+}
+
+/// Publishes every message in order (each `basic.publish` only waits for
+/// its frames to be written), then awaits all confirms together. Returns the
+/// per-message results and, when the channel or connection broke, why.
+async fn send_and_confirm(
+    channel: &Channel,
+    target: &Target,
+    messages: &[Result<Outgoing, String>],
+) -> Option<(Results, Option<String>)> {
+    let mandatory = BasicPublishOptions {
+        mandatory: true,
+        immediate: false,
+    };
+    let mut results: Results = vec![Ok(()); messages.len()];
+    let mut sent = Vec::with_capacity(messages.len());
+    let mut broken: Option<String> = None;
+    for (i, m) in messages.iter().enumerate() {
+        let m = match m {
+            Ok(m) => m,
+            Err(reason) => {
+                results[i] = Err(PublishError::failed(reason.clone()));
+                continue;
+            }
+        };
+        if let Some(reason) = &broken {
+            results[i] = Err(PublishError::failed(reason.clone()));
+            continue;
+        }
+        match channel
+            .basic_publish(
+                target.exchange.clone(),
+                m.routing_key.clone(),
+                mandatory,
+                &m.body,
+                m.properties.clone(),
+            )
+            .await
+        {
+            Ok(confirm) => sent.push((i, confirm)),
+            Err(e) => {
+                let reason = target.describe("publishing", &e);
+                results[i] = Err(PublishError::failed(reason.clone()));
+                broken = Some(reason);
+            }
+        }
+    }
+
+    let confirmations = join_all(sent.into_iter().map(|(i, c)| async move { (i, c.await) })).await;
+    // lapin hands a returned (unroutable) message to whichever confirm it
+    // resolves next, so returns are matched to events by message_id.
+    let mut returned: HashMap<String, BasicReturnMessage> = HashMap::new();
+    let mut confirmed = Vec::with_capacity(confirmations.len());
+    for (i, c) in confirmations {
+        match c {
+            Ok(confirmation) => {
+                let acked = confirmation.is_ack();
+                if let Some(r) = confirmation.take_message() {
+                    let id = r
+                        .delivery
+                        .properties
+                        .message_id()
+                        .as_ref()
+                        .map(|s| s.to_string())
+                        .unwrap_or_default();
+                    returned.insert(id, r);
+                }
+                confirmed.push((i, Ok(acked)));
+            }
+            Err(e) => {
+                let reason = target.describe("waiting for the confirm", &e);
+                broken.get_or_insert_with(|| reason.clone());
+                confirmed.push((i, Err(reason)));
+            }
+        }
+    }
+    for (i, c) in confirmed {
+        let Ok(m) = &messages[i] else { continue };
+        results[i] = match (returned.get(&m.event_id), c) {
+            (Some(r), _) => Err(PublishError::failed(format!(
+                "unroutable: exchange {}, routing key {} ({} {}); bind a queue to the exchange for this routing key",
+                target.exchange, m.routing_key, r.reply_code, r.reply_text
+            ))),
+            (None, Ok(true)) => Ok(()),
+            (None, Ok(false)) => Err(PublishError::failed(format!(
+                "the broker refused the message on exchange {} (basic.nack: a queue rejected it or the broker failed to store it)",
+                target.exchange
+            ))),
+            (None, Err(reason)) => Err(PublishError::failed(format!(
+                "not confirmed: {reason}"
+            ))),
+        };
+    }
+    Some((results, broken))
+}
+
+/// Closes a replaced connection without waiting for it (a blocked or
+/// half-dead connection may take long to answer).
+fn close_in_background(link: Link) {
+    tokio::spawn(async move {
+        if link.connection.status().connected() {
+            let _ = timeout(
+                CLOSE_TIMEOUT,
+                link.connection.close(200, "postbox: reconnecting".into()),
+            )
+            .await;
+        }
+    });
+}
