@@ -77,7 +77,8 @@ impl NatsPublisher {
                     return Err(Error::config(
                         "publishers.stream",
                         format!(
-                            "JetStream stream `{}` does not exist: create it (capturing `{}`) or set `declare = true`",
+                            "publisher `{}`: JetStream stream `{}` does not exist: create it (capturing `{}`) or set `declare = true`",
+                            self.name,
                             self.stream,
                             stream_subjects(&self.subject)
                         ),
