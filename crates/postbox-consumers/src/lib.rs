@@ -33,6 +33,7 @@ pub mod nats;
 pub mod rabbitmq;
 pub mod redis;
 pub mod retry;
+mod session;
 
 pub use handler::{Handled, Handler, HandlerError};
 pub use message::Message;

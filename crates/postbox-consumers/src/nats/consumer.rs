@@ -11,6 +11,8 @@ use futures::StreamExt;
 use postbox_core::config::{ConsumerConfig, ConsumerKind};
 use postbox_core::Error;
 use tokio_util::sync::CancellationToken;
+
+use crate::session::{run_sessions, Session, SessionEnd};
 use tracing::Instrument;
 
 use super::message::{dead_headers, message_from_nats};
@@ -25,13 +27,6 @@ const PULL_WAIT: Duration = Duration::from_secs(1);
 
 /// Bounds every request to the server (PubAck, acks, API calls).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Why a session with the server ended.
-enum SessionEnd {
-    Cancelled,
-    Fatal(Error),
-    Broken(String),
-}
 
 /// A NATS JetStream consumer driving one [`Handler`].
 pub struct NatsConsumer {
@@ -95,38 +90,10 @@ impl NatsConsumer {
     /// re-established with a growing pause (0.5 s to 30 s); messages it held
     /// unacknowledged come back after `ack_wait`.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
-        let mut report = ConsumeReport::default();
-        let mut pause = Duration::from_millis(500);
-        loop {
-            if shutdown.is_cancelled() {
-                return Ok(report);
-            }
-            let mut connected = false;
-            match self.session(&shutdown, &mut report, &mut connected).await {
-                SessionEnd::Cancelled => return Ok(report),
-                SessionEnd::Fatal(e) => return Err(e),
-                SessionEnd::Broken(reason) => {
-                    if connected {
-                        pause = Duration::from_millis(500);
-                    }
-                    tracing::warn!(
-                        consumer = self.config.name(),
-                        url = %self.config.url,
-                        reason,
-                        retry_in_ms = pause.as_millis() as u64,
-                        "NATS connection lost; reconnecting"
-                    );
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(report),
-                        _ = tokio::time::sleep(pause) => {}
-                    }
-                    pause = (pause * 2).min(Duration::from_secs(30));
-                }
-            }
-        }
+        run_sessions(self, shutdown).await
     }
 
-    async fn session(
+    async fn run_session(
         &self,
         shutdown: &CancellationToken,
         report: &mut ConsumeReport,
@@ -393,4 +360,22 @@ async fn settle(m: &jetstream::Message, kind: AckKind) -> Result<(), String> {
     m.double_ack_with(kind)
         .await
         .map_err(|e| format!("ack: {e}"))
+}
+
+#[async_trait::async_trait]
+impl Session for NatsConsumer {
+    const BROKER: &'static str = "NATS";
+
+    fn config(&self) -> &ConsumerConfig {
+        &self.config
+    }
+
+    async fn session(
+        &self,
+        shutdown: &CancellationToken,
+        report: &mut ConsumeReport,
+        connected: &mut bool,
+    ) -> SessionEnd {
+        self.run_session(shutdown, report, connected).await
+    }
 }

@@ -16,6 +16,8 @@ use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use postbox_core::config::{ConsumerConfig, ConsumerKind};
 use postbox_core::Error;
 use tokio_util::sync::CancellationToken;
+
+use crate::session::{run_sessions, Session, SessionEnd};
 use tracing::Instrument;
 
 use super::delivery::{copy_properties, message_from_delivery};
@@ -48,17 +50,6 @@ pub struct ConsumeReport {
     pub retry: u64,
     /// Failed for the last time (or unreadable) and sent to `<queue>.dead`.
     pub dead: u64,
-}
-
-/// Why a session with the broker ended.
-enum SessionEnd {
-    /// Shutdown was asked for and done.
-    Cancelled,
-    /// The broker refused the setup (missing queue, mismatched arguments,
-    /// access): retrying cannot help.
-    Fatal(Error),
-    /// The connection or channel broke: reconnect.
-    Broken(String),
 }
 
 /// A RabbitMQ consumer driving one [`Handler`].
@@ -121,38 +112,10 @@ impl RabbitMqConsumer {
     /// connection is re-established with a growing pause (0.5 s to 30 s);
     /// messages it held unacknowledged are redelivered by the broker.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
-        let mut report = ConsumeReport::default();
-        let mut pause = Duration::from_millis(500);
-        loop {
-            if shutdown.is_cancelled() {
-                return Ok(report);
-            }
-            let mut connected = false;
-            match self.session(&shutdown, &mut report, &mut connected).await {
-                SessionEnd::Cancelled => return Ok(report),
-                SessionEnd::Fatal(e) => return Err(e),
-                SessionEnd::Broken(reason) => {
-                    if connected {
-                        pause = Duration::from_millis(500);
-                    }
-                    tracing::warn!(
-                        consumer = self.config.name(),
-                        url = %self.config.url,
-                        reason,
-                        retry_in_ms = pause.as_millis() as u64,
-                        "RabbitMQ connection lost; reconnecting"
-                    );
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(report),
-                        _ = tokio::time::sleep(pause) => {}
-                    }
-                    pause = (pause * 2).min(Duration::from_secs(30));
-                }
-            }
-        }
+        run_sessions(self, shutdown).await
     }
 
-    async fn session(
+    async fn run_session(
         &self,
         shutdown: &CancellationToken,
         report: &mut ConsumeReport,
@@ -385,4 +348,22 @@ async fn ack(delivery: &Delivery) -> Result<(), String> {
         .await
         .map(|_| ())
         .map_err(|e| format!("ack: {e}"))
+}
+
+#[async_trait::async_trait]
+impl Session for RabbitMqConsumer {
+    const BROKER: &'static str = "RabbitMQ";
+
+    fn config(&self) -> &ConsumerConfig {
+        &self.config
+    }
+
+    async fn session(
+        &self,
+        shutdown: &CancellationToken,
+        report: &mut ConsumeReport,
+        connected: &mut bool,
+    ) -> SessionEnd {
+        self.run_session(shutdown, report, connected).await
+    }
 }

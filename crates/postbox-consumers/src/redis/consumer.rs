@@ -11,6 +11,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::{StreamId, StreamRangeReply, StreamReadReply};
 use redis::RedisError;
 use tokio_util::sync::CancellationToken;
+
+use crate::session::{run_sessions, Session, SessionEnd};
 use tracing::Instrument;
 
 use super::entry::{dead_fields, message_from_entry};
@@ -28,12 +30,6 @@ const SCAN_BATCH: usize = 100;
 /// `<stream>.dead`: where an entry goes after `max_attempts` deliveries.
 pub fn dead_stream(stream: &str) -> String {
     format!("{stream}.dead")
-}
-
-enum SessionEnd {
-    Cancelled,
-    Fatal(Error),
-    Broken(String),
 }
 
 /// A Redis Streams consumer-group member driving one [`Handler`].
@@ -104,35 +100,7 @@ impl RedisConsumer {
     /// with a growing pause (0.5 s to 30 s); entries left pending are claimed
     /// again once idle for the retry delay.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
-        let mut report = ConsumeReport::default();
-        let mut pause = Duration::from_millis(500);
-        loop {
-            if shutdown.is_cancelled() {
-                return Ok(report);
-            }
-            let mut connected = false;
-            match self.session(&shutdown, &mut report, &mut connected).await {
-                SessionEnd::Cancelled => return Ok(report),
-                SessionEnd::Fatal(e) => return Err(e),
-                SessionEnd::Broken(reason) => {
-                    if connected {
-                        pause = Duration::from_millis(500);
-                    }
-                    tracing::warn!(
-                        consumer = self.config.name(),
-                        url = %self.config.url,
-                        reason = redact_url(&reason),
-                        retry_in_ms = pause.as_millis() as u64,
-                        "Redis connection lost; reconnecting"
-                    );
-                    tokio::select! {
-                        _ = shutdown.cancelled() => return Ok(report),
-                        _ = tokio::time::sleep(pause) => {}
-                    }
-                    pause = (pause * 2).min(Duration::from_secs(30));
-                }
-            }
-        }
+        run_sessions(self, shutdown).await
     }
 
     fn block(&self) -> Duration {
@@ -152,7 +120,7 @@ impl RedisConsumer {
             .map_err(|e| e.to_string())
     }
 
-    async fn session(
+    async fn run_session(
         &self,
         shutdown: &CancellationToken,
         report: &mut ConsumeReport,
@@ -527,5 +495,23 @@ impl RedisConsumer {
                 redact_url(&e.to_string())
             ),
         ))
+    }
+}
+
+#[async_trait::async_trait]
+impl Session for RedisConsumer {
+    const BROKER: &'static str = "Redis";
+
+    fn config(&self) -> &ConsumerConfig {
+        &self.config
+    }
+
+    async fn session(
+        &self,
+        shutdown: &CancellationToken,
+        report: &mut ConsumeReport,
+        connected: &mut bool,
+    ) -> SessionEnd {
+        self.run_session(shutdown, report, connected).await
     }
 }
