@@ -269,15 +269,7 @@ impl OutboxStore for SqliteOutbox {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| crate::db_error("delivered per minute", e))?;
-        rows.iter()
-            .map(|r| {
-                Ok(MinuteCount {
-                    minute_ms: r.try_get(0)?,
-                    delivered: r.try_get(1)?,
-                })
-            })
-            .collect::<std::result::Result<_, sqlx::Error>>()
-            .map_err(|e| crate::db_error("delivered per minute", e))
+        postbox_sqlx::minute_counts(rows)
     }
 
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {

@@ -71,6 +71,24 @@ where
         .map_err(|e| db_error(op, e))
 }
 
+/// Reads `(minute_ms, count)` rows of the deliveries-per-minute query.
+pub fn minute_counts<R>(rows: Vec<R>) -> Result<Vec<postbox_core::store::MinuteCount>>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    rows.iter()
+        .map(|r| {
+            Ok(postbox_core::store::MinuteCount {
+                minute_ms: r.try_get(0)?,
+                delivered: r.try_get(1)?,
+            })
+        })
+        .collect::<std::result::Result<_, sqlx::Error>>()
+        .map_err(|e| db_error("delivered per minute", e))
+}
+
 /// Reads history rows selected as `at_ms, kind, attempt, publisher, detail`.
 /// An entry of a kind this version does not know is skipped with a warning.
 pub fn history_entries<R>(rows: Vec<R>) -> Result<Vec<postbox_core::store::HistoryEntry>>
