@@ -268,6 +268,41 @@ pub struct SchemaReport {
     pub objects: Vec<SchemaObject>,
 }
 
+impl SchemaReport {
+    /// The report for `table`: every expected table and index (plus the
+    /// backend's `extra_indexes` suffixes), present when the catalog's
+    /// `names` list it.
+    pub fn from_catalog(
+        table: &str,
+        version: u32,
+        latest_version: u32,
+        names: &[String],
+        extra_indexes: &[&str],
+    ) -> Self {
+        let tables = EXPECTED_TABLES.iter().map(|s| ("table", *s));
+        let indexes = EXPECTED_INDEXES
+            .iter()
+            .chain(extra_indexes)
+            .map(|s| ("index", *s));
+        let objects = tables
+            .chain(indexes)
+            .map(|(kind, suffix)| {
+                let name = format!("{table}{suffix}");
+                SchemaObject {
+                    kind,
+                    present: names.contains(&name),
+                    name,
+                }
+            })
+            .collect();
+        SchemaReport {
+            version,
+            latest_version,
+            objects,
+        }
+    }
+}
+
 /// One expected table or index.
 #[derive(Debug, Clone, Serialize)]
 pub struct SchemaObject {
@@ -281,7 +316,7 @@ pub struct SchemaObject {
 
 /// The index names (suffixes after the table name) every backend creates
 /// under that name; PostgreSQL adds `_archive_pk`.
-pub const EXPECTED_INDEXES: [&str; 9] = [
+pub const EXPECTED_INDEXES: [&str; 10] = [
     "_event_uq",
     "_claim_retry_idx",
     "_claim_lease_idx",
@@ -291,6 +326,7 @@ pub const EXPECTED_INDEXES: [&str; 9] = [
     "_archive_event_uq",
     "_archive_created_idx",
     "_history_event_idx",
+    "_status_id_idx",
 ];
 
 /// The tables (suffixes after the table name).

@@ -5,10 +5,7 @@
 use serde_json::Value;
 use sqlx::Row;
 
-use postbox_core::store::{
-    QueryPlan, SchemaObject, SchemaReport, ARCHIVE_QUERIES, CLAIM_QUERIES, EXPECTED_INDEXES,
-    EXPECTED_TABLES,
-};
+use postbox_core::store::{QueryPlan, SchemaReport, ARCHIVE_QUERIES, CLAIM_QUERIES};
 use postbox_core::Result;
 
 use crate::{sql, MySqlOutbox};
@@ -30,25 +27,13 @@ impl MySqlOutbox {
         for r in rows {
             names.push(r.try_get::<String, _>(0).map_err(db)?);
         }
-        let mut objects = Vec::new();
-        for (kind, suffixes) in [
-            ("table", &EXPECTED_TABLES[..]),
-            ("index", &EXPECTED_INDEXES[..]),
-        ] {
-            for suffix in suffixes {
-                let name = format!("{t}{suffix}");
-                objects.push(SchemaObject {
-                    kind,
-                    present: names.contains(&name),
-                    name,
-                });
-            }
-        }
-        Ok(SchemaReport {
-            version: version.unwrap_or(0) as u32,
-            latest_version: crate::migrate::MIGRATIONS.last().map_or(0, |m| m.0),
-            objects,
-        })
+        Ok(SchemaReport::from_catalog(
+            t,
+            version.unwrap_or(0) as u32,
+            crate::migrate::MIGRATIONS.last().map_or(0, |m| m.0),
+            &names,
+            &[],
+        ))
     }
 
     pub(crate) async fn index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {

@@ -5,10 +5,7 @@
 use serde_json::Value;
 use sqlx::Row;
 
-use postbox_core::store::{
-    QueryPlan, SchemaObject, SchemaReport, ARCHIVE_QUERIES, CLAIM_QUERIES, EXPECTED_INDEXES,
-    EXPECTED_TABLES,
-};
+use postbox_core::store::{QueryPlan, SchemaReport, ARCHIVE_QUERIES, CLAIM_QUERIES};
 use postbox_core::Result;
 
 use crate::{sql, PgOutbox};
@@ -26,28 +23,13 @@ impl PgOutbox {
             .fetch_all(&self.pool)
             .await
             .map_err(db)?;
-        let mut objects = Vec::new();
-        for suffix in EXPECTED_TABLES {
-            let name = format!("{t}{suffix}");
-            objects.push(SchemaObject {
-                kind: "table",
-                present: names.contains(&name),
-                name,
-            });
-        }
-        for suffix in EXPECTED_INDEXES.iter().chain(&["_archive_pk"]) {
-            let name = format!("{t}{suffix}");
-            objects.push(SchemaObject {
-                kind: "index",
-                present: names.contains(&name),
-                name,
-            });
-        }
-        Ok(SchemaReport {
-            version: version.unwrap_or(0) as u32,
-            latest_version: crate::migrate::MIGRATIONS.last().map_or(0, |m| m.0),
-            objects,
-        })
+        Ok(SchemaReport::from_catalog(
+            t,
+            version.unwrap_or(0) as u32,
+            crate::migrate::MIGRATIONS.last().map_or(0, |m| m.0),
+            &names,
+            &["_archive_pk"],
+        ))
     }
 
     pub(crate) async fn index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
