@@ -127,13 +127,22 @@ async fn closed_connections_during_a_10000_event_run_lose_nothing() {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let n = tokio::task::spawn_blocking({
-            let name = name.clone();
-            move || close_connections_named(&name)
-        })
-        .await
-        .unwrap();
-        assert!(n >= 1, "found no connection named {name}");
+        // The publisher may be between connections (reconnecting after the
+        // last close): look again until it has one.
+        let mut n = 0;
+        let looking = Instant::now();
+        while n == 0 && looking.elapsed() < Duration::from_secs(15) {
+            n = tokio::task::spawn_blocking({
+                let name = name.clone();
+                move || close_connections_named(&name)
+            })
+            .await
+            .unwrap();
+            if n == 0 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        assert!(n >= 1, "found no connection named {name} for 15 s");
         closes += n;
     }
     let s = wait_until(store.as_ref(), Duration::from_secs(55), |s| {
