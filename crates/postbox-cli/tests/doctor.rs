@@ -156,3 +156,59 @@ async fn sqlite_doctor_passes_fresh_and_names_a_dropped_index() {
     })
     .await;
 }
+
+#[test]
+fn doctor_warns_when_an_inbox_forgets_before_redeliveries_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("outbox.db");
+    let config = dir.path().join("postbox.toml");
+    let write = |retention: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "[database]\nurl = \"sqlite://{}\"\napp_codes = [\"doc\"]\n\
+                 [outbox_worker]\nmax_retry_count = 10\nmax_backoff = \"5m\"\n\
+                 [[consumers]]\nkind = \"rabbitmq\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\n\
+                 queue = \"doc_q\"\nmax_attempts = 5\nretry_delay = \"1s\"\n\
+                 inbox = {{ url = \"sqlite://{}\" }}\ninbox_retention = \"{retention}\"\n",
+                db.display(),
+                dir.path().join("inbox.db").display()
+            ),
+        )
+        .unwrap();
+    };
+    let config_arg = config.to_str().unwrap();
+    write("10m");
+    let out = postbox(dir.path(), &["--config", config_arg, "migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = postbox(dir.path(), &["--config", config_arg, "--json", "doctor"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let inbox = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "config:consumers.0.inbox_retention")
+        .unwrap_or_else(|| panic!("no inbox check: {report:#}"))
+        .clone();
+    // 10 relay retries × 5m alone is 50m: 10m of memory is too short.
+    assert_eq!(inbox["level"], "warn", "{inbox:#}");
+    assert!(
+        inbox["message"]
+            .as_str()
+            .unwrap()
+            .contains("consumers.0.inbox_retention (10m)"),
+        "{inbox:#}"
+    );
+
+    write("7d");
+    let out = postbox(dir.path(), &["--config", config_arg, "--json", "doctor"]);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let inbox = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "config:consumers.0.inbox_retention")
+        .unwrap()
+        .clone();
+    assert_eq!(inbox["level"], "ok", "{inbox:#}");
+}

@@ -199,17 +199,22 @@ where
 
 /// An inbox that forgets an event before its last redelivery lets that
 /// redelivery through a second time.
-fn warn_short_retention(i: usize, c: &ConsumerConfig) {
-    if c.inbox.is_none() {
-        return;
-    }
+/// How long after its first delivery an event can still reach this
+/// consumer's handler again: max_attempts × the longest retry delay.
+pub fn redelivery_horizon(c: &ConsumerConfig) -> Duration {
     let policy = RetryPolicy {
         max_attempts: c.max_attempts,
         retry_delay: c.retry_delay.get(),
         max_retry_delay: c.max_retry_delay.get(),
     };
-    let longest_delay = policy.delay_after(c.max_attempts.saturating_sub(1).max(1));
-    let horizon = longest_delay * c.max_attempts;
+    policy.delay_after(c.max_attempts.saturating_sub(1).max(1)) * c.max_attempts
+}
+
+fn warn_short_retention(i: usize, c: &ConsumerConfig) {
+    if c.inbox.is_none() {
+        return;
+    }
+    let horizon = redelivery_horizon(c);
     if c.inbox_retention.get() < horizon {
         tracing::warn!(
             key = format!("consumers.{i}.inbox_retention"),

@@ -188,12 +188,43 @@ fn config_checks(config: &Config) -> Vec<Check> {
         "config:redelivery_horizon",
         Level::Ok,
         format!(
-            "a failing event is retried for up to ~{} (max_retry_count {} × max_backoff {}); consumers' inbox retention should exceed it",
+            "a failing event is retried for up to ~{} (max_retry_count {} × max_backoff {})",
             humantime::format_duration(horizon),
             w.max_retry_count,
             w.max_backoff
         ),
     ));
+    // An inbox must remember an event for as long as it can arrive again:
+    // the relay's retries (a publish confirmed late is published again) plus
+    // the consumer's own retries.
+    for (i, c) in config.consumers.iter().enumerate() {
+        if c.inbox.is_none() {
+            continue;
+        }
+        let needed = horizon + crate::commands::consume::redelivery_horizon(c);
+        let name = format!("config:consumers.{i}.inbox_retention");
+        checks.push(if c.inbox_retention.get() < needed {
+            check(
+                name,
+                Level::Warn,
+                format!(
+                    "consumers.{i}.inbox_retention ({}) is shorter than the redelivery horizon (~{}: relay retries plus consumer retries): a late redelivery of a handled event would be handled again",
+                    c.inbox_retention,
+                    humantime::format_duration(needed)
+                ),
+            )
+        } else {
+            check(
+                name,
+                Level::Ok,
+                format!(
+                    "inbox_retention {} covers the redelivery horizon (~{})",
+                    c.inbox_retention,
+                    humantime::format_duration(needed)
+                ),
+            )
+        });
+    }
     checks.push(if !a.enabled {
         check(
             "config:archive",
