@@ -30,6 +30,15 @@ pub enum RetryDecision {
 }
 
 impl RetryPolicy {
+    /// The policy of a `[[consumers]]` entry.
+    pub fn of(config: &postbox_core::config::ConsumerConfig) -> Self {
+        RetryPolicy {
+            max_attempts: config.max_attempts,
+            retry_delay: config.retry_delay.get(),
+            max_retry_delay: config.max_retry_delay.get(),
+        }
+    }
+
     /// The decision after `attempt` (1-based) failed.
     pub fn decide(&self, attempt: u32) -> RetryDecision {
         if attempt >= self.max_attempts {

@@ -202,11 +202,7 @@ where
 /// How long after its first delivery an event can still reach this
 /// consumer's handler again: max_attempts × the longest retry delay.
 pub fn redelivery_horizon(c: &ConsumerConfig) -> Duration {
-    let policy = RetryPolicy {
-        max_attempts: c.max_attempts,
-        retry_delay: c.retry_delay.get(),
-        max_retry_delay: c.max_retry_delay.get(),
-    };
+    let policy = RetryPolicy::of(c);
     policy.delay_after(c.max_attempts.saturating_sub(1).max(1)) * c.max_attempts
 }
 

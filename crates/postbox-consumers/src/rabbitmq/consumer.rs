@@ -81,11 +81,7 @@ impl RabbitMqConsumer {
                 format!("`{}` is not a RabbitMQ consumer", config.kind.as_str()),
             ));
         }
-        let policy = RetryPolicy {
-            max_attempts: config.max_attempts,
-            retry_delay: config.retry_delay.get(),
-            max_retry_delay: config.max_retry_delay.get(),
-        };
+        let policy = RetryPolicy::of(&config);
         let tag = consumer_tag(&config.queue);
         Ok(RabbitMqConsumer {
             config,

@@ -69,11 +69,7 @@ impl RedisConsumer {
                 format!("`{}` is not a Redis consumer", config.kind.as_str()),
             ));
         }
-        let policy = RetryPolicy {
-            max_attempts: config.max_attempts,
-            retry_delay: config.retry_delay.get(),
-            max_retry_delay: config.max_retry_delay.get(),
-        };
+        let policy = RetryPolicy::of(&config);
         let name = consumer_tag(config.consumer_group());
         Ok(RedisConsumer {
             config,
