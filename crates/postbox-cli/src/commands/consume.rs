@@ -200,10 +200,9 @@ where
 /// An inbox that forgets an event before its last redelivery lets that
 /// redelivery through a second time.
 /// How long after its first delivery an event can still reach this
-/// consumer's handler again: max_attempts × the longest retry delay.
+/// consumer's handler again: the sum of its retry delays.
 pub fn redelivery_horizon(c: &ConsumerConfig) -> Duration {
-    let policy = RetryPolicy::of(c);
-    policy.delay_after(c.max_attempts.saturating_sub(1).max(1)) * c.max_attempts
+    RetryPolicy::of(c).redelivery_horizon()
 }
 
 fn warn_short_retention(i: usize, c: &ConsumerConfig) {
@@ -216,7 +215,7 @@ fn warn_short_retention(i: usize, c: &ConsumerConfig) {
             key = format!("consumers.{i}.inbox_retention"),
             retention = %c.inbox_retention,
             horizon = %humantime::format_duration(horizon),
-            "inbox_retention is shorter than the redelivery horizon (max_attempts × longest retry delay): a late retry of a handled event would be handled again"
+            "inbox_retention is shorter than the redelivery horizon (the sum of the retry delays): a late retry of a handled event would be handled again"
         );
     }
 }
