@@ -3,10 +3,13 @@
 //! leaves every row in exactly one of the two tables; a second archiver
 //! finds the lock taken.
 
+mod common;
+
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{postbox, text};
 use postbox_testkit::scratch_table;
 use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url, postgres_url};
 
@@ -35,22 +38,6 @@ impl Db {
         }
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
-}
-
-fn postbox(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("run postbox")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
 }
 
 /// `(old delivered, old published, fresh delivered, old pending)`.

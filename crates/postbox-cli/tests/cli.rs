@@ -2,25 +2,11 @@
 //! name their key, secrets kept out of output, the SQLite workflow end to
 //! end, and the quickstart.
 
+mod common;
+
+use common::{run as postbox, text};
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn postbox(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_postbox"));
-    cmd.current_dir(dir).args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("run postbox")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use std::process::Command;
 
 fn write_config(dir: &Path, body: &str) -> String {
     let path = dir.join("postbox.toml");

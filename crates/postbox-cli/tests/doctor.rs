@@ -2,27 +2,11 @@
 //! migration (tiny tables, where planners would scan anyway), and fails
 //! naming the index and the query once an index is dropped.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
+use common::{postbox, text};
 use postbox_testkit::scratch_table;
 use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url, postgres_url};
-
-fn postbox(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .current_dir(dir)
-        .args(args)
-        .output()
-        .expect("run postbox")
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 /// Runs the scenario; `drop_index(sql)` runs one statement on the database.
 async fn doctor_scenario<F, Fut>(url: &str, t: &str, drop_index: F)

@@ -14,14 +14,9 @@ use postbox_consumers::nats::{dead_stream, NatsConsumer};
 use postbox_consumers::rabbitmq::ConsumeReport;
 use postbox_consumers::Handler;
 use postbox_core::config::ConsumerConfig;
+use postbox_testkit::servers::{how_to_start, nats_url};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-
-fn nats_url() -> String {
-    std::env::var("POSTBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
-}
-
-const HOW_TO_START: &str = "NATS is not reachable: start it with `nats-server -a 127.0.0.1 -p 4222 -js` or run scripts/test";
 
 struct NatsBroker {
     /// Stream name; its subjects are `<prefix>.>`.
@@ -36,7 +31,7 @@ impl NatsBroker {
     async fn new() -> Self {
         let client = async_nats::connect(nats_url())
             .await
-            .unwrap_or_else(|e| panic!("{HOW_TO_START} ({e})"));
+            .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("nats")));
         let js = jetstream::new(client);
         drop_stale_streams(&js).await;
         let stream = nats_redis_suite::group("PBT");

@@ -12,16 +12,10 @@ use postbox_consumers::rabbitmq::ConsumeReport;
 use postbox_consumers::redis::{dead_stream, RedisConsumer};
 use postbox_consumers::Handler;
 use postbox_core::config::ConsumerConfig;
+use postbox_testkit::servers::{how_to_start, redis_url};
 use redis::aio::MultiplexedConnection;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-
-fn redis_url() -> String {
-    std::env::var("POSTBOX_TEST_REDIS_URL")
-        .unwrap_or_else(|_| "redis://127.0.0.1:6379/0".to_owned())
-}
-
-const HOW_TO_START: &str = "Redis is not reachable: start it with `redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save \"\" --appendonly no` or run scripts/test";
 
 struct RedisBroker {
     stream: String,
@@ -34,7 +28,7 @@ impl RedisBroker {
         let conn = client
             .get_multiplexed_async_connection()
             .await
-            .unwrap_or_else(|e| panic!("{HOW_TO_START} ({e})"));
+            .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("redis")));
         drop_stale_streams(&conn).await;
         RedisBroker {
             stream: nats_redis_suite::group("pbt:stream").replace('_', ":"),
