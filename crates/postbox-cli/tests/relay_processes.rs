@@ -15,7 +15,7 @@ use postbox_testkit::scratch_table;
 use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url, postgres_url};
 use tokio::process::{Child, Command};
 
-const EVENTS_PER_PRODUCER: usize = 5_000;
+const EVENTS_PER_PRODUCER: usize = 10_000;
 const PRODUCERS: usize = 4;
 const RELAYS: usize = 4;
 const APPS: [&str; 2] = ["room", "wallet"];
@@ -175,7 +175,9 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
     let mut relays: Vec<Relay> = (0..RELAYS)
         .map(|slot| start_relay(dir, url, &table, slot, 0))
         .collect();
-    let kill_at = [total / 10, total * 3 / 10];
+    // Early, while most of the backlog is left: a relay holds leases only
+    // while there is work to claim.
+    let kill_at = [total / 10, total / 5];
     let mut kills = 0;
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
@@ -198,7 +200,7 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
                 relays[0] = start_relay(dir, url, &table, 0, kills);
             } else {
                 signal("CONT", &pid);
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                tokio::time::sleep(Duration::from_millis(30)).await;
             }
         }
         if delivered == total && open == 0 {
