@@ -23,7 +23,10 @@ pub struct Message {
     /// retry.
     pub attempt: u32,
     /// The broker says it delivered this message before (for instance to a
-    /// consumer that died before acknowledging it).
+    /// consumer that died before acknowledging it). The RabbitMQ consumer
+    /// counts such a delivery as a failed attempt and retries it as a fresh
+    /// copy, so its handlers see `false`; NATS and Redis set it when
+    /// `attempt > 1`.
     pub redelivered: bool,
 }
 

@@ -6,6 +6,9 @@
 //! with `POSTBOX_KILL_CHILD=1`). The child holds chosen events for a while
 //! after their transaction committed and before returning to the consumer
 //! (which acks on return), and says so on stdout: the parent kills it then.
+//!
+//! And a message whose handler kills the consumer (`crash_child_consumer`)
+//! counts one attempt per crash and ends in `<queue>.dead` instead of looping.
 
 mod common;
 
@@ -140,7 +143,10 @@ async fn sigkill_between_effect_and_ack_has_no_second_effect() {
             let line = tokio::select! {
                 line = lines.next_line() => line.unwrap(),
                 _ = tokio::time::sleep(Duration::from_millis(200)) => {
-                    if kills.len() == KILL_AT.len() && ready(&ch, &queue).await == 0 {
+                    // A killed event comes back through `.retry` (its
+                    // redelivery counts as an attempt): wait for all of them.
+                    let back = KILL_AT.iter().all(|id| duplicates.iter().any(|d| d == id));
+                    if kills.len() == KILL_AT.len() && back && ready(&ch, &queue).await == 0 {
                         let n: i64 = sqlx::query_scalar(&format!("SELECT COUNT(DISTINCT event_id) FROM {effect}"))
                             .fetch_one(&pool).await.unwrap();
                         if n == EVENTS as i64 { break; }
@@ -202,5 +208,128 @@ async fn sigkill_between_effect_and_ack_has_no_second_effect() {
             .execute(&pool)
             .await;
     }
+    delete(&ch, &queue).await;
+}
+
+/// Kills its own process (SIGKILL, no unwinding, no ack) on `crash`, after
+/// printing the attempt; prints every other event it handles.
+struct Crashing;
+
+#[async_trait]
+impl Handler for Crashing {
+    async fn handle(&self, m: &Message) -> Result<Handled, HandlerError> {
+        if m.event_id() == "crash" {
+            println!("crash {}", m.attempt);
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &std::process::id().to_string()])
+                .status();
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        }
+        println!("ok {}", m.event_id());
+        Ok(Handled::Ok)
+    }
+}
+
+/// The crashing consumer process; does nothing unless started by the test
+/// below.
+#[tokio::test]
+async fn crash_child_consumer() {
+    if std::env::var("POSTBOX_CRASH_CHILD").is_err() {
+        return;
+    }
+    let mut config = consumer_config(&std::env::var("CRASH_QUEUE").unwrap());
+    config.max_attempts = 3;
+    config.retry_delay = postbox_core::config::HumanDuration::millis(100);
+    let consumer = RabbitMqConsumer::new(config, Arc::new(Crashing)).unwrap();
+    consumer.run(CancellationToken::new()).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_message_that_kills_its_consumer_is_dead_after_max_attempts() {
+    use lapin::options::{BasicAckOptions, BasicGetOptions};
+
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("crash");
+    declare(&ch, &queue).await;
+    publish(&ch, &queue, "before", None, "{}").await;
+    publish(&ch, &queue, "crash", None, "{}").await;
+    publish(&ch, &queue, "after", None, "{}").await;
+
+    let dead = format!("{queue}.dead");
+    let start = Instant::now();
+    let mut crashes = Vec::new();
+    let mut handled = Vec::new();
+    while ready(&ch, &dead).await == 0 {
+        // max_attempts = 3: a fourth start would mean the count was lost.
+        assert!(
+            crashes.len() <= 3,
+            "the message crashed its consumer {} times without reaching {dead} (attempts seen: {crashes:?})",
+            crashes.len()
+        );
+        assert!(start.elapsed() < Duration::from_secs(40), "timed out");
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "crash_child_consumer",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("POSTBOX_CRASH_CHILD", "1")
+            .env("CRASH_QUEUE", &queue)
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        loop {
+            let line = tokio::select! {
+                line = lines.next_line() => line.unwrap(),
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                    if ready(&ch, &dead).await > 0 {
+                        break;
+                    }
+                    assert!(start.elapsed() < Duration::from_secs(40), "timed out; crashes {crashes:?}");
+                    continue;
+                }
+            };
+            // The child died (it killed itself).
+            let Some(line) = line else { break };
+            let line = line.rsplit("... ").next().unwrap_or(&line).to_owned();
+            if let Some(a) = line.strip_prefix("crash ") {
+                crashes.push(a.parse::<u32>().unwrap());
+            }
+            if let Some(id) = line.strip_prefix("ok ") {
+                handled.push(id.to_owned());
+            }
+        }
+        let _ = child.start_kill();
+        child.wait().await.unwrap();
+    }
+    assert_eq!(crashes, [1, 2, 3], "one handler call per attempt, counted");
+    let got = ch
+        .basic_get(dead.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("the dead copy");
+    got.delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .await
+        .unwrap();
+    let props = &got.delivery.properties;
+    assert_eq!(props.message_id().as_ref().unwrap().as_str(), "crash");
+    let headers = props.headers().as_ref().unwrap().inner();
+    assert_eq!(
+        headers["x-consume-attempt"],
+        lapin::types::AMQPValue::LongLongInt(3)
+    );
+    let lapin::types::AMQPValue::LongString(error) = &headers["x-last-error"] else {
+        panic!("x-last-error is not a string: {headers:?}");
+    };
+    let error = String::from_utf8_lossy(error.as_bytes());
+    assert!(error.contains("redelivered"), "{error}");
+    assert!(handled.contains(&"before".to_owned()), "{handled:?}");
+    assert!(handled.contains(&"after".to_owned()), "{handled:?}");
+    assert_eq!(ready(&ch, &queue).await, 0);
     delete(&ch, &queue).await;
 }

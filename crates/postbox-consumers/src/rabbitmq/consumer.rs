@@ -235,6 +235,21 @@ impl RabbitMqConsumer {
         let span =
             tracing::info_span!("event", event_id = %message.event_id(), attempt = message.attempt);
         async {
+            if delivery.redelivered {
+                // The broker gave it back unacknowledged: the consumer that had
+                // it stopped (crash, OOM kill, lost connection) before its
+                // ack. That was an attempt; counting it through a fresh copy is
+                // the only way the count survives the next crash, so a message
+                // that kills its consumer reaches `.dead` instead of looping.
+                let lost = delivery_count(&delivery.properties).max(1);
+                let failed = message.attempt.saturating_add(lost - 1);
+                let error = format!(
+                    "redelivered unacknowledged: the consumer handling attempt {failed} stopped before its ack (crash, kill or lost connection)"
+                );
+                return self
+                    .fail(&delivery, publishing, report, failed, &error)
+                    .await;
+            }
             match self.handler.handle(&message).await {
                 Ok(handled) => {
                     ack(&delivery).await?;
@@ -245,50 +260,63 @@ impl RabbitMqConsumer {
                         crate::Handled::Stale => report.stale += 1,
                     }
                     tracing::debug!(consumer = name, result = handled.as_str(), "handled");
+                    Ok(())
                 }
-                Err(e) => match self.policy.decide(message.attempt) {
-                    RetryDecision::Retry {
-                        delay,
-                        next_attempt,
-                    } => {
-                        self.copy(&delivery, publishing, Some(delay), None, next_attempt)
-                            .await?;
-                        ack(&delivery).await?;
-                        count(name, "retry");
-                        report.retry += 1;
-                        tracing::warn!(
-                            consumer = name,
-                            error = %e,
-                            retry_in_ms = delay.as_millis() as u64,
-                            next_attempt,
-                            "handler failed; retrying later"
-                        );
-                    }
-                    RetryDecision::Dead => {
-                        self.copy(
-                            &delivery,
-                            publishing,
-                            None,
-                            Some(e.message()),
-                            message.attempt,
-                        )
-                        .await?;
-                        ack(&delivery).await?;
-                        count(name, "dead");
-                        report.dead += 1;
-                        tracing::error!(
-                            consumer = name,
-                            error = %e,
-                            dead_queue = %dead_queue(&self.config.queue),
-                            "handler failed on the last attempt; dead-lettered"
-                        );
-                    }
-                },
+                Err(e) => {
+                    self.fail(&delivery, publishing, report, message.attempt, e.message())
+                        .await
+                }
             }
-            Ok(())
         }
         .instrument(span)
         .await
+    }
+
+    /// Attempt `attempt` of `delivery` failed with `error`: a retry copy, or
+    /// a dead copy on the last attempt, confirmed before the original is
+    /// acked.
+    async fn fail(
+        &self,
+        delivery: &Delivery,
+        publishing: &Channel,
+        report: &mut ConsumeReport,
+        attempt: u32,
+        error: &str,
+    ) -> Result<(), String> {
+        let name = self.config.name();
+        match self.policy.decide(attempt) {
+            RetryDecision::Retry {
+                delay,
+                next_attempt,
+            } => {
+                self.copy(delivery, publishing, Some(delay), None, next_attempt)
+                    .await?;
+                ack(delivery).await?;
+                count(name, "retry");
+                report.retry += 1;
+                tracing::warn!(
+                    consumer = name,
+                    error,
+                    retry_in_ms = delay.as_millis() as u64,
+                    next_attempt,
+                    "attempt failed; retrying later"
+                );
+            }
+            RetryDecision::Dead => {
+                self.copy(delivery, publishing, None, Some(error), attempt)
+                    .await?;
+                ack(delivery).await?;
+                count(name, "dead");
+                report.dead += 1;
+                tracing::error!(
+                    consumer = name,
+                    error,
+                    dead_queue = %dead_queue(&self.config.queue),
+                    "the last attempt failed; dead-lettered"
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Publishes a retry copy (with `delay`) or a dead copy (with
@@ -335,6 +363,25 @@ impl RabbitMqConsumer {
             Confirmation::NotRequested => Err("publisher confirms are off".to_owned()),
         }
     }
+}
+
+/// How often a quorum queue delivered this copy before (its
+/// `x-delivery-count` header); 0 on classic queues, which only set the
+/// `redelivered` flag.
+fn delivery_count(properties: &lapin::BasicProperties) -> u32 {
+    properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-delivery-count"))
+        .and_then(|v| match v {
+            lapin::types::AMQPValue::LongLongInt(i) => u32::try_from(*i).ok(),
+            lapin::types::AMQPValue::LongInt(i) => u32::try_from(*i).ok(),
+            lapin::types::AMQPValue::LongUInt(i) => Some(*i),
+            lapin::types::AMQPValue::ShortInt(i) => u32::try_from(*i).ok(),
+            lapin::types::AMQPValue::ShortUInt(i) => Some(u32::from(*i)),
+            _ => None,
+        })
+        .unwrap_or(0)
 }
 
 async fn ack(delivery: &Delivery) -> Result<(), String> {

@@ -107,7 +107,18 @@ pub(crate) fn copy_properties(
     expiration_ms: Option<u128>,
     last_error: Option<&str>,
 ) -> BasicProperties {
-    let mut headers = original.headers().clone().unwrap_or_default();
+    // `x-delivery-count` counted deliveries of the original, not of this copy.
+    let mut headers: FieldTable = original
+        .headers()
+        .as_ref()
+        .map(|h| {
+            h.into_iter()
+                .filter(|(k, _)| k.as_str() != "x-delivery-count")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<std::collections::BTreeMap<_, _>>()
+                .into()
+        })
+        .unwrap_or_default();
     headers.insert(
         CONSUME_ATTEMPT_HEADER.into(),
         AMQPValue::LongLongInt(i64::from(next_attempt)),

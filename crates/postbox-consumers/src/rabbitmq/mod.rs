@@ -6,6 +6,11 @@
 //! acknowledged only after its handler succeeded, or after its retry or dead
 //! copy was confirmed by the broker, so nothing is lost in between.
 //!
+//! A message the broker redelivers (its consumer stopped without acking it:
+//! crash, kill, lost connection) counts as a failed attempt and goes the
+//! retry path unhandled, so a message that crashes every consumer ends in
+//! `<queue>.dead` after `max_attempts` crashes.
+//!
 //! Topology (`declare = true`): `<queue>` (durable), `<queue>.retry` (durable;
 //! a copy waits there for its per-message `expiration`, then dead-letters
 //! back to `<queue>` through the default exchange), `<queue>.dead` (durable),
