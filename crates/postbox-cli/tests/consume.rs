@@ -494,3 +494,121 @@ async fn migrate_creates_the_inbox_of_a_consumer() {
             .unwrap();
     assert_eq!(tables, ["bridge_inbox", "bridge_inbox_versions"]);
 }
+
+/// Declares `queue` and `queue.dead` plain, and `queue.retry` with `retry_args`.
+async fn hand_made_topology(ch: &Channel, queue: &str, retry_args: FieldTable) {
+    use lapin::options::QueueDeclareOptions;
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    for (q, args) in [
+        (queue.to_owned(), FieldTable::default()),
+        (format!("{queue}.dead"), FieldTable::default()),
+        (format!("{queue}.retry"), retry_args),
+    ] {
+        ch.queue_declare(q.as_str().into(), durable, args)
+            .await
+            .unwrap();
+    }
+}
+
+/// `rabbitmqctl`: the arguments of `queue`, as listed.
+async fn queue_arguments(queue: &str) -> String {
+    let out = tokio::process::Command::new("rabbitmqctl")
+        .args([
+            "-q",
+            "--no-table-headers",
+            "list_queues",
+            "name",
+            "arguments",
+        ])
+        .output()
+        .await
+        .expect("rabbitmqctl on PATH");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|l| l.split('\t').next() == Some(queue))
+        .unwrap_or_else(|| panic!("{queue} not listed"))
+        .to_owned()
+}
+
+#[tokio::test]
+async fn a_hand_made_retry_queue_that_does_not_dead_letter_back_is_refused() {
+    let (_conn, ch) = broker().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ls = |s: &str| AMQPValue::LongString(s.into());
+
+    // Without the dead-letter arguments, then with one pointing elsewhere.
+    let no_args = scratch_table("handmade");
+    let mut wrong_key = FieldTable::default();
+    wrong_key.insert("x-dead-letter-exchange".into(), ls(""));
+    wrong_key.insert("x-dead-letter-routing-key".into(), ls("elsewhere"));
+    let wrong = scratch_table("handmade");
+    for (queue, args, missing) in [
+        (&no_args, FieldTable::default(), "x-dead-letter-exchange"),
+        (&wrong, wrong_key, "x-dead-letter-routing-key"),
+    ] {
+        hand_made_topology(&ch, queue, args).await;
+        let before = queue_arguments(&format!("{queue}.retry")).await;
+        let toml = consumer_toml(queue, "http://127.0.0.1:1/", "")
+            .replace("declare = true", "declare = false");
+        let config = write_config(dir.path(), &toml);
+        let out = tokio::time::timeout(
+            Duration::from_secs(20),
+            postbox()
+                .args(["--config", config.to_str().unwrap(), "consume"])
+                .output(),
+        )
+        .await
+        .expect("consume kept running instead of refusing the topology")
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        println!("{stderr}");
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(&format!("`{queue}.retry`")), "{stderr}");
+        assert!(stderr.contains(missing), "{stderr}");
+        assert_eq!(
+            queue_arguments(&format!("{queue}.retry")).await,
+            before,
+            "the check changed nothing"
+        );
+        delete_queues(&ch, queue).await;
+    }
+
+    // Right dead-letter arguments plus one postbox does not set: it runs.
+    let good = scratch_table("handmade");
+    let mut args = FieldTable::default();
+    args.insert("x-dead-letter-exchange".into(), ls(""));
+    args.insert("x-dead-letter-routing-key".into(), ls(&good));
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(100_000));
+    hand_made_topology(&ch, &good, args).await;
+    let (url, keys) = slow_server(Duration::ZERO).await;
+    let toml = consumer_toml(&good, &url, "").replace("declare = true", "declare = false");
+    let config = write_config(dir.path(), &toml);
+    let mut child = postbox()
+        .args(["--config", config.to_str().unwrap(), "consume"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    publish(&ch, &good, "hand-1", "{}").await;
+    let start = Instant::now();
+    while keys.lock().unwrap().is_empty() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .await
+                .unwrap();
+            panic!("consume exited {status:?}: {err}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "nothing handled");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    delete_queues(&ch, &good).await;
+}

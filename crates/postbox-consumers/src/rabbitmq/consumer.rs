@@ -21,7 +21,7 @@ use crate::session::{run_sessions, Session, SessionEnd};
 use tracing::Instrument;
 
 use super::delivery::{copy_properties, message_from_delivery};
-use super::topology::{dead_queue, declare_topology, retry_queue};
+use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
 use crate::metrics::count;
 use crate::{Handler, RetryDecision, RetryPolicy};
 
@@ -135,6 +135,18 @@ impl RabbitMqConsumer {
             Ok(c) => c,
             Err(e) => return broken(e),
         };
+        if !self.config.declare {
+            // Nothing else checks a hand-made topology: a retry queue that does
+            // not dead-letter back to the queue drops every retried message.
+            match check_topology(&conn, &self.config.queue).await {
+                Ok(()) => {}
+                Err(TopologyError::Refused(reason)) => {
+                    let _ = conn.close(200, "setup refused".into()).await;
+                    return SessionEnd::Fatal(Error::config("queue", reason));
+                }
+                Err(TopologyError::Broken(e)) => return broken(e),
+            }
+        }
         let topology = async {
             if self.config.declare {
                 declare_topology(&consuming, &self.config).await?;

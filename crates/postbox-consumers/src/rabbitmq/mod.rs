@@ -22,4 +22,4 @@ mod topology;
 
 pub use consumer::{consumer_tag, ConsumeReport, RabbitMqConsumer};
 pub use delivery::message_from_delivery;
-pub use topology::{dead_queue, declare_topology, retry_queue};
+pub use topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
