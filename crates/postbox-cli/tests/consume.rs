@@ -451,6 +451,11 @@ async fn bad_consumer_config_exits_2_naming_the_key() {
         "consumers.0.handler.http",
         consumer_toml("q", "ftp://x", ""),
     );
+    // Per-aggregate ordering keeps its holds in the inbox database.
+    cases.insert(
+        "consumers.0.ordering",
+        consumer_toml("q", "http://127.0.0.1:1/", "ordering = \"per_aggregate\"\n"),
+    );
     for (key, toml) in cases {
         let config = write_config(dir.path(), &toml);
         let out = postbox()

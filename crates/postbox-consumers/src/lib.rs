@@ -30,6 +30,7 @@ pub mod inbox;
 pub mod message;
 pub mod metrics;
 pub mod nats;
+pub mod ordering;
 pub mod rabbitmq;
 pub mod redis;
 pub mod retry;

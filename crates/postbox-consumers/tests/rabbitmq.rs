@@ -363,3 +363,201 @@ async fn reconnects_after_the_broker_drops_the_connection() {
     assert_eq!(report.ok, 10);
     delete(&ch, &queue).await;
 }
+
+/// Fails `e1` on its first attempt; writes nothing itself (the inbox rows
+/// tell what was applied).
+struct FailsFirstE1;
+
+#[async_trait]
+impl TxHandler<sqlx::Postgres> for FailsFirstE1 {
+    async fn handle(
+        &self,
+        _tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+        m: &Message,
+    ) -> Result<(), HandlerError> {
+        if m.event_id() == "e1" && m.attempt == 1 {
+            return Err(HandlerError::new("e1 fails once"));
+        }
+        Ok(())
+    }
+}
+
+/// Logs `event_id:outcome` for every handler call, in order.
+struct Outcomes<H> {
+    inner: H,
+    log: Mutex<Vec<String>>,
+}
+
+#[async_trait]
+impl<H: Handler> Handler for Outcomes<H> {
+    async fn handle(&self, m: &Message) -> Result<Handled, HandlerError> {
+        let result = self.inner.handle(m).await;
+        let outcome = match &result {
+            Ok(h) => h.as_str(),
+            Err(_) => "error",
+        };
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("{}:{outcome}", m.event_id()));
+        result
+    }
+}
+
+/// e1 and e2 of one aggregate, and x of another: e1 fails once.
+async fn run_ordering(
+    ordering: postbox_core::config::Ordering,
+    inbox: &Inbox<sqlx::Postgres>,
+) -> (Vec<String>, postbox_consumers::rabbitmq::ConsumeReport) {
+    use postbox_consumers::ordering::Holds;
+
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("ordering");
+    declare(&ch, &queue).await;
+    publish(&ch, &queue, "e1", Some(("room-1", 1)), "{}").await;
+    publish(&ch, &queue, "e2", Some(("room-1", 2)), "{}").await;
+    publish(&ch, &queue, "x", Some(("room-2", 1)), "{}").await;
+
+    let handler = Arc::new(Outcomes {
+        inner: InboxHandler::new(inbox.clone(), queue.clone(), FailsFirstE1),
+        log: Mutex::new(Vec::new()),
+    });
+    let mut config = consumer_config(&queue);
+    config.ordering = ordering;
+    let consumer = RabbitMqConsumer::new(config, handler.clone())
+        .unwrap()
+        .with_holds(Arc::new(Holds::<sqlx::Postgres>::of(inbox).await.unwrap()));
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let stop = stop.clone();
+        async move { consumer.run(stop).await }
+    });
+    // Done when e1 was handled a second time (applied, or skipped as stale).
+    wait_until("e1 back from retry", Duration::from_secs(15), async || {
+        let log = handler.log.lock().unwrap();
+        log.iter().filter(|l| l.starts_with("e1:")).count() == 2
+            && log.iter().any(|l| l.starts_with("e2:"))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let report = run.await.unwrap().unwrap();
+    assert_eq!(ready(&ch, &queue).await, 0);
+    assert_eq!(ready(&ch, &format!("{queue}.retry")).await, 0);
+    delete(&ch, &queue).await;
+    let log = handler.log.lock().unwrap().clone();
+    (log, report)
+}
+
+#[tokio::test]
+async fn per_aggregate_ordering_holds_later_events_behind_a_retry() {
+    use postbox_core::config::Ordering;
+    use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
+
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let table = scratch_table("ordering_inbox");
+    let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
+        .await
+        .unwrap();
+
+    // Without the setting: e2 overtakes e1, and e1 is skipped as stale.
+    let (log, report) = run_ordering(Ordering::None, &inbox).await;
+    println!("ordering = none: {log:?} {report:?}");
+    assert_eq!(log, ["e1:error", "e2:ok", "x:ok", "e1:stale"]);
+    assert_eq!((report.stale, report.held), (1, 0));
+
+    // With it: e2 waits behind e1 in retry, the other aggregate flows.
+    let (log, report) = run_ordering(Ordering::PerAggregate, &inbox).await;
+    println!("ordering = per_aggregate: {log:?} {report:?}");
+    assert_eq!(log, ["e1:error", "x:ok", "e1:ok", "e2:ok"]);
+    assert_eq!(report.stale, 0);
+    assert!(report.held >= 1, "{report:?}");
+    assert_eq!(report.retry, 1, "only e1's failure counted as an attempt");
+    let holds: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
+        .fetch_one(inbox.pool())
+        .await
+        .unwrap();
+    assert_eq!(holds, 0, "the hold was released");
+
+    for t in ["_holds", "_versions", ""] {
+        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
+            .execute(inbox.pool())
+            .await;
+    }
+}
+
+/// The holds' SQL on each inbox database: a hold blocks later versions of
+/// its aggregate only, lapses, moves, and is released.
+macro_rules! holds_case {
+    ($name:ident, $db:ty, $setup:expr) => {
+        #[tokio::test]
+        async fn $name() {
+            use postbox_consumers::ordering::{AggregateHolds, Holds};
+            use postbox_testkit::servers::scratch_table;
+
+            let (url, _dir): (String, Option<tempfile::TempDir>) = $setup.await;
+            let table = scratch_table("holds");
+            let inbox = Inbox::<$db>::connect(&url, &table).await.unwrap();
+            let holds = Holds::<$db>::of(&inbox).await.unwrap();
+            Holds::<$db>::of(&inbox).await.unwrap(); // a second process starting
+            let now = postbox_core::time::now_ms();
+            let blocker = async |version: i64, event: &str, at: i64| {
+                holds.blocker("g", "a", version, event, at).await.unwrap()
+            };
+            assert_eq!(blocker(2, "e2", now).await, None);
+            holds.hold("g", "a", "e1", 1, now + 10_000).await.unwrap();
+            assert_eq!(blocker(2, "e2", now).await.as_deref(), Some("e1"));
+            assert_eq!(blocker(1, "e1", now).await, None, "not behind itself");
+            assert_eq!(blocker(0, "e0", now).await, None, "earlier versions pass");
+            assert_eq!(
+                holds.blocker("g", "b", 2, "b2", now).await.unwrap(),
+                None,
+                "other aggregates pass"
+            );
+            assert_eq!(
+                holds.blocker("h", "a", 2, "e2", now).await.unwrap(),
+                None,
+                "other groups pass"
+            );
+            assert_eq!(blocker(2, "e2", now + 20_000).await, None, "lapsed");
+            holds.hold("g", "a", "e1", 1, now + 30_000).await.unwrap();
+            assert_eq!(
+                blocker(2, "e2", now + 20_000).await.as_deref(),
+                Some("e1"),
+                "moved"
+            );
+            // A later version's own hold does not block the earlier one.
+            holds.hold("g", "a", "e2", 2, now + 30_000).await.unwrap();
+            assert_eq!(blocker(1, "e1", now).await, None);
+            assert_eq!(blocker(3, "e3", now).await.as_deref(), Some("e1"));
+            holds.release("g", "a", "e1", now).await.unwrap();
+            assert_eq!(blocker(3, "e3", now).await.as_deref(), Some("e2"));
+            holds.release("g", "a", "e2", now).await.unwrap();
+            assert_eq!(blocker(3, "e3", now).await, None);
+            for t in ["_holds", "_versions", ""] {
+                let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
+                    .execute(inbox.pool())
+                    .await;
+            }
+        }
+    };
+}
+
+holds_case!(holds_on_postgres, sqlx::Postgres, async {
+    let url = postbox_testkit::servers::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    (url, None)
+});
+
+holds_case!(holds_on_mariadb, sqlx::MySql, async {
+    let url = postbox_testkit::servers::mysql_url();
+    postbox_testkit::servers::ensure_database("mysql", &url).await;
+    (url, None)
+});
+
+holds_case!(holds_on_sqlite, sqlx::Sqlite, async {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    (url, Some(dir))
+});

@@ -7,10 +7,11 @@ use std::time::Duration;
 use postbox_consumers::http::HttpHandler;
 use postbox_consumers::inbox::{Inbox, InboxHandler};
 use postbox_consumers::nats::NatsConsumer;
+use postbox_consumers::ordering::{AggregateHolds, Holds};
 use postbox_consumers::rabbitmq::RabbitMqConsumer;
 use postbox_consumers::redis::RedisConsumer;
 use postbox_consumers::{Handler, RetryPolicy};
-use postbox_core::config::{ConsumerConfig, ConsumerKind};
+use postbox_core::config::{ConsumerConfig, ConsumerKind, Ordering};
 use postbox_core::relay::CancellationToken;
 use postbox_core::Error;
 
@@ -44,12 +45,15 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     spawn_signal_handler(shutdown.clone());
     let mut tasks = tokio::task::JoinSet::new();
     for (i, c) in config.consumers.iter().enumerate() {
-        let handler = build_handler(i, c, &shutdown).await?;
+        let (handler, holds) = build_handler(i, c, &shutdown).await?;
         let shutdown = shutdown.clone();
         let name = c.name().to_owned();
         match c.kind {
             ConsumerKind::Rabbitmq => {
-                let consumer = RabbitMqConsumer::new(c.clone(), handler)?;
+                let mut consumer = RabbitMqConsumer::new(c.clone(), handler)?;
+                if let Some(holds) = holds {
+                    consumer = consumer.with_holds(holds);
+                }
                 tasks.spawn(async move { (name, consumer.run(shutdown).await) });
             }
             ConsumerKind::Nats => {
@@ -107,17 +111,20 @@ pub async fn migrate_inboxes(consumers: &[ConsumerConfig]) -> Result<Vec<String>
 }
 
 /// The HTTP bridge, through the inbox when one is configured; starts the
-/// inbox purge.
+/// inbox purge. With `ordering = "per_aggregate"` also the holds beside the
+/// inbox.
 async fn build_handler(
     i: usize,
     c: &ConsumerConfig,
     shutdown: &CancellationToken,
-) -> Result<Arc<dyn Handler>, CliError> {
+) -> Result<(Arc<dyn Handler>, Option<Arc<dyn AggregateHolds>>), CliError> {
     let h = c.handler.as_ref().expect("checked above");
     let http = HttpHandler::new(h.http.clone(), h.timeout.get())?;
     let Some(inbox) = &c.inbox else {
-        return Ok(Arc::new(http));
+        return Ok((Arc::new(http), None));
     };
+    let ordered = c.ordering == Ordering::PerAggregate;
+    let mut holds: Option<Arc<dyn AggregateHolds>> = None;
     let url = inbox.url.expose();
     let table = inbox.table.as_str();
     let group = c.consumer_group().to_owned();
@@ -130,6 +137,11 @@ async fn build_handler(
             let inbox = Inbox::<sqlx::Postgres>::connect(url, table)
                 .await
                 .map_err(refuse)?;
+            if ordered {
+                holds = Some(Arc::new(
+                    Holds::<sqlx::Postgres>::of(&inbox).await.map_err(refuse)?,
+                ));
+            }
             spawn_purge(c.name(), retention, shutdown.clone(), {
                 let inbox = inbox.clone();
                 move |cut| {
@@ -143,6 +155,11 @@ async fn build_handler(
             let inbox = Inbox::<sqlx::MySql>::connect(url, table)
                 .await
                 .map_err(refuse)?;
+            if ordered {
+                holds = Some(Arc::new(
+                    Holds::<sqlx::MySql>::of(&inbox).await.map_err(refuse)?,
+                ));
+            }
             spawn_purge(c.name(), retention, shutdown.clone(), {
                 let inbox = inbox.clone();
                 move |cut| {
@@ -156,6 +173,11 @@ async fn build_handler(
             let inbox = Inbox::<sqlx::Sqlite>::connect(url, table)
                 .await
                 .map_err(refuse)?;
+            if ordered {
+                holds = Some(Arc::new(
+                    Holds::<sqlx::Sqlite>::of(&inbox).await.map_err(refuse)?,
+                ));
+            }
             spawn_purge(c.name(), retention, shutdown.clone(), {
                 let inbox = inbox.clone();
                 move |cut| {
@@ -166,7 +188,7 @@ async fn build_handler(
             Arc::new(InboxHandler::new(inbox, group, http))
         }
     };
-    Ok(handler)
+    Ok((handler, holds))
 }
 
 /// Purges inbox rows older than `retention`: at start, then every

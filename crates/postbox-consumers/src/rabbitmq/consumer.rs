@@ -13,7 +13,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
-use postbox_core::config::{ConsumerConfig, ConsumerKind};
+use postbox_core::config::{ConsumerConfig, ConsumerKind, Ordering};
 use postbox_core::Error;
 use tokio_util::sync::CancellationToken;
 
@@ -23,7 +23,8 @@ use tracing::Instrument;
 use super::delivery::{copy_properties, message_from_delivery};
 use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
 use crate::metrics::count;
-use crate::{Handler, RetryDecision, RetryPolicy};
+use crate::ordering::AggregateHolds;
+use crate::{Handler, Message, RetryDecision, RetryPolicy};
 
 /// `{queue}-{host}-{pid}`: tells the processes on one queue apart in the
 /// management UI and `rabbitmqctl list_consumers`.
@@ -50,6 +51,10 @@ pub struct ConsumeReport {
     pub retry: u64,
     /// Failed for the last time (or unreadable) and sent to `<queue>.dead`.
     pub dead: u64,
+    /// Held back behind an earlier event of its aggregate waiting in retry
+    /// (`ordering = "per_aggregate"`): sent to `<queue>.retry` unhandled,
+    /// without counting an attempt (counted as `retry` in the metric).
+    pub held: u64,
 }
 
 /// A RabbitMQ consumer driving one [`Handler`].
@@ -58,6 +63,7 @@ pub struct RabbitMqConsumer {
     handler: Arc<dyn Handler>,
     policy: RetryPolicy,
     tag: String,
+    holds: Option<Arc<dyn AggregateHolds>>,
 }
 
 impl std::fmt::Debug for RabbitMqConsumer {
@@ -88,6 +94,7 @@ impl RabbitMqConsumer {
             handler,
             policy,
             tag,
+            holds: None,
         })
     }
 
@@ -95,6 +102,13 @@ impl RabbitMqConsumer {
     /// running several consumers on one queue gives each its own.
     pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
         self.tag = tag.into();
+        self
+    }
+
+    /// Where `ordering = "per_aggregate"` keeps its holds (required with
+    /// that setting): [`crate::ordering::Holds::of`] the consumer's inbox.
+    pub fn with_holds(mut self, holds: Arc<dyn AggregateHolds>) -> Self {
+        self.holds = Some(holds);
         self
     }
 
@@ -108,6 +122,12 @@ impl RabbitMqConsumer {
     /// connection is re-established with a growing pause (0.5 s to 30 s);
     /// messages it held unacknowledged are redelivered by the broker.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
+        if self.config.ordering == Ordering::PerAggregate && self.holds.is_none() {
+            return Err(Error::config(
+                "ordering",
+                "`per_aggregate` needs the holds of an inbox: call with_holds(Holds::of(&inbox))",
+            ));
+        }
         run_sessions(self, shutdown).await
     }
 
@@ -259,11 +279,33 @@ impl RabbitMqConsumer {
                     "redelivered unacknowledged: the consumer handling attempt {failed} stopped before its ack (crash, kill or lost connection)"
                 );
                 return self
-                    .fail(&delivery, publishing, report, failed, &error)
+                    .fail(&delivery, publishing, report, &message, failed, &error)
                     .await;
+            }
+            if let Some(ordered) = self.ordered(&message) {
+                match ordered.blocker(postbox_core::time::now_ms()).await {
+                    Ok(None) => {}
+                    Ok(Some(blocker)) => {
+                        return self
+                            .hold_back(&delivery, publishing, report, &message, &blocker)
+                            .await;
+                    }
+                    Err(e) => {
+                        let error = format!("per-aggregate ordering check: {e}");
+                        return self
+                            .fail(&delivery, publishing, report, &message, message.attempt, &error)
+                            .await;
+                    }
+                }
             }
             match self.handler.handle(&message).await {
                 Ok(handled) => {
+                    if message.attempt > 1 {
+                        // Only an event that went to retry can hold its aggregate.
+                        if let Some(ordered) = self.ordered(&message) {
+                            ordered.release().await;
+                        }
+                    }
                     ack(&delivery).await?;
                     count(name, handled.as_str());
                     match handled {
@@ -275,8 +317,15 @@ impl RabbitMqConsumer {
                     Ok(())
                 }
                 Err(e) => {
-                    self.fail(&delivery, publishing, report, message.attempt, e.message())
-                        .await
+                    self.fail(
+                        &delivery,
+                        publishing,
+                        report,
+                        &message,
+                        message.attempt,
+                        e.message(),
+                    )
+                    .await
                 }
             }
         }
@@ -292,15 +341,22 @@ impl RabbitMqConsumer {
         delivery: &Delivery,
         publishing: &Channel,
         report: &mut ConsumeReport,
+        message: &Message,
         attempt: u32,
         error: &str,
     ) -> Result<(), String> {
         let name = self.config.name();
+        let ordered = self.ordered(message);
         match self.policy.decide(attempt) {
             RetryDecision::Retry {
                 delay,
                 next_attempt,
             } => {
+                if let Some(ordered) = &ordered {
+                    // Before the copy exists: later versions must find it.
+                    let lapse = delay + self.policy.max_retry_delay + HOLD_GRACE;
+                    ordered.hold(lapse).await;
+                }
                 self.copy(delivery, publishing, Some(delay), None, next_attempt)
                     .await?;
                 ack(delivery).await?;
@@ -318,6 +374,9 @@ impl RabbitMqConsumer {
                 self.copy(delivery, publishing, None, Some(error), attempt)
                     .await?;
                 ack(delivery).await?;
+                if let Some(ordered) = &ordered {
+                    ordered.release().await;
+                }
                 count(name, "dead");
                 report.dead += 1;
                 tracing::error!(
@@ -328,6 +387,49 @@ impl RabbitMqConsumer {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// `message` under `ordering = "per_aggregate"`, when it has an
+    /// aggregate and a version.
+    fn ordered<'a>(&'a self, message: &'a Message) -> Option<Ordered<'a>> {
+        let holds = self.holds.as_deref()?;
+        if self.config.ordering != Ordering::PerAggregate {
+            return None;
+        }
+        let env = &message.envelope;
+        Some(Ordered {
+            holds,
+            group: self.config.consumer_group(),
+            aggregate_id: env.aggregate_id.as_deref()?,
+            version: env.aggregate_version?,
+            event_id: &env.event_id,
+        })
+    }
+
+    /// `message` waits behind `blocker`, an earlier event of its aggregate in
+    /// retry: a retry copy with the same attempt number (being held back is
+    /// not a failure), confirmed before the original is acked.
+    async fn hold_back(
+        &self,
+        delivery: &Delivery,
+        publishing: &Channel,
+        report: &mut ConsumeReport,
+        message: &Message,
+        blocker: &str,
+    ) -> Result<(), String> {
+        let delay = self.policy.retry_delay;
+        self.copy(delivery, publishing, Some(delay), None, message.attempt)
+            .await?;
+        ack(delivery).await?;
+        count(self.config.name(), "retry");
+        report.held += 1;
+        tracing::info!(
+            consumer = self.config.name(),
+            blocker,
+            retry_in_ms = delay.as_millis() as u64,
+            "held back behind an earlier event of its aggregate waiting in retry"
+        );
         Ok(())
     }
 
@@ -373,6 +475,67 @@ impl RabbitMqConsumer {
             )),
             Confirmation::Nack(_) => Err(format!("the broker refused the copy to {queue}")),
             Confirmation::NotRequested => Err("publisher confirms are off".to_owned()),
+        }
+    }
+}
+
+/// Added to a hold's lapse time beyond the longest wait in `<queue>.retry`.
+const HOLD_GRACE: Duration = Duration::from_secs(60);
+
+/// One event's view of the ordering holds.
+struct Ordered<'a> {
+    holds: &'a dyn AggregateHolds,
+    group: &'a str,
+    aggregate_id: &'a str,
+    version: i64,
+    event_id: &'a str,
+}
+
+impl Ordered<'_> {
+    async fn blocker(&self, now_ms: i64) -> Result<Option<String>, Error> {
+        self.holds
+            .blocker(
+                self.group,
+                self.aggregate_id,
+                self.version,
+                self.event_id,
+                now_ms,
+            )
+            .await
+    }
+
+    /// Records the hold; a failure only weakens ordering, so it is logged.
+    async fn hold(&self, lapse: Duration) {
+        let until = postbox_core::time::now_ms()
+            .saturating_add(i64::try_from(lapse.as_millis()).unwrap_or(i64::MAX));
+        if let Err(e) = self
+            .holds
+            .hold(
+                self.group,
+                self.aggregate_id,
+                self.event_id,
+                self.version,
+                until,
+            )
+            .await
+        {
+            tracing::error!(error = %e, aggregate_id = self.aggregate_id, "could not hold the aggregate back: later events of it may overtake this one");
+        }
+    }
+
+    /// Releases the hold; a failure leaves it to lapse, so it is logged.
+    async fn release(&self) {
+        if let Err(e) = self
+            .holds
+            .release(
+                self.group,
+                self.aggregate_id,
+                self.event_id,
+                postbox_core::time::now_ms(),
+            )
+            .await
+        {
+            tracing::warn!(error = %e, aggregate_id = self.aggregate_id, "could not release the aggregate's hold: its later events wait until it lapses");
         }
     }
 }

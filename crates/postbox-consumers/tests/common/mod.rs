@@ -45,6 +45,7 @@ pub fn consumer_config(queue: &str) -> ConsumerConfig {
         handler: None,
         inbox: None,
         inbox_retention: HumanDuration::secs(7 * 86_400),
+        ordering: postbox_core::config::Ordering::None,
         subject: None,
         dead_subject: None,
         ack_wait: HumanDuration::secs(30),

@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use super::HumanDuration;
+use super::{HumanDuration, Ordering};
 use crate::redact::SecretUrl;
 use crate::{Error, TableName};
 
@@ -98,6 +98,12 @@ pub struct ConsumerConfig {
     /// How long inbox rows are kept (default 7d).
     #[serde(default = "default_inbox_retention")]
     pub inbox_retention: HumanDuration,
+    /// `none` (default): a retried event can be overtaken by later events of
+    /// its aggregate. `per_aggregate` (RabbitMQ, needs `inbox`): while an
+    /// event is waiting in retry, later versions of its `aggregate_id` are
+    /// held back behind it, through `<inbox table>_holds`.
+    #[serde(default)]
+    pub ordering: Ordering,
 }
 
 /// One `{ exchange, routing_key }` binding.
@@ -347,6 +353,32 @@ impl ConsumerConfig {
                 ));
             }
         }
+        if self.ordering == Ordering::PerAggregate {
+            if self.kind != ConsumerKind::Rabbitmq {
+                return Err(Error::config(
+                    format!("{key}.ordering"),
+                    format!(
+                        "`per_aggregate` is only implemented for kind `rabbitmq`, not `{}`: use `none`",
+                        self.kind.as_str()
+                    ),
+                ));
+            }
+            match &self.inbox {
+                None => {
+                    return Err(Error::config(
+                        format!("{key}.ordering"),
+                        "`per_aggregate` needs an inbox (the held-back aggregates are kept in its database, shared by every process of the group): set inbox = { url = …, table = … }",
+                    ))
+                }
+                Some(inbox) if inbox.table.as_str().len() > 63 - "_holds".len() => {
+                    return Err(Error::config(
+                        format!("{key}.inbox.table"),
+                        "must be at most 57 characters with ordering = \"per_aggregate\" (its `<table>_holds` twin is a table name too)",
+                    ))
+                }
+                Some(_) => {}
+            }
+        }
         if self.inbox_retention.get().is_zero() {
             return Err(Error::config(
                 format!("{key}.inbox_retention"),
@@ -488,6 +520,17 @@ mod tests {
             key_of(json!({ "bindings": [{ "exchange": "postbox" }] })),
             "consumers.0.bindings"
         );
+        assert_eq!(
+            key_of(json!({ "ordering": "per_aggregate" })),
+            "consumers.0.ordering"
+        );
+        let rabbit = json!({ "kind": "rabbitmq", "url": "amqp://127.0.0.1", "subject": null, "ordering": "per_aggregate" });
+        assert_eq!(key_of(rabbit.clone()), "consumers.0.ordering");
+        let mut with_inbox = rabbit;
+        with_inbox["inbox"] = json!({ "url": "postgres://127.0.0.1/x" });
+        entry(with_inbox.clone()).validate("consumers.0").unwrap();
+        with_inbox["inbox"]["table"] = json!("t".repeat(60));
+        assert_eq!(key_of(with_inbox), "consumers.0.inbox.table");
         let redis =
             entry(json!({ "kind": "redis", "url": "redis://127.0.0.1:6379/0", "subject": null }));
         redis.validate("consumers.0").unwrap();
