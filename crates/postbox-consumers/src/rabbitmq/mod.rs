@@ -14,7 +14,12 @@
 //! Topology (`declare = true`): `<queue>` (durable), `<queue>.retry` (durable;
 //! a copy waits there for its per-message `expiration`, then dead-letters
 //! back to `<queue>` through the default exchange), `<queue>.dead` (durable),
-//! and the bindings.
+//! and the bindings. With `declare = false` the same topology is checked at
+//! every connect, without changing it ([`check_topology`]); a missing queue or
+//! a retry queue that does not dead-letter back refuses the consumer.
+//!
+//! `ordering = "per_aggregate"` holds later versions of an aggregate back
+//! while an earlier one waits in retry ([`crate::ordering`]).
 
 mod consumer;
 mod delivery;
