@@ -167,3 +167,303 @@ inbox_cases!(
         (url, Some(dir))
     }
 );
+
+/// MariaDB/MySQL row locking of the version check (issue 10.5): forced
+/// interleavings with a third connection that holds the aggregate's row.
+mod mariadb_locking {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use sqlx::{Connection, MySqlConnection};
+    use tokio::sync::{oneshot, Mutex};
+
+    use super::*;
+
+    /// Writes the event id to `effect`; for `block_on` it first says so on
+    /// `entered` and waits for `release`.
+    struct Gate {
+        effect: String,
+        block_on: String,
+        entered: Mutex<Option<oneshot::Sender<()>>>,
+        release: Mutex<Option<oneshot::Receiver<()>>>,
+    }
+
+    #[async_trait]
+    impl TxHandler<sqlx::MySql> for Gate {
+        async fn handle(
+            &self,
+            tx: &mut sqlx::Transaction<'static, sqlx::MySql>,
+            m: &Message,
+        ) -> Result<(), HandlerError> {
+            if m.event_id() == self.block_on {
+                if let Some(tx) = self.entered.lock().await.take() {
+                    let _ = tx.send(());
+                }
+                if let Some(rx) = self.release.lock().await.take() {
+                    let _ = rx.await;
+                }
+            }
+            sqlx::query(&format!(
+                "INSERT INTO {} (event_id) VALUES (?)",
+                self.effect
+            ))
+            .bind(m.event_id())
+            .execute(&mut **tx)
+            .await
+            .map_err(HandlerError::new)?;
+            Ok(())
+        }
+    }
+
+    struct Setup {
+        url: String,
+        table: String,
+        effect: String,
+        inbox: Inbox<sqlx::MySql>,
+    }
+
+    /// An inbox whose aggregate `a` is known at version 0.
+    async fn setup() -> Setup {
+        let url = mysql_url();
+        ensure_database("mysql", &url).await;
+        let table = scratch_table("inbox_lock");
+        let inbox = Inbox::<sqlx::MySql>::connect(&url, &table).await.unwrap();
+        let effect = format!("{table}_effect");
+        sqlx::query(&format!(
+            "CREATE TABLE {effect} (event_id VARCHAR(64) NOT NULL) ENGINE = InnoDB"
+        ))
+        .execute(inbox.pool())
+        .await
+        .unwrap();
+        let gate = gate(&effect, "none").0;
+        assert_eq!(
+            inbox
+                .process("g", &message("e0", Some(("a", 0))), &gate)
+                .await
+                .unwrap(),
+            Handled::Ok
+        );
+        Setup {
+            url,
+            table,
+            effect,
+            inbox,
+        }
+    }
+
+    fn gate(effect: &str, block_on: &str) -> (Gate, oneshot::Receiver<()>, oneshot::Sender<()>) {
+        let (entered_tx, entered_rx) = oneshot::channel();
+        let (release_tx, release_rx) = oneshot::channel();
+        (
+            Gate {
+                effect: effect.to_owned(),
+                block_on: block_on.to_owned(),
+                entered: Mutex::new(Some(entered_tx)),
+                release: Mutex::new(Some(release_rx)),
+            },
+            entered_rx,
+            release_tx,
+        )
+    }
+
+    /// Connections (other than `c`) that have been executing a statement on
+    /// `table` for over 50 ms (waiting for a row lock), with how long (ms).
+    async fn waiting_on(c: &mut MySqlConnection, table: &str) -> Vec<(i64, f64)> {
+        sqlx::query_as(
+            "SELECT CAST(ID AS SIGNED), CAST(TIME_MS AS DOUBLE) FROM information_schema.PROCESSLIST
+             WHERE COMMAND IN ('Query', 'Execute') AND TIME_MS > 50
+               AND INFO LIKE CONCAT('%', ?, '%') AND ID <> CONNECTION_ID()
+             ORDER BY TIME_MS DESC",
+        )
+        .bind(table)
+        .fetch_all(c)
+        .await
+        .unwrap()
+    }
+
+    async fn wait_for_waiters(c: &mut MySqlConnection, table: &str, n: usize) -> Vec<(i64, f64)> {
+        let start = Instant::now();
+        loop {
+            let w = waiting_on(c, table).await;
+            if w.len() >= n {
+                return w;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{n} transactions never waited on {table}: {w:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn effects(s: &Setup) -> Vec<String> {
+        sqlx::query_scalar(&format!(
+            "SELECT event_id FROM {} ORDER BY event_id",
+            s.effect
+        ))
+        .fetch_all(s.inbox.pool())
+        .await
+        .unwrap()
+    }
+
+    async fn version(s: &Setup) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT aggregate_version FROM {}_versions WHERE consumer_group = 'g' AND aggregate_id = 'a'",
+            s.table
+        ))
+        .fetch_one(s.inbox.pool())
+        .await
+        .unwrap()
+    }
+
+    async fn drop_tables(s: &Setup) {
+        for t in [
+            s.effect.clone(),
+            format!("{}_versions", s.table),
+            s.table.clone(),
+        ] {
+            let _ = sqlx::query(&format!("DROP TABLE {t}"))
+                .execute(s.inbox.pool())
+                .await;
+        }
+    }
+
+    /// e1(v1) and e2(v2) of a known aggregate reach the version check at the
+    /// same moment: a third transaction holds the row while both queue
+    /// behind it, then lets go. With `INSERT IGNORE` (shared lock) then
+    /// `FOR UPDATE` both got the shared lock together and deadlocked on the
+    /// upgrade (1213, one event to the retry path, e1 then skipped as stale).
+    /// Now the first in line takes the row exclusively, the second keeps
+    /// waiting in the same transaction (no deadlock, no rollback), and both
+    /// are applied in order, as on PostgreSQL.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_versions_of_a_known_aggregate_do_not_deadlock() {
+        let s = setup().await;
+        let versions = format!("{}_versions", s.table);
+        let mut holder = MySqlConnection::connect(&s.url).await.unwrap();
+        let mut watcher = MySqlConnection::connect(&s.url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+        sqlx::query(&format!(
+            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
+        ))
+        .fetch_all(&mut holder)
+        .await
+        .unwrap();
+
+        let (gate, entered, release) = gate(&s.effect, "e1");
+        let gate = Arc::new(gate);
+        let (inbox, g) = (s.inbox.clone(), gate.clone());
+        let t1 = tokio::spawn(async move {
+            inbox
+                .process("g", &message("e1", Some(("a", 1))), &*g)
+                .await
+        });
+        wait_for_waiters(&mut watcher, &versions, 1).await;
+        let (inbox, g) = (s.inbox.clone(), gate.clone());
+        let t2 = tokio::spawn(async move {
+            inbox
+                .process("g", &message("e2", Some(("a", 2))), &*g)
+                .await
+        });
+        let queued: Vec<i64> = wait_for_waiters(&mut watcher, &versions, 2)
+            .await
+            .into_iter()
+            .map(|(id, _)| id)
+            .collect();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+        let committed = Instant::now();
+
+        // e1 was first in line: it reaches its handler while e2 waits.
+        tokio::time::timeout(Duration::from_secs(10), entered)
+            .await
+            .expect("e1 never reached its handler (deadlock victim, retried behind e2?)")
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let since_commit = committed.elapsed().as_millis() as f64;
+        let still: Vec<(i64, f64)> = waiting_on(&mut watcher, &versions)
+            .await
+            .into_iter()
+            .filter(|(id, _)| queued.contains(id))
+            .collect();
+        // The one still waiting has waited since before the commit, in the
+        // same statement: it was never rolled back and started over.
+        assert_eq!(still.len(), 1, "e2 waits for e1's row lock: {still:?}");
+        assert!(
+            still[0].1 > since_commit + 250.0,
+            "e2's wait began after the holder let go ({} ms ago): it was a deadlock victim started over: {still:?}",
+            since_commit
+        );
+        release.send(()).unwrap();
+
+        assert_eq!(t1.await.unwrap().unwrap(), Handled::Ok);
+        assert_eq!(t2.await.unwrap().unwrap(), Handled::Ok);
+        assert_eq!(effects(&s).await, ["e0", "e1", "e2"]);
+        assert_eq!(version(&s).await, 2);
+        drop_tables(&s).await;
+    }
+
+    /// A deadlock whose victim is the inbox transaction, before the handler
+    /// ran: the inbox holds e1's row and waits for the aggregate's row; the
+    /// holder of that row (heavier: it has written 200 rows, so InnoDB
+    /// rolls back the inbox side) then asks for e1's row. The inbox step is
+    /// started over without troubling the handler or the consumer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_deadlock_before_the_handler_is_retried() {
+        let s = setup().await;
+        let versions = format!("{}_versions", s.table);
+        let mut holder = MySqlConnection::connect(&s.url).await.unwrap();
+        let mut watcher = MySqlConnection::connect(&s.url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+        let ballast: Vec<String> = (0..200).map(|i| format!("('ballast-{i}')")).collect();
+        sqlx::query(&format!(
+            "INSERT INTO {} (event_id) VALUES {}",
+            s.effect,
+            ballast.join(", ")
+        ))
+        .execute(&mut holder)
+        .await
+        .unwrap();
+        sqlx::query(&format!(
+            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
+        ))
+        .fetch_all(&mut holder)
+        .await
+        .unwrap();
+
+        let (gate, _entered, _release) = gate(&s.effect, "none");
+        let inbox = s.inbox.clone();
+        let t = tokio::spawn(async move {
+            inbox
+                .process("g", &message("e1", Some(("a", 1))), &gate)
+                .await
+        });
+        wait_for_waiters(&mut watcher, &versions, 1).await;
+        // Closes the cycle: the holder wants the inbox row e1 holds.
+        let seen: Result<Vec<String>, sqlx::Error> = sqlx::query_scalar(&format!(
+            "SELECT event_id FROM {} WHERE consumer_group = 'g' AND event_id = 'e1' FOR UPDATE",
+            s.table
+        ))
+        .fetch_all(&mut holder)
+        .await;
+        let seen = seen.expect("the deadlock's victim must be the inbox transaction");
+        assert!(
+            seen.is_empty(),
+            "the victim's insert was rolled back: {seen:?}"
+        );
+        sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(10), t)
+                .await
+                .expect("the inbox step never finished")
+                .unwrap()
+                .unwrap(),
+            Handled::Ok,
+            "the deadlock was retried transparently"
+        );
+        assert_eq!(effects(&s).await, ["e0", "e1"]);
+        assert_eq!(version(&s).await, 1);
+        drop_tables(&s).await;
+    }
+}

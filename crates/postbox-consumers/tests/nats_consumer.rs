@@ -233,12 +233,96 @@ async fn declare_creates_a_missing_stream() {
             .consumer_info("fresh")
             .await
             .unwrap();
-    assert_eq!(consumer.config.max_deliver, 5 + 5);
+    assert_eq!(
+        consumer.config.max_deliver, -1,
+        "unlimited: postbox counts attempts"
+    );
     assert_eq!(
         consumer.config.ack_policy,
         jetstream::consumer::AckPolicy::Explicit
     );
     let _ = b.js.delete_stream(&name).await;
     let _ = b.js.delete_stream(dead_stream(&name)).await;
+    b.cleanup().await;
+}
+
+/// Issue 10.6: while the dead stream refuses writes (full, `discard = new`)
+/// for much longer than the old `max_deliver` margin of five redeliveries,
+/// the message is never dropped by the server: once the dead stream takes
+/// writes again the dead copy is stored and the original terminated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_stream_refusing_writes_never_costs_the_message() {
+    use nats_redis_suite::{stop, wait_until, Calls, Recording};
+    let b = NatsBroker::new().await;
+    // The dead home, made by the test: one message and no room for more.
+    let dead_home =
+        b.js.create_stream(stream::Config {
+            name: dead_stream(&b.stream),
+            subjects: vec![format!("{}.dead.>", b.stream)],
+            max_messages: 1,
+            discard: stream::DiscardPolicy::New,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    b.js.publish(format!("{}.dead.filler", b.stream), "filler".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let g = nats_redis_suite::group("deadfull");
+    let poison = TestEvent::new(0);
+    b.publish(&poison).await;
+    let calls = Calls::default();
+    let handler = Arc::new(Recording {
+        who: "a".into(),
+        calls: calls.clone(),
+        work: Duration::ZERO,
+        poison: vec![poison.event_id.clone()],
+        hang: false,
+    });
+    let config = b.config(
+        &g,
+        serde_json::json!({ "max_attempts": 2, "retry_delay": "100ms", "max_retry_delay": "200ms" }),
+    );
+    let cancel = CancellationToken::new();
+    let task = b.spawn(config, handler, "a", cancel.clone());
+    wait_until(Duration::from_secs(10), "two failed attempts", || {
+        calls.lock().unwrap().len() == 2
+    })
+    .await;
+    // Well over 5 retry delays of refused dead copies.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(b.dead(&g).await.is_empty(), "the dead stream is full");
+    let info =
+        b.js.get_stream(&b.stream)
+            .await
+            .unwrap()
+            .consumer_info(&g)
+            .await
+            .unwrap();
+    assert!(
+        info.num_ack_pending == 1,
+        "the message is still the consumer's to settle: {info:?}"
+    );
+    dead_home.purge().await.unwrap();
+    let start = std::time::Instant::now();
+    let dead = loop {
+        let d = b.dead(&g).await;
+        if !d.is_empty() {
+            break d;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the message was dropped: no dead copy once the dead stream took writes again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let report = stop(&cancel, task).await;
+    assert_eq!(dead[0].event_id, poison.event_id);
+    assert!(dead[0].last_error.contains("poison"), "{dead:?}");
+    assert_eq!(calls.lock().unwrap().len(), 2, "handled max_attempts times");
+    assert_eq!(report.dead, 1, "{report:?}");
+    assert_eq!(b.outstanding(&g).await, 0);
     b.cleanup().await;
 }

@@ -115,7 +115,7 @@ impl Statements {
 }
 
 /// The inbox decision before the handler runs.
-enum Admission {
+pub(crate) enum Admission {
     Fresh,
     Duplicate,
     Stale { remembered: i64 },
@@ -178,6 +178,23 @@ fn db_err(what: &str, e: sqlx::Error) -> HandlerError {
     HandlerError::new(format!("inbox {what}: {e}"))
 }
 
+/// Tries of the inbox check before a deadlock or serialization failure is
+/// handed to the consumer's retry path.
+pub(crate) const ADMISSION_TRIES: u32 = 5;
+
+/// A deadlock or serialization failure: the database rolled the transaction
+/// back and the same statements will most likely pass when run again
+/// (SQLSTATE 40001 serialization failure, MySQL/MariaDB 1213 deadlock;
+/// 40P01 PostgreSQL deadlock; 517 SQLite `SQLITE_BUSY_SNAPSHOT`).
+pub(crate) fn is_retryable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(d) => {
+            matches!(d.code().as_deref(), Some("40001" | "40P01" | "517"))
+        }
+        _ => false,
+    }
+}
+
 /// Generates the inbox operations for one sqlx database; only the statements
 /// differ between dialects.
 macro_rules! inbox_backend {
@@ -227,6 +244,59 @@ macro_rules! inbox_backend {
                     .map_err(|e| postbox_core::Error::database("inbox migrate", e))
             }
 
+            /// The inbox check of one event in `tx`: records it and, for a
+            /// versioned event, locks its aggregate's row **exclusively** at
+            /// the first touch (`insert_version` never leaves a shared lock
+            /// to be upgraded: two such upgrades deadlock on MySQL/MariaDB),
+            /// then compares and moves the version.
+            async fn admit(
+                &self,
+                tx: &mut sqlx::Transaction<'static, $db>,
+                consumer_group: &str,
+                env: &postbox_core::envelope::Envelope,
+            ) -> Result<$crate::inbox::Admission, sqlx::Error> {
+                use $crate::inbox::Admission;
+                let now = postbox_core::time::now_ms();
+                let inserted = sqlx::query(&self.sql.insert_event)
+                    .bind(consumer_group)
+                    .bind(&env.event_id)
+                    .bind(now)
+                    .execute(&mut **tx)
+                    .await?
+                    .rows_affected();
+                if inserted == 0 {
+                    return Ok(Admission::Duplicate);
+                }
+                let (Some(aggregate), Some(version)) = (&env.aggregate_id, env.aggregate_version) else {
+                    return Ok(Admission::Fresh);
+                };
+                sqlx::query(&self.sql.insert_version)
+                    .bind(consumer_group)
+                    .bind(aggregate)
+                    .bind(version)
+                    .bind(now)
+                    .execute(&mut **tx)
+                    .await?;
+                // Whether the row was new or known, read it under the lock
+                // (MySQL reports a no-op upsert as one affected row too).
+                let remembered: i64 = sqlx::query_scalar(&self.sql.lock_version)
+                    .bind(consumer_group)
+                    .bind(aggregate)
+                    .fetch_one(&mut **tx)
+                    .await?;
+                if version < remembered {
+                    return Ok(Admission::Stale { remembered });
+                }
+                sqlx::query(&self.sql.update_version)
+                    .bind(version)
+                    .bind(now)
+                    .bind(consumer_group)
+                    .bind(aggregate)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok(Admission::Fresh)
+            }
+
             /// Runs `handler` and the inbox bookkeeping of `message` for
             /// `consumer_group` in one transaction.
             pub async fn process<H: $crate::inbox::TxHandler<$db> + ?Sized>(
@@ -235,54 +305,33 @@ macro_rules! inbox_backend {
                 message: &$crate::Message,
                 handler: &H,
             ) -> Result<$crate::Handled, $crate::HandlerError> {
-                use $crate::inbox::{db_err, Admission};
-                let mut tx = self.pool.begin().await.map_err(|e| db_err("begin", e))?;
+                use $crate::inbox::{db_err, is_retryable, Admission, ADMISSION_TRIES};
                 let env = &message.envelope;
-                let now = postbox_core::time::now_ms();
-                let admission = async {
-                    let inserted = sqlx::query(&self.sql.insert_event)
-                        .bind(consumer_group)
-                        .bind(&env.event_id)
-                        .bind(now)
-                        .execute(&mut *tx)
-                        .await?
-                        .rows_affected();
-                    if inserted == 0 {
-                        return Ok(Admission::Duplicate);
+                let mut try_no = 1u32;
+                let (mut tx, admission) = loop {
+                    let mut tx = self.pool.begin().await.map_err(|e| db_err("begin", e))?;
+                    match self.admit(&mut tx, consumer_group, env).await {
+                        Ok(admission) => break (tx, admission),
+                        // A deadlock or serialization failure before the
+                        // handler ran costs nothing: roll back and start the
+                        // inbox step over, transparently.
+                        Err(e) if is_retryable(&e) && try_no < ADMISSION_TRIES => {
+                            let _ = tx.rollback().await;
+                            tracing::debug!(
+                                event_id = %env.event_id,
+                                error = %e,
+                                try_no,
+                                "inbox check hit a deadlock or serialization failure; trying again"
+                            );
+                            tokio::time::sleep(std::time::Duration::from_millis(5 * u64::from(try_no))).await;
+                            try_no += 1;
+                        }
+                        Err(e) => {
+                            let _ = tx.rollback().await;
+                            return Err(db_err("check", e));
+                        }
                     }
-                    let (Some(aggregate), Some(version)) = (&env.aggregate_id, env.aggregate_version) else {
-                        return Ok(Admission::Fresh);
-                    };
-                    let inserted = sqlx::query(&self.sql.insert_version)
-                        .bind(consumer_group)
-                        .bind(aggregate)
-                        .bind(version)
-                        .bind(now)
-                        .execute(&mut *tx)
-                        .await?
-                        .rows_affected();
-                    if inserted == 1 {
-                        return Ok(Admission::Fresh);
-                    }
-                    let remembered: i64 = sqlx::query_scalar(&self.sql.lock_version)
-                        .bind(consumer_group)
-                        .bind(aggregate)
-                        .fetch_one(&mut *tx)
-                        .await?;
-                    if version < remembered {
-                        return Ok(Admission::Stale { remembered });
-                    }
-                    sqlx::query(&self.sql.update_version)
-                        .bind(version)
-                        .bind(now)
-                        .bind(consumer_group)
-                        .bind(aggregate)
-                        .execute(&mut *tx)
-                        .await?;
-                    Ok::<_, sqlx::Error>(Admission::Fresh)
-                }
-                .await
-                .map_err(|e| db_err("check", e))?;
+                };
                 match admission {
                     Admission::Duplicate => {
                         let _ = tx.rollback().await;
@@ -352,8 +401,10 @@ pub(crate) mod sql {
         pub create: &'static [&'static str],
         /// Binds group, event_id, now; affects 0 rows for a duplicate.
         pub insert_event: &'static str,
-        /// Binds group, aggregate_id, version, now; 0 rows when the aggregate
-        /// is known already.
+        /// Binds group, aggregate_id, version, now; creates the row when the
+        /// aggregate is new. Where it finds the row it must take no lock, or
+        /// an exclusive one: never a shared lock that `lock_version` would
+        /// then upgrade (two transactions upgrading deadlock).
         pub insert_version: &'static str,
         /// Binds group, aggregate_id; returns the version, locking the row.
         pub lock_version: &'static str,

@@ -25,8 +25,11 @@ pub(crate) const DIALECT: Dialect = Dialect {
     // primary key; event_id and group lengths are checked before, so IGNORE
     // only ever ignores the duplicate
     insert_event: "INSERT IGNORE INTO {table} (consumer_group, event_id, created_at_ms) VALUES (?, ?, ?)",
-    // primary key of _versions
-    insert_version: "INSERT IGNORE INTO {table}_versions (consumer_group, aggregate_id, aggregate_version, updated_at_ms) VALUES (?, ?, ?, ?)",
+    // primary key of _versions. Not `INSERT IGNORE`: on a known aggregate it
+    // takes a shared lock, and two transactions that both hold one and then
+    // ask `FOR UPDATE` deadlock (error 1213). `ON DUPLICATE KEY UPDATE` takes
+    // the row's exclusive lock at once, so the second waits instead.
+    insert_version: "INSERT INTO {table}_versions (consumer_group, aggregate_id, aggregate_version, updated_at_ms) VALUES (?, ?, ?, ?) ON DUPLICATE KEY UPDATE aggregate_version = aggregate_version",
     // primary key of _versions
     lock_version: "SELECT aggregate_version FROM {table}_versions WHERE consumer_group = ? AND aggregate_id = ? FOR UPDATE",
     // primary key of _versions

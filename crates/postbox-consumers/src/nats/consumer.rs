@@ -2,6 +2,7 @@
 //! nak with a growing delay on failure, a confirmed dead copy before the
 //! original is terminated, reconnect with backoff.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,7 +35,16 @@ pub struct NatsConsumer {
     handler: Arc<dyn Handler>,
     policy: RetryPolicy,
     tag: String,
+    /// The handler's last error of messages whose dead copy could not be
+    /// stored, by stream sequence, so that the copy stored on a later
+    /// delivery still says why (bounded by [`UNSTORED_MEMORY`]).
+    unstored: std::sync::Mutex<HashMap<u64, String>>,
 }
+
+/// Most messages whose last error [`NatsConsumer`] remembers while their
+/// dead copy waits for room; beyond that the copy says only how often the
+/// message was delivered.
+const UNSTORED_MEMORY: usize = 1024;
 
 impl std::fmt::Debug for NatsConsumer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -65,6 +75,7 @@ impl NatsConsumer {
             handler,
             policy,
             tag,
+            unstored: Default::default(),
         })
     }
 
@@ -195,8 +206,11 @@ impl NatsConsumer {
         report: &mut ConsumeReport,
     ) -> Result<(), String> {
         let name = self.config.name();
-        let delivered = match m.info() {
-            Ok(info) => u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX),
+        let (delivered, sequence) = match m.info() {
+            Ok(info) => (
+                u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX),
+                info.stream_sequence,
+            ),
             Err(e) => return Err(format!("not a JetStream message: {e}")),
         };
         let message = match message_from_nats(
@@ -217,10 +231,12 @@ impl NatsConsumer {
             if message.attempt > self.policy.max_attempts {
                 // Its consumer died during the last attempt: like an expired
                 // lease in the relay, that attempt counts.
-                let reason = format!(
-                    "delivered {} times without a result (its consumers stopped mid-message)",
-                    message.attempt
-                );
+                let reason = self.remembered_error(sequence).unwrap_or_else(|| {
+                    format!(
+                        "delivered {} times without a result (its consumers stopped mid-message, or its dead copy could not be stored)",
+                        message.attempt
+                    )
+                });
                 return self
                     .dead(
                         &m,
@@ -301,8 +317,10 @@ impl NatsConsumer {
     }
 
     /// Publishes a dead copy, waits for its PubAck, then terminates the
-    /// original. When the copy cannot be stored the original is nak'ed with
-    /// `retry_delay` and comes back to be dead-lettered again.
+    /// original. When the copy cannot be stored the original is nak'ed with a
+    /// delay growing from `retry_delay` to `max_retry_delay` and comes back
+    /// to be dead-lettered again; `max_deliver` is unlimited, so this never
+    /// spends the message's last deliveries.
     async fn dead(
         &self,
         m: &jetstream::Message,
@@ -314,6 +332,7 @@ impl NatsConsumer {
     ) -> Result<(), String> {
         let name = self.config.name();
         let subject = self.config.nats_dead_subject();
+        let sequence = m.info().map(|i| i.stream_sequence).ok();
         let headers = dead_headers(
             m.headers.as_ref(),
             event_id,
@@ -328,13 +347,24 @@ impl NatsConsumer {
         }
         .await;
         if let Err(e) = stored {
+            // The n-th try at the dead copy waits like the n-th retry.
+            let delay = self
+                .policy
+                .delay_after(attempt.saturating_sub(self.policy.max_attempts).max(1));
             tracing::error!(
                 consumer = name,
                 dead_subject = %subject,
                 error = %e,
-                "the dead copy was not stored; the message comes back to be dead-lettered again"
+                retry_in_ms = delay.as_millis() as u64,
+                "the dead copy was not stored (is the dead stream full or without a leader?); the message comes back to be dead-lettered again"
             );
-            return settle(m, AckKind::Nak(Some(self.policy.retry_delay))).await;
+            if let Some(seq) = sequence {
+                self.remember_error(seq, last_error);
+            }
+            return settle(m, AckKind::Nak(Some(delay))).await;
+        }
+        if let Some(seq) = sequence {
+            self.forget_error(seq);
         }
         settle(m, AckKind::Term).await?;
         count(name, "dead");
@@ -347,6 +377,29 @@ impl NatsConsumer {
             "message dead-lettered"
         );
         Ok(())
+    }
+}
+
+impl NatsConsumer {
+    fn unstored(&self) -> std::sync::MutexGuard<'_, HashMap<u64, String>> {
+        self.unstored
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn remember_error(&self, sequence: u64, last_error: &str) {
+        let mut unstored = self.unstored();
+        if unstored.len() < UNSTORED_MEMORY || unstored.contains_key(&sequence) {
+            unstored.insert(sequence, last_error.to_owned());
+        }
+    }
+
+    fn remembered_error(&self, sequence: u64) -> Option<String> {
+        self.unstored().get(&sequence).cloned()
+    }
+
+    fn forget_error(&self, sequence: u64) {
+        self.unstored().remove(&sequence);
     }
 }
 

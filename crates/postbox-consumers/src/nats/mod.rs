@@ -17,7 +17,13 @@
 //!   `x-consume-attempt`, `x-event-id`), and only after its PubAck is the
 //!   original terminated. A message delivered more than `max_attempts` times
 //!   (its consumers died mid-message) is dead-lettered without being handled
-//!   again. `max_deliver` is `max_attempts + 5`, a backstop only.
+//!   again. When the dead copy cannot be stored (dead stream full, no
+//!   leader) the original is nak'ed with a growing delay (from
+//!   `retry_delay`, capped at `max_retry_delay`) and dead-lettered again when
+//!   it comes back, until the copy is stored. `max_deliver` is unlimited
+//!   (`-1`): postbox counts attempts itself, so trouble with the dead stream
+//!   never makes the server give up on a message (with `declare = false` a
+//!   finite `max_deliver` is warned about at start).
 //! - A consumer that dies mid-message: the server redelivers after
 //!   `ack_wait`; a running handler keeps its message with progress signals.
 //!
@@ -31,4 +37,4 @@ mod topology;
 
 pub use consumer::NatsConsumer;
 pub use message::{dead_headers, message_from_nats};
-pub use topology::{dead_stream, subject_matches, MAX_DELIVER_MARGIN};
+pub use topology::{dead_stream, subject_matches, MAX_DELIVER};

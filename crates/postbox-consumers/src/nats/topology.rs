@@ -12,11 +12,12 @@ use async_nats::jetstream::ErrorCode;
 use postbox_core::config::ConsumerConfig;
 use postbox_core::Error;
 
-/// Deliveries the server allows beyond `max_attempts` before it stops
-/// redelivering: room for consumers that died mid-message and for dead
-/// copies that could not be published yet. The consumer dead-letters long
-/// before; this only stops a loop if dead-lettering keeps failing.
-pub const MAX_DELIVER_MARGIN: u32 = 5;
+/// The durable's `max_deliver`: unlimited. postbox counts the attempts
+/// itself (the delivery count against `max_attempts`) and dead-letters the
+/// message; a finite `max_deliver` would let the server drop a message whose
+/// dead copy could not be stored for a while (dead stream full, leader
+/// election), each failed try spending one delivery.
+pub const MAX_DELIVER: i64 = -1;
 
 /// Why the set-up failed.
 pub(crate) enum SetupError {
@@ -97,7 +98,7 @@ pub(crate) async fn prepare(
                 deliver_policy: DeliverPolicy::All,
                 ack_policy: AckPolicy::Explicit,
                 ack_wait: config.ack_wait.get(),
-                max_deliver: i64::from(config.max_attempts.saturating_add(MAX_DELIVER_MARGIN)),
+                max_deliver: MAX_DELIVER,
                 filter_subject: config.subject.clone().unwrap_or_default(),
                 ..Default::default()
             })
@@ -115,10 +116,20 @@ pub(crate) async fn prepare(
                 )))
             }
             Err(e) => Err(SetupError::Broken(format!("looking up consumer `{durable}`: {e}"))),
-            Ok(_) => stream
+            Ok(info) => {
+                if info.config.max_deliver > 0 {
+                    tracing::warn!(
+                        consumer = config.name(),
+                        durable,
+                        max_deliver = info.config.max_deliver,
+                        "the durable consumer has a finite max_deliver: while dead copies cannot be stored, the server may stop redelivering a message that is neither handled nor dead; set max_deliver = -1 (postbox counts attempts itself)"
+                    );
+                }
+                stream
                 .get_consumer(durable)
                 .await
-                .map_err(|e| SetupError::Broken(format!("binding consumer `{durable}`: {e}"))),
+                .map_err(|e| SetupError::Broken(format!("binding consumer `{durable}`: {e}")))
+            }
         }
     }
 }

@@ -170,7 +170,7 @@ pub fn group(prefix: &str) -> String {
     format!("{prefix}_{}_{}", std::process::id(), &r[r.len() - 6..])
 }
 
-async fn stop(
+pub async fn stop(
     cancel: &CancellationToken,
     task: JoinHandle<Result<ConsumeReport, postbox_core::Error>>,
 ) -> ConsumeReport {
