@@ -14,6 +14,12 @@ pub fn init(g: &Global, default_filter: &str) {
         .map(EnvFilter::new)
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new(default_filter));
+    // lapin logs every returned (unroutable) message with its body at WARN;
+    // payloads never reach logs, the publisher reports the event itself.
+    let filter = match "lapin::returned_messages=off".parse() {
+        Ok(directive) => filter.add_directive(directive),
+        Err(_) => filter,
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())

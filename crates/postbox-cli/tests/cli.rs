@@ -283,3 +283,103 @@ fn quickstart_runs_with_no_server() {
     let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
     assert_eq!(v[0]["delivered"], 300);
 }
+
+/// Events no queue takes (an exchange with nothing bound): the relay says so
+/// in its own one line per event, never with the payload, and the start-up
+/// (declaring the missing exchange) logs no ERROR.
+#[test]
+fn unroutable_events_keep_payloads_out_of_the_logs() {
+    use postbox_testkit::servers::{amqp_url, scratch_name};
+    let dir = tempfile::tempdir().unwrap();
+    let exchange = scratch_name("pbx_noq");
+    let body = format!(
+        "[database]\nurl = \"sqlite://DIR/outbox.db\"\ntable = \"room_outbox\"\napp_codes = [\"room\"]\n\n\
+         [outbox_worker]\npoll_interval = \"50ms\"\ninitial_backoff = \"100ms\"\nmax_backoff = \"200ms\"\n\n\
+         [[publishers]]\nkind = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"{exchange}\"\ndeclare = true\n",
+        amqp_url()
+    )
+    .replace("DIR", dir.path().to_str().unwrap());
+    let cfg = write_config(dir.path(), &body);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    const MARKER: &str = "payload-bytes-never-logged";
+    for i in 0..5 {
+        let payload = format!(r#"{{"secret":"{MARKER}","n":{i}}}"#);
+        let out = run(&[
+            "enqueue",
+            "--event-type",
+            "RoomCreated",
+            "--payload",
+            &payload,
+            "--event-id",
+            &format!("evt-{i}"),
+        ]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir.path())
+        .env_remove("RUST_LOG")
+        .args(["--config", &cfg, "relay"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Until every event has been returned at least twice.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let list = run(&["--json", "events", "list"]);
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap_or_default();
+        if rows.len() == 5 && rows.iter().all(|r| r["retry_count"].as_i64() >= Some(2)) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not retried: {}",
+            text(&list)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    let out = relay.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    delete_exchange(&exchange);
+    assert!(out.status.success(), "relay exits 0 on SIGTERM: {stderr}");
+    // As text, or as the byte list a Debug print of the body shows.
+    let bytes = format!("{:?}", MARKER.as_bytes());
+    assert!(
+        !stderr.contains(MARKER) && !stderr.contains(bytes.trim_matches(['[', ']'])),
+        "payload in the logs:\n{stderr}"
+    );
+    assert!(
+        !stderr.lines().any(|l| l.contains("ERROR")),
+        "an ERROR line:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("unroutable") && stderr.contains(&exchange),
+        "postbox's own message names the exchange:\n{stderr}"
+    );
+}
+
+fn delete_exchange(exchange: &str) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let conn = lapin::Connection::connect(
+            &postbox_testkit::servers::amqp_url(),
+            lapin::ConnectionProperties::default(),
+        )
+        .await
+        .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.exchange_delete(exchange.into(), Default::default())
+            .await
+            .unwrap();
+        let _ = conn.close(200, "done".into()).await;
+    });
+}

@@ -100,7 +100,9 @@ impl Broker for NatsBroker {
                     .as_str(),
             );
         }
-        h.insert("Nats-Msg-Id", e.event_id.as_str());
+        let msg_id = format!("{}:0:{}", e.app_code, e.event_id);
+        h.insert("Nats-Msg-Id", msg_id.as_str());
+        h.insert("x-event-id", e.event_id.as_str());
         h.insert("x-event-type", e.event_type.as_str());
         h.insert("x-app-code", e.app_code.as_str());
         if let Some(a) = &e.aggregate_id {

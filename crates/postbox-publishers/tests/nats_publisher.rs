@@ -106,7 +106,8 @@ fn received(m: &jetstream::Message) -> Received {
         }
     }
     let mut take = |k: &str| headers.remove(k);
-    let event_id = take("Nats-Msg-Id").expect("Nats-Msg-Id header");
+    let event_id = take("x-event-id").expect("x-event-id header");
+    take("Nats-Msg-Id").expect("Nats-Msg-Id header");
     let event_type = take("x-event-type").unwrap_or_default();
     let app_code = take("x-app-code").unwrap_or_default();
     let aggregate_id = take("x-aggregate-id");
@@ -195,6 +196,68 @@ async fn a_resent_event_is_a_counted_duplicate_stored_once() {
     assert!(rendered.contains(&line), "{line} not in:\n{rendered}");
     let mut s = jetstream().await.get_stream(&stream).await.unwrap();
     assert_eq!(s.info().await.unwrap().state.messages, 2, "stored once");
+}
+
+/// The broker's dedupe key (SPEC §4): a re-send of one delivery is dropped
+/// inside the duplicate window, but the same event_id in another app_code and
+/// an operator's replay are both stored; consumers still see the bare
+/// event_id in `x-event-id`.
+#[tokio::test]
+async fn the_dedupe_key_drops_resends_but_keeps_other_app_codes_and_replays() {
+    let (stream, prefix) = scratch();
+    let _cleanup = DropStream(stream.clone());
+    let publisher = NatsPublisher::connect(&config(
+        "nats-key",
+        &stream,
+        &format!("{prefix}.{{app_code}}"),
+        true,
+    ))
+    .await
+    .unwrap();
+    let room = sample_events("room", 1).remove(0);
+    let mut gift = room.clone();
+    gift.app_code = "gift".to_owned();
+    let mut retried = room.clone();
+    retried.retry_count += 1;
+    let mut replayed = room.clone();
+    replayed.replay_count += 1;
+    replayed.retry_count = 0;
+    let mut replayed_twice = replayed.clone();
+    replayed_twice.replay_count += 1;
+
+    for (what, record) in [
+        ("first send", &room),
+        ("same event_id, other app_code", &gift),
+        ("re-send of the first", &room),
+        ("retry of the first", &retried),
+        ("replay", &replayed),
+        ("re-send of the replay", &replayed),
+        ("second replay", &replayed_twice),
+    ] {
+        let results = publisher.publish(&[Delivery::of(record)]).await;
+        assert!(results[0].is_ok(), "{what}: {results:?}");
+    }
+
+    let mut reader = StreamReader {
+        js: jetstream().await,
+        stream: stream.clone(),
+    };
+    let stored = reader.read(4, Duration::from_secs(5)).await;
+    let got: Vec<(String, String, bool)> = stored
+        .iter()
+        .map(|r| (r.event_id.clone(), r.app_code.clone(), r.replayed))
+        .collect();
+    let id = room.event_id.clone();
+    assert_eq!(
+        got,
+        [
+            (id.clone(), "room".to_owned(), false),
+            (id.clone(), "gift".to_owned(), false),
+            (id.clone(), "room".to_owned(), true),
+            (id, "room".to_owned(), true),
+        ],
+        "stored: first send, other app_code, replay, second replay; re-sends dropped"
+    );
 }
 
 #[tokio::test]

@@ -159,3 +159,45 @@ async fn start_errors_never_show_the_password() {
         assert!(text.contains("127.0.0.1"), "says where: {text}");
     }
 }
+
+/// `declare = true` declares a missing exchange (durable topic) without
+/// probing for it first, and still starts on an existing exchange of another
+/// kind, as before.
+#[tokio::test]
+async fn declare_creates_a_missing_exchange_and_accepts_an_existing_one_of_another_kind() {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.unwrap();
+    let missing = scratch("declared");
+    let publisher = RabbitMqPublisher::connect(&config(&missing, "{event_type}", true))
+        .await
+        .expect("declares the missing exchange");
+    publisher.close().await;
+    let check = connection.create_channel().await.unwrap();
+    check
+        .exchange_declare(
+            missing.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            lapin::options::ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .expect("the exchange exists now");
+    delete_exchange(&channel, &missing).await;
+
+    // An auto-delete topic exchange: not what postbox declares.
+    let existing = scratch("existing");
+    declare_exchange(&channel, &existing).await;
+    let inbox = consume(&connection, &existing, "#").await;
+    let publisher = RabbitMqPublisher::connect(&config(&existing, "{event_type}", true))
+        .await
+        .expect("an existing exchange of another kind is used as it is");
+    let events = sample_events("room", 1);
+    let results = publisher.publish(&[Delivery::of(&events[0])]).await;
+    assert!(results[0].is_ok(), "{results:?}");
+    assert_eq!(inbox.wait_for(1, Duration::from_secs(5)).await.len(), 1);
+    publisher.close().await;
+    delete_exchange(&channel, &existing).await;
+}

@@ -7,10 +7,13 @@ use postbox_core::event::MAX_ID_LEN;
 use crate::message::{CONSUME_ATTEMPT_HEADER, LAST_ERROR_HEADER};
 use crate::Message;
 
-/// The publisher's dedupe header: the event id.
+/// The stream's dedupe header. The publisher makes it of app_code, replay
+/// count and event id (SPEC §4), so it is not the event id: consumers dedupe
+/// by `x-event-id`.
 pub const MSG_ID: &str = "Nats-Msg-Id";
-/// On a dead copy: the event id (its `Nats-Msg-Id` is made per consumer
-/// group, so that two groups' dead copies of one event are both kept).
+/// The event id, set by the publisher and kept on a dead copy (whose
+/// `Nats-Msg-Id` is made per consumer group, so that two groups' dead copies
+/// of one event are both kept).
 pub const EVENT_ID: &str = "x-event-id";
 const EVENT_TYPE: &str = "x-event-type";
 const APP_CODE: &str = "x-app-code";
@@ -18,8 +21,9 @@ const AGGREGATE_ID: &str = "x-aggregate-id";
 const AGGREGATE_VERSION: &str = "x-aggregate-version";
 const CREATED_AT_MS: &str = "x-created-at-ms";
 
-/// Reads the SPEC §4 mapping of the NATS publisher: `Nats-Msg-Id` is the
-/// event id (`x-event-id` on a dead copy), `x-event-type`, `x-app-code`,
+/// Reads the SPEC §4 mapping of the NATS publisher: `x-event-id` is the
+/// event id (`Nats-Msg-Id` only on messages without it, as published before
+/// postbox set `x-event-id`), `x-event-type`, `x-app-code`,
 /// `x-aggregate-id`, `x-aggregate-version` and `x-created-at-ms` the envelope
 /// fields of those names; every other header (`x-attempt`, `x-replayed`, the
 /// service's own) stays in `envelope.headers` as a string. `delivered` is
@@ -68,7 +72,7 @@ pub fn message_from_nats(
     let event_id = event_id
         .or(msg_id)
         .filter(|s| !s.is_empty())
-        .ok_or("the message has no Nats-Msg-Id header (postbox publishes the event_id there)")?;
+        .ok_or("the message has no x-event-id (nor Nats-Msg-Id) header: postbox publishes the event_id in x-event-id")?;
     if event_id.len() > MAX_ID_LEN {
         return Err(format!(
             "the event id is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
@@ -128,7 +132,8 @@ mod tests {
 
     fn published() -> HeaderMap {
         let mut h = HeaderMap::new();
-        h.insert(MSG_ID, "ev-1");
+        h.insert(MSG_ID, "room:1:ev-1");
+        h.insert(EVENT_ID, "ev-1");
         h.insert(EVENT_TYPE, "RoomCreated");
         h.insert(APP_CODE, "room");
         h.insert(AGGREGATE_ID, "room-1");
@@ -158,6 +163,18 @@ mod tests {
     }
 
     #[test]
+    fn a_message_without_x_event_id_falls_back_to_the_msg_id() {
+        let mut h: HeaderMap = published()
+            .iter()
+            .filter(|(name, _)| ![EVENT_ID, MSG_ID].contains(&AsRef::<str>::as_ref(*name)))
+            .flat_map(|(name, values)| values.iter().map(move |v| (name.clone(), v.clone())))
+            .collect();
+        h.insert(MSG_ID, "ev-0");
+        let m = message_from_nats(Some(&h), "s", b"{}", 1).unwrap();
+        assert_eq!(m.envelope.event_id, "ev-0");
+    }
+
+    #[test]
     fn the_delivery_count_is_the_attempt() {
         let m = message_from_nats(Some(&published()), "s", b"x", 3).unwrap();
         assert_eq!((m.attempt, m.redelivered), (3, true));
@@ -183,7 +200,7 @@ mod tests {
     #[test]
     fn refuses_messages_without_an_event_id() {
         let err = message_from_nats(None, "s", b"{}", 1).unwrap_err();
-        assert!(err.contains("Nats-Msg-Id"), "{err}");
+        assert!(err.contains("x-event-id"), "{err}");
         let mut h = published();
         h.insert(AGGREGATE_VERSION, "seven");
         assert!(message_from_nats(Some(&h), "s", b"{}", 1).is_err());

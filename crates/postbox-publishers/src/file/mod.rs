@@ -1,8 +1,17 @@
 //! `kind = "file"`: one JSON envelope per line (SPEC §4), appended to a file
-//! or written to stdout. A batch is confirmed once it is flushed.
+//! or written to stdout. A batch is confirmed once it is written.
+//!
+//! A batch is written whole or not at all: when a write to a regular file
+//! fails part-way (disk full, file-size limit), the file is truncated back to
+//! its length before the batch, so no partial line stays behind for the next
+//! batch to be appended to. On stdout (or a pipe or device) written bytes
+//! cannot be taken back; the failure is reported and the batch retried.
+
+use std::io::Write;
+use std::sync::Arc;
 
 use async_trait::async_trait;
-use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::Mutex;
 
 use postbox_core::config::FilePublisherConfig;
@@ -10,17 +19,23 @@ use postbox_core::envelope::Envelope;
 use postbox_core::publish::{Delivery, PublishError};
 use postbox_core::{Error, Publisher, Result};
 
+enum Sink {
+    File(Arc<std::fs::File>),
+    Stdout(tokio::io::Stdout),
+}
+
 /// Appends JSON lines to a file, or writes them to stdout for `path = "-"`.
 pub struct FilePublisher {
     name: String,
-    out: Mutex<Box<dyn AsyncWrite + Send + Unpin>>,
+    path: String,
+    out: Mutex<Sink>,
 }
 
 impl FilePublisher {
     /// Opens (creating, appending) the configured path.
     pub async fn open(config: &FilePublisherConfig) -> Result<Self> {
-        let out: Box<dyn AsyncWrite + Send + Unpin> = if config.path == "-" {
-            Box::new(tokio::io::stdout())
+        let out = if config.path == "-" {
+            Sink::Stdout(tokio::io::stdout())
         } else {
             let file = tokio::fs::OpenOptions::new()
                 .create(true)
@@ -31,12 +46,71 @@ impl FilePublisher {
                     context: format!("opening file publisher path `{}`", config.path),
                     source,
                 })?;
-            Box::new(file)
+            Sink::File(Arc::new(file.into_std().await))
         };
         Ok(FilePublisher {
             name: config.name.clone().unwrap_or_else(|| "file".to_owned()),
+            path: config.path.clone(),
             out: Mutex::new(out),
         })
+    }
+
+    async fn write(&self, buf: Vec<u8>) -> std::result::Result<(), String> {
+        let mut out = self.out.lock().await;
+        match &mut *out {
+            Sink::Stdout(stdout) => {
+                let written = async {
+                    stdout.write_all(&buf).await?;
+                    stdout.flush().await
+                }
+                .await;
+                written.map_err(|e| format!("{}: writing to stdout failed: {e}", self.name))
+            }
+            Sink::File(file) => {
+                let file = Arc::clone(file);
+                let (name, path) = (self.name.clone(), self.path.clone());
+                // The lock stays held until the blocking write (and any
+                // truncation) is over, so batches never interleave.
+                tokio::task::spawn_blocking(move || append_whole(&file, &buf, &name, &path))
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(format!(
+                            "{}: writing `{}` panicked: {e}",
+                            self.name, self.path
+                        ))
+                    })
+            }
+        }
+    }
+}
+
+/// Appends `buf` to `file`; on failure truncates a regular file back to the
+/// length it had before, so it holds only whole lines.
+fn append_whole(
+    file: &std::fs::File,
+    buf: &[u8],
+    name: &str,
+    path: &str,
+) -> std::result::Result<(), String> {
+    let before = match file.metadata() {
+        Ok(m) if m.is_file() => Some(m.len()),
+        Ok(_) => None,
+        Err(e) => return Err(format!("{name}: cannot stat `{path}` before writing: {e}")),
+    };
+    let mut writer = file;
+    let Err(e) = writer.write_all(buf).and_then(|()| writer.flush()) else {
+        return Ok(());
+    };
+    let Some(before) = before else {
+        return Err(format!("{name}: writing `{path}` failed: {e}; will retry"));
+    };
+    match file.set_len(before) {
+        Ok(()) => Err(format!(
+            "{name}: writing `{path}` failed: {e}; the file is back to its {before} bytes before this batch; will retry"
+        )),
+        Err(t) => Err(format!(
+            "{name}: writing `{path}` failed: {e}; truncating it back to {before} bytes failed too ({t}), so its last line may be incomplete"
+        )),
     }
 }
 
@@ -64,22 +138,16 @@ impl Publisher for FilePublisher {
         for d in batch {
             buf.push_str(&envelope_line(d));
         }
-        let mut out = self.out.lock().await;
-        let result = async {
-            out.write_all(buf.as_bytes()).await?;
-            out.flush().await
-        }
-        .await;
-        match result {
+        match self.write(buf.into_bytes()).await {
             Ok(()) => vec![Ok(()); batch.len()],
-            Err(e) => {
-                vec![Err(PublishError::failed(format!("writing {}: {e}", self.name))); batch.len()]
-            }
+            Err(message) => vec![Err(PublishError::failed(message)); batch.len()],
         }
     }
 
     async fn close(&self) {
-        let _ = self.out.lock().await.flush().await;
+        if let Sink::Stdout(stdout) = &mut *self.out.lock().await {
+            let _ = stdout.flush().await;
+        }
     }
 }
 
@@ -136,5 +204,29 @@ mod tests {
         assert_eq!(lines[0]["headers"]["trace"], "t");
         assert_eq!(lines[0]["headers"]["x-attempt"], 2);
         assert_eq!(lines[0]["headers"]["x-replayed"], true);
+    }
+
+    /// A device that is always full (`/dev/full`, ENOSPC): every event of the
+    /// batch fails with the cause named, nothing is reported as written.
+    #[tokio::test]
+    async fn a_full_device_fails_the_batch_with_the_cause() {
+        let p = FilePublisher::open(&FilePublisherConfig {
+            name: Some("sink".into()),
+            path: "/dev/full".into(),
+        })
+        .await
+        .unwrap();
+        let records = [record(1), record(2)];
+        let batch: Vec<_> = records.iter().map(Delivery::of).collect();
+        let results = p.publish(&batch).await;
+        assert_eq!(results.len(), 2);
+        for r in results {
+            let message = r.unwrap_err().to_string();
+            assert!(
+                message.starts_with("sink: writing `/dev/full` failed:")
+                    && message.contains("No space left on device"),
+                "{message}"
+            );
+        }
     }
 }

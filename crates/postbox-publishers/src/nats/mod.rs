@@ -1,9 +1,18 @@
 //! `kind = "nats"`: NATS JetStream (SPEC §4). The body is the payload; the
-//! subject comes from the `subject` template; `Nats-Msg-Id` is the event id,
-//! so the stream drops a resend inside its duplicate window; the metadata
-//! rides in headers. An event counts as delivered only on the stream's
-//! PubAck; a PubAck marked `duplicate` is delivered too, and counted in
-//! `postbox_publish_duplicates_total`.
+//! subject comes from the `subject` template; the metadata rides in headers,
+//! the event id in `x-event-id` (what consumers dedupe by). An event counts
+//! as delivered only on the stream's PubAck; a PubAck marked `duplicate` is
+//! delivered too, and counted in `postbox_publish_duplicates_total`.
+//!
+//! # `Nats-Msg-Id`
+//!
+//! The stream's dedupe key is [`msg_id`]: `<app_code>:<replay_count>:<event_id>`
+//! (`%` and `:` in the app_code escaped as `%25` and `%3A`, so the key is
+//! unambiguous). A re-send of the same delivery (a retry after a lost PubAck)
+//! has the same key and the stream drops it inside its duplicate window; two
+//! app_codes sharing an event_id do not collide; and an operator's replay,
+//! which increments the row's `replay_count`, is a new key and is stored
+//! again.
 //!
 //! # Subjects
 //!
@@ -138,7 +147,8 @@ impl NatsPublisher {
                 other => put(&k, &other.to_string())?,
             }
         }
-        put("Nats-Msg-Id", &r.event_id)?;
+        put("Nats-Msg-Id", &msg_id(r))?;
+        put("x-event-id", &r.event_id)?;
         put("x-event-type", &r.event_type)?;
         put("x-app-code", &r.app_code)?;
         if let Some(a) = &r.aggregate_id {
@@ -224,6 +234,13 @@ pub fn subject_for(template: &Template, record: &postbox_core::EventRecord) -> S
     template.render_escaped(record, subject_token)
 }
 
+/// The `Nats-Msg-Id` of `record`: app_code, replay count and event id (see
+/// the module docs).
+pub fn msg_id(record: &postbox_core::EventRecord) -> String {
+    let app_code = record.app_code.replace('%', "%25").replace(':', "%3A");
+    format!("{app_code}:{}:{}", record.replay_count, record.event_id)
+}
+
 /// The subject filter a stream needs to capture every subject of
 /// `template`: each token holding a placeholder becomes `*`.
 pub fn stream_subjects(template: &Template) -> String {
@@ -276,5 +293,41 @@ mod tests {
         assert_eq!(stream_subjects(&t), "room.*.x");
         assert_eq!(subject_token("order.42 a>*"), "order_42_a__");
         assert_eq!(subject_token(""), "_");
+    }
+
+    #[test]
+    fn the_msg_id_names_app_code_replay_and_event() {
+        let mut r = postbox_core::EventRecord {
+            id: 1,
+            app_code: "room".into(),
+            event_id: "e1".into(),
+            event_type: "RoomCreated".into(),
+            aggregate_id: None,
+            aggregate_version: None,
+            payload: "{}".into(),
+            headers: None,
+            status: postbox_core::Status::Delivering,
+            retry_count: 0,
+            next_retry_at_ms: 0,
+            lock_until_ms: 0,
+            worker_id: None,
+            last_error: None,
+            delivered_to: vec![],
+            replay_count: 0,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        };
+        assert_eq!(msg_id(&r), "room:0:e1");
+        r.replay_count = 2;
+        assert_eq!(msg_id(&r), "room:2:e1");
+        // An app_code with `:` cannot pose as another app_code's key.
+        r.app_code = "a:0".into();
+        r.event_id = "x".into();
+        r.replay_count = 0;
+        let colon = msg_id(&r);
+        r.app_code = "a".into();
+        r.event_id = "0:x".into();
+        assert_ne!(colon, msg_id(&r));
+        assert_eq!(colon, "a%3A0:0:x");
     }
 }

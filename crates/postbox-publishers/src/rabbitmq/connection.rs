@@ -171,10 +171,43 @@ impl Target {
         Ok(channel)
     }
 
-    /// Checks the exchange passively on a channel of its own (a failed
-    /// check closes the channel); declares a durable topic exchange when it
-    /// is missing and `declare` is on.
+    /// With `declare` on, declares a durable topic exchange (a no-op when
+    /// it exists alike); otherwise checks it passively. Each on a channel of
+    /// its own, since a failed declare closes its channel. A missing
+    /// exchange is never probed first: the broker's channel close for it
+    /// is logged as an ERROR by lapin, which would be spurious when postbox
+    /// goes on to declare it.
     async fn ensure_exchange(&self, connection: &Connection) -> Result<(), OpenError> {
+        if self.declare {
+            let declare = connection
+                .create_channel()
+                .await
+                .map_err(|e| self.other("opening a channel", &e))?;
+            let declared = declare
+                .exchange_declare(
+                    self.exchange.clone(),
+                    ExchangeKind::Topic,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..ExchangeDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            match declared {
+                Ok(()) => {
+                    tracing::debug!(publisher = %self.name, exchange = %self.exchange, "exchange declared (durable, topic)");
+                    let _ = declare.close(200, "exchange declared".into()).await;
+                    return Ok(());
+                }
+                // It exists with another type or durability: use it as it
+                // is, as a passive check would have.
+                Err(e) if is_precondition_failed(&e) => {
+                    tracing::warn!(publisher = %self.name, exchange = %self.exchange, "the exchange exists but is not a durable topic exchange; publishing to it as it is");
+                }
+                Err(e) => return Err(self.other("declaring the exchange", &e)),
+            }
+        }
         let passive = ExchangeDeclareOptions {
             passive: true,
             ..ExchangeDeclareOptions::default()
@@ -194,31 +227,11 @@ impl Target {
         {
             Ok(()) => {
                 let _ = probe.close(200, "exchange checked".into()).await;
-                return Ok(());
+                Ok(())
             }
-            Err(e) if is_not_found(&e) && !self.declare => return Err(OpenError::MissingExchange),
-            Err(e) if is_not_found(&e) => {}
-            Err(e) => return Err(self.other("checking the exchange", &e)),
+            Err(e) if is_not_found(&e) => Err(OpenError::MissingExchange),
+            Err(e) => Err(self.other("checking the exchange", &e)),
         }
-        let declare = connection
-            .create_channel()
-            .await
-            .map_err(|e| self.other("opening a channel", &e))?;
-        declare
-            .exchange_declare(
-                self.exchange.clone(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| self.other("declaring the exchange", &e))?;
-        tracing::info!(publisher = %self.name, exchange = %self.exchange, "declared durable topic exchange");
-        let _ = declare.close(200, "exchange declared".into()).await;
-        Ok(())
     }
 
     /// The start error for `declare = false` and no exchange.
@@ -264,6 +277,10 @@ async fn watch_events(
             _ => {}
         }
     }
+}
+
+fn is_precondition_failed(e: &lapin::Error) -> bool {
+    matches!(e.kind(), ErrorKind::ProtocolError(p) if *p.kind() == AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED))
 }
 
 fn is_not_found(e: &lapin::Error) -> bool {
