@@ -479,8 +479,8 @@ pub trait OutboxStore: Send + Sync + 'static {
 
     /// Whether every claim query ([`CLAIM_QUERIES`]) and archive query
     /// ([`ARCHIVE_QUERIES`]) *can* read through the index it is written for,
-    /// whatever the table's size: PostgreSQL plans with sequential scans
-    /// disabled, MariaDB reports the candidate keys, SQLite plans without
+    /// whatever the table's size: PostgreSQL plans with sequential and
+    /// bitmap scans, sorts, hash and merge joins disabled, MariaDB reports the candidate keys, SQLite plans without
     /// statistics. Nothing is changed.
     async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>>;
 

@@ -107,17 +107,21 @@ pub(crate) const CLAIM_ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ C
 
 /// `c` is the head of its aggregate: no earlier event of the same aggregate
 /// is still pending, delivering or retryable (`failed` ones do not hold the
-/// aggregate back). Earlier means a lower `aggregate_version`, or a lower `id`
-/// where either version is unset or they are equal. Index:
-/// `{table}_aggregate_idx (app_code, aggregate_id, id)`.
+/// aggregate back). Earlier is one total order, the same on every backend:
+/// by `aggregate_version` with NULL placed after every version, then by
+/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
+/// a version is NULL is not transitive, and an aggregate mixing both could
+/// have no head at all. Index: `{table}_aggregate_idx (app_code,
+/// aggregate_id, id)`, sought by its two leading columns.
 macro_rules! head_of_aggregate {
     () => {
         " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
            WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
              AND p.status IN ('pending', 'delivering', 'retryable') \
-             AND (p.aggregate_version < c.aggregate_version \
-               OR ((p.aggregate_version IS NULL OR c.aggregate_version IS NULL \
-                    OR p.aggregate_version = c.aggregate_version) AND p.id < c.id)))) "
+             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
+                    < COALESCE(c.aggregate_version, 9223372036854775807) \
+               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
+                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
     };
 }
 
@@ -188,22 +192,27 @@ pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
 
 /// Claim step 2 for pending and due rows, locked by step 1: the lease.
 /// `lock_until_ms` is computed once per claim, so it is the batch's fence.
-/// Primary key lookups.
-pub(crate) const CLAIM_TAKE: &str = "UPDATE {table} SET status = 'delivering', worker_id = ?, \
+/// Primary key lookups. Every `UPDATE … WHERE id …` names the primary key:
+/// on a small table MariaDB would otherwise scan the whole table, reaching
+/// rows a producer's open transaction holds (run at READ COMMITTED, the
+/// scan skips them, but a range read never meets them at all).
+pub(crate) const CLAIM_TAKE: &str =
+    "UPDATE {table} FORCE INDEX (PRIMARY) SET status = 'delivering', worker_id = ?, \
        lock_until_ms = ?, updated_at_ms = ? \
      WHERE id IN ({ids})";
 
 /// Claim step 2 for expired leases; the lost attempt is counted. MySQL
 /// assigns left to right, so `last_error` reads the old `worker_id` before
 /// it is overwritten. Primary key lookups.
-pub(crate) const CLAIM_TAKE_EXPIRED: &str = "UPDATE {table} SET retry_count = retry_count + 1, \
+pub(crate) const CLAIM_TAKE_EXPIRED: &str =
+    "UPDATE {table} FORCE INDEX (PRIMARY) SET retry_count = retry_count + 1, \
        last_error = CONCAT('lease expired while held by ', COALESCE(worker_id, '?')), \
        status = 'delivering', worker_id = ?, lock_until_ms = ?, updated_at_ms = ? \
      WHERE id IN ({ids})";
 
 /// Fenced: only rows still leased by this claim. Primary key lookups.
 pub(crate) const MARK_DELIVERED: &str = concat!(
-    "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
+    "UPDATE {table} FORCE INDEX (PRIMARY) SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
        updated_at_ms = ",
     now_ms!(),
     " \
@@ -212,7 +221,7 @@ pub(crate) const MARK_DELIVERED: &str = concat!(
 
 /// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
 pub(crate) const MARK_FAILED: &str = concat!(
-    "UPDATE {table} SET status = ?, retry_count = ?, next_retry_at_ms = ",
+    "UPDATE {table} FORCE INDEX (PRIMARY) SET status = ?, retry_count = ?, next_retry_at_ms = ",
     now_ms!(),
     " + ?, \
        lock_until_ms = 0, delivered_to = ?, last_error = ?, updated_at_ms = ",
@@ -224,7 +233,7 @@ pub(crate) const MARK_FAILED: &str = concat!(
 /// Fenced release at shutdown: due again at once, no attempt counted.
 pub(crate) const RELEASE: &str =
     concat!(
-    "UPDATE {table} SET status = CASE WHEN retry_count = 0 THEN 'pending' ELSE 'retryable' END, \
+    "UPDATE {table} FORCE INDEX (PRIMARY) SET status = CASE WHEN retry_count = 0 THEN 'pending' ELSE 'retryable' END, \
        next_retry_at_ms = 0, lock_until_ms = 0, worker_id = NULL, updated_at_ms = ", now_ms!(), " \
      WHERE id IN ({ids}) AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
 );
@@ -307,7 +316,7 @@ pub(crate) const REPLAY_FILTER_LOCK: &str = concat!(
 /// Replay step 2 (by ids or filter), on the locked rows: back to pending
 /// with retry_count 0, keeping event_id. Primary key lookups.
 pub(crate) const REPLAY_IDS: &str = concat!(
-    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+    "UPDATE {table} FORCE INDEX (PRIMARY) SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
        worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
        updated_at_ms = ", now_ms!(), " \
      WHERE id IN ({ids})"

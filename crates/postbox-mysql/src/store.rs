@@ -62,7 +62,11 @@ impl MySqlOutbox {
     /// A pooled connection whose next transaction runs at READ COMMITTED:
     /// its locking reads take no gap locks, so claims and replays never
     /// block producers' inserts, and rows that do not match are unlocked at
-    /// once.
+    /// once. Every relay statement (claims, marks, releases, history) runs
+    /// in such a transaction: at REPEATABLE READ an `UPDATE … WHERE id IN
+    /// (…)` that MariaDB plans as a whole-table scan (it does on small
+    /// tables) waits for every row a producer's open transaction holds; at
+    /// READ COMMITTED its semi-consistent read skips rows it does not name.
     async fn read_committed(&self) -> std::result::Result<PoolConnection<MySql>, sqlx::Error> {
         let mut conn = self.pool.acquire().await?;
         // A `&str` goes over the text protocol: nothing to prepare.
@@ -325,15 +329,20 @@ impl OutboxStore for MySqlOutbox {
             return Ok(0);
         }
         let db = |e| crate::db_error("mark delivered", e);
-        let mut conn = self.pool.acquire().await.map_err(db)?;
-        self.execute_ids(&mut conn, &self.sql.mark_delivered, ids, Some(fence))
+        let mut conn = self.read_committed().await.map_err(db)?;
+        let mut tx = conn.begin().await.map_err(db)?;
+        let marked = self
+            .execute_ids(&mut tx, &self.sql.mark_delivered, ids, Some(fence))
             .await
-            .map_err(db)
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(marked)
     }
 
     async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
         let db = |e| crate::db_error("mark failed attempt", e);
-        let mut tx = self.pool.begin().await.map_err(db)?;
+        let mut conn = self.read_committed().await.map_err(db)?;
+        let mut tx = conn.begin().await.map_err(db)?;
         let done = sqlx::query(&self.sql.mark_failed)
             .bind(u.status.as_str())
             .bind(u.retry_count)
@@ -368,10 +377,14 @@ impl OutboxStore for MySqlOutbox {
             return Ok(0);
         }
         let db = |e| crate::db_error("release leases", e);
-        let mut conn = self.pool.acquire().await.map_err(db)?;
-        self.execute_ids(&mut conn, &self.sql.release, ids, Some(fence))
+        let mut conn = self.read_committed().await.map_err(db)?;
+        let mut tx = conn.begin().await.map_err(db)?;
+        let released = self
+            .execute_ids(&mut tx, &self.sql.release, ids, Some(fence))
             .await
-            .map_err(db)
+            .map_err(db)?;
+        tx.commit().await.map_err(db)?;
+        Ok(released)
     }
 
     async fn enqueue_batch(

@@ -710,3 +710,135 @@ async fn connect_accepts_mariadb_urls_and_hides_passwords() {
     assert!(!bad.to_string().contains("hunter2"), "{bad}");
     assert!(MySqlOutbox::connect(&url, "bad name", 1).await.is_err());
 }
+
+/// Issue 9.3: a producer's open transaction holding an uncommitted outbox
+/// row must not stall the relay. On a small table MariaDB plans `id IN (…)`
+/// as a whole-primary-key scan; at REPEATABLE READ the scan waited for the
+/// producer's row lock (50 s), the lease expired and rows were published
+/// twice. Every relay statement must lock only the rows it names.
+#[tokio::test]
+async fn an_open_producer_transaction_does_not_stall_the_relay() {
+    use std::time::Duration;
+    use tokio::time::timeout;
+    let store = store("mb_open_tx").await;
+    let quick = Duration::from_secs(5);
+    // The producer inserts first and keeps its transaction open throughout.
+    let mut producer = store.pool().begin().await.unwrap();
+    store
+        .enqueue(&mut producer, &NewEvent::new("room", "Open", "{}"))
+        .await
+        .unwrap();
+    let mut committed = Vec::new();
+    for i in 0..6 {
+        committed.push(
+            enqueue_committed(
+                &store,
+                &NewEvent::new("room", "E", format!("{{\"i\":{i}}}")),
+            )
+            .await,
+        );
+    }
+
+    // Claim, then mark, fail and release: each within seconds.
+    let claimed = timeout(
+        quick,
+        store.claim(ClaimSource::Pending, &req("room", "w1", 30_000)),
+    )
+    .await
+    .expect("claim waited on the producer's row")
+    .unwrap();
+    assert_eq!(ids(&claimed), committed);
+    let fence = claimed[0].fence();
+    let delivered = timeout(quick, store.mark_delivered(&fence, &committed[..3]))
+        .await
+        .expect("mark_delivered waited on the producer's row")
+        .unwrap();
+    assert_eq!(delivered, 3);
+    let failure = FailureUpdate {
+        status: Status::Retryable,
+        retry_count: 1,
+        retry_after_ms: 0,
+        delivered_to: Vec::new(),
+        error: "boom".into(),
+        publisher: Some("p".into()),
+    };
+    assert!(
+        timeout(quick, store.mark_failed(&fence, committed[3], &failure))
+            .await
+            .expect("mark_failed waited on the producer's row")
+            .unwrap()
+    );
+    let released = timeout(quick, store.release(&fence, &committed[4..]))
+        .await
+        .expect("release waited on the producer's row")
+        .unwrap();
+    assert_eq!(released, 2);
+
+    // The released and the retryable rows come back; an expired lease is
+    // taken over (with its history entry) without waiting either.
+    let again = timeout(
+        quick,
+        store.claim(ClaimSource::Pending, &req("room", "w2", 1)),
+    )
+    .await
+    .expect("second claim waited")
+    .unwrap();
+    assert_eq!(ids(&again), committed[4..].to_vec());
+    let retry = timeout(
+        quick,
+        store.claim(ClaimSource::DueRetry, &req("room", "w2", 30_000)),
+    )
+    .await
+    .expect("retry claim waited")
+    .unwrap();
+    assert_eq!(ids(&retry), vec![committed[3]]);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let taken = timeout(
+        quick,
+        store.claim(ClaimSource::ExpiredLease, &req("room", "w3", 30_000)),
+    )
+    .await
+    .expect("takeover waited")
+    .unwrap();
+    assert_eq!(ids(&taken), committed[4..].to_vec());
+    let done = timeout(quick, store.mark_delivered(&taken[0].fence(), &ids(&taken)))
+        .await
+        .expect("mark_delivered after takeover waited")
+        .unwrap();
+    assert_eq!(done, 2);
+
+    // A relay delivers rows committed after the open row, each once.
+    let relay_events: Vec<NewEvent> = (0..5).map(|_| NewEvent::new("relay", "R", "{}")).collect();
+    store.enqueue_batch(&relay_events, 1024).await.unwrap();
+    let shared: std::sync::Arc<dyn OutboxStore> = std::sync::Arc::new(store.clone());
+    let p = std::sync::Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
+    let config = postbox_core::config::WorkerConfig {
+        lease: postbox_core::config::HumanDuration::secs(3),
+        publish_timeout: postbox_core::config::HumanDuration::secs(1),
+        ..postbox_testkit::conformance::fast_worker()
+    };
+    let started = std::time::Instant::now();
+    postbox_testkit::conformance::run_relay_until_for(
+        shared,
+        vec![p.clone()],
+        config,
+        "relay",
+        |s| s.delivered == 5,
+    )
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        started.elapsed()
+    );
+    for e in &relay_events {
+        let row = store.find(&e.event_id).await.unwrap().remove(0);
+        assert_eq!(row.status, Status::Delivered, "{row:?}");
+        assert_eq!(row.retry_count, 0, "{row:?}");
+        assert_eq!(p.attempts(&e.event_id), 1, "published once: {}", e.event_id);
+    }
+
+    // The producer's transaction was open all along, and still commits.
+    producer.commit().await.unwrap();
+    drop_tables(&store).await;
+}

@@ -1,6 +1,7 @@
 //! What `postbox doctor` asks of PostgreSQL: the catalog, and plans made
-//! with sequential scans disabled, so that a tiny or fresh table (where any
-//! plan is a sequential scan) still shows which index a query can use.
+//! with sequential scans, bitmap scans, sorts, hash and merge joins
+//! disabled, so that a tiny, fresh or unanalysed table (where any plan is
+//! about as cheap as any other) still shows which index a query can use.
 
 use serde_json::Value;
 use sqlx::Row;
@@ -36,10 +37,24 @@ impl PgOutbox {
         let db = |e| crate::db_error("explain", e);
         let t = self.table.as_str();
         let mut tx = self.pool.begin().await.map_err(db)?;
-        sqlx::query("SET LOCAL enable_seqscan = off")
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
+        // On a small, empty or unanalysed table every plan costs about the
+        // same, and the planner picks whichever postbox index (or a whole
+        // primary-key scan) comes first: steer it the way a large table
+        // does, so that a correct schema passes at any size. Without sorts,
+        // the index that yields the query's order wins; without hash and
+        // merge joins, the claim's UPDATE finds its rows by primary key.
+        for setting in [
+            "enable_seqscan",
+            "enable_bitmapscan",
+            "enable_sort",
+            "enable_hashjoin",
+            "enable_mergejoin",
+        ] {
+            sqlx::query(&format!("SET LOCAL {setting} = off"))
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
         let mut plans = Vec::new();
         for (query, source, suffix) in CLAIM_QUERIES {
             let sql = self.sql.claim_select(source, false);

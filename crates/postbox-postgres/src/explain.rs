@@ -51,7 +51,10 @@ impl PgOutbox {
 pub(crate) fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
     if node["Relation Name"].as_str() == Some(table) {
         let kind = node["Node Type"].as_str().unwrap_or("");
-        if kind == "Seq Scan" {
+        // An index scan without an index condition reads the whole index.
+        let whole_index =
+            kind.starts_with("Index") && node.get("Index Cond").is_none_or(Value::is_null);
+        if kind == "Seq Scan" || whole_index {
             plan.full_scan = true;
         }
         if let Some(index) = node["Index Name"].as_str() {

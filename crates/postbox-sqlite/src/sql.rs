@@ -70,17 +70,21 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 
 /// `c` is the head of its aggregate: no earlier event of the same aggregate
 /// is still pending, delivering or retryable (`failed` ones do not hold the
-/// aggregate back). Earlier means a lower `aggregate_version`, or a lower `id`
-/// where either version is unset or they are equal. Index:
-/// `{table}_aggregate_idx (app_code, aggregate_id, id)`.
+/// aggregate back). Earlier is one total order, the same on every backend:
+/// by `aggregate_version` with NULL placed after every version, then by
+/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
+/// a version is NULL is not transitive, and an aggregate mixing both could
+/// have no head at all. Index: `{table}_aggregate_idx (app_code,
+/// aggregate_id, id)`, sought by its two leading columns.
 macro_rules! head_of_aggregate {
     () => {
         " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
            WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
              AND p.status IN ('pending', 'delivering', 'retryable') \
-             AND (p.aggregate_version < c.aggregate_version \
-               OR ((p.aggregate_version IS NULL OR c.aggregate_version IS NULL \
-                    OR p.aggregate_version = c.aggregate_version) AND p.id < c.id)))) "
+             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
+                    < COALESCE(c.aggregate_version, 9223372036854775807) \
+               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
+                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
     };
 }
 

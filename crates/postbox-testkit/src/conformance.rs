@@ -41,6 +41,7 @@ macro_rules! conformance_suite {
             relay_shutdown_releases_and_leaves_nothing_delivering,
             relay_skips_retries_for_at_most_once_types,
             relay_orders_events_per_aggregate,
+            relay_orders_an_aggregate_mixing_versions_and_nulls,
             history_records_attempts_dead_letters_and_replays,
         );
     };
@@ -847,6 +848,41 @@ pub async fn relay_orders_events_per_aggregate(store: Arc<dyn OutboxStore>) {
         *a_order.last().unwrap() < b1_dead && *c_order.last().unwrap() < b1_dead,
         "other aggregates were not held back by B's failing event"
     );
+}
+
+/// Issue 10.1: one aggregate mixing versioned and unversioned events still
+/// has a head. y1 (v2), y2 (no version), y3 (v1) used to each have an
+/// "earlier" pending sibling (the old order fell back to `id` when a version
+/// was NULL, which is not transitive), so none was ever claimed. The order
+/// is total: by version, NULL after every version, then by id.
+pub async fn relay_orders_an_aggregate_mixing_versions_and_nulls(store: Arc<dyn OutboxStore>) {
+    use postbox_core::config::Ordering;
+    let ev = |v: Option<i64>| {
+        let mut e = NewEvent::new(APP, "Y", "{}");
+        e.aggregate_id = Some("Y".into());
+        e.aggregate_version = v;
+        e
+    };
+    // One per enqueue, so that ids follow this order.
+    let (y1, y2, y3, y4) = (ev(Some(2)), ev(None), ev(Some(1)), ev(Some(3)));
+    for e in [&y1, &y2, &y3, &y4] {
+        enqueue(store.as_ref(), std::slice::from_ref(e)).await;
+    }
+    let p = Arc::new(RecordingPublisher::new("rec"));
+    let config = WorkerConfig {
+        ordering: Ordering::PerAggregate,
+        ..fast_worker()
+    };
+    run_relay_until(store.clone(), vec![p.clone()], config, |s| s.delivered == 4).await;
+    let order: Vec<String> = p.offers().into_iter().map(|(e, _)| e).collect();
+    let expected: Vec<String> = [&y3, &y1, &y4, &y2]
+        .iter()
+        .map(|e| e.event_id.clone())
+        .collect();
+    assert_eq!(order, expected, "v1, v2, v3, then the unversioned event");
+    for e in [&y1, &y2, &y3, &y4] {
+        assert_eq!(status_of(store.as_ref(), &e.event_id).await.retry_count, 0);
+    }
 }
 
 /// Failed attempts (with publisher, error and attempt number), expired-lease
