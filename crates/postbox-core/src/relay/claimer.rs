@@ -18,16 +18,22 @@ pub(super) struct Claimer {
     pub worker_id: String,
 }
 
+/// Rows this stage claimed, and those it gave back itself.
+#[derive(Debug, Default)]
+pub(super) struct Claimed {
+    pub claimed: u64,
+    pub released: u64,
+}
+
 impl Claimer {
-    /// Returns the number of rows claimed.
-    pub async fn run(self, out: mpsc::Sender<Batch>, shutdown: CancellationToken) -> u64 {
+    pub async fn run(self, out: mpsc::Sender<Batch>, shutdown: CancellationToken) -> Claimed {
         let poll = self.config.poll_interval.get();
         let batch_size = self.config.batch_size;
         // Due retries and expired leases are looked for once per poll
         // interval, not on every claim: while a backlog drains, the pending
         // query alone runs back to back.
         let mut last_sweep: Vec<Option<Instant>> = vec![None; self.app_codes.len()];
-        let mut claimed = 0u64;
+        let mut claimed = Claimed::default();
         let mut db_errors = 0u32;
         while !shutdown.is_cancelled() {
             let mut any_full = false;
@@ -55,7 +61,7 @@ impl Claimer {
                         Ok(events) if events.is_empty() => {}
                         Ok(events) => {
                             db_errors = 0;
-                            claimed += events.len() as u64;
+                            claimed.claimed += events.len() as u64;
                             if source == ClaimSource::ExpiredLease {
                                 metrics::counter!(crate::metrics::LEASE_EXPIRED_TOTAL)
                                     .increment(events.len() as u64);
@@ -72,7 +78,14 @@ impl Claimer {
                                 events,
                                 claimed_at: Instant::now(),
                             };
-                            if out.send(batch).await.is_err() {
+                            if let Err(unsent) = out.send(batch).await {
+                                // The publish stage is gone (it panicked).
+                                claimed.released += super::release(
+                                    self.store.as_ref(),
+                                    &unsent.0.events,
+                                    "the publish stage stopped",
+                                )
+                                .await;
                                 return claimed;
                             }
                         }

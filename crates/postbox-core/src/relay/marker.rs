@@ -32,7 +32,15 @@ impl Marker {
     pub async fn run(self, mut input: mpsc::Receiver<Vec<Outcome>>) -> RelayReport {
         let mut report = RelayReport::default();
         while let Some(outcomes) = input.recv().await {
-            self.mark(outcomes, &mut report).await;
+            let rows = held(&outcomes);
+            super::releasing_on_panic(
+                self.store.as_ref(),
+                rows,
+                &mut input,
+                |queued| held(&queued),
+                self.mark(outcomes, &mut report),
+            )
+            .await;
         }
         report
     }
@@ -165,6 +173,13 @@ impl Marker {
             Err(_) => false,
         }
     }
+}
+
+fn held(outcomes: &[Outcome]) -> Vec<(Fence, i64)> {
+    outcomes
+        .iter()
+        .map(|o| (o.event.fence(), o.event.record.id))
+        .collect()
 }
 
 /// One `postbox_delivery_lag_seconds` sample per delivered row. When the

@@ -45,8 +45,22 @@ impl PublishStage {
                 released += self.release(batch).await;
                 continue;
             }
-            let outcomes = self.publish(batch).await;
-            if output.send(outcomes).await.is_err() {
+            let held = super::held_rows(&batch.events);
+            let outcomes = super::releasing_on_panic(
+                self.store.as_ref(),
+                held,
+                &mut input,
+                |queued| super::held_rows(&queued.events),
+                self.publish(batch),
+            )
+            .await;
+            if let Err(unsent) = output.send(outcomes).await {
+                // The mark stage is gone (it panicked): give the rows back
+                // rather than leave them to an expiring lease, which would
+                // count an attempt. They are published again.
+                let events: Vec<ClaimedEvent> = unsent.0.into_iter().map(|o| o.event).collect();
+                released +=
+                    super::release(self.store.as_ref(), &events, "the mark stage stopped").await;
                 break;
             }
         }
@@ -61,18 +75,7 @@ impl PublishStage {
     }
 
     async fn release(&self, batch: Batch) -> u64 {
-        let Some(first) = batch.events.first() else {
-            return 0;
-        };
-        let fence = first.fence();
-        let ids: Vec<i64> = batch.events.iter().map(|e| e.record.id).collect();
-        match self.store.release(&fence, &ids).await {
-            Ok(n) => n,
-            Err(e) => {
-                tracing::warn!(error = %e, rows = ids.len(), "could not release leases at shutdown; they expire by themselves");
-                0
-            }
-        }
+        super::release(self.store.as_ref(), &batch.events, "unstarted batch").await
     }
 
     async fn publish(&self, batch: Batch) -> Vec<Outcome> {
