@@ -51,6 +51,13 @@ fn bad_config_exits_2_naming_the_key() {
             "[outbox_worker]",
             "outbox_worker.publish_timeout",
         ),
+        // Issue 9.2: accepted before, though the relay released every batch
+        // unstarted (the rule is LeaseBudget's, shared with the relay).
+        (
+            "publish_timeout = \"2500ms\"\nlease = \"3s\"",
+            "[outbox_worker]",
+            "outbox_worker.publish_timeout",
+        ),
         (
             "pol_interval = \"1s\"",
             "[outbox_worker]",

@@ -18,22 +18,16 @@ pub(super) struct Claimer {
     pub worker_id: String,
 }
 
-/// Rows this stage claimed, and those it gave back itself.
-#[derive(Debug, Default)]
-pub(super) struct Claimed {
-    pub claimed: u64,
-    pub released: u64,
-}
-
 impl Claimer {
-    pub async fn run(self, out: mpsc::Sender<Batch>, shutdown: CancellationToken) -> Claimed {
+    /// Returns the number of rows claimed.
+    pub async fn run(self, out: mpsc::Sender<Batch>, shutdown: CancellationToken) -> u64 {
         let poll = self.config.poll_interval.get();
         let batch_size = self.config.batch_size;
         // Due retries and expired leases are looked for once per poll
         // interval, not on every claim: while a backlog drains, the pending
         // query alone runs back to back.
         let mut last_sweep: Vec<Option<Instant>> = vec![None; self.app_codes.len()];
-        let mut claimed = Claimed::default();
+        let mut claimed = 0u64;
         let mut db_errors = 0u32;
         while !shutdown.is_cancelled() {
             let mut any_full = false;
@@ -47,6 +41,17 @@ impl Claimer {
                 }
                 sources.push(ClaimSource::Pending);
                 for source in sources {
+                    // Claim only when the publish stage can take the batch:
+                    // a claimed batch waits behind at most the one in flight
+                    // (the wait LeaseBudget allows for).
+                    let permit = tokio::select! {
+                        permit = out.reserve() => permit,
+                        _ = shutdown.cancelled() => return claimed,
+                    };
+                    let Ok(permit) = permit else {
+                        // The publish stage is gone (it panicked).
+                        return claimed;
+                    };
                     if shutdown.is_cancelled() {
                         return claimed;
                     }
@@ -61,7 +66,7 @@ impl Claimer {
                         Ok(events) if events.is_empty() => {}
                         Ok(events) => {
                             db_errors = 0;
-                            claimed.claimed += events.len() as u64;
+                            claimed += events.len() as u64;
                             if source == ClaimSource::ExpiredLease {
                                 metrics::counter!(crate::metrics::LEASE_EXPIRED_TOTAL)
                                     .increment(events.len() as u64);
@@ -74,20 +79,12 @@ impl Claimer {
                             if events.len() as u32 == batch_size {
                                 any_full = true;
                             }
-                            let batch = Batch {
+                            // A reserved slot cannot refuse: a publish stage
+                            // that stops drains and releases what is queued.
+                            permit.send(Batch {
                                 events,
                                 claimed_at: Instant::now(),
-                            };
-                            if let Err(unsent) = out.send(batch).await {
-                                // The publish stage is gone (it panicked).
-                                claimed.released += super::release(
-                                    self.store.as_ref(),
-                                    &unsent.0.events,
-                                    "the publish stage stopped",
-                                )
-                                .await;
-                                return claimed;
-                            }
+                            });
                         }
                         Err(e) if e.is_transient() => {
                             // A deadlock with a producer or another relay:

@@ -10,7 +10,7 @@ use super::RelayReport;
 use crate::config::WorkerConfig;
 use crate::event::{truncate_error, Fence};
 use crate::publish::PublishError;
-use crate::retry::{decide, AttemptResult, Decision};
+use crate::retry::{decide, AttemptResult, Decision, EXPIRED_ON_LAST_ATTEMPT};
 use crate::store::{FailureUpdate, OutboxStore};
 use crate::{ClaimedEvent, Result};
 
@@ -56,7 +56,7 @@ impl Marker {
                 delivered_before: r.delivered_to.clone(),
                 confirmed_now: o.confirmed.clone(),
                 errors: if o.skip_publish {
-                    vec![("relay".to_owned(), "lease expired on the last allowed attempt (the event may crash or hang its relay)".to_owned())]
+                    vec![("relay".to_owned(), EXPIRED_ON_LAST_ATTEMPT.to_owned())]
                 } else {
                     o.errors
                         .iter()

@@ -28,7 +28,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 pub use tokio_util::sync::CancellationToken;
 
-use crate::config::WorkerConfig;
+use crate::config::{LeaseBudget, WorkerConfig};
 use crate::event::Fence;
 use crate::publish::Publisher;
 use crate::store::OutboxStore;
@@ -112,6 +112,14 @@ impl Relay {
                 "the relay needs at least one app_code",
             ));
         }
+        // The rule validation and `doctor` apply, for embedders that built
+        // the config by hand: a pair the relay cannot honour never starts.
+        if let Err(reason) = LeaseBudget::of(&self.config).check() {
+            return Err(crate::Error::config(
+                "outbox_worker.publish_timeout",
+                reason,
+            ));
+        }
         let (claimed_tx, claimed_rx) = mpsc::channel::<Batch>(1);
         let (results_tx, results_rx) = mpsc::channel(2);
         tracing::info!(
@@ -133,6 +141,7 @@ impl Relay {
             store: self.store.clone(),
             publishers: self.publishers.clone(),
             config: self.config.clone(),
+            budget: LeaseBudget::of(&self.config),
         };
         let marking = marker::Marker {
             store: self.store.clone(),
@@ -167,8 +176,8 @@ impl Relay {
                 )));
             }
         };
-        report.claimed = claimed.claimed;
-        report.released = claimed.released + released;
+        report.claimed = claimed;
+        report.released = released;
         tracing::info!(worker_id = %self.worker_id, ?report, "relay stopped");
         Ok(report)
     }
