@@ -21,21 +21,24 @@ fn main() {
         _ => "info,sqlx=warn",
     };
     logging::init(&cli.global, default_log);
+    let log_format = cli.global.log_format;
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("postbox: cannot start the async runtime: {e}");
-            std::process::exit(1);
+            let e = CliError::runtime(format!("cannot start the async runtime: {e}"));
+            logging::fatal(log_format, &e, e.exit_code());
+            std::process::exit(e.exit_code());
         }
     };
     let result = runtime.block_on(run(cli));
     if let Err(e) = result {
-        eprintln!("postbox: {e}");
+        logging::fatal(log_format, &e, e.exit_code());
         std::process::exit(e.exit_code());
     }
+    logging::flush();
 }
 
 async fn run(cli: Cli) -> Result<(), CliError> {

@@ -1,5 +1,7 @@
 //! Human and JSON output.
 
+use std::io::Write;
+
 use serde::Serialize;
 
 use postbox_core::EventRecord;
@@ -9,8 +11,11 @@ use crate::error::CliError;
 /// Prints `value` as pretty JSON on stdout.
 pub fn json<T: Serialize + ?Sized>(value: &T) -> Result<(), CliError> {
     let text = serde_json::to_string_pretty(value).map_err(CliError::runtime)?;
-    println!("{text}");
-    Ok(())
+    // Not `println!`, which panics when stdout is closed (`| head`).
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{text}")
+        .and_then(|()| out.flush())
+        .map_err(|e| CliError::runtime(format!("cannot write the JSON output to stdout: {e}")))
 }
 
 /// `2026-11-30 10:00:00.123Z` for epoch ms (empty for 0).

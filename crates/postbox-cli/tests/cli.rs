@@ -51,6 +51,13 @@ fn bad_config_exits_2_naming_the_key() {
             "[outbox_worker]",
             "outbox_worker.publish_timeout",
         ),
+        // Issue 9.2: accepted before, though the relay released every batch
+        // unstarted (the rule is LeaseBudget's, shared with the relay).
+        (
+            "publish_timeout = \"2500ms\"\nlease = \"3s\"",
+            "[outbox_worker]",
+            "outbox_worker.publish_timeout",
+        ),
         (
             "pol_interval = \"1s\"",
             "[outbox_worker]",
@@ -88,6 +95,36 @@ fn bad_config_exits_2_naming_the_key() {
         text(&out).contains("publishers.0.kind") && text(&out).contains("kafka"),
         "{}",
         text(&out)
+    );
+}
+
+/// Issue 9.13: with `--log-format json` the error that ends the process is
+/// a JSON line too, like every other line on stderr.
+#[test]
+fn fatal_error_is_a_json_line_with_log_format_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = good(dir.path()).replace("poll_interval = \"50ms\"", "batch_size = 0");
+    let cfg = write_config(dir.path(), &body);
+    let out = postbox(
+        dir.path(),
+        &["--config", &cfg, "--log-format", "json", "relay"],
+        &[],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<serde_json::Value> = stderr
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let last = lines.last().expect("the fatal error is logged");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    assert_eq!(last["exit_code"], 2, "{last}");
+    assert!(
+        last["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("outbox_worker.batch_size")),
+        "{last}"
     );
 }
 

@@ -361,3 +361,99 @@ async fn four_relays_with_kills_mariadb() {
     store.migrate().await.unwrap();
     drain_with_kills(Arc::new(store), &url).await;
 }
+
+/// Issue 9.1: a relay whose stderr is closed (`… 2>&1 | head -4`, then the
+/// reader exits) or never read (a full pipe) keeps delivering, and SIGTERM
+/// still stops it promptly with exit 0. Debug logging makes every claim
+/// write log lines, so the broken sink is hit at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_keeps_delivering_when_stderr_is_closed_or_full() {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store = postbox_postgres::PgOutbox::connect(&url, &scratch_table("logsink"), 4)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
+    store.migrate().await.unwrap();
+    let table = store.table().as_str().to_owned();
+    let dir = tempfile::tempdir().unwrap();
+    let mut delivered_so_far = 0;
+    for sink in ["closed", "full"] {
+        let out = dir.path().join(format!("{sink}.jsonl"));
+        let cfg = config(dir.path(), &url, &table, &out);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+            .args([
+                "--config",
+                cfg.to_str().unwrap(),
+                "--log-format",
+                "json",
+                "--log",
+                "trace",
+                "relay",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("start postbox relay");
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        // Like `head`: read until the relay has started, then stop reading.
+        let started = tokio::time::timeout(Duration::from_secs(20), async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if line.contains("relay started") {
+                    return;
+                }
+            }
+            panic!("{sink}: stderr ended before `relay started`");
+        })
+        .await;
+        assert!(started.is_ok(), "{sink}: relay did not start");
+        let unread = if sink == "closed" {
+            drop(lines);
+            None
+        } else {
+            Some(lines)
+        };
+
+        let events: Vec<NewEvent> = (0..300)
+            .map(|n| NewEvent::new(APPS[n % 2], "LogSinkTest", format!(r#"{{"n":{n}}}"#)))
+            .collect();
+        for chunk in events.chunks(50) {
+            store.enqueue_batch(chunk, 1 << 20).await.expect("enqueue");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        delivered_so_far += events.len() as i64;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let (delivered, open) = stats(&store).await;
+            if delivered == delivered_so_far && open == 0 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{sink} stderr: the relay stopped delivering ({delivered} of {delivered_so_far} delivered, {open} open)"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let written = std::fs::read_to_string(&out).unwrap();
+        for e in &events {
+            assert!(
+                written.contains(&e.event_id),
+                "{sink}: {} not in the output",
+                e.event_id
+            );
+        }
+
+        signal("TERM", &child.id().expect("relay running").to_string());
+        let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{sink} stderr: the relay ignored SIGTERM"))
+            .unwrap();
+        assert!(
+            status.success(),
+            "{sink} stderr: relay exited with {status}"
+        );
+        drop(unread);
+    }
+}

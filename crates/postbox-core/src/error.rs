@@ -66,6 +66,10 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A bug: something postbox relies on did not hold (a relay stage
+    /// panicked). The message says what stopped.
+    #[error("internal error (a bug in postbox; please report it): {0}")]
+    Internal(String),
     /// Filesystem or other I/O failed.
     #[error("{context}: {source}")]
     Io {

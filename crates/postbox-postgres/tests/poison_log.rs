@@ -91,3 +91,49 @@ async fn poison_is_dead_lettered_and_logged_once_per_event() {
     }
     assert!(!text.contains("claim failed"), "{text}");
 }
+
+/// Issue 11: a relay stage that panics (here the publish stage, through a
+/// publisher bug) stops the relay with an error instead of a clean-looking
+/// report, and the rows the relay held are released, not left
+/// `delivering` until their leases expire.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_stage_stops_the_relay_with_an_error_and_releases_its_rows() {
+    use postbox_core::relay::{CancellationToken, Relay};
+
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store = PgOutbox::connect(&url, &scratch_table("panic"), 4)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
+    store.migrate().await.unwrap();
+    let store: Arc<dyn OutboxStore> = Arc::new(store);
+    let events: Vec<NewEvent> = (0..150)
+        .map(|i| NewEvent::new("conf", "Bug", format!("{{\"n\":{i}}}")))
+        .collect();
+    store.enqueue_batch(&events, 1 << 20).await.unwrap();
+
+    let publisher = Arc::new(RecordingPublisher::new("buggy").panicking_type("Bug"));
+    let relay = Relay::new(
+        store.clone(),
+        vec![publisher],
+        fast_worker(),
+        vec!["conf".to_owned()],
+    );
+    let result = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        relay.run(CancellationToken::new()),
+    )
+    .await
+    .expect("the relay stops by itself when a stage panics");
+    let error = result.expect_err("a panicking stage is an error, not a clean stop");
+    assert!(
+        error.to_string().contains("publish stage panicked"),
+        "{error}"
+    );
+    let s = store.stats(&["conf".to_owned()]).await.unwrap().remove(0);
+    assert_eq!(s.delivering, 0, "no lease left behind: {s:?}");
+    assert_eq!(
+        s.pending, 150,
+        "every row released without an attempt: {s:?}"
+    );
+}

@@ -15,6 +15,7 @@ use postbox_core::Publisher;
 pub struct RecordingPublisher {
     name: String,
     fail_types: Vec<String>,
+    panic_types: Vec<String>,
     down: AtomicBool,
     delivered: Mutex<Vec<(String, i32, bool)>>,
     attempts: Mutex<HashMap<String, u32>>,
@@ -33,6 +34,12 @@ impl RecordingPublisher {
     /// Fails every event of this type.
     pub fn failing_type(mut self, event_type: &str) -> Self {
         self.fail_types.push(event_type.to_owned());
+        self
+    }
+
+    /// Panics when handed an event of this type (a publisher bug).
+    pub fn panicking_type(mut self, event_type: &str) -> Self {
+        self.panic_types.push(event_type.to_owned());
         self
     }
 
@@ -77,6 +84,9 @@ impl Publisher for RecordingPublisher {
         let down = self.down.load(Ordering::SeqCst);
         let mut out = Vec::with_capacity(batch.len());
         for d in batch {
+            if self.panic_types.contains(&d.record.event_type) {
+                panic!("{} has a bug with {}", self.name, d.record.event_type);
+            }
             *self
                 .attempts
                 .lock()

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use postbox_core::config::Config;
+use postbox_core::config::{Config, LeaseBudget};
 use postbox_core::store::OutboxStore;
 
 use crate::cli::Global;
@@ -166,22 +166,24 @@ fn config_checks(config: &Config) -> Vec<Check> {
     let w = &config.outbox_worker;
     let a = &config.archive;
     let mut checks = Vec::new();
-    // Validation already refuses publish_timeout >= lease; flag a thin margin.
-    checks.push(if w.publish_timeout.get() * 2 > w.lease.get() {
-        check(
-            "config:lease_margin",
-            Level::Warn,
-            format!(
-                "outbox_worker.publish_timeout ({}) is more than half of outbox_worker.lease ({}): batches that queue behind a slow publish are released unpublished and a slow relay may lose its lease",
-                w.publish_timeout, w.lease
-            ),
-        )
-    } else {
-        check(
+    // The relay's own rule (validation refuses what fails it).
+    let budget = LeaseBudget::of(w);
+    checks.push(match budget.check() {
+        Ok(()) => check(
             "config:lease_margin",
             Level::Ok,
-            format!("publish_timeout {} within lease {}", w.publish_timeout, w.lease),
-        )
+            format!(
+                "publish_timeout {} fits lease {}: a batch may wait one publish, publish, and keep {} to mark",
+                w.publish_timeout,
+                w.lease,
+                humantime::format_duration(budget.mark_reserve())
+            ),
+        ),
+        Err(reason) => check(
+            "config:lease_margin",
+            Level::Fail,
+            format!("outbox_worker.publish_timeout {reason}"),
+        ),
     });
     let horizon = w.max_backoff.get() * w.max_retry_count;
     checks.push(check(

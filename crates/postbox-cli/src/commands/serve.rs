@@ -26,7 +26,9 @@ pub async fn run(g: &Global, args: ServeArgs) -> Result<(), CliError> {
     }
     let server = AdminServer::bind(store, settings).await?;
     let addr = server.local_addr()?;
-    eprintln!("postbox: admin API and dashboard on http://{addr}/");
+    crate::logging::notice(&format!(
+        "postbox: admin API and dashboard on http://{addr}/"
+    ));
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone());
     server.run(shutdown).await?;

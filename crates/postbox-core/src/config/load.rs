@@ -133,6 +133,11 @@ mod tests {
             key_of(&format!("{w}publish_timeout = \"30s\"\nlease = \"30s\"")),
             "outbox_worker.publish_timeout"
         );
+        // Issue 9.2: accepted before, though the relay released every batch.
+        assert_eq!(
+            key_of(&format!("{w}publish_timeout = \"2500ms\"\nlease = \"3s\"")),
+            "outbox_worker.publish_timeout"
+        );
         assert_eq!(
             key_of(&format!("{w}poll_intervall = \"1s\"")),
             "outbox_worker.poll_intervall"

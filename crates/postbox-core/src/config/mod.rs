@@ -3,6 +3,7 @@
 
 mod consumer;
 mod duration;
+mod lease_budget;
 mod load;
 mod publisher;
 
@@ -15,6 +16,7 @@ pub use consumer::{
     MAX_CONSUMER_GROUP_LEN, MAX_QUEUE_LEN,
 };
 pub use duration::HumanDuration;
+pub use lease_budget::LeaseBudget;
 pub use load::{load, ConfigSource};
 pub use publisher::{
     FilePublisherConfig, NatsPublisherConfig, PublisherConfig, RabbitMqPublisherConfig,
@@ -282,14 +284,8 @@ impl Config {
                 "must be > 0",
             ));
         }
-        if w.publish_timeout >= w.lease {
-            return Err(Error::config(
-                "outbox_worker.publish_timeout",
-                format!(
-                    "{} must be shorter than outbox_worker.lease ({}), or a slow publish could outlive its lease and be sent twice",
-                    w.publish_timeout, w.lease
-                ),
-            ));
+        if let Err(reason) = LeaseBudget::of(w).check() {
+            return Err(Error::config("outbox_worker.publish_timeout", reason));
         }
         if w.max_retry_count == 0 {
             return Err(Error::config(

@@ -41,6 +41,17 @@ impl Claimer {
                 }
                 sources.push(ClaimSource::Pending);
                 for source in sources {
+                    // Claim only when the publish stage can take the batch:
+                    // a claimed batch waits behind at most the one in flight
+                    // (the wait LeaseBudget allows for).
+                    let permit = tokio::select! {
+                        permit = out.reserve() => permit,
+                        _ = shutdown.cancelled() => return claimed,
+                    };
+                    let Ok(permit) = permit else {
+                        // The publish stage is gone (it panicked).
+                        return claimed;
+                    };
                     if shutdown.is_cancelled() {
                         return claimed;
                     }
@@ -68,13 +79,12 @@ impl Claimer {
                             if events.len() as u32 == batch_size {
                                 any_full = true;
                             }
-                            let batch = Batch {
+                            // A reserved slot cannot refuse: a publish stage
+                            // that stops drains and releases what is queued.
+                            permit.send(Batch {
                                 events,
                                 claimed_at: Instant::now(),
-                            };
-                            if out.send(batch).await.is_err() {
-                                return claimed;
-                            }
+                            });
                         }
                         Err(e) if e.is_transient() => {
                             // A deadlock with a producer or another relay:

@@ -10,7 +10,7 @@ use super::RelayReport;
 use crate::config::WorkerConfig;
 use crate::event::{truncate_error, Fence};
 use crate::publish::PublishError;
-use crate::retry::{decide, AttemptResult, Decision};
+use crate::retry::{decide, AttemptResult, Decision, EXPIRED_ON_LAST_ATTEMPT};
 use crate::store::{FailureUpdate, OutboxStore};
 use crate::{ClaimedEvent, Result};
 
@@ -32,7 +32,15 @@ impl Marker {
     pub async fn run(self, mut input: mpsc::Receiver<Vec<Outcome>>) -> RelayReport {
         let mut report = RelayReport::default();
         while let Some(outcomes) = input.recv().await {
-            self.mark(outcomes, &mut report).await;
+            let rows = held(&outcomes);
+            super::releasing_on_panic(
+                self.store.as_ref(),
+                rows,
+                &mut input,
+                |queued| held(&queued),
+                self.mark(outcomes, &mut report),
+            )
+            .await;
         }
         report
     }
@@ -48,7 +56,7 @@ impl Marker {
                 delivered_before: r.delivered_to.clone(),
                 confirmed_now: o.confirmed.clone(),
                 errors: if o.skip_publish {
-                    vec![("relay".to_owned(), "lease expired on the last allowed attempt (the event may crash or hang its relay)".to_owned())]
+                    vec![("relay".to_owned(), EXPIRED_ON_LAST_ATTEMPT.to_owned())]
                 } else {
                     o.errors
                         .iter()
@@ -165,6 +173,13 @@ impl Marker {
             Err(_) => false,
         }
     }
+}
+
+fn held(outcomes: &[Outcome]) -> Vec<(Fence, i64)> {
+    outcomes
+        .iter()
+        .map(|o| (o.event.fence(), o.event.record.id))
+        .collect()
 }
 
 /// One `postbox_delivery_lag_seconds` sample per delivered row. When the

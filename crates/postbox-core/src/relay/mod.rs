@@ -10,18 +10,26 @@
 //! being published the next is already claimed and the previous one is being
 //! marked. On shutdown the claimer stops, batches not yet started are
 //! released, the batch in flight finishes and is marked, and `run` returns.
+//!
+//! A stage that panics stops the whole relay: the other stages wind down as
+//! on shutdown (releasing the batches they hold), and `run` returns
+//! [`Error::Internal`](crate::Error::Internal), never a report that looks
+//! like a clean stop.
 
 mod claimer;
 mod marker;
 mod publisher;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
+use futures::FutureExt;
 use serde::Serialize;
 use tokio::sync::mpsc;
 pub use tokio_util::sync::CancellationToken;
 
-use crate::config::WorkerConfig;
+use crate::config::{LeaseBudget, WorkerConfig};
+use crate::event::Fence;
 use crate::publish::Publisher;
 use crate::store::OutboxStore;
 use crate::{ClaimedEvent, Result};
@@ -104,6 +112,14 @@ impl Relay {
                 "the relay needs at least one app_code",
             ));
         }
+        // The rule validation and `doctor` apply, for embedders that built
+        // the config by hand: a pair the relay cannot honour never starts.
+        if let Err(reason) = LeaseBudget::of(&self.config).check() {
+            return Err(crate::Error::config(
+                "outbox_worker.publish_timeout",
+                reason,
+            ));
+        }
         let (claimed_tx, claimed_rx) = mpsc::channel::<Batch>(1);
         let (results_tx, results_rx) = mpsc::channel(2);
         tracing::info!(
@@ -125,35 +141,138 @@ impl Relay {
             store: self.store.clone(),
             publishers: self.publishers.clone(),
             config: self.config.clone(),
+            budget: LeaseBudget::of(&self.config),
         };
         let marking = marker::Marker {
             store: self.store.clone(),
             config: self.config.clone(),
         };
 
-        let claim_task = tokio::spawn(claimer.run(claimed_tx, shutdown.clone()));
-        let publish_task = tokio::spawn(publishing.run(claimed_rx, results_tx, shutdown.clone()));
-        let mark_task = tokio::spawn(marking.run(results_rx));
+        // Cancelled on shutdown, and by a stage that panics.
+        let stop = shutdown.child_token();
+        let claim_task = spawn_stage("claim", claimer.run(claimed_tx, stop.clone()), stop.clone());
+        let publish_task = spawn_stage(
+            "publish",
+            publishing.run(claimed_rx, results_tx, stop.clone()),
+            stop.clone(),
+        );
+        let mark_task = spawn_stage("mark", marking.run(results_rx), stop.clone());
 
-        let claimed = join(claim_task).await;
-        let released = join(publish_task).await;
-        let mut report = join(mark_task).await;
-        report.claimed = claimed;
-        report.released = released;
+        let claimed = join_stage("claim", claim_task).await;
+        let released = join_stage("publish", publish_task).await;
+        let marked = join_stage("mark", mark_task).await;
         for p in &self.publishers {
             p.close().await;
         }
+        let (claimed, released, mut report) = match (claimed, released, marked) {
+            (Ok(c), Ok(r), Ok(m)) => (c, r, m),
+            (c, r, m) => {
+                let panics: Vec<String> =
+                    [c.err(), r.err(), m.err()].into_iter().flatten().collect();
+                tracing::error!(worker_id = %self.worker_id, "relay stopped after a stage panicked");
+                return Err(crate::Error::Internal(format!(
+                    "the relay stopped because {}; rows it held are released or their leases expire",
+                    panics.join(", ")
+                )));
+            }
+        };
+        report.claimed = claimed;
+        report.released = released;
         tracing::info!(worker_id = %self.worker_id, ?report, "relay stopped");
         Ok(report)
     }
 }
 
-async fn join<T: Default>(task: tokio::task::JoinHandle<T>) -> T {
+/// Starts one stage; a panic in it cancels `stop` (so that the other
+/// stages wind down) and comes back as `Err` with the panic's message.
+fn spawn_stage<T: Send + 'static>(
+    stage: &'static str,
+    run: impl std::future::Future<Output = T> + Send + 'static,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<std::result::Result<T, String>> {
+    tokio::spawn(async move {
+        let result = std::panic::AssertUnwindSafe(run).catch_unwind().await;
+        result.map_err(|panic| {
+            stop.cancel();
+            let message = panic_message(panic.as_ref());
+            tracing::error!(stage, panic = %message, "relay stage panicked; stopping the relay");
+            format!("its {stage} stage panicked: {message}")
+        })
+    })
+}
+
+/// The stage's result, or why it has none.
+async fn join_stage<T>(
+    stage: &'static str,
+    task: tokio::task::JoinHandle<std::result::Result<T, String>>,
+) -> std::result::Result<T, String> {
     match task.await {
+        Ok(result) => result,
+        Err(e) => Err(format!("its {stage} stage ended abnormally: {e}")),
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a non-text panic".to_owned()
+    }
+}
+
+/// Gives claimed rows back without counting an attempt (shutdown, or a
+/// batch no later stage will take); returns how many were released. Rows
+/// already marked are left alone: the release is fenced like a mark.
+async fn release(store: &dyn OutboxStore, events: &[ClaimedEvent], why: &str) -> u64 {
+    release_rows(store, held_rows(events), why).await
+}
+
+/// `(fence, id)` of each claimed row.
+fn held_rows(events: &[ClaimedEvent]) -> Vec<(Fence, i64)> {
+    events.iter().map(|e| (e.fence(), e.record.id)).collect()
+}
+
+async fn release_rows(store: &dyn OutboxStore, rows: Vec<(Fence, i64)>, why: &str) -> u64 {
+    let mut by_fence: HashMap<Fence, Vec<i64>> = HashMap::new();
+    for (fence, id) in rows {
+        by_fence.entry(fence).or_default().push(id);
+    }
+    let mut released = 0;
+    for (fence, ids) in by_fence {
+        match store.release(&fence, &ids).await {
+            Ok(n) => released += n,
+            Err(e) => {
+                tracing::warn!(error = %e, rows = ids.len(), "could not release leases ({why}); they expire by themselves");
+            }
+        }
+    }
+    released
+}
+
+/// Runs a stage's `work` on the rows it holds (`held`). When `work`
+/// panics, those rows and every batch still queued in `input` are released
+/// (their results are lost, so they are published again rather than wait
+/// for their leases to expire and count an attempt), then the panic goes on
+/// to [`spawn_stage`], which stops the relay.
+async fn releasing_on_panic<T, I>(
+    store: &dyn OutboxStore,
+    held: Vec<(Fence, i64)>,
+    input: &mut mpsc::Receiver<I>,
+    rows_of: impl Fn(I) -> Vec<(Fence, i64)>,
+    work: impl std::future::Future<Output = T>,
+) -> T {
+    match std::panic::AssertUnwindSafe(work).catch_unwind().await {
         Ok(v) => v,
-        Err(e) => {
-            tracing::error!(error = %e, "relay stage panicked");
-            T::default()
+        Err(panic) => {
+            input.close();
+            let mut rows = held;
+            while let Some(queued) = input.recv().await {
+                rows.extend(rows_of(queued));
+            }
+            release_rows(store, rows, "a relay stage panicked").await;
+            std::panic::resume_unwind(panic)
         }
     }
 }

@@ -8,9 +8,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{marker::Outcome, Batch};
-use crate::config::{Delivery as DeliveryMode, WorkerConfig};
+use crate::config::{LeaseBudget, WorkerConfig};
 use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, Publisher};
+use crate::retry::publish_after_expired_lease;
 use crate::store::OutboxStore;
 use crate::{ClaimSource, ClaimedEvent};
 
@@ -18,6 +19,7 @@ pub(super) struct PublishStage {
     pub store: Arc<dyn OutboxStore>,
     pub publishers: Vec<Arc<dyn Publisher>>,
     pub config: WorkerConfig,
+    pub budget: LeaseBudget,
 }
 
 impl PublishStage {
@@ -34,7 +36,7 @@ impl PublishStage {
                 released += self.release(batch).await;
                 continue;
             }
-            if !self.lease_left_for_a_publish(&batch) {
+            if !self.budget.may_start_publish(batch.claimed_at.elapsed()) {
                 // Publishing now could outlive the lease, and another relay
                 // would send the same rows again: give them back instead.
                 tracing::warn!(
@@ -45,34 +47,30 @@ impl PublishStage {
                 released += self.release(batch).await;
                 continue;
             }
-            let outcomes = self.publish(batch).await;
-            if output.send(outcomes).await.is_err() {
+            let held = super::held_rows(&batch.events);
+            let outcomes = super::releasing_on_panic(
+                self.store.as_ref(),
+                held,
+                &mut input,
+                |queued| super::held_rows(&queued.events),
+                self.publish(batch),
+            )
+            .await;
+            if let Err(unsent) = output.send(outcomes).await {
+                // The mark stage is gone (it panicked): give the rows back
+                // rather than leave them to an expiring lease, which would
+                // count an attempt. They are published again.
+                let events: Vec<ClaimedEvent> = unsent.0.into_iter().map(|o| o.event).collect();
+                released +=
+                    super::release(self.store.as_ref(), &events, "the mark stage stopped").await;
                 break;
             }
         }
         released
     }
 
-    /// True while a publish started now ends (at `publish_timeout`) with at
-    /// least a fifth of the lease left for marking the result.
-    fn lease_left_for_a_publish(&self, batch: &Batch) -> bool {
-        let lease = self.config.lease.get();
-        batch.claimed_at.elapsed() + self.config.publish_timeout.get() <= lease.mul_f32(0.8)
-    }
-
     async fn release(&self, batch: Batch) -> u64 {
-        let Some(first) = batch.events.first() else {
-            return 0;
-        };
-        let fence = first.fence();
-        let ids: Vec<i64> = batch.events.iter().map(|e| e.record.id).collect();
-        match self.store.release(&fence, &ids).await {
-            Ok(n) => n,
-            Err(e) => {
-                tracing::warn!(error = %e, rows = ids.len(), "could not release leases at shutdown; they expire by themselves");
-                0
-            }
-        }
+        super::release(self.store.as_ref(), &batch.events, "unstarted batch").await
     }
 
     async fn publish(&self, batch: Batch) -> Vec<Outcome> {
@@ -84,11 +82,11 @@ impl PublishStage {
         for o in &mut outcomes {
             if o.event.source == ClaimSource::ExpiredLease {
                 let r = &o.event.record;
-                let max = self.config.max_retry_count_for(&r.event_type);
-                let once = self.config.delivery_for(&r.event_type) == DeliveryMode::AtMostOnce;
-                if r.retry_count as i64 >= max as i64 || once {
-                    o.skip_publish = true;
-                }
+                o.skip_publish = !publish_after_expired_lease(
+                    r.retry_count,
+                    self.config.max_retry_count_for(&r.event_type),
+                    self.config.delivery_for(&r.event_type),
+                );
             }
         }
 

@@ -56,6 +56,32 @@ impl Decision {
     }
 }
 
+/// True while a row with `failed_attempts` failed attempts may have another
+/// one: the one threshold behind both the retry decision and the relay's
+/// refusal to publish a row whose last allowed lease expired.
+pub fn may_retry(failed_attempts: i32, max_retry_count: u32, delivery: Delivery) -> bool {
+    delivery == Delivery::AtLeastOnce && (failed_attempts as i64) < max_retry_count as i64
+}
+
+/// Whether a row claimed from an expired lease is published again. The
+/// expiry already counted as a failed attempt (the claim raised
+/// `retry_count`); when that used up the row's attempts, or its type may be
+/// tried only once, it is dead-lettered unpublished with
+/// [`EXPIRED_ON_LAST_ATTEMPT`]: the event may be what crashes or hangs its
+/// relay.
+pub fn publish_after_expired_lease(
+    retry_count: i32,
+    max_retry_count: u32,
+    delivery: Delivery,
+) -> bool {
+    may_retry(retry_count, max_retry_count, delivery)
+}
+
+/// The error recorded for a row not published because its last allowed
+/// lease expired.
+pub const EXPIRED_ON_LAST_ATTEMPT: &str =
+    "lease expired on the last allowed attempt (the event may crash or hang its relay)";
+
 /// Decides the next state. `backoff` maps the new attempt count to a delay.
 pub fn decide(
     result: &AttemptResult,
@@ -79,8 +105,7 @@ pub fn decide(
         .collect::<Vec<_>>()
         .join("; ");
     let retry_count = result.retry_count.saturating_add(1);
-    let out_of_attempts = retry_count as i64 >= max_retry_count as i64;
-    if out_of_attempts || delivery == Delivery::AtMostOnce {
+    if !may_retry(retry_count, max_retry_count, delivery) {
         Decision::Failed {
             retry_count,
             delivered_to,
@@ -152,6 +177,24 @@ mod tests {
         assert_eq!(
             decide(&failing(8), 10, Delivery::AtLeastOnce, secs).status(),
             Status::Retryable
+        );
+    }
+
+    #[test]
+    fn an_expired_last_lease_is_not_published_by_the_same_threshold() {
+        // retry_count already includes the expiry.
+        assert!(publish_after_expired_lease(9, 10, Delivery::AtLeastOnce));
+        assert!(!publish_after_expired_lease(10, 10, Delivery::AtLeastOnce));
+        assert!(!publish_after_expired_lease(1, 10, Delivery::AtMostOnce));
+        // The same threshold as a failure's: 9 failed attempts leave one
+        // more; a 10th makes the row failed.
+        assert_eq!(
+            decide(&failing(8), 10, Delivery::AtLeastOnce, secs).status(),
+            Status::Retryable
+        );
+        assert_eq!(
+            decide(&failing(9), 10, Delivery::AtLeastOnce, secs).status(),
+            Status::Failed
         );
     }
 

@@ -5,4 +5,7 @@ mod backoff;
 mod decision;
 
 pub use backoff::Backoff;
-pub use decision::{decide, AttemptResult, Decision};
+pub use decision::{
+    decide, may_retry, publish_after_expired_lease, AttemptResult, Decision,
+    EXPIRED_ON_LAST_ATTEMPT,
+};
