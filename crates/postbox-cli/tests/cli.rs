@@ -283,3 +283,159 @@ fn quickstart_runs_with_no_server() {
     let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
     assert_eq!(v[0]["delivered"], 300);
 }
+
+/// A PostgreSQL config with two file sinks, `a` and `b`, in `dir`.
+fn pg_two_sinks(dir: &Path, table: &str) -> String {
+    write_config(
+        dir,
+        &format!(
+            r#"
+[database]
+url = "{url}"
+table = "{table}"
+app_codes = ["room"]
+
+[outbox_worker]
+poll_interval = "50ms"
+
+[[publishers]]
+kind = "file"
+name = "a"
+path = "{dir}/a.jsonl"
+
+[[publishers]]
+kind = "file"
+name = "b"
+path = "{dir}/b.jsonl"
+"#,
+            url = postbox_testkit::postgres_url(),
+            dir = dir.display()
+        ),
+    )
+}
+
+/// Event ids in a JSON-lines sink, sorted.
+fn sink_ids(path: &Path) -> Vec<String> {
+    let mut ids: Vec<String> = std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["event_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// Runs the relay until `want` rows are delivered, then stops it.
+fn relay_until_delivered(dir: &Path, cfg: &str, want: i64) {
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir)
+        .args(["--config", cfg, "relay"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let s = postbox(dir, &["--config", cfg, "--json", "status"], &[]);
+        let v: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap_or_default();
+        if v[0]["delivered"] == want {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not delivered: {}",
+            text(&s)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(relay.wait().unwrap().success());
+}
+
+/// Issue 9.6: a replay does not re-send to publishers that confirmed.
+#[tokio::test]
+async fn replay_targets_only_unconfirmed_publishers_unless_told() {
+    let url = postbox_testkit::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    let table = postbox_testkit::scratch_table("cli_replay_to");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = pg_two_sinks(dir.path(), &table);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    for id in ["e1", "e2", "e3", "e4"] {
+        let out = run(&[
+            "enqueue",
+            "--event-type",
+            "T",
+            "--payload",
+            "{}",
+            "--event-id",
+            id,
+        ]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    // e1, e3, e4: dead letters that `a` confirmed; e2: delivered to both.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'failed', retry_count = 3, delivered_to = 'a', \
+         last_error = 'b: down' WHERE event_id IN ('e1', 'e3', 'e4')"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'delivered' WHERE event_id = 'e2'"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let unknown = run(&["replay", "e1", "--publisher", "nosuch", "--publisher", "a"]);
+    assert_eq!(unknown.status.code(), Some(2), "{}", text(&unknown));
+    assert!(text(&unknown).contains("nosuch"), "{}", text(&unknown));
+    let both = run(&["replay", "e1", "--publisher", "a", "--all-publishers"]);
+    assert_eq!(both.status.code(), Some(2), "{}", text(&both));
+
+    assert!(run(&["replay", "e1"]).status.success(), "failed: only b");
+    assert!(
+        run(&["replay", "e2"]).status.success(),
+        "delivered: a and b"
+    );
+    let only = run(&["replay", "e3", "--publisher", "a"]);
+    assert!(only.status.success(), "{}", text(&only));
+    assert!(run(&["replay", "e4", "--all-publishers"]).status.success());
+
+    relay_until_delivered(dir.path(), &cfg, 4);
+    assert_eq!(sink_ids(&dir.path().join("a.jsonl")), ["e2", "e3", "e4"]);
+    assert_eq!(sink_ids(&dir.path().join("b.jsonl")), ["e1", "e2", "e4"]);
+
+    // The timeline names the replay's targets.
+    let show = run(&["--json", "events", "show", "e1"]);
+    let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
+    let steps = v[0]["timeline"].as_array().unwrap();
+    let replayed = steps.iter().find(|s| s["kind"] == "replayed").unwrap();
+    assert_eq!(replayed["publisher"], "b", "{v}");
+    let show = run(&["events", "show", "e3"]);
+    assert!(
+        text(&show).contains("replayed") && text(&show).contains("[a]"),
+        "{}",
+        text(&show)
+    );
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}

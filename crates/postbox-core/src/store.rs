@@ -85,6 +85,124 @@ pub enum ReplaySelector {
     Filter(EventFilter),
 }
 
+/// Which publishers a replay sends to. Fanout progress lives in the row's
+/// `delivered_to` (publishers that confirmed it); the relay sends a row only
+/// to the publishers *not* listed there. So a replay picks its targets by
+/// what it leaves in, or writes into, that column.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ReplayPick {
+    /// The default: a `delivered` row goes to every publisher (backtracking);
+    /// any other row only to the publishers that have not confirmed it
+    /// (its `delivered_to` is kept).
+    #[default]
+    Unconfirmed,
+    /// Every publisher, whatever confirmed before (`delivered_to` cleared).
+    All,
+    /// Only these publishers: every other configured one is written into
+    /// `delivered_to` as if it had confirmed.
+    Only(Vec<String>),
+}
+
+/// The targets of a replay and the configured publishers they are chosen
+/// from (in configuration order; used to write the other publishers into
+/// `delivered_to` and to name the targets in the history).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplayTargets {
+    /// What the operator asked for.
+    pub pick: ReplayPick,
+    /// Every configured publisher name; empty when unknown (then the
+    /// history does not name targets).
+    pub publishers: Vec<String>,
+}
+
+impl ReplayTargets {
+    /// Targets `pick` among `publishers`; a name of `Only` that is not
+    /// configured is an error naming every such name.
+    pub fn new(pick: ReplayPick, publishers: Vec<String>) -> std::result::Result<Self, String> {
+        if let ReplayPick::Only(names) = &pick {
+            if names.is_empty() {
+                return Err("no publisher named: give at least one".to_owned());
+            }
+            let unknown: Vec<&str> = names
+                .iter()
+                .filter(|n| !publishers.contains(n))
+                .map(String::as_str)
+                .collect();
+            if !unknown.is_empty() {
+                return Err(format!(
+                    "unknown publisher(s): {} (configured: {})",
+                    unknown.join(", "),
+                    if publishers.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        publishers.join(", ")
+                    }
+                ));
+            }
+        }
+        Ok(ReplayTargets { pick, publishers })
+    }
+
+    /// The value every replayed row's `delivered_to` is set to after the
+    /// backend's replay update, or `None` to leave what that update wrote
+    /// (the [`ReplayPick::Unconfirmed`] rule, applied in SQL).
+    pub fn delivered_to_override(&self) -> Option<Option<String>> {
+        match &self.pick {
+            ReplayPick::Unconfirmed => None,
+            ReplayPick::All => Some(None),
+            ReplayPick::Only(names) => {
+                let others: Vec<&str> = self
+                    .publishers
+                    .iter()
+                    .filter(|p| !names.contains(p))
+                    .map(String::as_str)
+                    .collect();
+                Some(Some(others.join(",")).filter(|s| !s.is_empty()))
+            }
+        }
+    }
+
+    /// Applies [`Self::delivered_to_override`] to rows read back before it
+    /// was written.
+    pub fn apply(&self, rows: &mut [crate::EventRecord]) {
+        if let Some(v) = self.delivered_to_override() {
+            let list = crate::event::parse_delivered_to(v.as_deref());
+            for r in rows {
+                r.delivered_to = list.clone();
+            }
+        }
+    }
+
+    /// The publishers a replayed row (as written) will be sent to,
+    /// comma-separated; `None` when the configured publishers are unknown.
+    pub fn targets_of(&self, row: &crate::EventRecord) -> Option<String> {
+        if self.publishers.is_empty() {
+            return None;
+        }
+        let t: Vec<&str> = self
+            .publishers
+            .iter()
+            .filter(|p| !row.delivered_to.contains(p))
+            .map(String::as_str)
+            .collect();
+        Some(t.join(","))
+    }
+
+    /// Replayed rows grouped by [`Self::targets_of`], for one history write
+    /// per group.
+    pub fn history_groups(&self, rows: &[crate::EventRecord]) -> Vec<(Option<String>, Vec<i64>)> {
+        let mut groups: Vec<(Option<String>, Vec<i64>)> = Vec::new();
+        for r in rows {
+            let t = self.targets_of(r);
+            match groups.iter_mut().find(|(k, _)| *k == t) {
+                Some((_, ids)) => ids.push(r.id),
+                None => groups.push((t, vec![r.id])),
+            }
+        }
+        groups
+    }
+}
+
 /// What one entry of an event's attempt history records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -441,16 +559,31 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Rows with this event id (one per app_code at most).
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
 
-    /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`.
-    /// Returns the rows affected (or that would be, with `dry_run`). Each
-    /// replayed row gets a [`HistoryKind::Replayed`] history entry whose
-    /// detail is `origin` (`cli`, `api 10.0.0.7:51234`, …), written in the
-    /// same transaction.
+    /// [`OutboxStore::replay_to`] with the default targets
+    /// ([`ReplayPick::Unconfirmed`]; the history names no targets).
     async fn replay(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
         origin: &str,
+    ) -> Result<Vec<EventRecord>> {
+        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
+            .await
+    }
+
+    /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`,
+    /// to be sent to `targets` (fanout progress in `delivered_to`, see
+    /// [`ReplayPick`]). Returns the rows affected, as written (or as they
+    /// are, with `dry_run`). Each replayed row gets a
+    /// [`HistoryKind::Replayed`] history entry whose detail is `origin`
+    /// (`cli`, `api 10.0.0.7:51234`, …) and whose publisher names the
+    /// targets, written in the same transaction.
+    async fn replay_to(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+        targets: &ReplayTargets,
     ) -> Result<Vec<EventRecord>>;
 
     /// The database clock, epoch ms.

@@ -15,7 +15,7 @@ use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
+    ReplaySelector, ReplayTargets, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -220,6 +220,60 @@ impl MySqlOutbox {
         }
         report.complete = true;
         Ok(report)
+    }
+
+    /// Runs `template` (an `{ids}` list after the `leading` parameters)
+    /// over `ids`, in chunks.
+    async fn execute_after(
+        &self,
+        conn: &mut MySqlConnection,
+        template: &str,
+        leading: &[Option<&str>],
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(template, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text);
+            for v in leading {
+                q = q.bind(*v);
+            }
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            q.execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+
+    /// The replay's targets and its history, on the replayed rows `out`.
+    async fn finish_replay(
+        &self,
+        conn: &mut MySqlConnection,
+        out: &mut [EventRecord],
+        origin: &str,
+        targets: &ReplayTargets,
+    ) -> std::result::Result<(), sqlx::Error> {
+        let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+        if let Some(delivered_to) = targets.delivered_to_override() {
+            self.execute_after(
+                conn,
+                &self.sql.replay_set_delivered_to,
+                &[delivered_to.as_deref()],
+                &ids,
+            )
+            .await?;
+            targets.apply(out);
+        }
+        for (to, group) in targets.history_groups(out) {
+            self.execute_after(
+                conn,
+                &self.sql.history_replayed,
+                &[to.as_deref(), Some(origin)],
+                &group,
+            )
+            .await?;
+        }
+        self.prune_history(conn, &ids).await
     }
 
     /// Puts the (locked) rows `ids` back to pending and reads them back.
@@ -472,11 +526,12 @@ impl OutboxStore for MySqlOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(
+    async fn replay_to(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
         origin: &str,
+        targets: &ReplayTargets,
     ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
         match selector {
@@ -527,8 +582,7 @@ impl OutboxStore for MySqlOutbox {
                 }
                 out.sort_by_key(|r| r.id);
                 if !dry_run && !out.is_empty() {
-                    let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
-                    self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                    self.finish_replay(&mut tx, &mut out, origin, targets)
                         .await
                         .map_err(db)?;
                 }
@@ -579,8 +633,7 @@ impl OutboxStore for MySqlOutbox {
                     }
                 }
                 if !dry_run && !out.is_empty() {
-                    let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
-                    self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                    self.finish_replay(&mut tx, &mut out, origin, targets)
                         .await
                         .map_err(db)?;
                 }

@@ -7,7 +7,7 @@ use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, SchemaReport, HISTORY_LIMIT,
+    ReplaySelector, ReplayTargets, SchemaReport, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -236,15 +236,16 @@ impl OutboxStore for PgOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(
+    async fn replay_to(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
         origin: &str,
+        targets: &ReplayTargets,
     ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
         let mut tx = self.pool.begin().await.map_err(db)?;
-        let out = match selector {
+        let mut out = match selector {
             ReplaySelector::EventIds {
                 app_code,
                 event_ids,
@@ -310,12 +311,24 @@ impl OutboxStore for PgOutbox {
         };
         if !dry_run && !out.is_empty() {
             let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
-            sqlx::query(&self.sql.history_replayed)
-                .bind(&ids)
-                .bind(origin)
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
+            if let Some(delivered_to) = targets.delivered_to_override() {
+                sqlx::query(&self.sql.replay_set_delivered_to)
+                    .bind(&ids)
+                    .bind(delivered_to)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                targets.apply(&mut out);
+            }
+            for (to, group) in targets.history_groups(&out) {
+                sqlx::query(&self.sql.history_replayed)
+                    .bind(&group)
+                    .bind(origin)
+                    .bind(to)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+            }
             self.prune_history(&mut tx, &ids).await.map_err(db)?;
         }
         tx.commit().await.map_err(db)?;

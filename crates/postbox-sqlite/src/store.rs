@@ -7,7 +7,7 @@ use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
+    ReplaySelector, ReplayTargets, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -281,11 +281,12 @@ impl OutboxStore for SqliteOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(
+    async fn replay_to(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
         origin: &str,
+        targets: &ReplayTargets,
     ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
         // A dry run only reads (one consistent snapshot); a real replay
@@ -367,9 +368,28 @@ impl OutboxStore for SqliteOutbox {
                     }
                 }
             };
+            let mut out = out;
             if !dry_run && !out.is_empty() {
                 let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
-                self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                if let Some(delivered_to) = targets.delivered_to_override() {
+                    sqlx::query(&self.sql.replay_set_delivered_to)
+                        .bind(json_list(&ids))
+                        .bind(delivered_to)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    targets.apply(&mut out);
+                }
+                for (to, group) in targets.history_groups(&out) {
+                    sqlx::query(&self.sql.history_replayed)
+                        .bind(json_list(&group))
+                        .bind(origin)
+                        .bind(to)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                }
+                self.prune_history(&mut tx, &json_list(&ids))
                     .await
                     .map_err(db)?;
             }
