@@ -10,7 +10,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use postbox_core::store::{
-    EventFilter, HistoryEntry, HistoryKind, ReplayPick, ReplaySelector, ReplayTargets,
+    EventFilter, HistoryEntry, HistoryKind, Inspected, ReplayPick, ReplaySelector, ReplayTargets,
 };
 use postbox_core::time::{now_ms, parse_time_arg};
 use postbox_core::{EventRecord, Status};
@@ -118,7 +118,8 @@ pub(crate) struct ListParams {
 /// One page of rows, newest first.
 #[derive(Debug, Serialize)]
 pub(crate) struct Page {
-    items: Vec<EventRecord>,
+    /// Rows of the outbox and of its archive (`"archived": true`).
+    items: Vec<Inspected>,
     /// Pass as `before_id` for the next page; null on the last page.
     next: Option<i64>,
 }
@@ -168,9 +169,9 @@ pub(crate) async fn list(
     Query(params): Query<ListParams>,
 ) -> ApiResult<Json<Page>> {
     let filter = params.filter()?;
-    let items = state.store.list(&filter).await?;
+    let items = state.store.list_inspected(&filter).await?;
     let next = if items.len() as u32 == filter.limit {
-        items.last().map(|r| r.id)
+        items.last().map(|r| r.record.id)
     } else {
         None
     };
@@ -194,7 +195,8 @@ pub(crate) struct TimelineEntry {
 #[derive(Debug, Serialize)]
 pub(crate) struct EventDetail {
     event_id: String,
-    rows: Vec<EventRecord>,
+    /// Rows of the outbox and of its archive (`"archived": true`).
+    rows: Vec<Inspected>,
     timeline: Vec<TimelineEntry>,
 }
 
@@ -208,8 +210,12 @@ fn history_kind(k: HistoryKind) -> &'static str {
 }
 
 /// Enqueue, the recorded attempts, then delivery, oldest first.
-fn timeline(rows: &[EventRecord], history: Vec<HistoryEntry>) -> Vec<TimelineEntry> {
+fn timeline<'a>(
+    rows: impl IntoIterator<Item = &'a EventRecord>,
+    history: Vec<HistoryEntry>,
+) -> Vec<TimelineEntry> {
     let mut out = Vec::new();
+    let rows: Vec<&EventRecord> = rows.into_iter().collect();
     let app_of_history = rows.first().map(|r| r.app_code.clone()).unwrap_or_default();
     for r in rows {
         out.push(TimelineEntry {
@@ -249,7 +255,10 @@ pub(crate) async fn show(
     State(state): State<AppState>,
     Path(event_id): Path<String>,
 ) -> ApiResult<Json<EventDetail>> {
-    let rows = state.store.find(&event_id).await?;
+    let rows = state
+        .store
+        .find_inspected(&event_id, &state.app_codes)
+        .await?;
     if rows.is_empty() {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -257,7 +266,7 @@ pub(crate) async fn show(
         ));
     }
     let history = state.store.history(&event_id).await?;
-    let timeline = timeline(&rows, history);
+    let timeline = timeline(rows.iter().map(|r| &r.record), history);
     Ok(Json(EventDetail {
         event_id,
         rows,

@@ -63,6 +63,8 @@ pub(crate) struct AppState {
     pub token: TokenCheck,
     /// Configured publisher names (replay targets).
     pub publishers: Arc<Vec<String>>,
+    /// The tenants served (where archived rows are looked up).
+    pub app_codes: Arc<Vec<String>>,
 }
 
 /// An admin server bound to its address, not yet serving.
@@ -105,6 +107,7 @@ impl AdminServer {
                 prometheus,
                 token: TokenCheck::new(settings.token.as_ref()),
                 publishers: Arc::new(settings.publishers.clone()),
+                app_codes: Arc::new(settings.app_codes.clone()),
             },
         })
     }

@@ -292,3 +292,60 @@ async fn replay_picks_its_publishers() {
     assert_eq!(replayed["publisher"], "a", "{d}");
     stop.cancel();
 }
+
+/// Issue 9.7: `GET /api/events/{id}` and the lists find archived rows,
+/// marked `"archived": true`.
+#[tokio::test]
+async fn archived_events_are_shown_and_listed() {
+    let fx = fixture("api_archived").await;
+    let app = "arch";
+    let ids = fx.enqueue(app, 2).await;
+    sqlx::query(&format!(
+        "UPDATE {} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = $1",
+        fx.table
+    ))
+    .bind(&ids[0])
+    .execute(&fx.pool)
+    .await
+    .unwrap();
+    let report = fx
+        .store
+        .archive(
+            &postbox_core::store::ArchiveRequest {
+                app_codes: vec![app.into()],
+                before_ms: 2000,
+                batch_size: 10,
+                max_batches: None,
+            },
+            &|_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.moved, 1);
+    let (addr, stop) = fx.serve(app, None).await;
+    let res = request(addr, "GET", &format!("/api/events/{}", ids[0]), &[]).await;
+    assert_eq!(res.status, 200, "{}", res.body);
+    let d = res.json();
+    assert_eq!(d["rows"][0]["archived"], true, "{d}");
+    assert!(d["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["kind"] == "delivered"));
+    let page = request(addr, "GET", &format!("/api/events?app_code={app}"), &[])
+        .await
+        .json();
+    let flags: Vec<(String, bool)> = page["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["event_id"].as_str().unwrap().to_owned(),
+                r["archived"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(flags, [(ids[1].clone(), false), (ids[0].clone(), true)]);
+    stop.cancel();
+}

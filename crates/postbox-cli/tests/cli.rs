@@ -439,3 +439,81 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     .await
     .unwrap();
 }
+
+/// Issue 9.7: archived rows show in `events show` and `events list`,
+/// marked as archived.
+#[tokio::test]
+async fn archived_events_stay_visible_to_events_show_and_list() {
+    let url = postbox_testkit::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    let table = postbox_testkit::scratch_table("cli_archived");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = pg_two_sinks(dir.path(), &table);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    for id in ["old-1", "new-1"] {
+        let out = run(&[
+            "enqueue",
+            "--event-type",
+            "T",
+            "--payload",
+            "{}",
+            "--event-id",
+            id,
+        ]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = 'old-1'"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let moved = run(&["archive", "--older-than", "1h"]);
+    assert!(moved.status.success(), "{}", text(&moved));
+
+    let show = run(&["--json", "events", "show", "old-1"]);
+    assert!(
+        show.status.success(),
+        "archived rows are found: {}",
+        text(&show)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
+    assert_eq!(v[0]["archived"], true, "{v}");
+    assert_eq!(v[0]["status"], "delivered");
+    let show = run(&["events", "show", "old-1"]);
+    assert!(text(&show).contains("archived"), "{}", text(&show));
+    let live = run(&["--json", "events", "show", "new-1"]);
+    let v: serde_json::Value = serde_json::from_slice(&live.stdout).unwrap();
+    assert_eq!(v[0]["archived"], false);
+
+    let list = run(&["--json", "events", "list"]);
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap();
+    let flags: Vec<(&str, bool)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["event_id"].as_str().unwrap(),
+                r["archived"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(flags, [("new-1", false), ("old-1", true)]);
+    let list = run(&["events", "list"]);
+    assert!(
+        text(&list).contains("delivered (archived)"),
+        "{}",
+        text(&list)
+    );
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}

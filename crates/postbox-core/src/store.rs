@@ -203,6 +203,17 @@ impl ReplayTargets {
     }
 }
 
+/// A row as inspection shows it: from the outbox table, or from
+/// `<table>_archive` (`archived`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Inspected {
+    /// The row.
+    #[serde(flatten)]
+    pub record: EventRecord,
+    /// True when the row lives in `<table>_archive`.
+    pub archived: bool,
+}
+
 /// What one entry of an event's attempt history records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -559,6 +570,40 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Rows with this event id (one per app_code at most).
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
 
+    /// [`OutboxStore::find`], then [`OutboxStore::find_archived`] in
+    /// `app_codes`: every row of the event, live ones first.
+    async fn find_inspected(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<Inspected>> {
+        let live = self.find(event_id).await?;
+        let archived = self.find_archived(event_id, app_codes).await?;
+        Ok(tag(live, false).chain(tag(archived, true)).collect())
+    }
+
+    /// [`OutboxStore::list`] and, unless the filter asks for a status no
+    /// archived row has, [`OutboxStore::list_archived`], merged newest
+    /// first (by id) and cut to `filter.limit`.
+    async fn list_inspected(&self, filter: &EventFilter) -> Result<Vec<Inspected>> {
+        let live = self.list(filter).await?;
+        let mut all: Vec<Inspected> = tag(live, false).collect();
+        if filter.status.is_none_or(|s| s == Status::Delivered) {
+            let archived = self.list_archived(filter).await?;
+            all.extend(tag(archived, true));
+            all.sort_by(|a, b| b.record.id.cmp(&a.record.id));
+            all.truncate(filter.limit as usize);
+        }
+        Ok(all)
+    }
+
+    /// Rows of `<table>_archive` with this event id in one of `app_codes`
+    /// (read through the archive's `(app_code, event_id)` index; the
+    /// archive only holds rows of the app_codes a relay archived).
+    async fn find_archived(&self, event_id: &str, app_codes: &[String])
+        -> Result<Vec<EventRecord>>;
+
+    /// Rows of `<table>_archive` matching a filter, newest first (the same
+    /// keyset pagination by `id` as [`OutboxStore::list`]; archived rows
+    /// keep their id).
+    async fn list_archived(&self, filter: &EventFilter) -> Result<Vec<EventRecord>>;
+
     /// [`OutboxStore::replay_to`] with the default targets
     /// ([`ReplayPick::Unconfirmed`]; the history names no targets).
     async fn replay(
@@ -621,4 +666,9 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in
     /// `<table>_history`, keyed by event id, so it outlives archiving.
     async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>>;
+}
+
+fn tag(rows: Vec<EventRecord>, archived: bool) -> impl Iterator<Item = Inspected> {
+    rows.into_iter()
+        .map(move |record| Inspected { record, archived })
 }

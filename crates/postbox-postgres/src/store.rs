@@ -197,20 +197,29 @@ impl OutboxStore for PgOutbox {
     }
 
     async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
-        let q = postbox_sqlx::list_query(&self.sql.list_select, f, PH);
-        let sql = self.table.render(&q.sql);
-        let mut query = sqlx::query(&sql);
-        for arg in q.args {
-            query = match arg {
-                ListArg::Text(s) => query.bind(s),
-                ListArg::Int(i) => query.bind(i),
-            };
+        self.list_from(&self.sql.list_select, f).await
+    }
+
+    async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let select = self.sql.list_select.replace("{table}", "{archive}");
+        self.list_from(&select, f).await
+    }
+
+    async fn find_archived(
+        &self,
+        event_id: &str,
+        app_codes: &[String],
+    ) -> Result<Vec<EventRecord>> {
+        if app_codes.is_empty() {
+            return Ok(Vec::new());
         }
-        let rows = query
+        let rows = sqlx::query(&self.sql.find_archived)
+            .bind(app_codes)
+            .bind(event_id)
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| crate::db_error("list events", e))?;
-        records(rows, "list events")
+            .map_err(|e| crate::db_error("find archived event", e))?;
+        records(rows, "find archived event")
     }
 
     async fn delivered_per_minute(
@@ -373,5 +382,25 @@ impl OutboxStore for PgOutbox {
         limit: u32,
     ) -> Result<Vec<postbox_core::store::QueryPlan>> {
         self.explain_claim_queries(app_code, limit).await
+    }
+}
+
+impl PgOutbox {
+    /// `list` over `select` (`SELECT <columns> FROM {table}` or `{archive}`).
+    async fn list_from(&self, select: &str, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let q = postbox_sqlx::list_query(select, f, PH);
+        let sql = self.table.render(&q.sql);
+        let mut query = sqlx::query(&sql);
+        for arg in q.args {
+            query = match arg {
+                ListArg::Text(s) => query.bind(s),
+                ListArg::Int(i) => query.bind(i),
+            };
+        }
+        let rows = query
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("list events", e))?;
+        records(rows, "list events")
     }
 }

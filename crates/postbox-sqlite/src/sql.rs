@@ -191,6 +191,14 @@ pub(crate) const BACKLOG: &str = concat!(
 /// status, e.g. the dashboard's failed list).
 pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
 
+/// Archived rows of one event, in the app_codes of ?1 (a JSON array).
+/// Index: `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
+pub(crate) const FIND_ARCHIVED: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {archive} WHERE app_code IN (SELECT value FROM json_each(?1)) AND event_id = ?2 ORDER BY id"
+);
+
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.

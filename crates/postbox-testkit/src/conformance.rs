@@ -12,8 +12,8 @@ use postbox_core::event::Fence;
 use postbox_core::relay::CancellationToken;
 use postbox_core::relay::{Relay, RelayReport};
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, HistoryKind, OutboxStore,
-    ReplayPick, ReplaySelector, ReplayTargets, HISTORY_LIMIT,
+    AppStats, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate,
+    HistoryKind, OutboxStore, ReplayPick, ReplaySelector, ReplayTargets, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, Error, NewEvent, Publisher, Status};
 
@@ -43,6 +43,7 @@ macro_rules! conformance_suite {
             relay_orders_events_per_aggregate,
             history_records_attempts_dead_letters_and_replays,
             replay_goes_only_to_publishers_that_did_not_confirm,
+            archived_rows_are_found_and_listed,
         );
     };
     (@cases $make:path, $($case:ident),* $(,)?) => {
@@ -1089,4 +1090,76 @@ pub async fn replay_goes_only_to_publishers_that_did_not_confirm(store: Arc<dyn 
     ];
     want_b.sort();
     assert_eq!(got_b, want_b, "b was not targeted for event 2");
+}
+
+/// Archived rows stay visible to inspection: found by event id and listed
+/// (newest first, merged with live rows), marked as archived.
+pub async fn archived_rows_are_found_and_listed(store: Arc<dyn OutboxStore>) {
+    let evs = events(3, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 2, 30_000))
+        .await
+        .unwrap();
+    let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
+    store
+        .mark_delivered(&claimed[0].fence(), &ids)
+        .await
+        .unwrap();
+    let now = store.now_ms().await.unwrap();
+    let report = store
+        .archive(
+            &ArchiveRequest {
+                app_codes: vec![APP.into()],
+                before_ms: now + 1,
+                batch_size: 10,
+                max_batches: None,
+            },
+            &|_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.moved, 2);
+    let gone = &claimed[0].record.event_id;
+    assert!(store.find(gone).await.unwrap().is_empty(), "moved");
+    let found = store.find_inspected(gone, &[APP.to_owned()]).await.unwrap();
+    assert_eq!(found.len(), 1);
+    assert!(found[0].archived);
+    assert_eq!(found[0].record.status, Status::Delivered);
+    assert!(store
+        .find_archived(gone, &["other".to_owned()])
+        .await
+        .unwrap()
+        .is_empty());
+
+    let all = EventFilter {
+        app_code: Some(APP.into()),
+        limit: 10,
+        ..Default::default()
+    };
+    let listed = store.list_inspected(&all).await.unwrap();
+    assert_eq!(listed.len(), 3);
+    assert!(listed.windows(2).all(|w| w[0].record.id > w[1].record.id));
+    assert_eq!(listed.iter().filter(|r| r.archived).count(), 2);
+    let page = EventFilter {
+        limit: 2,
+        ..all.clone()
+    };
+    let first = store.list_inspected(&page).await.unwrap();
+    let next = EventFilter {
+        before_id: Some(first[1].record.id),
+        ..page.clone()
+    };
+    let second = store.list_inspected(&next).await.unwrap();
+    assert_eq!(first.len() + second.len(), 3, "pages cover every row once");
+    let pending = EventFilter {
+        status: Some(Status::Pending),
+        ..all.clone()
+    };
+    assert!(store
+        .list_inspected(&pending)
+        .await
+        .unwrap()
+        .iter()
+        .all(|r| !r.archived));
 }

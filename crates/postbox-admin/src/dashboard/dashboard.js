@@ -175,6 +175,11 @@ async function showTimeline(eventId) {
       t.attempt != null ? " · attempt " + t.attempt : "",
       t.publisher ? " · " + t.publisher : "",
       t.detail ? " · " + t.detail : "")));
+    const archived = d.rows.filter((r) => r.archived);
+    if (archived.length > 0) {
+      $("#timeline").append(el("li", {}, el("span", { class: "kind kind-archived" }, "archived"),
+        " · moved to the archive table (" + archived.map((r) => r.app_code).join(", ") + ")"));
+    }
     const last = d.rows[d.rows.length - 1];
     if (last && last.last_error && !d.timeline.some((t) => t.detail === last.last_error)) {
       $("#timeline").append(el("li", {}, "last error: ", el("span", { class: "kind kind-failed" }, last.last_error)));
