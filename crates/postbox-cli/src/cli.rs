@@ -213,6 +213,10 @@ pub struct EnqueueArgs {
     /// Rows per transaction when reading a file.
     #[arg(long, default_value_t = 500)]
     pub batch_size: usize,
+    /// Accept an app_code outside `database.app_codes` (no relay with this
+    /// config delivers such rows).
+    #[arg(long)]
+    pub allow_unserved_app_code: bool,
 }
 
 #[derive(Debug, Args)]

@@ -517,3 +517,129 @@ async fn archived_events_stay_visible_to_events_show_and_list() {
     .await
     .unwrap();
 }
+
+/// Issue 9.8: rows of an app_code no relay serves are shown by `status`,
+/// fail `doctor`, and `enqueue` refuses such an app_code unless told.
+#[tokio::test]
+async fn unserved_app_codes_are_refused_shown_and_diagnosed() {
+    let url = postbox_testkit::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    let table = postbox_testkit::scratch_table("cli_unserved");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = pg_two_sinks(dir.path(), &table);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    let refused = run(&[
+        "enqueue",
+        "--event-type",
+        "T",
+        "--payload",
+        "{}",
+        "--app-code",
+        "nosuch",
+    ]);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    assert!(text(&refused).contains("nosuch") && text(&refused).contains("database.app_codes"));
+    let file = dir.path().join("in.jsonl");
+    std::fs::write(
+        &file,
+        "{\"app_code\":\"nosuch\",\"event_type\":\"T\",\"payload\":{}}\n",
+    )
+    .unwrap();
+    let up = run(&["--json", "enqueue", "--file", file.to_str().unwrap()]);
+    assert_eq!(up.status.code(), Some(1), "{}", text(&up));
+    assert!(text(&up).contains("nosuch"), "{}", text(&up));
+    let ok = run(&["enqueue", "--event-type", "T", "--payload", "{}"]);
+    assert!(ok.status.success(), "{}", text(&ok));
+    let forced = run(&[
+        "enqueue",
+        "--event-type",
+        "T",
+        "--payload",
+        "{}",
+        "--app-code",
+        "nosuch",
+        "--allow-unserved-app-code",
+    ]);
+    assert!(forced.status.success(), "{}", text(&forced));
+    // A Go service's plain INSERT with a typo.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {table} (app_code, event_id, event_type, payload) VALUES ('rooom', 'typo-1', 'T', '{{}}')"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let status = run(&["--json", "status"]);
+    let v: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let apps: Vec<(&str, bool, i64)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["app_code"].as_str().unwrap(),
+                a["served"].as_bool().unwrap(),
+                a["pending"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        apps,
+        [("room", true, 1), ("nosuch", false, 1), ("rooom", false, 1)]
+    );
+    let status = run(&["status"]);
+    assert!(
+        text(&status).contains("rooom*") && text(&status).contains("unserved"),
+        "{}",
+        text(&status)
+    );
+
+    let doctor = run(&["--json", "doctor"]);
+    assert_eq!(doctor.status.code(), Some(1), "{}", text(&doctor));
+    let v: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
+    let check = |name: &str| {
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no check {name}: {v}"))
+    };
+    assert_eq!(check("app_code:rooom")["level"], "fail", "{v}");
+    assert!(check("app_code:rooom")["message"]
+        .as_str()
+        .unwrap()
+        .contains("database.app_codes"));
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'delivered' WHERE app_code <> 'room'"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let doctor = run(&["--json", "doctor"]);
+    let v: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
+    let level = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "app_code:rooom")
+        .map(|c| c["level"].clone());
+    assert_eq!(
+        level,
+        Some(serde_json::json!("warn")),
+        "nothing waiting: {v}"
+    );
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}

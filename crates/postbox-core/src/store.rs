@@ -557,6 +557,11 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Counts per tenant.
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>>;
 
+    /// Every app_code that has rows in the outbox table, sorted. Read by a
+    /// loose index scan of an `(app_code, …)` index (one probe per
+    /// app_code), never a full scan, so it is cheap on a big table.
+    async fn present_app_codes(&self) -> Result<Vec<String>>;
+
     /// Rows matching a filter, newest first.
     async fn list(&self, filter: &EventFilter) -> Result<Vec<EventRecord>>;
 

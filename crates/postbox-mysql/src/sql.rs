@@ -251,6 +251,12 @@ pub(crate) const BACKLOG: &str = concat!(
 /// status, e.g. the dashboard's failed list).
 pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
 
+/// Every app_code with rows, sorted: MySQL and MariaDB read a `DISTINCT`
+/// on the leading column of `{table}_event_uq (app_code, event_id)` as a
+/// loose index scan ("Using index for group-by"), one probe per app_code.
+pub(crate) const PRESENT_APP_CODES: &str =
+    "SELECT DISTINCT app_code FROM {table} ORDER BY app_code";
+
 /// Archived rows of one event: the app_codes (`{ids}` list), then the
 /// event id. Index: `{archive}_event_uq (app_code, event_id)`, one probe
 /// per app_code.

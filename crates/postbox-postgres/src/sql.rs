@@ -190,6 +190,16 @@ pub(crate) const BACKLOG: &str = concat!(
 /// status, e.g. the dashboard's failed list).
 pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
 
+/// Every app_code with rows, sorted: a loose index scan (one `MIN` probe
+/// of `{table}_event_uq (app_code, event_id)` per app_code), never a full
+/// scan however many rows there are.
+pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( \
+       SELECT MIN(app_code)::TEXT FROM {table} \
+       UNION ALL \
+       SELECT (SELECT MIN(t.app_code)::TEXT FROM {table} t WHERE t.app_code > c.app_code) \
+       FROM codes c WHERE c.app_code IS NOT NULL) \
+     SELECT app_code FROM codes WHERE app_code IS NOT NULL";
+
 /// Archived rows of one event, in the given app_codes ($1, an array).
 /// Index: `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
 pub(crate) const FIND_ARCHIVED: &str = concat!(

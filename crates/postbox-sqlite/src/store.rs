@@ -245,6 +245,14 @@ impl OutboxStore for SqliteOutbox {
         self.list_from(&self.sql.list_select, f).await
     }
 
+    async fn present_app_codes(&self) -> Result<Vec<String>> {
+        let codes: Vec<Option<String>> = sqlx::query_scalar(&self.sql.present_app_codes)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("list app_codes", e))?;
+        Ok(codes.into_iter().flatten().collect())
+    }
+
     async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
         let select = self.sql.list_select.replace("{table}", "{archive}");
         self.list_from(&select, f).await
