@@ -9,7 +9,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
 
-use postbox_core::store::{EventFilter, HistoryEntry, HistoryKind, ReplaySelector};
+use postbox_core::store::{
+    EventFilter, HistoryEntry, HistoryKind, Inspected, ReplayPick, ReplaySelector, ReplayTargets,
+};
 use postbox_core::time::{now_ms, parse_time_arg};
 use postbox_core::{EventRecord, Status};
 
@@ -116,7 +118,8 @@ pub(crate) struct ListParams {
 /// One page of rows, newest first.
 #[derive(Debug, Serialize)]
 pub(crate) struct Page {
-    items: Vec<EventRecord>,
+    /// Rows of the outbox and of its archive (`"archived": true`).
+    items: Vec<Inspected>,
     /// Pass as `before_id` for the next page; null on the last page.
     next: Option<i64>,
 }
@@ -166,9 +169,9 @@ pub(crate) async fn list(
     Query(params): Query<ListParams>,
 ) -> ApiResult<Json<Page>> {
     let filter = params.filter()?;
-    let items = state.store.list(&filter).await?;
+    let items = state.store.list_inspected(&filter).await?;
     let next = if items.len() as u32 == filter.limit {
-        items.last().map(|r| r.id)
+        items.last().map(|r| r.record.id)
     } else {
         None
     };
@@ -192,7 +195,8 @@ pub(crate) struct TimelineEntry {
 #[derive(Debug, Serialize)]
 pub(crate) struct EventDetail {
     event_id: String,
-    rows: Vec<EventRecord>,
+    /// Rows of the outbox and of its archive (`"archived": true`).
+    rows: Vec<Inspected>,
     timeline: Vec<TimelineEntry>,
 }
 
@@ -206,8 +210,12 @@ fn history_kind(k: HistoryKind) -> &'static str {
 }
 
 /// Enqueue, the recorded attempts, then delivery, oldest first.
-fn timeline(rows: &[EventRecord], history: Vec<HistoryEntry>) -> Vec<TimelineEntry> {
+fn timeline<'a>(
+    rows: impl IntoIterator<Item = &'a EventRecord>,
+    history: Vec<HistoryEntry>,
+) -> Vec<TimelineEntry> {
     let mut out = Vec::new();
+    let rows: Vec<&EventRecord> = rows.into_iter().collect();
     let app_of_history = rows.first().map(|r| r.app_code.clone()).unwrap_or_default();
     for r in rows {
         out.push(TimelineEntry {
@@ -247,7 +255,10 @@ pub(crate) async fn show(
     State(state): State<AppState>,
     Path(event_id): Path<String>,
 ) -> ApiResult<Json<EventDetail>> {
-    let rows = state.store.find(&event_id).await?;
+    let rows = state
+        .store
+        .find_inspected(&event_id, &state.app_codes)
+        .await?;
     if rows.is_empty() {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -255,7 +266,7 @@ pub(crate) async fn show(
         ));
     }
     let history = state.store.history(&event_id).await?;
-    let timeline = timeline(&rows, history);
+    let timeline = timeline(rows.iter().map(|r| &r.record), history);
     Ok(Json(EventDetail {
         event_id,
         rows,
@@ -263,16 +274,57 @@ pub(crate) async fn show(
     }))
 }
 
-/// `POST …/replay` query: narrows the replay to one tenant.
+/// `GET /api/publishers`: the configured publishers, a replay's possible
+/// targets.
+pub(crate) async fn publishers(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "publishers": *state.publishers }))
+}
+
+/// `POST …/replay` query: narrows the replay to one tenant, and picks its
+/// targets: `publishers=a,b` (only those), `all_publishers=true` (every
+/// one); by default a `delivered` event goes to every publisher and any
+/// other only to those that have not confirmed it.
 #[derive(Debug, Deserialize)]
 pub(crate) struct ReplayParams {
     app_code: Option<String>,
+    publishers: Option<String>,
+    all_publishers: Option<bool>,
 }
 
-/// Rows put back to `pending`.
+impl ReplayParams {
+    fn targets(&self, configured: &[String]) -> ApiResult<ReplayTargets> {
+        let named: Vec<String> = self
+            .publishers
+            .as_deref()
+            .unwrap_or("")
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect();
+        let all = self.all_publishers.unwrap_or(false);
+        let pick = match (all, named.is_empty()) {
+            (true, false) => {
+                return Err(ApiError::bad_request(
+                    "give either `publishers` or `all_publishers=true`, not both",
+                ))
+            }
+            (true, true) => ReplayPick::All,
+            (false, false) => ReplayPick::Only(named),
+            (false, true) => ReplayPick::Unconfirmed,
+        };
+        ReplayTargets::new(pick, configured.to_vec())
+            .map_err(|e| ApiError::bad_request(format!("publishers: {e}")))
+    }
+}
+
+/// Rows put back to `pending`, and the publishers each goes to.
 #[derive(Debug, Serialize)]
 pub(crate) struct Replayed {
     replayed: Vec<EventRecord>,
+    /// Per replayed row (same order): the targeted publishers, when the
+    /// configured publishers are known.
+    targets: Vec<Option<Vec<String>>>,
 }
 
 pub(crate) async fn replay(
@@ -287,11 +339,15 @@ pub(crate) async fn replay(
         tracing::warn!(event_id, origin, reason = ?refusal, "admin API: replay refused");
         return Err(refusal.into());
     }
+    let targets = params.targets(&state.publishers)?;
     let selector = ReplaySelector::EventIds {
         app_code: params.app_code.clone().filter(|s| !s.is_empty()),
         event_ids: vec![event_id.clone()],
     };
-    let replayed = state.store.replay(&selector, false, &origin).await?;
+    let replayed = state
+        .store
+        .replay_to(&selector, false, &origin, &targets)
+        .await?;
     if replayed.is_empty() {
         let rows = state.store.find(&event_id).await?;
         return Err(if rows.is_empty() {
@@ -306,12 +362,24 @@ pub(crate) async fn replay(
             )
         });
     }
-    for r in &replayed {
-        tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin, "replayed: back to pending");
+    let to: Vec<Option<String>> = replayed.iter().map(|r| targets.targets_of(r)).collect();
+    for (r, to) in replayed.iter().zip(&to) {
+        tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin, publishers = to.as_deref().unwrap_or("?"), "replayed: back to pending");
     }
     // Fresh counts for the dashboard that asked, without waiting a poll.
     state.poller.poll_once().await;
-    Ok(Json(Replayed { replayed }))
+    let targets = to
+        .into_iter()
+        .map(|t| {
+            t.map(|t| {
+                t.split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+        })
+        .collect();
+    Ok(Json(Replayed { replayed, targets }))
 }
 
 #[cfg(test)]

@@ -30,6 +30,9 @@ pub struct AdminSettings {
     pub app_codes: Vec<String>,
     /// How often the gauges are refreshed from the database.
     pub poll_interval: Duration,
+    /// Names of the configured `[[publishers]]`, the targets a replay can
+    /// pick (empty: a replay can only take its default targets or all).
+    pub publishers: Vec<String>,
 }
 
 impl AdminSettings {
@@ -40,7 +43,14 @@ impl AdminSettings {
             token: Some(admin.token.clone()).filter(|t| !t.is_empty()),
             app_codes,
             poll_interval: Duration::from_secs(5),
+            publishers: Vec::new(),
         }
+    }
+
+    /// The replay targets offered: the configured publishers' names.
+    pub fn with_publishers(mut self, publishers: Vec<String>) -> Self {
+        self.publishers = publishers;
+        self
     }
 }
 
@@ -51,6 +61,10 @@ pub(crate) struct AppState {
     pub poller: StatsPoller,
     pub prometheus: PrometheusHandle,
     pub token: TokenCheck,
+    /// Configured publisher names (replay targets).
+    pub publishers: Arc<Vec<String>>,
+    /// The tenants served (where archived rows are looked up).
+    pub app_codes: Arc<Vec<String>>,
 }
 
 /// An admin server bound to its address, not yet serving.
@@ -92,6 +106,8 @@ impl AdminServer {
                 poller,
                 prometheus,
                 token: TokenCheck::new(settings.token.as_ref()),
+                publishers: Arc::new(settings.publishers.clone()),
+                app_codes: Arc::new(settings.app_codes.clone()),
             },
         })
     }
@@ -133,6 +149,7 @@ fn router(state: AppState) -> Router {
         .route("/healthz", get(api::healthz))
         .route("/metrics", get(api::metrics))
         .route("/api/stats", get(api::stats))
+        .route("/api/publishers", get(api::publishers))
         .route("/api/events", get(api::list))
         .route("/api/events/{event_id}", get(api::show))
         .route("/api/events/{event_id}/replay", post(api::replay))

@@ -67,6 +67,7 @@ impl Fixture {
                 token: token.map(Secret::new),
                 app_codes: vec![app.into()],
                 poll_interval: Duration::from_millis(100),
+                publishers: vec!["a".into(), "b".into()],
             },
         )
         .await
@@ -229,5 +230,122 @@ async fn an_event_shows_its_rows_and_timeline() {
     let stats = request(addr, "GET", "/api/stats", &[]).await.json();
     assert_eq!(stats["apps"][0]["app_code"], app);
     assert_eq!(stats["apps"][0]["pending"], 1);
+    stop.cancel();
+}
+
+/// Issue 9.6: a replay keeps the publishers that confirmed unless told
+/// otherwise; `publishers=` picks targets, unknown names are a 400; the
+/// timeline names the targets.
+#[tokio::test]
+async fn replay_picks_its_publishers() {
+    let fx = fixture("api_replay_to").await;
+    let app = "to";
+    let ids = fx.enqueue(app, 3).await;
+    for id in &ids {
+        fx.dead_letter(id).await;
+    }
+    sqlx::query(&format!("UPDATE {} SET delivered_to = 'a'", fx.table))
+        .execute(&fx.pool)
+        .await
+        .unwrap();
+    let (addr, stop) = fx.serve(app, Some(TOKEN)).await;
+    let bearer = format!("Bearer {TOKEN}");
+    let auth = [("Authorization", bearer.as_str())];
+
+    let listed = request(addr, "GET", "/api/publishers", &[]).await.json();
+    assert_eq!(listed["publishers"], serde_json::json!(["a", "b"]));
+
+    let path = |i: usize, q: &str| format!("/api/events/{}/replay?{q}", ids[i]);
+    let bad = request(addr, "POST", &path(0, "publishers=a,nosuch"), &auth).await;
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    assert!(bad.body.contains("nosuch"), "{}", bad.body);
+    assert_eq!(
+        fx.store.find(&ids[0]).await.unwrap()[0].status,
+        Status::Failed
+    );
+
+    let ok = request(addr, "POST", &path(0, ""), &auth).await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    assert_eq!(ok.json()["targets"][0], serde_json::json!(["b"]));
+    assert_eq!(fx.store.find(&ids[0]).await.unwrap()[0].delivered_to, ["a"]);
+
+    let ok = request(addr, "POST", &path(1, "publishers=a"), &auth).await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    assert_eq!(fx.store.find(&ids[1]).await.unwrap()[0].delivered_to, ["b"]);
+
+    let ok = request(addr, "POST", &path(2, "all_publishers=true"), &auth).await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    assert!(fx.store.find(&ids[2]).await.unwrap()[0]
+        .delivered_to
+        .is_empty());
+
+    let d = request(addr, "GET", &format!("/api/events/{}", ids[1]), &[])
+        .await
+        .json();
+    let replayed = d["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["kind"] == "replayed")
+        .cloned()
+        .unwrap();
+    assert_eq!(replayed["publisher"], "a", "{d}");
+    stop.cancel();
+}
+
+/// Issue 9.7: `GET /api/events/{id}` and the lists find archived rows,
+/// marked `"archived": true`.
+#[tokio::test]
+async fn archived_events_are_shown_and_listed() {
+    let fx = fixture("api_archived").await;
+    let app = "arch";
+    let ids = fx.enqueue(app, 2).await;
+    sqlx::query(&format!(
+        "UPDATE {} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = $1",
+        fx.table
+    ))
+    .bind(&ids[0])
+    .execute(&fx.pool)
+    .await
+    .unwrap();
+    let report = fx
+        .store
+        .archive(
+            &postbox_core::store::ArchiveRequest {
+                app_codes: vec![app.into()],
+                before_ms: 2000,
+                batch_size: 10,
+                max_batches: None,
+            },
+            &|_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.moved, 1);
+    let (addr, stop) = fx.serve(app, None).await;
+    let res = request(addr, "GET", &format!("/api/events/{}", ids[0]), &[]).await;
+    assert_eq!(res.status, 200, "{}", res.body);
+    let d = res.json();
+    assert_eq!(d["rows"][0]["archived"], true, "{d}");
+    assert!(d["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["kind"] == "delivered"));
+    let page = request(addr, "GET", &format!("/api/events?app_code={app}"), &[])
+        .await
+        .json();
+    let flags: Vec<(String, bool)> = page["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["event_id"].as_str().unwrap().to_owned(),
+                r["archived"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(flags, [(ids[1].clone(), false), (ids[0].clone(), true)]);
     stop.cancel();
 }

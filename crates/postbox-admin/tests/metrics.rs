@@ -46,6 +46,7 @@ async fn metrics_after_a_relay_run() {
             token: None,
             app_codes: vec![app.into()],
             poll_interval: Duration::from_millis(100),
+            publishers: vec![],
         },
     )
     .await

@@ -154,6 +154,18 @@ pub struct ReplayArgs {
     /// Show what would be replayed, change nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// Send only to this publisher (its `name`, or its `kind` when unnamed);
+    /// repeatable. Default: a `delivered` event goes to every publisher, any
+    /// other only to the publishers that have not confirmed it.
+    #[arg(
+        long = "publisher",
+        value_name = "NAME",
+        conflicts_with = "all_publishers"
+    )]
+    pub publishers: Vec<String>,
+    /// Send to every publisher, also those that already confirmed.
+    #[arg(long)]
+    pub all_publishers: bool,
 }
 
 #[derive(Debug, Args)]
@@ -201,6 +213,10 @@ pub struct EnqueueArgs {
     /// Rows per transaction when reading a file.
     #[arg(long, default_value_t = 500)]
     pub batch_size: usize,
+    /// Accept an app_code outside `database.app_codes` (no relay with this
+    /// config delivers such rows).
+    #[arg(long)]
+    pub allow_unserved_app_code: bool,
 }
 
 #[derive(Debug, Args)]

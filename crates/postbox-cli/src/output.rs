@@ -4,6 +4,7 @@ use std::io::Write;
 
 use serde::Serialize;
 
+use postbox_core::store::Inspected;
 use postbox_core::EventRecord;
 
 use crate::error::CliError;
@@ -40,18 +41,33 @@ pub fn clip(s: &str, max: usize) -> String {
 
 /// A table of rows, one line each.
 pub fn event_table(rows: &[EventRecord]) {
+    table(rows.iter().map(|r| (r, false)));
+}
+
+/// A table of live and archived rows; archived ones are marked in the
+/// status column.
+pub fn inspected_table(rows: &[Inspected]) {
+    table(rows.iter().map(|r| (&r.record, r.archived)));
+}
+
+fn table<'a>(rows: impl Iterator<Item = (&'a EventRecord, bool)>) {
     println!(
         "{:>10}  {:<12} {:<36}  {:<20} {:<10} {:>5}  {:<24}  LAST ERROR",
         "ID", "APP", "EVENT ID", "TYPE", "STATUS", "TRIES", "CREATED"
     );
-    for r in rows {
+    for (r, archived) in rows {
+        let status = if archived {
+            format!("{} (archived)", r.status.as_str())
+        } else {
+            r.status.as_str().to_owned()
+        };
         println!(
             "{:>10}  {:<12} {:<36}  {:<20} {:<10} {:>5}  {:<24}  {}",
             r.id,
             clip(&r.app_code, 12),
             clip(&r.event_id, 36),
             clip(&r.event_type, 20),
-            r.status.as_str(),
+            status,
             r.retry_count,
             time(r.created_at_ms),
             clip(r.last_error.as_deref().unwrap_or(""), 60)

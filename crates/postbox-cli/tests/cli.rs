@@ -420,3 +420,363 @@ fn delete_exchange(exchange: &str) {
         let _ = conn.close(200, "done".into()).await;
     });
 }
+
+/// A PostgreSQL config with two file sinks, `a` and `b`, in `dir`.
+fn pg_two_sinks(dir: &Path, table: &str) -> String {
+    write_config(
+        dir,
+        &format!(
+            r#"
+[database]
+url = "{url}"
+table = "{table}"
+app_codes = ["room"]
+
+[outbox_worker]
+poll_interval = "50ms"
+
+[[publishers]]
+kind = "file"
+name = "a"
+path = "{dir}/a.jsonl"
+
+[[publishers]]
+kind = "file"
+name = "b"
+path = "{dir}/b.jsonl"
+"#,
+            url = postbox_testkit::postgres_url(),
+            dir = dir.display()
+        ),
+    )
+}
+
+/// Event ids in a JSON-lines sink, sorted.
+fn sink_ids(path: &Path) -> Vec<String> {
+    let mut ids: Vec<String> = std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["event_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// Runs the relay until `want` rows are delivered, then stops it.
+fn relay_until_delivered(dir: &Path, cfg: &str, want: i64) {
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir)
+        .args(["--config", cfg, "relay"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let s = postbox(dir, &["--config", cfg, "--json", "status"], &[]);
+        let v: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap_or_default();
+        if v[0]["delivered"] == want {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not delivered: {}",
+            text(&s)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(relay.wait().unwrap().success());
+}
+
+/// Issue 9.6: a replay does not re-send to publishers that confirmed.
+#[tokio::test]
+async fn replay_targets_only_unconfirmed_publishers_unless_told() {
+    let url = postbox_testkit::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    let table = postbox_testkit::scratch_table("cli_replay_to");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = pg_two_sinks(dir.path(), &table);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    for id in ["e1", "e2", "e3", "e4"] {
+        let out = run(&[
+            "enqueue",
+            "--event-type",
+            "T",
+            "--payload",
+            "{}",
+            "--event-id",
+            id,
+        ]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    // e1, e3, e4: dead letters that `a` confirmed; e2: delivered to both.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'failed', retry_count = 3, delivered_to = 'a', \
+         last_error = 'b: down' WHERE event_id IN ('e1', 'e3', 'e4')"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'delivered' WHERE event_id = 'e2'"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let unknown = run(&["replay", "e1", "--publisher", "nosuch", "--publisher", "a"]);
+    assert_eq!(unknown.status.code(), Some(2), "{}", text(&unknown));
+    assert!(text(&unknown).contains("nosuch"), "{}", text(&unknown));
+    let both = run(&["replay", "e1", "--publisher", "a", "--all-publishers"]);
+    assert_eq!(both.status.code(), Some(2), "{}", text(&both));
+
+    assert!(run(&["replay", "e1"]).status.success(), "failed: only b");
+    assert!(
+        run(&["replay", "e2"]).status.success(),
+        "delivered: a and b"
+    );
+    let only = run(&["replay", "e3", "--publisher", "a"]);
+    assert!(only.status.success(), "{}", text(&only));
+    assert!(run(&["replay", "e4", "--all-publishers"]).status.success());
+
+    relay_until_delivered(dir.path(), &cfg, 4);
+    assert_eq!(sink_ids(&dir.path().join("a.jsonl")), ["e2", "e3", "e4"]);
+    assert_eq!(sink_ids(&dir.path().join("b.jsonl")), ["e1", "e2", "e4"]);
+
+    // The timeline names the replay's targets.
+    let show = run(&["--json", "events", "show", "e1"]);
+    let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
+    let steps = v[0]["timeline"].as_array().unwrap();
+    let replayed = steps.iter().find(|s| s["kind"] == "replayed").unwrap();
+    assert_eq!(replayed["publisher"], "b", "{v}");
+    let show = run(&["events", "show", "e3"]);
+    assert!(
+        text(&show).contains("replayed") && text(&show).contains("[a]"),
+        "{}",
+        text(&show)
+    );
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}
+
+/// Issue 9.7: archived rows show in `events show` and `events list`,
+/// marked as archived.
+#[tokio::test]
+async fn archived_events_stay_visible_to_events_show_and_list() {
+    let url = postbox_testkit::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    let table = postbox_testkit::scratch_table("cli_archived");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = pg_two_sinks(dir.path(), &table);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    for id in ["old-1", "new-1"] {
+        let out = run(&[
+            "enqueue",
+            "--event-type",
+            "T",
+            "--payload",
+            "{}",
+            "--event-id",
+            id,
+        ]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = 'old-1'"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let moved = run(&["archive", "--older-than", "1h"]);
+    assert!(moved.status.success(), "{}", text(&moved));
+
+    let show = run(&["--json", "events", "show", "old-1"]);
+    assert!(
+        show.status.success(),
+        "archived rows are found: {}",
+        text(&show)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
+    assert_eq!(v[0]["archived"], true, "{v}");
+    assert_eq!(v[0]["status"], "delivered");
+    let show = run(&["events", "show", "old-1"]);
+    assert!(text(&show).contains("archived"), "{}", text(&show));
+    let live = run(&["--json", "events", "show", "new-1"]);
+    let v: serde_json::Value = serde_json::from_slice(&live.stdout).unwrap();
+    assert_eq!(v[0]["archived"], false);
+
+    let list = run(&["--json", "events", "list"]);
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap();
+    let flags: Vec<(&str, bool)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["event_id"].as_str().unwrap(),
+                r["archived"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(flags, [("new-1", false), ("old-1", true)]);
+    let list = run(&["events", "list"]);
+    assert!(
+        text(&list).contains("delivered (archived)"),
+        "{}",
+        text(&list)
+    );
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}
+
+/// Issue 9.8: rows of an app_code no relay serves are shown by `status`,
+/// fail `doctor`, and `enqueue` refuses such an app_code unless told.
+#[tokio::test]
+async fn unserved_app_codes_are_refused_shown_and_diagnosed() {
+    let url = postbox_testkit::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    let table = postbox_testkit::scratch_table("cli_unserved");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = pg_two_sinks(dir.path(), &table);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    let refused = run(&[
+        "enqueue",
+        "--event-type",
+        "T",
+        "--payload",
+        "{}",
+        "--app-code",
+        "nosuch",
+    ]);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    assert!(text(&refused).contains("nosuch") && text(&refused).contains("database.app_codes"));
+    let file = dir.path().join("in.jsonl");
+    std::fs::write(
+        &file,
+        "{\"app_code\":\"nosuch\",\"event_type\":\"T\",\"payload\":{}}\n",
+    )
+    .unwrap();
+    let up = run(&["--json", "enqueue", "--file", file.to_str().unwrap()]);
+    assert_eq!(up.status.code(), Some(1), "{}", text(&up));
+    assert!(text(&up).contains("nosuch"), "{}", text(&up));
+    let ok = run(&["enqueue", "--event-type", "T", "--payload", "{}"]);
+    assert!(ok.status.success(), "{}", text(&ok));
+    let forced = run(&[
+        "enqueue",
+        "--event-type",
+        "T",
+        "--payload",
+        "{}",
+        "--app-code",
+        "nosuch",
+        "--allow-unserved-app-code",
+    ]);
+    assert!(forced.status.success(), "{}", text(&forced));
+    // A Go service's plain INSERT with a typo.
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {table} (app_code, event_id, event_type, payload) VALUES ('rooom', 'typo-1', 'T', '{{}}')"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    let status = run(&["--json", "status"]);
+    let v: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let apps: Vec<(&str, bool, i64)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["app_code"].as_str().unwrap(),
+                a["served"].as_bool().unwrap(),
+                a["pending"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        apps,
+        [("room", true, 1), ("nosuch", false, 1), ("rooom", false, 1)]
+    );
+    let status = run(&["status"]);
+    assert!(
+        text(&status).contains("rooom*") && text(&status).contains("unserved"),
+        "{}",
+        text(&status)
+    );
+
+    let doctor = run(&["--json", "doctor"]);
+    assert_eq!(doctor.status.code(), Some(1), "{}", text(&doctor));
+    let v: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
+    let check = |name: &str| {
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no check {name}: {v}"))
+    };
+    assert_eq!(check("app_code:rooom")["level"], "fail", "{v}");
+    assert!(check("app_code:rooom")["message"]
+        .as_str()
+        .unwrap()
+        .contains("database.app_codes"));
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'delivered' WHERE app_code <> 'room'"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let doctor = run(&["--json", "doctor"]);
+    let v: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
+    let level = v["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "app_code:rooom")
+        .map(|c| c["level"].clone());
+    assert_eq!(
+        level,
+        Some(serde_json::json!("warn")),
+        "nothing waiting: {v}"
+    );
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}

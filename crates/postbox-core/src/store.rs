@@ -85,6 +85,135 @@ pub enum ReplaySelector {
     Filter(EventFilter),
 }
 
+/// Which publishers a replay sends to. Fanout progress lives in the row's
+/// `delivered_to` (publishers that confirmed it); the relay sends a row only
+/// to the publishers *not* listed there. So a replay picks its targets by
+/// what it leaves in, or writes into, that column.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ReplayPick {
+    /// The default: a `delivered` row goes to every publisher (backtracking);
+    /// any other row only to the publishers that have not confirmed it
+    /// (its `delivered_to` is kept).
+    #[default]
+    Unconfirmed,
+    /// Every publisher, whatever confirmed before (`delivered_to` cleared).
+    All,
+    /// Only these publishers: every other configured one is written into
+    /// `delivered_to` as if it had confirmed.
+    Only(Vec<String>),
+}
+
+/// The targets of a replay and the configured publishers they are chosen
+/// from (in configuration order; used to write the other publishers into
+/// `delivered_to` and to name the targets in the history).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplayTargets {
+    /// What the operator asked for.
+    pub pick: ReplayPick,
+    /// Every configured publisher name; empty when unknown (then the
+    /// history does not name targets).
+    pub publishers: Vec<String>,
+}
+
+impl ReplayTargets {
+    /// Targets `pick` among `publishers`; a name of `Only` that is not
+    /// configured is an error naming every such name.
+    pub fn new(pick: ReplayPick, publishers: Vec<String>) -> std::result::Result<Self, String> {
+        if let ReplayPick::Only(names) = &pick {
+            if names.is_empty() {
+                return Err("no publisher named: give at least one".to_owned());
+            }
+            let unknown: Vec<&str> = names
+                .iter()
+                .filter(|n| !publishers.contains(n))
+                .map(String::as_str)
+                .collect();
+            if !unknown.is_empty() {
+                return Err(format!(
+                    "unknown publisher(s): {} (configured: {})",
+                    unknown.join(", "),
+                    if publishers.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        publishers.join(", ")
+                    }
+                ));
+            }
+        }
+        Ok(ReplayTargets { pick, publishers })
+    }
+
+    /// The value every replayed row's `delivered_to` is set to after the
+    /// backend's replay update, or `None` to leave what that update wrote
+    /// (the [`ReplayPick::Unconfirmed`] rule, applied in SQL).
+    pub fn delivered_to_override(&self) -> Option<Option<String>> {
+        match &self.pick {
+            ReplayPick::Unconfirmed => None,
+            ReplayPick::All => Some(None),
+            ReplayPick::Only(names) => {
+                let others: Vec<&str> = self
+                    .publishers
+                    .iter()
+                    .filter(|p| !names.contains(p))
+                    .map(String::as_str)
+                    .collect();
+                Some(Some(others.join(",")).filter(|s| !s.is_empty()))
+            }
+        }
+    }
+
+    /// Applies [`Self::delivered_to_override`] to rows read back before it
+    /// was written.
+    pub fn apply(&self, rows: &mut [crate::EventRecord]) {
+        if let Some(v) = self.delivered_to_override() {
+            let list = crate::event::parse_delivered_to(v.as_deref());
+            for r in rows {
+                r.delivered_to = list.clone();
+            }
+        }
+    }
+
+    /// The publishers a replayed row (as written) will be sent to,
+    /// comma-separated; `None` when the configured publishers are unknown.
+    pub fn targets_of(&self, row: &crate::EventRecord) -> Option<String> {
+        if self.publishers.is_empty() {
+            return None;
+        }
+        let t: Vec<&str> = self
+            .publishers
+            .iter()
+            .filter(|p| !row.delivered_to.contains(p))
+            .map(String::as_str)
+            .collect();
+        Some(t.join(","))
+    }
+
+    /// Replayed rows grouped by [`Self::targets_of`], for one history write
+    /// per group.
+    pub fn history_groups(&self, rows: &[crate::EventRecord]) -> Vec<(Option<String>, Vec<i64>)> {
+        let mut groups: Vec<(Option<String>, Vec<i64>)> = Vec::new();
+        for r in rows {
+            let t = self.targets_of(r);
+            match groups.iter_mut().find(|(k, _)| *k == t) {
+                Some((_, ids)) => ids.push(r.id),
+                None => groups.push((t, vec![r.id])),
+            }
+        }
+        groups
+    }
+}
+
+/// A row as inspection shows it: from the outbox table, or from
+/// `<table>_archive` (`archived`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Inspected {
+    /// The row.
+    #[serde(flatten)]
+    pub record: EventRecord,
+    /// True when the row lives in `<table>_archive`.
+    pub archived: bool,
+}
+
 /// What one entry of an event's attempt history records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -428,6 +557,11 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Counts per tenant.
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>>;
 
+    /// Every app_code that has rows in the outbox table, sorted. Read by a
+    /// loose index scan of an `(app_code, …)` index (one probe per
+    /// app_code), never a full scan, so it is cheap on a big table.
+    async fn present_app_codes(&self) -> Result<Vec<String>>;
+
     /// Rows matching a filter, newest first.
     async fn list(&self, filter: &EventFilter) -> Result<Vec<EventRecord>>;
 
@@ -441,16 +575,65 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Rows with this event id (one per app_code at most).
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
 
-    /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`.
-    /// Returns the rows affected (or that would be, with `dry_run`). Each
-    /// replayed row gets a [`HistoryKind::Replayed`] history entry whose
-    /// detail is `origin` (`cli`, `api 10.0.0.7:51234`, …), written in the
-    /// same transaction.
+    /// [`OutboxStore::find`], then [`OutboxStore::find_archived`] in
+    /// `app_codes`: every row of the event, live ones first.
+    async fn find_inspected(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<Inspected>> {
+        let live = self.find(event_id).await?;
+        let archived = self.find_archived(event_id, app_codes).await?;
+        Ok(tag(live, false).chain(tag(archived, true)).collect())
+    }
+
+    /// [`OutboxStore::list`] and, unless the filter asks for a status no
+    /// archived row has, [`OutboxStore::list_archived`], merged newest
+    /// first (by id) and cut to `filter.limit`.
+    async fn list_inspected(&self, filter: &EventFilter) -> Result<Vec<Inspected>> {
+        let live = self.list(filter).await?;
+        let mut all: Vec<Inspected> = tag(live, false).collect();
+        if filter.status.is_none_or(|s| s == Status::Delivered) {
+            let archived = self.list_archived(filter).await?;
+            all.extend(tag(archived, true));
+            all.sort_by(|a, b| b.record.id.cmp(&a.record.id));
+            all.truncate(filter.limit as usize);
+        }
+        Ok(all)
+    }
+
+    /// Rows of `<table>_archive` with this event id in one of `app_codes`
+    /// (read through the archive's `(app_code, event_id)` index; the
+    /// archive only holds rows of the app_codes a relay archived).
+    async fn find_archived(&self, event_id: &str, app_codes: &[String])
+        -> Result<Vec<EventRecord>>;
+
+    /// Rows of `<table>_archive` matching a filter, newest first (the same
+    /// keyset pagination by `id` as [`OutboxStore::list`]; archived rows
+    /// keep their id).
+    async fn list_archived(&self, filter: &EventFilter) -> Result<Vec<EventRecord>>;
+
+    /// [`OutboxStore::replay_to`] with the default targets
+    /// ([`ReplayPick::Unconfirmed`]; the history names no targets).
     async fn replay(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
         origin: &str,
+    ) -> Result<Vec<EventRecord>> {
+        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
+            .await
+    }
+
+    /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`,
+    /// to be sent to `targets` (fanout progress in `delivered_to`, see
+    /// [`ReplayPick`]). Returns the rows affected, as written (or as they
+    /// are, with `dry_run`). Each replayed row gets a
+    /// [`HistoryKind::Replayed`] history entry whose detail is `origin`
+    /// (`cli`, `api 10.0.0.7:51234`, …) and whose publisher names the
+    /// targets, written in the same transaction.
+    async fn replay_to(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+        targets: &ReplayTargets,
     ) -> Result<Vec<EventRecord>>;
 
     /// The database clock, epoch ms.
@@ -488,4 +671,9 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in
     /// `<table>_history`, keyed by event id, so it outlives archiving.
     async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>>;
+}
+
+fn tag(rows: Vec<EventRecord>, archived: bool) -> impl Iterator<Item = Inspected> {
+    rows.into_iter()
+        .map(move |record| Inspected { record, archived })
 }

@@ -260,6 +260,21 @@ pub(crate) const BACKLOG: &str = concat!(
 /// status, e.g. the dashboard's failed list).
 pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
 
+/// Every app_code with rows, sorted: MySQL and MariaDB read a `DISTINCT`
+/// on the leading column of `{table}_event_uq (app_code, event_id)` as a
+/// loose index scan ("Using index for group-by"), one probe per app_code.
+pub(crate) const PRESENT_APP_CODES: &str =
+    "SELECT DISTINCT app_code FROM {table} ORDER BY app_code";
+
+/// Archived rows of one event: the app_codes (`{ids}` list), then the
+/// event id. Index: `{archive}_event_uq (app_code, event_id)`, one probe
+/// per app_code.
+pub(crate) const FIND_ARCHIVED: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {archive} WHERE app_code IN ({ids}) AND event_id = ? ORDER BY id"
+);
+
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
@@ -314,13 +329,26 @@ pub(crate) const REPLAY_FILTER_LOCK: &str = concat!(
 );
 
 /// Replay step 2 (by ids or filter), on the locked rows: back to pending
-/// with retry_count 0, keeping event_id. Primary key lookups.
+/// with retry_count 0, keeping event_id. Primary key lookups. Fanout
+/// progress: a `delivered` row is sent to every publisher again
+/// (backtracking), any other keeps the publishers that confirmed it, so
+/// only the others get it. (`delivered_to` comes first: MySQL assigns left
+/// to right, and it reads the old status.)
 pub(crate) const REPLAY_IDS: &str = concat!(
-    "UPDATE {table} FORCE INDEX (PRIMARY) SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
-       updated_at_ms = ", now_ms!(), " \
+    "UPDATE {table} FORCE INDEX (PRIMARY) SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
+       THEN NULL ELSE delivered_to END, \
+       status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, replay_count = replay_count + 1, \
+       updated_at_ms = ",
+    now_ms!(),
+    " \
      WHERE id IN ({ids})"
 );
+
+/// A replay that picked its targets: `delivered_to` (the publishers *not*
+/// targeted), then the replayed rows' ids.
+pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
+    "UPDATE {table} SET delivered_to = ? WHERE id IN ({ids})";
 
 /// Archived rows a time-range replay would bring back: those not already in
 /// the live table (archived rows are all `delivered`).
@@ -382,7 +410,7 @@ pub(crate) const HISTORY_REPLAYED: &str = concat!(
     "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
      SELECT app_code, event_id, ",
     now_ms!(),
-    ", 'replayed', 0, NULL, ? FROM {table} WHERE id IN ({ids})"
+    ", 'replayed', 0, ?, ? FROM {table} WHERE id IN ({ids})"
 );
 
 /// Events of rows `{ids}` holding more than `?` entries. Index:

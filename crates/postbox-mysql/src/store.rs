@@ -15,7 +15,7 @@ use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
+    ReplaySelector, ReplayTargets, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -224,6 +224,60 @@ impl MySqlOutbox {
         }
         report.complete = true;
         Ok(report)
+    }
+
+    /// Runs `template` (an `{ids}` list after the `leading` parameters)
+    /// over `ids`, in chunks.
+    async fn execute_after(
+        &self,
+        conn: &mut MySqlConnection,
+        template: &str,
+        leading: &[Option<&str>],
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        for chunk in ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(template, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query(&text);
+            for v in leading {
+                q = q.bind(*v);
+            }
+            for id in padded(chunk) {
+                q = q.bind(*id);
+            }
+            q.execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+
+    /// The replay's targets and its history, on the replayed rows `out`.
+    async fn finish_replay(
+        &self,
+        conn: &mut MySqlConnection,
+        out: &mut [EventRecord],
+        origin: &str,
+        targets: &ReplayTargets,
+    ) -> std::result::Result<(), sqlx::Error> {
+        let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+        if let Some(delivered_to) = targets.delivered_to_override() {
+            self.execute_after(
+                conn,
+                &self.sql.replay_set_delivered_to,
+                &[delivered_to.as_deref()],
+                &ids,
+            )
+            .await?;
+            targets.apply(out);
+        }
+        for (to, group) in targets.history_groups(out) {
+            self.execute_after(
+                conn,
+                &self.sql.history_replayed,
+                &[to.as_deref(), Some(origin)],
+                &group,
+            )
+            .await?;
+        }
+        self.prune_history(conn, &ids).await
     }
 
     /// Puts the (locked) rows `ids` back to pending and reads them back.
@@ -446,20 +500,41 @@ impl OutboxStore for MySqlOutbox {
     }
 
     async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
-        let q = postbox_sqlx::list_query(&self.sql.list_select, f, PH);
-        let sql = self.table.render(&q.sql);
-        let mut query = sqlx::query(&sql);
-        for arg in q.args {
-            query = match arg {
-                ListArg::Text(s) => query.bind(s),
-                ListArg::Int(i) => query.bind(i),
-            };
-        }
-        let rows = query
+        self.list_from(&self.sql.list_select, f).await
+    }
+
+    async fn present_app_codes(&self) -> Result<Vec<String>> {
+        let codes: Vec<Option<String>> = sqlx::query_scalar(&self.sql.present_app_codes)
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| crate::db_error("list events", e))?;
-        records(rows, "list events")
+            .map_err(|e| crate::db_error("list app_codes", e))?;
+        Ok(codes.into_iter().flatten().collect())
+    }
+
+    async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let select = self.sql.list_select.replace("{table}", "{archive}");
+        self.list_from(&select, f).await
+    }
+
+    async fn find_archived(
+        &self,
+        event_id: &str,
+        app_codes: &[String],
+    ) -> Result<Vec<EventRecord>> {
+        if app_codes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let text = sql::in_list(&self.sql.find_archived, app_codes.len());
+        let mut q = sqlx::query(&text);
+        for a in app_codes {
+            q = q.bind(a);
+        }
+        let rows = q
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("find archived event", e))?;
+        records(rows, "find archived event")
     }
 
     async fn delivered_per_minute(
@@ -485,11 +560,12 @@ impl OutboxStore for MySqlOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(
+    async fn replay_to(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
         origin: &str,
+        targets: &ReplayTargets,
     ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
         match selector {
@@ -540,8 +616,7 @@ impl OutboxStore for MySqlOutbox {
                 }
                 out.sort_by_key(|r| r.id);
                 if !dry_run && !out.is_empty() {
-                    let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
-                    self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                    self.finish_replay(&mut tx, &mut out, origin, targets)
                         .await
                         .map_err(db)?;
                 }
@@ -592,8 +667,7 @@ impl OutboxStore for MySqlOutbox {
                     }
                 }
                 if !dry_run && !out.is_empty() {
-                    let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
-                    self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                    self.finish_replay(&mut tx, &mut out, origin, targets)
                         .await
                         .map_err(db)?;
                 }
@@ -664,5 +738,25 @@ impl OutboxStore for MySqlOutbox {
         limit: u32,
     ) -> Result<Vec<postbox_core::store::QueryPlan>> {
         self.explain_claim_queries(app_code, limit).await
+    }
+}
+
+impl MySqlOutbox {
+    /// `list` over `select` (`SELECT <columns> FROM {table}` or `{archive}`).
+    async fn list_from(&self, select: &str, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let q = postbox_sqlx::list_query(select, f, PH);
+        let sql = self.table.render(&q.sql);
+        let mut query = sqlx::query(&sql);
+        for arg in q.args {
+            query = match arg {
+                ListArg::Text(s) => query.bind(s),
+                ListArg::Int(i) => query.bind(i),
+            };
+        }
+        let rows = query
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("list events", e))?;
+        records(rows, "list events")
     }
 }

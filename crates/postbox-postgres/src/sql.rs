@@ -194,6 +194,24 @@ pub(crate) const BACKLOG: &str = concat!(
 /// status, e.g. the dashboard's failed list).
 pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
 
+/// Every app_code with rows, sorted: a loose index scan (one `MIN` probe
+/// of `{table}_event_uq (app_code, event_id)` per app_code), never a full
+/// scan however many rows there are.
+pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( \
+       SELECT MIN(app_code)::TEXT FROM {table} \
+       UNION ALL \
+       SELECT (SELECT MIN(t.app_code)::TEXT FROM {table} t WHERE t.app_code > c.app_code) \
+       FROM codes c WHERE c.app_code IS NOT NULL) \
+     SELECT app_code FROM codes WHERE app_code IS NOT NULL";
+
+/// Archived rows of one event, in the given app_codes ($1, an array).
+/// Index: `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
+pub(crate) const FIND_ARCHIVED: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {archive} WHERE app_code = ANY($1) AND event_id = $2 ORDER BY id"
+);
+
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
@@ -210,13 +228,33 @@ pub(crate) const FIND: &str = concat!(
     " FROM {table} WHERE event_id = $1 ORDER BY id"
 );
 
+/// The start of a replay update. Fanout progress: a `delivered` row is
+/// sent to every publisher again (backtracking), any other keeps the
+/// publishers that confirmed it, so only the others get it. (First in the
+/// SET list: it reads the old status.)
+macro_rules! replay_set {
+    () => {
+        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
+           THEN NULL ELSE delivered_to END, "
+    };
+}
+
+/// A replay that picked its targets: rows $1 get `delivered_to` $2 (the
+/// publishers *not* targeted), in the replay's transaction.
+pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
+    "UPDATE {table} SET delivered_to = $2 WHERE id = ANY($1)";
+
 /// Replay by ids: back to pending with retry_count 0, keeping event_id.
 pub(crate) const REPLAY_IDS: &str = concat!(
-    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
-       updated_at_ms = ", now_ms!(), " \
+    replay_set!(),
+    "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, replay_count = replay_count + 1, \
+       updated_at_ms = ",
+    now_ms!(),
+    " \
      WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' \
-     RETURNING ", columns!()
+     RETURNING ",
+    columns!()
 );
 
 /// Rows a replay by ids would touch.
@@ -227,13 +265,17 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
 
 /// Replay by filter.
 pub(crate) const REPLAY_FILTER: &str = concat!(
-    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
-       updated_at_ms = ", now_ms!(), " \
+    replay_set!(),
+    "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, replay_count = replay_count + 1, \
+       updated_at_ms = ",
+    now_ms!(),
+    " \
      WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
        AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
        AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND status <> 'delivering' \
-     RETURNING ", columns!()
+     RETURNING ",
+    columns!()
 );
 
 /// Rows a replay by filter would touch.
@@ -296,12 +338,12 @@ pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id = ANY($1)"
 );
 
-/// Rows $1 were just replayed from origin $2.
+/// Rows $1 were just replayed from origin $2, to publishers $3.
 pub(crate) const HISTORY_REPLAYED: &str = concat!(
     "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
      SELECT app_code, event_id, ",
     now_ms!(),
-    ", 'replayed', 0, NULL, $2 FROM {table} WHERE id = ANY($1)"
+    ", 'replayed', 0, $3, $2 FROM {table} WHERE id = ANY($1)"
 );
 
 /// Keeps the newest $2 entries of each event of rows $1. Index:

@@ -195,6 +195,24 @@ pub(crate) const BACKLOG: &str = concat!(
 /// status, e.g. the dashboard's failed list).
 pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
 
+/// Every app_code with rows, sorted: a loose index scan (one `MIN` probe
+/// of `{table}_event_uq (app_code, event_id)` per app_code), never a full
+/// scan however many rows there are.
+pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( \
+       SELECT MIN(app_code) FROM {table} \
+       UNION ALL \
+       SELECT (SELECT MIN(t.app_code) FROM {table} t WHERE t.app_code > c.app_code) \
+       FROM codes c WHERE c.app_code IS NOT NULL) \
+     SELECT app_code FROM codes WHERE app_code IS NOT NULL";
+
+/// Archived rows of one event, in the app_codes of ?1 (a JSON array).
+/// Index: `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
+pub(crate) const FIND_ARCHIVED: &str = concat!(
+    "SELECT ",
+    columns!(),
+    " FROM {archive} WHERE app_code IN (SELECT value FROM json_each(?1)) AND event_id = ?2 ORDER BY id"
+);
+
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
@@ -210,11 +228,28 @@ pub(crate) const FIND: &str = concat!(
     " FROM {table} WHERE event_id = ?1 ORDER BY id"
 );
 
+/// The start of a replay update. Fanout progress: a `delivered` row is
+/// sent to every publisher again (backtracking), any other keeps the
+/// publishers that confirmed it, so only the others get it.
+macro_rules! replay_set {
+    () => {
+        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
+           THEN NULL ELSE delivered_to END, "
+    };
+}
+
+/// A replay that picked its targets: rows ?1 (a JSON array of ids) get
+/// `delivered_to` ?2 (the publishers *not* targeted), in the replay's
+/// transaction.
+pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
+    "UPDATE {table} SET delivered_to = ?2 WHERE id IN (SELECT value FROM json_each(?1))";
+
 /// Replay by ids: back to pending with retry_count 0, keeping event_id.
 /// ?1 is a JSON array of event ids.
 pub(crate) const REPLAY_IDS: &str = concat!(
-    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
+    replay_set!(),
+    "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, replay_count = replay_count + 1, \
        updated_at_ms = ",
     now_ms!(),
     " \
@@ -235,8 +270,9 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
 
 /// Replay by filter.
 pub(crate) const REPLAY_FILTER: &str = concat!(
-    "UPDATE {table} SET status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, delivered_to = NULL, replay_count = replay_count + 1, \
+    replay_set!(),
+    "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+       worker_id = NULL, replay_count = replay_count + 1, \
        updated_at_ms = ",
     now_ms!(),
     " \
@@ -323,7 +359,7 @@ pub(crate) const HISTORY_REPLAYED: &str = concat!(
     "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
      SELECT app_code, event_id, ",
     now_ms!(),
-    ", 'replayed', 0, NULL, ?2 FROM {table} WHERE id IN (SELECT value FROM json_each(?1))"
+    ", 'replayed', 0, ?3, ?2 FROM {table} WHERE id IN (SELECT value FROM json_each(?1))"
 );
 
 /// Keeps the newest ?2 entries of each event of rows ?1 (JSON array).

@@ -7,7 +7,7 @@ use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
+    ReplaySelector, ReplayTargets, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -242,20 +242,37 @@ impl OutboxStore for SqliteOutbox {
     }
 
     async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
-        let q = postbox_sqlx::list_query(&self.sql.list_select, f, PH);
-        let sql = self.table.render(&q.sql);
-        let mut query = sqlx::query(&sql);
-        for arg in q.args {
-            query = match arg {
-                ListArg::Text(s) => query.bind(s),
-                ListArg::Int(i) => query.bind(i),
-            };
-        }
-        let rows = query
+        self.list_from(&self.sql.list_select, f).await
+    }
+
+    async fn present_app_codes(&self) -> Result<Vec<String>> {
+        let codes: Vec<Option<String>> = sqlx::query_scalar(&self.sql.present_app_codes)
             .fetch_all(&self.pool)
             .await
-            .map_err(|e| crate::db_error("list events", e))?;
-        records(rows, "list events")
+            .map_err(|e| crate::db_error("list app_codes", e))?;
+        Ok(codes.into_iter().flatten().collect())
+    }
+
+    async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let select = self.sql.list_select.replace("{table}", "{archive}");
+        self.list_from(&select, f).await
+    }
+
+    async fn find_archived(
+        &self,
+        event_id: &str,
+        app_codes: &[String],
+    ) -> Result<Vec<EventRecord>> {
+        if app_codes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(&self.sql.find_archived)
+            .bind(json_list(app_codes))
+            .bind(event_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("find archived event", e))?;
+        records(rows, "find archived event")
     }
 
     async fn delivered_per_minute(
@@ -281,11 +298,12 @@ impl OutboxStore for SqliteOutbox {
         records(rows, "find event")
     }
 
-    async fn replay(
+    async fn replay_to(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
         origin: &str,
+        targets: &ReplayTargets,
     ) -> Result<Vec<EventRecord>> {
         let db = |e| crate::db_error("replay", e);
         // A dry run only reads (one consistent snapshot); a real replay
@@ -367,9 +385,28 @@ impl OutboxStore for SqliteOutbox {
                     }
                 }
             };
+            let mut out = out;
             if !dry_run && !out.is_empty() {
                 let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
-                self.record_history(&mut tx, &self.sql.history_replayed, Some(origin), &ids)
+                if let Some(delivered_to) = targets.delivered_to_override() {
+                    sqlx::query(&self.sql.replay_set_delivered_to)
+                        .bind(json_list(&ids))
+                        .bind(delivered_to)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    targets.apply(&mut out);
+                }
+                for (to, group) in targets.history_groups(&out) {
+                    sqlx::query(&self.sql.history_replayed)
+                        .bind(json_list(&group))
+                        .bind(origin)
+                        .bind(to)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                }
+                self.prune_history(&mut tx, &json_list(&ids))
                     .await
                     .map_err(db)?;
             }
@@ -458,5 +495,25 @@ impl OutboxStore for SqliteOutbox {
         limit: u32,
     ) -> Result<Vec<postbox_core::store::QueryPlan>> {
         self.explain_claim_queries(app_code, limit).await
+    }
+}
+
+impl SqliteOutbox {
+    /// `list` over `select` (`SELECT <columns> FROM {table}` or `{archive}`).
+    async fn list_from(&self, select: &str, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let q = postbox_sqlx::list_query(select, f, PH);
+        let sql = self.table.render(&q.sql);
+        let mut query = sqlx::query(&sql);
+        for arg in q.args {
+            query = match arg {
+                ListArg::Text(s) => query.bind(s),
+                ListArg::Int(i) => query.bind(i),
+            };
+        }
+        let rows = query
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("list events", e))?;
+        records(rows, "list events")
     }
 }

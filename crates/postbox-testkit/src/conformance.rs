@@ -12,8 +12,8 @@ use postbox_core::event::Fence;
 use postbox_core::relay::CancellationToken;
 use postbox_core::relay::{Relay, RelayReport};
 use postbox_core::store::{
-    AppStats, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, HistoryKind, OutboxStore,
-    ReplaySelector, HISTORY_LIMIT,
+    AppStats, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate,
+    HistoryKind, OutboxStore, ReplayPick, ReplaySelector, ReplayTargets, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, Error, NewEvent, Publisher, Status};
 
@@ -43,6 +43,8 @@ macro_rules! conformance_suite {
             relay_orders_events_per_aggregate,
             relay_orders_an_aggregate_mixing_versions_and_nulls,
             history_records_attempts_dead_letters_and_replays,
+            replay_goes_only_to_publishers_that_did_not_confirm,
+            archived_rows_are_found_and_listed,
         );
     };
     (@cases $make:path, $($case:ident),* $(,)?) => {
@@ -1009,4 +1011,191 @@ pub async fn history_records_attempts_dead_letters_and_replays(store: Arc<dyn Ou
         h[0].detail.as_deref(),
         Some(format!("cli {}", 25 - HISTORY_LIMIT).as_str())
     );
+}
+
+/// Replay keeps fanout progress: a `failed` event goes by default only to
+/// the publishers that did not confirm it, a `delivered` one to every
+/// publisher; `Only` and `All` pick the targets; the history names them.
+pub async fn replay_goes_only_to_publishers_that_did_not_confirm(store: Arc<dyn OutboxStore>) {
+    let evs = events(4, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 10, 30_000))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 4);
+    let fence = claimed[0].fence();
+    let id_of = |event_id: &str| {
+        claimed
+            .iter()
+            .find(|c| c.record.event_id == event_id)
+            .unwrap()
+            .record
+            .id
+    };
+    // evs 0, 2, 3: `a` confirmed, `b` never did (dead letters); evs 1: delivered.
+    for i in [0, 2, 3] {
+        let dead = FailureUpdate {
+            status: Status::Failed,
+            retry_count: 3,
+            retry_after_ms: 0,
+            delivered_to: vec!["a".into()],
+            error: "b: down".into(),
+            publisher: Some("b".into()),
+        };
+        assert!(store
+            .mark_failed(&fence, id_of(&evs[i].event_id), &dead)
+            .await
+            .unwrap());
+    }
+    store
+        .mark_delivered(&fence, &[id_of(&evs[1].event_id)])
+        .await
+        .unwrap();
+
+    let ab = vec!["a".to_owned(), "b".to_owned()];
+    let by_id = |i: usize| ReplaySelector::EventIds {
+        app_code: None,
+        event_ids: vec![evs[i].event_id.clone()],
+    };
+    let default = ReplayTargets::new(ReplayPick::Unconfirmed, ab.clone()).unwrap();
+    let r = store
+        .replay_to(&by_id(0), false, "t", &default)
+        .await
+        .unwrap();
+    assert_eq!(
+        r[0].delivered_to,
+        vec!["a".to_owned()],
+        "failed: progress kept"
+    );
+    let r = store
+        .replay_to(&by_id(1), false, "t", &default)
+        .await
+        .unwrap();
+    assert!(
+        r[0].delivered_to.is_empty(),
+        "delivered: backtracking to all"
+    );
+    let only_a = ReplayTargets::new(ReplayPick::Only(vec!["a".into()]), ab.clone()).unwrap();
+    let r = store
+        .replay_to(&by_id(2), false, "t", &only_a)
+        .await
+        .unwrap();
+    assert_eq!(r[0].delivered_to, vec!["b".to_owned()], "only a");
+    let all = ReplayTargets::new(ReplayPick::All, ab.clone()).unwrap();
+    let r = store.replay_to(&by_id(3), false, "t", &all).await.unwrap();
+    assert!(r[0].delivered_to.is_empty(), "all publishers");
+    for (i, want) in [(0, vec!["a"]), (1, vec![]), (2, vec!["b"]), (3, vec![])] {
+        let row = status_of(store.as_ref(), &evs[i].event_id).await;
+        assert_eq!(row.status, Status::Pending);
+        assert_eq!(row.delivered_to, want, "stored delivered_to of event {i}");
+        let h = store.history(&evs[i].event_id).await.unwrap();
+        let replayed = h.iter().rfind(|e| e.kind == HistoryKind::Replayed).unwrap();
+        let to = ["b", "a,b", "a", "a,b"][i];
+        assert_eq!(
+            replayed.publisher.as_deref(),
+            Some(to),
+            "history of event {i}"
+        );
+    }
+
+    let a = Arc::new(RecordingPublisher::new("a"));
+    let b = Arc::new(RecordingPublisher::new("b"));
+    run_relay_until(
+        store.clone(),
+        vec![a.clone(), b.clone()],
+        fast_worker(),
+        |s| s.delivered == 4,
+    )
+    .await;
+    let mut got_a = a.delivered_ids();
+    got_a.sort();
+    let mut want_a = vec![
+        evs[1].event_id.clone(),
+        evs[2].event_id.clone(),
+        evs[3].event_id.clone(),
+    ];
+    want_a.sort();
+    assert_eq!(got_a, want_a, "a already had event 0");
+    let mut got_b = b.delivered_ids();
+    got_b.sort();
+    let mut want_b = vec![
+        evs[0].event_id.clone(),
+        evs[1].event_id.clone(),
+        evs[3].event_id.clone(),
+    ];
+    want_b.sort();
+    assert_eq!(got_b, want_b, "b was not targeted for event 2");
+}
+
+/// Archived rows stay visible to inspection: found by event id and listed
+/// (newest first, merged with live rows), marked as archived.
+pub async fn archived_rows_are_found_and_listed(store: Arc<dyn OutboxStore>) {
+    let evs = events(3, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 2, 30_000))
+        .await
+        .unwrap();
+    let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
+    store
+        .mark_delivered(&claimed[0].fence(), &ids)
+        .await
+        .unwrap();
+    let now = store.now_ms().await.unwrap();
+    let report = store
+        .archive(
+            &ArchiveRequest {
+                app_codes: vec![APP.into()],
+                before_ms: now + 1,
+                batch_size: 10,
+                max_batches: None,
+            },
+            &|_| {},
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.moved, 2);
+    let gone = &claimed[0].record.event_id;
+    assert!(store.find(gone).await.unwrap().is_empty(), "moved");
+    let found = store.find_inspected(gone, &[APP.to_owned()]).await.unwrap();
+    assert_eq!(found.len(), 1);
+    assert!(found[0].archived);
+    assert_eq!(found[0].record.status, Status::Delivered);
+    assert!(store
+        .find_archived(gone, &["other".to_owned()])
+        .await
+        .unwrap()
+        .is_empty());
+
+    let all = EventFilter {
+        app_code: Some(APP.into()),
+        limit: 10,
+        ..Default::default()
+    };
+    let listed = store.list_inspected(&all).await.unwrap();
+    assert_eq!(listed.len(), 3);
+    assert!(listed.windows(2).all(|w| w[0].record.id > w[1].record.id));
+    assert_eq!(listed.iter().filter(|r| r.archived).count(), 2);
+    let page = EventFilter {
+        limit: 2,
+        ..all.clone()
+    };
+    let first = store.list_inspected(&page).await.unwrap();
+    let next = EventFilter {
+        before_id: Some(first[1].record.id),
+        ..page.clone()
+    };
+    let second = store.list_inspected(&next).await.unwrap();
+    assert_eq!(first.len() + second.len(), 3, "pages cover every row once");
+    let pending = EventFilter {
+        status: Some(Status::Pending),
+        ..all.clone()
+    };
+    assert!(store
+        .list_inspected(&pending)
+        .await
+        .unwrap()
+        .iter()
+        .all(|r| !r.archived));
 }

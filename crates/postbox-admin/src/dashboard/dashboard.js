@@ -104,10 +104,28 @@ async function loadFailed() {
   el("td", { class: "num" }, r.id), el("td", {}, r.app_code), el("td", {}, el("code", {}, r.event_id)),
   el("td", {}, r.event_type), el("td", { class: "num" }, r.retry_count),
   el("td", { class: "error" }, r.last_error || ""), el("td", {}, time(r.updated_at_ms)),
-  el("td", {}, el("button", {
+  el("td", {}, targetPicker(), " ", el("button", {
     class: "replay", type: "button",
-    onclick: (ev) => { ev.stopPropagation(); replay(r, ev.target); },
+    onclick: (ev) => {
+      ev.stopPropagation();
+      replay(r, ev.target, false, ev.target.parentElement.querySelector("select.replay-to").value);
+    },
   }, "Replay")))));
+}
+
+let publishers = null;
+
+async function loadPublishers() {
+  if (publishers === null) publishers = (await getJson("/api/publishers")).publishers || [];
+}
+
+// Replay targets: by default the publishers that have not confirmed the
+// event; or every publisher; or one.
+function targetPicker() {
+  return el("select", { class: "replay-to", "aria-label": "replay to", onclick: (ev) => ev.stopPropagation() },
+    el("option", { value: "" }, "to unconfirmed publishers"),
+    el("option", { value: "*" }, "to all publishers"),
+    ...(publishers || []).map((p) => el("option", { value: p }, "only to " + p)));
 }
 
 function token(forceAsk) {
@@ -126,20 +144,23 @@ function say(text, ok) {
   m.className = ok ? "ok" : "error";
 }
 
-async function replay(row, button, retried) {
+async function replay(row, button, retried, to) {
   const t = token(retried);
   if (!t) return say("Replay cancelled: no token given.", false);
   button.disabled = true;
   try {
-    const url = "/api/events/" + encodeURIComponent(row.event_id) + "/replay?app_code=" + encodeURIComponent(row.app_code);
-    await getJson(url, { method: "POST", headers: { Authorization: "Bearer " + t } });
-    say("Replayed " + row.event_id + ": pending again.", true);
+    let url = "/api/events/" + encodeURIComponent(row.event_id) + "/replay?app_code=" + encodeURIComponent(row.app_code);
+    if (to === "*") url += "&all_publishers=true";
+    else if (to) url += "&publishers=" + encodeURIComponent(to);
+    const res = await getJson(url, { method: "POST", headers: { Authorization: "Bearer " + t } });
+    const targets = res && res.targets && res.targets[0];
+    say("Replayed " + row.event_id + ": pending again" + (targets ? ", to " + (targets.join(", ") || "no publisher") : "") + ".", true);
     await refresh();
   } catch (e) {
     button.disabled = false;
     if (e.status === 401 && !retried) {
       sessionStorage.removeItem(TOKEN_KEY);
-      return replay(row, button, true);
+      return replay(row, button, true, to);
     }
     say("Replay of " + row.event_id + " failed: " + e.message, false);
   }
@@ -154,6 +175,11 @@ async function showTimeline(eventId) {
       t.attempt != null ? " · attempt " + t.attempt : "",
       t.publisher ? " · " + t.publisher : "",
       t.detail ? " · " + t.detail : "")));
+    const archived = d.rows.filter((r) => r.archived);
+    if (archived.length > 0) {
+      $("#timeline").append(el("li", {}, el("span", { class: "kind kind-archived" }, "archived"),
+        " · moved to the archive table (" + archived.map((r) => r.app_code).join(", ") + ")"));
+    }
     const last = d.rows[d.rows.length - 1];
     if (last && last.last_error && !d.timeline.some((t) => t.detail === last.last_error)) {
       $("#timeline").append(el("li", {}, "last error: ", el("span", { class: "kind kind-failed" }, last.last_error)));
@@ -167,6 +193,7 @@ async function showTimeline(eventId) {
 async function refresh() {
   try {
     renderStats(await getJson("/api/stats"));
+    await loadPublishers();
     await loadFailed();
   } catch (e) {
     const upd = $("#updated");

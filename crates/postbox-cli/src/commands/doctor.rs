@@ -39,6 +39,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     let config = load_config(g)?;
     let store = open_store(&config).await?;
     let mut checks = database_checks(store.as_ref(), &config).await;
+    checks.extend(app_code_checks(store.as_ref(), &config).await);
     checks.extend(config_checks(&config));
 
     let failed: Vec<&str> = checks
@@ -160,6 +161,57 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
         )),
     }
     checks
+}
+
+/// Rows of an app_code outside `database.app_codes` are never delivered
+/// (a producer's typo): pending ones fail the check, old ones warn.
+async fn app_code_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check> {
+    let served = &config.database.app_codes;
+    let present = match store.present_app_codes().await {
+        Ok(p) => p,
+        Err(e) => return vec![check("app_codes", Level::Fail, e.to_string())],
+    };
+    let unserved: Vec<String> = present
+        .into_iter()
+        .filter(|a| !served.contains(a))
+        .collect();
+    if unserved.is_empty() {
+        return vec![check(
+            "app_codes",
+            Level::Ok,
+            "every app_code with rows is in database.app_codes",
+        )];
+    }
+    let stats = match store.stats(&unserved).await {
+        Ok(s) => s,
+        Err(e) => return vec![check("app_codes", Level::Fail, e.to_string())],
+    };
+    stats
+        .into_iter()
+        .map(|s| {
+            let waiting = s.pending + s.retryable + s.delivering;
+            let name = format!("app_code:{}", s.app_code);
+            if waiting > 0 {
+                check(
+                    name,
+                    Level::Fail,
+                    format!(
+                        "{waiting} undelivered row(s) of app_code `{}`, which is not in database.app_codes: no relay delivers them (fix the producer's app_code, or add it to database.app_codes)",
+                        s.app_code
+                    ),
+                )
+            } else {
+                check(
+                    name,
+                    Level::Warn,
+                    format!(
+                        "rows of app_code `{}`, which is not in database.app_codes (none waiting)",
+                        s.app_code
+                    ),
+                )
+            }
+        })
+        .collect()
 }
 
 fn config_checks(config: &Config) -> Vec<Check> {

@@ -52,6 +52,20 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         .clone()
         .unwrap_or_else(|| config.database.app_codes[0].clone());
     let max_payload = config.database.max_payload_bytes;
+    // Rows of an app_code no relay serves would be silently orphaned.
+    let served = &config.database.app_codes;
+    let check_app = |app: &str| -> Result<(), String> {
+        if args.allow_unserved_app_code || served.iter().any(|a| a == app) {
+            Ok(())
+        } else {
+            Err(format!(
+                "app_code `{app}` is not in database.app_codes ({}): no relay would deliver it \
+                 (add it there, or pass --allow-unserved-app-code)",
+                served.join(", ")
+            ))
+        }
+    };
+    check_app(&default_app).map_err(|e| CliError::usage(format!("--app-code: {e}")))?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
 
@@ -110,7 +124,9 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         if line.trim().is_empty() {
             continue;
         }
-        match parse_line(&line, &default_app, max_payload) {
+        match parse_line(&line, &default_app, max_payload)
+            .and_then(|e| check_app(&e.app_code).map(|()| e))
+        {
             Ok(e) => batch.push(e),
             Err(error) => summary.invalid.push(Invalid {
                 line: line_no,

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use postbox_core::store::HistoryEntry;
+use postbox_core::store::{HistoryEntry, Inspected};
 use postbox_core::{EventRecord, Status};
 
 use crate::cli::{EventsArgs, EventsCommand, Global};
@@ -18,20 +18,22 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
         EventsCommand::List(list) => {
             let mut f = super::filter(&list.filter, list.limit)?;
             f.before_id = list.before_id;
-            let rows = store.list(&f).await?;
+            let rows = store.list_inspected(&f).await?;
             if g.json {
                 return output::json(&rows);
             }
-            output::event_table(&rows);
+            output::inspected_table(&rows);
             if rows.len() as u32 == list.limit {
                 if let Some(last) = rows.last() {
-                    eprintln!("(more rows: add --before-id {})", last.id);
+                    eprintln!("(more rows: add --before-id {})", last.record.id);
                 }
             }
             Ok(())
         }
         EventsCommand::Show(show) => {
-            let rows = store.find(&show.event_id).await?;
+            let rows = store
+                .find_inspected(&show.event_id, &config.database.app_codes)
+                .await?;
             if rows.is_empty() {
                 return Err(CliError::runtime(format!(
                     "no event `{}` in `{}`",
@@ -44,17 +46,29 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                 let shown: Vec<Shown> = rows
                     .iter()
                     .map(|r| Shown {
-                        timeline: timeline(r, &history),
-                        record: r,
+                        timeline: timeline(&r.record, &history),
+                        row: r,
                     })
                     .collect();
                 return output::json(&shown);
             }
-            for r in rows {
+            for Inspected {
+                record: r,
+                archived,
+            } in rows
+            {
                 println!("event_id           {}", r.event_id);
                 println!("app_code           {}", r.app_code);
                 println!("event_type         {}", r.event_type);
-                println!("status             {}", r.status);
+                if archived {
+                    println!(
+                        "status             {} (archived, in `{}`)",
+                        r.status,
+                        store.table().archive()
+                    );
+                } else {
+                    println!("status             {}", r.status);
+                }
                 println!("id                 {}", r.id);
                 println!(
                     "aggregate          {} v{}",
@@ -114,7 +128,7 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
 #[derive(Serialize)]
 struct Shown<'a> {
     #[serde(flatten)]
-    record: &'a EventRecord,
+    row: &'a Inspected,
     timeline: Vec<Step>,
 }
 

@@ -189,7 +189,14 @@ async fn bind_dashboard(
     listen: &str,
     config: &postbox_core::config::Config,
 ) -> Result<AdminServer, CliError> {
-    let mut settings = AdminSettings::from_config(admin, config.database.app_codes.clone());
+    let mut settings = AdminSettings::from_config(admin, config.database.app_codes.clone())
+        .with_publishers(
+            config
+                .publishers
+                .iter()
+                .map(|p| p.name().to_owned())
+                .collect(),
+        );
     settings.listen = listen.to_owned();
     settings.poll_interval = Duration::from_secs(1);
     match AdminServer::bind(store.clone(), settings.clone()).await {

@@ -1,6 +1,6 @@
 //! `postbox replay`.
 
-use postbox_core::store::ReplaySelector;
+use postbox_core::store::{ReplayPick, ReplaySelector, ReplayTargets};
 
 use crate::cli::{Global, ReplayArgs};
 use crate::error::CliError;
@@ -29,12 +29,29 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
         }
     };
     let config = load_config(g)?;
+    let pick = if args.all_publishers {
+        ReplayPick::All
+    } else if !args.publishers.is_empty() {
+        ReplayPick::Only(args.publishers.clone())
+    } else {
+        ReplayPick::Unconfirmed
+    };
+    let configured = config
+        .publishers
+        .iter()
+        .map(|p| p.name().to_owned())
+        .collect();
+    let targets = ReplayTargets::new(pick, configured)
+        .map_err(|e| CliError::usage(format!("--publisher: {e}")))?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
-    let rows = store.replay(&selector, args.dry_run, "cli").await?;
+    let rows = store
+        .replay_to(&selector, args.dry_run, "cli", &targets)
+        .await?;
     if !args.dry_run {
         for r in &rows {
-            tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin = "cli", "event replayed");
+            let to = targets.targets_of(r).unwrap_or_default();
+            tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin = "cli", publishers = %to, "event replayed");
         }
     }
     if g.json {

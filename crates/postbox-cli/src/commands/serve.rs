@@ -60,7 +60,13 @@ fn settings(config: &Config, admin: &AdminConfig, app_codes: Vec<String>) -> Adm
     } else {
         app_codes
     };
-    AdminSettings::from_config(admin, app_codes)
+    AdminSettings::from_config(admin, app_codes).with_publishers(
+        config
+            .publishers
+            .iter()
+            .map(|p| p.name().to_owned())
+            .collect(),
+    )
 }
 
 /// `[admin]` absent: the default address and no token (read-only).

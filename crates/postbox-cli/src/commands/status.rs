@@ -1,22 +1,53 @@
 //! `postbox status`.
 
+use serde::Serialize;
+
+use postbox_core::store::AppStats;
+
 use crate::cli::{Global, StatusArgs};
 use crate::error::CliError;
 use crate::open::{load_config, open_store, require_schema};
 use crate::output;
 
+/// One app_code's figures, and whether a relay serves it.
+#[derive(Serialize)]
+struct Row {
+    #[serde(flatten)]
+    stats: AppStats,
+    /// Listed in `database.app_codes`: a relay with this config delivers
+    /// its rows. Rows of an unserved app_code are never delivered.
+    served: bool,
+}
+
 pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
     let config = load_config(g)?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
+    let served = &config.database.app_codes;
     let app_codes = if args.app_codes.is_empty() {
-        config.database.app_codes.clone()
+        // Every app_code with rows too: a typo'd one is otherwise silently
+        // orphaned.
+        let mut all = served.clone();
+        for code in store.present_app_codes().await? {
+            if !all.contains(&code) {
+                all.push(code);
+            }
+        }
+        all
     } else {
         args.app_codes
     };
-    let stats = store.stats(&app_codes).await?;
+    let rows: Vec<Row> = store
+        .stats(&app_codes)
+        .await?
+        .into_iter()
+        .map(|stats| Row {
+            served: served.contains(&stats.app_code),
+            stats,
+        })
+        .collect();
     if g.json {
-        return output::json(&stats);
+        return output::json(&rows);
     }
     println!(
         "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>14} {:>12}",
@@ -29,10 +60,15 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
         "OLDEST PENDING",
         "RETRY DUE"
     );
-    for s in &stats {
+    for Row { stats: s, served } in &rows {
+        let app = if *served {
+            output::clip(&s.app_code, 16)
+        } else {
+            format!("{}*", output::clip(&s.app_code, 15))
+        };
         println!(
             "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>14} {:>12}",
-            output::clip(&s.app_code, 16),
+            app,
             s.pending,
             s.delivering,
             s.delivered,
@@ -40,6 +76,12 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
             s.failed,
             format!("{:.1}s", s.oldest_pending_age_seconds),
             s.retryable_due
+        );
+    }
+    if rows.iter().any(|r| !r.served) {
+        println!(
+            "* unserved: not in database.app_codes, so no relay delivers these rows \
+             (fix the producer's app_code, or add it to database.app_codes)"
         );
     }
     Ok(())
