@@ -480,8 +480,11 @@ impl RedisConsumer {
                     .await;
             }
             if keeper.was_lost(&entry.id) {
-                // Claimed by another consumer while it waited in the batch.
-                self.lost(&entry.id, &Ok(Handled::Ok));
+                tracing::warn!(
+                    consumer = name,
+                    id = %entry.id,
+                    "the entry was claimed by another consumer while it waited in this consumer's batch: not handled here"
+                );
                 return Ok(());
             }
             let mut in_hand: Vec<String> = held.to_vec();
