@@ -467,3 +467,108 @@ mod mariadb_locking {
         drop_tables(&s).await;
     }
 }
+
+/// The same interleaving on PostgreSQL, for comparison: `ON CONFLICT DO
+/// NOTHING` takes no lock on a known row, both transactions queue on
+/// `FOR UPDATE` behind the holder, and both events are applied in order.
+mod postgres_locking {
+    use std::time::{Duration, Instant};
+
+    use sqlx::{Connection, PgConnection};
+
+    use super::*;
+
+    struct Effect(String);
+
+    #[async_trait]
+    impl TxHandler<sqlx::Postgres> for Effect {
+        async fn handle(
+            &self,
+            tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+            m: &Message,
+        ) -> Result<(), HandlerError> {
+            sqlx::query(&format!("INSERT INTO {} (event_id) VALUES ($1)", self.0))
+                .bind(m.event_id())
+                .execute(&mut **tx)
+                .await
+                .map_err(HandlerError::new)?;
+            Ok(())
+        }
+    }
+
+    async fn wait_for_waiters(c: &mut PgConnection, table: &str, n: i64) {
+        let start = Instant::now();
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%' || $1 || '%'
+                   AND pid <> pg_backend_pid()",
+            )
+            .bind(table)
+            .fetch_one(&mut *c)
+            .await
+            .unwrap();
+            if waiting >= n {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{n} transactions never waited on {table}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_versions_of_a_known_aggregate_queue_on_the_row() {
+        let url = postgres_url();
+        ensure_database("postgres", &url).await;
+        let table = scratch_table("inbox_lock");
+        let versions = format!("{table}_versions");
+        let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
+            .await
+            .unwrap();
+        let effect = format!("{table}_effect");
+        sqlx::query(&format!("CREATE TABLE {effect} (event_id TEXT NOT NULL)"))
+            .execute(inbox.pool())
+            .await
+            .unwrap();
+        let handler = std::sync::Arc::new(Effect(effect.clone()));
+        let seed = message("e0", Some(("a", 0)));
+        assert_eq!(
+            inbox.process("g", &seed, &*handler).await.unwrap(),
+            Handled::Ok
+        );
+        let mut holder = PgConnection::connect(&url).await.unwrap();
+        let mut watcher = PgConnection::connect(&url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+        sqlx::query(&format!(
+            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
+        ))
+        .fetch_all(&mut holder)
+        .await
+        .unwrap();
+        let spawn = |id: &'static str, v: i64| {
+            let (inbox, h) = (inbox.clone(), handler.clone());
+            tokio::spawn(async move { inbox.process("g", &message(id, Some(("a", v))), &*h).await })
+        };
+        let t1 = spawn("e1", 1);
+        wait_for_waiters(&mut watcher, &versions, 1).await;
+        let t2 = spawn("e2", 2);
+        wait_for_waiters(&mut watcher, &versions, 2).await;
+        sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+        assert_eq!(t1.await.unwrap().unwrap(), Handled::Ok);
+        assert_eq!(t2.await.unwrap().unwrap(), Handled::Ok);
+        let effects: Vec<String> =
+            sqlx::query_scalar(&format!("SELECT event_id FROM {effect} ORDER BY event_id"))
+                .fetch_all(inbox.pool())
+                .await
+                .unwrap();
+        assert_eq!(effects, ["e0", "e1", "e2"]);
+        for t in [effect, versions, table] {
+            let _ = sqlx::query(&format!("DROP TABLE {t}"))
+                .execute(inbox.pool())
+                .await;
+        }
+    }
+}

@@ -218,3 +218,191 @@ async fn a_missing_group_without_declare_names_the_key() {
     assert!(err.to_string().contains("declare = true"), "{err}");
     b.cleanup().await;
 }
+
+/// Counts handler calls and how many run at once; each call blocks its
+/// thread (not just its task) for `block`, like a handler doing blocking I/O.
+struct Blocking {
+    block: std::time::Duration,
+    calls: std::sync::atomic::AtomicUsize,
+    running: std::sync::atomic::AtomicUsize,
+    most_at_once: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait]
+impl Handler for Blocking {
+    async fn handle(
+        &self,
+        _message: &postbox_consumers::Message,
+    ) -> Result<postbox_consumers::Handled, postbox_consumers::HandlerError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.calls.fetch_add(1, SeqCst);
+        let now = self.running.fetch_add(1, SeqCst) + 1;
+        self.most_at_once.fetch_max(now, SeqCst);
+        std::thread::sleep(self.block);
+        self.running.fetch_sub(1, SeqCst);
+        Ok(postbox_consumers::Handled::Ok)
+    }
+}
+
+/// The owner of each pending entry of `group`.
+async fn owners(b: &RedisBroker, group: &str) -> Vec<String> {
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(&b.stream)
+        .arg(group)
+        .arg("-")
+        .arg("+")
+        .arg(10)
+        .query_async(&mut b.conn.clone())
+        .await
+        .unwrap();
+    rows.into_iter().map(|r| r.1).collect()
+}
+
+/// Issue 10.9: a handler that blocks its thread for five times the claim
+/// idle time (retry_delay) keeps its entry: the keep-alive runs where the
+/// handler cannot stall it, so the other consumer never claims the entry
+/// and it is handled once, never twice at the same time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thread_blocking_handler_keeps_its_entry() {
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::time::Duration;
+    let b = RedisBroker::new().await;
+    let g = nats_redis_suite::group("blocking");
+    let handler = Arc::new(Blocking {
+        block: Duration::from_millis(1500),
+        calls: Default::default(),
+        running: Default::default(),
+        most_at_once: Default::default(),
+    });
+    // Published first: once the handler blocks a worker thread, the test's
+    // own connection may have to wait for that thread too.
+    b.publish(&nats_redis_suite::TestEvent::new(0)).await;
+    let config = b.config(&g, serde_json::json!({ "retry_delay": "300ms" }));
+    let cancel = CancellationToken::new();
+    let ta = b.spawn(config.clone(), handler.clone(), "a", cancel.clone());
+    let tb = b.spawn(config, handler.clone(), "b", cancel.clone());
+    let h = handler.clone();
+    nats_redis_suite::wait_until(Duration::from_secs(10), "the first call", move || {
+        h.calls.load(SeqCst) == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        handler.most_at_once.load(SeqCst),
+        1,
+        "handled twice at once"
+    );
+    assert_eq!(handler.calls.load(SeqCst), 1, "the entry was taken over");
+    assert_eq!(
+        b.outstanding(&g).await,
+        0,
+        "acked by the consumer that kept it"
+    );
+    let ra = nats_redis_suite::stop(&cancel, ta).await;
+    let rb = nats_redis_suite::stop(&cancel, tb).await;
+    assert_eq!(ra.ok + rb.ok, 1, "{ra:?} {rb:?}");
+    assert_eq!(ra.retry + rb.retry, 0, "{ra:?} {rb:?}");
+    b.cleanup().await;
+}
+
+/// Waits in its handler until told to finish.
+struct Held {
+    entered: std::sync::atomic::AtomicBool,
+    release: tokio::sync::Notify,
+}
+
+#[async_trait]
+impl Handler for Held {
+    async fn handle(
+        &self,
+        _message: &postbox_consumers::Message,
+    ) -> Result<postbox_consumers::Handled, postbox_consumers::HandlerError> {
+        self.entered
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.release.notified().await;
+        Ok(postbox_consumers::Handled::Ok)
+    }
+}
+
+/// Issue 10.9: once another consumer owns an entry (it claimed it while
+/// this one was stalled), this consumer's keep-alive does not take it back,
+/// and its handler's result is not acknowledged as if the entry were still
+/// its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_entry_another_consumer_took_is_not_taken_back() {
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::time::Duration;
+    let b = RedisBroker::new().await;
+    let g = nats_redis_suite::group("taken");
+    let handler = Arc::new(Held {
+        entered: Default::default(),
+        release: Default::default(),
+    });
+    let config = b.config(&g, serde_json::json!({ "retry_delay": "300ms" }));
+    let cancel = CancellationToken::new();
+    let task = b.spawn(config, handler.clone(), "a", cancel.clone());
+    b.publish(&nats_redis_suite::TestEvent::new(0)).await;
+    let h = handler.clone();
+    nats_redis_suite::wait_until(Duration::from_secs(10), "the handler", move || {
+        h.entered.load(SeqCst)
+    })
+    .await;
+    assert_eq!(owners(&b, &g).await, ["a"]);
+    // Another consumer takes the entry over (as after a stall of `a`).
+    let id: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(&b.stream)
+        .arg(&g)
+        .arg("-")
+        .arg("+")
+        .arg(1)
+        .query_async(&mut b.conn.clone())
+        .await
+        .unwrap();
+    let _: redis::Value = redis::cmd("XCLAIM")
+        .arg(&b.stream)
+        .arg(&g)
+        .arg("thief")
+        .arg(0)
+        .arg(&id[0].0)
+        .arg("JUSTID")
+        .query_async(&mut b.conn.clone())
+        .await
+        .unwrap();
+    // Several keep-alive periods (retry_delay / 3) later it is still theirs.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        owners(&b, &g).await,
+        ["thief"],
+        "the keep-alive took it back"
+    );
+    // The thief is alive: it keeps the entry from now on.
+    let thief = {
+        let (stream, group, id, mut conn) =
+            (b.stream.clone(), g.clone(), id[0].0.clone(), b.conn.clone());
+        tokio::spawn(async move {
+            loop {
+                let _: redis::RedisResult<redis::Value> = redis::cmd("XCLAIM")
+                    .arg(&stream)
+                    .arg(&group)
+                    .arg("thief")
+                    .arg(0)
+                    .arg(&id)
+                    .arg("JUSTID")
+                    .query_async(&mut conn)
+                    .await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    handler.release.notify_one();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        owners(&b, &g).await,
+        ["thief"],
+        "`a` acknowledged an entry that was no longer its own"
+    );
+    let report = nats_redis_suite::stop(&cancel, task).await;
+    thief.abort();
+    assert_eq!(report.ok, 0, "{report:?}");
+    b.cleanup().await;
+}

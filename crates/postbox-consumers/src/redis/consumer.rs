@@ -32,6 +32,177 @@ pub fn dead_stream(stream: &str) -> String {
     format!("{stream}.dead")
 }
 
+/// Connects with bounded waits; `block` is the longest `BLOCK` the
+/// connection's commands use.
+async fn connect(url: &str, block: Duration) -> Result<ConnectionManager, String> {
+    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+    let io = Duration::from_secs(5);
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(io))
+        .set_response_timeout(Some(io + block))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_secs(1));
+    ConnectionManager::new_with_config(client, config)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Resets the idle time (`XCLAIM … 0 … JUSTID`, no delivery counted) of the
+/// entries in `ARGV[3..]` that group `ARGV[1]` still has pending for
+/// consumer `ARGV[2]`; returns the others (now another consumer's, or no
+/// longer pending). Atomic: an entry another consumer has claimed is never
+/// taken back.
+const KEEP_IF_MINE: &str = r"
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+";
+
+/// `XACK`s entry `ARGV[3]` only while group `ARGV[1]` has it pending for
+/// consumer `ARGV[2]`; returns 1 if acked, 0 if it is not ours (any more).
+const ACK_IF_MINE: &str = r"
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 1 and p[1][2] == ARGV[2] then
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+  return 1
+end
+return 0
+";
+
+/// While group `ARGV[1]` has entry `ARGV[3]` pending for consumer
+/// `ARGV[2]`: `XADD`s the field/value pairs `ARGV[4..]` to `KEYS[2]` and
+/// `XACK`s the entry, both or neither; returns 1, or 0 if it is not ours.
+const DEAD_IF_MINE: &str = r"
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 1 and p[1][2] == ARGV[2] then
+  local fields = {}
+  for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[2], '*', unpack(fields))
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+  return 1
+end
+return 0
+";
+
+/// Keeps the entries a consumer is working on from a thread of its own, with
+/// its own connection and runtime: a handler that blocks its thread or
+/// stalls its task cannot stop the keep-alive, so no other consumer takes
+/// the entries for due retries while they are being worked on. It refreshes
+/// only entries still pending for this consumer ([`KEEP_IF_MINE`]) and
+/// notes the ones another consumer now owns.
+struct Keeper {
+    shared: Arc<Kept>,
+    /// Dropped with the keeper: the thread ends.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+#[derive(Default)]
+struct Kept {
+    in_hand: std::sync::Mutex<Vec<String>>,
+    lost: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Keeper {
+    /// Starts the thread; it touches the entries in hand every `every`.
+    fn start(
+        url: String,
+        stream: String,
+        group: String,
+        name: String,
+        every: Duration,
+    ) -> Result<Self, String> {
+        let shared = Arc::new(Kept::default());
+        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let kept = shared.clone();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("starting the keep-alive runtime: {e}"))?;
+        std::thread::Builder::new()
+            .name(format!("postbox-keep-{name}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let mut conn: Option<ConnectionManager> = None;
+                    loop {
+                        tokio::select! {
+                            _ = &mut stopped => return,
+                            _ = tokio::time::sleep(every) => {}
+                        }
+                        let ids = locked(&kept.in_hand).clone();
+                        if ids.is_empty() {
+                            continue;
+                        }
+                        if conn.is_none() {
+                            match connect(&url, Duration::ZERO).await {
+                                Ok(c) => conn = Some(c),
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "could not connect to keep the entries in hand");
+                                    continue;
+                                }
+                            }
+                        }
+                        let Some(c) = conn.as_mut() else { continue };
+                        match keep_if_mine(c, &stream, &group, &name, &ids).await {
+                            Ok(lost) if !lost.is_empty() => {
+                                locked(&kept.lost).extend(lost);
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, "could not keep the entries in hand");
+                            }
+                        }
+                    }
+                });
+            })
+            .map_err(|e| format!("starting the keep-alive thread: {e}"))?;
+        Ok(Keeper {
+            shared,
+            _stop: stop,
+        })
+    }
+
+    /// The entries to keep from now on (empty: none).
+    fn hold(&self, ids: &[String]) {
+        *locked(&self.shared.in_hand) = ids.to_vec();
+        locked(&self.shared.lost).retain(|id| ids.contains(id));
+    }
+
+    /// Whether the keep-alive found `id` owned by another consumer (or no
+    /// longer pending).
+    fn was_lost(&self, id: &str) -> bool {
+        locked(&self.shared.lost).contains(id)
+    }
+}
+
+async fn keep_if_mine(
+    conn: &mut ConnectionManager,
+    stream: &str,
+    group: &str,
+    name: &str,
+    ids: &[String],
+) -> Result<Vec<String>, RedisError> {
+    redis::cmd("EVAL")
+        .arg(KEEP_IF_MINE)
+        .arg(1)
+        .arg(stream)
+        .arg(group)
+        .arg(name)
+        .arg(ids)
+        .query_async(conn)
+        .await
+}
+
 /// A Redis Streams consumer-group member driving one [`Handler`].
 pub struct RedisConsumer {
     config: ConsumerConfig,
@@ -104,16 +275,7 @@ impl RedisConsumer {
     }
 
     async fn connect(&self) -> Result<ConnectionManager, String> {
-        let client = redis::Client::open(self.config.url.expose()).map_err(|e| e.to_string())?;
-        let io = Duration::from_secs(5);
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(io))
-            .set_response_timeout(Some(io + self.block()))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_secs(1));
-        ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(|e| e.to_string())
+        connect(self.config.url.expose(), self.block()).await
     }
 
     async fn run_session(
@@ -145,6 +307,16 @@ impl RedisConsumer {
                 Err(e) => return self.refused(e),
             }
         }
+        let keeper = match Keeper::start(
+            self.config.url.expose().to_owned(),
+            stream.to_owned(),
+            group.to_owned(),
+            self.name.clone(),
+            self.keep_every(),
+        ) {
+            Ok(k) => k,
+            Err(e) => return SessionEnd::Broken(e),
+        };
         *connected = true;
         tracing::info!(
             consumer = self.config.name(),
@@ -180,7 +352,7 @@ impl RedisConsumer {
             for (entry, deliveries) in batch {
                 held.retain(|id| *id != entry.id);
                 if let Err(e) = self
-                    .process(&mut conn, entry, deliveries, &held, report)
+                    .process(&mut conn, &keeper, entry, deliveries, &held, report)
                     .await
                 {
                     return SessionEnd::Broken(e.to_string());
@@ -281,6 +453,7 @@ impl RedisConsumer {
     async fn process(
         &self,
         conn: &mut ConnectionManager,
+        keeper: &Keeper,
         entry: StreamId,
         deliveries: u32,
         held: &[String],
@@ -306,11 +479,30 @@ impl RedisConsumer {
                     .dead(conn, &entry, message.attempt, &reason, report)
                     .await;
             }
+            if keeper.was_lost(&entry.id) {
+                tracing::warn!(
+                    consumer = name,
+                    id = %entry.id,
+                    "the entry was claimed by another consumer while it waited in this consumer's batch: not handled here"
+                );
+                return Ok(());
+            }
             let mut in_hand: Vec<String> = held.to_vec();
             in_hand.push(entry.id.clone());
-            match self.handle_keeping_alive(conn, &message, &in_hand).await {
+            keeper.hold(&in_hand);
+            let result = self.handler.handle(&message).await;
+            let lost = keeper.was_lost(&entry.id);
+            keeper.hold(held);
+            if lost {
+                self.lost(&entry.id, &result);
+                return Ok(());
+            }
+            match result {
                 Ok(handled) => {
-                    self.ack(conn, &entry.id).await?;
+                    if !self.ack(conn, &entry.id).await? {
+                        self.lost(&entry.id, &Ok(handled));
+                        return Ok(());
+                    }
                     count(name, handled.as_str());
                     match handled {
                         Handled::Ok => report.ok += 1,
@@ -327,7 +519,11 @@ impl RedisConsumer {
                     } => {
                         // Left pending; the delay runs from now, not from
                         // the delivery.
-                        self.touch(conn, std::slice::from_ref(&entry.id)).await?;
+                        let lost = self.touch(conn, std::slice::from_ref(&entry.id)).await?;
+                        if !lost.is_empty() {
+                            self.lost(&entry.id, &Err(e));
+                            return Ok(());
+                        }
                         count(name, "retry");
                         report.retry += 1;
                         tracing::warn!(
@@ -350,62 +546,66 @@ impl RedisConsumer {
         .await
     }
 
-    /// Runs the handler while resetting the idle time of the entries in
-    /// hand every third of the retry delay, so that no other consumer takes
-    /// them for due retries while they are being worked on.
-    async fn handle_keeping_alive(
-        &self,
-        conn: &mut ConnectionManager,
-        message: &crate::Message,
-        in_hand: &[String],
-    ) -> Result<Handled, crate::HandlerError> {
-        let handling = self.handler.handle(message);
-        tokio::pin!(handling);
-        let every = (self.policy.retry_delay / 3).max(Duration::from_millis(10));
-        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        loop {
-            tokio::select! {
-                result = &mut handling => return result,
-                _ = ticker.tick() => {
-                    if let Err(e) = self.touch(conn, in_hand).await {
-                        tracing::debug!(error = %e, "could not keep the entries in hand");
-                    }
-                }
-            }
-        }
+    /// How often the entries in hand are kept: a third of the retry delay,
+    /// the shortest idle time after which another consumer may claim them.
+    fn keep_every(&self) -> Duration {
+        (self.policy.retry_delay / 3).max(Duration::from_millis(10))
     }
 
-    /// `XCLAIM … JUSTID` to this consumer: resets the idle time without
-    /// counting a delivery.
-    async fn touch(&self, conn: &mut ConnectionManager, ids: &[String]) -> Result<(), RedisError> {
+    /// Resets the idle time of `ids` still pending for this consumer
+    /// (`XCLAIM … JUSTID`: no delivery counted); returns the ones that are
+    /// not (any more).
+    async fn touch(
+        &self,
+        conn: &mut ConnectionManager,
+        ids: &[String],
+    ) -> Result<Vec<String>, RedisError> {
         if ids.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
-        let _: redis::Value = redis::cmd("XCLAIM")
+        keep_if_mine(
+            conn,
+            &self.config.queue,
+            self.config.consumer_group(),
+            &self.name,
+            ids,
+        )
+        .await
+    }
+
+    /// The handler finished an entry that another consumer took over
+    /// meanwhile (this one stalled longer than the retry delay): the result
+    /// is not this consumer's to settle; the owner does.
+    fn lost(&self, id: &str, result: &Result<Handled, crate::HandlerError>) {
+        tracing::warn!(
+            consumer = self.config.name(),
+            id,
+            result = match result {
+                Ok(h) => h.as_str(),
+                Err(_) => "error",
+            },
+            "the entry was claimed by another consumer while the handler ran (stalled longer than the retry delay?): its result is not acknowledged here"
+        );
+    }
+
+    /// `XACK`s `id` if it is still pending for this consumer; false if
+    /// another consumer owns it now (or it is no longer pending).
+    async fn ack(&self, conn: &mut ConnectionManager, id: &str) -> Result<bool, RedisError> {
+        let acked: i64 = redis::cmd("EVAL")
+            .arg(ACK_IF_MINE)
+            .arg(1)
             .arg(&self.config.queue)
             .arg(self.config.consumer_group())
             .arg(&self.name)
-            .arg(0)
-            .arg(ids)
-            .arg("JUSTID")
-            .query_async(conn)
-            .await?;
-        Ok(())
-    }
-
-    async fn ack(&self, conn: &mut ConnectionManager, id: &str) -> Result<(), RedisError> {
-        let _: i64 = redis::cmd("XACK")
-            .arg(&self.config.queue)
-            .arg(self.config.consumer_group())
             .arg(id)
             .query_async(conn)
             .await?;
-        Ok(())
+        Ok(acked == 1)
     }
 
-    /// `XADD <stream>.dead`, then `XACK` the original: a crash in between
-    /// leaves it pending, to be dead-lettered again (a duplicate dead copy,
-    /// never a lost one).
+    /// `XADD <stream>.dead` and `XACK` the original in one script, only
+    /// while the entry is still this consumer's: no duplicate dead copy, no
+    /// lost one.
     async fn dead(
         &self,
         conn: &mut ConnectionManager,
@@ -422,13 +622,26 @@ impl RedisConsumer {
             attempt,
             last_error,
         );
-        let mut cmd = redis::cmd("XADD");
-        cmd.arg(&dead).arg("*");
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(DEAD_IF_MINE)
+            .arg(2)
+            .arg(&self.config.queue)
+            .arg(&dead)
+            .arg(self.config.consumer_group())
+            .arg(&self.name)
+            .arg(&entry.id);
         for (k, v) in &fields {
             cmd.arg(k).arg(v.as_slice());
         }
-        let _: String = cmd.query_async(conn).await?;
-        self.ack(conn, &entry.id).await?;
+        let stored: i64 = cmd.query_async(conn).await?;
+        if stored != 1 {
+            tracing::warn!(
+                consumer = self.config.name(),
+                id = %entry.id,
+                "the entry was claimed by another consumer before it could be dead-lettered here: its owner settles it"
+            );
+            return Ok(());
+        }
         count(self.config.name(), "dead");
         report.dead += 1;
         tracing::error!(

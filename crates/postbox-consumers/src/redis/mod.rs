@@ -11,12 +11,21 @@
 //!   `retry_delay × 2^(n-1)` (capped; `n` is the group's delivery count) any
 //!   consumer of the group claims it (`XPENDING … IDLE` then `XCLAIM`) and
 //!   tries again. The same path picks up entries of consumers that died.
-//!   While a handler runs, its entries' idle time is reset (`XCLAIM …
-//!   JUSTID`), so a slow handler keeps them.
+//!   While a handler runs, its entries' idle time is reset every third of
+//!   `retry_delay` (`XCLAIM … JUSTID`) from a thread of the consumer's own,
+//!   with its own connection, so a slow or thread-blocking handler keeps
+//!   them. The reset (a Lua script) only touches entries still pending for
+//!   this consumer: an entry another consumer claimed (this one stalled
+//!   longer than the retry delay) is never taken back, and the stalled
+//!   handler's result is not acknowledged (`XACK` too checks the owner); the
+//!   new owner settles it.
 //! - After `max_attempts` deliveries: the entry is `XADD`ed to
 //!   `<stream>.dead` (its fields, `headers` with `x-last-error` and
-//!   `x-consume-attempt`, plus `consumer_group` and `source_id`) and then
-//!   `XACK`ed.
+//!   `x-consume-attempt`, plus `consumer_group` and `source_id`) and
+//!   `XACK`ed in one script, only while it is still this consumer's.
+//!
+//! The consumer's Redis user needs `EVAL` (`+@scripting`) besides the stream
+//! commands.
 
 mod consumer;
 mod entry;
