@@ -581,12 +581,14 @@ async fn a_hand_made_retry_queue_that_does_not_dead_letter_back_is_refused() {
         delete_queues(&ch, queue).await;
     }
 
-    // Right dead-letter arguments plus one postbox does not set: it runs.
+    // Right dead-letter arguments plus ones postbox does not set (a quorum
+    // retry queue with a length limit): it runs.
     let good = scratch_table("handmade");
     let mut args = FieldTable::default();
     args.insert("x-dead-letter-exchange".into(), ls(""));
     args.insert("x-dead-letter-routing-key".into(), ls(&good));
     args.insert("x-max-length".into(), AMQPValue::LongLongInt(100_000));
+    args.insert("x-queue-type".into(), ls("quorum"));
     hand_made_topology(&ch, &good, args).await;
     let (url, keys) = slow_server(Duration::ZERO).await;
     let toml = consumer_toml(&good, &url, "").replace("declare = true", "declare = false");
@@ -615,5 +617,15 @@ async fn a_hand_made_retry_queue_that_does_not_dead_letter_back_is_refused() {
     }
     child.start_kill().unwrap();
     child.wait().await.unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    println!("{err}");
+    assert!(!err.contains("cannot verify"), "{err}");
     delete_queues(&ch, &good).await;
 }
