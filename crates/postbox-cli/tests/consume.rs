@@ -581,12 +581,14 @@ async fn a_hand_made_retry_queue_that_does_not_dead_letter_back_is_refused() {
         delete_queues(&ch, queue).await;
     }
 
-    // Right dead-letter arguments plus one postbox does not set: it runs.
+    // Right dead-letter arguments plus ones postbox does not set (a quorum
+    // retry queue with a length limit): it runs.
     let good = scratch_table("handmade");
     let mut args = FieldTable::default();
     args.insert("x-dead-letter-exchange".into(), ls(""));
     args.insert("x-dead-letter-routing-key".into(), ls(&good));
     args.insert("x-max-length".into(), AMQPValue::LongLongInt(100_000));
+    args.insert("x-queue-type".into(), ls("quorum"));
     hand_made_topology(&ch, &good, args).await;
     let (url, keys) = slow_server(Duration::ZERO).await;
     let toml = consumer_toml(&good, &url, "").replace("declare = true", "declare = false");
@@ -615,5 +617,81 @@ async fn a_hand_made_retry_queue_that_does_not_dead_letter_back_is_refused() {
     }
     child.start_kill().unwrap();
     child.wait().await.unwrap();
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    println!("{err}");
+    assert!(!err.contains("cannot verify"), "{err}");
     delete_queues(&ch, &good).await;
+}
+
+#[tokio::test]
+async fn per_aggregate_ordering_keeps_its_holds_beside_the_inbox() {
+    let (_conn, ch) = broker().await;
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    let queue = scratch_table("ordered");
+    let (url, keys) = slow_server(Duration::ZERO).await;
+    let toml = format!(
+        "{}ordering = \"per_aggregate\"\n",
+        consume_toml_with_inbox(&queue, &url, &inbox)
+    );
+    let config = write_config(dir.path(), &toml);
+    let mut child = postbox()
+        .args(["--config", config.to_str().unwrap(), "consume"])
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    // The queue exists once consume has declared it.
+    loop {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "consume did not start"
+        );
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("consume exited: {status:?}");
+        }
+        let probe = broker().await.0;
+        let ch2 = probe.create_channel().await.unwrap();
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        if ch2
+            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .await
+            .is_ok()
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    publish(&ch, &queue, "ord-1", "{}").await;
+    while keys.lock().unwrap().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(20), "nothing handled");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    child.start_kill().unwrap();
+    child.wait().await.unwrap();
+    use sqlx::Connection;
+    let mut c = sqlx::SqliteConnection::connect(&inbox).await.unwrap();
+    let tables: Vec<String> =
+        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            .fetch_all(&mut c)
+            .await
+            .unwrap();
+    assert_eq!(
+        tables,
+        [
+            "bridge_inbox",
+            "bridge_inbox_holds",
+            "bridge_inbox_versions"
+        ]
+    );
+    delete_queues(&ch, &queue).await;
 }
