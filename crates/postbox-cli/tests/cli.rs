@@ -91,6 +91,34 @@ fn bad_config_exits_2_naming_the_key() {
     );
 }
 
+/// A database nobody listens on: the error names the address and the cause,
+/// not just `pool timed out`, and never the password.
+#[test]
+fn an_unreachable_database_is_named_with_the_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let urls: [&'static str; 2] = [
+        "postgres://postgres:hunter2pw@127.0.0.1:1/postgres",
+        "mysql://root:hunter2pw@127.0.0.1:1/postbox",
+    ];
+    let runs: Vec<_> = urls
+        .iter()
+        .map(|&url| {
+            let dir = dir.path().to_owned();
+            std::thread::spawn(move || postbox(&dir, &["--database-url", url, "status"], &[]))
+        })
+        .collect();
+    for (url, run) in urls.iter().zip(runs) {
+        let out = run.join().unwrap();
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{url}: {all}");
+        assert!(
+            all.contains("127.0.0.1:1") && all.contains("Connection refused"),
+            "{url}: {all}"
+        );
+        assert!(!all.contains("hunter2pw"), "{url}: {all}");
+    }
+}
+
 #[test]
 fn env_overrides_the_file_and_is_validated_too() {
     let dir = tempfile::tempdir().unwrap();
@@ -321,7 +349,7 @@ fn unroutable_events_keep_payloads_out_of_the_logs() {
         assert!(out.status.success(), "{}", text(&out));
     }
 
-    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+    let relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
         .current_dir(dir.path())
         .env_remove("RUST_LOG")
         .args(["--config", &cfg, "relay"])
