@@ -279,15 +279,96 @@ fn sqlite_workflow_end_to_end() {
     assert!(text(&bad_time).contains("--since"));
 }
 
+/// The quickstart delivers every demo event, then keeps its dashboard up
+/// (stdout is a pipe here, not a terminal) until SIGINT, which ends it with
+/// exit 0.
 #[test]
 fn quickstart_runs_with_no_server() {
+    use std::io::{BufRead, Read, Write};
     let dir = tempfile::tempdir().unwrap();
-    let out = postbox(
-        dir.path(),
-        &["quickstart", "--events", "300", "--rate", "1000"],
-        &[],
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir.path())
+        .args([
+            "quickstart",
+            "--events",
+            "300",
+            "--rate",
+            "1000",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, lines) = std::sync::mpsc::channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut seen = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !seen.iter().any(|l: &String| l.contains("stays up")) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => seen.push(line),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("no `stays up` line: {seen:#?}");
+            }
+        }
+    }
+    let all = seen.join("\n");
+    assert!(all.contains("Where to look"), "{all}");
+    let addr = seen
+        .iter()
+        .find_map(|l| l.trim().strip_prefix("dashboard  http://"))
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("no dashboard address: {all}"))
+        .to_owned();
+
+    // Well after the demo (whose events are all delivered by now), the
+    // dashboard still answers.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "quickstart exited after the demo"
     );
-    assert!(out.status.success(), "{}", text(&out));
+    let mut conn = std::net::TcpStream::connect(&addr)
+        .unwrap_or_else(|e| panic!("dashboard at {addr} closed: {e}"));
+    conn.write_all(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(
+        answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"),
+        "{answer:.200}"
+    );
+
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let waited = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if waited.elapsed() > std::time::Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("quickstart still running 10 s after SIGINT");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(
+        status.success(),
+        "SIGINT ends the quickstart with 0: {status}"
+    );
+
     let lines =
         std::fs::read_to_string(dir.path().join("postbox-quickstart/events.jsonl")).unwrap();
     let ids: std::collections::HashSet<String> = lines
@@ -300,7 +381,6 @@ fn quickstart_runs_with_no_server() {
         })
         .collect();
     assert_eq!(ids.len(), 300, "every demo event delivered");
-    assert!(text(&out).contains("Where to look"));
     // The config it leaves behind works for the next commands.
     let cfg = dir.path().join("postbox-quickstart/postbox.toml");
     let st = postbox(
