@@ -233,8 +233,8 @@ pub struct QuickstartArgs {
     /// Dashboard address (a free port is taken when this one is busy).
     #[arg(long, default_value = "127.0.0.1:9464")]
     pub listen: String,
-    /// Keep serving the dashboard after the demo until Ctrl-C (default:
-    /// only when stdout is a terminal).
-    #[arg(long)]
+    /// Accepted for older scripts: the dashboard now always stays up after
+    /// the demo until Ctrl-C.
+    #[arg(long, hide = true)]
     pub keep_serving: bool,
 }

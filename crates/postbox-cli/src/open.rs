@@ -1,6 +1,7 @@
 //! Loading the configuration and opening the store it names.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use postbox_core::config::{self, Config, ConfigSource};
 use postbox_core::store::OutboxStore;
@@ -21,16 +22,27 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn OutboxStore>, CliErro
     let url = db.url.expose();
     let table = db.table.as_str();
     let store: Arc<dyn OutboxStore> = match db.url.scheme() {
-        "postgres" | "postgresql" => Arc::new(
-            postbox_postgres::PgOutbox::connect(url, table, db.max_connections)
-                .await?
-                .with_max_payload_bytes(db.max_payload_bytes),
-        ),
-        "mysql" | "mariadb" => Arc::new(
-            postbox_mysql::MySqlOutbox::connect(url, table, db.max_connections)
-                .await?
-                .with_max_payload_bytes(db.max_payload_bytes),
-        ),
+        "postgres" | "postgresql" => {
+            let at = url
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .ok()
+                .map(|o| (o.get_host().to_owned(), o.get_port()));
+            match postbox_postgres::PgOutbox::connect(url, table, db.max_connections).await {
+                Ok(s) => Arc::new(s.with_max_payload_bytes(db.max_payload_bytes)),
+                Err(e) => return Err(not_reached(e, at).await),
+            }
+        }
+        "mysql" | "mariadb" => {
+            let at = url
+                .replacen("mariadb://", "mysql://", 1)
+                .parse::<sqlx::mysql::MySqlConnectOptions>()
+                .ok()
+                .map(|o| (o.get_host().to_owned(), o.get_port()));
+            match postbox_mysql::MySqlOutbox::connect(url, table, db.max_connections).await {
+                Ok(s) => Arc::new(s.with_max_payload_bytes(db.max_payload_bytes)),
+                Err(e) => return Err(not_reached(e, at).await),
+            }
+        }
         "sqlite" => Arc::new(
             postbox_sqlite::SqliteOutbox::connect(url, table, db.max_connections)
                 .await?
@@ -43,6 +55,39 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn OutboxStore>, CliErro
         }
     };
     Ok(store)
+}
+
+/// A pool that cannot open a connection says only `pool timed out`: this
+/// names the address it tried (never the credentials) and the cause, from
+/// one plain TCP connection to it.
+async fn not_reached(e: postbox_core::Error, at: Option<(String, u16)>) -> CliError {
+    let timed_out = matches!(
+        &e,
+        postbox_core::Error::Database { source, .. }
+            if matches!(source.downcast_ref::<sqlx::Error>(), Some(sqlx::Error::PoolTimedOut))
+    );
+    let Some((host, port)) = at.filter(|_| timed_out) else {
+        return e.into();
+    };
+    if host.starts_with('/') {
+        return CliError::runtime(format!(
+            "cannot connect to the database through the socket in `{host}` (port {port}): no connection within the pool's timeout; check database.url and that the server is running"
+        ));
+    }
+    let address = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let probe = tokio::net::TcpStream::connect((host.as_str(), port));
+    let cause = match tokio::time::timeout(Duration::from_secs(5), probe).await {
+        Ok(Err(io)) => io.to_string(),
+        Err(_) => "no answer within 5 s (a firewall, or the wrong host)".to_owned(),
+        Ok(Ok(_)) => "the port accepts TCP connections, but no database connection opened in time (TLS settings, a proxy, or an overloaded server?)".to_owned(),
+    };
+    CliError::runtime(format!(
+        "cannot connect to the database at {address}: {cause}; check database.url and that the server is running"
+    ))
 }
 
 /// Fails with a clear message when the outbox table does not exist yet.

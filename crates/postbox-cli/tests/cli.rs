@@ -98,6 +98,34 @@ fn bad_config_exits_2_naming_the_key() {
     );
 }
 
+/// A database nobody listens on: the error names the address and the cause,
+/// not just `pool timed out`, and never the password.
+#[test]
+fn an_unreachable_database_is_named_with_the_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    let urls: [&'static str; 2] = [
+        "postgres://postgres:hunter2pw@127.0.0.1:1/postgres",
+        "mysql://root:hunter2pw@127.0.0.1:1/postbox",
+    ];
+    let runs: Vec<_> = urls
+        .iter()
+        .map(|&url| {
+            let dir = dir.path().to_owned();
+            std::thread::spawn(move || postbox(&dir, &["--database-url", url, "status"], &[]))
+        })
+        .collect();
+    for (url, run) in urls.iter().zip(runs) {
+        let out = run.join().unwrap();
+        let all = text(&out);
+        assert_eq!(out.status.code(), Some(1), "{url}: {all}");
+        assert!(
+            all.contains("127.0.0.1:1") && all.contains("Connection refused"),
+            "{url}: {all}"
+        );
+        assert!(!all.contains("hunter2pw"), "{url}: {all}");
+    }
+}
+
 /// Issue 9.13: with `--log-format json` the error that ends the process is
 /// a JSON line too, like every other line on stderr.
 #[test]
@@ -288,15 +316,96 @@ fn sqlite_workflow_end_to_end() {
     assert!(text(&bad_time).contains("--since"));
 }
 
+/// The quickstart delivers every demo event, then keeps its dashboard up
+/// (stdout is a pipe here, not a terminal) until SIGINT, which ends it with
+/// exit 0.
 #[test]
 fn quickstart_runs_with_no_server() {
+    use std::io::{BufRead, Read, Write};
     let dir = tempfile::tempdir().unwrap();
-    let out = postbox(
-        dir.path(),
-        &["quickstart", "--events", "300", "--rate", "1000"],
-        &[],
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir.path())
+        .args([
+            "quickstart",
+            "--events",
+            "300",
+            "--rate",
+            "1000",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, lines) = std::sync::mpsc::channel::<String>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let mut seen = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !seen.iter().any(|l: &String| l.contains("stays up")) {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => seen.push(line),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("no `stays up` line: {seen:#?}");
+            }
+        }
+    }
+    let all = seen.join("\n");
+    assert!(all.contains("Where to look"), "{all}");
+    let addr = seen
+        .iter()
+        .find_map(|l| l.trim().strip_prefix("dashboard  http://"))
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("no dashboard address: {all}"))
+        .to_owned();
+
+    // Well after the demo (whose events are all delivered by now), the
+    // dashboard still answers.
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "quickstart exited after the demo"
     );
-    assert!(out.status.success(), "{}", text(&out));
+    let mut conn = std::net::TcpStream::connect(&addr)
+        .unwrap_or_else(|e| panic!("dashboard at {addr} closed: {e}"));
+    conn.write_all(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(
+        answer.starts_with("HTTP/1.0 200") || answer.starts_with("HTTP/1.1 200"),
+        "{answer:.200}"
+    );
+
+    Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let waited = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if waited.elapsed() > std::time::Duration::from_secs(10) {
+            let _ = child.kill();
+            panic!("quickstart still running 10 s after SIGINT");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(
+        status.success(),
+        "SIGINT ends the quickstart with 0: {status}"
+    );
+
     let lines =
         std::fs::read_to_string(dir.path().join("postbox-quickstart/events.jsonl")).unwrap();
     let ids: std::collections::HashSet<String> = lines
@@ -309,7 +418,6 @@ fn quickstart_runs_with_no_server() {
         })
         .collect();
     assert_eq!(ids.len(), 300, "every demo event delivered");
-    assert!(text(&out).contains("Where to look"));
     // The config it leaves behind works for the next commands.
     let cfg = dir.path().join("postbox-quickstart/postbox.toml");
     let st = postbox(
@@ -358,7 +466,7 @@ fn unroutable_events_keep_payloads_out_of_the_logs() {
         assert!(out.status.success(), "{}", text(&out));
     }
 
-    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+    let relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
         .current_dir(dir.path())
         .env_remove("RUST_LOG")
         .args(["--config", &cfg, "relay"])

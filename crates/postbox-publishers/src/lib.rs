@@ -40,12 +40,12 @@ pub async fn build_all(configs: &[PublisherConfig]) -> Result<Vec<Arc<dyn Publis
 }
 
 /// Publishers name their keys `publishers.<key>`; the config error a user
-/// sees names the entry, `publishers[i].<key>`, as validation does.
+/// sees names the entry, `publishers.<i>.<key>`, as validation does.
 fn at_index(e: postbox_core::Error, i: usize) -> postbox_core::Error {
     match e {
         postbox_core::Error::Config { key, reason } => postbox_core::Error::Config {
             key: match key.strip_prefix("publishers.") {
-                Some(rest) => format!("publishers[{i}].{rest}"),
+                Some(rest) => format!("publishers.{i}.{rest}"),
                 None => key,
             },
             reason,

@@ -224,12 +224,29 @@ async fn a_410_is_retried_until_failed_at_max_retry_count() {
     let store = store_with("w410", 1).await;
     let worker = fast_worker();
     let max = worker.max_retry_count as usize;
-    run_relay_until_for(store, publisher(&base), worker, "w410", |s| s.failed == 1).await;
+    run_relay_until_for(store.clone(), publisher(&base), worker, "w410", |s| {
+        s.failed == 1
+    })
+    .await;
     let got = receiver.accepted();
     assert!(
         (max..=max + 1).contains(&got.len()),
         "{} attempts for max_retry_count {max}",
         got.len()
+    );
+    // The relay names the publisher once: `webhook: <url> answered …`.
+    let rows = store
+        .list(&postbox_core::store::EventFilter {
+            app_code: Some("w410".to_owned()),
+            limit: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let last_error = rows[0].last_error.clone().unwrap_or_default();
+    assert!(
+        last_error.starts_with(&format!("webhook: {base}")) && last_error.contains("410"),
+        "{last_error}"
     );
 }
 

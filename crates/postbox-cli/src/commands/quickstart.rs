@@ -7,8 +7,6 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use std::io::IsTerminal;
-
 use postbox_admin::{AdminServer, AdminSettings};
 use postbox_core::config::{self, AdminConfig, ConfigSource};
 use postbox_core::relay::{CancellationToken, Relay};
@@ -22,6 +20,8 @@ use crate::open::open_store;
 const DEMO_TYPES: [&str; 4] = ["RoomCreated", "MemberJoined", "GiftSent", "MemberLeft"];
 
 pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
+    // `--keep-serving` is what every quickstart does now.
+    let _ = args.keep_serving;
     let dir = &args.dir;
     std::fs::create_dir_all(dir)
         .map_err(|e| CliError::runtime(format!("creating `{}`: {e}", dir.display())))?;
@@ -77,8 +77,12 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
         args.events, args.rate
     );
 
-    let shutdown = CancellationToken::new();
-    spawn_signal_handler(shutdown.clone());
+    // Ctrl-C (or SIGTERM) ends everything; the demo's relay and producer
+    // also stop by themselves once every event is delivered, while the
+    // dashboard keeps serving until the signal.
+    let interrupted = CancellationToken::new();
+    spawn_signal_handler(interrupted.clone());
+    let shutdown = interrupted.child_token();
     let dashboard_stop = CancellationToken::new();
     let dashboard_task = tokio::spawn(dashboard.run(dashboard_stop.clone()));
     let relay = Relay::new(
@@ -166,11 +170,9 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
             "dashboard": format!("http://{dashboard_addr}/"),
         }))?;
     }
-    if args.keep_serving || (std::io::stdout().is_terminal() && !shutdown.is_cancelled()) {
+    if !interrupted.is_cancelled() {
         println!("\nThe dashboard stays up at http://{dashboard_addr}/ ; Ctrl-C to stop.");
-        let stop = CancellationToken::new();
-        spawn_signal_handler(stop.clone());
-        stop.cancelled().await;
+        interrupted.cancelled().await;
     }
     dashboard_stop.cancel();
     match dashboard_task.await {

@@ -76,12 +76,19 @@ fn from_figment(errors: figment::Error) -> Error {
             path.push(field.clone());
         }
     }
+    let mut reason = e.kind.to_string();
+    // A template key of a `[[publishers]]` entry names itself in its error.
+    if let figment::error::Kind::Message(message) = &e.kind {
+        if let Some((field, why)) = message.split_once(super::publisher::KEY_MARK) {
+            path.push(field.to_owned());
+            reason = why.to_owned();
+        }
+    }
     let key = if path.is_empty() {
         "(top level)".to_owned()
     } else {
         path.join(".")
     };
-    let mut reason = e.kind.to_string();
     if let Some(meta) = &e.metadata {
         reason.push_str(&format!(" (from {})", meta.name));
     }
@@ -159,6 +166,32 @@ mod tests {
             "publishers.0.colour"
         );
         assert_eq!(key_of("[database]\nurl = \"oracle://x\""), "database.url");
+        // Template keys of a publisher, also as a later entry.
+        let file = "[[publishers]]\nkind = \"file\"\npath = \"-\"\n";
+        for (entry, key) in [
+            (
+                "kind = \"rabbitmq\"\nurl = \"amqp://h/\"\nexchange = \"x\"\nrouting_key = \"{nope}\"",
+                "publishers.1.routing_key",
+            ),
+            (
+                "kind = \"nats\"\nurl = \"nats://h\"\nstream = \"S\"\nsubject = \"a.}\"",
+                "publishers.1.subject",
+            ),
+            (
+                "kind = \"redis\"\nurl = \"redis://h\"\nstream = \"{event}\"",
+                "publishers.1.stream",
+            ),
+        ] {
+            let toml = format!("{file}[[publishers]]\n{entry}\n");
+            assert_eq!(key_of(&toml), key, "{entry}");
+            let err = load_str(&toml).unwrap_err().to_string();
+            assert!(err.contains("template") && !err.contains('\u{1f}'), "{err}");
+        }
+        assert_eq!(
+            key_of(&format!("{file}{file}")),
+            "publishers.1.name",
+            "the index is the entry's, as figment's keys"
+        );
         assert_eq!(
             key_of(&format!("{w}ordering = \"by_moon\"")),
             "outbox_worker.ordering"
@@ -218,7 +251,7 @@ mod tests {
         let p = "[[publishers]]\nkind = \"rabbitmq\"\nexchange = \"x\"\nca_file = \"ca.pem\"\n";
         assert_eq!(
             key_of(&format!("{p}url = \"amqp://h/\"")),
-            "publishers[0].ca_file"
+            "publishers.0.ca_file"
         );
         let c = load_str(&format!("{p}url = \"amqps://h/\"")).unwrap();
         assert_eq!(c.publishers[0].kind(), "rabbitmq");

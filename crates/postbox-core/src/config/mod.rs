@@ -319,10 +319,10 @@ impl Config {
 
         let mut names = std::collections::HashSet::new();
         for (i, p) in self.publishers.iter().enumerate() {
-            p.validate(&format!("publishers[{i}]"))?;
+            p.validate(&format!("publishers.{i}"))?;
             if !names.insert(p.name().to_owned()) {
                 return Err(Error::config(
-                    format!("publishers[{i}].name"),
+                    format!("publishers.{i}.name"),
                     format!(
                         "`{}` is used twice; give each publisher its own name",
                         p.name()
@@ -331,7 +331,7 @@ impl Config {
             }
             if p.name().contains(',') {
                 return Err(Error::config(
-                    format!("publishers[{i}].name"),
+                    format!("publishers.{i}.name"),
                     "must not contain `,`",
                 ));
             }

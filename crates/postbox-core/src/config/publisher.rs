@@ -1,6 +1,6 @@
 //! `[[publishers]]` entries, one variant per `kind` (SPEC §5).
 
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 
 use super::HumanDuration;
 use crate::redact::{Secret, SecretUrl};
@@ -194,7 +194,7 @@ pub struct RabbitMqPublisherConfig {
     /// The exchange messages are published to.
     pub exchange: String,
     /// Routing key template (default `{event_type}`).
-    #[serde(default = "default_routing_key")]
+    #[serde(default = "default_routing_key", deserialize_with = "routing_key")]
     pub routing_key: Template,
     /// Declare the exchange (durable `topic`) when missing; otherwise a
     /// missing exchange is an error at start.
@@ -217,7 +217,7 @@ pub struct NatsPublisherConfig {
     /// `nats://host:4222`.
     pub url: SecretUrl,
     /// Subject template (default `{app_code}.{event_type}`).
-    #[serde(default = "default_subject")]
+    #[serde(default = "default_subject", deserialize_with = "subject")]
     pub subject: Template,
     /// The JetStream stream that must capture the subjects.
     pub stream: String,
@@ -237,7 +237,7 @@ pub struct RedisPublisherConfig {
     /// `redis://host:6379/0` or `rediss://…`.
     pub url: SecretUrl,
     /// Stream name template (default `postbox.{app_code}`).
-    #[serde(default = "default_stream")]
+    #[serde(default = "default_stream", deserialize_with = "stream")]
     pub stream: Template,
     /// Approximate `MAXLEN ~` trimming on every `XADD`.
     #[serde(default)]
@@ -260,6 +260,30 @@ pub struct WebhookPublisherConfig {
     /// still bounds the whole batch).
     #[serde(default = "default_webhook_timeout")]
     pub timeout: HumanDuration,
+}
+
+/// Separates a key from its reason in a template's error. Inside a
+/// `[[publishers]]` entry (an internally tagged enum, buffered by serde) the
+/// loader learns only the entry's path, `publishers.N`; template keys put
+/// their name before this mark and the loader moves it into the path
+/// (`publishers.N.routing_key`).
+pub(crate) const KEY_MARK: char = '\u{1f}';
+
+fn template_at<'de, D: Deserializer<'de>>(key: &str, d: D) -> Result<Template, D::Error> {
+    let source = String::deserialize(d)?;
+    Template::parse(&source).map_err(|e| serde::de::Error::custom(format!("{key}{KEY_MARK}{e}")))
+}
+
+fn routing_key<'de, D: Deserializer<'de>>(d: D) -> Result<Template, D::Error> {
+    template_at("routing_key", d)
+}
+
+fn subject<'de, D: Deserializer<'de>>(d: D) -> Result<Template, D::Error> {
+    template_at("subject", d)
+}
+
+fn stream<'de, D: Deserializer<'de>>(d: D) -> Result<Template, D::Error> {
+    template_at("stream", d)
 }
 
 fn default_routing_key() -> Template {

@@ -64,21 +64,16 @@ impl FilePublisher {
                     stdout.flush().await
                 }
                 .await;
-                written.map_err(|e| format!("{}: writing to stdout failed: {e}", self.name))
+                written.map_err(|e| format!("writing to stdout failed: {e}"))
             }
             Sink::File(file) => {
                 let file = Arc::clone(file);
-                let (name, path) = (self.name.clone(), self.path.clone());
+                let path = self.path.clone();
                 // The lock stays held until the blocking write (and any
                 // truncation) is over, so batches never interleave.
-                tokio::task::spawn_blocking(move || append_whole(&file, &buf, &name, &path))
+                tokio::task::spawn_blocking(move || append_whole(&file, &buf, &path))
                     .await
-                    .unwrap_or_else(|e| {
-                        Err(format!(
-                            "{}: writing `{}` panicked: {e}",
-                            self.name, self.path
-                        ))
-                    })
+                    .unwrap_or_else(|e| Err(format!("writing `{}` panicked: {e}", self.path)))
             }
         }
     }
@@ -86,30 +81,25 @@ impl FilePublisher {
 
 /// Appends `buf` to `file`; on failure truncates a regular file back to the
 /// length it had before, so it holds only whole lines.
-fn append_whole(
-    file: &std::fs::File,
-    buf: &[u8],
-    name: &str,
-    path: &str,
-) -> std::result::Result<(), String> {
+fn append_whole(file: &std::fs::File, buf: &[u8], path: &str) -> std::result::Result<(), String> {
     let before = match file.metadata() {
         Ok(m) if m.is_file() => Some(m.len()),
         Ok(_) => None,
-        Err(e) => return Err(format!("{name}: cannot stat `{path}` before writing: {e}")),
+        Err(e) => return Err(format!("cannot stat `{path}` before writing: {e}")),
     };
     let mut writer = file;
     let Err(e) = writer.write_all(buf).and_then(|()| writer.flush()) else {
         return Ok(());
     };
     let Some(before) = before else {
-        return Err(format!("{name}: writing `{path}` failed: {e}; will retry"));
+        return Err(format!("writing `{path}` failed: {e}; will retry"));
     };
     match file.set_len(before) {
         Ok(()) => Err(format!(
-            "{name}: writing `{path}` failed: {e}; the file is back to its {before} bytes before this batch; will retry"
+            "writing `{path}` failed: {e}; the file is back to its {before} bytes before this batch; will retry"
         )),
         Err(t) => Err(format!(
-            "{name}: writing `{path}` failed: {e}; truncating it back to {before} bytes failed too ({t}), so its last line may be incomplete"
+            "writing `{path}` failed: {e}; truncating it back to {before} bytes failed too ({t}), so its last line may be incomplete"
         )),
     }
 }
@@ -223,7 +213,7 @@ mod tests {
         for r in results {
             let message = r.unwrap_err().to_string();
             assert!(
-                message.starts_with("sink: writing `/dev/full` failed:")
+                message.starts_with("writing `/dev/full` failed:")
                     && message.contains("No space left on device"),
                 "{message}"
             );

@@ -168,14 +168,13 @@ impl NatsPublisher {
     fn publish_error(&self, subject: &str, e: &jetstream::context::PublishError) -> PublishError {
         let message = match e.kind() {
             PublishErrorKind::StreamNotFound => format!(
-                "{}: no JetStream stream captures subject `{subject}` (expected stream `{}`): fix `subject` or the stream's subjects",
-                self.name, self.stream
+                "no JetStream stream captures subject `{subject}` (expected stream `{}`): fix `subject` or the stream's subjects",
+                self.stream
             ),
             PublishErrorKind::TimedOut => format!(
-                "{}: no PubAck for `{subject}` within {ACK_TIMEOUT:?} (NATS unreachable or the stream is slow); will retry",
-                self.name
+                "no PubAck for `{subject}` within {ACK_TIMEOUT:?} (NATS unreachable or the stream is slow); will retry"
             ),
-            _ => format!("{}: publishing to `{subject}` failed: {e}", self.name),
+            _ => format!("publishing to `{subject}` failed: {e}"),
         };
         PublishError::failed(message)
     }
@@ -195,8 +194,8 @@ impl Publisher for NatsPublisher {
             let subject = self.subject_of(d);
             let sent = match self.headers(d) {
                 Err(m) => Err(PublishError::failed(format!(
-                    "{}: event {}: {m}",
-                    self.name, d.record.event_id
+                    "event {}: {m}",
+                    d.record.event_id
                 ))),
                 Ok(headers) => {
                     let body = Bytes::from(d.record.payload.clone().into_bytes());

@@ -130,8 +130,7 @@ impl Publisher for RedisPublisher {
                 .map(|(reply, d)| match reply {
                     Ok(_) => Ok(()),
                     Err(e) => Err(PublishError::failed(format!(
-                        "{}: XADD to `{}` refused: {}",
-                        self.name,
+                        "XADD to `{}` refused: {}",
                         self.stream_of(d),
                         redact_url(&e.to_string())
                     ))),
@@ -139,8 +138,7 @@ impl Publisher for RedisPublisher {
                 .collect(),
             Ok(replies) => {
                 let message = format!(
-                    "{}: Redis answered {} replies to {} XADDs",
-                    self.name,
+                    "Redis answered {} replies to {} XADDs",
                     replies.len(),
                     batch.len()
                 );
@@ -148,8 +146,7 @@ impl Publisher for RedisPublisher {
             }
             Err(e) => {
                 let message = format!(
-                    "{}: Redis pipeline failed (will reconnect and retry): {}",
-                    self.name,
+                    "Redis pipeline failed (will reconnect and retry): {}",
                     redact_url(&e.to_string())
                 );
                 vec![Err(PublishError::failed(message)); batch.len()]

@@ -107,8 +107,7 @@ impl WebhookPublisher {
             Err(e) if e.is_timeout() => return Err(PublishError::Timeout(self.timeout)),
             Err(e) => {
                 return Err(PublishError::failed(format!(
-                    "{}: POST {} failed: {}",
-                    self.name,
+                    "POST {} failed: {}",
                     self.shown_url,
                     error_chain(&e.without_url())
                 )))
@@ -139,10 +138,7 @@ impl WebhookPublisher {
             "not retryable by nature, still counted toward max_retry_count"
         };
         Err(PublishError::Failed {
-            message: format!(
-                "{}: {} answered {status} ({kind}): {excerpt}",
-                self.name, self.shown_url
-            ),
+            message: format!("{} answered {status} ({kind}): {excerpt}", self.shown_url),
             retry_after,
         })
     }
