@@ -1,6 +1,7 @@
 //! `postbox enqueue`: one event from flags, or a JSON-lines file of
 //! envelopes (for example a file sink's output, or missed events to upload).
 
+use postbox_core::config::Uses;
 use std::io::BufRead;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -46,7 +47,7 @@ struct Invalid {
 }
 
 pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let default_app = args
         .app_code
         .clone()

@@ -1,5 +1,6 @@
 //! `postbox events list|show`.
 
+use postbox_core::config::Uses;
 use serde::Serialize;
 
 use postbox_core::store::{HistoryEntry, Inspected};
@@ -11,7 +12,7 @@ use crate::open::{load_config, open_store, require_schema};
 use crate::output;
 
 pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
     match args.command {

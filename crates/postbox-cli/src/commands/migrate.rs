@@ -2,12 +2,19 @@
 
 use crate::cli::Global;
 use crate::error::CliError;
-use crate::open::{load_config, open_store};
+use crate::open::{load_config, open_store_creating};
 use crate::output;
+use postbox_core::config::Uses;
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
-    let config = load_config(g)?;
-    let store = open_store(&config).await?;
+    let config = load_config(
+        g,
+        Uses {
+            consumers: true,
+            ..Uses::DATABASE
+        },
+    )?;
+    let store = open_store_creating(&config).await?;
     let report = store.migrate().await?;
     let inboxes = super::consume::migrate_inboxes(&config.consumers).await?;
     if g.json {

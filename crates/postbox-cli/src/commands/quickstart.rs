@@ -17,7 +17,7 @@ use postbox_core::NewEvent;
 use crate::cli::{Global, QuickstartArgs};
 use crate::commands::relay::spawn_signal_handler;
 use crate::error::CliError;
-use crate::open::open_store;
+use crate::open::open_store_creating;
 
 const DEMO_TYPES: [&str; 4] = ["RoomCreated", "MemberJoined", "GiftSent", "MemberLeft"];
 
@@ -54,7 +54,7 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
         file: Some(config_path.clone()),
         database_url: None,
     })?;
-    let store = open_store(&config).await?;
+    let store = open_store_creating(&config).await?;
     store.migrate().await?;
     let publishers = postbox_publishers::build_all(&config.publishers).await?;
 

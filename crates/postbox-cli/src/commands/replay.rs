@@ -1,5 +1,6 @@
 //! `postbox replay`.
 
+use postbox_core::config::Uses;
 use postbox_core::store::{ReplayPick, ReplaySelector, ReplayTargets};
 
 use crate::cli::{Global, ReplayArgs};
@@ -28,7 +29,7 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
             ))
         }
     };
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let pick = if args.all_publishers {
         ReplayPick::All
     } else if !args.publishers.is_empty() {

@@ -1,5 +1,6 @@
 //! `postbox status`.
 
+use postbox_core::config::Uses;
 use serde::Serialize;
 
 use postbox_core::store::AppStats;
@@ -20,7 +21,7 @@ struct Row {
 }
 
 pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
     let served = &config.database.app_codes;
