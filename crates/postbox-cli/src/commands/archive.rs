@@ -75,7 +75,7 @@ pub async fn run(g: &Global, args: ArchiveArgs) -> Result<(), CliError> {
             report: &report,
         });
     }
-    println!(
+    outln!(
         "archived {} row(s) older than {} into `{}` in {} batch(es){}",
         report.moved,
         older_than,

@@ -73,7 +73,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
                 Level::Warn => "WARN",
                 Level::Fail => "FAIL",
             };
-            println!("{tag}  {:<44} {}", c.name, c.message);
+            outln!("{tag}  {:<44} {}", c.name, c.message);
         }
     }
     if failed.is_empty() {

@@ -102,7 +102,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
                 &serde_json::json!({"event_id": event.event_id, "app_code": event.app_code}),
             );
         }
-        println!("{}", event.event_id);
+        outln!("{}", event.event_id);
         return Ok(());
     };
 
@@ -150,7 +150,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
     if g.json {
         output::json(&summary)?;
     } else {
-        println!(
+        outln!(
             "{} line(s): {} written, {} duplicate (already in the outbox), {} invalid",
             line_no,
             summary.inserted,

@@ -21,14 +21,14 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
         return output::json(&report);
     }
     if report.applied.is_empty() {
-        println!(
+        outln!(
             "{} `{}` is up to date (schema version {}).",
             store.backend(),
             store.table(),
             report.version
         );
     } else {
-        println!(
+        outln!(
             "{} `{}`: applied schema versions {:?}; now at version {}.",
             store.backend(),
             store.table(),
@@ -37,7 +37,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
         );
     }
     for line in inboxes {
-        println!("{line}.");
+        outln!("{line}.");
     }
     Ok(())
 }

@@ -73,11 +73,11 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
     } else {
         "replayed"
     };
-    println!("{verb} {} event(s)", rows.len());
+    outln!("{verb} {} event(s)", rows.len());
     if !rows.is_empty() {
         output::event_table(&rows[..rows.len().min(50)]);
         if rows.len() > 50 {
-            println!("… and {} more", rows.len() - 50);
+            outln!("… and {} more", rows.len() - 50);
         }
     }
     if let ReplaySelector::EventIds { event_ids, .. } = &selector {

@@ -50,7 +50,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
     if g.json {
         return output::json(&rows);
     }
-    println!(
+    outln!(
         "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>14} {:>12}",
         "APP",
         "PENDING",
@@ -67,7 +67,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
         } else {
             format!("{}*", output::clip(&s.app_code, 15))
         };
-        println!(
+        outln!(
             "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>14} {:>12}",
             app,
             s.pending,
@@ -80,7 +80,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
         );
     }
     if rows.iter().any(|r| !r.served) {
-        println!(
+        outln!(
             "* unserved: not in database.app_codes, so no relay delivers these rows \
              (fix the producer's app_code, or add it to database.app_codes)"
         );
