@@ -604,7 +604,7 @@ pub trait OutboxStore: Send + Sync + 'static {
         if filter.status.is_none_or(|s| s == Status::Delivered) {
             let archived = self.list_archived(filter).await?;
             all.extend(tag(archived, true));
-            all.sort_by(|a, b| b.record.id.cmp(&a.record.id));
+            all.sort_by_key(|r| std::cmp::Reverse(r.record.id));
             all.truncate(filter.limit as usize);
         }
         Ok(all)
