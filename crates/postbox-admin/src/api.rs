@@ -10,7 +10,8 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 
 use postbox_core::store::{
-    EventFilter, HistoryEntry, HistoryKind, Inspected, ReplayPick, ReplaySelector, ReplayTargets,
+    confirmed_on_delivery, EventFilter, HistoryEntry, HistoryKind, Inspected, ReplayPick,
+    ReplaySelector, ReplayTargets,
 };
 use postbox_core::time::{now_ms, parse_time_arg};
 use postbox_core::{EventRecord, Status};
@@ -44,6 +45,12 @@ impl ApiError {
 
 impl From<postbox_core::Error> for ApiError {
     fn from(e: postbox_core::Error) -> Self {
+        // Bad input (a NUL byte in an event id, …) is the caller's error:
+        // 400, no ERROR log.
+        if e.is_usage() {
+            tracing::debug!(error = %e, "admin API: bad request");
+            return ApiError::bad_request(e.to_string());
+        }
         tracing::error!(error = %e, "admin API: store call failed");
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
     }
@@ -213,6 +220,7 @@ fn history_kind(k: HistoryKind) -> &'static str {
 fn timeline<'a>(
     rows: impl IntoIterator<Item = &'a EventRecord>,
     history: Vec<HistoryEntry>,
+    publishers: &[String],
 ) -> Vec<TimelineEntry> {
     let mut out = Vec::new();
     let rows: Vec<&EventRecord> = rows.into_iter().collect();
@@ -232,8 +240,12 @@ fn timeline<'a>(
                 kind: "delivered",
                 app_code: r.app_code.clone(),
                 attempt: Some(r.retry_count + 1),
-                publisher: None,
-                detail: None,
+                // Those that confirmed on this attempt; `delivered_to`
+                // holds the ones that confirmed on earlier attempts.
+                publisher: Some(confirmed_on_delivery(r, publishers).join(","))
+                    .filter(|p| !p.is_empty()),
+                detail: (!r.delivered_to.is_empty())
+                    .then(|| format!("confirmed earlier: {}", r.delivered_to.join(", "))),
             });
         }
     }
@@ -266,7 +278,7 @@ pub(crate) async fn show(
         ));
     }
     let history = state.store.history(&event_id).await?;
-    let timeline = timeline(rows.iter().map(|r| &r.record), history);
+    let timeline = timeline(rows.iter().map(|r| &r.record), history, &state.publishers);
     Ok(Json(EventDetail {
         event_id,
         rows,
@@ -418,11 +430,11 @@ mod tests {
             publisher: Some("file".into()),
             detail: Some("disk full".into()),
         }];
-        let t = timeline(&[row(Status::Delivered)], history);
+        let t = timeline(&[row(Status::Delivered)], history, &[]);
         let kinds: Vec<_> = t.iter().map(|e| e.kind).collect();
         assert_eq!(kinds, ["enqueued", "failed", "delivered"]);
         assert_eq!(t[2].attempt, Some(2));
-        let t = timeline(&[row(Status::Failed)], vec![]);
+        let t = timeline(&[row(Status::Failed)], vec![], &[]);
         assert_eq!(t.len(), 1, "no delivered step for a failed row");
     }
 

@@ -349,3 +349,37 @@ async fn archived_events_are_shown_and_listed() {
     assert_eq!(flags, [(ids[1].clone(), false), (ids[0].clone(), true)]);
     stop.cancel();
 }
+
+/// Issue 9.13: bad input is a 4xx, never a 503; the timeline of a
+/// delivered event names the publishers that confirmed on that attempt.
+#[tokio::test]
+async fn bad_input_is_400_and_delivered_names_the_right_publisher() {
+    let fx = fixture("api_smalls").await;
+    let app = "smalls";
+    let ids = fx.enqueue(app, 1).await;
+    // `a` confirmed on attempt 1, `b` on attempt 2.
+    sqlx::query(&format!(
+        "UPDATE {} SET status = 'delivered', retry_count = 1, delivered_to = 'a' WHERE event_id = $1",
+        fx.table
+    ))
+    .bind(&ids[0])
+    .execute(&fx.pool)
+    .await
+    .unwrap();
+    let (addr, stop) = fx.serve(app, None).await;
+    let nul = request(addr, "GET", "/api/events/%00", &[]).await;
+    assert_eq!(nul.status, 400, "{}", nul.body);
+    let d = request(addr, "GET", &format!("/api/events/{}", ids[0]), &[])
+        .await
+        .json();
+    let delivered = d["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["kind"] == "delivered")
+        .cloned()
+        .unwrap();
+    assert_eq!(delivered["publisher"], "b", "{d}");
+    assert_eq!(delivered["attempt"], 2);
+    stop.cancel();
+}

@@ -1,6 +1,17 @@
 //! The `postbox` command line (SPEC §6).
 #![forbid(unsafe_code)]
 
+/// `println!` that ends the process quietly (exit 0) when stdout is a
+/// closed pipe (`postbox events list --json | head`) instead of panicking.
+macro_rules! outln {
+    () => {
+        $crate::output::write_line(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::output::write_line(format_args!($($arg)*))
+    };
+}
+
 mod cli;
 mod commands;
 mod error;

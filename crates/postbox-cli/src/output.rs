@@ -1,6 +1,5 @@
 //! Human and JSON output.
 
-use std::io::Write;
 
 use serde::Serialize;
 
@@ -9,14 +8,26 @@ use postbox_core::EventRecord;
 
 use crate::error::CliError;
 
+/// Writes one line to stdout. A closed pipe (the reader went away, as
+/// with `| head`) ends the process quietly with exit 0; any other write
+/// error ends it with exit 1 and a message.
+pub fn write_line(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if let Err(e) = writeln!(out, "{args}") {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("postbox: cannot write to stdout: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// Prints `value` as pretty JSON on stdout.
 pub fn json<T: Serialize + ?Sized>(value: &T) -> Result<(), CliError> {
     let text = serde_json::to_string_pretty(value).map_err(CliError::runtime)?;
-    // Not `println!`, which panics when stdout is closed (`| head`).
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "{text}")
-        .and_then(|()| out.flush())
-        .map_err(|e| CliError::runtime(format!("cannot write the JSON output to stdout: {e}")))
+    outln!("{text}");
+    Ok(())
 }
 
 /// `2026-11-30 10:00:00.123Z` for epoch ms (empty for 0).
@@ -51,9 +62,15 @@ pub fn inspected_table(rows: &[Inspected]) {
 }
 
 fn table<'a>(rows: impl Iterator<Item = (&'a EventRecord, bool)>) {
-    println!(
+    outln!(
         "{:>10}  {:<12} {:<36}  {:<20} {:<10} {:>5}  {:<24}  LAST ERROR",
-        "ID", "APP", "EVENT ID", "TYPE", "STATUS", "TRIES", "CREATED"
+        "ID",
+        "APP",
+        "EVENT ID",
+        "TYPE",
+        "STATUS",
+        "TRIES",
+        "CREATED"
     );
     for (r, archived) in rows {
         let status = if archived {
@@ -61,7 +78,7 @@ fn table<'a>(rows: impl Iterator<Item = (&'a EventRecord, bool)>) {
         } else {
             r.status.as_str().to_owned()
         };
-        println!(
+        outln!(
             "{:>10}  {:<12} {:<36}  {:<20} {:<10} {:>5}  {:<24}  {}",
             r.id,
             clip(&r.app_code, 12),

@@ -888,3 +888,175 @@ async fn unserved_app_codes_are_refused_shown_and_diagnosed() {
     .await
     .unwrap();
 }
+
+/// Issue 9.12: a command does not need secrets it does not use.
+#[tokio::test]
+async fn reading_commands_need_no_unrelated_secrets() {
+    let url = postbox_testkit::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    let table = postbox_testkit::scratch_table("cli_secrets");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = pg_two_sinks(dir.path(), &table);
+    let body = std::fs::read_to_string(&cfg).unwrap()
+        + "\n[[publishers]]\nkind = \"webhook\"\nname = \"im\"\nurl = \"http://127.0.0.1:9/push\"\n\
+           secret = \"${POSTBOX_TEST_UNSET_HOOK_SECRET}\"\n\
+           \n[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"${POSTBOX_TEST_UNSET_ADMIN_TOKEN}\"\n";
+    let cfg = write_config(dir.path(), &body);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(
+        run(&["migrate"]).status.success(),
+        "{}",
+        text(&run(&["migrate"]))
+    );
+    for args in [
+        &["status"][..],
+        &["events", "list"],
+        &["replay", "--status", "failed", "--dry-run"],
+        &["enqueue", "--event-type", "T", "--payload", "{}"],
+    ] {
+        let out = run(args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+    }
+    let relay = run(&["relay"]);
+    assert_eq!(relay.status.code(), Some(2), "{}", text(&relay));
+    assert!(
+        text(&relay).contains("publishers.2.secret")
+            && text(&relay).contains("POSTBOX_TEST_UNSET_HOOK_SECRET"),
+        "{}",
+        text(&relay)
+    );
+    let serve = run(&["serve"]);
+    assert_eq!(serve.status.code(), Some(2), "{}", text(&serve));
+    assert!(text(&serve).contains("admin.token"), "{}", text(&serve));
+    let doctor = run(&["--json", "doctor"]);
+    let v: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
+    assert!(
+        v["checks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["name"] == "config:env" && c["level"] == "fail"),
+        "{v}"
+    );
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}
+
+/// Issue 9.12: a reading command never creates a database.
+#[test]
+fn reading_commands_never_create_a_sqlite_database() {
+    let dir = tempfile::tempdir().unwrap();
+    for args in [
+        &["status"][..],
+        &["events", "list"],
+        &["events", "show", "x"],
+    ] {
+        let out = postbox(dir.path(), args, &[]);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out));
+        assert!(
+            text(&out).contains("postbox.db") && text(&out).contains("postbox migrate"),
+            "{args:?}: {}",
+            text(&out)
+        );
+        assert!(
+            !dir.path().join("postbox.db").exists(),
+            "{args:?} created postbox.db"
+        );
+    }
+    assert!(postbox(dir.path(), &["migrate"], &[]).status.success());
+    assert!(dir.path().join("postbox.db").exists());
+    assert!(postbox(dir.path(), &["status"], &[]).status.success());
+}
+
+/// Issue 9.13: `events show` prints no retry time for a failed row, names
+/// the publishers that confirmed the delivery, and a closed stdout pipe
+/// ends a command quietly.
+#[tokio::test]
+async fn events_show_smalls_and_a_closed_pipe() {
+    let url = postbox_testkit::postgres_url();
+    postbox_testkit::servers::ensure_database("postgres", &url).await;
+    let table = postbox_testkit::scratch_table("cli_smalls");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = pg_two_sinks(dir.path(), &table);
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    for id in ["dead", "done"] {
+        let out = run(&[
+            "enqueue",
+            "--event-type",
+            "T",
+            "--payload",
+            "{}",
+            "--event-id",
+            id,
+        ]);
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'failed', retry_count = 3, next_retry_at_ms = 1700000000000, \
+         last_error = 'b: down' WHERE event_id = 'dead'"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {table} SET status = 'delivered', retry_count = 1, delivered_to = 'a' WHERE event_id = 'done'"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let dead = run(&["events", "show", "dead"]);
+    assert!(dead.status.success(), "{}", text(&dead));
+    assert!(!text(&dead).contains("next retry"), "{}", text(&dead));
+    let done = run(&["--json", "events", "show", "done"]);
+    let v: serde_json::Value = serde_json::from_slice(&done.stdout).unwrap();
+    let step = v[0]["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["kind"] == "delivered")
+        .cloned()
+        .unwrap();
+    assert_eq!(step["publisher"], "b", "a confirmed earlier: {v}");
+
+    // `events list --json | head`: the reader is gone before postbox writes.
+    for args in [
+        &["--json", "events", "list"][..],
+        &["events", "list"],
+        &["status"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+            .current_dir(dir.path())
+            .args(["--config", cfg.as_str()])
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+    }
+    sqlx::query(&format!(
+        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+}

@@ -54,6 +54,17 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The database refused a value as malformed (SQLSTATE class 22, data
+    /// exception: a NUL byte in text, a value too long for its column, …):
+    /// bad input, not a failing database.
+    #[error("invalid input during {operation}: {source}")]
+    InvalidInput {
+        /// What postbox was doing.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A deadlock or serialization failure: the database rolled the
     /// transaction back, and running it again is expected to succeed.
     /// Services that `enqueue` inside their own transaction retry it as they
@@ -108,6 +119,11 @@ impl Error {
                 operation,
                 source: Box::new(source),
             }
+        } else if code.is_some_and(|c| c.len() == 5 && c.starts_with("22")) {
+            Error::InvalidInput {
+                operation,
+                source: Box::new(source),
+            }
         } else {
             Error::database(operation, source)
         }
@@ -131,7 +147,10 @@ impl Error {
     pub fn is_usage(&self) -> bool {
         matches!(
             self,
-            Error::Config { .. } | Error::InvalidTableName(_) | Error::InvalidEvent(_)
+            Error::Config { .. }
+                | Error::InvalidTableName(_)
+                | Error::InvalidEvent(_)
+                | Error::InvalidInput { .. }
         )
     }
 }

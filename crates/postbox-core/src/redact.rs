@@ -41,13 +41,18 @@ pub fn redact_url(url: &str) -> String {
 }
 
 /// A string that must never be printed: `Debug` and `Display` show `***`.
+///
+/// A `${VAR}` whose variable is not set does not fail deserialization: the
+/// value is then [`Secret::unresolved`], and only a command that uses it
+/// fails (see `Config::require_env`), so a reading command does not need
+/// the relay's or the admin server's secrets.
 #[derive(Clone, PartialEq, Eq, Default)]
-pub struct Secret(String);
+pub struct Secret(String, Option<String>);
 
 impl Secret {
     /// Wraps a secret value.
     pub fn new(value: impl Into<String>) -> Self {
-        Secret(value.into())
+        Secret(value.into(), None)
     }
 
     /// The secret itself, for the one place that needs it.
@@ -57,7 +62,13 @@ impl Secret {
 
     /// True when no secret was set.
     pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.0.is_empty() && self.1.is_none()
+    }
+
+    /// Why the value could not be read from the environment (an unset
+    /// `${VAR}`), if so.
+    pub fn unresolved(&self) -> Option<&str> {
+        self.1.as_deref()
     }
 }
 
@@ -76,20 +87,26 @@ impl fmt::Display for Secret {
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw = String::deserialize(d)?;
-        expand_env(&raw)
-            .map(Secret)
-            .map_err(serde::de::Error::custom)
+        let (value, unresolved) = expand_env_lenient(&raw).map_err(serde::de::Error::custom)?;
+        Ok(Secret(value, unresolved))
     }
 }
 
 /// A connection URL whose `Debug`/`Display` hide the password.
+/// Like [`Secret`], an unset `${VAR}` leaves it [`SecretUrl::unresolved`].
 #[derive(Clone, PartialEq, Eq)]
-pub struct SecretUrl(String);
+pub struct SecretUrl(String, Option<String>);
 
 impl SecretUrl {
     /// Wraps a URL.
     pub fn new(url: impl Into<String>) -> Self {
-        SecretUrl(url.into())
+        SecretUrl(url.into(), None)
+    }
+
+    /// Why the URL could not be read from the environment (an unset
+    /// `${VAR}`), if so.
+    pub fn unresolved(&self) -> Option<&str> {
+        self.1.as_deref()
     }
 
     /// The URL with its password, for connecting.
@@ -118,10 +135,35 @@ impl fmt::Display for SecretUrl {
 impl<'de> Deserialize<'de> for SecretUrl {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let raw = String::deserialize(d)?;
-        expand_env(&raw)
-            .map(SecretUrl)
-            .map_err(serde::de::Error::custom)
+        let (value, unresolved) = expand_env_lenient(&raw).map_err(serde::de::Error::custom)?;
+        Ok(SecretUrl(value, unresolved))
     }
+}
+
+/// [`expand_env`] that does not fail on unset variables: they expand to
+/// nothing, and the second value says which were unset. A malformed
+/// reference is still an error.
+fn expand_env_lenient(raw: &str) -> Result<(String, Option<String>), String> {
+    let mut unset = Vec::new();
+    let mut out = String::with_capacity(raw.len());
+    let mut rest = raw;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("unclosed `${{` in `{}`", redact_url(raw)))?;
+        let var = &after[..end];
+        match std::env::var(var) {
+            Ok(value) => out.push_str(&value),
+            Err(_) => unset.push(format!("`{var}`")),
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    let unresolved = (!unset.is_empty())
+        .then(|| format!("environment variable {} is not set", unset.join(", ")));
+    Ok((out, unresolved))
 }
 
 /// Expands `${VAR}` references from the environment, so secrets can stay out

@@ -203,6 +203,18 @@ impl ReplayTargets {
     }
 }
 
+/// The publishers that confirmed a `delivered` row on its last attempt:
+/// every configured publisher not in its `delivered_to` (those confirmed on
+/// earlier attempts and were not sent it again). Empty when the configured
+/// publishers are unknown.
+pub fn confirmed_on_delivery(record: &EventRecord, publishers: &[String]) -> Vec<String> {
+    publishers
+        .iter()
+        .filter(|p| !record.delivered_to.contains(p))
+        .cloned()
+        .collect()
+}
+
 /// A row as inspection shows it: from the outbox table, or from
 /// `<table>_archive` (`archived`).
 #[derive(Debug, Clone, Serialize)]
@@ -592,7 +604,7 @@ pub trait OutboxStore: Send + Sync + 'static {
         if filter.status.is_none_or(|s| s == Status::Delivered) {
             let archived = self.list_archived(filter).await?;
             all.extend(tag(archived, true));
-            all.sort_by(|a, b| b.record.id.cmp(&a.record.id));
+            all.sort_by_key(|r| std::cmp::Reverse(r.record.id));
             all.truncate(filter.limit as usize);
         }
         Ok(all)

@@ -177,10 +177,33 @@ impl SqliteOutbox {
     /// foreign keys on. An in-memory database gets exactly one connection,
     /// kept open, so every user sees the same database.
     pub async fn connect(url: &str, table: &str, max_connections: u32) -> Result<Self> {
+        Self::open(url, table, max_connections, true).await
+    }
+
+    /// Like [`SqliteOutbox::connect`], but never creates the database file:
+    /// a missing file is an error naming it (for commands that only read or
+    /// need the schema `postbox migrate` creates).
+    pub async fn connect_existing(url: &str, table: &str, max_connections: u32) -> Result<Self> {
+        Self::open(url, table, max_connections, false).await
+    }
+
+    async fn open(url: &str, table: &str, max_connections: u32, create: bool) -> Result<Self> {
         let memory = is_memory_url(url);
-        let mut opts = SqliteConnectOptions::from_str(url)
-            .map_err(|e| Error::config("database.url", format!("{}: {e}", redact_url(url))))?
-            .create_if_missing(true)
+        let opts = SqliteConnectOptions::from_str(url)
+            .map_err(|e| Error::config("database.url", format!("{}: {e}", redact_url(url))))?;
+        if !create && !memory && !opts.get_filename().exists() {
+            return Err(Error::Database {
+                operation: "opening the SQLite database",
+                source: format!(
+                    "database file `{}` does not exist (database.url = `{}`): run `postbox migrate` to create it, or point database.url at the right file",
+                    opts.get_filename().display(),
+                    redact_url(url)
+                )
+                .into(),
+            });
+        }
+        let mut opts = opts
+            .create_if_missing(create)
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_secs(10))
             .foreign_keys(true);

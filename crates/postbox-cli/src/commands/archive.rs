@@ -1,5 +1,6 @@
 //! `postbox archive`.
 
+use postbox_core::config::Uses;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -12,7 +13,7 @@ use crate::open::{load_config, open_store, require_schema};
 use crate::output;
 
 pub async fn run(g: &Global, args: ArchiveArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let older_than = match &args.older_than {
         Some(s) => s
             .parse::<HumanDuration>()
@@ -74,7 +75,7 @@ pub async fn run(g: &Global, args: ArchiveArgs) -> Result<(), CliError> {
             report: &report,
         });
     }
-    println!(
+    outln!(
         "archived {} row(s) older than {} into `{}` in {} batch(es){}",
         report.moved,
         older_than,

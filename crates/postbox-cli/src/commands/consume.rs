@@ -1,6 +1,7 @@
 //! `postbox consume`: runs every `[[consumers]]` entry until SIGINT/SIGTERM,
 //! bridging each queue to its HTTP handler.
 
+use postbox_core::config::Uses;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +25,7 @@ use crate::open::load_config;
 const PURGE_BATCH: u32 = 5_000;
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::ALL)?;
     if config.consumers.is_empty() {
         return Err(
             Error::config("consumers", "no [[consumers]] entry: nothing to consume").into(),

@@ -1,6 +1,7 @@
 //! `postbox doctor`: schema, indexes, query plans and config, each a named
 //! check that is ok, warn or fail; exit 1 when any fails.
 
+use postbox_core::config::Uses;
 use serde::Serialize;
 
 use postbox_core::config::{Config, LeaseBudget};
@@ -36,10 +37,14 @@ fn check(name: impl Into<String>, level: Level, message: impl Into<String>) -> C
 }
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let store = open_store(&config).await?;
     let mut checks = database_checks(store.as_ref(), &config).await;
     checks.extend(app_code_checks(store.as_ref(), &config).await);
+    // Loaded for the database only: name what other commands will miss.
+    if let Err(e) = config.require_env(Uses::ALL) {
+        checks.push(check("config:env", Level::Fail, e.to_string()));
+    }
     checks.extend(config_checks(&config));
 
     let failed: Vec<&str> = checks
@@ -68,7 +73,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
                 Level::Warn => "WARN",
                 Level::Fail => "FAIL",
             };
-            println!("{tag}  {:<44} {}", c.name, c.message);
+            outln!("{tag}  {:<44} {}", c.name, c.message);
         }
     }
     if failed.is_empty() {

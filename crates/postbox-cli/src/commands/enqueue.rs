@@ -1,6 +1,7 @@
 //! `postbox enqueue`: one event from flags, or a JSON-lines file of
 //! envelopes (for example a file sink's output, or missed events to upload).
 
+use postbox_core::config::Uses;
 use std::io::BufRead;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -46,7 +47,7 @@ struct Invalid {
 }
 
 pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let default_app = args
         .app_code
         .clone()
@@ -101,7 +102,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
                 &serde_json::json!({"event_id": event.event_id, "app_code": event.app_code}),
             );
         }
-        println!("{}", event.event_id);
+        outln!("{}", event.event_id);
         return Ok(());
     };
 
@@ -149,7 +150,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
     if g.json {
         output::json(&summary)?;
     } else {
-        println!(
+        outln!(
             "{} line(s): {} written, {} duplicate (already in the outbox), {} invalid",
             line_no,
             summary.inserted,

@@ -1,8 +1,9 @@
 //! `postbox events list|show`.
 
+use postbox_core::config::Uses;
 use serde::Serialize;
 
-use postbox_core::store::{HistoryEntry, Inspected};
+use postbox_core::store::{confirmed_on_delivery, HistoryEntry, Inspected};
 use postbox_core::{EventRecord, Status};
 
 use crate::cli::{EventsArgs, EventsCommand, Global};
@@ -11,7 +12,7 @@ use crate::open::{load_config, open_store, require_schema};
 use crate::output;
 
 pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
     match args.command {
@@ -42,11 +43,16 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                 )));
             }
             let history = store.history(&show.event_id).await?;
+            let publishers: Vec<String> = config
+                .publishers
+                .iter()
+                .map(|p| p.name().to_owned())
+                .collect();
             if g.json {
                 let shown: Vec<Shown> = rows
                     .iter()
                     .map(|r| Shown {
-                        timeline: timeline(&r.record, &history),
+                        timeline: timeline(&r.record, &history, &publishers),
                         row: r,
                     })
                     .collect();
@@ -57,27 +63,27 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                 archived,
             } in rows
             {
-                println!("event_id           {}", r.event_id);
-                println!("app_code           {}", r.app_code);
-                println!("event_type         {}", r.event_type);
+                outln!("event_id           {}", r.event_id);
+                outln!("app_code           {}", r.app_code);
+                outln!("event_type         {}", r.event_type);
                 if archived {
-                    println!(
+                    outln!(
                         "status             {} (archived, in `{}`)",
                         r.status,
                         store.table().archive()
                     );
                 } else {
-                    println!("status             {}", r.status);
+                    outln!("status             {}", r.status);
                 }
-                println!("id                 {}", r.id);
-                println!(
+                outln!("id                 {}", r.id);
+                outln!(
                     "aggregate          {} v{}",
                     r.aggregate_id.as_deref().unwrap_or("-"),
                     r.aggregate_version.map_or("-".into(), |v| v.to_string())
                 );
-                println!("retry_count        {}", r.retry_count);
-                println!("replayed           {} time(s)", r.replay_count);
-                println!(
+                outln!("retry_count        {}", r.retry_count);
+                outln!("replayed           {} time(s)", r.replay_count);
+                outln!(
                     "delivered_to       {}",
                     if r.delivered_to.is_empty() {
                         "-".to_owned()
@@ -85,26 +91,26 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                         r.delivered_to.join(", ")
                     }
                 );
-                println!("created            {}", output::time(r.created_at_ms));
-                println!("updated            {}", output::time(r.updated_at_ms));
-                if r.next_retry_at_ms > 0 {
-                    println!("next retry         {}", output::time(r.next_retry_at_ms));
+                outln!("created            {}", output::time(r.created_at_ms));
+                outln!("updated            {}", output::time(r.updated_at_ms));
+                if r.status == Status::Retryable && r.next_retry_at_ms > 0 {
+                    outln!("next retry         {}", output::time(r.next_retry_at_ms));
                 }
                 if r.lock_until_ms > 0 {
-                    println!(
+                    outln!(
                         "leased until       {} by {}",
                         output::time(r.lock_until_ms),
                         r.worker_id.as_deref().unwrap_or("?")
                     );
                 }
-                println!(
+                outln!(
                     "last_error         {}",
                     r.last_error.as_deref().unwrap_or("-")
                 );
-                println!("headers            {}", r.headers.as_deref().unwrap_or("-"));
-                println!("payload            {}", r.payload);
-                println!("timeline");
-                for step in timeline(&r, &history) {
+                outln!("headers            {}", r.headers.as_deref().unwrap_or("-"));
+                outln!("payload            {}", r.payload);
+                outln!("timeline");
+                for step in timeline(&r, &history, &publishers) {
                     let mut line = format!("  {:<24}  {:<13}", output::time(step.at_ms), step.kind);
                     if let Some(a) = step.attempt.filter(|a| *a > 0) {
                         line.push_str(&format!("  attempt {a}"));
@@ -115,9 +121,9 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                     if let Some(d) = step.detail {
                         line.push_str(&format!("  {d}"));
                     }
-                    println!("{line}");
+                    outln!("{line}");
                 }
-                println!();
+                outln!();
             }
             Ok(())
         }
@@ -148,7 +154,7 @@ struct Step {
 
 /// Enqueued (created_at), each history entry, then delivered (updated_at)
 /// when the row is delivered.
-fn timeline(r: &EventRecord, history: &[HistoryEntry]) -> Vec<Step> {
+fn timeline(r: &EventRecord, history: &[HistoryEntry], publishers: &[String]) -> Vec<Step> {
     let mut steps = vec![Step {
         at_ms: r.created_at_ms,
         kind: "enqueued",
@@ -168,8 +174,12 @@ fn timeline(r: &EventRecord, history: &[HistoryEntry]) -> Vec<Step> {
             at_ms: r.updated_at_ms,
             kind: "delivered",
             attempt: Some(r.retry_count + 1),
-            publisher: None,
-            detail: (!r.delivered_to.is_empty()).then(|| r.delivered_to.join(", ")),
+            // The publishers that confirmed on this attempt, not those in
+            // `delivered_to` (they confirmed on an earlier one).
+            publisher: Some(confirmed_on_delivery(r, publishers).join(","))
+                .filter(|p| !p.is_empty()),
+            detail: (!r.delivered_to.is_empty())
+                .then(|| format!("confirmed earlier: {}", r.delivered_to.join(", "))),
         });
     }
     steps

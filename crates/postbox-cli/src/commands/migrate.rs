@@ -2,26 +2,33 @@
 
 use crate::cli::Global;
 use crate::error::CliError;
-use crate::open::{load_config, open_store};
+use crate::open::{load_config, open_store_creating};
 use crate::output;
+use postbox_core::config::Uses;
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
-    let config = load_config(g)?;
-    let store = open_store(&config).await?;
+    let config = load_config(
+        g,
+        Uses {
+            consumers: true,
+            ..Uses::DATABASE
+        },
+    )?;
+    let store = open_store_creating(&config).await?;
     let report = store.migrate().await?;
     let inboxes = super::consume::migrate_inboxes(&config.consumers).await?;
     if g.json {
         return output::json(&report);
     }
     if report.applied.is_empty() {
-        println!(
+        outln!(
             "{} `{}` is up to date (schema version {}).",
             store.backend(),
             store.table(),
             report.version
         );
     } else {
-        println!(
+        outln!(
             "{} `{}`: applied schema versions {:?}; now at version {}.",
             store.backend(),
             store.table(),
@@ -30,7 +37,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
         );
     }
     for line in inboxes {
-        println!("{line}.");
+        outln!("{line}.");
     }
     Ok(())
 }

@@ -15,7 +15,7 @@ use postbox_core::NewEvent;
 use crate::cli::{Global, QuickstartArgs};
 use crate::commands::relay::spawn_signal_handler;
 use crate::error::CliError;
-use crate::open::open_store;
+use crate::open::open_store_creating;
 
 const DEMO_TYPES: [&str; 4] = ["RoomCreated", "MemberJoined", "GiftSent", "MemberLeft"];
 
@@ -54,7 +54,7 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
         file: Some(config_path.clone()),
         database_url: None,
     })?;
-    let store = open_store(&config).await?;
+    let store = open_store_creating(&config).await?;
     store.migrate().await?;
     let publishers = postbox_publishers::build_all(&config.publishers).await?;
 
@@ -65,16 +65,17 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     let dashboard = bind_dashboard(store.clone(), &admin, &args.listen, &config).await?;
     let dashboard_addr = dashboard.local_addr()?;
 
-    println!("postbox quickstart");
-    println!("  database   {}", db.display());
-    println!("  relay to   {}", out.display());
-    println!(
+    outln!("postbox quickstart");
+    outln!("  database   {}", db.display());
+    outln!("  relay to   {}", out.display());
+    outln!(
         "  dashboard  http://{dashboard_addr}/   (admin token for Replay: in {})",
         config_path.display()
     );
-    println!(
+    outln!(
         "  writing {} demo events at {}/s; Ctrl-C stops early\n",
-        args.events, args.rate
+        args.events,
+        args.rate
     );
 
     // Ctrl-C (or SIGTERM) ends everything; the demo's relay and producer
@@ -146,23 +147,23 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
         .map(|t| t.lines().count())
         .unwrap_or(0);
 
-    println!(
+    outln!(
         "wrote {written} events in transactions; the relay delivered {delivered} ({} claimed) to {lines} lines of JSON in {:.1}s.\n",
         report.claimed,
         started.elapsed().as_secs_f64()
     );
-    println!("Where to look:");
-    println!("  head -3 {}", out.display());
+    outln!("Where to look:");
+    outln!("  head -3 {}", out.display());
     let cfg = config_path.display();
     // The binary as it was run (e.g. target/release/postbox under cargo run).
     let bin = std::env::current_exe()
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| "postbox".to_owned());
-    println!("  {bin} --config {cfg} status");
-    println!("  {bin} --config {cfg} events list --limit 5");
-    println!("  {bin} --config {cfg} enqueue --event-type Hello --payload '{{\"hi\":1}}'");
-    println!("  {bin} --config {cfg} relay        # delivers it; Ctrl-C to stop");
-    println!("  {bin} --config {cfg} serve        # the dashboard again");
+    outln!("  {bin} --config {cfg} status");
+    outln!("  {bin} --config {cfg} events list --limit 5");
+    outln!("  {bin} --config {cfg} enqueue --event-type Hello --payload '{{\"hi\":1}}'");
+    outln!("  {bin} --config {cfg} relay        # delivers it; Ctrl-C to stop");
+    outln!("  {bin} --config {cfg} serve        # the dashboard again");
     if g.json {
         crate::output::json(&serde_json::json!({
             "database": db, "output": out, "config": config_path,
@@ -171,7 +172,7 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
         }))?;
     }
     if !interrupted.is_cancelled() {
-        println!("\nThe dashboard stays up at http://{dashboard_addr}/ ; Ctrl-C to stop.");
+        outln!("\nThe dashboard stays up at http://{dashboard_addr}/ ; Ctrl-C to stop.");
         interrupted.cancelled().await;
     }
     dashboard_stop.cancel();

@@ -1,21 +1,33 @@
 //! `postbox relay`: runs until SIGINT or SIGTERM.
 
+use postbox_core::config::Uses;
 use postbox_core::relay::{CancellationToken, Relay};
 
 use crate::cli::{Global, RelayArgs};
 use crate::error::CliError;
-use crate::open::{load_config, open_store, require_schema};
+use crate::open::{load_config, open_store, open_store_creating, require_schema};
 use crate::output;
 
 pub async fn run(g: &Global, args: RelayArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(
+        g,
+        Uses {
+            publishers: true,
+            admin: true,
+            consumers: false,
+        },
+    )?;
     config.validate_for_relay()?;
     if !config.outbox_worker.enabled {
         return Err(CliError::usage(
             "config key `outbox_worker.enabled` is false; nothing to run",
         ));
     }
-    let store = open_store(&config).await?;
+    let store = if args.migrate {
+        open_store_creating(&config).await?
+    } else {
+        open_store(&config).await?
+    };
     if args.migrate {
         store.migrate().await?;
     }

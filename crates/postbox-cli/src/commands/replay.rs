@@ -1,5 +1,6 @@
 //! `postbox replay`.
 
+use postbox_core::config::Uses;
 use postbox_core::store::{ReplayPick, ReplaySelector, ReplayTargets};
 
 use crate::cli::{Global, ReplayArgs};
@@ -28,7 +29,7 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
             ))
         }
     };
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let pick = if args.all_publishers {
         ReplayPick::All
     } else if !args.publishers.is_empty() {
@@ -72,11 +73,11 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
     } else {
         "replayed"
     };
-    println!("{verb} {} event(s)", rows.len());
+    outln!("{verb} {} event(s)", rows.len());
     if !rows.is_empty() {
         output::event_table(&rows[..rows.len().min(50)]);
         if rows.len() > 50 {
-            println!("… and {} more", rows.len() - 50);
+            outln!("… and {} more", rows.len() - 50);
         }
     }
     if let ReplaySelector::EventIds { event_ids, .. } = &selector {

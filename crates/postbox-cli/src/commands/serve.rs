@@ -2,6 +2,7 @@
 //! SIGINT or SIGTERM. `postbox relay` runs the same server beside the relay
 //! when `[admin]` is set.
 
+use postbox_core::config::Uses;
 use std::sync::Arc;
 
 use postbox_admin::{AdminServer, AdminSettings};
@@ -15,7 +16,13 @@ use crate::error::CliError;
 use crate::open::{load_config, open_store, require_schema};
 
 pub async fn run(g: &Global, args: ServeArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(
+        g,
+        Uses {
+            admin: true,
+            ..Uses::DATABASE
+        },
+    )?;
     config.validate()?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;

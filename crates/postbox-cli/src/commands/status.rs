@@ -1,5 +1,6 @@
 //! `postbox status`.
 
+use postbox_core::config::Uses;
 use serde::Serialize;
 
 use postbox_core::store::AppStats;
@@ -20,7 +21,7 @@ struct Row {
 }
 
 pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
-    let config = load_config(g)?;
+    let config = load_config(g, Uses::DATABASE)?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
     let served = &config.database.app_codes;
@@ -49,7 +50,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
     if g.json {
         return output::json(&rows);
     }
-    println!(
+    outln!(
         "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>14} {:>12}",
         "APP",
         "PENDING",
@@ -66,7 +67,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
         } else {
             format!("{}*", output::clip(&s.app_code, 15))
         };
-        println!(
+        outln!(
             "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>14} {:>12}",
             app,
             s.pending,
@@ -79,7 +80,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
         );
     }
     if rows.iter().any(|r| !r.served) {
-        println!(
+        outln!(
             "* unserved: not in database.app_codes, so no relay delivers these rows \
              (fix the producer's app_code, or add it to database.app_codes)"
         );

@@ -21,6 +21,12 @@ pub struct ConfigSource {
 /// Loads and validates the configuration: file (TOML or YAML by extension),
 /// then `POSTBOX__SECTION__KEY` variables, then command-line overrides.
 pub fn load(source: &ConfigSource) -> Result<Config, Error> {
+    load_for(source, super::Uses::ALL)
+}
+
+/// [`load`] for a command that uses only `uses` besides `[database]`: an
+/// unset `${VAR}` in another section is not an error.
+pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Config, Error> {
     let mut figment = Figment::new();
     let file = match &source.file {
         Some(f) => {
@@ -54,6 +60,7 @@ pub fn load(source: &ConfigSource) -> Result<Config, Error> {
     if let Some(url) = &source.database_url {
         config.database.url = SecretUrl::new(url.clone());
     }
+    config.require_env(uses)?;
     config.validate()?;
     Ok(config)
 }

@@ -17,7 +17,7 @@ pub use consumer::{
 };
 pub use duration::HumanDuration;
 pub use lease_budget::LeaseBudget;
-pub use load::{load, ConfigSource};
+pub use load::{load, load_for, ConfigSource};
 pub use publisher::{
     FilePublisherConfig, NatsPublisherConfig, PublisherConfig, RabbitMqPublisherConfig,
     RedisPublisherConfig, WebhookPublisherConfig,
@@ -26,6 +26,33 @@ pub use publisher::{
 use crate::redact::{Secret, SecretUrl};
 use crate::retry::Backoff;
 use crate::{Error, TableName};
+
+/// The parts of the configuration a command uses besides `[database]`:
+/// only their `${VAR}` references must be set ([`Config::require_env`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Uses {
+    /// `[[publishers]]` (the relay).
+    pub publishers: bool,
+    /// `[admin]` (the admin server).
+    pub admin: bool,
+    /// `[[consumers]]` (`postbox consume`, inbox migrations).
+    pub consumers: bool,
+}
+
+impl Uses {
+    /// Every section (the default of `config::load`).
+    pub const ALL: Uses = Uses {
+        publishers: true,
+        admin: true,
+        consumers: true,
+    };
+    /// `[database]` only.
+    pub const DATABASE: Uses = Uses {
+        publishers: false,
+        admin: false,
+        consumers: false,
+    };
+}
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize, Default)]
@@ -356,6 +383,49 @@ impl Config {
         }
         if self.archive.interval.get().is_zero() {
             return Err(Error::config("archive.interval", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// Fails, naming the key, when a part of the configuration `uses`
+    /// names holds a `${VAR}` whose variable is not set. `database.url` is
+    /// always needed; the other sections only by the commands that use
+    /// them, so `postbox status` does not need the admin token.
+    pub fn require_env(&self, uses: Uses) -> Result<(), Error> {
+        let check = |key: String, unresolved: Option<&str>| match unresolved {
+            Some(why) => Err(Error::config(key, why.to_owned())),
+            None => Ok(()),
+        };
+        check("database.url".into(), self.database.url.unresolved())?;
+        if uses.publishers {
+            for (i, p) in self.publishers.iter().enumerate() {
+                check(
+                    format!("publishers.{i}.url"),
+                    p.url().and_then(|u| u.unresolved()),
+                )?;
+                if let publisher::PublisherConfig::Webhook(w) = p {
+                    check(
+                        format!("publishers.{i}.secret"),
+                        w.secret.as_ref().and_then(|s| s.unresolved()),
+                    )?;
+                }
+            }
+        }
+        if uses.admin {
+            if let Some(admin) = &self.admin {
+                check("admin.token".into(), admin.token.unresolved())?;
+            }
+        }
+        if uses.consumers {
+            for (i, c) in self.consumers.iter().enumerate() {
+                check(format!("consumers.{i}.url"), c.url.unresolved())?;
+                if let Some(h) = &c.handler {
+                    check(format!("consumers.{i}.handler.http"), h.http.unresolved())?;
+                }
+                if let Some(inbox) = &c.inbox {
+                    check(format!("consumers.{i}.inbox.url"), inbox.url.unresolved())?;
+                }
+            }
         }
         Ok(())
     }
