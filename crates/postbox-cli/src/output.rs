@@ -1,6 +1,5 @@
 //! Human and JSON output.
 
-
 use serde::Serialize;
 
 use postbox_core::store::Inspected;
