@@ -14,11 +14,38 @@ use crate::retry::{decide, AttemptResult, Decision, EXPIRED_ON_LAST_ATTEMPT};
 use crate::store::{FailureUpdate, OutboxStore};
 use crate::{ClaimedEvent, Result};
 
+/// Why a claimed row is marked without being handed to any publisher.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Unpublished {
+    /// Its last allowed lease expired (see `retry::publish_after_expired_lease`).
+    ExpiredOnLastAttempt,
+    /// Its payload is over `database.max_payload_bytes` (a row written by a
+    /// plain INSERT, which `enqueue`'s check never saw): no broker would
+    /// take it, so it is dead-lettered at once.
+    PayloadTooLarge {
+        /// Payload bytes.
+        size: usize,
+        /// `database.max_payload_bytes`.
+        limit: usize,
+    },
+}
+
+impl Unpublished {
+    fn error(&self) -> String {
+        match self {
+            Unpublished::ExpiredOnLastAttempt => EXPIRED_ON_LAST_ATTEMPT.to_owned(),
+            Unpublished::PayloadTooLarge { size, limit } => format!(
+                "payload is {size} bytes, over database.max_payload_bytes ({limit}); dead-lettered without trying any publisher: shrink the event (or raise the limit if every broker takes it), then replay it"
+            ),
+        }
+    }
+}
+
 /// What happened to one claimed row in one attempt.
 pub(super) struct Outcome {
     pub event: ClaimedEvent,
-    /// Not published at all (its lease expired on its last attempt).
-    pub skip_publish: bool,
+    /// Why the row was not published at all, if it was not.
+    pub unpublished: Option<Unpublished>,
     pub confirmed: Vec<String>,
     pub errors: Vec<(String, PublishError)>,
 }
@@ -55,14 +82,18 @@ impl Marker {
                 retry_count: r.retry_count,
                 delivered_before: r.delivered_to.clone(),
                 confirmed_now: o.confirmed.clone(),
-                errors: if o.skip_publish {
-                    vec![("relay".to_owned(), EXPIRED_ON_LAST_ATTEMPT.to_owned())]
+                errors: if let Some(why) = &o.unpublished {
+                    vec![("relay".to_owned(), why.error())]
                 } else {
                     o.errors
                         .iter()
                         .map(|(p, e)| (p.clone(), e.to_string()))
                         .collect()
                 },
+                never_deliverable: matches!(
+                    o.unpublished,
+                    Some(Unpublished::PayloadTooLarge { .. })
+                ),
             };
             let asked_delay = o.errors.iter().filter_map(|(_, e)| e.retry_after()).max();
             let backoff = self.config.backoff();
@@ -76,7 +107,7 @@ impl Marker {
                 },
             );
             let fence = o.event.fence();
-            let failed_publishers = (!o.skip_publish && !o.errors.is_empty()).then(|| {
+            let failed_publishers = (o.unpublished.is_none() && !o.errors.is_empty()).then(|| {
                 o.errors
                     .iter()
                     .map(|(p, _)| p.as_str())

@@ -7,7 +7,8 @@ use futures::future::join_all;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{marker::Outcome, Batch};
+use super::marker::{Outcome, Unpublished};
+use super::Batch;
 use crate::config::{LeaseBudget, WorkerConfig};
 use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, PublishResults, Publisher};
@@ -20,6 +21,8 @@ pub(super) struct PublishStage {
     pub publishers: Vec<Arc<dyn Publisher>>,
     pub config: WorkerConfig,
     pub budget: LeaseBudget,
+    /// `database.max_payload_bytes`: larger rows are never published.
+    pub max_payload_bytes: usize,
 }
 
 impl PublishStage {
@@ -81,16 +84,22 @@ impl PublishStage {
             tokio::time::Instant::from_std(batch.claimed_at) + self.budget.publish_deadline();
         let mut outcomes: Vec<Outcome> = batch.events.into_iter().map(Outcome::new).collect();
 
-        // Rows whose relay died while holding them: when the lost attempt was
-        // their last, or they may be tried only once, they are not sent again.
         for o in &mut outcomes {
-            if o.event.source == ClaimSource::ExpiredLease {
-                let r = &o.event.record;
-                o.skip_publish = !publish_after_expired_lease(
+            let r = &o.event.record;
+            if r.payload.len() > self.max_payload_bytes {
+                o.unpublished = Some(Unpublished::PayloadTooLarge {
+                    size: r.payload.len(),
+                    limit: self.max_payload_bytes,
+                });
+            } else if o.event.source == ClaimSource::ExpiredLease
+                && !publish_after_expired_lease(
                     r.retry_count,
                     self.config.max_retry_count_for(&r.event_type),
                     self.config.delivery_for(&r.event_type),
-                );
+                )
+            {
+                // Its relay died holding it, and that attempt was its last.
+                o.unpublished = Some(Unpublished::ExpiredOnLastAttempt);
             }
         }
 
@@ -99,7 +108,8 @@ impl PublishStage {
                 .iter()
                 .enumerate()
                 .filter(|(_, o)| {
-                    !o.skip_publish && !o.event.record.delivered_to.iter().any(|d| d == p.name())
+                    o.unpublished.is_none()
+                        && !o.event.record.delivered_to.iter().any(|d| d == p.name())
                 })
                 .map(|(i, _)| i)
                 .collect();
@@ -180,7 +190,7 @@ impl Outcome {
     fn new(event: ClaimedEvent) -> Self {
         Outcome {
             event,
-            skip_publish: false,
+            unpublished: None,
             confirmed: Vec::new(),
             errors: Vec::new(),
         }
