@@ -49,6 +49,9 @@ pub struct RelayReport {
     pub released: u64,
     /// Results dropped because the lease had been taken over.
     pub fenced_out: u64,
+    /// Results not written because the database failed on every try (the
+    /// rows' leases expire and they are tried again).
+    pub mark_errors: u64,
 }
 
 /// A batch claimed by one query.
