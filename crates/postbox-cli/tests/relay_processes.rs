@@ -457,3 +457,138 @@ async fn relay_keeps_delivering_when_stderr_is_closed_or_full() {
         drop(unread);
     }
 }
+
+/// Issue 9.5: `max_payload_bytes` is enforced by `enqueue` only, so a 3 MiB
+/// payload written with the documented plain INSERT went to every broker.
+/// The relay dead-letters it at once with a clear `last_error`, without
+/// trying the publishers and without holding back the other rows.
+async fn oversized_plain_insert_is_dead_lettered(
+    store: &dyn OutboxStore,
+    url: &str,
+    insert: impl std::future::Future<Output = ()>,
+    big_id: &str,
+) {
+    let table = store.table().as_str().to_owned();
+    insert.await;
+    let small: Vec<NewEvent> = (0..5)
+        .map(|n| NewEvent::new("room", "Small", format!(r#"{{"n":{n}}}"#)))
+        .collect();
+    store.enqueue_batch(&small, 1 << 20).await.expect("enqueue");
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("oversized.jsonl");
+    let cfg = config(dir.path(), url, &table, &out);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .args(["--config", cfg.to_str().unwrap(), "relay"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start postbox relay");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let s = loop {
+        let s = store.stats(&["room".to_owned()]).await.unwrap().remove(0);
+        if s.delivered == 5 && s.failed == 1 {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "not settled: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    signal("TERM", &child.id().unwrap().to_string());
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
+        .await
+        .expect("relay exits after SIGTERM")
+        .unwrap();
+    assert!(status.success(), "relay exited with {status}");
+
+    assert_eq!(s.pending + s.delivering + s.retryable, 0, "{s:?}");
+    let row = store.find(big_id).await.unwrap().remove(0);
+    assert_eq!(row.status, Status::Failed);
+    assert_eq!(row.retry_count, 1, "dead-lettered at its first attempt");
+    let error = row.last_error.unwrap_or_default();
+    assert!(
+        error.contains("3145728 bytes") && error.contains("max_payload_bytes"),
+        "{error}"
+    );
+    let written = std::fs::read_to_string(&out).unwrap_or_default();
+    assert!(
+        !written.contains(big_id),
+        "the oversized row reached a publisher"
+    );
+    assert_eq!(written.lines().count(), 5, "the small rows were delivered");
+}
+
+fn big_payload() -> String {
+    format!(r#"{{"blob":"{}"}}"#, "x".repeat(3 * 1024 * 1024 - 11))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_plain_insert_is_dead_lettered_postgres() {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store = postbox_postgres::PgOutbox::connect(&url, &scratch_table("big"), 4)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
+    store.migrate().await.unwrap();
+    let big_id = uuid_like("pg");
+    let sql = include_str!("../../../docs/plain-insert.postgres.sql")
+        .replace("room_outbox", store.table().as_str());
+    let insert = async {
+        let pool = sqlx::PgPool::connect(&url).await.unwrap();
+        let payload = big_payload();
+        assert_eq!(payload.len(), 3 * 1024 * 1024);
+        sqlx::query(&sql)
+            .bind("room")
+            .bind(&big_id)
+            .bind("Huge")
+            .bind(None::<String>)
+            .bind(None::<i64>)
+            .bind(payload)
+            .bind(None::<String>)
+            .execute(&pool)
+            .await
+            .expect("plain insert");
+        pool.close().await;
+    };
+    oversized_plain_insert_is_dead_lettered(&store, &url, insert, &big_id).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_plain_insert_is_dead_lettered_mariadb() {
+    let url = mysql_url();
+    ensure_database("mysql", &url).await;
+    let store = postbox_mysql::MySqlOutbox::connect(&url, &scratch_table("big"), 4)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
+    store.migrate().await.unwrap();
+    let big_id = uuid_like("my");
+    let sql = include_str!("../../../docs/plain-insert.mysql.sql")
+        .replace("room_outbox", store.table().as_str());
+    let insert = async {
+        let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
+        sqlx::query(&sql)
+            .bind("room")
+            .bind(&big_id)
+            .bind("Huge")
+            .bind(None::<String>)
+            .bind(None::<i64>)
+            .bind(big_payload())
+            .bind(None::<String>)
+            .execute(&pool)
+            .await
+            .expect("plain insert");
+        pool.close().await;
+    };
+    oversized_plain_insert_is_dead_lettered(&store, &url, insert, &big_id).await;
+}
+
+fn uuid_like(prefix: &str) -> String {
+    format!("{prefix}-huge-{}-{}", std::process::id(), rand_suffix())
+}
+
+fn rand_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}

@@ -18,3 +18,18 @@ async fn fresh_store() -> Arc<dyn OutboxStore> {
 }
 
 conformance_suite!(fresh_store);
+
+/// Issue 9.13: after a killed connection whose mark had committed, the
+/// retried mark is the relay's own result, not a takeover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_recognises_its_own_mark_after_a_lost_answer() {
+    postbox_testkit::faults::relay_recognises_its_own_mark_after_a_lost_answer(fresh_store().await)
+        .await;
+}
+
+/// Issue 11: a database error while marking is reported as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_reports_a_failed_mark_as_a_database_error() {
+    postbox_testkit::faults::relay_reports_a_failed_mark_as_a_database_error(fresh_store().await)
+        .await;
+}

@@ -137,3 +137,32 @@ async fn a_panicking_stage_stops_the_relay_with_an_error_and_releases_its_rows()
         "every row released without an attempt: {s:?}"
     );
 }
+
+async fn fresh_store(prefix: &str) -> Arc<dyn OutboxStore> {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store = PgOutbox::connect(&url, &scratch_table(prefix), 4)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
+    store.migrate().await.unwrap();
+    Arc::new(store)
+}
+
+/// Issue 9.13: a mark whose answer was lost after it committed is the
+/// relay's own result when retried, not a takeover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_recognises_its_own_mark_after_a_lost_answer() {
+    postbox_testkit::faults::relay_recognises_its_own_mark_after_a_lost_answer(
+        fresh_store("lostack").await,
+    )
+    .await;
+}
+
+/// Issue 11: a database error while marking is reported as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_reports_a_failed_mark_as_a_database_error() {
+    postbox_testkit::faults::relay_reports_a_failed_mark_as_a_database_error(
+        fresh_store("markerr").await,
+    )
+    .await;
+}

@@ -43,6 +43,8 @@ struct Inner {
     /// Answers to give, in order; `default` once empty.
     script: VecDeque<(u16, Option<&'static str>)>,
     default: u16,
+    /// How long every answer takes.
+    delay: Duration,
 }
 
 #[derive(Clone, Default)]
@@ -78,10 +80,20 @@ fn signature_ok(headers: &HeaderMap, body: &[u8]) -> bool {
 }
 
 async fn handle(State(r): State<Receiver>, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let (response, delay) = answer(&r, uri, headers, body);
+    tokio::time::sleep(delay).await;
+    response
+}
+
+/// The answer to one request and how long to wait before giving it.
+fn answer(r: &Receiver, uri: Uri, headers: HeaderMap, body: Bytes) -> (Response, Duration) {
     let mut inner = r.0.lock().unwrap();
     if !signature_ok(&headers, &body) {
         inner.rejected += 1;
-        return (StatusCode::UNAUTHORIZED, "bad signature").into_response();
+        return (
+            (StatusCode::UNAUTHORIZED, "bad signature").into_response(),
+            Duration::ZERO,
+        );
     }
     assert_eq!(headers["content-type"], "application/json");
     inner.accepted.push(Request {
@@ -98,7 +110,7 @@ async fn handle(State(r): State<Receiver>, uri: Uri, headers: HeaderMap, body: B
             .headers_mut()
             .insert("retry-after", ra.parse().unwrap());
     }
-    response
+    (response, inner.delay)
 }
 
 impl Receiver {
@@ -269,4 +281,47 @@ async fn a_429_retry_after_delays_the_retry() {
     assert_eq!(got.len(), 2);
     let waited = got[1].at - got[0].at;
     assert!(waited >= Duration::from_secs(2), "retried after {waited:?}");
+}
+
+/// Issue 10.2: `publish_timeout` bounds each publish, not the batch. A
+/// receiver that answers 200 after 0.5 s, 100 events, the default batch
+/// size, publish_timeout and lease: 16 requests at a time need 3.5 s for the
+/// batch, more than publish_timeout (3 s). Before, the timeout discarded the
+/// whole batch, confirmed events included, and every event was POSTed again
+/// and counted as a failed attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_receiver_gets_every_event_once_without_retries() {
+    let (receiver, base) = Receiver::start(200).await;
+    receiver.0.lock().unwrap().delay = Duration::from_millis(500);
+    let store = store_with("wslow", 100).await;
+    let worker = postbox_core::config::WorkerConfig {
+        poll_interval: HumanDuration::millis(50),
+        ..Default::default()
+    };
+    assert_eq!(worker.batch_size, 100);
+    let report = run_relay_until_for(store.clone(), publisher(&base), worker, "wslow", |s| {
+        s.delivered == 100
+    })
+    .await;
+    let got = receiver.accepted();
+    let distinct: std::collections::HashSet<&str> =
+        got.iter().map(|r| r.idempotency_key.as_str()).collect();
+    assert_eq!(distinct.len(), 100, "every event POSTed");
+    assert_eq!(got.len(), 100, "and each exactly once");
+    assert_eq!(
+        report.retried, 0,
+        "no attempt counted as failed: {report:?}"
+    );
+    assert_eq!(report.failed, 0, "{report:?}");
+    let rows = store
+        .list(&postbox_core::store::EventFilter {
+            limit: 1000,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        rows.iter().all(|r| r.retry_count == 0),
+        "no row has a failed attempt"
+    );
 }

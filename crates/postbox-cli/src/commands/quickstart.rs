@@ -91,7 +91,8 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
         publishers,
         config.outbox_worker.clone(),
         config.database.app_codes.clone(),
-    );
+    )
+    .with_max_payload_bytes(config.database.max_payload_bytes);
     let relay_task = tokio::spawn(relay.run(shutdown.clone()));
 
     let producer = {

@@ -56,7 +56,8 @@ pub async fn run(g: &Global, args: RelayArgs) -> Result<(), CliError> {
             shutdown.clone(),
         ))
     });
-    let relay = Relay::new(store, publishers, config.outbox_worker.clone(), app_codes);
+    let relay = Relay::new(store, publishers, config.outbox_worker.clone(), app_codes)
+        .with_max_payload_bytes(config.database.max_payload_bytes);
     let report = relay.run(shutdown.clone()).await;
     // The relay stops only on shutdown or error; the admin server and the
     // archiver stop with it.

@@ -65,12 +65,65 @@ impl PublishError {
     }
 }
 
+/// The results of one batch as they come in, one slot per event (see
+/// [`Publisher::publish_each`]). A slot never filled counts as timed out.
+#[derive(Debug)]
+pub struct PublishResults {
+    slots: std::sync::Mutex<Vec<Option<Result<(), PublishError>>>>,
+}
+
+impl PublishResults {
+    /// Empty slots for a batch of `len` events.
+    pub fn new(len: usize) -> Self {
+        PublishResults {
+            slots: std::sync::Mutex::new(vec![None; len]),
+        }
+    }
+
+    /// Records the result of the event at `index` of the batch.
+    pub fn set(&self, index: usize, result: Result<(), PublishError>) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(slot) = slots.get_mut(index) {
+            *slot = Some(result);
+        }
+    }
+
+    /// Records the results of the whole batch, in order; a publisher that
+    /// returns the wrong number of them fails every event.
+    pub fn set_all(&self, results: Vec<Result<(), PublishError>>) {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if results.len() == slots.len() {
+            for (slot, result) in slots.iter_mut().zip(results) {
+                *slot = Some(result);
+            }
+        } else {
+            let error = PublishError::failed(format!(
+                "the publisher returned {} results for {} events (a bug in the publisher)",
+                results.len(),
+                slots.len()
+            ));
+            slots.iter_mut().for_each(|s| *s = Some(Err(error.clone())));
+        }
+    }
+
+    /// One result per event; an event without one timed out after `timeout`.
+    pub fn into_results(self, timeout: Duration) -> Vec<Result<(), PublishError>> {
+        self.slots
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(PublishError::Timeout(timeout))))
+            .collect()
+    }
+}
+
 /// A target that takes responsibility for events.
 ///
 /// `publish` returns only when the target has confirmed (or refused) every
 /// event of the batch: a broker's confirm, a webhook's 2xx, a flushed file.
-/// It returns one result per input, in order. The relay bounds each call by
-/// `publish_timeout`.
+/// It returns one result per input, in order. The relay calls
+/// [`publish_each`](Publisher::publish_each), which bounds every single
+/// publish by `publish_timeout` and keeps every result that came in.
 #[async_trait]
 pub trait Publisher: Send + Sync + 'static {
     /// The configured name; recorded in per-row fanout progress.
@@ -78,6 +131,28 @@ pub trait Publisher: Send + Sync + 'static {
 
     /// Publishes a batch and waits for confirmation of each event.
     async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>>;
+
+    /// Publishes a batch, recording each event's result in `results` as soon
+    /// as it is known, with every single publish bounded by
+    /// `publish_timeout`. The relay may stop waiting (dropping this future)
+    /// when the batch's lease runs short: results recorded by then count,
+    /// events without one count as timed out.
+    ///
+    /// The default runs [`publish`](Publisher::publish) under
+    /// `publish_timeout`, which bounds each publish of a publisher that puts
+    /// the whole batch in flight at once (brokers, files). A publisher that
+    /// sends events one after another, a few at a time (the webhook),
+    /// overrides it to time and record each event on its own.
+    async fn publish_each(
+        &self,
+        batch: &[Delivery<'_>],
+        publish_timeout: Duration,
+        results: &PublishResults,
+    ) {
+        if let Ok(all) = tokio::time::timeout(publish_timeout, self.publish(batch)).await {
+            results.set_all(all);
+        }
+    }
 
     /// Flushes and closes; called once at shutdown.
     async fn close(&self) {}

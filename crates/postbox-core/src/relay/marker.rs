@@ -14,11 +14,38 @@ use crate::retry::{decide, AttemptResult, Decision, EXPIRED_ON_LAST_ATTEMPT};
 use crate::store::{FailureUpdate, OutboxStore};
 use crate::{ClaimedEvent, Result};
 
+/// Why a claimed row is marked without being handed to any publisher.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Unpublished {
+    /// Its last allowed lease expired (see `retry::publish_after_expired_lease`).
+    ExpiredOnLastAttempt,
+    /// Its payload is over `database.max_payload_bytes` (a row written by a
+    /// plain INSERT, which `enqueue`'s check never saw): no broker would
+    /// take it, so it is dead-lettered at once.
+    PayloadTooLarge {
+        /// Payload bytes.
+        size: usize,
+        /// `database.max_payload_bytes`.
+        limit: usize,
+    },
+}
+
+impl Unpublished {
+    fn error(&self) -> String {
+        match self {
+            Unpublished::ExpiredOnLastAttempt => EXPIRED_ON_LAST_ATTEMPT.to_owned(),
+            Unpublished::PayloadTooLarge { size, limit } => format!(
+                "payload is {size} bytes, over database.max_payload_bytes ({limit}); dead-lettered without trying any publisher: shrink the event (or raise the limit if every broker takes it), then replay it"
+            ),
+        }
+    }
+}
+
 /// What happened to one claimed row in one attempt.
 pub(super) struct Outcome {
     pub event: ClaimedEvent,
-    /// Not published at all (its lease expired on its last attempt).
-    pub skip_publish: bool,
+    /// Why the row was not published at all, if it was not.
+    pub unpublished: Option<Unpublished>,
     pub confirmed: Vec<String>,
     pub errors: Vec<(String, PublishError)>,
 }
@@ -49,20 +76,26 @@ impl Marker {
         let mut delivered: HashMap<Fence, Vec<i64>> = HashMap::new();
         // Row id → created_at_ms, for the delivery lag histogram.
         let mut created_at: HashMap<i64, i64> = HashMap::new();
+        // Row id → event_id, to read a row back after a lost answer.
+        let mut event_ids: HashMap<i64, String> = HashMap::new();
         for o in outcomes {
             let r = &o.event.record;
             let attempt = AttemptResult {
                 retry_count: r.retry_count,
                 delivered_before: r.delivered_to.clone(),
                 confirmed_now: o.confirmed.clone(),
-                errors: if o.skip_publish {
-                    vec![("relay".to_owned(), EXPIRED_ON_LAST_ATTEMPT.to_owned())]
+                errors: if let Some(why) = &o.unpublished {
+                    vec![("relay".to_owned(), why.error())]
                 } else {
                     o.errors
                         .iter()
                         .map(|(p, e)| (p.clone(), e.to_string()))
                         .collect()
                 },
+                never_deliverable: matches!(
+                    o.unpublished,
+                    Some(Unpublished::PayloadTooLarge { .. })
+                ),
             };
             let asked_delay = o.errors.iter().filter_map(|(_, e)| e.retry_after()).max();
             let backoff = self.config.backoff();
@@ -76,7 +109,7 @@ impl Marker {
                 },
             );
             let fence = o.event.fence();
-            let failed_publishers = (!o.skip_publish && !o.errors.is_empty()).then(|| {
+            let failed_publishers = (o.unpublished.is_none() && !o.errors.is_empty()).then(|| {
                 o.errors
                     .iter()
                     .map(|(p, _)| p.as_str())
@@ -86,6 +119,7 @@ impl Marker {
             match decision {
                 Decision::Delivered => {
                     created_at.insert(r.id, r.created_at_ms);
+                    event_ids.insert(r.id, r.event_id.clone());
                     delivered.entry(fence).or_default().push(r.id)
                 }
                 Decision::Retry {
@@ -107,10 +141,10 @@ impl Marker {
                         error: truncate_error(&error),
                         publisher: failed_publishers.clone(),
                     };
-                    if self.write_failure(&fence, r.id, &update, &r.event_id).await {
-                        report.retried += 1;
-                    } else {
-                        report.fenced_out += 1;
+                    match self.write_failure(&fence, r.id, &update, &r.event_id).await {
+                        Written::Yes => report.retried += 1,
+                        Written::FencedOut => report.fenced_out += 1,
+                        Written::DatabaseError => report.mark_errors += 1,
                     }
                 }
                 Decision::Failed {
@@ -127,19 +161,35 @@ impl Marker {
                         error: truncate_error(&error),
                         publisher: failed_publishers.clone(),
                     };
-                    if self.write_failure(&fence, r.id, &update, &r.event_id).await {
-                        report.failed += 1;
-                        metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => r.app_code.clone())
-                            .increment(1);
-                    } else {
-                        report.fenced_out += 1;
+                    match self.write_failure(&fence, r.id, &update, &r.event_id).await {
+                        Written::Yes => {
+                            report.failed += 1;
+                            metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => r.app_code.clone())
+                                .increment(1);
+                        }
+                        Written::FencedOut => report.fenced_out += 1,
+                        Written::DatabaseError => report.mark_errors += 1,
                     }
                 }
             }
         }
         for (fence, ids) in delivered {
-            let n = retrying("mark delivered", || self.store.mark_delivered(&fence, &ids)).await;
-            let n = n.unwrap_or(0);
+            let n = match retrying("mark delivered", || self.store.mark_delivered(&fence, &ids))
+                .await
+            {
+                Ok((n, false)) => n,
+                // A try that failed may have committed before its answer
+                // was lost: rows it marked are ours, not taken over.
+                Ok((n, true)) if n < ids.len() as u64 => {
+                    n + self.already_delivered(&fence, &ids, &event_ids).await
+                }
+                Ok((n, true)) => n,
+                Err(e) => {
+                    report.mark_errors += ids.len() as u64;
+                    tracing::error!(rows = ids.len(), worker_id = %fence.worker_id, error = %e, "could not mark rows delivered (database error); their leases expire and they are delivered again");
+                    continue;
+                }
+            };
             report.delivered += n;
             record_delivery_lag(&ids, n, &created_at);
             if n < ids.len() as u64 {
@@ -150,29 +200,91 @@ impl Marker {
         }
     }
 
+    /// How many of `ids` are `delivered` under this relay's `worker_id`:
+    /// marked by an earlier try whose answer was lost (a takeover would
+    /// have written another worker id).
+    async fn already_delivered(
+        &self,
+        fence: &Fence,
+        ids: &[i64],
+        event_ids: &HashMap<i64, String>,
+    ) -> u64 {
+        let mut ours = 0;
+        for id in ids {
+            let Some(event_id) = event_ids.get(id) else {
+                continue;
+            };
+            if let Ok(rows) = self.store.find(event_id).await {
+                ours += rows.iter().any(|row| {
+                    row.id == *id
+                        && row.status == crate::Status::Delivered
+                        && row.worker_id.as_deref() == Some(fence.worker_id.as_str())
+                }) as u64;
+            }
+        }
+        ours
+    }
+
     async fn write_failure(
         &self,
         fence: &Fence,
         id: i64,
         update: &FailureUpdate,
         event_id: &str,
-    ) -> bool {
+    ) -> Written {
         match retrying("mark failed attempt", || {
             self.store.mark_failed(fence, id, update)
         })
         .await
         {
-            Ok(true) => true,
-            Ok(false) => {
+            Ok((true, _)) => Written::Yes,
+            // A try that failed may have committed before its answer was
+            // lost: the row then holds exactly this update, under our id.
+            Ok((false, true)) if self.failure_applied(fence, id, update, event_id).await => {
+                Written::Yes
+            }
+            Ok((false, _)) => {
                 tracing::warn!(
                     event_id,
                     "late result dropped: the lease was taken over by another relay"
                 );
-                false
+                Written::FencedOut
             }
+            Err(e) => {
+                tracing::error!(event_id, error = %e, "could not record the failed attempt (database error); the lease expires and the event is tried again");
+                Written::DatabaseError
+            }
+        }
+    }
+
+    /// True when the row already holds `update`, written under this relay's
+    /// `worker_id`.
+    async fn failure_applied(
+        &self,
+        fence: &Fence,
+        id: i64,
+        update: &FailureUpdate,
+        event_id: &str,
+    ) -> bool {
+        match self.store.find(event_id).await {
+            Ok(rows) => rows.iter().any(|row| {
+                row.id == id
+                    && row.status == update.status
+                    && row.retry_count == update.retry_count
+                    && row.worker_id.as_deref() == Some(fence.worker_id.as_str())
+            }),
             Err(_) => false,
         }
     }
+}
+
+/// Whether a result write took effect.
+enum Written {
+    Yes,
+    /// The lease had been taken over.
+    FencedOut,
+    /// The database failed on every try.
+    DatabaseError,
 }
 
 fn held(outcomes: &[Outcome]) -> Vec<(Fence, i64)> {
@@ -200,7 +312,9 @@ fn record_delivery_lag(ids: &[i64], n: u64, created_at: &HashMap<i64, i64>) {
 
 /// Retries a result write a few times: losing it only means the lease
 /// expires and the row is delivered again, but that is worth avoiding.
-async fn retrying<T, F, Fut>(what: &'static str, mut op: F) -> Result<T>
+/// Returns the value and whether an earlier try failed (and so may have
+/// committed before its answer was lost).
+async fn retrying<T, F, Fut>(what: &'static str, mut op: F) -> Result<(T, bool)>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T>>,
@@ -209,17 +323,14 @@ where
     let mut tries = 0;
     loop {
         match op().await {
-            Ok(v) => return Ok(v),
+            Ok(v) => return Ok((v, tries > 0)),
             Err(e) if tries < 5 => {
                 tries += 1;
                 tracing::warn!(error = %e, tries, "{what} failed; retrying");
                 tokio::time::sleep(delay).await;
                 delay *= 2;
             }
-            Err(e) => {
-                tracing::error!(error = %e, "{what} failed; the lease will expire and the rows be delivered again");
-                return Err(e);
-            }
+            Err(e) => return Err(e),
         }
     }
 }

@@ -49,6 +49,9 @@ pub struct RelayReport {
     pub released: u64,
     /// Results dropped because the lease had been taken over.
     pub fenced_out: u64,
+    /// Results not written because the database failed on every try (the
+    /// rows' leases expire and they are tried again).
+    pub mark_errors: u64,
 }
 
 /// A batch claimed by one query.
@@ -65,6 +68,7 @@ pub struct Relay {
     config: WorkerConfig,
     app_codes: Vec<String>,
     worker_id: String,
+    max_payload_bytes: usize,
 }
 
 impl Relay {
@@ -81,7 +85,16 @@ impl Relay {
             config,
             app_codes,
             worker_id: default_worker_id(),
+            max_payload_bytes: crate::config::DatabaseConfig::default().max_payload_bytes,
         }
+    }
+
+    /// Sets `database.max_payload_bytes` (default 1 MiB): a claimed row with
+    /// a larger payload (written by a plain INSERT, which `enqueue`'s check
+    /// never saw) is dead-lettered at once without trying any publisher.
+    pub fn with_max_payload_bytes(mut self, max_payload_bytes: usize) -> Self {
+        self.max_payload_bytes = max_payload_bytes;
+        self
     }
 
     /// Overrides the worker id written into leases (default
@@ -142,6 +155,7 @@ impl Relay {
             publishers: self.publishers.clone(),
             config: self.config.clone(),
             budget: LeaseBudget::of(&self.config),
+            max_payload_bytes: self.max_payload_bytes,
         };
         let marking = marker::Marker {
             store: self.store.clone(),

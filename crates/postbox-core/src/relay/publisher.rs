@@ -7,10 +7,11 @@ use futures::future::join_all;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{marker::Outcome, Batch};
+use super::marker::{Outcome, Unpublished};
+use super::Batch;
 use crate::config::{LeaseBudget, WorkerConfig};
 use crate::metrics as m;
-use crate::publish::{Delivery, PublishError, Publisher};
+use crate::publish::{Delivery, PublishError, PublishResults, Publisher};
 use crate::retry::publish_after_expired_lease;
 use crate::store::OutboxStore;
 use crate::{ClaimSource, ClaimedEvent};
@@ -20,6 +21,8 @@ pub(super) struct PublishStage {
     pub publishers: Vec<Arc<dyn Publisher>>,
     pub config: WorkerConfig,
     pub budget: LeaseBudget,
+    /// `database.max_payload_bytes`: larger rows are never published.
+    pub max_payload_bytes: usize,
 }
 
 impl PublishStage {
@@ -75,18 +78,28 @@ impl PublishStage {
 
     async fn publish(&self, batch: Batch) -> Vec<Outcome> {
         let timeout = self.config.publish_timeout.get();
+        // Every publish of the batch ends by here, leaving the lease's mark
+        // reserve; results not in by then count as timed out.
+        let deadline =
+            tokio::time::Instant::from_std(batch.claimed_at) + self.budget.publish_deadline();
         let mut outcomes: Vec<Outcome> = batch.events.into_iter().map(Outcome::new).collect();
 
-        // Rows whose relay died while holding them: when the lost attempt was
-        // their last, or they may be tried only once, they are not sent again.
         for o in &mut outcomes {
-            if o.event.source == ClaimSource::ExpiredLease {
-                let r = &o.event.record;
-                o.skip_publish = !publish_after_expired_lease(
+            let r = &o.event.record;
+            if r.payload.len() > self.max_payload_bytes {
+                o.unpublished = Some(Unpublished::PayloadTooLarge {
+                    size: r.payload.len(),
+                    limit: self.max_payload_bytes,
+                });
+            } else if o.event.source == ClaimSource::ExpiredLease
+                && !publish_after_expired_lease(
                     r.retry_count,
                     self.config.max_retry_count_for(&r.event_type),
                     self.config.delivery_for(&r.event_type),
-                );
+                )
+            {
+                // Its relay died holding it, and that attempt was its last.
+                o.unpublished = Some(Unpublished::ExpiredOnLastAttempt);
             }
         }
 
@@ -95,7 +108,8 @@ impl PublishStage {
                 .iter()
                 .enumerate()
                 .filter(|(_, o)| {
-                    !o.skip_publish && !o.event.record.delivered_to.iter().any(|d| d == p.name())
+                    o.unpublished.is_none()
+                        && !o.event.record.delivered_to.iter().any(|d| d == p.name())
                 })
                 .map(|(i, _)| i)
                 .collect();
@@ -107,7 +121,7 @@ impl PublishStage {
                 let results = if deliveries.is_empty() {
                     Vec::new()
                 } else {
-                    publish_bounded(p.as_ref(), &deliveries, timeout).await
+                    publish_bounded(p.as_ref(), &deliveries, timeout, deadline).await
                 };
                 (p.name().to_owned(), todo, results)
             }
@@ -125,15 +139,29 @@ impl PublishStage {
     }
 }
 
-/// [`publish_within`] and its metrics: one duration sample per call, one
-/// `postbox_publish_total` increment per event.
+/// [`Publisher::publish_each`] (each publish bounded by `timeout`, the batch
+/// by `deadline`) and its metrics: one duration sample per call, one
+/// `postbox_publish_total` increment per event. What completed counts; only
+/// events without a result by the deadline are timed out.
 async fn publish_bounded(
     p: &dyn Publisher,
     deliveries: &[Delivery<'_>],
     timeout: Duration,
+    deadline: tokio::time::Instant,
 ) -> Vec<Result<(), PublishError>> {
     let started = std::time::Instant::now();
-    let results = publish_within(p, deliveries, timeout).await;
+    let results = PublishResults::new(deliveries.len());
+    if tokio::time::timeout_at(deadline, p.publish_each(deliveries, timeout, &results))
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            publisher = p.name(),
+            events = deliveries.len(),
+            "the batch's lease ran short before every publish ended; events without a result count as timed out"
+        );
+    }
+    let results = results.into_results(timeout);
     let publisher = p.name().to_owned();
     metrics::histogram!(m::PUBLISH_DURATION_SECONDS, "publisher" => publisher.clone())
         .record(started.elapsed().as_secs_f64());
@@ -158,36 +186,11 @@ async fn publish_bounded(
     results
 }
 
-async fn publish_within(
-    p: &dyn Publisher,
-    deliveries: &[Delivery<'_>],
-    timeout: Duration,
-) -> Vec<Result<(), PublishError>> {
-    match tokio::time::timeout(timeout, p.publish(deliveries)).await {
-        Ok(results) if results.len() == deliveries.len() => results,
-        Ok(results) => {
-            tracing::error!(
-                publisher = p.name(),
-                expected = deliveries.len(),
-                got = results.len(),
-                "publisher returned the wrong number of results; treating the batch as failed"
-            );
-            vec![
-                Err(PublishError::failed(
-                    "publisher returned the wrong number of results"
-                ));
-                deliveries.len()
-            ]
-        }
-        Err(_) => vec![Err(PublishError::Timeout(timeout)); deliveries.len()],
-    }
-}
-
 impl Outcome {
     fn new(event: ClaimedEvent) -> Self {
         Outcome {
             event,
-            skip_publish: false,
+            unpublished: None,
             confirmed: Vec::new(),
             errors: Vec::new(),
         }

@@ -16,6 +16,10 @@ pub struct AttemptResult {
     pub confirmed_now: Vec<String>,
     /// `(publisher, error)` for each that failed now.
     pub errors: Vec<(String, String)>,
+    /// The row can never be delivered (e.g. its payload is over
+    /// `database.max_payload_bytes`): dead-lettered at once, whatever
+    /// attempts are left.
+    pub never_deliverable: bool,
 }
 
 /// Where the row goes next.
@@ -105,7 +109,7 @@ pub fn decide(
         .collect::<Vec<_>>()
         .join("; ");
     let retry_count = result.retry_count.saturating_add(1);
-    if !may_retry(retry_count, max_retry_count, delivery) {
+    if result.never_deliverable || !may_retry(retry_count, max_retry_count, delivery) {
         Decision::Failed {
             retry_count,
             delivered_to,
@@ -131,6 +135,7 @@ mod tests {
             delivered_before: vec![],
             confirmed_now: vec!["rabbit".into()],
             errors: vec![("hook".into(), "503".into())],
+            never_deliverable: false,
         }
     }
 
@@ -196,6 +201,19 @@ mod tests {
             decide(&failing(9), 10, Delivery::AtLeastOnce, secs).status(),
             Status::Failed
         );
+    }
+
+    #[test]
+    fn a_row_that_can_never_be_delivered_is_dead_lettered_at_once() {
+        let r = AttemptResult {
+            never_deliverable: true,
+            confirmed_now: vec![],
+            ..failing(0)
+        };
+        match decide(&r, 10, Delivery::AtLeastOnce, secs) {
+            Decision::Failed { retry_count, .. } => assert_eq!(retry_count, 1),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

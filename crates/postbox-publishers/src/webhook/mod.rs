@@ -27,7 +27,7 @@ use sha2::Sha256;
 use tokio::sync::Semaphore;
 
 use postbox_core::config::WebhookPublisherConfig;
-use postbox_core::publish::{Delivery, PublishError};
+use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::Secret;
 use postbox_core::{Error, Publisher, Result};
 
@@ -86,11 +86,17 @@ impl WebhookPublisher {
         })
     }
 
-    async fn send(&self, d: &Delivery<'_>) -> std::result::Result<(), PublishError> {
+    /// One request, bounded by `timeout`.
+    async fn send(
+        &self,
+        d: &Delivery<'_>,
+        timeout: Duration,
+    ) -> std::result::Result<(), PublishError> {
         let body = envelope_body(d);
         let mut request = self
             .client
             .post(self.url.clone())
+            .timeout(timeout)
             .header(CONTENT_TYPE, "application/json")
             .header("Idempotency-Key", idempotency_key(&d.record.event_id)?);
         if let Some(secret) = &self.secret {
@@ -104,7 +110,7 @@ impl WebhookPublisher {
         }
         let response = match request.body(body).send().await {
             Ok(r) => r,
-            Err(e) if e.is_timeout() => return Err(PublishError::Timeout(self.timeout)),
+            Err(e) if e.is_timeout() => return Err(PublishError::Timeout(timeout)),
             Err(e) => {
                 return Err(PublishError::failed(format!(
                     "POST {} failed: {}",
@@ -156,10 +162,33 @@ impl Publisher for WebhookPublisher {
             let in_flight = &in_flight;
             async move {
                 let _permit = in_flight.acquire().await;
-                self.send(d).await
+                self.send(d, self.timeout).await
             }
         });
         join_all(sends).await
+    }
+
+    /// Each request is timed on its own, from when it is sent (after
+    /// waiting for one of the [`IN_FLIGHT`] slots), by the shorter of the
+    /// publisher's `timeout` and the relay's `publish_timeout`, and its
+    /// result is recorded as soon as it is in: a batch larger than what
+    /// fits in one `publish_timeout` keeps every answer it got.
+    async fn publish_each(
+        &self,
+        batch: &[Delivery<'_>],
+        publish_timeout: Duration,
+        results: &PublishResults,
+    ) {
+        let timeout = self.timeout.min(publish_timeout);
+        let in_flight = Semaphore::new(IN_FLIGHT);
+        let sends = batch.iter().enumerate().map(|(i, d)| {
+            let in_flight = &in_flight;
+            async move {
+                let _permit = in_flight.acquire().await;
+                results.set(i, self.send(d, timeout).await);
+            }
+        });
+        join_all(sends).await;
     }
 }
 
