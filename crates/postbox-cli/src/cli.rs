@@ -201,6 +201,11 @@ pub struct EnqueueArgs {
     /// Rows per transaction when reading a file.
     #[arg(long, default_value_t = 500)]
     pub batch_size: usize,
+    /// Write events whose event_id is already in `<table>_archive` (delivered
+    /// and archived), so that they are delivered again; without it they are
+    /// refused (one event) or skipped and counted (`--file`).
+    #[arg(long)]
+    pub allow_archived: bool,
 }
 
 #[derive(Debug, Args)]

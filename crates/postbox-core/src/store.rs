@@ -488,4 +488,11 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in
     /// `<table>_history`, keyed by event id, so it outlives archiving.
     async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>>;
+
+    /// Which of `event_ids` of `app_code` are in `<table>_archive`: events
+    /// already delivered and archived. The outbox's unique key covers the
+    /// live table only, so `postbox enqueue` asks this before writing an
+    /// event id again. Index: `<table>_archive_event_uq (app_code, event_id)`.
+    async fn archived_event_ids(&self, app_code: &str, event_ids: &[String])
+        -> Result<Vec<String>>;
 }

@@ -434,9 +434,20 @@ pub(crate) const ARCHIVE_COPY: &str = concat!(
     " FROM {table} WHERE id IN ({ids})"
 );
 
-/// Archive step 3: delete from the outbox only rows present in the archive.
+/// Archive step 3: delete from the outbox only rows present in the
+/// archive, or whose event the archive already holds under another id (an
+/// event enqueued again after it was archived, and delivered again): the
+/// archived copy is kept, the live duplicate goes, so such rows never stop
+/// the archiver.
 pub(crate) const ARCHIVE_DELETE: &str = "DELETE FROM {table} WHERE id IN ({ids}) \
-     AND EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id)";
+     AND (EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id) \
+       OR EXISTS (SELECT 1 FROM {archive} a \
+         WHERE a.app_code = {table}.app_code AND a.event_id = {table}.event_id))";
+
+/// Which of the event ids `{ids}` of an app_code (bound first) are
+/// archived. Index: `{archive}_event_uq (app_code, event_id)`.
+pub(crate) const ARCHIVED_EVENT_IDS: &str =
+    "SELECT event_id FROM {archive} WHERE app_code = ? AND event_id IN ({ids})";
 
 // ---- doctor ----
 

@@ -347,6 +347,19 @@ impl OutboxStore for PgOutbox {
         history_entries(rows)
     }
 
+    async fn archived_event_ids(
+        &self,
+        app_code: &str,
+        event_ids: &[String],
+    ) -> Result<Vec<String>> {
+        sqlx::query_scalar(&self.table.render(crate::sql::ARCHIVED_EVENT_IDS))
+            .bind(app_code)
+            .bind(event_ids)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("look up archived events", e))
+    }
+
     async fn now_ms(&self) -> Result<i64> {
         sqlx::query_scalar(&self.sql.now_ms)
             .fetch_one(&self.pool)
