@@ -366,6 +366,29 @@ pub(crate) const ARCHIVED_EVENT_IDS: &str =
 /// The selecting part of [`ARCHIVE_BATCH`], for `doctor`'s EXPLAIN.
 pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
 
+/// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
+/// app_code, age cut-off in ms, limit. Heads through `{table}_claim_retry_idx`
+/// (app_code, status), siblings through `{table}_aggregate_idx`.
+pub(crate) const STUCK_AGGREGATES: &str = concat!(
+    "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
+       (",
+    now_ms!(),
+    " - c.created_at_ms) AS age_ms, \
+       (SELECT COUNT(*) FROM {table} w WHERE w.app_code = c.app_code \
+          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
+          AND w.status IN ('pending', 'delivering', 'retryable')) AS waiting \
+     FROM {table} c \
+     WHERE c.app_code = $1 AND c.status IN ('retryable', 'delivering') \
+       AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
+    now_ms!(),
+    " - $2",
+    head_of_aggregate!(),
+    " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
+          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
+          AND w.status IN ('pending', 'delivering', 'retryable')) \
+     ORDER BY c.created_at_ms LIMIT $3"
+);
+
 // ---- doctor ----
 
 /// The table's schema version.

@@ -43,6 +43,7 @@ macro_rules! conformance_suite {
             relay_orders_events_per_aggregate,
             relay_orders_an_aggregate_mixing_versions_and_nulls,
             archive_moves_past_live_duplicates_of_archived_events,
+            stuck_aggregates_are_heads_that_cannot_move,
             history_records_attempts_dead_letters_and_replays,
         );
     };
@@ -967,6 +968,90 @@ pub async fn archive_moves_past_live_duplicates_of_archived_events(store: Arc<dy
             .len(),
         5
     );
+}
+
+/// Issue 10.1: `status` and `doctor` show aggregates whose head cannot
+/// move: a head that keeps failing (`retryable`) or is held by a lease,
+/// with later events waiting. A pending head, a head with nothing behind
+/// it and a young head are not reported.
+pub async fn stuck_aggregates_are_heads_that_cannot_move(store: Arc<dyn OutboxStore>) {
+    let agg = |id: &str, v: i64| NewEvent::new(APP, "S", "{}").aggregate(id, v);
+    // S: head fails; U: head leased; T: head alone; V: all pending.
+    for e in [
+        agg("S", 1),
+        agg("S", 2),
+        agg("U", 1),
+        agg("U", 2),
+        agg("T", 1),
+        agg("V", 1),
+        agg("V", 2),
+    ] {
+        enqueue(store.as_ref(), std::slice::from_ref(&e)).await;
+    }
+    let heads = store
+        .claim(
+            ClaimSource::Pending,
+            &ClaimRequest {
+                ordered: true,
+                ..req("w", 3, 60_000)
+            },
+        )
+        .await
+        .expect("claim");
+    let head = |a: &str| {
+        heads
+            .iter()
+            .find(|c| c.record.aggregate_id.as_deref() == Some(a))
+            .unwrap_or_else(|| panic!("head of {a} claimed"))
+    };
+    let s1 = head("S");
+    assert!(store
+        .mark_failed(
+            &s1.fence(),
+            s1.record.id,
+            &FailureUpdate {
+                status: Status::Retryable,
+                retry_count: 1,
+                retry_after_ms: 600_000,
+                delivered_to: Vec::new(),
+                error: "broker said no".into(),
+                publisher: Some("p".into()),
+            },
+        )
+        .await
+        .expect("mark failed"));
+    let (u1, t1) = (head("U").record.clone(), head("T").record.clone());
+    tokio::time::sleep(Duration::from_millis(30)).await;
+
+    let stuck = store.stuck_aggregates(APP, 10, 10).await.expect("stuck");
+    let found: Vec<(&str, Status, i64)> = stuck
+        .iter()
+        .map(|s| (s.aggregate_id.as_str(), s.head_status, s.waiting))
+        .collect();
+    assert_eq!(
+        found,
+        vec![("S", Status::Retryable, 1), ("U", Status::Delivering, 1)],
+        "{stuck:?}"
+    );
+    assert_eq!(stuck[0].head_event_id, s1.record.event_id);
+    assert_eq!(stuck[0].head_retry_count, 1);
+    assert_eq!(stuck[0].head_last_error.as_deref(), Some("broker said no"));
+    assert!(stuck[0].head_age_seconds >= 0.01, "{stuck:?}");
+    assert_eq!(stuck[1].head_event_id, u1.event_id);
+    assert!(stuck.iter().all(|s| s.head_event_id != t1.event_id));
+    assert_eq!(
+        store
+            .stuck_aggregates(APP, 10, 1)
+            .await
+            .expect("stuck")
+            .len(),
+        1
+    );
+    assert!(store
+        .stuck_aggregates(APP, 3_600_000, 10)
+        .await
+        .expect("stuck")
+        .is_empty());
 }
 
 /// Failed attempts (with publisher, error and attempt number), expired-lease

@@ -42,5 +42,14 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
             s.retryable_due
         );
     }
+    if config.outbox_worker.ordering == postbox_core::config::Ordering::PerAggregate {
+        let stuck = crate::commands::doctor::held_back(store.as_ref(), &app_codes, 10).await?;
+        if !stuck.is_empty() {
+            println!("\naggregates held back (per_aggregate ordering):");
+            for s in &stuck {
+                println!("  {}", crate::commands::doctor::describe_held_back(s));
+            }
+        }
+    }
     Ok(())
 }
