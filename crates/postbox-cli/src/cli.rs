@@ -217,6 +217,11 @@ pub struct EnqueueArgs {
     /// config delivers such rows).
     #[arg(long)]
     pub allow_unserved_app_code: bool,
+    /// Write events whose event_id is already in `<table>_archive` (delivered
+    /// and archived), so that they are delivered again; without it they are
+    /// refused (one event) or skipped and counted (`--file`).
+    #[arg(long)]
+    pub allow_archived: bool,
 }
 
 #[derive(Debug, Args)]

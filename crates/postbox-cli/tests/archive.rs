@@ -388,3 +388,92 @@ async fn relay_archives_on_its_interval() {
     let status = relay.wait().unwrap();
     assert!(status.success(), "relay exit after SIGTERM: {status:?}");
 }
+
+/// Issue 10.3: `postbox enqueue` refuses an event id that is already
+/// delivered and archived (it would be delivered again), skips and counts
+/// such lines of `--file`, and writes them with `--allow-archived`; the
+/// archiver then moves past the live duplicate instead of stalling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_refuses_archived_event_ids_and_the_archiver_moves_past_duplicates() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("outbox.db");
+    let url = format!("sqlite://{}", path.display());
+    let config = dir.path().join("postbox.toml");
+    std::fs::write(
+        &config,
+        format!("[database]\nurl = \"{url}\"\ntable = \"room_outbox\"\napp_codes = [\"arch\"]\n"),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", config];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all)
+    };
+    let out = run(&["migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    let db = Db::Lite(pool);
+    let deliver_old = "UPDATE room_outbox SET status = 'delivered', updated_at_ms = 1";
+
+    let enqueue = [
+        "enqueue",
+        "--event-type",
+        "T",
+        "--payload",
+        "{}",
+        "--event-id",
+    ];
+    for id in ["dup-1", "dup-2"] {
+        let out = run(&[&enqueue[..], &[id]].concat());
+        assert!(out.status.success(), "{}", text(&out));
+    }
+    db.exec(deliver_old).await;
+    let out = run(&["archive", "--older-than", "1s"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        db.count("SELECT COUNT(*) FROM room_outbox_archive").await,
+        2
+    );
+
+    // One event: refused, naming the way out.
+    let out = run(&[&enqueue[..], &["dup-1"]].concat());
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("already delivered and archived"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("--allow-archived"), "{}", text(&out));
+    assert_eq!(db.count("SELECT COUNT(*) FROM room_outbox").await, 0);
+
+    // A file: archived lines are skipped and counted, the rest written.
+    let file = dir.path().join("events.jsonl");
+    std::fs::write(
+        &file,
+        "{\"event_id\":\"dup-2\",\"event_type\":\"T\",\"payload\":{}}\n\
+         {\"event_id\":\"new-1\",\"event_type\":\"T\",\"payload\":{}}\n",
+    )
+    .unwrap();
+    let out = run(&["--json", "enqueue", "--file", file.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["inserted"], 1, "{summary}");
+    assert_eq!(summary["archived"], 1, "{summary}");
+
+    // Forced: written again, and delivered again.
+    let out = run(&[&enqueue[..], &["dup-1", "--allow-archived"]].concat());
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(db.count("SELECT COUNT(*) FROM room_outbox").await, 2);
+
+    // The archiver keeps the archived copy, deletes the live duplicate
+    // (sorted first, filling a batch of 1) and still archives new-1.
+    db.exec(deliver_old).await;
+    let out = run(&["archive", "--older-than", "1s", "--batch-size", "1"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(db.count("SELECT COUNT(*) FROM room_outbox").await, 0);
+    assert_eq!(
+        db.count("SELECT COUNT(*) FROM room_outbox_archive").await,
+        3
+    );
+}

@@ -257,3 +257,61 @@ fn doctor_warns_when_an_inbox_forgets_before_redeliveries_end() {
         .clone();
     assert_eq!(inbox["level"], "ok", "{inbox:#}");
 }
+
+/// Issue 10.1: with `ordering = "per_aggregate"`, `doctor` warns about (and
+/// `status` lists) an aggregate whose head keeps failing while later events
+/// wait behind it; a healthy aggregate is not named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_and_status_show_an_aggregate_whose_head_cannot_move() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
+    let config = dir.path().join("postbox.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"{url}\"\ntable = \"room_outbox\"\napp_codes = [\"doc\"]\n\
+             [outbox_worker]\nordering = \"per_aggregate\"\n"
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let out = postbox(dir.path(), &["--config", config, "migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = postbox(dir.path(), &["--config", config, "doctor"]);
+    assert!(
+        text(&out).contains("ok    aggregates:held_back"),
+        "{}",
+        text(&out)
+    );
+
+    let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+    // An hour-old head that keeps failing, one event behind it; a healthy
+    // aggregate whose head is pending.
+    sqlx::query(
+        "INSERT INTO room_outbox (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, status, retry_count, last_error, next_retry_at_ms, created_at_ms) VALUES \
+         ('doc', 'head-1', 'T', 'room-7', 1, '{}', 'retryable', 3, 'broker said no', 0, 1000), \
+         ('doc', 'next-1', 'T', 'room-7', 2, '{}', 'pending', 0, NULL, 0, 2000), \
+         ('doc', 'ok-1', 'T', 'room-8', 1, '{}', 'pending', 0, NULL, 0, 1000), \
+         ('doc', 'ok-2', 'T', 'room-8', 2, '{}', 'pending', 0, NULL, 0, 2000)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = postbox(dir.path(), &["--config", config, "doctor"]);
+    let shown = text(&out);
+    assert!(shown.contains("WARN  aggregates:held_back"), "{shown}");
+    assert!(
+        shown.contains("room-7") && shown.contains("head-1"),
+        "{shown}"
+    );
+    assert!(shown.contains("broker said no"), "{shown}");
+    assert!(!shown.contains("room-8"), "{shown}");
+    let out = postbox(dir.path(), &["--config", config, "status"]);
+    let shown = text(&out);
+    assert!(out.status.success(), "{shown}");
+    assert!(shown.contains("aggregates held back"), "{shown}");
+    assert!(
+        shown.contains("room-7") && !shown.contains("room-8"),
+        "{shown}"
+    );
+}

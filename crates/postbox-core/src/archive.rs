@@ -34,6 +34,21 @@ pub async fn archive_once(
     store.archive(&req, &counted).await
 }
 
+/// Logs the rows one archive batch deleted without copying (`deleted −
+/// copied`): live rows whose event the archive already held under another
+/// id (enqueued again after archiving, with `--allow-archived` or by a
+/// plain INSERT, and delivered again). The archived copy is kept and the
+/// duplicate deleted, so they never stop the archiver.
+pub fn log_archived_duplicates(table: &str, deleted: i64, copied: i64) {
+    if deleted > copied {
+        tracing::warn!(
+            table,
+            rows = deleted - copied,
+            "delivered rows repeated events already archived: kept the archived copies, deleted the live duplicates"
+        );
+    }
+}
+
 /// Archives every `config.interval` (the first run one interval after
 /// start) until `shutdown`; a run in progress is abandoned at shutdown (its
 /// open batch rolls back).

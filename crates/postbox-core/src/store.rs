@@ -294,6 +294,29 @@ impl HistoryKind {
     }
 }
 
+/// An aggregate whose head event (`ordering = "per_aggregate"`) has not
+/// moved for long while later events of it wait: the head keeps failing
+/// (`retryable`) or is held by a lease (`delivering`).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct StuckAggregate {
+    /// Tenant.
+    pub app_code: String,
+    /// The aggregate held back.
+    pub aggregate_id: String,
+    /// The head event everything later in the aggregate waits for.
+    pub head_event_id: String,
+    /// `retryable` or `delivering`.
+    pub head_status: Status,
+    /// Failed attempts of the head so far.
+    pub head_retry_count: i32,
+    /// The head's last error, if any.
+    pub head_last_error: Option<String>,
+    /// Seconds since the head was enqueued.
+    pub head_age_seconds: f64,
+    /// Later events of the aggregate waiting behind the head.
+    pub waiting: i64,
+}
+
 /// Counts of one tenant.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct AppStats {
@@ -675,14 +698,35 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Whether every claim query ([`CLAIM_QUERIES`]) and archive query
     /// ([`ARCHIVE_QUERIES`]) *can* read through the index it is written for,
     /// whatever the table's size: PostgreSQL plans with sequential and
-    /// bitmap scans, sorts, hash and merge joins disabled, MariaDB reports the candidate keys, SQLite plans without
-    /// statistics. Nothing is changed.
+    /// bitmap scans, sorts, hash and merge joins disabled, MariaDB reports
+    /// the candidate keys, SQLite plans without statistics. Nothing is
+    /// changed.
     async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>>;
 
     /// The attempt history of an event (every app_code), oldest first: at
     /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in
     /// `<table>_history`, keyed by event id, so it outlives archiving.
     async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>>;
+
+    /// Which of `event_ids` of `app_code` are in `<table>_archive`: events
+    /// already delivered and archived. The outbox's unique key covers the
+    /// live table only, so `postbox enqueue` asks this before writing an
+    /// event id again. Index: `<table>_archive_event_uq (app_code, event_id)`.
+    async fn archived_event_ids(&self, app_code: &str, event_ids: &[String])
+        -> Result<Vec<String>>;
+
+    /// Aggregates of `app_code` whose head (the first event in the
+    /// per-aggregate order still pending, delivering or retryable) is
+    /// `retryable` or `delivering`, was enqueued more than `older_than_ms`
+    /// ago, and has later events waiting behind it; oldest head first, at
+    /// most `limit`. One query: heads through `<table>_claim_retry_idx`,
+    /// their siblings through `<table>_aggregate_idx`.
+    async fn stuck_aggregates(
+        &self,
+        app_code: &str,
+        older_than_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<StuckAggregate>>;
 }
 
 fn tag(rows: Vec<EventRecord>, archived: bool) -> impl Iterator<Item = Inspected> {

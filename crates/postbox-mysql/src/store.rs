@@ -202,17 +202,21 @@ impl MySqlOutbox {
                     let ids = first_column(&rows).map_err(db)?;
                     let mut moved = 0;
                     if !ids.is_empty() {
-                        self.execute_ids(&mut tx, &self.sql.archive_copy, &ids, None)
+                        let copied = self
+                            .execute_ids(&mut tx, &self.sql.archive_copy, &ids, None)
                             .await
                             .map_err(db)?;
                         moved = self
                             .execute_ids(&mut tx, &self.sql.archive_delete, &ids, None)
                             .await
                             .map_err(db)?;
+                        postbox_core::archive::log_archived_duplicates(
+                            self.table.as_str(),
+                            moved as i64,
+                            copied as i64,
+                        );
                     }
                     tx.commit().await.map_err(db)?;
-                    // Zero: done, or only rows the archive refuses (an
-                    // event id archived before under another id) are left.
                     if moved == 0 {
                         break;
                     }
@@ -723,6 +727,46 @@ impl OutboxStore for MySqlOutbox {
             .await
             .map_err(|e| crate::db_error("read history", e))?;
         history_entries(rows)
+    }
+
+    async fn archived_event_ids(
+        &self,
+        app_code: &str,
+        event_ids: &[String],
+    ) -> Result<Vec<String>> {
+        let template = self.table.render(sql::ARCHIVED_EVENT_IDS);
+        let mut out = Vec::new();
+        for chunk in event_ids.chunks(sql::MAX_IN_LIST) {
+            let text = sql::in_list(&template, sql::padded_len(chunk.len()));
+            let mut q = sqlx::query_scalar::<_, String>(&text).bind(app_code);
+            for id in padded(chunk) {
+                q = q.bind(id);
+            }
+            let found = q
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| crate::db_error("look up archived events", e))?;
+            out.extend(found);
+        }
+        out.sort_unstable();
+        out.dedup();
+        Ok(out)
+    }
+
+    async fn stuck_aggregates(
+        &self,
+        app_code: &str,
+        older_than_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<postbox_core::store::StuckAggregate>> {
+        let rows = sqlx::query(&self.table.render(crate::sql::STUCK_AGGREGATES))
+            .bind(app_code)
+            .bind(older_than_ms)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("find stuck aggregates", e))?;
+        postbox_sqlx::stuck_aggregates(app_code, rows)
     }
 
     async fn now_ms(&self) -> Result<i64> {

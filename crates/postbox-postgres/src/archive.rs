@@ -54,17 +54,20 @@ impl PgOutbox {
                     if req.max_batches.is_some_and(|m| report.batches >= m) {
                         return Ok(report);
                     }
-                    let moved = sqlx::query(&self.sql.archive_batch)
+                    let (deleted, copied): (i64, i64) = sqlx::query_as(&self.sql.archive_batch)
                         .bind(app_code)
                         .bind(status)
                         .bind(req.before_ms)
                         .bind(i64::from(req.batch_size))
-                        .execute(&mut **conn)
+                        .fetch_one(&mut **conn)
                         .await
-                        .map_err(db)?
-                        .rows_affected();
-                    // Zero: done, or only rows the archive refuses (an
-                    // event id archived before under another id) are left.
+                        .map_err(db)?;
+                    postbox_core::archive::log_archived_duplicates(
+                        self.table.as_str(),
+                        deleted,
+                        copied,
+                    );
+                    let moved = deleted as u64;
                     if moved == 0 {
                         break;
                     }

@@ -380,7 +380,10 @@ macro_rules! archive_pick {
 
 /// One archive batch, one statement: copy what the archive lacks (unique
 /// `id`), then delete from the outbox only rows now in the archive (copied
-/// here, or by an earlier run). Returns the rows deleted.
+/// here, or by an earlier run), or whose event the archive already holds
+/// under another id (an event enqueued again after it was archived, and
+/// delivered again): the archived copy is kept, the live duplicate goes, so
+/// such rows never stop the archiver. Returns the rows deleted and copied.
 pub(crate) const ARCHIVE_BATCH: &str = concat!(
     "WITH picked AS (",
     archive_pick!(),
@@ -389,13 +392,44 @@ pub(crate) const ARCHIVE_BATCH: &str = concat!(
     columns!(),
     ") SELECT ",
     columns!(),
-    " FROM {table} WHERE id IN (SELECT id FROM picked) ON CONFLICT DO NOTHING RETURNING id) \
-     DELETE FROM {table} t WHERE t.id IN (SELECT id FROM picked) \
-       AND (t.id IN (SELECT id FROM copied) OR EXISTS (SELECT 1 FROM {archive} a WHERE a.id = t.id))"
+    " FROM {table} WHERE id IN (SELECT id FROM picked) ON CONFLICT DO NOTHING RETURNING id), \
+     deleted AS (DELETE FROM {table} t WHERE t.id IN (SELECT id FROM picked) \
+       AND (t.id IN (SELECT id FROM copied) OR EXISTS (SELECT 1 FROM {archive} a WHERE a.id = t.id) \
+         OR EXISTS (SELECT 1 FROM {archive} a WHERE a.app_code = t.app_code AND a.event_id = t.event_id)) \
+       RETURNING t.id) \
+     SELECT (SELECT COUNT(*) FROM deleted), (SELECT COUNT(*) FROM copied)"
 );
+
+/// Which of the event ids `$2` of app_code `$1` are archived. Index:
+/// `{archive}_event_uq (app_code, event_id)`.
+pub(crate) const ARCHIVED_EVENT_IDS: &str =
+    "SELECT event_id FROM {archive} WHERE app_code = $1 AND event_id = ANY($2)";
 
 /// The selecting part of [`ARCHIVE_BATCH`], for `doctor`'s EXPLAIN.
 pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
+
+/// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
+/// app_code, age cut-off in ms, limit. Heads through `{table}_claim_retry_idx`
+/// (app_code, status), siblings through `{table}_aggregate_idx`.
+pub(crate) const STUCK_AGGREGATES: &str = concat!(
+    "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
+       (",
+    now_ms!(),
+    " - c.created_at_ms) AS age_ms, \
+       (SELECT COUNT(*) FROM {table} w WHERE w.app_code = c.app_code \
+          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
+          AND w.status IN ('pending', 'delivering', 'retryable')) AS waiting \
+     FROM {table} c \
+     WHERE c.app_code = $1 AND c.status IN ('retryable', 'delivering') \
+       AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
+    now_ms!(),
+    " - $2",
+    head_of_aggregate!(),
+    " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
+          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
+          AND w.status IN ('pending', 'delivering', 'retryable')) \
+     ORDER BY c.created_at_ms LIMIT $3"
+);
 
 // ---- doctor ----
 

@@ -377,6 +377,35 @@ impl OutboxStore for PgOutbox {
         history_entries(rows)
     }
 
+    async fn archived_event_ids(
+        &self,
+        app_code: &str,
+        event_ids: &[String],
+    ) -> Result<Vec<String>> {
+        sqlx::query_scalar(&self.table.render(crate::sql::ARCHIVED_EVENT_IDS))
+            .bind(app_code)
+            .bind(event_ids)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("look up archived events", e))
+    }
+
+    async fn stuck_aggregates(
+        &self,
+        app_code: &str,
+        older_than_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<postbox_core::store::StuckAggregate>> {
+        let rows = sqlx::query(&self.table.render(crate::sql::STUCK_AGGREGATES))
+            .bind(app_code)
+            .bind(older_than_ms)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("find stuck aggregates", e))?;
+        postbox_sqlx::stuck_aggregates(app_code, rows)
+    }
+
     async fn now_ms(&self) -> Result<i64> {
         sqlx::query_scalar(&self.sql.now_ms)
             .fetch_one(&self.pool)

@@ -405,11 +405,45 @@ pub(crate) const ARCHIVE_COPY: &str = concat!(
     ")"
 );
 
-/// Archive step 2: delete from the outbox only rows present in the archive.
+/// Archive step 2: delete from the outbox only rows present in the
+/// archive, or whose event the archive already holds under another id (an
+/// event enqueued again after it was archived, and delivered again): the
+/// archived copy is kept, the live duplicate goes, so such rows never stop
+/// the archiver.
 pub(crate) const ARCHIVE_DELETE: &str = concat!(
     "DELETE FROM {table} WHERE id IN (",
     archive_pick!(),
-    ") AND EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id)"
+    ") AND (EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id) \
+       OR EXISTS (SELECT 1 FROM {archive} a \
+         WHERE a.app_code = {table}.app_code AND a.event_id = {table}.event_id))"
+);
+
+/// Which of the event ids `?2` (a JSON array) of app_code `?1` are
+/// archived. Index: `{archive}_event_uq (app_code, event_id)`.
+pub(crate) const ARCHIVED_EVENT_IDS: &str = "SELECT event_id FROM {archive} \
+     WHERE app_code = ?1 AND event_id IN (SELECT value FROM json_each(?2))";
+
+/// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
+/// app_code, age cut-off in ms, limit. Heads through `{table}_claim_retry_idx`
+/// (app_code, status), siblings through `{table}_aggregate_idx`.
+pub(crate) const STUCK_AGGREGATES: &str = concat!(
+    "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
+       (",
+    now_ms!(),
+    " - c.created_at_ms) AS age_ms, \
+       (SELECT COUNT(*) FROM {table} w WHERE w.app_code = c.app_code \
+          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
+          AND w.status IN ('pending', 'delivering', 'retryable')) AS waiting \
+     FROM {table} c \
+     WHERE c.app_code = ?1 AND c.status IN ('retryable', 'delivering') \
+       AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
+    now_ms!(),
+    " - ?2",
+    head_of_aggregate!(),
+    " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
+          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
+          AND w.status IN ('pending', 'delivering', 'retryable')) \
+     ORDER BY c.created_at_ms LIMIT ?3"
 );
 
 // ---- doctor ----

@@ -438,20 +438,25 @@ impl OutboxStore for SqliteOutbox {
                             .bind(i64::from(req.batch_size))
                     };
                     let res = async {
-                        batch(&self.sql.archive_copy)
+                        let copied = batch(&self.sql.archive_copy)
                             .execute(&mut *tx)
                             .await
-                            .map_err(db)?;
+                            .map_err(db)?
+                            .rows_affected();
                         let deleted = batch(&self.sql.archive_delete)
                             .execute(&mut *tx)
                             .await
-                            .map_err(db)?;
-                        Ok(deleted.rows_affected())
+                            .map_err(db)?
+                            .rows_affected();
+                        postbox_core::archive::log_archived_duplicates(
+                            self.table.as_str(),
+                            deleted as i64,
+                            copied as i64,
+                        );
+                        Ok(deleted)
                     }
                     .await;
                     let moved = finish(tx, res, "archive").await?;
-                    // Zero: done, or only rows the archive refuses (an
-                    // event id archived before under another id) are left.
                     if moved == 0 {
                         break;
                     }
@@ -480,6 +485,36 @@ impl OutboxStore for SqliteOutbox {
             .await
             .map_err(|e| crate::db_error("read history", e))?;
         history_entries(rows)
+    }
+
+    async fn archived_event_ids(
+        &self,
+        app_code: &str,
+        event_ids: &[String],
+    ) -> Result<Vec<String>> {
+        let ids = json_list(event_ids);
+        sqlx::query_scalar(&self.table.render(crate::sql::ARCHIVED_EVENT_IDS))
+            .bind(app_code)
+            .bind(ids)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("look up archived events", e))
+    }
+
+    async fn stuck_aggregates(
+        &self,
+        app_code: &str,
+        older_than_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<postbox_core::store::StuckAggregate>> {
+        let rows = sqlx::query(&self.table.render(crate::sql::STUCK_AGGREGATES))
+            .bind(app_code)
+            .bind(older_than_ms)
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| crate::db_error("find stuck aggregates", e))?;
+        postbox_sqlx::stuck_aggregates(app_code, rows)
     }
 
     async fn now_ms(&self) -> Result<i64> {

@@ -89,6 +89,37 @@ where
         .map_err(|e| db_error("delivered per minute", e))
 }
 
+/// Rows of a backend's `STUCK_AGGREGATES` query (aggregate_id, event_id,
+/// status, retry_count, last_error, age_ms, waiting).
+pub fn stuck_aggregates<R>(
+    app_code: &str,
+    rows: Vec<R>,
+) -> Result<Vec<postbox_core::store::StuckAggregate>>
+where
+    R: Row,
+    usize: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let db = |e| db_error("find stuck aggregates", e);
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let status: String = row.try_get(2).map_err(db)?;
+        out.push(postbox_core::store::StuckAggregate {
+            app_code: app_code.to_owned(),
+            aggregate_id: row.try_get(0).map_err(db)?,
+            head_event_id: row.try_get(1).map_err(db)?,
+            head_status: status.parse()?,
+            head_retry_count: row.try_get(3).map_err(db)?,
+            head_last_error: row.try_get(4).map_err(db)?,
+            head_age_seconds: row.try_get::<i64, _>(5).map_err(db)? as f64 / 1000.0,
+            waiting: row.try_get(6).map_err(db)?,
+        });
+    }
+    Ok(out)
+}
+
 /// Reads history rows selected as `at_ms, kind, attempt, publisher, detail`.
 /// An entry of a kind this version does not know is skipped with a warning.
 pub fn history_entries<R>(rows: Vec<R>) -> Result<Vec<postbox_core::store::HistoryEntry>>

@@ -42,6 +42,8 @@ macro_rules! conformance_suite {
             relay_skips_retries_for_at_most_once_types,
             relay_orders_events_per_aggregate,
             relay_orders_an_aggregate_mixing_versions_and_nulls,
+            archive_moves_past_live_duplicates_of_archived_events,
+            stuck_aggregates_are_heads_that_cannot_move,
             history_records_attempts_dead_letters_and_replays,
             replay_goes_only_to_publishers_that_did_not_confirm,
             archived_rows_are_found_and_listed,
@@ -885,6 +887,173 @@ pub async fn relay_orders_an_aggregate_mixing_versions_and_nulls(store: Arc<dyn 
     for e in [&y1, &y2, &y3, &y4] {
         assert_eq!(status_of(store.as_ref(), &e.event_id).await.retry_count, 0);
     }
+}
+
+/// Claims and delivers every pending row of [`APP`].
+async fn deliver_all(store: &dyn OutboxStore) {
+    loop {
+        let got = store
+            .claim(ClaimSource::Pending, &req("w", 100, 30_000))
+            .await
+            .expect("claim");
+        let Some(first) = got.first() else { return };
+        let ids: Vec<i64> = got.iter().map(|c| c.record.id).collect();
+        store
+            .mark_delivered(&first.fence(), &ids)
+            .await
+            .expect("mark");
+    }
+}
+
+/// Issue 10.3: an event enqueued again after it was archived (the live
+/// table's unique key does not cover the archive) was refused by the
+/// archiver forever, and once such rows filled a batch (they sort first)
+/// every batch moved nothing. The archive keeps its copy, the live
+/// duplicate is deleted, and the rows after it are archived.
+pub async fn archive_moves_past_live_duplicates_of_archived_events(store: Arc<dyn OutboxStore>) {
+    use postbox_core::store::ArchiveRequest;
+    let first = events(3, "T");
+    enqueue(store.as_ref(), &first).await;
+    deliver_all(store.as_ref()).await;
+    let archive = |batch_size: u32| {
+        let store = store.clone();
+        async move {
+            let req = ArchiveRequest {
+                app_codes: vec![APP.to_owned()],
+                before_ms: store.now_ms().await.expect("now") + 60_000,
+                batch_size,
+                max_batches: None,
+            };
+            store.archive(&req, &|_| {}).await.expect("archive")
+        }
+    };
+    assert_eq!(archive(10).await.moved, 3);
+    let mut ids: Vec<String> = first.iter().map(|e| e.event_id.clone()).collect();
+    ids.push("never-enqueued".into());
+    let mut expected = ids[..3].to_vec();
+    expected.sort();
+    let mut found = store.archived_event_ids(APP, &ids).await.expect("lookup");
+    found.sort();
+    assert_eq!(
+        found, expected,
+        "the archive holds exactly the archived events"
+    );
+    assert!(store
+        .archived_event_ids("other-app", &ids)
+        .await
+        .expect("lookup")
+        .is_empty());
+
+    // The same events again (the live table accepts them), then new ones.
+    enqueue(store.as_ref(), &first).await;
+    let later = events(2, "T");
+    enqueue(store.as_ref(), &later).await;
+    deliver_all(store.as_ref()).await;
+    let report = archive(2).await;
+    assert!(report.complete, "{report:?}");
+    assert_eq!(
+        report.moved, 5,
+        "duplicates deleted, new rows copied: {report:?}"
+    );
+    let s = stats(store.as_ref()).await;
+    assert_eq!(s.delivered, 0, "nothing left behind: {s:?}");
+    let all: Vec<String> = first
+        .iter()
+        .chain(&later)
+        .map(|e| e.event_id.clone())
+        .collect();
+    assert_eq!(
+        store
+            .archived_event_ids(APP, &all)
+            .await
+            .expect("lookup")
+            .len(),
+        5
+    );
+}
+
+/// Issue 10.1: `status` and `doctor` show aggregates whose head cannot
+/// move: a head that keeps failing (`retryable`) or is held by a lease,
+/// with later events waiting. A pending head, a head with nothing behind
+/// it and a young head are not reported.
+pub async fn stuck_aggregates_are_heads_that_cannot_move(store: Arc<dyn OutboxStore>) {
+    let agg = |id: &str, v: i64| NewEvent::new(APP, "S", "{}").aggregate(id, v);
+    // S: head fails; U: head leased; T: head alone; V: all pending.
+    for e in [
+        agg("S", 1),
+        agg("S", 2),
+        agg("U", 1),
+        agg("U", 2),
+        agg("T", 1),
+        agg("V", 1),
+        agg("V", 2),
+    ] {
+        enqueue(store.as_ref(), std::slice::from_ref(&e)).await;
+    }
+    let heads = store
+        .claim(
+            ClaimSource::Pending,
+            &ClaimRequest {
+                ordered: true,
+                ..req("w", 3, 60_000)
+            },
+        )
+        .await
+        .expect("claim");
+    let head = |a: &str| {
+        heads
+            .iter()
+            .find(|c| c.record.aggregate_id.as_deref() == Some(a))
+            .unwrap_or_else(|| panic!("head of {a} claimed"))
+    };
+    let s1 = head("S");
+    assert!(store
+        .mark_failed(
+            &s1.fence(),
+            s1.record.id,
+            &FailureUpdate {
+                status: Status::Retryable,
+                retry_count: 1,
+                retry_after_ms: 600_000,
+                delivered_to: Vec::new(),
+                error: "broker said no".into(),
+                publisher: Some("p".into()),
+            },
+        )
+        .await
+        .expect("mark failed"));
+    let (u1, t1) = (head("U").record.clone(), head("T").record.clone());
+    tokio::time::sleep(Duration::from_millis(30)).await;
+
+    let stuck = store.stuck_aggregates(APP, 10, 10).await.expect("stuck");
+    let found: Vec<(&str, Status, i64)> = stuck
+        .iter()
+        .map(|s| (s.aggregate_id.as_str(), s.head_status, s.waiting))
+        .collect();
+    assert_eq!(
+        found,
+        vec![("S", Status::Retryable, 1), ("U", Status::Delivering, 1)],
+        "{stuck:?}"
+    );
+    assert_eq!(stuck[0].head_event_id, s1.record.event_id);
+    assert_eq!(stuck[0].head_retry_count, 1);
+    assert_eq!(stuck[0].head_last_error.as_deref(), Some("broker said no"));
+    assert!(stuck[0].head_age_seconds >= 0.01, "{stuck:?}");
+    assert_eq!(stuck[1].head_event_id, u1.event_id);
+    assert!(stuck.iter().all(|s| s.head_event_id != t1.event_id));
+    assert_eq!(
+        store
+            .stuck_aggregates(APP, 10, 1)
+            .await
+            .expect("stuck")
+            .len(),
+        1
+    );
+    assert!(store
+        .stuck_aggregates(APP, 3_600_000, 10)
+        .await
+        .expect("stuck")
+        .is_empty());
 }
 
 /// Failed attempts (with publisher, error and attempt number), expired-lease

@@ -12,7 +12,7 @@ use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, SchemaReport,
+    ReplaySelector, ReplayTargets, SchemaReport, StuckAggregate,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, TableName};
 
@@ -140,13 +140,46 @@ impl OutboxStore for FaultyMarks {
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
         self.inner.find(event_id).await
     }
-    async fn replay(
+    async fn replay_to(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
         origin: &str,
+        targets: &ReplayTargets,
     ) -> Result<Vec<EventRecord>> {
-        self.inner.replay(selector, dry_run, origin).await
+        self.inner
+            .replay_to(selector, dry_run, origin, targets)
+            .await
+    }
+    async fn present_app_codes(&self) -> Result<Vec<String>> {
+        self.inner.present_app_codes().await
+    }
+    async fn find_archived(
+        &self,
+        event_id: &str,
+        app_codes: &[String],
+    ) -> Result<Vec<EventRecord>> {
+        self.inner.find_archived(event_id, app_codes).await
+    }
+    async fn list_archived(&self, filter: &EventFilter) -> Result<Vec<EventRecord>> {
+        self.inner.list_archived(filter).await
+    }
+    async fn archived_event_ids(
+        &self,
+        app_code: &str,
+        event_ids: &[String],
+    ) -> Result<Vec<String>> {
+        self.inner.archived_event_ids(app_code, event_ids).await
+    }
+    async fn stuck_aggregates(
+        &self,
+        app_code: &str,
+        older_than_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<StuckAggregate>> {
+        self.inner
+            .stuck_aggregates(app_code, older_than_ms, limit)
+            .await
     }
     async fn now_ms(&self) -> Result<i64> {
         self.inner.now_ms().await

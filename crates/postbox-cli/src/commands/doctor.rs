@@ -165,6 +165,9 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
             format!("cannot explain the claim and archive queries: {e}"),
         )),
     }
+    if config.outbox_worker.ordering == postbox_core::config::Ordering::PerAggregate {
+        checks.push(held_back_check(store, &config.database.app_codes).await);
+    }
     checks
 }
 
@@ -217,6 +220,70 @@ async fn app_code_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
             }
         })
         .collect()
+}
+
+/// How long a head that keeps failing or stays leased may hold its
+/// aggregate back before `doctor` and `status` show it.
+pub(crate) const HELD_BACK_AFTER_MS: i64 = 5 * 60 * 1000;
+
+/// Aggregates whose head cannot move (`ordering = "per_aggregate"`), of
+/// every app_code, oldest first: at most `limit` per app_code.
+pub(crate) async fn held_back(
+    store: &dyn OutboxStore,
+    app_codes: &[String],
+    limit: u32,
+) -> postbox_core::Result<Vec<postbox_core::store::StuckAggregate>> {
+    let mut out = Vec::new();
+    for app in app_codes {
+        out.extend(
+            store
+                .stuck_aggregates(app, HELD_BACK_AFTER_MS, limit)
+                .await?,
+        );
+    }
+    Ok(out)
+}
+
+/// One line per held-back aggregate.
+pub(crate) fn describe_held_back(s: &postbox_core::store::StuckAggregate) -> String {
+    format!(
+        "app_code `{}` aggregate `{}`: head {} is {} for {:.0}s (retry_count {}{}), {} later event(s) wait",
+        s.app_code,
+        s.aggregate_id,
+        s.head_event_id,
+        s.head_status.as_str(),
+        s.head_age_seconds,
+        s.head_retry_count,
+        s.head_last_error
+            .as_deref()
+            .map(|e| format!(", last error: {}", output::clip(e, 120)))
+            .unwrap_or_default(),
+        s.waiting
+    )
+}
+
+async fn held_back_check(store: &dyn OutboxStore, app_codes: &[String]) -> Check {
+    let name = "aggregates:held_back";
+    match held_back(store, app_codes, 5).await {
+        Ok(stuck) if stuck.is_empty() => check(
+            name,
+            Level::Ok,
+            format!(
+                "no aggregate's head has held later events back for over {}s",
+                HELD_BACK_AFTER_MS / 1000
+            ),
+        ),
+        Ok(stuck) => check(
+            name,
+            Level::Warn,
+            format!(
+                "{} aggregate(s) held back by a head that keeps failing or stays leased (it moves once delivered or dead-lettered; see `postbox events show`): {}",
+                stuck.len(),
+                stuck.iter().map(describe_held_back).collect::<Vec<_>>().join("; ")
+            ),
+        ),
+        Err(e) => check(name, Level::Warn, format!("cannot look for held-back aggregates: {e}")),
+    }
 }
 
 fn config_checks(config: &Config) -> Vec<Check> {

@@ -37,6 +37,8 @@ struct Line {
 struct Summary {
     inserted: u64,
     duplicates: u64,
+    /// Skipped: the event was already delivered and archived.
+    archived: u64,
     invalid: Vec<Invalid>,
 }
 
@@ -88,6 +90,19 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             event = event.header(k, v);
         }
         event.validate(max_payload)?;
+        if !args.allow_archived
+            && !store
+                .archived_event_ids(&event.app_code, std::slice::from_ref(&event.event_id))
+                .await?
+                .is_empty()
+        {
+            return Err(CliError::runtime(format!(
+                "event_id `{}` of app_code `{}` was already delivered and archived (in `{}_archive`); pass --allow-archived to deliver it again",
+                event.event_id,
+                event.app_code,
+                store.table()
+            )));
+        }
         let out = store
             .enqueue_batch(std::slice::from_ref(&event), max_payload)
             .await?;
@@ -135,7 +150,14 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             }),
         }
         if batch.len() >= args.batch_size.max(1) {
-            write_batch(store.as_ref(), &mut batch, max_payload, &mut summary).await?;
+            write_batch(
+                store.as_ref(),
+                &mut batch,
+                max_payload,
+                args.allow_archived,
+                &mut summary,
+            )
+            .await?;
             bar.set_message(format!(
                 "{} written, {} duplicate, {} invalid",
                 summary.inserted,
@@ -144,7 +166,14 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             ));
         }
     }
-    write_batch(store.as_ref(), &mut batch, max_payload, &mut summary).await?;
+    write_batch(
+        store.as_ref(),
+        &mut batch,
+        max_payload,
+        args.allow_archived,
+        &mut summary,
+    )
+    .await?;
     bar.finish_and_clear();
 
     if g.json {
@@ -157,6 +186,12 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             summary.duplicates,
             summary.invalid.len()
         );
+        if summary.archived > 0 {
+            println!(
+                "{} skipped: already delivered and archived (pass --allow-archived to deliver them again)",
+                summary.archived
+            );
+        }
         for bad in summary.invalid.iter().take(20) {
             eprintln!("  line {}: {}", bad.line, bad.error);
         }
@@ -203,8 +238,30 @@ async fn write_batch(
     store: &dyn postbox_core::OutboxStore,
     batch: &mut Vec<NewEvent>,
     max_payload: usize,
+    allow_archived: bool,
     summary: &mut Summary,
 ) -> Result<(), CliError> {
+    if !allow_archived && !batch.is_empty() {
+        // The outbox's unique key covers the live table only: an event id
+        // already archived would be written and delivered again.
+        let mut apps: Vec<&str> = batch.iter().map(|e| e.app_code.as_str()).collect();
+        apps.sort_unstable();
+        apps.dedup();
+        let mut archived = std::collections::HashSet::new();
+        for app in apps {
+            let ids: Vec<String> = batch
+                .iter()
+                .filter(|e| e.app_code == app)
+                .map(|e| e.event_id.clone())
+                .collect();
+            for id in store.archived_event_ids(app, &ids).await? {
+                archived.insert((app.to_owned(), id));
+            }
+        }
+        let before = batch.len();
+        batch.retain(|e| !archived.contains(&(e.app_code.clone(), e.event_id.clone())));
+        summary.archived += (before - batch.len()) as u64;
+    }
     if batch.is_empty() {
         return Ok(());
     }

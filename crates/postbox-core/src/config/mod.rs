@@ -188,7 +188,8 @@ pub enum Ordering {
     /// Any order; maximum throughput.
     #[default]
     None,
-    /// Per `aggregate_id`, in `aggregate_version` (else `id`) order.
+    /// Per `aggregate_id`, in one total order: `aggregate_version` (events
+    /// without one after every versioned one), then `id`.
     PerAggregate,
 }
 
