@@ -716,8 +716,10 @@ pub async fn relay_shutdown_releases_and_leaves_nothing_delivering(store: Arc<dy
         batch_size: 20,
         ..fast_worker()
     };
+    // Stop while one batch publishes and the next waits claimed (the
+    // claimer claims only when the publish stage has room for the batch).
     let report = run_relay_until(store.clone(), vec![slow.clone()], config, |s| {
-        s.delivered >= 20
+        s.delivered >= 20 && s.delivering >= 40
     })
     .await;
     let s = stats(store.as_ref()).await;
@@ -731,6 +733,11 @@ pub async fn relay_shutdown_releases_and_leaves_nothing_delivering(store: Arc<dy
     assert!(
         report.released > 0,
         "claimed-but-unstarted batches were released: {report:?}"
+    );
+    assert_eq!(
+        report.claimed,
+        report.delivered + report.released,
+        "every claimed row delivered or released: {report:?}"
     );
 }
 
