@@ -168,12 +168,14 @@ pub fn init(g: &Global, default_filter: &str) {
         .map(EnvFilter::new)
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new(default_filter));
-    // lapin logs every returned (unroutable) message with its body at WARN;
-    // payloads never reach logs, the publisher reports the event itself.
-    let filter = match "lapin::returned_messages=off".parse() {
-        Ok(directive) => filter.add_directive(directive),
-        Err(_) => filter,
-    };
+    // Payloads never reach logs. lapin logs every returned (unroutable)
+    // message with its body at WARN (the publisher reports the event
+    // itself), and whole frames, bodies included, at TRACE: both are cut
+    // whatever `--log` or RUST_LOG asks for.
+    let filter = ["lapin=debug", "lapin::returned_messages=off"]
+        .into_iter()
+        .filter_map(|d| d.parse().ok())
+        .fold(filter, |f, directive| f.add_directive(directive));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())

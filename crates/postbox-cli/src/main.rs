@@ -12,6 +12,15 @@ macro_rules! outln {
     };
 }
 
+/// Like `eprintln!` for a command's hints on stderr, but a closed or
+/// broken stderr loses the line instead of panicking.
+macro_rules! errln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 mod cli;
 mod commands;
 mod error;

@@ -17,7 +17,8 @@ pub fn write_line(args: std::fmt::Arguments<'_>) {
         if e.kind() == std::io::ErrorKind::BrokenPipe {
             std::process::exit(0);
         }
-        eprintln!("postbox: cannot write to stdout: {e}");
+        tracing::error!("cannot write to stdout: {e}");
+        crate::logging::flush();
         std::process::exit(1);
     }
 }

@@ -25,7 +25,13 @@ use crate::open::load_config;
 const PURGE_BATCH: u32 = 5_000;
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
-    let config = load_config(g, Uses::ALL)?;
+    let config = load_config(
+        g,
+        Uses {
+            consumers: true,
+            ..Uses::DATABASE
+        },
+    )?;
     if config.consumers.is_empty() {
         return Err(
             Error::config("consumers", "no [[consumers]] entry: nothing to consume").into(),

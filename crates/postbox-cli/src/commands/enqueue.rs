@@ -187,16 +187,16 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             summary.invalid.len()
         );
         if summary.archived > 0 {
-            println!(
+            outln!(
                 "{} skipped: already delivered and archived (pass --allow-archived to deliver them again)",
                 summary.archived
             );
         }
         for bad in summary.invalid.iter().take(20) {
-            eprintln!("  line {}: {}", bad.line, bad.error);
+            errln!("  line {}: {}", bad.line, bad.error);
         }
         if summary.invalid.len() > 20 {
-            eprintln!("  … and {} more", summary.invalid.len() - 20);
+            errln!("  … and {} more", summary.invalid.len() - 20);
         }
     }
     if summary.invalid.is_empty() {

@@ -26,7 +26,7 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
             output::inspected_table(&rows);
             if rows.len() as u32 == list.limit {
                 if let Some(last) = rows.last() {
-                    eprintln!("(more rows: add --before-id {})", last.record.id);
+                    errln!("(more rows: add --before-id {})", last.record.id);
                 }
             }
             Ok(())

@@ -96,6 +96,7 @@ pub fn spawn_signal_handler(token: CancellationToken) {
                 token.cancel();
             } else {
                 tracing::warn!("second signal: exiting now; held leases expire by themselves");
+                crate::logging::flush();
                 std::process::exit(130);
             }
         }

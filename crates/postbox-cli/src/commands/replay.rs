@@ -86,7 +86,7 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
             .filter(|id| !rows.iter().any(|r| &r.event_id == *id))
             .collect();
         if !missing.is_empty() {
-            eprintln!(
+            errln!(
                 "not found or being delivered right now: {}",
                 missing
                     .iter()

@@ -242,7 +242,9 @@ impl ConsumerConfig {
             ConsumerKind::Nats => &["nats", "tls"],
             ConsumerKind::Redis => &["redis", "rediss"],
         };
-        if !schemes.contains(&self.url.scheme()) {
+        // An unset `${VAR}` is reported by `require_env`, by the commands
+        // that use this section only.
+        if self.url.unresolved().is_none() && !schemes.contains(&self.url.scheme()) {
             return Err(Error::config(
                 format!("{key}.url"),
                 format!(
@@ -323,7 +325,7 @@ impl ConsumerConfig {
             ));
         }
         if let Some(h) = &self.handler {
-            if !matches!(h.http.scheme(), "http" | "https") {
+            if h.http.unresolved().is_none() && !matches!(h.http.scheme(), "http" | "https") {
                 return Err(Error::config(
                     format!("{key}.handler.http"),
                     format!(
@@ -340,10 +342,12 @@ impl ConsumerConfig {
             }
         }
         if let Some(inbox) = &self.inbox {
-            if !matches!(
-                inbox.url.scheme(),
-                "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite"
-            ) {
+            if inbox.url.unresolved().is_none()
+                && !matches!(
+                    inbox.url.scheme(),
+                    "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite"
+                )
+            {
                 return Err(Error::config(
                     format!("{key}.inbox.url"),
                     format!(

@@ -260,10 +260,12 @@ impl Config {
     pub fn validate(&self) -> Result<(), Error> {
         let db = &self.database;
         let scheme = db.url.scheme();
-        if !matches!(
-            scheme,
-            "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite"
-        ) {
+        if db.url.unresolved().is_none()
+            && !matches!(
+                scheme,
+                "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite"
+            )
+        {
             return Err(Error::config(
                 "database.url",
                 format!("unsupported scheme `{scheme}`: use postgres://, mysql:// or sqlite://"),

@@ -106,7 +106,7 @@ impl PublisherConfig {
                             "is empty; leave it out to trust only the public web roots",
                         ))
                     }
-                    Some(_) if c.url.scheme() != "amqps" => {
+                    Some(_) if c.url.unresolved().is_none() && c.url.scheme() != "amqps" => {
                         return Err(Error::config(
                             format!("{key}.ca_file"),
                             "is only used for TLS: use an amqps:// url or leave ca_file out",
@@ -152,7 +152,9 @@ impl PublisherConfig {
             }
         };
         let url = self.url().expect("every broker publisher has a url");
-        if !url_schemes.contains(&url.scheme()) {
+        // An unset `${VAR}` is reported by `require_env`, by the commands
+        // that use this section only.
+        if url.unresolved().is_none() && !url_schemes.contains(&url.scheme()) {
             return Err(Error::config(
                 format!("{key}.url"),
                 format!(

@@ -62,6 +62,9 @@ impl Claimer {
                         lease_ms: self.config.lease.as_millis_i64(),
                         ordered: self.config.ordering == Ordering::PerAggregate,
                     };
+                    // The lease starts on the database while the claim
+                    // runs: count the batch's age from before it.
+                    let claim_started = Instant::now();
                     match self.store.claim(source, &req).await {
                         Ok(events) if events.is_empty() => {}
                         Ok(events) => {
@@ -83,7 +86,7 @@ impl Claimer {
                             // that stops drains and releases what is queued.
                             permit.send(Batch {
                                 events,
-                                claimed_at: Instant::now(),
+                                claimed_at: claim_started,
                             });
                         }
                         Err(e) if e.is_transient() => {

@@ -179,9 +179,11 @@ impl Marker {
             {
                 Ok((n, false)) => n,
                 // A try that failed may have committed before its answer
-                // was lost: rows it marked are ours, not taken over.
+                // was lost: rows it marked are ours, not taken over. The
+                // read-back counts every row delivered under our worker id,
+                // the `n` the last try marked included.
                 Ok((n, true)) if n < ids.len() as u64 => {
-                    n + self.already_delivered(&fence, &ids, &event_ids).await
+                    n.max(self.already_delivered(&fence, &ids, &event_ids).await)
                 }
                 Ok((n, true)) => n,
                 Err(e) => {

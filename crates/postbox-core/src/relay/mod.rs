@@ -92,6 +92,9 @@ impl Relay {
     /// Sets `database.max_payload_bytes` (default 1 MiB): a claimed row with
     /// a larger payload (written by a plain INSERT, which `enqueue`'s check
     /// never saw) is dead-lettered at once without trying any publisher.
+    /// Give it the same limit as the store's `with_max_payload_bytes`: a
+    /// store that accepts larger payloads than the relay would enqueue
+    /// events the relay then dead-letters.
     pub fn with_max_payload_bytes(mut self, max_payload_bytes: usize) -> Self {
         self.max_payload_bytes = max_payload_bytes;
         self
@@ -266,10 +269,13 @@ async fn release_rows(store: &dyn OutboxStore, rows: Vec<(Fence, i64)>, why: &st
 }
 
 /// Runs a stage's `work` on the rows it holds (`held`). When `work`
-/// panics, those rows and every batch still queued in `input` are released
-/// (their results are lost, so they are published again rather than wait
-/// for their leases to expire and count an attempt), then the panic goes on
-/// to [`spawn_stage`], which stops the relay.
+/// panics, every batch still queued in `input` (not started) is released,
+/// then the panic goes on to [`spawn_stage`], which stops the relay. The
+/// rows `work` held are *not* released: one of them may be what made it
+/// panic, and a release counts no attempt, so a restarted relay would
+/// claim it and panic again, forever. Their leases expire instead, which
+/// counts a failed attempt (SPEC §3: an event that crashes its relay ends
+/// `failed` instead of looping).
 async fn releasing_on_panic<T, I>(
     store: &dyn OutboxStore,
     held: Vec<(Fence, i64)>,
@@ -281,11 +287,15 @@ async fn releasing_on_panic<T, I>(
         Ok(v) => v,
         Err(panic) => {
             input.close();
-            let mut rows = held;
+            let mut rows = Vec::new();
             while let Some(queued) = input.recv().await {
                 rows.extend(rows_of(queued));
             }
             release_rows(store, rows, "a relay stage panicked").await;
+            tracing::error!(
+                rows = held.len(),
+                "a relay stage panicked; the rows it was working on keep their leases, which expire and count a failed attempt"
+            );
             std::panic::resume_unwind(panic)
         }
     }

@@ -20,7 +20,10 @@ use postbox_core::publish::{Delivery, PublishError};
 use postbox_core::{Error, Publisher, Result};
 
 enum Sink {
-    File(Arc<std::fs::File>),
+    /// Locked by the blocking write itself: a publish dropped at its
+    /// deadline leaves that write running, and the next batch must not
+    /// write (or truncate) beside it.
+    File(Arc<std::sync::Mutex<std::fs::File>>),
     Stdout(tokio::io::Stdout),
 }
 
@@ -46,7 +49,7 @@ impl FilePublisher {
                     context: format!("opening file publisher path `{}`", config.path),
                     source,
                 })?;
-            Sink::File(Arc::new(file.into_std().await))
+            Sink::File(Arc::new(std::sync::Mutex::new(file.into_std().await)))
         };
         Ok(FilePublisher {
             name: config.name.clone().unwrap_or_else(|| "file".to_owned()),
@@ -69,11 +72,16 @@ impl FilePublisher {
             Sink::File(file) => {
                 let file = Arc::clone(file);
                 let path = self.path.clone();
-                // The lock stays held until the blocking write (and any
-                // truncation) is over, so batches never interleave.
-                tokio::task::spawn_blocking(move || append_whole(&file, &buf, &path))
-                    .await
-                    .unwrap_or_else(|e| Err(format!("writing `{}` panicked: {e}", self.path)))
+                // The file's own lock is held by the blocking write (and
+                // any truncation) until it is over, even when this future
+                // is dropped at a publish deadline, so batches never
+                // interleave.
+                tokio::task::spawn_blocking(move || {
+                    let file = file.lock().unwrap_or_else(|p| p.into_inner());
+                    append_whole(&file, &buf, &path)
+                })
+                .await
+                .unwrap_or_else(|e| Err(format!("writing `{}` panicked: {e}", self.path)))
             }
         }
     }
