@@ -7,7 +7,9 @@
 //! `<inbox table>_holds`, in the inbox database so every process of the group
 //! sees it — and a later version of that aggregate is not handled while the
 //! hold stands: it goes to retry behind the held event, without counting an
-//! attempt. The hold is released when its event is handled (or found a
+//! attempt, and takes a hold of its own, so versions after it wait behind it
+//! in turn. Only holds of lower versions block an event, so two holds never
+//! wait on each other. The hold is released when its event is handled (or found a
 //! duplicate or stale) or dead-lettered. A hold lapses on its own after the
 //! event's retry delay plus `max_retry_delay` plus a minute, so a retry copy
 //! lost outside postbox cannot block its aggregate for ever.

@@ -328,3 +328,63 @@ async fn a_dead_stream_refusing_writes_never_costs_the_message() {
     assert_eq!(b.outstanding(&g).await, 0);
     b.cleanup().await;
 }
+
+/// An event and its replay (same `event_id`) that both exhaust
+/// `max_attempts` leave two dead copies: the second is not taken for a
+/// re-send of the first by the dead stream's duplicate window (default two
+/// minutes) while its original is terminated.
+#[tokio::test]
+async fn a_replayed_event_failing_again_gets_its_own_dead_copy() {
+    use nats_redis_suite::{stop, wait_until, Calls, Recording};
+    let b = NatsBroker::new().await;
+    let g = nats_redis_suite::group("deadreplay");
+    let poison = TestEvent::new(0);
+    let mut replay = poison.clone();
+    replay.headers.insert("x-replayed".into(), "1".into());
+    b.publish(&poison).await;
+    b.publish(&replay).await;
+    let calls = Calls::default();
+    let handler = Arc::new(Recording {
+        who: "a".into(),
+        calls: calls.clone(),
+        work: Duration::ZERO,
+        poison: vec![poison.event_id.clone()],
+        hang: false,
+    });
+    let config = b.config(
+        &g,
+        serde_json::json!({ "max_attempts": 2, "retry_delay": "100ms", "max_retry_delay": "200ms" }),
+    );
+    let cancel = CancellationToken::new();
+    let task = b.spawn(config, handler, "a", cancel.clone());
+    wait_until(Duration::from_secs(10), "four failed attempts", || {
+        calls.lock().unwrap().len() == 4
+    })
+    .await;
+    let start = std::time::Instant::now();
+    while b.outstanding(&g).await > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "both messages settled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let report = stop(&cancel, task).await;
+    assert_eq!(report.dead, 2, "{report:?}");
+    let dead = b.js.get_stream(dead_stream(&b.stream)).await.unwrap();
+    let stored = dead.cached_info().state.messages;
+    assert_eq!(
+        stored,
+        2,
+        "every terminated original has its dead copy in {}",
+        dead_stream(&b.stream)
+    );
+    for seq in [1, 2] {
+        let m = dead.get_raw_message(seq).await.unwrap();
+        assert_eq!(
+            m.headers.get("x-event-id").unwrap().as_str(),
+            poison.event_id
+        );
+    }
+    b.cleanup().await;
+}

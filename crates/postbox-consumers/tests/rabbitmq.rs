@@ -561,3 +561,109 @@ holds_case!(holds_on_sqlite, sqlx::Sqlite, async {
     let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
     (url, Some(dir))
 });
+
+/// e1 fails once; `x` (another aggregate) takes a while, so e2 is held back
+/// well after e1 went to retry; when e1 comes back its handler publishes e3
+/// and notes whether e2 was still waiting in `.retry` at that moment.
+struct E3WhileE2Waits {
+    ch: lapin::Channel,
+    queue: String,
+    e2_waiting_when_e3_sent: Arc<Mutex<Option<bool>>>,
+}
+
+#[async_trait]
+impl TxHandler<sqlx::Postgres> for E3WhileE2Waits {
+    async fn handle(
+        &self,
+        _tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+        m: &Message,
+    ) -> Result<(), HandlerError> {
+        match (m.event_id(), m.attempt) {
+            ("e1", 1) => return Err(HandlerError::new("e1 fails once")),
+            ("e1", _) => {
+                publish(&self.ch, &self.queue, "e3", Some(("room-1", 3)), "{}").await;
+                let waiting = ready(&self.ch, &format!("{}.retry", self.queue)).await == 1;
+                *self.e2_waiting_when_e3_sent.lock().unwrap() = Some(waiting);
+            }
+            ("x", _) => tokio::time::sleep(Duration::from_millis(700)).await,
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn per_aggregate_ordering_holds_later_events_behind_a_held_back_one() {
+    use postbox_consumers::ordering::Holds;
+    use postbox_core::config::Ordering;
+    use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
+
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let table = scratch_table("ordering_inbox");
+    let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
+        .await
+        .unwrap();
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("ordering_held");
+    declare(&ch, &queue).await;
+    publish(&ch, &queue, "e1", Some(("room-1", 1)), "{}").await;
+    publish(&ch, &queue, "x", Some(("room-2", 1)), "{}").await;
+    publish(&ch, &queue, "e2", Some(("room-1", 2)), "{}").await;
+
+    let e2_waiting = Arc::new(Mutex::new(None));
+    let handler = Arc::new(Outcomes {
+        inner: InboxHandler::new(
+            inbox.clone(),
+            queue.clone(),
+            E3WhileE2Waits {
+                ch: ch.clone(),
+                queue: queue.clone(),
+                e2_waiting_when_e3_sent: e2_waiting.clone(),
+            },
+        ),
+        log: Mutex::new(Vec::new()),
+    });
+    let mut config = consumer_config(&queue);
+    config.ordering = Ordering::PerAggregate;
+    config.retry_delay = HumanDuration::millis(1000);
+    let consumer = RabbitMqConsumer::new(config, handler.clone())
+        .unwrap()
+        .with_holds(Arc::new(Holds::<sqlx::Postgres>::of(&inbox).await.unwrap()));
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let stop = stop.clone();
+        async move { consumer.run(stop).await }
+    });
+    wait_until("e2 and e3 handled", Duration::from_secs(20), async || {
+        let log = handler.log.lock().unwrap();
+        log.iter().any(|l| l.starts_with("e2:")) && log.iter().any(|l| l.starts_with("e3:"))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let report = run.await.unwrap().unwrap();
+    let log = handler.log.lock().unwrap().clone();
+    println!("{log:?} {report:?}");
+    assert_eq!(
+        *e2_waiting.lock().unwrap(),
+        Some(true),
+        "the interleaving did not happen: e3 must be published while e2 waits in .retry"
+    );
+    assert_eq!(log, ["e1:error", "x:ok", "e1:ok", "e2:ok", "e3:ok"]);
+    assert_eq!((report.ok, report.stale), (4, 0), "{report:?}");
+    assert!(report.held >= 2, "e2 and e3 were held back: {report:?}");
+    assert_eq!(ready(&ch, &queue).await, 0);
+    assert_eq!(ready(&ch, &format!("{queue}.retry")).await, 0);
+    let holds: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
+        .fetch_one(inbox.pool())
+        .await
+        .unwrap();
+    assert_eq!(holds, 0, "every hold was released");
+    delete(&ch, &queue).await;
+    for t in ["_holds", "_versions", ""] {
+        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
+            .execute(inbox.pool())
+            .await;
+    }
+}

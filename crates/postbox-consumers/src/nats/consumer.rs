@@ -332,10 +332,15 @@ impl NatsConsumer {
     ) -> Result<(), String> {
         let name = self.config.name();
         let subject = self.config.nats_dead_subject();
-        let sequence = m.info().map(|i| i.stream_sequence).ok();
+        let info = m
+            .info()
+            .map_err(|e| format!("not a JetStream message: {e}"))?;
+        let sequence = info.stream_sequence;
         let headers = dead_headers(
             m.headers.as_ref(),
             event_id,
+            info.stream,
+            sequence,
             self.config.consumer_group(),
             attempt,
             last_error,
@@ -358,14 +363,10 @@ impl NatsConsumer {
                 retry_in_ms = delay.as_millis() as u64,
                 "the dead copy was not stored (is the dead stream full or without a leader?); the message comes back to be dead-lettered again"
             );
-            if let Some(seq) = sequence {
-                self.remember_error(seq, last_error);
-            }
+            self.remember_error(sequence, last_error);
             return settle(m, AckKind::Nak(Some(delay))).await;
         }
-        if let Some(seq) = sequence {
-            self.forget_error(seq);
-        }
+        self.forget_error(sequence);
         settle(m, AckKind::Term).await?;
         count(name, "dead");
         report.dead += 1;

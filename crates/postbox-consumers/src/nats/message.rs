@@ -12,8 +12,8 @@ use crate::Message;
 /// by `x-event-id`.
 pub const MSG_ID: &str = "Nats-Msg-Id";
 /// The event id, set by the publisher and kept on a dead copy (whose
-/// `Nats-Msg-Id` is made per consumer group, so that two groups' dead copies
-/// of one event are both kept).
+/// `Nats-Msg-Id` is made of the original's stream sequence and the consumer
+/// group, see [`dead_headers`]).
 pub const EVENT_ID: &str = "x-event-id";
 const EVENT_TYPE: &str = "x-event-type";
 const APP_CODE: &str = "x-app-code";
@@ -101,12 +101,17 @@ pub fn message_from_nats(
 
 /// Headers of a dead copy: the original's, with `x-event-id`, the attempt
 /// count, the last error (one line, at most 1,000 characters) and a
-/// `Nats-Msg-Id` of `<event_id>:dead:<durable>`, so that a copy re-sent after
-/// a lost PubAck is dropped by the stream's duplicate window, while the dead
-/// copies of two consumer groups are both kept.
+/// `Nats-Msg-Id` of `<stream>:<stream_sequence>:dead:<durable>` (where the
+/// original is stored): the same for every re-send of one copy, so a copy
+/// re-sent after a lost PubAck is dropped by the dead stream's duplicate
+/// window, and different for every stored original, so the dead copies of a
+/// replayed event (same event id, another stream sequence), of one event id
+/// under two app codes, and of two consumer groups are all kept.
 pub fn dead_headers(
     original: Option<&HeaderMap>,
     event_id: Option<&str>,
+    stream: &str,
+    stream_sequence: u64,
     durable: &str,
     attempt: u32,
     last_error: &str,
@@ -121,8 +126,11 @@ pub fn dead_headers(
     h.insert(LAST_ERROR_HEADER, error.as_str());
     if let Some(id) = event_id {
         h.insert(EVENT_ID, id);
-        h.insert(MSG_ID, format!("{id}:dead:{durable}").as_str());
     }
+    h.insert(
+        MSG_ID,
+        format!("{stream}:{stream_sequence}:dead:{durable}").as_str(),
+    );
     h
 }
 
@@ -186,11 +194,13 @@ mod tests {
         let h = dead_headers(
             Some(&published()),
             Some("ev-1"),
+            "ROOMS",
+            42,
             "billing",
             5,
             "boom\nline two",
         );
-        assert_eq!(h.get(MSG_ID).unwrap().as_str(), "ev-1:dead:billing");
+        assert_eq!(h.get(MSG_ID).unwrap().as_str(), "ROOMS:42:dead:billing");
         assert_eq!(h.get(LAST_ERROR_HEADER).unwrap().as_str(), "boom line two");
         let m = message_from_nats(Some(&h), "s", b"{}", 1).unwrap();
         assert_eq!(m.envelope.event_id, "ev-1");

@@ -300,11 +300,11 @@ impl RabbitMqConsumer {
             }
             match self.handler.handle(&message).await {
                 Ok(handled) => {
-                    if message.attempt > 1 {
-                        // Only an event that went to retry can hold its aggregate.
-                        if let Some(ordered) = self.ordered(&message) {
-                            ordered.release().await;
-                        }
+                    // Any outcome ends the event's hold, if it has one: from a
+                    // failed attempt, from being held back (attempt 1 still),
+                    // or from another copy of it that is waiting in retry.
+                    if let Some(ordered) = self.ordered(&message) {
+                        ordered.release().await;
                     }
                     ack(&delivery).await?;
                     count(name, handled.as_str());
@@ -354,8 +354,7 @@ impl RabbitMqConsumer {
             } => {
                 if let Some(ordered) = &ordered {
                     // Before the copy exists: later versions must find it.
-                    let lapse = delay + self.policy.max_retry_delay + HOLD_GRACE;
-                    ordered.hold(lapse).await;
+                    ordered.hold(self.hold_lapse(delay)).await;
                 }
                 self.copy(delivery, publishing, Some(delay), None, next_attempt)
                     .await?;
@@ -407,9 +406,18 @@ impl RabbitMqConsumer {
         })
     }
 
+    /// How long a hold taken for a retry copy waiting `delay` stands unless
+    /// released.
+    fn hold_lapse(&self, delay: Duration) -> Duration {
+        delay + self.policy.max_retry_delay + HOLD_GRACE
+    }
+
     /// `message` waits behind `blocker`, an earlier event of its aggregate in
     /// retry: a retry copy with the same attempt number (being held back is
-    /// not a failure), confirmed before the original is acked.
+    /// not a failure), confirmed before the original is acked. It holds its
+    /// aggregate in turn, like a failed event: otherwise a later version
+    /// arriving once `blocker` was handled, while `message` still waits,
+    /// would find no hold, be handled first and make `message` stale.
     async fn hold_back(
         &self,
         delivery: &Delivery,
@@ -419,6 +427,12 @@ impl RabbitMqConsumer {
         blocker: &str,
     ) -> Result<(), String> {
         let delay = self.policy.retry_delay;
+        if let Some(ordered) = self.ordered(message) {
+            // Before the copy exists: later versions must find it. The
+            // blocker query only sees holds of lower versions, so this hold
+            // never blocks `blocker` (no two holds wait on each other).
+            ordered.hold(self.hold_lapse(delay)).await;
+        }
         self.copy(delivery, publishing, Some(delay), None, message.attempt)
             .await?;
         ack(delivery).await?;
