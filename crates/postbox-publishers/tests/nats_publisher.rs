@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use async_trait::async_trait;
+use bytes::Bytes;
 use futures::StreamExt;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use postbox_core::config::NatsPublisherConfig;
@@ -342,11 +343,18 @@ async fn publish_each_keeps_the_acks_that_came_before_the_deadline() {
     .await
     .unwrap();
     let silent = async_nats::connect(nats_url()).await.unwrap();
-    let _sub = silent
-        .subscribe(format!("{prefix}.b.silent"))
+    let silent_subject = format!("{prefix}.b.silent");
+    let mut sub = silent.subscribe(silent_subject.clone()).await.unwrap();
+    // `flush` only writes out: receiving our own probe proves the server
+    // registered the subscription (else the publish gets "no responders").
+    silent
+        .publish(silent_subject, Bytes::from_static(b"probe"))
         .await
         .unwrap();
-    silent.flush().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), sub.next())
+        .await
+        .expect("the probe comes back")
+        .expect("subscription open");
 
     let mut events = sample_events("a", 4);
     events[2].app_code = "b".to_owned();
