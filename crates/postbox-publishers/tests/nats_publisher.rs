@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer};
 use async_trait::async_trait;
+use bytes::Bytes;
 use futures::StreamExt;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use postbox_core::config::NatsPublisherConfig;
@@ -310,4 +311,66 @@ async fn a_subject_no_stream_captures_is_a_failed_attempt() {
         err.contains("no JetStream stream captures") && err.contains(&format!("{prefix}.b.")),
         "{err}"
     );
+}
+
+/// Issue 10.2: `publish_timeout` bounds each publish, and what completed
+/// counts. One event's subject is taken by a plain subscriber that never
+/// answers (so its PubAck never comes, and no "no responders" error either);
+/// the others are captured by the stream and acked at once. The acked events
+/// are recorded as delivered, only the silent one times out.
+#[tokio::test]
+async fn publish_each_keeps_the_acks_that_came_before_the_deadline() {
+    use postbox_core::publish::{PublishError, PublishResults};
+
+    let (stream, prefix) = scratch();
+    let _cleanup = DropStream(stream.clone());
+    // The stream captures `<prefix>.a.*`; the subject `<prefix>.b.silent`
+    // belongs to a subscriber that never replies.
+    NatsPublisher::connect(&config(
+        "nats-each-a",
+        &stream,
+        &format!("{prefix}.a.{{event_type}}"),
+        true,
+    ))
+    .await
+    .unwrap();
+    let publisher = NatsPublisher::connect(&config(
+        "nats-each",
+        &stream,
+        &format!("{prefix}.{{app_code}}.{{event_type}}"),
+        false,
+    ))
+    .await
+    .unwrap();
+    let silent = async_nats::connect(nats_url()).await.unwrap();
+    let silent_subject = format!("{prefix}.b.silent");
+    let mut sub = silent.subscribe(silent_subject.clone()).await.unwrap();
+    // `flush` only writes out: receiving our own probe proves the server
+    // registered the subscription (else the publish gets "no responders").
+    silent
+        .publish(silent_subject, Bytes::from_static(b"probe"))
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), sub.next())
+        .await
+        .expect("the probe comes back")
+        .expect("subscription open");
+
+    let mut events = sample_events("a", 4);
+    events[2].app_code = "b".to_owned();
+    events[2].event_type = "silent".to_owned();
+    let batch: Vec<Delivery<'_>> = events.iter().map(Delivery::of).collect();
+    let timeout = Duration::from_millis(800);
+    let results = PublishResults::new(batch.len());
+    publisher.publish_each(&batch, timeout, &results).await;
+    let results = results.into_results(timeout);
+    for (i, r) in results.iter().enumerate() {
+        if i == 2 {
+            assert_eq!(r, &Err(PublishError::Timeout(timeout)), "event {i}");
+        } else {
+            assert_eq!(r, &Ok(()), "event {i} was acked: {results:?}");
+        }
+    }
+    let mut s = jetstream().await.get_stream(&stream).await.unwrap();
+    assert_eq!(s.info().await.unwrap().state.messages, 3);
 }

@@ -3,15 +3,19 @@
 
 mod rabbitmq_support;
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use postbox_core::publish::Delivery;
+use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::SecretUrl;
 use postbox_core::{Error, Publisher};
 use postbox_publishers::rabbitmq::RabbitMqPublisher;
 use postbox_testkit::publisher_suite::{check_publisher, sample_events, ReadBack, Received};
 use rabbitmq_support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 
 struct QueueReader(Inbox);
 
@@ -200,4 +204,124 @@ async fn declare_creates_a_missing_exchange_and_accepts_an_existing_one_of_anoth
     assert_eq!(inbox.wait_for(1, Duration::from_secs(5)).await.len(), 1);
     publisher.close().await;
     delete_exchange(&channel, &existing).await;
+}
+
+/// A TCP proxy to the broker that forwards everything, except that it
+/// holds back the publisher confirms (`basic.ack`) of delivery tags above
+/// `confirm_up_to`: a single ack above is dropped, a `multiple` ack above is
+/// cut down to `confirm_up_to`. So the broker confirms the first messages of
+/// a channel and the rest never, deterministically.
+struct ConfirmProxy {
+    url: String,
+    confirm_up_to: Arc<AtomicU64>,
+}
+
+impl ConfirmProxy {
+    async fn start(confirm_up_to: u64) -> Self {
+        let upstream_url = postbox_testkit::servers::amqp_url();
+        let (scheme_auth, rest) = upstream_url.split_once('@').expect("amqp url with user");
+        let (upstream, vhost) = rest.split_once('/').expect("amqp url with vhost");
+        let upstream = upstream.to_owned();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("{scheme_auth}@{}/{vhost}", listener.local_addr().unwrap());
+        let limit = Arc::new(AtomicU64::new(confirm_up_to));
+        let confirm_up_to = limit.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = TcpStream::connect(&upstream).await.unwrap();
+                let (mut client_read, client_write) = client.into_split();
+                let (server_read, mut server_write) = server.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+                });
+                tokio::spawn(forward_frames(server_read, client_write, limit.clone()));
+            }
+        });
+        ConfirmProxy { url, confirm_up_to }
+    }
+}
+
+async fn forward_frames(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    limit: Arc<AtomicU64>,
+) -> std::io::Result<()> {
+    loop {
+        // type (1), channel (2), size (4), payload, frame end (1).
+        let mut header = [0u8; 7];
+        from.read_exact(&mut header).await?;
+        let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]) as usize;
+        let mut rest = vec![0u8; size + 1];
+        from.read_exact(&mut rest).await?;
+        // A method frame of basic.ack: class 60, method 80, delivery tag
+        // (u64), bits (multiple).
+        if header[0] == 1 && size >= 13 && rest[..4] == [0, 60, 0, 80] {
+            let tag = u64::from_be_bytes(rest[4..12].try_into().unwrap());
+            let multiple = rest[12] & 1 == 1;
+            let up_to = limit.load(Ordering::SeqCst);
+            if tag > up_to {
+                if !multiple || up_to == 0 {
+                    continue;
+                }
+                rest[4..12].copy_from_slice(&up_to.to_be_bytes());
+            }
+        }
+        to.write_all(&header).await?;
+        to.write_all(&rest).await?;
+    }
+}
+
+/// Issue 10.2: `publish_timeout` bounds each publish, and what completed
+/// counts. The broker confirms the first three messages of the batch and
+/// never the fourth: the confirmed ones keep their results (delivered, or
+/// failed as unroutable, matched by message_id as ever), only the fourth
+/// times out. The abandoned channel is retired and the next batch is
+/// confirmed on a fresh one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_each_keeps_the_confirms_that_came_before_the_deadline() {
+    let exchange = scratch("each");
+    let setup = connect().await;
+    let channel = setup.create_channel().await.unwrap();
+    declare_exchange(&channel, &exchange).await;
+    let inbox = consume(&setup, &exchange, "RoomCreated").await;
+    let proxy = ConfirmProxy::start(3).await;
+    let mut config = config(&exchange, "{event_type}", false);
+    config.url = SecretUrl::new(proxy.url.clone());
+    let publisher = RabbitMqPublisher::connect(&config).await.unwrap();
+
+    // RoomCreated (routed), UserJoined, GiftSent (unroutable), RoomCreated.
+    let events = sample_events("room", 4);
+    let batch: Vec<Delivery<'_>> = events.iter().map(Delivery::of).collect();
+    let timeout = Duration::from_millis(1500);
+    let results = PublishResults::new(batch.len());
+    publisher.publish_each(&batch, timeout, &results).await;
+    let results = results.into_results(timeout);
+    assert_eq!(results[0], Ok(()), "{results:?}");
+    for (i, r) in results.iter().enumerate().take(3).skip(1) {
+        let err = r.as_ref().unwrap_err().to_string();
+        assert!(
+            err.starts_with(&format!(
+                "unroutable: exchange {exchange}, routing key {}",
+                events[i].event_type
+            )),
+            "event {i}: {err}"
+        );
+    }
+    assert_eq!(
+        results[3],
+        Err(PublishError::Timeout(timeout)),
+        "{results:?}"
+    );
+
+    proxy.confirm_up_to.store(u64::MAX, Ordering::SeqCst);
+    let next = sample_events("room", 1);
+    let batch = [Delivery::of(&next[0])];
+    let results = PublishResults::new(1);
+    publisher.publish_each(&batch, timeout, &results).await;
+    assert_eq!(results.into_results(timeout), [Ok(())]);
+    let got = inbox.wait_for(3, Duration::from_secs(5)).await;
+    for e in [&events[0], &events[3], &next[0]] {
+        assert!(got.iter().any(|r| r.event_id == e.event_id), "{got:?}");
+    }
+    publisher.close().await;
 }

@@ -34,7 +34,7 @@ use bytes::Bytes;
 use futures::future::join_all;
 
 use postbox_core::config::NatsPublisherConfig;
-use postbox_core::publish::{Delivery, PublishError};
+use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::redact_url;
 use postbox_core::template::Template;
 use postbox_core::{Error, Publisher, Result};
@@ -43,6 +43,9 @@ use postbox_core::{Error, Publisher, Result};
 /// disconnected, messages wait in its buffer and the ack times out into a
 /// retryable failure instead of hanging.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One sent event: the PubAck to await, or why it could not be sent.
+type Sent = std::result::Result<jetstream::context::PublishAckFuture, PublishError>;
 
 /// Publishes to a JetStream stream and awaits each PubAck.
 pub struct NatsPublisher {
@@ -165,6 +168,46 @@ impl NatsPublisher {
         Ok(h)
     }
 
+    /// Sends the whole batch first (the acks are awaited afterwards: one
+    /// round trip for the batch rather than one per event); per event its
+    /// subject and the PubAck to await, or why it could not be sent.
+    async fn send_all(&self, batch: &[Delivery<'_>]) -> Vec<(String, Sent)> {
+        let mut pending = Vec::with_capacity(batch.len());
+        for d in batch {
+            let subject = self.subject_of(d);
+            let sent = match self.headers(d) {
+                Err(m) => Err(PublishError::failed(format!(
+                    "event {}: {m}",
+                    d.record.event_id
+                ))),
+                Ok(headers) => {
+                    let body = Bytes::from(d.record.payload.clone().into_bytes());
+                    self.js
+                        .publish_with_headers(subject.clone(), headers, body)
+                        .await
+                        .map_err(|e| self.publish_error(&subject, &e))
+                }
+            };
+            pending.push((subject, sent));
+        }
+        pending
+    }
+
+    /// The result of one sent event: delivered on its PubAck (a duplicate
+    /// too, counted).
+    async fn await_ack(
+        &self,
+        subject: String,
+        sent: Sent,
+    ) -> std::result::Result<(), PublishError> {
+        let ack = sent?.await.map_err(|e| self.publish_error(&subject, &e))?;
+        if ack.duplicate {
+            metrics::counter!("postbox_publish_duplicates_total", "publisher" => self.name.clone())
+                .increment(1);
+        }
+        Ok(())
+    }
+
     fn publish_error(&self, subject: &str, e: &jetstream::context::PublishError) -> PublishError {
         let message = match e.kind() {
             PublishErrorKind::StreamNotFound => format!(
@@ -187,37 +230,37 @@ impl Publisher for NatsPublisher {
     }
 
     async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<std::result::Result<(), PublishError>> {
-        // Send the whole batch first, then await the acks together: one
-        // round trip for the batch rather than one per event.
-        let mut pending = Vec::with_capacity(batch.len());
-        for d in batch {
-            let subject = self.subject_of(d);
-            let sent = match self.headers(d) {
-                Err(m) => Err(PublishError::failed(format!(
-                    "event {}: {m}",
-                    d.record.event_id
-                ))),
-                Ok(headers) => {
-                    let body = Bytes::from(d.record.payload.clone().into_bytes());
-                    self.js
-                        .publish_with_headers(subject.clone(), headers, body)
-                        .await
-                        .map_err(|e| self.publish_error(&subject, &e))
-                }
-            };
-            pending.push((subject, sent));
-        }
-        let acks = pending.into_iter().map(|(subject, sent)| async move {
-            let ack = sent?
-                .await
-                .map_err(|e| self.publish_error(&subject, &e))?;
-            if ack.duplicate {
-                metrics::counter!("postbox_publish_duplicates_total", "publisher" => self.name.clone())
-                    .increment(1);
-            }
-            Ok(())
-        });
-        join_all(acks).await
+        let pending = self.send_all(batch).await;
+        join_all(
+            pending
+                .into_iter()
+                .map(|(subject, sent)| self.await_ack(subject, sent)),
+        )
+        .await
+    }
+
+    /// Every event's result is recorded as soon as its PubAck (or error)
+    /// arrives; the acks that came before `publish_timeout` count, only the
+    /// events still waiting for theirs time out.
+    async fn publish_each(
+        &self,
+        batch: &[Delivery<'_>],
+        publish_timeout: Duration,
+        results: &PublishResults,
+    ) {
+        let work = async {
+            let pending = self.send_all(batch).await;
+            join_all(
+                pending
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (subject, sent))| async move {
+                        results.set(i, self.await_ack(subject, sent).await);
+                    }),
+            )
+            .await;
+        };
+        let _ = tokio::time::timeout(publish_timeout, work).await;
     }
 
     async fn close(&self) {

@@ -9,7 +9,9 @@
 //! (when replayed) and the event's own headers; routing key from the
 //! `routing_key` template.
 //!
-//! A batch is published in order and its confirms are awaited together. The
+//! A batch is published in order and its confirms are awaited together;
+//! each event's result counts as soon as its confirm arrives, so under
+//! `publish_timeout` only events still unconfirmed time out. The
 //! connection lives in a session task of its own ([`session`]) that
 //! reconnects with backoff and jitter after the broker or the network drops
 //! it (lapin itself does not reconnect); publishes meanwhile fail and their
@@ -36,12 +38,13 @@ pub mod message;
 mod session;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::{mpsc, oneshot};
 
 use postbox_core::config::RabbitMqPublisherConfig;
-use postbox_core::publish::{Delivery, PublishError};
+use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::template::Template;
 use postbox_core::{Error, Publisher, Result};
 
@@ -99,7 +102,31 @@ impl RabbitMqPublisher {
     pub fn connection_name(&self) -> &str {
         &self.connection_name
     }
+
+    /// Hands `batch` to the session; its results come on the returned
+    /// channel, each as soon as its confirm does.
+    async fn start(
+        &self,
+        batch: &[Delivery<'_>],
+    ) -> std::result::Result<mpsc::UnboundedReceiver<(usize, PublishResult)>, PublishError> {
+        let messages = batch
+            .iter()
+            .map(|d| message::outgoing(d, &self.routing_key))
+            .collect();
+        let (reply, results) = mpsc::unbounded_channel();
+        self.requests
+            .send(Request::Publish { messages, reply })
+            .await
+            .map_err(|_| PublishError::failed("the rabbitmq publisher is closed"))?;
+        Ok(results)
+    }
 }
+
+type PublishResult = std::result::Result<(), PublishError>;
+
+/// Why an event of a batch has no result although the session stopped
+/// sending them.
+const SESSION_ENDED: &str = "the rabbitmq publisher's session ended";
 
 fn start_error(target: &Target, reason: String) -> Error {
     Error::Io {
@@ -115,23 +142,50 @@ impl Publisher for RabbitMqPublisher {
     }
 
     async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<std::result::Result<(), PublishError>> {
-        let messages = batch
-            .iter()
-            .map(|d| message::outgoing(d, &self.routing_key))
-            .collect();
-        let (reply, results) = oneshot::channel();
-        let all_failed = |why: &str| vec![Err(PublishError::failed(why)); batch.len()];
-        if self
-            .requests
-            .send(Request::Publish { messages, reply })
-            .await
-            .is_err()
-        {
-            return all_failed("the rabbitmq publisher is closed");
+        let mut results = match self.start(batch).await {
+            Ok(results) => results,
+            Err(e) => return vec![Err(e); batch.len()],
+        };
+        let mut all: Vec<Option<PublishResult>> = vec![None; batch.len()];
+        while let Some((i, r)) = results.recv().await {
+            if let Some(slot) = all.get_mut(i) {
+                *slot = Some(r);
+            }
         }
-        results
-            .await
-            .unwrap_or_else(|_| all_failed("the rabbitmq publisher's session ended"))
+        all.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(PublishError::failed(SESSION_ENDED))))
+            .collect()
+    }
+
+    /// Records each event's result as soon as its confirm (or return, or
+    /// failure) arrives; only events still unconfirmed at `publish_timeout`
+    /// count as timed out. Giving up drops the reply channel, so the session
+    /// retires the publishing channel and late confirms of this batch never
+    /// count for the next.
+    async fn publish_each(
+        &self,
+        batch: &[Delivery<'_>],
+        publish_timeout: Duration,
+        results: &PublishResults,
+    ) {
+        let work = async {
+            let mut incoming = match self.start(batch).await {
+                Ok(incoming) => incoming,
+                Err(e) => return results.set_all(vec![Err(e); batch.len()]),
+            };
+            let mut recorded = vec![false; batch.len()];
+            while let Some((i, r)) = incoming.recv().await {
+                if let Some(seen) = recorded.get_mut(i) {
+                    *seen = true;
+                }
+                results.set(i, r);
+            }
+            // The session ended before confirming these (not a timeout).
+            for (i, _) in recorded.iter().enumerate().filter(|(_, seen)| !**seen) {
+                results.set(i, Err(PublishError::failed(SESSION_ENDED)));
+            }
+        };
+        let _ = tokio::time::timeout(publish_timeout, work).await;
     }
 
     async fn close(&self) {

@@ -1,20 +1,26 @@
 //! The task that owns the connection: publishes batches one at a time,
 //! awaits their confirms together, and reconnects with backoff.
 //!
-//! Callers talk to it through a queue and a reply channel, so a caller that
-//! gives up (the relay's `publish_timeout` drops its future) never leaves a
-//! connection half-updated: the session sees the reply channel close, stops
-//! waiting, and retires the channel so late confirms of the abandoned batch
-//! can never be mistaken for the next batch's.
+//! Callers talk to it through a queue and a reply channel on which each
+//! message's result comes as soon as its confirm does, so a caller that
+//! gives up (the relay's `publish_timeout` drops its future) keeps the
+//! results that came and never leaves a connection half-updated: the
+//! session sees the reply channel close, stops waiting, and retires the
+//! channel so late confirms of the abandoned batch can never be mistaken
+//! for the next batch's.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures::future::join_all;
+use futures::future::poll_fn;
 use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
 use lapin::Channel;
+use lapin::{Confirmation, PublisherConfirm};
 use postbox_core::publish::PublishError;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{timeout, Instant};
@@ -28,15 +34,16 @@ const HEALTH_CHECK: Duration = Duration::from_secs(1);
 /// How long closing a channel or connection may take in the background.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Results of one batch, one per message, in order.
-pub(super) type Results = Vec<Result<(), PublishError>>;
+/// Where the results of a batch go, each as `(index in the batch, result)`
+/// as soon as it is known; at most one per message.
+pub(super) type Reply = mpsc::UnboundedSender<(usize, Result<(), PublishError>)>;
 
 /// What a [`super::RabbitMqPublisher`] asks of its session.
 pub(super) enum Request {
     /// Publish these messages (or report why one could not be built).
     Publish {
         messages: Vec<Result<Outgoing, String>>,
-        reply: oneshot::Sender<Results>,
+        reply: Reply,
     },
     /// Close the connection and stop.
     Close { done: oneshot::Sender<()> },
@@ -88,33 +95,29 @@ impl Session {
         }
     }
 
-    async fn publish(
-        &mut self,
-        messages: Vec<Result<Outgoing, String>>,
-        mut reply: oneshot::Sender<Results>,
-    ) {
+    async fn publish(&mut self, messages: Vec<Result<Outgoing, String>>, reply: Reply) {
         if reply.is_closed() {
             return; // the caller gave up while this waited in the queue
         }
         let channel = match self.ready_channel().await {
             Ok(channel) => channel,
             Err(reason) => {
-                let results = messages
-                    .iter()
-                    .map(|m| match m {
-                        Ok(_) => Err(PublishError::failed(reason.clone())),
-                        Err(own) => Err(PublishError::failed(own.clone())),
-                    })
-                    .collect();
-                let _ = reply.send(results);
+                for (i, m) in messages.iter().enumerate() {
+                    let why = match m {
+                        Ok(_) => reason.clone(),
+                        Err(own) => own.clone(),
+                    };
+                    let _ = reply.send((i, Err(PublishError::failed(why))));
+                }
                 return;
             }
         };
         let outcome = tokio::select! {
-            outcome = send_and_confirm(&channel, &self.target, &messages) => outcome,
+            biased;
+            broken = send_and_confirm(&channel, &self.target, &messages, &reply) => Some(broken),
             _ = reply.closed() => None,
         };
-        let Some((results, broken)) = outcome else {
+        let Some(broken) = outcome else {
             // The relay stopped waiting (its publish_timeout, or shutdown).
             // What was sent may still be confirmed and routed: the rows are
             // retried, so a consumer may see those events twice.
@@ -124,7 +127,6 @@ impl Session {
         if let Some(reason) = broken {
             self.lose_channel(&reason);
         }
-        let _ = reply.send(results);
     }
 
     /// The publishing channel, reconnecting or reopening it when needed.
@@ -276,30 +278,34 @@ impl Session {
 }
 
 /// Publishes every message in order (each `basic.publish` only waits for
-/// its frames to be written), then awaits all confirms together. Returns the
-/// per-message results and, when the channel or connection broke, why.
+/// its frames to be written), then awaits all confirms together, sending
+/// each message's result on `reply` as soon as its confirm arrives. Returns,
+/// when the channel or connection broke, why.
 async fn send_and_confirm(
     channel: &Channel,
     target: &Target,
     messages: &[Result<Outgoing, String>],
-) -> Option<(Results, Option<String>)> {
+    reply: &Reply,
+) -> Option<String> {
     let mandatory = BasicPublishOptions {
         mandatory: true,
         immediate: false,
     };
-    let mut results: Results = vec![Ok(()); messages.len()];
-    let mut sent = Vec::with_capacity(messages.len());
+    let fail = |i: usize, reason: &str| {
+        let _ = reply.send((i, Err(PublishError::failed(reason))));
+    };
+    let mut pending = Vec::with_capacity(messages.len());
     let mut broken: Option<String> = None;
     for (i, m) in messages.iter().enumerate() {
         let m = match m {
             Ok(m) => m,
             Err(reason) => {
-                results[i] = Err(PublishError::failed(reason.clone()));
+                fail(i, reason);
                 continue;
             }
         };
         if let Some(reason) = &broken {
-            results[i] = Err(PublishError::failed(reason.clone()));
+            fail(i, reason);
             continue;
         }
         match channel
@@ -312,61 +318,93 @@ async fn send_and_confirm(
             )
             .await
         {
-            Ok(confirm) => sent.push((i, confirm)),
+            Ok(confirm) => pending.push((i, confirm)),
             Err(e) => {
                 let reason = target.describe("publishing", &e);
-                results[i] = Err(PublishError::failed(reason.clone()));
+                fail(i, &reason);
                 broken = Some(reason);
             }
         }
     }
 
-    let confirmations = join_all(sent.into_iter().map(|(i, c)| async move { (i, c.await) })).await;
     // lapin hands a returned (unroutable) message to whichever confirm it
-    // resolves next, so returns are matched to events by message_id.
+    // resolves next, so returns are matched to events by message_id. The
+    // broker sends a message's return before its ack, so the confirm
+    // carrying it resolves no later than the message's own: after some
+    // confirms resolved, a second look takes every confirm resolved by then,
+    // and the returns of all of them are in hand before any is recorded.
     let mut returned: HashMap<String, BasicReturnMessage> = HashMap::new();
-    let mut confirmed = Vec::with_capacity(confirmations.len());
-    for (i, c) in confirmations {
-        match c {
-            Ok(confirmation) => {
-                let acked = confirmation.is_ack();
-                if let Some(r) = confirmation.take_message() {
-                    let id = r
-                        .delivery
-                        .properties
-                        .message_id()
-                        .as_ref()
-                        .map(|s| s.to_string())
-                        .unwrap_or_default();
-                    returned.insert(id, r);
+    while !pending.is_empty() {
+        let mut resolved = poll_fn(|cx| match take_resolved(&mut pending, cx) {
+            r if r.is_empty() => Poll::Pending,
+            r => Poll::Ready(r),
+        })
+        .await;
+        resolved.extend(poll_fn(|cx| Poll::Ready(take_resolved(&mut pending, cx))).await);
+        let mut confirmed = Vec::with_capacity(resolved.len());
+        for (i, c) in resolved {
+            match c {
+                Ok(confirmation) => {
+                    let acked = confirmation.is_ack();
+                    if let Some(r) = confirmation.take_message() {
+                        let id = r
+                            .delivery
+                            .properties
+                            .message_id()
+                            .as_ref()
+                            .map(|s| s.to_string())
+                            .unwrap_or_default();
+                        returned.insert(id, r);
+                    }
+                    confirmed.push((i, Ok(acked)));
                 }
-                confirmed.push((i, Ok(acked)));
-            }
-            Err(e) => {
-                let reason = target.describe("waiting for the confirm", &e);
-                broken.get_or_insert_with(|| reason.clone());
-                confirmed.push((i, Err(reason)));
+                Err(e) => {
+                    let reason = target.describe("waiting for the confirm", &e);
+                    broken.get_or_insert_with(|| reason.clone());
+                    confirmed.push((i, Err(reason)));
+                }
             }
         }
+        for (i, c) in confirmed {
+            let Ok(m) = &messages[i] else { continue };
+            let result = match (returned.get(&m.event_id), c) {
+                (Some(r), _) => Err(PublishError::failed(format!(
+                    "unroutable: exchange {}, routing key {} ({} {}); bind a queue to the exchange for this routing key",
+                    target.exchange, m.routing_key, r.reply_code, r.reply_text
+                ))),
+                (None, Ok(true)) => Ok(()),
+                (None, Ok(false)) => Err(PublishError::failed(format!(
+                    "the broker refused the message on exchange {} (basic.nack: a queue rejected it or the broker failed to store it)",
+                    target.exchange
+                ))),
+                (None, Err(reason)) => Err(PublishError::failed(format!(
+                    "not confirmed: {reason}"
+                ))),
+            };
+            let _ = reply.send((i, result));
+        }
     }
-    for (i, c) in confirmed {
-        let Ok(m) = &messages[i] else { continue };
-        results[i] = match (returned.get(&m.event_id), c) {
-            (Some(r), _) => Err(PublishError::failed(format!(
-                "unroutable: exchange {}, routing key {} ({} {}); bind a queue to the exchange for this routing key",
-                target.exchange, m.routing_key, r.reply_code, r.reply_text
-            ))),
-            (None, Ok(true)) => Ok(()),
-            (None, Ok(false)) => Err(PublishError::failed(format!(
-                "the broker refused the message on exchange {} (basic.nack: a queue rejected it or the broker failed to store it)",
-                target.exchange
-            ))),
-            (None, Err(reason)) => Err(PublishError::failed(format!(
-                "not confirmed: {reason}"
-            ))),
-        };
+    broken
+}
+
+/// Takes the confirms of `pending` that have resolved, with their batch
+/// index; the others stay, registered to wake `cx`.
+fn take_resolved(
+    pending: &mut Vec<(usize, PublisherConfirm)>,
+    cx: &mut Context<'_>,
+) -> Vec<(usize, lapin::Result<Confirmation>)> {
+    let mut resolved = Vec::new();
+    let mut k = 0;
+    while k < pending.len() {
+        match Pin::new(&mut pending[k].1).poll(cx) {
+            Poll::Ready(c) => {
+                let (i, _) = pending.swap_remove(k);
+                resolved.push((i, c));
+            }
+            Poll::Pending => k += 1,
+        }
     }
-    Some((results, broken))
+    resolved
 }
 
 /// Closes a replaced connection without waiting for it (a blocked or

@@ -109,6 +109,9 @@ impl RedisPublisher {
     }
 }
 
+// `publish_each` stays the default (the whole `publish` under
+// `publish_timeout`): a batch is one pipelined round trip whose replies come
+// back together, so there is no earlier per-event result to keep.
 #[async_trait]
 impl Publisher for RedisPublisher {
     fn name(&self) -> &str {
