@@ -356,6 +356,22 @@ pub(crate) async fn replay(
         app_code: params.app_code.clone().filter(|s| !s.is_empty()),
         event_ids: vec![event_id.clone()],
     };
+    if matches!(targets.pick, ReplayPick::Only(_)) {
+        let before = state
+            .store
+            .replay_to(&selector, true, &origin, &targets)
+            .await?;
+        let left_out = targets.unconfirmed_left_out(&before);
+        if !left_out.is_empty() {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "{}; replaying to the chosen publishers alone would mark it delivered without them: add them to `publishers`, or leave `publishers` out",
+                    left_out.join("; ")
+                ),
+            ));
+        }
+    }
     let replayed = state
         .store
         .replay_to(&selector, false, &origin, &targets)

@@ -269,6 +269,28 @@ async fn replay_picks_its_publishers() {
     assert_eq!(ok.json()["targets"][0], serde_json::json!(["b"]));
     assert_eq!(fx.store.find(&ids[0]).await.unwrap()[0].delivered_to, ["a"]);
 
+    // A dead letter `b` never confirmed, to `a` alone: it would end
+    // delivered without `b`, so it is refused, naming `b`.
+    let refused = request(addr, "POST", &path(1, "publishers=a"), &auth).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(
+        refused.body.contains("not been confirmed by b"),
+        "{}",
+        refused.body
+    );
+    assert_eq!(
+        fx.store.find(&ids[1]).await.unwrap()[0].status,
+        Status::Failed
+    );
+    // Once delivered (to both), backtracking to `a` alone is fine.
+    sqlx::query(&format!(
+        "UPDATE {} SET status = 'delivered', delivered_to = NULL WHERE event_id = $1",
+        fx.table
+    ))
+    .bind(&ids[1])
+    .execute(&fx.pool)
+    .await
+    .unwrap();
     let ok = request(addr, "POST", &path(1, "publishers=a"), &auth).await;
     assert_eq!(ok.status, 200, "{}", ok.body);
     assert_eq!(fx.store.find(&ids[1]).await.unwrap()[0].delivered_to, ["b"]);

@@ -619,7 +619,7 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
         postbox(dir.path(), &all, &[])
     };
     assert!(run(&["migrate"]).status.success());
-    for id in ["e1", "e2", "e3", "e4"] {
+    for id in ["e1", "e2", "e3", "e4", "e5"] {
         let out = run(&[
             "enqueue",
             "--event-type",
@@ -631,7 +631,7 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
         ]);
         assert!(out.status.success(), "{}", text(&out));
     }
-    // e1, e3, e4: dead letters that `a` confirmed; e2: delivered to both.
+    // e1, e3, e4: dead letters that `a` confirmed; e2, e5: delivered to both.
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     sqlx::query(&format!(
         "UPDATE {table} SET status = 'failed', retry_count = 3, delivered_to = 'a', \
@@ -641,7 +641,7 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     .await
     .unwrap();
     sqlx::query(&format!(
-        "UPDATE {table} SET status = 'delivered' WHERE event_id = 'e2'"
+        "UPDATE {table} SET status = 'delivered' WHERE event_id IN ('e2', 'e5')"
     ))
     .execute(&pool)
     .await
@@ -658,13 +658,31 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
         run(&["replay", "e2"]).status.success(),
         "delivered: a and b"
     );
+    // A failed event to `a` alone would end delivered without `b`, which
+    // never confirmed it: refused, naming `b`.
     let only = run(&["replay", "e3", "--publisher", "a"]);
-    assert!(only.status.success(), "{}", text(&only));
+    assert_eq!(only.status.code(), Some(2), "{}", text(&only));
+    assert!(
+        text(&only).contains("e3") && text(&only).contains("not been confirmed by b"),
+        "{}",
+        text(&only)
+    );
+    let with_b = run(&["replay", "e3", "--publisher", "a", "--publisher", "b"]);
+    assert!(with_b.status.success(), "{}", text(&with_b));
     assert!(run(&["replay", "e4", "--all-publishers"]).status.success());
+    // A delivered event (backtracking) goes to the chosen publisher only.
+    let only = run(&["replay", "e5", "--publisher", "a"]);
+    assert!(only.status.success(), "{}", text(&only));
 
-    relay_until_delivered(dir.path(), &cfg, 4);
-    assert_eq!(sink_ids(&dir.path().join("a.jsonl")), ["e2", "e3", "e4"]);
-    assert_eq!(sink_ids(&dir.path().join("b.jsonl")), ["e1", "e2", "e4"]);
+    relay_until_delivered(dir.path(), &cfg, 5);
+    assert_eq!(
+        sink_ids(&dir.path().join("a.jsonl")),
+        ["e2", "e3", "e4", "e5"]
+    );
+    assert_eq!(
+        sink_ids(&dir.path().join("b.jsonl")),
+        ["e1", "e2", "e3", "e4"]
+    );
 
     // The timeline names the replay's targets.
     let show = run(&["--json", "events", "show", "e1"]);
@@ -672,7 +690,7 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     let steps = v[0]["timeline"].as_array().unwrap();
     let replayed = steps.iter().find(|s| s["kind"] == "replayed").unwrap();
     assert_eq!(replayed["publisher"], "b", "{v}");
-    let show = run(&["events", "show", "e3"]);
+    let show = run(&["events", "show", "e5"]);
     assert!(
         text(&show).contains("replayed") && text(&show).contains("[a]"),
         "{}",

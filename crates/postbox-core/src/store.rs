@@ -162,6 +162,36 @@ impl ReplayTargets {
         }
     }
 
+    /// For [`ReplayPick::Only`]: the rows (as they are before the replay)
+    /// that a publisher left out of the targets has not confirmed, one line
+    /// each naming the event and those publishers. Replaying such a row to
+    /// the chosen publishers alone would end it `delivered` without them,
+    /// so it is refused. A `delivered` row has been confirmed by all.
+    pub fn unconfirmed_left_out(&self, rows: &[crate::EventRecord]) -> Vec<String> {
+        let ReplayPick::Only(names) = &self.pick else {
+            return Vec::new();
+        };
+        rows.iter()
+            .filter(|r| !matches!(r.status, Status::Delivered))
+            .filter_map(|r| {
+                let missing: Vec<&str> = self
+                    .publishers
+                    .iter()
+                    .filter(|p| !names.contains(p) && !r.delivered_to.contains(p))
+                    .map(String::as_str)
+                    .collect();
+                (!missing.is_empty()).then(|| {
+                    format!(
+                        "event {} ({}) has not been confirmed by {}",
+                        r.event_id,
+                        r.status.as_str(),
+                        missing.join(", ")
+                    )
+                })
+            })
+            .collect()
+    }
+
     /// Applies [`Self::delivered_to_override`] to rows read back before it
     /// was written.
     pub fn apply(&self, rows: &mut [crate::EventRecord]) {

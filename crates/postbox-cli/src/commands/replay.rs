@@ -46,6 +46,16 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::usage(format!("--publisher: {e}")))?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
+    if matches!(targets.pick, ReplayPick::Only(_)) {
+        let before = store.replay_to(&selector, true, "cli", &targets).await?;
+        let left_out = targets.unconfirmed_left_out(&before);
+        if !left_out.is_empty() {
+            return Err(CliError::usage(format!(
+                "--publisher: {}; replaying to the chosen publishers alone would mark it delivered without them: add them with --publisher, or leave --publisher out to send to every publisher that has not confirmed",
+                left_out.join("; ")
+            )));
+        }
+    }
     let rows = store
         .replay_to(&selector, args.dry_run, "cli", &targets)
         .await?;
