@@ -32,7 +32,7 @@ pub enum Error {
     #[error("invalid event: {0}")]
     InvalidEvent(String),
     /// A table name that is not a plain SQL identifier.
-    #[error("invalid table name `{0}`: must match ^[A-Za-z_][A-Za-z0-9_]{{0,62}}$")]
+    #[error("invalid table name `{0}`: must match ^[A-Za-z_][A-Za-z0-9_]{{0,41}}$ (postbox adds suffixes of up to 21 characters, such as `_archive_created_idx`, and PostgreSQL cuts names at 63 characters, MySQL refuses them)")]
     InvalidTableName(String),
     /// The configuration is wrong; `key` names the offending key.
     #[error("config key `{key}`: {reason}")]

@@ -6,13 +6,23 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::Error;
 
-/// A table name checked against `^[A-Za-z_][A-Za-z0-9_]{0,62}$`, so it can be
-/// spliced into SQL without quoting.
+/// A table name checked against `^[A-Za-z_][A-Za-z0-9_]{0,41}$`, so it can be
+/// spliced into SQL without quoting, and every name postbox derives from it
+/// (suffixes of up to [`TableName::LONGEST_SUFFIX`] characters, such as
+/// `_archive_created_idx`) stays within PostgreSQL's 63 and MySQL's 64
+/// characters: PostgreSQL would silently cut a longer index name (two
+/// indexes could then collide, and `doctor` would find neither) and MySQL
+/// would refuse it.
 #[derive(Clone, PartialEq, Eq, Hash, Serialize)]
 #[serde(transparent)]
 pub struct TableName(String);
 
 impl TableName {
+    /// The longest suffix postbox appends (`_versions_updated_idx`).
+    pub const LONGEST_SUFFIX: usize = 21;
+    /// The longest table name: 63 (PostgreSQL's limit) less the longest suffix.
+    pub const MAX_LEN: usize = 63 - Self::LONGEST_SUFFIX;
+
     /// Validates `name`.
     ///
     /// ```
@@ -26,7 +36,7 @@ impl TableName {
             .next()
             .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
         let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if first_ok && rest_ok && name.len() <= 63 {
+        if first_ok && rest_ok && name.len() <= Self::MAX_LEN {
             Ok(TableName(name.to_owned()))
         } else {
             Err(Error::InvalidTableName(name.to_owned()))
@@ -82,7 +92,7 @@ mod tests {
 
     #[test]
     fn accepts_plain_identifiers() {
-        for ok in ["room_outbox", "_x", "A1", &"a".repeat(63)] {
+        for ok in ["room_outbox", "_x", "A1", &"a".repeat(42)] {
             assert!(TableName::new(ok).is_ok(), "{ok}");
         }
     }
@@ -96,7 +106,8 @@ mod tests {
             "a b",
             "x;drop",
             "t\"",
-            &"a".repeat(64),
+            // A 43-character name would make 64-character index names.
+            &"a".repeat(43),
             "é",
         ] {
             assert!(TableName::new(bad).is_err(), "{bad}");
