@@ -367,14 +367,11 @@ impl ConsumerConfig {
                     ),
                 ));
             }
-            match &self.inbox {
-                None => {
-                    return Err(Error::config(
-                        format!("{key}.ordering"),
-                        "`per_aggregate` needs an inbox (the held-back aggregates are kept in its database, shared by every process of the group): set inbox = { url = …, table = … }",
-                    ))
-                }
-                Some(_) => {}
+            if self.inbox.is_none() {
+                return Err(Error::config(
+                    format!("{key}.ordering"),
+                    "`per_aggregate` needs an inbox (the held-back aggregates are kept in its database, shared by every process of the group): set inbox = { url = …, table = … }",
+                ));
             }
         }
         if self.inbox_retention.get().is_zero() {
