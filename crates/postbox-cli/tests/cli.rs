@@ -235,7 +235,7 @@ fn sqlite_workflow_end_to_end() {
     let file = dir.path().join("missed.jsonl");
     std::fs::write(
         &file,
-        "{\"event_id\":\"evt-2\",\"event_type\":\"GiftSent\",\"payload\":{\"gift\":7}}\n\
+        "{\"event_id\":\"evt-2\",\"event_type\":\"GiftSent\",\"payload\":{\"gift\":7,\"amount\":19.990,\"id\":18446744073709551617}}\n\
          not json\n\
          {\"event_id\":\"evt-1\",\"event_type\":\"RoomCreated\",\"payload\":{}}\n\
          {\"event_type\":\"MemberJoined\",\"aggregate_id\":\"room-1\",\"aggregate_version\":3,\"payload\":\"raw text\"}\n",
@@ -284,6 +284,13 @@ fn sqlite_workflow_end_to_end() {
     assert_eq!(lines.len(), 3);
     let first = lines.iter().find(|l| l["event_id"] == "evt-1").unwrap();
     assert_eq!(first["payload"]["room"], 1);
+    // A file upload keeps the payload text: stored and relayed unchanged.
+    let out = std::fs::read_to_string(dir.path().join("out.jsonl")).unwrap();
+    assert!(
+        out.contains(r#""payload":{"gift":7,"amount":19.990,"id":18446744073709551617}"#),
+        "{out}"
+    );
+    assert!(out.contains(r#""payload":"raw text""#), "{out}");
     assert_eq!(first["headers"]["trace"], "abc");
     assert_eq!(first["app_code"], "room");
 

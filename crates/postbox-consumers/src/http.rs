@@ -94,3 +94,69 @@ impl<DB: sqlx::Database> TxHandler<DB> for HttpHandler {
         self.post(message).await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Answers one request 200 and returns its body.
+    async fn one_request(listener: tokio::net::TcpListener) -> String {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let body = loop {
+            let n = socket.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "the request ended early");
+            buf.extend_from_slice(&chunk[..n]);
+            let text = String::from_utf8_lossy(&buf).into_owned();
+            let Some(end) = text.find("\r\n\r\n") else {
+                continue;
+            };
+            let len: usize = text[..end]
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().unwrap())
+                })
+                .unwrap();
+            if buf.len() >= end + 4 + len {
+                break String::from_utf8(buf[end + 4..end + 4 + len].to_vec()).unwrap();
+            }
+        };
+        socket
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        body
+    }
+
+    /// The envelope POSTed for a RabbitMQ message carries the body as the
+    /// publisher sent it: big integers, trailing zeros and key order intact.
+    #[tokio::test]
+    async fn the_bridge_posts_the_message_body_verbatim() {
+        let payload = r#"{"room_id":1,"n":12345678901234567890123,"amount":19.990,"id":18446744073709551617,"f":1.10}"#;
+        let props = lapin::BasicProperties::default()
+            .with_message_id("ev-1".into())
+            .with_type("Credited".into())
+            .with_app_id("wallet".into());
+        let message = crate::rabbitmq::message_from_delivery(
+            &props,
+            "wallet.Credited",
+            payload.as_bytes(),
+            false,
+        )
+        .unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/events", listener.local_addr().unwrap());
+        let server = tokio::spawn(one_request(listener));
+        let handler = HttpHandler::new(SecretUrl::new(url), Duration::from_secs(5)).unwrap();
+        handler.post(&message).await.unwrap();
+        let body = server.await.unwrap();
+        let fields: std::collections::BTreeMap<String, &serde_json::value::RawValue> =
+            serde_json::from_str(&body).unwrap();
+        assert_eq!(fields["payload"].get(), payload, "body: {body}");
+        assert_eq!(fields["event_id"].get(), r#""ev-1""#);
+    }
+}

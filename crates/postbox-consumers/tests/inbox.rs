@@ -18,7 +18,7 @@ fn message(event_id: &str, aggregate: Option<(&str, i64)>) -> Message {
             aggregate_version: aggregate.map(|a| a.1),
             created_at_ms: 0,
             headers: Default::default(),
-            payload: serde_json::json!({}),
+            payload: Envelope::payload_of("{}"),
         },
         attempt: 1,
         redelivered: false,

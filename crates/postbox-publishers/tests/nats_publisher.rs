@@ -129,7 +129,7 @@ fn received(m: &jetstream::Message) -> Received {
             .collect(),
         attempt,
         replayed,
-        payload: serde_json::from_slice(&m.payload).expect("JSON payload"),
+        payload: String::from_utf8(m.payload.to_vec()).expect("UTF-8 payload"),
         route: m.subject.to_string(),
     }
 }

@@ -93,7 +93,7 @@ impl ReadBack for XRangeReader {
                     headers,
                     attempt: attempt as i32,
                     replayed: replayed.unwrap_or(false),
-                    payload: serde_json::from_str(&f["payload"]).unwrap(),
+                    payload: f["payload"].clone(),
                     route,
                 });
             }

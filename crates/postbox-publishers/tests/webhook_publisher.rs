@@ -33,6 +33,8 @@ struct Request {
     path: String,
     idempotency_key: String,
     body: serde_json::Value,
+    /// The body as sent.
+    text: String,
     at: Instant,
 }
 
@@ -100,6 +102,7 @@ fn answer(r: &Receiver, uri: Uri, headers: HeaderMap, body: Bytes) -> (Response,
         path: uri.path().to_owned(),
         idempotency_key: headers["idempotency-key"].to_str().unwrap().to_owned(),
         body: serde_json::from_slice(&body).unwrap(),
+        text: String::from_utf8(body.to_vec()).unwrap(),
         at: Instant::now(),
     });
     let default = inner.default;
@@ -145,7 +148,7 @@ impl ReadBack for Receiver {
     async fn read(&mut self, _expected: usize, _timeout: Duration) -> Vec<Received> {
         self.accepted()
             .iter()
-            .map(|r| Received::from_envelope(&r.body, r.path.clone()))
+            .map(|r| Received::from_envelope(&r.text, r.path.clone()))
             .collect()
     }
 }

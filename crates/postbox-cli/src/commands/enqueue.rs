@@ -27,7 +27,9 @@ struct Line {
     aggregate_version: Option<i64>,
     #[serde(default)]
     headers: Option<serde_json::Map<String, serde_json::Value>>,
-    payload: serde_json::Value,
+    /// Kept as written (never parsed and re-serialized): a JSON string is the
+    /// text of a non-JSON payload, anything else is the payload itself.
+    payload: Box<serde_json::value::RawValue>,
     /// Present in envelopes written by a sink; the outbox sets its own.
     #[allow(dead_code)]
     created_at_ms: Option<i64>,
@@ -211,9 +213,11 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
 
 fn parse_line(line: &str, default_app: &str, max_payload: usize) -> Result<NewEvent, String> {
     let l: Line = serde_json::from_str(line).map_err(|e| e.to_string())?;
-    let payload = match l.payload {
-        serde_json::Value::String(s) => s,
-        other => other.to_string(),
+    // The inverse of the envelope's rule (postbox_core::envelope).
+    let payload = if l.payload.get().starts_with('"') {
+        serde_json::from_str::<String>(l.payload.get()).map_err(|e| e.to_string())?
+    } else {
+        l.payload.get().to_owned()
     };
     let mut headers = l.headers.unwrap_or_default();
     // Delivery metadata of an earlier delivery, not part of the event.

@@ -80,8 +80,8 @@ pub fn message_from_delivery(
                 .map(|s| (s as i64).saturating_mul(1000))
         })
         .unwrap_or(0);
-    let payload = serde_json::from_slice(body)
-        .unwrap_or_else(|_| serde_json::Value::String(String::from_utf8_lossy(body).into_owned()));
+    // Verbatim: never parsed into a value and serialized back.
+    let payload = Envelope::payload_of_bytes(body);
     Ok(Message {
         envelope: Envelope {
             event_id,
@@ -246,7 +246,7 @@ mod tests {
         assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
         assert_eq!(e.aggregate_version, Some(7));
         assert_eq!(e.created_at_ms, 1_700_000_000_123);
-        assert_eq!(e.payload, serde_json::json!({"a": 1}));
+        assert_eq!(e.payload.get(), r#"{"a":1}"#);
         assert_eq!(e.headers["x-attempt"], 2);
         assert_eq!(e.headers["tenant"], "acme");
         assert!(!e.headers.contains_key(AGGREGATE_ID));
@@ -261,7 +261,7 @@ mod tests {
         let m = message_from_delivery(&copy, "rk", b"not json", true).unwrap();
         assert_eq!(m.attempt, 3);
         assert_eq!(m.envelope.event_id, "ev-1");
-        assert_eq!(m.envelope.payload, serde_json::json!("not json"));
+        assert_eq!(m.envelope.payload.get(), r#""not json""#);
         let dead = copy_properties(&copy, 4, None, Some("boom"));
         assert!(dead.expiration().is_none());
         let h = dead.headers().as_ref().unwrap();

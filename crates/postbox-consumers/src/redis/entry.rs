@@ -64,8 +64,8 @@ pub fn message_from_entry(
             _ => return Err(format!("field headers is not a JSON object: {h:?}")),
         },
     };
-    let payload = text(fields, "payload").unwrap_or_default();
-    let payload = serde_json::from_str(&payload).unwrap_or(serde_json::Value::String(payload));
+    // Verbatim: never parsed into a value and serialized back.
+    let payload = Envelope::payload_of(&text(fields, "payload").unwrap_or_default());
     let attempt = deliveries.max(1);
     Ok(Message {
         envelope: Envelope {
@@ -162,7 +162,7 @@ mod tests {
         assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
         assert_eq!(e.aggregate_version, Some(7));
         assert_eq!(e.created_at_ms, 1_700_000_000_123);
-        assert_eq!(e.payload, serde_json::json!({"a": 1}));
+        assert_eq!(e.payload.get(), r#"{"a":1}"#);
         assert_eq!(e.headers["x-attempt"], 2);
         assert_eq!(e.headers["tenant"], "acme");
         assert_eq!((m.attempt, m.redelivered), (1, false));

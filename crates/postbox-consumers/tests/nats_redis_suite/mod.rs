@@ -57,7 +57,7 @@ impl TestEvent {
             aggregate_version: self.aggregate_version,
             created_at_ms: self.created_at_ms,
             headers: self.headers.clone(),
-            payload: serde_json::from_str(&self.payload).unwrap(),
+            payload: Envelope::payload_of(&self.payload),
         }
     }
 }

@@ -112,7 +112,7 @@ fn append_whole(file: &std::fs::File, buf: &[u8], path: &str) -> std::result::Re
     }
 }
 
-/// One envelope line, with the delivery metadata that brokers carry in
+/// One envelope line (no line break inside), with the delivery metadata that brokers carry in
 /// headers (`x-attempt`, `x-replayed`).
 pub fn envelope_line(d: &Delivery<'_>) -> String {
     let mut env = Envelope::from_record(d.record);
@@ -120,7 +120,12 @@ pub fn envelope_line(d: &Delivery<'_>) -> String {
     if d.replayed {
         env.headers.insert("x-replayed".to_owned(), true.into());
     }
-    let mut line = serde_json::to_string(&env).unwrap_or_default();
+    let line = serde_json::to_string(&env).unwrap_or_default();
+    // The payload is embedded verbatim (see `Envelope`), so a pretty-printed
+    // payload brings its line breaks. In JSON text a raw CR or LF can only be
+    // whitespace between tokens (inside strings they are escaped), so turning
+    // them into spaces keeps one envelope per line and every value unchanged.
+    let mut line = line.replace(['\n', '\r'], " ");
     line.push('\n');
     line
 }
@@ -202,6 +207,21 @@ mod tests {
         assert_eq!(lines[0]["headers"]["trace"], "t");
         assert_eq!(lines[0]["headers"]["x-attempt"], 2);
         assert_eq!(lines[0]["headers"]["x-replayed"], true);
+    }
+
+    /// A pretty-printed payload keeps its values and key order, and its line
+    /// breaks do not split the envelope's line.
+    #[test]
+    fn a_multi_line_payload_stays_on_one_line() {
+        let mut r = record(1);
+        r.payload = "{\r\n  \"z\": 19.990,\n  \"a\": \"x\\ny\"\n}".into();
+        let line = envelope_line(&Delivery::of(&r));
+        assert_eq!(line.matches('\n').count(), 1, "{line:?}");
+        assert!(line.ends_with('\n'));
+        assert!(
+            line.contains(r#""payload":{    "z": 19.990,   "a": "x\ny" }"#),
+            "{line:?}"
+        );
     }
 
     /// A device that is always full (`/dev/full`, ENOSPC): every event of the

@@ -195,7 +195,7 @@ pub fn received(d: &lapin::message::Delivery) -> Received {
         headers,
         attempt,
         replayed,
-        payload: serde_json::from_slice(&d.data).unwrap_or(serde_json::Value::Null),
+        payload: String::from_utf8_lossy(&d.data).into_owned(),
         route: d.routing_key.to_string(),
     }
 }
