@@ -174,6 +174,41 @@ fn env_overrides_the_file_and_is_validated_too() {
 }
 
 #[test]
+fn migrate_recreates_an_outbox_table_dropped_by_hand() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), &good(dir.path()));
+    let run = |args: &[&str]| {
+        let mut all = vec!["--config", cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(dir.path(), &all, &[])
+    };
+    assert!(run(&["migrate"]).status.success());
+    let url = format!("sqlite://{}/outbox.db", dir.path().display());
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
+        for t in ["room_outbox", "room_outbox_archive", "room_outbox_history"] {
+            sqlx::query(&format!("DROP TABLE {t}"))
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        pool.close().await;
+    });
+    let out = run(&["migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("`room_outbox` does not exist")
+            && text(&out).contains("applied schema versions [1, 2, 3]"),
+        "{}",
+        text(&out)
+    );
+    let one = run(&["enqueue", "--event-type", "RoomCreated", "--payload", "{}"]);
+    assert!(one.status.success(), "{}", text(&one));
+    let status = run(&["status"]);
+    assert!(status.status.success(), "{}", text(&status));
+}
+
+#[test]
 fn secrets_never_reach_output() {
     let dir = tempfile::tempdir().unwrap();
     let body = good(dir.path()).replace(

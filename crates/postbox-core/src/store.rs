@@ -533,6 +533,59 @@ pub struct MigrateReport {
     pub applied: Vec<u32>,
     /// Schema version after the run.
     pub version: u32,
+    /// What `migrate` found in the database that disagreed with its ledger,
+    /// and what it did about it (one sentence each; empty when they agree).
+    pub notes: Vec<String>,
+}
+
+/// The tables of [`EXPECTED_TABLES`] and the migration version that creates
+/// each of them.
+pub const TABLE_VERSIONS: [(&str, u32); 3] = [("", 1), ("_archive", 1), ("_history", 2)];
+
+/// What `migrate` must do before applying pending versions, when its ledger
+/// (`postbox_schema_migrations`) disagrees with the tables that exist.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LedgerCheck {
+    /// The outbox table is gone: delete the table's ledger rows and apply
+    /// every migration, as for a new table.
+    pub forget_ledger: bool,
+    /// Recorded versions to run again because a table they create is
+    /// missing (every statement of those versions is `IF NOT EXISTS`).
+    pub rerun: Vec<u32>,
+    /// One sentence per finding, for the log and the `migrate` output.
+    pub notes: Vec<String>,
+}
+
+/// Compares the versions the ledger records for `table` with the tables of
+/// [`EXPECTED_TABLES`] that exist (`existing`, full names).
+pub fn check_ledger(table: &str, applied: &[u32], existing: &[String]) -> LedgerCheck {
+    let mut check = LedgerCheck::default();
+    let Some(recorded) = applied.iter().copied().max() else {
+        return check;
+    };
+    let has = |suffix: &str| existing.iter().any(|n| *n == format!("{table}{suffix}"));
+    if !has("") {
+        check.forget_ledger = true;
+        check.notes.push(format!(
+            "outbox table `{table}` does not exist although postbox_schema_migrations records \
+             schema version {recorded} for it (dropped or restored by hand?): forgot those \
+             records and created the table as new"
+        ));
+        return check;
+    }
+    for (suffix, version) in TABLE_VERSIONS {
+        if !suffix.is_empty() && applied.contains(&version) && !has(suffix) {
+            check.notes.push(format!(
+                "table `{table}{suffix}` was missing although schema version {version} created \
+                 it: ran version {version} again (it only creates what does not exist)"
+            ));
+            if !check.rerun.contains(&version) {
+                check.rerun.push(version);
+            }
+        }
+    }
+    check.rerun.sort_unstable();
+    check
 }
 
 /// How the database runs one claim query, measured by running it inside a

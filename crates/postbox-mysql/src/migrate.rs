@@ -3,11 +3,15 @@
 //! MySQL commits implicitly around every DDL statement, so there is no
 //! transaction here: the lock is held by one connection for the whole run,
 //! and every statement is idempotent, so a run cut short is simply re-run.
+//!
+//! The ledger (`postbox_schema_migrations`) is checked against the tables
+//! first, under the same lock ([`check_ledger`]): an outbox table that is
+//! gone is created as new, and versions whose tables are gone run again.
 
 use sqlx::pool::PoolConnection;
 use sqlx::{Executor, MySql, Row};
 
-use postbox_core::store::MigrateReport;
+use postbox_core::store::{check_ledger, MigrateReport, EXPECTED_TABLES};
 use postbox_core::{Error, Result};
 
 use crate::{sql, MySqlOutbox};
@@ -57,7 +61,7 @@ impl MySqlOutbox {
             .execute(&mut **conn)
             .await
             .map_err(db)?;
-        let applied: Vec<i32> = sqlx::query(sql::APPLIED_VERSIONS)
+        let mut applied: Vec<i32> = sqlx::query(sql::APPLIED_VERSIONS)
             .bind(self.table.as_str())
             .fetch_all(&mut **conn)
             .await
@@ -65,9 +69,32 @@ impl MySqlOutbox {
             .iter()
             .map(|r| r.get(0))
             .collect();
-        let mut report = MigrateReport::default();
+        let mut existing_query = sqlx::query_scalar(sql::EXISTING_TABLES);
+        for suffix in EXPECTED_TABLES {
+            existing_query = existing_query.bind(format!("{}{suffix}", self.table));
+        }
+        let existing: Vec<String> = existing_query.fetch_all(&mut **conn).await.map_err(db)?;
+        let recorded: Vec<u32> = applied.iter().map(|v| *v as u32).collect();
+        let check = check_ledger(self.table.as_str(), &recorded, &existing);
+        for note in &check.notes {
+            tracing::warn!(table = %self.table, "migrate: {note}");
+        }
+        if check.forget_ledger {
+            sqlx::query(sql::FORGET_VERSIONS)
+                .bind(self.table.as_str())
+                .execute(&mut **conn)
+                .await
+                .map_err(db)?;
+            applied.clear();
+        }
+        let mut report = MigrateReport {
+            notes: check.notes,
+            ..MigrateReport::default()
+        };
         for (version, description, statements) in MIGRATIONS {
-            if applied.contains(&(*version as i32)) {
+            let pending = !applied.contains(&(*version as i32));
+            // Versions 1 and 2, the only ones re-run, are `IF NOT EXISTS`.
+            if !pending && !check.rerun.contains(version) {
                 continue;
             }
             for stmt in *statements {
@@ -75,6 +102,28 @@ impl MySqlOutbox {
                 conn.execute(self.table.render(stmt).as_str())
                     .await
                     .map_err(db)?;
+            }
+            // A (re)created outbox table continues the ids of an archive
+            // that was kept; done before version 1 is recorded, so that a
+            // run cut short here does it again.
+            if pending && *version == 1 {
+                let kept: Option<i64> = sqlx::query_scalar(&self.table.render(sql::ARCHIVE_MAX_ID))
+                    .fetch_one(&mut **conn)
+                    .await
+                    .map_err(db)?;
+                if let Some(max) = kept {
+                    let next = max.saturating_add(1);
+                    conn.execute(
+                        self.table
+                            .render(&format!("ALTER TABLE {{table}} AUTO_INCREMENT = {next}"))
+                            .as_str(),
+                    )
+                    .await
+                    .map_err(db)?;
+                }
+            }
+            if !pending {
+                continue;
             }
             sqlx::query(sql::RECORD_VERSION)
                 .bind(self.table.as_str())

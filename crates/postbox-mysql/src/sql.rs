@@ -529,6 +529,18 @@ pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
        applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version) \
      ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4";
 
+/// Which of the three given tables exist in the current database.
+pub(crate) const EXISTING_TABLES: &str =
+    "SELECT CAST(table_name AS CHAR) FROM information_schema.tables \
+     WHERE table_schema = DATABASE() AND table_name IN (?, ?, ?)";
+
+pub(crate) const FORGET_VERSIONS: &str =
+    "DELETE FROM postbox_schema_migrations WHERE table_name = ?";
+
+/// The highest id the archive kept, which a recreated outbox table must
+/// continue after so that archiving never meets an id already there.
+pub(crate) const ARCHIVE_MAX_ID: &str = "SELECT MAX(id) FROM {archive}";
+
 pub(crate) const APPLIED_VERSIONS: &str =
     "SELECT version FROM postbox_schema_migrations WHERE table_name = ? ORDER BY version";
 

@@ -842,3 +842,21 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
     producer.commit().await.unwrap();
     drop_tables(&store).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_recreates_tables_dropped_by_hand() {
+    let store = store("mb_redrop").await;
+    let pool = store.pool().clone();
+    let other = MySqlOutbox::new(pool.clone(), store.table().as_str()).unwrap();
+    postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
+        std::sync::Arc::new(store),
+        |sql| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query(&sql).execute(&pool).await.expect(&sql);
+            }
+        },
+    )
+    .await;
+    drop_tables(&other).await;
+}

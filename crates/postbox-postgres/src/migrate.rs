@@ -1,8 +1,12 @@
 //! Versioned, idempotent schema changes, serialised by an advisory lock.
+//!
+//! The ledger (`postbox_schema_migrations`) is checked against the tables
+//! first, under the same lock ([`check_ledger`]): an outbox table that is
+//! gone is created as new, and versions whose tables are gone run again.
 
 use sqlx::Row;
 
-use postbox_core::store::MigrateReport;
+use postbox_core::store::{check_ledger, MigrateReport, EXPECTED_TABLES};
 use postbox_core::Result;
 
 use crate::{sql, PgOutbox};
@@ -30,7 +34,7 @@ impl PgOutbox {
             .execute(&mut *tx)
             .await
             .map_err(db)?;
-        let applied: Vec<i32> = sqlx::query(sql::APPLIED_VERSIONS)
+        let mut applied: Vec<i32> = sqlx::query(sql::APPLIED_VERSIONS)
             .bind(self.table.as_str())
             .fetch_all(&mut *tx)
             .await
@@ -38,9 +42,35 @@ impl PgOutbox {
             .iter()
             .map(|r| r.get(0))
             .collect();
-        let mut report = MigrateReport::default();
+        let names: Vec<String> = EXPECTED_TABLES
+            .iter()
+            .map(|suffix| format!("{}{suffix}", self.table))
+            .collect();
+        let existing: Vec<String> = sqlx::query_scalar(sql::EXISTING_TABLES)
+            .bind(&names)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        let recorded: Vec<u32> = applied.iter().map(|v| *v as u32).collect();
+        let check = check_ledger(self.table.as_str(), &recorded, &existing);
+        for note in &check.notes {
+            tracing::warn!(table = %self.table, "migrate: {note}");
+        }
+        if check.forget_ledger {
+            sqlx::query(sql::FORGET_VERSIONS)
+                .bind(self.table.as_str())
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            applied.clear();
+        }
+        let mut report = MigrateReport {
+            notes: check.notes,
+            ..MigrateReport::default()
+        };
         for (version, description, statements) in MIGRATIONS {
-            if applied.contains(&(*version as i32)) {
+            let pending = !applied.contains(&(*version as i32));
+            if !pending && !check.rerun.contains(version) {
                 continue;
             }
             for stmt in *statements {
@@ -48,6 +78,16 @@ impl PgOutbox {
                     .execute(&mut *tx)
                     .await
                     .map_err(db)?;
+            }
+            if pending && *version == 1 {
+                // A (re)created outbox table continues a kept archive's ids.
+                sqlx::query(&self.table.render(sql::CONTINUE_IDS_AFTER_ARCHIVE))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+            }
+            if !pending {
+                continue;
             }
             sqlx::query(sql::RECORD_VERSION)
                 .bind(self.table.as_str())

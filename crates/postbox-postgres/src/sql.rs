@@ -453,6 +453,21 @@ pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
        table_name VARCHAR(64) NOT NULL, version INT NOT NULL, description TEXT NOT NULL, \
        applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))";
 
+/// Which of the given tables exist in the current schema.
+pub(crate) const EXISTING_TABLES: &str =
+    "SELECT c.relname::TEXT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+     WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p') AND c.relname = ANY($1)";
+
+pub(crate) const FORGET_VERSIONS: &str =
+    "DELETE FROM postbox_schema_migrations WHERE table_name = $1";
+
+/// A recreated outbox table continues the ids of the archive it kept, so
+/// that archiving never meets an id that is already there.
+pub(crate) const CONTINUE_IDS_AFTER_ARCHIVE: &str =
+    "SELECT setval(pg_get_serial_sequence('{table}', 'id'), m) \
+     FROM (SELECT MAX(id) AS m FROM {archive}) a \
+     WHERE m > COALESCE((SELECT MAX(id) FROM {table}), 0)";
+
 pub(crate) const APPLIED_VERSIONS: &str =
     "SELECT version FROM postbox_schema_migrations WHERE table_name = $1 ORDER BY version";
 

@@ -254,3 +254,19 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
     assert_eq!(p.offers().len(), 2, "only the released rows were published");
     producer.commit().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_recreates_tables_dropped_by_hand() {
+    let store = outbox().await;
+    let pool = store.pool().clone();
+    postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
+        Arc::new(store),
+        |sql| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query(&sql).execute(&pool).await.expect(&sql);
+            }
+        },
+    )
+    .await;
+}

@@ -1,10 +1,14 @@
 //! Versioned, idempotent schema changes, serialised by SQLite's write lock
 //! (`BEGIN IMMEDIATE`); SQLite's DDL is transactional, so a failed run
 //! leaves nothing behind.
+//!
+//! The ledger (`postbox_schema_migrations`) is checked against the tables
+//! first, under the same lock ([`check_ledger`]): an outbox table that is
+//! gone is created as new, and versions whose tables are gone run again.
 
 use sqlx::Row;
 
-use postbox_core::store::MigrateReport;
+use postbox_core::store::{check_ledger, MigrateReport, EXPECTED_TABLES};
 use postbox_core::Result;
 
 use crate::{finish, sql, SqliteOutbox};
@@ -29,7 +33,7 @@ impl SqliteOutbox {
                 .execute(&mut *tx)
                 .await
                 .map_err(db)?;
-            let applied: Vec<i64> = sqlx::query(sql::APPLIED_VERSIONS)
+            let mut applied: Vec<i64> = sqlx::query(sql::APPLIED_VERSIONS)
                 .bind(self.table.as_str())
                 .fetch_all(&mut *tx)
                 .await
@@ -37,9 +41,31 @@ impl SqliteOutbox {
                 .iter()
                 .map(|r| r.get(0))
                 .collect();
-            let mut report = MigrateReport::default();
+            let mut existing_query = sqlx::query_scalar(sql::EXISTING_TABLES);
+            for suffix in EXPECTED_TABLES {
+                existing_query = existing_query.bind(format!("{}{suffix}", self.table));
+            }
+            let existing: Vec<String> = existing_query.fetch_all(&mut *tx).await.map_err(db)?;
+            let recorded: Vec<u32> = applied.iter().map(|v| *v as u32).collect();
+            let check = check_ledger(self.table.as_str(), &recorded, &existing);
+            for note in &check.notes {
+                tracing::warn!(table = %self.table, "migrate: {note}");
+            }
+            if check.forget_ledger {
+                sqlx::query(sql::FORGET_VERSIONS)
+                    .bind(self.table.as_str())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                applied.clear();
+            }
+            let mut report = MigrateReport {
+                notes: check.notes,
+                ..MigrateReport::default()
+            };
             for (version, description, statements) in MIGRATIONS {
-                if applied.contains(&i64::from(*version)) {
+                let pending = !applied.contains(&i64::from(*version));
+                if !pending && !check.rerun.contains(version) {
                     continue;
                 }
                 for stmt in *statements {
@@ -47,6 +73,18 @@ impl SqliteOutbox {
                         .execute(&mut *tx)
                         .await
                         .map_err(db)?;
+                }
+                if pending && *version == 1 {
+                    // A (re)created outbox table continues a kept archive's ids.
+                    for stmt in sql::CONTINUE_IDS_AFTER_ARCHIVE {
+                        sqlx::query(&self.table.render(stmt))
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                    }
+                }
+                if !pending {
+                    continue;
                 }
                 sqlx::query(sql::RECORD_VERSION)
                     .bind(self.table.as_str())

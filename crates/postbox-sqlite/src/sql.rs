@@ -463,6 +463,23 @@ pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
        table_name VARCHAR(64) NOT NULL, version INTEGER NOT NULL, description TEXT NOT NULL, \
        applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))";
 
+/// Which of the three given tables exist.
+pub(crate) const EXISTING_TABLES: &str =
+    "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?)";
+
+pub(crate) const FORGET_VERSIONS: &str =
+    "DELETE FROM postbox_schema_migrations WHERE table_name = ?";
+
+/// A recreated outbox table continues the ids of the archive it kept, so
+/// that archiving never meets an id that is already there (AUTOINCREMENT
+/// reads its next id from `sqlite_sequence`).
+pub(crate) const CONTINUE_IDS_AFTER_ARCHIVE: &[&str] = &[
+    "INSERT INTO sqlite_sequence (name, seq) SELECT '{table}', 0 \
+     WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = '{table}')",
+    "UPDATE sqlite_sequence SET seq = (SELECT MAX(id) FROM {archive}) \
+     WHERE name = '{table}' AND seq < (SELECT MAX(id) FROM {archive})",
+];
+
 pub(crate) const APPLIED_VERSIONS: &str =
     "SELECT version FROM postbox_schema_migrations WHERE table_name = ?1 ORDER BY version";
 

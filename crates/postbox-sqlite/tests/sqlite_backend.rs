@@ -815,3 +815,20 @@ async fn a_failed_claim_rolls_back_its_transaction() {
     enqueue_all(&o, &[ev("A")]).await;
     assert_eq!(claim(&o, ClaimSource::Pending, "w", 1000).await.len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_recreates_tables_dropped_by_hand() {
+    let s = scratch("redrop").await;
+    let pool = s.outbox.pool().clone();
+    let store = SqliteOutbox::new(pool.clone(), TABLE).unwrap();
+    postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
+        std::sync::Arc::new(store),
+        |sql| {
+            let pool = pool.clone();
+            async move {
+                sqlx::query(&sql).execute(&pool).await.expect(&sql);
+            }
+        },
+    )
+    .await;
+}

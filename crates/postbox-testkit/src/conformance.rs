@@ -1375,3 +1375,109 @@ pub async fn archived_rows_are_found_and_listed(store: Arc<dyn OutboxStore>) {
         .iter()
         .all(|r| !r.archived));
 }
+
+/// `migrate` after the outbox table (then its `_archive`/`_history`) were
+/// dropped by hand: the ledger still records version 3, yet `migrate`
+/// recreates what is missing, says so, and the store works again. Not in
+/// [`conformance_suite!`] because dropping tables needs the backend's pool:
+/// `exec` runs one SQL statement outside any transaction.
+///
+/// [`conformance_suite!`]: crate::conformance_suite
+pub async fn migrate_recreates_tables_dropped_by_hand<F, Fut>(store: Arc<dyn OutboxStore>, exec: F)
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let t = store.table().as_str().to_owned();
+    let missing = |report: &postbox_core::store::SchemaReport| -> Vec<String> {
+        report
+            .objects
+            .iter()
+            .filter(|o| !o.present)
+            .map(|o| o.name.clone())
+            .collect()
+    };
+    let claim_one = || async {
+        let req = ClaimRequest {
+            app_code: "room",
+            limit: 10,
+            worker_id: "w-migrate",
+            lease_ms: 30_000,
+            ordered: false,
+        };
+        let claimed = store
+            .claim(ClaimSource::Pending, &req)
+            .await
+            .expect("claim");
+        assert_eq!(claimed.len(), 1, "{claimed:?}");
+        let fence = claimed[0].fence();
+        let id = claimed[0].record.id;
+        assert_eq!(
+            store.mark_delivered(&fence, &[id]).await.expect("deliver"),
+            1
+        );
+        id
+    };
+    let enqueue = |n: &'static str| {
+        let store = store.clone();
+        async move {
+            let out = store
+                .enqueue_batch(&[NewEvent::new("room", n, "{}")], 1 << 20)
+                .await
+                .expect("enqueue");
+            assert!(matches!(out[..], [EnqueueOutcome::Inserted(_)]), "{out:?}");
+        }
+    };
+
+    // 1. Every table dropped: a new table again, every version applied.
+    enqueue("Before").await;
+    claim_one().await;
+    for suffix in ["", "_archive", "_history"] {
+        exec(format!("DROP TABLE {t}{suffix}")).await;
+    }
+    let report = store.migrate().await.expect("migrate after drop");
+    assert_eq!(report.applied, vec![1, 2, 3], "{report:?}");
+    assert_eq!(report.version, 3);
+    assert!(
+        report.notes.iter().any(|n| n.contains("does not exist")),
+        "{report:?}"
+    );
+    let schema = store.inspect_schema().await.expect("inspect");
+    assert!(missing(&schema).is_empty(), "{:?}", missing(&schema));
+    assert_eq!(schema.version, 3);
+    enqueue("AfterDrop").await;
+    let kept = claim_one().await;
+    let again = store.migrate().await.expect("third migrate");
+    assert!(
+        again.applied.is_empty() && again.notes.is_empty(),
+        "{again:?}"
+    );
+
+    // 2. Only `_archive` and `_history` dropped: recreated, no version
+    //    applied, and the report says which.
+    exec(format!("DROP TABLE {t}_archive")).await;
+    exec(format!("DROP TABLE {t}_history")).await;
+    let report = store.migrate().await.expect("migrate after partial drop");
+    assert!(report.applied.is_empty(), "{report:?}");
+    assert_eq!(report.version, 3);
+    for suffix in ["_archive", "_history"] {
+        let name = format!("`{t}{suffix}`");
+        assert!(
+            report.notes.iter().any(|n| n.contains(&name)),
+            "{name}: {report:?}"
+        );
+    }
+    let schema = store.inspect_schema().await.expect("inspect");
+    assert!(missing(&schema).is_empty(), "{:?}", missing(&schema));
+
+    // 3. Only the outbox table dropped while its archive keeps rows: the
+    //    recreated table's ids continue after the archive's, so archiving
+    //    never meets (and silently skips) an id that is already there.
+    exec(format!("INSERT INTO {t}_archive SELECT * FROM {t}")).await;
+    exec(format!("DROP TABLE {t}")).await;
+    let report = store.migrate().await.expect("migrate after outbox drop");
+    assert_eq!(report.applied, vec![1, 2, 3], "{report:?}");
+    enqueue("AfterOutboxDrop").await;
+    let id = claim_one().await;
+    assert!(id > kept, "id {id} reuses an archived id (<= {kept})");
+}

@@ -20,6 +20,9 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     if g.json {
         return output::json(&report);
     }
+    for note in &report.notes {
+        outln!("{} `{}`: {note}.", store.backend(), store.table());
+    }
     if report.applied.is_empty() {
         outln!(
             "{} `{}` is up to date (schema version {}).",
