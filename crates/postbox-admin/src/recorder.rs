@@ -23,6 +23,10 @@ static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 ///
 /// Fails when another global recorder was installed first.
 pub fn install_recorder() -> Result<PrometheusHandle> {
+    // One install at a time: a thread that lost the race would otherwise
+    // find the global recorder set but the handle not stored yet.
+    static INSTALLING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _installing = INSTALLING.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(h) = HANDLE.get() {
         return Ok(h.clone());
     }
@@ -45,8 +49,6 @@ pub fn install_recorder() -> Result<PrometheusHandle> {
         .map_err(refused)?
         .build_recorder();
     let handle = recorder.handle();
-    // Two threads racing here: the loser's recorder is dropped, and it gets
-    // the winner's handle.
     match metrics::set_global_recorder(recorder) {
         Ok(()) => {
             m::describe();
