@@ -602,6 +602,56 @@ path = "{dir}/b.jsonl"
     )
 }
 
+/// A migrated PostgreSQL scratch table with two file sinks, `a` and `b`
+/// ([`pg_two_sinks`]), and the CLI run against it.
+struct PgSinks {
+    url: String,
+    table: String,
+    dir: tempfile::TempDir,
+    cfg: String,
+}
+
+impl PgSinks {
+    async fn new(prefix: &str) -> Self {
+        let url = postbox_testkit::postgres_url();
+        postbox_testkit::servers::ensure_database("postgres", &url).await;
+        let table = postbox_testkit::scratch_table(prefix);
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = pg_two_sinks(dir.path(), &table);
+        let fx = PgSinks {
+            url,
+            table,
+            dir,
+            cfg,
+        };
+        let migrated = fx.run(&["migrate"]);
+        assert!(migrated.status.success(), "{}", text(&migrated));
+        fx
+    }
+
+    fn run(&self, args: &[&str]) -> std::process::Output {
+        let mut all = vec!["--config", self.cfg.as_str()];
+        all.extend_from_slice(args);
+        postbox(self.dir.path(), &all, &[])
+    }
+
+    /// `postbox enqueue` of one `T` event per id.
+    fn enqueue_ids(&self, ids: &[&str]) {
+        for id in ids {
+            let out = self.run(&[
+                "enqueue",
+                "--event-type",
+                "T",
+                "--payload",
+                "{}",
+                "--event-id",
+                id,
+            ]);
+            assert!(out.status.success(), "{}", text(&out));
+        }
+    }
+}
+
 /// Event ids in a JSON-lines sink, sorted.
 fn sink_ids(path: &Path) -> Vec<String> {
     let mut ids: Vec<String> = std::fs::read_to_string(path)
@@ -650,31 +700,12 @@ fn relay_until_delivered(dir: &Path, cfg: &str, want: i64) {
 /// Issue 9.6: a replay does not re-send to publishers that confirmed.
 #[tokio::test]
 async fn replay_targets_only_unconfirmed_publishers_unless_told() {
-    let url = postbox_testkit::postgres_url();
-    postbox_testkit::servers::ensure_database("postgres", &url).await;
-    let table = postbox_testkit::scratch_table("cli_replay_to");
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = pg_two_sinks(dir.path(), &table);
-    let run = |args: &[&str]| {
-        let mut all = vec!["--config", cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(dir.path(), &all, &[])
-    };
-    assert!(run(&["migrate"]).status.success());
-    for id in ["e1", "e2", "e3", "e4", "e5"] {
-        let out = run(&[
-            "enqueue",
-            "--event-type",
-            "T",
-            "--payload",
-            "{}",
-            "--event-id",
-            id,
-        ]);
-        assert!(out.status.success(), "{}", text(&out));
-    }
+    let fx = PgSinks::new("cli_replay_to").await;
+    let (url, table) = (&fx.url, &fx.table);
+    let run = |args: &[&str]| fx.run(args);
+    fx.enqueue_ids(&["e1", "e2", "e3", "e4", "e5"]);
     // e1, e3, e4: dead letters that `a` confirmed; e2, e5: delivered to both.
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
     sqlx::query(&format!(
         "UPDATE {table} SET status = 'failed', retry_count = 3, delivered_to = 'a', \
          last_error = 'b: down' WHERE event_id IN ('e1', 'e3', 'e4')"
@@ -716,13 +747,13 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     let only = run(&["replay", "e5", "--publisher", "a"]);
     assert!(only.status.success(), "{}", text(&only));
 
-    relay_until_delivered(dir.path(), &cfg, 5);
+    relay_until_delivered(fx.dir.path(), &fx.cfg, 5);
     assert_eq!(
-        sink_ids(&dir.path().join("a.jsonl")),
+        sink_ids(&fx.dir.path().join("a.jsonl")),
         ["e2", "e3", "e4", "e5"]
     );
     assert_eq!(
-        sink_ids(&dir.path().join("b.jsonl")),
+        sink_ids(&fx.dir.path().join("b.jsonl")),
         ["e1", "e2", "e3", "e4"]
     );
 
@@ -750,30 +781,11 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
 /// marked as archived.
 #[tokio::test]
 async fn archived_events_stay_visible_to_events_show_and_list() {
-    let url = postbox_testkit::postgres_url();
-    postbox_testkit::servers::ensure_database("postgres", &url).await;
-    let table = postbox_testkit::scratch_table("cli_archived");
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = pg_two_sinks(dir.path(), &table);
-    let run = |args: &[&str]| {
-        let mut all = vec!["--config", cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(dir.path(), &all, &[])
-    };
-    assert!(run(&["migrate"]).status.success());
-    for id in ["old-1", "new-1"] {
-        let out = run(&[
-            "enqueue",
-            "--event-type",
-            "T",
-            "--payload",
-            "{}",
-            "--event-id",
-            id,
-        ]);
-        assert!(out.status.success(), "{}", text(&out));
-    }
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let fx = PgSinks::new("cli_archived").await;
+    let (url, table) = (&fx.url, &fx.table);
+    let run = |args: &[&str]| fx.run(args);
+    fx.enqueue_ids(&["old-1", "new-1"]);
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
     sqlx::query(&format!(
         "UPDATE {table} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = 'old-1'"
     ))
@@ -1044,30 +1056,11 @@ fn reading_commands_never_create_a_sqlite_database() {
 /// ends a command quietly.
 #[tokio::test]
 async fn events_show_smalls_and_a_closed_pipe() {
-    let url = postbox_testkit::postgres_url();
-    postbox_testkit::servers::ensure_database("postgres", &url).await;
-    let table = postbox_testkit::scratch_table("cli_smalls");
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = pg_two_sinks(dir.path(), &table);
-    let run = |args: &[&str]| {
-        let mut all = vec!["--config", cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(dir.path(), &all, &[])
-    };
-    assert!(run(&["migrate"]).status.success());
-    for id in ["dead", "done"] {
-        let out = run(&[
-            "enqueue",
-            "--event-type",
-            "T",
-            "--payload",
-            "{}",
-            "--event-id",
-            id,
-        ]);
-        assert!(out.status.success(), "{}", text(&out));
-    }
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let fx = PgSinks::new("cli_smalls").await;
+    let (url, table) = (&fx.url, &fx.table);
+    let run = |args: &[&str]| fx.run(args);
+    fx.enqueue_ids(&["dead", "done"]);
+    let pool = sqlx::PgPool::connect(url).await.unwrap();
     sqlx::query(&format!(
         "UPDATE {table} SET status = 'failed', retry_count = 3, next_retry_at_ms = 1700000000000, \
          last_error = 'b: down' WHERE event_id = 'dead'"
@@ -1102,8 +1095,8 @@ async fn events_show_smalls_and_a_closed_pipe() {
         &["status"],
     ] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
-            .current_dir(dir.path())
-            .args(["--config", cfg.as_str()])
+            .current_dir(fx.dir.path())
+            .args(["--config", fx.cfg.as_str()])
             .args(args)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())

@@ -139,10 +139,11 @@ pub trait Publisher: Send + Sync + 'static {
     /// events without one count as timed out.
     ///
     /// The default runs [`publish`](Publisher::publish) under
-    /// `publish_timeout`, which bounds each publish of a publisher that puts
-    /// the whole batch in flight at once (brokers, files). A publisher that
-    /// sends events one after another, a few at a time (the webhook),
-    /// overrides it to time and record each event on its own.
+    /// `publish_timeout` and records all results or none: right for a
+    /// publisher whose batch succeeds or fails as one (a file append, a
+    /// Redis pipeline). Publishers with a confirm per event (RabbitMQ, NATS)
+    /// or requests per event (the webhook) override it to record each
+    /// result as it arrives.
     async fn publish_each(
         &self,
         batch: &[Delivery<'_>],
