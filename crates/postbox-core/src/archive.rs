@@ -28,7 +28,7 @@ pub async fn archive_once(
         max_batches,
     };
     let counted = |n: u64| {
-        metrics::counter!("postbox_archived_total").increment(n);
+        metrics::counter!(crate::metrics::ARCHIVED_TOTAL).increment(n);
         on_batch(n);
     };
     store.archive(&req, &counted).await

@@ -1,15 +1,18 @@
-//! Prometheus metric names (SPEC §8), in one place so that the relay, the
-//! admin gauge poller and the dashboard never disagree on a name.
+//! Prometheus metric names of the relay, the archiver and the admin gauge
+//! poller (SPEC §8), in one place so that what records a metric and what
+//! reads it never disagree on a name. The consumers' own
+//! `postbox_consume_total` is in `postbox_consumers::metrics`.
 //!
-//! The relay records through the [`metrics`] facade; nothing is exported
+//! Everything records through the [`metrics`] facade; nothing is exported
 //! unless the process installs a recorder (`postbox-admin` installs the
-//! Prometheus one). Call [`describe`] once after installing it.
+//! Prometheus one and then calls [`describe`]).
 
 /// Counter `{publisher, result}`: publishes by outcome, one per event and
 /// publisher. `result` is one of [`RESULT_OK`], [`RESULT_ERROR`],
 /// [`RESULT_TIMEOUT`].
 pub const PUBLISH_TOTAL: &str = "postbox_publish_total";
-/// Histogram `{publisher}`: seconds one publish call took (a whole batch).
+/// Histogram `{publisher}`: seconds one publisher took over its share of a
+/// batch (one `publish_each` call, bounded by the batch's lease).
 pub const PUBLISH_DURATION_SECONDS: &str = "postbox_publish_duration_seconds";
 /// Histogram: seconds from `created_at_ms` to the delivered mark.
 pub const DELIVERY_LAG_SECONDS: &str = "postbox_delivery_lag_seconds";
@@ -41,7 +44,7 @@ pub fn describe() {
     describe_histogram!(
         PUBLISH_DURATION_SECONDS,
         Unit::Seconds,
-        "Time one publish call to a publisher took."
+        "Time one publisher took over its share of a batch."
     );
     describe_histogram!(
         DELIVERY_LAG_SECONDS,

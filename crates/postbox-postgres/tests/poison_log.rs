@@ -191,3 +191,23 @@ async fn relay_reports_a_failed_mark_as_a_database_error() {
     )
     .await;
 }
+
+/// Issue 11: a lost mark whose read-back fails too is a database error,
+/// not a takeover (failed before: counted and logged as fenced out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_reports_an_unreadable_lost_mark_as_a_database_error() {
+    postbox_testkit::faults::relay_reports_an_unreadable_lost_mark_as_a_database_error(
+        fresh_store("markread").await,
+    )
+    .await;
+}
+
+/// Issue 11: a failed mark stage stops the relay with an error naming it,
+/// and the batches queued behind it are released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_stops_with_an_error_when_its_mark_stage_fails() {
+    postbox_testkit::faults::relay_stops_with_an_error_when_its_mark_stage_fails(
+        fresh_store("markpanic").await,
+    )
+    .await;
+}

@@ -2,7 +2,7 @@
 //! connection dies around a COMMIT; and the relay cases that use it.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,13 +22,18 @@ use crate::RecordingPublisher;
 /// Wraps a real store. With [`lose_first_answers`](Self::lose_first_answers)
 /// the first try of every mark is applied and committed, then reported as a
 /// lost connection (its answer never arrived); with
-/// [`fail_marks`](Self::fail_marks) the next marks fail without being applied.
+/// [`fail_marks`](Self::fail_marks) the next marks fail without being
+/// applied; with [`fail_reads`](Self::fail_reads) every `find` fails (the
+/// read-back after a lost answer); with [`panic_on_mark`](Self::panic_on_mark)
+/// the next mark panics, as a bug in the mark stage would.
 pub struct FaultyMarks {
     inner: Arc<dyn OutboxStore>,
-    lose_answers: std::sync::atomic::AtomicBool,
+    lose_answers: AtomicBool,
     /// The marks whose answer was lost once already (by ids).
     lost: Mutex<HashSet<Vec<i64>>>,
     failing: AtomicU32,
+    failing_reads: AtomicBool,
+    panicking: AtomicBool,
 }
 
 impl FaultyMarks {
@@ -39,6 +44,26 @@ impl FaultyMarks {
             lose_answers: false.into(),
             lost: Mutex::new(HashSet::new()),
             failing: AtomicU32::new(0),
+            failing_reads: false.into(),
+            panicking: false.into(),
+        }
+    }
+
+    /// Every `find` fails from now on, as on a lost connection.
+    pub fn fail_reads(self) -> Self {
+        self.failing_reads.store(true, Ordering::SeqCst);
+        self
+    }
+
+    /// The next mark call panics (once).
+    pub fn panic_on_mark(self) -> Self {
+        self.panicking.store(true, Ordering::SeqCst);
+        self
+    }
+
+    fn panic_once(&self, operation: &str) {
+        if self.panicking.swap(false, Ordering::SeqCst) {
+            panic!("FaultyMarks: a bug in {operation}");
         }
     }
 
@@ -99,6 +124,7 @@ impl OutboxStore for FaultyMarks {
         self.inner.claim(source, req).await
     }
     async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        self.panic_once("mark delivered");
         if self.fail_unapplied() {
             return Err(lost_connection("mark delivered"));
         }
@@ -109,6 +135,7 @@ impl OutboxStore for FaultyMarks {
         Ok(n)
     }
     async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool> {
+        self.panic_once("mark failed attempt");
         if self.fail_unapplied() {
             return Err(lost_connection("mark failed attempt"));
         }
@@ -138,6 +165,9 @@ impl OutboxStore for FaultyMarks {
         self.inner.delivered_per_minute(app_code, since_ms).await
     }
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+        if self.failing_reads.load(Ordering::SeqCst) {
+            return Err(lost_connection("find"));
+        }
         self.inner.find(event_id).await
     }
     async fn replay_to(
@@ -266,4 +296,80 @@ pub async fn relay_reports_a_failed_mark_as_a_database_error(store: Arc<dyn Outb
     assert_eq!(report.delivered, 0, "{report:?}");
     let s = store.stats(&[APP.to_owned()]).await.unwrap().remove(0);
     assert_eq!(s.delivering, 10, "left to their leases: {s:?}");
+}
+
+/// Issue 11: when a mark's answer was lost and the read-back that tells
+/// "our own commit" from "taken over" fails too, the rows are mark errors
+/// (a database error), not fenced out. Before, the failed read-back counted
+/// and logged them as taken over by another relay, with one relay running.
+pub async fn relay_reports_an_unreadable_lost_mark_as_a_database_error(
+    store: Arc<dyn OutboxStore>,
+) {
+    let good: Vec<NewEvent> = (0..20)
+        .map(|n| NewEvent::new(APP, "Good", format!(r#"{{"n":{n}}}"#)))
+        .collect();
+    let bad: Vec<NewEvent> = (0..3)
+        .map(|n| NewEvent::new(APP, "Bad", format!(r#"{{"n":{n}}}"#)))
+        .collect();
+    store.enqueue_batch(&good, 1 << 20).await.expect("enqueue");
+    store.enqueue_batch(&bad, 1 << 20).await.expect("enqueue");
+    let faulty: Arc<dyn OutboxStore> = Arc::new(
+        FaultyMarks::new(store.clone())
+            .lose_first_answers()
+            .fail_reads(),
+    );
+    let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Bad"));
+    let report = run_relay_until_for(faulty, vec![publisher], fast_worker(), APP, |s| {
+        s.delivered == 20 && s.failed == 3
+    })
+    .await;
+    assert_eq!(report.fenced_out, 0, "nothing was taken over: {report:?}");
+    // Every write committed but none could be confirmed: 20 delivered
+    // rows, and per bad row two retryable attempts and a dead letter.
+    assert_eq!(report.mark_errors, 20 + 9, "{report:?}");
+    assert_eq!(
+        report.delivered + report.retried + report.failed,
+        0,
+        "{report:?}"
+    );
+}
+
+/// Issue 11: a mark stage that fails (here it panics) stops the whole relay
+/// by itself: `run` returns an error naming the stage, the claimer stops,
+/// batches queued behind the failed one are released, and only the rows the
+/// failed stage held keep their leases (to expire and count an attempt).
+pub async fn relay_stops_with_an_error_when_its_mark_stage_fails(store: Arc<dyn OutboxStore>) {
+    let events: Vec<NewEvent> = (0..40)
+        .map(|n| NewEvent::new(APP, "Good", format!(r#"{{"n":{n}}}"#)))
+        .collect();
+    store
+        .enqueue_batch(&events, 1 << 20)
+        .await
+        .expect("enqueue");
+    let faulty: Arc<dyn OutboxStore> = Arc::new(FaultyMarks::new(store.clone()).panic_on_mark());
+    let config = postbox_core::config::WorkerConfig {
+        batch_size: 5,
+        ..fast_worker()
+    };
+    let relay = Relay::new(
+        faulty,
+        vec![Arc::new(RecordingPublisher::new("rec"))],
+        config,
+        vec![APP.to_owned()],
+    );
+    // Never cancelled: the relay must stop by itself.
+    let run = relay.run(CancellationToken::new());
+    let error = tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .expect("the relay stops by itself when a stage fails")
+        .expect_err("a failed stage is an error, not a clean stop");
+    let text = error.to_string();
+    assert!(text.contains("mark stage panicked"), "{text}");
+    assert!(text.contains("a bug in mark delivered"), "{text}");
+    let s = store.stats(&[APP.to_owned()]).await.unwrap().remove(0);
+    assert_eq!(
+        s.delivering, 5,
+        "only the failed batch keeps its leases: {s:?}"
+    );
+    assert_eq!(s.pending + s.delivering, 40, "{s:?}");
 }

@@ -1,5 +1,6 @@
-//! The interface every publisher implements (file here; RabbitMQ, NATS,
-//! Redis Streams and webhooks in `postbox-publishers`).
+//! The interface every publisher implements, and what it exchanges with the
+//! relay. The publishers themselves (RabbitMQ, NATS JetStream, Redis
+//! Streams, webhook, file) live in `postbox-publishers`, a folder each.
 
 use std::time::Duration;
 

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use super::Batch;
 use crate::config::{Ordering, WorkerConfig};
 use crate::store::{ClaimRequest, OutboxStore};
-use crate::ClaimSource;
+use crate::{ClaimSource, Result};
 
 pub(super) struct Claimer {
     pub store: Arc<dyn OutboxStore>,
@@ -19,8 +19,10 @@ pub(super) struct Claimer {
 }
 
 impl Claimer {
-    /// Returns the number of rows claimed.
-    pub async fn run(self, out: mpsc::Sender<Batch>, shutdown: CancellationToken) -> u64 {
+    /// Returns the number of rows claimed. A failed claim is no failure of
+    /// the stage: it is logged and tried again after a pause that grows
+    /// with the streak (the database may be restarting).
+    pub async fn run(self, out: mpsc::Sender<Batch>, shutdown: CancellationToken) -> Result<u64> {
         let poll = self.config.poll_interval.get();
         let batch_size = self.config.batch_size;
         // Due retries and expired leases are looked for once per poll
@@ -46,14 +48,15 @@ impl Claimer {
                     // (the wait LeaseBudget allows for).
                     let permit = tokio::select! {
                         permit = out.reserve() => permit,
-                        _ = shutdown.cancelled() => return claimed,
+                        _ = shutdown.cancelled() => return Ok(claimed),
                     };
                     let Ok(permit) = permit else {
-                        // The publish stage is gone (it panicked).
-                        return claimed;
+                        // The publish stage is gone (it failed, and says
+                        // so itself).
+                        return Ok(claimed);
                     };
                     if shutdown.is_cancelled() {
-                        return claimed;
+                        return Ok(claimed);
                     }
                     let req = ClaimRequest {
                         app_code,
@@ -118,6 +121,6 @@ impl Claimer {
                 _ = shutdown.cancelled() => {}
             }
         }
-        claimed
+        Ok(claimed)
     }
 }

@@ -1,4 +1,9 @@
-//! Stage 3: write each row's result, fenced by its claim.
+//! Stage 3: write each row's decided result, fenced by its claim.
+//!
+//! A write that finds the lease taken over is *fenced out* (another relay
+//! delivers the row); a write the database failed is a *mark error* (the
+//! lease expires and the row is tried again). The two are counted and
+//! logged apart: a database outage never reads as a takeover.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -6,73 +11,36 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
+use super::publisher::Outcome;
 use super::RelayReport;
-use crate::config::WorkerConfig;
 use crate::event::{truncate_error, Fence};
-use crate::publish::PublishError;
-use crate::retry::{decide, AttemptResult, Decision, EXPIRED_ON_LAST_ATTEMPT};
+use crate::retry::Decision;
 use crate::store::{FailureUpdate, OutboxStore};
-use crate::{ClaimedEvent, Result};
-
-/// Why a claimed row is marked without being handed to any publisher.
-#[derive(Debug, Clone, PartialEq)]
-pub(super) enum Unpublished {
-    /// Its last allowed lease expired (see `retry::publish_after_expired_lease`).
-    ExpiredOnLastAttempt,
-    /// Its payload is over `database.max_payload_bytes` (a row written by a
-    /// plain INSERT, which `enqueue`'s check never saw): no broker would
-    /// take it, so it is dead-lettered at once.
-    PayloadTooLarge {
-        /// Payload bytes.
-        size: usize,
-        /// `database.max_payload_bytes`.
-        limit: usize,
-    },
-}
-
-impl Unpublished {
-    fn error(&self) -> String {
-        match self {
-            Unpublished::ExpiredOnLastAttempt => EXPIRED_ON_LAST_ATTEMPT.to_owned(),
-            Unpublished::PayloadTooLarge { size, limit } => format!(
-                "payload is {size} bytes, over database.max_payload_bytes ({limit}); dead-lettered without trying any publisher: shrink the event (or raise the limit if every broker takes it), then replay it"
-            ),
-        }
-    }
-}
-
-/// What happened to one claimed row in one attempt.
-pub(super) struct Outcome {
-    pub event: ClaimedEvent,
-    /// Why the row was not published at all, if it was not.
-    pub unpublished: Option<Unpublished>,
-    pub confirmed: Vec<String>,
-    pub errors: Vec<(String, PublishError)>,
-}
+use crate::{Error, Result};
 
 pub(super) struct Marker {
     pub store: Arc<dyn OutboxStore>,
-    pub config: WorkerConfig,
 }
 
 impl Marker {
-    pub async fn run(self, mut input: mpsc::Receiver<Vec<Outcome>>) -> RelayReport {
+    /// Marks every batch of outcomes until the publish stage is done.
+    pub async fn run(self, mut input: mpsc::Receiver<Vec<Outcome>>) -> Result<RelayReport> {
         let mut report = RelayReport::default();
         while let Some(outcomes) = input.recv().await {
             let rows = held(&outcomes);
-            super::releasing_on_panic(
+            super::releasing_on_failure(
                 self.store.as_ref(),
                 rows,
                 &mut input,
                 |queued| held(&queued),
                 self.mark(outcomes, &mut report),
             )
-            .await;
+            .await?;
         }
-        report
+        Ok(report)
     }
 
-    async fn mark(&self, outcomes: Vec<Outcome>, report: &mut RelayReport) {
+    async fn mark(&self, outcomes: Vec<Outcome>, report: &mut RelayReport) -> Result<()> {
         let mut delivered: HashMap<Fence, Vec<i64>> = HashMap::new();
         // Row id → created_at_ms, for the delivery lag histogram.
         let mut created_at: HashMap<i64, i64> = HashMap::new();
@@ -80,43 +48,15 @@ impl Marker {
         let mut event_ids: HashMap<i64, String> = HashMap::new();
         for o in outcomes {
             let r = &o.event.record;
-            let attempt = AttemptResult {
-                retry_count: r.retry_count,
-                delivered_before: r.delivered_to.clone(),
-                confirmed_now: o.confirmed.clone(),
-                errors: if let Some(why) = &o.unpublished {
-                    vec![("relay".to_owned(), why.error())]
-                } else {
-                    o.errors
-                        .iter()
-                        .map(|(p, e)| (p.clone(), e.to_string()))
-                        .collect()
-                },
-                never_deliverable: matches!(
-                    o.unpublished,
-                    Some(Unpublished::PayloadTooLarge { .. })
-                ),
-            };
-            let asked_delay = o.errors.iter().filter_map(|(_, e)| e.retry_after()).max();
-            let backoff = self.config.backoff();
-            let decision = decide(
-                &attempt,
-                self.config.max_retry_count_for(&r.event_type),
-                self.config.delivery_for(&r.event_type),
-                |n| {
-                    let d = backoff.delay(n, &mut rand::rng());
-                    asked_delay.map_or(d, |a| a.max(d))
-                },
-            );
             let fence = o.event.fence();
-            let failed_publishers = (o.unpublished.is_none() && !o.errors.is_empty()).then(|| {
-                o.errors
-                    .iter()
-                    .map(|(p, _)| p.as_str())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            });
-            match decision {
+            match o.decision {
+                Decision::Publish => {
+                    // The publish stage decides every row it hands over.
+                    return Err(Error::Internal(format!(
+                        "event `{}` reached the mark stage undecided",
+                        r.event_id
+                    )));
+                }
                 Decision::Delivered => {
                     created_at.insert(r.id, r.created_at_ms);
                     event_ids.insert(r.id, r.event_id.clone());
@@ -139,13 +79,10 @@ impl Marker {
                         retry_after_ms: after.as_millis() as i64,
                         delivered_to,
                         error: truncate_error(&error),
-                        publisher: failed_publishers.clone(),
+                        publisher: o.failed_publishers,
                     };
-                    match self.write_failure(&fence, r.id, &update, &r.event_id).await {
-                        Written::Yes => report.retried += 1,
-                        Written::FencedOut => report.fenced_out += 1,
-                        Written::DatabaseError => report.mark_errors += 1,
-                    }
+                    let written = self.write_failure(&fence, r.id, &update, &r.event_id).await;
+                    report.count(written, |report| report.retried += 1);
                 }
                 Decision::Failed {
                     retry_count,
@@ -159,47 +96,57 @@ impl Marker {
                         retry_after_ms: 0,
                         delivered_to,
                         error: truncate_error(&error),
-                        publisher: failed_publishers.clone(),
+                        publisher: o.failed_publishers,
                     };
-                    match self.write_failure(&fence, r.id, &update, &r.event_id).await {
-                        Written::Yes => {
-                            report.failed += 1;
-                            metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => r.app_code.clone())
-                                .increment(1);
-                        }
-                        Written::FencedOut => report.fenced_out += 1,
-                        Written::DatabaseError => report.mark_errors += 1,
-                    }
+                    let written = self.write_failure(&fence, r.id, &update, &r.event_id).await;
+                    report.count(written, |report| {
+                        report.failed += 1;
+                        metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => r.app_code.clone())
+                            .increment(1);
+                    });
                 }
             }
         }
         for (fence, ids) in delivered {
-            let n = match retrying("mark delivered", || self.store.mark_delivered(&fence, &ids))
-                .await
+            let rows = ids.len() as u64;
+            let (n, unknown) = match retrying("mark delivered", || {
+                self.store.mark_delivered(&fence, &ids)
+            })
+            .await
             {
-                Ok((n, false)) => n,
+                Ok((n, false)) => (n, 0),
                 // A try that failed may have committed before its answer
                 // was lost: rows it marked are ours, not taken over. The
                 // read-back counts every row delivered under our worker id,
                 // the `n` the last try marked included.
-                Ok((n, true)) if n < ids.len() as u64 => {
-                    n.max(self.already_delivered(&fence, &ids, &event_ids).await)
+                Ok((n, true)) if n < rows => {
+                    match self.already_delivered(&fence, &ids, &event_ids).await {
+                        Ok(ours) => (n.max(ours), 0),
+                        Err(e) => {
+                            // Marked by the lost try, or taken over: the
+                            // database cannot tell us now.
+                            tracing::error!(rows = rows - n, worker_id = %fence.worker_id, error = %e, "could not read back rows whose delivered mark lost its answer (database error); if unmarked, their leases expire and they are delivered again");
+                            (n, rows - n)
+                        }
+                    }
                 }
-                Ok((n, true)) => n,
+                Ok((n, true)) => (n, 0),
                 Err(e) => {
-                    report.mark_errors += ids.len() as u64;
-                    tracing::error!(rows = ids.len(), worker_id = %fence.worker_id, error = %e, "could not mark rows delivered (database error); their leases expire and they are delivered again");
+                    report.mark_errors += rows;
+                    tracing::error!(rows, worker_id = %fence.worker_id, error = %e, "could not mark rows delivered (database error); their leases expire and they are delivered again");
                     continue;
                 }
             };
             report.delivered += n;
+            report.mark_errors += unknown;
             record_delivery_lag(&ids, n, &created_at);
-            if n < ids.len() as u64 {
-                let lost = ids.len() as u64 - n;
+            let lost = rows - n - unknown;
+            if lost > 0 {
                 report.fenced_out += lost;
                 tracing::warn!(rows = lost, worker_id = %fence.worker_id, "late result dropped: the lease was taken over by another relay, which will deliver again");
             }
         }
+        Ok(())
     }
 
     /// How many of `ids` are `delivered` under this relay's `worker_id`:
@@ -210,21 +157,20 @@ impl Marker {
         fence: &Fence,
         ids: &[i64],
         event_ids: &HashMap<i64, String>,
-    ) -> u64 {
+    ) -> Result<u64> {
         let mut ours = 0;
         for id in ids {
             let Some(event_id) = event_ids.get(id) else {
                 continue;
             };
-            if let Ok(rows) = self.store.find(event_id).await {
-                ours += rows.iter().any(|row| {
-                    row.id == *id
-                        && row.status == crate::Status::Delivered
-                        && row.worker_id.as_deref() == Some(fence.worker_id.as_str())
-                }) as u64;
-            }
+            let rows = self.store.find(event_id).await?;
+            ours += rows.iter().any(|row| {
+                row.id == *id
+                    && row.status == crate::Status::Delivered
+                    && row.worker_id.as_deref() == Some(fence.worker_id.as_str())
+            }) as u64;
         }
-        ours
+        Ok(ours)
     }
 
     async fn write_failure(
@@ -242,10 +188,21 @@ impl Marker {
             Ok((true, _)) => Written::Yes,
             // A try that failed may have committed before its answer was
             // lost: the row then holds exactly this update, under our id.
-            Ok((false, true)) if self.failure_applied(fence, id, update, event_id).await => {
-                Written::Yes
-            }
-            Ok((false, _)) => {
+            Ok((false, true)) => match self.failure_applied(fence, id, update, event_id).await {
+                Ok(true) => Written::Yes,
+                Ok(false) => {
+                    tracing::warn!(
+                        event_id,
+                        "late result dropped: the lease was taken over by another relay"
+                    );
+                    Written::FencedOut
+                }
+                Err(e) => {
+                    tracing::error!(event_id, error = %e, "could not read back a failed attempt whose mark lost its answer (database error); if unrecorded, the lease expires and the event is tried again");
+                    Written::DatabaseError
+                }
+            },
+            Ok((false, false)) => {
                 tracing::warn!(
                     event_id,
                     "late result dropped: the lease was taken over by another relay"
@@ -267,16 +224,14 @@ impl Marker {
         id: i64,
         update: &FailureUpdate,
         event_id: &str,
-    ) -> bool {
-        match self.store.find(event_id).await {
-            Ok(rows) => rows.iter().any(|row| {
-                row.id == id
-                    && row.status == update.status
-                    && row.retry_count == update.retry_count
-                    && row.worker_id.as_deref() == Some(fence.worker_id.as_str())
-            }),
-            Err(_) => false,
-        }
+    ) -> Result<bool> {
+        let rows = self.store.find(event_id).await?;
+        Ok(rows.iter().any(|row| {
+            row.id == id
+                && row.status == update.status
+                && row.retry_count == update.retry_count
+                && row.worker_id.as_deref() == Some(fence.worker_id.as_str())
+        }))
     }
 }
 
@@ -285,8 +240,21 @@ enum Written {
     Yes,
     /// The lease had been taken over.
     FencedOut,
-    /// The database failed on every try.
+    /// The database failed: the write on every try, or the read-back that
+    /// would have told a lost answer from a takeover.
     DatabaseError,
+}
+
+impl RelayReport {
+    /// Counts one failure write: `on_written` when it took effect, else as
+    /// fenced out or as a mark error, never one for the other.
+    fn count(&mut self, written: Written, on_written: impl FnOnce(&mut Self)) {
+        match written {
+            Written::Yes => on_written(self),
+            Written::FencedOut => self.fenced_out += 1,
+            Written::DatabaseError => self.mark_errors += 1,
+        }
+    }
 }
 
 fn held(outcomes: &[Outcome]) -> Vec<(Fence, i64)> {

@@ -11,10 +11,17 @@
 //! marked. On shutdown the claimer stops, batches not yet started are
 //! released, the batch in flight finishes and is marked, and `run` returns.
 //!
-//! A stage that panics stops the whole relay: the other stages wind down as
-//! on shutdown (releasing the batches they hold), and `run` returns
-//! [`Error::Internal`](crate::Error::Internal), never a report that looks
-//! like a clean stop.
+//! Each stage returns a `Result`. The first stage that fails (returns an
+//! error, or panics: a bug) stops the whole relay: the other stages wind
+//! down as on shutdown (releasing the batches they hold), and `run` returns
+//! the failure, naming the stage ([`Error::Internal`] for a panic), never a
+//! report that looks like a clean stop. Database errors while claiming or
+//! marking are not failures: the claimer backs off and tries again, the
+//! marker counts them as `mark_errors` and lets the leases expire.
+//!
+//! Where a row goes after its attempt (delivered, retried, dead-lettered,
+//! or not published at all) is decided by [`crate::retry::decide`], in the
+//! publish stage; the mark stage writes the decision.
 
 mod claimer;
 mod marker;
@@ -32,7 +39,7 @@ use crate::config::{LeaseBudget, WorkerConfig};
 use crate::event::Fence;
 use crate::publish::Publisher;
 use crate::store::OutboxStore;
-use crate::{ClaimedEvent, Result};
+use crate::{ClaimedEvent, Error, Result};
 
 /// Counters of one relay run, returned when it stops.
 #[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
@@ -162,10 +169,9 @@ impl Relay {
         };
         let marking = marker::Marker {
             store: self.store.clone(),
-            config: self.config.clone(),
         };
 
-        // Cancelled on shutdown, and by a stage that panics.
+        // Cancelled on shutdown, and by the first stage that fails.
         let stop = shutdown.child_token();
         let claim_task = spawn_stage("claim", claimer.run(claimed_tx, stop.clone()), stop.clone());
         let publish_task = spawn_stage(
@@ -175,6 +181,8 @@ impl Relay {
         );
         let mark_task = spawn_stage("mark", marking.run(results_rx), stop.clone());
 
+        // Every stage winds down before `run` returns, failed or not: the
+        // others release what they hold.
         let claimed = join_stage("claim", claim_task).await;
         let released = join_stage("publish", publish_task).await;
         let marked = join_stage("mark", mark_task).await;
@@ -184,13 +192,12 @@ impl Relay {
         let (claimed, released, mut report) = match (claimed, released, marked) {
             (Ok(c), Ok(r), Ok(m)) => (c, r, m),
             (c, r, m) => {
-                let panics: Vec<String> =
+                let mut failures: Vec<StageFailure> =
                     [c.err(), r.err(), m.err()].into_iter().flatten().collect();
-                tracing::error!(worker_id = %self.worker_id, "relay stopped after a stage panicked");
-                return Err(crate::Error::Internal(format!(
-                    "the relay stopped because {}; rows it held are released or their leases expire",
-                    panics.join(", ")
-                )));
+                failures.sort_by_key(|f| f.at);
+                let error = stopped_by(failures);
+                tracing::error!(worker_id = %self.worker_id, error = %error, "relay stopped by a failed stage");
+                return Err(error);
             }
         };
         report.claimed = claimed;
@@ -200,20 +207,88 @@ impl Relay {
     }
 }
 
-/// Starts one stage; a panic in it cancels `stop` (so that the other
-/// stages wind down) and comes back as `Err` with the panic's message.
+/// Why one stage ended the relay.
+struct StageFailure {
+    stage: &'static str,
+    /// When it failed: the first failure is the cause, later ones may be
+    /// its consequences.
+    at: std::time::Instant,
+    cause: StageCause,
+}
+
+enum StageCause {
+    /// The stage returned an error.
+    Failed(Error),
+    /// The stage panicked (a bug); the panic's message.
+    Panicked(String),
+}
+
+impl std::fmt::Display for StageFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.cause {
+            StageCause::Panicked(message) => {
+                write!(f, "its {} stage panicked: {message}", self.stage)
+            }
+            // Without the "internal error" prefix: the outer error has it.
+            StageCause::Failed(Error::Internal(message)) => {
+                write!(f, "its {} stage failed: {message}", self.stage)
+            }
+            StageCause::Failed(e) => write!(f, "its {} stage failed: {e}", self.stage),
+        }
+    }
+}
+
+/// The error `run` returns for `failures` (oldest first, at least one):
+/// the first stage's own error when it is not a bug (it says what failed),
+/// else [`Error::Internal`] naming every failed stage.
+fn stopped_by(mut failures: Vec<StageFailure>) -> Error {
+    let one_plain_error = failures.len() == 1
+        && matches!(&failures[0].cause, StageCause::Failed(e) if !matches!(e, Error::Internal(_)));
+    if one_plain_error {
+        if let Some(StageFailure {
+            cause: StageCause::Failed(e),
+            ..
+        }) = failures.pop()
+        {
+            return e;
+        }
+    }
+    Error::Internal(format!(
+        "the relay stopped because {}; rows it held are released or their leases expire",
+        failures
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", then ")
+    ))
+}
+
+/// Starts one stage. Its first failure, an error or a panic, cancels `stop`
+/// so that the other stages wind down, and comes back as the
+/// [`StageFailure`].
 fn spawn_stage<T: Send + 'static>(
     stage: &'static str,
-    run: impl std::future::Future<Output = T> + Send + 'static,
+    run: impl std::future::Future<Output = Result<T>> + Send + 'static,
     stop: CancellationToken,
-) -> tokio::task::JoinHandle<std::result::Result<T, String>> {
+) -> tokio::task::JoinHandle<std::result::Result<T, StageFailure>> {
     tokio::spawn(async move {
-        let result = std::panic::AssertUnwindSafe(run).catch_unwind().await;
-        result.map_err(|panic| {
-            stop.cancel();
-            let message = panic_message(panic.as_ref());
-            tracing::error!(stage, panic = %message, "relay stage panicked; stopping the relay");
-            format!("its {stage} stage panicked: {message}")
+        let cause = match std::panic::AssertUnwindSafe(run).catch_unwind().await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) => {
+                tracing::error!(stage, error = %e, "relay stage failed; stopping the relay");
+                StageCause::Failed(e)
+            }
+            Err(panic) => {
+                let message = panic_message(panic.as_ref());
+                tracing::error!(stage, panic = %message, "relay stage panicked; stopping the relay");
+                StageCause::Panicked(message)
+            }
+        };
+        stop.cancel();
+        Err(StageFailure {
+            stage,
+            at: std::time::Instant::now(),
+            cause,
         })
     })
 }
@@ -221,11 +296,16 @@ fn spawn_stage<T: Send + 'static>(
 /// The stage's result, or why it has none.
 async fn join_stage<T>(
     stage: &'static str,
-    task: tokio::task::JoinHandle<std::result::Result<T, String>>,
-) -> std::result::Result<T, String> {
+    task: tokio::task::JoinHandle<std::result::Result<T, StageFailure>>,
+) -> std::result::Result<T, StageFailure> {
     match task.await {
         Ok(result) => result,
-        Err(e) => Err(format!("its {stage} stage ended abnormally: {e}")),
+        // Only a runtime shutting down cancels a stage task.
+        Err(e) => Err(StageFailure {
+            stage,
+            at: std::time::Instant::now(),
+            cause: StageCause::Failed(Error::Internal(format!("its task ended abnormally: {e}"))),
+        }),
     }
 }
 
@@ -269,35 +349,38 @@ async fn release_rows(store: &dyn OutboxStore, rows: Vec<(Fence, i64)>, why: &st
 }
 
 /// Runs a stage's `work` on the rows it holds (`held`). When `work`
-/// panics, every batch still queued in `input` (not started) is released,
-/// then the panic goes on to [`spawn_stage`], which stops the relay. The
-/// rows `work` held are *not* released: one of them may be what made it
-/// panic, and a release counts no attempt, so a restarted relay would
-/// claim it and panic again, forever. Their leases expire instead, which
-/// counts a failed attempt (SPEC §3: an event that crashes its relay ends
-/// `failed` instead of looping).
-async fn releasing_on_panic<T, I>(
+/// fails (returns an error or panics), every batch still queued in `input`
+/// (not started) is released, then the failure goes on to [`spawn_stage`],
+/// which stops the relay. The rows `work` held are *not* released: one of
+/// them may be what made it fail, and a release counts no attempt, so a
+/// restarted relay would claim it and fail again, forever. Their leases
+/// expire instead, which counts a failed attempt (SPEC §3: an event that
+/// crashes its relay ends `failed` instead of looping).
+async fn releasing_on_failure<T, I>(
     store: &dyn OutboxStore,
     held: Vec<(Fence, i64)>,
     input: &mut mpsc::Receiver<I>,
     rows_of: impl Fn(I) -> Vec<(Fence, i64)>,
-    work: impl std::future::Future<Output = T>,
-) -> T {
-    match std::panic::AssertUnwindSafe(work).catch_unwind().await {
-        Ok(v) => v,
-        Err(panic) => {
-            input.close();
-            let mut rows = Vec::new();
-            while let Some(queued) = input.recv().await {
-                rows.extend(rows_of(queued));
-            }
-            release_rows(store, rows, "a relay stage panicked").await;
-            tracing::error!(
-                rows = held.len(),
-                "a relay stage panicked; the rows it was working on keep their leases, which expire and count a failed attempt"
-            );
-            std::panic::resume_unwind(panic)
-        }
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let failure = match std::panic::AssertUnwindSafe(work).catch_unwind().await {
+        Ok(Ok(v)) => return Ok(v),
+        Ok(Err(e)) => Ok(e),
+        Err(panic) => Err(panic),
+    };
+    input.close();
+    let mut rows = Vec::new();
+    while let Some(queued) = input.recv().await {
+        rows.extend(rows_of(queued));
+    }
+    release_rows(store, rows, "a relay stage failed").await;
+    tracing::error!(
+        rows = held.len(),
+        "a relay stage failed; the rows it was working on keep their leases, which expire and count a failed attempt"
+    );
+    match failure {
+        Ok(error) => Err(error),
+        Err(panic) => std::panic::resume_unwind(panic),
     }
 }
 
@@ -313,4 +396,85 @@ pub fn default_worker_id() -> String {
     let mut id = format!("{host}-{}-{suffix:04x}", std::process::id());
     id.truncate(120);
     id
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(stage: &'static str, cause: StageCause) -> StageFailure {
+        StageFailure {
+            stage,
+            at: std::time::Instant::now(),
+            cause,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failing_stage_stops_the_others_and_names_itself() {
+        let stop = CancellationToken::new();
+        let waiting = {
+            let cancelled = stop.clone();
+            spawn_stage(
+                "claim",
+                async move {
+                    cancelled.cancelled().await;
+                    Ok(7u64)
+                },
+                stop.clone(),
+            )
+        };
+        let failing = spawn_stage(
+            "mark",
+            async { Err::<u64, _>(Error::Internal("a broken invariant".into())) },
+            stop.clone(),
+        );
+        let failed = join_stage("mark", failing).await.err().expect("failed");
+        assert!(stop.is_cancelled(), "the first failure stops the relay");
+        // The other stage winds down cleanly, with its own result.
+        assert_eq!(join_stage("claim", waiting).await.ok(), Some(7));
+        let error = stopped_by(vec![failed]);
+        assert!(matches!(error, Error::Internal(_)), "{error:?}");
+        assert_eq!(
+            error.to_string(),
+            "internal error (a bug in postbox; please report it): the relay stopped because its mark stage failed: a broken invariant; rows it held are released or their leases expire"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_panicking_stage_is_an_error_naming_it_and_the_panic() {
+        let stop = CancellationToken::new();
+        let task = spawn_stage(
+            "publish",
+            async {
+                if stop_now() {
+                    panic!("boom");
+                }
+                Ok(())
+            },
+            stop.clone(),
+        );
+        let failed = join_stage("publish", task).await.err().expect("failed");
+        assert!(stop.is_cancelled());
+        let text = stopped_by(vec![failed]).to_string();
+        assert!(text.contains("its publish stage panicked: boom"), "{text}");
+    }
+
+    fn stop_now() -> bool {
+        true
+    }
+
+    #[test]
+    fn the_first_failure_comes_first_and_a_plain_error_keeps_its_kind() {
+        let first = failure("publish", StageCause::Panicked("boom".into()));
+        let then = failure("mark", StageCause::Failed(Error::Internal("gone".into())));
+        let text = stopped_by(vec![first, then]).to_string();
+        assert!(
+            text.contains("its publish stage panicked: boom, then its mark stage failed: gone"),
+            "{text}"
+        );
+        let db = Error::database("claim", std::io::Error::other("connection refused"));
+        let error = stopped_by(vec![failure("claim", StageCause::Failed(db))]);
+        assert!(matches!(error, Error::Database { .. }), "{error:?}");
+    }
 }

@@ -1,4 +1,5 @@
-//! Stage 2: hand each batch to every publisher that has not confirmed it yet.
+//! Stage 2: hand each batch to every publisher that has not confirmed it
+//! yet, and decide (with [`crate::retry::decide`]) where each row goes next.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,14 +8,13 @@ use futures::future::join_all;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::marker::{Outcome, Unpublished};
 use super::Batch;
 use crate::config::{LeaseBudget, WorkerConfig};
 use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, PublishResults, Publisher};
-use crate::retry::publish_after_expired_lease;
+use crate::retry::{decide, Attempt, AttemptResult, ClaimedRow, Decision, RetryPolicy};
 use crate::store::OutboxStore;
-use crate::{ClaimSource, ClaimedEvent};
+use crate::{ClaimSource, ClaimedEvent, Result};
 
 pub(super) struct PublishStage {
     pub store: Arc<dyn OutboxStore>,
@@ -26,13 +26,14 @@ pub(super) struct PublishStage {
 }
 
 impl PublishStage {
-    /// Returns the number of rows released at shutdown.
+    /// Returns the number of rows released at shutdown. Fails only when a
+    /// batch's publish failed (see [`super::releasing_on_failure`]).
     pub async fn run(
         self,
         mut input: mpsc::Receiver<Batch>,
         output: mpsc::Sender<Vec<Outcome>>,
         shutdown: CancellationToken,
-    ) -> u64 {
+    ) -> Result<u64> {
         let mut released = 0;
         while let Some(batch) = input.recv().await {
             if shutdown.is_cancelled() {
@@ -51,71 +52,94 @@ impl PublishStage {
                 continue;
             }
             let held = super::held_rows(&batch.events);
-            let outcomes = super::releasing_on_panic(
+            let outcomes = super::releasing_on_failure(
                 self.store.as_ref(),
                 held,
                 &mut input,
                 |queued| super::held_rows(&queued.events),
-                self.publish(batch),
+                async { Ok(self.publish(batch).await) },
             )
-            .await;
+            .await?;
             if let Err(unsent) = output.send(outcomes).await {
-                // The mark stage is gone (it panicked): give the rows back
-                // rather than leave them to an expiring lease, which would
-                // count an attempt. They are published again.
+                // The mark stage is gone (it failed, and says so itself):
+                // give the rows back rather than leave them to an expiring
+                // lease, which would count an attempt. They are published
+                // again.
                 let events: Vec<ClaimedEvent> = unsent.0.into_iter().map(|o| o.event).collect();
                 released +=
                     super::release(self.store.as_ref(), &events, "the mark stage stopped").await;
+                // And so are the batches claimed behind it.
+                input.close();
+                while let Some(batch) = input.recv().await {
+                    released += self.release(batch).await;
+                }
                 break;
             }
         }
-        released
+        Ok(released)
     }
 
     async fn release(&self, batch: Batch) -> u64 {
         super::release(self.store.as_ref(), &batch.events, "unstarted batch").await
     }
 
+    /// The retry rules for a row of `event_type`.
+    fn policy(&self, event_type: &str) -> RetryPolicy {
+        RetryPolicy {
+            max_retry_count: self.config.max_retry_count_for(event_type),
+            delivery: self.config.delivery_for(event_type),
+        }
+    }
+
+    /// Publishes what [`decide`] lets through and decides every row's next
+    /// state.
     async fn publish(&self, batch: Batch) -> Vec<Outcome> {
         let timeout = self.config.publish_timeout.get();
         // Every publish of the batch ends by here, leaving the lease's mark
         // reserve; results not in by then count as timed out.
         let deadline =
             tokio::time::Instant::from_std(batch.claimed_at) + self.budget.publish_deadline();
-        let mut outcomes: Vec<Outcome> = batch.events.into_iter().map(Outcome::new).collect();
-
-        for o in &mut outcomes {
-            let r = &o.event.record;
-            if r.payload.len() > self.max_payload_bytes {
-                o.unpublished = Some(Unpublished::PayloadTooLarge {
-                    size: r.payload.len(),
-                    limit: self.max_payload_bytes,
+        let mut rows: Vec<Row> = batch
+            .events
+            .into_iter()
+            .map(|event| {
+                let r = &event.record;
+                let claimed = Attempt::Claimed(ClaimedRow {
+                    retry_count: r.retry_count,
+                    from_expired_lease: event.source == ClaimSource::ExpiredLease,
+                    delivered_to: r.delivered_to.clone(),
+                    undeliverable: (r.payload.len() > self.max_payload_bytes).then(|| {
+                        format!(
+                            "payload is {} bytes, over database.max_payload_bytes ({}); dead-lettered without trying any publisher: shrink the event (or raise the limit if every broker takes it), then replay it",
+                            r.payload.len(),
+                            self.max_payload_bytes
+                        )
+                    }),
                 });
-            } else if o.event.source == ClaimSource::ExpiredLease
-                && !publish_after_expired_lease(
-                    r.retry_count,
-                    self.config.max_retry_count_for(&r.event_type),
-                    self.config.delivery_for(&r.event_type),
-                )
-            {
-                // Its relay died holding it, and that attempt was its last.
-                o.unpublished = Some(Unpublished::ExpiredOnLastAttempt);
-            }
-        }
+                // A refusal needs no backoff: it is never a retry.
+                let before = decide(&claimed, self.policy(&r.event_type), |_| Duration::ZERO);
+                Row {
+                    event,
+                    before,
+                    confirmed: Vec::new(),
+                    errors: Vec::new(),
+                }
+            })
+            .collect();
 
         let per_publisher = self.publishers.iter().map(|p| {
-            let todo: Vec<usize> = outcomes
+            let todo: Vec<usize> = rows
                 .iter()
                 .enumerate()
-                .filter(|(_, o)| {
-                    o.unpublished.is_none()
-                        && !o.event.record.delivered_to.iter().any(|d| d == p.name())
+                .filter(|(_, row)| {
+                    row.before == Decision::Publish
+                        && !row.event.record.delivered_to.iter().any(|d| d == p.name())
                 })
                 .map(|(i, _)| i)
                 .collect();
             let deliveries: Vec<Delivery<'_>> = todo
                 .iter()
-                .map(|&i| Delivery::of(&outcomes[i].event.record))
+                .map(|&i| Delivery::of(&rows[i].event.record))
                 .collect();
             async move {
                 let results = if deliveries.is_empty() {
@@ -130,13 +154,79 @@ impl PublishStage {
         for (name, todo, results) in all {
             for (i, result) in todo.into_iter().zip(results) {
                 match result {
-                    Ok(()) => outcomes[i].confirmed.push(name.clone()),
-                    Err(e) => outcomes[i].errors.push((name.clone(), e)),
+                    Ok(()) => rows[i].confirmed.push(name.clone()),
+                    Err(e) => rows[i].errors.push((name.clone(), e)),
                 }
             }
         }
-        outcomes
+        rows.into_iter().map(|row| self.outcome(row)).collect()
     }
+
+    /// The decision after publishing (or the refusal made before).
+    fn outcome(&self, row: Row) -> Outcome {
+        if row.before != Decision::Publish {
+            return Outcome {
+                event: row.event,
+                decision: row.before,
+                failed_publishers: None,
+            };
+        }
+        let r = &row.event.record;
+        let result = AttemptResult {
+            retry_count: r.retry_count,
+            delivered_before: r.delivered_to.clone(),
+            confirmed_now: row.confirmed,
+            errors: row
+                .errors
+                .iter()
+                .map(|(p, e)| (p.clone(), e.to_string()))
+                .collect(),
+        };
+        // A target that asked for a later retry (HTTP Retry-After) gets it.
+        let asked_delay = row.errors.iter().filter_map(|(_, e)| e.retry_after()).max();
+        let backoff = self.config.backoff();
+        let decision = decide(
+            &Attempt::Published(result),
+            self.policy(&r.event_type),
+            |n| {
+                let d = backoff.delay(n, &mut rand::rng());
+                asked_delay.map_or(d, |a| a.max(d))
+            },
+        );
+        let failed_publishers = (!row.errors.is_empty()).then(|| {
+            row.errors
+                .iter()
+                .map(|(p, _)| p.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        });
+        Outcome {
+            event: row.event,
+            decision,
+            failed_publishers,
+        }
+    }
+}
+
+/// One row of the batch being published.
+struct Row {
+    event: ClaimedEvent,
+    /// [`Decision::Publish`], or the refusal decided before publishing.
+    before: Decision,
+    /// Publishers that confirmed it in this attempt.
+    confirmed: Vec<String>,
+    /// Publishers that failed it in this attempt.
+    errors: Vec<(String, PublishError)>,
+}
+
+/// What one claimed row's attempt decided, for the mark stage to write.
+pub(super) struct Outcome {
+    pub event: ClaimedEvent,
+    /// Never [`Decision::Publish`]: the row has been through its attempt.
+    pub decision: Decision,
+    /// The publishers that failed it in this attempt, comma-separated (the
+    /// history's `publisher` column); `None` when it was never published.
+    pub failed_publishers: Option<String>,
 }
 
 /// [`Publisher::publish_each`] (each publish bounded by `timeout`, the batch
@@ -184,15 +274,4 @@ async fn publish_bounded(
         }
     }
     results
-}
-
-impl Outcome {
-    fn new(event: ClaimedEvent) -> Self {
-        Outcome {
-            event,
-            unpublished: None,
-            confirmed: Vec::new(),
-            errors: Vec::new(),
-        }
-    }
 }

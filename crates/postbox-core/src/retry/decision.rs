@@ -1,9 +1,55 @@
-//! The state transition after an attempt (SPEC §3), decided without I/O.
+//! Where a claimed row goes next (SPEC §3), decided without I/O: the one
+//! place that knows the attempt threshold, the dead letter, and the refusal
+//! to publish a row whose last allowed lease expired.
 
 use std::time::Duration;
 
 use crate::config::Delivery;
 use crate::Status;
+
+/// The attempt budget of one row: its event type's `max_retry_count` and
+/// `delivery`, after overrides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Failed attempts after which the row is dead-lettered.
+    pub max_retry_count: u32,
+    /// `at_most_once` rows get one try.
+    pub delivery: Delivery,
+}
+
+impl RetryPolicy {
+    /// True while a row with `failed_attempts` failed attempts may have
+    /// another one: the one threshold behind every [`decide`] outcome.
+    pub fn may_retry(&self, failed_attempts: i32) -> bool {
+        self.delivery == Delivery::AtLeastOnce
+            && (failed_attempts as i64) < self.max_retry_count as i64
+    }
+}
+
+/// One claimed row at the moment a decision is asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Attempt {
+    /// Just claimed: no publisher has seen it in this attempt yet.
+    Claimed(ClaimedRow),
+    /// Handed to the publishers that had not confirmed it; their answers.
+    Published(AttemptResult),
+}
+
+/// What a claimed row brings to its attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedRow {
+    /// Failed attempts so far. A row claimed from an expired lease already
+    /// counts that lease (the claim raised `retry_count`).
+    pub retry_count: i32,
+    /// Claimed from an expired lease: its relay died or hung holding it.
+    pub from_expired_lease: bool,
+    /// Publishers that have confirmed it in earlier attempts.
+    pub delivered_to: Vec<String>,
+    /// Why no publisher could ever take it (e.g. a payload over
+    /// `database.max_payload_bytes`, written by a plain INSERT that
+    /// `enqueue`'s check never saw), if so.
+    pub undeliverable: Option<String>,
+}
 
 /// What the publishers said about one row.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,15 +62,14 @@ pub struct AttemptResult {
     pub confirmed_now: Vec<String>,
     /// `(publisher, error)` for each that failed now.
     pub errors: Vec<(String, String)>,
-    /// The row can never be delivered (e.g. its payload is over
-    /// `database.max_payload_bytes`): dead-lettered at once, whatever
-    /// attempts are left.
-    pub never_deliverable: bool,
 }
 
 /// Where the row goes next.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decision {
+    /// Hand it to every publisher that has not confirmed it yet (only ever
+    /// the answer for an [`Attempt::Claimed`]).
+    Publish,
     /// Every publisher confirmed.
     Delivered,
     /// Try again after `after`; `delivered_to` keeps fanout progress.
@@ -50,9 +95,10 @@ pub enum Decision {
 }
 
 impl Decision {
-    /// The status this decision writes.
+    /// The status this decision leaves the row in.
     pub fn status(&self) -> Status {
         match self {
+            Decision::Publish => Status::Delivering,
             Decision::Delivered => Status::Delivered,
             Decision::Retry { .. } => Status::Retryable,
             Decision::Failed { .. } => Status::Failed,
@@ -60,37 +106,53 @@ impl Decision {
     }
 }
 
-/// True while a row with `failed_attempts` failed attempts may have another
-/// one: the one threshold behind both the retry decision and the relay's
-/// refusal to publish a row whose last allowed lease expired.
-pub fn may_retry(failed_attempts: i32, max_retry_count: u32, delivery: Delivery) -> bool {
-    delivery == Delivery::AtLeastOnce && (failed_attempts as i64) < max_retry_count as i64
-}
-
-/// Whether a row claimed from an expired lease is published again. The
-/// expiry already counted as a failed attempt (the claim raised
-/// `retry_count`); when that used up the row's attempts, or its type may be
-/// tried only once, it is dead-lettered unpublished with
-/// [`EXPIRED_ON_LAST_ATTEMPT`]: the event may be what crashes or hangs its
-/// relay.
-pub fn publish_after_expired_lease(
-    retry_count: i32,
-    max_retry_count: u32,
-    delivery: Delivery,
-) -> bool {
-    may_retry(retry_count, max_retry_count, delivery)
-}
-
 /// The error recorded for a row not published because its last allowed
 /// lease expired.
 pub const EXPIRED_ON_LAST_ATTEMPT: &str =
     "lease expired on the last allowed attempt (the event may crash or hang its relay)";
 
-/// Decides the next state. `backoff` maps the new attempt count to a delay.
+/// Who a row refused before publishing is recorded as failing for.
+const RELAY: &str = "relay";
+
+/// Decides where a claimed row goes, before publishing and after.
+///
+/// Before ([`Attempt::Claimed`]): [`Decision::Publish`], or a dead letter
+/// without publishing when no publisher could take the row, or when it was
+/// claimed from an expired lease that was its last allowed attempt (the
+/// event may be what crashes or hangs its relay; SPEC §3: it ends `failed`
+/// instead of looping). Either way the refusal counts one more attempt.
+///
+/// After ([`Attempt::Published`]): delivered when every publisher
+/// confirmed, else one more failed attempt: retried after
+/// `backoff(new count)` while [`RetryPolicy::may_retry`] allows, else
+/// dead-lettered. Never [`Decision::Publish`].
 pub fn decide(
+    attempt: &Attempt,
+    policy: RetryPolicy,
+    backoff: impl FnOnce(u32) -> Duration,
+) -> Decision {
+    match attempt {
+        Attempt::Claimed(row) => {
+            let refusal = match &row.undeliverable {
+                Some(why) => why.as_str(),
+                None if row.from_expired_lease && !policy.may_retry(row.retry_count) => {
+                    EXPIRED_ON_LAST_ATTEMPT
+                }
+                None => return Decision::Publish,
+            };
+            Decision::Failed {
+                retry_count: row.retry_count.saturating_add(1),
+                delivered_to: row.delivered_to.clone(),
+                error: format!("{RELAY}: {refusal}"),
+            }
+        }
+        Attempt::Published(result) => after_publish(result, policy, backoff),
+    }
+}
+
+fn after_publish(
     result: &AttemptResult,
-    max_retry_count: u32,
-    delivery: Delivery,
+    policy: RetryPolicy,
     backoff: impl FnOnce(u32) -> Duration,
 ) -> Decision {
     if result.errors.is_empty() {
@@ -109,16 +171,16 @@ pub fn decide(
         .collect::<Vec<_>>()
         .join("; ");
     let retry_count = result.retry_count.saturating_add(1);
-    if result.never_deliverable || !may_retry(retry_count, max_retry_count, delivery) {
-        Decision::Failed {
+    if policy.may_retry(retry_count) {
+        Decision::Retry {
             retry_count,
+            after: backoff(retry_count as u32),
             delivered_to,
             error,
         }
     } else {
-        Decision::Retry {
+        Decision::Failed {
             retry_count,
-            after: backoff(retry_count as u32),
             delivered_to,
             error,
         }
@@ -128,15 +190,31 @@ pub fn decide(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
-    fn failing(retry_count: i32) -> AttemptResult {
-        AttemptResult {
+    fn policy(max_retry_count: u32) -> RetryPolicy {
+        RetryPolicy {
+            max_retry_count,
+            delivery: Delivery::AtLeastOnce,
+        }
+    }
+
+    fn failing(retry_count: i32) -> Attempt {
+        Attempt::Published(AttemptResult {
             retry_count,
             delivered_before: vec![],
             confirmed_now: vec!["rabbit".into()],
             errors: vec![("hook".into(), "503".into())],
-            never_deliverable: false,
-        }
+        })
+    }
+
+    fn claimed(retry_count: i32, from_expired_lease: bool) -> Attempt {
+        Attempt::Claimed(ClaimedRow {
+            retry_count,
+            from_expired_lease,
+            delivered_to: vec!["rabbit".into()],
+            undeliverable: None,
+        })
     }
 
     fn secs(n: u32) -> Duration {
@@ -145,19 +223,18 @@ mod tests {
 
     #[test]
     fn all_confirmed_is_delivered() {
-        let r = AttemptResult {
+        let r = Attempt::Published(AttemptResult {
+            retry_count: 3,
+            delivered_before: vec![],
+            confirmed_now: vec!["rabbit".into()],
             errors: vec![],
-            ..failing(3)
-        };
-        assert_eq!(
-            decide(&r, 10, Delivery::AtLeastOnce, secs),
-            Decision::Delivered
-        );
+        });
+        assert_eq!(decide(&r, policy(10), secs), Decision::Delivered);
     }
 
     #[test]
     fn failure_retries_with_progress_kept() {
-        match decide(&failing(0), 10, Delivery::AtLeastOnce, secs) {
+        match decide(&failing(0), policy(10), secs) {
             Decision::Retry {
                 retry_count,
                 after,
@@ -176,51 +253,133 @@ mod tests {
     #[test]
     fn last_attempt_dead_letters() {
         assert_eq!(
-            decide(&failing(9), 10, Delivery::AtLeastOnce, secs).status(),
+            decide(&failing(9), policy(10), secs).status(),
             Status::Failed
         );
         assert_eq!(
-            decide(&failing(8), 10, Delivery::AtLeastOnce, secs).status(),
+            decide(&failing(8), policy(10), secs).status(),
             Status::Retryable
         );
     }
 
     #[test]
-    fn an_expired_last_lease_is_not_published_by_the_same_threshold() {
+    fn a_claimed_row_is_published_unless_its_last_lease_expired() {
         // retry_count already includes the expiry.
-        assert!(publish_after_expired_lease(9, 10, Delivery::AtLeastOnce));
-        assert!(!publish_after_expired_lease(10, 10, Delivery::AtLeastOnce));
-        assert!(!publish_after_expired_lease(1, 10, Delivery::AtMostOnce));
-        // The same threshold as a failure's: 9 failed attempts leave one
-        // more; a 10th makes the row failed.
         assert_eq!(
-            decide(&failing(8), 10, Delivery::AtLeastOnce, secs).status(),
-            Status::Retryable
+            decide(&claimed(9, true), policy(10), secs),
+            Decision::Publish
         );
         assert_eq!(
-            decide(&failing(9), 10, Delivery::AtLeastOnce, secs).status(),
+            decide(&claimed(10, false), policy(10), secs),
+            Decision::Publish
+        );
+        match decide(&claimed(10, true), policy(10), secs) {
+            Decision::Failed {
+                retry_count,
+                delivered_to,
+                error,
+            } => {
+                assert_eq!(retry_count, 11, "the refusal counts an attempt");
+                assert_eq!(delivered_to, vec!["rabbit".to_string()]);
+                assert_eq!(error, format!("relay: {EXPIRED_ON_LAST_ATTEMPT}"));
+            }
+            other => panic!("{other:?}"),
+        }
+        let once = RetryPolicy {
+            delivery: Delivery::AtMostOnce,
+            ..policy(10)
+        };
+        assert_eq!(
+            decide(&claimed(1, true), once, secs).status(),
             Status::Failed
         );
+        assert_eq!(decide(&claimed(0, false), once, secs), Decision::Publish);
     }
 
     #[test]
     fn a_row_that_can_never_be_delivered_is_dead_lettered_at_once() {
-        let r = AttemptResult {
-            never_deliverable: true,
-            confirmed_now: vec![],
-            ..failing(0)
-        };
-        match decide(&r, 10, Delivery::AtLeastOnce, secs) {
-            Decision::Failed { retry_count, .. } => assert_eq!(retry_count, 1),
+        let r = Attempt::Claimed(ClaimedRow {
+            retry_count: 0,
+            from_expired_lease: false,
+            delivered_to: vec![],
+            undeliverable: Some("payload too large".into()),
+        });
+        match decide(&r, policy(10), secs) {
+            Decision::Failed {
+                retry_count, error, ..
+            } => {
+                assert_eq!(retry_count, 1);
+                assert_eq!(error, "relay: payload too large");
+            }
             other => panic!("{other:?}"),
         }
     }
 
     #[test]
     fn at_most_once_never_retries() {
-        assert_eq!(
-            decide(&failing(0), 10, Delivery::AtMostOnce, secs).status(),
-            Status::Failed
-        );
+        let once = RetryPolicy {
+            delivery: Delivery::AtMostOnce,
+            ..policy(10)
+        };
+        assert_eq!(decide(&failing(0), once, secs).status(), Status::Failed);
+    }
+
+    fn any_policy() -> impl Strategy<Value = RetryPolicy> {
+        (0u32..20, any::<bool>()).prop_map(|(max_retry_count, once)| RetryPolicy {
+            max_retry_count,
+            delivery: if once {
+                Delivery::AtMostOnce
+            } else {
+                Delivery::AtLeastOnce
+            },
+        })
+    }
+
+    proptest! {
+        /// One threshold: a failure after `n` failed attempts is retried
+        /// exactly when a row whose lease expired on attempt `n + 1` (the
+        /// expiry counted by the claim) is published again.
+        #[test]
+        fn the_skip_and_the_retry_share_one_threshold(n in 0i32..30, p in any_policy()) {
+            let retried = matches!(decide(&failing(n), p, secs), Decision::Retry { .. });
+            let published = decide(&claimed(n + 1, true), p, secs) == Decision::Publish;
+            prop_assert_eq!(retried, published);
+        }
+
+        /// After publishing the answer is never "publish"; the count grows
+        /// by one on every failure and never passes the budget while
+        /// retrying; fanout progress is kept.
+        #[test]
+        fn a_failure_counts_one_attempt_and_keeps_progress(
+            n in 0i32..30,
+            p in any_policy(),
+            before in proptest::collection::vec("[a-c]", 0..3),
+            now in proptest::collection::vec("[a-c]", 0..3),
+        ) {
+            let r = Attempt::Published(AttemptResult {
+                retry_count: n,
+                delivered_before: before.clone(),
+                confirmed_now: now.clone(),
+                errors: vec![("d".into(), "down".into())],
+            });
+            match decide(&r, p, secs) {
+                Decision::Retry { retry_count, delivered_to, .. } => {
+                    prop_assert_eq!(retry_count, n + 1);
+                    prop_assert!((retry_count as u32) < p.max_retry_count);
+                    prop_assert!(before.iter().chain(&now).all(|x| delivered_to.contains(x)));
+                }
+                Decision::Failed { retry_count, delivered_to, .. } => {
+                    prop_assert_eq!(retry_count, n + 1);
+                    prop_assert!(before.iter().chain(&now).all(|x| delivered_to.contains(x)));
+                }
+                other => prop_assert!(false, "{:?}", other),
+            }
+        }
+
+        /// A row never expired is always published, whatever its count.
+        #[test]
+        fn a_row_not_from_an_expired_lease_is_published(n in 0i32..30, p in any_policy()) {
+            prop_assert_eq!(decide(&claimed(n, false), p, secs), Decision::Publish);
+        }
     }
 }
