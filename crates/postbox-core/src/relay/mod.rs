@@ -429,7 +429,7 @@ mod tests {
             async { Err::<u64, _>(Error::Internal("a broken invariant".into())) },
             stop.clone(),
         );
-        let failed = join_stage("mark", failing).await.err().expect("failed");
+        let failed = join_stage("mark", failing).await.expect_err("failed");
         assert!(stop.is_cancelled(), "the first failure stops the relay");
         // The other stage winds down cleanly, with its own result.
         assert_eq!(join_stage("claim", waiting).await.ok(), Some(7));
@@ -447,21 +447,17 @@ mod tests {
         let task = spawn_stage(
             "publish",
             async {
-                if stop_now() {
+                if std::hint::black_box(true) {
                     panic!("boom");
                 }
                 Ok(())
             },
             stop.clone(),
         );
-        let failed = join_stage("publish", task).await.err().expect("failed");
+        let failed = join_stage("publish", task).await.expect_err("failed");
         assert!(stop.is_cancelled());
         let text = stopped_by(vec![failed]).to_string();
         assert!(text.contains("its publish stage panicked: boom"), "{text}");
-    }
-
-    fn stop_now() -> bool {
-        true
     }
 
     #[test]
