@@ -237,26 +237,36 @@ impl OutboxStore for FaultyMarks {
 
 const APP: &str = "marks";
 
+/// Enqueues `n` events of `event_type`.
+async fn enqueue(store: &dyn OutboxStore, n: usize, event_type: &str) {
+    let events: Vec<NewEvent> = (0..n)
+        .map(|n| NewEvent::new(APP, event_type, format!(r#"{{"n":{n}}}"#)))
+        .collect();
+    store
+        .enqueue_batch(&events, 1 << 20)
+        .await
+        .expect("enqueue");
+}
+
+/// Runs a relay over `faulty` until 20 `Good` events are delivered and 3
+/// `Bad` ones (refused by the publisher) dead-lettered.
+async fn deliver_20_and_dead_letter_3(faulty: FaultyMarks) -> postbox_core::relay::RelayReport {
+    let store = faulty.inner.clone();
+    enqueue(store.as_ref(), 20, "Good").await;
+    enqueue(store.as_ref(), 3, "Bad").await;
+    let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Bad"));
+    run_relay_until_for(Arc::new(faulty), vec![publisher], fast_worker(), APP, |s| {
+        s.delivered == 20 && s.failed == 3
+    })
+    .await
+}
+
 /// Issue 9.13 / 11: a mark whose COMMIT went through but whose answer was
 /// lost (a killed connection) is retried; the retry finds nothing left to
 /// fence and must recognise the rows as its own result, not report "taken
 /// over by another relay" with one relay running.
 pub async fn relay_recognises_its_own_mark_after_a_lost_answer(store: Arc<dyn OutboxStore>) {
-    let good: Vec<NewEvent> = (0..20)
-        .map(|n| NewEvent::new(APP, "Good", format!(r#"{{"n":{n}}}"#)))
-        .collect();
-    let bad: Vec<NewEvent> = (0..3)
-        .map(|n| NewEvent::new(APP, "Bad", format!(r#"{{"n":{n}}}"#)))
-        .collect();
-    store.enqueue_batch(&good, 1 << 20).await.expect("enqueue");
-    store.enqueue_batch(&bad, 1 << 20).await.expect("enqueue");
-    let faulty: Arc<dyn OutboxStore> =
-        Arc::new(FaultyMarks::new(store.clone()).lose_first_answers());
-    let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Bad"));
-    let report = run_relay_until_for(faulty, vec![publisher], fast_worker(), APP, |s| {
-        s.delivered == 20 && s.failed == 3
-    })
-    .await;
+    let report = deliver_20_and_dead_letter_3(FaultyMarks::new(store).lose_first_answers()).await;
     assert_eq!(report.fenced_out, 0, "nothing was taken over: {report:?}");
     assert_eq!(report.mark_errors, 0, "{report:?}");
     assert_eq!(report.delivered, 20, "{report:?}");
@@ -268,10 +278,7 @@ pub async fn relay_recognises_its_own_mark_after_a_lost_answer(store: Arc<dyn Ou
 /// Issue 11: a database error while marking is a database error, not "the
 /// lease was taken over".
 pub async fn relay_reports_a_failed_mark_as_a_database_error(store: Arc<dyn OutboxStore>) {
-    let good: Vec<NewEvent> = (0..10)
-        .map(|n| NewEvent::new(APP, "Good", format!(r#"{{"n":{n}}}"#)))
-        .collect();
-    store.enqueue_batch(&good, 1 << 20).await.expect("enqueue");
+    enqueue(store.as_ref(), 10, "Good").await;
     let faulty = Arc::new(FaultyMarks::new(store.clone()));
     // The first mark and its five retries.
     faulty.fail_marks(6);
@@ -305,24 +312,9 @@ pub async fn relay_reports_a_failed_mark_as_a_database_error(store: Arc<dyn Outb
 pub async fn relay_reports_an_unreadable_lost_mark_as_a_database_error(
     store: Arc<dyn OutboxStore>,
 ) {
-    let good: Vec<NewEvent> = (0..20)
-        .map(|n| NewEvent::new(APP, "Good", format!(r#"{{"n":{n}}}"#)))
-        .collect();
-    let bad: Vec<NewEvent> = (0..3)
-        .map(|n| NewEvent::new(APP, "Bad", format!(r#"{{"n":{n}}}"#)))
-        .collect();
-    store.enqueue_batch(&good, 1 << 20).await.expect("enqueue");
-    store.enqueue_batch(&bad, 1 << 20).await.expect("enqueue");
-    let faulty: Arc<dyn OutboxStore> = Arc::new(
-        FaultyMarks::new(store.clone())
-            .lose_first_answers()
-            .fail_reads(),
-    );
-    let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Bad"));
-    let report = run_relay_until_for(faulty, vec![publisher], fast_worker(), APP, |s| {
-        s.delivered == 20 && s.failed == 3
-    })
-    .await;
+    let report =
+        deliver_20_and_dead_letter_3(FaultyMarks::new(store).lose_first_answers().fail_reads())
+            .await;
     assert_eq!(report.fenced_out, 0, "nothing was taken over: {report:?}");
     // Every write committed but none could be confirmed: 20 delivered
     // rows, and per bad row two retryable attempts and a dead letter.
@@ -339,13 +331,7 @@ pub async fn relay_reports_an_unreadable_lost_mark_as_a_database_error(
 /// batches queued behind the failed one are released, and only the rows the
 /// failed stage held keep their leases (to expire and count an attempt).
 pub async fn relay_stops_with_an_error_when_its_mark_stage_fails(store: Arc<dyn OutboxStore>) {
-    let events: Vec<NewEvent> = (0..40)
-        .map(|n| NewEvent::new(APP, "Good", format!(r#"{{"n":{n}}}"#)))
-        .collect();
-    store
-        .enqueue_batch(&events, 1 << 20)
-        .await
-        .expect("enqueue");
+    enqueue(store.as_ref(), 40, "Good").await;
     let faulty: Arc<dyn OutboxStore> = Arc::new(FaultyMarks::new(store.clone()).panic_on_mark());
     let config = postbox_core::config::WorkerConfig {
         batch_size: 5,
