@@ -57,7 +57,9 @@ pub struct RelayReport {
     /// Results dropped because the lease had been taken over.
     pub fenced_out: u64,
     /// Results not written because the database failed on every try (the
-    /// rows' leases expire and they are tried again).
+    /// rows' leases expire and they are tried again), or not known to be
+    /// written because the answer was lost and reading the rows back failed
+    /// too. Never counted as `fenced_out`.
     pub mark_errors: u64,
 }
 
@@ -363,6 +365,8 @@ async fn releasing_on_failure<T, I>(
     rows_of: impl Fn(I) -> Vec<(Fence, i64)>,
     work: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
+    // The error to return, or the panic to resume once the queue is
+    // released.
     let failure = match std::panic::AssertUnwindSafe(work).catch_unwind().await {
         Ok(Ok(v)) => return Ok(v),
         Ok(Err(e)) => Ok(e),

@@ -26,8 +26,9 @@ pub(super) struct PublishStage {
 }
 
 impl PublishStage {
-    /// Returns the number of rows released at shutdown. Fails only when a
-    /// batch's publish failed (see [`super::releasing_on_failure`]).
+    /// Returns the number of rows released at shutdown. Publish errors are
+    /// outcomes, not failures of the stage; a publisher that panics (a bug)
+    /// stops it (see [`super::releasing_on_failure`]).
     pub async fn run(
         self,
         mut input: mpsc::Receiver<Batch>,
