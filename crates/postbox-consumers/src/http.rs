@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use postbox_core::redact::SecretUrl;
+use postbox_core::wire::http;
 
 use crate::inbox::TxHandler;
 use crate::{Handled, Handler, HandlerError, Message};
@@ -44,8 +45,8 @@ impl HttpHandler {
         let response = self
             .client
             .post(self.url.expose())
-            .header("Idempotency-Key", message.event_id())
-            .header("X-Postbox-Attempt", message.attempt.to_string())
+            .header(http::IDEMPOTENCY_KEY, message.event_id())
+            .header(http::CONSUME_ATTEMPT, message.attempt.to_string())
             .json(&message.envelope)
             .send()
             .await

@@ -20,10 +20,17 @@
 //! - [`http::HttpHandler`] is the bridge for services in other languages: it
 //!   POSTs the envelope and treats 2xx as success.
 //!
-//! Every outcome is counted as `postbox_consume_total{consumer,result}`.
+//! The three broker consumers share one ack / retry / dead path
+//! ([`consume`]): the decision and its bookkeeping are written once, each
+//! broker folder (`mod.rs`, `topology.rs`, `message.rs`, `consumer.rs`)
+//! holds only its transport. Every outcome is counted as
+//! `postbox_consume_total{consumer,result}` and in the [`ConsumeReport`].
+//! The names on the wire are [`postbox_core::wire`]'s, which the
+//! publishers write with.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod consume;
 pub mod handler;
 pub mod http;
 pub mod inbox;
@@ -34,8 +41,8 @@ pub mod ordering;
 pub mod rabbitmq;
 pub mod redis;
 pub mod retry;
-mod session;
 
+pub use consume::{consumer_tag, ConsumeReport};
 pub use handler::{Handled, Handler, HandlerError};
 pub use message::Message;
 pub use retry::{RetryDecision, RetryPolicy};

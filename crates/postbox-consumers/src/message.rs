@@ -3,14 +3,13 @@
 
 use postbox_core::envelope::Envelope;
 
-/// Header carrying the consumer's own attempt counter (1 on first delivery).
-///
-/// The relay's `x-attempt` counts publish attempts from the outbox and is left
-/// untouched; this one counts handler attempts on the consuming side.
-pub const CONSUME_ATTEMPT_HEADER: &str = "x-consume-attempt";
+/// Header carrying the consumer's own attempt counter (1 on first delivery):
+/// [`postbox_core::wire::CONSUME_ATTEMPT`].
+pub const CONSUME_ATTEMPT_HEADER: &str = postbox_core::wire::CONSUME_ATTEMPT;
 
-/// Header on a dead-lettered copy: the handler's last error.
-pub const LAST_ERROR_HEADER: &str = "x-last-error";
+/// Header on a dead-lettered copy, the handler's last error:
+/// [`postbox_core::wire::LAST_ERROR`].
+pub const LAST_ERROR_HEADER: &str = postbox_core::wire::LAST_ERROR;
 
 /// One event delivered to a consumer.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,14 @@
-//! postbox publishers. Each target is a folder with the same files, so a
-//! reader who knows one knows them all: `mod.rs` (the [`Publisher`]
-//! implementation) and its tests.
+//! postbox publishers: one folder per target (`file`, `rabbitmq`, `nats`,
+//! `redis`, `webhook`), each with a `mod.rs` that implements [`Publisher`]
+//! and documents the target's SPEC §4 mapping. A target with more parts
+//! splits them into files of their own (RabbitMQ: `message.rs` for the
+//! mapping, `connection.rs` and `session.rs` for the reconnecting
+//! connection). The names on the wire (headers, `Nats-Msg-Id`, stream
+//! fields) and each broker's naming rules come from
+//! [`postbox_core::wire`], which the consumers read with, so the two sides
+//! cannot drift. Unit tests sit beside the code; the integration tests
+//! against real servers are `tests/<target>_*.rs`, most of them running the
+//! shared publisher suite of `postbox-testkit`.
 //!
 //! [`Publisher`]: postbox_core::Publisher
 #![forbid(unsafe_code)]

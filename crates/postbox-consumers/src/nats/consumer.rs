@@ -13,14 +13,12 @@ use postbox_core::config::{ConsumerConfig, ConsumerKind};
 use postbox_core::Error;
 use tokio_util::sync::CancellationToken;
 
-use crate::session::{run_sessions, Session, SessionEnd};
-use tracing::Instrument;
-
 use super::message::{dead_headers, message_from_nats};
 use super::topology::{prepare, SetupError};
-use crate::metrics::count;
-use crate::rabbitmq::{consumer_tag, ConsumeReport};
-use crate::{Handled, Handler, RetryDecision, RetryPolicy};
+use crate::consume::session::{run_sessions, Session, SessionEnd};
+use crate::consume::settle::{Settled, Settler, Transport, Verdict};
+use crate::consume::{consumer_tag, ConsumeReport};
+use crate::{Handled, Handler, HandlerError, Message, RetryPolicy};
 
 /// How long one pull request waits for messages; also the longest a
 /// shutdown waits for a pull in flight to end.
@@ -205,115 +203,96 @@ impl NatsConsumer {
         js: &jetstream::Context,
         report: &mut ConsumeReport,
     ) -> Result<(), String> {
-        let name = self.config.name();
-        let (delivered, sequence) = match m.info() {
-            Ok(info) => (
-                u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX),
-                info.stream_sequence,
-            ),
-            Err(e) => return Err(format!("not a JetStream message: {e}")),
-        };
-        let message = match message_from_nats(
+        let info = m
+            .info()
+            .map_err(|e| format!("not a JetStream message: {e}"))?;
+        let delivered = u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX);
+        let sequence = info.stream_sequence;
+        let stream = info.stream.to_owned();
+        let read = message_from_nats(
             m.headers.as_ref(),
             m.subject.as_str(),
             &m.payload,
             delivered,
-        ) {
-            Ok(msg) => msg,
-            Err(reason) => {
-                tracing::warn!(consumer = name, reason, "unreadable message: dead-lettered");
-                return self.dead(&m, js, None, delivered, &reason, report).await;
-            }
+        );
+        let mut in_hand = InHand {
+            consumer: self,
+            m: &m,
+            js,
+            stream,
+            sequence,
         };
-        let span =
-            tracing::info_span!("event", event_id = %message.event_id(), attempt = message.attempt);
-        async {
-            if message.attempt > self.policy.max_attempts {
-                // Its consumer died during the last attempt: like an expired
-                // lease in the relay, that attempt counts.
-                let reason = self.remembered_error(sequence).unwrap_or_else(|| {
-                    format!(
-                        "delivered {} times without a result (its consumers stopped mid-message, or its dead copy could not be stored)",
-                        message.attempt
-                    )
-                });
-                return self
-                    .dead(
-                        &m,
-                        js,
-                        Some(message.event_id()),
-                        message.attempt,
-                        &reason,
-                        report,
-                    )
-                    .await;
-            }
-            match self.handle_keeping_alive(&m, &message).await {
-                Ok(handled) => {
-                    settle(&m, AckKind::Ack).await?;
-                    count(name, handled.as_str());
-                    match handled {
-                        Handled::Ok => report.ok += 1,
-                        Handled::Duplicate => report.duplicate += 1,
-                        Handled::Stale => report.stale += 1,
-                    }
-                    tracing::debug!(consumer = name, result = handled.as_str(), "handled");
-                    Ok(())
-                }
-                Err(e) => match self.policy.decide(message.attempt) {
-                    RetryDecision::Retry {
-                        delay,
-                        next_attempt,
-                    } => {
-                        settle(&m, AckKind::Nak(Some(delay))).await?;
-                        count(name, "retry");
-                        report.retry += 1;
-                        tracing::warn!(
-                            consumer = name,
-                            error = %e,
-                            retry_in_ms = delay.as_millis() as u64,
-                            next_attempt,
-                            "handler failed; retrying later"
-                        );
-                        Ok(())
-                    }
-                    RetryDecision::Dead => {
-                        self.dead(
-                            &m,
-                            js,
-                            Some(message.event_id()),
-                            message.attempt,
-                            e.message(),
-                            report,
-                        )
-                        .await
-                    }
-                },
-            }
+        Settler {
+            consumer: self.config.name(),
+            policy: &self.policy,
+            report,
         }
-        .instrument(span)
+        .process(self.handler.as_ref(), &mut in_hand, read, delivered)
         .await
+    }
+}
+
+/// The JetStream message in hand and what settles it: acks confirmed by
+/// the server, a nak with a delay, a dead copy confirmed by PubAck before
+/// the original is terminated, progress signals while the handler runs.
+struct InHand<'a> {
+    consumer: &'a NatsConsumer,
+    m: &'a jetstream::Message,
+    js: &'a jetstream::Context,
+    stream: String,
+    sequence: u64,
+}
+
+impl Transport for InHand<'_> {
+    async fn verdict(&mut self, message: &Message) -> Verdict {
+        let policy = &self.consumer.policy;
+        if message.attempt <= policy.max_attempts {
+            return Verdict::Handle;
+        }
+        // Its consumer died during the last attempt: like an expired lease
+        // in the relay, that attempt counts.
+        let reason = self.consumer.remembered_error(self.sequence).unwrap_or_else(|| {
+            format!(
+                "delivered {} times without a result (its consumers stopped mid-message, or its dead copy could not be stored)",
+                message.attempt
+            )
+        });
+        Verdict::Dead {
+            attempt: message.attempt,
+            reason,
+        }
     }
 
     /// Runs the handler, telling the server every third of `ack_wait` that
     /// the message is still being worked on, so a slow handler keeps it.
-    async fn handle_keeping_alive(
-        &self,
-        m: &jetstream::Message,
-        message: &crate::Message,
-    ) -> Result<Handled, crate::HandlerError> {
-        let handling = self.handler.handle(message);
+    async fn handle(
+        &mut self,
+        handler: &dyn Handler,
+        message: &Message,
+    ) -> Option<Result<Handled, HandlerError>> {
+        let handling = handler.handle(message);
         tokio::pin!(handling);
-        let every = self.config.ack_wait.get() / 3;
+        let every = self.consumer.config.ack_wait.get() / 3;
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {
             tokio::select! {
-                result = &mut handling => return result,
+                result = &mut handling => return Some(result),
                 _ = ticker.tick() => {
-                    let _ = m.ack_with(AckKind::Progress).await;
+                    let _ = self.m.ack_with(AckKind::Progress).await;
                 }
             }
         }
+    }
+
+    async fn ack(&mut self) -> Result<Settled, String> {
+        settle(self.m, AckKind::Ack).await?;
+        Ok(Settled::Done)
+    }
+
+    async fn retry(&mut self, delay: Duration, _next_attempt: u32) -> Result<Settled, String> {
+        // JetStream's delivery count is the next attempt's number.
+        settle(self.m, AckKind::Nak(Some(delay))).await?;
+        Ok(Settled::Done)
     }
 
     /// Publishes a dead copy, waits for its PubAck, then terminates the
@@ -322,62 +301,51 @@ impl NatsConsumer {
     /// to be dead-lettered again; `max_deliver` is unlimited, so this never
     /// spends the message's last deliveries.
     async fn dead(
-        &self,
-        m: &jetstream::Message,
-        js: &jetstream::Context,
-        event_id: Option<&str>,
+        &mut self,
+        message: Option<&Message>,
         attempt: u32,
         last_error: &str,
-        report: &mut ConsumeReport,
-    ) -> Result<(), String> {
-        let name = self.config.name();
-        let subject = self.config.nats_dead_subject();
-        let info = m
-            .info()
-            .map_err(|e| format!("not a JetStream message: {e}"))?;
-        let sequence = info.stream_sequence;
+    ) -> Result<Settled, String> {
+        let consumer = self.consumer;
+        let subject = consumer.config.nats_dead_subject();
         let headers = dead_headers(
-            m.headers.as_ref(),
-            event_id,
-            info.stream,
-            sequence,
-            self.config.consumer_group(),
+            self.m.headers.as_ref(),
+            message.map(Message::event_id),
+            &self.stream,
+            self.sequence,
+            consumer.config.consumer_group(),
             attempt,
             last_error,
         );
         let stored = async {
-            js.publish_with_headers(subject.clone(), headers, m.payload.clone())
+            self.js
+                .publish_with_headers(subject.clone(), headers, self.m.payload.clone())
                 .await?
                 .await
         }
         .await;
         if let Err(e) = stored {
             // The n-th try at the dead copy waits like the n-th retry.
-            let delay = self
-                .policy
-                .delay_after(attempt.saturating_sub(self.policy.max_attempts).max(1));
+            let policy = &consumer.policy;
+            let delay = policy.delay_after(attempt.saturating_sub(policy.max_attempts).max(1));
             tracing::error!(
-                consumer = name,
+                consumer = consumer.config.name(),
                 dead_subject = %subject,
                 error = %e,
                 retry_in_ms = delay.as_millis() as u64,
                 "the dead copy was not stored (is the dead stream full or without a leader?); the message comes back to be dead-lettered again"
             );
-            self.remember_error(sequence, last_error);
-            return settle(m, AckKind::Nak(Some(delay))).await;
+            consumer.remember_error(self.sequence, last_error);
+            settle(self.m, AckKind::Nak(Some(delay))).await?;
+            return Ok(Settled::NotHere);
         }
-        self.forget_error(sequence);
-        settle(m, AckKind::Term).await?;
-        count(name, "dead");
-        report.dead += 1;
-        tracing::error!(
-            consumer = name,
-            error = last_error,
-            attempt,
-            dead_subject = %subject,
-            "message dead-lettered"
-        );
-        Ok(())
+        consumer.forget_error(self.sequence);
+        settle(self.m, AckKind::Term).await?;
+        Ok(Settled::Done)
+    }
+
+    fn dead_letters(&self) -> String {
+        self.consumer.config.nats_dead_subject()
     }
 }
 

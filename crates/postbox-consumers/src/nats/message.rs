@@ -4,22 +4,22 @@ use async_nats::HeaderMap;
 use postbox_core::envelope::Envelope;
 use postbox_core::event::MAX_ID_LEN;
 
-use crate::message::{CONSUME_ATTEMPT_HEADER, LAST_ERROR_HEADER};
+use postbox_core::wire::nats::{dead_msg_id, SERVER_HEADER_PREFIX};
+use postbox_core::wire::{
+    self, AGGREGATE_ID, AGGREGATE_VERSION, APP_CODE, CONSUME_ATTEMPT, CREATED_AT_MS, EVENT_TYPE,
+    LAST_ERROR,
+};
+
 use crate::Message;
 
 /// The stream's dedupe header. The publisher makes it of app_code, replay
 /// count and event id (SPEC §4), so it is not the event id: consumers dedupe
 /// by `x-event-id`.
-pub const MSG_ID: &str = "Nats-Msg-Id";
+pub const MSG_ID: &str = wire::nats::MSG_ID;
 /// The event id, set by the publisher and kept on a dead copy (whose
 /// `Nats-Msg-Id` is made of the original's stream sequence and the consumer
 /// group, see [`dead_headers`]).
-pub const EVENT_ID: &str = "x-event-id";
-const EVENT_TYPE: &str = "x-event-type";
-const APP_CODE: &str = "x-app-code";
-const AGGREGATE_ID: &str = "x-aggregate-id";
-const AGGREGATE_VERSION: &str = "x-aggregate-version";
-const CREATED_AT_MS: &str = "x-created-at-ms";
+pub const EVENT_ID: &str = wire::EVENT_ID;
 
 /// Reads the SPEC §4 mapping of the NATS publisher: `x-event-id` is the
 /// event id (`Nats-Msg-Id` only on messages without it, as published before
@@ -51,7 +51,7 @@ pub fn message_from_nats(
         };
         let key: &str = name.as_ref();
         match key.to_ascii_lowercase().as_str() {
-            "nats-msg-id" => msg_id = Some(value),
+            k if k.eq_ignore_ascii_case(MSG_ID) => msg_id = Some(value),
             EVENT_ID => event_id = Some(value),
             EVENT_TYPE => event_type = Some(value),
             APP_CODE => app_code = Some(value),
@@ -63,7 +63,7 @@ pub fn message_from_nats(
             }
             CREATED_AT_MS => created_at_ms = value.trim().parse::<i64>().ok(),
             // Server bookkeeping, not the event's.
-            k if k.starts_with("nats-") => {}
+            k if k.starts_with(SERVER_HEADER_PREFIX) => {}
             _ => {
                 extra.insert(key.to_owned(), serde_json::Value::String(value));
             }
@@ -101,11 +101,7 @@ pub fn message_from_nats(
 /// Headers of a dead copy: the original's, with `x-event-id`, the attempt
 /// count, the last error (one line, at most 1,000 characters) and a
 /// `Nats-Msg-Id` of `<stream>:<stream_sequence>:dead:<durable>` (where the
-/// original is stored): the same for every re-send of one copy, so a copy
-/// re-sent after a lost PubAck is dropped by the dead stream's duplicate
-/// window, and different for every stored original, so the dead copies of a
-/// replayed event (same event id, another stream sequence), of one event id
-/// under two app codes, and of two consumer groups are all kept.
+/// original is stored; see [`dead_msg_id`] for why).
 pub fn dead_headers(
     original: Option<&HeaderMap>,
     event_id: Option<&str>,
@@ -116,19 +112,16 @@ pub fn dead_headers(
     last_error: &str,
 ) -> HeaderMap {
     let mut h = original.cloned().unwrap_or_default();
-    let error: String = last_error
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .take(1000)
-        .collect();
-    h.insert(CONSUME_ATTEMPT_HEADER, attempt.to_string().as_str());
-    h.insert(LAST_ERROR_HEADER, error.as_str());
+    // A header value is one line.
+    let error = wire::last_error(last_error).replace(|c: char| c.is_control(), " ");
+    h.insert(CONSUME_ATTEMPT, attempt.to_string().as_str());
+    h.insert(LAST_ERROR, error.as_str());
     if let Some(id) = event_id {
         h.insert(EVENT_ID, id);
     }
     h.insert(
         MSG_ID,
-        format!("{stream}:{stream_sequence}:dead:{durable}").as_str(),
+        dead_msg_id(stream, stream_sequence, durable).as_str(),
     );
     h
 }
@@ -200,10 +193,10 @@ mod tests {
             "boom\nline two",
         );
         assert_eq!(h.get(MSG_ID).unwrap().as_str(), "ROOMS:42:dead:billing");
-        assert_eq!(h.get(LAST_ERROR_HEADER).unwrap().as_str(), "boom line two");
+        assert_eq!(h.get(LAST_ERROR).unwrap().as_str(), "boom line two");
         let m = message_from_nats(Some(&h), "s", b"{}", 1).unwrap();
         assert_eq!(m.envelope.event_id, "ev-1");
-        assert_eq!(m.envelope.headers[CONSUME_ATTEMPT_HEADER], "5");
+        assert_eq!(m.envelope.headers[CONSUME_ATTEMPT], "5");
     }
 
     #[test]

@@ -30,6 +30,13 @@
 //! With `declare = true` the stream (capturing `subject`), a `<stream>_dead`
 //! stream capturing `<stream>.dead.>` (when no stream captures the dead
 //! subject) and the durable consumer are created.
+//!
+//! Files: `topology.rs` (the streams and the durable consumer),
+//! `message.rs` (a JetStream message as a [`Message`](crate::Message), and
+//! the headers of a dead copy), `consumer.rs` (the pull loop and the
+//! transport actions of the shared ack / retry / dead path,
+//! [`crate::consume`]). The header, subject and stream names are
+//! [`postbox_core::wire::nats`]'s.
 
 mod consumer;
 mod message;

@@ -10,6 +10,7 @@ use async_nats::jetstream::stream::{self, ConsumerErrorKind};
 use async_nats::jetstream::Context;
 use async_nats::jetstream::ErrorCode;
 use postbox_core::config::ConsumerConfig;
+use postbox_core::wire::nats::default_dead_subjects;
 use postbox_core::Error;
 
 /// The durable's `max_deliver`: unlimited. postbox counts the attempts
@@ -27,26 +28,7 @@ pub(crate) enum SetupError {
     Broken(String),
 }
 
-/// `<stream>_dead`: the stream `declare = true` creates for dead copies when
-/// no stream captures the dead subject.
-pub fn dead_stream(stream: &str) -> String {
-    format!("{stream}_dead")
-}
-
-/// Whether the subject filter `filter` (with `*` and `>`) matches `subject`.
-pub fn subject_matches(filter: &str, subject: &str) -> bool {
-    let mut f = filter.split('.');
-    let mut s = subject.split('.');
-    loop {
-        match (f.next(), s.next()) {
-            (Some(">"), Some(_)) => return true,
-            (Some("*"), Some(_)) => {}
-            (Some(a), Some(b)) if a == b => {}
-            (None, None) => return true,
-            _ => return false,
-        }
-    }
-}
+pub use postbox_core::wire::nats::{dead_stream, subject_matches};
 
 /// Makes sure the stream and a home for dead copies exist (creating them when
 /// `declare = true`), then returns the durable pull consumer (created or
@@ -162,7 +144,7 @@ async fn ensure_dead_home(js: &Context, config: &ConsumerConfig) -> Result<(), S
             }
             let home = dead_stream(&config.queue);
             let subjects = if config.dead_subject.is_none() {
-                format!("{}.dead.>", config.queue)
+                default_dead_subjects(&config.queue)
             } else {
                 dead.clone()
             };
@@ -204,21 +186,5 @@ fn consumer_error(config: &ConsumerConfig, e: stream::ConsumerError) -> SetupErr
             ),
         )),
         _ => SetupError::Broken(format!("setting up consumer `{durable}`: {e}")),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn filters_match_like_nats() {
-        assert!(subject_matches(">", "a.b"));
-        assert!(subject_matches("a.*", "a.b"));
-        assert!(!subject_matches("a.*", "a.b.c"));
-        assert!(subject_matches("a.>", "a.b.c"));
-        assert!(!subject_matches("a.>", "a"));
-        assert!(subject_matches("a.b", "a.b"));
-        assert!(!subject_matches("*.*", "S.dead.group"));
     }
 }

@@ -17,45 +17,13 @@ use postbox_core::config::{ConsumerConfig, ConsumerKind, Ordering};
 use postbox_core::Error;
 use tokio_util::sync::CancellationToken;
 
-use crate::session::{run_sessions, Session, SessionEnd};
-use tracing::Instrument;
-
-use super::delivery::{copy_properties, message_from_delivery};
+use super::message::{copy_properties, delivery_count, message_from_delivery};
 use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
-use crate::metrics::count;
+use crate::consume::session::{run_sessions, Session, SessionEnd};
+use crate::consume::settle::{Settled, Settler, Transport, Verdict};
+use crate::consume::{consumer_tag, ConsumeReport};
 use crate::ordering::AggregateHolds;
-use crate::{Handler, Message, RetryDecision, RetryPolicy};
-
-/// `{queue}-{host}-{pid}`: tells the processes on one queue apart in the
-/// management UI and `rabbitmqctl list_consumers`.
-pub fn consumer_tag(queue: &str) -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".to_owned());
-    format!("{queue}-{host}-{}", std::process::id())
-}
-
-/// What a consumer did until it stopped.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ConsumeReport {
-    /// Handled and acknowledged.
-    pub ok: u64,
-    /// Already in the inbox: acknowledged without a second effect.
-    pub duplicate: u64,
-    /// Older than the aggregate's last version: acknowledged and skipped.
-    pub stale: u64,
-    /// Failed and sent to `<queue>.retry`.
-    pub retry: u64,
-    /// Failed for the last time (or unreadable) and sent to `<queue>.dead`.
-    pub dead: u64,
-    /// Held back behind an earlier event of its aggregate waiting in retry
-    /// (`ordering = "per_aggregate"`): sent to `<queue>.retry` unhandled,
-    /// without counting an attempt (counted as `retry` in the metric).
-    pub held: u64,
-}
+use crate::{Handler, Message, RetryPolicy};
 
 /// A RabbitMQ consumer driving one [`Handler`].
 pub struct RabbitMqConsumer {
@@ -246,152 +214,30 @@ impl RabbitMqConsumer {
         publishing: &Channel,
         report: &mut ConsumeReport,
     ) -> Result<(), String> {
-        let name = self.config.name();
-        let message = match message_from_delivery(
+        let read = message_from_delivery(
             &delivery.properties,
             delivery.routing_key.as_str(),
             &delivery.data,
             delivery.redelivered,
-        ) {
-            Ok(m) => m,
-            Err(reason) => {
-                tracing::warn!(consumer = name, reason, "unreadable message: dead-lettered");
-                self.copy(&delivery, publishing, None, Some(&reason), 1)
-                    .await?;
-                ack(&delivery).await?;
-                count(name, "dead");
-                report.dead += 1;
-                return Ok(());
-            }
+        );
+        let mut in_hand = InHand {
+            consumer: self,
+            delivery: &delivery,
+            publishing,
+            ordered: None,
         };
-        let span =
-            tracing::info_span!("event", event_id = %message.event_id(), attempt = message.attempt);
-        async {
-            if delivery.redelivered {
-                // The broker gave it back unacknowledged: the consumer that had
-                // it stopped (crash, OOM kill, lost connection) before its
-                // ack. That was an attempt; counting it through a fresh copy is
-                // the only way the count survives the next crash, so a message
-                // that kills its consumer reaches `.dead` instead of looping.
-                let lost = delivery_count(&delivery.properties).max(1);
-                let failed = message.attempt.saturating_add(lost - 1);
-                let error = format!(
-                    "redelivered unacknowledged: the consumer handling attempt {failed} stopped before its ack (crash, kill or lost connection)"
-                );
-                return self
-                    .fail(&delivery, publishing, report, &message, failed, &error)
-                    .await;
-            }
-            if let Some(ordered) = self.ordered(&message) {
-                match ordered.blocker(postbox_core::time::now_ms()).await {
-                    Ok(None) => {}
-                    Ok(Some(blocker)) => {
-                        return self
-                            .hold_back(&delivery, publishing, report, &message, &blocker)
-                            .await;
-                    }
-                    Err(e) => {
-                        let error = format!("per-aggregate ordering check: {e}");
-                        return self
-                            .fail(&delivery, publishing, report, &message, message.attempt, &error)
-                            .await;
-                    }
-                }
-            }
-            match self.handler.handle(&message).await {
-                Ok(handled) => {
-                    // Any outcome ends the event's hold, if it has one: from a
-                    // failed attempt, from being held back (attempt 1 still),
-                    // or from another copy of it that is waiting in retry.
-                    if let Some(ordered) = self.ordered(&message) {
-                        ordered.release().await;
-                    }
-                    ack(&delivery).await?;
-                    count(name, handled.as_str());
-                    match handled {
-                        crate::Handled::Ok => report.ok += 1,
-                        crate::Handled::Duplicate => report.duplicate += 1,
-                        crate::Handled::Stale => report.stale += 1,
-                    }
-                    tracing::debug!(consumer = name, result = handled.as_str(), "handled");
-                    Ok(())
-                }
-                Err(e) => {
-                    self.fail(
-                        &delivery,
-                        publishing,
-                        report,
-                        &message,
-                        message.attempt,
-                        e.message(),
-                    )
-                    .await
-                }
-            }
+        Settler {
+            consumer: self.config.name(),
+            policy: &self.policy,
+            report,
         }
-        .instrument(span)
+        .process(self.handler.as_ref(), &mut in_hand, read, 1)
         .await
-    }
-
-    /// Attempt `attempt` of `delivery` failed with `error`: a retry copy, or
-    /// a dead copy on the last attempt, confirmed before the original is
-    /// acked.
-    async fn fail(
-        &self,
-        delivery: &Delivery,
-        publishing: &Channel,
-        report: &mut ConsumeReport,
-        message: &Message,
-        attempt: u32,
-        error: &str,
-    ) -> Result<(), String> {
-        let name = self.config.name();
-        let ordered = self.ordered(message);
-        match self.policy.decide(attempt) {
-            RetryDecision::Retry {
-                delay,
-                next_attempt,
-            } => {
-                if let Some(ordered) = &ordered {
-                    // Before the copy exists: later versions must find it.
-                    ordered.hold(self.hold_lapse(delay)).await;
-                }
-                self.copy(delivery, publishing, Some(delay), None, next_attempt)
-                    .await?;
-                ack(delivery).await?;
-                count(name, "retry");
-                report.retry += 1;
-                tracing::warn!(
-                    consumer = name,
-                    error,
-                    retry_in_ms = delay.as_millis() as u64,
-                    next_attempt,
-                    "attempt failed; retrying later"
-                );
-            }
-            RetryDecision::Dead => {
-                self.copy(delivery, publishing, None, Some(error), attempt)
-                    .await?;
-                ack(delivery).await?;
-                if let Some(ordered) = &ordered {
-                    ordered.release().await;
-                }
-                count(name, "dead");
-                report.dead += 1;
-                tracing::error!(
-                    consumer = name,
-                    error,
-                    dead_queue = %dead_queue(&self.config.queue),
-                    "the last attempt failed; dead-lettered"
-                );
-            }
-        }
-        Ok(())
     }
 
     /// `message` under `ordering = "per_aggregate"`, when it has an
     /// aggregate and a version.
-    fn ordered<'a>(&'a self, message: &'a Message) -> Option<Ordered<'a>> {
+    fn ordered(&self, message: &Message) -> Option<Ordered<'_>> {
         let holds = self.holds.as_deref()?;
         if self.config.ordering != Ordering::PerAggregate {
             return None;
@@ -400,9 +246,9 @@ impl RabbitMqConsumer {
         Some(Ordered {
             holds,
             group: self.config.consumer_group(),
-            aggregate_id: env.aggregate_id.as_deref()?,
+            aggregate_id: env.aggregate_id.clone()?,
             version: env.aggregate_version?,
-            event_id: &env.event_id,
+            event_id: env.event_id.clone(),
         })
     }
 
@@ -411,63 +257,124 @@ impl RabbitMqConsumer {
     fn hold_lapse(&self, delay: Duration) -> Duration {
         delay + self.policy.max_retry_delay + HOLD_GRACE
     }
+}
 
-    /// `message` waits behind `blocker`, an earlier event of its aggregate in
-    /// retry: a retry copy with the same attempt number (being held back is
-    /// not a failure), confirmed before the original is acked. It holds its
-    /// aggregate in turn, like a failed event: otherwise a later version
-    /// arriving once `blocker` was handled, while `message` still waits,
-    /// would find no hold, be handled first and make `message` stale.
-    async fn hold_back(
-        &self,
-        delivery: &Delivery,
-        publishing: &Channel,
-        report: &mut ConsumeReport,
-        message: &Message,
-        blocker: &str,
-    ) -> Result<(), String> {
-        let delay = self.policy.retry_delay;
-        if let Some(ordered) = self.ordered(message) {
-            // Before the copy exists: later versions must find it. The
-            // blocker query only sees holds of lower versions, so this hold
-            // never blocks `blocker` (no two holds wait on each other).
-            ordered.hold(self.hold_lapse(delay)).await;
+/// The delivery in hand and what settles it: acks on the consuming
+/// channel, retry and dead copies on the confirming channel, and the
+/// aggregate's hold under per-aggregate ordering.
+struct InHand<'a> {
+    consumer: &'a RabbitMqConsumer,
+    delivery: &'a Delivery,
+    publishing: &'a Channel,
+    ordered: Option<Ordered<'a>>,
+}
+
+impl Transport for InHand<'_> {
+    async fn verdict(&mut self, message: &Message) -> Verdict {
+        self.ordered = self.consumer.ordered(message);
+        if self.delivery.redelivered {
+            // The broker gave it back unacknowledged: the consumer that had
+            // it stopped (crash, OOM kill, lost connection) before its
+            // ack. That was an attempt; counting it through a fresh copy is
+            // the only way the count survives the next crash, so a message
+            // that kills its consumer reaches `.dead` instead of looping.
+            let lost = delivery_count(&self.delivery.properties).max(1);
+            let failed = message.attempt.saturating_add(lost - 1);
+            return Verdict::Failed {
+                attempt: failed,
+                error: format!(
+                    "redelivered unacknowledged: the consumer handling attempt {failed} stopped before its ack (crash, kill or lost connection)"
+                ),
+            };
         }
-        self.copy(delivery, publishing, Some(delay), None, message.attempt)
-            .await?;
-        ack(delivery).await?;
-        count(self.config.name(), "retry");
-        report.held += 1;
-        tracing::info!(
-            consumer = self.config.name(),
-            blocker,
-            retry_in_ms = delay.as_millis() as u64,
-            "held back behind an earlier event of its aggregate waiting in retry"
-        );
-        Ok(())
+        if let Some(ordered) = &self.ordered {
+            match ordered.blocker(postbox_core::time::now_ms()).await {
+                Ok(None) => {}
+                // Being held back is not a failure: a retry copy with the
+                // same attempt number. It holds its aggregate in turn (in
+                // `retry`), like a failed event: otherwise a later version
+                // arriving once `blocker` was handled, while this one still
+                // waits, would find no hold, be handled first and make this
+                // one stale. The blocker query only sees holds of lower
+                // versions, so this hold never blocks `blocker`.
+                Ok(Some(blocker)) => {
+                    return Verdict::HeldBack {
+                        blocker,
+                        delay: self.consumer.policy.retry_delay,
+                    }
+                }
+                Err(e) => {
+                    return Verdict::Failed {
+                        attempt: message.attempt,
+                        error: format!("per-aggregate ordering check: {e}"),
+                    }
+                }
+            }
+        }
+        Verdict::Handle
     }
 
+    async fn ack(&mut self) -> Result<Settled, String> {
+        // Any outcome ends the event's hold, if it has one: from a failed
+        // attempt, from being held back (attempt 1 still), or from another
+        // copy of it that is waiting in retry.
+        if let Some(ordered) = &self.ordered {
+            ordered.release().await;
+        }
+        ack(self.delivery).await?;
+        Ok(Settled::Done)
+    }
+
+    async fn retry(&mut self, delay: Duration, next_attempt: u32) -> Result<Settled, String> {
+        if let Some(ordered) = &self.ordered {
+            // Before the copy exists: later versions must find it.
+            ordered.hold(self.consumer.hold_lapse(delay)).await;
+        }
+        self.copy(Some(delay), None, next_attempt).await?;
+        ack(self.delivery).await?;
+        Ok(Settled::Done)
+    }
+
+    async fn dead(
+        &mut self,
+        _message: Option<&Message>,
+        attempt: u32,
+        last_error: &str,
+    ) -> Result<Settled, String> {
+        self.copy(None, Some(last_error), attempt).await?;
+        ack(self.delivery).await?;
+        if let Some(ordered) = &self.ordered {
+            ordered.release().await;
+        }
+        Ok(Settled::Done)
+    }
+
+    fn dead_letters(&self) -> String {
+        dead_queue(&self.consumer.config.queue)
+    }
+}
+
+impl InHand<'_> {
     /// Publishes a retry copy (with `delay`) or a dead copy (with
     /// `last_error`) and waits for the broker's confirm.
     async fn copy(
         &self,
-        delivery: &Delivery,
-        publishing: &Channel,
         delay: Option<Duration>,
         last_error: Option<&str>,
         attempt: u32,
     ) -> Result<(), String> {
         let queue = match delay {
-            Some(_) => retry_queue(&self.config.queue),
-            None => dead_queue(&self.config.queue),
+            Some(_) => retry_queue(&self.consumer.config.queue),
+            None => dead_queue(&self.consumer.config.queue),
         };
         let props = copy_properties(
-            &delivery.properties,
+            &self.delivery.properties,
             attempt,
             delay.map(|d| d.as_millis()),
             last_error,
         );
-        let confirm = publishing
+        let confirm = self
+            .publishing
             .basic_publish(
                 "".into(),
                 queue.as_str().into(),
@@ -475,7 +382,7 @@ impl RabbitMqConsumer {
                     mandatory: true,
                     ..BasicPublishOptions::default()
                 },
-                &delivery.data,
+                &self.delivery.data,
                 props,
             )
             .await
@@ -500,9 +407,9 @@ const HOLD_GRACE: Duration = Duration::from_secs(60);
 struct Ordered<'a> {
     holds: &'a dyn AggregateHolds,
     group: &'a str,
-    aggregate_id: &'a str,
+    aggregate_id: String,
     version: i64,
-    event_id: &'a str,
+    event_id: String,
 }
 
 impl Ordered<'_> {
@@ -510,9 +417,9 @@ impl Ordered<'_> {
         self.holds
             .blocker(
                 self.group,
-                self.aggregate_id,
+                &self.aggregate_id,
                 self.version,
-                self.event_id,
+                &self.event_id,
                 now_ms,
             )
             .await
@@ -526,14 +433,14 @@ impl Ordered<'_> {
             .holds
             .hold(
                 self.group,
-                self.aggregate_id,
-                self.event_id,
+                &self.aggregate_id,
+                &self.event_id,
                 self.version,
                 until,
             )
             .await
         {
-            tracing::error!(error = %e, aggregate_id = self.aggregate_id, "could not hold the aggregate back: later events of it may overtake this one");
+            tracing::error!(error = %e, aggregate_id = %self.aggregate_id, "could not hold the aggregate back: later events of it may overtake this one");
         }
     }
 
@@ -543,34 +450,15 @@ impl Ordered<'_> {
             .holds
             .release(
                 self.group,
-                self.aggregate_id,
-                self.event_id,
+                &self.aggregate_id,
+                &self.event_id,
                 postbox_core::time::now_ms(),
             )
             .await
         {
-            tracing::warn!(error = %e, aggregate_id = self.aggregate_id, "could not release the aggregate's hold: its later events wait until it lapses");
+            tracing::warn!(error = %e, aggregate_id = %self.aggregate_id, "could not release the aggregate's hold: its later events wait until it lapses");
         }
     }
-}
-
-/// How often a quorum queue delivered this copy before (its
-/// `x-delivery-count` header); 0 on classic queues, which only set the
-/// `redelivered` flag.
-fn delivery_count(properties: &lapin::BasicProperties) -> u32 {
-    properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get("x-delivery-count"))
-        .and_then(|v| match v {
-            lapin::types::AMQPValue::LongLongInt(i) => u32::try_from(*i).ok(),
-            lapin::types::AMQPValue::LongInt(i) => u32::try_from(*i).ok(),
-            lapin::types::AMQPValue::LongUInt(i) => Some(*i),
-            lapin::types::AMQPValue::ShortInt(i) => u32::try_from(*i).ok(),
-            lapin::types::AMQPValue::ShortUInt(i) => Some(u32::from(*i)),
-            _ => None,
-        })
-        .unwrap_or(0)
 }
 
 async fn ack(delivery: &Delivery) -> Result<(), String> {

@@ -20,11 +20,18 @@
 //!
 //! `ordering = "per_aggregate"` holds later versions of an aggregate back
 //! while an earlier one waits in retry ([`crate::ordering`]).
+//!
+//! Files: `topology.rs` (the queues), `message.rs` (a delivery as a
+//! [`Message`](crate::Message), and the properties of a copy),
+//! `consumer.rs` (the consume loop and the transport actions of the shared
+//! ack / retry / dead path, [`crate::consume`]). The queue names are
+//! [`postbox_core::wire::rabbitmq`]'s.
 
 mod consumer;
-mod delivery;
+mod message;
 mod topology;
 
-pub use consumer::{consumer_tag, ConsumeReport, RabbitMqConsumer};
-pub use delivery::message_from_delivery;
+pub use crate::consume::{consumer_tag, ConsumeReport};
+pub use consumer::RabbitMqConsumer;
+pub use message::message_from_delivery;
 pub use topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};

@@ -4,16 +4,9 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection, ExchangeKind};
 use postbox_core::config::ConsumerConfig;
+use postbox_core::wire::rabbitmq::{DEAD_LETTER_EXCHANGE, DEAD_LETTER_ROUTING_KEY};
 
-/// `<queue>.retry`: where a failed message waits for its delay.
-pub fn retry_queue(queue: &str) -> String {
-    format!("{queue}.retry")
-}
-
-/// `<queue>.dead`: where a message goes after `max_attempts`.
-pub fn dead_queue(queue: &str) -> String {
-    format!("{queue}.dead")
-}
+pub use postbox_core::wire::rabbitmq::{dead_queue, retry_queue};
 
 /// Declares the queue, its retry and dead twins and its bindings (exchanges
 /// are declared as durable `topic` exchanges, as the RabbitMQ publisher
@@ -28,18 +21,8 @@ pub async fn declare_topology(channel: &Channel, config: &ConsumerConfig) -> lap
     channel
         .queue_declare(queue.into(), durable, FieldTable::default())
         .await?;
-    let mut retry_args = FieldTable::default();
-    // Expired copies go back to <queue> through the default exchange.
-    retry_args.insert(
-        "x-dead-letter-exchange".into(),
-        AMQPValue::LongString(LongString::from("")),
-    );
-    retry_args.insert(
-        "x-dead-letter-routing-key".into(),
-        AMQPValue::LongString(LongString::from(queue)),
-    );
     channel
-        .queue_declare(retry_queue(queue).into(), durable, retry_args)
+        .queue_declare(retry_queue(queue).into(), durable, retry_arguments(queue))
         .await?;
     channel
         .queue_declare(dead_queue(queue).into(), durable, FieldTable::default())
@@ -84,11 +67,11 @@ pub enum TopologyError {
 fn retry_arguments(queue: &str) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert(
-        "x-dead-letter-exchange".into(),
+        DEAD_LETTER_EXCHANGE.into(),
         AMQPValue::LongString(LongString::from("")),
     );
     args.insert(
-        "x-dead-letter-routing-key".into(),
+        DEAD_LETTER_ROUTING_KEY.into(),
         AMQPValue::LongString(LongString::from(queue)),
     );
     args
@@ -160,7 +143,7 @@ pub async fn check_topology(conn: &Connection, queue: &str) -> Result<(), Topolo
             return Ok(());
         };
         match arg {
-            "x-dead-letter-exchange" | "x-dead-letter-routing-key" => {
+            DEAD_LETTER_EXCHANGE | DEAD_LETTER_ROUTING_KEY => {
                 let said = text
                     .split_once("PRECONDITION_FAILED - ")
                     .map_or(text.as_str(), |(_, said)| said);

@@ -5,20 +5,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use postbox_core::config::{ConsumerConfig, ConsumerKind};
-use postbox_core::redact::redact_url;
 use postbox_core::Error;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 use redis::streams::{StreamId, StreamRangeReply, StreamReadReply};
 use redis::RedisError;
 use tokio_util::sync::CancellationToken;
-
-use crate::session::{run_sessions, Session, SessionEnd};
 use tracing::Instrument;
 
-use super::entry::{dead_fields, message_from_entry};
-use crate::metrics::count;
-use crate::rabbitmq::{consumer_tag, ConsumeReport};
-use crate::{Handled, Handler, RetryDecision, RetryPolicy};
+use super::keeper::{keep_if_mine, Keeper};
+use super::message::{dead_fields, message_from_entry};
+use super::topology::{connect, create_group, dead_stream, is_refusal, refused};
+use crate::consume::session::{run_sessions, Session, SessionEnd};
+use crate::consume::settle::{Settled, Settler, Transport, Verdict};
+use crate::consume::{consumer_tag, ConsumeReport};
+use crate::{Handled, Handler, HandlerError, Message, RetryPolicy};
 
 /// Longest `XREADGROUP … BLOCK`: also how often due retries are looked for
 /// while the stream is quiet, and the longest a shutdown waits.
@@ -26,44 +26,6 @@ const MAX_BLOCK: Duration = Duration::from_secs(1);
 
 /// Pending entries looked at per `XPENDING` scan.
 const SCAN_BATCH: usize = 100;
-
-/// `<stream>.dead`: where an entry goes after `max_attempts` deliveries.
-pub fn dead_stream(stream: &str) -> String {
-    format!("{stream}.dead")
-}
-
-/// Connects with bounded waits; `block` is the longest `BLOCK` the
-/// connection's commands use.
-async fn connect(url: &str, block: Duration) -> Result<ConnectionManager, String> {
-    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
-    let io = Duration::from_secs(5);
-    let config = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(io))
-        .set_response_timeout(Some(io + block))
-        .set_number_of_retries(2)
-        .set_max_delay(Duration::from_secs(1));
-    ConnectionManager::new_with_config(client, config)
-        .await
-        .map_err(|e| e.to_string())
-}
-
-/// Resets the idle time (`XCLAIM … 0 … JUSTID`, no delivery counted) of the
-/// entries in `ARGV[3..]` that group `ARGV[1]` still has pending for
-/// consumer `ARGV[2]`; returns the others (now another consumer's, or no
-/// longer pending). Atomic: an entry another consumer has claimed is never
-/// taken back.
-const KEEP_IF_MINE: &str = r"
-local lost = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-";
 
 /// `XACK`s entry `ARGV[3]` only while group `ARGV[1]` has it pending for
 /// consumer `ARGV[2]`; returns 1 if acked, 0 if it is not ours (any more).
@@ -90,118 +52,6 @@ if #p == 1 and p[1][2] == ARGV[2] then
 end
 return 0
 ";
-
-/// Keeps the entries a consumer is working on from a thread of its own, with
-/// its own connection and runtime: a handler that blocks its thread or
-/// stalls its task cannot stop the keep-alive, so no other consumer takes
-/// the entries for due retries while they are being worked on. It refreshes
-/// only entries still pending for this consumer ([`KEEP_IF_MINE`]) and
-/// notes the ones another consumer now owns.
-struct Keeper {
-    shared: Arc<Kept>,
-    /// Dropped with the keeper: the thread ends.
-    _stop: tokio::sync::oneshot::Sender<()>,
-}
-
-#[derive(Default)]
-struct Kept {
-    in_hand: std::sync::Mutex<Vec<String>>,
-    lost: std::sync::Mutex<std::collections::HashSet<String>>,
-}
-
-fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-impl Keeper {
-    /// Starts the thread; it touches the entries in hand every `every`.
-    fn start(
-        url: String,
-        stream: String,
-        group: String,
-        name: String,
-        every: Duration,
-    ) -> Result<Self, String> {
-        let shared = Arc::new(Kept::default());
-        let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
-        let kept = shared.clone();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| format!("starting the keep-alive runtime: {e}"))?;
-        std::thread::Builder::new()
-            .name(format!("postbox-keep-{name}"))
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let mut conn: Option<ConnectionManager> = None;
-                    loop {
-                        tokio::select! {
-                            _ = &mut stopped => return,
-                            _ = tokio::time::sleep(every) => {}
-                        }
-                        let ids = locked(&kept.in_hand).clone();
-                        if ids.is_empty() {
-                            continue;
-                        }
-                        if conn.is_none() {
-                            match connect(&url, Duration::ZERO).await {
-                                Ok(c) => conn = Some(c),
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "could not connect to keep the entries in hand");
-                                    continue;
-                                }
-                            }
-                        }
-                        let Some(c) = conn.as_mut() else { continue };
-                        match keep_if_mine(c, &stream, &group, &name, &ids).await {
-                            Ok(lost) if !lost.is_empty() => {
-                                locked(&kept.lost).extend(lost);
-                            }
-                            Ok(_) => {}
-                            Err(e) => {
-                                tracing::warn!(error = %e, "could not keep the entries in hand");
-                            }
-                        }
-                    }
-                });
-            })
-            .map_err(|e| format!("starting the keep-alive thread: {e}"))?;
-        Ok(Keeper {
-            shared,
-            _stop: stop,
-        })
-    }
-
-    /// The entries to keep from now on (empty: none).
-    fn hold(&self, ids: &[String]) {
-        *locked(&self.shared.in_hand) = ids.to_vec();
-        locked(&self.shared.lost).retain(|id| ids.contains(id));
-    }
-
-    /// Whether the keep-alive found `id` owned by another consumer (or no
-    /// longer pending).
-    fn was_lost(&self, id: &str) -> bool {
-        locked(&self.shared.lost).contains(id)
-    }
-}
-
-async fn keep_if_mine(
-    conn: &mut ConnectionManager,
-    stream: &str,
-    group: &str,
-    name: &str,
-    ids: &[String],
-) -> Result<Vec<String>, RedisError> {
-    redis::cmd("EVAL")
-        .arg(KEEP_IF_MINE)
-        .arg(1)
-        .arg(stream)
-        .arg(group)
-        .arg(name)
-        .arg(ids)
-        .query_async(conn)
-        .await
-}
 
 /// A Redis Streams consumer-group member driving one [`Handler`].
 pub struct RedisConsumer {
@@ -291,20 +141,8 @@ impl RedisConsumer {
         let stream = self.config.queue.as_str();
         let group = self.config.consumer_group();
         if self.config.declare {
-            // From `0`: a new group also gets what the stream already holds,
-            // as a durable NATS consumer does.
-            let created: Result<(), RedisError> = redis::cmd("XGROUP")
-                .arg("CREATE")
-                .arg(stream)
-                .arg(group)
-                .arg("0")
-                .arg("MKSTREAM")
-                .query_async(&mut conn)
-                .await;
-            match created {
-                Ok(()) => tracing::info!(stream, group, "created Redis consumer group"),
-                Err(e) if e.code() == Some("BUSYGROUP") => {}
-                Err(e) => return self.refused(e),
+            if let Err(e) = create_group(&mut conn, stream, group).await {
+                return SessionEnd::Fatal(refused(&self.config, &e));
             }
         }
         let keeper = match Keeper::start(
@@ -352,10 +190,10 @@ impl RedisConsumer {
             for (entry, deliveries) in batch {
                 held.retain(|id| *id != entry.id);
                 if let Err(e) = self
-                    .process(&mut conn, &keeper, entry, deliveries, &held, report)
+                    .process(&mut conn, &keeper, &entry, deliveries, &held, report)
                     .await
                 {
-                    return SessionEnd::Broken(e.to_string());
+                    return SessionEnd::Broken(e);
                 }
             }
         }
@@ -454,95 +292,26 @@ impl RedisConsumer {
         &self,
         conn: &mut ConnectionManager,
         keeper: &Keeper,
-        entry: StreamId,
+        entry: &StreamId,
         deliveries: u32,
         held: &[String],
         report: &mut ConsumeReport,
-    ) -> Result<(), RedisError> {
-        let name = self.config.name();
-        let message = match message_from_entry(&entry.map, deliveries) {
-            Ok(m) => m,
-            Err(reason) => {
-                tracing::warn!(consumer = name, id = %entry.id, reason, "unreadable entry: dead-lettered");
-                return self.dead(conn, &entry, deliveries, &reason, report).await;
-            }
+    ) -> Result<(), String> {
+        let read = message_from_entry(&entry.map, deliveries);
+        let mut in_hand = InHand {
+            consumer: self,
+            conn,
+            keeper,
+            entry,
+            held,
         };
-        let span =
-            tracing::info_span!("event", event_id = %message.event_id(), attempt = message.attempt);
-        async {
-            if message.attempt > self.policy.max_attempts {
-                let reason = format!(
-                    "delivered {} times without a result (its consumers stopped mid-message)",
-                    message.attempt
-                );
-                return self
-                    .dead(conn, &entry, message.attempt, &reason, report)
-                    .await;
-            }
-            if keeper.was_lost(&entry.id) {
-                tracing::warn!(
-                    consumer = name,
-                    id = %entry.id,
-                    "the entry was claimed by another consumer while it waited in this consumer's batch: not handled here"
-                );
-                return Ok(());
-            }
-            let mut in_hand: Vec<String> = held.to_vec();
-            in_hand.push(entry.id.clone());
-            keeper.hold(&in_hand);
-            let result = self.handler.handle(&message).await;
-            let lost = keeper.was_lost(&entry.id);
-            keeper.hold(held);
-            if lost {
-                self.lost(&entry.id, &result);
-                return Ok(());
-            }
-            match result {
-                Ok(handled) => {
-                    if !self.ack(conn, &entry.id).await? {
-                        self.lost(&entry.id, &Ok(handled));
-                        return Ok(());
-                    }
-                    count(name, handled.as_str());
-                    match handled {
-                        Handled::Ok => report.ok += 1,
-                        Handled::Duplicate => report.duplicate += 1,
-                        Handled::Stale => report.stale += 1,
-                    }
-                    tracing::debug!(consumer = name, result = handled.as_str(), "handled");
-                    Ok(())
-                }
-                Err(e) => match self.policy.decide(message.attempt) {
-                    RetryDecision::Retry {
-                        delay,
-                        next_attempt,
-                    } => {
-                        // Left pending; the delay runs from now, not from
-                        // the delivery.
-                        let lost = self.touch(conn, std::slice::from_ref(&entry.id)).await?;
-                        if !lost.is_empty() {
-                            self.lost(&entry.id, &Err(e));
-                            return Ok(());
-                        }
-                        count(name, "retry");
-                        report.retry += 1;
-                        tracing::warn!(
-                            consumer = name,
-                            error = %e,
-                            retry_in_ms = delay.as_millis() as u64,
-                            next_attempt,
-                            "handler failed; retrying later"
-                        );
-                        Ok(())
-                    }
-                    RetryDecision::Dead => {
-                        self.dead(conn, &entry, message.attempt, e.message(), report)
-                            .await
-                    }
-                },
-            }
+        Settler {
+            consumer: self.config.name(),
+            policy: &self.policy,
+            report,
         }
-        .instrument(span)
+        .process(self.handler.as_ref(), &mut in_hand, read, deliveries)
+        .instrument(tracing::info_span!("entry", id = %entry.id))
         .await
     }
 
@@ -550,109 +319,6 @@ impl RedisConsumer {
     /// the shortest idle time after which another consumer may claim them.
     fn keep_every(&self) -> Duration {
         (self.policy.retry_delay / 3).max(Duration::from_millis(10))
-    }
-
-    /// Resets the idle time of `ids` still pending for this consumer
-    /// (`XCLAIM … JUSTID`: no delivery counted); returns the ones that are
-    /// not (any more).
-    async fn touch(
-        &self,
-        conn: &mut ConnectionManager,
-        ids: &[String],
-    ) -> Result<Vec<String>, RedisError> {
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        keep_if_mine(
-            conn,
-            &self.config.queue,
-            self.config.consumer_group(),
-            &self.name,
-            ids,
-        )
-        .await
-    }
-
-    /// The handler finished an entry that another consumer took over
-    /// meanwhile (this one stalled longer than the retry delay): the result
-    /// is not this consumer's to settle; the owner does.
-    fn lost(&self, id: &str, result: &Result<Handled, crate::HandlerError>) {
-        tracing::warn!(
-            consumer = self.config.name(),
-            id,
-            result = match result {
-                Ok(h) => h.as_str(),
-                Err(_) => "error",
-            },
-            "the entry was claimed by another consumer while the handler ran (stalled longer than the retry delay?): its result is not acknowledged here"
-        );
-    }
-
-    /// `XACK`s `id` if it is still pending for this consumer; false if
-    /// another consumer owns it now (or it is no longer pending).
-    async fn ack(&self, conn: &mut ConnectionManager, id: &str) -> Result<bool, RedisError> {
-        let acked: i64 = redis::cmd("EVAL")
-            .arg(ACK_IF_MINE)
-            .arg(1)
-            .arg(&self.config.queue)
-            .arg(self.config.consumer_group())
-            .arg(&self.name)
-            .arg(id)
-            .query_async(conn)
-            .await?;
-        Ok(acked == 1)
-    }
-
-    /// `XADD <stream>.dead` and `XACK` the original in one script, only
-    /// while the entry is still this consumer's: no duplicate dead copy, no
-    /// lost one.
-    async fn dead(
-        &self,
-        conn: &mut ConnectionManager,
-        entry: &StreamId,
-        attempt: u32,
-        last_error: &str,
-        report: &mut ConsumeReport,
-    ) -> Result<(), RedisError> {
-        let dead = dead_stream(&self.config.queue);
-        let fields = dead_fields(
-            &entry.map,
-            &entry.id,
-            self.config.consumer_group(),
-            attempt,
-            last_error,
-        );
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(DEAD_IF_MINE)
-            .arg(2)
-            .arg(&self.config.queue)
-            .arg(&dead)
-            .arg(self.config.consumer_group())
-            .arg(&self.name)
-            .arg(&entry.id);
-        for (k, v) in &fields {
-            cmd.arg(k).arg(v.as_slice());
-        }
-        let stored: i64 = cmd.query_async(conn).await?;
-        if stored != 1 {
-            tracing::warn!(
-                consumer = self.config.name(),
-                id = %entry.id,
-                "the entry was claimed by another consumer before it could be dead-lettered here: its owner settles it"
-            );
-            return Ok(());
-        }
-        count(self.config.name(), "dead");
-        report.dead += 1;
-        tracing::error!(
-            consumer = self.config.name(),
-            id = %entry.id,
-            error = last_error,
-            attempt,
-            dead_stream = %dead,
-            "entry dead-lettered"
-        );
-        Ok(())
     }
 
     /// On shutdown, a consumer that holds nothing leaves the group, so
@@ -679,31 +345,170 @@ impl RedisConsumer {
     }
 
     fn broken_or_refused(&self, e: RedisError) -> SessionEnd {
-        if e.code() == Some("NOGROUP")
-            || e.code() == Some("WRONGTYPE")
-            || e.code() == Some("NOPERM")
-        {
-            self.refused(e)
+        if is_refusal(&e) {
+            SessionEnd::Fatal(refused(&self.config, &e))
         } else {
             SessionEnd::Broken(e.to_string())
         }
     }
+}
 
-    fn refused(&self, e: RedisError) -> SessionEnd {
-        let hint = match e.code() {
-            Some("NOGROUP") => "create the group (XGROUP CREATE … MKSTREAM), or set declare = true",
-            Some("WRONGTYPE") => "the key exists and is not a stream: choose another queue",
-            _ => "check the user's permissions",
-        };
-        SessionEnd::Fatal(Error::config(
-            "queue",
-            format!(
-                "Redis refused group `{}` on stream `{}`: {} ({hint})",
-                self.config.consumer_group(),
-                self.config.queue,
-                redact_url(&e.to_string())
-            ),
-        ))
+/// The entry in hand and what settles it: `XACK`, the dead copy and the
+/// pending list, each only while the entry is still this consumer's (a
+/// consumer that stalled longer than the retry delay may have lost it to
+/// another, which then settles it).
+struct InHand<'a> {
+    consumer: &'a RedisConsumer,
+    conn: &'a mut ConnectionManager,
+    keeper: &'a Keeper,
+    entry: &'a StreamId,
+    /// The other entries of the batch, kept while this one is handled.
+    held: &'a [String],
+}
+
+impl Transport for InHand<'_> {
+    async fn verdict(&mut self, message: &Message) -> Verdict {
+        if message.attempt > self.consumer.policy.max_attempts {
+            return Verdict::Dead {
+                attempt: message.attempt,
+                reason: format!(
+                    "delivered {} times without a result (its consumers stopped mid-message)",
+                    message.attempt
+                ),
+            };
+        }
+        if self.keeper.was_lost(&self.entry.id) {
+            tracing::warn!(
+                consumer = self.consumer.config.name(),
+                "the entry was claimed by another consumer while it waited in this consumer's batch: not handled here"
+            );
+            return Verdict::Skip;
+        }
+        Verdict::Handle
+    }
+
+    /// Runs the handler while the keeper resets the entry's idle time, so no
+    /// other consumer claims it for a due retry meanwhile.
+    async fn handle(
+        &mut self,
+        handler: &dyn Handler,
+        message: &Message,
+    ) -> Option<Result<Handled, HandlerError>> {
+        let id = &self.entry.id;
+        let mut in_hand: Vec<String> = self.held.to_vec();
+        in_hand.push(id.clone());
+        self.keeper.hold(&in_hand);
+        let result = handler.handle(message).await;
+        let lost = self.keeper.was_lost(id);
+        self.keeper.hold(self.held);
+        if lost {
+            self.lost(match &result {
+                Ok(h) => h.as_str(),
+                Err(_) => "error",
+            });
+            return None;
+        }
+        Some(result)
+    }
+
+    /// `XACK`s the entry if it is still pending for this consumer.
+    async fn ack(&mut self) -> Result<Settled, String> {
+        let c = self.consumer;
+        let acked: i64 = redis::cmd("EVAL")
+            .arg(ACK_IF_MINE)
+            .arg(1)
+            .arg(&c.config.queue)
+            .arg(c.config.consumer_group())
+            .arg(&c.name)
+            .arg(&self.entry.id)
+            .query_async(self.conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        if acked != 1 {
+            self.lost("handled");
+            return Ok(Settled::NotHere);
+        }
+        Ok(Settled::Done)
+    }
+
+    /// Leaves the entry pending: it is claimed again once idle for the
+    /// delay, which runs from now, not from the delivery, so its idle time
+    /// is reset (`XCLAIM … JUSTID`: no delivery counted).
+    async fn retry(&mut self, _delay: Duration, _next_attempt: u32) -> Result<Settled, String> {
+        let c = self.consumer;
+        let lost = keep_if_mine(
+            self.conn,
+            &c.config.queue,
+            c.config.consumer_group(),
+            &c.name,
+            std::slice::from_ref(&self.entry.id),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        if !lost.is_empty() {
+            self.lost("error");
+            return Ok(Settled::NotHere);
+        }
+        Ok(Settled::Done)
+    }
+
+    /// `XADD <stream>.dead` and `XACK` the original in one script, only
+    /// while the entry is still this consumer's: no duplicate dead copy, no
+    /// lost one.
+    async fn dead(
+        &mut self,
+        _message: Option<&Message>,
+        attempt: u32,
+        last_error: &str,
+    ) -> Result<Settled, String> {
+        let c = self.consumer;
+        let fields = dead_fields(
+            &self.entry.map,
+            &self.entry.id,
+            c.config.consumer_group(),
+            attempt,
+            last_error,
+        );
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(DEAD_IF_MINE)
+            .arg(2)
+            .arg(&c.config.queue)
+            .arg(dead_stream(&c.config.queue))
+            .arg(c.config.consumer_group())
+            .arg(&c.name)
+            .arg(&self.entry.id);
+        for (k, v) in &fields {
+            cmd.arg(k).arg(v.as_slice());
+        }
+        let stored: i64 = cmd
+            .query_async(self.conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        if stored != 1 {
+            tracing::warn!(
+                consumer = c.config.name(),
+                "the entry was claimed by another consumer before it could be dead-lettered here: its owner settles it"
+            );
+            return Ok(Settled::NotHere);
+        }
+        Ok(Settled::Done)
+    }
+
+    fn dead_letters(&self) -> String {
+        dead_stream(&self.consumer.config.queue)
+    }
+}
+
+impl InHand<'_> {
+    /// The handler finished an entry that another consumer took over
+    /// meanwhile (this one stalled longer than the retry delay): the result
+    /// is not this consumer's to settle; the owner does.
+    fn lost(&self, result: &str) {
+        tracing::warn!(
+            consumer = self.consumer.config.name(),
+            result,
+            "the entry was claimed by another consumer while the handler ran (stalled longer than the retry delay?): its result is not acknowledged here"
+        );
     }
 }
 

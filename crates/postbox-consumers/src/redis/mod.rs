@@ -26,9 +26,19 @@
 //!
 //! The consumer's Redis user needs `EVAL` (`+@scripting`) besides the stream
 //! commands.
+//!
+//! Files: `topology.rs` (connecting, the group, the dead stream),
+//! `message.rs` (an entry as a [`Message`](crate::Message), and the fields
+//! of a dead copy), `consumer.rs` (the read loop and the transport actions
+//! of the shared ack / retry / dead path, [`crate::consume`]), `keeper.rs`
+//! (the keep-alive of the entries in hand). The field and stream names are
+//! [`postbox_core::wire::redis`]'s.
 
 mod consumer;
-mod entry;
+mod keeper;
+mod message;
+mod topology;
 
-pub use consumer::{dead_stream, RedisConsumer};
-pub use entry::{dead_fields, message_from_entry};
+pub use consumer::RedisConsumer;
+pub use message::{dead_fields, message_from_entry};
+pub use topology::dead_stream;

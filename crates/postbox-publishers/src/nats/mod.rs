@@ -4,26 +4,10 @@
 //! as delivered only on the stream's PubAck; a PubAck marked `duplicate` is
 //! delivered too, and counted in `postbox_publish_duplicates_total`.
 //!
-//! # `Nats-Msg-Id`
-//!
-//! The stream's dedupe key is [`msg_id`]: `<app_code>:<replay_count>:<event_id>`
-//! (`%` and `:` in the app_code escaped as `%25` and `%3A`, so the key is
-//! unambiguous). A re-send of the same delivery (a retry after a lost PubAck)
-//! has the same key and the stream drops it inside its duplicate window; two
-//! app_codes sharing an event_id do not collide; and an operator's replay,
-//! which increments the row's `replay_count`, is a new key and is stored
-//! again.
-//!
-//! # Subjects
-//!
-//! Every placeholder renders as exactly one subject token: in its value the
-//! characters `.`, `*`, `>`, whitespace and control characters become `_`
-//! (an aggregate id `order.42` is published on `….order_42`), and an empty
-//! value becomes `_`. So the subjects a stream must capture are the template
-//! with every token that holds a placeholder replaced by `*`:
-//! `{app_code}.{event_type}` → `*.*`, `room.{aggregate_id}.events` →
-//! `room.*.events`. `declare = true` creates the stream with that subject
-//! filter.
+//! The dedupe key (`Nats-Msg-Id`), the subject rules and the subjects a
+//! stream must capture are the wire contract's, shared with the consumer:
+//! see [`postbox_core::wire::nats`]. `declare = true` creates the stream
+//! with the subject filter [`stream_subjects`] gives.
 
 use std::time::Duration;
 
@@ -37,7 +21,10 @@ use postbox_core::config::NatsPublisherConfig;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::redact_url;
 use postbox_core::template::Template;
+use postbox_core::wire::{self, nats};
 use postbox_core::{Error, Publisher, Result};
+
+pub use postbox_core::wire::nats::{msg_id, stream_subjects, subject_for};
 
 /// How long a publish waits for its PubAck. While the client is
 /// disconnected, messages wait in its buffer and the ack times out into a
@@ -150,20 +137,20 @@ impl NatsPublisher {
                 other => put(&k, &other.to_string())?,
             }
         }
-        put("Nats-Msg-Id", &msg_id(r))?;
-        put("x-event-id", &r.event_id)?;
-        put("x-event-type", &r.event_type)?;
-        put("x-app-code", &r.app_code)?;
+        put(nats::MSG_ID, &msg_id(r))?;
+        put(wire::EVENT_ID, &r.event_id)?;
+        put(wire::EVENT_TYPE, &r.event_type)?;
+        put(wire::APP_CODE, &r.app_code)?;
         if let Some(a) = &r.aggregate_id {
-            put("x-aggregate-id", a)?;
+            put(wire::AGGREGATE_ID, a)?;
         }
         if let Some(v) = r.aggregate_version {
-            put("x-aggregate-version", &v.to_string())?;
+            put(wire::AGGREGATE_VERSION, &v.to_string())?;
         }
-        put("x-created-at-ms", &r.created_at_ms.to_string())?;
-        put("x-attempt", &d.attempt.to_string())?;
+        put(wire::CREATED_AT_MS, &r.created_at_ms.to_string())?;
+        put(wire::ATTEMPT, &d.attempt.to_string())?;
         if d.replayed {
-            put("x-replayed", "true")?;
+            put(wire::REPLAYED, "true")?;
         }
         Ok(h)
     }
@@ -270,47 +257,6 @@ impl Publisher for NatsPublisher {
     }
 }
 
-/// The subject of `record` under `template`: each placeholder value becomes
-/// exactly one token (see the module docs).
-pub fn subject_for(template: &Template, record: &postbox_core::EventRecord) -> String {
-    template.render_escaped(record, subject_token)
-}
-
-/// The `Nats-Msg-Id` of `record`: app_code, replay count and event id (see
-/// the module docs).
-pub fn msg_id(record: &postbox_core::EventRecord) -> String {
-    let app_code = record.app_code.replace('%', "%25").replace(':', "%3A");
-    format!("{app_code}:{}:{}", record.replay_count, record.event_id)
-}
-
-/// The subject filter a stream needs to capture every subject of
-/// `template`: each token holding a placeholder becomes `*`.
-pub fn stream_subjects(template: &Template) -> String {
-    const MARK: &str = "\u{0}";
-    template
-        .with_placeholders_as(MARK)
-        .split('.')
-        .map(|token| if token.contains(MARK) { "*" } else { token })
-        .collect::<Vec<_>>()
-        .join(".")
-}
-
-fn subject_token(value: &str) -> String {
-    if value.is_empty() {
-        return "_".to_owned();
-    }
-    value
-        .chars()
-        .map(|c| {
-            if matches!(c, '.' | '*' | '>') || c.is_whitespace() || c.is_control() {
-                '_'
-            } else {
-                c
-            }
-        })
-        .collect()
-}
-
 fn is_stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
     use jetstream::context::GetStreamErrorKind;
     matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
@@ -320,56 +266,5 @@ fn start_error(name: &str, url: &postbox_core::redact::SecretUrl, reason: String
     Error::Io {
         context: format!("publisher `{name}` at {url}"),
         source: std::io::Error::other(redact_url(&reason)),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn placeholders_are_single_tokens() {
-        let t = Template::parse("{app_code}.{event_type}.{aggregate_id}").unwrap();
-        assert_eq!(stream_subjects(&t), "*.*.*");
-        let t = Template::parse("room.{app_code}-{event_type}.x").unwrap();
-        assert_eq!(stream_subjects(&t), "room.*.x");
-        assert_eq!(subject_token("order.42 a>*"), "order_42_a__");
-        assert_eq!(subject_token(""), "_");
-    }
-
-    #[test]
-    fn the_msg_id_names_app_code_replay_and_event() {
-        let mut r = postbox_core::EventRecord {
-            id: 1,
-            app_code: "room".into(),
-            event_id: "e1".into(),
-            event_type: "RoomCreated".into(),
-            aggregate_id: None,
-            aggregate_version: None,
-            payload: "{}".into(),
-            headers: None,
-            status: postbox_core::Status::Delivering,
-            retry_count: 0,
-            next_retry_at_ms: 0,
-            lock_until_ms: 0,
-            worker_id: None,
-            last_error: None,
-            delivered_to: vec![],
-            replay_count: 0,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-        };
-        assert_eq!(msg_id(&r), "room:0:e1");
-        r.replay_count = 2;
-        assert_eq!(msg_id(&r), "room:2:e1");
-        // An app_code with `:` cannot pose as another app_code's key.
-        r.app_code = "a:0".into();
-        r.event_id = "x".into();
-        r.replay_count = 0;
-        let colon = msg_id(&r);
-        r.app_code = "a".into();
-        r.event_id = "0:x".into();
-        assert_ne!(colon, msg_id(&r));
-        assert_eq!(colon, "a%3A0:0:x");
     }
 }

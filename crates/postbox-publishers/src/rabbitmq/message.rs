@@ -5,18 +5,9 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;
 use postbox_core::publish::Delivery;
 use postbox_core::template::Template;
+use postbox_core::wire::{self, rabbitmq::PERSISTENT};
 
-/// `delivery_mode` of a message the broker writes to disk.
-const PERSISTENT: u8 = 2;
-
-/// The headers postbox sets on every message, beside the event's own.
-pub const POSTBOX_HEADERS: [&str; 5] = [
-    "x-aggregate-id",
-    "x-aggregate-version",
-    "x-created-at-ms",
-    "x-attempt",
-    "x-replayed",
-];
+pub use postbox_core::wire::rabbitmq::POSTBOX_HEADERS;
 
 /// A message ready for `basic.publish`, owning its data so the session task
 /// can outlive the caller's borrow.
@@ -50,23 +41,23 @@ pub(super) fn outgoing(d: &Delivery<'_>, routing_key: &Template) -> Result<Outgo
     }
     if let Some(aggregate_id) = &r.aggregate_id {
         headers.insert(
-            "x-aggregate-id".into(),
+            wire::AGGREGATE_ID.into(),
             AMQPValue::LongString(aggregate_id.as_str().into()),
         );
     }
     if let Some(version) = r.aggregate_version {
         headers.insert(
-            "x-aggregate-version".into(),
+            wire::AGGREGATE_VERSION.into(),
             AMQPValue::LongLongInt(version),
         );
     }
     headers.insert(
-        "x-created-at-ms".into(),
+        wire::CREATED_AT_MS.into(),
         AMQPValue::LongLongInt(r.created_at_ms),
     );
-    headers.insert("x-attempt".into(), AMQPValue::LongInt(d.attempt));
+    headers.insert(wire::ATTEMPT.into(), AMQPValue::LongInt(d.attempt));
     if d.replayed {
-        headers.insert("x-replayed".into(), AMQPValue::Boolean(true));
+        headers.insert(wire::REPLAYED.into(), AMQPValue::Boolean(true));
     }
 
     let properties = BasicProperties::default()
@@ -74,7 +65,7 @@ pub(super) fn outgoing(d: &Delivery<'_>, routing_key: &Template) -> Result<Outgo
         .with_type(short("event_type", r.event_type.clone())?)
         .with_app_id(short("app_code", r.app_code.clone())?)
         .with_timestamp(u64::try_from(r.created_at_ms / 1000).unwrap_or(0))
-        .with_content_type("application/json".into())
+        .with_content_type(wire::CONTENT_TYPE.into())
         .with_delivery_mode(PERSISTENT)
         .with_headers(headers);
     Ok(Outgoing {

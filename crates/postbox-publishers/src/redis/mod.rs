@@ -1,5 +1,6 @@
 //! `kind = "redis"`: Redis Streams (SPEC §4). Each event is one
-//! `XADD <stream> [MAXLEN ~ n] * field value …` with the fields `event_id`,
+//! `XADD <stream> [MAXLEN ~ n] * field value …` with the fields (named in
+//! [`postbox_core::wire::redis`], which the consumer reads too) `event_id`,
 //! `event_type`, `app_code`, `aggregate_id` and `aggregate_version` (left out
 //! when the event has none), `created_at_ms`, `headers` (a JSON object: the
 //! event's headers plus `x-attempt`, and `x-replayed: true` on a replay) and
@@ -23,6 +24,7 @@ use postbox_core::config::RedisPublisherConfig;
 use postbox_core::publish::{Delivery, PublishError};
 use postbox_core::redact::{redact_url, SecretUrl};
 use postbox_core::template::Template;
+use postbox_core::wire::{self, redis as fields};
 use postbox_core::{Error, Publisher, Result};
 
 /// Bounds connecting and each reply, so a dead server makes a batch fail as
@@ -82,28 +84,25 @@ impl RedisPublisher {
             cmd.arg("MAXLEN").arg("~").arg(n);
         }
         cmd.arg("*")
-            .arg("event_id")
+            .arg(fields::EVENT_ID)
             .arg(&r.event_id)
-            .arg("event_type")
+            .arg(fields::EVENT_TYPE)
             .arg(&r.event_type)
-            .arg("app_code")
+            .arg(fields::APP_CODE)
             .arg(&r.app_code);
         if let Some(a) = &r.aggregate_id {
-            cmd.arg("aggregate_id").arg(a);
+            cmd.arg(fields::AGGREGATE_ID).arg(a);
         }
         if let Some(v) = r.aggregate_version {
-            cmd.arg("aggregate_version").arg(v);
+            cmd.arg(fields::AGGREGATE_VERSION).arg(v);
         }
         let mut headers = r.headers_map();
-        headers.insert("x-attempt".to_owned(), d.attempt.into());
-        if d.replayed {
-            headers.insert("x-replayed".to_owned(), true.into());
-        }
-        cmd.arg("created_at_ms")
+        wire::stamp_delivery(&mut headers, d.attempt, d.replayed);
+        cmd.arg(fields::CREATED_AT_MS)
             .arg(r.created_at_ms)
-            .arg("headers")
+            .arg(fields::HEADERS)
             .arg(serde_json::Value::Object(headers).to_string())
-            .arg("payload")
+            .arg(fields::PAYLOAD)
             .arg(&r.payload);
         cmd
     }

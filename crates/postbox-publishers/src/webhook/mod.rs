@@ -29,6 +29,7 @@ use tokio::sync::Semaphore;
 use postbox_core::config::WebhookPublisherConfig;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::Secret;
+use postbox_core::wire::{self, http};
 use postbox_core::{Error, Publisher, Result};
 
 /// Requests of one batch in flight at once.
@@ -97,16 +98,16 @@ impl WebhookPublisher {
             .client
             .post(self.url.clone())
             .timeout(timeout)
-            .header(CONTENT_TYPE, "application/json")
-            .header("Idempotency-Key", idempotency_key(&d.record.event_id)?);
+            .header(CONTENT_TYPE, wire::CONTENT_TYPE)
+            .header(http::IDEMPOTENCY_KEY, idempotency_key(&d.record.event_id)?);
         if let Some(secret) = &self.secret {
             let timestamp = SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .unwrap_or_default()
                 .as_secs();
             request = request
-                .header("X-Postbox-Timestamp", timestamp.to_string())
-                .header("X-Postbox-Signature", signature(secret, timestamp, &body));
+                .header(http::TIMESTAMP, timestamp.to_string())
+                .header(http::SIGNATURE, signature(secret, timestamp, &body));
         }
         let response = match request.body(body).send().await {
             Ok(r) => r,

@@ -7,20 +7,13 @@ use postbox_core::envelope::Envelope;
 use postbox_core::event::MAX_ID_LEN;
 use redis::Value;
 
-use crate::message::{CONSUME_ATTEMPT_HEADER, LAST_ERROR_HEADER};
-use crate::Message;
+use postbox_core::wire::redis::{
+    AGGREGATE_ID, AGGREGATE_VERSION, APP_CODE, CONSUMER_GROUP, CREATED_AT_MS, EVENT_ID, EVENT_TYPE,
+    FIELDS, HEADERS, PAYLOAD, SOURCE_ID,
+};
+use postbox_core::wire::{self, CONSUME_ATTEMPT, LAST_ERROR};
 
-/// The fields of the SPEC §4 mapping, in the order the publisher writes them.
-const FIELDS: [&str; 8] = [
-    "event_id",
-    "event_type",
-    "app_code",
-    "aggregate_id",
-    "aggregate_version",
-    "created_at_ms",
-    "headers",
-    "payload",
-];
+use crate::Message;
 
 fn text(fields: &HashMap<String, Value>, name: &str) -> Option<String> {
     fields
@@ -40,7 +33,7 @@ pub fn message_from_entry(
     fields: &HashMap<String, Value>,
     deliveries: u32,
 ) -> Result<Message, String> {
-    let event_id = text(fields, "event_id")
+    let event_id = text(fields, EVENT_ID)
         .filter(|s| !s.is_empty())
         .ok_or("the entry has no event_id field (postbox's Redis publisher writes one)")?;
     if event_id.len() > MAX_ID_LEN {
@@ -49,7 +42,7 @@ pub fn message_from_entry(
             event_id.len()
         ));
     }
-    let aggregate_version = match text(fields, "aggregate_version") {
+    let aggregate_version = match text(fields, AGGREGATE_VERSION) {
         None => None,
         Some(v) => Some(
             v.trim()
@@ -57,7 +50,7 @@ pub fn message_from_entry(
                 .map_err(|_| format!("field aggregate_version is not an integer: {v:?}"))?,
         ),
     };
-    let headers = match text(fields, "headers") {
+    let headers = match text(fields, HEADERS) {
         None => serde_json::Map::new(),
         Some(h) => match serde_json::from_str::<serde_json::Value>(&h) {
             Ok(serde_json::Value::Object(map)) => map,
@@ -65,16 +58,16 @@ pub fn message_from_entry(
         },
     };
     // Verbatim: never parsed into a value and serialized back.
-    let payload = Envelope::payload_of(&text(fields, "payload").unwrap_or_default());
+    let payload = Envelope::payload_of(&text(fields, PAYLOAD).unwrap_or_default());
     let attempt = deliveries.max(1);
     Ok(Message {
         envelope: Envelope {
             event_id,
-            app_code: text(fields, "app_code").unwrap_or_default(),
-            event_type: text(fields, "event_type").unwrap_or_default(),
-            aggregate_id: text(fields, "aggregate_id"),
+            app_code: text(fields, APP_CODE).unwrap_or_default(),
+            event_type: text(fields, EVENT_TYPE).unwrap_or_default(),
+            aggregate_id: text(fields, AGGREGATE_ID),
             aggregate_version,
-            created_at_ms: text(fields, "created_at_ms")
+            created_at_ms: text(fields, CREATED_AT_MS)
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0),
             headers,
@@ -96,19 +89,18 @@ pub fn dead_fields(
     attempt: u32,
     last_error: &str,
 ) -> Vec<(String, Vec<u8>)> {
-    let mut headers = text(fields, "headers")
+    let mut headers = text(fields, HEADERS)
         .and_then(|h| match serde_json::from_str(&h) {
             Ok(serde_json::Value::Object(map)) => Some(map),
             _ => None,
         })
         .unwrap_or_default();
-    headers.insert(CONSUME_ATTEMPT_HEADER.to_owned(), attempt.into());
-    let error: String = last_error.chars().take(1000).collect();
-    headers.insert(LAST_ERROR_HEADER.to_owned(), error.into());
+    headers.insert(CONSUME_ATTEMPT.to_owned(), attempt.into());
+    headers.insert(LAST_ERROR.to_owned(), wire::last_error(last_error).into());
     let raw = |v: &Value| redis::from_redis_value_ref::<Vec<u8>>(v).unwrap_or_default();
     let mut out: Vec<(String, Vec<u8>)> = Vec::with_capacity(fields.len() + 3);
     for name in FIELDS {
-        if name == "headers" {
+        if name == HEADERS {
             out.push((
                 name.to_owned(),
                 serde_json::Value::Object(headers.clone())
@@ -122,13 +114,13 @@ pub fn dead_fields(
     let mut others: Vec<_> = fields
         .iter()
         .filter(|(k, _)| {
-            !FIELDS.contains(&k.as_str()) && !matches!(k.as_str(), "consumer_group" | "source_id")
+            !FIELDS.contains(&k.as_str()) && ![CONSUMER_GROUP, SOURCE_ID].contains(&k.as_str())
         })
         .collect();
     others.sort_by(|a, b| a.0.cmp(b.0));
     out.extend(others.into_iter().map(|(k, v)| (k.clone(), raw(v))));
-    out.push(("consumer_group".to_owned(), group.as_bytes().to_vec()));
-    out.push(("source_id".to_owned(), source_id.as_bytes().to_vec()));
+    out.push((CONSUMER_GROUP.to_owned(), group.as_bytes().to_vec()));
+    out.push((SOURCE_ID.to_owned(), source_id.as_bytes().to_vec()));
     out
 }
 
@@ -182,8 +174,8 @@ mod tests {
         let m = message_from_entry(&map, 1).unwrap();
         assert_eq!(m.envelope.event_id, "ev-1");
         assert_eq!(m.envelope.aggregate_version, Some(7));
-        assert_eq!(m.envelope.headers[LAST_ERROR_HEADER], "boom");
-        assert_eq!(m.envelope.headers[CONSUME_ATTEMPT_HEADER], 5);
+        assert_eq!(m.envelope.headers[LAST_ERROR], "boom");
+        assert_eq!(m.envelope.headers[CONSUME_ATTEMPT], 5);
         assert_eq!(m.envelope.headers["tenant"], "acme");
     }
 

@@ -6,13 +6,10 @@ use lapin::BasicProperties;
 use postbox_core::envelope::Envelope;
 use postbox_core::event::MAX_ID_LEN;
 
-use crate::message::{CONSUME_ATTEMPT_HEADER, LAST_ERROR_HEADER};
-use crate::Message;
+use postbox_core::wire::rabbitmq::{is_death_header, DELIVERY_COUNT, PERSISTENT};
+use postbox_core::wire::{self, AGGREGATE_ID, AGGREGATE_VERSION, CONSUME_ATTEMPT, CREATED_AT_MS};
 
-/// Headers that map to envelope fields, not to `envelope.headers`.
-const AGGREGATE_ID: &str = "x-aggregate-id";
-const AGGREGATE_VERSION: &str = "x-aggregate-version";
-const CREATED_AT_MS: &str = "x-created-at-ms";
+use crate::Message;
 
 /// Reads the SPEC §4 mapping of the RabbitMQ publisher: `message_id` is the
 /// event id, `type` the event type, `app_id` the app code, and the
@@ -56,7 +53,7 @@ pub fn message_from_delivery(
                     })?)
                 }
                 CREATED_AT_MS => created_at_ms = as_i64(value),
-                CONSUME_ATTEMPT_HEADER => {
+                CONSUME_ATTEMPT => {
                     attempt = as_i64(value)
                         .and_then(|a| u32::try_from(a).ok())
                         .filter(|a| *a >= 1)
@@ -64,9 +61,7 @@ pub fn message_from_delivery(
                     headers.insert(key.to_owned(), to_json(value));
                 }
                 // Broker bookkeeping of dead-lettering, not the event's.
-                k if k == "x-death"
-                    || k.starts_with("x-first-death")
-                    || k.starts_with("x-last-death") => {}
+                k if is_death_header(k) => {}
                 _ => {
                     headers.insert(key.to_owned(), to_json(value));
                 }
@@ -98,6 +93,18 @@ pub fn message_from_delivery(
     })
 }
 
+/// How often a quorum queue delivered this copy before (its
+/// `x-delivery-count` header); 0 on classic queues, which only set the
+/// `redelivered` flag.
+pub(crate) fn delivery_count(properties: &BasicProperties) -> u32 {
+    properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(DELIVERY_COUNT))
+        .and_then(|v| u32::try_from(as_i64(v)?).ok())
+        .unwrap_or(0)
+}
+
 /// Properties of a copy: the original's identity and headers, persistent,
 /// with the next attempt number, and either a delay (`expiration`) or the
 /// last error.
@@ -113,23 +120,24 @@ pub(crate) fn copy_properties(
         .as_ref()
         .map(|h| {
             h.into_iter()
-                .filter(|(k, _)| k.as_str() != "x-delivery-count")
+                .filter(|(k, _)| k.as_str() != DELIVERY_COUNT)
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect::<std::collections::BTreeMap<_, _>>()
                 .into()
         })
         .unwrap_or_default();
     headers.insert(
-        CONSUME_ATTEMPT_HEADER.into(),
+        CONSUME_ATTEMPT.into(),
         AMQPValue::LongLongInt(i64::from(next_attempt)),
     );
     if let Some(e) = last_error {
-        // Long errors would bloat every copy; the start says what failed.
-        let e: String = e.chars().take(1000).collect();
-        headers.insert(LAST_ERROR_HEADER.into(), AMQPValue::LongString(e.into()));
+        headers.insert(
+            wire::LAST_ERROR.into(),
+            AMQPValue::LongString(wire::last_error(e).into()),
+        );
     }
     let mut p = BasicProperties::default()
-        .with_delivery_mode(2)
+        .with_delivery_mode(PERSISTENT)
         .with_headers(headers);
     if let Some(v) = original.message_id() {
         p = p.with_message_id(v.clone());
@@ -265,7 +273,7 @@ mod tests {
         let dead = copy_properties(&copy, 4, None, Some("boom"));
         assert!(dead.expiration().is_none());
         let h = dead.headers().as_ref().unwrap();
-        assert!(h.contains_key(LAST_ERROR_HEADER));
+        assert!(h.contains_key(wire::LAST_ERROR));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use postbox_core::config::ConsumerConfig;
 use postbox_core::Error;
 use tokio_util::sync::CancellationToken;
 
-use crate::rabbitmq::ConsumeReport;
+use super::ConsumeReport;
 
 /// How one session ended.
 pub(crate) enum SessionEnd {

@@ -1,0 +1,105 @@
+//! What every consumer (RabbitMQ, NATS, Redis) shares, written once:
+//!
+//! - [`settle`]: the one ack / retry / dead path. The decision for a message
+//!   (handled, duplicate, stale, retry after a delay, dead) and its
+//!   bookkeeping (metric, log line, attempt counting, the report) live
+//!   there; a broker implements only its transport actions
+//!   ([`settle::Transport`]: ack, deliver again after a delay, store a dead
+//!   copy, keep the message while its handler runs).
+//! - [`session`]: the reconnect loop around a broker connection.
+//! - [`ConsumeReport`], what a consumer did, and [`consumer_tag`], how a
+//!   consumer process names itself to the broker.
+
+pub(crate) mod session;
+pub(crate) mod settle;
+
+use crate::metrics::count;
+use crate::Handled;
+
+/// `{queue}-{host}-{pid}`: tells the processes on one queue apart in the
+/// broker's tools (the RabbitMQ management UI and `rabbitmqctl
+/// list_consumers`, NATS `CONNZ`, Redis `XINFO CONSUMERS`).
+pub fn consumer_tag(queue: &str) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    format!("{queue}-{host}-{}", std::process::id())
+}
+
+/// What a consumer did until it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumeReport {
+    /// Handled and acknowledged.
+    pub ok: u64,
+    /// Already in the inbox: acknowledged without a second effect.
+    pub duplicate: u64,
+    /// Older than the aggregate's last version: acknowledged and skipped.
+    pub stale: u64,
+    /// Failed and sent to be retried after a delay.
+    pub retry: u64,
+    /// Failed for the last time (or unreadable) and dead-lettered.
+    pub dead: u64,
+    /// Held back behind an earlier event of its aggregate waiting in retry
+    /// (`ordering = "per_aggregate"`, RabbitMQ): sent to `<queue>.retry`
+    /// unhandled, without counting an attempt (counted as `retry` in the
+    /// metric).
+    pub held: u64,
+}
+
+/// One settled message, as the report and `postbox_consume_total` count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Counted {
+    Handled(Handled),
+    Retry,
+    Held,
+    Dead,
+}
+
+impl ConsumeReport {
+    /// Counts one settled message of `consumer` in the report and in
+    /// `postbox_consume_total{consumer,result}`.
+    pub(crate) fn count(&mut self, consumer: &str, what: Counted) {
+        let (field, result) = match what {
+            Counted::Handled(h @ Handled::Ok) => (&mut self.ok, h.as_str()),
+            Counted::Handled(h @ Handled::Duplicate) => (&mut self.duplicate, h.as_str()),
+            Counted::Handled(h @ Handled::Stale) => (&mut self.stale, h.as_str()),
+            Counted::Retry => (&mut self.retry, "retry"),
+            Counted::Held => (&mut self.held, "retry"),
+            Counted::Dead => (&mut self.dead, "dead"),
+        };
+        *field += 1;
+        count(consumer, result);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_message_is_reported_held_and_counted_as_retry() {
+        let mut r = ConsumeReport::default();
+        r.count("c", Counted::Held);
+        r.count("c", Counted::Handled(Handled::Stale));
+        r.count("c", Counted::Dead);
+        assert_eq!(
+            r,
+            ConsumeReport {
+                held: 1,
+                stale: 1,
+                dead: 1,
+                ..ConsumeReport::default()
+            }
+        );
+    }
+
+    #[test]
+    fn the_tag_names_queue_and_process() {
+        let tag = consumer_tag("q");
+        assert!(tag.starts_with("q-"), "{tag}");
+        assert!(tag.ends_with(&format!("-{}", std::process::id())), "{tag}");
+    }
+}

@@ -1,0 +1,407 @@
+//! The one ack / retry / dead path of every consumer.
+//!
+//! [`process`] takes one message from its broker's hands to the end:
+//!
+//! ```text
+//! unreadable ─────────────────────────────────────────────► dead
+//! readable ─► Transport::verdict ─► Handle ─► handler ─► Ok(h) ──► ack        (ok / duplicate / stale)
+//!                │                                    └► Err ──┐
+//!                ├─ Failed (an attempt was lost) ──────────────┴► RetryPolicy::decide
+//!                │                                                 ├► retry after delay   (retry)
+//!                │                                                 └► dead                (dead)
+//!                ├─ Dead (no attempts left) ───────────────────────► dead                 (dead)
+//!                ├─ HeldBack (ordering) ─────► retry, same attempt                        (retry, held)
+//!                └─ Skip (another consumer owns it now)
+//! ```
+//!
+//! The decision, the metric, the log line and the report are written here
+//! once; a broker implements only the [`Transport`] actions, each of which
+//! says whether it settled the message ([`Settled::Done`], counted) or left
+//! it to the broker or another consumer ([`Settled::NotHere`], not counted;
+//! the transport logged why).
+
+use std::time::Duration;
+
+use tracing::Instrument;
+
+use super::{ConsumeReport, Counted};
+use crate::{Handled, Handler, HandlerError, Message, RetryDecision, RetryPolicy};
+
+/// Whether a transport action settled the message here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// The broker confirmed: the message is settled and counted.
+    Done,
+    /// Not settled by this consumer: another consumer owns the message now,
+    /// or its dead copy could not be stored and the broker brings it back.
+    /// The transport logged why; nothing is counted.
+    NotHere,
+}
+
+/// What to do with a readable message before (or instead of) handling it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Run the handler.
+    Handle,
+    /// Attempt `attempt` failed without running the handler now (the broker
+    /// redelivered a message whose consumer stopped, or a check failed): the
+    /// retry decision takes it from there.
+    Failed { attempt: u32, error: String },
+    /// Dead-letter it without handling: it had all its attempts.
+    Dead { attempt: u32, reason: String },
+    /// It waits behind `blocker`, an earlier event of its aggregate in
+    /// retry: delivered again after `delay` as the same attempt (being held
+    /// back is not a failure).
+    HeldBack { blocker: String, delay: Duration },
+    /// Not this consumer's to settle (the transport logged why).
+    Skip,
+}
+
+/// A broker's actions on the one message in hand. Errors are a broken
+/// connection or channel: the message stays unsettled and the broker
+/// delivers it again.
+pub(crate) trait Transport {
+    /// Looks at a readable message before it is handled.
+    async fn verdict(&mut self, _message: &Message) -> Verdict {
+        Verdict::Handle
+    }
+
+    /// Runs `handler` on `message`, keeping the broker from handing the
+    /// message to another consumer meanwhile (progress signals). `None`:
+    /// another consumer owns it now (logged); there is nothing to settle.
+    async fn handle(
+        &mut self,
+        handler: &dyn Handler,
+        message: &Message,
+    ) -> Option<Result<Handled, HandlerError>> {
+        Some(handler.handle(message).await)
+    }
+
+    /// Acknowledges the message after its handler succeeded.
+    async fn ack(&mut self) -> Result<Settled, String>;
+
+    /// Has the message delivered again after `delay`, as attempt
+    /// `next_attempt`, and settles the original.
+    async fn retry(&mut self, delay: Duration, next_attempt: u32) -> Result<Settled, String>;
+
+    /// Stores a dead copy (of `message` when it was readable) saying
+    /// `attempt` and `last_error`, and settles the original only once the
+    /// broker confirmed the copy.
+    async fn dead(
+        &mut self,
+        message: Option<&Message>,
+        attempt: u32,
+        last_error: &str,
+    ) -> Result<Settled, String>;
+
+    /// Where dead copies go, for log lines.
+    fn dead_letters(&self) -> String;
+}
+
+/// One consumer's side of settling: its name, its retry policy, its report.
+pub(crate) struct Settler<'a> {
+    pub consumer: &'a str,
+    pub policy: &'a RetryPolicy,
+    pub report: &'a mut ConsumeReport,
+}
+
+impl Settler<'_> {
+    /// Takes one message to the end: `read` is the message (or why it is
+    /// unreadable), `delivered` the attempt number the broker gives even an
+    /// unreadable message.
+    pub(crate) async fn process<T: Transport>(
+        &mut self,
+        handler: &dyn Handler,
+        transport: &mut T,
+        read: Result<Message, String>,
+        delivered: u32,
+    ) -> Result<(), String> {
+        let message = match read {
+            Ok(m) => m,
+            Err(reason) => {
+                tracing::warn!(
+                    consumer = self.consumer,
+                    reason,
+                    "unreadable message: dead-lettered"
+                );
+                return self.dead(transport, None, delivered, &reason).await;
+            }
+        };
+        let span =
+            tracing::info_span!("event", event_id = %message.event_id(), attempt = message.attempt);
+        self.settle(handler, transport, &message)
+            .instrument(span)
+            .await
+    }
+
+    async fn settle<T: Transport>(
+        &mut self,
+        handler: &dyn Handler,
+        transport: &mut T,
+        message: &Message,
+    ) -> Result<(), String> {
+        match transport.verdict(message).await {
+            Verdict::Handle => {}
+            Verdict::Failed { attempt, error } => {
+                return self.failed(transport, message, attempt, &error).await
+            }
+            Verdict::Dead { attempt, reason } => {
+                return self.dead(transport, Some(message), attempt, &reason).await
+            }
+            Verdict::HeldBack { blocker, delay } => {
+                if transport.retry(delay, message.attempt).await? == Settled::Done {
+                    self.report.count(self.consumer, Counted::Held);
+                    tracing::info!(
+                        consumer = self.consumer,
+                        blocker,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "held back behind an earlier event of its aggregate waiting in retry"
+                    );
+                }
+                return Ok(());
+            }
+            Verdict::Skip => return Ok(()),
+        }
+        match transport.handle(handler, message).await {
+            None => Ok(()),
+            Some(Ok(handled)) => {
+                if transport.ack().await? == Settled::Done {
+                    self.report.count(self.consumer, Counted::Handled(handled));
+                    tracing::debug!(
+                        consumer = self.consumer,
+                        result = handled.as_str(),
+                        "handled"
+                    );
+                }
+                Ok(())
+            }
+            Some(Err(e)) => {
+                self.failed(transport, message, message.attempt, e.message())
+                    .await
+            }
+        }
+    }
+
+    /// Attempt `attempt` failed with `error`: retried after a delay, or
+    /// dead-lettered on the last attempt.
+    async fn failed<T: Transport>(
+        &mut self,
+        transport: &mut T,
+        message: &Message,
+        attempt: u32,
+        error: &str,
+    ) -> Result<(), String> {
+        match self.policy.decide(attempt) {
+            RetryDecision::Retry {
+                delay,
+                next_attempt,
+            } => {
+                if transport.retry(delay, next_attempt).await? == Settled::Done {
+                    self.report.count(self.consumer, Counted::Retry);
+                    tracing::warn!(
+                        consumer = self.consumer,
+                        error,
+                        retry_in_ms = delay.as_millis() as u64,
+                        next_attempt,
+                        "attempt failed; retrying later"
+                    );
+                }
+                Ok(())
+            }
+            RetryDecision::Dead => self.dead(transport, Some(message), attempt, error).await,
+        }
+    }
+
+    async fn dead<T: Transport>(
+        &mut self,
+        transport: &mut T,
+        message: Option<&Message>,
+        attempt: u32,
+        error: &str,
+    ) -> Result<(), String> {
+        if transport.dead(message, attempt, error).await? == Settled::Done {
+            self.report.count(self.consumer, Counted::Dead);
+            tracing::error!(
+                consumer = self.consumer,
+                error,
+                attempt,
+                dead_letters = %transport.dead_letters(),
+                "dead-lettered"
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use async_trait::async_trait;
+    use postbox_core::envelope::Envelope;
+
+    use super::*;
+
+    /// Records the transport actions asked for.
+    #[derive(Default)]
+    struct Recorder {
+        verdict: Option<Verdict>,
+        actions: Vec<String>,
+        refuse_dead: bool,
+    }
+
+    impl Transport for Recorder {
+        async fn verdict(&mut self, _message: &Message) -> Verdict {
+            self.verdict.take().unwrap_or(Verdict::Handle)
+        }
+        async fn ack(&mut self) -> Result<Settled, String> {
+            self.actions.push("ack".into());
+            Ok(Settled::Done)
+        }
+        async fn retry(&mut self, delay: Duration, next: u32) -> Result<Settled, String> {
+            self.actions
+                .push(format!("retry {}ms as {next}", delay.as_millis()));
+            Ok(Settled::Done)
+        }
+        async fn dead(
+            &mut self,
+            message: Option<&Message>,
+            attempt: u32,
+            error: &str,
+        ) -> Result<Settled, String> {
+            self.actions.push(format!(
+                "dead {} {attempt} {error}",
+                message.map_or("-", |m| m.event_id())
+            ));
+            Ok(if self.refuse_dead {
+                Settled::NotHere
+            } else {
+                Settled::Done
+            })
+        }
+        fn dead_letters(&self) -> String {
+            "q.dead".into()
+        }
+    }
+
+    struct Answer(Mutex<Option<Result<Handled, HandlerError>>>);
+
+    #[async_trait]
+    impl Handler for Answer {
+        async fn handle(&self, _: &Message) -> Result<Handled, HandlerError> {
+            self.0.lock().unwrap().take().unwrap()
+        }
+    }
+
+    fn message(attempt: u32) -> Message {
+        Message {
+            envelope: Envelope {
+                event_id: "e1".into(),
+                app_code: "a".into(),
+                event_type: "T".into(),
+                aggregate_id: None,
+                aggregate_version: None,
+                created_at_ms: 0,
+                headers: Default::default(),
+                payload: Envelope::payload_of("{}"),
+            },
+            attempt,
+            redelivered: false,
+        }
+    }
+
+    const POLICY: RetryPolicy = RetryPolicy {
+        max_attempts: 3,
+        retry_delay: Duration::from_millis(100),
+        max_retry_delay: Duration::from_secs(1),
+    };
+
+    async fn run(
+        t: &mut Recorder,
+        read: Result<Message, String>,
+        answer: Result<Handled, HandlerError>,
+    ) -> ConsumeReport {
+        let mut report = ConsumeReport::default();
+        let handler = Answer(Mutex::new(Some(answer)));
+        Settler {
+            consumer: "c",
+            policy: &POLICY,
+            report: &mut report,
+        }
+        .process(&handler, t, read, 1)
+        .await
+        .unwrap();
+        report
+    }
+
+    #[tokio::test]
+    async fn success_acks_and_counts_the_handler_s_result() {
+        let mut t = Recorder::default();
+        let r = run(&mut t, Ok(message(1)), Ok(Handled::Duplicate)).await;
+        assert_eq!(t.actions, ["ack"]);
+        assert_eq!(r.duplicate, 1);
+    }
+
+    #[tokio::test]
+    async fn failure_retries_with_a_growing_delay_then_dead_letters() {
+        let mut t = Recorder::default();
+        let r = run(&mut t, Ok(message(2)), Err(HandlerError::new("boom"))).await;
+        assert_eq!(t.actions, ["retry 200ms as 3"]);
+        assert_eq!(r.retry, 1);
+        let mut t = Recorder::default();
+        let r = run(&mut t, Ok(message(3)), Err(HandlerError::new("boom"))).await;
+        assert_eq!(t.actions, ["dead e1 3 boom"]);
+        assert_eq!(r.dead, 1);
+    }
+
+    #[tokio::test]
+    async fn unreadable_messages_are_dead_lettered_unhandled() {
+        let mut t = Recorder::default();
+        let r = run(&mut t, Err("no id".into()), Ok(Handled::Ok)).await;
+        assert_eq!(t.actions, ["dead - 1 no id"]);
+        assert_eq!(r.dead, 1);
+    }
+
+    #[tokio::test]
+    async fn verdicts_skip_the_handler() {
+        let mut t = Recorder {
+            verdict: Some(Verdict::HeldBack {
+                blocker: "e0".into(),
+                delay: Duration::from_millis(100),
+            }),
+            ..Recorder::default()
+        };
+        let r = run(&mut t, Ok(message(1)), Ok(Handled::Ok)).await;
+        assert_eq!(t.actions, ["retry 100ms as 1"]);
+        assert_eq!((r.held, r.retry, r.ok), (1, 0, 0));
+
+        let mut t = Recorder {
+            verdict: Some(Verdict::Failed {
+                attempt: 3,
+                error: "lost".into(),
+            }),
+            ..Recorder::default()
+        };
+        run(&mut t, Ok(message(1)), Ok(Handled::Ok)).await;
+        assert_eq!(t.actions, ["dead e1 3 lost"]);
+
+        let mut t = Recorder {
+            verdict: Some(Verdict::Skip),
+            ..Recorder::default()
+        };
+        let r = run(&mut t, Ok(message(1)), Ok(Handled::Ok)).await;
+        assert!(t.actions.is_empty());
+        assert_eq!(r, ConsumeReport::default());
+    }
+
+    #[tokio::test]
+    async fn a_dead_copy_not_stored_here_is_not_counted() {
+        let mut t = Recorder {
+            refuse_dead: true,
+            ..Recorder::default()
+        };
+        let r = run(&mut t, Ok(message(3)), Err(HandlerError::new("boom"))).await;
+        assert_eq!(t.actions, ["dead e1 3 boom"]);
+        assert_eq!(r.dead, 0);
+    }
+}
