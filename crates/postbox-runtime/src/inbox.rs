@@ -116,3 +116,40 @@ where
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn inbox(url: &str) -> InboxConfig {
+        serde_json::from_value(serde_json::json!({ "url": url })).unwrap()
+    }
+
+    /// Regression: `postbox migrate` opened an inbox whose URL scheme it
+    /// did not know as SQLite (`_ =>` in the CLI's switch); a config built
+    /// in code, unvalidated, reached it. Now it is refused, naming the key.
+    #[tokio::test]
+    async fn an_unknown_inbox_scheme_is_refused_not_opened_as_sqlite() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("oracle://{}/inbox.db", dir.path().display());
+        let at = KeyPath::consumer(0).join("inbox");
+        match migrate(&at, &inbox(&url)).await {
+            Err(Error::Config { key, reason }) => {
+                assert_eq!(key, "consumers.0.inbox.url");
+                assert!(reason.contains("`oracle`"), "{reason}");
+            }
+            other => panic!("expected a config error, got {other:?}"),
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_sqlite_inbox_is_created() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+        migrate(&KeyPath::consumer(0).join("inbox"), &inbox(&url))
+            .await
+            .unwrap();
+        assert!(dir.path().join("inbox.db").exists());
+    }
+}

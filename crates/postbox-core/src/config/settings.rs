@@ -326,3 +326,118 @@ fn validate_worker(w: &WorkerConfig) -> Result<(), Error> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{HumanDuration, PublisherConfig};
+    use crate::redact::SecretUrl;
+
+    fn key_of(e: Error) -> String {
+        match e {
+            Error::Config { key, .. } => key,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    fn file_publisher() -> PublisherConfig {
+        serde_json::from_value(serde_json::json!({ "kind": "file", "path": "-" })).unwrap()
+    }
+
+    #[test]
+    fn a_config_that_fails_a_check_yields_no_settings() {
+        let mut config = Config::default();
+        config.database.url = SecretUrl::new("oracle://u:pw@h/db");
+        assert_eq!(key_of(config.validate().unwrap_err()), "database.url");
+
+        let mut config = Config::default();
+        config.outbox_worker.publish_timeout = HumanDuration::secs(30);
+        assert_eq!(
+            key_of(config.validate().unwrap_err()),
+            "outbox_worker.publish_timeout"
+        );
+
+        let settings = Config::default().validate().unwrap();
+        assert_eq!(settings.database_kind(), DatabaseKind::Sqlite);
+        assert_eq!(
+            settings.admin_or_default().listen,
+            super::super::DEFAULT_ADMIN_LISTEN
+        );
+    }
+
+    #[test]
+    fn entries_are_named_the_one_way() {
+        let mut config = Config::default();
+        config.publishers = vec![file_publisher(), file_publisher()];
+        assert_eq!(key_of(config.validate().unwrap_err()), "publishers.1.name");
+
+        let mut config = Config::default();
+        config.publishers = vec![file_publisher()];
+        let settings = config.validate().unwrap();
+        let keys: Vec<String> = settings.publishers().map(|(at, _)| at.into()).collect();
+        assert_eq!(keys, ["publishers.0"]);
+
+        let mut config = Config::default();
+        config
+            .outbox_worker
+            .event_types
+            .insert("Tick".into(), Default::default());
+        config
+            .outbox_worker
+            .event_types
+            .get_mut("Tick")
+            .unwrap()
+            .max_retry_count = Some(0);
+        assert_eq!(
+            key_of(config.validate().unwrap_err()),
+            "outbox_worker.event_types.Tick.max_retry_count"
+        );
+    }
+
+    #[test]
+    fn the_relay_settings_carry_the_same_checks() {
+        // No publisher: nothing to relay to.
+        let settings = Config::default().validate().unwrap();
+        assert_eq!(
+            key_of(settings.relay(Vec::new()).unwrap_err()),
+            "publishers"
+        );
+
+        let mut config = Config::default();
+        config.publishers = vec![file_publisher()];
+        config.database.max_payload_bytes = 7;
+        let settings = config.validate().unwrap();
+        let relay = settings.relay(Vec::new()).unwrap();
+        assert_eq!(relay.app_codes(), ["default"]);
+        assert_eq!(relay.max_payload_bytes(), 7);
+        let relay = settings.relay(vec!["room".into()]).unwrap();
+        assert_eq!(relay.app_codes(), ["room"]);
+        assert_eq!(
+            key_of(settings.relay(vec![String::new()]).unwrap_err()),
+            "database.app_codes"
+        );
+
+        // Built in code: the lease rule validation applies (issue 9.2).
+        let worker = WorkerConfig {
+            lease: HumanDuration::millis(3_000),
+            publish_timeout: HumanDuration::millis(2_500),
+            ..WorkerConfig::default()
+        };
+        assert_eq!(
+            key_of(RelaySettings::new(worker, vec!["a".into()]).unwrap_err()),
+            "outbox_worker.publish_timeout"
+        );
+        assert_eq!(
+            key_of(RelaySettings::new(WorkerConfig::default(), Vec::new()).unwrap_err()),
+            "database.app_codes"
+        );
+    }
+
+    #[test]
+    fn a_component_error_is_placed_at_its_entry() {
+        let e = Error::config("url", "bad").within(&KeyPath::publisher(2));
+        assert_eq!(key_of(e), "publishers.2.url");
+        let e = Error::Internal("x".into()).within(&KeyPath::consumer(0));
+        assert!(matches!(e, Error::Internal(_)));
+    }
+}
