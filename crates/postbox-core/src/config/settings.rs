@@ -367,12 +367,16 @@ mod tests {
 
     #[test]
     fn entries_are_named_the_one_way() {
-        let mut config = Config::default();
-        config.publishers = vec![file_publisher(), file_publisher()];
+        let config = Config {
+            publishers: vec![file_publisher(), file_publisher()],
+            ..Config::default()
+        };
         assert_eq!(key_of(config.validate().unwrap_err()), "publishers.1.name");
 
-        let mut config = Config::default();
-        config.publishers = vec![file_publisher()];
+        let config = Config {
+            publishers: vec![file_publisher()],
+            ..Config::default()
+        };
         let settings = config.validate().unwrap();
         let keys: Vec<String> = settings.publishers().map(|(at, _)| at.into()).collect();
         assert_eq!(keys, ["publishers.0"]);
@@ -403,8 +407,10 @@ mod tests {
             "publishers"
         );
 
-        let mut config = Config::default();
-        config.publishers = vec![file_publisher()];
+        let mut config = Config {
+            publishers: vec![file_publisher()],
+            ..Config::default()
+        };
         config.database.max_payload_bytes = 7;
         let settings = config.validate().unwrap();
         let relay = settings.relay(Vec::new()).unwrap();
