@@ -100,3 +100,60 @@ impl RelayService {
         report
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postbox_core::config::Config;
+
+    fn settings(toml_like: serde_json::Value) -> Settings {
+        let config: Config = serde_json::from_value(toml_like).unwrap();
+        config.validate().unwrap()
+    }
+
+    fn key_of(e: Error) -> String {
+        match e {
+            Error::Config { key, .. } => key,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_relay_with_nothing_to_do_does_not_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("p.db").display());
+        let none = settings(serde_json::json!({ "database": { "url": url } }));
+        let start = RelayService::start(&none, RelayOptions::default());
+        assert_eq!(key_of(start.await.err().unwrap()), "publishers");
+
+        let disabled = settings(serde_json::json!({
+            "database": { "url": url },
+            "outbox_worker": { "enabled": false },
+            "publishers": [{ "kind": "file", "path": "-" }],
+        }));
+        let start = RelayService::start(&disabled, RelayOptions::default());
+        assert_eq!(key_of(start.await.err().unwrap()), "outbox_worker.enabled");
+        assert!(!dir.path().join("p.db").exists(), "nothing was opened");
+    }
+
+    #[tokio::test]
+    async fn migrate_creates_the_store_and_a_run_stops_on_shutdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("p.db").display());
+        let s = settings(serde_json::json!({
+            "database": { "url": url },
+            "publishers": [{ "kind": "file", "path": dir.path().join("out.jsonl") }],
+        }));
+        let missing = RelayService::start(&s, RelayOptions::default()).await;
+        assert!(missing.is_err(), "a missing SQLite file is not created");
+        let options = RelayOptions {
+            migrate: true,
+            ..RelayOptions::default()
+        };
+        let relay = RelayService::start(&s, options).await.unwrap();
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        let report = relay.run(shutdown).await.unwrap();
+        assert_eq!(report.claimed, 0);
+    }
+}
