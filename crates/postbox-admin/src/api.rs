@@ -17,7 +17,8 @@ use postbox_core::time::{now_ms, parse_time_arg};
 use postbox_core::{EventRecord, Status};
 
 use crate::auth::Refusal;
-use crate::server::AppState;
+use crate::poller::Snapshot;
+use crate::state::AppState;
 
 /// Rows per page unless `limit` says otherwise.
 const DEFAULT_PAGE: u32 = 50;
@@ -106,7 +107,7 @@ pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-pub(crate) async fn stats(State(state): State<AppState>) -> Json<crate::Snapshot> {
+pub(crate) async fn stats(State(state): State<AppState>) -> Json<Snapshot> {
     Json(state.poller.snapshot())
 }
 

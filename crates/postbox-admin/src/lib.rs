@@ -20,6 +20,7 @@ mod dashboard;
 mod poller;
 mod recorder;
 mod server;
+mod state;
 
 pub use poller::{Snapshot, StatsPoller};
 pub use recorder::install_recorder;

@@ -6,17 +6,17 @@ use std::time::Duration;
 
 use axum::routing::{get, post};
 use axum::Router;
-use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use postbox_core::config::AdminConfig;
+use postbox_core::config::Settings;
 use postbox_core::redact::Secret;
 use postbox_core::store::OutboxStore;
 use postbox_core::{Error, Result};
 
 use crate::auth::TokenCheck;
 use crate::poller::StatsPoller;
+use crate::state::AppState;
 use crate::{api, dashboard};
 
 /// What the admin server needs besides the store.
@@ -36,35 +36,23 @@ pub struct AdminSettings {
 }
 
 impl AdminSettings {
-    /// Settings from `[admin]` and `database.app_codes`, polling every 5 s.
-    pub fn from_config(admin: &AdminConfig, app_codes: Vec<String>) -> Self {
+    /// Settings from checked configuration: `[admin]` (or its defaults),
+    /// the tenants `app_codes` (empty: `database.app_codes`) and the
+    /// `[[publishers]]` names as replay targets, polling every 5 s.
+    pub fn from_settings(settings: &Settings, app_codes: Vec<String>) -> Self {
+        let admin = settings.admin_or_default();
         AdminSettings {
-            listen: admin.listen.clone(),
-            token: Some(admin.token.clone()).filter(|t| !t.is_empty()),
-            app_codes,
+            listen: admin.listen,
+            token: Some(admin.token).filter(|t| !t.is_empty()),
+            app_codes: settings.app_codes_or_default(app_codes),
             poll_interval: Duration::from_secs(5),
-            publishers: Vec::new(),
+            publishers: settings
+                .publishers
+                .iter()
+                .map(|p| p.name().to_owned())
+                .collect(),
         }
     }
-
-    /// The replay targets offered: the configured publishers' names.
-    pub fn with_publishers(mut self, publishers: Vec<String>) -> Self {
-        self.publishers = publishers;
-        self
-    }
-}
-
-/// Shared by every handler.
-#[derive(Clone)]
-pub(crate) struct AppState {
-    pub store: Arc<dyn OutboxStore>,
-    pub poller: StatsPoller,
-    pub prometheus: PrometheusHandle,
-    pub token: TokenCheck,
-    /// Configured publisher names (replay targets).
-    pub publishers: Arc<Vec<String>>,
-    /// The tenants served (where archived rows are looked up).
-    pub app_codes: Arc<Vec<String>>,
 }
 
 /// An admin server bound to its address, not yet serving.
@@ -77,7 +65,7 @@ impl AdminServer {
     /// Installs the Prometheus recorder (once per process) and binds
     /// `settings.listen`.
     pub async fn bind(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
-        let prometheus = crate::install_recorder()?;
+        let prometheus = crate::recorder::install_recorder()?;
         let addr: SocketAddr = settings.listen.parse().map_err(|e| {
             Error::config(
                 "admin.listen",

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use postbox_core::config::{FilePublisherConfig, HumanDuration, WorkerConfig};
+use postbox_core::config::{FilePublisherConfig, HumanDuration, RelaySettings, WorkerConfig};
 use postbox_core::publish::{Delivery, PublishError};
 use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::store::{ClaimRequest, OutboxStore};
@@ -211,8 +211,7 @@ async fn relayed(store: Arc<dyn OutboxStore>, rows: u64) -> f64 {
     let relay = Relay::new(
         store.clone(),
         vec![publisher.clone()],
-        config,
-        vec![APP.to_owned()],
+        RelaySettings::new(config, vec![APP.to_owned()]).expect("a valid [outbox_worker]"),
     );
     let start = Instant::now();
     let task = tokio::spawn(relay.run(shutdown.clone()));

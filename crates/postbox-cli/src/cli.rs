@@ -236,7 +236,7 @@ pub struct QuickstartArgs {
     #[arg(long, default_value_t = 100)]
     pub rate: u32,
     /// Dashboard address (a free port is taken when this one is busy).
-    #[arg(long, default_value = "127.0.0.1:9464")]
+    #[arg(long, default_value = postbox_runtime::DEFAULT_ADMIN_LISTEN)]
     pub listen: String,
     /// Accepted for older scripts: the dashboard now always stays up after
     /// the demo until Ctrl-C.

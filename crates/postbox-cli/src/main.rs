@@ -24,6 +24,8 @@ macro_rules! errln {
 mod cli;
 mod commands;
 mod error;
+mod filter;
+mod held_back;
 mod logging;
 mod open;
 mod output;

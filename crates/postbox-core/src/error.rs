@@ -142,6 +142,20 @@ impl Error {
         }
     }
 
+    /// Places a config error of a component built from one config entry at
+    /// that entry: components name keys relative to their entry (`url`),
+    /// the caller knows where the entry is (`publishers.2`), and the user
+    /// reads `publishers.2.url`. Other errors pass unchanged.
+    pub fn within(self, entry: &crate::config::KeyPath) -> Self {
+        match self {
+            Error::Config { key, reason } => Error::Config {
+                key: entry.join(&key).into(),
+                reason,
+            },
+            other => other,
+        }
+    }
+
     /// True for errors caused by bad input or configuration (exit code 2),
     /// false for runtime failures (exit code 1).
     pub fn is_usage(&self) -> bool {

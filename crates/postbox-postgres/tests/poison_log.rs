@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use postbox_core::config::{HumanDuration, WorkerConfig};
+use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
 use postbox_core::store::OutboxStore;
 use postbox_core::NewEvent;
 use postbox_postgres::PgOutbox;
@@ -122,7 +122,8 @@ async fn a_panicking_stage_stops_the_relay_and_its_poison_ends_failed_after_rest
     loop {
         // What systemd does with a relay that exits 1: start it again.
         let publisher = Arc::new(RecordingPublisher::new("buggy").panicking_type("Bug"));
-        let relay = Relay::new(store.clone(), vec![publisher], worker.clone(), app.clone());
+        let settings = RelaySettings::new(worker.clone(), app.clone()).unwrap();
+        let relay = Relay::new(store.clone(), vec![publisher], settings);
         let stop = CancellationToken::new();
         let stopper = {
             let (store, app, stop) = (store.clone(), app.clone(), stop.clone());

@@ -22,10 +22,11 @@ pub mod webhook;
 
 use std::sync::Arc;
 
-use postbox_core::config::PublisherConfig;
+use postbox_core::config::{PublisherConfig, Settings};
 use postbox_core::{Publisher, Result};
 
-/// Builds the publisher a config entry describes.
+/// Builds the publisher a config entry describes; config errors name keys
+/// relative to the entry (`url`), see [`postbox_core::Error::within`].
 pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     match config {
         PublisherConfig::File(c) => Ok(Arc::new(file::FilePublisher::open(c).await?)),
@@ -38,26 +39,13 @@ pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     }
 }
 
-/// Builds every configured publisher, in order.
-pub async fn build_all(configs: &[PublisherConfig]) -> Result<Vec<Arc<dyn Publisher>>> {
-    let mut out = Vec::with_capacity(configs.len());
-    for (i, c) in configs.iter().enumerate() {
-        out.push(build(c).await.map_err(|e| at_index(e, i))?);
+/// Builds every configured publisher, in order. A config error names the
+/// entry's key (`publishers.2.url`): publishers name their keys relative
+/// to their entry.
+pub async fn build_all(settings: &Settings) -> Result<Vec<Arc<dyn Publisher>>> {
+    let mut out = Vec::with_capacity(settings.publishers.len());
+    for (at, c) in settings.publishers() {
+        out.push(build(c).await.map_err(|e| e.within(&at))?);
     }
     Ok(out)
-}
-
-/// Publishers name their keys `publishers.<key>`; the config error a user
-/// sees names the entry, `publishers.<i>.<key>`, as validation does.
-fn at_index(e: postbox_core::Error, i: usize) -> postbox_core::Error {
-    match e {
-        postbox_core::Error::Config { key, reason } => postbox_core::Error::Config {
-            key: match key.strip_prefix("publishers.") {
-                Some(rest) => format!("publishers.{i}.{rest}"),
-                None => key,
-            },
-            reason,
-        },
-        other => other,
-    }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, StatusCode};
-use postbox_core::config::{HumanDuration, WebhookPublisherConfig, WorkerConfig};
+use postbox_core::config::{HumanDuration, RelaySettings, WebhookPublisherConfig, WorkerConfig};
 use postbox_core::redact::SecretUrl;
 use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::store::{EventFilter, OutboxStore};
@@ -82,8 +82,7 @@ async fn a_webhook_outage_retries_only_the_webhook_and_rabbitmq_gets_each_event_
         Relay::new(
             store.clone(),
             vec![rabbit.clone(), webhook.clone()],
-            worker,
-            vec![APP.to_owned()],
+            RelaySettings::new(worker, vec![APP.to_owned()]).unwrap(),
         )
         .run(shutdown.clone()),
     );

@@ -7,7 +7,7 @@ mod rabbitmq_support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use postbox_core::config::{HumanDuration, WorkerConfig};
+use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
 use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::store::{AppStats, EventFilter, OutboxStore};
 use postbox_core::{NewEvent, Publisher, Status};
@@ -69,7 +69,8 @@ fn start_relay(
     config: WorkerConfig,
 ) -> RunningRelay {
     let shutdown = CancellationToken::new();
-    let relay = Relay::new(store, vec![publisher], config, vec![APP.to_owned()]);
+    let settings = RelaySettings::new(config, vec![APP.to_owned()]).unwrap();
+    let relay = Relay::new(store, vec![publisher], settings);
     let handle = tokio::spawn(relay.run(shutdown.clone()));
     RunningRelay { shutdown, handle }
 }

@@ -27,8 +27,11 @@ async fn relay_without_publishers_refuses_to_run() {
     let relay = Relay::new(
         store,
         vec![],
-        postbox_core::config::WorkerConfig::default(),
-        vec!["a".into()],
+        postbox_core::config::RelaySettings::new(
+            postbox_core::config::WorkerConfig::default(),
+            vec!["a".into()],
+        )
+        .unwrap(),
     );
     let err = relay.run(CancellationToken::new()).await.unwrap_err();
     assert!(err.to_string().contains("publishers"), "{err}");

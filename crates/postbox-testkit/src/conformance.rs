@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use postbox_core::config::{HumanDuration, WorkerConfig};
+use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
 use postbox_core::event::Fence;
 use postbox_core::relay::CancellationToken;
 use postbox_core::relay::{Relay, RelayReport};
@@ -133,7 +133,9 @@ pub async fn run_relay_until_for(
     done: impl Fn(&AppStats) -> bool,
 ) -> RelayReport {
     let shutdown = CancellationToken::new();
-    let relay = Relay::new(store.clone(), publishers, config, vec![app.to_owned()]);
+    let settings =
+        RelaySettings::new(config, vec![app.to_owned()]).expect("a valid [outbox_worker]");
+    let relay = Relay::new(store.clone(), publishers, settings);
     let handle = tokio::spawn(relay.run(shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -800,13 +802,9 @@ pub async fn relay_orders_events_per_aggregate(store: Arc<dyn OutboxStore>) {
         .iter()
         .map(|w| {
             let publishers: Vec<Arc<dyn Publisher>> = vec![p.clone()];
-            let relay = Relay::new(
-                store.clone(),
-                publishers,
-                config.clone(),
-                vec![APP.to_owned()],
-            )
-            .with_worker_id(*w);
+            let settings = RelaySettings::new(config.clone(), vec![APP.to_owned()])
+                .expect("a valid [outbox_worker]");
+            let relay = Relay::new(store.clone(), publishers, settings).with_worker_id(*w);
             tokio::spawn(relay.run(shutdown.clone()))
         })
         .collect();

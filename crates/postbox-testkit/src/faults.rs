@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use postbox_core::config::RelaySettings;
 use postbox_core::event::Fence;
 use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::store::{
@@ -284,12 +285,9 @@ pub async fn relay_reports_a_failed_mark_as_a_database_error(store: Arc<dyn Outb
     faulty.fail_marks(6);
     let publisher = Arc::new(RecordingPublisher::new("rec"));
     let shutdown = CancellationToken::new();
-    let relay = Relay::new(
-        faulty.clone(),
-        vec![publisher],
-        fast_worker(),
-        vec![APP.to_owned()],
-    );
+    let settings =
+        RelaySettings::new(fast_worker(), vec![APP.to_owned()]).expect("a valid [outbox_worker]");
+    let relay = Relay::new(faulty.clone(), vec![publisher], settings);
     let run = tokio::spawn(relay.run(shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(20);
     while faulty.failing_left() > 0 {

@@ -9,6 +9,7 @@ use postbox_core::store::OutboxStore;
 
 use crate::cli::Global;
 use crate::error::CliError;
+use crate::held_back::{describe_held_back, held_back, HELD_BACK_AFTER_MS};
 use crate::open::{load_config, open_store};
 use crate::output;
 
@@ -222,46 +223,6 @@ async fn app_code_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
         .collect()
 }
 
-/// How long a head that keeps failing or stays leased may hold its
-/// aggregate back before `doctor` and `status` show it.
-pub(crate) const HELD_BACK_AFTER_MS: i64 = 5 * 60 * 1000;
-
-/// Aggregates whose head cannot move (`ordering = "per_aggregate"`), of
-/// every app_code, oldest first: at most `limit` per app_code.
-pub(crate) async fn held_back(
-    store: &dyn OutboxStore,
-    app_codes: &[String],
-    limit: u32,
-) -> postbox_core::Result<Vec<postbox_core::store::StuckAggregate>> {
-    let mut out = Vec::new();
-    for app in app_codes {
-        out.extend(
-            store
-                .stuck_aggregates(app, HELD_BACK_AFTER_MS, limit)
-                .await?,
-        );
-    }
-    Ok(out)
-}
-
-/// One line per held-back aggregate.
-pub(crate) fn describe_held_back(s: &postbox_core::store::StuckAggregate) -> String {
-    format!(
-        "app_code `{}` aggregate `{}`: head {} is {} for {:.0}s (retry_count {}{}), {} later event(s) wait",
-        s.app_code,
-        s.aggregate_id,
-        s.head_event_id,
-        s.head_status.as_str(),
-        s.head_age_seconds,
-        s.head_retry_count,
-        s.head_last_error
-            .as_deref()
-            .map(|e| format!(", last error: {}", output::clip(e, 120)))
-            .unwrap_or_default(),
-        s.waiting
-    )
-}
-
 async fn held_back_check(store: &dyn OutboxStore, app_codes: &[String]) -> Check {
     let name = "aggregates:held_back";
     match held_back(store, app_codes, 5).await {
@@ -327,7 +288,7 @@ fn config_checks(config: &Config) -> Vec<Check> {
         if c.inbox.is_none() {
             continue;
         }
-        let needed = horizon + crate::commands::consume::redelivery_horizon(c);
+        let needed = horizon + postbox_runtime::consumers::redelivery_horizon(c);
         let name = format!("config:consumers.{i}.inbox_retention");
         checks.push(if c.inbox_retention.get() < needed {
             check(

@@ -17,7 +17,7 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
     require_schema(store.as_ref()).await?;
     match args.command {
         EventsCommand::List(list) => {
-            let mut f = super::filter(&list.filter, list.limit)?;
+            let mut f = crate::filter::filter(&list.filter, list.limit)?;
             f.before_id = list.before_id;
             let rows = store.list_inspected(&f).await?;
             if g.json {

@@ -16,7 +16,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     )?;
     let store = open_store_creating(&config).await?;
     let report = store.migrate().await?;
-    let inboxes = super::consume::migrate_inboxes(&config.consumers).await?;
+    let inboxes = postbox_runtime::consumers::migrate_inboxes(&config).await?;
     if g.json {
         return output::json(&report);
     }

@@ -11,37 +11,3 @@ pub mod relay;
 pub mod replay;
 pub mod serve;
 pub mod status;
-
-use postbox_core::store::EventFilter;
-use postbox_core::time::{now_ms, parse_time_arg};
-use postbox_core::Status;
-
-use crate::cli::FilterArgs;
-use crate::error::CliError;
-
-/// Turns filter flags into a store filter; a bad value names its flag.
-pub fn filter(args: &FilterArgs, limit: u32) -> Result<EventFilter, CliError> {
-    let now = now_ms();
-    let time = |flag: &str, v: &Option<String>| -> Result<Option<i64>, CliError> {
-        v.as_deref()
-            .map(|s| parse_time_arg(s, now).map_err(|e| CliError::usage(format!("--{flag}: {e}"))))
-            .transpose()
-    };
-    let status = args
-        .status
-        .as_deref()
-        .map(|s| {
-            s.parse::<Status>()
-                .map_err(|e| CliError::usage(format!("--status: {e}")))
-        })
-        .transpose()?;
-    Ok(EventFilter {
-        app_code: args.app_code.clone(),
-        status,
-        event_type: args.event_type.clone(),
-        since_ms: time("since", &args.since)?,
-        until_ms: time("until", &args.until)?,
-        before_id: None,
-        limit,
-    })
-}

@@ -8,13 +8,14 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use postbox_admin::{AdminServer, AdminSettings};
-use postbox_core::config::{self, AdminConfig, ConfigSource};
+use postbox_core::config::{self, ConfigSource, Settings};
 use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::NewEvent;
+use postbox_runtime::signals::spawn_signal_handler;
 
 use crate::cli::{Global, QuickstartArgs};
-use crate::commands::relay::spawn_signal_handler;
 use crate::error::CliError;
+use crate::logging;
 use crate::open::open_store_creating;
 
 const DEMO_TYPES: [&str; 4] = ["RoomCreated", "MemberJoined", "GiftSent", "MemberLeft"];
@@ -56,13 +57,10 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     })?;
     let store = open_store_creating(&config).await?;
     store.migrate().await?;
-    let publishers = postbox_publishers::build_all(&config.publishers).await?;
+    let publishers = postbox_publishers::build_all(&config).await?;
+    let relay_settings = config.relay(Vec::new())?;
 
-    let admin = config.admin.clone().unwrap_or_else(|| AdminConfig {
-        listen: args.listen.clone(),
-        token: Default::default(),
-    });
-    let dashboard = bind_dashboard(store.clone(), &admin, &args.listen, &config).await?;
+    let dashboard = bind_dashboard(store.clone(), &args.listen, &config).await?;
     let dashboard_addr = dashboard.local_addr()?;
 
     outln!("postbox quickstart");
@@ -82,17 +80,11 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     // also stop by themselves once every event is delivered, while the
     // dashboard keeps serving until the signal.
     let interrupted = CancellationToken::new();
-    spawn_signal_handler(interrupted.clone());
+    spawn_signal_handler(interrupted.clone(), logging::flush);
     let shutdown = interrupted.child_token();
     let dashboard_stop = CancellationToken::new();
     let dashboard_task = tokio::spawn(dashboard.run(dashboard_stop.clone()));
-    let relay = Relay::new(
-        store.clone(),
-        publishers,
-        config.outbox_worker.clone(),
-        config.database.app_codes.clone(),
-    )
-    .with_max_payload_bytes(config.database.max_payload_bytes);
+    let relay = Relay::new(store.clone(), publishers, relay_settings);
     let relay_task = tokio::spawn(relay.run(shutdown.clone()));
 
     let producer = {
@@ -189,18 +181,10 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
 /// (another quickstart or a relay already serving there).
 async fn bind_dashboard(
     store: std::sync::Arc<dyn postbox_core::store::OutboxStore>,
-    admin: &AdminConfig,
     listen: &str,
-    config: &postbox_core::config::Config,
+    config: &Settings,
 ) -> Result<AdminServer, CliError> {
-    let mut settings = AdminSettings::from_config(admin, config.database.app_codes.clone())
-        .with_publishers(
-            config
-                .publishers
-                .iter()
-                .map(|p| p.name().to_owned())
-                .collect(),
-        );
+    let mut settings = AdminSettings::from_settings(config, Vec::new());
     settings.listen = listen.to_owned();
     settings.poll_interval = Duration::from_secs(1);
     match AdminServer::bind(store.clone(), settings.clone()).await {

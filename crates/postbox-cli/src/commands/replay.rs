@@ -17,7 +17,7 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
             app_code: f.app_code.clone(),
             event_ids: args.event_ids.clone(),
         },
-        (true, true) => ReplaySelector::Filter(super::filter(f, 0)?),
+        (true, true) => ReplaySelector::Filter(crate::filter::filter(f, 0)?),
         (false, true) => {
             return Err(CliError::usage(
                 "give either event ids or filters (--status, --event-type, --since, --until), not both",

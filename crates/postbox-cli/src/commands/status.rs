@@ -86,11 +86,11 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
         );
     }
     if config.outbox_worker.ordering == postbox_core::config::Ordering::PerAggregate {
-        let stuck = crate::commands::doctor::held_back(store.as_ref(), &app_codes, 10).await?;
+        let stuck = crate::held_back::held_back(store.as_ref(), &app_codes, 10).await?;
         if !stuck.is_empty() {
             outln!("\naggregates held back (per_aggregate ordering):");
             for s in &stuck {
-                outln!("  {}", crate::commands::doctor::describe_held_back(s));
+                outln!("  {}", crate::held_back::describe_held_back(s));
             }
         }
     }

@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use super::{HumanDuration, Ordering};
+use super::{DatabaseKind, HumanDuration, KeyPath, Ordering};
 use crate::redact::SecretUrl;
 use crate::{Error, TableName};
 
@@ -159,10 +159,10 @@ impl ConsumerConfig {
 
     /// Checks the keys that only some kinds take, and the names NATS and
     /// Redis put limits on.
-    fn validate_kind_keys(&self, key: &str) -> Result<(), Error> {
+    fn validate_kind_keys(&self, at: &KeyPath) -> Result<(), Error> {
         let only = |name: &str, kinds: &str| {
             Err(Error::config(
-                format!("{key}.{name}"),
+                at.join(name),
                 format!(
                     "is not used by kind `{}` (only by {kinds})",
                     self.kind.as_str()
@@ -193,20 +193,20 @@ impl ConsumerConfig {
         };
         if !nats_name(&self.queue) {
             return Err(Error::config(
-                format!("{key}.queue"),
+                at.join("queue"),
                 "a JetStream stream name must not contain `.`, `*`, `>`, slashes or spaces",
             ));
         }
         if !nats_name(self.consumer_group()) {
             return Err(Error::config(
-                format!("{key}.consumer_group"),
+                at.join("consumer_group"),
                 "names the durable JetStream consumer, so it must not contain `.`, `*`, `>`, slashes or spaces",
             ));
         }
         if let Some(subject) = &self.subject {
             if !valid_subject(subject, true) {
                 return Err(Error::config(
-                    format!("{key}.subject"),
+                    at.join("subject"),
                     "must be a NATS subject: dot-separated non-empty tokens without spaces (`*` and a final `>` allowed)",
                 ));
             }
@@ -215,28 +215,25 @@ impl ConsumerConfig {
             // Only needed when the stream is missing, but a config that
             // works only while the stream exists is a trap.
             return Err(Error::config(
-                format!("{key}.subject"),
+                at.join("subject"),
                 "declare = true needs the subjects to create the stream with: set subject (for example `orders.>`)",
             ));
         }
         if !valid_subject(&self.nats_dead_subject(), false) {
             return Err(Error::config(
-                format!("{key}.dead_subject"),
+                at.join("dead_subject"),
                 "must be a NATS subject without wildcards: dot-separated non-empty tokens without spaces",
             ));
         }
         if self.ack_wait.get() < std::time::Duration::from_millis(100) {
-            return Err(Error::config(
-                format!("{key}.ack_wait"),
-                "must be at least 100ms",
-            ));
+            return Err(Error::config(at.join("ack_wait"), "must be at least 100ms"));
         }
         Ok(())
     }
 
-    /// Checks one entry; `key` is its path, e.g. `consumers.0`.
-    pub(crate) fn validate(&self, key: &str) -> Result<(), Error> {
-        self.validate_kind_keys(key)?;
+    /// Checks one entry; `at` is its path, e.g. `consumers.0`.
+    pub(crate) fn validate(&self, at: &KeyPath) -> Result<(), Error> {
+        self.validate_kind_keys(at)?;
         let schemes: &[&str] = match self.kind {
             ConsumerKind::Rabbitmq => &["amqp", "amqps"],
             ConsumerKind::Nats => &["nats", "tls"],
@@ -246,7 +243,7 @@ impl ConsumerConfig {
         // that use this section only.
         if self.url.unresolved().is_none() && !schemes.contains(&self.url.scheme()) {
             return Err(Error::config(
-                format!("{key}.url"),
+                at.join("url"),
                 format!(
                     "unsupported scheme `{}` for kind `{}`: use {}://",
                     self.url.scheme(),
@@ -257,10 +254,7 @@ impl ConsumerConfig {
         }
         if let Some(name) = &self.name {
             if name.is_empty() || name.len() > 64 {
-                return Err(Error::config(
-                    format!("{key}.name"),
-                    "must be 1 to 64 bytes",
-                ));
+                return Err(Error::config(at.join("name"), "must be 1 to 64 bytes"));
             }
         }
         let plain = |s: &str| {
@@ -269,42 +263,42 @@ impl ConsumerConfig {
         };
         if self.queue.is_empty() || self.queue.len() > MAX_QUEUE_LEN || !plain(&self.queue) {
             return Err(Error::config(
-                format!("{key}.queue"),
+                at.join("queue"),
                 format!("must be 1 to {MAX_QUEUE_LEN} characters of A-Z, a-z, 0-9, `_`, `-`, `.` or `:`"),
             ));
         }
         for (i, b) in self.bindings.iter().enumerate() {
             if b.exchange.is_empty() || b.exchange.len() > 255 {
                 return Err(Error::config(
-                    format!("{key}.bindings.{i}.exchange"),
+                    at.join("bindings").index(i).join("exchange"),
                     "must be 1 to 255 bytes (the default exchange cannot be bound)",
                 ));
             }
             if b.routing_key.len() > 255 {
                 return Err(Error::config(
-                    format!("{key}.bindings.{i}.routing_key"),
+                    at.join("bindings").index(i).join("routing_key"),
                     "must be at most 255 bytes",
                 ));
             }
         }
         if self.prefetch == 0 {
             return Err(Error::config(
-                format!("{key}.prefetch"),
+                at.join("prefetch"),
                 "must be ≥ 1 (0 would mean no limit on unacknowledged messages)",
             ));
         }
         if self.max_attempts == 0 {
-            return Err(Error::config(format!("{key}.max_attempts"), "must be ≥ 1"));
+            return Err(Error::config(at.join("max_attempts"), "must be ≥ 1"));
         }
         if self.retry_delay.get().is_zero() {
             return Err(Error::config(
-                format!("{key}.retry_delay"),
+                at.join("retry_delay"),
                 "must be > 0: a failed message is never requeued at once",
             ));
         }
         if self.max_retry_delay < self.retry_delay {
             return Err(Error::config(
-                format!("{key}.max_retry_delay"),
+                at.join("max_retry_delay"),
                 format!(
                     "{} is shorter than retry_delay ({})",
                     self.max_retry_delay, self.retry_delay
@@ -314,20 +308,20 @@ impl ConsumerConfig {
         if let Some(group) = &self.consumer_group {
             if group.is_empty() || group.len() > MAX_CONSUMER_GROUP_LEN {
                 return Err(Error::config(
-                    format!("{key}.consumer_group"),
+                    at.join("consumer_group"),
                     format!("must be 1 to {MAX_CONSUMER_GROUP_LEN} bytes"),
                 ));
             }
         } else if self.inbox.is_some() && self.queue.len() > MAX_CONSUMER_GROUP_LEN {
             return Err(Error::config(
-                format!("{key}.consumer_group"),
+                at.join("consumer_group"),
                 "defaults to the queue name, which is longer than 128 bytes: set it",
             ));
         }
         if let Some(h) = &self.handler {
             if h.http.unresolved().is_none() && !matches!(h.http.scheme(), "http" | "https") {
                 return Err(Error::config(
-                    format!("{key}.handler.http"),
+                    at.join("handler.http"),
                     format!(
                         "unsupported scheme `{}`: use http:// or https://",
                         h.http.scheme()
@@ -335,32 +329,16 @@ impl ConsumerConfig {
                 ));
             }
             if h.timeout.get().is_zero() {
-                return Err(Error::config(
-                    format!("{key}.handler.timeout"),
-                    "must be > 0",
-                ));
+                return Err(Error::config(at.join("handler.timeout"), "must be > 0"));
             }
         }
         if let Some(inbox) = &self.inbox {
-            if inbox.url.unresolved().is_none()
-                && !matches!(
-                    inbox.url.scheme(),
-                    "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite"
-                )
-            {
-                return Err(Error::config(
-                    format!("{key}.inbox.url"),
-                    format!(
-                        "unsupported scheme `{}`: use postgres://, mysql:// or sqlite://",
-                        inbox.url.scheme()
-                    ),
-                ));
-            }
+            DatabaseKind::check(&inbox.url, &at.join("inbox.url"))?;
         }
         if self.ordering == Ordering::PerAggregate {
             if self.kind != ConsumerKind::Rabbitmq {
                 return Err(Error::config(
-                    format!("{key}.ordering"),
+                    at.join("ordering"),
                     format!(
                         "`per_aggregate` is only implemented for kind `rabbitmq`, not `{}`: use `none`",
                         self.kind.as_str()
@@ -369,16 +347,13 @@ impl ConsumerConfig {
             }
             if self.inbox.is_none() {
                 return Err(Error::config(
-                    format!("{key}.ordering"),
+                    at.join("ordering"),
                     "`per_aggregate` needs an inbox (the held-back aggregates are kept in its database, shared by every process of the group): set inbox = { url = …, table = … }",
                 ));
             }
         }
         if self.inbox_retention.get().is_zero() {
-            return Err(Error::config(
-                format!("{key}.inbox_retention"),
-                "must be > 0",
-            ));
+            return Err(Error::config(at.join("inbox_retention"), "must be > 0"));
         }
         Ok(())
     }
@@ -456,7 +431,7 @@ mod tests {
     }
 
     fn key_of(extra: serde_json::Value) -> String {
-        match entry(extra).validate("consumers.0") {
+        match entry(extra).validate(&KeyPath::consumer(0)) {
             Err(Error::Config { key, .. }) => key,
             other => panic!("expected a config error, got {other:?}"),
         }
@@ -465,7 +440,7 @@ mod tests {
     #[test]
     fn nats_keys_load_with_defaults() {
         let c = entry(serde_json::json!({}));
-        c.validate("consumers.0").unwrap();
+        c.validate(&KeyPath::consumer(0)).unwrap();
         assert_eq!(c.queue, "ORDERS");
         assert_eq!(c.ack_wait.get(), std::time::Duration::from_secs(30));
         assert_eq!(c.nats_dead_subject(), "ORDERS.dead.billing");
@@ -523,9 +498,9 @@ mod tests {
         assert_eq!(key_of(rabbit.clone()), "consumers.0.ordering");
         let mut with_inbox = rabbit;
         with_inbox["inbox"] = json!({ "url": "postgres://127.0.0.1/x" });
-        entry(with_inbox).validate("consumers.0").unwrap();
+        entry(with_inbox).validate(&KeyPath::consumer(0)).unwrap();
         let redis =
             entry(json!({ "kind": "redis", "url": "redis://127.0.0.1:6379/0", "subject": null }));
-        redis.validate("consumers.0").unwrap();
+        redis.validate(&KeyPath::consumer(0)).unwrap();
     }
 }

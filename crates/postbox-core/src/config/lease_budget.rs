@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use super::WorkerConfig;
+use crate::Error;
 
 /// The relay's lease arithmetic for one `[outbox_worker]` section.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,6 +66,13 @@ impl LeaseBudget {
             humantime::format_duration(max_timeout),
             humantime::format_duration(min_lease),
         ))
+    }
+
+    /// [`LeaseBudget::check`] as the config error validation, the relay and
+    /// `doctor` report: it names `outbox_worker.publish_timeout`.
+    pub fn check_config(&self) -> Result<(), Error> {
+        self.check()
+            .map_err(|reason| Error::config("outbox_worker.publish_timeout", reason))
     }
 }
 

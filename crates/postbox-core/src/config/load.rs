@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use figment::providers::{Env, Format, Toml, Yaml};
 use figment::Figment;
 
-use super::Config;
+use super::{Config, Settings};
 use crate::redact::SecretUrl;
 use crate::Error;
 
@@ -18,15 +18,15 @@ pub struct ConfigSource {
     pub database_url: Option<String>,
 }
 
-/// Loads and validates the configuration: file (TOML or YAML by extension),
+/// Loads and validates the configuration into [`Settings`]: file (TOML or YAML by extension),
 /// then `POSTBOX__SECTION__KEY` variables, then command-line overrides.
-pub fn load(source: &ConfigSource) -> Result<Config, Error> {
+pub fn load(source: &ConfigSource) -> Result<Settings, Error> {
     load_for(source, super::Uses::ALL)
 }
 
 /// [`load`] for a command that uses only `uses` besides `[database]`: an
 /// unset `${VAR}` in another section is not an error.
-pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Config, Error> {
+pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Error> {
     let mut figment = Figment::new();
     let file = match &source.file {
         Some(f) => {
@@ -61,8 +61,7 @@ pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Config, Erro
         config.database.url = SecretUrl::new(url.clone());
     }
     config.require_env(uses)?;
-    config.validate()?;
-    Ok(config)
+    config.validate()
 }
 
 fn extension(p: &Path) -> &str {
@@ -107,7 +106,7 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn load_str(toml: &str) -> Result<Config, Error> {
+    fn load_str(toml: &str) -> Result<Settings, Error> {
         let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
         f.write_all(toml.as_bytes()).unwrap();
         load(&ConfigSource {

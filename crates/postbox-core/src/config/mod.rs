@@ -2,10 +2,13 @@
 //! `POSTBOX__SECTION__KEY`, validated before anything starts.
 
 mod consumer;
+mod database;
 mod duration;
+mod key;
 mod lease_budget;
 mod load;
 mod publisher;
+mod settings;
 
 use std::collections::BTreeMap;
 
@@ -15,17 +18,20 @@ pub use consumer::{
     BindingConfig, ConsumerConfig, ConsumerKind, HandlerConfig, InboxConfig,
     MAX_CONSUMER_GROUP_LEN, MAX_QUEUE_LEN,
 };
+pub use database::DatabaseKind;
 pub use duration::HumanDuration;
+pub use key::KeyPath;
 pub use lease_budget::LeaseBudget;
 pub use load::{load, load_for, ConfigSource};
 pub use publisher::{
     FilePublisherConfig, NatsPublisherConfig, PublisherConfig, RabbitMqPublisherConfig,
     RedisPublisherConfig, WebhookPublisherConfig,
 };
+pub use settings::{RelaySettings, Settings};
 
 use crate::redact::{Secret, SecretUrl};
 use crate::retry::Backoff;
-use crate::{Error, TableName};
+use crate::TableName;
 
 /// The parts of the configuration a command uses besides `[database]`:
 /// only their `${VAR}` references must be set ([`Config::require_env`]).
@@ -54,7 +60,9 @@ impl Uses {
     };
 }
 
-/// The whole configuration file.
+/// The whole configuration file as read, not yet checked: turn it into
+/// [`Settings`] with [`Config::validate`] (or read it with [`load`]); the
+/// relay, the consumers and the admin server take only `Settings`.
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -251,196 +259,19 @@ pub struct AdminConfig {
     pub token: Secret,
 }
 
+/// Where the admin server listens when `[admin]` or `listen` is absent.
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9464";
+
 fn default_admin_listen() -> String {
-    "127.0.0.1:9464".to_owned()
+    DEFAULT_ADMIN_LISTEN.to_owned()
 }
 
-impl Config {
-    /// Checks every rule that a type alone cannot; the error names the key.
-    pub fn validate(&self) -> Result<(), Error> {
-        let db = &self.database;
-        let scheme = db.url.scheme();
-        if db.url.unresolved().is_none()
-            && !matches!(
-                scheme,
-                "postgres" | "postgresql" | "mysql" | "mariadb" | "sqlite"
-            )
-        {
-            return Err(Error::config(
-                "database.url",
-                format!("unsupported scheme `{scheme}`: use postgres://, mysql:// or sqlite://"),
-            ));
+impl Default for AdminConfig {
+    /// `[admin]` absent: the default address and no token (read-only).
+    fn default() -> Self {
+        AdminConfig {
+            listen: default_admin_listen(),
+            token: Secret::default(),
         }
-        if db.app_codes.is_empty() {
-            return Err(Error::config(
-                "database.app_codes",
-                "must name at least one app_code",
-            ));
-        }
-        for code in &db.app_codes {
-            if code.is_empty() || code.len() > crate::event::MAX_ID_LEN {
-                return Err(Error::config(
-                    "database.app_codes",
-                    format!("`{code}` must be 1 to 64 bytes"),
-                ));
-            }
-        }
-        if db.max_payload_bytes == 0 {
-            return Err(Error::config("database.max_payload_bytes", "must be > 0"));
-        }
-        if db.max_connections < 2 {
-            return Err(Error::config(
-                "database.max_connections",
-                "must be at least 2 (the relay claims and marks on separate connections)",
-            ));
-        }
-
-        let w = &self.outbox_worker;
-        if w.poll_interval.get().is_zero() {
-            return Err(Error::config(
-                "outbox_worker.poll_interval",
-                "must be > 0, or an idle relay would busy-loop on the database",
-            ));
-        }
-        if w.batch_size == 0 {
-            return Err(Error::config(
-                "outbox_worker.batch_size",
-                "must be > 0 (a claim never takes the whole table)",
-            ));
-        }
-        if w.publish_timeout.get().is_zero() {
-            return Err(Error::config(
-                "outbox_worker.publish_timeout",
-                "must be > 0",
-            ));
-        }
-        if let Err(reason) = LeaseBudget::of(w).check() {
-            return Err(Error::config("outbox_worker.publish_timeout", reason));
-        }
-        if w.max_retry_count == 0 {
-            return Err(Error::config(
-                "outbox_worker.max_retry_count",
-                "must be ≥ 1",
-            ));
-        }
-        if w.initial_backoff.get().is_zero() {
-            return Err(Error::config(
-                "outbox_worker.initial_backoff",
-                "must be > 0",
-            ));
-        }
-        if w.max_backoff < w.initial_backoff {
-            return Err(Error::config(
-                "outbox_worker.max_backoff",
-                format!(
-                    "{} is shorter than initial_backoff ({})",
-                    w.max_backoff, w.initial_backoff
-                ),
-            ));
-        }
-        for (ty, o) in &w.event_types {
-            if o.max_retry_count == Some(0) {
-                return Err(Error::config(
-                    format!("outbox_worker.event_types.{ty}.max_retry_count"),
-                    "must be ≥ 1",
-                ));
-            }
-        }
-
-        let mut names = std::collections::HashSet::new();
-        for (i, p) in self.publishers.iter().enumerate() {
-            p.validate(&format!("publishers.{i}"))?;
-            if !names.insert(p.name().to_owned()) {
-                return Err(Error::config(
-                    format!("publishers.{i}.name"),
-                    format!(
-                        "`{}` is used twice; give each publisher its own name",
-                        p.name()
-                    ),
-                ));
-            }
-            if p.name().contains(',') {
-                return Err(Error::config(
-                    format!("publishers.{i}.name"),
-                    "must not contain `,`",
-                ));
-            }
-        }
-
-        let mut consumer_names = std::collections::HashSet::new();
-        for (i, c) in self.consumers.iter().enumerate() {
-            c.validate(&format!("consumers.{i}"))?;
-            if !consumer_names.insert(c.name().to_owned()) {
-                return Err(Error::config(
-                    format!("consumers.{i}.name"),
-                    format!(
-                        "`{}` is used twice (the name defaults to the queue); give each consumer its own name",
-                        c.name()
-                    ),
-                ));
-            }
-        }
-
-        if self.archive.batch_size == 0 {
-            return Err(Error::config("archive.batch_size", "must be > 0"));
-        }
-        if self.archive.interval.get().is_zero() {
-            return Err(Error::config("archive.interval", "must be > 0"));
-        }
-        Ok(())
-    }
-
-    /// Fails, naming the key, when a part of the configuration `uses`
-    /// names holds a `${VAR}` whose variable is not set. `database.url` is
-    /// always needed; the other sections only by the commands that use
-    /// them, so `postbox status` does not need the admin token.
-    pub fn require_env(&self, uses: Uses) -> Result<(), Error> {
-        let check = |key: String, unresolved: Option<&str>| match unresolved {
-            Some(why) => Err(Error::config(key, why.to_owned())),
-            None => Ok(()),
-        };
-        check("database.url".into(), self.database.url.unresolved())?;
-        if uses.publishers {
-            for (i, p) in self.publishers.iter().enumerate() {
-                check(
-                    format!("publishers.{i}.url"),
-                    p.url().and_then(|u| u.unresolved()),
-                )?;
-                if let publisher::PublisherConfig::Webhook(w) = p {
-                    check(
-                        format!("publishers.{i}.secret"),
-                        w.secret.as_ref().and_then(|s| s.unresolved()),
-                    )?;
-                }
-            }
-        }
-        if uses.admin {
-            if let Some(admin) = &self.admin {
-                check("admin.token".into(), admin.token.unresolved())?;
-            }
-        }
-        if uses.consumers {
-            for (i, c) in self.consumers.iter().enumerate() {
-                check(format!("consumers.{i}.url"), c.url.unresolved())?;
-                if let Some(h) = &c.handler {
-                    check(format!("consumers.{i}.handler.http"), h.http.unresolved())?;
-                }
-                if let Some(inbox) = &c.inbox {
-                    check(format!("consumers.{i}.inbox.url"), inbox.url.unresolved())?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Checks what the relay needs beyond [`Config::validate`].
-    pub fn validate_for_relay(&self) -> Result<(), Error> {
-        if self.publishers.is_empty() {
-            return Err(Error::config(
-                "publishers",
-                "the relay needs at least one [[publishers]] entry",
-            ));
-        }
-        Ok(())
     }
 }

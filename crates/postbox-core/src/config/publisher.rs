@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Deserializer};
 
-use super::HumanDuration;
+use super::{HumanDuration, KeyPath};
 use crate::redact::{Secret, SecretUrl};
 use crate::template::Template;
 use crate::Error;
@@ -63,7 +63,7 @@ impl PublisherConfig {
         }
     }
 
-    pub(crate) fn validate(&self, key: &str) -> Result<(), Error> {
+    pub(crate) fn validate(&self, at: &KeyPath) -> Result<(), Error> {
         if let Some(name) = self.configured_name() {
             let ok = !name.is_empty()
                 && name.len() <= 64
@@ -73,7 +73,7 @@ impl PublisherConfig {
             if !ok {
                 // `delivered_to` joins names with commas, so names are plain.
                 return Err(Error::config(
-                    format!("{key}.name"),
+                    at.join("name"),
                     "must be 1 to 64 characters of A-Z, a-z, 0-9, `_`, `-` or `.`",
                 ));
             }
@@ -81,7 +81,7 @@ impl PublisherConfig {
         let url_schemes: &[&str] = match self {
             PublisherConfig::File(c) if c.path.is_empty() => {
                 return Err(Error::config(
-                    format!("{key}.path"),
+                    at.join("path"),
                     "is empty; give a file path or \"-\" for stdout",
                 ))
             }
@@ -89,26 +89,26 @@ impl PublisherConfig {
             PublisherConfig::Rabbitmq(c) => {
                 if c.exchange.is_empty() {
                     return Err(Error::config(
-                        format!("{key}.exchange"),
+                        at.join("exchange"),
                         "is empty; the default exchange cannot confirm routing, name an exchange",
                     ));
                 }
                 if c.exchange.len() > 255 {
                     return Err(Error::config(
-                        format!("{key}.exchange"),
+                        at.join("exchange"),
                         "is longer than 255 bytes, the AMQP limit for exchange names",
                     ));
                 }
                 match c.ca_file.as_deref() {
                     Some("") => {
                         return Err(Error::config(
-                            format!("{key}.ca_file"),
+                            at.join("ca_file"),
                             "is empty; leave it out to trust only the public web roots",
                         ))
                     }
                     Some(_) if c.url.unresolved().is_none() && c.url.scheme() != "amqps" => {
                         return Err(Error::config(
-                            format!("{key}.ca_file"),
+                            at.join("ca_file"),
                             "is only used for TLS: use an amqps:// url or leave ca_file out",
                         ))
                     }
@@ -123,7 +123,7 @@ impl PublisherConfig {
                         .any(|ch| matches!(ch, '.' | '*' | '>' | ' ' | '/' | '\\'))
                 {
                     return Err(Error::config(
-                        format!("{key}.stream"),
+                        at.join("stream"),
                         "must be a non-empty JetStream stream name without `.`, `*`, `>`, spaces or slashes",
                     ));
                 }
@@ -132,7 +132,7 @@ impl PublisherConfig {
             PublisherConfig::Redis(c) => {
                 if c.maxlen == Some(0) {
                     return Err(Error::config(
-                        format!("{key}.maxlen"),
+                        at.join("maxlen"),
                         "must be > 0 (leave it out for an unbounded stream)",
                     ));
                 }
@@ -140,11 +140,11 @@ impl PublisherConfig {
             }
             PublisherConfig::Webhook(c) => {
                 if c.timeout.get().is_zero() {
-                    return Err(Error::config(format!("{key}.timeout"), "must be > 0"));
+                    return Err(Error::config(at.join("timeout"), "must be > 0"));
                 }
                 if matches!(&c.secret, Some(s) if s.is_empty()) {
                     return Err(Error::config(
-                        format!("{key}.secret"),
+                        at.join("secret"),
                         "is empty; leave it out to send unsigned requests",
                     ));
                 }
@@ -156,7 +156,7 @@ impl PublisherConfig {
         // that use this section only.
         if url.unresolved().is_none() && !url_schemes.contains(&url.scheme()) {
             return Err(Error::config(
-                format!("{key}.url"),
+                at.join("url"),
                 format!(
                     "unsupported scheme `{}` for kind `{}`: use {}",
                     url.scheme(),

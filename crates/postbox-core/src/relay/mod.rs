@@ -35,7 +35,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 pub use tokio_util::sync::CancellationToken;
 
-use crate::config::{LeaseBudget, WorkerConfig};
+use crate::config::{LeaseBudget, RelaySettings, WorkerConfig};
 use crate::event::Fence;
 use crate::publish::Publisher;
 use crate::store::OutboxStore;
@@ -81,20 +81,22 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// A relay over `store` for `app_codes`, publishing to every publisher.
+    /// A relay over `store`, publishing to every publisher, run on checked
+    /// settings ([`Settings::relay`](crate::config::Settings::relay) or
+    /// [`RelaySettings::new`]).
     pub fn new(
         store: Arc<dyn OutboxStore>,
         publishers: Vec<Arc<dyn Publisher>>,
-        config: WorkerConfig,
-        app_codes: Vec<String>,
+        settings: RelaySettings,
     ) -> Self {
+        let (config, app_codes, max_payload_bytes) = settings.into_parts();
         Relay {
             store,
             publishers,
             config,
             app_codes,
             worker_id: default_worker_id(),
-            max_payload_bytes: crate::config::DatabaseConfig::default().max_payload_bytes,
+            max_payload_bytes,
         }
     }
 

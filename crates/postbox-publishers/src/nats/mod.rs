@@ -74,7 +74,7 @@ impl NatsPublisher {
             Err(e) if is_stream_not_found(&e) => {
                 if !config.declare {
                     return Err(Error::config(
-                        "publishers.stream",
+                        "stream",
                         format!(
                             "publisher `{}`: JetStream stream `{}` does not exist: create it (capturing `{}`) or set `declare = true`",
                             self.name,

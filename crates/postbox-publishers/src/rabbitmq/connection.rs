@@ -67,7 +67,7 @@ impl Target {
         let raw = config.url.expose();
         let mut uri: AMQPUri = raw.parse().map_err(|e: String| {
             Error::config(
-                "publishers.url",
+                "url",
                 format!(
                     "publisher `{name}`: `{}` is not an AMQP URL: {}",
                     config.url,
@@ -90,23 +90,22 @@ impl Target {
             None => None,
             Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
                 Error::config(
-                    "publishers.ca_file",
+                    "ca_file",
                     format!("publisher `{name}`: cannot read CA file `{path}`: {e}"),
                 )
             })?),
         };
         if ca_pem.is_some() && uri.scheme != AMQPScheme::AMQPS {
             return Err(Error::config(
-                "publishers.ca_file",
+                "ca_file",
                 format!("publisher `{name}`: ca_file is only used with amqps:// URLs"),
             ));
         }
         Ok(Target {
             connection_name: connection_name(&name),
             password: uri.authority.userinfo.password.clone(),
-            exchange: ShortString::try_new(config.exchange.clone()).map_err(|e| {
-                Error::config("publishers.exchange", format!("publisher `{name}`: {e}"))
-            })?,
+            exchange: ShortString::try_new(config.exchange.clone())
+                .map_err(|e| Error::config("exchange", format!("publisher `{name}`: {e}")))?,
             declare: config.declare,
             url: config.url.clone(),
             uri,
@@ -237,7 +236,7 @@ impl Target {
     /// The start error for `declare = false` and no exchange.
     pub fn missing_exchange(&self) -> Error {
         Error::config(
-            "publishers.exchange",
+            "exchange",
             format!(
                 "publisher `{}`: exchange `{}` does not exist on {}; create it, or set `declare = true` to let postbox declare it (durable, topic)",
                 self.name, self.exchange, self.url

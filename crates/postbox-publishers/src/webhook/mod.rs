@@ -58,7 +58,7 @@ impl WebhookPublisher {
     /// webpki roots). Nothing is sent until the first publish.
     pub fn new(config: &WebhookPublisherConfig) -> Result<Self> {
         let name = config.name.clone().unwrap_or_else(|| "webhook".to_owned());
-        let key = "publishers.url".to_owned();
+        let key = "url".to_owned();
         let url = Url::parse(config.url.expose())
             .map_err(|e| Error::config(&key, format!("not a valid URL: {e}")))?;
         if url.host_str().is_none() {

@@ -1,0 +1,44 @@
+//! The admin server (API, `/metrics`, dashboard) of checked settings.
+
+use std::sync::Arc;
+
+use postbox_admin::{AdminServer, AdminSettings};
+use postbox_core::config::Settings;
+use postbox_core::relay::CancellationToken;
+use postbox_core::store::OutboxStore;
+use postbox_core::Error;
+use tokio::task::JoinHandle;
+
+/// Binds the admin server on `admin.listen` (or `listen` when given),
+/// serving `app_codes` (empty: `database.app_codes`).
+pub async fn bind(
+    settings: &Settings,
+    store: Arc<dyn OutboxStore>,
+    app_codes: Vec<String>,
+    listen: Option<String>,
+) -> Result<AdminServer, Error> {
+    let mut admin = AdminSettings::from_settings(settings, app_codes);
+    if let Some(listen) = listen {
+        admin.listen = listen;
+    }
+    AdminServer::bind(store, admin).await
+}
+
+/// Starts the admin server in the background when `[admin]` is set (beside
+/// the relay); it stops with `shutdown`.
+pub async fn spawn_if_configured(
+    settings: &Settings,
+    store: Arc<dyn OutboxStore>,
+    app_codes: Vec<String>,
+    shutdown: CancellationToken,
+) -> Result<Option<JoinHandle<()>>, Error> {
+    if settings.admin.is_none() {
+        return Ok(None);
+    }
+    let server = bind(settings, store, app_codes, None).await?;
+    Ok(Some(tokio::spawn(async move {
+        if let Err(e) = server.run(shutdown).await {
+            tracing::error!(error = %e, "admin server stopped");
+        }
+    })))
+}

@@ -1,0 +1,186 @@
+//! Running every `[[consumers]]` entry: each queue bridged to its HTTP
+//! handler, through its inbox when one is configured, with the inbox purge
+//! beside it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use postbox_consumers::http::HttpHandler;
+use postbox_consumers::nats::NatsConsumer;
+use postbox_consumers::ordering::AggregateHolds;
+use postbox_consumers::rabbitmq::RabbitMqConsumer;
+use postbox_consumers::redis::RedisConsumer;
+use postbox_consumers::{Handler, RetryPolicy};
+use postbox_core::config::{ConsumerConfig, ConsumerKind, KeyPath, Settings};
+use postbox_core::relay::CancellationToken;
+use postbox_core::Error;
+
+use crate::inbox;
+
+/// Runs every consumer until `shutdown` is cancelled; the first that fails
+/// stops the others, and its error (naming its key, `consumers.1.queue`) is
+/// returned.
+pub async fn run(settings: &Settings, shutdown: CancellationToken) -> Result<(), Error> {
+    if settings.consumers.is_empty() {
+        return Err(Error::config(
+            "consumers",
+            "no [[consumers]] entry: nothing to consume",
+        ));
+    }
+    for (at, c) in settings.consumers() {
+        if c.handler.is_none() {
+            return Err(Error::config(
+                at.join("handler"),
+                "postbox consume needs a handler, e.g. handler = { http = \"http://127.0.0.1:8080/events\" }",
+            ));
+        }
+        warn_short_retention(&at, c);
+    }
+
+    let mut tasks = tokio::task::JoinSet::new();
+    for (at, c) in settings.consumers() {
+        let (handler, holds) = build_handler(&at, c, &shutdown).await?;
+        let shutdown = shutdown.clone();
+        let name = c.name().to_owned();
+        let placed = at.clone();
+        match c.kind {
+            ConsumerKind::Rabbitmq => {
+                let mut consumer =
+                    RabbitMqConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
+                if let Some(holds) = holds {
+                    consumer = consumer.with_holds(holds);
+                }
+                tasks.spawn(async move {
+                    (
+                        name,
+                        consumer.run(shutdown).await.map_err(|e| e.within(&placed)),
+                    )
+                });
+            }
+            ConsumerKind::Nats => {
+                let consumer = NatsConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
+                tasks.spawn(async move {
+                    (
+                        name,
+                        consumer.run(shutdown).await.map_err(|e| e.within(&placed)),
+                    )
+                });
+            }
+            ConsumerKind::Redis => {
+                let consumer = RedisConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
+                tasks.spawn(async move {
+                    (
+                        name,
+                        consumer.run(shutdown).await.map_err(|e| e.within(&placed)),
+                    )
+                });
+            }
+        }
+    }
+    let mut failure = None;
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((name, Ok(report))) => {
+                tracing::info!(consumer = name, ?report, "consumer finished")
+            }
+            Ok((name, Err(e))) => {
+                tracing::error!(consumer = name, error = %e, "consumer failed; stopping the others");
+                shutdown.cancel();
+                failure.get_or_insert(e);
+            }
+            Err(e) => {
+                shutdown.cancel();
+                failure.get_or_insert(Error::Internal(format!("a consumer task panicked: {e}")));
+            }
+        }
+    }
+    failure.map_or(Ok(()), Err)
+}
+
+/// Creates the inbox tables of every consumer that has one (for `postbox
+/// migrate`); returns a line per inbox.
+pub async fn migrate_inboxes(settings: &Settings) -> Result<Vec<String>, Error> {
+    let mut done = Vec::new();
+    for (at, c) in settings.consumers() {
+        let Some(config) = &c.inbox else { continue };
+        inbox::migrate(&at.join("inbox"), config).await?;
+        done.push(format!(
+            "inbox `{}` of consumer `{}` is ready",
+            config.table,
+            c.name()
+        ));
+    }
+    Ok(done)
+}
+
+/// How long after its first delivery an event can still reach this
+/// consumer's handler again: the sum of its retry delays. An inbox that
+/// forgets an event before then lets that redelivery through a second time.
+pub fn redelivery_horizon(c: &ConsumerConfig) -> Duration {
+    RetryPolicy::of(c).redelivery_horizon()
+}
+
+/// The HTTP bridge, through the inbox when one is configured (starting
+/// its purge); with `ordering = "per_aggregate"` also the holds beside the
+/// inbox.
+async fn build_handler(
+    at: &KeyPath,
+    c: &ConsumerConfig,
+    shutdown: &CancellationToken,
+) -> Result<(Arc<dyn Handler>, Option<Arc<dyn AggregateHolds>>), Error> {
+    let Some(h) = c.handler.as_ref() else {
+        return Err(Error::config(at.join("handler"), "is required"));
+    };
+    let http = HttpHandler::new(h.http.clone(), h.timeout.get()).map_err(|e| e.within(at))?;
+    match &c.inbox {
+        None => Ok((Arc::new(http), None)),
+        Some(_) => inbox::bridge(at, c, http, shutdown).await,
+    }
+}
+
+fn warn_short_retention(at: &KeyPath, c: &ConsumerConfig) {
+    if c.inbox.is_none() {
+        return;
+    }
+    let horizon = redelivery_horizon(c);
+    if c.inbox_retention.get() < horizon {
+        tracing::warn!(
+            key = %at.join("inbox_retention"),
+            retention = %c.inbox_retention,
+            horizon = %humantime::format_duration(horizon),
+            "inbox_retention is shorter than the redelivery horizon (the sum of the retry delays): a late retry of a handled event would be handled again"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postbox_core::config::Config;
+
+    fn key_of(e: Error) -> String {
+        match e {
+            Error::Config { key, .. } => key,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn consuming_needs_an_entry_with_a_handler() {
+        let none = Config::default().validate().unwrap();
+        let run_none = run(&none, CancellationToken::new()).await;
+        assert_eq!(key_of(run_none.unwrap_err()), "consumers");
+
+        let config: Config = serde_json::from_value(serde_json::json!({
+            "consumers": [{
+                "kind": "rabbitmq",
+                "url": "amqp://guest:guest@127.0.0.1:5672/%2f",
+                "queue": "q",
+            }],
+        }))
+        .unwrap();
+        let settings = config.validate().unwrap();
+        let run_bare = run(&settings, CancellationToken::new()).await;
+        assert_eq!(key_of(run_bare.unwrap_err()), "consumers.0.handler");
+    }
+}

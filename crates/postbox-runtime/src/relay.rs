@@ -1,0 +1,159 @@
+//! The relay with what runs beside it: the admin server when `[admin]` is
+//! set, and the archiver when `[archive] enabled`.
+
+use std::sync::Arc;
+
+use postbox_core::config::{RelaySettings, Settings};
+use postbox_core::publish::Publisher;
+use postbox_core::relay::{CancellationToken, Relay, RelayReport};
+use postbox_core::store::OutboxStore;
+use postbox_core::Error;
+
+use crate::store::{self, Create};
+
+/// How to start the relay, besides the configuration.
+#[derive(Debug, Clone, Default)]
+pub struct RelayOptions {
+    /// Run the migrations first (and create a missing SQLite file).
+    pub migrate: bool,
+    /// Only these tenants (empty: `database.app_codes`).
+    pub app_codes: Vec<String>,
+}
+
+/// A relay whose store and publishers are open, ready to [`run`].
+///
+/// [`run`]: RelayService::run
+pub struct RelayService {
+    settings: Settings,
+    relay: RelaySettings,
+    store: Arc<dyn OutboxStore>,
+    publishers: Vec<Arc<dyn Publisher>>,
+}
+
+impl RelayService {
+    /// Checks that the relay has something to do, opens the store (running
+    /// the migrations when asked), checks its schema and connects every
+    /// publisher. Errors name the config key at fault.
+    pub async fn start(settings: &Settings, options: RelayOptions) -> Result<Self, Error> {
+        let relay = settings.relay(options.app_codes)?;
+        if !settings.outbox_worker.enabled {
+            return Err(Error::config(
+                "outbox_worker.enabled",
+                "is false; nothing to run",
+            ));
+        }
+        let create = if options.migrate {
+            Create::IfMissing
+        } else {
+            Create::Never
+        };
+        let store = store::open(settings, create).await?;
+        if options.migrate {
+            store.migrate().await?;
+        }
+        store::require_schema(store.as_ref()).await?;
+        let publishers = postbox_publishers::build_all(settings).await?;
+        Ok(RelayService {
+            settings: settings.clone(),
+            relay,
+            store,
+            publishers,
+        })
+    }
+
+    /// The open store.
+    pub fn store(&self) -> &Arc<dyn OutboxStore> {
+        &self.store
+    }
+
+    /// Runs the relay, and beside it the admin server and the archiver
+    /// when configured, until `shutdown` is cancelled or the relay fails;
+    /// the others stop with it.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<RelayReport, Error> {
+        let app_codes = self.relay.app_codes().to_vec();
+        let admin = crate::admin::spawn_if_configured(
+            &self.settings,
+            self.store.clone(),
+            app_codes.clone(),
+            shutdown.clone(),
+        )
+        .await?;
+        let archiver = self.settings.archive.enabled.then(|| {
+            tokio::spawn(postbox_core::archive::run_scheduled(
+                self.store.clone(),
+                self.settings.archive.clone(),
+                app_codes,
+                shutdown.clone(),
+            ))
+        });
+        let relay = Relay::new(self.store, self.publishers, self.relay);
+        let report = relay.run(shutdown.clone()).await;
+        // The relay stops only on shutdown or error; the admin server and
+        // the archiver stop with it.
+        shutdown.cancel();
+        if let Some(task) = archiver {
+            let _ = task.await;
+        }
+        if let Some(admin) = admin {
+            let _ = admin.await;
+        }
+        report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postbox_core::config::Config;
+
+    fn settings(toml_like: serde_json::Value) -> Settings {
+        let config: Config = serde_json::from_value(toml_like).unwrap();
+        config.validate().unwrap()
+    }
+
+    fn key_of(e: Error) -> String {
+        match e {
+            Error::Config { key, .. } => key,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_relay_with_nothing_to_do_does_not_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("p.db").display());
+        let none = settings(serde_json::json!({ "database": { "url": url } }));
+        let start = RelayService::start(&none, RelayOptions::default());
+        assert_eq!(key_of(start.await.err().unwrap()), "publishers");
+
+        let disabled = settings(serde_json::json!({
+            "database": { "url": url },
+            "outbox_worker": { "enabled": false },
+            "publishers": [{ "kind": "file", "path": "-" }],
+        }));
+        let start = RelayService::start(&disabled, RelayOptions::default());
+        assert_eq!(key_of(start.await.err().unwrap()), "outbox_worker.enabled");
+        assert!(!dir.path().join("p.db").exists(), "nothing was opened");
+    }
+
+    #[tokio::test]
+    async fn migrate_creates_the_store_and_a_run_stops_on_shutdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("p.db").display());
+        let s = settings(serde_json::json!({
+            "database": { "url": url },
+            "publishers": [{ "kind": "file", "path": dir.path().join("out.jsonl") }],
+        }));
+        let missing = RelayService::start(&s, RelayOptions::default()).await;
+        assert!(missing.is_err(), "a missing SQLite file is not created");
+        let options = RelayOptions {
+            migrate: true,
+            ..RelayOptions::default()
+        };
+        let relay = RelayService::start(&s, options).await.unwrap();
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        let report = relay.run(shutdown).await.unwrap();
+        assert_eq!(report.claimed, 0);
+    }
+}

@@ -1,0 +1,118 @@
+//! Opening the outbox store `database.url` names: the one place that maps
+//! a URL scheme to a backend.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use postbox_core::config::{DatabaseKind, Settings};
+use postbox_core::store::{EventFilter, OutboxStore};
+use postbox_core::Error;
+
+/// Whether opening may create a missing SQLite database file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Create {
+    /// A missing SQLite file is an error naming it (every reading command).
+    Never,
+    /// A missing SQLite file is created (`migrate`, `relay --migrate`).
+    IfMissing,
+}
+
+/// Opens the backend for `database.url` with `database.table`,
+/// `max_connections` and `max_payload_bytes`. A pool that cannot reach
+/// its server fails with the address it tried and why (never the
+/// credentials).
+pub async fn open(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxStore>, Error> {
+    let db = &settings.database;
+    let (url, table) = (db.url.expose(), db.table.as_str());
+    let store: Arc<dyn OutboxStore> = match settings.database_kind() {
+        DatabaseKind::Postgres => {
+            let at = url
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .ok()
+                .map(|o| (o.get_host().to_owned(), o.get_port()));
+            match postbox_postgres::PgOutbox::connect(url, table, db.max_connections).await {
+                Ok(s) => Arc::new(s.with_max_payload_bytes(db.max_payload_bytes)),
+                Err(e) => return Err(not_reached(e, at).await),
+            }
+        }
+        DatabaseKind::MySql => {
+            let at = url
+                .replacen("mariadb://", "mysql://", 1)
+                .parse::<sqlx::mysql::MySqlConnectOptions>()
+                .ok()
+                .map(|o| (o.get_host().to_owned(), o.get_port()));
+            match postbox_mysql::MySqlOutbox::connect(url, table, db.max_connections).await {
+                Ok(s) => Arc::new(s.with_max_payload_bytes(db.max_payload_bytes)),
+                Err(e) => return Err(not_reached(e, at).await),
+            }
+        }
+        DatabaseKind::Sqlite => {
+            let store = match create {
+                Create::IfMissing => {
+                    postbox_sqlite::SqliteOutbox::connect(url, table, db.max_connections).await?
+                }
+                Create::Never => {
+                    postbox_sqlite::SqliteOutbox::connect_existing(url, table, db.max_connections)
+                        .await?
+                }
+            };
+            Arc::new(store.with_max_payload_bytes(db.max_payload_bytes))
+        }
+    };
+    Ok(store)
+}
+
+/// Fails with a clear message when the outbox table does not exist yet.
+pub async fn require_schema(store: &dyn OutboxStore) -> Result<(), Error> {
+    let probe = EventFilter {
+        limit: 1,
+        ..Default::default()
+    };
+    store.list(&probe).await.map(|_| ()).map_err(|e| {
+        Error::Schema(format!(
+            "cannot read outbox table `{}` ({e}); run `postbox migrate` first",
+            store.table()
+        ))
+    })
+}
+
+/// A pool that cannot open a connection says only `pool timed out`: this
+/// names the address it tried and the cause, from one plain TCP connection
+/// to it.
+async fn not_reached(e: Error, at: Option<(String, u16)>) -> Error {
+    let timed_out = matches!(
+        &e,
+        Error::Database { source, .. }
+            if matches!(source.downcast_ref::<sqlx::Error>(), Some(sqlx::Error::PoolTimedOut))
+    );
+    let Some((host, port)) = at.filter(|_| timed_out) else {
+        return e;
+    };
+    let unreachable = |context: String, cause: String| Error::Io {
+        context,
+        source: std::io::Error::other(format!(
+            "{cause}; check database.url and that the server is running"
+        )),
+    };
+    if host.starts_with('/') {
+        return unreachable(
+            format!("cannot connect to the database through the socket in `{host}` (port {port})"),
+            "no connection within the pool's timeout".to_owned(),
+        );
+    }
+    let address = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let probe = tokio::net::TcpStream::connect((host.as_str(), port));
+    let cause = match tokio::time::timeout(Duration::from_secs(5), probe).await {
+        Ok(Err(io)) => io.to_string(),
+        Err(_) => "no answer within 5 s (a firewall, or the wrong host)".to_owned(),
+        Ok(Ok(_)) => "the port accepts TCP connections, but no database connection opened in time (TLS settings, a proxy, or an overloaded server?)".to_owned(),
+    };
+    unreachable(
+        format!("cannot connect to the database at {address}"),
+        cause,
+    )
+}
