@@ -335,11 +335,12 @@ pub async fn relay_stops_with_an_error_when_its_mark_stage_fails(store: Arc<dyn 
         batch_size: 5,
         ..fast_worker()
     };
+    let settings =
+        RelaySettings::new(config, vec![APP.to_owned()]).expect("a valid [outbox_worker]");
     let relay = Relay::new(
         faulty,
         vec![Arc::new(RecordingPublisher::new("rec"))],
-        config,
-        vec![APP.to_owned()],
+        settings,
     );
     // Never cancelled: the relay must stop by itself.
     let run = relay.run(CancellationToken::new());
