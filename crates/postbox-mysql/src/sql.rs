@@ -279,7 +279,7 @@ pub(crate) const FIND_ARCHIVED: &str = concat!(
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
-    "SELECT (updated_at_ms DIV 60000) * 60000 AS minute_ms, COUNT(*) \
+    "SELECT (updated_at_ms DIV 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
      FROM {table} WHERE app_code = ? AND status = 'delivered' AND updated_at_ms >= ? \
      GROUP BY minute_ms ORDER BY minute_ms";
 

@@ -5,7 +5,6 @@
 //! rows (`SELECT … FOR UPDATE`), update them by primary key, and return
 //! them.
 
-use async_trait::async_trait;
 use sqlx::mysql::{MySqlArguments, MySqlRow};
 use sqlx::pool::PoolConnection;
 use sqlx::query::Query;
@@ -14,8 +13,8 @@ use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
-    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, ReplayTargets, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
+    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, QueryPlan, ReplaySelector,
+    ReplayTargets, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -300,21 +299,39 @@ impl MySqlOutbox {
     }
 }
 
-#[async_trait]
-impl OutboxStore for MySqlOutbox {
-    fn backend(&self) -> &'static str {
+postbox_sqlx::capabilities_from_inherent!(impl[] MySqlOutbox where []);
+
+/// The store operations, one per capability-trait method of the same name
+/// (see [`OutboxStore`](postbox_core::OutboxStore) for what each does).
+impl MySqlOutbox {
+    /// [`ReplayStore::replay_to`](postbox_core::ReplayStore::replay_to) with the default targets.
+    pub async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>> {
+        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
+            .await
+    }
+
+    /// See `backend` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub fn backend(&self) -> &'static str {
         "mysql"
     }
 
-    fn table(&self) -> &TableName {
+    /// See `table` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub fn table(&self) -> &TableName {
         &self.table
     }
 
-    async fn migrate(&self) -> Result<MigrateReport> {
+    /// See `migrate` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn migrate(&self) -> Result<MigrateReport> {
         self.run_migrations().await
     }
 
-    async fn claim(
+    /// See `claim` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn claim(
         &self,
         source: ClaimSource,
         req: &ClaimRequest<'_>,
@@ -382,7 +399,8 @@ impl OutboxStore for MySqlOutbox {
             .collect())
     }
 
-    async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+    /// See `mark_delivered` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
@@ -397,7 +415,8 @@ impl OutboxStore for MySqlOutbox {
         Ok(marked)
     }
 
-    async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+    /// See `mark_failed` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
         let db = |e| crate::db_error("mark failed attempt", e);
         let mut conn = self.read_committed().await.map_err(db)?;
         let mut tx = conn.begin().await.map_err(db)?;
@@ -430,7 +449,8 @@ impl OutboxStore for MySqlOutbox {
         Ok(written)
     }
 
-    async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+    /// See `release` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
@@ -445,7 +465,8 @@ impl OutboxStore for MySqlOutbox {
         Ok(released)
     }
 
-    async fn enqueue_batch(
+    /// See `enqueue_batch` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn enqueue_batch(
         &self,
         events: &[NewEvent],
         max_payload_bytes: usize,
@@ -473,7 +494,8 @@ impl OutboxStore for MySqlOutbox {
         .await
     }
 
-    async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
+    /// See `stats` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
         let db = |e| crate::db_error("status", e);
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
@@ -503,11 +525,13 @@ impl OutboxStore for MySqlOutbox {
         Ok(out)
     }
 
-    async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+    /// See `list` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
         self.list_from(&self.sql.list_select, f).await
     }
 
-    async fn present_app_codes(&self) -> Result<Vec<String>> {
+    /// See `present_app_codes` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn present_app_codes(&self) -> Result<Vec<String>> {
         let codes: Vec<Option<String>> = sqlx::query_scalar(&self.sql.present_app_codes)
             .fetch_all(&self.pool)
             .await
@@ -515,12 +539,14 @@ impl OutboxStore for MySqlOutbox {
         Ok(codes.into_iter().flatten().collect())
     }
 
-    async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+    /// See `list_archived` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
         let select = self.sql.list_select.replace("{table}", "{archive}");
         self.list_from(&select, f).await
     }
 
-    async fn find_archived(
+    /// See `find_archived` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn find_archived(
         &self,
         event_id: &str,
         app_codes: &[String],
@@ -541,7 +567,8 @@ impl OutboxStore for MySqlOutbox {
         records(rows, "find archived event")
     }
 
-    async fn delivered_per_minute(
+    /// See `delivered_per_minute` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn delivered_per_minute(
         &self,
         app_code: &str,
         since_ms: i64,
@@ -555,7 +582,8 @@ impl OutboxStore for MySqlOutbox {
         postbox_sqlx::minute_counts(rows)
     }
 
-    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+    /// See `find` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
         let rows = sqlx::query(&self.sql.find)
             .bind(event_id)
             .fetch_all(&self.pool)
@@ -564,7 +592,8 @@ impl OutboxStore for MySqlOutbox {
         records(rows, "find event")
     }
 
-    async fn replay_to(
+    /// See `replay_to` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn replay_to(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
@@ -681,7 +710,8 @@ impl OutboxStore for MySqlOutbox {
         }
     }
 
-    async fn archive(
+    /// See `archive` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn archive(
         &self,
         req: &ArchiveRequest,
         on_batch: &(dyn Fn(u64) + Send + Sync),
@@ -712,15 +742,18 @@ impl OutboxStore for MySqlOutbox {
         report
     }
 
-    async fn inspect_schema(&self) -> Result<SchemaReport> {
+    /// See `inspect_schema` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn inspect_schema(&self) -> Result<SchemaReport> {
         self.schema_report().await
     }
 
-    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
+    /// See `explain_index_use` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
         self.index_use(app_code).await
     }
 
-    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+    /// See `history` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
         let rows = sqlx::query(&self.sql.history)
             .bind(event_id)
             .fetch_all(&self.pool)
@@ -729,7 +762,8 @@ impl OutboxStore for MySqlOutbox {
         history_entries(rows)
     }
 
-    async fn archived_event_ids(
+    /// See `archived_event_ids` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn archived_event_ids(
         &self,
         app_code: &str,
         event_ids: &[String],
@@ -753,7 +787,8 @@ impl OutboxStore for MySqlOutbox {
         Ok(out)
     }
 
-    async fn stuck_aggregates(
+    /// See `stuck_aggregates` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn stuck_aggregates(
         &self,
         app_code: &str,
         older_than_ms: i64,
@@ -769,14 +804,16 @@ impl OutboxStore for MySqlOutbox {
         postbox_sqlx::stuck_aggregates(app_code, rows)
     }
 
-    async fn now_ms(&self) -> Result<i64> {
+    /// See `now_ms` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn now_ms(&self) -> Result<i64> {
         sqlx::query_scalar(&self.sql.now_ms)
             .fetch_one(&self.pool)
             .await
             .map_err(|e| crate::db_error("read database clock", e))
     }
 
-    async fn explain_claims(
+    /// See `explain_claims` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn explain_claims(
         &self,
         app_code: &str,
         limit: u32,

@@ -1,6 +1,9 @@
 //! Every statement the PostgreSQL backend runs. `{table}` is replaced by the
-//! validated table name, `{archive}` by its archive twin; nothing else is
-//! assembled at run time. Each claim names the index it relies on.
+//! validated table name, `{archive}` by its archive twin, once per store.
+//! The only other SQL assembled at run time is the predicates of `list`
+//! (`postbox_sqlx::list_query`, one per given filter); values always travel
+//! as parameters, id lists as one array (`= ANY($n)`). Each statement names
+//! the index it relies on.
 
 /// The database clock in epoch milliseconds, fixed for one statement.
 macro_rules! now_ms {
@@ -175,17 +178,19 @@ pub(crate) const RELEASE: &str =
 
 /// Counts by status for one tenant.
 pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) FROM {table} WHERE app_code = $1 GROUP BY status";
+    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = $1 GROUP BY status";
 
 /// Oldest pending row and due retries. Index: `{table}_claim_retry_idx`.
 pub(crate) const BACKLOG: &str = concat!(
     "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = $1 AND status = 'pending'), \
+       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = $1 AND status = 'pending') \
+         AS oldest_pending_ms, \
        (SELECT COUNT(*) FROM {table} WHERE app_code = $1 AND status = 'retryable' \
           AND next_retry_at_ms <= ",
     now_ms!(),
-    "), ",
-    now_ms!()
+    ") AS retryable_due, ",
+    now_ms!(),
+    " AS now_ms"
 );
 
 /// `list` without its predicates: `postbox_sqlx::list_query` appends only
@@ -216,7 +221,7 @@ pub(crate) const FIND_ARCHIVED: &str = concat!(
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
-    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) \
+    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
      FROM {table} WHERE app_code = $1 AND status = 'delivered' AND updated_at_ms >= $2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
@@ -263,7 +268,9 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
      WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' ORDER BY id"
 );
 
-/// Replay by filter.
+/// Replay by filter. `{filters}`: a predicate per given filter
+/// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
+/// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
 pub(crate) const REPLAY_FILTER: &str = concat!(
     replay_set!(),
     "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
@@ -271,9 +278,7 @@ pub(crate) const REPLAY_FILTER: &str = concat!(
        updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND status <> 'delivering' \
+     WHERE status <> 'delivering'{filters} \
      RETURNING ",
     columns!()
 );
@@ -283,9 +288,7 @@ pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {table} \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND status <> 'delivering' ORDER BY id"
+     WHERE status <> 'delivering'{filters} ORDER BY id"
 );
 
 /// Time-range replay also brings archived rows back: copy them into the
@@ -296,19 +299,15 @@ pub(crate) const UNARCHIVE_FILTER: &str = concat!(
      SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
        'pending', 0, 0, 0, replay_count + 1, created_at_ms, ", now_ms!(), " \
      FROM {archive} a \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR 'delivered' = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) \
+     WHERE TRUE{filters} \
      ON CONFLICT DO NOTHING RETURNING ", columns!()
 );
 
 /// Archived rows a time-range replay would bring back.
 pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
     "SELECT ", columns!(), " FROM {archive} a \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR 'delivered' = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id)\
+       {filters} \
      ORDER BY id"
 );
 
@@ -397,7 +396,7 @@ pub(crate) const ARCHIVE_BATCH: &str = concat!(
        AND (t.id IN (SELECT id FROM copied) OR EXISTS (SELECT 1 FROM {archive} a WHERE a.id = t.id) \
          OR EXISTS (SELECT 1 FROM {archive} a WHERE a.app_code = t.app_code AND a.event_id = t.event_id)) \
        RETURNING t.id) \
-     SELECT (SELECT COUNT(*) FROM deleted), (SELECT COUNT(*) FROM copied)"
+     SELECT (SELECT COUNT(*) FROM deleted) AS deleted, (SELECT COUNT(*) FROM copied) AS copied"
 );
 
 /// Which of the event ids `$2` of app_code `$1` are archived. Index:
@@ -533,3 +532,14 @@ pub(crate) const V2_HISTORY: &[&str] = &[
        detail TEXT)",
     "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
 ];
+
+/// `(version, description, statements)`, applied in order.
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = &[
+    (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
+    (2, "attempt history", V2_HISTORY),
+    (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+];
+
+/// The statements the engine runs, by the name it knows them by (each
+/// field of [`postbox_sqlx::Statements`] is the constant of that name here).
+pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements!();

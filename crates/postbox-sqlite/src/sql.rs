@@ -176,17 +176,19 @@ pub(crate) const RELEASE: &str = concat!(
 
 /// Counts by status for one tenant.
 pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) FROM {table} WHERE app_code = ?1 GROUP BY status";
+    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ?1 GROUP BY status";
 
 /// Oldest pending row and due retries. Index: `{table}_claim_retry_idx`.
 pub(crate) const BACKLOG: &str = concat!(
     "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ?1 AND status = 'pending'), \
+       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ?1 AND status = 'pending') \
+         AS oldest_pending_ms, \
        (SELECT COUNT(*) FROM {table} WHERE app_code = ?1 AND status = 'retryable' \
           AND next_retry_at_ms <= ",
     now_ms!(),
-    "), ",
-    now_ms!()
+    ") AS retryable_due, ",
+    now_ms!(),
+    " AS now_ms"
 );
 
 /// `list` without its predicates: `postbox_sqlx::list_query` appends only
@@ -217,7 +219,7 @@ pub(crate) const FIND_ARCHIVED: &str = concat!(
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
-    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) \
+    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
      FROM {table} WHERE app_code = ?1 AND status = 'delivered' AND updated_at_ms >= ?2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
@@ -268,7 +270,9 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
        AND status <> 'delivering' ORDER BY id"
 );
 
-/// Replay by filter.
+/// Replay by filter. `{filters}`: a predicate per given filter
+/// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
+/// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
 pub(crate) const REPLAY_FILTER: &str = concat!(
     replay_set!(),
     "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
@@ -276,9 +280,7 @@ pub(crate) const REPLAY_FILTER: &str = concat!(
        updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR status = ?2) \
-       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
-       AND (?5 IS NULL OR created_at_ms < ?5) AND status <> 'delivering' \
+     WHERE status <> 'delivering'{filters} \
      RETURNING ",
     columns!()
 );
@@ -288,9 +290,7 @@ pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {table} \
-     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR status = ?2) \
-       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
-       AND (?5 IS NULL OR created_at_ms < ?5) AND status <> 'delivering' ORDER BY id"
+     WHERE status <> 'delivering'{filters} ORDER BY id"
 );
 
 /// Time-range replay also brings archived rows back: copy them into the
@@ -304,10 +304,8 @@ pub(crate) const UNARCHIVE_FILTER: &str = concat!(
     now_ms!(),
     " \
      FROM {archive} a \
-     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR 'delivered' = ?2) \
-       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
-       AND (?5 IS NULL OR created_at_ms < ?5) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id)\
+       {filters} \
      ORDER BY id \
      ON CONFLICT DO NOTHING RETURNING ",
     columns!()
@@ -318,10 +316,8 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {archive} a \
-     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR 'delivered' = ?2) \
-       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
-       AND (?5 IS NULL OR created_at_ms < ?5) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id)\
+       {filters} \
      ORDER BY id"
 );
 
@@ -463,9 +459,9 @@ pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
        table_name VARCHAR(64) NOT NULL, version INTEGER NOT NULL, description TEXT NOT NULL, \
        applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))";
 
-/// Which of the three given tables exist.
-pub(crate) const EXISTING_TABLES: &str =
-    "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?)";
+/// Which of the given tables (?1, a JSON array) exist.
+pub(crate) const EXISTING_TABLES: &str = "SELECT name FROM sqlite_master \
+     WHERE type = 'table' AND name IN (SELECT value FROM json_each(?1))";
 
 pub(crate) const FORGET_VERSIONS: &str =
     "DELETE FROM postbox_schema_migrations WHERE table_name = ?";
@@ -532,3 +528,14 @@ pub(crate) const V2_HISTORY: &[&str] = &[
        detail TEXT)",
     "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
 ];
+
+/// `(version, description, statements)`, applied in order.
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = &[
+    (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
+    (2, "attempt history", V2_HISTORY),
+    (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+];
+
+/// The statements the engine runs, by the name it knows them by (each
+/// field of [`postbox_sqlx::Statements`] is the constant of that name here).
+pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements!();
