@@ -22,20 +22,6 @@ macro_rules! columns {
     };
 }
 
-/// The replay filter shared by the live and archive queries. MySQL has no
-/// numbered parameters, so each value is bound twice.
-macro_rules! filter {
-    ($status:literal) => {
-        concat!(
-            "(? IS NULL OR app_code = ?) AND (? IS NULL OR ",
-            $status,
-            " = ?) \
-             AND (? IS NULL OR event_type = ?) AND (? IS NULL OR created_at_ms >= ?) \
-             AND (? IS NULL OR created_at_ms < ?)"
-        )
-    };
-}
-
 /// Every column but `id`; an outbox row's column order, for the DDL.
 macro_rules! row_columns {
     () => {
@@ -310,22 +296,21 @@ pub(crate) const REPLAY_IDS_LOCK: &str = "SELECT id FROM {table} \
      WHERE event_id IN ({ids}) AND (? IS NULL OR app_code = ?) AND status <> 'delivering' \
      ORDER BY id FOR UPDATE";
 
-/// Rows a replay by filter would touch.
+/// Rows a replay by filter would touch. `{filters}`: a predicate per given
+/// filter (`postbox_sqlx::filter_query`), so the plan uses the index those
+/// lead, e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant
+/// and status.
 pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {table} \
-     WHERE ",
-    filter!("status"),
-    " AND status <> 'delivering' ORDER BY id"
+     WHERE status <> 'delivering'{filters} ORDER BY id"
 );
 
 /// Replay by filter, step 1: lock the rows.
 pub(crate) const REPLAY_FILTER_LOCK: &str = concat!(
     "SELECT id FROM {table} \
-     WHERE ",
-    filter!("status"),
-    " AND status <> 'delivering' ORDER BY id FOR UPDATE"
+     WHERE status <> 'delivering'{filters} ORDER BY id FOR UPDATE"
 );
 
 /// Replay step 2 (by ids or filter), on the locked rows: back to pending
@@ -354,18 +339,16 @@ pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
 /// the live table (archived rows are all `delivered`).
 pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
     "SELECT ", columns!(), " FROM {archive} a \
-     WHERE ", filter!("'delivered'"), " \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id){filters} \
      ORDER BY id"
 );
 
 /// Time-range replay, archive step 1: lock the archived rows to bring back.
 pub(crate) const UNARCHIVE_FILTER_LOCK: &str = concat!(
     "SELECT id FROM {archive} a \
-     WHERE ", filter!("'delivered'"), " \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id){filters} \
      ORDER BY id FOR UPDATE"
 );
 

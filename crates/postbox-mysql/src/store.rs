@@ -38,23 +38,24 @@ fn padded<T>(chunk: &[T]) -> impl Iterator<Item = &T> {
         .chain(chunk.last().into_iter().cycle().take(pad))
 }
 
-/// Binds an [`EventFilter`]'s five optional values, each twice, for the
-/// `(? IS NULL OR column = ?)` pattern.
-fn bind_filter<'q>(
-    q: Query<'q, MySql, MySqlArguments>,
-    f: &'q EventFilter,
+/// Binds the values of a [`postbox_sqlx::ListQuery`], in placeholder order.
+fn bind_args<'q>(
+    mut q: Query<'q, MySql, MySqlArguments>,
+    args: &[ListArg<'q>],
 ) -> Query<'q, MySql, MySqlArguments> {
-    let status = f.status.map(Status::as_str);
-    q.bind(&f.app_code)
-        .bind(&f.app_code)
-        .bind(status)
-        .bind(status)
-        .bind(&f.event_type)
-        .bind(&f.event_type)
-        .bind(f.since_ms)
-        .bind(f.since_ms)
-        .bind(f.until_ms)
-        .bind(f.until_ms)
+    for arg in args {
+        q = match *arg {
+            ListArg::Text(s) => q.bind(s),
+            ListArg::Int(i) => q.bind(i),
+        };
+    }
+    q
+}
+
+/// A replay statement (`{filters}` after its `WHERE` clause) for the given
+/// filters of `f`; `status_column` is what the status filter compares.
+fn filtered<'a>(sql: &str, f: &'a EventFilter, status_column: &str) -> postbox_sqlx::ListQuery<'a> {
+    postbox_sqlx::filter_query(sql, f, status_column, PH)
 }
 
 impl MySqlOutbox {
@@ -660,13 +661,15 @@ impl MySqlOutbox {
                 let mut conn = self.read_committed().await.map_err(db)?;
                 let mut tx = conn.begin().await.map_err(db)?;
                 let mut out = if dry_run {
-                    let rows = bind_filter(sqlx::query(&self.sql.replay_filter_dry), f)
+                    let q = filtered(&self.sql.replay_filter_dry, f, "status");
+                    let rows = bind_args(sqlx::query(&q.sql), &q.args)
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(db)?;
                     records(rows, "replay")?
                 } else {
-                    let rows = bind_filter(sqlx::query(&self.sql.replay_filter_lock), f)
+                    let q = filtered(&self.sql.replay_filter_lock, f, "status");
+                    let rows = bind_args(sqlx::query(&q.sql), &q.args)
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(db)?;
@@ -676,13 +679,15 @@ impl MySqlOutbox {
                 // A time range also covers rows already archived.
                 if f.since_ms.is_some() || f.until_ms.is_some() {
                     if dry_run {
-                        let rows = bind_filter(sqlx::query(&self.sql.unarchive_filter_dry), f)
+                        let q = filtered(&self.sql.unarchive_filter_dry, f, "'delivered'");
+                        let rows = bind_args(sqlx::query(&q.sql), &q.args)
                             .fetch_all(&mut *tx)
                             .await
                             .map_err(db)?;
                         out.extend(records(rows, "replay from archive")?);
                     } else {
-                        let rows = bind_filter(sqlx::query(&self.sql.unarchive_filter_lock), f)
+                        let q = filtered(&self.sql.unarchive_filter_lock, f, "'delivered'");
+                        let rows = bind_args(sqlx::query(&q.sql), &q.args)
                             .fetch_all(&mut *tx)
                             .await
                             .map_err(db)?;
@@ -827,14 +832,7 @@ impl MySqlOutbox {
     async fn list_from(&self, select: &str, f: &EventFilter) -> Result<Vec<EventRecord>> {
         let q = postbox_sqlx::list_query(select, f, PH);
         let sql = self.table.render(&q.sql);
-        let mut query = sqlx::query(&sql);
-        for arg in q.args {
-            query = match arg {
-                ListArg::Text(s) => query.bind(s),
-                ListArg::Int(i) => query.bind(i),
-            };
-        }
-        let rows = query
+        let rows = bind_args(sqlx::query(&sql), &q.args)
             .fetch_all(&self.pool)
             .await
             .map_err(|e| crate::db_error("list events", e))?;
