@@ -308,10 +308,8 @@ pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
 );
 
 /// Replay by filter, step 1: lock the rows.
-pub(crate) const REPLAY_FILTER_LOCK: &str = concat!(
-    "SELECT id FROM {table} \
-     WHERE status <> 'delivering'{filters} ORDER BY id FOR UPDATE"
-);
+pub(crate) const REPLAY_FILTER_LOCK: &str = "SELECT id FROM {table} \
+     WHERE status <> 'delivering'{filters} ORDER BY id FOR UPDATE";
 
 /// Replay step 2 (by ids or filter), on the locked rows: back to pending
 /// with retry_count 0, keeping event_id. Primary key lookups. Fanout
@@ -345,12 +343,10 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
 );
 
 /// Time-range replay, archive step 1: lock the archived rows to bring back.
-pub(crate) const UNARCHIVE_FILTER_LOCK: &str = concat!(
-    "SELECT id FROM {archive} a \
+pub(crate) const UNARCHIVE_FILTER_LOCK: &str = "SELECT id FROM {archive} a \
      WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
        AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id){filters} \
-     ORDER BY id FOR UPDATE"
-);
+     ORDER BY id FOR UPDATE";
 
 /// Archive step 2: copy them into the live table as pending (keeping id and
 /// event_id).
