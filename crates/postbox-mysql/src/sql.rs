@@ -1,8 +1,11 @@
 //! Every statement the MySQL / MariaDB backend runs. `{table}` is replaced by
 //! the validated table name, `{archive}` by its archive twin, once per
-//! store. The only other piece assembled at run time is `{ids}`, a list of
-//! `?` placeholders rendered by [`in_list`] (MySQL has no array parameter).
-//! Each claim names the index it relies on.
+//! store. The other pieces assembled at run time are `{ids}`, a list of
+//! `?` placeholders rendered by [`in_list`] (MySQL has no array parameter),
+//! and `{filters}`, the predicates of a replay's given filters
+//! (`postbox_sqlx::filter_query`). Each claim names the index it relies on.
+
+use postbox_sqlx::{columns, head_of_aggregate};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -10,15 +13,6 @@
 macro_rules! now_ms {
     () => {
         "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"
-    };
-}
-
-/// Columns read back into an `EventRecord`, in order.
-macro_rules! columns {
-    () => {
-        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
-         delivered_to, replay_count, created_at_ms, updated_at_ms"
     };
 }
 
@@ -90,26 +84,6 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 /// Run before the claim transaction starts: read-committed locking reads
 /// take no gap locks, so a claim never blocks producers' inserts.
 pub(crate) const CLAIM_ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
-
-/// `c` is the head of its aggregate: no earlier event of the same aggregate
-/// is still pending, delivering or retryable (`failed` ones do not hold the
-/// aggregate back). Earlier is one total order, the same on every backend:
-/// by `aggregate_version` with NULL placed after every version, then by
-/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
-/// a version is NULL is not transitive, and an aggregate mixing both could
-/// have no head at all. Index: `{table}_aggregate_idx (app_code,
-/// aggregate_id, id)`, sought by its two leading columns.
-macro_rules! head_of_aggregate {
-    () => {
-        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
-           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
-             AND p.status IN ('pending', 'delivering', 'retryable') \
-             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    < COALESCE(c.aggregate_version, 9223372036854775807) \
-               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
-    };
-}
 
 /// Claim new rows (step 1: lock them). Index: `{table}_claim_retry_idx`
 /// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending

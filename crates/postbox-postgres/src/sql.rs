@@ -5,19 +5,12 @@
 //! as parameters, id lists as one array (`= ANY($n)`). Each statement names
 //! the index it relies on.
 
+use postbox_sqlx::{columns, head_of_aggregate};
+
 /// The database clock in epoch milliseconds, fixed for one statement.
 macro_rules! now_ms {
     () => {
         "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::BIGINT"
-    };
-}
-
-/// Columns read back into an `EventRecord`, in order.
-macro_rules! columns {
-    () => {
-        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
-         delivered_to, replay_count, created_at_ms, updated_at_ms"
     };
 }
 
@@ -27,26 +20,6 @@ macro_rules! o_columns {
         "o.id, o.app_code, o.event_id, o.event_type, o.aggregate_id, o.aggregate_version, o.payload, o.headers, \
          o.status, o.retry_count, o.next_retry_at_ms, o.lock_until_ms, o.worker_id, o.last_error, \
          o.delivered_to, o.replay_count, o.created_at_ms, o.updated_at_ms"
-    };
-}
-
-/// `c` is the head of its aggregate: no earlier event of the same aggregate
-/// is still pending, delivering or retryable (`failed` ones do not hold the
-/// aggregate back). Earlier is one total order, the same on every backend:
-/// by `aggregate_version` with NULL placed after every version, then by
-/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
-/// a version is NULL is not transitive, and an aggregate mixing both could
-/// have no head at all. Index: `{table}_aggregate_idx (app_code,
-/// aggregate_id, id)`, sought by its two leading columns.
-macro_rules! head_of_aggregate {
-    () => {
-        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
-           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
-             AND p.status IN ('pending', 'delivering', 'retryable') \
-             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    < COALESCE(c.aggregate_version, 9223372036854775807) \
-               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
     };
 }
 

@@ -6,21 +6,14 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
+use postbox_sqlx::{columns, head_of_aggregate};
+
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
 /// floating-point error of the Julian-day round trip.
 macro_rules! now_ms {
     () => {
         "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)"
-    };
-}
-
-/// Columns read back into an `EventRecord`, in order.
-macro_rules! columns {
-    () => {
-        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
-         delivered_to, replay_count, created_at_ms, updated_at_ms"
     };
 }
 
@@ -67,26 +60,6 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 // The three claims run inside one `BEGIN IMMEDIATE` transaction each, which
 // stands in for `FOR UPDATE SKIP LOCKED`. Parameters: ?1 app_code, ?2 limit,
 // ?3 worker_id, ?4 lock_until_ms (the fence), ?5 now.
-
-/// `c` is the head of its aggregate: no earlier event of the same aggregate
-/// is still pending, delivering or retryable (`failed` ones do not hold the
-/// aggregate back). Earlier is one total order, the same on every backend:
-/// by `aggregate_version` with NULL placed after every version, then by
-/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
-/// a version is NULL is not transitive, and an aggregate mixing both could
-/// have no head at all. Index: `{table}_aggregate_idx (app_code,
-/// aggregate_id, id)`, sought by its two leading columns.
-macro_rules! head_of_aggregate {
-    () => {
-        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
-           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
-             AND p.status IN ('pending', 'delivering', 'retryable') \
-             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    < COALESCE(c.aggregate_version, 9223372036854775807) \
-               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
-    };
-}
 
 /// Claim new rows. Index: `{table}_claim_retry_idx` (pending rows have `next_retry_at_ms = 0`).
 pub(crate) const CLAIM_PENDING: &str = concat!(

@@ -392,3 +392,35 @@ macro_rules! statements {
         }
     };
 }
+
+/// Columns read back into an `EventRecord` (by name), in the order every
+/// dialect's statements list them.
+#[macro_export]
+macro_rules! columns {
+    () => {
+        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
+         delivered_to, replay_count, created_at_ms, updated_at_ms"
+    };
+}
+
+/// `c` is the head of its aggregate: no earlier event of the same aggregate
+/// is still pending, delivering or retryable (`failed` ones do not hold the
+/// aggregate back). Earlier is one total order, the same on every backend:
+/// by `aggregate_version` with NULL placed after every version, then by
+/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
+/// a version is NULL is not transitive, and an aggregate mixing both could
+/// have no head at all. Index: `{table}_aggregate_idx (app_code,
+/// aggregate_id, id)`, sought by its two leading columns.
+#[macro_export]
+macro_rules! head_of_aggregate {
+    () => {
+        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
+           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
+             AND p.status IN ('pending', 'delivering', 'retryable') \
+             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
+                    < COALESCE(c.aggregate_version, 9223372036854775807) \
+               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
+                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
+    };
+}
