@@ -5,7 +5,7 @@
 //! and `{filters}`, the predicates of a replay's given filters
 //! (`postbox_sqlx::filter_query`). Each claim names the index it relies on.
 
-use postbox_sqlx::{columns, head_of_aggregate};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -343,8 +343,7 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({
 /// One failed attempt: kind (`failed` or `dead_lettered`), attempt,
 /// publisher, error, then the row id.
 pub(crate) const HISTORY_FAILED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", ?, ?, ?, ? FROM {table} WHERE id = ?"
 );
@@ -352,16 +351,14 @@ pub(crate) const HISTORY_FAILED: &str = concat!(
 /// Rows `{ids}` were just taken over after their lease expired; the claim
 /// already counted the attempt and wrote `last_error`.
 pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id IN ({ids})"
 );
 
 /// Rows `{ids}` were just replayed; the origin is bound first.
 pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'replayed', 0, ?, ? FROM {table} WHERE id IN ({ids})"
 );

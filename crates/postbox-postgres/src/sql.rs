@@ -5,7 +5,7 @@
 //! as parameters, id lists as one array (`= ANY($n)`). Each statement names
 //! the index it relies on.
 
-use postbox_sqlx::{columns, head_of_aggregate};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert, replay_set};
 
 /// The database clock in epoch milliseconds, fixed for one statement.
 macro_rules! now_ms {
@@ -206,17 +206,6 @@ pub(crate) const FIND: &str = concat!(
     " FROM {table} WHERE event_id = $1 ORDER BY id"
 );
 
-/// The start of a replay update. Fanout progress: a `delivered` row is
-/// sent to every publisher again (backtracking), any other keeps the
-/// publishers that confirmed it, so only the others get it. (First in the
-/// SET list: it reads the old status.)
-macro_rules! replay_set {
-    () => {
-        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
-           THEN NULL ELSE delivered_to END, "
-    };
-}
-
 /// A replay that picked its targets: rows $1 get `delivered_to` $2 (the
 /// publishers *not* targeted), in the replay's transaction.
 pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
@@ -295,8 +284,7 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id = ANY
 /// One failed attempt of row $1: kind $2 (`failed` or `dead_lettered`),
 /// attempt $3, publisher $4, error $5.
 pub(crate) const HISTORY_FAILED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", $2, $3, $4, $5 FROM {table} WHERE id = $1"
 );
@@ -304,16 +292,14 @@ pub(crate) const HISTORY_FAILED: &str = concat!(
 /// Rows $1 were just taken over after their lease expired; the claim
 /// already counted the attempt and wrote `last_error`.
 pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id = ANY($1)"
 );
 
 /// Rows $1 were just replayed from origin $2, to publishers $3.
 pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'replayed', 0, $3, $2 FROM {table} WHERE id = ANY($1)"
 );

@@ -6,7 +6,7 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
-use postbox_sqlx::{columns, head_of_aggregate};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert, replay_set};
 
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
@@ -203,16 +203,6 @@ pub(crate) const FIND: &str = concat!(
     " FROM {table} WHERE event_id = ?1 ORDER BY id"
 );
 
-/// The start of a replay update. Fanout progress: a `delivered` row is
-/// sent to every publisher again (backtracking), any other keeps the
-/// publishers that confirmed it, so only the others get it.
-macro_rules! replay_set {
-    () => {
-        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
-           THEN NULL ELSE delivered_to END, "
-    };
-}
-
 /// A replay that picked its targets: rows ?1 (a JSON array of ids) get
 /// `delivered_to` ?2 (the publishers *not* targeted), in the replay's
 /// transaction.
@@ -307,8 +297,7 @@ pub(crate) const DELETE_UNARCHIVED: &str =
 /// One failed attempt of row ?1: kind ?2 (`failed` or `dead_lettered`),
 /// attempt ?3, publisher ?4, error ?5.
 pub(crate) const HISTORY_FAILED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
 );
@@ -316,8 +305,7 @@ pub(crate) const HISTORY_FAILED: &str = concat!(
 /// Rows ?1 (JSON array) were just taken over after their lease expired;
 /// the claim already counted the attempt and wrote `last_error`.
 pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} \
      WHERE id IN (SELECT value FROM json_each(?1))"
@@ -325,8 +313,7 @@ pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
 
 /// Rows ?1 (JSON array) were just replayed from origin ?2.
 pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'replayed', 0, ?3, ?2 FROM {table} WHERE id IN (SELECT value FROM json_each(?1))"
 );

@@ -424,3 +424,26 @@ macro_rules! head_of_aggregate {
                     = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
     };
 }
+
+/// The start of a replay update. Fanout progress: a `delivered` row is
+/// sent to every publisher again (backtracking), any other keeps the
+/// publishers that confirmed it, so only the others get it. (First in the
+/// SET list: it reads the old status.)
+#[macro_export]
+macro_rules! replay_set {
+    () => {
+        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
+           THEN NULL ELSE delivered_to END, "
+    };
+}
+
+/// The start of every history write (`INSERT … SELECT` from the outbox
+/// row, so the entry is keyed by the row's `(app_code, event_id)`): the
+/// dialect appends its clock, the entry's values and the rows.
+#[macro_export]
+macro_rules! history_insert {
+    () => {
+        "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, "
+    };
+}
