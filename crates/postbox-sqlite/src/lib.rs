@@ -125,6 +125,30 @@ mod tests {
         }
     }
 
+    /// Issue 11: `doctor` read a failed schema-version query as "version
+    /// 0"; it is an error now. A database without the ledger is version 0.
+    #[tokio::test]
+    async fn a_failed_version_read_is_an_error_not_version_0() {
+        let o = super::SqliteOutbox::connect("sqlite::memory:", "room_outbox", 1)
+            .await
+            .unwrap();
+        o.migrate().await.unwrap();
+        for sql in [
+            "DROP TABLE postbox_schema_migrations",
+            "CREATE TABLE postbox_schema_migrations (table_name TEXT, version TEXT)",
+            "INSERT INTO postbox_schema_migrations VALUES ('room_outbox', 'three')",
+        ] {
+            sqlx::query(sql).execute(o.pool()).await.unwrap();
+        }
+        let err = o.inspect_schema().await.unwrap_err();
+        assert!(err.to_string().contains("inspect schema"), "{err}");
+        sqlx::query("DROP TABLE postbox_schema_migrations")
+            .execute(o.pool())
+            .await
+            .unwrap();
+        assert_eq!(o.inspect_schema().await.unwrap().version, 0);
+    }
+
     #[test]
     fn recognises_memory_urls() {
         for url in [
