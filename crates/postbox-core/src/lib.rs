@@ -29,5 +29,7 @@ pub mod wire;
 pub use error::{Error, Result};
 pub use event::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Status};
 pub use publish::{PublishError, Publisher};
-pub use store::OutboxStore;
+pub use store::{
+    ArchiveStore, EnqueueStore, InspectStore, OutboxStore, RelayStore, ReplayStore, SchemaStore,
+};
 pub use table::TableName;

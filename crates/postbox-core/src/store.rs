@@ -636,20 +636,21 @@ impl EnqueueOutcome {
     }
 }
 
-/// An outbox table in one database.
+/// What the relay needs of an outbox table: claim rows, write results,
+/// give rows back, read the database clock. The relay depends on nothing
+/// else (apalis-style capability traits: the other operations are
+/// [`EnqueueStore`], [`InspectStore`], [`ReplayStore`], [`ArchiveStore`]
+/// and [`SchemaStore`]; [`OutboxStore`] is all of them).
 ///
 /// Every result write is fenced by the claim's [`Fence`]: a row whose lease
 /// was taken over is left alone and the call reports fewer rows.
 #[async_trait]
-pub trait OutboxStore: Send + Sync + 'static {
+pub trait RelayStore: Send + Sync + 'static {
     /// `postgres`, `mysql` or `sqlite`.
     fn backend(&self) -> &'static str;
 
     /// The outbox table.
     fn table(&self) -> &TableName;
-
-    /// Creates or upgrades the tables; idempotent.
-    async fn migrate(&self) -> Result<MigrateReport>;
 
     /// Runs one of the three claim queries.
     async fn claim(&self, source: ClaimSource, req: &ClaimRequest<'_>)
@@ -664,6 +665,13 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Gives claimed rows back without an attempt (shutdown).
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64>;
 
+    /// The database clock, epoch ms.
+    async fn now_ms(&self) -> Result<i64>;
+}
+
+/// Writing events outside a service's own transaction (CLI and tools).
+#[async_trait]
+pub trait EnqueueStore: Send + Sync + 'static {
     /// Writes events in their own transaction (CLI and tools; services use
     /// the backend's `enqueue` inside their own transaction).
     async fn enqueue_batch(
@@ -671,7 +679,12 @@ pub trait OutboxStore: Send + Sync + 'static {
         events: &[NewEvent],
         max_payload_bytes: usize,
     ) -> Result<Vec<EnqueueOutcome>>;
+}
 
+/// Reading the outbox: counts, lists, single events and their history,
+/// live and archived (the CLI's `events`, `status` and the admin API).
+#[async_trait]
+pub trait InspectStore: Send + Sync + 'static {
     /// Counts per tenant.
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>>;
 
@@ -693,7 +706,7 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// Rows with this event id (one per app_code at most).
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
 
-    /// [`OutboxStore::find`], then [`OutboxStore::find_archived`] in
+    /// [`InspectStore::find`], then [`InspectStore::find_archived`] in
     /// `app_codes`: every row of the event, live ones first.
     async fn find_inspected(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<Inspected>> {
         let live = self.find(event_id).await?;
@@ -701,8 +714,8 @@ pub trait OutboxStore: Send + Sync + 'static {
         Ok(tag(live, false).chain(tag(archived, true)).collect())
     }
 
-    /// [`OutboxStore::list`] and, unless the filter asks for a status no
-    /// archived row has, [`OutboxStore::list_archived`], merged newest
+    /// [`InspectStore::list`] and, unless the filter asks for a status no
+    /// archived row has, [`InspectStore::list_archived`], merged newest
     /// first (by id) and cut to `filter.limit`.
     async fn list_inspected(&self, filter: &EventFilter) -> Result<Vec<Inspected>> {
         let live = self.list(filter).await?;
@@ -723,68 +736,9 @@ pub trait OutboxStore: Send + Sync + 'static {
         -> Result<Vec<EventRecord>>;
 
     /// Rows of `<table>_archive` matching a filter, newest first (the same
-    /// keyset pagination by `id` as [`OutboxStore::list`]; archived rows
+    /// keyset pagination by `id` as [`InspectStore::list`]; archived rows
     /// keep their id).
     async fn list_archived(&self, filter: &EventFilter) -> Result<Vec<EventRecord>>;
-
-    /// [`OutboxStore::replay_to`] with the default targets
-    /// ([`ReplayPick::Unconfirmed`]; the history names no targets).
-    async fn replay(
-        &self,
-        selector: &ReplaySelector,
-        dry_run: bool,
-        origin: &str,
-    ) -> Result<Vec<EventRecord>> {
-        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
-            .await
-    }
-
-    /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`,
-    /// to be sent to `targets` (fanout progress in `delivered_to`, see
-    /// [`ReplayPick`]). Returns the rows affected, as written (or as they
-    /// are, with `dry_run`). Each replayed row gets a
-    /// [`HistoryKind::Replayed`] history entry whose detail is `origin`
-    /// (`cli`, `api 10.0.0.7:51234`, …) and whose publisher names the
-    /// targets, written in the same transaction.
-    async fn replay_to(
-        &self,
-        selector: &ReplaySelector,
-        dry_run: bool,
-        origin: &str,
-        targets: &ReplayTargets,
-    ) -> Result<Vec<EventRecord>>;
-
-    /// The database clock, epoch ms.
-    async fn now_ms(&self) -> Result<i64>;
-
-    /// Plans of the three claim queries for `app_code`, taking up to `limit`
-    /// rows. Nothing is changed: executions are rolled back.
-    async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>>;
-
-    /// Moves old `delivered`/`published` rows into `<table>_archive` in
-    /// batches, each one transaction that inserts what the archive lacks
-    /// (unique `id`) and deletes from the outbox only rows present in the
-    /// archive, so a crash at any point loses and duplicates nothing.
-    /// Only one archiver runs at a time per table: when another holds the
-    /// lock this returns at once with `locked_out`. `on_batch` is called
-    /// with the rows each batch moved.
-    async fn archive(
-        &self,
-        req: &ArchiveRequest,
-        on_batch: &(dyn Fn(u64) + Send + Sync),
-    ) -> Result<ArchiveReport>;
-
-    /// The schema version and which expected tables and indexes exist, read
-    /// from the catalog.
-    async fn inspect_schema(&self) -> Result<SchemaReport>;
-
-    /// Whether every claim query ([`CLAIM_QUERIES`]) and archive query
-    /// ([`ARCHIVE_QUERIES`]) *can* read through the index it is written for,
-    /// whatever the table's size: PostgreSQL plans with sequential and
-    /// bitmap scans, sorts, hash and merge joins disabled, MariaDB reports
-    /// the candidate keys, SQLite plans without statistics. Nothing is
-    /// changed.
-    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>>;
 
     /// The attempt history of an event (every app_code), oldest first: at
     /// most [`HISTORY_LIMIT`] entries per `(app_code, event_id)`. Kept in
@@ -810,6 +764,90 @@ pub trait OutboxStore: Send + Sync + 'static {
         older_than_ms: i64,
         limit: u32,
     ) -> Result<Vec<StuckAggregate>>;
+}
+
+/// Putting rows back to `pending` (`postbox replay`, the admin API).
+#[async_trait]
+pub trait ReplayStore: Send + Sync + 'static {
+    /// [`ReplayStore::replay_to`] with the default targets
+    /// ([`ReplayPick::Unconfirmed`]; the history names no targets).
+    async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>> {
+        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
+            .await
+    }
+
+    /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`,
+    /// to be sent to `targets` (fanout progress in `delivered_to`, see
+    /// [`ReplayPick`]). Returns the rows affected, as written (or as they
+    /// are, with `dry_run`). Each replayed row gets a
+    /// [`HistoryKind::Replayed`] history entry whose detail is `origin`
+    /// (`cli`, `api 10.0.0.7:51234`, …) and whose publisher names the
+    /// targets, written in the same transaction.
+    async fn replay_to(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+        targets: &ReplayTargets,
+    ) -> Result<Vec<EventRecord>>;
+}
+
+/// Moving delivered rows into `<table>_archive`.
+#[async_trait]
+pub trait ArchiveStore: Send + Sync + 'static {
+    /// Moves old `delivered`/`published` rows into `<table>_archive` in
+    /// batches, each one transaction that inserts what the archive lacks
+    /// (unique `id`) and deletes from the outbox only rows present in the
+    /// archive, so a crash at any point loses and duplicates nothing.
+    /// Only one archiver runs at a time per table: when another holds the
+    /// lock this returns at once with `locked_out`. `on_batch` is called
+    /// with the rows each batch moved.
+    async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport>;
+}
+
+/// The schema and its diagnostics (`postbox migrate`, `postbox doctor`).
+#[async_trait]
+pub trait SchemaStore: Send + Sync + 'static {
+    /// Creates or upgrades the tables; idempotent.
+    async fn migrate(&self) -> Result<MigrateReport>;
+
+    /// The schema version and which expected tables and indexes exist, read
+    /// from the catalog.
+    async fn inspect_schema(&self) -> Result<SchemaReport>;
+
+    /// Plans of the three claim queries for `app_code`, taking up to `limit`
+    /// rows. Nothing is changed: executions are rolled back.
+    async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>>;
+
+    /// Whether every claim query ([`CLAIM_QUERIES`]) and archive query
+    /// ([`ARCHIVE_QUERIES`]) *can* read through the index it is written for,
+    /// whatever the table's size: PostgreSQL plans with sequential and
+    /// bitmap scans, sorts, hash and merge joins disabled, MariaDB reports
+    /// the candidate keys, SQLite plans without statistics. Nothing is
+    /// changed.
+    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>>;
+}
+
+/// An outbox table in one database with every capability: what the relay,
+/// the admin server and the CLI hold as `Arc<dyn OutboxStore>`.
+/// Implemented for every type that implements all the capability traits.
+pub trait OutboxStore:
+    RelayStore + EnqueueStore + InspectStore + ReplayStore + ArchiveStore + SchemaStore
+{
+}
+
+impl<T> OutboxStore for T where
+    T: RelayStore + EnqueueStore + InspectStore + ReplayStore + ArchiveStore + SchemaStore + ?Sized
+{
 }
 
 fn tag(rows: Vec<EventRecord>, archived: bool) -> impl Iterator<Item = Inspected> {

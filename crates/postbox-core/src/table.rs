@@ -1,4 +1,7 @@
-//! Validated table names: the only piece of SQL postbox builds at run time.
+//! Validated table names: the only identifier postbox splices into SQL.
+//! (The other SQL built at run time is structure, never a value: the
+//! predicates of the given filters in `postbox_sqlx::list_query`, and
+//! MySQL's `IN (?, …)` placeholder lists.)
 
 use std::fmt;
 

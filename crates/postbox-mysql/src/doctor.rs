@@ -14,11 +14,6 @@ impl MySqlOutbox {
     pub(crate) async fn schema_report(&self) -> Result<SchemaReport> {
         let db = |e| crate::db_error("inspect schema", e);
         let t = self.table.as_str();
-        let version: Option<i32> = sqlx::query_scalar(sql::DOCTOR_VERSION)
-            .bind(t)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap_or(None);
         let rows = sqlx::query(sql::DOCTOR_OBJECTS)
             .fetch_all(&self.pool)
             .await
@@ -27,6 +22,17 @@ impl MySqlOutbox {
         for r in rows {
             names.push(r.try_get::<String, _>(0).map_err(db)?);
         }
+        // Without the ledger the schema is at version 0; with it, a failed
+        // read is an error, never "version 0".
+        let version: Option<i32> = if names.iter().any(|n| n == postbox_sqlx::MIGRATIONS_LEDGER) {
+            sqlx::query_scalar(sql::DOCTOR_VERSION)
+                .bind(t)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db)?
+        } else {
+            None
+        };
         Ok(SchemaReport::from_catalog(
             t,
             version.unwrap_or(0) as u32,
@@ -73,7 +79,7 @@ impl MySqlOutbox {
                 .transpose()
                 .map_err(db)?
                 .unwrap_or_default();
-            let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+            let json: Value = crate::explain::parse_plan(&text)?;
             let expected_index = format!("{t}{suffix}");
             let mut keys = Vec::new();
             collect_keys(&json, t, &mut keys);

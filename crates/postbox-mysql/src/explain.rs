@@ -49,7 +49,7 @@ impl MySqlOutbox {
                 .transpose()
                 .map_err(db)?
                 .unwrap_or_default();
-            let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+            let json: Value = parse_plan(&text)?;
             let mut plan = QueryPlan {
                 query,
                 expected_index,
@@ -102,4 +102,13 @@ fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
         Value::Array(items) => items.iter().for_each(|v| visit(v, table, plan)),
         _ => {}
     }
+}
+
+/// `EXPLAIN FORMAT=JSON` output; a text the server did not write as JSON is
+/// an error, not an empty plan.
+pub(crate) fn parse_plan(text: &str) -> Result<Value> {
+    serde_json::from_str(text).map_err(|e| postbox_core::Error::Database {
+        operation: "explain",
+        source: format!("EXPLAIN output is not JSON ({e}): {text}").into(),
+    })
 }

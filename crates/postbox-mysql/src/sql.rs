@@ -1,8 +1,11 @@
 //! Every statement the MySQL / MariaDB backend runs. `{table}` is replaced by
 //! the validated table name, `{archive}` by its archive twin, once per
-//! store. The only other piece assembled at run time is `{ids}`, a list of
-//! `?` placeholders rendered by [`in_list`] (MySQL has no array parameter).
-//! Each claim names the index it relies on.
+//! store. The other pieces assembled at run time are `{ids}`, a list of
+//! `?` placeholders rendered by [`in_list`] (MySQL has no array parameter),
+//! and `{filters}`, the predicates of a replay's given filters
+//! (`postbox_sqlx::filter_query`). Each claim names the index it relies on.
+
+use postbox_sqlx::{columns, head_of_aggregate, history_insert};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -10,29 +13,6 @@
 macro_rules! now_ms {
     () => {
         "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"
-    };
-}
-
-/// Columns read back into an `EventRecord`, in order.
-macro_rules! columns {
-    () => {
-        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
-         delivered_to, replay_count, created_at_ms, updated_at_ms"
-    };
-}
-
-/// The replay filter shared by the live and archive queries. MySQL has no
-/// numbered parameters, so each value is bound twice.
-macro_rules! filter {
-    ($status:literal) => {
-        concat!(
-            "(? IS NULL OR app_code = ?) AND (? IS NULL OR ",
-            $status,
-            " = ?) \
-             AND (? IS NULL OR event_type = ?) AND (? IS NULL OR created_at_ms >= ?) \
-             AND (? IS NULL OR created_at_ms < ?)"
-        )
     };
 }
 
@@ -104,26 +84,6 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 /// Run before the claim transaction starts: read-committed locking reads
 /// take no gap locks, so a claim never blocks producers' inserts.
 pub(crate) const CLAIM_ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
-
-/// `c` is the head of its aggregate: no earlier event of the same aggregate
-/// is still pending, delivering or retryable (`failed` ones do not hold the
-/// aggregate back). Earlier is one total order, the same on every backend:
-/// by `aggregate_version` with NULL placed after every version, then by
-/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
-/// a version is NULL is not transitive, and an aggregate mixing both could
-/// have no head at all. Index: `{table}_aggregate_idx (app_code,
-/// aggregate_id, id)`, sought by its two leading columns.
-macro_rules! head_of_aggregate {
-    () => {
-        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
-           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
-             AND p.status IN ('pending', 'delivering', 'retryable') \
-             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    < COALESCE(c.aggregate_version, 9223372036854775807) \
-               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
-    };
-}
 
 /// Claim new rows (step 1: lock them). Index: `{table}_claim_retry_idx`
 /// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
@@ -279,7 +239,7 @@ pub(crate) const FIND_ARCHIVED: &str = concat!(
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
-    "SELECT (updated_at_ms DIV 60000) * 60000 AS minute_ms, COUNT(*) \
+    "SELECT (updated_at_ms DIV 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
      FROM {table} WHERE app_code = ? AND status = 'delivered' AND updated_at_ms >= ? \
      GROUP BY minute_ms ORDER BY minute_ms";
 
@@ -310,23 +270,20 @@ pub(crate) const REPLAY_IDS_LOCK: &str = "SELECT id FROM {table} \
      WHERE event_id IN ({ids}) AND (? IS NULL OR app_code = ?) AND status <> 'delivering' \
      ORDER BY id FOR UPDATE";
 
-/// Rows a replay by filter would touch.
+/// Rows a replay by filter would touch. `{filters}`: a predicate per given
+/// filter (`postbox_sqlx::filter_query`), so the plan uses the index those
+/// lead, e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant
+/// and status.
 pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {table} \
-     WHERE ",
-    filter!("status"),
-    " AND status <> 'delivering' ORDER BY id"
+     WHERE status <> 'delivering'{filters} ORDER BY id"
 );
 
 /// Replay by filter, step 1: lock the rows.
-pub(crate) const REPLAY_FILTER_LOCK: &str = concat!(
-    "SELECT id FROM {table} \
-     WHERE ",
-    filter!("status"),
-    " AND status <> 'delivering' ORDER BY id FOR UPDATE"
-);
+pub(crate) const REPLAY_FILTER_LOCK: &str = "SELECT id FROM {table} \
+     WHERE status <> 'delivering'{filters} ORDER BY id FOR UPDATE";
 
 /// Replay step 2 (by ids or filter), on the locked rows: back to pending
 /// with retry_count 0, keeping event_id. Primary key lookups. Fanout
@@ -354,20 +311,16 @@ pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
 /// the live table (archived rows are all `delivered`).
 pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
     "SELECT ", columns!(), " FROM {archive} a \
-     WHERE ", filter!("'delivered'"), " \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id){filters} \
      ORDER BY id"
 );
 
 /// Time-range replay, archive step 1: lock the archived rows to bring back.
-pub(crate) const UNARCHIVE_FILTER_LOCK: &str = concat!(
-    "SELECT id FROM {archive} a \
-     WHERE ", filter!("'delivered'"), " \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id) \
-     ORDER BY id FOR UPDATE"
-);
+pub(crate) const UNARCHIVE_FILTER_LOCK: &str = "SELECT id FROM {archive} a \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.id = a.id){filters} \
+     ORDER BY id FOR UPDATE";
 
 /// Archive step 2: copy them into the live table as pending (keeping id and
 /// event_id).
@@ -390,8 +343,7 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({
 /// One failed attempt: kind (`failed` or `dead_lettered`), attempt,
 /// publisher, error, then the row id.
 pub(crate) const HISTORY_FAILED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", ?, ?, ?, ? FROM {table} WHERE id = ?"
 );
@@ -399,16 +351,14 @@ pub(crate) const HISTORY_FAILED: &str = concat!(
 /// Rows `{ids}` were just taken over after their lease expired; the claim
 /// already counted the attempt and wrote `last_error`.
 pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id IN ({ids})"
 );
 
 /// Rows `{ids}` were just replayed; the origin is bound first.
 pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'replayed', 0, ?, ? FROM {table} WHERE id IN ({ids})"
 );

@@ -5,7 +5,6 @@
 //! rows (`SELECT … FOR UPDATE`), update them by primary key, and return
 //! them.
 
-use async_trait::async_trait;
 use sqlx::mysql::{MySqlArguments, MySqlRow};
 use sqlx::pool::PoolConnection;
 use sqlx::query::Query;
@@ -14,8 +13,8 @@ use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 use postbox_core::event::Fence;
 use postbox_core::store::{
     AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
-    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, ReplayTargets, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
+    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, QueryPlan, ReplaySelector,
+    ReplayTargets, SchemaReport, ARCHIVE_QUERIES, HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
 
@@ -39,23 +38,24 @@ fn padded<T>(chunk: &[T]) -> impl Iterator<Item = &T> {
         .chain(chunk.last().into_iter().cycle().take(pad))
 }
 
-/// Binds an [`EventFilter`]'s five optional values, each twice, for the
-/// `(? IS NULL OR column = ?)` pattern.
-fn bind_filter<'q>(
-    q: Query<'q, MySql, MySqlArguments>,
-    f: &'q EventFilter,
+/// Binds the values of a [`postbox_sqlx::ListQuery`], in placeholder order.
+fn bind_args<'q>(
+    mut q: Query<'q, MySql, MySqlArguments>,
+    args: &[ListArg<'q>],
 ) -> Query<'q, MySql, MySqlArguments> {
-    let status = f.status.map(Status::as_str);
-    q.bind(&f.app_code)
-        .bind(&f.app_code)
-        .bind(status)
-        .bind(status)
-        .bind(&f.event_type)
-        .bind(&f.event_type)
-        .bind(f.since_ms)
-        .bind(f.since_ms)
-        .bind(f.until_ms)
-        .bind(f.until_ms)
+    for arg in args {
+        q = match *arg {
+            ListArg::Text(s) => q.bind(s),
+            ListArg::Int(i) => q.bind(i),
+        };
+    }
+    q
+}
+
+/// A replay statement (`{filters}` after its `WHERE` clause) for the given
+/// filters of `f`; `status_column` is what the status filter compares.
+fn filtered<'a>(sql: &str, f: &'a EventFilter, status_column: &str) -> postbox_sqlx::ListQuery<'a> {
+    postbox_sqlx::filter_query(sql, f, status_column, PH)
 }
 
 impl MySqlOutbox {
@@ -300,21 +300,39 @@ impl MySqlOutbox {
     }
 }
 
-#[async_trait]
-impl OutboxStore for MySqlOutbox {
-    fn backend(&self) -> &'static str {
+postbox_sqlx::capabilities_from_inherent!(impl[] MySqlOutbox where []);
+
+/// The store operations, one per capability-trait method of the same name
+/// (see [`OutboxStore`](postbox_core::OutboxStore) for what each does).
+impl MySqlOutbox {
+    /// [`ReplayStore::replay_to`](postbox_core::ReplayStore::replay_to) with the default targets.
+    pub async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>> {
+        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
+            .await
+    }
+
+    /// See `backend` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub fn backend(&self) -> &'static str {
         "mysql"
     }
 
-    fn table(&self) -> &TableName {
+    /// See `table` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub fn table(&self) -> &TableName {
         &self.table
     }
 
-    async fn migrate(&self) -> Result<MigrateReport> {
+    /// See `migrate` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn migrate(&self) -> Result<MigrateReport> {
         self.run_migrations().await
     }
 
-    async fn claim(
+    /// See `claim` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn claim(
         &self,
         source: ClaimSource,
         req: &ClaimRequest<'_>,
@@ -382,7 +400,8 @@ impl OutboxStore for MySqlOutbox {
             .collect())
     }
 
-    async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+    /// See `mark_delivered` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
@@ -397,7 +416,8 @@ impl OutboxStore for MySqlOutbox {
         Ok(marked)
     }
 
-    async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+    /// See `mark_failed` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
         let db = |e| crate::db_error("mark failed attempt", e);
         let mut conn = self.read_committed().await.map_err(db)?;
         let mut tx = conn.begin().await.map_err(db)?;
@@ -430,7 +450,8 @@ impl OutboxStore for MySqlOutbox {
         Ok(written)
     }
 
-    async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+    /// See `release` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
@@ -445,7 +466,8 @@ impl OutboxStore for MySqlOutbox {
         Ok(released)
     }
 
-    async fn enqueue_batch(
+    /// See `enqueue_batch` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn enqueue_batch(
         &self,
         events: &[NewEvent],
         max_payload_bytes: usize,
@@ -473,7 +495,8 @@ impl OutboxStore for MySqlOutbox {
         .await
     }
 
-    async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
+    /// See `stats` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
         let db = |e| crate::db_error("status", e);
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
@@ -503,11 +526,13 @@ impl OutboxStore for MySqlOutbox {
         Ok(out)
     }
 
-    async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+    /// See `list` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
         self.list_from(&self.sql.list_select, f).await
     }
 
-    async fn present_app_codes(&self) -> Result<Vec<String>> {
+    /// See `present_app_codes` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn present_app_codes(&self) -> Result<Vec<String>> {
         let codes: Vec<Option<String>> = sqlx::query_scalar(&self.sql.present_app_codes)
             .fetch_all(&self.pool)
             .await
@@ -515,12 +540,14 @@ impl OutboxStore for MySqlOutbox {
         Ok(codes.into_iter().flatten().collect())
     }
 
-    async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+    /// See `list_archived` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
         let select = self.sql.list_select.replace("{table}", "{archive}");
         self.list_from(&select, f).await
     }
 
-    async fn find_archived(
+    /// See `find_archived` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn find_archived(
         &self,
         event_id: &str,
         app_codes: &[String],
@@ -541,7 +568,8 @@ impl OutboxStore for MySqlOutbox {
         records(rows, "find archived event")
     }
 
-    async fn delivered_per_minute(
+    /// See `delivered_per_minute` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn delivered_per_minute(
         &self,
         app_code: &str,
         since_ms: i64,
@@ -555,7 +583,8 @@ impl OutboxStore for MySqlOutbox {
         postbox_sqlx::minute_counts(rows)
     }
 
-    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+    /// See `find` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
         let rows = sqlx::query(&self.sql.find)
             .bind(event_id)
             .fetch_all(&self.pool)
@@ -564,7 +593,8 @@ impl OutboxStore for MySqlOutbox {
         records(rows, "find event")
     }
 
-    async fn replay_to(
+    /// See `replay_to` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn replay_to(
         &self,
         selector: &ReplaySelector,
         dry_run: bool,
@@ -631,13 +661,15 @@ impl OutboxStore for MySqlOutbox {
                 let mut conn = self.read_committed().await.map_err(db)?;
                 let mut tx = conn.begin().await.map_err(db)?;
                 let mut out = if dry_run {
-                    let rows = bind_filter(sqlx::query(&self.sql.replay_filter_dry), f)
+                    let q = filtered(&self.sql.replay_filter_dry, f, "status");
+                    let rows = bind_args(sqlx::query(&q.sql), &q.args)
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(db)?;
                     records(rows, "replay")?
                 } else {
-                    let rows = bind_filter(sqlx::query(&self.sql.replay_filter_lock), f)
+                    let q = filtered(&self.sql.replay_filter_lock, f, "status");
+                    let rows = bind_args(sqlx::query(&q.sql), &q.args)
                         .fetch_all(&mut *tx)
                         .await
                         .map_err(db)?;
@@ -647,13 +679,15 @@ impl OutboxStore for MySqlOutbox {
                 // A time range also covers rows already archived.
                 if f.since_ms.is_some() || f.until_ms.is_some() {
                     if dry_run {
-                        let rows = bind_filter(sqlx::query(&self.sql.unarchive_filter_dry), f)
+                        let q = filtered(&self.sql.unarchive_filter_dry, f, "'delivered'");
+                        let rows = bind_args(sqlx::query(&q.sql), &q.args)
                             .fetch_all(&mut *tx)
                             .await
                             .map_err(db)?;
                         out.extend(records(rows, "replay from archive")?);
                     } else {
-                        let rows = bind_filter(sqlx::query(&self.sql.unarchive_filter_lock), f)
+                        let q = filtered(&self.sql.unarchive_filter_lock, f, "'delivered'");
+                        let rows = bind_args(sqlx::query(&q.sql), &q.args)
                             .fetch_all(&mut *tx)
                             .await
                             .map_err(db)?;
@@ -681,7 +715,8 @@ impl OutboxStore for MySqlOutbox {
         }
     }
 
-    async fn archive(
+    /// See `archive` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn archive(
         &self,
         req: &ArchiveRequest,
         on_batch: &(dyn Fn(u64) + Send + Sync),
@@ -712,15 +747,18 @@ impl OutboxStore for MySqlOutbox {
         report
     }
 
-    async fn inspect_schema(&self) -> Result<SchemaReport> {
+    /// See `inspect_schema` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn inspect_schema(&self) -> Result<SchemaReport> {
         self.schema_report().await
     }
 
-    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
+    /// See `explain_index_use` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
         self.index_use(app_code).await
     }
 
-    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+    /// See `history` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
         let rows = sqlx::query(&self.sql.history)
             .bind(event_id)
             .fetch_all(&self.pool)
@@ -729,7 +767,8 @@ impl OutboxStore for MySqlOutbox {
         history_entries(rows)
     }
 
-    async fn archived_event_ids(
+    /// See `archived_event_ids` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn archived_event_ids(
         &self,
         app_code: &str,
         event_ids: &[String],
@@ -753,7 +792,8 @@ impl OutboxStore for MySqlOutbox {
         Ok(out)
     }
 
-    async fn stuck_aggregates(
+    /// See `stuck_aggregates` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn stuck_aggregates(
         &self,
         app_code: &str,
         older_than_ms: i64,
@@ -769,14 +809,16 @@ impl OutboxStore for MySqlOutbox {
         postbox_sqlx::stuck_aggregates(app_code, rows)
     }
 
-    async fn now_ms(&self) -> Result<i64> {
+    /// See `now_ms` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn now_ms(&self) -> Result<i64> {
         sqlx::query_scalar(&self.sql.now_ms)
             .fetch_one(&self.pool)
             .await
             .map_err(|e| crate::db_error("read database clock", e))
     }
 
-    async fn explain_claims(
+    /// See `explain_claims` of [`OutboxStore`](postbox_core::OutboxStore).
+    pub async fn explain_claims(
         &self,
         app_code: &str,
         limit: u32,
@@ -790,14 +832,7 @@ impl MySqlOutbox {
     async fn list_from(&self, select: &str, f: &EventFilter) -> Result<Vec<EventRecord>> {
         let q = postbox_sqlx::list_query(select, f, PH);
         let sql = self.table.render(&q.sql);
-        let mut query = sqlx::query(&sql);
-        for arg in q.args {
-            query = match arg {
-                ListArg::Text(s) => query.bind(s),
-                ListArg::Int(i) => query.bind(i),
-            };
-        }
-        let rows = query
+        let rows = bind_args(sqlx::query(&sql), &q.args)
             .fetch_all(&self.pool)
             .await
             .map_err(|e| crate::db_error("list events", e))?;

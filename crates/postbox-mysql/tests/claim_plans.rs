@@ -2,7 +2,6 @@
 //! table, every claim query reads through its `app_code`-led index and
 //! touches only rows it could claim (MariaDB `ANALYZE` measures it).
 
-use postbox_core::store::OutboxStore;
 use postbox_mysql::MySqlOutbox;
 use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url};
 use postbox_testkit::{assert_claim_plans, scratch_table};

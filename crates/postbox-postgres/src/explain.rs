@@ -1,50 +1,139 @@
-//! Claim plans via `EXPLAIN (ANALYZE, FORMAT JSON)`, rolled back.
+//! What `postbox doctor` asks of PostgreSQL: claim plans via
+//! `EXPLAIN (ANALYZE, FORMAT JSON)`, rolled back, and plans made with
+//! sequential scans, bitmap scans, sorts, hash and merge joins disabled, so
+//! that a tiny, fresh or unanalysed table (where any plan is about as cheap
+//! as any other) still shows which index a query can use.
 
 use serde_json::Value;
 use sqlx::Row;
 
-use postbox_core::store::{QueryPlan, CLAIM_QUERIES};
-use postbox_core::Result;
+use postbox_core::store::{QueryPlan, ARCHIVE_QUERIES, CLAIM_QUERIES};
+use postbox_core::{Error, Result};
+use postbox_sqlx::db_error;
 
 use crate::PgOutbox;
 
-impl PgOutbox {
-    pub(crate) async fn explain_claim_queries(
-        &self,
-        app_code: &str,
-        limit: u32,
-    ) -> Result<Vec<QueryPlan>> {
-        let db = |e| crate::db_error("explain claims", e);
-        let t = self.table.as_str();
-        let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
-        let mut tx = self.pool.begin().await.map_err(db)?;
-        for (query, source, index_suffix) in CLAIM_QUERIES {
-            let sql = self.sql.claim_select(source, false);
-            let expected_index = format!("{t}{index_suffix}");
-            let row = sqlx::query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"))
-                .bind(app_code)
-                .bind(i64::from(limit))
-                .bind("postbox-explain")
-                .bind(30_000_i64)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(db)?;
-            let text: String = row.try_get_unchecked(0).map_err(db)?;
-            let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-            let mut plan = QueryPlan {
-                query,
-                expected_index,
-                indexes_used: Vec::new(),
-                full_scan: false,
-                rows_examined: Some(0),
-                plan: text,
-            };
-            visit(&json[0]["Plan"], t, &mut plan);
-            plans.push(plan);
-        }
-        tx.rollback().await.map_err(db)?;
-        Ok(plans)
+/// Plans of the three claim queries, executed and rolled back.
+pub(crate) async fn claim_plans(
+    outbox: &PgOutbox,
+    app_code: &str,
+    limit: u32,
+) -> Result<Vec<QueryPlan>> {
+    let db = |e| db_error("explain claims", e);
+    let t = outbox.table().as_str();
+    let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
+    let mut tx = outbox.pool().begin().await.map_err(db)?;
+    for (query, source, index_suffix) in CLAIM_QUERIES {
+        let sql = outbox.own().claims.of(source, false);
+        let expected_index = format!("{t}{index_suffix}");
+        let row = sqlx::query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"))
+            .bind(app_code)
+            .bind(i64::from(limit))
+            .bind("postbox-explain")
+            .bind(30_000_i64)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        let text: String = row.try_get_unchecked(0).map_err(db)?;
+        let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        let mut plan = QueryPlan {
+            query,
+            expected_index,
+            indexes_used: Vec::new(),
+            full_scan: false,
+            rows_examined: Some(0),
+            plan: text,
+        };
+        visit(&json[0]["Plan"], t, &mut plan);
+        plans.push(plan);
     }
+    tx.rollback().await.map_err(db)?;
+    Ok(plans)
+}
+
+/// Whether the claim and archive queries can read through their indexes.
+pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<QueryPlan>> {
+    let db = |e| db_error("explain", e);
+    let t = outbox.table().as_str();
+    let mut tx = outbox.pool().begin().await.map_err(db)?;
+    // On a small, empty or unanalysed table every plan costs about the
+    // same, and the planner picks whichever postbox index (or a whole
+    // primary-key scan) comes first: steer it the way a large table
+    // does, so that a correct schema passes at any size. Without sorts,
+    // the index that yields the query's order wins; without hash and
+    // merge joins, the claim's UPDATE finds its rows by primary key.
+    for setting in [
+        "enable_seqscan",
+        "enable_bitmapscan",
+        "enable_sort",
+        "enable_hashjoin",
+        "enable_mergejoin",
+    ] {
+        sqlx::query(&format!("SET LOCAL {setting} = off"))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+    }
+    let mut plans = Vec::new();
+    for (query, source, suffix) in CLAIM_QUERIES {
+        let sql = outbox.own().claims.of(source, false);
+        let row = sqlx::query(&format!("EXPLAIN (FORMAT JSON) {sql}"))
+            .bind(app_code)
+            .bind(100_i64)
+            .bind("postbox-doctor")
+            .bind(30_000_i64)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        plans.push(plan(query, t, suffix, &row)?);
+    }
+    for (query, status, suffix) in ARCHIVE_QUERIES {
+        let row = sqlx::query(&format!(
+            "EXPLAIN (FORMAT JSON) {}",
+            outbox.own().archive_pick
+        ))
+        .bind(app_code)
+        .bind(status)
+        .bind(0_i64)
+        .bind(10_000_i64)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db)?;
+        plans.push(plan(query, t, suffix, &row)?);
+    }
+    tx.rollback().await.map_err(db)?;
+    Ok(plans)
+}
+
+/// `EXPLAIN (FORMAT JSON)` output; a text PostgreSQL did not write as JSON
+/// is an error, not an empty plan.
+fn parse_plan(text: &str) -> Result<Value> {
+    serde_json::from_str(text).map_err(|e| Error::Database {
+        operation: "explain",
+        source: format!("EXPLAIN output is not JSON ({e}): {text}").into(),
+    })
+}
+
+fn plan(
+    query: &'static str,
+    table: &str,
+    suffix: &str,
+    row: &sqlx::postgres::PgRow,
+) -> Result<QueryPlan> {
+    let text: String = row
+        .try_get_unchecked(0)
+        .map_err(|e| db_error("explain", e))?;
+    let json = parse_plan(&text)?;
+    let mut plan = QueryPlan {
+        query,
+        expected_index: format!("{table}{suffix}"),
+        indexes_used: Vec::new(),
+        full_scan: false,
+        rows_examined: None,
+        plan: text,
+    };
+    visit(&json[0]["Plan"], table, &mut plan);
+    Ok(plan)
 }
 
 /// Collects the scans of `table` in a plan tree.

@@ -1,20 +1,16 @@
 //! Every statement the PostgreSQL backend runs. `{table}` is replaced by the
-//! validated table name, `{archive}` by its archive twin; nothing else is
-//! assembled at run time. Each claim names the index it relies on.
+//! validated table name, `{archive}` by its archive twin, once per store.
+//! The only other SQL assembled at run time is the predicates of `list`
+//! (`postbox_sqlx::list_query`, one per given filter); values always travel
+//! as parameters, id lists as one array (`= ANY($n)`). Each statement names
+//! the index it relies on.
+
+use postbox_sqlx::{columns, head_of_aggregate, history_insert, replay_set};
 
 /// The database clock in epoch milliseconds, fixed for one statement.
 macro_rules! now_ms {
     () => {
         "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::BIGINT"
-    };
-}
-
-/// Columns read back into an `EventRecord`, in order.
-macro_rules! columns {
-    () => {
-        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
-         delivered_to, replay_count, created_at_ms, updated_at_ms"
     };
 }
 
@@ -24,26 +20,6 @@ macro_rules! o_columns {
         "o.id, o.app_code, o.event_id, o.event_type, o.aggregate_id, o.aggregate_version, o.payload, o.headers, \
          o.status, o.retry_count, o.next_retry_at_ms, o.lock_until_ms, o.worker_id, o.last_error, \
          o.delivered_to, o.replay_count, o.created_at_ms, o.updated_at_ms"
-    };
-}
-
-/// `c` is the head of its aggregate: no earlier event of the same aggregate
-/// is still pending, delivering or retryable (`failed` ones do not hold the
-/// aggregate back). Earlier is one total order, the same on every backend:
-/// by `aggregate_version` with NULL placed after every version, then by
-/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
-/// a version is NULL is not transitive, and an aggregate mixing both could
-/// have no head at all. Index: `{table}_aggregate_idx (app_code,
-/// aggregate_id, id)`, sought by its two leading columns.
-macro_rules! head_of_aggregate {
-    () => {
-        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
-           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
-             AND p.status IN ('pending', 'delivering', 'retryable') \
-             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    < COALESCE(c.aggregate_version, 9223372036854775807) \
-               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
     };
 }
 
@@ -175,17 +151,19 @@ pub(crate) const RELEASE: &str =
 
 /// Counts by status for one tenant.
 pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) FROM {table} WHERE app_code = $1 GROUP BY status";
+    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = $1 GROUP BY status";
 
 /// Oldest pending row and due retries. Index: `{table}_claim_retry_idx`.
 pub(crate) const BACKLOG: &str = concat!(
     "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = $1 AND status = 'pending'), \
+       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = $1 AND status = 'pending') \
+         AS oldest_pending_ms, \
        (SELECT COUNT(*) FROM {table} WHERE app_code = $1 AND status = 'retryable' \
           AND next_retry_at_ms <= ",
     now_ms!(),
-    "), ",
-    now_ms!()
+    ") AS retryable_due, ",
+    now_ms!(),
+    " AS now_ms"
 );
 
 /// `list` without its predicates: `postbox_sqlx::list_query` appends only
@@ -216,7 +194,7 @@ pub(crate) const FIND_ARCHIVED: &str = concat!(
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
-    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) \
+    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
      FROM {table} WHERE app_code = $1 AND status = 'delivered' AND updated_at_ms >= $2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
@@ -227,17 +205,6 @@ pub(crate) const FIND: &str = concat!(
     columns!(),
     " FROM {table} WHERE event_id = $1 ORDER BY id"
 );
-
-/// The start of a replay update. Fanout progress: a `delivered` row is
-/// sent to every publisher again (backtracking), any other keeps the
-/// publishers that confirmed it, so only the others get it. (First in the
-/// SET list: it reads the old status.)
-macro_rules! replay_set {
-    () => {
-        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
-           THEN NULL ELSE delivered_to END, "
-    };
-}
 
 /// A replay that picked its targets: rows $1 get `delivered_to` $2 (the
 /// publishers *not* targeted), in the replay's transaction.
@@ -263,7 +230,9 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
      WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' ORDER BY id"
 );
 
-/// Replay by filter.
+/// Replay by filter. `{filters}`: a predicate per given filter
+/// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
+/// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
 pub(crate) const REPLAY_FILTER: &str = concat!(
     replay_set!(),
     "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
@@ -271,9 +240,7 @@ pub(crate) const REPLAY_FILTER: &str = concat!(
        updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND status <> 'delivering' \
+     WHERE status <> 'delivering'{filters} \
      RETURNING ",
     columns!()
 );
@@ -283,9 +250,7 @@ pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {table} \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR status = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) AND status <> 'delivering' ORDER BY id"
+     WHERE status <> 'delivering'{filters} ORDER BY id"
 );
 
 /// Time-range replay also brings archived rows back: copy them into the
@@ -296,19 +261,15 @@ pub(crate) const UNARCHIVE_FILTER: &str = concat!(
      SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
        'pending', 0, 0, 0, replay_count + 1, created_at_ms, ", now_ms!(), " \
      FROM {archive} a \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR 'delivered' = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) \
+     WHERE TRUE{filters} \
      ON CONFLICT DO NOTHING RETURNING ", columns!()
 );
 
 /// Archived rows a time-range replay would bring back.
 pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
     "SELECT ", columns!(), " FROM {archive} a \
-     WHERE ($1::TEXT IS NULL OR app_code = $1) AND ($2::TEXT IS NULL OR 'delivered' = $2) \
-       AND ($3::TEXT IS NULL OR event_type = $3) AND ($4::BIGINT IS NULL OR created_at_ms >= $4) \
-       AND ($5::BIGINT IS NULL OR created_at_ms < $5) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id)\
+       {filters} \
      ORDER BY id"
 );
 
@@ -323,8 +284,7 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id = ANY
 /// One failed attempt of row $1: kind $2 (`failed` or `dead_lettered`),
 /// attempt $3, publisher $4, error $5.
 pub(crate) const HISTORY_FAILED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", $2, $3, $4, $5 FROM {table} WHERE id = $1"
 );
@@ -332,16 +292,14 @@ pub(crate) const HISTORY_FAILED: &str = concat!(
 /// Rows $1 were just taken over after their lease expired; the claim
 /// already counted the attempt and wrote `last_error`.
 pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id = ANY($1)"
 );
 
 /// Rows $1 were just replayed from origin $2, to publishers $3.
 pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'replayed', 0, $3, $2 FROM {table} WHERE id = ANY($1)"
 );
@@ -397,7 +355,7 @@ pub(crate) const ARCHIVE_BATCH: &str = concat!(
        AND (t.id IN (SELECT id FROM copied) OR EXISTS (SELECT 1 FROM {archive} a WHERE a.id = t.id) \
          OR EXISTS (SELECT 1 FROM {archive} a WHERE a.app_code = t.app_code AND a.event_id = t.event_id)) \
        RETURNING t.id) \
-     SELECT (SELECT COUNT(*) FROM deleted), (SELECT COUNT(*) FROM copied)"
+     SELECT (SELECT COUNT(*) FROM deleted) AS deleted, (SELECT COUNT(*) FROM copied) AS copied"
 );
 
 /// Which of the event ids `$2` of app_code `$1` are archived. Index:
@@ -533,3 +491,14 @@ pub(crate) const V2_HISTORY: &[&str] = &[
        detail TEXT)",
     "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
 ];
+
+/// `(version, description, statements)`, applied in order.
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = &[
+    (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
+    (2, "attempt history", V2_HISTORY),
+    (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+];
+
+/// The statements the engine runs, by the name it knows them by (each
+/// field of [`postbox_sqlx::Statements`] is the constant of that name here).
+pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements!();

@@ -1,38 +1,72 @@
-//! Claim plans via `EXPLAIN QUERY PLAN`.
+//! What `postbox doctor` asks of SQLite: `EXPLAIN QUERY PLAN`, which
+//! (without `ANALYZE` statistics) picks an index from the query's shape
+//! alone, so a fresh table shows what a full one would.
 
 use sqlx::Row;
 
-use postbox_core::store::{QueryPlan, CLAIM_QUERIES};
+use postbox_core::store::{QueryPlan, ARCHIVE_QUERIES, CLAIM_QUERIES};
 use postbox_core::Result;
+use postbox_sqlx::db_error;
 
 use crate::SqliteOutbox;
 
-impl SqliteOutbox {
-    pub(crate) async fn explain_claim_queries(
-        &self,
-        app_code: &str,
-        limit: u32,
-    ) -> Result<Vec<QueryPlan>> {
-        let db = |e| crate::db_error("explain claims", e);
-        let t = self.table.as_str();
-        let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
-        for (query, source, index_suffix) in CLAIM_QUERIES {
-            let sql = self.sql.claim_select(source, false);
-            // Parameters only shape the plan here; their values do not matter.
-            let rows = sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))
-                .bind(app_code)
-                .bind(i64::from(limit))
-                .bind("postbox-explain")
-                .bind(30_000_i64)
-                .bind(0_i64)
-                .fetch_all(&self.pool)
-                .await
-                .map_err(db)?;
-            let text: Vec<String> = rows.iter().map(|r| r.get::<String, _>(3)).collect();
-            plans.push(query_plan(query, t, index_suffix, text));
-        }
-        Ok(plans)
+/// The `detail` lines of `EXPLAIN QUERY PLAN` for `q`.
+async fn detail_lines<'q>(
+    outbox: &SqliteOutbox,
+    q: sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>,
+    op: &'static str,
+) -> Result<Vec<String>> {
+    q.fetch_all(outbox.pool())
+        .await
+        .map_err(|e| db_error(op, e))?
+        .iter()
+        .map(|r| r.try_get::<String, _>("detail"))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| db_error(op, e))
+}
+
+/// Plans of the three claim queries.
+pub(crate) async fn claim_plans(
+    outbox: &SqliteOutbox,
+    app_code: &str,
+    limit: u32,
+) -> Result<Vec<QueryPlan>> {
+    let t = outbox.table().as_str();
+    let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
+    for (query, source, index_suffix) in CLAIM_QUERIES {
+        let sql = format!(
+            "EXPLAIN QUERY PLAN {}",
+            outbox.own().claims.of(source, false)
+        );
+        // Parameters only shape the plan here; their values do not matter.
+        let q = sqlx::query(&sql)
+            .bind(app_code)
+            .bind(i64::from(limit))
+            .bind("postbox-explain")
+            .bind(30_000_i64)
+            .bind(0_i64);
+        let text = detail_lines(outbox, q, "explain claims").await?;
+        plans.push(query_plan(query, t, index_suffix, text));
     }
+    Ok(plans)
+}
+
+/// Plans of the claim and archive queries.
+pub(crate) async fn index_use(outbox: &SqliteOutbox, app_code: &str) -> Result<Vec<QueryPlan>> {
+    let mut plans = claim_plans(outbox, app_code, 100).await?;
+    let t = outbox.table().as_str();
+    let sql = format!("EXPLAIN QUERY PLAN {}", outbox.own().archive_pick);
+    for (query, status, suffix) in ARCHIVE_QUERIES {
+        let q = sqlx::query(&sql)
+            .bind(app_code)
+            .bind(status)
+            .bind(0_i64)
+            .bind(10_000_i64);
+        let text = detail_lines(outbox, q, "explain").await?;
+        plans.push(query_plan(query, t, suffix, text));
+    }
+    debug_assert_eq!(plans.len(), CLAIM_QUERIES.len() + ARCHIVE_QUERIES.len());
+    Ok(plans)
 }
 
 /// A plan from `EXPLAIN QUERY PLAN`'s detail lines.

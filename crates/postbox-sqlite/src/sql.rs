@@ -6,21 +6,14 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
+use postbox_sqlx::{columns, head_of_aggregate, history_insert, replay_set};
+
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
 /// floating-point error of the Julian-day round trip.
 macro_rules! now_ms {
     () => {
         "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)"
-    };
-}
-
-/// Columns read back into an `EventRecord`, in order.
-macro_rules! columns {
-    () => {
-        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
-         delivered_to, replay_count, created_at_ms, updated_at_ms"
     };
 }
 
@@ -67,26 +60,6 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 // The three claims run inside one `BEGIN IMMEDIATE` transaction each, which
 // stands in for `FOR UPDATE SKIP LOCKED`. Parameters: ?1 app_code, ?2 limit,
 // ?3 worker_id, ?4 lock_until_ms (the fence), ?5 now.
-
-/// `c` is the head of its aggregate: no earlier event of the same aggregate
-/// is still pending, delivering or retryable (`failed` ones do not hold the
-/// aggregate back). Earlier is one total order, the same on every backend:
-/// by `aggregate_version` with NULL placed after every version, then by
-/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
-/// a version is NULL is not transitive, and an aggregate mixing both could
-/// have no head at all. Index: `{table}_aggregate_idx (app_code,
-/// aggregate_id, id)`, sought by its two leading columns.
-macro_rules! head_of_aggregate {
-    () => {
-        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
-           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
-             AND p.status IN ('pending', 'delivering', 'retryable') \
-             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    < COALESCE(c.aggregate_version, 9223372036854775807) \
-               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
-                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
-    };
-}
 
 /// Claim new rows. Index: `{table}_claim_retry_idx` (pending rows have `next_retry_at_ms = 0`).
 pub(crate) const CLAIM_PENDING: &str = concat!(
@@ -176,17 +149,19 @@ pub(crate) const RELEASE: &str = concat!(
 
 /// Counts by status for one tenant.
 pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) FROM {table} WHERE app_code = ?1 GROUP BY status";
+    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ?1 GROUP BY status";
 
 /// Oldest pending row and due retries. Index: `{table}_claim_retry_idx`.
 pub(crate) const BACKLOG: &str = concat!(
     "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ?1 AND status = 'pending'), \
+       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ?1 AND status = 'pending') \
+         AS oldest_pending_ms, \
        (SELECT COUNT(*) FROM {table} WHERE app_code = ?1 AND status = 'retryable' \
           AND next_retry_at_ms <= ",
     now_ms!(),
-    "), ",
-    now_ms!()
+    ") AS retryable_due, ",
+    now_ms!(),
+    " AS now_ms"
 );
 
 /// `list` without its predicates: `postbox_sqlx::list_query` appends only
@@ -217,7 +192,7 @@ pub(crate) const FIND_ARCHIVED: &str = concat!(
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
 /// a range read of the last hour's delivered rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
-    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) \
+    "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
      FROM {table} WHERE app_code = ?1 AND status = 'delivered' AND updated_at_ms >= ?2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
@@ -227,16 +202,6 @@ pub(crate) const FIND: &str = concat!(
     columns!(),
     " FROM {table} WHERE event_id = ?1 ORDER BY id"
 );
-
-/// The start of a replay update. Fanout progress: a `delivered` row is
-/// sent to every publisher again (backtracking), any other keeps the
-/// publishers that confirmed it, so only the others get it.
-macro_rules! replay_set {
-    () => {
-        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
-           THEN NULL ELSE delivered_to END, "
-    };
-}
 
 /// A replay that picked its targets: rows ?1 (a JSON array of ids) get
 /// `delivered_to` ?2 (the publishers *not* targeted), in the replay's
@@ -268,7 +233,9 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
        AND status <> 'delivering' ORDER BY id"
 );
 
-/// Replay by filter.
+/// Replay by filter. `{filters}`: a predicate per given filter
+/// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
+/// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
 pub(crate) const REPLAY_FILTER: &str = concat!(
     replay_set!(),
     "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
@@ -276,9 +243,7 @@ pub(crate) const REPLAY_FILTER: &str = concat!(
        updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR status = ?2) \
-       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
-       AND (?5 IS NULL OR created_at_ms < ?5) AND status <> 'delivering' \
+     WHERE status <> 'delivering'{filters} \
      RETURNING ",
     columns!()
 );
@@ -288,9 +253,7 @@ pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {table} \
-     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR status = ?2) \
-       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
-       AND (?5 IS NULL OR created_at_ms < ?5) AND status <> 'delivering' ORDER BY id"
+     WHERE status <> 'delivering'{filters} ORDER BY id"
 );
 
 /// Time-range replay also brings archived rows back: copy them into the
@@ -304,10 +267,8 @@ pub(crate) const UNARCHIVE_FILTER: &str = concat!(
     now_ms!(),
     " \
      FROM {archive} a \
-     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR 'delivered' = ?2) \
-       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
-       AND (?5 IS NULL OR created_at_ms < ?5) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id)\
+       {filters} \
      ORDER BY id \
      ON CONFLICT DO NOTHING RETURNING ",
     columns!()
@@ -318,10 +279,8 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {archive} a \
-     WHERE (?1 IS NULL OR app_code = ?1) AND (?2 IS NULL OR 'delivered' = ?2) \
-       AND (?3 IS NULL OR event_type = ?3) AND (?4 IS NULL OR created_at_ms >= ?4) \
-       AND (?5 IS NULL OR created_at_ms < ?5) \
-       AND NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id) \
+     WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id)\
+       {filters} \
      ORDER BY id"
 );
 
@@ -338,8 +297,7 @@ pub(crate) const DELETE_UNARCHIVED: &str =
 /// One failed attempt of row ?1: kind ?2 (`failed` or `dead_lettered`),
 /// attempt ?3, publisher ?4, error ?5.
 pub(crate) const HISTORY_FAILED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
 );
@@ -347,8 +305,7 @@ pub(crate) const HISTORY_FAILED: &str = concat!(
 /// Rows ?1 (JSON array) were just taken over after their lease expired;
 /// the claim already counted the attempt and wrote `last_error`.
 pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} \
      WHERE id IN (SELECT value FROM json_each(?1))"
@@ -356,8 +313,7 @@ pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
 
 /// Rows ?1 (JSON array) were just replayed from origin ?2.
 pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
-     SELECT app_code, event_id, ",
+    history_insert!(),
     now_ms!(),
     ", 'replayed', 0, ?3, ?2 FROM {table} WHERE id IN (SELECT value FROM json_each(?1))"
 );
@@ -463,9 +419,9 @@ pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
        table_name VARCHAR(64) NOT NULL, version INTEGER NOT NULL, description TEXT NOT NULL, \
        applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))";
 
-/// Which of the three given tables exist.
-pub(crate) const EXISTING_TABLES: &str =
-    "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?)";
+/// Which of the given tables (?1, a JSON array) exist.
+pub(crate) const EXISTING_TABLES: &str = "SELECT name FROM sqlite_master \
+     WHERE type = 'table' AND name IN (SELECT value FROM json_each(?1))";
 
 pub(crate) const FORGET_VERSIONS: &str =
     "DELETE FROM postbox_schema_migrations WHERE table_name = ?";
@@ -532,3 +488,14 @@ pub(crate) const V2_HISTORY: &[&str] = &[
        detail TEXT)",
     "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
 ];
+
+/// `(version, description, statements)`, applied in order.
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = &[
+    (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
+    (2, "attempt history", V2_HISTORY),
+    (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+];
+
+/// The statements the engine runs, by the name it knows them by (each
+/// field of [`postbox_sqlx::Statements`] is the constant of that name here).
+pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements!();

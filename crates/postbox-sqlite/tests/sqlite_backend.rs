@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, OutboxStore, ReplaySelector,
+    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector,
 };
 use postbox_core::time::now_ms;
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};

@@ -1,12 +1,25 @@
-//! What the PostgreSQL, MySQL and SQLite backends share: reading an outbox
-//! row into an [`EventRecord`] and classifying driver errors. Every backend
-//! selects the columns in the same order (its `columns!()` macro).
+//! The postbox SQL engine: the outbox store written once ([`SqlOutbox`]),
+//! generic over a [`Dialect`] (a database's statement set and the hooks
+//! for what really differs), plus reading rows by column name and
+//! classifying driver errors. The PostgreSQL, MySQL and SQLite backends are
+//! dialects of it.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod dialect;
+mod engine;
 mod list;
+mod store;
 
-pub use list::{list_query, ListArg, ListQuery, Placeholders};
+#[doc(hidden)]
+pub mod __private {
+    pub use async_trait::async_trait;
+    pub use postbox_core;
+}
+
+pub use dialect::{Dialect, Migration, Statements, Value};
+pub use engine::{finish, query, SqlOutbox, MIGRATIONS_LEDGER};
+pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
 
 use postbox_core::event::parse_delivered_to;
 use postbox_core::{Error, EventRecord, Result, Status};
@@ -22,37 +35,39 @@ pub fn db_error(operation: &'static str, e: sqlx::Error) -> Error {
     Error::from_driver(operation, e, code.as_deref())
 }
 
-/// Reads one row selected with the backend's column list.
+/// Reads one outbox row by column name.
 pub fn record<R>(row: &R) -> std::result::Result<EventRecord, sqlx::Error>
 where
     R: Row,
-    usize: ColumnIndex<R>,
+    for<'a> &'a str: ColumnIndex<R>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
 {
-    let status: String = row.try_get(8)?;
+    let status: String = row.try_get("status")?;
     Ok(EventRecord {
-        id: row.try_get(0)?,
-        app_code: row.try_get(1)?,
-        event_id: row.try_get(2)?,
-        event_type: row.try_get(3)?,
-        aggregate_id: row.try_get(4)?,
-        aggregate_version: row.try_get(5)?,
-        payload: row.try_get(6)?,
-        headers: row.try_get(7)?,
+        id: row.try_get("id")?,
+        app_code: row.try_get("app_code")?,
+        event_id: row.try_get("event_id")?,
+        event_type: row.try_get("event_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        aggregate_version: row.try_get("aggregate_version")?,
+        payload: row.try_get("payload")?,
+        headers: row.try_get("headers")?,
         status: status
             .parse::<Status>()
             .map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
-        retry_count: row.try_get(9)?,
-        next_retry_at_ms: row.try_get(10)?,
-        lock_until_ms: row.try_get(11)?,
-        worker_id: row.try_get(12)?,
-        last_error: row.try_get(13)?,
-        delivered_to: parse_delivered_to(row.try_get::<Option<String>, _>(14)?.as_deref()),
-        replay_count: row.try_get(15)?,
-        created_at_ms: row.try_get(16)?,
-        updated_at_ms: row.try_get(17)?,
+        retry_count: row.try_get("retry_count")?,
+        next_retry_at_ms: row.try_get("next_retry_at_ms")?,
+        lock_until_ms: row.try_get("lock_until_ms")?,
+        worker_id: row.try_get("worker_id")?,
+        last_error: row.try_get("last_error")?,
+        delivered_to: parse_delivered_to(
+            row.try_get::<Option<String>, _>("delivered_to")?.as_deref(),
+        ),
+        replay_count: row.try_get("replay_count")?,
+        created_at_ms: row.try_get("created_at_ms")?,
+        updated_at_ms: row.try_get("updated_at_ms")?,
     })
 }
 
@@ -60,7 +75,7 @@ where
 pub fn records<R>(rows: Vec<R>, op: &'static str) -> Result<Vec<EventRecord>>
 where
     R: Row,
-    usize: ColumnIndex<R>,
+    for<'a> &'a str: ColumnIndex<R>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
@@ -71,18 +86,18 @@ where
         .map_err(|e| db_error(op, e))
 }
 
-/// Reads `(minute_ms, count)` rows of the deliveries-per-minute query.
+/// Reads `minute_ms, delivered` rows of the deliveries-per-minute query.
 pub fn minute_counts<R>(rows: Vec<R>) -> Result<Vec<postbox_core::store::MinuteCount>>
 where
     R: Row,
-    usize: ColumnIndex<R>,
+    for<'a> &'a str: ColumnIndex<R>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
 {
     rows.iter()
         .map(|r| {
             Ok(postbox_core::store::MinuteCount {
-                minute_ms: r.try_get(0)?,
-                delivered: r.try_get(1)?,
+                minute_ms: r.try_get("minute_ms")?,
+                delivered: r.try_get("delivered")?,
             })
         })
         .collect::<std::result::Result<_, sqlx::Error>>()
@@ -97,7 +112,7 @@ pub fn stuck_aggregates<R>(
 ) -> Result<Vec<postbox_core::store::StuckAggregate>>
 where
     R: Row,
-    usize: ColumnIndex<R>,
+    for<'a> &'a str: ColumnIndex<R>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
@@ -105,16 +120,16 @@ where
     let db = |e| db_error("find stuck aggregates", e);
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
-        let status: String = row.try_get(2).map_err(db)?;
+        let status: String = row.try_get("status").map_err(db)?;
         out.push(postbox_core::store::StuckAggregate {
             app_code: app_code.to_owned(),
-            aggregate_id: row.try_get(0).map_err(db)?,
-            head_event_id: row.try_get(1).map_err(db)?,
+            aggregate_id: row.try_get("aggregate_id").map_err(db)?,
+            head_event_id: row.try_get("event_id").map_err(db)?,
             head_status: status.parse()?,
-            head_retry_count: row.try_get(3).map_err(db)?,
-            head_last_error: row.try_get(4).map_err(db)?,
-            head_age_seconds: row.try_get::<i64, _>(5).map_err(db)? as f64 / 1000.0,
-            waiting: row.try_get(6).map_err(db)?,
+            head_retry_count: row.try_get("retry_count").map_err(db)?,
+            head_last_error: row.try_get("last_error").map_err(db)?,
+            head_age_seconds: row.try_get::<i64, _>("age_ms").map_err(db)? as f64 / 1000.0,
+            waiting: row.try_get("waiting").map_err(db)?,
         });
     }
     Ok(out)
@@ -125,7 +140,7 @@ where
 pub fn history_entries<R>(rows: Vec<R>) -> Result<Vec<postbox_core::store::HistoryEntry>>
 where
     R: Row,
-    usize: ColumnIndex<R>,
+    for<'a> &'a str: ColumnIndex<R>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
@@ -133,13 +148,13 @@ where
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
         let read = || -> std::result::Result<_, sqlx::Error> {
-            let kind: String = row.try_get(1)?;
+            let kind: String = row.try_get("kind")?;
             Ok((
                 kind,
-                row.try_get::<i64, _>(0)?,
-                row.try_get::<i32, _>(2)?,
-                row.try_get::<Option<String>, _>(3)?,
-                row.try_get::<Option<String>, _>(4)?,
+                row.try_get::<i64, _>("at_ms")?,
+                row.try_get::<i32, _>("attempt")?,
+                row.try_get::<Option<String>, _>("publisher")?,
+                row.try_get::<Option<String>, _>("detail")?,
             ))
         };
         let (kind, at_ms, attempt, publisher, detail) =

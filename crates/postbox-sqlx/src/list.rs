@@ -88,6 +88,59 @@ pub fn list_query<'a>(
     ListQuery { sql, args }
 }
 
+/// Where a statement takes the predicates of [`filter_query`].
+pub const FILTERS: &str = "{filters}";
+
+/// A replay statement for `filter`: `{filters}` in `sql` (which follows a
+/// `WHERE` clause) becomes ` AND <column> = <placeholder>` for each given
+/// filter among app_code, status, event_type and the time range, numbered
+/// from 1, so the plan uses the index of the filters actually given (the
+/// `(? IS NULL OR …)` pattern cannot). `status_column` is what the status
+/// filter compares (`status`, or `'delivered'` for archived rows). The
+/// filter's `before_id` and `limit` do not apply to a replay.
+pub fn filter_query<'a>(
+    sql: &str,
+    filter: &'a EventFilter,
+    status_column: &str,
+    p: Placeholders,
+) -> ListQuery<'a> {
+    let mut preds: Vec<String> = Vec::new();
+    let mut args = Vec::new();
+    if let Some(a) = &filter.app_code {
+        preds.push("app_code = ".to_owned());
+        args.push(ListArg::Text(a));
+    }
+    if let Some(s) = filter.status {
+        preds.push(format!("{status_column} = "));
+        args.push(ListArg::Text(s.as_str()));
+    }
+    if let Some(t) = &filter.event_type {
+        preds.push("event_type = ".to_owned());
+        args.push(ListArg::Text(t));
+    }
+    if let Some(since) = filter.since_ms {
+        preds.push("created_at_ms >= ".to_owned());
+        args.push(ListArg::Int(since));
+    }
+    if let Some(until) = filter.until_ms {
+        preds.push("created_at_ms < ".to_owned());
+        args.push(ListArg::Int(until));
+    }
+    let mut filters = String::new();
+    for (i, pred) in preds.iter().enumerate() {
+        filters.push_str(" AND ");
+        filters.push_str(pred);
+        match p {
+            Placeholders::Numbered => filters.push_str(&format!("${}", i + 1)),
+            Placeholders::Question => filters.push('?'),
+        }
+    }
+    ListQuery {
+        sql: sql.replace(FILTERS, &filters),
+        args,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,6 +185,56 @@ mod tests {
             q.sql,
             "SELECT id FROM {table} WHERE app_code = ? AND status = ? AND id < ? ORDER BY id DESC LIMIT ?"
         );
+    }
+
+    #[test]
+    fn replay_filters_become_predicates_only_when_given() {
+        let f = EventFilter {
+            app_code: Some("room".into()),
+            status: Some(Status::Delivered),
+            until_ms: Some(7),
+            before_id: Some(1),
+            limit: 3,
+            ..Default::default()
+        };
+        let q = filter_query(
+            "UPDATE {table} SET x = 1 WHERE status <> 'delivering'{filters} RETURNING id",
+            &f,
+            "status",
+            Placeholders::Numbered,
+        );
+        assert_eq!(
+            q.sql,
+            "UPDATE {table} SET x = 1 WHERE status <> 'delivering' AND app_code = $1 \
+             AND status = $2 AND created_at_ms < $3 RETURNING id"
+        );
+        assert_eq!(
+            q.args,
+            vec![
+                ListArg::Text("room"),
+                ListArg::Text("delivered"),
+                ListArg::Int(7)
+            ]
+        );
+        let q = filter_query(
+            "S WHERE 1 = 1{filters}",
+            &f,
+            "'delivered'",
+            Placeholders::Question,
+        );
+        assert_eq!(
+            q.sql,
+            "S WHERE 1 = 1 AND app_code = ? AND 'delivered' = ? AND created_at_ms < ?"
+        );
+        let none = EventFilter::default();
+        let q = filter_query(
+            "S WHERE 1 = 1{filters} ORDER BY id",
+            &none,
+            "status",
+            Placeholders::Question,
+        );
+        assert_eq!(q.sql, "S WHERE 1 = 1 ORDER BY id");
+        assert!(q.args.is_empty());
     }
 
     #[test]

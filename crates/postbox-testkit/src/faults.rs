@@ -15,6 +15,9 @@ use postbox_core::store::{
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
     ReplaySelector, ReplayTargets, SchemaReport, StuckAggregate,
 };
+use postbox_core::store::{
+    ArchiveStore, EnqueueStore, InspectStore, RelayStore, ReplayStore, SchemaStore,
+};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, TableName};
 
 use crate::conformance::{fast_worker, run_relay_until_for};
@@ -107,15 +110,12 @@ fn lost_connection(operation: &'static str) -> Error {
 }
 
 #[async_trait]
-impl OutboxStore for FaultyMarks {
+impl RelayStore for FaultyMarks {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
     fn table(&self) -> &TableName {
         self.inner.table()
-    }
-    async fn migrate(&self) -> Result<MigrateReport> {
-        self.inner.migrate().await
     }
     async fn claim(
         &self,
@@ -149,11 +149,25 @@ impl OutboxStore for FaultyMarks {
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
         self.inner.release(fence, ids).await
     }
+    async fn now_ms(&self) -> Result<i64> {
+        self.inner.now_ms().await
+    }
+}
+
+#[async_trait]
+impl EnqueueStore for FaultyMarks {
     async fn enqueue_batch(&self, events: &[NewEvent], max: usize) -> Result<Vec<EnqueueOutcome>> {
         self.inner.enqueue_batch(events, max).await
     }
+}
+
+#[async_trait]
+impl InspectStore for FaultyMarks {
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
         self.inner.stats(app_codes).await
+    }
+    async fn present_app_codes(&self) -> Result<Vec<String>> {
+        self.inner.present_app_codes().await
     }
     async fn list(&self, filter: &EventFilter) -> Result<Vec<EventRecord>> {
         self.inner.list(filter).await
@@ -171,20 +185,6 @@ impl OutboxStore for FaultyMarks {
         }
         self.inner.find(event_id).await
     }
-    async fn replay_to(
-        &self,
-        selector: &ReplaySelector,
-        dry_run: bool,
-        origin: &str,
-        targets: &ReplayTargets,
-    ) -> Result<Vec<EventRecord>> {
-        self.inner
-            .replay_to(selector, dry_run, origin, targets)
-            .await
-    }
-    async fn present_app_codes(&self) -> Result<Vec<String>> {
-        self.inner.present_app_codes().await
-    }
     async fn find_archived(
         &self,
         event_id: &str,
@@ -194,6 +194,9 @@ impl OutboxStore for FaultyMarks {
     }
     async fn list_archived(&self, filter: &EventFilter) -> Result<Vec<EventRecord>> {
         self.inner.list_archived(filter).await
+    }
+    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+        self.inner.history(event_id).await
     }
     async fn archived_event_ids(
         &self,
@@ -212,12 +215,25 @@ impl OutboxStore for FaultyMarks {
             .stuck_aggregates(app_code, older_than_ms, limit)
             .await
     }
-    async fn now_ms(&self) -> Result<i64> {
-        self.inner.now_ms().await
+}
+
+#[async_trait]
+impl ReplayStore for FaultyMarks {
+    async fn replay_to(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+        targets: &ReplayTargets,
+    ) -> Result<Vec<EventRecord>> {
+        self.inner
+            .replay_to(selector, dry_run, origin, targets)
+            .await
     }
-    async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>> {
-        self.inner.explain_claims(app_code, limit).await
-    }
+}
+
+#[async_trait]
+impl ArchiveStore for FaultyMarks {
     async fn archive(
         &self,
         req: &ArchiveRequest,
@@ -225,14 +241,21 @@ impl OutboxStore for FaultyMarks {
     ) -> Result<ArchiveReport> {
         self.inner.archive(req, on_batch).await
     }
+}
+
+#[async_trait]
+impl SchemaStore for FaultyMarks {
+    async fn migrate(&self) -> Result<MigrateReport> {
+        self.inner.migrate().await
+    }
     async fn inspect_schema(&self) -> Result<SchemaReport> {
         self.inner.inspect_schema().await
     }
+    async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>> {
+        self.inner.explain_claims(app_code, limit).await
+    }
     async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
         self.inner.explain_index_use(app_code).await
-    }
-    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
-        self.inner.history(event_id).await
     }
 }
 

@@ -1,0 +1,210 @@
+//! PostgreSQL as a dialect of the postbox engine: its statements, its
+//! claim (one `UPDATE … RETURNING` over rows picked `FOR UPDATE SKIP
+//! LOCKED`), its insert (`ON CONFLICT DO NOTHING RETURNING id`), its
+//! advisory locks and its archive batch (one statement).
+
+use async_trait::async_trait;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgQueryResult};
+use sqlx::{PgConnection, PgPool, Postgres, Row};
+
+use postbox_core::redact::redact_url;
+use postbox_core::store::{ClaimRequest, QueryPlan};
+use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Result, TableName};
+use postbox_sqlx::dialect::{insert_values, ClaimStatements, Migration, Q};
+use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, SqlOutbox, Statements, Value};
+
+use crate::sql;
+
+/// The PostgreSQL dialect.
+#[derive(Debug, Clone, Copy)]
+pub struct PgDialect;
+
+/// Statements only PostgreSQL's hooks run, rendered once per store.
+#[derive(Debug)]
+pub struct Own {
+    pub(crate) insert_event: String,
+    pub(crate) claims: ClaimStatements,
+    pub(crate) archive_batch: String,
+    pub(crate) archive_pick: String,
+}
+
+#[async_trait]
+impl Dialect for PgDialect {
+    type DB = Postgres;
+    type Own = Own;
+
+    const BACKEND: &'static str = "postgres";
+    const PLACEHOLDERS: Placeholders = Placeholders::Numbered;
+    const BEGIN_WRITE: Option<&'static str> = None;
+    const STATEMENTS: Statements = sql::STATEMENTS;
+    const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
+    const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
+    const EXTRA_INDEXES: &'static [&'static str] = &["_archive_pk"];
+
+    fn own(t: &TableName) -> Own {
+        Own {
+            insert_event: t.render(sql::INSERT_EVENT),
+            claims: ClaimStatements::render(
+                t,
+                [
+                    sql::CLAIM_PENDING,
+                    sql::CLAIM_DUE_RETRIES,
+                    sql::CLAIM_PENDING_ORDERED,
+                    sql::CLAIM_DUE_RETRIES_ORDERED,
+                    sql::CLAIM_EXPIRED_LEASES,
+                ],
+            ),
+            archive_batch: t.render(sql::ARCHIVE_BATCH),
+            archive_pick: t.render(sql::ARCHIVE_PICK),
+        }
+    }
+
+    async fn connect_pool(url: &str, max_connections: u32, _create: bool) -> Result<PgPool> {
+        let opts: PgConnectOptions = url
+            .parse()
+            .map_err(|e| Error::config("database.url", format!("{}: {e}", redact_url(url))))?;
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(std::time::Duration::from_secs(10))
+            .connect_with(opts)
+            .await
+            .map_err(|e| db_error("connecting to PostgreSQL", e))
+    }
+
+    fn rows_affected(done: &PgQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn bind<'q>(q: Q<'q, Postgres>, value: Value<'q>) -> Q<'q, Postgres> {
+        match value {
+            Value::Text(v) => q.bind(v),
+            Value::Int(v) => q.bind(v),
+            Value::Int32(v) => q.bind(v),
+            Value::Ids(ids) => q.bind(ids),
+            Value::Texts(texts) => q.bind(texts),
+        }
+    }
+
+    /// `ON CONFLICT DO NOTHING` keeps the caller's transaction usable when
+    /// the event id already exists: no row comes back.
+    async fn insert_event(
+        outbox: &SqlOutbox<Self>,
+        conn: &mut PgConnection,
+        event: &NewEvent,
+    ) -> Result<i64> {
+        let headers = event.headers_json();
+        let row = query::<Self>(&outbox.own().insert_event, insert_values(event, &headers))
+            .fetch_optional(conn)
+            .await
+            .map_err(|e| db_error("enqueue", e))?;
+        let id: Option<i64> = row
+            .map(|r| r.try_get("id"))
+            .transpose()
+            .map_err(|e| db_error("enqueue", e))?;
+        id.ok_or_else(|| Error::DuplicateEvent {
+            app_code: event.app_code.clone(),
+            event_id: event.event_id.clone(),
+        })
+    }
+
+    async fn claim(
+        outbox: &SqlOutbox<Self>,
+        source: ClaimSource,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Vec<ClaimedEvent>> {
+        let db = |e| db_error("claim", e);
+        let query = sqlx::query(outbox.own().claims.of(source, req.ordered))
+            .bind(req.app_code)
+            .bind(i64::from(req.limit))
+            .bind(req.worker_id)
+            .bind(req.lease_ms);
+        let claimed = if source == ClaimSource::ExpiredLease {
+            // The takeover counts an attempt: record it in the claim's
+            // transaction.
+            let mut tx = outbox.pool().begin().await.map_err(db)?;
+            let claimed = records(query.fetch_all(&mut *tx).await.map_err(db)?, "claim")?;
+            if !claimed.is_empty() {
+                let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+                outbox
+                    .record_lease_expired(&mut tx, &ids)
+                    .await
+                    .map_err(db)?;
+            }
+            tx.commit().await.map_err(db)?;
+            claimed
+        } else {
+            // One statement: no transaction round trips on the hot path.
+            records(query.fetch_all(outbox.pool()).await.map_err(db)?, "claim")?
+        };
+        Ok(claimed
+            .into_iter()
+            .map(|record| ClaimedEvent { record, source })
+            .collect())
+    }
+
+    /// A session advisory lock on the archiver's own connection (released
+    /// at the end, or when the session dies with its process).
+    async fn archive_lock(conn: &mut PoolConnection<Postgres>, table: &TableName) -> Result<bool> {
+        sqlx::query_scalar(sql::ARCHIVE_LOCK)
+            .bind(table.as_str())
+            .fetch_one(&mut **conn)
+            .await
+            .map_err(|e| db_error("archive", e))
+    }
+
+    async fn archive_unlock(
+        conn: &mut PoolConnection<Postgres>,
+        table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error> {
+        sqlx::query(sql::ARCHIVE_UNLOCK)
+            .bind(table.as_str())
+            .execute(&mut **conn)
+            .await
+            .map(|_| ())
+    }
+
+    /// One statement: copy, delete, and count both.
+    async fn archive_batch(
+        outbox: &SqlOutbox<Self>,
+        conn: &mut PoolConnection<Postgres>,
+        app_code: &str,
+        status: &str,
+        before_ms: i64,
+        batch_size: u32,
+    ) -> Result<(u64, u64)> {
+        let db = |e| db_error("archive", e);
+        let row = sqlx::query(&outbox.own().archive_batch)
+            .bind(app_code)
+            .bind(status)
+            .bind(before_ms)
+            .bind(i64::from(batch_size))
+            .fetch_one(&mut **conn)
+            .await
+            .map_err(db)?;
+        let deleted: i64 = row.try_get("deleted").map_err(db)?;
+        let copied: i64 = row.try_get("copied").map_err(db)?;
+        Ok((deleted as u64, copied as u64))
+    }
+
+    /// Serialises concurrent `migrate` runs, of any table: they share the
+    /// migrations table, whose `CREATE … IF NOT EXISTS` is not race-free.
+    async fn migration_lock(conn: &mut PgConnection) -> std::result::Result<(), sqlx::Error> {
+        sqlx::query(sql::MIGRATION_LOCK)
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
+
+    async fn explain_claims(
+        outbox: &SqlOutbox<Self>,
+        app_code: &str,
+        limit: u32,
+    ) -> Result<Vec<QueryPlan>> {
+        crate::explain::claim_plans(outbox, app_code, limit).await
+    }
+
+    async fn explain_index_use(outbox: &SqlOutbox<Self>, app_code: &str) -> Result<Vec<QueryPlan>> {
+        crate::explain::index_use(outbox, app_code).await
+    }
+}

@@ -1,0 +1,449 @@
+//! What one database adds to the engine: its statement set and the hooks
+//! for the few operations that really differ between databases.
+//!
+//! A fourth database is one more [`Dialect`]: its statements (one named
+//! constant each, with the index it relies on), its claim, its enqueue
+//! insert, its archive lock and batch, and its plan reader.
+
+use async_trait::async_trait;
+use sqlx::pool::PoolConnection;
+use sqlx::query::Query;
+use sqlx::Database;
+
+use postbox_core::store::{ClaimRequest, QueryPlan};
+use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
+
+use crate::{Placeholders, SqlOutbox};
+
+/// The arguments type of a query of `DB`.
+pub type Args<'q, DB> = <DB as Database>::Arguments<'q>;
+
+/// A query of `DB` ready to be bound.
+pub type Q<'q, DB> = Query<'q, DB, Args<'q, DB>>;
+
+/// One value bound to a statement, in placeholder order. The engine binds
+/// only these, through [`Dialect::bind`], so the engine itself needs no
+/// encoding bounds and a list travels the way each database takes one
+/// (a PostgreSQL array, a SQLite JSON array read with `json_each`).
+#[derive(Debug, Clone, Copy)]
+pub enum Value<'a> {
+    /// A text value or NULL.
+    Text(Option<&'a str>),
+    /// A 64-bit integer or NULL.
+    Int(Option<i64>),
+    /// A 32-bit integer (`retry_count`, `attempt`).
+    Int32(i32),
+    /// A list of row ids (`= ANY($n)`, `IN (SELECT value FROM json_each(?n))`).
+    Ids(&'a [i64]),
+    /// A list of texts (event ids, app_codes, table names).
+    Texts(&'a [String]),
+}
+
+impl<'a> From<&'a str> for Value<'a> {
+    fn from(s: &'a str) -> Self {
+        Value::Text(Some(s))
+    }
+}
+
+impl<'a> From<&'a String> for Value<'a> {
+    fn from(s: &'a String) -> Self {
+        Value::Text(Some(s))
+    }
+}
+
+impl<'a> From<Option<&'a str>> for Value<'a> {
+    fn from(s: Option<&'a str>) -> Self {
+        Value::Text(s)
+    }
+}
+
+impl From<i64> for Value<'_> {
+    fn from(i: i64) -> Self {
+        Value::Int(Some(i))
+    }
+}
+
+impl From<Option<i64>> for Value<'_> {
+    fn from(i: Option<i64>) -> Self {
+        Value::Int(i)
+    }
+}
+
+/// The statements every dialect writes, each with the index it relies on
+/// documented beside its constant in the backend's `sql.rs`. `{table}` and
+/// `{archive}` are rendered once per store ([`Statements::render`]). The
+/// bind order of each statement is fixed by the engine and given here.
+#[derive(Debug, Clone)]
+pub struct Statements<S = &'static str> {
+    /// The database clock in epoch ms; no binds.
+    pub now_ms: S,
+    /// `status, n`: counts by status; app_code.
+    pub count_by_status: S,
+    /// `oldest_pending_ms, retryable_due, now_ms`; app_code.
+    pub backlog: S,
+    /// `SELECT <columns> FROM {table}`, completed by [`crate::list_query`].
+    pub list_select: S,
+    /// Every app_code with rows (one column); no binds.
+    pub present_app_codes: S,
+    /// Archived rows of one event; app_codes (list), event_id.
+    pub find_archived: S,
+    /// `minute_ms, delivered`; app_code, since_ms.
+    pub delivered_per_minute: S,
+    /// Live rows of one event; event_id.
+    pub find: S,
+    /// Fenced; ids (list), worker_id, lock_until_ms.
+    pub mark_delivered: S,
+    /// Fenced; status, retry_count, retry_after_ms, delivered_to, error, id,
+    /// worker_id, lock_until_ms.
+    pub mark_failed: S,
+    /// Fenced; ids (list), worker_id, lock_until_ms.
+    pub release: S,
+    /// Replay by event ids, returning the rows; event_ids (list), app_code.
+    pub replay_ids: S,
+    /// The rows [`Statements::replay_ids`] would touch; same binds.
+    pub replay_ids_dry: S,
+    /// Replay by filter, returning the rows; `{filters}` (after a `WHERE`
+    /// clause) takes a predicate per given filter ([`crate::filter_query`]).
+    pub replay_filter: S,
+    /// The rows [`Statements::replay_filter`] would touch; same binds.
+    pub replay_filter_dry: S,
+    /// Brings archived rows back as pending, returning them; same binds.
+    pub unarchive_filter: S,
+    /// The rows [`Statements::unarchive_filter`] would bring back.
+    pub unarchive_filter_dry: S,
+    /// Removes brought-back rows from the archive; ids (list).
+    pub delete_unarchived: S,
+    /// Sets `delivered_to` of replayed rows; ids (list), delivered_to.
+    pub replay_set_delivered_to: S,
+    /// One failed attempt; id, kind, attempt, publisher, error.
+    pub history_failed: S,
+    /// Rows taken over after their lease expired; ids (list).
+    pub history_lease_expired: S,
+    /// Rows replayed; ids (list), origin, targets.
+    pub history_replayed: S,
+    /// Keeps the newest entries of each event of some rows; ids (list), limit.
+    pub history_prune: S,
+    /// `at_ms, kind, attempt, publisher, detail` of one event; event_id.
+    pub history: S,
+    /// Which event ids are archived (one column); app_code, event_ids (list).
+    pub archived_event_ids: S,
+    /// Heads of aggregates held back; app_code, older_than_ms, limit.
+    pub stuck_aggregates: S,
+    /// The table's schema version (one column); table name.
+    pub doctor_version: S,
+    /// Names of tables and indexes (one column); no binds.
+    pub doctor_objects: S,
+    /// Creates the migrations ledger.
+    pub create_migrations_table: S,
+    /// Which of the given tables exist (one column); table names (list).
+    pub existing_tables: S,
+    /// Forgets a table's ledger rows; table name.
+    pub forget_versions: S,
+    /// Versions applied to a table (one column); table name.
+    pub applied_versions: S,
+    /// Records one version; table name, version, description.
+    pub record_version: S,
+}
+
+macro_rules! render_all {
+    ($self:ident, $t:ident, $($field:ident),* $(,)?) => {
+        Statements { $($field: $t.render($self.$field),)* }
+    };
+}
+
+impl Statements {
+    /// Every statement with `{table}` and `{archive}` filled in.
+    pub fn render(&self, t: &TableName) -> Statements<String> {
+        render_all!(
+            self,
+            t,
+            now_ms,
+            count_by_status,
+            backlog,
+            list_select,
+            present_app_codes,
+            find_archived,
+            delivered_per_minute,
+            find,
+            mark_delivered,
+            mark_failed,
+            release,
+            replay_ids,
+            replay_ids_dry,
+            replay_filter,
+            replay_filter_dry,
+            unarchive_filter,
+            unarchive_filter_dry,
+            delete_unarchived,
+            replay_set_delivered_to,
+            history_failed,
+            history_lease_expired,
+            history_replayed,
+            history_prune,
+            history,
+            archived_event_ids,
+            stuck_aggregates,
+            doctor_version,
+            doctor_objects,
+            create_migrations_table,
+            existing_tables,
+            forget_versions,
+            applied_versions,
+            record_version,
+        )
+    }
+}
+
+/// The seven event columns every dialect's insert takes, in order:
+/// app_code, event_id, event_type, aggregate_id, aggregate_version,
+/// payload, headers (`headers` is [`NewEvent::headers_json`]).
+pub fn insert_values<'a>(event: &'a NewEvent, headers: &'a Option<String>) -> [Value<'a>; 7] {
+    [
+        event.app_code.as_str().into(),
+        event.event_id.as_str().into(),
+        event.event_type.as_str().into(),
+        event.aggregate_id.as_deref().into(),
+        event.aggregate_version.into(),
+        event.payload.as_str().into(),
+        headers.as_deref().into(),
+    ]
+}
+
+/// A dialect's five claim statements, rendered for one table.
+#[derive(Debug, Clone)]
+pub struct ClaimStatements {
+    pending: String,
+    due_retries: String,
+    pending_ordered: String,
+    due_retries_ordered: String,
+    expired_leases: String,
+}
+
+impl ClaimStatements {
+    /// Renders `[pending, due_retries, pending_ordered,
+    /// due_retries_ordered, expired_leases]` for `t`.
+    pub fn render(t: &TableName, [p, d, po, dor, e]: [&str; 5]) -> Self {
+        ClaimStatements {
+            pending: t.render(p),
+            due_retries: t.render(d),
+            pending_ordered: t.render(po),
+            due_retries_ordered: t.render(dor),
+            expired_leases: t.render(e),
+        }
+    }
+
+    /// The statement of one claim query; `ordered` picks the per-aggregate
+    /// variant (expired leases have one statement for both).
+    pub fn of(&self, source: ClaimSource, ordered: bool) -> &str {
+        use ClaimSource::*;
+        match (source, ordered) {
+            (Pending, false) => &self.pending,
+            (Pending, true) => &self.pending_ordered,
+            (DueRetry, false) => &self.due_retries,
+            (DueRetry, true) => &self.due_retries_ordered,
+            (ExpiredLease, _) => &self.expired_leases,
+        }
+    }
+}
+
+/// One schema version: number, description, statements (`{table}` and
+/// `{archive}` rendered when applied; every statement `IF NOT EXISTS`).
+pub type Migration = (u32, &'static str, &'static [&'static str]);
+
+/// A database: its statement set and the hooks for what differs.
+#[async_trait]
+pub trait Dialect: Sized + Send + Sync + 'static {
+    /// The sqlx database.
+    type DB: Database;
+    /// Statements only this dialect's hooks run (its claims, its insert,
+    /// its archive batch), rendered once per store.
+    type Own: Send + Sync + std::fmt::Debug;
+
+    /// `postgres`, `mysql` or `sqlite`.
+    const BACKEND: &'static str;
+    /// How [`crate::list_query`] writes placeholders.
+    const PLACEHOLDERS: Placeholders;
+    /// The statement that starts a write transaction, when not the default
+    /// `BEGIN` (SQLite: `BEGIN IMMEDIATE`, which takes the write lock up
+    /// front so a transaction that reads first never fails half-way).
+    const BEGIN_WRITE: Option<&'static str>;
+    /// The shared statement set.
+    const STATEMENTS: Statements;
+    /// The schema versions, in order.
+    const MIGRATIONS: &'static [Migration];
+    /// Run after version 1 is applied to a new outbox table: continue the
+    /// ids of an archive that was kept.
+    const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str];
+    /// Indexes beyond [`postbox_core::store::EXPECTED_INDEXES`] (suffixes).
+    const EXTRA_INDEXES: &'static [&'static str];
+
+    /// Renders [`Dialect::Own`] for `table`.
+    fn own(table: &TableName) -> Self::Own;
+
+    /// Connects a pool of `max_connections` to `url`; `create` allows
+    /// creating a database that does not exist (SQLite's file; a server
+    /// database is never created).
+    async fn connect_pool(
+        url: &str,
+        max_connections: u32,
+        create: bool,
+    ) -> Result<sqlx::Pool<Self::DB>>;
+
+    /// Rows a statement changed (sqlx has no trait for it).
+    fn rows_affected(done: &<Self::DB as Database>::QueryResult) -> u64;
+
+    /// Binds one value.
+    fn bind<'q>(q: Q<'q, Self::DB>, value: Value<'q>) -> Q<'q, Self::DB>;
+
+    /// Writes one event on the caller's connection; its row id, or
+    /// [`postbox_core::Error::DuplicateEvent`].
+    async fn insert_event(
+        outbox: &SqlOutbox<Self>,
+        conn: &mut <Self::DB as Database>::Connection,
+        event: &NewEvent,
+    ) -> Result<i64>;
+
+    /// Runs one claim query.
+    async fn claim(
+        outbox: &SqlOutbox<Self>,
+        source: ClaimSource,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Vec<ClaimedEvent>>;
+
+    /// Takes the per-table archive lock on `conn`; false when another
+    /// archiver holds it.
+    async fn archive_lock(conn: &mut PoolConnection<Self::DB>, table: &TableName) -> Result<bool>;
+
+    /// Releases the archive lock taken by [`Dialect::archive_lock`].
+    async fn archive_unlock(
+        conn: &mut PoolConnection<Self::DB>,
+        table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error>;
+
+    /// Moves one batch (see `ArchiveStore::archive`) on `conn`, which holds
+    /// the archive lock; `(deleted, copied)`.
+    async fn archive_batch(
+        outbox: &SqlOutbox<Self>,
+        conn: &mut PoolConnection<Self::DB>,
+        app_code: &str,
+        status: &str,
+        before_ms: i64,
+        batch_size: u32,
+    ) -> Result<(u64, u64)>;
+
+    /// Serialises concurrent `migrate` runs inside the migration
+    /// transaction (PostgreSQL's advisory lock; nothing where
+    /// [`Dialect::BEGIN_WRITE`] already locks).
+    async fn migration_lock(
+        conn: &mut <Self::DB as Database>::Connection,
+    ) -> std::result::Result<(), sqlx::Error>;
+
+    /// Plans of the three claim queries.
+    async fn explain_claims(
+        outbox: &SqlOutbox<Self>,
+        app_code: &str,
+        limit: u32,
+    ) -> Result<Vec<QueryPlan>>;
+
+    /// Whether the claim and archive queries can use their indexes.
+    async fn explain_index_use(outbox: &SqlOutbox<Self>, app_code: &str) -> Result<Vec<QueryPlan>>;
+}
+
+/// A dialect's [`Statements`] from the constants of the module it is
+/// invoked in, each named as its field in upper case (`now_ms: NOW_MS`,
+/// …), so a dialect's `sql.rs` lists its statements once.
+#[macro_export]
+macro_rules! statements {
+    () => {
+        $crate::Statements {
+            now_ms: NOW_MS,
+            count_by_status: COUNT_BY_STATUS,
+            backlog: BACKLOG,
+            list_select: LIST_SELECT,
+            present_app_codes: PRESENT_APP_CODES,
+            find_archived: FIND_ARCHIVED,
+            delivered_per_minute: DELIVERED_PER_MINUTE,
+            find: FIND,
+            mark_delivered: MARK_DELIVERED,
+            mark_failed: MARK_FAILED,
+            release: RELEASE,
+            replay_ids: REPLAY_IDS,
+            replay_ids_dry: REPLAY_IDS_DRY,
+            replay_filter: REPLAY_FILTER,
+            replay_filter_dry: REPLAY_FILTER_DRY,
+            unarchive_filter: UNARCHIVE_FILTER,
+            unarchive_filter_dry: UNARCHIVE_FILTER_DRY,
+            delete_unarchived: DELETE_UNARCHIVED,
+            replay_set_delivered_to: REPLAY_SET_DELIVERED_TO,
+            history_failed: HISTORY_FAILED,
+            history_lease_expired: HISTORY_LEASE_EXPIRED,
+            history_replayed: HISTORY_REPLAYED,
+            history_prune: HISTORY_PRUNE,
+            history: HISTORY,
+            archived_event_ids: ARCHIVED_EVENT_IDS,
+            stuck_aggregates: STUCK_AGGREGATES,
+            doctor_version: DOCTOR_VERSION,
+            doctor_objects: DOCTOR_OBJECTS,
+            create_migrations_table: CREATE_MIGRATIONS_TABLE,
+            existing_tables: EXISTING_TABLES,
+            forget_versions: FORGET_VERSIONS,
+            applied_versions: APPLIED_VERSIONS,
+            record_version: RECORD_VERSION,
+        }
+    };
+}
+
+/// Columns read back into an `EventRecord` (by name), in the order every
+/// dialect's statements list them.
+#[macro_export]
+macro_rules! columns {
+    () => {
+        "id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+         status, retry_count, next_retry_at_ms, lock_until_ms, worker_id, last_error, \
+         delivered_to, replay_count, created_at_ms, updated_at_ms"
+    };
+}
+
+/// `c` is the head of its aggregate: no earlier event of the same aggregate
+/// is still pending, delivering or retryable (`failed` ones do not hold the
+/// aggregate back). Earlier is one total order, the same on every backend:
+/// by `aggregate_version` with NULL placed after every version, then by
+/// `id` (SPEC: ordering). It must be total: falling back to `id` only when
+/// a version is NULL is not transitive, and an aggregate mixing both could
+/// have no head at all. Index: `{table}_aggregate_idx (app_code,
+/// aggregate_id, id)`, sought by its two leading columns.
+#[macro_export]
+macro_rules! head_of_aggregate {
+    () => {
+        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
+           WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
+             AND p.status IN ('pending', 'delivering', 'retryable') \
+             AND (COALESCE(p.aggregate_version, 9223372036854775807) \
+                    < COALESCE(c.aggregate_version, 9223372036854775807) \
+               OR (COALESCE(p.aggregate_version, 9223372036854775807) \
+                    = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
+    };
+}
+
+/// The start of a replay update. Fanout progress: a `delivered` row is
+/// sent to every publisher again (backtracking), any other keeps the
+/// publishers that confirmed it, so only the others get it. (First in the
+/// SET list: it reads the old status.)
+#[macro_export]
+macro_rules! replay_set {
+    () => {
+        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
+           THEN NULL ELSE delivered_to END, "
+    };
+}
+
+/// The start of every history write (`INSERT … SELECT` from the outbox
+/// row, so the entry is keyed by the row's `(app_code, event_id)`): the
+/// dialect appends its clock, the entry's values and the rows.
+#[macro_export]
+macro_rules! history_insert {
+    () => {
+        "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
+     SELECT app_code, event_id, "
+    };
+}

@@ -1,0 +1,755 @@
+//! The outbox engine: every store operation written once, generic over a
+//! [`Dialect`]. Only the statement texts and the dialect's hooks differ
+//! between PostgreSQL, MySQL and SQLite.
+//!
+//! Generic sqlx code needs its bounds spelled out: every `impl` block of
+//! the engine carries the same `where` clause (executors, argument buffers,
+//! and the column types rows are read with, by name). Values are bound only
+//! through [`Dialect::bind`], so no encoding bound appears here.
+
+use std::sync::Arc;
+
+use sqlx::{Database, Transaction};
+
+use postbox_core::event::Fence;
+use postbox_core::store::{
+    check_ledger, AppStats, ArchiveReport, ArchiveRequest, EnqueueOutcome, EventFilter,
+    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplaySelector, ReplayTargets,
+    SchemaReport, StuckAggregate, ARCHIVE_QUERIES, EXPECTED_TABLES, HISTORY_LIMIT,
+};
+use postbox_core::{EventRecord, NewEvent, Result, TableName};
+
+use crate::dialect::{Dialect, Statements, Value, Q};
+use crate::{db_error, filter_query, history_entries, list_query, minute_counts, records, ListArg};
+
+/// An outbox table in the database of dialect `D`. `PgOutbox`,
+/// `MySqlOutbox` and `SqliteOutbox` are this type.
+pub struct SqlOutbox<D: Dialect> {
+    pool: sqlx::Pool<D::DB>,
+    table: TableName,
+    max_payload_bytes: usize,
+    sql: Arc<Statements<String>>,
+    own: Arc<D::Own>,
+}
+
+impl<D: Dialect> Clone for SqlOutbox<D> {
+    fn clone(&self) -> Self {
+        SqlOutbox {
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            max_payload_bytes: self.max_payload_bytes,
+            sql: self.sql.clone(),
+            own: self.own.clone(),
+        }
+    }
+}
+
+impl<D: Dialect> std::fmt::Debug for SqlOutbox<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlOutbox")
+            .field("backend", &D::BACKEND)
+            .field("table", &self.table)
+            .field("max_payload_bytes", &self.max_payload_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The binds of one statement, in placeholder order.
+pub fn query<'q, D: Dialect>(
+    sql: &'q str,
+    values: impl IntoIterator<Item = Value<'q>>,
+) -> Q<'q, D::DB> {
+    values.into_iter().fold(sqlx::query(sql), D::bind)
+}
+
+impl<D: Dialect> SqlOutbox<D> {
+    /// Uses `pool` for the outbox table `table` (validated).
+    pub fn new(pool: sqlx::Pool<D::DB>, table: &str) -> Result<Self> {
+        let table = TableName::new(table)?;
+        Ok(SqlOutbox {
+            pool,
+            sql: Arc::new(D::STATEMENTS.render(&table)),
+            own: Arc::new(D::own(&table)),
+            table,
+            max_payload_bytes: 1024 * 1024,
+        })
+    }
+
+    /// Connects a pool of `max_connections` to `url` (the dialect's
+    /// connect options; SQLite creates a missing database file).
+    pub async fn connect(url: &str, table: &str, max_connections: u32) -> Result<Self> {
+        Self::new(D::connect_pool(url, max_connections, true).await?, table)
+    }
+
+    /// Like [`SqlOutbox::connect`], but never creates the database: a
+    /// missing SQLite file is an error naming it (for commands that only
+    /// read or need the schema `postbox migrate` creates).
+    pub async fn connect_existing(url: &str, table: &str, max_connections: u32) -> Result<Self> {
+        Self::new(D::connect_pool(url, max_connections, false).await?, table)
+    }
+
+    /// Sets the payload limit `enqueue` enforces (default 1 MiB).
+    pub fn with_max_payload_bytes(mut self, limit: usize) -> Self {
+        self.max_payload_bytes = limit;
+        self
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &sqlx::Pool<D::DB> {
+        &self.pool
+    }
+
+    /// The outbox table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The shared statements, rendered for this table.
+    pub fn statements(&self) -> &Statements<String> {
+        &self.sql
+    }
+
+    /// The dialect's own statements, rendered for this table.
+    pub fn own(&self) -> &D::Own {
+        &self.own
+    }
+
+    /// Writes `event` on the caller's connection or transaction (pass
+    /// `&mut tx`), so it commits or rolls back with the caller's own rows.
+    /// Returns the new row id.
+    ///
+    /// A duplicate `(app_code, event_id)` returns
+    /// [`postbox_core::Error::DuplicateEvent`] and leaves the transaction
+    /// usable; an oversized payload returns
+    /// [`postbox_core::Error::PayloadTooLarge`] without touching the database.
+    pub async fn enqueue(
+        &self,
+        conn: &mut <D::DB as Database>::Connection,
+        event: &NewEvent,
+    ) -> Result<i64> {
+        event.validate(self.max_payload_bytes)?;
+        D::insert_event(self, conn, event).await
+    }
+
+    /// `postgres`, `mysql` or `sqlite`.
+    pub fn backend(&self) -> &'static str {
+        D::BACKEND
+    }
+
+    /// Runs one of the three claim queries (the dialect's hook).
+    pub async fn claim(
+        &self,
+        source: postbox_core::ClaimSource,
+        req: &postbox_core::store::ClaimRequest<'_>,
+    ) -> Result<Vec<postbox_core::ClaimedEvent>> {
+        D::claim(self, source, req).await
+    }
+
+    /// Plans of the three claim queries for `app_code`, taking up to
+    /// `limit` rows; nothing is changed.
+    pub async fn explain_claims(
+        &self,
+        app_code: &str,
+        limit: u32,
+    ) -> Result<Vec<postbox_core::store::QueryPlan>> {
+        D::explain_claims(self, app_code, limit).await
+    }
+
+    /// Whether every claim and archive query can read through its index.
+    pub async fn explain_index_use(
+        &self,
+        app_code: &str,
+    ) -> Result<Vec<postbox_core::store::QueryPlan>> {
+        D::explain_index_use(self, app_code).await
+    }
+
+    /// Starts a write transaction ([`Dialect::BEGIN_WRITE`]).
+    pub async fn begin_write(
+        &self,
+    ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
+        match D::BEGIN_WRITE {
+            Some(begin) => self.pool.begin_with(begin).await,
+            None => self.pool.begin().await,
+        }
+    }
+}
+
+/// The table where `migrate` records the versions it applied.
+pub const MIGRATIONS_LEDGER: &str = "postbox_schema_migrations";
+
+/// Ends a transaction: `COMMIT` when `res` is `Ok`, otherwise an explicit
+/// `ROLLBACK` before the connection goes back to the pool (a transaction
+/// dropped mid-way, e.g. by a cancelled future, is rolled back by sqlx
+/// before the connection's next use).
+pub async fn finish<DB: Database, T>(
+    tx: Transaction<'static, DB>,
+    res: Result<T>,
+    operation: &'static str,
+) -> Result<T> {
+    match res {
+        Ok(value) => {
+            tx.commit().await.map_err(|e| db_error(operation, e))?;
+            Ok(value)
+        }
+        Err(err) => {
+            if let Err(rb) = tx.rollback().await {
+                tracing::warn!(operation, error = %rb, "rollback after a failed statement failed");
+            }
+            Err(err)
+        }
+    }
+}
+
+/// The bounds every generic engine block needs; see the module docs.
+macro_rules! engine_impl {
+    ($(#[$m:meta])* impl $tr:ident for $ty:ty { $($body:tt)* }) => {
+        engine_impl!(@bounds $(#[$m])* [$tr for $ty] { $($body)* });
+    };
+    ($(#[$m:meta])* impl $ty:ty { $($body:tt)* }) => {
+        engine_impl!(@bounds $(#[$m])* [$ty] { $($body)* });
+    };
+    (@bounds $(#[$m:meta])* [$($head:tt)*] { $($body:tt)* }) => {
+        $(#[$m])*
+        impl<D: Dialect> $($head)*
+        where
+            for<'c> &'c mut <D::DB as Database>::Connection: sqlx::Executor<'c, Database = D::DB>,
+            for<'q> <D::DB as Database>::Arguments<'q>: sqlx::IntoArguments<'q, D::DB>,
+            for<'r> i64: sqlx::Decode<'r, D::DB> + sqlx::Type<D::DB>,
+            for<'r> i32: sqlx::Decode<'r, D::DB> + sqlx::Type<D::DB>,
+            for<'r> String: sqlx::Decode<'r, D::DB> + sqlx::Type<D::DB>,
+            for<'a> &'a str: sqlx::ColumnIndex<<D::DB as Database>::Row>,
+            usize: sqlx::ColumnIndex<<D::DB as Database>::Row>,
+        {
+            $($body)*
+        }
+    };
+}
+
+engine_impl! {
+impl SqlOutbox<D> {
+    /// Deletes history beyond [`HISTORY_LIMIT`] entries for the events of rows `ids`.
+    pub async fn prune_history(
+        &self,
+        conn: &mut <D::DB as Database>::Connection,
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        query::<D>(&self.sql.history_prune, [Value::Ids(ids), HISTORY_LIMIT.into()])
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
+
+    /// Records that rows `ids` were taken over after their lease expired,
+    /// in the claim's transaction.
+    pub async fn record_lease_expired(
+        &self,
+        conn: &mut <D::DB as Database>::Connection,
+        ids: &[i64],
+    ) -> std::result::Result<(), sqlx::Error> {
+        query::<D>(&self.sql.history_lease_expired, [Value::Ids(ids)])
+            .execute(&mut *conn)
+            .await?;
+        self.prune_history(conn, ids).await
+    }
+
+    /// Marks rows `delivered`; returns how many still held `fence`.
+    pub async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        self.fenced(&self.sql.mark_delivered, fence, ids, "mark delivered").await
+    }
+
+    /// Gives claimed rows back without an attempt (shutdown).
+    pub async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        self.fenced(&self.sql.release, fence, ids, "release leases").await
+    }
+
+    async fn fenced(&self, sql: &str, fence: &Fence, ids: &[i64], op: &'static str) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let binds = [Value::Ids(ids), fence.worker_id.as_str().into(), fence.lock_until_ms.into()];
+        let done = query::<D>(sql, binds)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| db_error(op, e))?;
+        Ok(D::rows_affected(&done))
+    }
+
+    /// Records a failed attempt and its history entry; false when the
+    /// fence no longer holds.
+    pub async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
+        let db = |e| db_error("mark failed attempt", e);
+        let mut tx = self.begin_write().await.map_err(db)?;
+        let res = async {
+            let delivered_to = Some(u.delivered_to.join(",")).filter(|s| !s.is_empty());
+            let binds = [
+                u.status.as_str().into(),
+                Value::Int32(u.retry_count),
+                u.retry_after_ms.into(),
+                delivered_to.as_deref().into(),
+                u.error.as_str().into(),
+                id.into(),
+                fence.worker_id.as_str().into(),
+                fence.lock_until_ms.into(),
+            ];
+            let done = query::<D>(&self.sql.mark_failed, binds)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            let written = D::rows_affected(&done) == 1;
+            if written {
+                let binds = [
+                    id.into(),
+                    u.history_kind().as_str().into(),
+                    Value::Int32(u.retry_count),
+                    u.publisher.as_deref().into(),
+                    u.error.as_str().into(),
+                ];
+                query::<D>(&self.sql.history_failed, binds)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                self.prune_history(&mut tx, &[id]).await.map_err(db)?;
+            }
+            Ok(written)
+        }
+        .await;
+        finish(tx, res, "mark failed attempt").await
+    }
+
+    /// Writes events in their own transaction, retried on a transient
+    /// conflict (CLI and tools; services use `enqueue` in their own).
+    pub async fn enqueue_batch(
+        &self,
+        events: &[NewEvent],
+        max_payload_bytes: usize,
+    ) -> Result<Vec<EnqueueOutcome>> {
+        for e in events {
+            e.validate(max_payload_bytes)?;
+        }
+        let this = self.clone().with_max_payload_bytes(max_payload_bytes);
+        postbox_core::error::retry_transient(|| async {
+            let mut tx = self.begin_write().await.map_err(|e| db_error("begin", e))?;
+            let res = async {
+                let mut out = Vec::with_capacity(events.len());
+                for e in events {
+                    out.push(EnqueueOutcome::from_insert(this.enqueue(&mut tx, e).await)?);
+                }
+                Ok(out)
+            }
+            .await;
+            finish(tx, res, "commit").await
+        })
+        .await
+    }
+
+    /// Counts per tenant.
+    pub async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
+        use sqlx::Row;
+        let db = |e| db_error("status", e);
+        let mut out = Vec::with_capacity(app_codes.len());
+        for app_code in app_codes {
+            let mut s = AppStats::new(app_code);
+            let rows = query::<D>(&self.sql.count_by_status, [app_code.into()])
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db)?;
+            for row in rows {
+                let status: String = row.try_get("status").map_err(db)?;
+                let n: i64 = row.try_get("n").map_err(db)?;
+                s.count(&status, n);
+            }
+            let row = query::<D>(&self.sql.backlog, [app_code.into()])
+                .fetch_one(&self.pool)
+                .await
+                .map_err(db)?;
+            let oldest: Option<i64> = row.try_get("oldest_pending_ms").map_err(db)?;
+            let due: i64 = row.try_get("retryable_due").map_err(db)?;
+            let now: i64 = row.try_get("now_ms").map_err(db)?;
+            s.backlog(oldest, due, now);
+            out.push(s);
+        }
+        Ok(out)
+    }
+
+    /// Rows matching a filter, newest first.
+    pub async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        self.list_from(D::STATEMENTS.list_select, f).await
+    }
+
+    /// Archived rows matching a filter, newest first.
+    pub async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let select = D::STATEMENTS.list_select.replace("{table}", "{archive}");
+        self.list_from(&select, f).await
+    }
+
+    /// `list` over `select` (`SELECT <columns> FROM {table}` or `{archive}`).
+    async fn list_from(&self, select: &str, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        let q = list_query(select, f, D::PLACEHOLDERS);
+        let sql = self.table.render(&q.sql);
+        let rows = query::<D>(&sql, list_values(&q.args))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("list events", e))?;
+        records(rows, "list events")
+    }
+
+    /// Every app_code that has rows, sorted.
+    pub async fn present_app_codes(&self) -> Result<Vec<String>> {
+        let codes: Vec<Option<String>> = sqlx::query_scalar(&self.sql.present_app_codes)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("list app_codes", e))?;
+        Ok(codes.into_iter().flatten().collect())
+    }
+
+    /// Archived rows with this event id in one of `app_codes`.
+    pub async fn find_archived(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<EventRecord>> {
+        if app_codes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = query::<D>(&self.sql.find_archived, [Value::Texts(app_codes), event_id.into()])
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("find archived event", e))?;
+        records(rows, "find archived event")
+    }
+
+    /// Rows of `app_code` delivered per minute since `since_ms`.
+    pub async fn delivered_per_minute(&self, app_code: &str, since_ms: i64) -> Result<Vec<MinuteCount>> {
+        let rows = query::<D>(&self.sql.delivered_per_minute, [app_code.into(), since_ms.into()])
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("delivered per minute", e))?;
+        minute_counts(rows)
+    }
+
+    /// Live rows with this event id.
+    pub async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+        let rows = query::<D>(&self.sql.find, [event_id.into()])
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("find event", e))?;
+        records(rows, "find event")
+    }
+
+    /// The attempt history of an event, oldest first.
+    pub async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+        let rows = query::<D>(&self.sql.history, [event_id.into()])
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("read history", e))?;
+        history_entries(rows)
+    }
+
+    /// Which of `event_ids` of `app_code` are archived.
+    pub async fn archived_event_ids(&self, app_code: &str, event_ids: &[String]) -> Result<Vec<String>> {
+        if event_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut found: Vec<String> = query::<D>(&self.sql.archived_event_ids, [app_code.into(), Value::Texts(event_ids)])
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("look up archived events", e))?
+            .iter()
+            .map(|r| sqlx::Row::try_get(r, "event_id"))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| db_error("look up archived events", e))?;
+        found.sort_unstable();
+        found.dedup();
+        Ok(found)
+    }
+
+    /// Aggregates of `app_code` whose head cannot move.
+    pub async fn stuck_aggregates(&self, app_code: &str, older_than_ms: i64, limit: u32) -> Result<Vec<StuckAggregate>> {
+        let binds = [app_code.into(), older_than_ms.into(), i64::from(limit).into()];
+        let rows = query::<D>(&self.sql.stuck_aggregates, binds)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("find stuck aggregates", e))?;
+        crate::stuck_aggregates(app_code, rows)
+    }
+
+    /// The database clock, epoch ms.
+    pub async fn now_ms(&self) -> Result<i64> {
+        sqlx::query_scalar(&self.sql.now_ms)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| db_error("read database clock", e))
+    }
+
+    /// [`SqlOutbox::replay_to`] with the default targets.
+    pub async fn replay(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+    ) -> Result<Vec<EventRecord>> {
+        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
+            .await
+    }
+
+    /// Puts rows back to `pending` for `targets`, with their history, in
+    /// one write transaction (a dry run only reads).
+    pub async fn replay_to(
+        &self,
+        selector: &ReplaySelector,
+        dry_run: bool,
+        origin: &str,
+        targets: &ReplayTargets,
+    ) -> Result<Vec<EventRecord>> {
+        let db = |e| db_error("replay", e);
+        // A dry run only reads (one consistent snapshot).
+        let mut tx = if dry_run { self.pool.begin().await } else { self.begin_write().await }
+            .map_err(db)?;
+        let res = async {
+            let mut out = match selector {
+                ReplaySelector::EventIds { app_code, event_ids } => {
+                    let sql = if dry_run { &self.sql.replay_ids_dry } else { &self.sql.replay_ids };
+                    let rows = query::<D>(sql, [Value::Texts(event_ids), app_code.as_deref().into()])
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    let mut out = records(rows, "replay")?;
+                    out.sort_by_key(|r| r.id);
+                    out
+                }
+                ReplaySelector::Filter(f) => {
+                    let (live, archived) = if dry_run {
+                        (&self.sql.replay_filter_dry, &self.sql.unarchive_filter_dry)
+                    } else {
+                        (&self.sql.replay_filter, &self.sql.unarchive_filter)
+                    };
+                    let live = filter_query(live, f, "status", D::PLACEHOLDERS);
+                    let rows = query::<D>(&live.sql, list_values(&live.args))
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    let mut out = records(rows, "replay")?;
+                    out.sort_by_key(|r| r.id);
+                    // A time range also covers rows already archived.
+                    if f.since_ms.is_some() || f.until_ms.is_some() {
+                        // Archived rows are delivered ones.
+                        let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
+                        let rows = query::<D>(&archived.sql, list_values(&archived.args))
+                            .fetch_all(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                        let mut back = records(rows, "replay from archive")?;
+                        back.sort_by_key(|r| r.id);
+                        if !dry_run && !back.is_empty() {
+                            let ids: Vec<i64> = back.iter().map(|r| r.id).collect();
+                            query::<D>(&self.sql.delete_unarchived, [Value::Ids(&ids)])
+                                .execute(&mut *tx)
+                                .await
+                                .map_err(db)?;
+                        }
+                        out.extend(back);
+                    }
+                    out
+                }
+            };
+            if !dry_run && !out.is_empty() {
+                let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
+                if let Some(delivered_to) = targets.delivered_to_override() {
+                    query::<D>(&self.sql.replay_set_delivered_to, [Value::Ids(&ids), delivered_to.as_deref().into()])
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                    targets.apply(&mut out);
+                }
+                for (to, group) in targets.history_groups(&out) {
+                    query::<D>(&self.sql.history_replayed, [Value::Ids(&group), origin.into(), to.as_deref().into()])
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                }
+                self.prune_history(&mut tx, &ids).await.map_err(db)?;
+            }
+            Ok(out)
+        }
+        .await;
+        finish(tx, res, "replay").await
+    }
+
+    /// Moves old delivered rows into the archive in batches, under the
+    /// dialect's per-table archive lock.
+    pub async fn archive(
+        &self,
+        req: &ArchiveRequest,
+        on_batch: &(dyn Fn(u64) + Send + Sync),
+    ) -> Result<ArchiveReport> {
+        let db = |e| db_error("archive", e);
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        if !D::archive_lock(&mut conn, &self.table).await? {
+            return Ok(ArchiveReport {
+                locked_out: true,
+                ..Default::default()
+            });
+        }
+        let report = async {
+            let mut report = ArchiveReport::default();
+            for app_code in &req.app_codes {
+                for (_, status, _) in ARCHIVE_QUERIES {
+                    loop {
+                        if req.max_batches.is_some_and(|m| report.batches >= m) {
+                            return Ok(report);
+                        }
+                        let (moved, copied) =
+                            D::archive_batch(self, &mut conn, app_code, status, req.before_ms, req.batch_size).await?;
+                        postbox_core::archive::log_archived_duplicates(
+                            self.table.as_str(),
+                            moved as i64,
+                            copied as i64,
+                        );
+                        if moved == 0 {
+                            break;
+                        }
+                        report.moved += moved;
+                        report.batches += 1;
+                        on_batch(moved);
+                    }
+                }
+            }
+            report.complete = true;
+            Ok(report)
+        }
+        .await;
+        if let Err(e) = D::archive_unlock(&mut conn, &self.table).await {
+            // The lock dies with the session: make sure the session dies.
+            tracing::warn!(error = %e, "could not release the archive lock; closing its connection");
+            conn.close_on_drop();
+        }
+        report
+    }
+
+    /// Creates or upgrades the tables; idempotent. The ledger
+    /// (`postbox_schema_migrations`) is checked against the tables first,
+    /// under the migration lock ([`check_ledger`]): an outbox table that is
+    /// gone is created as new, and versions whose tables are gone run again.
+    pub async fn migrate(&self) -> Result<MigrateReport> {
+        let db = |e| db_error("migrate", e);
+        let mut tx = self.begin_write().await.map_err(db)?;
+        let res = async {
+            D::migration_lock(&mut tx).await.map_err(db)?;
+            sqlx::query(&self.sql.create_migrations_table)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            let mut applied: Vec<i32> = query::<D>(&self.sql.applied_versions, [self.table.as_str().into()])
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db)?
+                .iter()
+                .map(|r| sqlx::Row::try_get(r, "version"))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(db)?;
+            let names: Vec<String> = EXPECTED_TABLES.iter().map(|s| format!("{}{s}", self.table)).collect();
+            let existing: Vec<String> = query::<D>(&self.sql.existing_tables, [Value::Texts(&names)])
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db)?
+                .iter()
+                .map(|r| sqlx::Row::try_get(r, 0))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(db)?;
+            let recorded: Vec<u32> = applied.iter().map(|v| *v as u32).collect();
+            let check = check_ledger(self.table.as_str(), &recorded, &existing);
+            for note in &check.notes {
+                tracing::warn!(table = %self.table, "migrate: {note}");
+            }
+            if check.forget_ledger {
+                query::<D>(&self.sql.forget_versions, [self.table.as_str().into()])
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                applied.clear();
+            }
+            let mut report = MigrateReport {
+                notes: check.notes,
+                ..MigrateReport::default()
+            };
+            for (version, description, statements) in D::MIGRATIONS {
+                let pending = !applied.contains(&(*version as i32));
+                if !pending && !check.rerun.contains(version) {
+                    continue;
+                }
+                for stmt in *statements {
+                    sqlx::query(&self.table.render(stmt))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                }
+                if pending && *version == 1 {
+                    // A (re)created outbox table continues a kept archive's ids.
+                    for stmt in D::CONTINUE_IDS_AFTER_ARCHIVE {
+                        sqlx::query(&self.table.render(stmt))
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db)?;
+                    }
+                }
+                if !pending {
+                    continue;
+                }
+                let binds = [self.table.as_str().into(), Value::Int32(*version as i32), (*description).into()];
+                query::<D>(&self.sql.record_version, binds)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                report.applied.push(*version);
+            }
+            Ok((applied, report))
+        }
+        .await;
+        let (applied, mut report) = finish(tx, res, "migrate").await?;
+        report.version = applied
+            .iter()
+            .map(|v| *v as u32)
+            .chain(report.applied.iter().copied())
+            .max()
+            .unwrap_or(0);
+        Ok(report)
+    }
+
+    /// The schema version and which expected tables and indexes exist.
+    /// A database without the migrations ledger is at version 0; any
+    /// failed read is an error, never "version 0".
+    pub async fn inspect_schema(&self) -> Result<SchemaReport> {
+        let db = |e| db_error("inspect schema", e);
+        let t = self.table.as_str();
+        let names: Vec<String> = sqlx::query(&self.sql.doctor_objects)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db)?
+            .iter()
+            .map(|r| sqlx::Row::try_get(r, 0))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(db)?;
+        let version: Option<i32> = if names.iter().any(|n| n == MIGRATIONS_LEDGER) {
+            // One column, `MAX(version)`: NULL when nothing is recorded.
+            query::<D>(&self.sql.doctor_version, [t.into()])
+                .fetch_one(&self.pool)
+                .await
+                .and_then(|r| sqlx::Row::try_get(&r, 0))
+                .map_err(db)?
+        } else {
+            None
+        };
+        Ok(SchemaReport::from_catalog(
+            t,
+            version.unwrap_or(0) as u32,
+            D::MIGRATIONS.last().map_or(0, |m| m.0),
+            &names,
+            D::EXTRA_INDEXES,
+        ))
+    }
+}
+}
+
+/// The values of a [`ListQuery`](crate::ListQuery), in placeholder order.
+fn list_values<'a>(args: &'a [ListArg<'a>]) -> impl Iterator<Item = Value<'a>> + 'a {
+    args.iter().map(|a| match *a {
+        ListArg::Text(s) => s.into(),
+        ListArg::Int(i) => i.into(),
+    })
+}

@@ -1,0 +1,144 @@
+//! The capability traits (and so [`OutboxStore`](postbox_core::OutboxStore))
+//! implemented by a store's inherent methods of the same names: the engine
+//! uses it for every dialect.
+
+/// Implements [`RelayStore`](postbox_core::RelayStore),
+/// [`EnqueueStore`](postbox_core::EnqueueStore),
+/// [`InspectStore`](postbox_core::InspectStore),
+/// [`ReplayStore`](postbox_core::ReplayStore),
+/// [`ArchiveStore`](postbox_core::ArchiveStore) and
+/// [`SchemaStore`](postbox_core::SchemaStore) for a type whose inherent
+/// methods carry the trait methods' names and signatures:
+/// `capabilities_from_inherent!(impl[generics] Type where [bounds])`.
+#[macro_export]
+macro_rules! capabilities_from_inherent {
+    (impl[$($gen:tt)*] $ty:ty where [$($bounds:tt)*]) => {
+        const _: () = {
+            use $crate::__private::async_trait;
+            use $crate::__private::postbox_core::event::Fence;
+            use $crate::__private::postbox_core::store::{
+                AppStats, ArchiveReport, ArchiveRequest, ArchiveStore, ClaimRequest,
+                EnqueueOutcome, EnqueueStore, EventFilter, FailureUpdate, HistoryEntry,
+                InspectStore, MigrateReport, MinuteCount, QueryPlan, RelayStore, ReplaySelector,
+                ReplayStore, ReplayTargets, SchemaReport, SchemaStore, StuckAggregate,
+            };
+            use $crate::__private::postbox_core::{
+                ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, TableName,
+            };
+
+            #[async_trait]
+            impl<$($gen)*> RelayStore for $ty where $($bounds)* {
+                fn backend(&self) -> &'static str {
+                    <$ty>::backend(self)
+                }
+                fn table(&self) -> &TableName {
+                    <$ty>::table(self)
+                }
+                async fn claim(&self, source: ClaimSource, req: &ClaimRequest<'_>) -> Result<Vec<ClaimedEvent>> {
+                    <$ty>::claim(self, source, req).await
+                }
+                async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+                    <$ty>::mark_delivered(self, fence, ids).await
+                }
+                async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool> {
+                    <$ty>::mark_failed(self, fence, id, update).await
+                }
+                async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+                    <$ty>::release(self, fence, ids).await
+                }
+                async fn now_ms(&self) -> Result<i64> {
+                    <$ty>::now_ms(self).await
+                }
+            }
+
+            #[async_trait]
+            impl<$($gen)*> EnqueueStore for $ty where $($bounds)* {
+                async fn enqueue_batch(&self, events: &[NewEvent], max_payload_bytes: usize) -> Result<Vec<EnqueueOutcome>> {
+                    <$ty>::enqueue_batch(self, events, max_payload_bytes).await
+                }
+            }
+
+            #[async_trait]
+            impl<$($gen)*> InspectStore for $ty where $($bounds)* {
+                async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
+                    <$ty>::stats(self, app_codes).await
+                }
+                async fn present_app_codes(&self) -> Result<Vec<String>> {
+                    <$ty>::present_app_codes(self).await
+                }
+                async fn list(&self, filter: &EventFilter) -> Result<Vec<EventRecord>> {
+                    <$ty>::list(self, filter).await
+                }
+                async fn delivered_per_minute(&self, app_code: &str, since_ms: i64) -> Result<Vec<MinuteCount>> {
+                    <$ty>::delivered_per_minute(self, app_code, since_ms).await
+                }
+                async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+                    <$ty>::find(self, event_id).await
+                }
+                async fn find_archived(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<EventRecord>> {
+                    <$ty>::find_archived(self, event_id, app_codes).await
+                }
+                async fn list_archived(&self, filter: &EventFilter) -> Result<Vec<EventRecord>> {
+                    <$ty>::list_archived(self, filter).await
+                }
+                async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
+                    <$ty>::history(self, event_id).await
+                }
+                async fn archived_event_ids(&self, app_code: &str, event_ids: &[String]) -> Result<Vec<String>> {
+                    <$ty>::archived_event_ids(self, app_code, event_ids).await
+                }
+                async fn stuck_aggregates(&self, app_code: &str, older_than_ms: i64, limit: u32) -> Result<Vec<StuckAggregate>> {
+                    <$ty>::stuck_aggregates(self, app_code, older_than_ms, limit).await
+                }
+            }
+
+            #[async_trait]
+            impl<$($gen)*> ReplayStore for $ty where $($bounds)* {
+                async fn replay_to(
+                    &self,
+                    selector: &ReplaySelector,
+                    dry_run: bool,
+                    origin: &str,
+                    targets: &ReplayTargets,
+                ) -> Result<Vec<EventRecord>> {
+                    <$ty>::replay_to(self, selector, dry_run, origin, targets).await
+                }
+            }
+
+            #[async_trait]
+            impl<$($gen)*> ArchiveStore for $ty where $($bounds)* {
+                async fn archive(&self, req: &ArchiveRequest, on_batch: &(dyn Fn(u64) + Send + Sync)) -> Result<ArchiveReport> {
+                    <$ty>::archive(self, req, on_batch).await
+                }
+            }
+
+            #[async_trait]
+            impl<$($gen)*> SchemaStore for $ty where $($bounds)* {
+                async fn migrate(&self) -> Result<MigrateReport> {
+                    <$ty>::migrate(self).await
+                }
+                async fn inspect_schema(&self) -> Result<SchemaReport> {
+                    <$ty>::inspect_schema(self).await
+                }
+                async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>> {
+                    <$ty>::explain_claims(self, app_code, limit).await
+                }
+                async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
+                    <$ty>::explain_index_use(self, app_code).await
+                }
+            }
+        };
+    };
+}
+
+crate::capabilities_from_inherent!(
+    impl[D: crate::Dialect] crate::SqlOutbox<D> where [
+        for<'c> &'c mut <D::DB as sqlx::Database>::Connection: sqlx::Executor<'c, Database = D::DB>,
+        for<'q> <D::DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, D::DB>,
+        for<'r> i64: sqlx::Decode<'r, D::DB> + sqlx::Type<D::DB>,
+        for<'r> i32: sqlx::Decode<'r, D::DB> + sqlx::Type<D::DB>,
+        for<'r> String: sqlx::Decode<'r, D::DB> + sqlx::Type<D::DB>,
+        for<'a> &'a str: sqlx::ColumnIndex<<D::DB as sqlx::Database>::Row>,
+        usize: sqlx::ColumnIndex<<D::DB as sqlx::Database>::Row>,
+    ]
+);
