@@ -667,6 +667,10 @@ pub trait RelayStore: Send + Sync + 'static {
 
     /// The database clock, epoch ms.
     async fn now_ms(&self) -> Result<i64>;
+
+    /// Rows with this event id (one per app_code at most). The relay reads
+    /// a row back to recognise its own mark when a mark's answer was lost.
+    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
 }
 
 /// Writing events outside a service's own transaction (CLI and tools).
@@ -684,7 +688,7 @@ pub trait EnqueueStore: Send + Sync + 'static {
 /// Reading the outbox: counts, lists, single events and their history,
 /// live and archived (the CLI's `events`, `status` and the admin API).
 #[async_trait]
-pub trait InspectStore: Send + Sync + 'static {
+pub trait InspectStore: RelayStore {
     /// Counts per tenant.
     async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>>;
 
@@ -703,10 +707,7 @@ pub trait InspectStore: Send + Sync + 'static {
     async fn delivered_per_minute(&self, app_code: &str, since_ms: i64)
         -> Result<Vec<MinuteCount>>;
 
-    /// Rows with this event id (one per app_code at most).
-    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
-
-    /// [`InspectStore::find`], then [`InspectStore::find_archived`] in
+    /// [`RelayStore::find`], then [`InspectStore::find_archived`] in
     /// `app_codes`: every row of the event, live ones first.
     async fn find_inspected(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<Inspected>> {
         let live = self.find(event_id).await?;

@@ -49,6 +49,9 @@ macro_rules! capabilities_from_inherent {
                 async fn now_ms(&self) -> Result<i64> {
                     <$ty>::now_ms(self).await
                 }
+                async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+                    <$ty>::find(self, event_id).await
+                }
             }
 
             #[async_trait]
@@ -71,9 +74,6 @@ macro_rules! capabilities_from_inherent {
                 }
                 async fn delivered_per_minute(&self, app_code: &str, since_ms: i64) -> Result<Vec<MinuteCount>> {
                     <$ty>::delivered_per_minute(self, app_code, since_ms).await
-                }
-                async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
-                    <$ty>::find(self, event_id).await
                 }
                 async fn find_archived(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<EventRecord>> {
                     <$ty>::find_archived(self, event_id, app_codes).await

@@ -152,6 +152,12 @@ impl RelayStore for FaultyMarks {
     async fn now_ms(&self) -> Result<i64> {
         self.inner.now_ms().await
     }
+    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+        if self.failing_reads.load(Ordering::SeqCst) {
+            return Err(lost_connection("find"));
+        }
+        self.inner.find(event_id).await
+    }
 }
 
 #[async_trait]
@@ -178,12 +184,6 @@ impl InspectStore for FaultyMarks {
         since_ms: i64,
     ) -> Result<Vec<MinuteCount>> {
         self.inner.delivered_per_minute(app_code, since_ms).await
-    }
-    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
-        if self.failing_reads.load(Ordering::SeqCst) {
-            return Err(lost_connection("find"));
-        }
-        self.inner.find(event_id).await
     }
     async fn find_archived(
         &self,

@@ -8,11 +8,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::Batch;
 use crate::config::{Ordering, WorkerConfig};
-use crate::store::{ClaimRequest, OutboxStore};
+use crate::store::{ClaimRequest, RelayStore};
 use crate::{ClaimSource, Result};
 
 pub(super) struct Claimer {
-    pub store: Arc<dyn OutboxStore>,
+    pub store: Arc<dyn RelayStore>,
     pub config: WorkerConfig,
     pub app_codes: Vec<String>,
     pub worker_id: String,

@@ -15,11 +15,11 @@ use super::publisher::Outcome;
 use super::RelayReport;
 use crate::event::{truncate_error, Fence};
 use crate::retry::Decision;
-use crate::store::{FailureUpdate, OutboxStore};
+use crate::store::{FailureUpdate, RelayStore};
 use crate::{Error, Result};
 
 pub(super) struct Marker {
-    pub store: Arc<dyn OutboxStore>,
+    pub store: Arc<dyn RelayStore>,
 }
 
 impl Marker {

@@ -38,7 +38,7 @@ pub use tokio_util::sync::CancellationToken;
 use crate::config::{LeaseBudget, RelaySettings, WorkerConfig};
 use crate::event::Fence;
 use crate::publish::Publisher;
-use crate::store::OutboxStore;
+use crate::store::RelayStore;
 use crate::{ClaimedEvent, Error, Result};
 
 /// Counters of one relay run, returned when it stops.
@@ -72,7 +72,7 @@ pub(crate) struct Batch {
 
 /// Moves committed outbox rows to every publisher.
 pub struct Relay {
-    store: Arc<dyn OutboxStore>,
+    store: Arc<dyn RelayStore>,
     publishers: Vec<Arc<dyn Publisher>>,
     config: WorkerConfig,
     app_codes: Vec<String>,
@@ -85,7 +85,7 @@ impl Relay {
     /// settings ([`Settings::relay`](crate::config::Settings::relay) or
     /// [`RelaySettings::new`]).
     pub fn new(
-        store: Arc<dyn OutboxStore>,
+        store: Arc<dyn RelayStore>,
         publishers: Vec<Arc<dyn Publisher>>,
         settings: RelaySettings,
     ) -> Self {
@@ -326,7 +326,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// Gives claimed rows back without counting an attempt (shutdown, or a
 /// batch no later stage will take); returns how many were released. Rows
 /// already marked are left alone: the release is fenced like a mark.
-async fn release(store: &dyn OutboxStore, events: &[ClaimedEvent], why: &str) -> u64 {
+async fn release(store: &dyn RelayStore, events: &[ClaimedEvent], why: &str) -> u64 {
     release_rows(store, held_rows(events), why).await
 }
 
@@ -335,7 +335,7 @@ fn held_rows(events: &[ClaimedEvent]) -> Vec<(Fence, i64)> {
     events.iter().map(|e| (e.fence(), e.record.id)).collect()
 }
 
-async fn release_rows(store: &dyn OutboxStore, rows: Vec<(Fence, i64)>, why: &str) -> u64 {
+async fn release_rows(store: &dyn RelayStore, rows: Vec<(Fence, i64)>, why: &str) -> u64 {
     let mut by_fence: HashMap<Fence, Vec<i64>> = HashMap::new();
     for (fence, id) in rows {
         by_fence.entry(fence).or_default().push(id);
@@ -361,7 +361,7 @@ async fn release_rows(store: &dyn OutboxStore, rows: Vec<(Fence, i64)>, why: &st
 /// expire instead, which counts a failed attempt (SPEC §3: an event that
 /// crashes its relay ends `failed` instead of looping).
 async fn releasing_on_failure<T, I>(
-    store: &dyn OutboxStore,
+    store: &dyn RelayStore,
     held: Vec<(Fence, i64)>,
     input: &mut mpsc::Receiver<I>,
     rows_of: impl Fn(I) -> Vec<(Fence, i64)>,

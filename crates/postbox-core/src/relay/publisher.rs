@@ -13,11 +13,11 @@ use crate::config::{LeaseBudget, WorkerConfig};
 use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, PublishResults, Publisher};
 use crate::retry::{decide, Attempt, AttemptResult, ClaimedRow, Decision, RetryPolicy};
-use crate::store::OutboxStore;
+use crate::store::RelayStore;
 use crate::{ClaimSource, ClaimedEvent, Result};
 
 pub(super) struct PublishStage {
-    pub store: Arc<dyn OutboxStore>,
+    pub store: Arc<dyn RelayStore>,
     pub publishers: Vec<Arc<dyn Publisher>>,
     pub config: WorkerConfig,
     pub budget: LeaseBudget,
