@@ -35,3 +35,23 @@ impl Message {
         &self.envelope.event_id
     }
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Asserts that `e` is the event every broker's mapping test publishes,
+    /// with its relay attempt header `x-attempt` as `attempt` (each broker
+    /// carries header values its own way).
+    pub(crate) fn assert_published(e: &Envelope, attempt: serde_json::Value) {
+        assert_eq!(e.event_id, "ev-1");
+        assert_eq!(e.event_type, "RoomCreated");
+        assert_eq!(e.app_code, "room");
+        assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
+        assert_eq!(e.aggregate_version, Some(7));
+        assert_eq!(e.created_at_ms, 1_700_000_000_123);
+        assert_eq!(e.payload.get(), r#"{"a":1}"#);
+        assert_eq!(e.headers["x-attempt"], attempt);
+        assert_eq!(e.headers["tenant"], "acme");
+    }
+}

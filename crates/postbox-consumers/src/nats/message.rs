@@ -149,15 +149,7 @@ mod tests {
         let m =
             message_from_nats(Some(&published()), "room.RoomCreated", br#"{"a":1}"#, 1).unwrap();
         let e = &m.envelope;
-        assert_eq!(e.event_id, "ev-1");
-        assert_eq!(e.event_type, "RoomCreated");
-        assert_eq!(e.app_code, "room");
-        assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
-        assert_eq!(e.aggregate_version, Some(7));
-        assert_eq!(e.created_at_ms, 1_700_000_000_123);
-        assert_eq!(e.payload.get(), r#"{"a":1}"#);
-        assert_eq!(e.headers["x-attempt"], "2");
-        assert_eq!(e.headers["tenant"], "acme");
+        crate::message::tests::assert_published(e, "2".into());
         assert_eq!(e.headers.len(), 2, "{:?}", e.headers);
         assert_eq!((m.attempt, m.redelivered), (1, false));
     }
