@@ -2,6 +2,7 @@
 //! delivery.
 
 use postbox_core::envelope::Envelope;
+use postbox_core::event::MAX_ID_LEN;
 
 /// Header carrying the consumer's own attempt counter (1 on first delivery):
 /// [`postbox_core::wire::CONSUME_ATTEMPT`].
@@ -10,6 +11,27 @@ pub const CONSUME_ATTEMPT_HEADER: &str = postbox_core::wire::CONSUME_ATTEMPT;
 /// Header on a dead-lettered copy, the handler's last error:
 /// [`postbox_core::wire::LAST_ERROR`].
 pub const LAST_ERROR_HEADER: &str = postbox_core::wire::LAST_ERROR;
+
+/// The event id a broker message carries (`id`), checked: a message
+/// without one (`missing` says so) cannot be deduplicated, and one longer
+/// than an event_id may be is not postbox's. `what` names where it was
+/// read, for the error.
+pub(crate) fn checked_event_id(
+    id: Option<String>,
+    what: &str,
+    missing: &str,
+) -> Result<String, String> {
+    let id = id
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| missing.to_owned())?;
+    if id.len() > MAX_ID_LEN {
+        return Err(format!(
+            "{what} is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
+            id.len()
+        ));
+    }
+    Ok(id)
+}
 
 /// One event delivered to a consumer.
 #[derive(Debug, Clone, PartialEq)]

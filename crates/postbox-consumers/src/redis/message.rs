@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 
 use postbox_core::envelope::Envelope;
-use postbox_core::event::MAX_ID_LEN;
 use redis::Value;
 
 use postbox_core::wire::redis::{
@@ -13,6 +12,7 @@ use postbox_core::wire::redis::{
 };
 use postbox_core::wire::{self, CONSUME_ATTEMPT, LAST_ERROR};
 
+use crate::message::checked_event_id;
 use crate::Message;
 
 fn text(fields: &HashMap<String, Value>, name: &str) -> Option<String> {
@@ -33,15 +33,11 @@ pub fn message_from_entry(
     fields: &HashMap<String, Value>,
     deliveries: u32,
 ) -> Result<Message, String> {
-    let event_id = text(fields, EVENT_ID)
-        .filter(|s| !s.is_empty())
-        .ok_or("the entry has no event_id field (postbox's Redis publisher writes one)")?;
-    if event_id.len() > MAX_ID_LEN {
-        return Err(format!(
-            "event_id is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
-            event_id.len()
-        ));
-    }
+    let event_id = checked_event_id(
+        text(fields, EVENT_ID),
+        "event_id",
+        "the entry has no event_id field (postbox's Redis publisher writes one)",
+    )?;
     let aggregate_version = match text(fields, AGGREGATE_VERSION) {
         None => None,
         Some(v) => Some(
