@@ -136,11 +136,12 @@ impl<'de> Deserialize<'de> for Template {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::Status;
 
-    fn record() -> EventRecord {
+    /// A row of app `room`, event `e`, type `RoomCreated`, for tests.
+    pub(crate) fn record() -> EventRecord {
         EventRecord {
             id: 1,
             app_code: "room".into(),

@@ -20,12 +20,7 @@ use crate::Handled;
 /// broker's tools (the RabbitMQ management UI and `rabbitmqctl
 /// list_consumers`, NATS `CONNZ`, Redis `XINFO CONSUMERS`).
 pub fn consumer_tag(queue: &str) -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "localhost".to_owned());
+    let host = postbox_core::wire::host_name().unwrap_or_else(|| "localhost".to_owned());
     format!("{queue}-{host}-{}", std::process::id())
 }
 

@@ -57,6 +57,21 @@ pub(crate) enum Verdict {
     Skip,
 }
 
+/// A handler's result, or `None` when the message is no longer this
+/// consumer's (another consumer owns it now; logged): nothing to settle.
+pub(crate) type Handling = Option<Result<Handled, HandlerError>>;
+
+/// What a dead copy says.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeadCopy<'a> {
+    /// The message, when it was readable.
+    pub message: Option<&'a Message>,
+    /// The attempt that failed last.
+    pub attempt: u32,
+    /// Why (the handler's last error, or why the message was unreadable).
+    pub last_error: &'a str,
+}
+
 /// A broker's actions on the one message in hand. Errors are a broken
 /// connection or channel: the message stays unsettled and the broker
 /// delivers it again.
@@ -67,13 +82,8 @@ pub(crate) trait Transport {
     }
 
     /// Runs `handler` on `message`, keeping the broker from handing the
-    /// message to another consumer meanwhile (progress signals). `None`:
-    /// another consumer owns it now (logged); there is nothing to settle.
-    async fn handle(
-        &mut self,
-        handler: &dyn Handler,
-        message: &Message,
-    ) -> Option<Result<Handled, HandlerError>> {
+    /// message to another consumer meanwhile (progress signals).
+    async fn handle(&mut self, handler: &dyn Handler, message: &Message) -> Handling {
         Some(handler.handle(message).await)
     }
 
@@ -84,15 +94,9 @@ pub(crate) trait Transport {
     /// `next_attempt`, and settles the original.
     async fn retry(&mut self, delay: Duration, next_attempt: u32) -> Result<Settled, String>;
 
-    /// Stores a dead copy (of `message` when it was readable) saying
-    /// `attempt` and `last_error`, and settles the original only once the
-    /// broker confirmed the copy.
-    async fn dead(
-        &mut self,
-        message: Option<&Message>,
-        attempt: u32,
-        last_error: &str,
-    ) -> Result<Settled, String>;
+    /// Stores a dead copy and settles the original only once the broker
+    /// confirmed the copy.
+    async fn dead(&mut self, copy: DeadCopy<'_>) -> Result<Settled, String>;
 
     /// Where dead copies go, for log lines.
     fn dead_letters(&self) -> String;
@@ -219,7 +223,12 @@ impl Settler<'_> {
         attempt: u32,
         error: &str,
     ) -> Result<(), String> {
-        if transport.dead(message, attempt, error).await? == Settled::Done {
+        let copy = DeadCopy {
+            message,
+            attempt,
+            last_error: error,
+        };
+        if transport.dead(copy).await? == Settled::Done {
             self.report.count(self.consumer, Counted::Dead);
             tracing::error!(
                 consumer = self.consumer,
@@ -263,15 +272,12 @@ mod tests {
                 .push(format!("retry {}ms as {next}", delay.as_millis()));
             Ok(Settled::Done)
         }
-        async fn dead(
-            &mut self,
-            message: Option<&Message>,
-            attempt: u32,
-            error: &str,
-        ) -> Result<Settled, String> {
+        async fn dead(&mut self, copy: DeadCopy<'_>) -> Result<Settled, String> {
             self.actions.push(format!(
-                "dead {} {attempt} {error}",
-                message.map_or("-", |m| m.event_id())
+                "dead {} {} {}",
+                copy.message.map_or("-", |m| m.event_id()),
+                copy.attempt,
+                copy.last_error
             ));
             Ok(if self.refuse_dead {
                 Settled::NotHere

@@ -16,9 +16,9 @@ use tokio_util::sync::CancellationToken;
 use super::message::{dead_headers, message_from_nats};
 use super::topology::{prepare, SetupError};
 use crate::consume::session::{run_sessions, Session, SessionEnd};
-use crate::consume::settle::{Settled, Settler, Transport, Verdict};
+use crate::consume::settle::{DeadCopy, Handling, Settled, Settler, Transport, Verdict};
 use crate::consume::{consumer_tag, ConsumeReport};
-use crate::{Handled, Handler, HandlerError, Message, RetryPolicy};
+use crate::{Handler, Message, RetryPolicy};
 
 /// How long one pull request waits for messages; also the longest a
 /// shutdown waits for a pull in flight to end.
@@ -96,47 +96,6 @@ impl NatsConsumer {
     /// unacknowledged come back after `ack_wait`.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
         run_sessions(self, shutdown).await
-    }
-
-    async fn run_session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
-        let client = match async_nats::ConnectOptions::new()
-            .name(self.tag.clone())
-            .request_timeout(Some(REQUEST_TIMEOUT))
-            .connect(self.config.url.expose())
-            .await
-        {
-            Ok(c) => c,
-            Err(e) => return SessionEnd::Broken(e.to_string()),
-        };
-        let js = jetstream::ContextBuilder::new()
-            .timeout(REQUEST_TIMEOUT)
-            .build(client.clone());
-        let consumer = match prepare(&js, &self.config).await {
-            Ok(c) => c,
-            Err(SetupError::Fatal(e)) => return SessionEnd::Fatal(e),
-            Err(SetupError::Broken(reason)) => return SessionEnd::Broken(reason),
-        };
-        *connected = true;
-        tracing::info!(
-            consumer = self.config.name(),
-            stream = %self.config.queue,
-            durable = self.config.consumer_group(),
-            tag = %self.tag,
-            prefetch = self.config.prefetch,
-            "consuming"
-        );
-        let end = self.pull_loop(&consumer, &js, shutdown, report).await;
-        // Acks are plain publishes: make sure they left before closing.
-        let _ = client.flush().await;
-        if matches!(end, SessionEnd::Cancelled) {
-            tracing::info!(consumer = self.config.name(), "consumer stopped");
-        }
-        end
     }
 
     /// Pulls `prefetch` messages at a time and settles each before pulling
@@ -265,11 +224,7 @@ impl Transport for InHand<'_> {
 
     /// Runs the handler, telling the server every third of `ack_wait` that
     /// the message is still being worked on, so a slow handler keeps it.
-    async fn handle(
-        &mut self,
-        handler: &dyn Handler,
-        message: &Message,
-    ) -> Option<Result<Handled, HandlerError>> {
+    async fn handle(&mut self, handler: &dyn Handler, message: &Message) -> Handling {
         let handling = handler.handle(message);
         tokio::pin!(handling);
         let every = self.consumer.config.ack_wait.get() / 3;
@@ -300,22 +255,17 @@ impl Transport for InHand<'_> {
     /// delay growing from `retry_delay` to `max_retry_delay` and comes back
     /// to be dead-lettered again; `max_deliver` is unlimited, so this never
     /// spends the message's last deliveries.
-    async fn dead(
-        &mut self,
-        message: Option<&Message>,
-        attempt: u32,
-        last_error: &str,
-    ) -> Result<Settled, String> {
+    async fn dead(&mut self, copy: DeadCopy<'_>) -> Result<Settled, String> {
         let consumer = self.consumer;
         let subject = consumer.config.nats_dead_subject();
         let headers = dead_headers(
             self.m.headers.as_ref(),
-            message.map(Message::event_id),
+            copy.message.map(Message::event_id),
             &self.stream,
             self.sequence,
             consumer.config.consumer_group(),
-            attempt,
-            last_error,
+            copy.attempt,
+            copy.last_error,
         );
         let stored = async {
             self.js
@@ -327,7 +277,8 @@ impl Transport for InHand<'_> {
         if let Err(e) = stored {
             // The n-th try at the dead copy waits like the n-th retry.
             let policy = &consumer.policy;
-            let delay = policy.delay_after(attempt.saturating_sub(policy.max_attempts).max(1));
+            let tries = copy.attempt.saturating_sub(policy.max_attempts);
+            let delay = policy.delay_after(tries.max(1));
             tracing::error!(
                 consumer = consumer.config.name(),
                 dead_subject = %subject,
@@ -335,7 +286,7 @@ impl Transport for InHand<'_> {
                 retry_in_ms = delay.as_millis() as u64,
                 "the dead copy was not stored (is the dead stream full or without a leader?); the message comes back to be dead-lettered again"
             );
-            consumer.remember_error(self.sequence, last_error);
+            consumer.remember_error(self.sequence, copy.last_error);
             settle(self.m, AckKind::Nak(Some(delay))).await?;
             return Ok(Settled::NotHere);
         }
@@ -394,6 +345,38 @@ impl Session for NatsConsumer {
         report: &mut ConsumeReport,
         connected: &mut bool,
     ) -> SessionEnd {
-        self.run_session(shutdown, report, connected).await
+        let client = match async_nats::ConnectOptions::new()
+            .name(self.tag.clone())
+            .request_timeout(Some(REQUEST_TIMEOUT))
+            .connect(self.config.url.expose())
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => return SessionEnd::Broken(e.to_string()),
+        };
+        let js = jetstream::ContextBuilder::new()
+            .timeout(REQUEST_TIMEOUT)
+            .build(client.clone());
+        let consumer = match prepare(&js, &self.config).await {
+            Ok(c) => c,
+            Err(SetupError::Fatal(e)) => return SessionEnd::Fatal(e),
+            Err(SetupError::Broken(reason)) => return SessionEnd::Broken(reason),
+        };
+        *connected = true;
+        tracing::info!(
+            consumer = self.config.name(),
+            stream = %self.config.queue,
+            durable = self.config.consumer_group(),
+            tag = %self.tag,
+            prefetch = self.config.prefetch,
+            "consuming"
+        );
+        let end = self.pull_loop(&consumer, &js, shutdown, report).await;
+        // Acks are plain publishes: make sure they left before closing.
+        let _ = client.flush().await;
+        if matches!(end, SessionEnd::Cancelled) {
+            tracing::info!(consumer = self.config.name(), "consumer stopped");
+        }
+        end
     }
 }

@@ -2,7 +2,6 @@
 
 use async_nats::HeaderMap;
 use postbox_core::envelope::Envelope;
-use postbox_core::event::MAX_ID_LEN;
 
 use postbox_core::wire::nats::{dead_msg_id, SERVER_HEADER_PREFIX};
 use postbox_core::wire::{
@@ -10,6 +9,7 @@ use postbox_core::wire::{
     LAST_ERROR,
 };
 
+use crate::message::checked_event_id;
 use crate::Message;
 
 /// The stream's dedupe header. The publisher makes it of app_code, replay
@@ -69,16 +69,11 @@ pub fn message_from_nats(
             }
         }
     }
-    let event_id = event_id
-        .or(msg_id)
-        .filter(|s| !s.is_empty())
-        .ok_or("the message has no x-event-id (nor Nats-Msg-Id) header: postbox publishes the event_id in x-event-id")?;
-    if event_id.len() > MAX_ID_LEN {
-        return Err(format!(
-            "the event id is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
-            event_id.len()
-        ));
-    }
+    let event_id = checked_event_id(
+        event_id.or(msg_id),
+        "the event id",
+        "the message has no x-event-id (nor Nats-Msg-Id) header: postbox publishes the event_id in x-event-id",
+    )?;
     // Verbatim: never parsed into a value and serialized back.
     let payload = Envelope::payload_of_bytes(payload);
     let attempt = delivered.max(1);
@@ -149,15 +144,7 @@ mod tests {
         let m =
             message_from_nats(Some(&published()), "room.RoomCreated", br#"{"a":1}"#, 1).unwrap();
         let e = &m.envelope;
-        assert_eq!(e.event_id, "ev-1");
-        assert_eq!(e.event_type, "RoomCreated");
-        assert_eq!(e.app_code, "room");
-        assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
-        assert_eq!(e.aggregate_version, Some(7));
-        assert_eq!(e.created_at_ms, 1_700_000_000_123);
-        assert_eq!(e.payload.get(), r#"{"a":1}"#);
-        assert_eq!(e.headers["x-attempt"], "2");
-        assert_eq!(e.headers["tenant"], "acme");
+        crate::message::tests::assert_published(e, "2".into());
         assert_eq!(e.headers.len(), 2, "{:?}", e.headers);
         assert_eq!((m.attempt, m.redelivered), (1, false));
     }

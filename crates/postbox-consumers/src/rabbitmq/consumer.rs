@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::message::{copy_properties, delivery_count, message_from_delivery};
 use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
 use crate::consume::session::{run_sessions, Session, SessionEnd};
-use crate::consume::settle::{Settled, Settler, Transport, Verdict};
+use crate::consume::settle::{DeadCopy, Settled, Settler, Transport, Verdict};
 use crate::consume::{consumer_tag, ConsumeReport};
 use crate::ordering::AggregateHolds;
 use crate::{Handler, Message, RetryPolicy};
@@ -97,113 +97,6 @@ impl RabbitMqConsumer {
             ));
         }
         run_sessions(self, shutdown).await
-    }
-
-    async fn run_session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
-        let broken = |e: lapin::Error| SessionEnd::Broken(e.to_string());
-        let props = ConnectionProperties::default().with_connection_name(self.tag.clone().into());
-        let conn = match Connection::connect(self.config.url.expose(), props).await {
-            Ok(c) => c,
-            Err(e) => return broken(e),
-        };
-        let setup = async {
-            let consuming = conn.create_channel().await?;
-            let publishing = conn.create_channel().await?;
-            publishing
-                .confirm_select(ConfirmSelectOptions::default())
-                .await?;
-            Ok::<_, lapin::Error>((consuming, publishing))
-        };
-        let (consuming, publishing) = match setup.await {
-            Ok(c) => c,
-            Err(e) => return broken(e),
-        };
-        if !self.config.declare {
-            // Nothing else checks a hand-made topology: a retry queue that does
-            // not dead-letter back to the queue drops every retried message.
-            match check_topology(&conn, &self.config.queue).await {
-                Ok(()) => {}
-                Err(TopologyError::Refused(reason)) => {
-                    let _ = conn.close(200, "setup refused".into()).await;
-                    return SessionEnd::Fatal(Error::config("queue", reason));
-                }
-                Err(TopologyError::Broken(e)) => return broken(e),
-            }
-        }
-        let topology = async {
-            if self.config.declare {
-                declare_topology(&consuming, &self.config).await?;
-            }
-            // Not global: the limit is per consumer, which is what prefetch = 1
-            // promises (one unacked message per consumer).
-            consuming
-                .basic_qos(self.config.prefetch, BasicQosOptions { global: false })
-                .await?;
-            consuming
-                .basic_consume(
-                    self.config.queue.as_str().into(),
-                    self.tag.as_str().into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-        };
-        let mut consumer = match topology.await {
-            Ok(c) => c,
-            Err(e) if e.is_amqp_soft_error() => {
-                let _ = conn.close(200, "setup refused".into()).await;
-                let hint = if self.config.declare {
-                    "check that the queue was not declared before with other arguments, and the user's permissions"
-                } else {
-                    "declare the queue, or set declare = true"
-                };
-                return SessionEnd::Fatal(Error::config(
-                    "queue",
-                    format!(
-                        "RabbitMQ refused consuming `{}`: {e} ({hint})",
-                        self.config.queue
-                    ),
-                ));
-            }
-            Err(e) => return broken(e),
-        };
-        *connected = true;
-        tracing::info!(
-            consumer = self.config.name(),
-            queue = %self.config.queue,
-            tag = %self.tag,
-            prefetch = self.config.prefetch,
-            "consuming"
-        );
-        loop {
-            let next = tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => {
-                    // Stop taking; anything prefetched but not started goes
-                    // back to the queue when the channel closes.
-                    let _ = consuming.basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default()).await;
-                    let _ = consuming.close(200, "shutdown".into()).await;
-                    let _ = publishing.close(200, "shutdown".into()).await;
-                    let _ = conn.close(200, "shutdown".into()).await;
-                    tracing::info!(consumer = self.config.name(), "consumer stopped");
-                    return SessionEnd::Cancelled;
-                }
-                next = consumer.next() => next,
-            };
-            let delivery = match next {
-                Some(Ok(d)) => d,
-                Some(Err(e)) => return broken(e),
-                None => return SessionEnd::Broken("the broker cancelled the consumer".to_owned()),
-            };
-            if let Err(reason) = self.process(delivery, &publishing, report).await {
-                return SessionEnd::Broken(reason);
-            }
-        }
     }
 
     /// Handles one delivery to the end: acked, or copied and then acked. An
@@ -335,13 +228,8 @@ impl Transport for InHand<'_> {
         Ok(Settled::Done)
     }
 
-    async fn dead(
-        &mut self,
-        _message: Option<&Message>,
-        attempt: u32,
-        last_error: &str,
-    ) -> Result<Settled, String> {
-        self.copy(None, Some(last_error), attempt).await?;
+    async fn dead(&mut self, copy: DeadCopy<'_>) -> Result<Settled, String> {
+        self.copy(None, Some(copy.last_error), copy.attempt).await?;
         ack(self.delivery).await?;
         if let Some(ordered) = &self.ordered {
             ordered.release().await;
@@ -484,6 +372,104 @@ impl Session for RabbitMqConsumer {
         report: &mut ConsumeReport,
         connected: &mut bool,
     ) -> SessionEnd {
-        self.run_session(shutdown, report, connected).await
+        let broken = |e: lapin::Error| SessionEnd::Broken(e.to_string());
+        let props = ConnectionProperties::default().with_connection_name(self.tag.clone().into());
+        let conn = match Connection::connect(self.config.url.expose(), props).await {
+            Ok(c) => c,
+            Err(e) => return broken(e),
+        };
+        let setup = async {
+            let consuming = conn.create_channel().await?;
+            let publishing = conn.create_channel().await?;
+            publishing
+                .confirm_select(ConfirmSelectOptions::default())
+                .await?;
+            Ok::<_, lapin::Error>((consuming, publishing))
+        };
+        let (consuming, publishing) = match setup.await {
+            Ok(c) => c,
+            Err(e) => return broken(e),
+        };
+        if !self.config.declare {
+            // Nothing else checks a hand-made topology: a retry queue that does
+            // not dead-letter back to the queue drops every retried message.
+            match check_topology(&conn, &self.config.queue).await {
+                Ok(()) => {}
+                Err(TopologyError::Refused(reason)) => {
+                    let _ = conn.close(200, "setup refused".into()).await;
+                    return SessionEnd::Fatal(Error::config("queue", reason));
+                }
+                Err(TopologyError::Broken(e)) => return broken(e),
+            }
+        }
+        let topology = async {
+            if self.config.declare {
+                declare_topology(&consuming, &self.config).await?;
+            }
+            // Not global: the limit is per consumer, which is what prefetch = 1
+            // promises (one unacked message per consumer).
+            consuming
+                .basic_qos(self.config.prefetch, BasicQosOptions { global: false })
+                .await?;
+            consuming
+                .basic_consume(
+                    self.config.queue.as_str().into(),
+                    self.tag.as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+        };
+        let mut consumer = match topology.await {
+            Ok(c) => c,
+            Err(e) if e.is_amqp_soft_error() => {
+                let _ = conn.close(200, "setup refused".into()).await;
+                let hint = if self.config.declare {
+                    "check that the queue was not declared before with other arguments, and the user's permissions"
+                } else {
+                    "declare the queue, or set declare = true"
+                };
+                return SessionEnd::Fatal(Error::config(
+                    "queue",
+                    format!(
+                        "RabbitMQ refused consuming `{}`: {e} ({hint})",
+                        self.config.queue
+                    ),
+                ));
+            }
+            Err(e) => return broken(e),
+        };
+        *connected = true;
+        tracing::info!(
+            consumer = self.config.name(),
+            queue = %self.config.queue,
+            tag = %self.tag,
+            prefetch = self.config.prefetch,
+            "consuming"
+        );
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => {
+                    // Stop taking; anything prefetched but not started goes
+                    // back to the queue when the channel closes.
+                    let _ = consuming.basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default()).await;
+                    let _ = consuming.close(200, "shutdown".into()).await;
+                    let _ = publishing.close(200, "shutdown".into()).await;
+                    let _ = conn.close(200, "shutdown".into()).await;
+                    tracing::info!(consumer = self.config.name(), "consumer stopped");
+                    return SessionEnd::Cancelled;
+                }
+                next = consumer.next() => next,
+            };
+            let delivery = match next {
+                Some(Ok(d)) => d,
+                Some(Err(e)) => return broken(e),
+                None => return SessionEnd::Broken("the broker cancelled the consumer".to_owned()),
+            };
+            if let Err(reason) = self.process(delivery, &publishing, report).await {
+                return SessionEnd::Broken(reason);
+            }
+        }
     }
 }

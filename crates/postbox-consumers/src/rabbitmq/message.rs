@@ -4,11 +4,11 @@
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 use postbox_core::envelope::Envelope;
-use postbox_core::event::MAX_ID_LEN;
 
 use postbox_core::wire::rabbitmq::{is_death_header, DELIVERY_COUNT, PERSISTENT};
 use postbox_core::wire::{self, AGGREGATE_ID, AGGREGATE_VERSION, CONSUME_ATTEMPT, CREATED_AT_MS};
 
+use crate::message::checked_event_id;
 use crate::Message;
 
 /// Reads the SPEC §4 mapping of the RabbitMQ publisher: `message_id` is the
@@ -25,18 +25,11 @@ pub fn message_from_delivery(
     body: &[u8],
     redelivered: bool,
 ) -> Result<Message, String> {
-    let event_id = properties
-        .message_id()
-        .as_ref()
-        .map(|s| s.as_str().to_owned())
-        .filter(|s| !s.is_empty())
-        .ok_or("the message has no message_id property (postbox publishes the event_id there)")?;
-    if event_id.len() > MAX_ID_LEN {
-        return Err(format!(
-            "message_id is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
-            event_id.len()
-        ));
-    }
+    let event_id = checked_event_id(
+        short(properties.message_id()),
+        "message_id",
+        "the message has no message_id property (postbox publishes the event_id there)",
+    )?;
     let mut headers = serde_json::Map::new();
     let mut aggregate_id = None;
     let mut aggregate_version = None;
@@ -248,15 +241,7 @@ mod tests {
     fn maps_the_publisher_headers_to_the_envelope() {
         let m = message_from_delivery(&props(), "rk", br#"{"a":1}"#, false).unwrap();
         let e = &m.envelope;
-        assert_eq!(e.event_id, "ev-1");
-        assert_eq!(e.event_type, "RoomCreated");
-        assert_eq!(e.app_code, "room");
-        assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
-        assert_eq!(e.aggregate_version, Some(7));
-        assert_eq!(e.created_at_ms, 1_700_000_000_123);
-        assert_eq!(e.payload.get(), r#"{"a":1}"#);
-        assert_eq!(e.headers["x-attempt"], 2);
-        assert_eq!(e.headers["tenant"], "acme");
+        crate::message::tests::assert_published(e, 2.into());
         assert!(!e.headers.contains_key(AGGREGATE_ID));
         assert_eq!(m.attempt, 1);
     }

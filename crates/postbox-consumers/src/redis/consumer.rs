@@ -16,9 +16,9 @@ use super::keeper::{keep_if_mine, Keeper};
 use super::message::{dead_fields, message_from_entry};
 use super::topology::{connect, create_group, dead_stream, is_refusal, refused};
 use crate::consume::session::{run_sessions, Session, SessionEnd};
-use crate::consume::settle::{Settled, Settler, Transport, Verdict};
+use crate::consume::settle::{DeadCopy, Handling, Settled, Settler, Transport, Verdict};
 use crate::consume::{consumer_tag, ConsumeReport};
-use crate::{Handled, Handler, HandlerError, Message, RetryPolicy};
+use crate::{Handler, Message, RetryPolicy};
 
 /// Longest `XREADGROUP … BLOCK`: also how often due retries are looked for
 /// while the stream is quiet, and the longest a shutdown waits.
@@ -126,77 +126,6 @@ impl RedisConsumer {
 
     async fn connect(&self) -> Result<ConnectionManager, String> {
         connect(self.config.url.expose(), self.block()).await
-    }
-
-    async fn run_session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
-        let mut conn = match self.connect().await {
-            Ok(c) => c,
-            Err(e) => return SessionEnd::Broken(e),
-        };
-        let stream = self.config.queue.as_str();
-        let group = self.config.consumer_group();
-        if self.config.declare {
-            if let Err(e) = create_group(&mut conn, stream, group).await {
-                return SessionEnd::Fatal(refused(&self.config, &e));
-            }
-        }
-        let keeper = match Keeper::start(
-            self.config.url.expose().to_owned(),
-            stream.to_owned(),
-            group.to_owned(),
-            self.name.clone(),
-            self.keep_every(),
-        ) {
-            Ok(k) => k,
-            Err(e) => return SessionEnd::Broken(e),
-        };
-        *connected = true;
-        tracing::info!(
-            consumer = self.config.name(),
-            stream,
-            group,
-            name = %self.name,
-            prefetch = self.config.prefetch,
-            "consuming"
-        );
-        let mut cursor = "-".to_owned();
-        loop {
-            if shutdown.is_cancelled() {
-                self.leave(&mut conn).await;
-                tracing::info!(consumer = self.config.name(), "consumer stopped");
-                return SessionEnd::Cancelled;
-            }
-            let claimed = match self.claim_due(&mut conn, &mut cursor).await {
-                Ok(c) => c,
-                Err(e) => return self.broken_or_refused(e),
-            };
-            let batch = if claimed.is_empty() {
-                match self.read_new(&mut conn).await {
-                    Ok(b) => b,
-                    Err(e) => return self.broken_or_refused(e),
-                }
-            } else {
-                claimed
-            };
-            // Entries in hand are finished even during a shutdown: they are
-            // already ours, and another consumer could only have them after
-            // the retry delay.
-            let mut held: Vec<String> = batch.iter().map(|(e, _)| e.id.clone()).collect();
-            for (entry, deliveries) in batch {
-                held.retain(|id| *id != entry.id);
-                if let Err(e) = self
-                    .process(&mut conn, &keeper, &entry, deliveries, &held, report)
-                    .await
-                {
-                    return SessionEnd::Broken(e);
-                }
-            }
-        }
     }
 
     /// Entries of this group that have waited their retry delay (failed
@@ -389,11 +318,7 @@ impl Transport for InHand<'_> {
 
     /// Runs the handler while the keeper resets the entry's idle time, so no
     /// other consumer claims it for a due retry meanwhile.
-    async fn handle(
-        &mut self,
-        handler: &dyn Handler,
-        message: &Message,
-    ) -> Option<Result<Handled, HandlerError>> {
+    async fn handle(&mut self, handler: &dyn Handler, message: &Message) -> Handling {
         let id = &self.entry.id;
         let mut in_hand: Vec<String> = self.held.to_vec();
         in_hand.push(id.clone());
@@ -455,19 +380,14 @@ impl Transport for InHand<'_> {
     /// `XADD <stream>.dead` and `XACK` the original in one script, only
     /// while the entry is still this consumer's: no duplicate dead copy, no
     /// lost one.
-    async fn dead(
-        &mut self,
-        _message: Option<&Message>,
-        attempt: u32,
-        last_error: &str,
-    ) -> Result<Settled, String> {
+    async fn dead(&mut self, copy: DeadCopy<'_>) -> Result<Settled, String> {
         let c = self.consumer;
         let fields = dead_fields(
             &self.entry.map,
             &self.entry.id,
             c.config.consumer_group(),
-            attempt,
-            last_error,
+            copy.attempt,
+            copy.last_error,
         );
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(DEAD_IF_MINE)
@@ -526,6 +446,68 @@ impl Session for RedisConsumer {
         report: &mut ConsumeReport,
         connected: &mut bool,
     ) -> SessionEnd {
-        self.run_session(shutdown, report, connected).await
+        let mut conn = match self.connect().await {
+            Ok(c) => c,
+            Err(e) => return SessionEnd::Broken(e),
+        };
+        let stream = self.config.queue.as_str();
+        let group = self.config.consumer_group();
+        if self.config.declare {
+            if let Err(e) = create_group(&mut conn, stream, group).await {
+                return SessionEnd::Fatal(refused(&self.config, &e));
+            }
+        }
+        let keeper = match Keeper::start(
+            self.config.url.expose().to_owned(),
+            stream.to_owned(),
+            group.to_owned(),
+            self.name.clone(),
+            self.keep_every(),
+        ) {
+            Ok(k) => k,
+            Err(e) => return SessionEnd::Broken(e),
+        };
+        *connected = true;
+        tracing::info!(
+            consumer = self.config.name(),
+            stream,
+            group,
+            name = %self.name,
+            prefetch = self.config.prefetch,
+            "consuming"
+        );
+        let mut cursor = "-".to_owned();
+        loop {
+            if shutdown.is_cancelled() {
+                self.leave(&mut conn).await;
+                tracing::info!(consumer = self.config.name(), "consumer stopped");
+                return SessionEnd::Cancelled;
+            }
+            let claimed = match self.claim_due(&mut conn, &mut cursor).await {
+                Ok(c) => c,
+                Err(e) => return self.broken_or_refused(e),
+            };
+            let batch = if claimed.is_empty() {
+                match self.read_new(&mut conn).await {
+                    Ok(b) => b,
+                    Err(e) => return self.broken_or_refused(e),
+                }
+            } else {
+                claimed
+            };
+            // Entries in hand are finished even during a shutdown: they are
+            // already ours, and another consumer could only have them after
+            // the retry delay.
+            let mut held: Vec<String> = batch.iter().map(|(e, _)| e.id.clone()).collect();
+            for (entry, deliveries) in batch {
+                held.retain(|id| *id != entry.id);
+                if let Err(e) = self
+                    .process(&mut conn, &keeper, &entry, deliveries, &held, report)
+                    .await
+                {
+                    return SessionEnd::Broken(e);
+                }
+            }
+        }
     }
 }

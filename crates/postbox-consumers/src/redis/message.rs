@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 
 use postbox_core::envelope::Envelope;
-use postbox_core::event::MAX_ID_LEN;
 use redis::Value;
 
 use postbox_core::wire::redis::{
@@ -13,6 +12,7 @@ use postbox_core::wire::redis::{
 };
 use postbox_core::wire::{self, CONSUME_ATTEMPT, LAST_ERROR};
 
+use crate::message::checked_event_id;
 use crate::Message;
 
 fn text(fields: &HashMap<String, Value>, name: &str) -> Option<String> {
@@ -33,15 +33,11 @@ pub fn message_from_entry(
     fields: &HashMap<String, Value>,
     deliveries: u32,
 ) -> Result<Message, String> {
-    let event_id = text(fields, EVENT_ID)
-        .filter(|s| !s.is_empty())
-        .ok_or("the entry has no event_id field (postbox's Redis publisher writes one)")?;
-    if event_id.len() > MAX_ID_LEN {
-        return Err(format!(
-            "event_id is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
-            event_id.len()
-        ));
-    }
+    let event_id = checked_event_id(
+        text(fields, EVENT_ID),
+        "event_id",
+        "the entry has no event_id field (postbox's Redis publisher writes one)",
+    )?;
     let aggregate_version = match text(fields, AGGREGATE_VERSION) {
         None => None,
         Some(v) => Some(
@@ -148,15 +144,7 @@ mod tests {
     fn maps_the_publisher_fields_to_the_envelope() {
         let m = message_from_entry(&published(), 1).unwrap();
         let e = &m.envelope;
-        assert_eq!(e.event_id, "ev-1");
-        assert_eq!(e.event_type, "RoomCreated");
-        assert_eq!(e.app_code, "room");
-        assert_eq!(e.aggregate_id.as_deref(), Some("room-1"));
-        assert_eq!(e.aggregate_version, Some(7));
-        assert_eq!(e.created_at_ms, 1_700_000_000_123);
-        assert_eq!(e.payload.get(), r#"{"a":1}"#);
-        assert_eq!(e.headers["x-attempt"], 2);
-        assert_eq!(e.headers["tenant"], "acme");
+        crate::message::tests::assert_published(e, 2.into());
         assert_eq!((m.attempt, m.redelivered), (1, false));
         let m = message_from_entry(&published(), 4).unwrap();
         assert_eq!((m.attempt, m.redelivered), (4, true));

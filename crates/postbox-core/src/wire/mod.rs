@@ -54,6 +54,18 @@ pub const LAST_ERROR_MAX_CHARS: usize = 1000;
 /// convention, the envelope always).
 pub const CONTENT_TYPE: &str = "application/json";
 
+/// This host's name, for the names a process gives itself on a broker
+/// (consumer tags, connection names), so operators can tell processes
+/// apart: the kernel's hostname, else `/etc/hostname`, else `$HOSTNAME`.
+pub fn host_name() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+}
+
 /// Adds the delivery's metadata to an event's own headers: [`ATTEMPT`], and
 /// [`REPLAYED`] `true` on a replay. Postbox's names win over an event header
 /// of the same name.

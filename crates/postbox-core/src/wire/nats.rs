@@ -189,26 +189,8 @@ mod tests {
 
     #[test]
     fn the_msg_id_names_app_code_replay_and_event() {
-        let mut r = EventRecord {
-            id: 1,
-            app_code: "room".into(),
-            event_id: "e1".into(),
-            event_type: "RoomCreated".into(),
-            aggregate_id: None,
-            aggregate_version: None,
-            payload: "{}".into(),
-            headers: None,
-            status: crate::Status::Delivering,
-            retry_count: 0,
-            next_retry_at_ms: 0,
-            lock_until_ms: 0,
-            worker_id: None,
-            last_error: None,
-            delivered_to: vec![],
-            replay_count: 0,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-        };
+        let mut r = crate::template::tests::record();
+        r.event_id = "e1".into();
         assert_eq!(msg_id(&r), "room:0:e1");
         r.replay_count = 2;
         assert_eq!(msg_id(&r), "room:2:e1");

@@ -288,13 +288,7 @@ fn is_not_found(e: &lapin::Error) -> bool {
 
 /// `postbox-publisher-<name>-<host>-<pid>`.
 fn connection_name(name: &str) -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
-        .ok()
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown-host".to_owned());
+    let host = postbox_core::wire::host_name().unwrap_or_else(|| "unknown-host".to_owned());
     format!("postbox-publisher-{name}-{host}-{}", std::process::id())
 }
 
