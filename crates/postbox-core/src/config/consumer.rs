@@ -4,7 +4,7 @@ use serde::Deserialize;
 
 use super::{DatabaseKind, HumanDuration, KeyPath, Ordering};
 use crate::redact::SecretUrl;
-use crate::{Error, TableName};
+use crate::{wire, Error, TableName};
 
 /// Longest queue name: AMQP names are at most 255 bytes and the queue gets
 /// `.retry` and `.dead` twins.
@@ -154,7 +154,7 @@ impl ConsumerConfig {
     pub fn nats_dead_subject(&self) -> String {
         self.dead_subject
             .clone()
-            .unwrap_or_else(|| format!("{}.dead.{}", self.queue, self.consumer_group()))
+            .unwrap_or_else(|| wire::nats::default_dead_subject(&self.queue, self.consumer_group()))
     }
 
     /// Checks the keys that only some kinds take, and the names NATS and
@@ -181,30 +181,23 @@ impl ConsumerConfig {
             }
             return Ok(());
         }
-        // JetStream stream and durable names: no `.`, `*`, `>`, whitespace
-        // or path separators (they become API subject tokens and file names).
-        let nats_name = |s: &str| {
-            !s.is_empty()
-                && s.chars().all(|c| {
-                    !matches!(c, '.' | '*' | '>' | '/' | '\\')
-                        && !c.is_whitespace()
-                        && !c.is_control()
-                })
-        };
-        if !nats_name(&self.queue) {
+        if !wire::nats::valid_name(&self.queue) {
             return Err(Error::config(
                 at.join("queue"),
-                "a JetStream stream name must not contain `.`, `*`, `>`, slashes or spaces",
+                format!("names a JetStream stream, so it {}", wire::nats::NAME_RULE),
             ));
         }
-        if !nats_name(self.consumer_group()) {
+        if !wire::nats::valid_name(self.consumer_group()) {
             return Err(Error::config(
                 at.join("consumer_group"),
-                "names the durable JetStream consumer, so it must not contain `.`, `*`, `>`, slashes or spaces",
+                format!(
+                    "names the durable JetStream consumer, so it {}",
+                    wire::nats::NAME_RULE
+                ),
             ));
         }
         if let Some(subject) = &self.subject {
-            if !valid_subject(subject, true) {
+            if !wire::nats::valid_subject(subject, true) {
                 return Err(Error::config(
                     at.join("subject"),
                     "must be a NATS subject: dot-separated non-empty tokens without spaces (`*` and a final `>` allowed)",
@@ -219,7 +212,7 @@ impl ConsumerConfig {
                 "declare = true needs the subjects to create the stream with: set subject (for example `orders.>`)",
             ));
         }
-        if !valid_subject(&self.nats_dead_subject(), false) {
+        if !wire::nats::valid_subject(&self.nats_dead_subject(), false) {
             return Err(Error::config(
                 at.join("dead_subject"),
                 "must be a NATS subject without wildcards: dot-separated non-empty tokens without spaces",
@@ -357,23 +350,6 @@ impl ConsumerConfig {
         }
         Ok(())
     }
-}
-
-/// A NATS subject: non-empty dot-separated tokens without whitespace;
-/// `*` tokens and a final `>` only when `wildcards`.
-fn valid_subject(subject: &str, wildcards: bool) -> bool {
-    let tokens: Vec<&str> = subject.split('.').collect();
-    let last = tokens.len() - 1;
-    !subject.is_empty()
-        && tokens.iter().enumerate().all(|(i, t)| {
-            !t.is_empty()
-                && !t.chars().any(|c| c.is_whitespace() || c.is_control())
-                && match *t {
-                    "*" => wildcards,
-                    ">" => wildcards && i == last,
-                    t => !t.contains('*') && !t.contains('>'),
-                }
-        })
 }
 
 fn default_ack_wait() -> HumanDuration {

@@ -117,14 +117,13 @@ impl PublisherConfig {
                 &["amqp", "amqps"]
             }
             PublisherConfig::Nats(c) => {
-                if c.stream.is_empty()
-                    || c.stream
-                        .chars()
-                        .any(|ch| matches!(ch, '.' | '*' | '>' | ' ' | '/' | '\\'))
-                {
+                if !crate::wire::nats::valid_name(&c.stream) {
                     return Err(Error::config(
                         at.join("stream"),
-                        "must be a non-empty JetStream stream name without `.`, `*`, `>`, spaces or slashes",
+                        format!(
+                            "names a JetStream stream, so it {}",
+                            crate::wire::nats::NAME_RULE
+                        ),
                     ));
                 }
                 &["nats", "tls"]

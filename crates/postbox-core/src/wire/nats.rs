@@ -141,6 +141,23 @@ pub fn dead_stream(stream: &str) -> String {
     format!("{stream}_dead")
 }
 
+/// A NATS subject: non-empty dot-separated tokens without whitespace;
+/// `*` tokens and a final `>` only when `wildcards`.
+pub fn valid_subject(subject: &str, wildcards: bool) -> bool {
+    let tokens: Vec<&str> = subject.split('.').collect();
+    let last = tokens.len() - 1;
+    !subject.is_empty()
+        && tokens.iter().enumerate().all(|(i, t)| {
+            !t.is_empty()
+                && !t.chars().any(|c| c.is_whitespace() || c.is_control())
+                && match *t {
+                    "*" => wildcards,
+                    ">" => wildcards && i == last,
+                    t => !t.contains('*') && !t.contains('>'),
+                }
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
