@@ -263,6 +263,22 @@ mod tests {
         assert_eq!(c.publishers[0].kind(), "rabbitmq");
     }
 
+    /// A NATS stream name follows one rule for publishers and consumers:
+    /// the publisher's own check used to accept a tab or a line break.
+    #[test]
+    fn a_nats_stream_name_follows_one_rule_everywhere() {
+        for stream in ["ORDERS\\tV2", "ORDERS\\nV2", "OR.DERS", ""] {
+            let publisher = format!(
+                "[[publishers]]\nkind = \"nats\"\nurl = \"nats://h\"\nstream = \"{stream}\"\nsubject = \"a.b\"\n"
+            );
+            assert_eq!(key_of(&publisher), "publishers.0.stream", "{stream:?}");
+            let consumer = format!(
+                "[[consumers]]\nkind = \"nats\"\nurl = \"nats://h\"\nqueue = \"{stream}\"\nconsumer_group = \"g\"\n[consumers.handler]\nhttp = \"http://h/\"\n"
+            );
+            assert_eq!(key_of(&consumer), "consumers.0.queue", "{stream:?}");
+        }
+    }
+
     #[test]
     fn secrets_do_not_leak_into_errors() {
         let err = load_str("[database]\nurl = \"oracle://u:hunter2@h/db\"").unwrap_err();
