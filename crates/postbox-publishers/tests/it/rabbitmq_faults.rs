@@ -2,7 +2,7 @@
 //! table): connections closed by the broker, unroutable events, a memory
 //! alarm. These disturb the broker, so they run one at a time.
 
-mod rabbitmq_support;
+use crate::rabbitmq_support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -531,7 +531,7 @@ async fn oversized_plain_insert_is_dead_lettered_postgres() {
         .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
     store.migrate().await.unwrap();
     let big_id = uuid_like("pg");
-    let sql = include_str!("../../../docs/plain-insert.postgres.sql")
+    let sql = include_str!("../../../../docs/plain-insert.postgres.sql")
         .replace("room_outbox", store.table().as_str());
     let insert = async {
         let pool = sqlx::PgPool::connect(&url).await.unwrap();
@@ -562,7 +562,7 @@ async fn oversized_plain_insert_is_dead_lettered_mariadb() {
         .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
     store.migrate().await.unwrap();
     let big_id = uuid_like("my");
-    let sql = include_str!("../../../docs/plain-insert.mysql.sql")
+    let sql = include_str!("../../../../docs/plain-insert.mysql.sql")
         .replace("room_outbox", store.table().as_str());
     let insert = async {
         let pool = sqlx::MySqlPool::connect(&url).await.unwrap();

@@ -3,7 +3,7 @@
 //! the retries go only to the webhook, so RabbitMQ receives each event once
 //! and the webhook, once back, receives every event.
 
-mod rabbitmq_support;
+use crate::rabbitmq_support;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

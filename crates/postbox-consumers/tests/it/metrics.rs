@@ -1,7 +1,7 @@
 //! `postbox_consume_total{consumer,result}` as a metrics recorder sees it.
 //! Its own test binary: it installs the process-wide recorder.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

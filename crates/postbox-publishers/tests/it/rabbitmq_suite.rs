@@ -1,7 +1,7 @@
 //! The publisher conformance suite on RabbitMQ, read back by a lapin
 //! consumer, and the RabbitMQ publisher's start-up checks.
 
-mod rabbitmq_support;
+use crate::rabbitmq_support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

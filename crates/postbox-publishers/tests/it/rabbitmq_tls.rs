@@ -2,7 +2,7 @@
 //! on loopback (certificate from a throwaway CA) forwards to the plain AMQP
 //! port. The publisher trusts the CA through `ca_file`.
 
-mod rabbitmq_support;
+use crate::rabbitmq_support;
 
 use std::sync::Arc;
 use std::time::Duration;
