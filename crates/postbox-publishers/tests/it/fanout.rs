@@ -28,6 +28,7 @@ const N: usize = 500;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_outage_retries_only_the_webhook_and_rabbitmq_gets_each_event_once() {
+    let _broker = broker_shared().await;
     let url = postgres_url();
     ensure_database("postgres", &url).await;
     let store = PgOutbox::connect(&url, &scratch_table("fanout"), 4)

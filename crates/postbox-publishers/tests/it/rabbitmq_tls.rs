@@ -75,6 +75,7 @@ fn plain_upstream() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqps_through_a_tls_proxy_trusting_the_configured_ca() {
+    let _broker = broker_shared().await;
     let (port, ca_pem) = tls_proxy().await;
     let dir = tempfile::tempdir().unwrap();
     let ca_file = dir.path().join("ca.pem");
