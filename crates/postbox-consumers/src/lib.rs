@@ -21,19 +21,28 @@
 //!   POSTs the envelope and treats 2xx as success.
 //!
 //! Every outcome is counted as `postbox_consume_total{consumer,result}`.
+//!
+//! Each broker is a Cargo feature (`rabbitmq`, `nats`, `redis`), and so is
+//! the HTTP bridge (`http`); all are on by default. The handler, retry and
+//! inbox types are always built.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod handler;
+#[cfg(feature = "http")]
 pub mod http;
 pub mod inbox;
 pub mod message;
 pub mod metrics;
+#[cfg(feature = "nats")]
 pub mod nats;
 pub mod ordering;
+#[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+#[cfg(feature = "redis")]
 pub mod redis;
 pub mod retry;
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis"))]
 mod session;
 
 pub use handler::{Handled, Handler, HandlerError};
