@@ -122,7 +122,13 @@ async fn stats(store: &dyn OutboxStore) -> (i64, i64) {
 async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
     let table = store.table().as_str().to_owned();
     // Kept after the run (relay logs and outputs) for a look when it fails.
-    let dir = &std::env::temp_dir().join(format!("postbox-relay-processes-{}", store.backend()));
+    // Named by process too: another run of the suite on this machine (a
+    // second checkout) would otherwise delete this run's relay outputs.
+    let dir = &std::env::temp_dir().join(format!(
+        "postbox-relay-processes-{}-{}",
+        store.backend(),
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).unwrap();
 
