@@ -27,18 +27,26 @@
 //! `postbox_consume_total{consumer,result}` and in the [`ConsumeReport`].
 //! The names on the wire are [`postbox_core::wire`]'s, which the
 //! publishers write with.
+//!
+//! Each broker is a Cargo feature (`rabbitmq`, `nats`, `redis`), and so is
+//! the HTTP bridge (`http`); all are on by default. The handler, retry and
+//! inbox types are always built.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod consume;
 pub mod handler;
+#[cfg(feature = "http")]
 pub mod http;
 pub mod inbox;
 pub mod message;
 pub mod metrics;
+#[cfg(feature = "nats")]
 pub mod nats;
 pub mod ordering;
+#[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+#[cfg(feature = "redis")]
 pub mod redis;
 pub mod retry;
 

@@ -10,14 +10,28 @@
 //! against real servers are `tests/<target>_*.rs`, most of them running the
 //! shared publisher suite of `postbox-testkit`.
 //!
+//! The file publisher is always built; each broker is a Cargo feature (all on
+//! by default), so a build without it links no client for that broker:
+//!
+//! | feature    | publisher                      | client crate   |
+//! |------------|--------------------------------|----------------|
+//! | `rabbitmq` | [`rabbitmq::RabbitMqPublisher`] | `lapin`        |
+//! | `nats`     | [`nats::NatsPublisher`]         | `async-nats`   |
+//! | `redis`    | [`redis::RedisPublisher`]       | `redis`        |
+//! | `webhook`  | [`webhook::WebhookPublisher`]   | `reqwest`      |
+//!
 //! [`Publisher`]: postbox_core::Publisher
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod file;
+#[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;
+#[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "webhook")]
 pub mod webhook;
 
 use std::sync::Arc;
@@ -26,16 +40,31 @@ use postbox_core::config::{PublisherConfig, Settings};
 use postbox_core::{Publisher, Result};
 
 /// Builds the publisher a config entry describes; config errors name keys
-/// relative to the entry (`url`), see [`postbox_core::Error::within`].
+/// relative to the entry (`url`), see [`postbox_core::Error::within`]. A
+/// kind whose feature this build left out is a config error naming the
+/// feature.
 pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     match config {
         PublisherConfig::File(c) => Ok(Arc::new(file::FilePublisher::open(c).await?)),
+        #[cfg(feature = "rabbitmq")]
         PublisherConfig::Rabbitmq(c) => {
             Ok(Arc::new(rabbitmq::RabbitMqPublisher::connect(c).await?))
         }
+        #[cfg(feature = "nats")]
         PublisherConfig::Nats(c) => Ok(Arc::new(nats::NatsPublisher::connect(c).await?)),
+        #[cfg(feature = "redis")]
         PublisherConfig::Redis(c) => Ok(Arc::new(redis::RedisPublisher::connect(c).await?)),
+        #[cfg(feature = "webhook")]
         PublisherConfig::Webhook(c) => Ok(Arc::new(webhook::WebhookPublisher::new(c)?)),
+        // Reached only in a build without some broker feature.
+        #[allow(unreachable_patterns)]
+        other => Err(postbox_core::Error::config(
+            "publishers.kind",
+            format!(
+                "this build of postbox has no `{kind}` publisher: enable the `{kind}` feature",
+                kind = other.kind()
+            ),
+        )),
     }
 }
 

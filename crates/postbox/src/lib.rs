@@ -2,15 +2,70 @@
 //!
 //! Write an outbox row in the same transaction as your business rows with the
 //! backend's `enqueue`; run `postbox relay` (or [`relay::Relay`]) to deliver
-//! every committed row, at least once, to every configured publisher.
+//! every committed row, at least once, to every configured publisher. On the
+//! receiving side, [`consumers`] run a handler per message, exactly once in
+//! effect through an idempotent inbox.
 //!
 //! This crate only re-exports: [`postbox_core`] holds the types and the relay,
-//! one crate per database holds its SQL.
+//! one crate per database holds its SQL, one crate each holds the publishers
+//! and the consumers.
+//!
+//! # Example
+//!
+//! The event commits or rolls back with the rows written beside it:
+//!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! use postbox::postgres::PgOutbox;
+//! use postbox::NewEvent;
+//!
+//! // The table `postbox migrate` created (or `OutboxStore::migrate`).
+//! let outbox = PgOutbox::connect("postgres://localhost/app", "room_outbox", 4).await?;
+//!
+//! let mut tx = outbox.pool().begin().await?;
+//! sqlx::query("INSERT INTO rooms (id) VALUES (42)")
+//!     .execute(&mut *tx)
+//!     .await?;
+//! let event = NewEvent::new("room", "RoomCreated", r#"{"room_id":42}"#);
+//! outbox.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Features
+//!
+//! One feature per database and per broker; a build links only the clients
+//! of what it names. The default is the three databases and no broker: the
+//! relay usually runs as the `postbox` binary, which has them all. A service
+//! that embeds PostgreSQL and NATS writes `postbox = { version = "…",
+//! default-features = false, features = ["postgres", "nats"] }`.
+//!
+//! | feature    | enables                                                                                   | client crate |
+//! |------------|-------------------------------------------------------------------------------------------|--------------|
+//! | `postgres` | [`postgres`]: `PgOutbox`                                                                  | `sqlx` (PostgreSQL) |
+//! | `mysql`    | [`mysql`]: `MySqlOutbox` (MySQL, MariaDB)                                                 | `sqlx` (MySQL) |
+//! | `sqlite`   | [`sqlite`]: `SqliteOutbox`                                                                | `sqlx` (SQLite) |
+//! | `rabbitmq` | `publishers::rabbitmq`, `consumers::rabbitmq`                                             | `lapin`      |
+//! | `nats`     | `publishers::nats`, `consumers::nats` (JetStream)                                         | `async-nats` |
+//! | `redis`    | `publishers::redis`, `consumers::redis` (Streams)                                         | `redis`      |
+//! | `webhook`  | `publishers::webhook`, and `consumers::http` (the HTTP bridge) when a broker is on          | `reqwest`    |
+//!
+//! The file publisher ([`publishers::file`]) is always there. [`consumers`]
+//! (handlers, retry policy, the inbox) comes with any broker feature.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub use postbox_core::*;
+
+/// Publishers: the file publisher, and one module per broker feature.
 pub use postbox_publishers as publishers;
+
+/// Consumers: handlers, the retry policy, the idempotent inbox, and one
+/// consumer per broker feature.
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis"))]
+pub use postbox_consumers as consumers;
 
 /// PostgreSQL backend.
 #[cfg(feature = "postgres")]

@@ -1,7 +1,7 @@
 //! The publisher conformance suite on RabbitMQ, read back by a lapin
 //! consumer, and the RabbitMQ publisher's start-up checks.
 
-mod rabbitmq_support;
+use crate::rabbitmq_support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -32,6 +32,7 @@ impl ReadBack for QueueReader {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_publisher_passes_the_publisher_suite() {
+    let _broker = broker_shared().await;
     let exchange = scratch("suite");
     let setup = connect().await;
     let channel = setup.create_channel().await.unwrap();
@@ -51,6 +52,7 @@ async fn rabbitmq_publisher_passes_the_publisher_suite() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_events_fail_and_the_rest_of_the_batch_is_delivered() {
+    let _broker = broker_shared().await;
     let exchange = scratch("unroutable");
     let setup = connect().await;
     let channel = setup.create_channel().await.unwrap();
@@ -85,6 +87,7 @@ async fn unroutable_events_fail_and_the_rest_of_the_batch_is_delivered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_publish_leaves_the_publisher_usable() {
+    let _broker = broker_shared().await;
     let exchange = scratch("cancel");
     let setup = connect().await;
     let channel = setup.create_channel().await.unwrap();
@@ -127,6 +130,7 @@ async fn an_abandoned_publish_leaves_the_publisher_usable() {
 
 #[tokio::test]
 async fn a_missing_exchange_without_declare_is_a_config_error_naming_the_fix() {
+    let _broker = broker_shared().await;
     let exchange = scratch("missing");
     let mut config = config(&exchange, "{event_type}", false);
     config.name = Some("orders".into());
@@ -144,6 +148,7 @@ async fn a_missing_exchange_without_declare_is_a_config_error_naming_the_fix() {
 
 #[tokio::test]
 async fn start_errors_never_show_the_password() {
+    let _broker = broker_shared().await;
     let exchange = scratch("secret");
     let wrong_password = "hunter2-Very-Secret";
     for url in [
@@ -169,6 +174,7 @@ async fn start_errors_never_show_the_password() {
 /// kind, as before.
 #[tokio::test]
 async fn declare_creates_a_missing_exchange_and_accepts_an_existing_one_of_another_kind() {
+    let _broker = broker_shared().await;
     let connection = connect().await;
     let channel = connection.create_channel().await.unwrap();
     let missing = scratch("declared");
@@ -279,6 +285,7 @@ async fn forward_frames(
 /// confirmed on a fresh one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_each_keeps_the_confirms_that_came_before_the_deadline() {
+    let _broker = broker_shared().await;
     let exchange = scratch("each");
     let setup = connect().await;
     let channel = setup.create_channel().await.unwrap();

@@ -1,7 +1,7 @@
 //! The Redis Streams consumer against the real Redis
 //! (`POSTBOX_TEST_REDIS_URL`, default `redis://127.0.0.1:6379/0`).
 
-mod nats_redis_suite;
+use crate::nats_redis_suite;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! on loopback (certificate from a throwaway CA) forwards to the plain AMQP
 //! port. The publisher trusts the CA through `ca_file`.
 
-mod rabbitmq_support;
+use crate::rabbitmq_support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -75,6 +75,7 @@ fn plain_upstream() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn amqps_through_a_tls_proxy_trusting_the_configured_ca() {
+    let _broker = broker_shared().await;
     let (port, ca_pem) = tls_proxy().await;
     let dir = tempfile::tempdir().unwrap();
     let ca_file = dir.path().join("ca.pem");

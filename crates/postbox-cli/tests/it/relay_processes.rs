@@ -122,7 +122,13 @@ async fn stats(store: &dyn OutboxStore) -> (i64, i64) {
 async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
     let table = store.table().as_str().to_owned();
     // Kept after the run (relay logs and outputs) for a look when it fails.
-    let dir = &std::env::temp_dir().join(format!("postbox-relay-processes-{}", store.backend()));
+    // Named by process too: another run of the suite on this machine (a
+    // second checkout) would otherwise delete this run's relay outputs.
+    let dir = &std::env::temp_dir().join(format!(
+        "postbox-relay-processes-{}-{}",
+        store.backend(),
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).unwrap();
 
@@ -531,7 +537,7 @@ async fn oversized_plain_insert_is_dead_lettered_postgres() {
         .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
     store.migrate().await.unwrap();
     let big_id = uuid_like("pg");
-    let sql = include_str!("../../../docs/plain-insert.postgres.sql")
+    let sql = include_str!("../../../../docs/plain-insert.postgres.sql")
         .replace("room_outbox", store.table().as_str());
     let insert = async {
         let pool = sqlx::PgPool::connect(&url).await.unwrap();
@@ -562,7 +568,7 @@ async fn oversized_plain_insert_is_dead_lettered_mariadb() {
         .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
     store.migrate().await.unwrap();
     let big_id = uuid_like("my");
-    let sql = include_str!("../../../docs/plain-insert.mysql.sql")
+    let sql = include_str!("../../../../docs/plain-insert.mysql.sql")
         .replace("room_outbox", store.table().as_str());
     let insert = async {
         let pool = sqlx::MySqlPool::connect(&url).await.unwrap();

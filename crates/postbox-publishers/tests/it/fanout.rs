@@ -3,7 +3,7 @@
 //! the retries go only to the webhook, so RabbitMQ receives each event once
 //! and the webhook, once back, receives every event.
 
-mod rabbitmq_support;
+use crate::rabbitmq_support;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -28,6 +28,7 @@ const N: usize = 500;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_outage_retries_only_the_webhook_and_rabbitmq_gets_each_event_once() {
+    let _broker = broker_shared().await;
     let url = postgres_url();
     ensure_database("postgres", &url).await;
     let store = PgOutbox::connect(&url, &scratch_table("fanout"), 4)

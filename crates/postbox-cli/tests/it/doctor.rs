@@ -2,7 +2,7 @@
 //! migration (tiny tables, where planners would scan anyway), and fails
 //! naming the index and the query once an index is dropped.
 
-mod common;
+use crate::common;
 
 use common::{postbox, text};
 use postbox_testkit::scratch_table;

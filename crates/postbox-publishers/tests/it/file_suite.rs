@@ -55,7 +55,7 @@ fn a_failed_write_leaves_the_file_as_it_was() {
         .arg(exe)
         .args([
             "--exact",
-            "file_sink_under_a_size_limit",
+            "file_suite::file_sink_under_a_size_limit",
             "--ignored",
             "--nocapture",
             "--test-threads=1",

@@ -1,7 +1,7 @@
 //! The RabbitMQ consumer against a real broker: retries with growing delays
 //! into `<queue>.dead`, the inbox's duplicate and stale verdicts, shutdown.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -2,7 +2,7 @@
 //! name their key, secrets kept out of output, the SQLite workflow end to
 //! end, and the quickstart.
 
-mod common;
+use crate::common;
 
 use common::{run as postbox, text};
 use std::path::Path;

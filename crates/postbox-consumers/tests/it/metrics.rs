@@ -1,7 +1,9 @@
 //! `postbox_consume_total{consumer,result}` as a metrics recorder sees it.
-//! Its own test binary: it installs the process-wide recorder.
+//! The only test of this binary that installs the process-wide recorder;
+//! the counts it reads are those of its consumer `billing`, a name no other
+//! test uses, so tests running beside it do not change them.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};

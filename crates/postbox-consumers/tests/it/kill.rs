@@ -10,7 +10,7 @@
 //! And a message whose handler kills the consumer (`crash_child_consumer`)
 //! counts one attempt per crash and ends in `<queue>.dead` instead of looping.
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::process::Stdio;
@@ -123,7 +123,7 @@ async fn sigkill_between_effect_and_ack_has_no_second_effect() {
     loop {
         let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
             .args([
-                "child_consumer",
+                "kill::child_consumer",
                 "--exact",
                 "--nocapture",
                 "--test-threads=1",
@@ -269,7 +269,7 @@ async fn a_message_that_kills_its_consumer_is_dead_after_max_attempts() {
         assert!(start.elapsed() < Duration::from_secs(40), "timed out");
         let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
             .args([
-                "crash_child_consumer",
+                "kill::crash_child_consumer",
                 "--exact",
                 "--nocapture",
                 "--test-threads=1",

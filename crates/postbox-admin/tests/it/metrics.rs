@@ -1,6 +1,9 @@
 //! After a relay run against PostgreSQL, `/metrics` is valid Prometheus
-//! text with the delivered count and the publish counters. Its own test
-//! binary: the recorder and its counters are process-wide.
+//! text with the delivered count and the publish counters. The recorder and
+//! its counters are process-wide: this is the only test of the binary that
+//! runs a relay (the API tests only read and replay), so the counts it
+//! reads are its own. A new test that runs a relay belongs elsewhere or
+//! must not share these names.
 
 use std::sync::Arc;
 use std::time::Duration;

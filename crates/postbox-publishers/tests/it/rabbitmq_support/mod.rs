@@ -1,4 +1,4 @@
-//! Shared by the RabbitMQ test binaries: scratch names, a consumer on a
+//! Shared by the RabbitMQ tests of this binary: scratch names, a consumer on a
 //! scratch queue, and `rabbitmqctl`.
 #![allow(dead_code)]
 
@@ -241,4 +241,22 @@ pub fn close_connections_named(connection_name: &str) -> usize {
         closed += 1;
     }
     closed
+}
+
+/// The broker as the tests of this binary share it: one test process now
+/// runs every RabbitMQ test at once. A test that disturbs every connection
+/// (a memory alarm) holds it alone; every other RabbitMQ test holds it
+/// shared for its whole run.
+static BROKER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Held by a RabbitMQ test for its whole run: it waits while a test holds
+/// the broker alone.
+pub async fn broker_shared() -> tokio::sync::RwLockReadGuard<'static, ()> {
+    BROKER.read().await
+}
+
+/// Held by a test that disturbs every connection: it runs once no other
+/// RabbitMQ test does.
+pub async fn broker_exclusive() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    BROKER.write().await
 }

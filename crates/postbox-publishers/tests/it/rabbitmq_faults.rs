@@ -1,8 +1,9 @@
 //! RabbitMQ faults during real relay runs (PostgreSQL store on a scratch
 //! table): connections closed by the broker, unroutable events, a memory
-//! alarm. These disturb the broker, so they run one at a time.
+//! alarm. These disturb the broker, so they run one at a time, and the
+//! alarm runs alone among the RabbitMQ tests ([`broker_exclusive`]).
 
-mod rabbitmq_support;
+use crate::rabbitmq_support;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -101,6 +102,7 @@ async fn wait_until(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_connections_during_a_10000_event_run_lose_nothing() {
     let _serial = SERIAL.lock().await;
+    let _broker = broker_shared().await;
     const N: usize = 10_000;
     let store = store().await;
     enqueue(store.as_ref(), N, "Tick").await;
@@ -181,6 +183,7 @@ async fn closed_connections_during_a_10000_event_run_lose_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_event_is_retried_then_dead_lettered() {
     let _serial = SERIAL.lock().await;
+    let _broker = broker_shared().await;
     let store = store().await;
     enqueue(store.as_ref(), 5, "Nobody").await;
     enqueue(store.as_ref(), 20, "Somebody").await;
@@ -293,6 +296,9 @@ impl Drop for WatermarkGuard {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_alarm_delays_delivery_without_loss() {
     let _serial = SERIAL.lock().await;
+    // The alarm blocks every publishing connection: no other RabbitMQ test
+    // of this binary may run meanwhile.
+    let _broker = broker_exclusive().await;
     const N: usize = 10_000;
     let store = store().await;
     enqueue(store.as_ref(), N, "Tick").await;

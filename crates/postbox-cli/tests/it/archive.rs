@@ -3,7 +3,7 @@
 //! leaves every row in exactly one of the two tables; a second archiver
 //! finds the lock taken.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -98,7 +98,7 @@ async fn enqueue_commits_and_rolls_back_with_the_callers_transaction() {
 #[tokio::test]
 async fn readme_plain_insert_is_relayed_like_any_other_row() {
     let store = outbox().await;
-    let readme_sql = include_str!("../../../docs/plain-insert.postgres.sql")
+    let readme_sql = include_str!("../../../../docs/plain-insert.postgres.sql")
         .replace("room_outbox", store.table().as_str());
     sqlx::query(&readme_sql)
         .bind("room")

@@ -1,7 +1,7 @@
 //! The NATS JetStream consumer against the real server
 //! (`POSTBOX_TEST_NATS_URL`, default `nats://127.0.0.1:4222`).
 
-mod nats_redis_suite;
+use crate::nats_redis_suite;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,0 +1,11 @@
+//! The integration tests of `postbox-cli`, linked as one binary (`cargo test -p postbox-cli --test it`):
+//! one module per area, so the suite links a handful of binaries, not one per file.
+
+mod common;
+
+mod archive;
+mod cli;
+mod consume;
+mod dashboard;
+mod doctor;
+mod relay_processes;

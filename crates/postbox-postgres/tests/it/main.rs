@@ -1,0 +1,6 @@
+//! The integration tests of `postbox-postgres`, linked as one binary (`cargo test -p postbox-postgres --test it`):
+//! one module per area, so the suite links a handful of binaries, not one per file.
+
+mod claim_plans;
+mod poison_log;
+mod postgres;
