@@ -16,6 +16,7 @@ pub const LAST_ERROR_HEADER: &str = postbox_core::wire::LAST_ERROR;
 /// without one (`missing` says so) cannot be deduplicated, and one longer
 /// than an event_id may be is not postbox's. `what` names where it was
 /// read, for the error.
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis"))]
 pub(crate) fn checked_event_id(
     id: Option<String>,
     what: &str,
