@@ -2,7 +2,6 @@
 //! delivery.
 
 use postbox_core::envelope::Envelope;
-use postbox_core::event::MAX_ID_LEN;
 
 /// Header carrying the consumer's own attempt counter (1 on first delivery):
 /// [`postbox_core::wire::CONSUME_ATTEMPT`].
@@ -25,6 +24,7 @@ pub(crate) fn checked_event_id(
     let id = id
         .filter(|s| !s.is_empty())
         .ok_or_else(|| missing.to_owned())?;
+    use postbox_core::event::MAX_ID_LEN;
     if id.len() > MAX_ID_LEN {
         return Err(format!(
             "{what} is {} bytes, longer than an event_id may be ({MAX_ID_LEN})",
