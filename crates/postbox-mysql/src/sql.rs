@@ -4,8 +4,15 @@
 //! `?` placeholders rendered by [`in_list`] (MySQL has no array parameter),
 //! and `{filters}`, the predicates of a replay's given filters
 //! (`postbox_sqlx::filter_query`). Each claim names the index it relies on.
+//!
+//! The engine binds each shared statement's values in one order (see
+//! `postbox_sqlx::Statements`); a plain `?` takes the next value that is
+//! not the list, `{ids}` the list. Where MySQL's text reads them in
+//! another order or twice, the placeholder is numbered (`?2`: the engine's
+//! second value) and `MySqlDialect::expand` sends plain `?` in that order.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert};
+use postbox_sqlx::dialect::Migration;
+use postbox_sqlx::{columns, head_of_aggregate, history_insert, Statements};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -200,18 +207,20 @@ pub(crate) const RELEASE: &str =
 
 /// Counts by status for one tenant.
 pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) FROM {table} WHERE app_code = ? GROUP BY status";
+    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ? GROUP BY status";
 
-/// Oldest pending row and due retries (app_code bound twice). Index:
+/// Oldest pending row and due retries (app_code read twice). Index:
 /// `{table}_claim_retry_idx`.
 pub(crate) const BACKLOG: &str = concat!(
     "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ? AND status = 'pending'), \
-       (SELECT COUNT(*) FROM {table} WHERE app_code = ? AND status = 'retryable' \
+       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ?1 AND status = 'pending') \
+         AS oldest_pending_ms, \
+       (SELECT COUNT(*) FROM {table} WHERE app_code = ?1 AND status = 'retryable' \
           AND next_retry_at_ms <= ",
     now_ms!(),
-    "), ",
-    now_ms!()
+    ") AS retryable_due, ",
+    now_ms!(),
+    " AS now_ms"
 );
 
 /// `list` without its predicates: `postbox_sqlx::list_query` appends only
@@ -259,15 +268,15 @@ pub(crate) const SELECT_IDS: &str = concat!(
     " FROM {table} WHERE id IN ({ids}) ORDER BY id"
 );
 
-/// Rows a replay by event ids would touch (app_code bound twice after the ids).
+/// Rows a replay by event ids would touch (the ids, then app_code, read twice).
 pub(crate) const REPLAY_IDS_DRY: &str = concat!(
     "SELECT ", columns!(), " FROM {table} \
-     WHERE event_id IN ({ids}) AND (? IS NULL OR app_code = ?) AND status <> 'delivering' ORDER BY id"
+     WHERE event_id IN ({ids}) AND (?2 IS NULL OR app_code = ?2) AND status <> 'delivering' ORDER BY id"
 );
 
 /// Replay by event ids, step 1: lock the rows.
 pub(crate) const REPLAY_IDS_LOCK: &str = "SELECT id FROM {table} \
-     WHERE event_id IN ({ids}) AND (? IS NULL OR app_code = ?) AND status <> 'delivering' \
+     WHERE event_id IN ({ids}) AND (?2 IS NULL OR app_code = ?2) AND status <> 'delivering' \
      ORDER BY id FOR UPDATE";
 
 /// Rows a replay by filter would touch. `{filters}`: a predicate per given
@@ -302,10 +311,10 @@ pub(crate) const REPLAY_IDS: &str = concat!(
      WHERE id IN ({ids})"
 );
 
-/// A replay that picked its targets: `delivered_to` (the publishers *not*
-/// targeted), then the replayed rows' ids.
+/// A replay that picked its targets: the replayed rows' ids, then
+/// `delivered_to` (the publishers *not* targeted).
 pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
-    "UPDATE {table} SET delivered_to = ? WHERE id IN ({ids})";
+    "UPDATE {table} SET delivered_to = ?2 WHERE id IN ({ids})";
 
 /// Archived rows a time-range replay would bring back: those not already in
 /// the live table (archived rows are all `delivered`).
@@ -340,12 +349,12 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({
 // row's id, so an event's history outlives archiving. Every write runs in
 // the transaction of the state change it records.
 
-/// One failed attempt: kind (`failed` or `dead_lettered`), attempt,
-/// publisher, error, then the row id.
+/// One failed attempt: the row id, then kind (`failed` or
+/// `dead_lettered`), attempt, publisher, error.
 pub(crate) const HISTORY_FAILED: &str = concat!(
     history_insert!(),
     now_ms!(),
-    ", ?, ?, ?, ? FROM {table} WHERE id = ?"
+    ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
 );
 
 /// Rows `{ids}` were just taken over after their lease expired; the claim
@@ -356,11 +365,12 @@ pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id IN ({ids})"
 );
 
-/// Rows `{ids}` were just replayed; the origin is bound first.
+/// Rows `{ids}` were just replayed: the ids, the origin (`detail`), the
+/// targets (`publisher`).
 pub(crate) const HISTORY_REPLAYED: &str = concat!(
     history_insert!(),
     now_ms!(),
-    ", 'replayed', 0, ?, ? FROM {table} WHERE id IN ({ids})"
+    ", 'replayed', 0, ?3, ?2 FROM {table} WHERE id IN ({ids})"
 );
 
 /// Events of rows `{ids}` holding more than `?` entries. Index:
@@ -479,10 +489,11 @@ pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
        applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version) \
      ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4";
 
-/// Which of the three given tables exist in the current database.
+/// Which of the given tables (`{ids}`: the engine passes a list) exist in
+/// the current database.
 pub(crate) const EXISTING_TABLES: &str =
     "SELECT CAST(table_name AS CHAR) FROM information_schema.tables \
-     WHERE table_schema = DATABASE() AND table_name IN (?, ?, ?)";
+     WHERE table_schema = DATABASE() AND table_name IN ({ids})";
 
 pub(crate) const FORGET_VERSIONS: &str =
     "DELETE FROM postbox_schema_migrations WHERE table_name = ?";
@@ -500,6 +511,58 @@ pub(crate) const RECORD_VERSION: &str = concat!(
     now_ms!(),
     ")"
 );
+
+/// `(version, description, statements)`, applied in order. MySQL commits
+/// implicitly around every DDL statement, so the migration's transaction
+/// does not make a run atomic: the named lock
+/// ([`MIGRATION_LOCK`]) is held by one connection for the whole run, and
+/// every statement is idempotent, so a run cut short is simply re-run.
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
+    (2, "attempt history", V2_HISTORY),
+    (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+];
+
+/// The shared statements. MySQL has no `UPDATE … RETURNING`: its replay
+/// statements lock the rows' ids (`…_LOCK`), and `MySqlDialect::replay_rows`
+/// updates them by primary key ([`REPLAY_IDS`], [`UNARCHIVE_IDS`]) and
+/// reads them back ([`SELECT_IDS`]). [`HISTORY_PRUNE`] prunes one event
+/// (after [`HISTORY_OVER_LIMIT`], see `MySqlDialect::prune_history`).
+pub(crate) const STATEMENTS: Statements = Statements {
+    now_ms: NOW_MS,
+    count_by_status: COUNT_BY_STATUS,
+    backlog: BACKLOG,
+    list_select: LIST_SELECT,
+    present_app_codes: PRESENT_APP_CODES,
+    find_archived: FIND_ARCHIVED,
+    delivered_per_minute: DELIVERED_PER_MINUTE,
+    find: FIND,
+    mark_delivered: MARK_DELIVERED,
+    mark_failed: MARK_FAILED,
+    release: RELEASE,
+    replay_ids: REPLAY_IDS_LOCK,
+    replay_ids_dry: REPLAY_IDS_DRY,
+    replay_filter: REPLAY_FILTER_LOCK,
+    replay_filter_dry: REPLAY_FILTER_DRY,
+    unarchive_filter: UNARCHIVE_FILTER_LOCK,
+    unarchive_filter_dry: UNARCHIVE_FILTER_DRY,
+    delete_unarchived: DELETE_UNARCHIVED,
+    replay_set_delivered_to: REPLAY_SET_DELIVERED_TO,
+    history_failed: HISTORY_FAILED,
+    history_lease_expired: HISTORY_LEASE_EXPIRED,
+    history_replayed: HISTORY_REPLAYED,
+    history_prune: HISTORY_PRUNE,
+    history: HISTORY,
+    archived_event_ids: ARCHIVED_EVENT_IDS,
+    stuck_aggregates: STUCK_AGGREGATES,
+    doctor_version: DOCTOR_VERSION,
+    doctor_objects: DOCTOR_OBJECTS,
+    create_migrations_table: CREATE_MIGRATIONS_TABLE,
+    existing_tables: EXISTING_TABLES,
+    forget_versions: FORGET_VERSIONS,
+    applied_versions: APPLIED_VERSIONS,
+    record_version: RECORD_VERSION,
+};
 
 /// Version 3: the index the admin API's lists read newest first per tenant
 /// and status (keyset pagination by id).

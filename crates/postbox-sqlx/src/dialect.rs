@@ -5,13 +5,15 @@
 //! constant each, with the index it relies on), its claim, its enqueue
 //! insert, its archive lock and batch, and its plan reader.
 
+use std::borrow::Cow;
+
 use async_trait::async_trait;
 use sqlx::pool::PoolConnection;
 use sqlx::query::Query;
 use sqlx::Database;
 
 use postbox_core::store::{ClaimRequest, QueryPlan};
-use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
+use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, TableName};
 
 use crate::{Placeholders, SqlOutbox};
 
@@ -250,6 +252,15 @@ impl ClaimStatements {
 /// `{archive}` rendered when applied; every statement `IF NOT EXISTS`).
 pub type Migration = (u32, &'static str, &'static [&'static str]);
 
+/// The replay statement a [`Dialect::replay_rows`] hook is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayStep {
+    /// [`Statements::replay_ids`] or [`Statements::replay_filter`]: live rows.
+    Replay,
+    /// [`Statements::unarchive_filter`]: archived rows brought back.
+    Unarchive,
+}
+
 /// A database: its statement set and the hooks for what differs.
 #[async_trait]
 pub trait Dialect: Sized + Send + Sync + 'static {
@@ -276,6 +287,79 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str];
     /// Indexes beyond [`postbox_core::store::EXPECTED_INDEXES`] (suffixes).
     const EXTRA_INDEXES: &'static [&'static str];
+    /// Run on the connection before every relay transaction (marks,
+    /// releases, failed attempts, replays), when the database's default
+    /// isolation would make them wait for rows they do not name (MySQL:
+    /// `READ COMMITTED`, no gap locks). `None`: the engine's usual `BEGIN`.
+    const RELAY_ISOLATION: Option<&'static str> = None;
+
+    /// The statements one logical statement runs as, each with its binds
+    /// in placeholder order. The default runs it as written (placeholders
+    /// numbered in the engine's bind order, lists bound whole). A database
+    /// without list parameters or numbered placeholders (MySQL) renders
+    /// its `?` in bind order and splits a long list into several
+    /// statements; an empty list then runs nothing.
+    fn expand<'s, 'q>(sql: &'s str, values: Vec<Value<'q>>) -> Vec<(Cow<'s, str>, Vec<Value<'q>>)> {
+        vec![(Cow::Borrowed(sql), values)]
+    }
+
+    /// A replay step that changes rows (`step`'s statement with its
+    /// binds), returning the rows as written. `None`: the statement is an
+    /// `UPDATE … RETURNING` (or `INSERT … RETURNING`) the engine fetches.
+    /// A database without `RETURNING` (MySQL) locks the rows with `sql`,
+    /// updates them by primary key and reads them back.
+    async fn replay_rows(
+        _outbox: &SqlOutbox<Self>,
+        _conn: &mut <Self::DB as Database>::Connection,
+        _step: ReplayStep,
+        _sql: &str,
+        _values: Vec<Value<'_>>,
+    ) -> Option<Result<Vec<EventRecord>>> {
+        None
+    }
+
+    /// Keeps the newest [`postbox_core::store::HISTORY_LIMIT`] entries of
+    /// the events of rows `ids`. `None`: the engine's one statement
+    /// ([`Statements::history_prune`] over the ids). MySQL cannot read the
+    /// table it deletes from in one statement: it finds the events over
+    /// the limit, then prunes each.
+    async fn prune_history(
+        _outbox: &SqlOutbox<Self>,
+        _conn: &mut <Self::DB as Database>::Connection,
+        _ids: &[i64],
+    ) -> Option<std::result::Result<(), sqlx::Error>> {
+        None
+    }
+
+    /// Serialises concurrent `migrate` runs on the migration's connection,
+    /// before its transaction, where the lock is the session's (MySQL's
+    /// `GET_LOCK`: DDL commits implicitly, so no transaction can hold it).
+    /// Nothing by default ([`Dialect::migration_lock`] locks instead).
+    async fn migration_session_lock(
+        _conn: &mut PoolConnection<Self::DB>,
+        _table: &TableName,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Releases [`Dialect::migration_session_lock`] after the migration.
+    async fn migration_session_unlock(
+        _conn: &mut PoolConnection<Self::DB>,
+        _table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    /// Run after version 1 created a new outbox table, besides
+    /// [`Dialect::CONTINUE_IDS_AFTER_ARCHIVE`], where continuing a kept
+    /// archive's ids needs a value no statement can compute (MySQL's
+    /// `AUTO_INCREMENT = n`).
+    async fn continue_ids(
+        _conn: &mut <Self::DB as Database>::Connection,
+        _table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error> {
+        Ok(())
+    }
 
     /// Renders [`Dialect::Own`] for `table`.
     fn own(table: &TableName) -> Self::Own;

@@ -17,7 +17,7 @@ pub mod __private {
     pub use postbox_core;
 }
 
-pub use dialect::{Dialect, Migration, Statements, Value};
+pub use dialect::{Dialect, Migration, ReplayStep, Statements, Value};
 pub use engine::{finish, query, SqlOutbox, MIGRATIONS_LEDGER};
 pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
 
