@@ -11,11 +11,10 @@ use std::borrow::Cow;
 
 use async_trait::async_trait;
 use sqlx::error::ErrorKind;
-use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions, MySqlQueryResult};
+use sqlx::mysql::{MySqlPool, MySqlQueryResult};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 
-use postbox_core::redact::redact_url;
 use postbox_core::store::{ClaimRequest, QueryPlan, HISTORY_LIMIT};
 use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
@@ -229,15 +228,7 @@ impl Dialect for MySqlDialect {
             Some(rest) => format!("mysql://{rest}"),
             None => url.to_owned(),
         };
-        let opts: MySqlConnectOptions = normalized
-            .parse()
-            .map_err(|e| Error::config("database.url", format!("{}: {e}", redact_url(url))))?;
-        MySqlPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(std::time::Duration::from_secs(10))
-            .connect_with(opts)
-            .await
-            .map_err(|e| db_error("connecting to MySQL", e))
+        postbox_sqlx::connect_server(url, &normalized, max_connections, "connecting to MySQL").await
     }
 
     fn rows_affected(done: &MySqlQueryResult) -> u64 {

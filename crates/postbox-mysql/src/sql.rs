@@ -528,41 +528,19 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
 /// updates them by primary key ([`REPLAY_IDS`], [`UNARCHIVE_IDS`]) and
 /// reads them back ([`SELECT_IDS`]). [`HISTORY_PRUNE`] prunes one event
 /// (after [`HISTORY_OVER_LIMIT`], see `MySqlDialect::prune_history`).
-pub(crate) const STATEMENTS: Statements = Statements {
-    now_ms: NOW_MS,
-    count_by_status: COUNT_BY_STATUS,
-    backlog: BACKLOG,
-    list_select: LIST_SELECT,
-    present_app_codes: PRESENT_APP_CODES,
-    find_archived: FIND_ARCHIVED,
-    delivered_per_minute: DELIVERED_PER_MINUTE,
-    find: FIND,
-    mark_delivered: MARK_DELIVERED,
-    mark_failed: MARK_FAILED,
-    release: RELEASE,
-    replay_ids: REPLAY_IDS_LOCK,
-    replay_ids_dry: REPLAY_IDS_DRY,
-    replay_filter: REPLAY_FILTER_LOCK,
-    replay_filter_dry: REPLAY_FILTER_DRY,
-    unarchive_filter: UNARCHIVE_FILTER_LOCK,
-    unarchive_filter_dry: UNARCHIVE_FILTER_DRY,
-    delete_unarchived: DELETE_UNARCHIVED,
-    replay_set_delivered_to: REPLAY_SET_DELIVERED_TO,
-    history_failed: HISTORY_FAILED,
-    history_lease_expired: HISTORY_LEASE_EXPIRED,
-    history_replayed: HISTORY_REPLAYED,
-    history_prune: HISTORY_PRUNE,
-    history: HISTORY,
-    archived_event_ids: ARCHIVED_EVENT_IDS,
-    stuck_aggregates: STUCK_AGGREGATES,
-    doctor_version: DOCTOR_VERSION,
-    doctor_objects: DOCTOR_OBJECTS,
-    create_migrations_table: CREATE_MIGRATIONS_TABLE,
-    existing_tables: EXISTING_TABLES,
-    forget_versions: FORGET_VERSIONS,
-    applied_versions: APPLIED_VERSIONS,
-    record_version: RECORD_VERSION,
-};
+pub(crate) const STATEMENTS: Statements = shared::STATEMENTS;
+
+/// The engine's names for the statements whose MySQL form differs: the
+/// replays lock (see [`STATEMENTS`]).
+mod shared {
+    use super::*;
+
+    const REPLAY_IDS: &str = REPLAY_IDS_LOCK;
+    const REPLAY_FILTER: &str = REPLAY_FILTER_LOCK;
+    const UNARCHIVE_FILTER: &str = UNARCHIVE_FILTER_LOCK;
+
+    pub(super) const STATEMENTS: Statements = postbox_sqlx::statements!();
+}
 
 /// Version 3: the index the admin API's lists read newest first per tenant
 /// and status (keyset pagination by id).
