@@ -12,7 +12,7 @@
 //! second value) and `MySqlDialect::expand` sends plain `?` in that order.
 
 use postbox_sqlx::dialect::Migration;
-use postbox_sqlx::{columns, head_of_aggregate, history_insert, Statements};
+use postbox_sqlx::{backlog, columns, head_of_aggregate, history_insert, list_select, Statements};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -209,25 +209,11 @@ pub(crate) const RELEASE: &str =
 pub(crate) const COUNT_BY_STATUS: &str =
     "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ? GROUP BY status";
 
-/// Oldest pending row and due retries (app_code read twice). Index:
-/// `{table}_claim_retry_idx`.
-pub(crate) const BACKLOG: &str = concat!(
-    "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ?1 AND status = 'pending') \
-         AS oldest_pending_ms, \
-       (SELECT COUNT(*) FROM {table} WHERE app_code = ?1 AND status = 'retryable' \
-          AND next_retry_at_ms <= ",
-    now_ms!(),
-    ") AS retryable_due, ",
-    now_ms!(),
-    " AS now_ms"
-);
+/// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
+pub(crate) const BACKLOG: &str = backlog!("?1", now_ms!());
 
-/// `list` without its predicates: `postbox_sqlx::list_query` appends only
-/// the filters given, then `ORDER BY id DESC LIMIT`. Indexes: the primary key
-/// (no filter), `{table}_status_id_idx (app_code, status, id)` (tenant and
-/// status, e.g. the dashboard's failed list).
-pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
+/// `list` without its predicates (`postbox_sqlx::list_select!`).
+pub(crate) const LIST_SELECT: &str = list_select!();
 
 /// Every app_code with rows, sorted: MySQL and MariaDB read a `DISTINCT`
 /// on the leading column of `{table}_event_uq (app_code, event_id)` as a
@@ -344,31 +330,23 @@ pub(crate) const UNARCHIVE_IDS: &str = concat!(
 /// Archive step 3: remove from the archive the rows a replay brought back.
 pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({ids})";
 
-// ---- attempt history ----
-// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
-// row's id, so an event's history outlives archiving. Every write runs in
-// the transaction of the state change it records.
+// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
 
 /// One failed attempt: the row id, then kind (`failed` or
 /// `dead_lettered`), attempt, publisher, error.
-pub(crate) const HISTORY_FAILED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
-);
+pub(crate) const HISTORY_FAILED: &str =
+    history_insert!(now_ms!(), ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1");
 
 /// Rows `{ids}` were just taken over after their lease expired; the claim
 /// already counted the attempt and wrote `last_error`.
-pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    history_insert!(),
+pub(crate) const HISTORY_LEASE_EXPIRED: &str = history_insert!(
     now_ms!(),
     ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id IN ({ids})"
 );
 
 /// Rows `{ids}` were just replayed: the ids, the origin (`detail`), the
 /// targets (`publisher`).
-pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    history_insert!(),
+pub(crate) const HISTORY_REPLAYED: &str = history_insert!(
     now_ms!(),
     ", 'replayed', 0, ?3, ?2 FROM {table} WHERE id IN ({ids})"
 );

@@ -523,11 +523,53 @@ macro_rules! replay_set {
 
 /// The start of every history write (`INSERT … SELECT` from the outbox
 /// row, so the entry is keyed by the row's `(app_code, event_id)`): the
-/// dialect appends its clock, the entry's values and the rows.
+/// dialect appends its clock, the entry's values and the rows
+/// (`history_insert!(now_ms!(), ", 'kind', … FROM {table} WHERE …")`).
+/// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
+/// row's id, so an event's history outlives archiving. Every write runs in
+/// the transaction of the state change it records.
 #[macro_export]
 macro_rules! history_insert {
     () => {
         "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
      SELECT app_code, event_id, "
+    };
+    ($now:expr, $rest:literal) => {
+        concat!($crate::history_insert!(), $now, $rest)
+    };
+}
+
+/// Oldest pending row, due retries and the clock, for one tenant (`$p`,
+/// read twice), as `oldest_pending_ms, retryable_due, now_ms`; `$now` is
+/// the dialect's clock expression. Index: `{table}_claim_retry_idx`.
+#[macro_export]
+macro_rules! backlog {
+    ($p:literal, $now:expr) => {
+        concat!(
+            "SELECT \
+               (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ",
+            $p,
+            " AND status = 'pending') \
+                 AS oldest_pending_ms, \
+               (SELECT COUNT(*) FROM {table} WHERE app_code = ",
+            $p,
+            " AND status = 'retryable' \
+                  AND next_retry_at_ms <= ",
+            $now,
+            ") AS retryable_due, ",
+            $now,
+            " AS now_ms"
+        )
+    };
+}
+
+/// `list` without its predicates: [`crate::list_query`] appends only the
+/// filters given, then `ORDER BY id DESC LIMIT`. Indexes: the primary key
+/// (no filter), `{table}_status_id_idx (app_code, status, id)` (tenant and
+/// status, e.g. the dashboard's failed list).
+#[macro_export]
+macro_rules! list_select {
+    () => {
+        concat!("SELECT ", $crate::columns!(), " FROM {table}")
     };
 }
