@@ -105,6 +105,35 @@ fn render<'q>(sql: &str, values: &[Value<'q>], chunk: &[Value<'q>]) -> (String, 
     (out, binds)
 }
 
+/// Takes the named lock `sql` (`GET_LOCK`) of `table` on the session of
+/// `conn`; true when granted.
+async fn get_lock(
+    conn: &mut MySqlConnection,
+    sql: &str,
+    table: &TableName,
+    op: &'static str,
+) -> Result<bool> {
+    let locked: Option<i64> = sqlx::query_scalar(sql)
+        .bind(table.as_str())
+        .fetch_one(conn)
+        .await
+        .map_err(|e| db_error(op, e))?;
+    Ok(locked == Some(1))
+}
+
+/// Releases the named lock `sql` (`RELEASE_LOCK`) of `table`.
+async fn release_lock(
+    conn: &mut MySqlConnection,
+    sql: &str,
+    table: &TableName,
+) -> std::result::Result<(), sqlx::Error> {
+    sqlx::query(sql)
+        .bind(table.as_str())
+        .execute(conn)
+        .await
+        .map(|_| ())
+}
+
 /// Deletes history beyond [`HISTORY_LIMIT`] entries for the events of rows
 /// `ids`, in two steps: MySQL cannot read the table it deletes from.
 async fn prune_history(
@@ -361,23 +390,14 @@ impl Dialect for MySqlDialect {
     /// One archiver per table: a named lock on the archiver's own
     /// connection, not waited for.
     async fn archive_lock(conn: &mut PoolConnection<MySql>, table: &TableName) -> Result<bool> {
-        let locked: Option<i64> = sqlx::query_scalar(sql::ARCHIVE_LOCK)
-            .bind(table.as_str())
-            .fetch_one(&mut **conn)
-            .await
-            .map_err(|e| db_error("archive", e))?;
-        Ok(locked == Some(1))
+        get_lock(conn, sql::ARCHIVE_LOCK, table, "archive").await
     }
 
     async fn archive_unlock(
         conn: &mut PoolConnection<MySql>,
         table: &TableName,
     ) -> std::result::Result<(), sqlx::Error> {
-        sqlx::query(sql::ARCHIVE_UNLOCK)
-            .bind(table.as_str())
-            .execute(&mut **conn)
-            .await
-            .map(|_| ())
+        release_lock(conn, sql::ARCHIVE_UNLOCK, table).await
     }
 
     /// Locks one batch's rows, copies them into the archive and deletes
@@ -433,12 +453,7 @@ impl Dialect for MySqlDialect {
         conn: &mut PoolConnection<MySql>,
         table: &TableName,
     ) -> Result<()> {
-        let locked: Option<i64> = sqlx::query_scalar(sql::MIGRATION_LOCK)
-            .bind(table.as_str())
-            .fetch_one(&mut **conn)
-            .await
-            .map_err(|e| db_error("migrate", e))?;
-        if locked != Some(1) {
+        if !get_lock(conn, sql::MIGRATION_LOCK, table, "migrate").await? {
             return Err(Error::Schema(format!(
                 "another `postbox migrate` on table `{table}` held the migration lock for 60s; try again"
             )));
@@ -450,11 +465,7 @@ impl Dialect for MySqlDialect {
         conn: &mut PoolConnection<MySql>,
         table: &TableName,
     ) -> std::result::Result<(), sqlx::Error> {
-        sqlx::query(sql::MIGRATION_UNLOCK)
-            .bind(table.as_str())
-            .execute(&mut **conn)
-            .await
-            .map(|_| ())
+        release_lock(conn, sql::MIGRATION_UNLOCK, table).await
     }
 
     /// A (re)created outbox table continues after the highest id a kept

@@ -12,7 +12,7 @@
 //! second value) and `MySqlDialect::expand` sends plain `?` in that order.
 
 use postbox_sqlx::dialect::Migration;
-use postbox_sqlx::{backlog, columns, head_of_aggregate, history_insert, list_select, Statements};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert, Statements};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -210,10 +210,10 @@ pub(crate) const COUNT_BY_STATUS: &str =
     "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ? GROUP BY status";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = backlog!("?1", now_ms!());
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
-pub(crate) const LIST_SELECT: &str = list_select!();
+pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
 
 /// Every app_code with rows, sorted: MySQL and MariaDB read a `DISTINCT`
 /// on the leading column of `{table}_event_uq (app_code, event_id)` as a
@@ -269,12 +269,7 @@ pub(crate) const REPLAY_IDS_LOCK: &str = "SELECT id FROM {table} \
 /// filter (`postbox_sqlx::filter_query`), so the plan uses the index those
 /// lead, e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant
 /// and status.
-pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} \
-     WHERE status <> 'delivering'{filters} ORDER BY id"
-);
+pub(crate) const REPLAY_FILTER_DRY: &str = postbox_sqlx::replay_filter_dry!();
 
 /// Replay by filter, step 1: lock the rows.
 pub(crate) const REPLAY_FILTER_LOCK: &str = "SELECT id FROM {table} \
@@ -320,11 +315,8 @@ pub(crate) const UNARCHIVE_FILTER_LOCK: &str = "SELECT id FROM {archive} a \
 /// Archive step 2: copy them into the live table as pending (keeping id and
 /// event_id).
 pub(crate) const UNARCHIVE_IDS: &str = concat!(
-    "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
-       headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
-     SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-       'pending', 0, 0, 0, replay_count + 1, created_at_ms, ", now_ms!(), " \
-     FROM {archive} WHERE id IN ({ids})"
+    postbox_sqlx::unarchive_insert!(now_ms!()),
+    " FROM {archive} WHERE id IN ({ids})"
 );
 
 /// Archive step 3: remove from the archive the rows a replay brought back.
@@ -337,19 +329,13 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({
 pub(crate) const HISTORY_FAILED: &str =
     history_insert!(now_ms!(), ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1");
 
-/// Rows `{ids}` were just taken over after their lease expired; the claim
-/// already counted the attempt and wrote `last_error`.
-pub(crate) const HISTORY_LEASE_EXPIRED: &str = history_insert!(
-    now_ms!(),
-    ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id IN ({ids})"
-);
+/// The rows `{ids}` a claim took over after their lease expired.
+pub(crate) const HISTORY_LEASE_EXPIRED: &str =
+    postbox_sqlx::history_lease_expired!(now_ms!(), "id IN ({ids})");
 
-/// Rows `{ids}` were just replayed: the ids, the origin (`detail`), the
-/// targets (`publisher`).
-pub(crate) const HISTORY_REPLAYED: &str = history_insert!(
-    now_ms!(),
-    ", 'replayed', 0, ?3, ?2 FROM {table} WHERE id IN ({ids})"
-);
+/// The rows `{ids}` a replay put back; targets `?3`, origin `?2`.
+pub(crate) const HISTORY_REPLAYED: &str =
+    postbox_sqlx::history_replayed!(now_ms!(), "?3", "?2", "id IN ({ids})");
 
 /// Events of rows `{ids}` holding more than `?` entries. Index:
 /// `{table}_history_event_idx (event_id, app_code, id)`.
@@ -495,11 +481,7 @@ pub(crate) const RECORD_VERSION: &str = concat!(
 /// does not make a run atomic: the named lock
 /// ([`MIGRATION_LOCK`]) is held by one connection for the whole run, and
 /// every statement is idempotent, so a run cut short is simply re-run.
-pub(crate) const MIGRATIONS: &[Migration] = &[
-    (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
-    (2, "attempt history", V2_HISTORY),
-    (3, "list index (app_code, status, id)", V3_LIST_INDEX),
-];
+pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!();
 
 /// The shared statements. MySQL has no `UPDATE … RETURNING`: its replay
 /// statements lock the rows' ids (`…_LOCK`), and `MySqlDialect::replay_rows`

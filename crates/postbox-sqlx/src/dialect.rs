@@ -573,3 +573,99 @@ macro_rules! list_select {
         concat!("SELECT ", $crate::columns!(), " FROM {table}")
     };
 }
+
+/// History of rows just taken over after their lease expired (the claim
+/// already counted the attempt and wrote `last_error`); `$rows`: the
+/// dialect's predicate on the ids it binds first.
+#[macro_export]
+macro_rules! history_lease_expired {
+    ($now:expr, $rows:literal) => {
+        concat!(
+            $crate::history_insert!(),
+            $now,
+            ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE ",
+            $rows
+        )
+    };
+}
+
+/// History of rows just replayed: binds the ids (`$rows`, the dialect's
+/// predicate on them), the origin (`$origin`, written as `detail`) and
+/// the targets (`$to`, written as `publisher`).
+#[macro_export]
+macro_rules! history_replayed {
+    ($now:expr, $to:literal, $origin:literal, $rows:literal) => {
+        concat!(
+            $crate::history_insert!(),
+            $now,
+            ", 'replayed', 0, ",
+            $to,
+            ", ",
+            $origin,
+            " FROM {table} WHERE ",
+            $rows
+        )
+    };
+}
+
+/// A replay update up to its `WHERE`: back to pending with retry_count 0,
+/// keeping event_id ([`replay_set!`] first); `$now` is the dialect's clock.
+#[macro_export]
+macro_rules! replay_pending {
+    ($now:expr) => {
+        concat!(
+            $crate::replay_set!(),
+            "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+               worker_id = NULL, replay_count = replay_count + 1, \
+               updated_at_ms = ",
+            $now,
+            " "
+        )
+    };
+}
+
+/// Rows a replay by filter would touch. `{filters}`: a predicate per
+/// given filter ([`crate::filter_query`]), so the plan uses the index
+/// those lead, e.g. `{table}_status_id_idx (app_code, status, id)` for a
+/// tenant and status.
+#[macro_export]
+macro_rules! replay_filter_dry {
+    () => {
+        concat!(
+            "SELECT ",
+            $crate::columns!(),
+            " FROM {table} \
+             WHERE status <> 'delivering'{filters} ORDER BY id"
+        )
+    };
+}
+
+/// Archived rows brought back into the live table as pending (keeping id
+/// and event_id), up to the clock `$now`; the dialect appends
+/// ` FROM {archive} …`.
+#[macro_export]
+macro_rules! unarchive_insert {
+    ($now:expr) => {
+        concat!(
+            "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
+               headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
+             SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+               'pending', 0, 0, 0, replay_count + 1, created_at_ms, ",
+            $now
+        )
+    };
+}
+
+/// A dialect's [`Migration`]s from the constants `V1_SCHEMA`, `V2_HISTORY`
+/// and `V3_LIST_INDEX` of the module it is invoked in: every database has
+/// the same versions, each with its own DDL.
+#[macro_export]
+macro_rules! migrations {
+    () => {
+        &[
+            (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
+            (2, "attempt history", V2_HISTORY),
+            (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+        ]
+    };
+}
