@@ -5,60 +5,34 @@
 use serde_json::Value;
 use sqlx::Row;
 
-use postbox_core::store::{QueryPlan, SchemaReport, ARCHIVE_QUERIES, CLAIM_QUERIES};
+use postbox_core::store::{QueryPlan, ARCHIVE_QUERIES, CLAIM_QUERIES};
 use postbox_core::Result;
 
-use crate::{sql, MySqlOutbox};
+use crate::MySqlOutbox;
 
-impl MySqlOutbox {
-    pub(crate) async fn schema_report(&self) -> Result<SchemaReport> {
-        let db = |e| crate::db_error("inspect schema", e);
-        let t = self.table.as_str();
-        let rows = sqlx::query(sql::DOCTOR_OBJECTS)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db)?;
-        let mut names = Vec::with_capacity(rows.len());
-        for r in rows {
-            names.push(r.try_get::<String, _>(0).map_err(db)?);
-        }
-        // Without the ledger the schema is at version 0; with it, a failed
-        // read is an error, never "version 0".
-        let version: Option<i32> = if names.iter().any(|n| n == postbox_sqlx::MIGRATIONS_LEDGER) {
-            sqlx::query_scalar(sql::DOCTOR_VERSION)
-                .bind(t)
-                .fetch_one(&self.pool)
-                .await
-                .map_err(db)?
-        } else {
-            None
-        };
-        Ok(SchemaReport::from_catalog(
-            t,
-            version.unwrap_or(0) as u32,
-            crate::migrate::MIGRATIONS.last().map_or(0, |m| m.0),
-            &names,
-            &[],
-        ))
-    }
+use postbox_sqlx::db_error;
 
-    pub(crate) async fn index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
-        let db = |e| crate::db_error("explain", e);
-        let t = self.table.as_str();
-        let mut conn = self.pool.acquire().await.map_err(db)?;
+/// Whether the claim and archive queries can use their indexes (see
+/// `OutboxStore::explain_index_use`).
+pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Vec<QueryPlan>> {
+    {
+        let db = |e| db_error("explain", e);
+        let t = outbox.table().as_str();
+        let mut conn = outbox.pool().acquire().await.map_err(db)?;
         let app = crate::explain::literal(app_code);
         let mut statements = Vec::new();
         for (query, source, suffix) in CLAIM_QUERIES {
-            let sql = self
-                .sql
-                .claim_select(source, false)
+            let sql = outbox
+                .own()
+                .claims
+                .of(source, false)
                 .replacen('?', &app, 1)
                 .replacen('?', "100", 1);
             statements.push((query, suffix, sql));
         }
         for (query, status, suffix) in ARCHIVE_QUERIES {
-            let sql = self
-                .sql
+            let sql = outbox
+                .own()
                 .archive_pick
                 .replacen('?', &app, 1)
                 .replacen('?', &crate::explain::literal(status), 1)

@@ -9,25 +9,28 @@ use postbox_core::Result;
 
 use crate::MySqlOutbox;
 
+use postbox_sqlx::db_error;
+
 /// A string literal for the two values an explained claim needs. `ANALYZE`
 /// cannot be prepared, so they are inlined; quotes and backslashes escaped.
 pub(crate) fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
 }
 
-impl MySqlOutbox {
-    pub(crate) async fn explain_claim_queries(
-        &self,
-        app_code: &str,
-        limit: u32,
-    ) -> Result<Vec<QueryPlan>> {
-        let db = |e| crate::db_error("explain claims", e);
-        let t = self.table.as_str();
-        let mut conn = self.pool.acquire().await.map_err(db)?;
+/// Plans of the three claim queries (see `OutboxStore::explain_claims`).
+pub(crate) async fn explain_claims(
+    outbox: &MySqlOutbox,
+    app_code: &str,
+    limit: u32,
+) -> Result<Vec<QueryPlan>> {
+    {
+        let db = |e| db_error("explain claims", e);
+        let t = outbox.table().as_str();
+        let mut conn = outbox.pool().acquire().await.map_err(db)?;
         let mut tx = conn.begin().await.map_err(db)?;
         let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
         for (query, source, index_suffix) in CLAIM_QUERIES {
-            let sql = self.sql.claim_select(source, false);
+            let sql = outbox.own().claims.of(source, false);
             let expected_index = format!("{t}{index_suffix}");
             let inlined =
                 sql.replacen('?', &literal(app_code), 1)

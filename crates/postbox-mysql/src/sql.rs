@@ -4,8 +4,15 @@
 //! `?` placeholders rendered by [`in_list`] (MySQL has no array parameter),
 //! and `{filters}`, the predicates of a replay's given filters
 //! (`postbox_sqlx::filter_query`). Each claim names the index it relies on.
+//!
+//! The engine binds each shared statement's values in one order (see
+//! `postbox_sqlx::Statements`); a plain `?` takes the next value that is
+//! not the list, `{ids}` the list. Where MySQL's text reads them in
+//! another order or twice, the placeholder is numbered (`?2`: the engine's
+//! second value) and `MySqlDialect::expand` sends plain `?` in that order.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert};
+use postbox_sqlx::dialect::Migration;
+use postbox_sqlx::{columns, head_of_aggregate, history_insert, Statements};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -200,25 +207,13 @@ pub(crate) const RELEASE: &str =
 
 /// Counts by status for one tenant.
 pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) FROM {table} WHERE app_code = ? GROUP BY status";
+    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ? GROUP BY status";
 
-/// Oldest pending row and due retries (app_code bound twice). Index:
-/// `{table}_claim_retry_idx`.
-pub(crate) const BACKLOG: &str = concat!(
-    "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ? AND status = 'pending'), \
-       (SELECT COUNT(*) FROM {table} WHERE app_code = ? AND status = 'retryable' \
-          AND next_retry_at_ms <= ",
-    now_ms!(),
-    "), ",
-    now_ms!()
-);
+/// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
 
-/// `list` without its predicates: `postbox_sqlx::list_query` appends only
-/// the filters given, then `ORDER BY id DESC LIMIT`. Indexes: the primary key
-/// (no filter), `{table}_status_id_idx (app_code, status, id)` (tenant and
-/// status, e.g. the dashboard's failed list).
-pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
+/// `list` without its predicates (`postbox_sqlx::list_select!`).
+pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
 
 /// Every app_code with rows, sorted: MySQL and MariaDB read a `DISTINCT`
 /// on the leading column of `{table}_event_uq (app_code, event_id)` as a
@@ -259,27 +254,22 @@ pub(crate) const SELECT_IDS: &str = concat!(
     " FROM {table} WHERE id IN ({ids}) ORDER BY id"
 );
 
-/// Rows a replay by event ids would touch (app_code bound twice after the ids).
+/// Rows a replay by event ids would touch (the ids, then app_code, read twice).
 pub(crate) const REPLAY_IDS_DRY: &str = concat!(
     "SELECT ", columns!(), " FROM {table} \
-     WHERE event_id IN ({ids}) AND (? IS NULL OR app_code = ?) AND status <> 'delivering' ORDER BY id"
+     WHERE event_id IN ({ids}) AND (?2 IS NULL OR app_code = ?2) AND status <> 'delivering' ORDER BY id"
 );
 
 /// Replay by event ids, step 1: lock the rows.
 pub(crate) const REPLAY_IDS_LOCK: &str = "SELECT id FROM {table} \
-     WHERE event_id IN ({ids}) AND (? IS NULL OR app_code = ?) AND status <> 'delivering' \
+     WHERE event_id IN ({ids}) AND (?2 IS NULL OR app_code = ?2) AND status <> 'delivering' \
      ORDER BY id FOR UPDATE";
 
 /// Rows a replay by filter would touch. `{filters}`: a predicate per given
 /// filter (`postbox_sqlx::filter_query`), so the plan uses the index those
 /// lead, e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant
 /// and status.
-pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} \
-     WHERE status <> 'delivering'{filters} ORDER BY id"
-);
+pub(crate) const REPLAY_FILTER_DRY: &str = postbox_sqlx::replay_filter_dry!();
 
 /// Replay by filter, step 1: lock the rows.
 pub(crate) const REPLAY_FILTER_LOCK: &str = "SELECT id FROM {table} \
@@ -302,10 +292,10 @@ pub(crate) const REPLAY_IDS: &str = concat!(
      WHERE id IN ({ids})"
 );
 
-/// A replay that picked its targets: `delivered_to` (the publishers *not*
-/// targeted), then the replayed rows' ids.
+/// A replay that picked its targets: the replayed rows' ids, then
+/// `delivered_to` (the publishers *not* targeted).
 pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
-    "UPDATE {table} SET delivered_to = ? WHERE id IN ({ids})";
+    "UPDATE {table} SET delivered_to = ?2 WHERE id IN ({ids})";
 
 /// Archived rows a time-range replay would bring back: those not already in
 /// the live table (archived rows are all `delivered`).
@@ -325,43 +315,27 @@ pub(crate) const UNARCHIVE_FILTER_LOCK: &str = "SELECT id FROM {archive} a \
 /// Archive step 2: copy them into the live table as pending (keeping id and
 /// event_id).
 pub(crate) const UNARCHIVE_IDS: &str = concat!(
-    "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
-       headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
-     SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-       'pending', 0, 0, 0, replay_count + 1, created_at_ms, ", now_ms!(), " \
-     FROM {archive} WHERE id IN ({ids})"
+    postbox_sqlx::unarchive_insert!(now_ms!()),
+    " FROM {archive} WHERE id IN ({ids})"
 );
 
 /// Archive step 3: remove from the archive the rows a replay brought back.
 pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({ids})";
 
-// ---- attempt history ----
-// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
-// row's id, so an event's history outlives archiving. Every write runs in
-// the transaction of the state change it records.
+// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
 
-/// One failed attempt: kind (`failed` or `dead_lettered`), attempt,
-/// publisher, error, then the row id.
-pub(crate) const HISTORY_FAILED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", ?, ?, ?, ? FROM {table} WHERE id = ?"
-);
+/// One failed attempt: the row id, then kind (`failed` or
+/// `dead_lettered`), attempt, publisher, error.
+pub(crate) const HISTORY_FAILED: &str =
+    history_insert!(now_ms!(), ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1");
 
-/// Rows `{ids}` were just taken over after their lease expired; the claim
-/// already counted the attempt and wrote `last_error`.
-pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id IN ({ids})"
-);
+/// The rows `{ids}` a claim took over after their lease expired.
+pub(crate) const HISTORY_LEASE_EXPIRED: &str =
+    postbox_sqlx::history_lease_expired!(now_ms!(), "id IN ({ids})");
 
-/// Rows `{ids}` were just replayed; the origin is bound first.
-pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", 'replayed', 0, ?, ? FROM {table} WHERE id IN ({ids})"
-);
+/// The rows `{ids}` a replay put back; targets `?3`, origin `?2`.
+pub(crate) const HISTORY_REPLAYED: &str =
+    postbox_sqlx::history_replayed!(now_ms!(), "?3", "?2", "id IN ({ids})");
 
 /// Events of rows `{ids}` holding more than `?` entries. Index:
 /// `{table}_history_event_idx (event_id, app_code, id)`.
@@ -479,10 +453,11 @@ pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
        applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version) \
      ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4";
 
-/// Which of the three given tables exist in the current database.
+/// Which of the given tables (`{ids}`: the engine passes a list) exist in
+/// the current database.
 pub(crate) const EXISTING_TABLES: &str =
     "SELECT CAST(table_name AS CHAR) FROM information_schema.tables \
-     WHERE table_schema = DATABASE() AND table_name IN (?, ?, ?)";
+     WHERE table_schema = DATABASE() AND table_name IN ({ids})";
 
 pub(crate) const FORGET_VERSIONS: &str =
     "DELETE FROM postbox_schema_migrations WHERE table_name = ?";
@@ -500,6 +475,32 @@ pub(crate) const RECORD_VERSION: &str = concat!(
     now_ms!(),
     ")"
 );
+
+/// `(version, description, statements)`, applied in order. MySQL commits
+/// implicitly around every DDL statement, so the migration's transaction
+/// does not make a run atomic: the named lock
+/// ([`MIGRATION_LOCK`]) is held by one connection for the whole run, and
+/// every statement is idempotent, so a run cut short is simply re-run.
+pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!();
+
+/// The shared statements. MySQL has no `UPDATE … RETURNING`: its replay
+/// statements lock the rows' ids (`…_LOCK`), and `MySqlDialect::replay_rows`
+/// updates them by primary key ([`REPLAY_IDS`], [`UNARCHIVE_IDS`]) and
+/// reads them back ([`SELECT_IDS`]). [`HISTORY_PRUNE`] prunes one event
+/// (after [`HISTORY_OVER_LIMIT`], see `MySqlDialect::prune_history`).
+pub(crate) const STATEMENTS: Statements = shared::STATEMENTS;
+
+/// The engine's names for the statements whose MySQL form differs: the
+/// replays lock (see [`STATEMENTS`]).
+mod shared {
+    use super::*;
+
+    const REPLAY_IDS: &str = REPLAY_IDS_LOCK;
+    const REPLAY_FILTER: &str = REPLAY_FILTER_LOCK;
+    const UNARCHIVE_FILTER: &str = UNARCHIVE_FILTER_LOCK;
+
+    pub(super) const STATEMENTS: Statements = postbox_sqlx::statements!();
+}
 
 /// Version 3: the index the admin API's lists read newest first per tenant
 /// and status (keyset pagination by id).

@@ -5,10 +5,9 @@
 
 use async_trait::async_trait;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgQueryResult};
+use sqlx::postgres::PgQueryResult;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
-use postbox_core::redact::redact_url;
 use postbox_core::store::{ClaimRequest, QueryPlan};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{insert_values, ClaimStatements, Migration, Q};
@@ -61,15 +60,7 @@ impl Dialect for PgDialect {
     }
 
     async fn connect_pool(url: &str, max_connections: u32, _create: bool) -> Result<PgPool> {
-        let opts: PgConnectOptions = url
-            .parse()
-            .map_err(|e| Error::config("database.url", format!("{}: {e}", redact_url(url))))?;
-        PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(std::time::Duration::from_secs(10))
-            .connect_with(opts)
-            .await
-            .map_err(|e| db_error("connecting to PostgreSQL", e))
+        postbox_sqlx::connect_server(url, url, max_connections, "connecting to PostgreSQL").await
     }
 
     fn rows_affected(done: &PgQueryResult) -> u64 {

@@ -5,7 +5,7 @@
 //! as parameters, id lists as one array (`= ANY($n)`). Each statement names
 //! the index it relies on.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert, replay_set};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert};
 
 /// The database clock in epoch milliseconds, fixed for one statement.
 macro_rules! now_ms {
@@ -153,24 +153,11 @@ pub(crate) const RELEASE: &str =
 pub(crate) const COUNT_BY_STATUS: &str =
     "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = $1 GROUP BY status";
 
-/// Oldest pending row and due retries. Index: `{table}_claim_retry_idx`.
-pub(crate) const BACKLOG: &str = concat!(
-    "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = $1 AND status = 'pending') \
-         AS oldest_pending_ms, \
-       (SELECT COUNT(*) FROM {table} WHERE app_code = $1 AND status = 'retryable' \
-          AND next_retry_at_ms <= ",
-    now_ms!(),
-    ") AS retryable_due, ",
-    now_ms!(),
-    " AS now_ms"
-);
+/// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("$1", now_ms!());
 
-/// `list` without its predicates: `postbox_sqlx::list_query` appends only
-/// the filters given, then `ORDER BY id DESC LIMIT`. Indexes: the primary key
-/// (no filter), `{table}_status_id_idx (app_code, status, id)` (tenant and
-/// status, e.g. the dashboard's failed list).
-pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
+/// `list` without its predicates (`postbox_sqlx::list_select!`).
+pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
 
 /// Every app_code with rows, sorted: a loose index scan (one `MIN` probe
 /// of `{table}_event_uq (app_code, event_id)` per app_code), never a full
@@ -213,13 +200,8 @@ pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
 
 /// Replay by ids: back to pending with retry_count 0, keeping event_id.
 pub(crate) const REPLAY_IDS: &str = concat!(
-    replay_set!(),
-    "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, replay_count = replay_count + 1, \
-       updated_at_ms = ",
-    now_ms!(),
-    " \
-     WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' \
+    postbox_sqlx::replay_pending!(now_ms!()),
+    "WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' \
      RETURNING ",
     columns!()
 );
@@ -234,35 +216,23 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
 /// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
 /// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
 pub(crate) const REPLAY_FILTER: &str = concat!(
-    replay_set!(),
-    "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, replay_count = replay_count + 1, \
-       updated_at_ms = ",
-    now_ms!(),
-    " \
-     WHERE status <> 'delivering'{filters} \
+    postbox_sqlx::replay_pending!(now_ms!()),
+    "WHERE status <> 'delivering'{filters} \
      RETURNING ",
     columns!()
 );
 
 /// Rows a replay by filter would touch.
-pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} \
-     WHERE status <> 'delivering'{filters} ORDER BY id"
-);
+pub(crate) const REPLAY_FILTER_DRY: &str = postbox_sqlx::replay_filter_dry!();
 
 /// Time-range replay also brings archived rows back: copy them into the
 /// live table as pending (keeping id and event_id) unless already there.
 pub(crate) const UNARCHIVE_FILTER: &str = concat!(
-    "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
-       headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
-     SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-       'pending', 0, 0, 0, replay_count + 1, created_at_ms, ", now_ms!(), " \
-     FROM {archive} a \
+    postbox_sqlx::unarchive_insert!(now_ms!()),
+    " FROM {archive} a \
      WHERE TRUE{filters} \
-     ON CONFLICT DO NOTHING RETURNING ", columns!()
+     ON CONFLICT DO NOTHING RETURNING ",
+    columns!()
 );
 
 /// Archived rows a time-range replay would bring back.
@@ -276,33 +246,20 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
 /// Removes from the archive the rows a replay brought back.
 pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id = ANY($1)";
 
-// ---- attempt history ----
-// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
-// row's id, so an event's history outlives archiving. Every write runs in
-// the transaction of the state change it records.
+// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
 
 /// One failed attempt of row $1: kind $2 (`failed` or `dead_lettered`),
 /// attempt $3, publisher $4, error $5.
-pub(crate) const HISTORY_FAILED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", $2, $3, $4, $5 FROM {table} WHERE id = $1"
-);
+pub(crate) const HISTORY_FAILED: &str =
+    history_insert!(now_ms!(), ", $2, $3, $4, $5 FROM {table} WHERE id = $1");
 
-/// Rows $1 were just taken over after their lease expired; the claim
-/// already counted the attempt and wrote `last_error`.
-pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE id = ANY($1)"
-);
+/// Lease takeovers (`postbox_sqlx::history_lease_expired!`).
+pub(crate) const HISTORY_LEASE_EXPIRED: &str =
+    postbox_sqlx::history_lease_expired!(now_ms!(), "id = ANY($1)");
 
-/// Rows $1 were just replayed from origin $2, to publishers $3.
-pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", 'replayed', 0, $3, $2 FROM {table} WHERE id = ANY($1)"
-);
+/// Replays (`postbox_sqlx::history_replayed!`).
+pub(crate) const HISTORY_REPLAYED: &str =
+    postbox_sqlx::history_replayed!(now_ms!(), "$3", "$2", "id = ANY($1)");
 
 /// Keeps the newest $2 entries of each event of rows $1. Index:
 /// `{table}_history_event_idx (event_id, app_code, id)`, read backwards.
@@ -493,11 +450,7 @@ pub(crate) const V2_HISTORY: &[&str] = &[
 ];
 
 /// `(version, description, statements)`, applied in order.
-pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = &[
-    (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
-    (2, "attempt history", V2_HISTORY),
-    (3, "list index (app_code, status, id)", V3_LIST_INDEX),
-];
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!();
 
 /// The statements the engine runs, by the name it knows them by (each
 /// field of [`postbox_sqlx::Statements`] is the constant of that name here).

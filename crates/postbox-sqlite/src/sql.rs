@@ -6,7 +6,7 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert, replay_set};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert};
 
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
@@ -151,24 +151,11 @@ pub(crate) const RELEASE: &str = concat!(
 pub(crate) const COUNT_BY_STATUS: &str =
     "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ?1 GROUP BY status";
 
-/// Oldest pending row and due retries. Index: `{table}_claim_retry_idx`.
-pub(crate) const BACKLOG: &str = concat!(
-    "SELECT \
-       (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ?1 AND status = 'pending') \
-         AS oldest_pending_ms, \
-       (SELECT COUNT(*) FROM {table} WHERE app_code = ?1 AND status = 'retryable' \
-          AND next_retry_at_ms <= ",
-    now_ms!(),
-    ") AS retryable_due, ",
-    now_ms!(),
-    " AS now_ms"
-);
+/// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
 
-/// `list` without its predicates: `postbox_sqlx::list_query` appends only
-/// the filters given, then `ORDER BY id DESC LIMIT`. Indexes: the primary key
-/// (no filter), `{table}_status_id_idx (app_code, status, id)` (tenant and
-/// status, e.g. the dashboard's failed list).
-pub(crate) const LIST_SELECT: &str = concat!("SELECT ", columns!(), " FROM {table}");
+/// `list` without its predicates (`postbox_sqlx::list_select!`).
+pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
 
 /// Every app_code with rows, sorted: a loose index scan (one `MIN` probe
 /// of `{table}_event_uq (app_code, event_id)` per app_code), never a full
@@ -212,13 +199,8 @@ pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
 /// Replay by ids: back to pending with retry_count 0, keeping event_id.
 /// ?1 is a JSON array of event ids.
 pub(crate) const REPLAY_IDS: &str = concat!(
-    replay_set!(),
-    "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, replay_count = replay_count + 1, \
-       updated_at_ms = ",
-    now_ms!(),
-    " \
-     WHERE event_id IN (SELECT value FROM json_each(?1)) AND (?2 IS NULL OR app_code = ?2) \
+    postbox_sqlx::replay_pending!(now_ms!()),
+    "WHERE event_id IN (SELECT value FROM json_each(?1)) AND (?2 IS NULL OR app_code = ?2) \
        AND status <> 'delivering' \
      RETURNING ",
     columns!()
@@ -237,36 +219,21 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
 /// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
 /// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
 pub(crate) const REPLAY_FILTER: &str = concat!(
-    replay_set!(),
-    "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
-       worker_id = NULL, replay_count = replay_count + 1, \
-       updated_at_ms = ",
-    now_ms!(),
-    " \
-     WHERE status <> 'delivering'{filters} \
+    postbox_sqlx::replay_pending!(now_ms!()),
+    "WHERE status <> 'delivering'{filters} \
      RETURNING ",
     columns!()
 );
 
 /// Rows a replay by filter would touch.
-pub(crate) const REPLAY_FILTER_DRY: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} \
-     WHERE status <> 'delivering'{filters} ORDER BY id"
-);
+pub(crate) const REPLAY_FILTER_DRY: &str = postbox_sqlx::replay_filter_dry!();
 
 /// Time-range replay also brings archived rows back: copy them into the
 /// live table as pending (keeping id and event_id) unless already there.
 /// Archived rows are delivered ones, hence the status filter.
 pub(crate) const UNARCHIVE_FILTER: &str = concat!(
-    "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
-       headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
-     SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
-       'pending', 0, 0, 0, replay_count + 1, created_at_ms, ",
-    now_ms!(),
-    " \
-     FROM {archive} a \
+    postbox_sqlx::unarchive_insert!(now_ms!()),
+    " FROM {archive} a \
      WHERE NOT EXISTS (SELECT 1 FROM {table} t WHERE t.app_code = a.app_code AND t.event_id = a.event_id)\
        {filters} \
      ORDER BY id \
@@ -289,33 +256,23 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
 pub(crate) const DELETE_UNARCHIVED: &str =
     "DELETE FROM {archive} WHERE id IN (SELECT value FROM json_each(?1))";
 
-// ---- attempt history ----
-// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
-// row's id, so an event's history outlives archiving. Every write runs in
-// the transaction of the state change it records.
+// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
 
 /// One failed attempt of row ?1: kind ?2 (`failed` or `dead_lettered`),
 /// attempt ?3, publisher ?4, error ?5.
-pub(crate) const HISTORY_FAILED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
-);
+pub(crate) const HISTORY_FAILED: &str =
+    history_insert!(now_ms!(), ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1");
 
-/// Rows ?1 (JSON array) were just taken over after their lease expired;
-/// the claim already counted the attempt and wrote `last_error`.
-pub(crate) const HISTORY_LEASE_EXPIRED: &str = concat!(
-    history_insert!(),
-    now_ms!(),
-    ", 'lease_expired', retry_count, NULL, last_error FROM {table} \
-     WHERE id IN (SELECT value FROM json_each(?1))"
-);
+/// Lease takeovers (`postbox_sqlx::history_lease_expired!`).
+pub(crate) const HISTORY_LEASE_EXPIRED: &str =
+    postbox_sqlx::history_lease_expired!(now_ms!(), "id IN (SELECT value FROM json_each(?1))");
 
-/// Rows ?1 (JSON array) were just replayed from origin ?2.
-pub(crate) const HISTORY_REPLAYED: &str = concat!(
-    history_insert!(),
+/// Replays (`postbox_sqlx::history_replayed!`).
+pub(crate) const HISTORY_REPLAYED: &str = postbox_sqlx::history_replayed!(
     now_ms!(),
-    ", 'replayed', 0, ?3, ?2 FROM {table} WHERE id IN (SELECT value FROM json_each(?1))"
+    "?3",
+    "?2",
+    "id IN (SELECT value FROM json_each(?1))"
 );
 
 /// Keeps the newest ?2 entries of each event of rows ?1 (JSON array).
@@ -490,11 +447,7 @@ pub(crate) const V2_HISTORY: &[&str] = &[
 ];
 
 /// `(version, description, statements)`, applied in order.
-pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = &[
-    (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
-    (2, "attempt history", V2_HISTORY),
-    (3, "list index (app_code, status, id)", V3_LIST_INDEX),
-];
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!();
 
 /// The statements the engine runs, by the name it knows them by (each
 /// field of [`postbox_sqlx::Statements`] is the constant of that name here).

@@ -5,13 +5,15 @@
 //! constant each, with the index it relies on), its claim, its enqueue
 //! insert, its archive lock and batch, and its plan reader.
 
+use std::borrow::Cow;
+
 use async_trait::async_trait;
 use sqlx::pool::PoolConnection;
 use sqlx::query::Query;
 use sqlx::Database;
 
 use postbox_core::store::{ClaimRequest, QueryPlan};
-use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
+use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, TableName};
 
 use crate::{Placeholders, SqlOutbox};
 
@@ -250,6 +252,15 @@ impl ClaimStatements {
 /// `{archive}` rendered when applied; every statement `IF NOT EXISTS`).
 pub type Migration = (u32, &'static str, &'static [&'static str]);
 
+/// The replay statement a [`Dialect::replay_rows`] hook is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayStep {
+    /// [`Statements::replay_ids`] or [`Statements::replay_filter`]: live rows.
+    Replay,
+    /// [`Statements::unarchive_filter`]: archived rows brought back.
+    Unarchive,
+}
+
 /// A database: its statement set and the hooks for what differs.
 #[async_trait]
 pub trait Dialect: Sized + Send + Sync + 'static {
@@ -276,6 +287,79 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str];
     /// Indexes beyond [`postbox_core::store::EXPECTED_INDEXES`] (suffixes).
     const EXTRA_INDEXES: &'static [&'static str];
+    /// Run on the connection before every relay transaction (marks,
+    /// releases, failed attempts, replays), when the database's default
+    /// isolation would make them wait for rows they do not name (MySQL:
+    /// `READ COMMITTED`, no gap locks). `None`: the engine's usual `BEGIN`.
+    const RELAY_ISOLATION: Option<&'static str> = None;
+
+    /// The statements one logical statement runs as, each with its binds
+    /// in placeholder order. The default runs it as written (placeholders
+    /// numbered in the engine's bind order, lists bound whole). A database
+    /// without list parameters or numbered placeholders (MySQL) renders
+    /// its `?` in bind order and splits a long list into several
+    /// statements; an empty list then runs nothing.
+    fn expand<'s, 'q>(sql: &'s str, values: Vec<Value<'q>>) -> Vec<(Cow<'s, str>, Vec<Value<'q>>)> {
+        vec![(Cow::Borrowed(sql), values)]
+    }
+
+    /// A replay step that changes rows (`step`'s statement with its
+    /// binds), returning the rows as written. `None`: the statement is an
+    /// `UPDATE … RETURNING` (or `INSERT … RETURNING`) the engine fetches.
+    /// A database without `RETURNING` (MySQL) locks the rows with `sql`,
+    /// updates them by primary key and reads them back.
+    async fn replay_rows(
+        _outbox: &SqlOutbox<Self>,
+        _conn: &mut <Self::DB as Database>::Connection,
+        _step: ReplayStep,
+        _sql: &str,
+        _values: Vec<Value<'_>>,
+    ) -> Option<Result<Vec<EventRecord>>> {
+        None
+    }
+
+    /// Keeps the newest [`postbox_core::store::HISTORY_LIMIT`] entries of
+    /// the events of rows `ids`. `None`: the engine's one statement
+    /// ([`Statements::history_prune`] over the ids). MySQL cannot read the
+    /// table it deletes from in one statement: it finds the events over
+    /// the limit, then prunes each.
+    async fn prune_history(
+        _outbox: &SqlOutbox<Self>,
+        _conn: &mut <Self::DB as Database>::Connection,
+        _ids: &[i64],
+    ) -> Option<std::result::Result<(), sqlx::Error>> {
+        None
+    }
+
+    /// Serialises concurrent `migrate` runs on the migration's connection,
+    /// before its transaction, where the lock is the session's (MySQL's
+    /// `GET_LOCK`: DDL commits implicitly, so no transaction can hold it).
+    /// Nothing by default ([`Dialect::migration_lock`] locks instead).
+    async fn migration_session_lock(
+        _conn: &mut PoolConnection<Self::DB>,
+        _table: &TableName,
+    ) -> Result<()> {
+        Ok(())
+    }
+
+    /// Releases [`Dialect::migration_session_lock`] after the migration.
+    async fn migration_session_unlock(
+        _conn: &mut PoolConnection<Self::DB>,
+        _table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    /// Run after version 1 created a new outbox table, besides
+    /// [`Dialect::CONTINUE_IDS_AFTER_ARCHIVE`], where continuing a kept
+    /// archive's ids needs a value no statement can compute (MySQL's
+    /// `AUTO_INCREMENT = n`).
+    async fn continue_ids(
+        _conn: &mut <Self::DB as Database>::Connection,
+        _table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error> {
+        Ok(())
+    }
 
     /// Renders [`Dialect::Own`] for `table`.
     fn own(table: &TableName) -> Self::Own;
@@ -439,11 +523,149 @@ macro_rules! replay_set {
 
 /// The start of every history write (`INSERT … SELECT` from the outbox
 /// row, so the entry is keyed by the row's `(app_code, event_id)`): the
-/// dialect appends its clock, the entry's values and the rows.
+/// dialect appends its clock, the entry's values and the rows
+/// (`history_insert!(now_ms!(), ", 'kind', … FROM {table} WHERE …")`).
+/// `{table}_history` is keyed by `(app_code, event_id)`, not by the outbox
+/// row's id, so an event's history outlives archiving. Every write runs in
+/// the transaction of the state change it records.
 #[macro_export]
 macro_rules! history_insert {
     () => {
         "INSERT INTO {table}_history (app_code, event_id, at_ms, kind, attempt, publisher, detail) \
      SELECT app_code, event_id, "
+    };
+    ($now:expr, $rest:literal) => {
+        concat!($crate::history_insert!(), $now, $rest)
+    };
+}
+
+/// Oldest pending row, due retries and the clock, for one tenant (`$p`,
+/// read twice), as `oldest_pending_ms, retryable_due, now_ms`; `$now` is
+/// the dialect's clock expression. Index: `{table}_claim_retry_idx`.
+#[macro_export]
+macro_rules! backlog {
+    ($p:literal, $now:expr) => {
+        concat!(
+            "SELECT \
+               (SELECT MIN(created_at_ms) FROM {table} WHERE app_code = ",
+            $p,
+            " AND status = 'pending') \
+                 AS oldest_pending_ms, \
+               (SELECT COUNT(*) FROM {table} WHERE app_code = ",
+            $p,
+            " AND status = 'retryable' \
+                  AND next_retry_at_ms <= ",
+            $now,
+            ") AS retryable_due, ",
+            $now,
+            " AS now_ms"
+        )
+    };
+}
+
+/// `list` without its predicates: [`crate::list_query`] appends only the
+/// filters given, then `ORDER BY id DESC LIMIT`. Indexes: the primary key
+/// (no filter), `{table}_status_id_idx (app_code, status, id)` (tenant and
+/// status, e.g. the dashboard's failed list).
+#[macro_export]
+macro_rules! list_select {
+    () => {
+        concat!("SELECT ", $crate::columns!(), " FROM {table}")
+    };
+}
+
+/// History of rows just taken over after their lease expired (the claim
+/// already counted the attempt and wrote `last_error`); `$rows`: the
+/// dialect's predicate on the ids it binds first.
+#[macro_export]
+macro_rules! history_lease_expired {
+    ($now:expr, $rows:literal) => {
+        concat!(
+            $crate::history_insert!(),
+            $now,
+            ", 'lease_expired', retry_count, NULL, last_error FROM {table} WHERE ",
+            $rows
+        )
+    };
+}
+
+/// History of rows just replayed: binds the ids (`$rows`, the dialect's
+/// predicate on them), the origin (`$origin`, written as `detail`) and
+/// the targets (`$to`, written as `publisher`).
+#[macro_export]
+macro_rules! history_replayed {
+    ($now:expr, $to:literal, $origin:literal, $rows:literal) => {
+        concat!(
+            $crate::history_insert!(),
+            $now,
+            ", 'replayed', 0, ",
+            $to,
+            ", ",
+            $origin,
+            " FROM {table} WHERE ",
+            $rows
+        )
+    };
+}
+
+/// A replay update up to its `WHERE`: back to pending with retry_count 0,
+/// keeping event_id ([`replay_set!`] first); `$now` is the dialect's clock.
+#[macro_export]
+macro_rules! replay_pending {
+    ($now:expr) => {
+        concat!(
+            $crate::replay_set!(),
+            "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
+               worker_id = NULL, replay_count = replay_count + 1, \
+               updated_at_ms = ",
+            $now,
+            " "
+        )
+    };
+}
+
+/// Rows a replay by filter would touch. `{filters}`: a predicate per
+/// given filter ([`crate::filter_query`]), so the plan uses the index
+/// those lead, e.g. `{table}_status_id_idx (app_code, status, id)` for a
+/// tenant and status.
+#[macro_export]
+macro_rules! replay_filter_dry {
+    () => {
+        concat!(
+            "SELECT ",
+            $crate::columns!(),
+            " FROM {table} \
+             WHERE status <> 'delivering'{filters} ORDER BY id"
+        )
+    };
+}
+
+/// Archived rows brought back into the live table as pending (keeping id
+/// and event_id), up to the clock `$now`; the dialect appends
+/// ` FROM {archive} …`.
+#[macro_export]
+macro_rules! unarchive_insert {
+    ($now:expr) => {
+        concat!(
+            "INSERT INTO {table} (id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
+               headers, status, retry_count, next_retry_at_ms, lock_until_ms, replay_count, created_at_ms, updated_at_ms) \
+             SELECT id, app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers, \
+               'pending', 0, 0, 0, replay_count + 1, created_at_ms, ",
+            $now
+        )
+    };
+}
+
+/// A dialect's [`Migration`]s from the constants `V1_SCHEMA`, `V2_HISTORY`
+/// and `V3_LIST_INDEX` of the module it is invoked in: every database has
+/// the same versions, each with its own DDL.
+#[macro_export]
+macro_rules! migrations {
+    () => {
+        &[
+            (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
+            (2, "attempt history", V2_HISTORY),
+            (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+        ]
     };
 }

@@ -7,6 +7,7 @@
 //! and the column types rows are read with, by name). Values are bound only
 //! through [`Dialect::bind`], so no encoding bound appears here.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use sqlx::{Database, Transaction};
@@ -19,7 +20,7 @@ use postbox_core::store::{
 };
 use postbox_core::{EventRecord, NewEvent, Result, TableName};
 
-use crate::dialect::{Dialect, Statements, Value, Q};
+use crate::dialect::{Dialect, ReplayStep, Statements, Value, Q};
 use crate::{db_error, filter_query, history_entries, list_query, minute_counts, records, ListArg};
 
 /// An outbox table in the database of dialect `D`. `PgOutbox`,
@@ -182,7 +183,7 @@ pub const MIGRATIONS_LEDGER: &str = "postbox_schema_migrations";
 /// dropped mid-way, e.g. by a cancelled future, is rolled back by sqlx
 /// before the connection's next use).
 pub async fn finish<DB: Database, T>(
-    tx: Transaction<'static, DB>,
+    tx: Transaction<'_, DB>,
     res: Result<T>,
     operation: &'static str,
 ) -> Result<T> {
@@ -233,10 +234,76 @@ impl SqlOutbox<D> {
         conn: &mut <D::DB as Database>::Connection,
         ids: &[i64],
     ) -> std::result::Result<(), sqlx::Error> {
-        query::<D>(&self.sql.history_prune, [Value::Ids(ids), HISTORY_LIMIT.into()])
-            .execute(conn)
-            .await
-            .map(|_| ())
+        if let Some(done) = D::prune_history(self, &mut *conn, ids).await {
+            return done;
+        }
+        let binds = vec![Value::Ids(ids), HISTORY_LIMIT.into()];
+        self.execute_expanded(conn, &self.sql.history_prune, binds).await.map(|_| ())
+    }
+
+    /// Runs one logical statement (its [`Dialect::expand`]ed statements);
+    /// the rows they changed.
+    pub async fn execute_expanded(
+        &self,
+        conn: &mut <D::DB as Database>::Connection,
+        sql: &str,
+        values: Vec<Value<'_>>,
+    ) -> std::result::Result<u64, sqlx::Error> {
+        let mut changed = 0;
+        for (text, values) in D::expand(sql, values) {
+            let done = query::<D>(&text, values).execute(&mut *conn).await?;
+            changed += D::rows_affected(&done);
+        }
+        Ok(changed)
+    }
+
+    /// The rows of one logical statement (its [`Dialect::expand`]ed statements).
+    pub async fn fetch_expanded(
+        &self,
+        conn: &mut <D::DB as Database>::Connection,
+        sql: &str,
+        values: Vec<Value<'_>>,
+    ) -> std::result::Result<Vec<<D::DB as Database>::Row>, sqlx::Error> {
+        let mut rows = Vec::new();
+        for (text, values) in D::expand(sql, values) {
+            rows.extend(query::<D>(&text, values).fetch_all(&mut *conn).await?);
+        }
+        Ok(rows)
+    }
+
+    /// Starts a relay transaction: at [`Dialect::RELAY_ISOLATION`] when the
+    /// dialect sets one, else a write transaction (`write`) or a plain one.
+    pub async fn begin_relay(
+        &self,
+        write: bool,
+    ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
+        match D::RELAY_ISOLATION {
+            Some(isolation) => {
+                let mut conn = self.pool.acquire().await?;
+                // A `&str` goes over the text protocol: nothing to prepare.
+                sqlx::Executor::execute(&mut *conn, isolation).await?;
+                Transaction::begin(conn, None).await
+            }
+            None if write => self.begin_write().await,
+            None => self.pool.begin().await,
+        }
+    }
+
+    /// One replay step that changes rows ([`Dialect::replay_rows`], or
+    /// `sql` fetched as an `UPDATE … RETURNING`).
+    async fn replay_rows(
+        &self,
+        conn: &mut <D::DB as Database>::Connection,
+        step: ReplayStep,
+        sql: &str,
+        values: Vec<Value<'_>>,
+        op: &'static str,
+    ) -> Result<Vec<EventRecord>> {
+        if let Some(rows) = D::replay_rows(self, &mut *conn, step, sql, values.clone()).await {
+            return rows;
+        }
+        let rows = self.fetch_expanded(conn, sql, values).await.map_err(|e| db_error(op, e))?;
+        records(rows, op)
     }
 
     /// Records that rows `ids` were taken over after their lease expired,
@@ -246,8 +313,7 @@ impl SqlOutbox<D> {
         conn: &mut <D::DB as Database>::Connection,
         ids: &[i64],
     ) -> std::result::Result<(), sqlx::Error> {
-        query::<D>(&self.sql.history_lease_expired, [Value::Ids(ids)])
-            .execute(&mut *conn)
+        self.execute_expanded(&mut *conn, &self.sql.history_lease_expired, vec![Value::Ids(ids)])
             .await?;
         self.prune_history(conn, ids).await
     }
@@ -266,19 +332,18 @@ impl SqlOutbox<D> {
         if ids.is_empty() {
             return Ok(0);
         }
-        let binds = [Value::Ids(ids), fence.worker_id.as_str().into(), fence.lock_until_ms.into()];
-        let done = query::<D>(sql, binds)
-            .execute(&self.pool)
-            .await
-            .map_err(|e| db_error(op, e))?;
-        Ok(D::rows_affected(&done))
+        let db = |e| db_error(op, e);
+        let binds = vec![Value::Ids(ids), fence.worker_id.as_str().into(), fence.lock_until_ms.into()];
+        let mut tx = self.begin_relay(true).await.map_err(db)?;
+        let res = self.execute_expanded(&mut tx, sql, binds).await.map_err(db);
+        finish(tx, res, op).await
     }
 
     /// Records a failed attempt and its history entry; false when the
     /// fence no longer holds.
     pub async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
         let db = |e| db_error("mark failed attempt", e);
-        let mut tx = self.begin_write().await.map_err(db)?;
+        let mut tx = self.begin_relay(true).await.map_err(db)?;
         let res = async {
             let delivered_to = Some(u.delivered_to.join(",")).filter(|s| !s.is_empty());
             let binds = [
@@ -297,15 +362,14 @@ impl SqlOutbox<D> {
                 .map_err(db)?;
             let written = D::rows_affected(&done) == 1;
             if written {
-                let binds = [
+                let binds = vec![
                     id.into(),
                     u.history_kind().as_str().into(),
                     Value::Int32(u.retry_count),
                     u.publisher.as_deref().into(),
                     u.error.as_str().into(),
                 ];
-                query::<D>(&self.sql.history_failed, binds)
-                    .execute(&mut *tx)
+                self.execute_expanded(&mut tx, &self.sql.history_failed, binds)
                     .await
                     .map_err(db)?;
                 self.prune_history(&mut tx, &[id]).await.map_err(db)?;
@@ -358,9 +422,11 @@ impl SqlOutbox<D> {
                 let n: i64 = row.try_get("n").map_err(db)?;
                 s.count(&status, n);
             }
-            let row = query::<D>(&self.sql.backlog, [app_code.into()])
-                .fetch_one(&self.pool)
+            let mut conn = self.pool.acquire().await.map_err(db)?;
+            let row = self
+                .fetch_expanded(&mut conn, &self.sql.backlog, vec![app_code.into()])
                 .await
+                .and_then(|rows| rows.into_iter().next().ok_or(sqlx::Error::RowNotFound))
                 .map_err(db)?;
             let oldest: Option<i64> = row.try_get("oldest_pending_ms").map_err(db)?;
             let due: i64 = row.try_get("retryable_due").map_err(db)?;
@@ -407,10 +473,10 @@ impl SqlOutbox<D> {
         if app_codes.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = query::<D>(&self.sql.find_archived, [Value::Texts(app_codes), event_id.into()])
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| db_error("find archived event", e))?;
+        let db = |e| db_error("find archived event", e);
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        let binds = vec![Value::Texts(app_codes), event_id.into()];
+        let rows = self.fetch_expanded(&mut conn, &self.sql.find_archived, binds).await.map_err(db)?;
         records(rows, "find archived event")
     }
 
@@ -446,10 +512,13 @@ impl SqlOutbox<D> {
         if event_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let mut found: Vec<String> = query::<D>(&self.sql.archived_event_ids, [app_code.into(), Value::Texts(event_ids)])
-            .fetch_all(&self.pool)
+        let db = |e| db_error("look up archived events", e);
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        let binds = vec![app_code.into(), Value::Texts(event_ids)];
+        let mut found: Vec<String> = self
+            .fetch_expanded(&mut conn, &self.sql.archived_event_ids, binds)
             .await
-            .map_err(|e| db_error("look up archived events", e))?
+            .map_err(db)?
             .iter()
             .map(|r| sqlx::Row::try_get(r, "event_id"))
             .collect::<std::result::Result<_, _>>()
@@ -499,17 +568,17 @@ impl SqlOutbox<D> {
     ) -> Result<Vec<EventRecord>> {
         let db = |e| db_error("replay", e);
         // A dry run only reads (one consistent snapshot).
-        let mut tx = if dry_run { self.pool.begin().await } else { self.begin_write().await }
-            .map_err(db)?;
+        let mut tx = self.begin_relay(!dry_run).await.map_err(db)?;
         let res = async {
             let mut out = match selector {
                 ReplaySelector::EventIds { app_code, event_ids } => {
-                    let sql = if dry_run { &self.sql.replay_ids_dry } else { &self.sql.replay_ids };
-                    let rows = query::<D>(sql, [Value::Texts(event_ids), app_code.as_deref().into()])
-                        .fetch_all(&mut *tx)
-                        .await
-                        .map_err(db)?;
-                    let mut out = records(rows, "replay")?;
+                    let binds = vec![Value::Texts(event_ids), app_code.as_deref().into()];
+                    let mut out = if dry_run {
+                        let rows = self.fetch_expanded(&mut tx, &self.sql.replay_ids_dry, binds).await.map_err(db)?;
+                        records(rows, "replay")?
+                    } else {
+                        self.replay_rows(&mut tx, ReplayStep::Replay, &self.sql.replay_ids, binds, "replay").await?
+                    };
                     out.sort_by_key(|r| r.id);
                     out
                 }
@@ -520,26 +589,30 @@ impl SqlOutbox<D> {
                         (&self.sql.replay_filter, &self.sql.unarchive_filter)
                     };
                     let live = filter_query(live, f, "status", D::PLACEHOLDERS);
-                    let rows = query::<D>(&live.sql, list_values(&live.args))
-                        .fetch_all(&mut *tx)
-                        .await
-                        .map_err(db)?;
-                    let mut out = records(rows, "replay")?;
+                    let binds = list_values(&live.args).collect();
+                    let mut out = if dry_run {
+                        let rows = self.fetch_expanded(&mut tx, &live.sql, binds).await.map_err(db)?;
+                        records(rows, "replay")?
+                    } else {
+                        self.replay_rows(&mut tx, ReplayStep::Replay, &live.sql, binds, "replay").await?
+                    };
                     out.sort_by_key(|r| r.id);
                     // A time range also covers rows already archived.
                     if f.since_ms.is_some() || f.until_ms.is_some() {
                         // Archived rows are delivered ones.
                         let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
-                        let rows = query::<D>(&archived.sql, list_values(&archived.args))
-                            .fetch_all(&mut *tx)
-                            .await
-                            .map_err(db)?;
-                        let mut back = records(rows, "replay from archive")?;
+                        let binds = list_values(&archived.args).collect();
+                        let op = "replay from archive";
+                        let mut back = if dry_run {
+                            let rows = self.fetch_expanded(&mut tx, &archived.sql, binds).await.map_err(db)?;
+                            records(rows, op)?
+                        } else {
+                            self.replay_rows(&mut tx, ReplayStep::Unarchive, &archived.sql, binds, op).await?
+                        };
                         back.sort_by_key(|r| r.id);
                         if !dry_run && !back.is_empty() {
                             let ids: Vec<i64> = back.iter().map(|r| r.id).collect();
-                            query::<D>(&self.sql.delete_unarchived, [Value::Ids(&ids)])
-                                .execute(&mut *tx)
+                            self.execute_expanded(&mut tx, &self.sql.delete_unarchived, vec![Value::Ids(&ids)])
                                 .await
                                 .map_err(db)?;
                         }
@@ -551,15 +624,15 @@ impl SqlOutbox<D> {
             if !dry_run && !out.is_empty() {
                 let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
                 if let Some(delivered_to) = targets.delivered_to_override() {
-                    query::<D>(&self.sql.replay_set_delivered_to, [Value::Ids(&ids), delivered_to.as_deref().into()])
-                        .execute(&mut *tx)
+                    let binds = vec![Value::Ids(&ids), delivered_to.as_deref().into()];
+                    self.execute_expanded(&mut tx, &self.sql.replay_set_delivered_to, binds)
                         .await
                         .map_err(db)?;
                     targets.apply(&mut out);
                 }
                 for (to, group) in targets.history_groups(&out) {
-                    query::<D>(&self.sql.history_replayed, [Value::Ids(&group), origin.into(), to.as_deref().into()])
-                        .execute(&mut *tx)
+                    let binds = vec![Value::Ids(&group), origin.into(), to.as_deref().into()];
+                    self.execute_expanded(&mut tx, &self.sql.history_replayed, binds)
                         .await
                         .map_err(db)?;
                 }
@@ -628,7 +701,21 @@ impl SqlOutbox<D> {
     /// gone is created as new, and versions whose tables are gone run again.
     pub async fn migrate(&self) -> Result<MigrateReport> {
         let db = |e| db_error("migrate", e);
-        let mut tx = self.begin_write().await.map_err(db)?;
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        D::migration_session_lock(&mut conn, &self.table).await?;
+        let report = self.migrate_on(&mut conn).await;
+        if let Err(e) = D::migration_session_unlock(&mut conn, &self.table).await {
+            // The lock dies with the session: make sure the session dies.
+            tracing::warn!(error = %e, "could not release the migration lock; closing its connection");
+            conn.close_on_drop();
+        }
+        report
+    }
+
+    /// [`SqlOutbox::migrate`] on `conn`, in one write transaction.
+    async fn migrate_on(&self, conn: &mut <D::DB as Database>::Connection) -> Result<MigrateReport> {
+        let db = |e| db_error("migrate", e);
+        let mut tx = Transaction::<D::DB>::begin(conn, D::BEGIN_WRITE.map(Cow::Borrowed)).await.map_err(db)?;
         let res = async {
             D::migration_lock(&mut tx).await.map_err(db)?;
             sqlx::query(&self.sql.create_migrations_table)
@@ -644,8 +731,8 @@ impl SqlOutbox<D> {
                 .collect::<std::result::Result<_, _>>()
                 .map_err(db)?;
             let names: Vec<String> = EXPECTED_TABLES.iter().map(|s| format!("{}{s}", self.table)).collect();
-            let existing: Vec<String> = query::<D>(&self.sql.existing_tables, [Value::Texts(&names)])
-                .fetch_all(&mut *tx)
+            let existing: Vec<String> = self
+                .fetch_expanded(&mut tx, &self.sql.existing_tables, vec![Value::Texts(&names)])
                 .await
                 .map_err(db)?
                 .iter()
@@ -687,6 +774,7 @@ impl SqlOutbox<D> {
                             .await
                             .map_err(db)?;
                     }
+                    D::continue_ids(&mut tx, &self.table).await.map_err(db)?;
                 }
                 if !pending {
                     continue;

@@ -17,7 +17,7 @@ pub mod __private {
     pub use postbox_core;
 }
 
-pub use dialect::{Dialect, Migration, Statements, Value};
+pub use dialect::{Dialect, Migration, ReplayStep, Statements, Value};
 pub use engine::{finish, query, SqlOutbox, MIGRATIONS_LEDGER};
 pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
 
@@ -33,6 +33,30 @@ pub fn db_error(operation: &'static str, e: sqlx::Error) -> Error {
         .and_then(|d| d.code())
         .map(|c| c.into_owned());
     Error::from_driver(operation, e, code.as_deref())
+}
+
+/// A pool of `max_connections` to a database server (10 s acquire
+/// timeout), with options parsed from `parse_from` (`url`, or the dialect's
+/// normalised form of it); a bad URL is a `database.url` error showing
+/// `url` redacted, a failed connection a database error of `operation`.
+pub async fn connect_server<DB: sqlx::Database>(
+    url: &str,
+    parse_from: &str,
+    max_connections: u32,
+    operation: &'static str,
+) -> Result<sqlx::Pool<DB>> {
+    let opts: <DB::Connection as sqlx::Connection>::Options = parse_from.parse().map_err(|e| {
+        Error::config(
+            "database.url",
+            format!("{}: {e}", postbox_core::redact::redact_url(url)),
+        )
+    })?;
+    sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(max_connections)
+        .acquire_timeout(std::time::Duration::from_secs(10))
+        .connect_with(opts)
+        .await
+        .map_err(|e| db_error(operation, e))
 }
 
 /// Reads one outbox row by column name.

@@ -1,0 +1,546 @@
+//! MySQL 8 / MariaDB 10.6+ as a dialect of the postbox engine.
+//!
+//! MySQL has no `UPDATE … RETURNING`, so every statement that PostgreSQL
+//! runs as one `UPDATE … RETURNING` is a short transaction here: lock the
+//! rows (`SELECT … FOR UPDATE`), update them by primary key, and read them
+//! back. It has no array parameter either: an id list is a padded `IN (?,
+//! …)` list, split into statements of at most [`sql::MAX_IN_LIST`]
+//! ([`MySqlDialect::expand`]).
+
+use std::borrow::Cow;
+
+use async_trait::async_trait;
+use sqlx::error::ErrorKind;
+use sqlx::mysql::{MySqlPool, MySqlQueryResult};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
+
+use postbox_core::store::{ClaimRequest, QueryPlan, HISTORY_LIMIT};
+use postbox_core::{
+    ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
+};
+use postbox_sqlx::dialect::{insert_values, ClaimStatements, Migration, Q};
+use postbox_sqlx::{
+    db_error, query, records, Dialect, Placeholders, ReplayStep, SqlOutbox, Statements, Value,
+};
+
+use crate::sql;
+
+/// The MySQL / MariaDB dialect.
+#[derive(Debug, Clone, Copy)]
+pub struct MySqlDialect;
+
+/// Statements only MySQL's hooks run, rendered once per store.
+#[derive(Debug)]
+pub struct Own {
+    insert_event: String,
+    pub(crate) claims: ClaimStatements,
+    claim_take: String,
+    claim_take_expired: String,
+    select_ids: String,
+    replay_ids: String,
+    unarchive_ids: String,
+    history_over_limit: String,
+    pub(crate) archive_pick: String,
+    archive_pick_lock: String,
+    archive_copy: String,
+    archive_delete: String,
+}
+
+/// `chunk`, padded to [`sql::padded_len`] by repeating its last element.
+fn padded<T>(chunk: &[T]) -> impl Iterator<Item = &T> {
+    let pad = sql::padded_len(chunk.len()) - chunk.len();
+    chunk
+        .iter()
+        .chain(chunk.last().into_iter().cycle().take(pad))
+}
+
+/// The elements of a list value, one scalar each.
+fn elements<'q>(value: &Value<'q>) -> Option<Vec<Value<'q>>> {
+    match *value {
+        Value::Ids(ids) => Some(ids.iter().map(|&id| id.into()).collect()),
+        Value::Texts(texts) => Some(texts.iter().map(Value::from).collect()),
+        _ => None,
+    }
+}
+
+/// `sql` with plain `?` placeholders in the order it reads its values, and
+/// those values: `?N` is the engine's N-th value, a plain `?` the next
+/// value that is not the list, `{ids}` the list's `chunk`, padded. A `?`
+/// inside a string literal is text.
+fn render<'q>(sql: &str, values: &[Value<'q>], chunk: &[Value<'q>]) -> (String, Vec<Value<'q>>) {
+    let mut scalars = values.iter().filter(|v| elements(v).is_none());
+    let mut out = String::with_capacity(sql.len());
+    let mut binds = Vec::with_capacity(values.len() + chunk.len());
+    let mut quoted = false;
+    let mut rest = sql;
+    while let Some(c) = rest.chars().next() {
+        if !quoted && rest.starts_with("{ids}") {
+            let list: Vec<Value<'q>> = padded(chunk).copied().collect();
+            out.push_str(&sql::in_list("{ids}", list.len()));
+            binds.extend(list);
+            rest = &rest["{ids}".len()..];
+            continue;
+        }
+        rest = &rest[c.len_utf8()..];
+        out.push(c);
+        match c {
+            '\'' => quoted = !quoted,
+            '?' if !quoted => {
+                let digits =
+                    rest.len() - rest.trim_start_matches(|d: char| d.is_ascii_digit()).len();
+                let value = if digits == 0 {
+                    scalars.next()
+                } else {
+                    let n: usize = rest[..digits].parse().unwrap_or(0);
+                    rest = &rest[digits..];
+                    n.checked_sub(1).and_then(|i| values.get(i))
+                };
+                // A missing value leaves the count short: the server says so.
+                binds.extend(value.copied());
+            }
+            _ => {}
+        }
+    }
+    (out, binds)
+}
+
+/// Takes the named lock `sql` (`GET_LOCK`) of `table` on the session of
+/// `conn`; true when granted.
+async fn get_lock(
+    conn: &mut MySqlConnection,
+    sql: &str,
+    table: &TableName,
+    op: &'static str,
+) -> Result<bool> {
+    let locked: Option<i64> = sqlx::query_scalar(sql)
+        .bind(table.as_str())
+        .fetch_one(conn)
+        .await
+        .map_err(|e| db_error(op, e))?;
+    Ok(locked == Some(1))
+}
+
+/// Releases the named lock `sql` (`RELEASE_LOCK`) of `table`.
+async fn release_lock(
+    conn: &mut MySqlConnection,
+    sql: &str,
+    table: &TableName,
+) -> std::result::Result<(), sqlx::Error> {
+    sqlx::query(sql)
+        .bind(table.as_str())
+        .execute(conn)
+        .await
+        .map(|_| ())
+}
+
+/// Deletes history beyond [`HISTORY_LIMIT`] entries for the events of rows
+/// `ids`, in two steps: MySQL cannot read the table it deletes from.
+async fn prune_history(
+    outbox: &SqlOutbox<MySqlDialect>,
+    conn: &mut MySqlConnection,
+    ids: &[i64],
+) -> std::result::Result<(), sqlx::Error> {
+    let binds = vec![Value::Ids(ids), HISTORY_LIMIT.into()];
+    let over = outbox
+        .fetch_expanded(&mut *conn, &outbox.own().history_over_limit, binds)
+        .await?;
+    for row in over {
+        let event_id: String = row.try_get(0)?;
+        let app_code: String = row.try_get(1)?;
+        sqlx::query(&outbox.statements().history_prune)
+            .bind(&event_id)
+            .bind(&app_code)
+            .bind(&event_id)
+            .bind(&app_code)
+            .bind(HISTORY_LIMIT - 1)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
+}
+
+/// A replay step: locks the rows' ids with `sql`, updates them by primary
+/// key and reads them back, in id order.
+async fn replay_locked(
+    outbox: &SqlOutbox<MySqlDialect>,
+    conn: &mut MySqlConnection,
+    step: ReplayStep,
+    sql: &str,
+    values: Vec<Value<'_>>,
+) -> Result<Vec<EventRecord>> {
+    let (op, write) = match step {
+        ReplayStep::Replay => ("replay", &outbox.own().replay_ids),
+        ReplayStep::Unarchive => ("replay from archive", &outbox.own().unarchive_ids),
+    };
+    let db = |e| db_error(op, e);
+    let locked = outbox
+        .fetch_expanded(&mut *conn, sql, values)
+        .await
+        .map_err(db)?;
+    let mut ids: Vec<i64> = locked
+        .iter()
+        .map(|r| r.try_get(0))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(db)?;
+    ids.sort_unstable();
+    ids.dedup();
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    outbox
+        .execute_expanded(&mut *conn, write, vec![Value::Ids(&ids)])
+        .await
+        .map_err(db)?;
+    let rows = outbox
+        .fetch_expanded(&mut *conn, &outbox.own().select_ids, vec![Value::Ids(&ids)])
+        .await
+        .map_err(|e| db_error("replay", e))?;
+    let mut out = records(rows, "replay")?;
+    out.sort_by_key(|r| r.id);
+    Ok(out)
+}
+
+#[async_trait]
+impl Dialect for MySqlDialect {
+    type DB = MySql;
+    type Own = Own;
+
+    const BACKEND: &'static str = "mysql";
+    const PLACEHOLDERS: Placeholders = Placeholders::Question;
+    const BEGIN_WRITE: Option<&'static str> = None;
+    const STATEMENTS: Statements = sql::STATEMENTS;
+    const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
+    /// Continued by [`MySqlDialect::continue_ids`] instead.
+    const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[];
+    const EXTRA_INDEXES: &'static [&'static str] = &[];
+    /// A pooled connection whose next transaction runs at READ COMMITTED:
+    /// its locking reads take no gap locks, so claims and replays never
+    /// block producers' inserts, and rows that do not match are unlocked at
+    /// once. Every relay statement (claims, marks, releases, history) runs
+    /// in such a transaction: at REPEATABLE READ an `UPDATE … WHERE id IN
+    /// (…)` that MariaDB plans as a whole-table scan (it does on small
+    /// tables) waits for every row a producer's open transaction holds; at
+    /// READ COMMITTED its semi-consistent read skips rows it does not name.
+    const RELAY_ISOLATION: Option<&'static str> = Some(sql::CLAIM_ISOLATION);
+
+    fn own(t: &TableName) -> Own {
+        Own {
+            insert_event: t.render(sql::INSERT_EVENT),
+            claims: ClaimStatements::render(
+                t,
+                [
+                    sql::CLAIM_PENDING,
+                    sql::CLAIM_DUE_RETRIES,
+                    sql::CLAIM_PENDING_ORDERED,
+                    sql::CLAIM_DUE_RETRIES_ORDERED,
+                    sql::CLAIM_EXPIRED_LEASES,
+                ],
+            ),
+            claim_take: t.render(sql::CLAIM_TAKE),
+            claim_take_expired: t.render(sql::CLAIM_TAKE_EXPIRED),
+            select_ids: t.render(sql::SELECT_IDS),
+            replay_ids: t.render(sql::REPLAY_IDS),
+            unarchive_ids: t.render(sql::UNARCHIVE_IDS),
+            history_over_limit: t.render(sql::HISTORY_OVER_LIMIT),
+            archive_pick: t.render(sql::ARCHIVE_PICK),
+            archive_pick_lock: t.render(sql::ARCHIVE_PICK_LOCK),
+            archive_copy: t.render(sql::ARCHIVE_COPY),
+            archive_delete: t.render(sql::ARCHIVE_DELETE),
+        }
+    }
+
+    /// Connects to `url` (`mysql://…` or `mariadb://…`); a server database
+    /// is never created.
+    async fn connect_pool(url: &str, max_connections: u32, _create: bool) -> Result<MySqlPool> {
+        let normalized = match url.strip_prefix("mariadb://") {
+            Some(rest) => format!("mysql://{rest}"),
+            None => url.to_owned(),
+        };
+        postbox_sqlx::connect_server(url, &normalized, max_connections, "connecting to MySQL").await
+    }
+
+    fn rows_affected(done: &MySqlQueryResult) -> u64 {
+        done.rows_affected()
+    }
+
+    fn bind<'q>(q: Q<'q, MySql>, value: Value<'q>) -> Q<'q, MySql> {
+        match value {
+            Value::Text(v) => q.bind(v),
+            Value::Int(v) => q.bind(v),
+            Value::Int32(v) => q.bind(v),
+            // `expand` binds a list's elements one by one; so does this.
+            Value::Ids(ids) => ids.iter().fold(q, |q, id| q.bind(*id)),
+            Value::Texts(texts) => texts.iter().fold(q, |q, t| q.bind(t.as_str())),
+        }
+    }
+
+    /// Renders `{ids}` and numbered placeholders ([`render`]), one
+    /// statement per [`sql::MAX_IN_LIST`] list elements, padded to
+    /// [`sql::padded_len`] so that few statement texts reach sqlx's
+    /// prepared-statement cache. An empty list runs nothing.
+    fn expand<'s, 'q>(sql: &'s str, values: Vec<Value<'q>>) -> Vec<(Cow<'s, str>, Vec<Value<'q>>)> {
+        let list = values.iter().find_map(elements);
+        let rendered = |chunk: &[Value<'q>]| {
+            let (text, binds) = render(sql, &values, chunk);
+            (Cow::Owned(text), binds)
+        };
+        match &list {
+            None => vec![rendered(&[])],
+            Some(items) => items.chunks(sql::MAX_IN_LIST).map(rendered).collect(),
+        }
+    }
+
+    /// A plain insert; the id is `LAST_INSERT_ID()`, and a duplicate
+    /// `(app_code, event_id)` fails with error 1062, which MySQL undoes
+    /// alone, so the caller's transaction stays usable.
+    async fn insert_event(
+        outbox: &MySqlOutbox,
+        conn: &mut MySqlConnection,
+        event: &NewEvent,
+    ) -> Result<i64> {
+        let headers = event.headers_json();
+        let done =
+            query::<MySqlDialect>(&outbox.own().insert_event, insert_values(event, &headers))
+                .execute(conn)
+                .await;
+        match done {
+            // The column is a signed BIGINT, so the id always fits.
+            Ok(done) => Ok(done.last_insert_id() as i64),
+            Err(sqlx::Error::Database(e)) if e.kind() == ErrorKind::UniqueViolation => {
+                Err(Error::DuplicateEvent {
+                    app_code: event.app_code.clone(),
+                    event_id: event.event_id.clone(),
+                })
+            }
+            Err(e) => Err(db_error("enqueue", e)),
+        }
+    }
+
+    /// Lock up to `limit` rows (`FOR UPDATE SKIP LOCKED`), take the lease
+    /// by primary key, and hand the rows out as the update left them, in
+    /// one READ COMMITTED transaction.
+    async fn claim(
+        outbox: &MySqlOutbox,
+        source: ClaimSource,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Vec<ClaimedEvent>> {
+        let db = |e| db_error("claim", e);
+        let own = outbox.own();
+        let take = match source {
+            ClaimSource::ExpiredLease => &own.claim_take_expired,
+            ClaimSource::Pending | ClaimSource::DueRetry => &own.claim_take,
+        };
+        let mut tx = outbox.begin_relay(true).await.map_err(db)?;
+        // 1. Lock up to `limit` rows, skipping those another relay holds.
+        let rows = sqlx::query(own.claims.of(source, req.ordered))
+            .bind(req.app_code)
+            .bind(i64::from(req.limit))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        let Some(first) = rows.first() else {
+            tx.commit().await.map_err(db)?;
+            return Ok(Vec::new());
+        };
+        // 2. One lease end for the whole batch, on the database clock: the fence.
+        let db_now_ms: i64 = first.try_get("db_now_ms").map_err(db)?;
+        let lock_until_ms = db_now_ms + req.lease_ms;
+        let mut claimed = records(rows, "claim")?;
+        // 3. Take the lease.
+        let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+        let binds = vec![
+            req.worker_id.into(),
+            lock_until_ms.into(),
+            db_now_ms.into(),
+            Value::Ids(&ids),
+        ];
+        outbox
+            .execute_expanded(&mut tx, take, binds)
+            .await
+            .map_err(db)?;
+        // The takeover counted an attempt: record it with the claim.
+        if source == ClaimSource::ExpiredLease {
+            outbox
+                .record_lease_expired(&mut tx, &ids)
+                .await
+                .map_err(db)?;
+        }
+        // 4. Commit, and hand out the rows as the update left them.
+        tx.commit().await.map_err(db)?;
+        for r in &mut claimed {
+            if source == ClaimSource::ExpiredLease {
+                r.retry_count += 1;
+                r.last_error = Some(format!(
+                    "lease expired while held by {}",
+                    r.worker_id.as_deref().unwrap_or("?")
+                ));
+            }
+            r.status = Status::Delivering;
+            r.worker_id = Some(req.worker_id.to_owned());
+            r.lock_until_ms = lock_until_ms;
+            r.updated_at_ms = db_now_ms;
+        }
+        Ok(claimed
+            .into_iter()
+            .map(|record| ClaimedEvent { record, source })
+            .collect())
+    }
+
+    /// One archiver per table: a named lock on the archiver's own
+    /// connection, not waited for.
+    async fn archive_lock(conn: &mut PoolConnection<MySql>, table: &TableName) -> Result<bool> {
+        get_lock(conn, sql::ARCHIVE_LOCK, table, "archive").await
+    }
+
+    async fn archive_unlock(
+        conn: &mut PoolConnection<MySql>,
+        table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error> {
+        release_lock(conn, sql::ARCHIVE_UNLOCK, table).await
+    }
+
+    /// Locks one batch's rows, copies them into the archive and deletes
+    /// them, in one READ COMMITTED transaction.
+    async fn archive_batch(
+        outbox: &MySqlOutbox,
+        conn: &mut PoolConnection<MySql>,
+        app_code: &str,
+        status: &str,
+        before_ms: i64,
+        batch_size: u32,
+    ) -> Result<(u64, u64)> {
+        let db = |e| db_error("archive", e);
+        let own = outbox.own();
+        conn.execute(sql::CLAIM_ISOLATION).await.map_err(db)?;
+        let mut tx = conn.begin().await.map_err(db)?;
+        let rows = sqlx::query(&own.archive_pick_lock)
+            .bind(app_code)
+            .bind(status)
+            .bind(before_ms)
+            .bind(i64::from(batch_size))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        let ids: Vec<i64> = rows
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(db)?;
+        let (mut moved, mut copied) = (0, 0);
+        if !ids.is_empty() {
+            copied = outbox
+                .execute_expanded(&mut tx, &own.archive_copy, vec![Value::Ids(&ids)])
+                .await
+                .map_err(db)?;
+            moved = outbox
+                .execute_expanded(&mut tx, &own.archive_delete, vec![Value::Ids(&ids)])
+                .await
+                .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)?;
+        Ok((moved, copied))
+    }
+
+    /// Nothing: [`MySqlDialect::migration_session_lock`] serialises runs.
+    async fn migration_lock(_: &mut MySqlConnection) -> std::result::Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    /// A server-wide named lock held by the migration's connection for
+    /// the whole run, waited for up to 60 s.
+    async fn migration_session_lock(
+        conn: &mut PoolConnection<MySql>,
+        table: &TableName,
+    ) -> Result<()> {
+        if !get_lock(conn, sql::MIGRATION_LOCK, table, "migrate").await? {
+            return Err(Error::Schema(format!(
+                "another `postbox migrate` on table `{table}` held the migration lock for 60s; try again"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn migration_session_unlock(
+        conn: &mut PoolConnection<MySql>,
+        table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error> {
+        release_lock(conn, sql::MIGRATION_UNLOCK, table).await
+    }
+
+    /// A (re)created outbox table continues after the highest id a kept
+    /// archive holds, so archiving never meets an id already there.
+    /// `AUTO_INCREMENT` takes no parameter or expression: the value is
+    /// read first.
+    async fn continue_ids(
+        conn: &mut MySqlConnection,
+        table: &TableName,
+    ) -> std::result::Result<(), sqlx::Error> {
+        let kept: Option<i64> = sqlx::query_scalar(&table.render(sql::ARCHIVE_MAX_ID))
+            .fetch_one(&mut *conn)
+            .await?;
+        if let Some(max) = kept {
+            let next = max.saturating_add(1);
+            let alter = table.render(&format!("ALTER TABLE {{table}} AUTO_INCREMENT = {next}"));
+            conn.execute(alter.as_str()).await?;
+        }
+        Ok(())
+    }
+
+    async fn replay_rows(
+        outbox: &MySqlOutbox,
+        conn: &mut MySqlConnection,
+        step: ReplayStep,
+        sql: &str,
+        values: Vec<Value<'_>>,
+    ) -> Option<Result<Vec<EventRecord>>> {
+        Some(replay_locked(outbox, conn, step, sql, values).await)
+    }
+
+    async fn prune_history(
+        outbox: &MySqlOutbox,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+    ) -> Option<std::result::Result<(), sqlx::Error>> {
+        Some(prune_history(outbox, conn, ids).await)
+    }
+
+    async fn explain_claims(
+        outbox: &MySqlOutbox,
+        app_code: &str,
+        limit: u32,
+    ) -> Result<Vec<QueryPlan>> {
+        crate::explain::explain_claims(outbox, app_code, limit).await
+    }
+
+    async fn explain_index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Vec<QueryPlan>> {
+        crate::doctor::index_use(outbox, app_code).await
+    }
+}
+
+type MySqlOutbox = SqlOutbox<MySqlDialect>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_binds_in_statement_order() {
+        let ids = [7, 8, 9];
+        let values = vec![Value::Ids(&ids), "origin".into(), "to".into()];
+        let (text, binds) = render(
+            "x ?3, ?2, '?' IN ({ids}) AND y = ?",
+            &values,
+            &[1.into(), 2.into(), 3.into()],
+        );
+        assert_eq!(text, "x ?, ?, '?' IN (?, ?, ?, ?) AND y = ?");
+        assert_eq!(binds.len(), 7);
+        let expanded = MySqlDialect::expand("IN ({ids})", vec![Value::Ids(&[])]);
+        assert!(expanded.is_empty());
+        let many: Vec<i64> = (0..1500).collect();
+        let expanded =
+            MySqlDialect::expand("IN ({ids}) AND w = ?", vec![Value::Ids(&many), "w".into()]);
+        assert_eq!(expanded.len(), 2);
+        assert_eq!(expanded[1].1.len(), 512 + 1);
+    }
+}
