@@ -334,6 +334,12 @@ impl SqlOutbox<D> {
         }
         let db = |e| db_error(op, e);
         let binds = vec![Value::Ids(ids), fence.worker_id.as_str().into(), fence.lock_until_ms.into()];
+        if D::RELAY_ISOLATION.is_none() {
+            // One statement in autocommit: no BEGIN/COMMIT round trips on
+            // the relay's hot path.
+            let mut conn = self.pool.acquire().await.map_err(db)?;
+            return self.execute_expanded(&mut conn, sql, binds).await.map_err(db);
+        }
         let mut tx = self.begin_relay(true).await.map_err(db)?;
         let res = self.execute_expanded(&mut tx, sql, binds).await.map_err(db);
         finish(tx, res, op).await
