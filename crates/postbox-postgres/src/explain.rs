@@ -35,7 +35,7 @@ pub(crate) async fn claim_plans(
             .await
             .map_err(db)?;
         let text: String = row.try_get_unchecked(0).map_err(db)?;
-        let json: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        let json = parse_plan(&text)?;
         let mut plan = QueryPlan {
             query,
             expected_index,

@@ -59,7 +59,7 @@ pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
         // Reached only in a build without some broker feature.
         #[allow(unreachable_patterns)]
         other => Err(postbox_core::Error::config(
-            "publishers.kind",
+            "kind",
             format!(
                 "this build of postbox has no `{kind}` publisher: enable the `{kind}` feature",
                 kind = other.kind()

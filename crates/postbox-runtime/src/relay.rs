@@ -68,8 +68,10 @@ impl RelayService {
 
     /// Runs the relay, and beside it the admin server and the archiver
     /// when configured, until `shutdown` is cancelled or the relay fails;
-    /// the others stop with it.
+    /// the others stop with it. A failed relay stops only what this call
+    /// started, never the caller's `shutdown` (a host service's own token).
     pub async fn run(self, shutdown: CancellationToken) -> Result<RelayReport, Error> {
+        let shutdown = shutdown.child_token();
         let app_codes = self.relay.app_codes().to_vec();
         let admin = crate::admin::spawn_if_configured(
             &self.settings,

@@ -215,6 +215,11 @@ impl Dialect for SqliteDialect {
 
     /// No lock to take: each batch is one `BEGIN IMMEDIATE` transaction,
     /// and SQLite's write lock keeps a second archiver out while it runs.
+    // Each archive batch is one `BEGIN IMMEDIATE` transaction: SQLite's
+    // write lock serialises archivers, and no connection is held between
+    // batches (a small pool is shared with the relay).
+    const ARCHIVE_LOCK_IN_SESSION: bool = false;
+
     async fn archive_lock(_: &mut PoolConnection<Sqlite>, _: &TableName) -> Result<bool> {
         Ok(true)
     }

@@ -394,6 +394,13 @@ pub trait Dialect: Sized + Send + Sync + 'static {
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>>;
 
+    /// Whether the archive lock belongs to a session
+    /// ([`Dialect::archive_lock`] on the connection every batch then runs
+    /// on). `false` (SQLite, whose write lock each batch's `BEGIN
+    /// IMMEDIATE` takes): no lock is taken and each batch takes a pooled
+    /// connection of its own.
+    const ARCHIVE_LOCK_IN_SESSION: bool = true;
+
     /// Takes the per-table archive lock on `conn`; false when another
     /// archiver holds it.
     async fn archive_lock(conn: &mut PoolConnection<Self::DB>, table: &TableName) -> Result<bool>;

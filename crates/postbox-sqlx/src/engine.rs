@@ -282,7 +282,8 @@ impl SqlOutbox<D> {
                 let mut conn = self.pool.acquire().await?;
                 // A `&str` goes over the text protocol: nothing to prepare.
                 sqlx::Executor::execute(&mut *conn, isolation).await?;
-                Transaction::begin(conn, None).await
+                let begin = D::BEGIN_WRITE.filter(|_| write).map(std::borrow::Cow::Borrowed);
+                Transaction::begin(conn, begin).await
             }
             None if write => self.begin_write().await,
             None => self.pool.begin().await,
@@ -334,11 +335,13 @@ impl SqlOutbox<D> {
         }
         let db = |e| db_error(op, e);
         let binds = vec![Value::Ids(ids), fence.worker_id.as_str().into(), fence.lock_until_ms.into()];
-        if D::RELAY_ISOLATION.is_none() {
+        let mut parts = D::expand(sql, binds.clone());
+        if D::RELAY_ISOLATION.is_none() && parts.len() == 1 {
             // One statement in autocommit: no BEGIN/COMMIT round trips on
             // the relay's hot path.
-            let mut conn = self.pool.acquire().await.map_err(db)?;
-            return self.execute_expanded(&mut conn, sql, binds).await.map_err(db);
+            let (text, values) = parts.remove(0);
+            let done = query::<D>(&text, values).execute(&self.pool).await.map_err(db)?;
+            return Ok(D::rows_affected(&done));
         }
         let mut tx = self.begin_relay(true).await.map_err(db)?;
         let res = self.execute_expanded(&mut tx, sql, binds).await.map_err(db);
@@ -483,7 +486,10 @@ impl SqlOutbox<D> {
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let binds = vec![Value::Texts(app_codes), event_id.into()];
         let rows = self.fetch_expanded(&mut conn, &self.sql.find_archived, binds).await.map_err(db)?;
-        records(rows, "find archived event")
+        // A long app_code list may run as several statements (MySQL).
+        let mut found = records(rows, "find archived event")?;
+        found.sort_by_key(|r| r.id);
+        Ok(found)
     }
 
     /// Rows of `app_code` delivered per minute since `since_ms`.
@@ -658,12 +664,19 @@ impl SqlOutbox<D> {
         on_batch: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<ArchiveReport> {
         let db = |e| db_error("archive", e);
-        let mut conn = self.pool.acquire().await.map_err(db)?;
-        if !D::archive_lock(&mut conn, &self.table).await? {
-            return Ok(ArchiveReport {
-                locked_out: true,
-                ..Default::default()
-            });
+        // A session lock (PostgreSQL, MySQL) keeps its connection for the
+        // run; otherwise each batch takes a connection of its own, so the
+        // archiver never holds one of the relay's between batches.
+        let mut session = None;
+        if D::ARCHIVE_LOCK_IN_SESSION {
+            let mut conn = self.pool.acquire().await.map_err(db)?;
+            if !D::archive_lock(&mut conn, &self.table).await? {
+                return Ok(ArchiveReport {
+                    locked_out: true,
+                    ..Default::default()
+                });
+            }
+            session = Some(conn);
         }
         let report = async {
             let mut report = ArchiveReport::default();
@@ -673,8 +686,16 @@ impl SqlOutbox<D> {
                         if req.max_batches.is_some_and(|m| report.batches >= m) {
                             return Ok(report);
                         }
+                        let mut own;
+                        let conn = match session.as_mut() {
+                            Some(conn) => conn,
+                            None => {
+                                own = self.pool.acquire().await.map_err(db)?;
+                                &mut own
+                            }
+                        };
                         let (moved, copied) =
-                            D::archive_batch(self, &mut conn, app_code, status, req.before_ms, req.batch_size).await?;
+                            D::archive_batch(self, conn, app_code, status, req.before_ms, req.batch_size).await?;
                         postbox_core::archive::log_archived_duplicates(
                             self.table.as_str(),
                             moved as i64,
@@ -693,10 +714,12 @@ impl SqlOutbox<D> {
             Ok(report)
         }
         .await;
-        if let Err(e) = D::archive_unlock(&mut conn, &self.table).await {
-            // The lock dies with the session: make sure the session dies.
-            tracing::warn!(error = %e, "could not release the archive lock; closing its connection");
-            conn.close_on_drop();
+        if let Some(mut conn) = session {
+            if let Err(e) = D::archive_unlock(&mut conn, &self.table).await {
+                // The lock dies with the session: make sure the session dies.
+                tracing::warn!(error = %e, "could not release the archive lock; closing its connection");
+                conn.close_on_drop();
+            }
         }
         report
     }

@@ -36,10 +36,11 @@
 //!
 //! # Features
 //!
-//! One feature per database and per broker; a build links only the clients
-//! of what it names. The default is the three databases and no broker: the
-//! relay usually runs as the `postbox` binary, which has them all. A service
-//! that embeds PostgreSQL and NATS writes `postbox = { version = "…",
+//! One feature per database and per broker; a build links only the broker
+//! clients it names (a broker feature brings the consumers and their inbox,
+//! which builds sqlx's three database drivers). The default is every
+//! database and broker (what this crate offered before it had features). A
+//! service that embeds PostgreSQL and NATS writes `postbox = { version = "…",
 //! default-features = false, features = ["postgres", "nats"] }`.
 //!
 //! | feature    | enables                                                                                   | client crate |
@@ -51,6 +52,7 @@
 //! | `nats`     | `publishers::nats`, `consumers::nats` (JetStream)                                         | `async-nats` |
 //! | `redis`    | `publishers::redis`, `consumers::redis` (Streams)                                         | `redis`      |
 //! | `webhook`  | `publishers::webhook`, and `consumers::http` (the HTTP bridge) when a broker is on          | `reqwest`    |
+//! | `runtime`  | [`runtime`]: run the relay (with its admin server and signal handling) or the consumers inside a service, from a config | all of the above |
 //!
 //! The file publisher ([`publishers::file`]) is always there. [`consumers`]
 //! (handlers, retry policy, the inbox) comes with any broker feature.
@@ -78,3 +80,8 @@ pub use postbox_mysql as mysql;
 /// SQLite backend.
 #[cfg(feature = "sqlite")]
 pub use postbox_sqlite as sqlite;
+
+/// The wiring the `postbox` binary runs on, for a service that embeds the
+/// relay or the consumers.
+#[cfg(feature = "runtime")]
+pub use postbox_runtime as runtime;

@@ -133,20 +133,8 @@ impl Relay {
                 "the relay needs at least one publisher",
             ));
         }
-        if self.app_codes.is_empty() {
-            return Err(crate::Error::config(
-                "database.app_codes",
-                "the relay needs at least one app_code",
-            ));
-        }
-        // The rule validation and `doctor` apply, for embedders that built
-        // the config by hand: a pair the relay cannot honour never starts.
-        if let Err(reason) = LeaseBudget::of(&self.config).check() {
-            return Err(crate::Error::config(
-                "outbox_worker.publish_timeout",
-                reason,
-            ));
-        }
+        // The app_codes and the lease budget were checked when the
+        // `RelaySettings` were made; the publishers come separately.
         let (claimed_tx, claimed_rx) = mpsc::channel::<Batch>(1);
         let (results_tx, results_rx) = mpsc::channel(2);
         tracing::info!(
@@ -243,8 +231,9 @@ impl std::fmt::Display for StageFailure {
 }
 
 /// The error `run` returns for `failures` (oldest first, at least one):
-/// the first stage's own error when it is not a bug (it says what failed),
-/// else [`Error::Internal`] naming every failed stage.
+/// the first stage's own error when it is not a bug (it says what failed;
+/// the log line names the stage), else [`Error::Internal`] naming every
+/// failed stage.
 fn stopped_by(mut failures: Vec<StageFailure>) -> Error {
     let one_plain_error = failures.len() == 1
         && matches!(&failures[0].cause, StageCause::Failed(e) if !matches!(e, Error::Internal(_)));

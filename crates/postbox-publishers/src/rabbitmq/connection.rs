@@ -77,7 +77,7 @@ impl Target {
         })?;
         // amq-protocol-uri takes the host from `Url::domain()`, which is
         // empty for IP addresses, and then connects to `localhost` instead.
-        if let Some(host) = reqwest::Url::parse(raw)
+        if let Some(host) = url::Url::parse(raw)
             .ok()
             .and_then(|u| u.host_str().map(str::to_owned))
         {

@@ -832,3 +832,64 @@ async fn migrate_recreates_tables_dropped_by_hand() {
     )
     .await;
 }
+
+/// An archive run holds no pooled connection between its batches: each
+/// batch is one `BEGIN IMMEDIATE` transaction on a connection of its own, so
+/// the relay sharing a small pool (the scheduled archiver runs inside
+/// `postbox relay`) is never starved for the whole run. Regression: the
+/// one-engine archive first held one connection from the first batch to
+/// the last, so here the clock read waited for the whole archive.
+#[tokio::test]
+async fn archive_leaves_the_pool_free_between_batches() {
+    use postbox_core::store::ArchiveRequest;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    let s = scratch("archive-pool").await;
+    let events: Vec<NewEvent> = (0..300).map(|i| ev(&format!("E{i}"))).collect();
+    enqueue_all(&s.outbox, &events).await;
+    sqlx::query("UPDATE room_outbox SET status = 'delivered', updated_at_ms = 0")
+        .execute(s.outbox.pool())
+        .await
+        .unwrap();
+
+    // One connection, shared by the archiver and everything else.
+    let url = format!("sqlite://{}", s.path.display());
+    let one = SqliteOutbox::connect(&url, TABLE, 1)
+        .await
+        .expect("connect");
+    let archiving = Arc::new(AtomicBool::new(true));
+    let first_batch = Arc::new(tokio::sync::Notify::new());
+    let archive = {
+        let one = one.clone();
+        let archiving = archiving.clone();
+        let first_batch = first_batch.clone();
+        async move {
+            let request = ArchiveRequest {
+                app_codes: vec!["room".into()],
+                before_ms: now_ms(),
+                batch_size: 1,
+                max_batches: None,
+            };
+            let report = one
+                .archive(&request, &|_| first_batch.notify_one())
+                .await
+                .expect("archive");
+            archiving.store(false, Ordering::SeqCst);
+            report
+        }
+    };
+    // Asks for the connection once the archive is under way, with 299
+    // batches to go.
+    let clock = async {
+        first_batch.notified().await;
+        one.now_ms().await.expect("read the clock");
+        archiving.load(Ordering::SeqCst)
+    };
+    let (report, read_while_archiving) = tokio::join!(archive, clock);
+    assert_eq!(report.moved, 300);
+    assert!(
+        read_while_archiving,
+        "the clock read had to wait for the whole archive run"
+    );
+}
