@@ -34,11 +34,11 @@ async fn main() {
         .skip(1)
         .filter(|a| !a.starts_with("--"))
         .collect();
-    let db = args
-        .first()
-        .map(String::as_str)
-        .unwrap_or("postgres")
-        .to_owned();
+    let db = match args.first().map(String::as_str).unwrap_or("postgres") {
+        "postgres" => "postgres",
+        "mysql" | "mariadb" => "mysql",
+        other => panic!("unknown database `{other}`: use postgres or mysql"),
+    };
     let rows: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(100_000);
     let runs: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3);
     println!("relay_drain: {db}, {rows} rows, {runs} runs, batch_size {BATCH}");
@@ -46,12 +46,12 @@ async fn main() {
     let mut base = Vec::new();
     let mut relay = Vec::new();
     for run in 1..=runs {
-        let store = fresh(&db, rows).await;
+        let store = fresh(db, rows).await;
         let b = baseline(store.as_ref(), rows).await;
-        drop_table(&db, store.table().as_str()).await;
-        let store = fresh(&db, rows).await;
+        drop_table(db, store.table().as_str()).await;
+        let store = fresh(db, rows).await;
         let r = relayed(store.clone(), rows).await;
-        drop_table(&db, store.table().as_str()).await;
+        drop_table(db, store.table().as_str()).await;
         println!(
             "run {run}: baseline {b:>9.0} events/s   relay {r:>9.0} events/s   ratio {:.2}",
             r / b
@@ -71,75 +71,69 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// A migrated scratch table holding `rows` pending rows.
+/// A migrated scratch table holding `rows` pending rows, on `db`
+/// (`postgres` or `mysql`).
 async fn fresh(db: &str, rows: u64) -> Arc<dyn OutboxStore> {
     let table = scratch_table("bench");
-    let store: Arc<dyn OutboxStore> = match db {
-        "postgres" => {
-            let url = postgres_url();
-            ensure_database("postgres", &url).await;
-            let s = postbox_postgres::PgOutbox::connect(&url, &table, 8)
-                .await
-                .expect("connect");
-            s.migrate().await.expect("migrate");
-            sqlx::query(&format!(
-                "INSERT INTO {table} (app_code, event_id, event_type, aggregate_id, payload) \
-                 SELECT 'bench', 'ev-' || g, 'BenchEvent', 'agg-' || (g % 1000), '{{\"n\":' || g || ',\"pad\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}' \
-                 FROM generate_series(1, {rows}) g"
-            ))
-            .execute(s.pool())
+    let url = url_of(db);
+    ensure_database(db, &url).await;
+    let (store, load, analyze): (Arc<dyn OutboxStore>, _, _) = if db == "postgres" {
+        let store = postbox_postgres::PgOutbox::connect(&url, &table, 8)
             .await
-            .expect("load rows");
-            sqlx::query(&format!("VACUUM ANALYZE {table}"))
-                .execute(s.pool())
-                .await
-                .expect("analyze");
-            Arc::new(s)
-        }
-        "mysql" | "mariadb" => {
-            let url = mysql_url();
-            ensure_database("mysql", &url).await;
-            let s = postbox_mysql::MySqlOutbox::connect(&url, &table, 8)
-                .await
-                .expect("connect");
-            s.migrate().await.expect("migrate");
-            sqlx::query(&format!(
-                "INSERT INTO {table} (app_code, event_id, event_type, aggregate_id, payload) \
-                 SELECT 'bench', CONCAT('ev-', seq), 'BenchEvent', CONCAT('agg-', seq % 1000), \
-                 CONCAT('{{\"n\":', seq, ',\"pad\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}') \
-                 FROM seq_1_to_{rows}"
-            ))
-            .execute(s.pool())
+            .expect("connect");
+        let load = format!(
+            "INSERT INTO {table} (app_code, event_id, event_type, aggregate_id, payload) \
+             SELECT 'bench', 'ev-' || g, 'BenchEvent', 'agg-' || (g % 1000), '{{\"n\":' || g || ',\"pad\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}' \
+             FROM generate_series(1, {rows}) g"
+        );
+        (Arc::new(store), load, format!("VACUUM ANALYZE {table}"))
+    } else {
+        let store = postbox_mysql::MySqlOutbox::connect(&url, &table, 8)
             .await
-            .expect("load rows (MariaDB's sequence engine)");
-            sqlx::query(&format!("ANALYZE TABLE {table}"))
-                .execute(s.pool())
-                .await
-                .expect("analyze");
-            Arc::new(s)
-        }
-        other => panic!("unknown database `{other}`: use postgres or mysql"),
+            .expect("connect");
+        // MariaDB's sequence engine numbers the rows.
+        let load = format!(
+            "INSERT INTO {table} (app_code, event_id, event_type, aggregate_id, payload) \
+             SELECT 'bench', CONCAT('ev-', seq), 'BenchEvent', CONCAT('agg-', seq % 1000), \
+             CONCAT('{{\"n\":', seq, ',\"pad\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}') \
+             FROM seq_1_to_{rows}"
+        );
+        (Arc::new(store), load, format!("ANALYZE TABLE {table}"))
     };
+    store.migrate().await.expect("migrate");
+    exec(db, &load).await;
+    exec(db, &analyze).await;
     store
 }
 
-async fn drop_table(db: &str, table: &str) {
-    use sqlx::Connection;
-    let sql = format!("DROP TABLE IF EXISTS {table}, {table}_archive");
-    match db {
-        "postgres" => {
-            let mut c = sqlx::PgConnection::connect(&postgres_url())
-                .await
-                .expect("connect");
-            sqlx::query(&sql).execute(&mut c).await.expect("drop");
-        }
-        _ => {
-            let mut c = sqlx::MySqlConnection::connect(&mysql_url())
-                .await
-                .expect("connect");
-            sqlx::query(&sql).execute(&mut c).await.expect("drop");
-        }
+fn url_of(db: &str) -> String {
+    if db == "postgres" {
+        postgres_url()
+    } else {
+        mysql_url()
     }
+}
+
+/// Runs one statement on `db` over a connection of its own.
+async fn exec(db: &str, sql: &str) {
+    use sqlx::Connection;
+    let url = url_of(db);
+    if db == "postgres" {
+        let mut c = sqlx::PgConnection::connect(&url).await.expect("connect");
+        sqlx::query(sql).execute(&mut c).await.map(|_| ())
+    } else {
+        let mut c = sqlx::MySqlConnection::connect(&url).await.expect("connect");
+        sqlx::query(sql).execute(&mut c).await.map(|_| ())
+    }
+    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+async fn drop_table(db: &str, table: &str) {
+    exec(
+        db,
+        &format!("DROP TABLE IF EXISTS {table}, {table}_archive"),
+    )
+    .await;
 }
 
 /// The bare claim and mark statements, back to back.

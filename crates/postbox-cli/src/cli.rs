@@ -66,11 +66,19 @@ pub enum Command {
     Quickstart(QuickstartArgs),
 }
 
+/// `--app-code`, taken by the commands that can serve fewer app_codes
+/// than the config names.
 #[derive(Debug, Args)]
-pub struct RelayArgs {
+pub struct AppCodes {
     /// Only these app_codes (default: database.app_codes).
     #[arg(long = "app-code")]
     pub app_codes: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RelayArgs {
+    #[command(flatten)]
+    pub only: AppCodes,
     /// Run `migrate` before relaying.
     #[arg(long)]
     pub migrate: bool,
@@ -81,16 +89,14 @@ pub struct ServeArgs {
     /// Listen address, overriding `admin.listen` (default 127.0.0.1:9464).
     #[arg(long)]
     pub listen: Option<String>,
-    /// Only these app_codes (default: database.app_codes).
-    #[arg(long = "app-code")]
-    pub app_codes: Vec<String>,
+    #[command(flatten)]
+    pub only: AppCodes,
 }
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// Only these app_codes (default: database.app_codes).
-    #[arg(long = "app-code")]
-    pub app_codes: Vec<String>,
+    #[command(flatten)]
+    pub only: AppCodes,
 }
 
 #[derive(Debug, Args)]
@@ -179,9 +185,8 @@ pub struct ArchiveArgs {
     /// Stop after this many batches.
     #[arg(long)]
     pub max_batches: Option<u64>,
-    /// Only these app_codes (default: database.app_codes).
-    #[arg(long = "app-code")]
-    pub app_codes: Vec<String>,
+    #[command(flatten)]
+    pub only: AppCodes,
 }
 
 #[derive(Debug, Args)]

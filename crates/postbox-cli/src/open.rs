@@ -10,6 +10,19 @@ use postbox_runtime::store::{self, Create};
 use crate::cli::Global;
 use crate::error::CliError;
 
+/// `[database]` and `[[consumers]]`: `migrate` (which creates the inboxes)
+/// and `consume`.
+pub const WITH_CONSUMERS: Uses = Uses {
+    consumers: true,
+    ..Uses::DATABASE
+};
+
+/// `[database]` and `[admin]`: `serve`.
+pub const WITH_ADMIN: Uses = Uses {
+    admin: true,
+    ..Uses::DATABASE
+};
+
 /// Loads and checks the configuration for a command that uses `uses`
 /// besides `[database]`: a `${VAR}` left unset in a section it does not
 /// use is no error (`postbox status` needs no admin token).

@@ -24,10 +24,10 @@ pub async fn run(g: &Global, args: ArchiveArgs) -> Result<(), CliError> {
     if batch_size == 0 {
         return Err(CliError::usage("--batch-size must be > 0"));
     }
-    let app_codes = if args.app_codes.is_empty() {
+    let app_codes = if args.only.app_codes.is_empty() {
         config.database.app_codes.clone()
     } else {
-        args.app_codes
+        args.only.app_codes
     };
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;

@@ -1,23 +1,16 @@
 //! `postbox consume`: runs every `[[consumers]]` entry until SIGINT/SIGTERM,
 //! bridging each queue to its HTTP handler.
 
-use postbox_core::config::Uses;
 use postbox_core::relay::CancellationToken;
 use postbox_runtime::signals::spawn_signal_handler;
 
 use crate::cli::Global;
 use crate::error::CliError;
 use crate::logging;
-use crate::open::load_config;
+use crate::open::{load_config, WITH_CONSUMERS};
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
-    let settings = load_config(
-        g,
-        Uses {
-            consumers: true,
-            ..Uses::DATABASE
-        },
-    )?;
+    let settings = load_config(g, WITH_CONSUMERS)?;
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone(), logging::flush);
     Ok(postbox_runtime::consumers::run(&settings, shutdown).await?)

@@ -132,8 +132,13 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         (Box::new(std::io::BufReader::new(f)), len)
     };
     let bar = progress(total_bytes);
-    let mut summary = Summary::default();
-    let mut batch = Vec::with_capacity(args.batch_size);
+    let mut out = FileWriter {
+        store: store.as_ref(),
+        max_payload,
+        allow_archived: args.allow_archived,
+        batch: Vec::with_capacity(args.batch_size),
+        summary: Summary::default(),
+    };
     let mut line_no = 0u64;
     for line in reader.lines() {
         line_no += 1;
@@ -145,38 +150,25 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         match parse_line(&line, &default_app, max_payload)
             .and_then(|e| check_app(&e.app_code).map(|()| e))
         {
-            Ok(e) => batch.push(e),
-            Err(error) => summary.invalid.push(Invalid {
+            Ok(e) => out.batch.push(e),
+            Err(error) => out.summary.invalid.push(Invalid {
                 line: line_no,
                 error,
             }),
         }
-        if batch.len() >= args.batch_size.max(1) {
-            write_batch(
-                store.as_ref(),
-                &mut batch,
-                max_payload,
-                args.allow_archived,
-                &mut summary,
-            )
-            .await?;
+        if out.batch.len() >= args.batch_size.max(1) {
+            out.write_batch().await?;
             bar.set_message(format!(
                 "{} written, {} duplicate, {} invalid",
-                summary.inserted,
-                summary.duplicates,
-                summary.invalid.len()
+                out.summary.inserted,
+                out.summary.duplicates,
+                out.summary.invalid.len()
             ));
         }
     }
-    write_batch(
-        store.as_ref(),
-        &mut batch,
-        max_payload,
-        args.allow_archived,
-        &mut summary,
-    )
-    .await?;
+    out.write_batch().await?;
     bar.finish_and_clear();
+    let summary = out.summary;
 
     if g.json {
         output::json(&summary)?;
@@ -238,45 +230,53 @@ fn parse_line(line: &str, default_app: &str, max_payload: usize) -> Result<NewEv
     Ok(e)
 }
 
-async fn write_batch(
-    store: &dyn postbox_core::OutboxStore,
-    batch: &mut Vec<NewEvent>,
+/// Writes the events of `--file` in batches, counting what happened to them.
+struct FileWriter<'a> {
+    store: &'a dyn postbox_core::OutboxStore,
     max_payload: usize,
     allow_archived: bool,
-    summary: &mut Summary,
-) -> Result<(), CliError> {
-    if !allow_archived && !batch.is_empty() {
-        // The outbox's unique key covers the live table only: an event id
-        // already archived would be written and delivered again.
-        let mut apps: Vec<&str> = batch.iter().map(|e| e.app_code.as_str()).collect();
-        apps.sort_unstable();
-        apps.dedup();
-        let mut archived = std::collections::HashSet::new();
-        for app in apps {
-            let ids: Vec<String> = batch
-                .iter()
-                .filter(|e| e.app_code == app)
-                .map(|e| e.event_id.clone())
-                .collect();
-            for id in store.archived_event_ids(app, &ids).await? {
-                archived.insert((app.to_owned(), id));
+    /// Read, not written yet.
+    batch: Vec<NewEvent>,
+    summary: Summary,
+}
+
+impl FileWriter<'_> {
+    /// Writes and empties the batch.
+    async fn write_batch(&mut self) -> Result<(), CliError> {
+        let (store, batch, summary) = (self.store, &mut self.batch, &mut self.summary);
+        if !self.allow_archived && !batch.is_empty() {
+            // The outbox's unique key covers the live table only: an event id
+            // already archived would be written and delivered again.
+            let mut apps: Vec<&str> = batch.iter().map(|e| e.app_code.as_str()).collect();
+            apps.sort_unstable();
+            apps.dedup();
+            let mut archived = std::collections::HashSet::new();
+            for app in apps {
+                let ids: Vec<String> = batch
+                    .iter()
+                    .filter(|e| e.app_code == app)
+                    .map(|e| e.event_id.clone())
+                    .collect();
+                for id in store.archived_event_ids(app, &ids).await? {
+                    archived.insert((app.to_owned(), id));
+                }
+            }
+            let before = batch.len();
+            batch.retain(|e| !archived.contains(&(e.app_code.clone(), e.event_id.clone())));
+            summary.archived += (before - batch.len()) as u64;
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        for outcome in store.enqueue_batch(batch, self.max_payload).await? {
+            match outcome {
+                EnqueueOutcome::Inserted(_) => summary.inserted += 1,
+                EnqueueOutcome::Duplicate => summary.duplicates += 1,
             }
         }
-        let before = batch.len();
-        batch.retain(|e| !archived.contains(&(e.app_code.clone(), e.event_id.clone())));
-        summary.archived += (before - batch.len()) as u64;
+        batch.clear();
+        Ok(())
     }
-    if batch.is_empty() {
-        return Ok(());
-    }
-    for outcome in store.enqueue_batch(batch, max_payload).await? {
-        match outcome {
-            EnqueueOutcome::Inserted(_) => summary.inserted += 1,
-            EnqueueOutcome::Duplicate => summary.duplicates += 1,
-        }
-    }
-    batch.clear();
-    Ok(())
 }
 
 fn progress(total_bytes: Option<u64>) -> ProgressBar {

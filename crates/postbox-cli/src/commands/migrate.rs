@@ -2,18 +2,11 @@
 
 use crate::cli::Global;
 use crate::error::CliError;
-use crate::open::{load_config, open_store_creating};
+use crate::open::{load_config, open_store_creating, WITH_CONSUMERS};
 use crate::output;
-use postbox_core::config::Uses;
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
-    let config = load_config(
-        g,
-        Uses {
-            consumers: true,
-            ..Uses::DATABASE
-        },
-    )?;
+    let config = load_config(g, WITH_CONSUMERS)?;
     let store = open_store_creating(&config).await?;
     let report = store.migrate().await?;
     let inboxes = postbox_runtime::consumers::migrate_inboxes(&config).await?;

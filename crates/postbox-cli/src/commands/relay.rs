@@ -21,7 +21,7 @@ pub async fn run(g: &Global, args: RelayArgs) -> Result<(), CliError> {
     )?;
     let options = RelayOptions {
         migrate: args.migrate,
-        app_codes: args.app_codes,
+        app_codes: args.only.app_codes,
     };
     let relay = RelayService::start(&settings, options).await?;
     let shutdown = CancellationToken::new();

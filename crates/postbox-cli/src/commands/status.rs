@@ -25,7 +25,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
     let served = &config.database.app_codes;
-    let app_codes = if args.app_codes.is_empty() {
+    let app_codes = if args.only.app_codes.is_empty() {
         // Every app_code with rows too: a typo'd one is otherwise silently
         // orphaned.
         let mut all = served.clone();
@@ -36,7 +36,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
         }
         all
     } else {
-        args.app_codes
+        args.only.app_codes
     };
     let rows: Vec<Row> = store
         .stats(&app_codes)
