@@ -12,6 +12,7 @@ use postbox_core::relay::CancellationToken;
 use postbox_core::store::OutboxStore;
 use postbox_core::{NewEvent, Status};
 use postbox_postgres::PgOutbox;
+use postbox_testkit::cli_fixtures::expect_in;
 use postbox_testkit::http::request;
 use postbox_testkit::servers::ensure_database;
 use postbox_testkit::{postgres_url, scratch_table};
@@ -304,13 +305,7 @@ async fn replay_picks_its_publishers() {
     let d = request(addr, "GET", &format!("/api/events/{}", ids[1]), &[])
         .await
         .json();
-    let replayed = d["timeline"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["kind"] == "replayed")
-        .cloned()
-        .unwrap();
+    let replayed = expect_in(&d["timeline"], "kind", "replayed");
     assert_eq!(replayed["publisher"], "a", "{d}");
     stop.cancel();
 }
@@ -394,13 +389,7 @@ async fn bad_input_is_400_and_delivered_names_the_right_publisher() {
     let d = request(addr, "GET", &format!("/api/events/{}", ids[0]), &[])
         .await
         .json();
-    let delivered = d["timeline"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["kind"] == "delivered")
-        .cloned()
-        .unwrap();
+    let delivered = expect_in(&d["timeline"], "kind", "delivered");
     assert_eq!(delivered["publisher"], "b", "{d}");
     assert_eq!(delivered["attempt"], 2);
     stop.cancel();

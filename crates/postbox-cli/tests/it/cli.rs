@@ -4,15 +4,14 @@
 
 use crate::common;
 
-use common::{run as postbox, text};
+use common::{
+    assert_ok, assert_says, expect_in, find_in, json, pluck, run as postbox, signal, text,
+    wait_until, write_config, Project, ENQUEUE_T,
+};
+use serde_json::json;
 use std::path::Path;
-use std::process::Command;
-
-fn write_config(dir: &Path, body: &str) -> String {
-    let path = dir.join("postbox.toml");
-    std::fs::write(&path, body).unwrap();
-    path.to_str().unwrap().to_owned()
-}
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 const GOOD: &str = r#"
 [database]
@@ -91,11 +90,7 @@ fn bad_config_exits_2_naming_the_key() {
     );
     let out = postbox(dir.path(), &["--config", &cfg, "relay"], &[]);
     assert_eq!(out.status.code(), Some(2));
-    assert!(
-        text(&out).contains("publishers.0.kind") && text(&out).contains("kafka"),
-        "{}",
-        text(&out)
-    );
+    assert_says(&out, &["publishers.0.kind", "kafka"]);
 }
 
 /// A database nobody listens on: the error names the address and the cause,
@@ -166,24 +161,14 @@ fn env_overrides_the_file_and_is_validated_too() {
         &[("POSTBOX__OUTBOX_WORKER__BATCH_SIZE", "0")],
     );
     assert_eq!(out.status.code(), Some(2));
-    assert!(
-        text(&out).contains("outbox_worker.batch_size"),
-        "{}",
-        text(&out)
-    );
+    assert_says(&out, &["outbox_worker.batch_size"]);
 }
 
 #[test]
 fn migrate_recreates_an_outbox_table_dropped_by_hand() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), &good(dir.path()));
-    let run = |args: &[&str]| {
-        let mut all = vec!["--config", cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(dir.path(), &all, &[])
-    };
-    assert!(run(&["migrate"]).status.success());
-    let url = format!("sqlite://{}/outbox.db", dir.path().display());
+    let project = Project::migrated(good);
+    let run = |args: &[&str]| project.run(args);
+    let url = format!("sqlite://{}/outbox.db", project.path().display());
     tokio::runtime::Runtime::new().unwrap().block_on(async {
         let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
         for t in ["room_outbox", "room_outbox_archive", "room_outbox_history"] {
@@ -195,17 +180,22 @@ fn migrate_recreates_an_outbox_table_dropped_by_hand() {
         pool.close().await;
     });
     let out = run(&["migrate"]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("`room_outbox` does not exist")
-            && text(&out).contains("applied schema versions [1, 2, 3]"),
-        "{}",
-        text(&out)
+    assert_ok(&out);
+    assert_says(
+        &out,
+        &[
+            "`room_outbox` does not exist",
+            "applied schema versions [1, 2, 3]",
+        ],
     );
-    let one = run(&["enqueue", "--event-type", "RoomCreated", "--payload", "{}"]);
-    assert!(one.status.success(), "{}", text(&one));
-    let status = run(&["status"]);
-    assert!(status.status.success(), "{}", text(&status));
+    assert_ok(&run(&[
+        "enqueue",
+        "--event-type",
+        "RoomCreated",
+        "--payload",
+        "{}",
+    ]));
+    assert_ok(&run(&["status"]));
 }
 
 #[test]
@@ -223,23 +213,18 @@ fn secrets_never_reach_output() {
 
 #[test]
 fn sqlite_workflow_end_to_end() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = write_config(dir.path(), &good(dir.path()));
-    let run = |args: &[&str]| {
-        let mut all = vec!["--config", cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(dir.path(), &all, &[])
-    };
+    let project = Project::new(good);
+    let dir = &project.dir;
+    let run = |args: &[&str]| project.run(args);
 
     let out = run(&["status"]);
     assert_eq!(out.status.code(), Some(1), "no schema yet: {}", text(&out));
     assert!(text(&out).contains("postbox migrate"));
     assert!(run(&["migrate"]).status.success());
-    let again = run(&["--json", "migrate"]);
-    let report: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    let report = json(&run(&["--json", "migrate"]));
     assert_eq!(
         report["applied"],
-        serde_json::json!([]),
+        json!([]),
         "second migrate changes nothing"
     );
 
@@ -254,7 +239,7 @@ fn sqlite_workflow_end_to_end() {
         "--header",
         "trace=abc",
     ]);
-    assert!(one.status.success(), "{}", text(&one));
+    assert_ok(&one);
     let dup = run(&[
         "enqueue",
         "--event-type",
@@ -283,33 +268,13 @@ fn sqlite_workflow_end_to_end() {
         "an invalid line is reported: {}",
         text(&up)
     );
-    let summary: serde_json::Value = serde_json::from_slice(&up.stdout).unwrap();
+    let summary = json(&up);
     assert_eq!(summary["inserted"], 2, "{summary}");
     assert_eq!(summary["duplicates"], 1);
     assert_eq!(summary["invalid"][0]["line"], 2);
 
     // Relay until everything is delivered, then SIGTERM.
-    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .current_dir(dir.path())
-        .args(["--config", &cfg, "relay"])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let s = run(&["--json", "status"]);
-        let v: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap();
-        if v[0]["delivered"] == 3 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "not delivered: {v}");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(relay.wait().unwrap().success(), "relay exits 0 on SIGTERM");
+    relay_until_delivered(&project, 3);
 
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.path().join("out.jsonl"))
         .unwrap()
@@ -329,27 +294,20 @@ fn sqlite_workflow_end_to_end() {
     assert_eq!(first["headers"]["trace"], "abc");
     assert_eq!(first["app_code"], "room");
 
-    let list = run(&["--json", "events", "list", "--status", "delivered"]);
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap();
-    assert_eq!(rows.len(), 3);
+    let rows = json(&run(&["--json", "events", "list", "--status", "delivered"]));
+    assert_eq!(rows.as_array().unwrap().len(), 3);
     let show = run(&["events", "show", "evt-2"]);
-    assert!(
-        text(&show).contains("GiftSent") && text(&show).contains("delivered"),
-        "{}",
-        text(&show)
-    );
+    assert_says(&show, &["GiftSent", "delivered"]);
 
     let nothing = run(&["replay"]);
     assert_eq!(nothing.status.code(), Some(2), "replay needs a selector");
-    let dry = run(&["--json", "replay", "evt-2", "--dry-run"]);
-    let d: serde_json::Value = serde_json::from_slice(&dry.stdout).unwrap();
+    let d = json(&run(&["--json", "replay", "evt-2", "--dry-run"]));
     assert_eq!(
         (d["count"].as_i64(), d["dry_run"].as_bool()),
         (Some(1), Some(true))
     );
     assert!(run(&["replay", "evt-2"]).status.success());
-    let row: serde_json::Value =
-        serde_json::from_slice(&run(&["--json", "events", "show", "evt-2"]).stdout).unwrap();
+    let row = json(&run(&["--json", "events", "show", "evt-2"]));
     assert_eq!(row[0]["status"], "pending");
     assert_eq!(row[0]["event_id"], "evt-2");
     assert_eq!(row[0]["replay_count"], 1);
@@ -428,10 +386,7 @@ fn quickstart_runs_with_no_server() {
         "{answer:.200}"
     );
 
-    Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .unwrap();
+    signal("INT", child.id());
     let waited = std::time::Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
@@ -448,26 +403,18 @@ fn quickstart_runs_with_no_server() {
         "SIGINT ends the quickstart with 0: {status}"
     );
 
-    let lines =
-        std::fs::read_to_string(dir.path().join("postbox-quickstart/events.jsonl")).unwrap();
-    let ids: std::collections::HashSet<String> = lines
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["event_id"]
-                .as_str()
-                .unwrap()
-                .to_owned()
-        })
-        .collect();
+    let ids: std::collections::HashSet<String> =
+        sink_ids(&dir.path().join("postbox-quickstart/events.jsonl"))
+            .into_iter()
+            .collect();
     assert_eq!(ids.len(), 300, "every demo event delivered");
     // The config it leaves behind works for the next commands.
     let cfg = dir.path().join("postbox-quickstart/postbox.toml");
-    let st = postbox(
+    let v = json(&postbox(
         dir.path(),
         &["--config", cfg.to_str().unwrap(), "--json", "status"],
         &[],
-    );
-    let v: serde_json::Value = serde_json::from_slice(&st.stdout).unwrap();
+    ));
     assert_eq!(v[0]["delivered"], 300);
 }
 
@@ -478,22 +425,17 @@ fn quickstart_runs_with_no_server() {
 #[test]
 fn unroutable_events_keep_payloads_out_of_the_logs() {
     use postbox_testkit::servers::{amqp_url, scratch_name};
-    let dir = tempfile::tempdir().unwrap();
     let exchange = scratch_name("pbx_noq");
-    let body = format!(
-        "[database]\nurl = \"sqlite://DIR/outbox.db\"\ntable = \"room_outbox\"\napp_codes = [\"room\"]\n\n\
-         [outbox_worker]\npoll_interval = \"50ms\"\ninitial_backoff = \"100ms\"\nmax_backoff = \"200ms\"\n\n\
-         [[publishers]]\nkind = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"{exchange}\"\ndeclare = true\n",
-        amqp_url()
-    )
-    .replace("DIR", dir.path().to_str().unwrap());
-    let cfg = write_config(dir.path(), &body);
-    let run = |args: &[&str]| {
-        let mut all = vec!["--config", cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(dir.path(), &all, &[])
-    };
-    assert!(run(&["migrate"]).status.success());
+    let project = Project::migrated(|dir| {
+        format!(
+            "[database]\nurl = \"sqlite://{}/outbox.db\"\ntable = \"room_outbox\"\napp_codes = [\"room\"]\n\n\
+             [outbox_worker]\npoll_interval = \"50ms\"\ninitial_backoff = \"100ms\"\nmax_backoff = \"200ms\"\n\n\
+             [[publishers]]\nkind = \"rabbitmq\"\nurl = \"{}\"\nexchange = \"{exchange}\"\ndeclare = true\n",
+            dir.display(),
+            amqp_url()
+        )
+    });
+    let run = |args: &[&str]| project.run(args);
     const MARKER: &str = "payload-bytes-never-logged";
     for i in 0..5 {
         let payload = format!(r#"{{"secret":"{MARKER}","n":{i}}}"#);
@@ -506,35 +448,29 @@ fn unroutable_events_keep_payloads_out_of_the_logs() {
             "--event-id",
             &format!("evt-{i}"),
         ]);
-        assert!(out.status.success(), "{}", text(&out));
+        assert_ok(&out);
     }
 
     let relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .current_dir(dir.path())
+        .current_dir(project.path())
         .env_remove("RUST_LOG")
-        .args(["--config", &cfg, "--log", "trace", "relay"])
-        .stderr(std::process::Stdio::piped())
+        .args(["--config", &project.cfg, "--log", "trace", "relay"])
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     // Until every event has been returned at least twice.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let list = run(&["--json", "events", "list"]);
-        let rows: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap_or_default();
-        if rows.len() == 5 && rows.iter().all(|r| r["retry_count"].as_i64() >= Some(2)) {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not retried: {}",
-            text(&list)
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status()
-        .unwrap();
+    wait_until(
+        20,
+        Duration::from_millis(100),
+        || {
+            let list = run(&["--json", "events", "list"]);
+            let rows: Vec<serde_json::Value> =
+                serde_json::from_slice(&list.stdout).unwrap_or_default();
+            rows.len() == 5 && rows.iter().all(|r| r["retry_count"].as_i64() >= Some(2))
+        },
+        || format!("not retried: {}", text(&run(&["--json", "events", "list"]))),
+    );
+    signal("TERM", relay.id());
     let out = relay.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     delete_exchange(&exchange);
@@ -574,10 +510,8 @@ fn delete_exchange(exchange: &str) {
 
 /// A PostgreSQL config with two file sinks, `a` and `b`, in `dir`.
 fn pg_two_sinks(dir: &Path, table: &str) -> String {
-    write_config(
-        dir,
-        &format!(
-            r#"
+    format!(
+        r#"
 [database]
 url = "{url}"
 table = "{table}"
@@ -596,59 +530,60 @@ kind = "file"
 name = "b"
 path = "{dir}/b.jsonl"
 "#,
-            url = postbox_testkit::postgres_url(),
-            dir = dir.display()
-        ),
+        url = postbox_testkit::postgres_url(),
+        dir = dir.display()
     )
 }
 
 /// A migrated PostgreSQL scratch table with two file sinks, `a` and `b`
-/// ([`pg_two_sinks`]), and the CLI run against it.
+/// ([`pg_two_sinks`]), the CLI run against it, and a pool on the database.
 struct PgSinks {
-    url: String,
     table: String,
-    dir: tempfile::TempDir,
-    cfg: String,
+    project: Project,
+    pool: sqlx::PgPool,
 }
 
 impl PgSinks {
     async fn new(prefix: &str) -> Self {
-        let url = postbox_testkit::postgres_url();
-        postbox_testkit::servers::ensure_database("postgres", &url).await;
+        Self::with_config(prefix, "").await
+    }
+
+    /// [`PgSinks::new`] with `extra` appended to the config.
+    async fn with_config(prefix: &str, extra: &str) -> Self {
+        let (_, pool) = common::server_pool::<sqlx::Postgres>("postgres").await;
         let table = postbox_testkit::scratch_table(prefix);
-        let dir = tempfile::tempdir().unwrap();
-        let cfg = pg_two_sinks(dir.path(), &table);
-        let fx = PgSinks {
-            url,
+        let project = Project::migrated(|dir| pg_two_sinks(dir, &table) + extra);
+        PgSinks {
             table,
-            dir,
-            cfg,
-        };
-        let migrated = fx.run(&["migrate"]);
-        assert!(migrated.status.success(), "{}", text(&migrated));
-        fx
+            project,
+            pool,
+        }
     }
 
     fn run(&self, args: &[&str]) -> std::process::Output {
-        let mut all = vec!["--config", self.cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(self.dir.path(), &all, &[])
+        self.project.run(args)
     }
 
-    /// `postbox enqueue` of one `T` event per id.
-    fn enqueue_ids(&self, ids: &[&str]) {
+    /// [`PgSinks::new`] holding one `T` event per id, written by `postbox enqueue`.
+    async fn with_events(prefix: &str, ids: &[&str]) -> Self {
+        let fx = Self::new(prefix).await;
         for id in ids {
-            let out = self.run(&[
-                "enqueue",
-                "--event-type",
-                "T",
-                "--payload",
-                "{}",
-                "--event-id",
-                id,
-            ]);
-            assert!(out.status.success(), "{}", text(&out));
+            assert_ok(&fx.run(&[&ENQUEUE_T[..], &["--event-id", id]].concat()));
         }
+        fx
+    }
+
+    /// Runs `sql` on the database, `{table}` standing for the scratch table.
+    async fn exec(&self, sql: &str) {
+        sqlx::query(&sql.replace("{table}", &self.table))
+            .execute(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    async fn drop_tables(self) {
+        self.exec("DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history")
+            .await;
     }
 }
 
@@ -668,61 +603,47 @@ fn sink_ids(path: &Path) -> Vec<String> {
     ids
 }
 
-/// Runs the relay until `want` rows are delivered, then stops it.
-fn relay_until_delivered(dir: &Path, cfg: &str, want: i64) {
-    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .current_dir(dir)
-        .args(["--config", cfg, "relay"])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        let s = postbox(dir, &["--config", cfg, "--json", "status"], &[]);
-        let v: serde_json::Value = serde_json::from_slice(&s.stdout).unwrap_or_default();
-        if v[0]["delivered"] == want {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "not delivered: {}",
-            text(&s)
-        );
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(relay.wait().unwrap().success());
+/// Runs the relay until `want` rows are delivered, then stops it with
+/// SIGTERM, which it must answer with exit 0.
+fn relay_until_delivered(project: &Project, want: i64) {
+    let mut relay = project.spawn(&["relay"], Stdio::null());
+    wait_until(
+        20,
+        Duration::from_millis(100),
+        || {
+            let s = project.run(&["--json", "status"]);
+            serde_json::from_slice::<serde_json::Value>(&s.stdout).unwrap_or_default()[0]
+                ["delivered"]
+                == want
+        },
+        || {
+            format!(
+                "not delivered: {}",
+                text(&project.run(&["--json", "status"]))
+            )
+        },
+    );
+    signal("TERM", relay.id());
+    assert!(relay.wait().unwrap().success(), "relay exits 0 on SIGTERM");
 }
 
 /// Issue 9.6: a replay does not re-send to publishers that confirmed.
 #[tokio::test]
 async fn replay_targets_only_unconfirmed_publishers_unless_told() {
-    let fx = PgSinks::new("cli_replay_to").await;
-    let (url, table) = (&fx.url, &fx.table);
+    let fx = PgSinks::with_events("cli_replay_to", &["e1", "e2", "e3", "e4", "e5"]).await;
     let run = |args: &[&str]| fx.run(args);
-    fx.enqueue_ids(&["e1", "e2", "e3", "e4", "e5"]);
     // e1, e3, e4: dead letters that `a` confirmed; e2, e5: delivered to both.
-    let pool = sqlx::PgPool::connect(url).await.unwrap();
-    sqlx::query(&format!(
+    fx.exec(
         "UPDATE {table} SET status = 'failed', retry_count = 3, delivered_to = 'a', \
-         last_error = 'b: down' WHERE event_id IN ('e1', 'e3', 'e4')"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(&format!(
-        "UPDATE {table} SET status = 'delivered' WHERE event_id IN ('e2', 'e5')"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+         last_error = 'b: down' WHERE event_id IN ('e1', 'e3', 'e4')",
+    )
+    .await;
+    fx.exec("UPDATE {table} SET status = 'delivered' WHERE event_id IN ('e2', 'e5')")
+        .await;
 
     let unknown = run(&["replay", "e1", "--publisher", "nosuch", "--publisher", "a"]);
     assert_eq!(unknown.status.code(), Some(2), "{}", text(&unknown));
-    assert!(text(&unknown).contains("nosuch"), "{}", text(&unknown));
+    assert_says(&unknown, &["nosuch"]);
     let both = run(&["replay", "e1", "--publisher", "a", "--all-publishers"]);
     assert_eq!(both.status.code(), Some(2), "{}", text(&both));
 
@@ -735,11 +656,7 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     // never confirmed it: refused, naming `b`.
     let only = run(&["replay", "e3", "--publisher", "a"]);
     assert_eq!(only.status.code(), Some(2), "{}", text(&only));
-    assert!(
-        text(&only).contains("e3") && text(&only).contains("not been confirmed by b"),
-        "{}",
-        text(&only)
-    );
+    assert_says(&only, &["e3", "not been confirmed by b"]);
     let with_b = run(&["replay", "e3", "--publisher", "a", "--publisher", "b"]);
     assert!(with_b.status.success(), "{}", text(&with_b));
     assert!(run(&["replay", "e4", "--all-publishers"]).status.success());
@@ -747,53 +664,36 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     let only = run(&["replay", "e5", "--publisher", "a"]);
     assert!(only.status.success(), "{}", text(&only));
 
-    relay_until_delivered(fx.dir.path(), &fx.cfg, 5);
+    relay_until_delivered(&fx.project, 5);
     assert_eq!(
-        sink_ids(&fx.dir.path().join("a.jsonl")),
+        sink_ids(&fx.project.path().join("a.jsonl")),
         ["e2", "e3", "e4", "e5"]
     );
     assert_eq!(
-        sink_ids(&fx.dir.path().join("b.jsonl")),
+        sink_ids(&fx.project.path().join("b.jsonl")),
         ["e1", "e2", "e3", "e4"]
     );
 
     // The timeline names the replay's targets.
-    let show = run(&["--json", "events", "show", "e1"]);
-    let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
-    let steps = v[0]["timeline"].as_array().unwrap();
-    let replayed = steps.iter().find(|s| s["kind"] == "replayed").unwrap();
+    let v = json(&run(&["--json", "events", "show", "e1"]));
+    let replayed = expect_in(&v[0]["timeline"], "kind", "replayed");
     assert_eq!(replayed["publisher"], "b", "{v}");
     let show = run(&["events", "show", "e5"]);
-    assert!(
-        text(&show).contains("replayed") && text(&show).contains("[a]"),
-        "{}",
-        text(&show)
-    );
-    sqlx::query(&format!(
-        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    assert_says(&show, &["replayed", "[a]"]);
+    fx.drop_tables().await;
 }
 
 /// Issue 9.7: archived rows show in `events show` and `events list`,
 /// marked as archived.
 #[tokio::test]
 async fn archived_events_stay_visible_to_events_show_and_list() {
-    let fx = PgSinks::new("cli_archived").await;
-    let (url, table) = (&fx.url, &fx.table);
+    let fx = PgSinks::with_events("cli_archived", &["old-1", "new-1"]).await;
     let run = |args: &[&str]| fx.run(args);
-    fx.enqueue_ids(&["old-1", "new-1"]);
-    let pool = sqlx::PgPool::connect(url).await.unwrap();
-    sqlx::query(&format!(
-        "UPDATE {table} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = 'old-1'"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let moved = run(&["archive", "--older-than", "1h"]);
-    assert!(moved.status.success(), "{}", text(&moved));
+    fx.exec(
+        "UPDATE {table} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = 'old-1'",
+    )
+    .await;
+    assert_ok(&run(&["archive", "--older-than", "1h"]));
 
     let show = run(&["--json", "events", "show", "old-1"]);
     assert!(
@@ -801,68 +701,34 @@ async fn archived_events_stay_visible_to_events_show_and_list() {
         "archived rows are found: {}",
         text(&show)
     );
-    let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
+    let v = json(&show);
     assert_eq!(v[0]["archived"], true, "{v}");
     assert_eq!(v[0]["status"], "delivered");
     let show = run(&["events", "show", "old-1"]);
-    assert!(text(&show).contains("archived"), "{}", text(&show));
-    let live = run(&["--json", "events", "show", "new-1"]);
-    let v: serde_json::Value = serde_json::from_slice(&live.stdout).unwrap();
+    assert_says(&show, &["archived"]);
+    let v = json(&run(&["--json", "events", "show", "new-1"]));
     assert_eq!(v[0]["archived"], false);
 
-    let list = run(&["--json", "events", "list"]);
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&list.stdout).unwrap();
-    let flags: Vec<(&str, bool)> = rows
-        .iter()
-        .map(|r| {
-            (
-                r["event_id"].as_str().unwrap(),
-                r["archived"].as_bool().unwrap(),
-            )
-        })
-        .collect();
-    assert_eq!(flags, [("new-1", false), ("old-1", true)]);
-    let list = run(&["events", "list"]);
-    assert!(
-        text(&list).contains("delivered (archived)"),
-        "{}",
-        text(&list)
+    let rows = json(&run(&["--json", "events", "list"]));
+    assert_eq!(
+        pluck(&rows, &["event_id", "archived"]),
+        [json!(["new-1", false]), json!(["old-1", true])]
     );
-    sqlx::query(&format!(
-        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    let list = run(&["events", "list"]);
+    assert_says(&list, &["delivered (archived)"]);
+    fx.drop_tables().await;
 }
 
 /// Issue 9.8: rows of an app_code no relay serves are shown by `status`,
 /// fail `doctor`, and `enqueue` refuses such an app_code unless told.
 #[tokio::test]
 async fn unserved_app_codes_are_refused_shown_and_diagnosed() {
-    let url = postbox_testkit::postgres_url();
-    postbox_testkit::servers::ensure_database("postgres", &url).await;
-    let table = postbox_testkit::scratch_table("cli_unserved");
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = pg_two_sinks(dir.path(), &table);
-    let run = |args: &[&str]| {
-        let mut all = vec!["--config", cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(dir.path(), &all, &[])
-    };
-    assert!(run(&["migrate"]).status.success());
-    let refused = run(&[
-        "enqueue",
-        "--event-type",
-        "T",
-        "--payload",
-        "{}",
-        "--app-code",
-        "nosuch",
-    ]);
+    let fx = PgSinks::new("cli_unserved").await;
+    let run = |args: &[&str]| fx.run(args);
+    let refused = run(&[&ENQUEUE_T[..], &["--app-code", "nosuch"]].concat());
     assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
     assert!(text(&refused).contains("nosuch") && text(&refused).contains("database.app_codes"));
-    let file = dir.path().join("in.jsonl");
+    let file = fx.project.path().join("in.jsonl");
     std::fs::write(
         &file,
         "{\"app_code\":\"nosuch\",\"event_type\":\"T\",\"payload\":{}}\n",
@@ -870,159 +736,86 @@ async fn unserved_app_codes_are_refused_shown_and_diagnosed() {
     .unwrap();
     let up = run(&["--json", "enqueue", "--file", file.to_str().unwrap()]);
     assert_eq!(up.status.code(), Some(1), "{}", text(&up));
-    assert!(text(&up).contains("nosuch"), "{}", text(&up));
-    let ok = run(&["enqueue", "--event-type", "T", "--payload", "{}"]);
-    assert!(ok.status.success(), "{}", text(&ok));
-    let forced = run(&[
-        "enqueue",
-        "--event-type",
-        "T",
-        "--payload",
-        "{}",
-        "--app-code",
-        "nosuch",
-        "--allow-unserved-app-code",
-    ]);
-    assert!(forced.status.success(), "{}", text(&forced));
+    assert_says(&up, &["nosuch"]);
+    assert_ok(&run(&ENQUEUE_T));
+    assert_ok(&run(&[
+        &ENQUEUE_T[..],
+        &["--app-code", "nosuch", "--allow-unserved-app-code"],
+    ]
+    .concat()));
     // A Go service's plain INSERT with a typo.
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    sqlx::query(&format!(
-        "INSERT INTO {table} (app_code, event_id, event_type, payload) VALUES ('rooom', 'typo-1', 'T', '{{}}')"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    fx.exec(
+        "INSERT INTO {table} (app_code, event_id, event_type, payload) VALUES ('rooom', 'typo-1', 'T', '{}')",
+    )
+    .await;
 
-    let status = run(&["--json", "status"]);
-    let v: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
-    let apps: Vec<(&str, bool, i64)> = v
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| {
-            (
-                a["app_code"].as_str().unwrap(),
-                a["served"].as_bool().unwrap(),
-                a["pending"].as_i64().unwrap(),
-            )
-        })
-        .collect();
+    let v = json(&run(&["--json", "status"]));
     assert_eq!(
-        apps,
-        [("room", true, 1), ("nosuch", false, 1), ("rooom", false, 1)]
+        pluck(&v, &["app_code", "served", "pending"]),
+        [
+            json!(["room", true, 1]),
+            json!(["nosuch", false, 1]),
+            json!(["rooom", false, 1])
+        ]
     );
     let status = run(&["status"]);
-    assert!(
-        text(&status).contains("rooom*") && text(&status).contains("unserved"),
-        "{}",
-        text(&status)
-    );
+    assert_says(&status, &["rooom*", "unserved"]);
 
     let doctor = run(&["--json", "doctor"]);
     assert_eq!(doctor.status.code(), Some(1), "{}", text(&doctor));
-    let v: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
-    let check = |name: &str| {
-        v["checks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["name"] == name)
-            .cloned()
-            .unwrap_or_else(|| panic!("no check {name}: {v}"))
-    };
-    assert_eq!(check("app_code:rooom")["level"], "fail", "{v}");
-    assert!(check("app_code:rooom")["message"]
+    let v = json(&doctor);
+    let check = expect_in(&v["checks"], "name", "app_code:rooom");
+    assert_eq!(check["level"], "fail", "{v}");
+    assert!(check["message"]
         .as_str()
         .unwrap()
         .contains("database.app_codes"));
-    sqlx::query(&format!(
-        "UPDATE {table} SET status = 'delivered' WHERE app_code <> 'room'"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let doctor = run(&["--json", "doctor"]);
-    let v: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
-    let level = v["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "app_code:rooom")
-        .map(|c| c["level"].clone());
-    assert_eq!(
-        level,
-        Some(serde_json::json!("warn")),
-        "nothing waiting: {v}"
-    );
-    sqlx::query(&format!(
-        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    fx.exec("UPDATE {table} SET status = 'delivered' WHERE app_code <> 'room'")
+        .await;
+    let v = json(&run(&["--json", "doctor"]));
+    let level = find_in(&v["checks"], "name", "app_code:rooom").map(|c| c["level"].clone());
+    assert_eq!(level, Some(json!("warn")), "nothing waiting: {v}");
+    fx.drop_tables().await;
 }
 
 /// Issue 9.12: a command does not need secrets it does not use.
 #[tokio::test]
 async fn reading_commands_need_no_unrelated_secrets() {
-    let url = postbox_testkit::postgres_url();
-    postbox_testkit::servers::ensure_database("postgres", &url).await;
-    let table = postbox_testkit::scratch_table("cli_secrets");
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = pg_two_sinks(dir.path(), &table);
-    let body = std::fs::read_to_string(&cfg).unwrap()
-        + "\n[[publishers]]\nkind = \"webhook\"\nname = \"im\"\nurl = \"http://127.0.0.1:9/push\"\n\
-           secret = \"${POSTBOX_TEST_UNSET_HOOK_SECRET}\"\n\
-           \n[[publishers]]\nkind = \"rabbitmq\"\nurl = \"${POSTBOX_TEST_UNSET_AMQP_URL}\"\nexchange = \"x\"\n\
-           \n[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"${POSTBOX_TEST_UNSET_ADMIN_TOKEN}\"\n";
-    let cfg = write_config(dir.path(), &body);
-    let run = |args: &[&str]| {
-        let mut all = vec!["--config", cfg.as_str()];
-        all.extend_from_slice(args);
-        postbox(dir.path(), &all, &[])
-    };
-    assert!(
-        run(&["migrate"]).status.success(),
-        "{}",
-        text(&run(&["migrate"]))
-    );
+    // Migrated with this config: `migrate` needs none of them either.
+    let fx = PgSinks::with_config(
+        "cli_secrets",
+        "\n[[publishers]]\nkind = \"webhook\"\nname = \"im\"\nurl = \"http://127.0.0.1:9/push\"\n\
+         secret = \"${POSTBOX_TEST_UNSET_HOOK_SECRET}\"\n\
+         \n[[publishers]]\nkind = \"rabbitmq\"\nurl = \"${POSTBOX_TEST_UNSET_AMQP_URL}\"\nexchange = \"x\"\n\
+         \n[admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"${POSTBOX_TEST_UNSET_ADMIN_TOKEN}\"\n",
+    )
+    .await;
+    let run = |args: &[&str]| fx.run(args);
     for args in [
         &["status"][..],
         &["events", "list"],
         &["replay", "--status", "failed", "--dry-run"],
-        &["enqueue", "--event-type", "T", "--payload", "{}"],
+        &ENQUEUE_T,
     ] {
         let out = run(args);
         assert!(out.status.success(), "{args:?}: {}", text(&out));
     }
     let relay = run(&["relay"]);
     assert_eq!(relay.status.code(), Some(2), "{}", text(&relay));
-    assert!(
-        text(&relay).contains("publishers.2.secret")
-            && text(&relay).contains("POSTBOX_TEST_UNSET_HOOK_SECRET"),
-        "{}",
-        text(&relay)
+    assert_says(
+        &relay,
+        &["publishers.2.secret", "POSTBOX_TEST_UNSET_HOOK_SECRET"],
     );
     let serve = run(&["serve"]);
     assert_eq!(serve.status.code(), Some(2), "{}", text(&serve));
-    assert!(text(&serve).contains("admin.token"), "{}", text(&serve));
-    let doctor = run(&["--json", "doctor"]);
-    let v: serde_json::Value = serde_json::from_slice(&doctor.stdout).unwrap();
-    assert!(
-        v["checks"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["name"] == "config:env" && c["level"] == "fail"),
+    assert_says(&serve, &["admin.token"]);
+    let v = json(&run(&["--json", "doctor"]));
+    assert_eq!(
+        find_in(&v["checks"], "name", "config:env").map(|c| c["level"].clone()),
+        Some(json!("fail")),
         "{v}"
     );
-    let pool = sqlx::PgPool::connect(&url).await.unwrap();
-    sqlx::query(&format!(
-        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    fx.drop_tables().await;
 }
 
 /// Issue 9.12: a reading command never creates a database.
@@ -1056,36 +849,20 @@ fn reading_commands_never_create_a_sqlite_database() {
 /// ends a command quietly.
 #[tokio::test]
 async fn events_show_smalls_and_a_closed_pipe() {
-    let fx = PgSinks::new("cli_smalls").await;
-    let (url, table) = (&fx.url, &fx.table);
+    let fx = PgSinks::with_events("cli_smalls", &["dead", "done"]).await;
     let run = |args: &[&str]| fx.run(args);
-    fx.enqueue_ids(&["dead", "done"]);
-    let pool = sqlx::PgPool::connect(url).await.unwrap();
-    sqlx::query(&format!(
+    fx.exec(
         "UPDATE {table} SET status = 'failed', retry_count = 3, next_retry_at_ms = 1700000000000, \
-         last_error = 'b: down' WHERE event_id = 'dead'"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(&format!(
-        "UPDATE {table} SET status = 'delivered', retry_count = 1, delivered_to = 'a' WHERE event_id = 'done'"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+         last_error = 'b: down' WHERE event_id = 'dead'",
+    )
+    .await;
+    fx.exec("UPDATE {table} SET status = 'delivered', retry_count = 1, delivered_to = 'a' WHERE event_id = 'done'")
+        .await;
     let dead = run(&["events", "show", "dead"]);
-    assert!(dead.status.success(), "{}", text(&dead));
+    assert_ok(&dead);
     assert!(!text(&dead).contains("next retry"), "{}", text(&dead));
-    let done = run(&["--json", "events", "show", "done"]);
-    let v: serde_json::Value = serde_json::from_slice(&done.stdout).unwrap();
-    let step = v[0]["timeline"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["kind"] == "delivered")
-        .cloned()
-        .unwrap();
+    let v = json(&run(&["--json", "events", "show", "done"]));
+    let step = expect_in(&v[0]["timeline"], "kind", "delivered");
     assert_eq!(step["publisher"], "b", "a confirmed earlier: {v}");
 
     // `events list --json | head`: the reader is gone before postbox writes.
@@ -1095,11 +872,11 @@ async fn events_show_smalls_and_a_closed_pipe() {
         &["status"],
     ] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
-            .current_dir(fx.dir.path())
-            .args(["--config", fx.cfg.as_str()])
+            .current_dir(fx.project.path())
+            .args(["--config", fx.project.cfg.as_str()])
             .args(args)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         drop(child.stdout.take());
@@ -1108,10 +885,5 @@ async fn events_show_smalls_and_a_closed_pipe() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
         assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
     }
-    sqlx::query(&format!(
-        "DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"
-    ))
-    .execute(&pool)
-    .await
-    .unwrap();
+    fx.drop_tables().await;
 }

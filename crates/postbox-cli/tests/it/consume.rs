@@ -1,6 +1,8 @@
 //! `postbox consume` as a process: prefetch 1 across three processes on one
 //! queue, the bridge to a Python handler, config errors.
 
+use crate::common;
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
@@ -18,6 +20,26 @@ fn postbox() -> tokio::process::Command {
     let mut c = tokio::process::Command::new(env!("CARGO_BIN_EXE_postbox"));
     c.env_remove("POSTBOX_CONFIG").kill_on_drop(true);
     c
+}
+
+/// `postbox --config config consume`.
+fn consume(config: &Path) -> tokio::process::Command {
+    let mut c = postbox();
+    c.args(["--config", config.to_str().unwrap(), "consume"]);
+    c
+}
+
+/// All that `child` wrote to its piped stderr, once it has exited.
+async fn stderr_of(child: &mut tokio::process::Child) -> String {
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .await
+        .unwrap();
+    err
 }
 
 async fn broker() -> (Connection, Channel) {
@@ -289,12 +311,8 @@ async fn three_processes_with_prefetch_one_share_a_queue() {
             samples.push(s);
         }
     }
-    for p in &mut procs {
-        let pid = p.id().unwrap() as i32;
-        std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .unwrap();
+    for p in &procs {
+        common::signal("TERM", p.id().unwrap());
     }
     let mut handled_per_process = Vec::new();
     for (mut p, log) in procs.into_iter().zip(logs) {
@@ -362,10 +380,7 @@ async fn the_bridge_delivers_to_a_python_handler_once_per_event() {
         dir.path(),
         &consume_toml_with_inbox(&queue, &format!("http://127.0.0.1:{port}/events"), &inbox),
     );
-    let mut consume = postbox()
-        .args(["--config", config.to_str().unwrap(), "consume"])
-        .spawn()
-        .unwrap();
+    let mut bridge = consume(&config).spawn().unwrap();
     let start = Instant::now();
     while sample_unacked(&queue).await.is_empty() {
         assert!(
@@ -411,12 +426,8 @@ async fn the_bridge_delivers_to_a_python_handler_once_per_event() {
     assert_eq!(e["headers"]["x-attempt"], 1);
     assert_eq!(got[1]["envelope"]["payload"], "not json");
 
-    let pid = consume.id().unwrap();
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status()
-        .unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(10), consume.wait())
+    common::signal("TERM", bridge.id().unwrap());
+    let status = tokio::time::timeout(Duration::from_secs(10), bridge.wait())
         .await
         .unwrap()
         .unwrap();
@@ -458,11 +469,7 @@ async fn bad_consumer_config_exits_2_naming_the_key() {
     );
     for (key, toml) in cases {
         let config = write_config(dir.path(), &toml);
-        let out = postbox()
-            .args(["--config", config.to_str().unwrap(), "consume"])
-            .output()
-            .await
-            .unwrap();
+        let out = consume(&config).output().await.unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{key}: {stderr}");
         assert!(stderr.contains(&format!("`{key}`")), "{key}: {stderr}");
@@ -490,14 +497,18 @@ async fn migrate_creates_the_inbox_of_a_consumer() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("inbox `bridge_inbox`"));
-    use sqlx::Connection;
-    let mut c = sqlx::SqliteConnection::connect(&inbox).await.unwrap();
-    let tables: Vec<String> =
-        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
-            .fetch_all(&mut c)
-            .await
-            .unwrap();
+    let tables = inbox_tables(&inbox).await;
     assert_eq!(tables, ["bridge_inbox", "bridge_inbox_versions"]);
+}
+
+/// The tables of the SQLite inbox database at `inbox`, by name.
+async fn inbox_tables(inbox: &str) -> Vec<String> {
+    use sqlx::Connection;
+    let mut c = sqlx::SqliteConnection::connect(inbox).await.unwrap();
+    sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+        .fetch_all(&mut c)
+        .await
+        .unwrap()
 }
 
 /// Declares `queue` and `queue.dead` plain, and `queue.retry` with `retry_args`.
@@ -559,15 +570,10 @@ async fn a_hand_made_retry_queue_that_does_not_dead_letter_back_is_refused() {
         let toml = consumer_toml(queue, "http://127.0.0.1:1/", "")
             .replace("declare = true", "declare = false");
         let config = write_config(dir.path(), &toml);
-        let out = tokio::time::timeout(
-            Duration::from_secs(20),
-            postbox()
-                .args(["--config", config.to_str().unwrap(), "consume"])
-                .output(),
-        )
-        .await
-        .expect("consume kept running instead of refusing the topology")
-        .unwrap();
+        let out = tokio::time::timeout(Duration::from_secs(20), consume(&config).output())
+            .await
+            .expect("consume kept running instead of refusing the topology")
+            .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         println!("{stderr}");
         assert_eq!(out.status.code(), Some(2), "{stderr}");
@@ -593,38 +599,19 @@ async fn a_hand_made_retry_queue_that_does_not_dead_letter_back_is_refused() {
     let (url, keys) = slow_server(Duration::ZERO).await;
     let toml = consumer_toml(&good, &url, "").replace("declare = true", "declare = false");
     let config = write_config(dir.path(), &toml);
-    let mut child = postbox()
-        .args(["--config", config.to_str().unwrap(), "consume"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = consume(&config).stderr(Stdio::piped()).spawn().unwrap();
     publish(&ch, &good, "hand-1", "{}").await;
     let start = Instant::now();
     while keys.lock().unwrap().is_empty() {
         if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            child
-                .stderr
-                .take()
-                .unwrap()
-                .read_to_string(&mut err)
-                .await
-                .unwrap();
-            panic!("consume exited {status:?}: {err}");
+            panic!("consume exited {status:?}: {}", stderr_of(&mut child).await);
         }
         assert!(start.elapsed() < Duration::from_secs(20), "nothing handled");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     child.start_kill().unwrap();
     child.wait().await.unwrap();
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .await
-        .unwrap();
+    let err = stderr_of(&mut child).await;
     println!("{err}");
     assert!(!err.contains("cannot verify"), "{err}");
     delete_queues(&ch, &good).await;
@@ -642,10 +629,7 @@ async fn per_aggregate_ordering_keeps_its_holds_beside_the_inbox() {
         consume_toml_with_inbox(&queue, &url, &inbox)
     );
     let config = write_config(dir.path(), &toml);
-    let mut child = postbox()
-        .args(["--config", config.to_str().unwrap(), "consume"])
-        .spawn()
-        .unwrap();
+    let mut child = consume(&config).spawn().unwrap();
     let start = Instant::now();
     // The queue exists once consume has declared it.
     loop {
@@ -678,13 +662,7 @@ async fn per_aggregate_ordering_keeps_its_holds_beside_the_inbox() {
     }
     child.start_kill().unwrap();
     child.wait().await.unwrap();
-    use sqlx::Connection;
-    let mut c = sqlx::SqliteConnection::connect(&inbox).await.unwrap();
-    let tables: Vec<String> =
-        sqlx::query_scalar("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
-            .fetch_all(&mut c)
-            .await
-            .unwrap();
+    let tables = inbox_tables(&inbox).await;
     assert_eq!(
         tables,
         [

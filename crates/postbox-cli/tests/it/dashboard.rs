@@ -4,17 +4,14 @@
 //! checks the counts shown, replays a failed event through its button and
 //! sees it leave the failed list. A missing chromium or node is a failure.
 
+use crate::common;
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use postbox_core::store::OutboxStore;
 use postbox_core::{NewEvent, Status};
-use postbox_postgres::PgOutbox;
-use postbox_testkit::servers::ensure_database;
-use postbox_testkit::{postgres_url, scratch_table};
 
 const TOKEN: &str = "browser-test-token-91c2";
 
@@ -48,12 +45,8 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
         browser_dir.display()
     );
 
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let table = scratch_table("dash");
-    let store: Arc<dyn OutboxStore> =
-        Arc::new(PgOutbox::connect(&url, &table, 2).await.expect("connect"));
-    store.migrate().await.expect("migrate");
+    let (url, store) = common::server_outbox("postgres", "dash", 2).await;
+    let table = store.table().as_str().to_owned();
     let app = "web";
     let evs: Vec<NewEvent> = (0..10)
         .map(|i| NewEvent::new(app, "RoomCreated", format!(r#"{{"n":{i}}}"#)))
@@ -81,24 +74,16 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
     // ids[7..10] stay pending.
 
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("postbox.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let config = common::write_config(
+        dir.path(),
+        &format!(
             "[database]\nurl = \"{url}\"\ntable = \"{table}\"\napp_codes = [\"{app}\"]\n\n\
              [[publishers]]\nkind = \"file\"\npath = \"-\"\n\n\
              [admin]\nlisten = \"127.0.0.1:0\"\ntoken = \"${{DASH_TOKEN}}\"\n"
         ),
-    )
-    .unwrap();
+    );
     let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .args([
-            "--config",
-            config.to_str().unwrap(),
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-        ])
+        .args(["--config", &config, "serve", "--listen", "127.0.0.1:0"])
         .env("DASH_TOKEN", TOKEN)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

@@ -4,41 +4,29 @@
 
 use crate::common;
 
-use common::{postbox, text};
+use common::{
+    assert_ok, assert_says, expect_in, json, server_pool, sqlite_pool, text, Db, Project,
+};
 use postbox_testkit::scratch_table;
-use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url, postgres_url};
 
-/// Runs the scenario; `drop_index(sql)` runs one statement on the database
-/// (the index's name, for dropping it), `exec(sql)` any statement, and
-/// `analyze` is the backend's statement that gathers statistics.
-async fn doctor_scenario<F, Fut, E, EFut>(url: &str, t: &str, drop_index: F, exec: E, analyze: &str)
-where
-    E: Fn(String) -> EFut,
-    EFut: std::future::Future<Output = ()>,
-    F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("postbox.toml");
-    std::fs::write(
-        &config,
-        format!("[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"doc\"]\n"),
-    )
-    .unwrap();
-    let config = config.to_str().unwrap();
+/// Runs the scenario on the outbox table `t` of `db` (at `url`), and drops
+/// the tables of a server database at the end.
+async fn doctor_scenario(db: Db, url: &str, t: &str) {
+    let project = Project::new(|_| {
+        format!("[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"doc\"]\n")
+    });
+    let run = |args: &[&str]| project.run(args);
 
     // Before migrating: fails, naming the schema.
-    let out = postbox(dir.path(), &["--config", config, "doctor"]);
+    let out = run(&["doctor"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(text(&out).contains("schema_version"), "{}", text(&out));
+    assert_says(&out, &["schema_version"]);
 
-    let out = postbox(dir.path(), &["--config", config, "migrate"]);
-    assert!(out.status.success(), "{}", text(&out));
-    let out = postbox(dir.path(), &["--config", config, "--json", "doctor"]);
+    assert_ok(&run(&["migrate"]));
+    let out = run(&["--json", "doctor"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = json(&out);
     assert_eq!(report["ok"], true);
-    let checks = report["checks"].as_array().unwrap();
     for q in [
         "plan:claim_pending",
         "plan:claim_due_retries",
@@ -48,10 +36,7 @@ where
         &format!("index:{t}_claim_lease_idx"),
         &format!("index:{t}_history_event_idx"),
     ] {
-        let c = checks
-            .iter()
-            .find(|c| c["name"] == q)
-            .unwrap_or_else(|| panic!("no check {q}: {report:#}"));
+        let c = expect_in(&report["checks"], "name", q);
         assert_eq!(c["level"], "ok", "{c:#}");
     }
 
@@ -60,17 +45,22 @@ where
     let statuses = ["delivered", "pending", "delivering", "retryable", "failed"];
     for i in 0..100 {
         let status = statuses[if i < 80 { 0 } else { i % 5 }];
-        exec(format!(
+        db.exec(&format!(
             "INSERT INTO {t} (app_code, event_id, event_type, payload, status, lock_until_ms, next_retry_at_ms, created_at_ms, updated_at_ms) \
              VALUES ('doc', 'e{i}', 'T', '{{}}', '{status}', {i}, {i}, {i}, {i})"
         ))
         .await;
     }
+    let analyze = match db {
+        Db::Pg(_) => format!("ANALYZE {t}"),
+        Db::My(_) => format!("ANALYZE TABLE {t}"),
+        Db::Lite(_) => "ANALYZE".to_owned(),
+    };
     for round in ["unanalysed", "analysed"] {
         if round == "analysed" {
-            exec(analyze.to_owned()).await;
+            db.exec(&analyze).await;
         }
-        let out = postbox(dir.path(), &["--config", config, "doctor"]);
+        let out = run(&["doctor"]);
         assert_eq!(
             out.status.code(),
             Some(0),
@@ -80,8 +70,12 @@ where
     }
 
     let index = format!("{t}_claim_lease_idx");
-    drop_index(index.clone()).await;
-    let out = postbox(dir.path(), &["--config", config, "doctor"]);
+    db.exec(&match db {
+        Db::My(_) => format!("DROP INDEX {index} ON {t}"),
+        _ => format!("DROP INDEX {index}"),
+    })
+    .await;
+    let out = run(&["doctor"]);
     let shown = text(&out);
     assert_eq!(out.status.code(), Some(1), "{shown}");
     assert!(
@@ -96,110 +90,29 @@ where
         shown.contains("ok    plan:claim_pending"),
         "other queries still fine: {shown}"
     );
+    if !matches!(db, Db::Lite(_)) {
+        db.drop_tables(t).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_doctor_passes_fresh_and_names_a_dropped_index() {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let pool = sqlx::PgPool::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    let t = scratch_table("doc");
-    doctor_scenario(
-        &url,
-        &t,
-        |index| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&format!("DROP INDEX {index}"))
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-            }
-        },
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&sql).execute(&pool).await.unwrap();
-            }
-        },
-        &format!("ANALYZE {t}"),
-    )
-    .await;
-    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    let (url, pool) = server_pool::<sqlx::Postgres>("postgres").await;
+    doctor_scenario(Db::Pg(pool), &url, &scratch_table("doc")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mariadb_doctor_passes_fresh_and_names_a_dropped_index() {
-    let url = mysql_url();
-    ensure_database("mysql", &url).await;
-    let pool = sqlx::MySqlPool::connect(&url)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
-    let t = scratch_table("doc");
-    let table = t.clone();
-    doctor_scenario(
-        &url,
-        &t,
-        |index| {
-            let pool = pool.clone();
-            let table = table.clone();
-            async move {
-                sqlx::query(&format!("DROP INDEX {index} ON {table}"))
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-            }
-        },
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::raw_sql(&sql).execute(&pool).await.unwrap();
-            }
-        },
-        &format!("ANALYZE TABLE {t}"),
-    )
-    .await;
-    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    let (url, pool) = server_pool::<sqlx::MySql>("mysql").await;
+    doctor_scenario(Db::My(pool), &url, &scratch_table("doc")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqlite_doctor_passes_fresh_and_names_a_dropped_index() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
-    let opts = url
-        .parse::<sqlx::sqlite::SqliteConnectOptions>()
-        .unwrap()
-        .create_if_missing(true);
-    let pool = sqlx::SqlitePool::connect_with(opts).await.unwrap();
-    doctor_scenario(
-        &url,
-        "room_outbox",
-        |index| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&format!("DROP INDEX {index}"))
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-            }
-        },
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&sql).execute(&pool).await.unwrap();
-            }
-        },
-        "ANALYZE",
-    )
-    .await;
+    let db = Db::Lite(sqlite_pool(&url).await);
+    doctor_scenario(db, &url, "room_outbox").await;
 }
 
 #[test]
@@ -222,19 +135,23 @@ fn doctor_warns_when_an_inbox_forgets_before_redeliveries_end() {
         )
         .unwrap();
     };
-    let config_arg = config.to_str().unwrap();
+    let doctor = || {
+        let out = common::postbox(
+            dir.path(),
+            &["--config", config.to_str().unwrap(), "--json", "doctor"],
+        );
+        expect_in(
+            &json(&out)["checks"],
+            "name",
+            "config:consumers.0.inbox_retention",
+        )
+    };
     write("10m");
-    let out = postbox(dir.path(), &["--config", config_arg, "migrate"]);
-    assert!(out.status.success(), "{}", text(&out));
-    let out = postbox(dir.path(), &["--config", config_arg, "--json", "doctor"]);
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let inbox = report["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "config:consumers.0.inbox_retention")
-        .unwrap_or_else(|| panic!("no inbox check: {report:#}"))
-        .clone();
+    assert_ok(&common::postbox(
+        dir.path(),
+        &["--config", config.to_str().unwrap(), "migrate"],
+    ));
+    let inbox = doctor();
     // 10 relay retries × 5m alone is 50m: 10m of memory is too short.
     assert_eq!(inbox["level"], "warn", "{inbox:#}");
     assert!(
@@ -246,15 +163,7 @@ fn doctor_warns_when_an_inbox_forgets_before_redeliveries_end() {
     );
 
     write("7d");
-    let out = postbox(dir.path(), &["--config", config_arg, "--json", "doctor"]);
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let inbox = report["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "config:consumers.0.inbox_retention")
-        .unwrap()
-        .clone();
+    let inbox = doctor();
     assert_eq!(inbox["level"], "ok", "{inbox:#}");
 }
 
@@ -263,26 +172,17 @@ fn doctor_warns_when_an_inbox_forgets_before_redeliveries_end() {
 /// wait behind it; a healthy aggregate is not named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_and_status_show_an_aggregate_whose_head_cannot_move() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
-    let config = dir.path().join("postbox.toml");
-    std::fs::write(
-        &config,
+    let mut url = String::new();
+    let project = Project::migrated(|dir| {
+        url = format!("sqlite://{}", dir.join("outbox.db").display());
         format!(
             "[database]\nurl = \"{url}\"\ntable = \"room_outbox\"\napp_codes = [\"doc\"]\n\
              [outbox_worker]\nordering = \"per_aggregate\"\n"
-        ),
-    )
-    .unwrap();
-    let config = config.to_str().unwrap();
-    let out = postbox(dir.path(), &["--config", config, "migrate"]);
-    assert!(out.status.success(), "{}", text(&out));
-    let out = postbox(dir.path(), &["--config", config, "doctor"]);
-    assert!(
-        text(&out).contains("ok    aggregates:held_back"),
-        "{}",
-        text(&out)
-    );
+        )
+    });
+    let run = |args: &[&str]| project.run(args);
+    let out = run(&["doctor"]);
+    assert_says(&out, &["ok    aggregates:held_back"]);
 
     let pool = sqlx::SqlitePool::connect(&url).await.unwrap();
     // An hour-old head that keeps failing, one event behind it; a healthy
@@ -297,7 +197,7 @@ async fn doctor_and_status_show_an_aggregate_whose_head_cannot_move() {
     .execute(&pool)
     .await
     .unwrap();
-    let out = postbox(dir.path(), &["--config", config, "doctor"]);
+    let out = run(&["doctor"]);
     let shown = text(&out);
     assert!(shown.contains("WARN  aggregates:held_back"), "{shown}");
     assert!(
@@ -306,7 +206,7 @@ async fn doctor_and_status_show_an_aggregate_whose_head_cannot_move() {
     );
     assert!(shown.contains("broker said no"), "{shown}");
     assert!(!shown.contains("room-8"), "{shown}");
-    let out = postbox(dir.path(), &["--config", config, "status"]);
+    let out = run(&["status"]);
     let shown = text(&out);
     assert!(out.status.success(), "{shown}");
     assert!(shown.contains("aggregates held back"), "{shown}");

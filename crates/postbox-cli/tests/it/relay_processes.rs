@@ -3,16 +3,17 @@
 //! Every event is delivered at least once, nothing is left undelivered, and
 //! every duplicate is explained by a killed relay's lease.
 
+use crate::common;
+
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::{assert_ok, postbox, server_outbox, signal};
 use postbox_core::store::{EnqueueOutcome, OutboxStore};
 use postbox_core::{NewEvent, Status};
-use postbox_testkit::scratch_table;
-use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url, postgres_url};
 use tokio::process::{Child, Command};
 
 const EVENTS_PER_PRODUCER: usize = 10_000;
@@ -60,32 +61,34 @@ path = "{out}"
     path
 }
 
+/// `postbox --config cfg log_args… relay`, killed when dropped.
+fn relay_process(cfg: &Path, log_args: &[&str], stderr: impl Into<Stdio>) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .args(["--config", cfg.to_str().unwrap()])
+        .args(log_args)
+        .arg("relay")
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start postbox relay")
+}
+
+/// Waits at most `secs` for a relay sent SIGTERM, which must exit 0.
+async fn exits_0(child: &mut Child, secs: u64, who: &str) {
+    let status = tokio::time::timeout(Duration::from_secs(secs), child.wait())
+        .await
+        .unwrap_or_else(|_| panic!("{who}: the relay ignored SIGTERM"))
+        .unwrap();
+    assert!(status.success(), "{who}: relay exited with {status}");
+}
+
 fn start_relay(dir: &Path, url: &str, table: &str, slot: usize, incarnation: usize) -> Relay {
     let out = dir.join(format!("relay-{slot}-{incarnation}.jsonl"));
     let cfg = config(dir, url, table, &out);
     let log = std::fs::File::create(dir.join(format!("relay-{slot}-{incarnation}.log"))).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .args([
-            "--config",
-            cfg.to_str().unwrap(),
-            "--log-format",
-            "json",
-            "relay",
-        ])
-        .stdout(Stdio::null())
-        .stderr(log)
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start postbox relay");
+    let child = relay_process(&cfg, &["--log-format", "json"], log);
     Relay { child, out }
-}
-
-fn signal(name: &str, pid: &str) {
-    let st = std::process::Command::new("kill")
-        .args([&format!("-{name}"), pid])
-        .status()
-        .unwrap();
-    assert!(st.success(), "kill -{name} {pid}");
 }
 
 /// True when relay 0's current incarnation holds leased rows right now.
@@ -133,16 +136,10 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
     std::fs::create_dir_all(dir).unwrap();
 
     let cfg = config(dir, url, &table, &dir.join("migrate.jsonl"));
-    let migrate = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .args(["--config", cfg.to_str().unwrap(), "migrate"])
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        migrate.status.success(),
-        "migrate: {}",
-        String::from_utf8_lossy(&migrate.stderr)
-    );
+    assert_ok(&postbox(
+        dir,
+        &["--config", cfg.to_str().unwrap(), "migrate"],
+    ));
 
     let mut killed_outputs = Vec::new();
 
@@ -194,8 +191,8 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
             // have finished on the server: a kill between publish and mark
             // is what this test is about.
             let victim = &mut relays[0];
-            let pid = victim.child.id().expect("relay 0 running").to_string();
-            signal("STOP", &pid);
+            let pid = victim.child.id().expect("relay 0 running");
+            signal("STOP", pid);
             tokio::time::sleep(Duration::from_millis(100)).await;
             if holds_leases(store.as_ref(), dir, kills).await {
                 victim.child.start_kill().expect("SIGKILL relay 0");
@@ -205,7 +202,7 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
                 eprintln!("SIGKILLed relay 0 at {delivered} delivered while it held leases; restarting it");
                 relays[0] = start_relay(dir, url, &table, 0, kills);
             } else {
-                signal("CONT", &pid);
+                signal("CONT", pid);
                 tokio::time::sleep(Duration::from_millis(30)).await;
             }
         }
@@ -239,20 +236,11 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
     assert_eq!(produced.len(), total as usize);
 
     // Graceful stop: SIGTERM, and every relay exits 0.
-    for r in &mut relays {
-        let pid = r.child.id().expect("relay still running");
-        let st = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .unwrap();
-        assert!(st.success());
+    for r in &relays {
+        signal("TERM", r.child.id().expect("relay still running"));
     }
     for (slot, r) in relays.iter_mut().enumerate() {
-        let status = tokio::time::timeout(Duration::from_secs(20), r.child.wait())
-            .await
-            .expect("relay exits after SIGTERM")
-            .unwrap();
-        assert!(status.success(), "relay {slot} exited with {status}");
+        exits_0(&mut r.child, 20, &format!("relay {slot}")).await;
     }
 
     // Read every relay's output; a killed relay may have left a torn last line.
@@ -348,24 +336,14 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_relays_with_kills_postgres() {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = postbox_postgres::PgOutbox::connect(&url, &scratch_table("conc"), 8)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
-    drain_with_kills(Arc::new(store), &url).await;
+    let (url, store) = server_outbox("postgres", "conc", 8).await;
+    drain_with_kills(store, &url).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_relays_with_kills_mariadb() {
-    let url = mysql_url();
-    ensure_database("mysql", &url).await;
-    let store = postbox_mysql::MySqlOutbox::connect(&url, &scratch_table("conc"), 8)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
-    store.migrate().await.unwrap();
-    drain_with_kills(Arc::new(store), &url).await;
+    let (url, store) = server_outbox("mysql", "conc", 8).await;
+    drain_with_kills(store, &url).await;
 }
 
 /// Issue 9.1: a relay whose stderr is closed (`… 2>&1 | head -4`, then the
@@ -376,33 +354,18 @@ async fn four_relays_with_kills_mariadb() {
 async fn relay_keeps_delivering_when_stderr_is_closed_or_full() {
     use tokio::io::{AsyncBufReadExt, BufReader};
 
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = postbox_postgres::PgOutbox::connect(&url, &scratch_table("logsink"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
+    let (url, store) = server_outbox("postgres", "logsink", 4).await;
     let table = store.table().as_str().to_owned();
     let dir = tempfile::tempdir().unwrap();
     let mut delivered_so_far = 0;
     for sink in ["closed", "full"] {
         let out = dir.path().join(format!("{sink}.jsonl"));
         let cfg = config(dir.path(), &url, &table, &out);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
-            .args([
-                "--config",
-                cfg.to_str().unwrap(),
-                "--log-format",
-                "json",
-                "--log",
-                "trace",
-                "relay",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start postbox relay");
+        let mut child = relay_process(
+            &cfg,
+            &["--log-format", "json", "--log", "trace"],
+            Stdio::piped(),
+        );
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         // Like `head`: read until the relay has started, then stop reading.
         let started = tokio::time::timeout(Duration::from_secs(20), async {
@@ -432,7 +395,7 @@ async fn relay_keeps_delivering_when_stderr_is_closed_or_full() {
         delivered_so_far += events.len() as i64;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let (delivered, open) = stats(&store).await;
+            let (delivered, open) = stats(store.as_ref()).await;
             if delivered == delivered_so_far && open == 0 {
                 break;
             }
@@ -451,15 +414,8 @@ async fn relay_keeps_delivering_when_stderr_is_closed_or_full() {
             );
         }
 
-        signal("TERM", &child.id().expect("relay running").to_string());
-        let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
-            .await
-            .unwrap_or_else(|_| panic!("{sink} stderr: the relay ignored SIGTERM"))
-            .unwrap();
-        assert!(
-            status.success(),
-            "{sink} stderr: relay exited with {status}"
-        );
+        signal("TERM", child.id().expect("relay running"));
+        exits_0(&mut child, 10, &format!("{sink} stderr")).await;
         drop(unread);
     }
 }
@@ -468,14 +424,22 @@ async fn relay_keeps_delivering_when_stderr_is_closed_or_full() {
 /// payload written with the documented plain INSERT went to every broker.
 /// The relay dead-letters it at once with a clear `last_error`, without
 /// trying the publishers and without holding back the other rows.
-async fn oversized_plain_insert_is_dead_lettered(
-    store: &dyn OutboxStore,
-    url: &str,
-    insert: impl std::future::Future<Output = ()>,
-    big_id: &str,
-) {
+///
+/// `insert(url, sql, big_id)` runs `plain_insert_sql` (on `room_outbox`,
+/// renamed to the scratch table) for the oversized event `big_id`.
+async fn oversized_plain_insert_is_dead_lettered<F, Fut>(
+    server: &str,
+    plain_insert_sql: &str,
+    insert: F,
+) where
+    F: FnOnce(String, String, String) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let (url, store) = server_outbox(server, "big", 4).await;
+    let big_id = &uuid_like(server);
     let table = store.table().as_str().to_owned();
-    insert.await;
+    let sql = plain_insert_sql.replace("room_outbox", &table);
+    insert(url.clone(), sql, big_id.clone()).await;
     let small: Vec<NewEvent> = (0..5)
         .map(|n| NewEvent::new("room", "Small", format!(r#"{{"n":{n}}}"#)))
         .collect();
@@ -483,14 +447,8 @@ async fn oversized_plain_insert_is_dead_lettered(
 
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("oversized.jsonl");
-    let cfg = config(dir.path(), url, &table, &out);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .args(["--config", cfg.to_str().unwrap(), "relay"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start postbox relay");
+    let cfg = config(dir.path(), &url, &table, &out);
+    let mut child = relay_process(&cfg, &[], Stdio::null());
     let deadline = Instant::now() + Duration::from_secs(20);
     let s = loop {
         let s = store.stats(&["room".to_owned()]).await.unwrap().remove(0);
@@ -500,12 +458,8 @@ async fn oversized_plain_insert_is_dead_lettered(
         assert!(Instant::now() < deadline, "not settled: {s:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    signal("TERM", &child.id().unwrap().to_string());
-    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
-        .await
-        .expect("relay exits after SIGTERM")
-        .unwrap();
-    assert!(status.success(), "relay exited with {status}");
+    signal("TERM", child.id().unwrap());
+    exits_0(&mut child, 10, "oversized").await;
 
     assert_eq!(s.pending + s.delivering + s.retryable, 0, "{s:?}");
     let row = store.find(big_id).await.unwrap().remove(0);
@@ -524,69 +478,50 @@ async fn oversized_plain_insert_is_dead_lettered(
     assert_eq!(written.lines().count(), 5, "the small rows were delivered");
 }
 
+/// A 3 MiB JSON payload.
 fn big_payload() -> String {
-    format!(r#"{{"blob":"{}"}}"#, "x".repeat(3 * 1024 * 1024 - 11))
+    let payload = format!(r#"{{"blob":"{}"}}"#, "x".repeat(3 * 1024 * 1024 - 11));
+    assert_eq!(payload.len(), 3 * 1024 * 1024);
+    payload
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversized_plain_insert_is_dead_lettered_postgres() {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = postbox_postgres::PgOutbox::connect(&url, &scratch_table("big"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
-    let big_id = uuid_like("pg");
-    let sql = include_str!("../../../../docs/plain-insert.postgres.sql")
-        .replace("room_outbox", store.table().as_str());
-    let insert = async {
-        let pool = sqlx::PgPool::connect(&url).await.unwrap();
-        let payload = big_payload();
-        assert_eq!(payload.len(), 3 * 1024 * 1024);
-        sqlx::query(&sql)
-            .bind("room")
-            .bind(&big_id)
-            .bind("Huge")
-            .bind(None::<String>)
-            .bind(None::<i64>)
-            .bind(payload)
-            .bind(None::<String>)
-            .execute(&pool)
-            .await
-            .expect("plain insert");
-        pool.close().await;
+/// The test of [`oversized_plain_insert_is_dead_lettered`] on `$server`,
+/// whose `docs/plain-insert.$server.sql` runs through a fresh `$pool`.
+macro_rules! oversized_plain_insert_test {
+    ($name:ident, $server:literal, $pool:ty) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let sql = include_str!(concat!("../../../../docs/plain-insert.", $server, ".sql"));
+            oversized_plain_insert_is_dead_lettered($server, sql, |url, sql, big_id| async move {
+                let pool = <$pool>::connect(&url).await.unwrap();
+                sqlx::query(&sql)
+                    .bind("room")
+                    .bind(&big_id)
+                    .bind("Huge")
+                    .bind(None::<String>)
+                    .bind(None::<i64>)
+                    .bind(big_payload())
+                    .bind(None::<String>)
+                    .execute(&pool)
+                    .await
+                    .expect("plain insert");
+                pool.close().await;
+            })
+            .await;
+        }
     };
-    oversized_plain_insert_is_dead_lettered(&store, &url, insert, &big_id).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversized_plain_insert_is_dead_lettered_mariadb() {
-    let url = mysql_url();
-    ensure_database("mysql", &url).await;
-    let store = postbox_mysql::MySqlOutbox::connect(&url, &scratch_table("big"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
-    store.migrate().await.unwrap();
-    let big_id = uuid_like("my");
-    let sql = include_str!("../../../../docs/plain-insert.mysql.sql")
-        .replace("room_outbox", store.table().as_str());
-    let insert = async {
-        let pool = sqlx::MySqlPool::connect(&url).await.unwrap();
-        sqlx::query(&sql)
-            .bind("room")
-            .bind(&big_id)
-            .bind("Huge")
-            .bind(None::<String>)
-            .bind(None::<i64>)
-            .bind(big_payload())
-            .bind(None::<String>)
-            .execute(&pool)
-            .await
-            .expect("plain insert");
-        pool.close().await;
-    };
-    oversized_plain_insert_is_dead_lettered(&store, &url, insert, &big_id).await;
-}
+oversized_plain_insert_test!(
+    oversized_plain_insert_is_dead_lettered_postgres,
+    "postgres",
+    sqlx::PgPool
+);
+oversized_plain_insert_test!(
+    oversized_plain_insert_is_dead_lettered_mariadb,
+    "mysql",
+    sqlx::MySqlPool
+);
 
 fn uuid_like(prefix: &str) -> String {
     format!("{prefix}-huge-{}-{}", std::process::id(), rand_suffix())

@@ -1,8 +1,21 @@
-//! Shared by the CLI test binaries: run the real `postbox` binary.
+//! Shared by the CLI tests: run the real `postbox` binary with a config,
+//! read its JSON, stop it, and reach the servers it runs against.
 #![allow(dead_code)]
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use postbox_core::store::OutboxStore;
+use postbox_testkit::scratch_table;
+use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url, postgres_url};
+
+pub use postbox_testkit::cli_fixtures::{expect_in, find_in, pluck};
+
+/// `postbox enqueue` of one `T` event with an empty payload; more flags
+/// (`--event-id`, `--app-code`) may follow.
+pub const ENQUEUE_T: [&str; 5] = ["enqueue", "--event-type", "T", "--payload", "{}"];
 
 /// Runs `postbox args…` in `dir` with extra environment variables.
 pub fn run(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -26,4 +39,194 @@ pub fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
+}
+
+/// Asserts that the command exited 0, showing what it printed otherwise.
+pub fn assert_ok(out: &Output) {
+    assert!(out.status.success(), "{}", text(out));
+}
+
+/// Asserts that what the command printed contains each of `parts`.
+pub fn assert_says(out: &Output, parts: &[&str]) {
+    let shown = text(out);
+    for part in parts {
+        assert!(shown.contains(part), "no `{part}` in: {shown}");
+    }
+}
+
+/// The command's stdout, parsed as JSON (`--json`).
+pub fn json(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", text(out)))
+}
+
+/// Writes `body` as `dir/postbox.toml`; returns its path.
+pub fn write_config(dir: &Path, body: &str) -> String {
+    let path = dir.join("postbox.toml");
+    std::fs::write(&path, body).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// A temporary folder holding a `postbox.toml`, and the CLI run with it.
+pub struct Project {
+    pub dir: tempfile::TempDir,
+    pub cfg: String,
+}
+
+impl Project {
+    /// A fresh folder with the config `body(folder)`.
+    pub fn new(body: impl FnOnce(&Path) -> String) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = write_config(dir.path(), &body(dir.path()));
+        Project { dir, cfg }
+    }
+
+    /// [`Project::new`], then `postbox migrate`, which must succeed.
+    pub fn migrated(body: impl FnOnce(&Path) -> String) -> Self {
+        let project = Project::new(body);
+        assert_ok(&project.run(&["migrate"]));
+        project
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `postbox --config postbox.toml args…`.
+    pub fn run(&self, args: &[&str]) -> Output {
+        run(self.path(), &self.args(args), &[])
+    }
+
+    /// `postbox --config postbox.toml args…` as a process of its own,
+    /// stdout dropped.
+    pub fn spawn(&self, args: &[&str], stderr: Stdio) -> Child {
+        Command::new(env!("CARGO_BIN_EXE_postbox"))
+            .current_dir(self.path())
+            .args(self.args(args))
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("start postbox")
+    }
+
+    fn args<'a>(&'a self, args: &[&'a str]) -> Vec<&'a str> {
+        let mut all = vec!["--config", self.cfg.as_str()];
+        all.extend_from_slice(args);
+        all
+    }
+}
+
+/// `kill -NAME pid`, which must succeed.
+pub fn signal(name: &str, pid: u32) {
+    let st = Command::new("kill")
+        .args([format!("-{name}"), pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success(), "kill -{name} {pid}");
+}
+
+/// Polls `done` every `every` until it holds; fails with `what()` after `secs`.
+pub fn wait_until(
+    secs: u64,
+    every: Duration,
+    mut done: impl FnMut() -> bool,
+    what: impl Fn() -> String,
+) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done() {
+        assert!(Instant::now() < deadline, "{}", what());
+        std::thread::sleep(every);
+    }
+}
+
+/// The URL of `server` (`postgres` or `mysql`), its database created.
+pub async fn server_url(server: &str) -> String {
+    let url = match server {
+        "postgres" => postgres_url(),
+        "mysql" => mysql_url(),
+        other => panic!("no test server `{other}`"),
+    };
+    ensure_database(server, &url).await;
+    url
+}
+
+/// A pool on `server` (`postgres` or `mysql`) and its URL; a server that is
+/// down fails naming how to start it.
+pub async fn server_pool<DB: sqlx::Database>(server: &str) -> (String, sqlx::Pool<DB>) {
+    let url = server_url(server).await;
+    let pool = sqlx::Pool::<DB>::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start(server)));
+    (url, pool)
+}
+
+/// A migrated outbox on a scratch table (`prefix`) of `server`, and its URL.
+pub async fn server_outbox(
+    server: &str,
+    prefix: &str,
+    max_connections: u32,
+) -> (String, Arc<dyn OutboxStore>) {
+    let url = server_url(server).await;
+    let table = scratch_table(prefix);
+    let store: Arc<dyn OutboxStore> = match server {
+        "postgres" => postbox_postgres::PgOutbox::connect(&url, &table, max_connections)
+            .await
+            .map(|s| Arc::new(s) as _),
+        _ => postbox_mysql::MySqlOutbox::connect(&url, &table, max_connections)
+            .await
+            .map(|s| Arc::new(s) as _),
+    }
+    .unwrap_or_else(|e| panic!("{}: {e}", how_to_start(server)));
+    store.migrate().await.expect("migrate");
+    (url, store)
+}
+
+/// A SQLite pool on `url`, creating the file, waiting out a writer's lock.
+pub async fn sqlite_pool(url: &str) -> sqlx::SqlitePool {
+    sqlx::sqlite::SqlitePoolOptions::new()
+        .connect_with(
+            url.parse::<sqlx::sqlite::SqliteConnectOptions>()
+                .unwrap()
+                .create_if_missing(true)
+                .busy_timeout(Duration::from_secs(10)),
+        )
+        .await
+        .unwrap()
+}
+
+/// One database, reached directly for loading, changing and counting.
+pub enum Db {
+    Pg(sqlx::PgPool),
+    My(sqlx::MySqlPool),
+    Lite(sqlx::SqlitePool),
+}
+
+impl Db {
+    /// Runs one statement (on MariaDB as plain text, not prepared).
+    pub async fn exec(&self, sql: &str) {
+        match self {
+            Db::Pg(p) => sqlx::query(sql).execute(p).await.map(|_| ()),
+            Db::My(p) => sqlx::raw_sql(sql).execute(p).await.map(|_| ()),
+            Db::Lite(p) => sqlx::query(sql).execute(p).await.map(|_| ()),
+        }
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    /// The one number `sql` selects.
+    pub async fn count(&self, sql: &str) -> i64 {
+        match self {
+            Db::Pg(p) => sqlx::query_scalar(sql).fetch_one(p).await,
+            Db::My(p) => sqlx::query_scalar(sql).fetch_one(p).await,
+            Db::Lite(p) => sqlx::query_scalar(sql).fetch_one(p).await,
+        }
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// Drops the outbox table `t` and its archive and history tables.
+    pub async fn drop_tables(&self, t: &str) {
+        for suffix in ["", "_archive", "_history"] {
+            self.exec(&format!("DROP TABLE IF EXISTS {t}{suffix}"))
+                .await;
+        }
+    }
 }
