@@ -64,7 +64,14 @@ pub struct AdminServer {
 impl AdminServer {
     /// Installs the Prometheus recorder (once per process) and binds
     /// `settings.listen`.
-    pub async fn bind(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
+    pub fn bind(
+        store: Arc<dyn OutboxStore>,
+        settings: AdminSettings,
+    ) -> postbox_core::BoxFuture<'static, Result<Self>> {
+        Box::pin(Self::bind_here(store, settings))
+    }
+
+    async fn bind_here(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
         let prometheus = crate::recorder::install_recorder()?;
         let addr: SocketAddr = settings.listen.parse().map_err(|e| {
             Error::config(
@@ -109,7 +116,11 @@ impl AdminServer {
     }
 
     /// Serves until `shutdown` is cancelled; polls the gauges meanwhile.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<()> {
+    pub fn run(self, shutdown: CancellationToken) -> postbox_core::BoxFuture<'static, Result<()>> {
+        Box::pin(self.run_here(shutdown))
+    }
+
+    async fn run_here(self, shutdown: CancellationToken) -> Result<()> {
         let addr = self.local_addr()?;
         // The first figures before the first request.
         self.state.poller.poll_once().await;

@@ -27,6 +27,15 @@ pub mod time;
 pub mod wire;
 
 pub use error::{Error, Result};
+
+/// The future of a public async entry point, boxed where it is defined.
+///
+/// An `async fn` is compiled in every crate that awaits it, with all it
+/// awaits in turn; a future boxed in its own crate is compiled once, there.
+/// Entry points that pull in much (a store, brokers, the relay, a server)
+/// return this, so that the crates above them (the CLI, tests, a service)
+/// do not compile them again.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 pub use event::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Status};
 pub use publish::{PublishError, Publisher};
 pub use store::{

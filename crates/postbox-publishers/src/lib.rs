@@ -37,13 +37,17 @@ pub mod webhook;
 use std::sync::Arc;
 
 use postbox_core::config::{PublisherConfig, Settings};
-use postbox_core::{Publisher, Result};
+use postbox_core::{BoxFuture, Publisher, Result};
 
 /// Builds the publisher a config entry describes; config errors name keys
 /// relative to the entry (`url`), see [`postbox_core::Error::within`]. A
 /// kind whose feature this build left out is a config error naming the
 /// feature.
-pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
+pub fn build(config: &PublisherConfig) -> BoxFuture<'_, Result<Arc<dyn Publisher>>> {
+    Box::pin(build_here(config))
+}
+
+async fn build_here(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     match config {
         PublisherConfig::File(c) => Ok(Arc::new(file::FilePublisher::open(c).await?)),
         #[cfg(feature = "rabbitmq")]
@@ -71,7 +75,11 @@ pub async fn build(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
 /// Builds every configured publisher, in order. A config error names the
 /// entry's key (`publishers.2.url`): publishers name their keys relative
 /// to their entry.
-pub async fn build_all(settings: &Settings) -> Result<Vec<Arc<dyn Publisher>>> {
+pub fn build_all(settings: &Settings) -> BoxFuture<'_, Result<Vec<Arc<dyn Publisher>>>> {
+    Box::pin(build_all_here(settings))
+}
+
+async fn build_all_here(settings: &Settings) -> Result<Vec<Arc<dyn Publisher>>> {
     let mut out = Vec::with_capacity(settings.publishers.len());
     for (at, c) in settings.publishers() {
         out.push(build(c).await.map_err(|e| e.within(&at))?);

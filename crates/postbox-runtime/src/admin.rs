@@ -6,22 +6,22 @@ use postbox_admin::{AdminServer, AdminSettings};
 use postbox_core::config::Settings;
 use postbox_core::relay::CancellationToken;
 use postbox_core::store::OutboxStore;
-use postbox_core::Error;
+use postbox_core::{BoxFuture, Error};
 use tokio::task::JoinHandle;
 
 /// Binds the admin server on `admin.listen` (or `listen` when given),
 /// serving `app_codes` (empty: `database.app_codes`).
-pub async fn bind(
+pub fn bind(
     settings: &Settings,
     store: Arc<dyn OutboxStore>,
     app_codes: Vec<String>,
     listen: Option<String>,
-) -> Result<AdminServer, Error> {
+) -> BoxFuture<'static, Result<AdminServer, Error>> {
     let mut admin = AdminSettings::from_settings(settings, app_codes);
     if let Some(listen) = listen {
         admin.listen = listen;
     }
-    AdminServer::bind(store, admin).await
+    AdminServer::bind(store, admin)
 }
 
 /// Starts the admin server in the background when `[admin]` is set (beside

@@ -13,14 +13,18 @@ use postbox_consumers::redis::RedisConsumer;
 use postbox_consumers::{Handler, RetryPolicy};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, KeyPath, Settings};
 use postbox_core::relay::CancellationToken;
-use postbox_core::Error;
+use postbox_core::{BoxFuture, Error};
 
 use crate::inbox;
 
 /// Runs every consumer until `shutdown` is cancelled; the first that fails
 /// stops the others, and its error (naming its key, `consumers.1.queue`) is
 /// returned.
-pub async fn run(settings: &Settings, shutdown: CancellationToken) -> Result<(), Error> {
+pub fn run(settings: &Settings, shutdown: CancellationToken) -> BoxFuture<'_, Result<(), Error>> {
+    Box::pin(run_here(settings, shutdown))
+}
+
+async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<(), Error> {
     if settings.consumers.is_empty() {
         return Err(Error::config(
             "consumers",
@@ -99,7 +103,11 @@ pub async fn run(settings: &Settings, shutdown: CancellationToken) -> Result<(),
 
 /// Creates the inbox tables of every consumer that has one (for `postbox
 /// migrate`); returns a line per inbox.
-pub async fn migrate_inboxes(settings: &Settings) -> Result<Vec<String>, Error> {
+pub fn migrate_inboxes(settings: &Settings) -> BoxFuture<'_, Result<Vec<String>, Error>> {
+    Box::pin(migrate_inboxes_here(settings))
+}
+
+async fn migrate_inboxes_here(settings: &Settings) -> Result<Vec<String>, Error> {
     let mut done = Vec::new();
     for (at, c) in settings.consumers() {
         let Some(config) = &c.inbox else { continue };

@@ -7,7 +7,7 @@ use postbox_core::config::{RelaySettings, Settings};
 use postbox_core::publish::Publisher;
 use postbox_core::relay::{CancellationToken, Relay, RelayReport};
 use postbox_core::store::OutboxStore;
-use postbox_core::Error;
+use postbox_core::{BoxFuture, Error};
 
 use crate::store::{self, Create};
 
@@ -34,7 +34,11 @@ impl RelayService {
     /// Checks that the relay has something to do, opens the store (running
     /// the migrations when asked), checks its schema and connects every
     /// publisher. Errors name the config key at fault.
-    pub async fn start(settings: &Settings, options: RelayOptions) -> Result<Self, Error> {
+    pub fn start(settings: &Settings, options: RelayOptions) -> BoxFuture<'_, Result<Self, Error>> {
+        Box::pin(Self::start_here(settings, options))
+    }
+
+    async fn start_here(settings: &Settings, options: RelayOptions) -> Result<Self, Error> {
         let relay = settings.relay(options.app_codes)?;
         if !settings.outbox_worker.enabled {
             return Err(Error::config(
@@ -70,7 +74,14 @@ impl RelayService {
     /// when configured, until `shutdown` is cancelled or the relay fails;
     /// the others stop with it. A failed relay stops only what this call
     /// started, never the caller's `shutdown` (a host service's own token).
-    pub async fn run(self, shutdown: CancellationToken) -> Result<RelayReport, Error> {
+    pub fn run(
+        self,
+        shutdown: CancellationToken,
+    ) -> BoxFuture<'static, Result<RelayReport, Error>> {
+        Box::pin(self.run_here(shutdown))
+    }
+
+    async fn run_here(self, shutdown: CancellationToken) -> Result<RelayReport, Error> {
         let shutdown = shutdown.child_token();
         let app_codes = self.relay.app_codes().to_vec();
         let admin = crate::admin::spawn_if_configured(

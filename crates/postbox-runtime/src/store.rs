@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use postbox_core::config::{DatabaseKind, Settings};
 use postbox_core::store::{EventFilter, OutboxStore};
-use postbox_core::Error;
+use postbox_core::{BoxFuture, Error};
 
 /// Whether opening may create a missing SQLite database file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,7 +21,14 @@ pub enum Create {
 /// `max_connections` and `max_payload_bytes`. A pool that cannot reach
 /// its server fails with the address it tried and why (never the
 /// credentials).
-pub async fn open(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxStore>, Error> {
+pub fn open(
+    settings: &Settings,
+    create: Create,
+) -> BoxFuture<'_, Result<Arc<dyn OutboxStore>, Error>> {
+    Box::pin(open_here(settings, create))
+}
+
+async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxStore>, Error> {
     let db = &settings.database;
     let (url, table) = (db.url.expose(), db.table.as_str());
     let store: Arc<dyn OutboxStore> = match settings.database_kind() {
@@ -63,7 +70,11 @@ pub async fn open(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxS
 }
 
 /// Fails with a clear message when the outbox table does not exist yet.
-pub async fn require_schema(store: &dyn OutboxStore) -> Result<(), Error> {
+pub fn require_schema(store: &dyn OutboxStore) -> BoxFuture<'_, Result<(), Error>> {
+    Box::pin(require_schema_here(store))
+}
+
+async fn require_schema_here(store: &dyn OutboxStore) -> Result<(), Error> {
     let probe = EventFilter {
         limit: 1,
         ..Default::default()

@@ -125,7 +125,14 @@ impl Relay {
 
     /// Runs until `shutdown` is cancelled, then finishes in-flight publishes,
     /// releases unstarted leases and returns the counters.
-    pub async fn run(self, shutdown: CancellationToken) -> Result<RelayReport> {
+    pub fn run(
+        self,
+        shutdown: CancellationToken,
+    ) -> crate::BoxFuture<'static, Result<RelayReport>> {
+        Box::pin(self.run_here(shutdown))
+    }
+
+    async fn run_here(self, shutdown: CancellationToken) -> Result<RelayReport> {
         // With no publisher every row would count as confirmed by all.
         if self.publishers.is_empty() {
             return Err(crate::Error::config(
