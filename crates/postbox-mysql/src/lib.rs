@@ -34,3 +34,8 @@ pub use dialect::MySqlDialect;
 /// [`postbox_core::Error::DuplicateEvent`] leaving the transaction usable
 /// (MySQL undoes only the failed statement).
 pub type MySqlOutbox = postbox_sqlx::SqlOutbox<MySqlDialect>;
+
+/// Opens an outbox table as a `dyn OutboxStore`: [`postbox_sqlx::SqlOutbox::open`].
+pub fn open(options: postbox_sqlx::OpenOptions<'_>) -> postbox_sqlx::Opened<'_> {
+    MySqlOutbox::open(options)
+}

@@ -29,3 +29,8 @@ pub use dialect::PgDialect;
 /// An outbox table in PostgreSQL: the engine with the PostgreSQL dialect.
 /// [`PgOutbox::connect`] connects a pool of `max_connections` to `url`.
 pub type PgOutbox = postbox_sqlx::SqlOutbox<PgDialect>;
+
+/// Opens an outbox table as a `dyn OutboxStore`: [`postbox_sqlx::SqlOutbox::open`].
+pub fn open(options: postbox_sqlx::OpenOptions<'_>) -> postbox_sqlx::Opened<'_> {
+    PgOutbox::open(options)
+}

@@ -31,15 +31,22 @@ pub fn open(
 async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxStore>, Error> {
     let db = &settings.database;
     let (url, table) = (db.url.expose(), db.table.as_str());
-    let store: Arc<dyn OutboxStore> = match settings.database_kind() {
+    let options = postbox_sqlx::OpenOptions {
+        url,
+        table,
+        max_connections: db.max_connections,
+        create: create == Create::IfMissing,
+        max_payload_bytes: db.max_payload_bytes,
+    };
+    match settings.database_kind() {
         DatabaseKind::Postgres => {
             let at = url
                 .parse::<sqlx::postgres::PgConnectOptions>()
                 .ok()
                 .map(|o| (o.get_host().to_owned(), o.get_port()));
-            match postbox_postgres::PgOutbox::connect(url, table, db.max_connections).await {
-                Ok(s) => Arc::new(s.with_max_payload_bytes(db.max_payload_bytes)),
-                Err(e) => return Err(not_reached(e, at).await),
+            match postbox_postgres::open(options).await {
+                Ok(store) => Ok(store),
+                Err(e) => Err(not_reached(e, at).await),
             }
         }
         DatabaseKind::MySql => {
@@ -48,25 +55,13 @@ async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn Outbox
                 .parse::<sqlx::mysql::MySqlConnectOptions>()
                 .ok()
                 .map(|o| (o.get_host().to_owned(), o.get_port()));
-            match postbox_mysql::MySqlOutbox::connect(url, table, db.max_connections).await {
-                Ok(s) => Arc::new(s.with_max_payload_bytes(db.max_payload_bytes)),
-                Err(e) => return Err(not_reached(e, at).await),
+            match postbox_mysql::open(options).await {
+                Ok(store) => Ok(store),
+                Err(e) => Err(not_reached(e, at).await),
             }
         }
-        DatabaseKind::Sqlite => {
-            let store = match create {
-                Create::IfMissing => {
-                    postbox_sqlite::SqliteOutbox::connect(url, table, db.max_connections).await?
-                }
-                Create::Never => {
-                    postbox_sqlite::SqliteOutbox::connect_existing(url, table, db.max_connections)
-                        .await?
-                }
-            };
-            Arc::new(store.with_max_payload_bytes(db.max_payload_bytes))
-        }
-    };
-    Ok(store)
+        DatabaseKind::Sqlite => postbox_sqlite::open(options).await,
+    }
 }
 
 /// Fails with a clear message when the outbox table does not exist yet.

@@ -47,6 +47,11 @@ pub use dialect::SqliteDialect;
 /// creates the file: a missing one is an error naming it.
 pub type SqliteOutbox = postbox_sqlx::SqlOutbox<SqliteDialect>;
 
+/// Opens an outbox table as a `dyn OutboxStore`: [`postbox_sqlx::SqlOutbox::open`].
+pub fn open(options: postbox_sqlx::OpenOptions<'_>) -> postbox_sqlx::Opened<'_> {
+    SqliteOutbox::open(options)
+}
+
 #[cfg(test)]
 mod tests {
     use super::dialect::is_memory_url;

@@ -18,7 +18,7 @@ use postbox_core::store::{
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplaySelector, ReplayTargets,
     SchemaReport, StuckAggregate, ARCHIVE_QUERIES, EXPECTED_TABLES, HISTORY_LIMIT,
 };
-use postbox_core::{EventRecord, NewEvent, Result, TableName};
+use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
 
 use crate::dialect::{Dialect, ReplayStep, Statements, Value, Q};
 use crate::{db_error, filter_query, history_entries, list_query, minute_counts, records, ListArg};
@@ -55,6 +55,24 @@ impl<D: Dialect> std::fmt::Debug for SqlOutbox<D> {
     }
 }
 
+/// What [`SqlOutbox::open`] opens.
+#[derive(Debug, Clone, Copy)]
+pub struct OpenOptions<'a> {
+    /// The database URL.
+    pub url: &'a str,
+    /// The outbox table (validated when opened).
+    pub table: &'a str,
+    /// The pool's size.
+    pub max_connections: u32,
+    /// Create a missing database (SQLite's file); other databases ignore it.
+    pub create: bool,
+    /// The payload limit `enqueue` enforces.
+    pub max_payload_bytes: usize,
+}
+
+/// A store being opened by [`SqlOutbox::open`].
+pub type Opened<'a> = postbox_core::BoxFuture<'a, Result<Arc<dyn OutboxStore>>>;
+
 /// The binds of one statement, in placeholder order.
 pub fn query<'q, D: Dialect>(
     sql: &'q str,
@@ -87,6 +105,23 @@ impl<D: Dialect> SqlOutbox<D> {
     /// read or need the schema `postbox migrate` creates).
     pub async fn connect_existing(url: &str, table: &str, max_connections: u32) -> Result<Self> {
         Self::new(D::connect_pool(url, max_connections, false).await?, table)
+    }
+
+    /// Opens the store `options` describe as a `dyn OutboxStore`. Each
+    /// backend crate's `open` calls this, so the engine is compiled there,
+    /// once per database, and not again in every crate that opens a store
+    /// from a URL (see [`postbox_core::BoxFuture`]).
+    pub fn open(options: OpenOptions<'_>) -> Opened<'_>
+    where
+        Self: OutboxStore,
+    {
+        Box::pin(async move {
+            let pool =
+                D::connect_pool(options.url, options.max_connections, options.create).await?;
+            let store =
+                Self::new(pool, options.table)?.with_max_payload_bytes(options.max_payload_bytes);
+            Ok(Arc::new(store) as Arc<dyn OutboxStore>)
+        })
     }
 
     /// Sets the payload limit `enqueue` enforces (default 1 MiB).

@@ -18,7 +18,7 @@ pub mod __private {
 }
 
 pub use dialect::{Dialect, Migration, ReplayStep, Statements, Value};
-pub use engine::{finish, query, SqlOutbox, MIGRATIONS_LEDGER};
+pub use engine::{finish, query, OpenOptions, Opened, SqlOutbox, MIGRATIONS_LEDGER};
 pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
 
 use postbox_core::event::parse_delivered_to;
