@@ -7,6 +7,9 @@ use std::time::Duration;
 use postbox_core::config::{DatabaseKind, Settings};
 use postbox_core::store::{EventFilter, OutboxStore};
 use postbox_core::Error;
+use postbox_mysql::MySqlOutbox;
+use postbox_postgres::PgOutbox;
+use postbox_sqlite::SqliteOutbox;
 
 /// Whether opening may create a missing SQLite database file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,40 +26,24 @@ pub enum Create {
 /// credentials).
 pub async fn open(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxStore>, Error> {
     let db = &settings.database;
-    let (url, table) = (db.url.expose(), db.table.as_str());
+    let (url, table, pool_size) = (db.url.expose(), db.table.as_str(), db.max_connections);
+    let limit = db.max_payload_bytes;
     let store: Arc<dyn OutboxStore> = match settings.database_kind() {
         DatabaseKind::Postgres => {
-            let at = url
-                .parse::<sqlx::postgres::PgConnectOptions>()
-                .ok()
-                .map(|o| (o.get_host().to_owned(), o.get_port()));
-            match postbox_postgres::PgOutbox::connect(url, table, db.max_connections).await {
-                Ok(s) => Arc::new(s.with_max_payload_bytes(db.max_payload_bytes)),
-                Err(e) => return Err(not_reached(e, at).await),
-            }
+            let store = reached(PgOutbox::connect(url, table, pool_size).await, settings).await?;
+            Arc::new(store.with_max_payload_bytes(limit))
         }
         DatabaseKind::MySql => {
-            let at = url
-                .replacen("mariadb://", "mysql://", 1)
-                .parse::<sqlx::mysql::MySqlConnectOptions>()
-                .ok()
-                .map(|o| (o.get_host().to_owned(), o.get_port()));
-            match postbox_mysql::MySqlOutbox::connect(url, table, db.max_connections).await {
-                Ok(s) => Arc::new(s.with_max_payload_bytes(db.max_payload_bytes)),
-                Err(e) => return Err(not_reached(e, at).await),
-            }
+            let store =
+                reached(MySqlOutbox::connect(url, table, pool_size).await, settings).await?;
+            Arc::new(store.with_max_payload_bytes(limit))
         }
         DatabaseKind::Sqlite => {
             let store = match create {
-                Create::IfMissing => {
-                    postbox_sqlite::SqliteOutbox::connect(url, table, db.max_connections).await?
-                }
-                Create::Never => {
-                    postbox_sqlite::SqliteOutbox::connect_existing(url, table, db.max_connections)
-                        .await?
-                }
+                Create::IfMissing => SqliteOutbox::connect(url, table, pool_size).await?,
+                Create::Never => SqliteOutbox::connect_existing(url, table, pool_size).await?,
             };
-            Arc::new(store.with_max_payload_bytes(db.max_payload_bytes))
+            Arc::new(store.with_max_payload_bytes(limit))
         }
     };
     Ok(store)
@@ -74,6 +61,32 @@ pub async fn require_schema(store: &dyn OutboxStore) -> Result<(), Error> {
             store.table()
         ))
     })
+}
+
+/// The store a server backend connected to, or [`not_reached`]'s error
+/// naming the address of `database.url` when it could not.
+async fn reached<S>(connected: Result<S, Error>, settings: &Settings) -> Result<S, Error> {
+    match connected {
+        Ok(store) => Ok(store),
+        Err(e) => Err(not_reached(e, server_address(settings)).await),
+    }
+}
+
+/// Host and port of a PostgreSQL or MariaDB/MySQL `database.url`.
+fn server_address(settings: &Settings) -> Option<(String, u16)> {
+    let url = settings.database.url.expose();
+    match settings.database_kind() {
+        DatabaseKind::Postgres => url
+            .parse::<sqlx::postgres::PgConnectOptions>()
+            .ok()
+            .map(|o| (o.get_host().to_owned(), o.get_port())),
+        DatabaseKind::MySql => url
+            .replacen("mariadb://", "mysql://", 1)
+            .parse::<sqlx::mysql::MySqlConnectOptions>()
+            .ok()
+            .map(|o| (o.get_host().to_owned(), o.get_port())),
+        DatabaseKind::Sqlite => None,
+    }
 }
 
 /// A pool that cannot open a connection says only `pool timed out`: this

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use postbox_core::publish::Delivery;
+use postbox_core::publish::{Delivery, PublishError};
 use postbox_core::{EventRecord, Publisher, Status};
 
 /// One message as a broker's own client received it, normalised.
@@ -89,6 +89,16 @@ pub trait ReadBack: Send {
     /// Returns the messages received so far, waiting up to `timeout` for
     /// `expected` of them.
     async fn read(&mut self, expected: usize, timeout: Duration) -> Vec<Received>;
+}
+
+/// Publishes the first of [`sample_events`] of app `room` alone through
+/// `publisher`; its result.
+pub async fn publish_one(publisher: &dyn Publisher) -> Result<(), PublishError> {
+    let events = sample_events("room", 1);
+    publisher
+        .publish(&[Delivery::of(&events[0])])
+        .await
+        .remove(0)
 }
 
 /// `n` varied events of `app_code`: with and without aggregate and version,

@@ -49,14 +49,23 @@ impl Fixture {
 
     /// Makes a row a dead letter, as the relay would after its last attempt.
     async fn dead_letter(&self, event_id: &str) {
+        self.update(
+            event_id,
+            "status = 'failed', retry_count = 3, last_error = 'broker said no'",
+        )
+        .await;
+    }
+
+    /// Writes `assignments` (an SQL `SET` list) into one row directly.
+    async fn update(&self, event_id: &str, assignments: &str) {
         sqlx::query(&format!(
-            "UPDATE {} SET status = 'failed', retry_count = 3, last_error = 'broker said no' WHERE event_id = $1",
+            "UPDATE {} SET {assignments} WHERE event_id = $1",
             self.table
         ))
         .bind(event_id)
         .execute(&self.pool)
         .await
-        .expect("dead-letter");
+        .unwrap_or_else(|e| panic!("set {assignments}: {e}"));
     }
 
     async fn serve(&self, app: &str, token: Option<&str>) -> (SocketAddr, CancellationToken) {
@@ -283,14 +292,8 @@ async fn replay_picks_its_publishers() {
         Status::Failed
     );
     // Once delivered (to both), backtracking to `a` alone is fine.
-    sqlx::query(&format!(
-        "UPDATE {} SET status = 'delivered', delivered_to = NULL WHERE event_id = $1",
-        fx.table
-    ))
-    .bind(&ids[1])
-    .execute(&fx.pool)
-    .await
-    .unwrap();
+    fx.update(&ids[1], "status = 'delivered', delivered_to = NULL")
+        .await;
     let ok = request(addr, "POST", &path(1, "publishers=a"), &auth).await;
     assert_eq!(ok.status, 200, "{}", ok.body);
     assert_eq!(fx.store.find(&ids[1]).await.unwrap()[0].delivered_to, ["b"]);
@@ -322,14 +325,8 @@ async fn archived_events_are_shown_and_listed() {
     let fx = fixture("api_archived").await;
     let app = "arch";
     let ids = fx.enqueue(app, 2).await;
-    sqlx::query(&format!(
-        "UPDATE {} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = $1",
-        fx.table
-    ))
-    .bind(&ids[0])
-    .execute(&fx.pool)
-    .await
-    .unwrap();
+    fx.update(&ids[0], "status = 'delivered', updated_at_ms = 1000")
+        .await;
     let report = fx
         .store
         .archive(
@@ -380,14 +377,11 @@ async fn bad_input_is_400_and_delivered_names_the_right_publisher() {
     let app = "smalls";
     let ids = fx.enqueue(app, 1).await;
     // `a` confirmed on attempt 1, `b` on attempt 2.
-    sqlx::query(&format!(
-        "UPDATE {} SET status = 'delivered', retry_count = 1, delivered_to = 'a' WHERE event_id = $1",
-        fx.table
-    ))
-    .bind(&ids[0])
-    .execute(&fx.pool)
-    .await
-    .unwrap();
+    fx.update(
+        &ids[0],
+        "status = 'delivered', retry_count = 1, delivered_to = 'a'",
+    )
+    .await;
     let (addr, stop) = fx.serve(app, None).await;
     let nul = request(addr, "GET", "/api/events/%00", &[]).await;
     assert_eq!(nul.status, 400, "{}", nul.body);
