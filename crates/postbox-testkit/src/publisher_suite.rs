@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use postbox_core::publish::{Delivery, PublishError};
+use postbox_core::publish::Delivery;
 use postbox_core::{EventRecord, Publisher, Status};
 
 /// One message as a broker's own client received it, normalised.
@@ -92,13 +92,11 @@ pub trait ReadBack: Send {
 }
 
 /// Publishes the first of [`sample_events`] of app `room` alone through
-/// `publisher`; its result.
-pub async fn publish_one(publisher: &dyn Publisher) -> Result<(), PublishError> {
+/// `publisher`; its result, a failure as its text.
+pub async fn publish_one(publisher: &dyn Publisher) -> Result<(), String> {
     let events = sample_events("room", 1);
-    publisher
-        .publish(&[Delivery::of(&events[0])])
-        .await
-        .remove(0)
+    let mut results = publisher.publish(&[Delivery::of(&events[0])]).await;
+    results.remove(0).map_err(|e| e.to_string())
 }
 
 /// `n` varied events of `app_code`: with and without aggregate and version,

@@ -86,8 +86,8 @@ async fn unroutable_events_fail_and_the_rest_of_the_batch_is_delivered() {
 async fn an_abandoned_publish_leaves_the_publisher_usable() {
     let _broker = broker_shared().await;
     let target = scratch_exchange("cancel", "#").await;
-    let (exchange, inbox) = (&target.name, &target.inbox);
-    let publisher = publisher_to(exchange).await;
+    let publisher = publisher_to(&target.name).await;
+    let inbox = &target.inbox;
     let events = sample_events("room", 400);
     for chunk in events[..200].chunks(50) {
         let batch: Vec<Delivery<'_>> = chunk.iter().map(Delivery::of).collect();

@@ -179,8 +179,7 @@ async fn a_wrong_secret_is_rejected_by_the_receiver() {
     .unwrap();
     let err = publish_one(&publisher)
         .await
-        .expect_err("401 is a failed attempt")
-        .to_string();
+        .expect_err("401 is a failed attempt");
     assert!(
         err.contains("401") && err.contains("not retryable"),
         "{err}"
