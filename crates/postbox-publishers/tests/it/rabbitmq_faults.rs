@@ -110,6 +110,34 @@ async fn wait_until(
     }
 }
 
+/// One test's turn: the tests of this file run one at a time ([`SERIAL`]),
+/// each holding the broker as it needs it. Taken in that order, always.
+struct Turn {
+    _broker: Hold,
+    _serial: tokio::sync::MutexGuard<'static, ()>,
+}
+
+/// How a test holds the broker (see [`broker_shared`]).
+enum Hold {
+    Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'static, ()>),
+    Exclusive(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'static, ()>),
+}
+
+impl Turn {
+    async fn take(exclusive: bool) -> Turn {
+        let serial = SERIAL.lock().await;
+        let broker = if exclusive {
+            Hold::Exclusive(broker_exclusive().await)
+        } else {
+            Hold::Shared(broker_shared().await)
+        };
+        Turn {
+            _broker: broker,
+            _serial: serial,
+        }
+    }
+}
+
 /// Events of the long runs.
 const TICKS: usize = 10_000;
 
@@ -161,8 +189,7 @@ fn assert_each_tick_delivered(s: &AppStats, distinct: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_connections_during_a_10000_event_run_lose_nothing() {
-    let _serial = SERIAL.lock().await;
-    let _broker = broker_shared().await;
+    let _turn = Turn::take(false).await;
     let run = TickRun::start("close").await;
     let (store, inbox, publisher) = (&run.store, &run.target.inbox, &run.publisher);
     let name = publisher.connection_name().to_owned();
@@ -216,8 +243,7 @@ async fn closed_connections_during_a_10000_event_run_lose_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_event_is_retried_then_dead_lettered() {
-    let _serial = SERIAL.lock().await;
-    let _broker = broker_shared().await;
+    let _turn = Turn::take(false).await;
     let store = store().await;
     enqueue(store.as_ref(), 5, "Nobody").await;
     enqueue(store.as_ref(), 20, "Somebody").await;
@@ -314,10 +340,9 @@ impl Drop for WatermarkGuard {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_alarm_delays_delivery_without_loss() {
-    let _serial = SERIAL.lock().await;
     // The alarm blocks every publishing connection: no other RabbitMQ test
     // of this binary may run meanwhile.
-    let _broker = broker_exclusive().await;
+    let _turn = Turn::take(true).await;
     let run = TickRun::start("alarm").await;
     let (store, inbox, publisher) = (&run.store, &run.target.inbox, &run.publisher);
     let worker = WorkerConfig {
