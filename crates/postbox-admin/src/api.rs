@@ -417,24 +417,11 @@ mod tests {
 
     fn row(status: Status) -> EventRecord {
         EventRecord {
-            id: 1,
-            app_code: "room".into(),
-            event_id: "e1".into(),
-            event_type: "T".into(),
-            aggregate_id: None,
-            aggregate_version: None,
-            payload: "{}".into(),
-            headers: None,
             status,
             retry_count: 1,
-            next_retry_at_ms: 0,
-            lock_until_ms: 0,
-            worker_id: None,
-            last_error: None,
-            delivered_to: vec![],
-            replay_count: 0,
             created_at_ms: 1_000,
             updated_at_ms: 3_000,
+            ..postbox_testkit::records::room_created(1)
         }
     }
 

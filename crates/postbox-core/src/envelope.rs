@@ -88,28 +88,18 @@ impl Envelope {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Status;
 
     fn record(payload: &str) -> EventRecord {
         EventRecord {
-            id: 1,
             app_code: "wallet".into(),
             event_id: "ev-1".into(),
             event_type: "Credited".into(),
             aggregate_id: Some("acct-1".into()),
             aggregate_version: Some(3),
             payload: payload.into(),
-            headers: None,
-            status: Status::Delivering,
-            retry_count: 0,
-            next_retry_at_ms: 0,
-            lock_until_ms: 0,
-            worker_id: None,
-            last_error: None,
-            delivered_to: Vec::new(),
-            replay_count: 0,
             created_at_ms: 1_764_000_000_000,
             updated_at_ms: 1_764_000_000_000,
+            ..crate::template::tests::record()
         }
     }
 

@@ -21,10 +21,12 @@ pub const MAX_ERROR_LEN: usize = 2000;
 /// retryable ─due──▶ delivering ──failure────────▶ retryable | failed
 ///                   delivering ──lease expired──▶ delivering (attempt + 1) | failed
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// The default is [`Status::Pending`], where every row starts.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Status {
     /// Committed, not yet claimed.
+    #[default]
     Pending,
     /// Claimed by a relay until `lock_until_ms`.
     Delivering,
@@ -195,7 +197,10 @@ pub fn new_event_id() -> String {
 }
 
 /// One outbox row as stored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+///
+/// The default is an empty `pending` row: tests and custom publishers fill in
+/// the fields they care about and take the rest with `..Default::default()`.
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EventRecord {
     /// Insertion order.
     pub id: i64,

@@ -145,6 +145,29 @@ impl<'de> Deserialize<'de> for SecretUrl {
 /// reference is still an error.
 fn expand_env_lenient(raw: &str) -> Result<(String, Option<String>), String> {
     let mut unset = Vec::new();
+    let out = expand_env_with(raw, |var| {
+        unset.push(format!("`{var}`"));
+        Ok(())
+    })?;
+    let unresolved = (!unset.is_empty())
+        .then(|| format!("environment variable {} is not set", unset.join(", ")));
+    Ok((out, unresolved))
+}
+
+/// Expands `${VAR}` references from the environment, so secrets can stay out
+/// of the config file. A missing variable is an error naming it.
+pub fn expand_env(raw: &str) -> Result<String, String> {
+    expand_env_with(raw, |var| {
+        Err(format!("environment variable `{var}` is not set"))
+    })
+}
+
+/// Expands `${VAR}` references, calling `unset` for each variable that is
+/// not set (it expands to nothing unless `unset` fails the expansion).
+fn expand_env_with(
+    raw: &str,
+    mut unset: impl FnMut(&str) -> Result<(), String>,
+) -> Result<String, String> {
     let mut out = String::with_capacity(raw.len());
     let mut rest = raw;
     while let Some(start) = rest.find("${") {
@@ -156,31 +179,8 @@ fn expand_env_lenient(raw: &str) -> Result<(String, Option<String>), String> {
         let var = &after[..end];
         match std::env::var(var) {
             Ok(value) => out.push_str(&value),
-            Err(_) => unset.push(format!("`{var}`")),
+            Err(_) => unset(var)?,
         }
-        rest = &after[end + 1..];
-    }
-    out.push_str(rest);
-    let unresolved = (!unset.is_empty())
-        .then(|| format!("environment variable {} is not set", unset.join(", ")));
-    Ok((out, unresolved))
-}
-
-/// Expands `${VAR}` references from the environment, so secrets can stay out
-/// of the config file. A missing variable is an error naming it.
-pub fn expand_env(raw: &str) -> Result<String, String> {
-    let mut out = String::with_capacity(raw.len());
-    let mut rest = raw;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let after = &rest[start + 2..];
-        let end = after
-            .find('}')
-            .ok_or_else(|| format!("unclosed `${{` in `{}`", redact_url(raw)))?;
-        let var = &after[..end];
-        let value =
-            std::env::var(var).map_err(|_| format!("environment variable `{var}` is not set"))?;
-        out.push_str(&value);
         rest = &after[end + 1..];
     }
     out.push_str(rest);

@@ -147,20 +147,9 @@ pub(crate) mod tests {
             app_code: "room".into(),
             event_id: "e".into(),
             event_type: "RoomCreated".into(),
-            aggregate_id: None,
-            aggregate_version: None,
             payload: "{}".into(),
-            headers: None,
             status: Status::Delivering,
-            retry_count: 0,
-            next_retry_at_ms: 0,
-            lock_until_ms: 0,
-            worker_id: None,
-            last_error: None,
-            delivered_to: vec![],
-            replay_count: 0,
-            created_at_ms: 0,
-            updated_at_ms: 0,
+            ..Default::default()
         }
     }
 

@@ -164,14 +164,8 @@ fn warn_short_retention(at: &KeyPath, c: &ConsumerConfig) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::{key_of, settings};
     use postbox_core::config::Config;
-
-    fn key_of(e: Error) -> String {
-        match e {
-            Error::Config { key, .. } => key,
-            other => panic!("expected a config error, got {other:?}"),
-        }
-    }
 
     #[tokio::test]
     async fn consuming_needs_an_entry_with_a_handler() {
@@ -179,16 +173,14 @@ mod tests {
         let run_none = run(&none, CancellationToken::new()).await;
         assert_eq!(key_of(run_none.unwrap_err()), "consumers");
 
-        let config: Config = serde_json::from_value(serde_json::json!({
+        let bare = settings(serde_json::json!({
             "consumers": [{
                 "kind": "rabbitmq",
                 "url": "amqp://guest:guest@127.0.0.1:5672/%2f",
                 "queue": "q",
             }],
-        }))
-        .unwrap();
-        let settings = config.validate().unwrap();
-        let run_bare = run(&settings, CancellationToken::new()).await;
+        }));
+        let run_bare = run(&bare, CancellationToken::new()).await;
         assert_eq!(key_of(run_bare.unwrap_err()), "consumers.0.handler");
     }
 }

@@ -58,5 +58,7 @@ pub mod inbox;
 pub mod relay;
 pub mod signals;
 pub mod store;
+#[cfg(test)]
+mod test_support;
 
 pub use postbox_core::config::DEFAULT_ADMIN_LISTEN;

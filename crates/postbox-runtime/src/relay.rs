@@ -117,19 +117,7 @@ impl RelayService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use postbox_core::config::Config;
-
-    fn settings(toml_like: serde_json::Value) -> Settings {
-        let config: Config = serde_json::from_value(toml_like).unwrap();
-        config.validate().unwrap()
-    }
-
-    fn key_of(e: Error) -> String {
-        match e {
-            Error::Config { key, .. } => key,
-            other => panic!("expected a config error, got {other:?}"),
-        }
-    }
+    use crate::test_support::{key_of, settings};
 
     #[tokio::test]
     async fn a_relay_with_nothing_to_do_does_not_start() {

@@ -30,37 +30,22 @@ pub fn open(
 
 async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxStore>, Error> {
     let db = &settings.database;
-    let (url, table) = (db.url.expose(), db.table.as_str());
     let options = postbox_sqlx::OpenOptions {
-        url,
-        table,
+        url: db.url.expose(),
+        table: db.table.as_str(),
         max_connections: db.max_connections,
         create: create == Create::IfMissing,
         max_payload_bytes: db.max_payload_bytes,
     };
-    match settings.database_kind() {
-        DatabaseKind::Postgres => {
-            let at = url
-                .parse::<sqlx::postgres::PgConnectOptions>()
-                .ok()
-                .map(|o| (o.get_host().to_owned(), o.get_port()));
-            match postbox_postgres::open(options).await {
-                Ok(store) => Ok(store),
-                Err(e) => Err(not_reached(e, at).await),
-            }
-        }
-        DatabaseKind::MySql => {
-            let at = url
-                .replacen("mariadb://", "mysql://", 1)
-                .parse::<sqlx::mysql::MySqlConnectOptions>()
-                .ok()
-                .map(|o| (o.get_host().to_owned(), o.get_port()));
-            match postbox_mysql::open(options).await {
-                Ok(store) => Ok(store),
-                Err(e) => Err(not_reached(e, at).await),
-            }
-        }
+    let opened = match settings.database_kind() {
+        DatabaseKind::Postgres => postbox_postgres::open(options).await,
+        DatabaseKind::MySql => postbox_mysql::open(options).await,
         DatabaseKind::Sqlite => postbox_sqlite::open(options).await,
+    };
+    match opened {
+        Ok(store) => Ok(store),
+        // SQLite has no server address: its error stands as it is.
+        Err(e) => Err(not_reached(e, server_address(settings)).await),
     }
 }
 
@@ -80,6 +65,23 @@ async fn require_schema_here(store: &dyn OutboxStore) -> Result<(), Error> {
             store.table()
         ))
     })
+}
+
+/// Host and port of a PostgreSQL or MariaDB/MySQL `database.url`.
+fn server_address(settings: &Settings) -> Option<(String, u16)> {
+    let url = settings.database.url.expose();
+    match settings.database_kind() {
+        DatabaseKind::Postgres => url
+            .parse::<sqlx::postgres::PgConnectOptions>()
+            .ok()
+            .map(|o| (o.get_host().to_owned(), o.get_port())),
+        DatabaseKind::MySql => url
+            .replacen("mariadb://", "mysql://", 1)
+            .parse::<sqlx::mysql::MySqlConnectOptions>()
+            .ok()
+            .map(|o| (o.get_host().to_owned(), o.get_port())),
+        DatabaseKind::Sqlite => None,
+    }
 }
 
 /// A pool that cannot open a connection says only `pool timed out`: this

@@ -10,6 +10,7 @@ pub mod faults;
 pub mod http;
 pub mod publisher_suite;
 pub mod publishers;
+pub mod records;
 pub mod servers;
 
 pub use publishers::RecordingPublisher;

@@ -91,6 +91,14 @@ pub trait ReadBack: Send {
     async fn read(&mut self, expected: usize, timeout: Duration) -> Vec<Received>;
 }
 
+/// Publishes the first of [`sample_events`] of app `room` alone through
+/// `publisher`; its result, a failure as its text.
+pub async fn publish_one(publisher: &dyn Publisher) -> Result<(), String> {
+    let events = sample_events("room", 1);
+    let mut results = publisher.publish(&[Delivery::of(&events[0])]).await;
+    results.remove(0).map_err(|e| e.to_string())
+}
+
 /// `n` varied events of `app_code`: with and without aggregate and version,
 /// with user headers, unicode and nested payloads, first attempts, retries and
 /// replays.

@@ -101,31 +101,14 @@ async fn drop_stale_scratch_tables(server: &str, url: &str) {
             .filter(|n| scratch_pid(n).is_some_and(|pid| !process_alive(pid)))
             .collect()
     };
-    match server {
-        "postgres" => {
-            let Ok(mut c) = sqlx::PgConnection::connect(url).await else {
+    // The same steps on either driver's connection: list this schema's
+    // tables, drop the stale ones, forget the migrations of tables gone.
+    macro_rules! drop_stale {
+        ($connection:ty, $list_tables:expr, $forget_gone:expr) => {{
+            let Ok(mut c) = <$connection>::connect(url).await else {
                 return;
             };
-            let names: Vec<String> = sqlx::query_scalar(
-                "SELECT tablename::TEXT FROM pg_tables WHERE schemaname = 'public'",
-            )
-            .fetch_all(&mut c)
-            .await
-            .unwrap_or_default();
-            for t in stale(names) {
-                let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
-                    .execute(&mut c)
-                    .await;
-            }
-            let _ = sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name NOT IN (SELECT tablename::TEXT FROM pg_tables)")
-                .execute(&mut c)
-                .await;
-        }
-        _ => {
-            let Ok(mut c) = sqlx::MySqlConnection::connect(url).await else {
-                return;
-            };
-            let names: Vec<String> = sqlx::query_scalar("SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE()")
+            let names: Vec<String> = sqlx::query_scalar($list_tables)
                 .fetch_all(&mut c)
                 .await
                 .unwrap_or_default();
@@ -134,10 +117,20 @@ async fn drop_stale_scratch_tables(server: &str, url: &str) {
                     .execute(&mut c)
                     .await;
             }
-            let _ = sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name NOT IN (SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE())")
-                .execute(&mut c)
-                .await;
-        }
+            let _ = sqlx::query($forget_gone).execute(&mut c).await;
+        }};
+    }
+    match server {
+        "postgres" => drop_stale!(
+            sqlx::PgConnection,
+            "SELECT tablename::TEXT FROM pg_tables WHERE schemaname = 'public'",
+            "DELETE FROM postbox_schema_migrations WHERE table_name NOT IN (SELECT tablename::TEXT FROM pg_tables)"
+        ),
+        _ => drop_stale!(
+            sqlx::MySqlConnection,
+            "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE()",
+            "DELETE FROM postbox_schema_migrations WHERE table_name NOT IN (SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE())"
+        ),
     }
     SEEN.lock().unwrap().push(key);
 }

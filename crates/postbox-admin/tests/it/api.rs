@@ -19,13 +19,16 @@ use postbox_testkit::{postgres_url, scratch_table};
 
 const TOKEN: &str = "test-admin-token-7f3a";
 
+/// A scratch outbox table whose rows are of tenant `app` (the one the
+/// admin server serves).
 struct Fixture {
+    app: &'static str,
     store: Arc<dyn OutboxStore>,
     table: String,
     pool: sqlx::PgPool,
 }
 
-async fn fixture(prefix: &str) -> Fixture {
+async fn fixture(prefix: &str, app: &'static str) -> Fixture {
     let url = postgres_url();
     ensure_database("postgres", &url).await;
     let table = scratch_table(prefix);
@@ -33,11 +36,21 @@ async fn fixture(prefix: &str) -> Fixture {
         Arc::new(PgOutbox::connect(&url, &table, 4).await.expect("connect"));
     store.migrate().await.expect("migrate");
     let pool = sqlx::PgPool::connect(&url).await.expect("connect");
-    Fixture { store, table, pool }
+    Fixture {
+        app,
+        store,
+        table,
+        pool,
+    }
 }
 
 impl Fixture {
-    async fn enqueue(&self, app: &str, n: usize) -> Vec<String> {
+    /// `n` events of the fixture's tenant; their ids.
+    async fn enqueue(&self, n: usize) -> Vec<String> {
+        self.enqueue_for(self.app, n).await
+    }
+
+    async fn enqueue_for(&self, app: &str, n: usize) -> Vec<String> {
         let evs: Vec<NewEvent> = (0..n)
             .map(|i| NewEvent::new(app, "Thing", format!(r#"{{"n":{i}}}"#)))
             .collect();
@@ -50,23 +63,32 @@ impl Fixture {
 
     /// Makes a row a dead letter, as the relay would after its last attempt.
     async fn dead_letter(&self, event_id: &str) {
+        self.update(
+            event_id,
+            "status = 'failed', retry_count = 3, last_error = 'broker said no'",
+        )
+        .await;
+    }
+
+    /// Writes `assignments` (an SQL `SET` list) into one row directly.
+    async fn update(&self, event_id: &str, assignments: &str) {
         sqlx::query(&format!(
-            "UPDATE {} SET status = 'failed', retry_count = 3, last_error = 'broker said no' WHERE event_id = $1",
+            "UPDATE {} SET {assignments} WHERE event_id = $1",
             self.table
         ))
         .bind(event_id)
         .execute(&self.pool)
         .await
-        .expect("dead-letter");
+        .unwrap_or_else(|e| panic!("set {assignments}: {e}"));
     }
 
-    async fn serve(&self, app: &str, token: Option<&str>) -> (SocketAddr, CancellationToken) {
+    async fn serve(&self, token: Option<&str>) -> (SocketAddr, CancellationToken) {
         let server = AdminServer::bind(
             self.store.clone(),
             AdminSettings {
                 listen: "127.0.0.1:0".into(),
                 token: token.map(Secret::new),
-                app_codes: vec![app.into()],
+                app_codes: vec![self.app.into()],
                 poll_interval: Duration::from_millis(100),
                 publishers: vec!["a".into(), "b".into()],
             },
@@ -80,13 +102,28 @@ impl Fixture {
     }
 }
 
+/// `GET /api/events/{event_id}`: a 200 and its JSON.
+async fn show(addr: SocketAddr, event_id: &str) -> serde_json::Value {
+    let res = request(addr, "GET", &format!("/api/events/{event_id}"), &[]).await;
+    assert_eq!(res.status, 200, "{}", res.body);
+    res.json()
+}
+
+/// The first step of `kind` in the timeline of a shown event.
+fn step(shown: &serde_json::Value, kind: &str) -> serde_json::Value {
+    let timeline = shown["timeline"].as_array().expect("a timeline");
+    let found = timeline.iter().find(|t| t["kind"] == kind);
+    found
+        .cloned()
+        .unwrap_or_else(|| panic!("no {kind} step: {shown}"))
+}
+
 #[tokio::test]
 async fn replay_needs_the_token_and_keeps_the_event_id() {
-    let fx = fixture("api_replay").await;
-    let app = "api";
-    let ids = fx.enqueue(app, 3).await;
+    let fx = fixture("api_replay", "api").await;
+    let ids = fx.enqueue(3).await;
     fx.dead_letter(&ids[1]).await;
-    let (addr, stop) = fx.serve(app, Some(TOKEN)).await;
+    let (addr, stop) = fx.serve(Some(TOKEN)).await;
     let path = format!("/api/events/{}/replay", ids[1]);
 
     let none = request(addr, "POST", &path, &[]).await;
@@ -127,11 +164,10 @@ async fn replay_needs_the_token_and_keeps_the_event_id() {
 
 #[tokio::test]
 async fn without_a_configured_token_replay_is_refused() {
-    let fx = fixture("api_notoken").await;
-    let app = "api";
-    let ids = fx.enqueue(app, 1).await;
+    let fx = fixture("api_notoken", "api").await;
+    let ids = fx.enqueue(1).await;
     fx.dead_letter(&ids[0]).await;
-    let (addr, stop) = fx.serve(app, None).await;
+    let (addr, stop) = fx.serve(None).await;
     let path = format!("/api/events/{}/replay", ids[0]);
     for auth in [vec![], vec![("Authorization", "Bearer ")]] {
         let res = request(addr, "POST", &path, &auth).await;
@@ -150,20 +186,19 @@ async fn without_a_configured_token_replay_is_refused() {
 
 #[tokio::test]
 async fn pages_cover_every_row_exactly_once() {
-    let fx = fixture("api_pages").await;
-    let app = "pages";
-    let mut ids = fx.enqueue(app, 125).await;
+    let fx = fixture("api_pages", "pages").await;
+    let mut ids = fx.enqueue(125).await;
     // Another tenant's rows never show up in this one's pages.
-    fx.enqueue("other", 7).await;
+    fx.enqueue_for("other", 7).await;
     for id in ids.iter().step_by(10) {
         fx.dead_letter(id).await;
     }
-    let (addr, stop) = fx.serve(app, None).await;
+    let (addr, stop) = fx.serve(None).await;
 
     for (query, expected) in [
-        (format!("app_code={app}"), ids.clone()),
+        (format!("app_code={}", fx.app), ids.clone()),
         (
-            format!("app_code={app}&status=failed"),
+            format!("app_code={}&status=failed", fx.app),
             ids.iter().step_by(10).cloned().collect::<Vec<_>>(),
         ),
     ] {
@@ -184,7 +219,7 @@ async fn pages_cover_every_row_exactly_once() {
                 let id = item["id"].as_i64().unwrap();
                 assert!(id < last_id, "newest first");
                 last_id = id;
-                assert_eq!(item["app_code"], app);
+                assert_eq!(item["app_code"], fx.app);
                 seen.push(item["event_id"].as_str().unwrap().to_owned());
             }
             match page["next"].as_i64() {
@@ -210,13 +245,10 @@ async fn pages_cover_every_row_exactly_once() {
 
 #[tokio::test]
 async fn an_event_shows_its_rows_and_timeline() {
-    let fx = fixture("api_show").await;
-    let app = "show";
-    let ids = fx.enqueue(app, 1).await;
-    let (addr, stop) = fx.serve(app, None).await;
-    let res = request(addr, "GET", &format!("/api/events/{}", ids[0]), &[]).await;
-    assert_eq!(res.status, 200, "{}", res.body);
-    let d = res.json();
+    let fx = fixture("api_show", "show").await;
+    let ids = fx.enqueue(1).await;
+    let (addr, stop) = fx.serve(None).await;
+    let d = show(addr, &ids[0]).await;
     assert_eq!(d["rows"][0]["event_id"], ids[0].as_str());
     assert_eq!(d["timeline"][0]["kind"], "enqueued");
     let res = request(addr, "GET", "/api/events/nope", &[]).await;
@@ -229,7 +261,7 @@ async fn an_event_shows_its_rows_and_timeline() {
     assert_eq!(page.status, 200);
     assert!(page.body.contains("/dashboard.js"));
     let stats = request(addr, "GET", "/api/stats", &[]).await.json();
-    assert_eq!(stats["apps"][0]["app_code"], app);
+    assert_eq!(stats["apps"][0]["app_code"], fx.app);
     assert_eq!(stats["apps"][0]["pending"], 1);
     stop.cancel();
 }
@@ -239,9 +271,8 @@ async fn an_event_shows_its_rows_and_timeline() {
 /// timeline names the targets.
 #[tokio::test]
 async fn replay_picks_its_publishers() {
-    let fx = fixture("api_replay_to").await;
-    let app = "to";
-    let ids = fx.enqueue(app, 3).await;
+    let fx = fixture("api_replay_to", "to").await;
+    let ids = fx.enqueue(3).await;
     for id in &ids {
         fx.dead_letter(id).await;
     }
@@ -249,7 +280,7 @@ async fn replay_picks_its_publishers() {
         .execute(&fx.pool)
         .await
         .unwrap();
-    let (addr, stop) = fx.serve(app, Some(TOKEN)).await;
+    let (addr, stop) = fx.serve(Some(TOKEN)).await;
     let bearer = format!("Bearer {TOKEN}");
     let auth = [("Authorization", bearer.as_str())];
 
@@ -284,14 +315,8 @@ async fn replay_picks_its_publishers() {
         Status::Failed
     );
     // Once delivered (to both), backtracking to `a` alone is fine.
-    sqlx::query(&format!(
-        "UPDATE {} SET status = 'delivered', delivered_to = NULL WHERE event_id = $1",
-        fx.table
-    ))
-    .bind(&ids[1])
-    .execute(&fx.pool)
-    .await
-    .unwrap();
+    fx.update(&ids[1], "status = 'delivered', delivered_to = NULL")
+        .await;
     let ok = request(addr, "POST", &path(1, "publishers=a"), &auth).await;
     assert_eq!(ok.status, 200, "{}", ok.body);
     assert_eq!(fx.store.find(&ids[1]).await.unwrap()[0].delivered_to, ["b"]);
@@ -314,22 +339,15 @@ async fn replay_picks_its_publishers() {
 /// marked `"archived": true`.
 #[tokio::test]
 async fn archived_events_are_shown_and_listed() {
-    let fx = fixture("api_archived").await;
-    let app = "arch";
-    let ids = fx.enqueue(app, 2).await;
-    sqlx::query(&format!(
-        "UPDATE {} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = $1",
-        fx.table
-    ))
-    .bind(&ids[0])
-    .execute(&fx.pool)
-    .await
-    .unwrap();
+    let fx = fixture("api_archived", "arch").await;
+    let ids = fx.enqueue(2).await;
+    fx.update(&ids[0], "status = 'delivered', updated_at_ms = 1000")
+        .await;
     let report = fx
         .store
         .archive(
             &postbox_core::store::ArchiveRequest {
-                app_codes: vec![app.into()],
+                app_codes: vec![fx.app.into()],
                 before_ms: 2000,
                 batch_size: 10,
                 max_batches: None,
@@ -339,19 +357,22 @@ async fn archived_events_are_shown_and_listed() {
         .await
         .unwrap();
     assert_eq!(report.moved, 1);
-    let (addr, stop) = fx.serve(app, None).await;
-    let res = request(addr, "GET", &format!("/api/events/{}", ids[0]), &[]).await;
-    assert_eq!(res.status, 200, "{}", res.body);
-    let d = res.json();
+    let (addr, stop) = fx.serve(None).await;
+    let d = show(addr, &ids[0]).await;
     assert_eq!(d["rows"][0]["archived"], true, "{d}");
     assert!(d["timeline"]
         .as_array()
         .unwrap()
         .iter()
         .any(|t| t["kind"] == "delivered"));
-    let page = request(addr, "GET", &format!("/api/events?app_code={app}"), &[])
-        .await
-        .json();
+    let page = request(
+        addr,
+        "GET",
+        &format!("/api/events?app_code={}", fx.app),
+        &[],
+    )
+    .await
+    .json();
     let flags: Vec<(String, bool)> = page["items"]
         .as_array()
         .unwrap()
@@ -371,25 +392,19 @@ async fn archived_events_are_shown_and_listed() {
 /// delivered event names the publishers that confirmed on that attempt.
 #[tokio::test]
 async fn bad_input_is_400_and_delivered_names_the_right_publisher() {
-    let fx = fixture("api_smalls").await;
-    let app = "smalls";
-    let ids = fx.enqueue(app, 1).await;
+    let fx = fixture("api_smalls", "smalls").await;
+    let ids = fx.enqueue(1).await;
     // `a` confirmed on attempt 1, `b` on attempt 2.
-    sqlx::query(&format!(
-        "UPDATE {} SET status = 'delivered', retry_count = 1, delivered_to = 'a' WHERE event_id = $1",
-        fx.table
-    ))
-    .bind(&ids[0])
-    .execute(&fx.pool)
-    .await
-    .unwrap();
-    let (addr, stop) = fx.serve(app, None).await;
+    fx.update(
+        &ids[0],
+        "status = 'delivered', retry_count = 1, delivered_to = 'a'",
+    )
+    .await;
+    let (addr, stop) = fx.serve(None).await;
     let nul = request(addr, "GET", "/api/events/%00", &[]).await;
     assert_eq!(nul.status, 400, "{}", nul.body);
-    let d = request(addr, "GET", &format!("/api/events/{}", ids[0]), &[])
-        .await
-        .json();
-    let delivered = expect_in(&d["timeline"], "kind", "delivered");
+    let d = show(addr, &ids[0]).await;
+    let delivered = step(&d, "delivered");
     assert_eq!(delivered["publisher"], "b", "{d}");
     assert_eq!(delivered["attempt"], 2);
     stop.cancel();

@@ -134,44 +134,46 @@ mod tests {
     #[test]
     fn refuses_bad_values_naming_the_key() {
         let w = "[outbox_worker]\n";
-        assert_eq!(
-            key_of(&format!("{w}poll_interval = \"0s\"")),
-            "outbox_worker.poll_interval"
-        );
-        assert_eq!(
-            key_of(&format!("{w}batch_size = 0")),
-            "outbox_worker.batch_size"
-        );
-        assert_eq!(
-            key_of(&format!("{w}publish_timeout = \"30s\"\nlease = \"30s\"")),
-            "outbox_worker.publish_timeout"
-        );
-        // Issue 9.2: accepted before, though the relay released every batch.
-        assert_eq!(
-            key_of(&format!("{w}publish_timeout = \"2500ms\"\nlease = \"3s\"")),
-            "outbox_worker.publish_timeout"
-        );
-        assert_eq!(
-            key_of(&format!("{w}poll_intervall = \"1s\"")),
-            "outbox_worker.poll_intervall"
-        );
-        assert_eq!(
-            key_of(&format!("{w}lease = \"soon\"")),
-            "outbox_worker.lease"
-        );
-        assert_eq!(
-            key_of("[database]\ntable = \"room-outbox\""),
-            "database.table"
-        );
-        assert_eq!(
-            key_of("[[publishers]]\nkind = \"kafka\""),
-            "publishers.0.kind"
-        );
-        assert_eq!(
-            key_of("[[publishers]]\nkind = \"file\"\npath = \"-\"\ncolour = 1"),
-            "publishers.0.colour"
-        );
-        assert_eq!(key_of("[database]\nurl = \"oracle://x\""), "database.url");
+        for (toml, key) in [
+            (
+                format!("{w}poll_interval = \"0s\""),
+                "outbox_worker.poll_interval",
+            ),
+            (format!("{w}batch_size = 0"), "outbox_worker.batch_size"),
+            (
+                format!("{w}publish_timeout = \"30s\"\nlease = \"30s\""),
+                "outbox_worker.publish_timeout",
+            ),
+            // Issue 9.2: accepted before, though the relay released every batch.
+            (
+                format!("{w}publish_timeout = \"2500ms\"\nlease = \"3s\""),
+                "outbox_worker.publish_timeout",
+            ),
+            (
+                format!("{w}poll_intervall = \"1s\""),
+                "outbox_worker.poll_intervall",
+            ),
+            (format!("{w}lease = \"soon\""), "outbox_worker.lease"),
+            (
+                format!("{w}ordering = \"by_moon\""),
+                "outbox_worker.ordering",
+            ),
+            (
+                "[database]\ntable = \"room-outbox\"".into(),
+                "database.table",
+            ),
+            (
+                "[[publishers]]\nkind = \"kafka\"".into(),
+                "publishers.0.kind",
+            ),
+            (
+                "[[publishers]]\nkind = \"file\"\npath = \"-\"\ncolour = 1".into(),
+                "publishers.0.colour",
+            ),
+            ("[database]\nurl = \"oracle://x\"".into(), "database.url"),
+        ] {
+            assert_eq!(key_of(&toml), key, "{toml}");
+        }
         // Template keys of a publisher, also as a later entry.
         let file = "[[publishers]]\nkind = \"file\"\npath = \"-\"\n";
         for (entry, key) in [
@@ -197,10 +199,6 @@ mod tests {
             key_of(&format!("{file}{file}")),
             "publishers.1.name",
             "the index is the entry's, as figment's keys"
-        );
-        assert_eq!(
-            key_of(&format!("{w}ordering = \"by_moon\"")),
-            "outbox_worker.ordering"
         );
     }
 

@@ -163,15 +163,7 @@ impl Config {
         for (i, p) in self.publishers.iter().enumerate() {
             let at = KeyPath::publisher(i);
             p.validate(&at)?;
-            if !names.insert(p.name()) {
-                return Err(Error::config(
-                    at.join("name"),
-                    format!(
-                        "`{}` is used twice; give each publisher its own name",
-                        p.name()
-                    ),
-                ));
-            }
+            name_once(&mut names, &at, p.name(), "", "publisher")?;
             if p.name().contains(',') {
                 return Err(Error::config(at.join("name"), "must not contain `,`"));
             }
@@ -181,15 +173,8 @@ impl Config {
         for (i, c) in self.consumers.iter().enumerate() {
             let at = KeyPath::consumer(i);
             c.validate(&at)?;
-            if !consumer_names.insert(c.name()) {
-                return Err(Error::config(
-                    at.join("name"),
-                    format!(
-                        "`{}` is used twice (the name defaults to the queue); give each consumer its own name",
-                        c.name()
-                    ),
-                ));
-            }
+            let default = " (the name defaults to the queue)";
+            name_once(&mut consumer_names, &at, c.name(), default, "consumer")?;
         }
 
         if self.archive.batch_size == 0 {
@@ -273,39 +258,66 @@ fn validate_app_codes(app_codes: &[String]) -> Result<(), Error> {
     Ok(())
 }
 
+/// The config error of the first `(wrong, key, reason)` check that is
+/// wrong, in the order given.
+fn first_wrong(checks: &[(bool, &str, &str)]) -> Result<(), Error> {
+    match checks.iter().find(|(wrong, _, _)| *wrong) {
+        Some((_, key, reason)) => Err(Error::config(*key, reason)),
+        None => Ok(()),
+    }
+}
+
+/// Refuses the entry at `at` when its `name` is already in `seen`: two
+/// entries of one kind cannot share a name (`note` says where a name
+/// came from when the user wrote none).
+fn name_once<'a>(
+    seen: &mut HashSet<&'a str>,
+    at: &KeyPath,
+    name: &'a str,
+    note: &str,
+    entry: &str,
+) -> Result<(), Error> {
+    if seen.insert(name) {
+        return Ok(());
+    }
+    Err(Error::config(
+        at.join("name"),
+        format!("`{name}` is used twice{note}; give each {entry} its own name"),
+    ))
+}
+
 /// `[outbox_worker]`: the relay's rules, [`LeaseBudget::check`] among them.
 fn validate_worker(w: &WorkerConfig) -> Result<(), Error> {
-    if w.poll_interval.get().is_zero() {
-        return Err(Error::config(
+    first_wrong(&[
+        (
+            w.poll_interval.get().is_zero(),
             "outbox_worker.poll_interval",
             "must be > 0, or an idle relay would busy-loop on the database",
-        ));
-    }
-    if w.batch_size == 0 {
-        return Err(Error::config(
+        ),
+        (
+            w.batch_size == 0,
             "outbox_worker.batch_size",
             "must be > 0 (a claim never takes the whole table)",
-        ));
-    }
-    if w.publish_timeout.get().is_zero() {
-        return Err(Error::config(
+        ),
+        (
+            w.publish_timeout.get().is_zero(),
             "outbox_worker.publish_timeout",
             "must be > 0",
-        ));
-    }
+        ),
+    ])?;
     LeaseBudget::of(w).check_config()?;
-    if w.max_retry_count == 0 {
-        return Err(Error::config(
+    first_wrong(&[
+        (
+            w.max_retry_count == 0,
             "outbox_worker.max_retry_count",
             "must be ≥ 1",
-        ));
-    }
-    if w.initial_backoff.get().is_zero() {
-        return Err(Error::config(
+        ),
+        (
+            w.initial_backoff.get().is_zero(),
             "outbox_worker.initial_backoff",
             "must be > 0",
-        ));
-    }
+        ),
+    ])?;
     if w.max_backoff < w.initial_backoff {
         return Err(Error::config(
             "outbox_worker.max_backoff",

@@ -234,20 +234,15 @@ mod tests {
 
     #[test]
     fn failure_retries_with_progress_kept() {
-        match decide(&failing(0), policy(10), secs) {
+        assert_eq!(
+            decide(&failing(0), policy(10), secs),
             Decision::Retry {
-                retry_count,
-                after,
-                delivered_to,
-                error,
-            } => {
-                assert_eq!(retry_count, 1);
-                assert_eq!(after, secs(1));
-                assert_eq!(delivered_to, vec!["rabbit".to_string()]);
-                assert_eq!(error, "hook: 503");
+                retry_count: 1,
+                after: secs(1),
+                delivered_to: vec!["rabbit".to_string()],
+                error: "hook: 503".to_string(),
             }
-            other => panic!("{other:?}"),
-        }
+        );
     }
 
     #[test]

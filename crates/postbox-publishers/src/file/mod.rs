@@ -154,30 +154,7 @@ impl Publisher for FilePublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use postbox_core::{EventRecord, Status};
-
-    fn record(id: i64) -> EventRecord {
-        EventRecord {
-            id,
-            app_code: "room".into(),
-            event_id: format!("e{id}"),
-            event_type: "RoomCreated".into(),
-            aggregate_id: Some("r1".into()),
-            aggregate_version: Some(id),
-            payload: r#"{"room":1}"#.into(),
-            headers: Some(r#"{"trace":"t"}"#.into()),
-            status: Status::Delivering,
-            retry_count: 1,
-            next_retry_at_ms: 0,
-            lock_until_ms: 0,
-            worker_id: None,
-            last_error: None,
-            delivered_to: vec![],
-            replay_count: 1,
-            created_at_ms: 5,
-            updated_at_ms: 5,
-        }
-    }
+    use postbox_testkit::records::room_created as record;
 
     #[tokio::test]
     async fn writes_one_envelope_per_line() {

@@ -129,28 +129,17 @@ pub fn json_value(value: &AMQPValue) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use postbox_core::{EventRecord, Status};
+    use postbox_core::EventRecord;
 
     fn record() -> EventRecord {
         EventRecord {
-            id: 1,
-            app_code: "room".into(),
             event_id: "e-1".into(),
-            event_type: "RoomCreated".into(),
-            aggregate_id: Some("r1".into()),
             aggregate_version: Some(7),
-            payload: r#"{"room":1}"#.into(),
             headers: Some(r#"{"trace":"t","n":3,"ok":true,"f":1.5,"list":[1]}"#.into()),
-            status: Status::Delivering,
             retry_count: 2,
-            next_retry_at_ms: 0,
-            lock_until_ms: 0,
-            worker_id: None,
-            last_error: None,
-            delivered_to: vec![],
-            replay_count: 1,
             created_at_ms: 1_764_000_123_456,
             updated_at_ms: 0,
+            ..postbox_testkit::records::room_created(1)
         }
     }
 

@@ -17,7 +17,9 @@ use postbox_core::redact::SecretUrl;
 use postbox_core::template::Template;
 use postbox_core::Publisher;
 use postbox_publishers::nats::{subject_for, NatsPublisher};
-use postbox_testkit::publisher_suite::{check_publisher, sample_events, ReadBack, Received};
+use postbox_testkit::publisher_suite::{
+    check_publisher, publish_one, sample_events, ReadBack, Received,
+};
 use postbox_testkit::servers::how_to_start;
 use postbox_testkit::{nats_url, scratch_table};
 
@@ -44,6 +46,19 @@ fn config(name: &str, stream: &str, subject: &str, declare: bool) -> NatsPublish
     }
 }
 
+/// Starts a publisher `name` to `stream` on the subjects `<prefix>.<route>`
+/// (`route` a template).
+async fn start(
+    name: &str,
+    stream: &str,
+    prefix: &str,
+    route: &str,
+    declare: bool,
+) -> postbox_core::Result<NatsPublisher> {
+    let subject = format!("{prefix}.{route}");
+    NatsPublisher::connect(&config(name, stream, &subject, declare)).await
+}
+
 /// Deletes the stream when the test ends, however it ends.
 struct DropStream(String);
 
@@ -60,6 +75,17 @@ impl Drop for DropStream {
         })
         .join();
     }
+}
+
+/// A scratch stream (deleted with the guard) that captures only
+/// `<prefix>.a.*`, declared by publisher `name`; (stream, prefix, guard).
+async fn stream_of_a(name: &str) -> (String, String, DropStream) {
+    let (stream, prefix) = scratch();
+    let cleanup = DropStream(stream.clone());
+    start(name, &stream, &prefix, "a.{event_type}", true)
+        .await
+        .unwrap();
+    (stream, prefix, cleanup)
 }
 
 struct StreamReader {
@@ -138,8 +164,9 @@ fn received(m: &jetstream::Message) -> Received {
 async fn nats_publisher_passes_the_publisher_suite() {
     let (stream, prefix) = scratch();
     let _cleanup = DropStream(stream.clone());
-    let template = format!("{prefix}.{{app_code}}.{{event_type}}.{{aggregate_id}}");
-    let publisher = NatsPublisher::connect(&config("nats", &stream, &template, true))
+    let route = "{app_code}.{event_type}.{aggregate_id}";
+    let template = format!("{prefix}.{route}");
+    let publisher = start("nats", &stream, &prefix, route, true)
         .await
         .expect("connect and declare the stream");
     let mut events = sample_events("room", 120);
@@ -174,14 +201,9 @@ async fn a_resent_event_is_a_counted_duplicate_stored_once() {
     let (stream, prefix) = scratch();
     let _cleanup = DropStream(stream.clone());
     let name = format!("nats-dup-{}", std::process::id());
-    let publisher = NatsPublisher::connect(&config(
-        &name,
-        &stream,
-        &format!("{prefix}.{{event_type}}"),
-        true,
-    ))
-    .await
-    .unwrap();
+    let publisher = start(&name, &stream, &prefix, "{event_type}", true)
+        .await
+        .unwrap();
     let events = sample_events("room", 2);
     let first = [Delivery::of(&events[0]), Delivery::of(&events[1])];
     assert!(publisher.publish(&first).await.iter().all(Result::is_ok));
@@ -207,14 +229,9 @@ async fn a_resent_event_is_a_counted_duplicate_stored_once() {
 async fn the_dedupe_key_drops_resends_but_keeps_other_app_codes_and_replays() {
     let (stream, prefix) = scratch();
     let _cleanup = DropStream(stream.clone());
-    let publisher = NatsPublisher::connect(&config(
-        "nats-key",
-        &stream,
-        &format!("{prefix}.{{app_code}}"),
-        true,
-    ))
-    .await
-    .unwrap();
+    let publisher = start("nats-key", &stream, &prefix, "{app_code}", true)
+        .await
+        .unwrap();
     let room = sample_events("room", 1).remove(0);
     let mut gift = room.clone();
     gift.app_code = "gift".to_owned();
@@ -264,15 +281,10 @@ async fn the_dedupe_key_drops_resends_but_keeps_other_app_codes_and_replays() {
 #[tokio::test]
 async fn a_missing_stream_is_a_clear_error_at_start() {
     let (stream, prefix) = scratch();
-    let err = NatsPublisher::connect(&config(
-        "nats-missing",
-        &stream,
-        &format!("{prefix}.{{event_type}}"),
-        false,
-    ))
-    .await
-    .err()
-    .expect("a missing stream without declare is refused");
+    let err = start("nats-missing", &stream, &prefix, "{event_type}", false)
+        .await
+        .err()
+        .expect("a missing stream without declare is refused");
     let text = err.to_string();
     assert!(
         text.contains("nats-missing") && text.contains(&stream) && text.contains("declare"),
@@ -282,31 +294,11 @@ async fn a_missing_stream_is_a_clear_error_at_start() {
 
 #[tokio::test]
 async fn a_subject_no_stream_captures_is_a_failed_attempt() {
-    let (stream, prefix) = scratch();
-    let _cleanup = DropStream(stream.clone());
-    NatsPublisher::connect(&config(
-        "nats-a",
-        &stream,
-        &format!("{prefix}.a.{{event_type}}"),
-        true,
-    ))
-    .await
-    .unwrap();
-    // The stream exists but captures only `<prefix>.a.*`.
-    let stray = NatsPublisher::connect(&config(
-        "nats-stray",
-        &stream,
-        &format!("{prefix}.b.{{event_type}}"),
-        false,
-    ))
-    .await
-    .unwrap();
-    let events = sample_events("room", 1);
-    let results = stray.publish(&[Delivery::of(&events[0])]).await;
-    let err = results[0]
-        .as_ref()
-        .expect_err("nothing captured it")
-        .to_string();
+    let (stream, prefix, _cleanup) = stream_of_a("nats-a").await;
+    let stray = start("nats-stray", &stream, &prefix, "b.{event_type}", false)
+        .await
+        .unwrap();
+    let err = publish_one(&stray).await.expect_err("nothing captured it");
     assert!(
         err.contains("no JetStream stream captures") && err.contains(&format!("{prefix}.b.")),
         "{err}"
@@ -322,24 +314,16 @@ async fn a_subject_no_stream_captures_is_a_failed_attempt() {
 async fn publish_each_keeps_the_acks_that_came_before_the_deadline() {
     use postbox_core::publish::{PublishError, PublishResults};
 
-    let (stream, prefix) = scratch();
-    let _cleanup = DropStream(stream.clone());
-    // The stream captures `<prefix>.a.*`; the subject `<prefix>.b.silent`
-    // belongs to a subscriber that never replies.
-    NatsPublisher::connect(&config(
-        "nats-each-a",
-        &stream,
-        &format!("{prefix}.a.{{event_type}}"),
-        true,
-    ))
-    .await
-    .unwrap();
-    let publisher = NatsPublisher::connect(&config(
+    // The subject `<prefix>.b.silent` belongs to a subscriber that never
+    // replies.
+    let (stream, prefix, _cleanup) = stream_of_a("nats-each-a").await;
+    let publisher = start(
         "nats-each",
         &stream,
-        &format!("{prefix}.{{app_code}}.{{event_type}}"),
+        &prefix,
+        "{app_code}.{event_type}",
         false,
-    ))
+    )
     .await
     .unwrap();
     let silent = async_nats::connect(nats_url()).await.unwrap();

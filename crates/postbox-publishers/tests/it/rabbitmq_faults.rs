@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
 use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::store::{AppStats, EventFilter, OutboxStore};
-use postbox_core::{NewEvent, Publisher, Status};
+use postbox_core::{EventRecord, NewEvent, Publisher, Status};
 use postbox_postgres::PgOutbox;
 use postbox_publishers::rabbitmq::RabbitMqPublisher;
 use postbox_testkit::conformance::fast_worker;
@@ -44,6 +44,17 @@ async fn enqueue(store: &dyn OutboxStore, n: usize, event_type: &str) {
 
 async fn stats(store: &dyn OutboxStore) -> AppStats {
     store.stats(&[APP.to_owned()]).await.unwrap().remove(0)
+}
+
+/// Up to `limit` rows of the test's app in `status`.
+async fn rows(store: &dyn OutboxStore, status: Status, limit: u32) -> Vec<EventRecord> {
+    let filter = EventFilter {
+        app_code: Some(APP.into()),
+        status: Some(status),
+        limit,
+        ..Default::default()
+    };
+    store.list(&filter).await.unwrap()
 }
 
 /// Retries for as long as a fault lasts, quickly.
@@ -99,29 +110,94 @@ async fn wait_until(
     }
 }
 
+/// One test's turn: the tests of this file run one at a time ([`SERIAL`]),
+/// each holding the broker as it needs it. Taken in that order, always.
+struct Turn {
+    _broker: Hold,
+    _serial: tokio::sync::MutexGuard<'static, ()>,
+}
+
+/// How a test holds the broker (see [`broker_shared`]).
+enum Hold {
+    Shared(#[allow(dead_code)] tokio::sync::RwLockReadGuard<'static, ()>),
+    Exclusive(#[allow(dead_code)] tokio::sync::RwLockWriteGuard<'static, ()>),
+}
+
+impl Turn {
+    async fn take(exclusive: bool) -> Turn {
+        let serial = SERIAL.lock().await;
+        let broker = if exclusive {
+            Hold::Exclusive(broker_exclusive().await)
+        } else {
+            Hold::Shared(broker_shared().await)
+        };
+        Turn {
+            _broker: broker,
+            _serial: serial,
+        }
+    }
+}
+
+/// Events of the long runs.
+const TICKS: usize = 10_000;
+
+/// A long run: [`TICKS`] `Tick` events in a fresh store, and a publisher
+/// routing them into the queue of a scratch exchange.
+struct TickRun {
+    store: Arc<dyn OutboxStore>,
+    target: ScratchExchange,
+    publisher: Arc<RabbitMqPublisher>,
+}
+
+impl TickRun {
+    async fn start(prefix: &str) -> TickRun {
+        let store = store().await;
+        enqueue(store.as_ref(), TICKS, "Tick").await;
+        let target = scratch_exchange(prefix, "#").await;
+        let publisher = Arc::new(publisher_to(&target.name).await);
+        TickRun {
+            store,
+            target,
+            publisher,
+        }
+    }
+
+    /// The stats once every tick is delivered (within `limit`).
+    async fn all_delivered(&self, limit: Duration) -> AppStats {
+        wait_until(self.store.as_ref(), limit, |s| s.delivered == TICKS as i64).await
+    }
+
+    /// (messages, distinct event ids) the queue received, once every tick
+    /// arrived or 10 s passed.
+    async fn received(&self) -> (usize, usize) {
+        self.target
+            .inbox
+            .wait_for(TICKS, Duration::from_secs(10))
+            .await;
+        self.target.inbox.counts()
+    }
+}
+
+/// Every tick reached the queue and every row ended delivered.
+fn assert_each_tick_delivered(s: &AppStats, distinct: usize) {
+    assert_eq!(distinct, TICKS, "every event reached the queue");
+    assert_eq!(
+        (s.pending, s.retryable, s.failed, s.delivering),
+        (0, 0, 0, 0)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_connections_during_a_10000_event_run_lose_nothing() {
-    let _serial = SERIAL.lock().await;
-    let _broker = broker_shared().await;
-    const N: usize = 10_000;
-    let store = store().await;
-    enqueue(store.as_ref(), N, "Tick").await;
-    let exchange = scratch("close");
-    let setup = connect().await;
-    let channel = setup.create_channel().await.unwrap();
-    declare_exchange(&channel, &exchange).await;
-    let inbox = consume(&setup, &exchange, "#").await;
-    let publisher = Arc::new(
-        RabbitMqPublisher::connect(&config(&exchange, "{event_type}", false))
-            .await
-            .unwrap(),
-    );
+    let _turn = Turn::take(false).await;
+    let run = TickRun::start("close").await;
+    let (store, inbox, publisher) = (&run.store, &run.target.inbox, &run.publisher);
     let name = publisher.connection_name().to_owned();
     let started = Instant::now();
     let relay = start_relay(store.clone(), publisher.clone(), patient_worker());
 
     let mut closes = 0;
-    for threshold in [N / 5, N / 2, 4 * N / 5] {
+    for threshold in [TICKS / 5, TICKS / 2, 4 * TICKS / 5] {
         while inbox.len() < threshold {
             assert!(
                 started.elapsed() < Duration::from_secs(50),
@@ -148,55 +224,32 @@ async fn closed_connections_during_a_10000_event_run_lose_nothing() {
         assert!(n >= 1, "found no connection named {name} for 15 s");
         closes += n;
     }
-    let s = wait_until(store.as_ref(), Duration::from_secs(55), |s| {
-        s.delivered == N as i64
-    })
-    .await;
+    let s = run.all_delivered(Duration::from_secs(55)).await;
     let took = started.elapsed();
     relay.stop().await;
-    inbox.wait_for(N, Duration::from_secs(10)).await;
-    let (messages, distinct) = inbox.counts();
-    let retried = store
-        .list(&EventFilter {
-            app_code: Some(APP.into()),
-            status: Some(Status::Delivered),
-            limit: N as u32,
-            ..Default::default()
-        })
+    let (messages, distinct) = run.received().await;
+    let retried = rows(store.as_ref(), Status::Delivered, TICKS as u32)
         .await
-        .unwrap()
         .iter()
         .filter(|r| r.retry_count > 0)
         .count();
     println!(
-        "close_connection x{closes}: events {N}, deliveries {messages}, distinct {distinct}, duplicates {}, rows retried {retried}, all delivered in {took:?}",
+        "close_connection x{closes}: events {TICKS}, deliveries {messages}, distinct {distinct}, duplicates {}, rows retried {retried}, all delivered in {took:?}",
         messages - distinct
     );
-    assert_eq!(distinct, N, "every event reached the queue");
-    assert_eq!(
-        (s.pending, s.retryable, s.failed, s.delivering),
-        (0, 0, 0, 0)
-    );
+    assert_each_tick_delivered(&s, distinct);
     publisher.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_event_is_retried_then_dead_lettered() {
-    let _serial = SERIAL.lock().await;
-    let _broker = broker_shared().await;
+    let _turn = Turn::take(false).await;
     let store = store().await;
     enqueue(store.as_ref(), 5, "Nobody").await;
     enqueue(store.as_ref(), 20, "Somebody").await;
-    let exchange = scratch("noroute");
-    let setup = connect().await;
-    let channel = setup.create_channel().await.unwrap();
-    declare_exchange(&channel, &exchange).await;
-    let inbox = consume(&setup, &exchange, "Somebody").await;
-    let publisher = Arc::new(
-        RabbitMqPublisher::connect(&config(&exchange, "{event_type}", false))
-            .await
-            .unwrap(),
-    );
+    let target = scratch_exchange("noroute", "Somebody").await;
+    let (exchange, inbox) = (&target.name, &target.inbox);
+    let publisher = Arc::new(publisher_to(exchange).await);
     let worker = WorkerConfig {
         max_retry_count: 3,
         initial_backoff: HumanDuration::millis(100),
@@ -217,15 +270,7 @@ async fn an_unroutable_event_is_retried_then_dead_lettered() {
         "unroutable rows went retryable before failed"
     );
     assert_eq!(s.retryable + s.pending + s.delivering, 0);
-    let failed = store
-        .list(&EventFilter {
-            app_code: Some(APP.into()),
-            status: Some(Status::Failed),
-            limit: 10,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let failed = rows(store.as_ref(), Status::Failed, 10).await;
     for r in &failed {
         assert_eq!(r.event_type, "Nobody");
         assert_eq!(r.retry_count, 3);
@@ -295,23 +340,11 @@ impl Drop for WatermarkGuard {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_alarm_delays_delivery_without_loss() {
-    let _serial = SERIAL.lock().await;
     // The alarm blocks every publishing connection: no other RabbitMQ test
     // of this binary may run meanwhile.
-    let _broker = broker_exclusive().await;
-    const N: usize = 10_000;
-    let store = store().await;
-    enqueue(store.as_ref(), N, "Tick").await;
-    let exchange = scratch("alarm");
-    let setup = connect().await;
-    let channel = setup.create_channel().await.unwrap();
-    declare_exchange(&channel, &exchange).await;
-    let inbox = consume(&setup, &exchange, "#").await;
-    let publisher = Arc::new(
-        RabbitMqPublisher::connect(&config(&exchange, "{event_type}", false))
-            .await
-            .unwrap(),
-    );
+    let _turn = Turn::take(true).await;
+    let run = TickRun::start("alarm").await;
+    let (store, inbox, publisher) = (&run.store, &run.target.inbox, &run.publisher);
     let worker = WorkerConfig {
         batch_size: 50,
         ..patient_worker()
@@ -321,7 +354,7 @@ async fn a_memory_alarm_delays_delivery_without_loss() {
         .await
         .unwrap();
     let relay = start_relay(store.clone(), publisher.clone(), worker);
-    while inbox.len() < N / 20 {
+    while inbox.len() < TICKS / 20 {
         assert!(started.elapsed() < Duration::from_secs(20));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -344,26 +377,21 @@ async fn a_memory_alarm_delays_delivery_without_loss() {
         .await
         .unwrap();
     let restored_at = Instant::now();
-    let s = wait_until(store.as_ref(), Duration::from_secs(45), |s| {
-        s.delivered == N as i64
-    })
-    .await;
+    let s = run.all_delivered(Duration::from_secs(45)).await;
     let recovered = restored_at.elapsed();
     relay.stop().await;
-    inbox.wait_for(N, Duration::from_secs(10)).await;
-    let (messages, distinct) = inbox.counts();
+    let (messages, distinct) = run.received().await;
     println!(
-        "memory alarm 4s: events {N}, delivered before/at alarm end {} (queue had {received_during}), max retryable {max_retryable}, deliveries {messages}, distinct {distinct}, duplicates {}, all delivered {recovered:?} after the alarm cleared, {:?} in all",
+        "memory alarm 4s: events {TICKS}, delivered before/at alarm end {} (queue had {received_during}), max retryable {max_retryable}, deliveries {messages}, distinct {distinct}, duplicates {}, all delivered {recovered:?} after the alarm cleared, {:?} in all",
         during.delivered,
         messages - distinct,
         started.elapsed()
     );
-    assert!(during.delivered < N as i64, "the alarm held delivery back");
-    assert!(max_retryable > 0, "blocked publishes made rows retryable");
-    assert_eq!(distinct, N, "every event reached the queue");
-    assert_eq!(
-        (s.pending, s.retryable, s.failed, s.delivering),
-        (0, 0, 0, 0)
+    assert!(
+        during.delivered < TICKS as i64,
+        "the alarm held delivery back"
     );
+    assert!(max_retryable > 0, "blocked publishes made rows retryable");
+    assert_each_tick_delivered(&s, distinct);
     publisher.close().await;
 }

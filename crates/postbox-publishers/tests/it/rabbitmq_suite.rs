@@ -12,7 +12,9 @@ use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::SecretUrl;
 use postbox_core::{Error, Publisher};
 use postbox_publishers::rabbitmq::RabbitMqPublisher;
-use postbox_testkit::publisher_suite::{check_publisher, sample_events, ReadBack, Received};
+use postbox_testkit::publisher_suite::{
+    check_publisher, publish_one, sample_events, ReadBack, Received,
+};
 use rabbitmq_support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -53,14 +55,9 @@ async fn rabbitmq_publisher_passes_the_publisher_suite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_events_fail_and_the_rest_of_the_batch_is_delivered() {
     let _broker = broker_shared().await;
-    let exchange = scratch("unroutable");
-    let setup = connect().await;
-    let channel = setup.create_channel().await.unwrap();
-    declare_exchange(&channel, &exchange).await;
-    let inbox = consume(&setup, &exchange, "RoomCreated").await;
-    let publisher = RabbitMqPublisher::connect(&config(&exchange, "{event_type}", false))
-        .await
-        .unwrap();
+    let target = scratch_exchange("unroutable", "RoomCreated").await;
+    let (exchange, inbox) = (&target.name, &target.inbox);
+    let publisher = publisher_to(exchange).await;
     let events = sample_events("room", 30); // RoomCreated, UserJoined, GiftSent, …
     let batch: Vec<Delivery<'_>> = events.iter().map(Delivery::of).collect();
     let results = publisher.publish(&batch).await;
@@ -88,14 +85,9 @@ async fn unroutable_events_fail_and_the_rest_of_the_batch_is_delivered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_publish_leaves_the_publisher_usable() {
     let _broker = broker_shared().await;
-    let exchange = scratch("cancel");
-    let setup = connect().await;
-    let channel = setup.create_channel().await.unwrap();
-    declare_exchange(&channel, &exchange).await;
-    let inbox = consume(&setup, &exchange, "#").await;
-    let publisher = RabbitMqPublisher::connect(&config(&exchange, "{event_type}", false))
-        .await
-        .unwrap();
+    let target = scratch_exchange("cancel", "#").await;
+    let publisher = publisher_to(&target.name).await;
+    let inbox = &target.inbox;
     let events = sample_events("room", 400);
     for chunk in events[..200].chunks(50) {
         let batch: Vec<Delivery<'_>> = chunk.iter().map(Delivery::of).collect();
@@ -204,9 +196,8 @@ async fn declare_creates_a_missing_exchange_and_accepts_an_existing_one_of_anoth
     let publisher = RabbitMqPublisher::connect(&config(&existing, "{event_type}", true))
         .await
         .expect("an existing exchange of another kind is used as it is");
-    let events = sample_events("room", 1);
-    let results = publisher.publish(&[Delivery::of(&events[0])]).await;
-    assert!(results[0].is_ok(), "{results:?}");
+    let result = publish_one(&publisher).await;
+    assert!(result.is_ok(), "{result:?}");
     assert_eq!(inbox.wait_for(1, Duration::from_secs(5)).await.len(), 1);
     publisher.close().await;
     delete_exchange(&channel, &existing).await;
@@ -286,13 +277,10 @@ async fn forward_frames(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_each_keeps_the_confirms_that_came_before_the_deadline() {
     let _broker = broker_shared().await;
-    let exchange = scratch("each");
-    let setup = connect().await;
-    let channel = setup.create_channel().await.unwrap();
-    declare_exchange(&channel, &exchange).await;
-    let inbox = consume(&setup, &exchange, "RoomCreated").await;
+    let target = scratch_exchange("each", "RoomCreated").await;
+    let (exchange, inbox) = (&target.name, &target.inbox);
     let proxy = ConfirmProxy::start(3).await;
-    let mut config = config(&exchange, "{event_type}", false);
+    let mut config = config(exchange, "{event_type}", false);
     config.url = SecretUrl::new(proxy.url.clone());
     let publisher = RabbitMqPublisher::connect(&config).await.unwrap();
 

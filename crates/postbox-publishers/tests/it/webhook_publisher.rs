@@ -14,14 +14,15 @@ use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use hmac::{Hmac, Mac};
 use postbox_core::config::{HumanDuration, WebhookPublisherConfig};
-use postbox_core::publish::Delivery;
 use postbox_core::redact::{Secret, SecretUrl};
 use postbox_core::store::OutboxStore;
 use postbox_core::{NewEvent, Publisher};
 use postbox_publishers::webhook::WebhookPublisher;
 use postbox_sqlite::SqliteOutbox;
 use postbox_testkit::conformance::{fast_worker, run_relay_until_for};
-use postbox_testkit::publisher_suite::{check_publisher, sample_events, ReadBack, Received};
+use postbox_testkit::publisher_suite::{
+    check_publisher, publish_one, sample_events, ReadBack, Received,
+};
 use postbox_testkit::scratch_table;
 use sha2::Sha256;
 
@@ -176,12 +177,9 @@ async fn a_wrong_secret_is_rejected_by_the_receiver() {
         "wrong",
     ))
     .unwrap();
-    let events = sample_events("room", 1);
-    let results = publisher.publish(&[Delivery::of(&events[0])]).await;
-    let err = results[0]
-        .as_ref()
-        .expect_err("401 is a failed attempt")
-        .to_string();
+    let err = publish_one(&publisher)
+        .await
+        .expect_err("401 is a failed attempt");
     assert!(
         err.contains("401") && err.contains("not retryable"),
         "{err}"

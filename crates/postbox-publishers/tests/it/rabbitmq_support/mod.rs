@@ -17,6 +17,7 @@ use postbox_core::config::RabbitMqPublisherConfig;
 use postbox_core::redact::SecretUrl;
 use postbox_core::template::Template;
 use postbox_publishers::rabbitmq::message::{json_value, POSTBOX_HEADERS};
+use postbox_publishers::rabbitmq::RabbitMqPublisher;
 use postbox_testkit::publisher_suite::Received;
 use postbox_testkit::servers::{amqp_url, how_to_start};
 
@@ -61,6 +62,38 @@ pub async fn declare_exchange(channel: &Channel, exchange: &str) {
         )
         .await
         .expect("declare scratch exchange");
+}
+
+/// A scratch exchange ([`declare_exchange`]) with a consumer bound to it by
+/// a pattern: what a test publishes into and reads back from. The setup
+/// connection and channel live as long as it does.
+pub struct ScratchExchange {
+    pub name: String,
+    pub inbox: Inbox,
+    pub connection: Connection,
+    pub channel: Channel,
+}
+
+/// [`ScratchExchange`] named after `prefix`, its queue bound with `binding`.
+pub async fn scratch_exchange(prefix: &str, binding: &str) -> ScratchExchange {
+    let name = scratch(prefix);
+    let connection = connect().await;
+    let channel = connection.create_channel().await.unwrap();
+    declare_exchange(&channel, &name).await;
+    let inbox = consume(&connection, &name, binding).await;
+    ScratchExchange {
+        name,
+        inbox,
+        connection,
+        channel,
+    }
+}
+
+/// A publisher to an existing `exchange`, routing by event type.
+pub async fn publisher_to(exchange: &str) -> RabbitMqPublisher {
+    RabbitMqPublisher::connect(&config(exchange, "{event_type}", false))
+        .await
+        .unwrap()
 }
 
 pub async fn delete_exchange(channel: &Channel, exchange: &str) {
