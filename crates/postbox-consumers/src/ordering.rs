@@ -142,6 +142,19 @@ const SQLITE: Dialect = Dialect {
     release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND (event_id = ? OR until_ms < ?)",
 };
 
+/// Runs the holds' statement `$sql` with `$arg`s bound in order; `$what`
+/// says what failed.
+macro_rules! execute {
+    ($holds:ident, $sql:ident, $what:literal, $($arg:expr),+) => {
+        sqlx::query(&$holds.sql.$sql)
+            $(.bind($arg))+
+            .execute(&$holds.pool)
+            .await
+            .map(drop)
+            .map_err(|e| Error::database($what, e))
+    };
+}
+
 macro_rules! holds_backend {
     ($db:ty, $dialect:expr) => {
         impl Holds<$db> {
@@ -189,16 +202,16 @@ macro_rules! holds_backend {
                 version: i64,
                 until_ms: i64,
             ) -> Result<(), Error> {
-                sqlx::query(&self.sql.hold)
-                    .bind(consumer_group)
-                    .bind(aggregate_id)
-                    .bind(event_id)
-                    .bind(version)
-                    .bind(until_ms)
-                    .execute(&self.pool)
-                    .await
-                    .map(drop)
-                    .map_err(|e| Error::database("recording an ordering hold", e))
+                execute!(
+                    self,
+                    hold,
+                    "recording an ordering hold",
+                    consumer_group,
+                    aggregate_id,
+                    event_id,
+                    version,
+                    until_ms
+                )
             }
 
             async fn release(
@@ -208,15 +221,15 @@ macro_rules! holds_backend {
                 event_id: &str,
                 now_ms: i64,
             ) -> Result<(), Error> {
-                sqlx::query(&self.sql.release)
-                    .bind(consumer_group)
-                    .bind(aggregate_id)
-                    .bind(event_id)
-                    .bind(now_ms)
-                    .execute(&self.pool)
-                    .await
-                    .map(drop)
-                    .map_err(|e| Error::database("releasing an ordering hold", e))
+                execute!(
+                    self,
+                    release,
+                    "releasing an ordering hold",
+                    consumer_group,
+                    aggregate_id,
+                    event_id,
+                    now_ms
+                )
             }
         }
     };

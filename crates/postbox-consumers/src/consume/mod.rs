@@ -9,12 +9,20 @@
 //! - [`session`]: the reconnect loop around a broker connection.
 //! - [`ConsumeReport`], what a consumer did, and [`consumer_tag`], how a
 //!   consumer process names itself to the broker.
+//! - [`Core`], what every consumer is made of (config, handler, retry
+//!   policy, tag), built and checked once.
 
 pub(crate) mod session;
 pub(crate) mod settle;
 
+use std::sync::Arc;
+
+use postbox_core::config::{ConsumerConfig, ConsumerKind};
+use postbox_core::Error;
+
+use self::settle::{Settler, Transport};
 use crate::metrics::count;
-use crate::Handled;
+use crate::{Handled, Handler, Message, RetryPolicy};
 
 /// `{queue}-{host}-{pid}`: tells the processes on one queue apart in the
 /// broker's tools (the RabbitMQ management UI and `rabbitmqctl
@@ -22,6 +30,58 @@ use crate::Handled;
 pub fn consumer_tag(queue: &str) -> String {
     let host = postbox_core::wire::host_name().unwrap_or_else(|| "localhost".to_owned());
     format!("{queue}-{host}-{}", std::process::id())
+}
+
+/// What every consumer is made of: its config, the handler it calls, the
+/// retry policy of its config and the tag it gives itself to the broker.
+pub(crate) struct Core {
+    pub config: ConsumerConfig,
+    pub handler: Arc<dyn Handler>,
+    pub policy: RetryPolicy,
+    pub tag: String,
+}
+
+impl Core {
+    /// The core of a `kind` consumer (`broker` names it when `config` is of
+    /// another kind); its tag is [`consumer_tag`] of `tag_of(&config)`.
+    pub(crate) fn new(
+        config: ConsumerConfig,
+        handler: Arc<dyn Handler>,
+        kind: ConsumerKind,
+        broker: &str,
+        tag_of: fn(&ConsumerConfig) -> &str,
+    ) -> Result<Self, Error> {
+        if config.kind != kind {
+            return Err(Error::config(
+                "kind",
+                format!("`{}` is not a {broker} consumer", config.kind.as_str()),
+            ));
+        }
+        Ok(Core {
+            policy: RetryPolicy::of(&config),
+            tag: consumer_tag(tag_of(&config)),
+            config,
+            handler,
+        })
+    }
+
+    /// Takes one message to the end through `transport` (see
+    /// [`Settler::process`]), counting it in `report`.
+    pub(crate) async fn settle<T: Transport>(
+        &self,
+        report: &mut ConsumeReport,
+        transport: &mut T,
+        read: Result<Message, String>,
+        delivered: u32,
+    ) -> Result<(), String> {
+        Settler {
+            consumer: self.config.name(),
+            policy: &self.policy,
+            report,
+        }
+        .process(self.handler.as_ref(), transport, read, delivered)
+        .await
+    }
 }
 
 /// What a consumer did until it stopped.

@@ -8,6 +8,8 @@ use postbox_consumers::{Handled, HandlerError, Message};
 use postbox_core::envelope::Envelope;
 use postbox_testkit::servers::{ensure_database, mysql_url, postgres_url, scratch_table};
 
+use crate::common::EffectRow;
+
 fn message(event_id: &str, aggregate: Option<(&str, i64)>) -> Message {
     Message {
         envelope: Envelope {
@@ -27,33 +29,9 @@ fn message(event_id: &str, aggregate: Option<(&str, i64)>) -> Message {
 
 /// Generates the same cases for one database.
 macro_rules! inbox_cases {
-    ($module:ident, $db:ty, $insert:literal, $setup:expr) => {
+    ($module:ident, $db:ty, $setup:expr) => {
         mod $module {
             use super::*;
-
-            struct Effect {
-                table: String,
-                fail: bool,
-            }
-
-            #[async_trait]
-            impl TxHandler<$db> for Effect {
-                async fn handle(
-                    &self,
-                    tx: &mut sqlx::Transaction<'static, $db>,
-                    m: &Message,
-                ) -> Result<(), HandlerError> {
-                    sqlx::query(&format!($insert, self.table))
-                        .bind(m.event_id())
-                        .execute(&mut **tx)
-                        .await
-                        .map_err(HandlerError::new)?;
-                    if self.fail {
-                        return Err(HandlerError::new("downstream said no"));
-                    }
-                    Ok(())
-                }
-            }
 
             async fn count(inbox: &Inbox<$db>, table: &str) -> i64 {
                 sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}"))
@@ -76,13 +54,10 @@ macro_rules! inbox_cases {
                 .execute(inbox.pool())
                 .await
                 .unwrap();
-                let ok = Effect {
-                    table: effect.clone(),
-                    fail: false,
-                };
-                let failing = Effect {
-                    table: effect.clone(),
+                let ok = EffectRow::new(effect.clone());
+                let failing = EffectRow {
                     fail: true,
+                    ..EffectRow::new(effect.clone())
                 };
 
                 // A failing handler rolls back its write and the inbox row.
@@ -135,38 +110,22 @@ macro_rules! inbox_cases {
     };
 }
 
-inbox_cases!(
-    postgres,
-    sqlx::Postgres,
-    "INSERT INTO {} (event_id) VALUES ($1)",
-    async {
-        let url = postgres_url();
-        ensure_database("postgres", &url).await;
-        (url, None)
-    }
-);
+inbox_cases!(postgres, sqlx::Postgres, server("postgres", postgres_url()));
+inbox_cases!(mariadb, sqlx::MySql, server("mysql", mysql_url()));
+inbox_cases!(sqlite, sqlx::Sqlite, sqlite_file());
 
-inbox_cases!(
-    mariadb,
-    sqlx::MySql,
-    "INSERT INTO {} (event_id) VALUES (?)",
-    async {
-        let url = mysql_url();
-        ensure_database("mysql", &url).await;
-        (url, None)
-    }
-);
+/// The URL of database server `kind`, made sure to exist.
+async fn server(kind: &str, url: String) -> (String, Option<tempfile::TempDir>) {
+    ensure_database(kind, &url).await;
+    (url, None)
+}
 
-inbox_cases!(
-    sqlite,
-    sqlx::Sqlite,
-    "INSERT INTO {} (event_id) VALUES (?)",
-    async {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
-        (url, Some(dir))
-    }
-);
+/// The URL of a fresh SQLite file, with the directory that holds it.
+async fn sqlite_file() -> (String, Option<tempfile::TempDir>) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    (url, Some(dir))
+}
 
 /// MariaDB/MySQL row locking of the version check (issue 10.5): forced
 /// interleavings with a third connection that holds the aggregate's row.
@@ -203,15 +162,7 @@ mod mariadb_locking {
                     let _ = rx.await;
                 }
             }
-            sqlx::query(&format!(
-                "INSERT INTO {} (event_id) VALUES (?)",
-                self.effect
-            ))
-            .bind(m.event_id())
-            .execute(&mut **tx)
-            .await
-            .map_err(HandlerError::new)?;
-            Ok(())
+            TxHandler::<sqlx::MySql>::handle(&EffectRow::new(&self.effect), tx, m).await
         }
     }
 
@@ -478,24 +429,6 @@ mod postgres_locking {
 
     use super::*;
 
-    struct Effect(String);
-
-    #[async_trait]
-    impl TxHandler<sqlx::Postgres> for Effect {
-        async fn handle(
-            &self,
-            tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-            m: &Message,
-        ) -> Result<(), HandlerError> {
-            sqlx::query(&format!("INSERT INTO {} (event_id) VALUES ($1)", self.0))
-                .bind(m.event_id())
-                .execute(&mut **tx)
-                .await
-                .map_err(HandlerError::new)?;
-            Ok(())
-        }
-    }
-
     async fn wait_for_waiters(c: &mut PgConnection, table: &str, n: i64) {
         let start = Instant::now();
         loop {
@@ -533,7 +466,7 @@ mod postgres_locking {
             .execute(inbox.pool())
             .await
             .unwrap();
-        let handler = std::sync::Arc::new(Effect(effect.clone()));
+        let handler = std::sync::Arc::new(EffectRow::new(effect.clone()));
         let seed = message("e0", Some(("a", 0)));
         assert_eq!(
             inbox.process("g", &seed, &*handler).await.unwrap(),

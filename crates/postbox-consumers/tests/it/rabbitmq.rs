@@ -146,25 +146,6 @@ async fn poison_lands_in_dead_after_growing_delays_while_others_flow() {
     delete(&ch, &queue).await;
 }
 
-/// Writes one effect row per event inside the inbox transaction.
-struct Effect;
-
-#[async_trait]
-impl TxHandler<sqlx::Sqlite> for Effect {
-    async fn handle(
-        &self,
-        tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO effect (event_id) VALUES (?)")
-            .bind(m.event_id())
-            .execute(&mut **tx)
-            .await
-            .map_err(HandlerError::new)?;
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn inbox_counts_duplicates_and_skips_stale_versions() {
     let dir = tempfile::tempdir().unwrap();
@@ -184,7 +165,11 @@ async fn inbox_counts_duplicates_and_skips_stale_versions() {
     publish(&ch, &queue, "e3", Some(("room-1", 3)), "{}").await;
     publish(&ch, &queue, "x1", None, "{}").await;
 
-    let handler = Arc::new(InboxHandler::new(inbox.clone(), "console", Effect));
+    let handler = Arc::new(InboxHandler::new(
+        inbox.clone(),
+        "console",
+        EffectRow::new("effect"),
+    ));
     let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler).unwrap();
     let stop = CancellationToken::new();
     let run = tokio::spawn({

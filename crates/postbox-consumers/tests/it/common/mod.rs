@@ -1,12 +1,16 @@
 //! Shared helpers of the consumer tests: a RabbitMQ connection, scratch
-//! queues, publishing events the way the relay does, and a consumer config.
+//! queues, publishing events the way the relay does, a consumer config, and
+//! the effect an inbox handler writes.
 #![allow(dead_code)]
 
+use async_trait::async_trait;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use postbox_consumers::inbox::TxHandler;
+use postbox_consumers::{HandlerError, Message};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, HumanDuration};
 use postbox_core::redact::SecretUrl;
 use postbox_testkit::servers::{amqp_url, how_to_start, scratch_name};
@@ -124,3 +128,53 @@ pub async fn delete(ch: &Channel, queue: &str) {
             .await;
     }
 }
+
+/// The effect of an inbox handler: writes the event id to `table` inside the
+/// inbox transaction, then fails if `fail` (the rollback must undo the write).
+pub struct EffectRow {
+    pub table: String,
+    pub fail: bool,
+}
+
+impl EffectRow {
+    /// An effect that succeeds.
+    pub fn new(table: impl Into<String>) -> Self {
+        EffectRow {
+            table: table.into(),
+            fail: false,
+        }
+    }
+}
+
+/// [`EffectRow`] on database `$db`, whose first bind parameter is
+/// `$placeholder`.
+macro_rules! effect_row {
+    ($db:ty, $placeholder:literal) => {
+        #[async_trait]
+        impl TxHandler<$db> for EffectRow {
+            async fn handle(
+                &self,
+                tx: &mut sqlx::Transaction<'static, $db>,
+                m: &Message,
+            ) -> Result<(), HandlerError> {
+                let insert = format!(
+                    concat!("INSERT INTO {} (event_id) VALUES (", $placeholder, ")"),
+                    self.table
+                );
+                sqlx::query(&insert)
+                    .bind(m.event_id())
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(HandlerError::new)?;
+                if self.fail {
+                    return Err(HandlerError::new("downstream said no"));
+                }
+                Ok(())
+            }
+        }
+    };
+}
+
+effect_row!(sqlx::Postgres, "$1");
+effect_row!(sqlx::MySql, "?");
+effect_row!(sqlx::Sqlite, "?");
