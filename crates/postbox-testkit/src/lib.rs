@@ -5,6 +5,7 @@
 //! it, never a silent skip.
 
 pub mod conformance;
+pub mod consumer_fixtures;
 pub mod faults;
 pub mod http;
 pub mod publisher_suite;

@@ -27,6 +27,13 @@ fn message(event_id: &str, aggregate: Option<(&str, i64)>) -> Message {
     }
 }
 
+/// Takes aggregate `a`'s row of group `g` in `versions` for update.
+fn lock_aggregate_a(versions: &str) -> String {
+    format!(
+        "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
+    )
+}
+
 /// Generates the same cases for one database.
 macro_rules! inbox_cases {
     ($module:ident, $db:ty, $setup:expr) => {
@@ -294,12 +301,10 @@ mod mariadb_locking {
         let mut holder = MySqlConnection::connect(&s.url).await.unwrap();
         let mut watcher = MySqlConnection::connect(&s.url).await.unwrap();
         sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-        sqlx::query(&format!(
-            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
-        ))
-        .fetch_all(&mut holder)
-        .await
-        .unwrap();
+        sqlx::query(&lock_aggregate_a(&versions))
+            .fetch_all(&mut holder)
+            .await
+            .unwrap();
 
         let (gate, entered, release) = gate(&s.effect, "e1");
         let gate = Arc::new(gate);
@@ -375,12 +380,10 @@ mod mariadb_locking {
         .execute(&mut holder)
         .await
         .unwrap();
-        sqlx::query(&format!(
-            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
-        ))
-        .fetch_all(&mut holder)
-        .await
-        .unwrap();
+        sqlx::query(&lock_aggregate_a(&versions))
+            .fetch_all(&mut holder)
+            .await
+            .unwrap();
 
         let (gate, _entered, _release) = gate(&s.effect, "none");
         let inbox = s.inbox.clone();
@@ -475,12 +478,10 @@ mod postgres_locking {
         let mut holder = PgConnection::connect(&url).await.unwrap();
         let mut watcher = PgConnection::connect(&url).await.unwrap();
         sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-        sqlx::query(&format!(
-            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
-        ))
-        .fetch_all(&mut holder)
-        .await
-        .unwrap();
+        sqlx::query(&lock_aggregate_a(&versions))
+            .fetch_all(&mut holder)
+            .await
+            .unwrap();
         let spawn = |id: &'static str, v: i64| {
             let (inbox, h) = (inbox.clone(), handler.clone());
             tokio::spawn(async move { inbox.process("g", &message(id, Some(("a", v))), &*h).await })

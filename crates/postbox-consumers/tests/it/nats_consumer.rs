@@ -206,22 +206,15 @@ async fn declare_creates_a_missing_stream() {
         "a",
         cancel.clone(),
     );
-    let start = std::time::Instant::now();
-    while b.js.get_stream(&name).await.is_err()
-        || b.js
-            .get_stream(&name)
-            .await
-            .unwrap()
-            .consumer_info("fresh")
-            .await
-            .is_err()
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "declare created nothing"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    crate::common::wait_until(
+        "declare to create the stream and its durable consumer",
+        Duration::from_secs(10),
+        async || match b.js.get_stream(&name).await {
+            Ok(stream) => stream.consumer_info("fresh").await.is_ok(),
+            Err(_) => false,
+        },
+    )
+    .await;
     cancel.cancel();
     task.await.unwrap().unwrap();
     let consumer =

@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use postbox_consumers::inbox::{Inbox, InboxHandler, TxHandler};
-use postbox_consumers::rabbitmq::RabbitMqConsumer;
+use postbox_consumers::rabbitmq::{ConsumeReport, RabbitMqConsumer};
 use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_core::config::HumanDuration;
 use tokio_util::sync::CancellationToken;
 
 use common::*;
+use postbox_testkit::consumer_fixtures::rabbitmqctl_list;
 
 /// Fails every attempt at `poison`, succeeds otherwise; records when each
 /// event was seen.
@@ -40,12 +41,32 @@ impl Handler for Recording {
     }
 }
 
-async fn wait_until(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+/// Runs `consumer` until the returned token is cancelled.
+fn start(
+    consumer: RabbitMqConsumer,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<ConsumeReport, postbox_core::Error>>,
+) {
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let stop = stop.clone();
+        async move { consumer.run(stop).await }
+    });
+    (stop, run)
+}
+
+/// A PostgreSQL inbox in a scratch table, with the table's name.
+async fn ordering_inbox() -> (Inbox<sqlx::Postgres>, String) {
+    use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
+
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let table = scratch_table("ordering_inbox");
+    let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
+        .await
+        .unwrap();
+    (inbox, table)
 }
 
 #[tokio::test]
@@ -64,11 +85,7 @@ async fn poison_lands_in_dead_after_growing_delays_while_others_flow() {
 
     let handler = Arc::new(Recording::default());
     let consumer = RabbitMqConsumer::new(config, handler.clone()).unwrap();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     wait_until(
         "the poison message in .dead",
         Duration::from_secs(20),
@@ -171,11 +188,7 @@ async fn inbox_counts_duplicates_and_skips_stale_versions() {
         EffectRow::new("effect"),
     ));
     let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler).unwrap();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     wait_until(
         "five messages handled",
         Duration::from_secs(15),
@@ -247,11 +260,7 @@ async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
         calls: Mutex::new(0),
     });
     let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler.clone()).unwrap();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     wait_until(
         "the first message in hand",
         Duration::from_secs(10),
@@ -273,18 +282,7 @@ async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
 
 /// Closes the broker connection named `name` (this test's own, never others).
 async fn close_connection_named(name: &str) -> bool {
-    let out = tokio::process::Command::new("rabbitmqctl")
-        .args([
-            "-q",
-            "--no-table-headers",
-            "list_connections",
-            "pid",
-            "client_properties",
-        ])
-        .output()
-        .await
-        .expect("rabbitmqctl on PATH");
-    let listing = String::from_utf8_lossy(&out.stdout).to_string();
+    let listing = rabbitmqctl_list("connections", &["pid", "client_properties"]).await;
     let Some(pid) = listing
         .lines()
         .find(|l| l.contains(&format!("\"{name}\"")))
@@ -313,11 +311,7 @@ async fn reconnects_after_the_broker_drops_the_connection() {
     let handler = Arc::new(Recording::default());
     let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler.clone()).unwrap();
     let name = consumer.tag().to_owned();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     for i in 0..5 {
         publish(&ch, &queue, &format!("r-{i}"), None, "{}").await;
     }
@@ -393,7 +387,7 @@ impl<H: Handler> Handler for Outcomes<H> {
 async fn run_ordering(
     ordering: postbox_core::config::Ordering,
     inbox: &Inbox<sqlx::Postgres>,
-) -> (Vec<String>, postbox_consumers::rabbitmq::ConsumeReport) {
+) -> (Vec<String>, ConsumeReport) {
     use postbox_consumers::ordering::Holds;
 
     let (_conn, ch) = broker().await;
@@ -412,11 +406,7 @@ async fn run_ordering(
     let consumer = RabbitMqConsumer::new(config, handler.clone())
         .unwrap()
         .with_holds(Arc::new(Holds::<sqlx::Postgres>::of(inbox).await.unwrap()));
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     // Done when e1 was handled a second time (applied, or skipped as stale).
     wait_until("e1 back from retry", Duration::from_secs(15), async || {
         let log = handler.log.lock().unwrap();
@@ -437,14 +427,8 @@ async fn run_ordering(
 #[tokio::test]
 async fn per_aggregate_ordering_holds_later_events_behind_a_retry() {
     use postbox_core::config::Ordering;
-    use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
 
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let table = scratch_table("ordering_inbox");
-    let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
-        .await
-        .unwrap();
+    let (inbox, table) = ordering_inbox().await;
 
     // Without the setting: e2 overtakes e1, and e1 is skipped as stale.
     let (log, report) = run_ordering(Ordering::None, &inbox).await;
@@ -581,14 +565,8 @@ impl TxHandler<sqlx::Postgres> for E3WhileE2Waits {
 async fn per_aggregate_ordering_holds_later_events_behind_a_held_back_one() {
     use postbox_consumers::ordering::Holds;
     use postbox_core::config::Ordering;
-    use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
 
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let table = scratch_table("ordering_inbox");
-    let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
-        .await
-        .unwrap();
+    let (inbox, table) = ordering_inbox().await;
     let (_conn, ch) = broker().await;
     let queue = scratch_queue("ordering_held");
     declare(&ch, &queue).await;
@@ -615,11 +593,7 @@ async fn per_aggregate_ordering_holds_later_events_behind_a_held_back_one() {
     let consumer = RabbitMqConsumer::new(config, handler.clone())
         .unwrap()
         .with_holds(Arc::new(Holds::<sqlx::Postgres>::of(&inbox).await.unwrap()));
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     wait_until("e2 and e3 handled", Duration::from_secs(20), async || {
         let log = handler.log.lock().unwrap();
         log.iter().any(|l| l.starts_with("e2:")) && log.iter().any(|l| l.starts_with("e3:"))

@@ -181,14 +181,7 @@ pub async fn first_dead(b: &dyn Broker, group: &str, limit: Duration, what: &str
 
 /// Waits until `done` holds, panicking with `what` after `limit`.
 pub async fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    crate::common::wait_until(what, limit, async || done()).await;
 }
 
 pub fn group(prefix: &str) -> String {
