@@ -15,6 +15,36 @@
 pub(crate) mod session;
 pub(crate) mod settle;
 
+/// `with_tag`, `tag` and `Debug` of a consumer type `$consumer` whose
+/// [`Core`] is its field `core` (the type's docs say what the tag is to its
+/// broker); `$fields` name its queue, group and tag in `Debug` (see
+/// [`Core::debug`]).
+macro_rules! consumer_basics {
+    ($consumer:ident, $fields:expr) => {
+        impl $consumer {
+            /// Replaces the tag (default: [`consumer_tag`](crate::consumer_tag)
+            /// of the queue or group); a process running several consumers on
+            /// one queue or group gives each its own.
+            pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
+                self.core.tag = tag.into();
+                self
+            }
+
+            /// The tag this consumer gives itself to the broker.
+            pub fn tag(&self) -> &str {
+                &self.core.tag
+            }
+        }
+
+        impl std::fmt::Debug for $consumer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                self.core.debug(f, stringify!($consumer), $fields)
+            }
+        }
+    };
+}
+pub(crate) use consumer_basics;
+
 use std::sync::Arc;
 
 use postbox_core::config::{ConsumerConfig, ConsumerKind};
@@ -35,6 +65,8 @@ pub fn consumer_tag(queue: &str) -> String {
 /// What every consumer is made of: its config, the handler it calls, the
 /// retry policy of its config and the tag it gives itself to the broker.
 pub(crate) struct Core {
+    /// The broker's name in messages ("RabbitMQ", "NATS", "Redis").
+    pub broker: &'static str,
     pub config: ConsumerConfig,
     pub handler: Arc<dyn Handler>,
     pub policy: RetryPolicy,
@@ -48,7 +80,7 @@ impl Core {
         config: ConsumerConfig,
         handler: Arc<dyn Handler>,
         kind: ConsumerKind,
-        broker: &str,
+        broker: &'static str,
         tag_of: fn(&ConsumerConfig) -> &str,
     ) -> Result<Self, Error> {
         if config.kind != kind {
@@ -58,11 +90,32 @@ impl Core {
             ));
         }
         Ok(Core {
+            broker,
             policy: RetryPolicy::of(&config),
             tag: consumer_tag(tag_of(&config)),
             config,
             handler,
         })
+    }
+
+    /// `Debug` of consumer type `consumer`: the config's name, its queue
+    /// as `queue` and (with `group`) its consumer group as that, the URL and
+    /// the tag as `tag`.
+    pub(crate) fn debug(
+        &self,
+        f: &mut std::fmt::Formatter<'_>,
+        consumer: &str,
+        (queue, group, tag): (&str, Option<&str>, &str),
+    ) -> std::fmt::Result {
+        let mut d = f.debug_struct(consumer);
+        d.field("name", &self.config.name())
+            .field(queue, &self.config.queue);
+        if let Some(group) = group {
+            d.field(group, &self.config.consumer_group());
+        }
+        d.field("url", &self.config.url)
+            .field(tag, &self.tag)
+            .finish_non_exhaustive()
     }
 
     /// Takes one message to the end through `transport` (see

@@ -15,9 +15,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::message::{dead_headers, message_from_nats};
 use super::topology::{prepare, SetupError};
-use crate::consume::session::{run_sessions, Session, SessionEnd};
+use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
 use crate::consume::settle::{DeadCopy, Handling, Settled, Transport, Verdict};
-use crate::consume::{ConsumeReport, Core};
+use crate::consume::{consumer_basics, ConsumeReport, Core};
 use crate::{Handler, Message};
 
 /// How long one pull request waits for messages; also the longest a
@@ -28,6 +28,9 @@ const PULL_WAIT: Duration = Duration::from_secs(1);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A NATS JetStream consumer driving one [`Handler`].
+///
+/// Its tag is its connection name (default `{consumer_group}-{host}-{pid}`;
+/// `CONNZ` and `nats server report connections` show it).
 pub struct NatsConsumer {
     core: Core,
     /// The handler's last error of messages whose dead copy could not be
@@ -41,17 +44,7 @@ pub struct NatsConsumer {
 /// message was delivered.
 const UNSTORED_MEMORY: usize = 1024;
 
-impl std::fmt::Debug for NatsConsumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsConsumer")
-            .field("name", &self.core.config.name())
-            .field("stream", &self.core.config.queue)
-            .field("durable", &self.core.config.consumer_group())
-            .field("url", &self.core.config.url)
-            .field("tag", &self.core.tag)
-            .finish_non_exhaustive()
-    }
-}
+consumer_basics!(NatsConsumer, ("stream", Some("durable"), "tag"));
 
 impl NatsConsumer {
     /// A consumer of `config` (a `kind = "nats"` entry) calling `handler`
@@ -67,18 +60,6 @@ impl NatsConsumer {
             )?,
             unstored: Default::default(),
         })
-    }
-
-    /// Replaces the connection name (default `{consumer_group}-{host}-{pid}`).
-    pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
-        self.core.tag = tag.into();
-        self
-    }
-
-    /// The connection name (`CONNZ` and `nats server report connections`
-    /// show it).
-    pub fn tag(&self) -> &str {
-        &self.core.tag
     }
 
     /// Consumes until `shutdown` is cancelled, then stops pulling, finishes
@@ -319,20 +300,12 @@ async fn settle(m: &jetstream::Message, kind: AckKind) -> Result<(), String> {
         .map_err(|e| format!("ack: {e}"))
 }
 
-#[async_trait::async_trait]
 impl Session for NatsConsumer {
-    const BROKER: &'static str = "NATS";
-
-    fn config(&self) -> &ConsumerConfig {
-        &self.core.config
+    fn core(&self) -> &Core {
+        &self.core
     }
 
-    async fn session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
+    async fn session(&self, run: &mut Run<'_>) -> SessionEnd {
         let client = match async_nats::ConnectOptions::new()
             .name(self.core.tag.clone())
             .request_timeout(Some(REQUEST_TIMEOUT))
@@ -350,7 +323,7 @@ impl Session for NatsConsumer {
             Err(SetupError::Fatal(e)) => return SessionEnd::Fatal(e),
             Err(SetupError::Broken(reason)) => return SessionEnd::Broken(reason),
         };
-        *connected = true;
+        run.connected = true;
         tracing::info!(
             consumer = self.core.config.name(),
             stream = %self.core.config.queue,
@@ -359,7 +332,9 @@ impl Session for NatsConsumer {
             prefetch = self.core.config.prefetch,
             "consuming"
         );
-        let end = self.pull_loop(&consumer, &js, shutdown, report).await;
+        let end = self
+            .pull_loop(&consumer, &js, run.shutdown, run.report)
+            .await;
         // Acks are plain publishes: make sure they left before closing.
         let _ = client.flush().await;
         if matches!(end, SessionEnd::Cancelled) {

@@ -19,28 +19,22 @@ use tokio_util::sync::CancellationToken;
 
 use super::message::{copy_properties, delivery_count, message_from_delivery};
 use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
-use crate::consume::session::{run_sessions, Session, SessionEnd};
+use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
 use crate::consume::settle::{DeadCopy, Settled, Transport, Verdict};
-use crate::consume::{ConsumeReport, Core};
+use crate::consume::{consumer_basics, ConsumeReport, Core};
 use crate::ordering::AggregateHolds;
 use crate::{Handler, Message};
 
 /// A RabbitMQ consumer driving one [`Handler`].
+///
+/// Its tag is its consumer tag (default `{queue}-{host}-{pid}`), also its
+/// AMQP connection name.
 pub struct RabbitMqConsumer {
     core: Core,
     holds: Option<Arc<dyn AggregateHolds>>,
 }
 
-impl std::fmt::Debug for RabbitMqConsumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RabbitMqConsumer")
-            .field("name", &self.core.config.name())
-            .field("queue", &self.core.config.queue)
-            .field("url", &self.core.config.url)
-            .field("tag", &self.core.tag)
-            .finish_non_exhaustive()
-    }
-}
+consumer_basics!(RabbitMqConsumer, ("queue", None, "tag"));
 
 impl RabbitMqConsumer {
     /// A consumer of `config` (a `kind = "rabbitmq"` entry) calling `handler`
@@ -54,23 +48,11 @@ impl RabbitMqConsumer {
         })
     }
 
-    /// Replaces the consumer tag (default `{queue}-{host}-{pid}`); a process
-    /// running several consumers on one queue gives each its own.
-    pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
-        self.core.tag = tag.into();
-        self
-    }
-
     /// Where `ordering = "per_aggregate"` keeps its holds (required with
     /// that setting): [`crate::ordering::Holds::of`] the consumer's inbox.
     pub fn with_holds(mut self, holds: Arc<dyn AggregateHolds>) -> Self {
         self.holds = Some(holds);
         self
-    }
-
-    /// The consumer tag; also the AMQP connection name.
-    pub fn tag(&self) -> &str {
-        &self.core.tag
     }
 
     /// Consumes until `shutdown` is cancelled, then stops taking messages,
@@ -340,20 +322,12 @@ async fn ack(delivery: &Delivery) -> Result<(), String> {
         .map_err(|e| format!("ack: {e}"))
 }
 
-#[async_trait::async_trait]
 impl Session for RabbitMqConsumer {
-    const BROKER: &'static str = "RabbitMQ";
-
-    fn config(&self) -> &ConsumerConfig {
-        &self.core.config
+    fn core(&self) -> &Core {
+        &self.core
     }
 
-    async fn session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
+    async fn session(&self, run: &mut Run<'_>) -> SessionEnd {
         let broken = |e: lapin::Error| SessionEnd::Broken(e.to_string());
         let props =
             ConnectionProperties::default().with_connection_name(self.core.tag.clone().into());
@@ -422,7 +396,7 @@ impl Session for RabbitMqConsumer {
             }
             Err(e) => return broken(e),
         };
-        *connected = true;
+        run.connected = true;
         tracing::info!(
             consumer = self.core.config.name(),
             queue = %self.core.config.queue,
@@ -433,7 +407,7 @@ impl Session for RabbitMqConsumer {
         loop {
             let next = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => {
+                _ = run.shutdown.cancelled() => {
                     // Stop taking; anything prefetched but not started goes
                     // back to the queue when the channel closes.
                     let _ = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default()).await;
@@ -450,7 +424,7 @@ impl Session for RabbitMqConsumer {
                 Some(Err(e)) => return broken(e),
                 None => return SessionEnd::Broken("the broker cancelled the consumer".to_owned()),
             };
-            if let Err(reason) = self.process(delivery, &publishing, report).await {
+            if let Err(reason) = self.process(delivery, &publishing, run.report).await {
                 return SessionEnd::Broken(reason);
             }
         }

@@ -15,9 +15,9 @@ use tracing::Instrument;
 use super::keeper::{keep_if_mine, Keeper};
 use super::message::{dead_fields, message_from_entry};
 use super::topology::{connect, create_group, dead_stream, is_refusal, refused};
-use crate::consume::session::{run_sessions, Session, SessionEnd};
+use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
 use crate::consume::settle::{DeadCopy, Handling, Settled, Transport, Verdict};
-use crate::consume::{ConsumeReport, Core};
+use crate::consume::{consumer_basics, ConsumeReport, Core};
 use crate::{Handler, Message};
 
 /// Longest `XREADGROUP … BLOCK`: also how often due retries are looked for
@@ -54,22 +54,14 @@ return 0
 ";
 
 /// A Redis Streams consumer-group member driving one [`Handler`].
+///
+/// Its tag is its consumer name within the group (default
+/// `{group}-{host}-{pid}`; `XINFO CONSUMERS` shows it).
 pub struct RedisConsumer {
-    /// Its tag is the consumer name within the group.
     core: Core,
 }
 
-impl std::fmt::Debug for RedisConsumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisConsumer")
-            .field("name", &self.core.config.name())
-            .field("stream", &self.core.config.queue)
-            .field("group", &self.core.config.consumer_group())
-            .field("url", &self.core.config.url)
-            .field("consumer", &self.core.tag)
-            .finish_non_exhaustive()
-    }
-}
+consumer_basics!(RedisConsumer, ("stream", Some("group"), "consumer"));
 
 /// A pending entry as `XPENDING` reports it.
 struct Pending {
@@ -91,18 +83,6 @@ impl RedisConsumer {
                 ConsumerConfig::consumer_group,
             )?,
         })
-    }
-
-    /// Replaces the consumer name (default `{group}-{host}-{pid}`); a process
-    /// running several consumers in one group gives each its own.
-    pub fn with_tag(mut self, name: impl Into<String>) -> Self {
-        self.core.tag = name.into();
-        self
-    }
-
-    /// The consumer name within the group (`XINFO CONSUMERS` shows it).
-    pub fn tag(&self) -> &str {
-        &self.core.tag
     }
 
     /// Consumes until `shutdown` is cancelled, then finishes (and acks) the
@@ -421,20 +401,12 @@ impl InHand<'_> {
     }
 }
 
-#[async_trait::async_trait]
 impl Session for RedisConsumer {
-    const BROKER: &'static str = "Redis";
-
-    fn config(&self) -> &ConsumerConfig {
-        &self.core.config
+    fn core(&self) -> &Core {
+        &self.core
     }
 
-    async fn session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
+    async fn session(&self, run: &mut Run<'_>) -> SessionEnd {
         let mut conn = match self.connect().await {
             Ok(c) => c,
             Err(e) => return SessionEnd::Broken(e),
@@ -456,7 +428,7 @@ impl Session for RedisConsumer {
             Ok(k) => k,
             Err(e) => return SessionEnd::Broken(e),
         };
-        *connected = true;
+        run.connected = true;
         tracing::info!(
             consumer = self.core.config.name(),
             stream,
@@ -467,7 +439,7 @@ impl Session for RedisConsumer {
         );
         let mut cursor = "-".to_owned();
         loop {
-            if shutdown.is_cancelled() {
+            if run.shutdown.is_cancelled() {
                 self.leave(&mut conn).await;
                 tracing::info!(consumer = self.core.config.name(), "consumer stopped");
                 return SessionEnd::Cancelled;
@@ -491,7 +463,7 @@ impl Session for RedisConsumer {
             for (entry, deliveries) in batch {
                 held.retain(|id| *id != entry.id);
                 if let Err(e) = self
-                    .process(&mut conn, &keeper, &entry, deliveries, &held, report)
+                    .process(&mut conn, &keeper, &entry, deliveries, &held, run.report)
                     .await
                 {
                     return SessionEnd::Broken(e);
