@@ -8,7 +8,7 @@ use postbox_consumers::{Handled, HandlerError, Message};
 use postbox_core::envelope::Envelope;
 use postbox_testkit::servers::{ensure_database, mysql_url, postgres_url, scratch_table};
 
-use crate::common::EffectRow;
+use crate::common::{EffectRow, Tx};
 
 fn message(event_id: &str, aggregate: Option<(&str, i64)>) -> Message {
     Message {
@@ -156,11 +156,7 @@ mod mariadb_locking {
 
     #[async_trait]
     impl TxHandler<sqlx::MySql> for Gate {
-        async fn handle(
-            &self,
-            tx: &mut sqlx::Transaction<'static, sqlx::MySql>,
-            m: &Message,
-        ) -> Result<(), HandlerError> {
+        async fn handle(&self, tx: &mut Tx<sqlx::MySql>, m: &Message) -> Result<(), HandlerError> {
             if m.event_id() == self.block_on {
                 if let Some(tx) = self.entered.lock().await.take() {
                     let _ = tx.send(());

@@ -349,11 +349,7 @@ struct FailsFirstE1;
 
 #[async_trait]
 impl TxHandler<sqlx::Postgres> for FailsFirstE1 {
-    async fn handle(
-        &self,
-        _tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
+    async fn handle(&self, _tx: &mut Tx<sqlx::Postgres>, m: &Message) -> Result<(), HandlerError> {
         if m.event_id() == "e1" && m.attempt == 1 {
             return Err(HandlerError::new("e1 fails once"));
         }
@@ -383,6 +379,26 @@ impl<H: Handler> Handler for Outcomes<H> {
     }
 }
 
+/// A declared scratch queue holding e1 and e2 (versions 1 and 2 of
+/// `room-1`) and x (version 1 of `room-2`), published in `order`.
+async fn ordering_queue(
+    prefix: &str,
+    order: [&str; 3],
+) -> (lapin::Connection, lapin::Channel, String) {
+    let (conn, ch) = broker().await;
+    let queue = scratch_queue(prefix);
+    declare(&ch, &queue).await;
+    for event_id in order {
+        let aggregate = match event_id {
+            "e1" => ("room-1", 1),
+            "e2" => ("room-1", 2),
+            _ => ("room-2", 1),
+        };
+        publish(&ch, &queue, event_id, Some(aggregate), "{}").await;
+    }
+    (conn, ch, queue)
+}
+
 /// e1 and e2 of one aggregate, and x of another: e1 fails once.
 async fn run_ordering(
     ordering: postbox_core::config::Ordering,
@@ -390,12 +406,7 @@ async fn run_ordering(
 ) -> (Vec<String>, ConsumeReport) {
     use postbox_consumers::ordering::Holds;
 
-    let (_conn, ch) = broker().await;
-    let queue = scratch_queue("ordering");
-    declare(&ch, &queue).await;
-    publish(&ch, &queue, "e1", Some(("room-1", 1)), "{}").await;
-    publish(&ch, &queue, "e2", Some(("room-1", 2)), "{}").await;
-    publish(&ch, &queue, "x", Some(("room-2", 1)), "{}").await;
+    let (_conn, ch, queue) = ordering_queue("ordering", ["e1", "e2", "x"]).await;
 
     let handler = Arc::new(Outcomes {
         inner: InboxHandler::new(inbox.clone(), queue.clone(), FailsFirstE1),
@@ -533,7 +544,8 @@ holds_case!(holds_on_sqlite, sqlx::Sqlite, async {
 
 /// e1 fails once; `x` (another aggregate) takes a while, so e2 is held back
 /// well after e1 went to retry; when e1 comes back its handler publishes e3
-/// and notes whether e2 was still waiting in `.retry` at that moment.
+/// and notes whether e2 was still waiting in `.retry` at that moment; fails
+/// `e1`'s first attempt like [`FailsFirstE1`].
 struct E3WhileE2Waits {
     ch: lapin::Channel,
     queue: String,
@@ -542,13 +554,9 @@ struct E3WhileE2Waits {
 
 #[async_trait]
 impl TxHandler<sqlx::Postgres> for E3WhileE2Waits {
-    async fn handle(
-        &self,
-        _tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
+    async fn handle(&self, tx: &mut Tx<sqlx::Postgres>, m: &Message) -> Result<(), HandlerError> {
+        FailsFirstE1.handle(tx, m).await?;
         match (m.event_id(), m.attempt) {
-            ("e1", 1) => return Err(HandlerError::new("e1 fails once")),
             ("e1", _) => {
                 publish(&self.ch, &self.queue, "e3", Some(("room-1", 3)), "{}").await;
                 let waiting = ready(&self.ch, &format!("{}.retry", self.queue)).await == 1;
@@ -567,12 +575,7 @@ async fn per_aggregate_ordering_holds_later_events_behind_a_held_back_one() {
     use postbox_core::config::Ordering;
 
     let (inbox, table) = ordering_inbox().await;
-    let (_conn, ch) = broker().await;
-    let queue = scratch_queue("ordering_held");
-    declare(&ch, &queue).await;
-    publish(&ch, &queue, "e1", Some(("room-1", 1)), "{}").await;
-    publish(&ch, &queue, "x", Some(("room-2", 1)), "{}").await;
-    publish(&ch, &queue, "e2", Some(("room-1", 2)), "{}").await;
+    let (_conn, ch, queue) = ordering_queue("ordering_held", ["e1", "x", "e2"]).await;
 
     let e2_waiting = Arc::new(Mutex::new(None));
     let handler = Arc::new(Outcomes {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Unacked};
 use postbox_consumers::redis::{dead_stream, RedisConsumer};
-use postbox_consumers::Handler;
+use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_core::config::ConsumerConfig;
 use postbox_core::envelope::Envelope;
 use postbox_testkit::servers::{how_to_start, redis_url};
@@ -226,31 +226,34 @@ struct Blocking {
 
 #[async_trait]
 impl Handler for Blocking {
-    async fn handle(
-        &self,
-        _message: &postbox_consumers::Message,
-    ) -> Result<postbox_consumers::Handled, postbox_consumers::HandlerError> {
+    async fn handle(&self, _message: &Message) -> Result<Handled, HandlerError> {
         use std::sync::atomic::Ordering::SeqCst;
         self.calls.fetch_add(1, SeqCst);
         let now = self.running.fetch_add(1, SeqCst) + 1;
         self.most_at_once.fetch_max(now, SeqCst);
         std::thread::sleep(self.block);
         self.running.fetch_sub(1, SeqCst);
-        Ok(postbox_consumers::Handled::Ok)
+        Ok(Handled::Ok)
     }
 }
 
-/// The owner of each pending entry of `group`.
-async fn owners(b: &RedisBroker, group: &str) -> Vec<String> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+/// The first `count` pending entries of `group`: id, owner, idle ms and
+/// deliveries.
+async fn pending(b: &RedisBroker, group: &str, count: usize) -> Vec<(String, String, u64, u64)> {
+    redis::cmd("XPENDING")
         .arg(&b.stream)
         .arg(group)
         .arg("-")
         .arg("+")
-        .arg(10)
+        .arg(count)
         .query_async(&mut b.conn.clone())
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The owner of each pending entry of `group`.
+async fn owners(b: &RedisBroker, group: &str) -> Vec<String> {
+    let rows = pending(b, group, 10).await;
     rows.into_iter().map(|r| r.1).collect()
 }
 
@@ -309,14 +312,11 @@ struct Held {
 
 #[async_trait]
 impl Handler for Held {
-    async fn handle(
-        &self,
-        _message: &postbox_consumers::Message,
-    ) -> Result<postbox_consumers::Handled, postbox_consumers::HandlerError> {
+    async fn handle(&self, _message: &Message) -> Result<Handled, HandlerError> {
         self.entered
             .store(true, std::sync::atomic::Ordering::SeqCst);
         self.release.notified().await;
-        Ok(postbox_consumers::Handled::Ok)
+        Ok(Handled::Ok)
     }
 }
 
@@ -345,15 +345,7 @@ async fn an_entry_another_consumer_took_is_not_taken_back() {
     .await;
     assert_eq!(owners(&b, &g).await, ["a"]);
     // Another consumer takes the entry over (as after a stall of `a`).
-    let id: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(&b.stream)
-        .arg(&g)
-        .arg("-")
-        .arg("+")
-        .arg(1)
-        .query_async(&mut b.conn.clone())
-        .await
-        .unwrap();
+    let id = pending(&b, &g, 1).await;
     let _: redis::Value = redis::cmd("XCLAIM")
         .arg(&b.stream)
         .arg(&g)

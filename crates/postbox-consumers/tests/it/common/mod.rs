@@ -92,6 +92,9 @@ pub async fn delete(ch: &Channel, queue: &str) {
     delete_queues(ch, queue).await;
 }
 
+/// The inbox transaction a [`TxHandler`] on database `DB` writes through.
+pub type Tx<DB> = sqlx::Transaction<'static, DB>;
+
 /// The effect of an inbox handler: writes the event id to `table` inside the
 /// inbox transaction, then fails if `fail` (the rollback must undo the write).
 pub struct EffectRow {
@@ -115,11 +118,7 @@ macro_rules! effect_row {
     ($db:ty, $placeholder:literal) => {
         #[async_trait]
         impl TxHandler<$db> for EffectRow {
-            async fn handle(
-                &self,
-                tx: &mut sqlx::Transaction<'static, $db>,
-                m: &Message,
-            ) -> Result<(), HandlerError> {
+            async fn handle(&self, tx: &mut Tx<$db>, m: &Message) -> Result<(), HandlerError> {
                 let insert = format!(
                     concat!("INSERT INTO {} (event_id) VALUES (", $placeholder, ")"),
                     self.table
