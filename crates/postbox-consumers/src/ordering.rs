@@ -93,6 +93,7 @@ impl Statements {
     }
 }
 
+#[cfg(feature = "postgres")]
 const POSTGRES: Dialect = Dialect {
     create: "CREATE TABLE IF NOT EXISTS {table}_holds (
         consumer_group VARCHAR(128) NOT NULL,
@@ -109,6 +110,7 @@ const POSTGRES: Dialect = Dialect {
     release: "DELETE FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND (event_id = $3 OR until_ms < $4)",
 };
 
+#[cfg(feature = "mysql")]
 const MYSQL: Dialect = Dialect {
     create: "CREATE TABLE IF NOT EXISTS {table}_holds (
         consumer_group VARCHAR(128) NOT NULL,
@@ -126,6 +128,7 @@ const MYSQL: Dialect = Dialect {
     release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND (event_id = ? OR until_ms < ?)",
 };
 
+#[cfg(feature = "sqlite")]
 const SQLITE: Dialect = Dialect {
     create: "CREATE TABLE IF NOT EXISTS {table}_holds (
         consumer_group TEXT NOT NULL,
@@ -235,6 +238,9 @@ macro_rules! holds_backend {
     };
 }
 
+#[cfg(feature = "postgres")]
 holds_backend!(sqlx::Postgres, POSTGRES);
+#[cfg(feature = "mysql")]
 holds_backend!(sqlx::MySql, MYSQL);
+#[cfg(feature = "sqlite")]
 holds_backend!(sqlx::Sqlite, SQLITE);
