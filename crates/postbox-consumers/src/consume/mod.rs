@@ -9,7 +9,7 @@
 //! - [`session`]: the reconnect loop around a broker connection.
 //! - [`ConsumeReport`], what a consumer did, and [`consumer_tag`], how a
 //!   consumer process names itself to the broker.
-//! - [`Core`], what every consumer is made of (config, handler, retry
+//! - `Core`, what every consumer is made of (config, handler, retry
 //!   policy, tag), built and checked once.
 
 pub(crate) mod session;
