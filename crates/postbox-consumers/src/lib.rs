@@ -28,9 +28,12 @@
 //! The names on the wire are [`postbox_core::wire`]'s, which the
 //! publishers write with.
 //!
-//! Each broker is a Cargo feature (`rabbitmq`, `nats`, `redis`), and so is
-//! the HTTP bridge (`http`); all are on by default. The handler, retry and
-//! inbox types are always built.
+//! Each broker is a Cargo feature (`rabbitmq`, `nats`, `redis`), and so are
+//! the HTTP bridge (`http`) and each inbox database (`postgres`, `mysql`,
+//! `sqlite`: [`inbox::Inbox`] and [`ordering::Holds`] on it, and sqlx's
+//! driver); all are on by default. The handler, retry and inbox types are
+//! always built; [`inbox::database_of`] refuses a URL whose database is not
+//! in the build.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -44,11 +47,21 @@ pub mod consume;
 pub mod handler;
 #[cfg(feature = "http")]
 pub mod http;
+// A build without any inbox database has the inbox's and the holds'
+// machinery but no database to run it on.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code, unused_imports, unused_macros)
+)]
 pub mod inbox;
 pub mod message;
 pub mod metrics;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code, unused_imports, unused_macros)
+)]
 pub mod ordering;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq;

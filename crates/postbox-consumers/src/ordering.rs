@@ -93,6 +93,7 @@ impl Statements {
     }
 }
 
+#[cfg(feature = "postgres")]
 const POSTGRES: Dialect = Dialect {
     create: "CREATE TABLE IF NOT EXISTS {table}_holds (
         consumer_group VARCHAR(128) NOT NULL,
@@ -109,6 +110,7 @@ const POSTGRES: Dialect = Dialect {
     release: "DELETE FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND (event_id = $3 OR until_ms < $4)",
 };
 
+#[cfg(feature = "mysql")]
 const MYSQL: Dialect = Dialect {
     create: "CREATE TABLE IF NOT EXISTS {table}_holds (
         consumer_group VARCHAR(128) NOT NULL,
@@ -126,6 +128,7 @@ const MYSQL: Dialect = Dialect {
     release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND (event_id = ? OR until_ms < ?)",
 };
 
+#[cfg(feature = "sqlite")]
 const SQLITE: Dialect = Dialect {
     create: "CREATE TABLE IF NOT EXISTS {table}_holds (
         consumer_group TEXT NOT NULL,
@@ -141,6 +144,19 @@ const SQLITE: Dialect = Dialect {
     // primary key prefix (consumer_group, aggregate_id)
     release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND (event_id = ? OR until_ms < ?)",
 };
+
+/// Runs the holds' statement `$sql` with `$arg`s bound in order; `$what`
+/// says what failed.
+macro_rules! execute {
+    ($holds:ident, $sql:ident, $what:literal, $($arg:expr),+) => {
+        sqlx::query(&$holds.sql.$sql)
+            $(.bind($arg))+
+            .execute(&$holds.pool)
+            .await
+            .map(drop)
+            .map_err(|e| Error::database($what, e))
+    };
+}
 
 macro_rules! holds_backend {
     ($db:ty, $dialect:expr) => {
@@ -189,16 +205,16 @@ macro_rules! holds_backend {
                 version: i64,
                 until_ms: i64,
             ) -> Result<(), Error> {
-                sqlx::query(&self.sql.hold)
-                    .bind(consumer_group)
-                    .bind(aggregate_id)
-                    .bind(event_id)
-                    .bind(version)
-                    .bind(until_ms)
-                    .execute(&self.pool)
-                    .await
-                    .map(drop)
-                    .map_err(|e| Error::database("recording an ordering hold", e))
+                execute!(
+                    self,
+                    hold,
+                    "recording an ordering hold",
+                    consumer_group,
+                    aggregate_id,
+                    event_id,
+                    version,
+                    until_ms
+                )
             }
 
             async fn release(
@@ -208,20 +224,23 @@ macro_rules! holds_backend {
                 event_id: &str,
                 now_ms: i64,
             ) -> Result<(), Error> {
-                sqlx::query(&self.sql.release)
-                    .bind(consumer_group)
-                    .bind(aggregate_id)
-                    .bind(event_id)
-                    .bind(now_ms)
-                    .execute(&self.pool)
-                    .await
-                    .map(drop)
-                    .map_err(|e| Error::database("releasing an ordering hold", e))
+                execute!(
+                    self,
+                    release,
+                    "releasing an ordering hold",
+                    consumer_group,
+                    aggregate_id,
+                    event_id,
+                    now_ms
+                )
             }
         }
     };
 }
 
+#[cfg(feature = "postgres")]
 holds_backend!(sqlx::Postgres, POSTGRES);
+#[cfg(feature = "mysql")]
 holds_backend!(sqlx::MySql, MYSQL);
+#[cfg(feature = "sqlite")]
 holds_backend!(sqlx::Sqlite, SQLITE);

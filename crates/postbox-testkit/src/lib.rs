@@ -6,6 +6,7 @@
 
 pub mod cli_fixtures;
 pub mod conformance;
+pub mod consumer_fixtures;
 pub mod faults;
 pub mod http;
 pub mod publisher_suite;

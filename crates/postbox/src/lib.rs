@@ -36,18 +36,19 @@
 //!
 //! # Features
 //!
-//! One feature per database and per broker; a build links only the broker
-//! clients it names (a broker feature brings the consumers and their inbox,
-//! which builds sqlx's three database drivers). The default is every
+//! One feature per database and per broker; a build links only the
+//! database drivers and broker clients it names (a broker feature brings the
+//! consumers and their inbox, which works on the databases whose features
+//! are on). The default is every
 //! database and broker (what this crate offered before it had features). A
 //! service that embeds PostgreSQL and NATS writes `postbox = { version = "…",
 //! default-features = false, features = ["postgres", "nats"] }`.
 //!
 //! | feature    | enables                                                                                   | client crate |
 //! |------------|-------------------------------------------------------------------------------------------|--------------|
-//! | `postgres` | [`postgres`]: `PgOutbox`                                                                  | `sqlx` (PostgreSQL) |
-//! | `mysql`    | [`mysql`]: `MySqlOutbox` (MySQL, MariaDB)                                                 | `sqlx` (MySQL) |
-//! | `sqlite`   | [`sqlite`]: `SqliteOutbox`                                                                | `sqlx` (SQLite) |
+//! | `postgres` | [`postgres`]: `PgOutbox`; the consumers' inbox and ordering holds on PostgreSQL           | `sqlx` (PostgreSQL) |
+//! | `mysql`    | [`mysql`]: `MySqlOutbox` (MySQL, MariaDB); the inbox and holds on them                    | `sqlx` (MySQL) |
+//! | `sqlite`   | [`sqlite`]: `SqliteOutbox`; the inbox and holds on SQLite                                 | `sqlx` (SQLite) |
 //! | `rabbitmq` | `publishers::rabbitmq`, `consumers::rabbitmq`                                             | `lapin`      |
 //! | `nats`     | `publishers::nats`, `consumers::nats` (JetStream)                                         | `async-nats` |
 //! | `redis`    | `publishers::redis`, `consumers::redis` (Streams)                                         | `redis`      |

@@ -10,10 +10,11 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeleteOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use postbox_testkit::servers::{amqp_url, how_to_start, scratch_table};
+use lapin::{BasicProperties, Channel};
+use postbox_testkit::consumer_fixtures::{broker, delete_queues, rabbitmqctl_list, AmqpEvent};
+use postbox_testkit::servers::{amqp_url, scratch_table};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 fn postbox() -> tokio::process::Command {
@@ -42,46 +43,18 @@ async fn stderr_of(child: &mut tokio::process::Child) -> String {
     err
 }
 
-async fn broker() -> (Connection, Channel) {
-    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("rabbitmq")));
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    (conn, ch)
-}
-
 /// Publishes with the relay's mapping, straight to `queue`.
 async fn publish(ch: &Channel, queue: &str, event_id: &str, payload: &str) {
-    let mut h = FieldTable::default();
-    h.insert("x-attempt".into(), AMQPValue::LongLongInt(1));
-    h.insert(
-        "x-created-at-ms".into(),
-        AMQPValue::LongLongInt(1_700_000_000_000),
-    );
-    h.insert(
-        "x-aggregate-id".into(),
-        AMQPValue::LongString("room-7".into()),
-    );
-    let props = BasicProperties::default()
-        .with_message_id(event_id.into())
-        .with_type("RoomCreated".into())
-        .with_app_id("room".into())
-        .with_delivery_mode(2)
-        .with_headers(h);
-    ch.basic_publish(
-        "".into(),
-        queue.into(),
-        BasicPublishOptions::default(),
-        payload.as_bytes(),
-        props,
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    AmqpEvent {
+        event_id,
+        event_type: "RoomCreated",
+        app_code: "room",
+        created_at_ms: 1_700_000_000_000,
+        aggregate_id: Some("room-7"),
+        aggregate_version: None,
+    }
+    .publish(ch, queue, payload)
+    .await;
 }
 
 /// Publishes without waiting for the confirm; returns it.
@@ -100,18 +73,6 @@ async fn publish_nowait(ch: &Channel, queue: &str, event_id: &str) -> lapin::Pub
     )
     .await
     .unwrap()
-}
-
-async fn delete_queues(ch: &Channel, queue: &str) {
-    for q in [
-        queue.to_owned(),
-        format!("{queue}.retry"),
-        format!("{queue}.dead"),
-    ] {
-        let _ = ch
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await;
-    }
 }
 
 fn write_config(dir: &Path, body: &str) -> std::path::PathBuf {
@@ -531,18 +492,8 @@ async fn hand_made_topology(ch: &Channel, queue: &str, retry_args: FieldTable) {
 
 /// `rabbitmqctl`: the arguments of `queue`, as listed.
 async fn queue_arguments(queue: &str) -> String {
-    let out = tokio::process::Command::new("rabbitmqctl")
-        .args([
-            "-q",
-            "--no-table-headers",
-            "list_queues",
-            "name",
-            "arguments",
-        ])
-        .output()
+    rabbitmqctl_list("queues", &["name", "arguments"])
         .await
-        .expect("rabbitmqctl on PATH");
-    String::from_utf8_lossy(&out.stdout)
         .lines()
         .find(|l| l.split('\t').next() == Some(queue))
         .unwrap_or_else(|| panic!("{queue} not listed"))

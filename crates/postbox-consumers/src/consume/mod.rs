@@ -9,12 +9,50 @@
 //! - [`session`]: the reconnect loop around a broker connection.
 //! - [`ConsumeReport`], what a consumer did, and [`consumer_tag`], how a
 //!   consumer process names itself to the broker.
+//! - `Core`, what every consumer is made of (config, handler, retry
+//!   policy, tag), built and checked once.
 
 pub(crate) mod session;
 pub(crate) mod settle;
 
+/// `with_tag`, `tag` and `Debug` of a consumer type `$consumer` whose
+/// [`Core`] is its field `core` (the type's docs say what the tag is to its
+/// broker); `$fields` name its queue, group and tag in `Debug` (see
+/// [`Core::debug`]).
+macro_rules! consumer_basics {
+    ($consumer:ident, $fields:expr) => {
+        impl $consumer {
+            /// Replaces the tag (default: [`consumer_tag`](crate::consumer_tag)
+            /// of the queue or group); a process running several consumers on
+            /// one queue or group gives each its own.
+            pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
+                self.core.tag = tag.into();
+                self
+            }
+
+            /// The tag this consumer gives itself to the broker.
+            pub fn tag(&self) -> &str {
+                &self.core.tag
+            }
+        }
+
+        impl std::fmt::Debug for $consumer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                self.core.debug(f, stringify!($consumer), $fields)
+            }
+        }
+    };
+}
+pub(crate) use consumer_basics;
+
+use std::sync::Arc;
+
+use postbox_core::config::{ConsumerConfig, ConsumerKind};
+use postbox_core::Error;
+
+use self::settle::{Settler, Transport};
 use crate::metrics::count;
-use crate::Handled;
+use crate::{Handled, Handler, Message, RetryPolicy};
 
 /// `{queue}-{host}-{pid}`: tells the processes on one queue apart in the
 /// broker's tools (the RabbitMQ management UI and `rabbitmqctl
@@ -22,6 +60,81 @@ use crate::Handled;
 pub fn consumer_tag(queue: &str) -> String {
     let host = postbox_core::wire::host_name().unwrap_or_else(|| "localhost".to_owned());
     format!("{queue}-{host}-{}", std::process::id())
+}
+
+/// What every consumer is made of: its config, the handler it calls, the
+/// retry policy of its config and the tag it gives itself to the broker.
+pub(crate) struct Core {
+    /// The broker's name in messages ("RabbitMQ", "NATS", "Redis").
+    pub broker: &'static str,
+    pub config: ConsumerConfig,
+    pub handler: Arc<dyn Handler>,
+    pub policy: RetryPolicy,
+    pub tag: String,
+}
+
+impl Core {
+    /// The core of a `kind` consumer (`broker` names it when `config` is of
+    /// another kind); its tag is [`consumer_tag`] of `tag_of(&config)`.
+    pub(crate) fn new(
+        config: ConsumerConfig,
+        handler: Arc<dyn Handler>,
+        kind: ConsumerKind,
+        broker: &'static str,
+        tag_of: fn(&ConsumerConfig) -> &str,
+    ) -> Result<Self, Error> {
+        if config.kind != kind {
+            return Err(Error::config(
+                "kind",
+                format!("`{}` is not a {broker} consumer", config.kind.as_str()),
+            ));
+        }
+        Ok(Core {
+            broker,
+            policy: RetryPolicy::of(&config),
+            tag: consumer_tag(tag_of(&config)),
+            config,
+            handler,
+        })
+    }
+
+    /// `Debug` of consumer type `consumer`: the config's name, its queue
+    /// as `queue` and (with `group`) its consumer group as that, the URL and
+    /// the tag as `tag`.
+    pub(crate) fn debug(
+        &self,
+        f: &mut std::fmt::Formatter<'_>,
+        consumer: &str,
+        (queue, group, tag): (&str, Option<&str>, &str),
+    ) -> std::fmt::Result {
+        let mut d = f.debug_struct(consumer);
+        d.field("name", &self.config.name())
+            .field(queue, &self.config.queue);
+        if let Some(group) = group {
+            d.field(group, &self.config.consumer_group());
+        }
+        d.field("url", &self.config.url)
+            .field(tag, &self.tag)
+            .finish_non_exhaustive()
+    }
+
+    /// Takes one message to the end through `transport` (see
+    /// [`Settler::process`]), counting it in `report`.
+    pub(crate) async fn settle<T: Transport>(
+        &self,
+        report: &mut ConsumeReport,
+        transport: &mut T,
+        read: Result<Message, String>,
+        delivered: u32,
+    ) -> Result<(), String> {
+        Settler {
+            consumer: self.config.name(),
+            policy: &self.policy,
+            report,
+        }
+        .process(self.handler.as_ref(), transport, read, delivered)
+        .await
+    }
 }
 
 /// What a consumer did until it stopped.

@@ -2,14 +2,13 @@
 //! consume) until shutdown; when the connection breaks, pause (0.5 s doubling
 //! to 30 s, reset after a session that got connected) and start another.
 
+use std::future::Future;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use postbox_core::config::ConsumerConfig;
 use postbox_core::Error;
 use tokio_util::sync::CancellationToken;
 
-use super::ConsumeReport;
+use super::{ConsumeReport, Core};
 
 /// How one session ended.
 pub(crate) enum SessionEnd {
@@ -22,23 +21,24 @@ pub(crate) enum SessionEnd {
     Broken(String),
 }
 
-/// One broker connection's worth of consuming.
-#[async_trait]
-pub(crate) trait Session: Sync {
-    /// The broker's name in log lines ("RabbitMQ", "NATS", "Redis").
-    const BROKER: &'static str;
+/// What a session works with.
+pub(crate) struct Run<'a> {
+    /// Cancelled when the consumer is to stop.
+    pub shutdown: &'a CancellationToken,
+    /// What the consumer did, across its sessions.
+    pub report: &'a mut ConsumeReport,
+    /// Set by the session once the broker accepted the setup.
+    pub connected: bool,
+}
 
-    /// The consumer's config (name and URL for log lines).
-    fn config(&self) -> &ConsumerConfig;
+/// One broker connection's worth of consuming.
+pub(crate) trait Session: Sync {
+    /// The consumer's core (its config and broker for log lines).
+    fn core(&self) -> &Core;
 
     /// Connects, sets up and consumes until shutdown or a broken connection;
-    /// sets `connected` once the broker accepted the setup.
-    async fn session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd;
+    /// sets `run.connected` once the broker accepted the setup.
+    fn session(&self, run: &mut Run<'_>) -> impl Future<Output = SessionEnd> + Send;
 }
 
 /// Runs sessions of `consumer` until `shutdown` or a fatal setup error.
@@ -52,24 +52,28 @@ pub(crate) async fn run_sessions<S: Session>(
         if shutdown.is_cancelled() {
             return Ok(report);
         }
-        let mut connected = false;
-        match consumer
-            .session(&shutdown, &mut report, &mut connected)
-            .await
-        {
+        let mut run = Run {
+            shutdown: &shutdown,
+            report: &mut report,
+            connected: false,
+        };
+        let end = consumer.session(&mut run).await;
+        let connected = run.connected;
+        match end {
             SessionEnd::Cancelled => return Ok(report),
             SessionEnd::Fatal(e) => return Err(e),
             SessionEnd::Broken(reason) => {
                 if connected {
                     pause = Duration::from_millis(500);
                 }
+                let core = consumer.core();
                 tracing::warn!(
-                    consumer = consumer.config().name(),
-                    url = %consumer.config().url,
+                    consumer = core.config.name(),
+                    url = %core.config.url,
                     reason,
                     retry_in_ms = pause.as_millis() as u64,
                     "{} connection lost; reconnecting",
-                    S::BROKER
+                    core.broker
                 );
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(report),

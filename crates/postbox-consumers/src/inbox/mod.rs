@@ -41,14 +41,19 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "mysql")]
 mod mysql;
+#[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "sqlite")]
 mod sqlite;
 
 use std::marker::PhantomData;
 
 use async_trait::async_trait;
-use postbox_core::TableName;
+use postbox_core::config::{DatabaseKind, KeyPath};
+use postbox_core::redact::SecretUrl;
+use postbox_core::{Error, TableName};
 
 use crate::{HandlerError, Message};
 
@@ -159,6 +164,28 @@ impl<DB: sqlx::Database, H> InboxHandler<DB, H> {
     pub fn inbox(&self) -> &Inbox<DB> {
         &self.inbox
     }
+}
+
+/// The database `url` (at config key `key`) names, when this build has its
+/// inbox: an error naming `key` and the Cargo feature to enable when the
+/// database is not compiled in (features `postgres`, `mysql`, `sqlite` of
+/// `postbox-consumers`, or of `postbox`), like an unknown scheme.
+pub fn database_of(url: &SecretUrl, key: &KeyPath) -> Result<DatabaseKind, Error> {
+    let kind = DatabaseKind::of(url, key)?;
+    let (built, feature) = match kind {
+        DatabaseKind::Postgres => (cfg!(feature = "postgres"), "postgres"),
+        DatabaseKind::MySql => (cfg!(feature = "mysql"), "mysql"),
+        DatabaseKind::Sqlite => (cfg!(feature = "sqlite"), "sqlite"),
+    };
+    if !built {
+        return Err(Error::config(
+            key.clone(),
+            format!(
+                "this build has no {feature} inbox: enable the `{feature}` feature of postbox (or postbox-consumers)"
+            ),
+        ));
+    }
+    Ok(kind)
 }
 
 /// `mariadb://` is spelled `mysql://` for sqlx; a SQLite file is created when
@@ -432,6 +459,24 @@ mod tests {
         assert_eq!(normalise_url("postgres://h/db"), "postgres://h/db");
     }
 
+    #[test]
+    fn a_url_s_database_must_be_in_the_build() {
+        let key = KeyPath::consumer(0).join("inbox").join("url");
+        for (url, feature) in [
+            ("postgres://h/db", cfg!(feature = "postgres")),
+            ("mariadb://h/db", cfg!(feature = "mysql")),
+            ("sqlite://x.db", cfg!(feature = "sqlite")),
+        ] {
+            let found = database_of(&SecretUrl::new(url.to_owned()), &key);
+            assert_eq!(found.is_ok(), feature, "{url}: {found:?}");
+            if let Err(e) = found {
+                assert!(e.to_string().contains("feature"), "{e}");
+            }
+        }
+        assert!(database_of(&SecretUrl::new("oracle://h".to_owned()), &key).is_err());
+    }
+
+    #[cfg(feature = "postgres")]
     #[test]
     fn statements_name_the_table() {
         let t = TableName::new("room_inbox").unwrap();

@@ -15,10 +15,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::message::{dead_headers, message_from_nats};
 use super::topology::{prepare, SetupError};
-use crate::consume::session::{run_sessions, Session, SessionEnd};
-use crate::consume::settle::{DeadCopy, Handling, Settled, Settler, Transport, Verdict};
-use crate::consume::{consumer_tag, ConsumeReport};
-use crate::{Handler, Message, RetryPolicy};
+use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
+use crate::consume::settle::{DeadCopy, Handling, Settled, Transport, Verdict};
+use crate::consume::{consumer_basics, ConsumeReport, Core};
+use crate::{Handler, Message};
 
 /// How long one pull request waits for messages; also the longest a
 /// shutdown waits for a pull in flight to end.
@@ -28,11 +28,11 @@ const PULL_WAIT: Duration = Duration::from_secs(1);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A NATS JetStream consumer driving one [`Handler`].
+///
+/// Its tag is its connection name (default `{consumer_group}-{host}-{pid}`;
+/// `CONNZ` and `nats server report connections` show it).
 pub struct NatsConsumer {
-    config: ConsumerConfig,
-    handler: Arc<dyn Handler>,
-    policy: RetryPolicy,
-    tag: String,
+    core: Core,
     /// The handler's last error of messages whose dead copy could not be
     /// stored, by stream sequence, so that the copy stored on a later
     /// delivery still says why (bounded by [`UNSTORED_MEMORY`]).
@@ -44,49 +44,22 @@ pub struct NatsConsumer {
 /// message was delivered.
 const UNSTORED_MEMORY: usize = 1024;
 
-impl std::fmt::Debug for NatsConsumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsConsumer")
-            .field("name", &self.config.name())
-            .field("stream", &self.config.queue)
-            .field("durable", &self.config.consumer_group())
-            .field("url", &self.config.url)
-            .field("tag", &self.tag)
-            .finish_non_exhaustive()
-    }
-}
+consumer_basics!(NatsConsumer, ("stream", Some("durable"), "tag"));
 
 impl NatsConsumer {
     /// A consumer of `config` (a `kind = "nats"` entry) calling `handler`
     /// for every message.
     pub fn new(config: ConsumerConfig, handler: Arc<dyn Handler>) -> Result<Self, Error> {
-        if config.kind != ConsumerKind::Nats {
-            return Err(Error::config(
-                "kind",
-                format!("`{}` is not a NATS consumer", config.kind.as_str()),
-            ));
-        }
-        let policy = RetryPolicy::of(&config);
-        let tag = consumer_tag(config.consumer_group());
         Ok(NatsConsumer {
-            config,
-            handler,
-            policy,
-            tag,
+            core: Core::new(
+                config,
+                handler,
+                ConsumerKind::Nats,
+                "NATS",
+                ConsumerConfig::consumer_group,
+            )?,
             unstored: Default::default(),
         })
-    }
-
-    /// Replaces the connection name (default `{consumer_group}-{host}-{pid}`).
-    pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
-        self.tag = tag.into();
-        self
-    }
-
-    /// The connection name (`CONNZ` and `nats server report connections`
-    /// show it).
-    pub fn tag(&self) -> &str {
-        &self.tag
     }
 
     /// Consumes until `shutdown` is cancelled, then stops pulling, finishes
@@ -115,7 +88,7 @@ impl NatsConsumer {
             }
             let mut batch = match consumer
                 .batch()
-                .max_messages(usize::from(self.config.prefetch))
+                .max_messages(usize::from(self.core.config.prefetch))
                 .expires(PULL_WAIT)
                 .messages()
                 .await
@@ -181,13 +154,9 @@ impl NatsConsumer {
             stream,
             sequence,
         };
-        Settler {
-            consumer: self.config.name(),
-            policy: &self.policy,
-            report,
-        }
-        .process(self.handler.as_ref(), &mut in_hand, read, delivered)
-        .await
+        self.core
+            .settle(report, &mut in_hand, read, delivered)
+            .await
     }
 }
 
@@ -204,7 +173,7 @@ struct InHand<'a> {
 
 impl Transport for InHand<'_> {
     async fn verdict(&mut self, message: &Message) -> Verdict {
-        let policy = &self.consumer.policy;
+        let policy = &self.consumer.core.policy;
         if message.attempt <= policy.max_attempts {
             return Verdict::Handle;
         }
@@ -227,7 +196,7 @@ impl Transport for InHand<'_> {
     async fn handle(&mut self, handler: &dyn Handler, message: &Message) -> Handling {
         let handling = handler.handle(message);
         tokio::pin!(handling);
-        let every = self.consumer.config.ack_wait.get() / 3;
+        let every = self.consumer.core.config.ack_wait.get() / 3;
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {
             tokio::select! {
@@ -257,13 +226,13 @@ impl Transport for InHand<'_> {
     /// spends the message's last deliveries.
     async fn dead(&mut self, copy: DeadCopy<'_>) -> Result<Settled, String> {
         let consumer = self.consumer;
-        let subject = consumer.config.nats_dead_subject();
+        let subject = consumer.core.config.nats_dead_subject();
         let headers = dead_headers(
             self.m.headers.as_ref(),
             copy.message.map(Message::event_id),
             &self.stream,
             self.sequence,
-            consumer.config.consumer_group(),
+            consumer.core.config.consumer_group(),
             copy.attempt,
             copy.last_error,
         );
@@ -276,11 +245,11 @@ impl Transport for InHand<'_> {
         .await;
         if let Err(e) = stored {
             // The n-th try at the dead copy waits like the n-th retry.
-            let policy = &consumer.policy;
+            let policy = &consumer.core.policy;
             let tries = copy.attempt.saturating_sub(policy.max_attempts);
             let delay = policy.delay_after(tries.max(1));
             tracing::error!(
-                consumer = consumer.config.name(),
+                consumer = consumer.core.config.name(),
                 dead_subject = %subject,
                 error = %e,
                 retry_in_ms = delay.as_millis() as u64,
@@ -296,7 +265,7 @@ impl Transport for InHand<'_> {
     }
 
     fn dead_letters(&self) -> String {
-        self.consumer.config.nats_dead_subject()
+        self.consumer.core.config.nats_dead_subject()
     }
 }
 
@@ -331,24 +300,16 @@ async fn settle(m: &jetstream::Message, kind: AckKind) -> Result<(), String> {
         .map_err(|e| format!("ack: {e}"))
 }
 
-#[async_trait::async_trait]
 impl Session for NatsConsumer {
-    const BROKER: &'static str = "NATS";
-
-    fn config(&self) -> &ConsumerConfig {
-        &self.config
+    fn core(&self) -> &Core {
+        &self.core
     }
 
-    async fn session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
+    async fn session(&self, run: &mut Run<'_>) -> SessionEnd {
         let client = match async_nats::ConnectOptions::new()
-            .name(self.tag.clone())
+            .name(self.core.tag.clone())
             .request_timeout(Some(REQUEST_TIMEOUT))
-            .connect(self.config.url.expose())
+            .connect(self.core.config.url.expose())
             .await
         {
             Ok(c) => c,
@@ -357,25 +318,27 @@ impl Session for NatsConsumer {
         let js = jetstream::ContextBuilder::new()
             .timeout(REQUEST_TIMEOUT)
             .build(client.clone());
-        let consumer = match prepare(&js, &self.config).await {
+        let consumer = match prepare(&js, &self.core.config).await {
             Ok(c) => c,
             Err(SetupError::Fatal(e)) => return SessionEnd::Fatal(e),
             Err(SetupError::Broken(reason)) => return SessionEnd::Broken(reason),
         };
-        *connected = true;
+        run.connected = true;
         tracing::info!(
-            consumer = self.config.name(),
-            stream = %self.config.queue,
-            durable = self.config.consumer_group(),
-            tag = %self.tag,
-            prefetch = self.config.prefetch,
+            consumer = self.core.config.name(),
+            stream = %self.core.config.queue,
+            durable = self.core.config.consumer_group(),
+            tag = %self.core.tag,
+            prefetch = self.core.config.prefetch,
             "consuming"
         );
-        let end = self.pull_loop(&consumer, &js, shutdown, report).await;
+        let end = self
+            .pull_loop(&consumer, &js, run.shutdown, run.report)
+            .await;
         // Acks are plain publishes: make sure they left before closing.
         let _ = client.flush().await;
         if matches!(end, SessionEnd::Cancelled) {
-            tracing::info!(consumer = self.config.name(), "consumer stopped");
+            tracing::info!(consumer = self.core.config.name(), "consumer stopped");
         }
         end
     }

@@ -47,19 +47,16 @@ pub(crate) async fn prepare(
                     format!("JetStream stream `{name}` does not exist: create it, or set declare = true and subject"),
                 )));
             };
-            js.create_stream(stream::Config {
-                name: name.to_owned(),
-                subjects: vec![subject.clone()],
-                storage: stream::StorageType::File,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| {
-                SetupError::Fatal(Error::config(
-                    "queue",
-                    format!("cannot create JetStream stream `{name}` for `{subject}`: {e}"),
-                ))
-            })?;
+            create_stream(
+                js,
+                "queue",
+                stream::Config {
+                    name: name.to_owned(),
+                    subjects: vec![subject.clone()],
+                    ..Default::default()
+                },
+            )
+            .await?;
             tracing::info!(stream = name, subject, "created JetStream stream");
             js.get_stream(name)
                 .await
@@ -148,20 +145,17 @@ async fn ensure_dead_home(js: &Context, config: &ConsumerConfig) -> Result<(), S
             } else {
                 dead.clone()
             };
-            js.create_stream(stream::Config {
-                name: home.clone(),
-                subjects: vec![subjects.clone()],
-                storage: stream::StorageType::File,
-                duplicate_window: Duration::from_secs(120),
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| {
-                SetupError::Fatal(Error::config(
-                    "dead_subject",
-                    format!("cannot create stream `{home}` for `{subjects}`: {e}"),
-                ))
-            })?;
+            create_stream(
+                js,
+                "dead_subject",
+                stream::Config {
+                    name: home.clone(),
+                    subjects: vec![subjects.clone()],
+                    duplicate_window: Duration::from_secs(120),
+                    ..Default::default()
+                },
+            )
+            .await?;
             tracing::info!(stream = %home, subject = %subjects, "created JetStream stream for dead copies");
             Ok(())
         }
@@ -169,6 +163,28 @@ async fn ensure_dead_home(js: &Context, config: &ConsumerConfig) -> Result<(), S
             "looking up the stream of `{dead}`: {e}"
         ))),
     }
+}
+
+/// Creates a file-stored stream of `config`; a refusal is fatal and blamed
+/// on the consumer setting `field`.
+async fn create_stream(
+    js: &Context,
+    field: &str,
+    config: stream::Config,
+) -> Result<(), SetupError> {
+    let (name, subjects) = (config.name.clone(), config.subjects.join(" "));
+    js.create_stream(stream::Config {
+        storage: stream::StorageType::File,
+        ..config
+    })
+    .await
+    .map(drop)
+    .map_err(|e| {
+        SetupError::Fatal(Error::config(
+            field,
+            format!("cannot create JetStream stream `{name}` for `{subjects}`: {e}"),
+        ))
+    })
 }
 
 fn is_stream_not_found(kind: GetStreamErrorKind) -> bool {

@@ -19,58 +19,33 @@ use tokio_util::sync::CancellationToken;
 
 use super::message::{copy_properties, delivery_count, message_from_delivery};
 use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
-use crate::consume::session::{run_sessions, Session, SessionEnd};
-use crate::consume::settle::{DeadCopy, Settled, Settler, Transport, Verdict};
-use crate::consume::{consumer_tag, ConsumeReport};
+use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
+use crate::consume::settle::{DeadCopy, Settled, Transport, Verdict};
+use crate::consume::{consumer_basics, ConsumeReport, Core};
 use crate::ordering::AggregateHolds;
-use crate::{Handler, Message, RetryPolicy};
+use crate::{Handler, Message};
 
 /// A RabbitMQ consumer driving one [`Handler`].
+///
+/// Its tag is its consumer tag (default `{queue}-{host}-{pid}`), also its
+/// AMQP connection name.
 pub struct RabbitMqConsumer {
-    config: ConsumerConfig,
-    handler: Arc<dyn Handler>,
-    policy: RetryPolicy,
-    tag: String,
+    core: Core,
     holds: Option<Arc<dyn AggregateHolds>>,
 }
 
-impl std::fmt::Debug for RabbitMqConsumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RabbitMqConsumer")
-            .field("name", &self.config.name())
-            .field("queue", &self.config.queue)
-            .field("url", &self.config.url)
-            .field("tag", &self.tag)
-            .finish_non_exhaustive()
-    }
-}
+consumer_basics!(RabbitMqConsumer, ("queue", None, "tag"));
 
 impl RabbitMqConsumer {
     /// A consumer of `config` (a `kind = "rabbitmq"` entry) calling `handler`
     /// for every message.
     pub fn new(config: ConsumerConfig, handler: Arc<dyn Handler>) -> Result<Self, Error> {
-        if config.kind != ConsumerKind::Rabbitmq {
-            return Err(Error::config(
-                "kind",
-                format!("`{}` is not a RabbitMQ consumer", config.kind.as_str()),
-            ));
-        }
-        let policy = RetryPolicy::of(&config);
-        let tag = consumer_tag(&config.queue);
         Ok(RabbitMqConsumer {
-            config,
-            handler,
-            policy,
-            tag,
+            core: Core::new(config, handler, ConsumerKind::Rabbitmq, "RabbitMQ", |c| {
+                &c.queue
+            })?,
             holds: None,
         })
-    }
-
-    /// Replaces the consumer tag (default `{queue}-{host}-{pid}`); a process
-    /// running several consumers on one queue gives each its own.
-    pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
-        self.tag = tag.into();
-        self
     }
 
     /// Where `ordering = "per_aggregate"` keeps its holds (required with
@@ -80,17 +55,12 @@ impl RabbitMqConsumer {
         self
     }
 
-    /// The consumer tag; also the AMQP connection name.
-    pub fn tag(&self) -> &str {
-        &self.tag
-    }
-
     /// Consumes until `shutdown` is cancelled, then stops taking messages,
     /// finishes (and acknowledges) the one in hand and returns. A broken
     /// connection is re-established with a growing pause (0.5 s to 30 s);
     /// messages it held unacknowledged are redelivered by the broker.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
-        if self.config.ordering == Ordering::PerAggregate && self.holds.is_none() {
+        if self.core.config.ordering == Ordering::PerAggregate && self.holds.is_none() {
             return Err(Error::config(
                 "ordering",
                 "`per_aggregate` needs the holds of an inbox: call with_holds(Holds::of(&inbox))",
@@ -119,26 +89,20 @@ impl RabbitMqConsumer {
             publishing,
             ordered: None,
         };
-        Settler {
-            consumer: self.config.name(),
-            policy: &self.policy,
-            report,
-        }
-        .process(self.handler.as_ref(), &mut in_hand, read, 1)
-        .await
+        self.core.settle(report, &mut in_hand, read, 1).await
     }
 
     /// `message` under `ordering = "per_aggregate"`, when it has an
     /// aggregate and a version.
     fn ordered(&self, message: &Message) -> Option<Ordered<'_>> {
         let holds = self.holds.as_deref()?;
-        if self.config.ordering != Ordering::PerAggregate {
+        if self.core.config.ordering != Ordering::PerAggregate {
             return None;
         }
         let env = &message.envelope;
         Some(Ordered {
             holds,
-            group: self.config.consumer_group(),
+            group: self.core.config.consumer_group(),
             aggregate_id: env.aggregate_id.clone()?,
             version: env.aggregate_version?,
             event_id: env.event_id.clone(),
@@ -148,7 +112,7 @@ impl RabbitMqConsumer {
     /// How long a hold taken for a retry copy waiting `delay` stands unless
     /// released.
     fn hold_lapse(&self, delay: Duration) -> Duration {
-        delay + self.policy.max_retry_delay + HOLD_GRACE
+        delay + self.core.policy.max_retry_delay + HOLD_GRACE
     }
 }
 
@@ -193,7 +157,7 @@ impl Transport for InHand<'_> {
                 Ok(Some(blocker)) => {
                     return Verdict::HeldBack {
                         blocker,
-                        delay: self.consumer.policy.retry_delay,
+                        delay: self.consumer.core.policy.retry_delay,
                     }
                 }
                 Err(e) => {
@@ -238,7 +202,7 @@ impl Transport for InHand<'_> {
     }
 
     fn dead_letters(&self) -> String {
-        dead_queue(&self.consumer.config.queue)
+        dead_queue(&self.consumer.core.config.queue)
     }
 }
 
@@ -252,8 +216,8 @@ impl InHand<'_> {
         attempt: u32,
     ) -> Result<(), String> {
         let queue = match delay {
-            Some(_) => retry_queue(&self.consumer.config.queue),
-            None => dead_queue(&self.consumer.config.queue),
+            Some(_) => retry_queue(&self.consumer.core.config.queue),
+            None => dead_queue(&self.consumer.core.config.queue),
         };
         let props = copy_properties(
             &self.delivery.properties,
@@ -358,23 +322,16 @@ async fn ack(delivery: &Delivery) -> Result<(), String> {
         .map_err(|e| format!("ack: {e}"))
 }
 
-#[async_trait::async_trait]
 impl Session for RabbitMqConsumer {
-    const BROKER: &'static str = "RabbitMQ";
-
-    fn config(&self) -> &ConsumerConfig {
-        &self.config
+    fn core(&self) -> &Core {
+        &self.core
     }
 
-    async fn session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
+    async fn session(&self, run: &mut Run<'_>) -> SessionEnd {
         let broken = |e: lapin::Error| SessionEnd::Broken(e.to_string());
-        let props = ConnectionProperties::default().with_connection_name(self.tag.clone().into());
-        let conn = match Connection::connect(self.config.url.expose(), props).await {
+        let props =
+            ConnectionProperties::default().with_connection_name(self.core.tag.clone().into());
+        let conn = match Connection::connect(self.core.config.url.expose(), props).await {
             Ok(c) => c,
             Err(e) => return broken(e),
         };
@@ -390,10 +347,10 @@ impl Session for RabbitMqConsumer {
             Ok(c) => c,
             Err(e) => return broken(e),
         };
-        if !self.config.declare {
+        if !self.core.config.declare {
             // Nothing else checks a hand-made topology: a retry queue that does
             // not dead-letter back to the queue drops every retried message.
-            match check_topology(&conn, &self.config.queue).await {
+            match check_topology(&conn, &self.core.config.queue).await {
                 Ok(()) => {}
                 Err(TopologyError::Refused(reason)) => {
                     let _ = conn.close(200, "setup refused".into()).await;
@@ -403,18 +360,18 @@ impl Session for RabbitMqConsumer {
             }
         }
         let topology = async {
-            if self.config.declare {
-                declare_topology(&consuming, &self.config).await?;
+            if self.core.config.declare {
+                declare_topology(&consuming, &self.core.config).await?;
             }
             // Not global: the limit is per consumer, which is what prefetch = 1
             // promises (one unacked message per consumer).
             consuming
-                .basic_qos(self.config.prefetch, BasicQosOptions { global: false })
+                .basic_qos(self.core.config.prefetch, BasicQosOptions { global: false })
                 .await?;
             consuming
                 .basic_consume(
-                    self.config.queue.as_str().into(),
-                    self.tag.as_str().into(),
+                    self.core.config.queue.as_str().into(),
+                    self.core.tag.as_str().into(),
                     BasicConsumeOptions::default(),
                     FieldTable::default(),
                 )
@@ -424,7 +381,7 @@ impl Session for RabbitMqConsumer {
             Ok(c) => c,
             Err(e) if e.is_amqp_soft_error() => {
                 let _ = conn.close(200, "setup refused".into()).await;
-                let hint = if self.config.declare {
+                let hint = if self.core.config.declare {
                     "check that the queue was not declared before with other arguments, and the user's permissions"
                 } else {
                     "declare the queue, or set declare = true"
@@ -433,31 +390,31 @@ impl Session for RabbitMqConsumer {
                     "queue",
                     format!(
                         "RabbitMQ refused consuming `{}`: {e} ({hint})",
-                        self.config.queue
+                        self.core.config.queue
                     ),
                 ));
             }
             Err(e) => return broken(e),
         };
-        *connected = true;
+        run.connected = true;
         tracing::info!(
-            consumer = self.config.name(),
-            queue = %self.config.queue,
-            tag = %self.tag,
-            prefetch = self.config.prefetch,
+            consumer = self.core.config.name(),
+            queue = %self.core.config.queue,
+            tag = %self.core.tag,
+            prefetch = self.core.config.prefetch,
             "consuming"
         );
         loop {
             let next = tokio::select! {
                 biased;
-                _ = shutdown.cancelled() => {
+                _ = run.shutdown.cancelled() => {
                     // Stop taking; anything prefetched but not started goes
                     // back to the queue when the channel closes.
-                    let _ = consuming.basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default()).await;
+                    let _ = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default()).await;
                     let _ = consuming.close(200, "shutdown".into()).await;
                     let _ = publishing.close(200, "shutdown".into()).await;
                     let _ = conn.close(200, "shutdown".into()).await;
-                    tracing::info!(consumer = self.config.name(), "consumer stopped");
+                    tracing::info!(consumer = self.core.config.name(), "consumer stopped");
                     return SessionEnd::Cancelled;
                 }
                 next = consumer.next() => next,
@@ -467,7 +424,7 @@ impl Session for RabbitMqConsumer {
                 Some(Err(e)) => return broken(e),
                 None => return SessionEnd::Broken("the broker cancelled the consumer".to_owned()),
             };
-            if let Err(reason) = self.process(delivery, &publishing, report).await {
+            if let Err(reason) = self.process(delivery, &publishing, run.report).await {
                 return SessionEnd::Broken(reason);
             }
         }

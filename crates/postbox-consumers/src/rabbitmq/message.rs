@@ -132,27 +132,23 @@ pub(crate) fn copy_properties(
     let mut p = BasicProperties::default()
         .with_delivery_mode(PERSISTENT)
         .with_headers(headers);
-    if let Some(v) = original.message_id() {
-        p = p.with_message_id(v.clone());
+    // The original's properties that are set, each by its getter and setter.
+    macro_rules! keep {
+        ($($get:ident => $set:ident),+) => {
+            $(if let Some(v) = original.$get() {
+                p = p.$set(v.to_owned());
+            })+
+        };
     }
-    if let Some(v) = original.kind() {
-        p = p.with_type(v.clone());
-    }
-    if let Some(v) = original.app_id() {
-        p = p.with_app_id(v.clone());
-    }
-    if let Some(v) = original.timestamp() {
-        p = p.with_timestamp(*v);
-    }
-    if let Some(v) = original.content_type() {
-        p = p.with_content_type(v.clone());
-    }
-    if let Some(v) = original.content_encoding() {
-        p = p.with_content_encoding(v.clone());
-    }
-    if let Some(v) = original.correlation_id() {
-        p = p.with_correlation_id(v.clone());
-    }
+    keep!(
+        message_id => with_message_id,
+        kind => with_type,
+        app_id => with_app_id,
+        timestamp => with_timestamp,
+        content_type => with_content_type,
+        content_encoding => with_content_encoding,
+        correlation_id => with_correlation_id
+    );
     if let Some(ms) = expiration_ms {
         p = p.with_expiration(ShortString::from(ms.max(1).to_string()));
     }

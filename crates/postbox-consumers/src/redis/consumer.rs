@@ -15,10 +15,10 @@ use tracing::Instrument;
 use super::keeper::{keep_if_mine, Keeper};
 use super::message::{dead_fields, message_from_entry};
 use super::topology::{connect, create_group, dead_stream, is_refusal, refused};
-use crate::consume::session::{run_sessions, Session, SessionEnd};
-use crate::consume::settle::{DeadCopy, Handling, Settled, Settler, Transport, Verdict};
-use crate::consume::{consumer_tag, ConsumeReport};
-use crate::{Handler, Message, RetryPolicy};
+use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
+use crate::consume::settle::{DeadCopy, Handling, Settled, Transport, Verdict};
+use crate::consume::{consumer_basics, ConsumeReport, Core};
+use crate::{Handler, Message};
 
 /// Longest `XREADGROUP … BLOCK`: also how often due retries are looked for
 /// while the stream is quiet, and the longest a shutdown waits.
@@ -54,24 +54,14 @@ return 0
 ";
 
 /// A Redis Streams consumer-group member driving one [`Handler`].
+///
+/// Its tag is its consumer name within the group (default
+/// `{group}-{host}-{pid}`; `XINFO CONSUMERS` shows it).
 pub struct RedisConsumer {
-    config: ConsumerConfig,
-    handler: Arc<dyn Handler>,
-    policy: RetryPolicy,
-    name: String,
+    core: Core,
 }
 
-impl std::fmt::Debug for RedisConsumer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisConsumer")
-            .field("name", &self.config.name())
-            .field("stream", &self.config.queue)
-            .field("group", &self.config.consumer_group())
-            .field("url", &self.config.url)
-            .field("consumer", &self.name)
-            .finish_non_exhaustive()
-    }
-}
+consumer_basics!(RedisConsumer, ("stream", Some("group"), "consumer"));
 
 /// A pending entry as `XPENDING` reports it.
 struct Pending {
@@ -84,32 +74,15 @@ impl RedisConsumer {
     /// A consumer of `config` (a `kind = "redis"` entry: `queue` is the
     /// stream, `consumer_group` the group) calling `handler` for every entry.
     pub fn new(config: ConsumerConfig, handler: Arc<dyn Handler>) -> Result<Self, Error> {
-        if config.kind != ConsumerKind::Redis {
-            return Err(Error::config(
-                "kind",
-                format!("`{}` is not a Redis consumer", config.kind.as_str()),
-            ));
-        }
-        let policy = RetryPolicy::of(&config);
-        let name = consumer_tag(config.consumer_group());
         Ok(RedisConsumer {
-            config,
-            handler,
-            policy,
-            name,
+            core: Core::new(
+                config,
+                handler,
+                ConsumerKind::Redis,
+                "Redis",
+                ConsumerConfig::consumer_group,
+            )?,
         })
-    }
-
-    /// Replaces the consumer name (default `{group}-{host}-{pid}`); a process
-    /// running several consumers in one group gives each its own.
-    pub fn with_tag(mut self, name: impl Into<String>) -> Self {
-        self.name = name.into();
-        self
-    }
-
-    /// The consumer name within the group (`XINFO CONSUMERS` shows it).
-    pub fn tag(&self) -> &str {
-        &self.name
     }
 
     /// Consumes until `shutdown` is cancelled, then finishes (and acks) the
@@ -121,11 +94,11 @@ impl RedisConsumer {
     }
 
     fn block(&self) -> Duration {
-        self.policy.retry_delay.min(MAX_BLOCK)
+        self.core.policy.retry_delay.min(MAX_BLOCK)
     }
 
     async fn connect(&self) -> Result<ConnectionManager, String> {
-        connect(self.config.url.expose(), self.block()).await
+        connect(self.core.config.url.expose(), self.block()).await
     }
 
     /// Entries of this group that have waited their retry delay (failed
@@ -140,13 +113,13 @@ impl RedisConsumer {
         conn: &mut ConnectionManager,
         cursor: &mut String,
     ) -> Result<Vec<(StreamId, u32)>, RedisError> {
-        let stream = self.config.queue.as_str();
-        let group = self.config.consumer_group();
+        let stream = self.core.config.queue.as_str();
+        let group = self.core.config.consumer_group();
         let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
             .arg(stream)
             .arg(group)
             .arg("IDLE")
-            .arg(self.policy.retry_delay.as_millis() as u64)
+            .arg(self.core.policy.retry_delay.as_millis() as u64)
             .arg(cursor.as_str())
             .arg("+")
             .arg(SCAN_BATCH)
@@ -164,13 +137,13 @@ impl RedisConsumer {
                 deliveries: u32::try_from(deliveries).unwrap_or(u32::MAX),
             })
             .filter(|p| u128::from(p.idle_ms) >= self.due_after(p.deliveries).as_millis())
-            .take(usize::from(self.config.prefetch));
+            .take(usize::from(self.core.config.prefetch));
         let mut claimed = Vec::new();
         for p in due {
             let reply: StreamRangeReply = redis::cmd("XCLAIM")
                 .arg(stream)
                 .arg(group)
-                .arg(&self.name)
+                .arg(&self.core.tag)
                 .arg(self.due_after(p.deliveries).as_millis() as u64)
                 .arg(&p.id)
                 .query_async(conn)
@@ -187,7 +160,7 @@ impl RedisConsumer {
     /// How long an entry delivered `deliveries` times waits before it is
     /// tried again.
     fn due_after(&self, deliveries: u32) -> Duration {
-        self.policy.delay_after(deliveries.max(1))
+        self.core.policy.delay_after(deliveries.max(1))
     }
 
     async fn read_new(
@@ -196,14 +169,14 @@ impl RedisConsumer {
     ) -> Result<Vec<(StreamId, u32)>, RedisError> {
         let reply: Option<StreamReadReply> = redis::cmd("XREADGROUP")
             .arg("GROUP")
-            .arg(self.config.consumer_group())
-            .arg(&self.name)
+            .arg(self.core.config.consumer_group())
+            .arg(&self.core.tag)
             .arg("COUNT")
-            .arg(self.config.prefetch)
+            .arg(self.core.config.prefetch)
             .arg("BLOCK")
             .arg(self.block().as_millis().max(1) as u64)
             .arg("STREAMS")
-            .arg(&self.config.queue)
+            .arg(&self.core.config.queue)
             .arg(">")
             .query_async(conn)
             .await?;
@@ -234,40 +207,36 @@ impl RedisConsumer {
             entry,
             held,
         };
-        Settler {
-            consumer: self.config.name(),
-            policy: &self.policy,
-            report,
-        }
-        .process(self.handler.as_ref(), &mut in_hand, read, deliveries)
-        .instrument(tracing::info_span!("entry", id = %entry.id))
-        .await
+        self.core
+            .settle(report, &mut in_hand, read, deliveries)
+            .instrument(tracing::info_span!("entry", id = %entry.id))
+            .await
     }
 
     /// How often the entries in hand are kept: a third of the retry delay,
     /// the shortest idle time after which another consumer may claim them.
     fn keep_every(&self) -> Duration {
-        (self.policy.retry_delay / 3).max(Duration::from_millis(10))
+        (self.core.policy.retry_delay / 3).max(Duration::from_millis(10))
     }
 
     /// On shutdown, a consumer that holds nothing leaves the group, so
     /// `XINFO CONSUMERS` does not fill up with one name per past process.
     async fn leave(&self, conn: &mut ConnectionManager) {
         let mine: Result<Vec<(String, String, u64, u64)>, RedisError> = redis::cmd("XPENDING")
-            .arg(&self.config.queue)
-            .arg(self.config.consumer_group())
+            .arg(&self.core.config.queue)
+            .arg(self.core.config.consumer_group())
             .arg("-")
             .arg("+")
             .arg(1)
-            .arg(&self.name)
+            .arg(&self.core.tag)
             .query_async(conn)
             .await;
         if matches!(mine, Ok(ref rows) if rows.is_empty()) {
             let _: Result<i64, RedisError> = redis::cmd("XGROUP")
                 .arg("DELCONSUMER")
-                .arg(&self.config.queue)
-                .arg(self.config.consumer_group())
-                .arg(&self.name)
+                .arg(&self.core.config.queue)
+                .arg(self.core.config.consumer_group())
+                .arg(&self.core.tag)
                 .query_async(conn)
                 .await;
         }
@@ -275,7 +244,7 @@ impl RedisConsumer {
 
     fn broken_or_refused(&self, e: RedisError) -> SessionEnd {
         if is_refusal(&e) {
-            SessionEnd::Fatal(refused(&self.config, &e))
+            SessionEnd::Fatal(refused(&self.core.config, &e))
         } else {
             SessionEnd::Broken(e.to_string())
         }
@@ -297,7 +266,7 @@ struct InHand<'a> {
 
 impl Transport for InHand<'_> {
     async fn verdict(&mut self, message: &Message) -> Verdict {
-        if message.attempt > self.consumer.policy.max_attempts {
+        if message.attempt > self.consumer.core.policy.max_attempts {
             return Verdict::Dead {
                 attempt: message.attempt,
                 reason: format!(
@@ -308,7 +277,7 @@ impl Transport for InHand<'_> {
         }
         if self.keeper.was_lost(&self.entry.id) {
             tracing::warn!(
-                consumer = self.consumer.config.name(),
+                consumer = self.consumer.core.config.name(),
                 "the entry was claimed by another consumer while it waited in this consumer's batch: not handled here"
             );
             return Verdict::Skip;
@@ -342,9 +311,9 @@ impl Transport for InHand<'_> {
         let acked: i64 = redis::cmd("EVAL")
             .arg(ACK_IF_MINE)
             .arg(1)
-            .arg(&c.config.queue)
-            .arg(c.config.consumer_group())
-            .arg(&c.name)
+            .arg(&c.core.config.queue)
+            .arg(c.core.config.consumer_group())
+            .arg(&c.core.tag)
             .arg(&self.entry.id)
             .query_async(self.conn)
             .await
@@ -363,9 +332,9 @@ impl Transport for InHand<'_> {
         let c = self.consumer;
         let lost = keep_if_mine(
             self.conn,
-            &c.config.queue,
-            c.config.consumer_group(),
-            &c.name,
+            &c.core.config.queue,
+            c.core.config.consumer_group(),
+            &c.core.tag,
             std::slice::from_ref(&self.entry.id),
         )
         .await
@@ -385,17 +354,17 @@ impl Transport for InHand<'_> {
         let fields = dead_fields(
             &self.entry.map,
             &self.entry.id,
-            c.config.consumer_group(),
+            c.core.config.consumer_group(),
             copy.attempt,
             copy.last_error,
         );
         let mut cmd = redis::cmd("EVAL");
         cmd.arg(DEAD_IF_MINE)
             .arg(2)
-            .arg(&c.config.queue)
-            .arg(dead_stream(&c.config.queue))
-            .arg(c.config.consumer_group())
-            .arg(&c.name)
+            .arg(&c.core.config.queue)
+            .arg(dead_stream(&c.core.config.queue))
+            .arg(c.core.config.consumer_group())
+            .arg(&c.core.tag)
             .arg(&self.entry.id);
         for (k, v) in &fields {
             cmd.arg(k).arg(v.as_slice());
@@ -406,7 +375,7 @@ impl Transport for InHand<'_> {
             .map_err(|e| e.to_string())?;
         if stored != 1 {
             tracing::warn!(
-                consumer = c.config.name(),
+                consumer = c.core.config.name(),
                 "the entry was claimed by another consumer before it could be dead-lettered here: its owner settles it"
             );
             return Ok(Settled::NotHere);
@@ -415,7 +384,7 @@ impl Transport for InHand<'_> {
     }
 
     fn dead_letters(&self) -> String {
-        dead_stream(&self.consumer.config.queue)
+        dead_stream(&self.consumer.core.config.queue)
     }
 }
 
@@ -425,62 +394,54 @@ impl InHand<'_> {
     /// is not this consumer's to settle; the owner does.
     fn lost(&self, result: &str) {
         tracing::warn!(
-            consumer = self.consumer.config.name(),
+            consumer = self.consumer.core.config.name(),
             result,
             "the entry was claimed by another consumer while the handler ran (stalled longer than the retry delay?): its result is not acknowledged here"
         );
     }
 }
 
-#[async_trait::async_trait]
 impl Session for RedisConsumer {
-    const BROKER: &'static str = "Redis";
-
-    fn config(&self) -> &ConsumerConfig {
-        &self.config
+    fn core(&self) -> &Core {
+        &self.core
     }
 
-    async fn session(
-        &self,
-        shutdown: &CancellationToken,
-        report: &mut ConsumeReport,
-        connected: &mut bool,
-    ) -> SessionEnd {
+    async fn session(&self, run: &mut Run<'_>) -> SessionEnd {
         let mut conn = match self.connect().await {
             Ok(c) => c,
             Err(e) => return SessionEnd::Broken(e),
         };
-        let stream = self.config.queue.as_str();
-        let group = self.config.consumer_group();
-        if self.config.declare {
+        let stream = self.core.config.queue.as_str();
+        let group = self.core.config.consumer_group();
+        if self.core.config.declare {
             if let Err(e) = create_group(&mut conn, stream, group).await {
-                return SessionEnd::Fatal(refused(&self.config, &e));
+                return SessionEnd::Fatal(refused(&self.core.config, &e));
             }
         }
         let keeper = match Keeper::start(
-            self.config.url.expose().to_owned(),
+            self.core.config.url.expose().to_owned(),
             stream.to_owned(),
             group.to_owned(),
-            self.name.clone(),
+            self.core.tag.clone(),
             self.keep_every(),
         ) {
             Ok(k) => k,
             Err(e) => return SessionEnd::Broken(e),
         };
-        *connected = true;
+        run.connected = true;
         tracing::info!(
-            consumer = self.config.name(),
+            consumer = self.core.config.name(),
             stream,
             group,
-            name = %self.name,
-            prefetch = self.config.prefetch,
+            name = %self.core.tag,
+            prefetch = self.core.config.prefetch,
             "consuming"
         );
         let mut cursor = "-".to_owned();
         loop {
-            if shutdown.is_cancelled() {
+            if run.shutdown.is_cancelled() {
                 self.leave(&mut conn).await;
-                tracing::info!(consumer = self.config.name(), "consumer stopped");
+                tracing::info!(consumer = self.core.config.name(), "consumer stopped");
                 return SessionEnd::Cancelled;
             }
             let claimed = match self.claim_due(&mut conn, &mut cursor).await {
@@ -502,7 +463,7 @@ impl Session for RedisConsumer {
             for (entry, deliveries) in batch {
                 held.retain(|id| *id != entry.id);
                 if let Err(e) = self
-                    .process(&mut conn, &keeper, &entry, deliveries, &held, report)
+                    .process(&mut conn, &keeper, &entry, deliveries, &held, run.report)
                     .await
                 {
                     return SessionEnd::Broken(e);

@@ -8,6 +8,8 @@ use postbox_consumers::{Handled, HandlerError, Message};
 use postbox_core::envelope::Envelope;
 use postbox_testkit::servers::{ensure_database, mysql_url, postgres_url, scratch_table};
 
+use crate::common::{EffectRow, Tx};
+
 fn message(event_id: &str, aggregate: Option<(&str, i64)>) -> Message {
     Message {
         envelope: Envelope {
@@ -25,35 +27,18 @@ fn message(event_id: &str, aggregate: Option<(&str, i64)>) -> Message {
     }
 }
 
+/// Takes aggregate `a`'s row of group `g` in `versions` for update.
+fn lock_aggregate_a(versions: &str) -> String {
+    format!(
+        "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
+    )
+}
+
 /// Generates the same cases for one database.
 macro_rules! inbox_cases {
-    ($module:ident, $db:ty, $insert:literal, $setup:expr) => {
+    ($module:ident, $db:ty, $setup:expr) => {
         mod $module {
             use super::*;
-
-            struct Effect {
-                table: String,
-                fail: bool,
-            }
-
-            #[async_trait]
-            impl TxHandler<$db> for Effect {
-                async fn handle(
-                    &self,
-                    tx: &mut sqlx::Transaction<'static, $db>,
-                    m: &Message,
-                ) -> Result<(), HandlerError> {
-                    sqlx::query(&format!($insert, self.table))
-                        .bind(m.event_id())
-                        .execute(&mut **tx)
-                        .await
-                        .map_err(HandlerError::new)?;
-                    if self.fail {
-                        return Err(HandlerError::new("downstream said no"));
-                    }
-                    Ok(())
-                }
-            }
 
             async fn count(inbox: &Inbox<$db>, table: &str) -> i64 {
                 sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}"))
@@ -76,13 +61,10 @@ macro_rules! inbox_cases {
                 .execute(inbox.pool())
                 .await
                 .unwrap();
-                let ok = Effect {
-                    table: effect.clone(),
-                    fail: false,
-                };
-                let failing = Effect {
-                    table: effect.clone(),
+                let ok = EffectRow::new(effect.clone());
+                let failing = EffectRow {
                     fail: true,
+                    ..EffectRow::new(effect.clone())
                 };
 
                 // A failing handler rolls back its write and the inbox row.
@@ -135,38 +117,22 @@ macro_rules! inbox_cases {
     };
 }
 
-inbox_cases!(
-    postgres,
-    sqlx::Postgres,
-    "INSERT INTO {} (event_id) VALUES ($1)",
-    async {
-        let url = postgres_url();
-        ensure_database("postgres", &url).await;
-        (url, None)
-    }
-);
+inbox_cases!(postgres, sqlx::Postgres, server("postgres", postgres_url()));
+inbox_cases!(mariadb, sqlx::MySql, server("mysql", mysql_url()));
+inbox_cases!(sqlite, sqlx::Sqlite, sqlite_file());
 
-inbox_cases!(
-    mariadb,
-    sqlx::MySql,
-    "INSERT INTO {} (event_id) VALUES (?)",
-    async {
-        let url = mysql_url();
-        ensure_database("mysql", &url).await;
-        (url, None)
-    }
-);
+/// The URL of database server `kind`, made sure to exist.
+async fn server(kind: &str, url: String) -> (String, Option<tempfile::TempDir>) {
+    ensure_database(kind, &url).await;
+    (url, None)
+}
 
-inbox_cases!(
-    sqlite,
-    sqlx::Sqlite,
-    "INSERT INTO {} (event_id) VALUES (?)",
-    async {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
-        (url, Some(dir))
-    }
-);
+/// The URL of a fresh SQLite file, with the directory that holds it.
+async fn sqlite_file() -> (String, Option<tempfile::TempDir>) {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    (url, Some(dir))
+}
 
 /// MariaDB/MySQL row locking of the version check (issue 10.5): forced
 /// interleavings with a third connection that holds the aggregate's row.
@@ -190,11 +156,7 @@ mod mariadb_locking {
 
     #[async_trait]
     impl TxHandler<sqlx::MySql> for Gate {
-        async fn handle(
-            &self,
-            tx: &mut sqlx::Transaction<'static, sqlx::MySql>,
-            m: &Message,
-        ) -> Result<(), HandlerError> {
+        async fn handle(&self, tx: &mut Tx<sqlx::MySql>, m: &Message) -> Result<(), HandlerError> {
             if m.event_id() == self.block_on {
                 if let Some(tx) = self.entered.lock().await.take() {
                     let _ = tx.send(());
@@ -203,15 +165,7 @@ mod mariadb_locking {
                     let _ = rx.await;
                 }
             }
-            sqlx::query(&format!(
-                "INSERT INTO {} (event_id) VALUES (?)",
-                self.effect
-            ))
-            .bind(m.event_id())
-            .execute(&mut **tx)
-            .await
-            .map_err(HandlerError::new)?;
-            Ok(())
+            TxHandler::<sqlx::MySql>::handle(&EffectRow::new(&self.effect), tx, m).await
         }
     }
 
@@ -343,12 +297,10 @@ mod mariadb_locking {
         let mut holder = MySqlConnection::connect(&s.url).await.unwrap();
         let mut watcher = MySqlConnection::connect(&s.url).await.unwrap();
         sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-        sqlx::query(&format!(
-            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
-        ))
-        .fetch_all(&mut holder)
-        .await
-        .unwrap();
+        sqlx::query(&lock_aggregate_a(&versions))
+            .fetch_all(&mut holder)
+            .await
+            .unwrap();
 
         let (gate, entered, release) = gate(&s.effect, "e1");
         let gate = Arc::new(gate);
@@ -424,12 +376,10 @@ mod mariadb_locking {
         .execute(&mut holder)
         .await
         .unwrap();
-        sqlx::query(&format!(
-            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
-        ))
-        .fetch_all(&mut holder)
-        .await
-        .unwrap();
+        sqlx::query(&lock_aggregate_a(&versions))
+            .fetch_all(&mut holder)
+            .await
+            .unwrap();
 
         let (gate, _entered, _release) = gate(&s.effect, "none");
         let inbox = s.inbox.clone();
@@ -478,24 +428,6 @@ mod postgres_locking {
 
     use super::*;
 
-    struct Effect(String);
-
-    #[async_trait]
-    impl TxHandler<sqlx::Postgres> for Effect {
-        async fn handle(
-            &self,
-            tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-            m: &Message,
-        ) -> Result<(), HandlerError> {
-            sqlx::query(&format!("INSERT INTO {} (event_id) VALUES ($1)", self.0))
-                .bind(m.event_id())
-                .execute(&mut **tx)
-                .await
-                .map_err(HandlerError::new)?;
-            Ok(())
-        }
-    }
-
     async fn wait_for_waiters(c: &mut PgConnection, table: &str, n: i64) {
         let start = Instant::now();
         loop {
@@ -533,7 +465,7 @@ mod postgres_locking {
             .execute(inbox.pool())
             .await
             .unwrap();
-        let handler = std::sync::Arc::new(Effect(effect.clone()));
+        let handler = std::sync::Arc::new(EffectRow::new(effect.clone()));
         let seed = message("e0", Some(("a", 0)));
         assert_eq!(
             inbox.process("g", &seed, &*handler).await.unwrap(),
@@ -542,12 +474,10 @@ mod postgres_locking {
         let mut holder = PgConnection::connect(&url).await.unwrap();
         let mut watcher = PgConnection::connect(&url).await.unwrap();
         sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-        sqlx::query(&format!(
-            "SELECT aggregate_version FROM {versions} WHERE consumer_group = 'g' AND aggregate_id = 'a' FOR UPDATE"
-        ))
-        .fetch_all(&mut holder)
-        .await
-        .unwrap();
+        sqlx::query(&lock_aggregate_a(&versions))
+            .fetch_all(&mut holder)
+            .await
+            .unwrap();
         let spawn = |id: &'static str, v: i64| {
             let (inbox, h) = (inbox.clone(), handler.clone());
             tokio::spawn(async move { inbox.process("g", &message(id, Some(("a", v))), &*h).await })

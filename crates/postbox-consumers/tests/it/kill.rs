@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use postbox_consumers::inbox::{Inbox, InboxHandler, TxHandler};
+use postbox_consumers::inbox::{Inbox, InboxHandler};
 use postbox_consumers::rabbitmq::RabbitMqConsumer;
 use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
@@ -29,29 +29,6 @@ use common::*;
 
 const EVENTS: usize = 200;
 const KILL_AT: [&str; 4] = ["ev-20", "ev-60", "ev-110", "ev-170"];
-
-struct Effect {
-    table: String,
-}
-
-#[async_trait]
-impl TxHandler<sqlx::Postgres> for Effect {
-    async fn handle(
-        &self,
-        tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
-        sqlx::query(&format!(
-            "INSERT INTO {} (event_id) VALUES ($1)",
-            self.table
-        ))
-        .bind(m.event_id())
-        .execute(&mut **tx)
-        .await
-        .map_err(HandlerError::new)?;
-        Ok(())
-    }
-}
 
 /// Reports every outcome on stdout and holds the chosen events after their
 /// commit, before the ack.
@@ -84,13 +61,7 @@ async fn child_consumer() {
         .await
         .unwrap();
     let handler = Reporting {
-        inner: InboxHandler::new(
-            inbox,
-            "kill-test",
-            Effect {
-                table: var("KILL_EFFECT"),
-            },
-        ),
+        inner: InboxHandler::new(inbox, "kill-test", EffectRow::new(var("KILL_EFFECT"))),
         hold: var("KILL_AT").split(',').map(str::to_owned).collect(),
     };
     let consumer =

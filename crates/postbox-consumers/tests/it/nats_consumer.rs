@@ -9,13 +9,12 @@ use std::time::Duration;
 use async_nats::jetstream::{self, stream};
 use async_nats::HeaderMap;
 use async_trait::async_trait;
-use nats_redis_suite::{Broker, DeadCopy, TestEvent, Unacked};
+use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Unacked};
 use postbox_consumers::nats::{dead_stream, NatsConsumer};
-use postbox_consumers::rabbitmq::ConsumeReport;
 use postbox_consumers::Handler;
 use postbox_core::config::ConsumerConfig;
+use postbox_core::envelope::Envelope;
 use postbox_testkit::servers::{how_to_start, nats_url};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 struct NatsBroker {
@@ -72,7 +71,7 @@ async fn drop_stale_streams(js: &jetstream::Context) {
 #[async_trait]
 impl Broker for NatsBroker {
     fn config(&self, group: &str, overrides: serde_json::Value) -> ConsumerConfig {
-        let mut c = serde_json::json!({
+        let settings = serde_json::json!({
             "kind": "nats",
             "url": nats_url(),
             "stream": self.stream,
@@ -81,15 +80,12 @@ impl Broker for NatsBroker {
             "declare": true,
             "retry_delay": "300ms",
         });
-        for (k, v) in overrides.as_object().unwrap() {
-            c[k] = v.clone();
-        }
-        serde_json::from_value(c).unwrap()
+        config_with(settings, overrides)
     }
 
     /// Exactly the headers of postbox's NATS publisher, on
     /// `<prefix>.<app_code>.<event_type>`.
-    async fn publish(&self, e: &TestEvent) {
+    async fn publish(&self, e: &Envelope) {
         let mut h = HeaderMap::new();
         for (k, v) in &e.headers {
             h.insert(
@@ -118,7 +114,7 @@ impl Broker for NatsBroker {
         let subject = format!("{}.{}.{}", self.prefix, e.app_code, e.event_type);
         let ack = self
             .js
-            .publish_with_headers(subject, h, e.payload.clone().into())
+            .publish_with_headers(subject, h, e.payload.get().to_owned().into())
             .await
             .unwrap()
             .await
@@ -163,7 +159,7 @@ impl Broker for NatsBroker {
         handler: Arc<dyn Handler>,
         tag: &str,
         cancel: CancellationToken,
-    ) -> JoinHandle<Result<ConsumeReport, postbox_core::Error>> {
+    ) -> ConsumerTask {
         let consumer = NatsConsumer::new(config, handler).unwrap().with_tag(tag);
         tokio::spawn(async move { consumer.run(cancel).await })
     }
@@ -210,22 +206,15 @@ async fn declare_creates_a_missing_stream() {
         "a",
         cancel.clone(),
     );
-    let start = std::time::Instant::now();
-    while b.js.get_stream(&name).await.is_err()
-        || b.js
-            .get_stream(&name)
-            .await
-            .unwrap()
-            .consumer_info("fresh")
-            .await
-            .is_err()
-    {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "declare created nothing"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    crate::common::wait_until(
+        "declare to create the stream and its durable consumer",
+        Duration::from_secs(10),
+        async || match b.js.get_stream(&name).await {
+            Ok(stream) => stream.consumer_info("fresh").await.is_ok(),
+            Err(_) => false,
+        },
+    )
+    .await;
     cancel.cancel();
     task.await.unwrap().unwrap();
     let consumer =
@@ -248,13 +237,42 @@ async fn declare_creates_a_missing_stream() {
     b.cleanup().await;
 }
 
+/// Publishes `events`, then runs a consumer of `group` that fails every
+/// attempt at the first one's id, dead after two attempts, until each event
+/// was tried twice.
+async fn fail_twice(
+    b: &NatsBroker,
+    group: &str,
+    events: &[&Envelope],
+) -> (nats_redis_suite::Calls, CancellationToken, ConsumerTask) {
+    for e in events {
+        b.publish(e).await;
+    }
+    let calls = nats_redis_suite::Calls::default();
+    let config = b.config(
+        group,
+        serde_json::json!({ "max_attempts": 2, "retry_delay": "100ms", "max_retry_delay": "200ms" }),
+    );
+    let cancel = CancellationToken::new();
+    let handler = nats_redis_suite::poisoned(&calls, events[0]);
+    let task = b.spawn(config, handler, "a", cancel.clone());
+    let attempts = 2 * events.len();
+    nats_redis_suite::wait_until(
+        Duration::from_secs(10),
+        &format!("{attempts} failed attempts"),
+        || calls.lock().unwrap().len() == attempts,
+    )
+    .await;
+    (calls, cancel, task)
+}
+
 /// Issue 10.6: while the dead stream refuses writes (full, `discard = new`)
 /// for much longer than the old `max_deliver` margin of five redeliveries,
 /// the message is never dropped by the server: once the dead stream takes
 /// writes again the dead copy is stored and the original terminated.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_stream_refusing_writes_never_costs_the_message() {
-    use nats_redis_suite::{stop, wait_until, Calls, Recording};
+    use nats_redis_suite::{first_dead, stop};
     let b = NatsBroker::new().await;
     // The dead home, made by the test: one message and no room for more.
     let dead_home =
@@ -273,26 +291,8 @@ async fn a_dead_stream_refusing_writes_never_costs_the_message() {
         .await
         .unwrap();
     let g = nats_redis_suite::group("deadfull");
-    let poison = TestEvent::new(0);
-    b.publish(&poison).await;
-    let calls = Calls::default();
-    let handler = Arc::new(Recording {
-        who: "a".into(),
-        calls: calls.clone(),
-        work: Duration::ZERO,
-        poison: vec![poison.event_id.clone()],
-        hang: false,
-    });
-    let config = b.config(
-        &g,
-        serde_json::json!({ "max_attempts": 2, "retry_delay": "100ms", "max_retry_delay": "200ms" }),
-    );
-    let cancel = CancellationToken::new();
-    let task = b.spawn(config, handler, "a", cancel.clone());
-    wait_until(Duration::from_secs(10), "two failed attempts", || {
-        calls.lock().unwrap().len() == 2
-    })
-    .await;
+    let poison = test_event(0);
+    let (calls, cancel, task) = fail_twice(&b, &g, &[&poison]).await;
     // Well over 5 retry delays of refused dead copies.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(b.dead(&g).await.is_empty(), "the dead stream is full");
@@ -308,18 +308,13 @@ async fn a_dead_stream_refusing_writes_never_costs_the_message() {
         "the message is still the consumer's to settle: {info:?}"
     );
     dead_home.purge().await.unwrap();
-    let start = std::time::Instant::now();
-    let dead = loop {
-        let d = b.dead(&g).await;
-        if !d.is_empty() {
-            break d;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the message was dropped: no dead copy once the dead stream took writes again"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let dead = first_dead(
+        &b,
+        &g,
+        Duration::from_secs(10),
+        "the message was dropped: no dead copy once the dead stream took writes again",
+    )
+    .await;
     let report = stop(&cancel, task).await;
     assert_eq!(dead[0].event_id, poison.event_id);
     assert!(dead[0].last_error.contains("poison"), "{dead:?}");
@@ -335,32 +330,13 @@ async fn a_dead_stream_refusing_writes_never_costs_the_message() {
 /// minutes) while its original is terminated.
 #[tokio::test]
 async fn a_replayed_event_failing_again_gets_its_own_dead_copy() {
-    use nats_redis_suite::{stop, wait_until, Calls, Recording};
+    use nats_redis_suite::stop;
     let b = NatsBroker::new().await;
     let g = nats_redis_suite::group("deadreplay");
-    let poison = TestEvent::new(0);
+    let poison = test_event(0);
     let mut replay = poison.clone();
     replay.headers.insert("x-replayed".into(), "1".into());
-    b.publish(&poison).await;
-    b.publish(&replay).await;
-    let calls = Calls::default();
-    let handler = Arc::new(Recording {
-        who: "a".into(),
-        calls: calls.clone(),
-        work: Duration::ZERO,
-        poison: vec![poison.event_id.clone()],
-        hang: false,
-    });
-    let config = b.config(
-        &g,
-        serde_json::json!({ "max_attempts": 2, "retry_delay": "100ms", "max_retry_delay": "200ms" }),
-    );
-    let cancel = CancellationToken::new();
-    let task = b.spawn(config, handler, "a", cancel.clone());
-    wait_until(Duration::from_secs(10), "four failed attempts", || {
-        calls.lock().unwrap().len() == 4
-    })
-    .await;
+    let (_calls, cancel, task) = fail_twice(&b, &g, &[&poison, &replay]).await;
     let start = std::time::Instant::now();
     while b.outstanding(&g).await > 0 {
         assert!(

@@ -10,12 +10,13 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use lapin::options::{BasicAckOptions, BasicGetOptions};
 use postbox_consumers::inbox::{Inbox, InboxHandler, TxHandler};
-use postbox_consumers::rabbitmq::RabbitMqConsumer;
+use postbox_consumers::rabbitmq::{ConsumeReport, RabbitMqConsumer};
 use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_core::config::HumanDuration;
 use tokio_util::sync::CancellationToken;
 
 use common::*;
+use postbox_testkit::consumer_fixtures::rabbitmqctl_list;
 
 /// Fails every attempt at `poison`, succeeds otherwise; records when each
 /// event was seen.
@@ -40,12 +41,32 @@ impl Handler for Recording {
     }
 }
 
-async fn wait_until(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let start = Instant::now();
-    while !check().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+/// Runs `consumer` until the returned token is cancelled.
+fn start(
+    consumer: RabbitMqConsumer,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<ConsumeReport, postbox_core::Error>>,
+) {
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let stop = stop.clone();
+        async move { consumer.run(stop).await }
+    });
+    (stop, run)
+}
+
+/// A PostgreSQL inbox in a scratch table, with the table's name.
+async fn ordering_inbox() -> (Inbox<sqlx::Postgres>, String) {
+    use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
+
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let table = scratch_table("ordering_inbox");
+    let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
+        .await
+        .unwrap();
+    (inbox, table)
 }
 
 #[tokio::test]
@@ -64,11 +85,7 @@ async fn poison_lands_in_dead_after_growing_delays_while_others_flow() {
 
     let handler = Arc::new(Recording::default());
     let consumer = RabbitMqConsumer::new(config, handler.clone()).unwrap();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     wait_until(
         "the poison message in .dead",
         Duration::from_secs(20),
@@ -146,25 +163,6 @@ async fn poison_lands_in_dead_after_growing_delays_while_others_flow() {
     delete(&ch, &queue).await;
 }
 
-/// Writes one effect row per event inside the inbox transaction.
-struct Effect;
-
-#[async_trait]
-impl TxHandler<sqlx::Sqlite> for Effect {
-    async fn handle(
-        &self,
-        tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO effect (event_id) VALUES (?)")
-            .bind(m.event_id())
-            .execute(&mut **tx)
-            .await
-            .map_err(HandlerError::new)?;
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn inbox_counts_duplicates_and_skips_stale_versions() {
     let dir = tempfile::tempdir().unwrap();
@@ -184,13 +182,13 @@ async fn inbox_counts_duplicates_and_skips_stale_versions() {
     publish(&ch, &queue, "e3", Some(("room-1", 3)), "{}").await;
     publish(&ch, &queue, "x1", None, "{}").await;
 
-    let handler = Arc::new(InboxHandler::new(inbox.clone(), "console", Effect));
+    let handler = Arc::new(InboxHandler::new(
+        inbox.clone(),
+        "console",
+        EffectRow::new("effect"),
+    ));
     let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler).unwrap();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     wait_until(
         "five messages handled",
         Duration::from_secs(15),
@@ -262,11 +260,7 @@ async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
         calls: Mutex::new(0),
     });
     let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler.clone()).unwrap();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     wait_until(
         "the first message in hand",
         Duration::from_secs(10),
@@ -288,18 +282,7 @@ async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
 
 /// Closes the broker connection named `name` (this test's own, never others).
 async fn close_connection_named(name: &str) -> bool {
-    let out = tokio::process::Command::new("rabbitmqctl")
-        .args([
-            "-q",
-            "--no-table-headers",
-            "list_connections",
-            "pid",
-            "client_properties",
-        ])
-        .output()
-        .await
-        .expect("rabbitmqctl on PATH");
-    let listing = String::from_utf8_lossy(&out.stdout).to_string();
+    let listing = rabbitmqctl_list("connections", &["pid", "client_properties"]).await;
     let Some(pid) = listing
         .lines()
         .find(|l| l.contains(&format!("\"{name}\"")))
@@ -328,11 +311,7 @@ async fn reconnects_after_the_broker_drops_the_connection() {
     let handler = Arc::new(Recording::default());
     let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler.clone()).unwrap();
     let name = consumer.tag().to_owned();
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     for i in 0..5 {
         publish(&ch, &queue, &format!("r-{i}"), None, "{}").await;
     }
@@ -370,11 +349,7 @@ struct FailsFirstE1;
 
 #[async_trait]
 impl TxHandler<sqlx::Postgres> for FailsFirstE1 {
-    async fn handle(
-        &self,
-        _tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
+    async fn handle(&self, _tx: &mut Tx<sqlx::Postgres>, m: &Message) -> Result<(), HandlerError> {
         if m.event_id() == "e1" && m.attempt == 1 {
             return Err(HandlerError::new("e1 fails once"));
         }
@@ -404,19 +379,34 @@ impl<H: Handler> Handler for Outcomes<H> {
     }
 }
 
+/// A declared scratch queue holding e1 and e2 (versions 1 and 2 of
+/// `room-1`) and x (version 1 of `room-2`), published in `order`.
+async fn ordering_queue(
+    prefix: &str,
+    order: [&str; 3],
+) -> (lapin::Connection, lapin::Channel, String) {
+    let (conn, ch) = broker().await;
+    let queue = scratch_queue(prefix);
+    declare(&ch, &queue).await;
+    for event_id in order {
+        let aggregate = match event_id {
+            "e1" => ("room-1", 1),
+            "e2" => ("room-1", 2),
+            _ => ("room-2", 1),
+        };
+        publish(&ch, &queue, event_id, Some(aggregate), "{}").await;
+    }
+    (conn, ch, queue)
+}
+
 /// e1 and e2 of one aggregate, and x of another: e1 fails once.
 async fn run_ordering(
     ordering: postbox_core::config::Ordering,
     inbox: &Inbox<sqlx::Postgres>,
-) -> (Vec<String>, postbox_consumers::rabbitmq::ConsumeReport) {
+) -> (Vec<String>, ConsumeReport) {
     use postbox_consumers::ordering::Holds;
 
-    let (_conn, ch) = broker().await;
-    let queue = scratch_queue("ordering");
-    declare(&ch, &queue).await;
-    publish(&ch, &queue, "e1", Some(("room-1", 1)), "{}").await;
-    publish(&ch, &queue, "e2", Some(("room-1", 2)), "{}").await;
-    publish(&ch, &queue, "x", Some(("room-2", 1)), "{}").await;
+    let (_conn, ch, queue) = ordering_queue("ordering", ["e1", "e2", "x"]).await;
 
     let handler = Arc::new(Outcomes {
         inner: InboxHandler::new(inbox.clone(), queue.clone(), FailsFirstE1),
@@ -427,11 +417,7 @@ async fn run_ordering(
     let consumer = RabbitMqConsumer::new(config, handler.clone())
         .unwrap()
         .with_holds(Arc::new(Holds::<sqlx::Postgres>::of(inbox).await.unwrap()));
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     // Done when e1 was handled a second time (applied, or skipped as stale).
     wait_until("e1 back from retry", Duration::from_secs(15), async || {
         let log = handler.log.lock().unwrap();
@@ -452,14 +438,8 @@ async fn run_ordering(
 #[tokio::test]
 async fn per_aggregate_ordering_holds_later_events_behind_a_retry() {
     use postbox_core::config::Ordering;
-    use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
 
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let table = scratch_table("ordering_inbox");
-    let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
-        .await
-        .unwrap();
+    let (inbox, table) = ordering_inbox().await;
 
     // Without the setting: e2 overtakes e1, and e1 is skipped as stale.
     let (log, report) = run_ordering(Ordering::None, &inbox).await;
@@ -564,7 +544,8 @@ holds_case!(holds_on_sqlite, sqlx::Sqlite, async {
 
 /// e1 fails once; `x` (another aggregate) takes a while, so e2 is held back
 /// well after e1 went to retry; when e1 comes back its handler publishes e3
-/// and notes whether e2 was still waiting in `.retry` at that moment.
+/// and notes whether e2 was still waiting in `.retry` at that moment; fails
+/// `e1`'s first attempt like [`FailsFirstE1`].
 struct E3WhileE2Waits {
     ch: lapin::Channel,
     queue: String,
@@ -573,13 +554,9 @@ struct E3WhileE2Waits {
 
 #[async_trait]
 impl TxHandler<sqlx::Postgres> for E3WhileE2Waits {
-    async fn handle(
-        &self,
-        _tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
-        m: &Message,
-    ) -> Result<(), HandlerError> {
+    async fn handle(&self, tx: &mut Tx<sqlx::Postgres>, m: &Message) -> Result<(), HandlerError> {
+        FailsFirstE1.handle(tx, m).await?;
         match (m.event_id(), m.attempt) {
-            ("e1", 1) => return Err(HandlerError::new("e1 fails once")),
             ("e1", _) => {
                 publish(&self.ch, &self.queue, "e3", Some(("room-1", 3)), "{}").await;
                 let waiting = ready(&self.ch, &format!("{}.retry", self.queue)).await == 1;
@@ -596,20 +573,9 @@ impl TxHandler<sqlx::Postgres> for E3WhileE2Waits {
 async fn per_aggregate_ordering_holds_later_events_behind_a_held_back_one() {
     use postbox_consumers::ordering::Holds;
     use postbox_core::config::Ordering;
-    use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
 
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let table = scratch_table("ordering_inbox");
-    let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
-        .await
-        .unwrap();
-    let (_conn, ch) = broker().await;
-    let queue = scratch_queue("ordering_held");
-    declare(&ch, &queue).await;
-    publish(&ch, &queue, "e1", Some(("room-1", 1)), "{}").await;
-    publish(&ch, &queue, "x", Some(("room-2", 1)), "{}").await;
-    publish(&ch, &queue, "e2", Some(("room-1", 2)), "{}").await;
+    let (inbox, table) = ordering_inbox().await;
+    let (_conn, ch, queue) = ordering_queue("ordering_held", ["e1", "x", "e2"]).await;
 
     let e2_waiting = Arc::new(Mutex::new(None));
     let handler = Arc::new(Outcomes {
@@ -630,11 +596,7 @@ async fn per_aggregate_ordering_holds_later_events_behind_a_held_back_one() {
     let consumer = RabbitMqConsumer::new(config, handler.clone())
         .unwrap()
         .with_holds(Arc::new(Holds::<sqlx::Postgres>::of(&inbox).await.unwrap()));
-    let stop = CancellationToken::new();
-    let run = tokio::spawn({
-        let stop = stop.clone();
-        async move { consumer.run(stop).await }
-    });
+    let (stop, run) = start(consumer);
     wait_until("e2 and e3 handled", Duration::from_secs(20), async || {
         let log = handler.log.lock().unwrap();
         log.iter().any(|l| l.starts_with("e2:")) && log.iter().any(|l| l.starts_with("e3:"))

@@ -7,14 +7,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use nats_redis_suite::{Broker, DeadCopy, TestEvent, Unacked};
-use postbox_consumers::rabbitmq::ConsumeReport;
+use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Unacked};
 use postbox_consumers::redis::{dead_stream, RedisConsumer};
-use postbox_consumers::Handler;
+use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_core::config::ConsumerConfig;
+use postbox_core::envelope::Envelope;
 use postbox_testkit::servers::{how_to_start, redis_url};
 use redis::aio::MultiplexedConnection;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 struct RedisBroker {
@@ -62,7 +61,7 @@ async fn drop_stale_streams(conn: &MultiplexedConnection) {
 #[async_trait]
 impl Broker for RedisBroker {
     fn config(&self, group: &str, overrides: serde_json::Value) -> ConsumerConfig {
-        let mut c = serde_json::json!({
+        let settings = serde_json::json!({
             "kind": "redis",
             "url": redis_url(),
             "stream": self.stream,
@@ -70,14 +69,11 @@ impl Broker for RedisBroker {
             "declare": true,
             "retry_delay": "300ms",
         });
-        for (k, v) in overrides.as_object().unwrap() {
-            c[k] = v.clone();
-        }
-        serde_json::from_value(c).unwrap()
+        config_with(settings, overrides)
     }
 
     /// Exactly the `XADD` of postbox's Redis publisher.
-    async fn publish(&self, e: &TestEvent) {
+    async fn publish(&self, e: &Envelope) {
         let mut headers = e.headers.clone();
         headers.insert("x-attempt".into(), 1.into());
         let mut cmd = redis::cmd("XADD");
@@ -100,7 +96,7 @@ impl Broker for RedisBroker {
             .arg("headers")
             .arg(serde_json::Value::Object(headers).to_string())
             .arg("payload")
-            .arg(&e.payload);
+            .arg(e.payload.get());
         let _: String = cmd.query_async(&mut self.conn.clone()).await.unwrap();
     }
 
@@ -176,7 +172,7 @@ impl Broker for RedisBroker {
         handler: Arc<dyn Handler>,
         tag: &str,
         cancel: CancellationToken,
-    ) -> JoinHandle<Result<ConsumeReport, postbox_core::Error>> {
+    ) -> ConsumerTask {
         let consumer = RedisConsumer::new(config, handler).unwrap().with_tag(tag);
         tokio::spawn(async move { consumer.run(cancel).await })
     }
@@ -230,31 +226,34 @@ struct Blocking {
 
 #[async_trait]
 impl Handler for Blocking {
-    async fn handle(
-        &self,
-        _message: &postbox_consumers::Message,
-    ) -> Result<postbox_consumers::Handled, postbox_consumers::HandlerError> {
+    async fn handle(&self, _message: &Message) -> Result<Handled, HandlerError> {
         use std::sync::atomic::Ordering::SeqCst;
         self.calls.fetch_add(1, SeqCst);
         let now = self.running.fetch_add(1, SeqCst) + 1;
         self.most_at_once.fetch_max(now, SeqCst);
         std::thread::sleep(self.block);
         self.running.fetch_sub(1, SeqCst);
-        Ok(postbox_consumers::Handled::Ok)
+        Ok(Handled::Ok)
     }
 }
 
-/// The owner of each pending entry of `group`.
-async fn owners(b: &RedisBroker, group: &str) -> Vec<String> {
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+/// The first `count` pending entries of `group`: id, owner, idle ms and
+/// deliveries.
+async fn pending(b: &RedisBroker, group: &str, count: usize) -> Vec<(String, String, u64, u64)> {
+    redis::cmd("XPENDING")
         .arg(&b.stream)
         .arg(group)
         .arg("-")
         .arg("+")
-        .arg(10)
+        .arg(count)
         .query_async(&mut b.conn.clone())
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The owner of each pending entry of `group`.
+async fn owners(b: &RedisBroker, group: &str) -> Vec<String> {
+    let rows = pending(b, group, 10).await;
     rows.into_iter().map(|r| r.1).collect()
 }
 
@@ -276,7 +275,7 @@ async fn a_thread_blocking_handler_keeps_its_entry() {
     });
     // Published first: once the handler blocks a worker thread, the test's
     // own connection may have to wait for that thread too.
-    b.publish(&nats_redis_suite::TestEvent::new(0)).await;
+    b.publish(&test_event(0)).await;
     let config = b.config(&g, serde_json::json!({ "retry_delay": "300ms" }));
     let cancel = CancellationToken::new();
     let ta = b.spawn(config.clone(), handler.clone(), "a", cancel.clone());
@@ -313,14 +312,11 @@ struct Held {
 
 #[async_trait]
 impl Handler for Held {
-    async fn handle(
-        &self,
-        _message: &postbox_consumers::Message,
-    ) -> Result<postbox_consumers::Handled, postbox_consumers::HandlerError> {
+    async fn handle(&self, _message: &Message) -> Result<Handled, HandlerError> {
         self.entered
             .store(true, std::sync::atomic::Ordering::SeqCst);
         self.release.notified().await;
-        Ok(postbox_consumers::Handled::Ok)
+        Ok(Handled::Ok)
     }
 }
 
@@ -341,7 +337,7 @@ async fn an_entry_another_consumer_took_is_not_taken_back() {
     let config = b.config(&g, serde_json::json!({ "retry_delay": "300ms" }));
     let cancel = CancellationToken::new();
     let task = b.spawn(config, handler.clone(), "a", cancel.clone());
-    b.publish(&nats_redis_suite::TestEvent::new(0)).await;
+    b.publish(&test_event(0)).await;
     let h = handler.clone();
     nats_redis_suite::wait_until(Duration::from_secs(10), "the handler", move || {
         h.entered.load(SeqCst)
@@ -349,15 +345,7 @@ async fn an_entry_another_consumer_took_is_not_taken_back() {
     .await;
     assert_eq!(owners(&b, &g).await, ["a"]);
     // Another consumer takes the entry over (as after a stall of `a`).
-    let id: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(&b.stream)
-        .arg(&g)
-        .arg("-")
-        .arg("+")
-        .arg(1)
-        .query_async(&mut b.conn.clone())
-        .await
-        .unwrap();
+    let id = pending(&b, &g, 1).await;
     let _: redis::Value = redis::cmd("XCLAIM")
         .arg(&b.stream)
         .arg(&g)

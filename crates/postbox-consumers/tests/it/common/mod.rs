@@ -1,27 +1,19 @@
 //! Shared helpers of the consumer tests: a RabbitMQ connection, scratch
-//! queues, publishing events the way the relay does, and a consumer config.
+//! queues, publishing events the way the relay does, a consumer config, and
+//! the effect an inbox handler writes.
 #![allow(dead_code)]
 
-use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use async_trait::async_trait;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::Channel;
+use postbox_consumers::inbox::TxHandler;
+use postbox_consumers::{HandlerError, Message};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, HumanDuration};
 use postbox_core::redact::SecretUrl;
-use postbox_testkit::servers::{amqp_url, how_to_start, scratch_name};
-
-/// A connection and a confirming channel for the test's own publishing.
-pub async fn broker() -> (Connection, Channel) {
-    let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("rabbitmq")));
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    (conn, ch)
-}
+pub use postbox_testkit::consumer_fixtures::{broker, wait_until};
+use postbox_testkit::consumer_fixtures::{delete_queues, AmqpEvent};
+use postbox_testkit::servers::{amqp_url, scratch_name};
 
 /// A queue name no other test uses.
 pub fn scratch_queue(prefix: &str) -> String {
@@ -68,33 +60,16 @@ pub async fn publish(
     aggregate: Option<(&str, i64)>,
     payload: &str,
 ) {
-    let mut h = FieldTable::default();
-    h.insert("x-attempt".into(), AMQPValue::LongLongInt(1));
-    h.insert(
-        "x-created-at-ms".into(),
-        AMQPValue::LongLongInt(postbox_core::time::now_ms()),
-    );
-    if let Some((id, v)) = aggregate {
-        h.insert("x-aggregate-id".into(), AMQPValue::LongString(id.into()));
-        h.insert("x-aggregate-version".into(), AMQPValue::LongLongInt(v));
+    AmqpEvent {
+        event_id,
+        event_type: "TestEvent",
+        app_code: "test",
+        created_at_ms: postbox_core::time::now_ms(),
+        aggregate_id: aggregate.map(|a| a.0),
+        aggregate_version: aggregate.map(|a| a.1),
     }
-    let props = BasicProperties::default()
-        .with_message_id(event_id.into())
-        .with_type("TestEvent".into())
-        .with_app_id("test".into())
-        .with_delivery_mode(2)
-        .with_headers(h);
-    ch.basic_publish(
-        "".into(),
-        queue.into(),
-        BasicPublishOptions::default(),
-        payload.as_bytes(),
-        props,
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    .publish(ch, queue, payload)
+    .await;
 }
 
 /// Messages ready in `queue`.
@@ -114,13 +89,54 @@ pub async fn ready(ch: &Channel, queue: &str) -> u32 {
 
 /// Deletes `queue` and its twins.
 pub async fn delete(ch: &Channel, queue: &str) {
-    for q in [
-        queue.to_owned(),
-        format!("{queue}.retry"),
-        format!("{queue}.dead"),
-    ] {
-        let _ = ch
-            .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
-            .await;
+    delete_queues(ch, queue).await;
+}
+
+/// The inbox transaction a [`TxHandler`] on database `DB` writes through.
+pub type Tx<DB> = sqlx::Transaction<'static, DB>;
+
+/// The effect of an inbox handler: writes the event id to `table` inside the
+/// inbox transaction, then fails if `fail` (the rollback must undo the write).
+pub struct EffectRow {
+    pub table: String,
+    pub fail: bool,
+}
+
+impl EffectRow {
+    /// An effect that succeeds.
+    pub fn new(table: impl Into<String>) -> Self {
+        EffectRow {
+            table: table.into(),
+            fail: false,
+        }
     }
 }
+
+/// [`EffectRow`] on database `$db`, whose first bind parameter is
+/// `$placeholder`.
+macro_rules! effect_row {
+    ($db:ty, $placeholder:literal) => {
+        #[async_trait]
+        impl TxHandler<$db> for EffectRow {
+            async fn handle(&self, tx: &mut Tx<$db>, m: &Message) -> Result<(), HandlerError> {
+                let insert = format!(
+                    concat!("INSERT INTO {} (event_id) VALUES (", $placeholder, ")"),
+                    self.table
+                );
+                sqlx::query(&insert)
+                    .bind(m.event_id())
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(HandlerError::new)?;
+                if self.fail {
+                    return Err(HandlerError::new("downstream said no"));
+                }
+                Ok(())
+            }
+        }
+    };
+}
+
+effect_row!(sqlx::Postgres, "$1");
+effect_row!(sqlx::MySql, "?");
+effect_row!(sqlx::Sqlite, "?");

@@ -15,51 +15,45 @@ use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_core::config::ConsumerConfig;
 use postbox_core::envelope::Envelope;
 use tokio::task::JoinHandle;
+
+use crate::common::EffectRow;
 use tokio_util::sync::CancellationToken;
 
-/// One event as a test publishes it.
-#[derive(Debug, Clone)]
-pub struct TestEvent {
-    pub event_id: String,
-    pub event_type: String,
-    pub app_code: String,
-    pub aggregate_id: Option<String>,
-    pub aggregate_version: Option<i64>,
-    pub created_at_ms: i64,
-    pub headers: serde_json::Map<String, serde_json::Value>,
-    pub payload: String,
+/// Event `n` as a test publishes it, read from its SPEC §4 envelope: also
+/// the envelope a consumer must hand over (the publishers add `x-attempt` =
+/// 1 to the headers).
+pub fn test_event(n: usize) -> Envelope {
+    let envelope = serde_json::json!({
+        "event_id": format!("{}-{n}", uuid::Uuid::now_v7()),
+        "app_code": "room",
+        "event_type": "RoomCreated",
+        "aggregate_id": format!("room-{n}"),
+        "aggregate_version": n as i64 + 1,
+        "created_at_ms": 1_700_000_000_000 + n as i64,
+        "headers": { "tenant": "acme" },
+        "payload": { "n": n },
+    });
+    serde_json::from_str(&envelope.to_string()).unwrap()
 }
 
-impl TestEvent {
-    pub fn new(n: usize) -> Self {
-        let mut headers = serde_json::Map::new();
-        headers.insert("tenant".into(), "acme".into());
-        TestEvent {
-            event_id: format!("{}-{n}", uuid::Uuid::now_v7()),
-            event_type: "RoomCreated".into(),
-            app_code: "room".into(),
-            aggregate_id: Some(format!("room-{n}")),
-            aggregate_version: Some(n as i64 + 1),
-            created_at_ms: 1_700_000_000_000 + n as i64,
-            headers,
-            payload: format!(r#"{{"n":{n}}}"#),
-        }
+/// Publishes [`test_event`] `n` for each `n` of `numbers`; returns them.
+pub async fn publish_events(b: &dyn Broker, numbers: std::ops::Range<usize>) -> Vec<Envelope> {
+    let events: Vec<Envelope> = numbers.map(test_event).collect();
+    for e in &events {
+        b.publish(e).await;
     }
+    events
+}
 
-    /// The envelope a consumer must hand over (the publishers add
-    /// `x-attempt` = 1 to the headers).
-    pub fn envelope(&self) -> Envelope {
-        Envelope {
-            event_id: self.event_id.clone(),
-            app_code: self.app_code.clone(),
-            event_type: self.event_type.clone(),
-            aggregate_id: self.aggregate_id.clone(),
-            aggregate_version: self.aggregate_version,
-            created_at_ms: self.created_at_ms,
-            headers: self.headers.clone(),
-            payload: Envelope::payload_of(&self.payload),
-        }
+/// A consumer entry: the broker's `settings`, with `overrides` set over them.
+pub fn config_with(
+    mut settings: serde_json::Value,
+    overrides: serde_json::Value,
+) -> ConsumerConfig {
+    for (k, v) in overrides.as_object().unwrap() {
+        settings[k] = v.clone();
     }
+    serde_json::from_value(settings).unwrap()
 }
 
 /// What the server says about unacknowledged messages of a group.
@@ -77,13 +71,16 @@ pub struct DeadCopy {
     pub last_error: String,
 }
 
+/// A running consumer.
+pub type ConsumerTask = JoinHandle<Result<ConsumeReport, postbox_core::Error>>;
+
 /// One broker's scratch set-up.
 #[async_trait]
 pub trait Broker: Send + Sync + 'static {
     /// A consumer entry for `group` on this scratch stream.
     fn config(&self, group: &str, overrides: serde_json::Value) -> ConsumerConfig;
     /// Publishes `e` exactly as the postbox publisher does.
-    async fn publish(&self, e: &TestEvent);
+    async fn publish(&self, e: &Envelope);
     /// Unacknowledged messages of `group`.
     async fn unacked(&self, group: &str) -> Unacked;
     /// Messages of `group` not yet delivered or not yet acknowledged.
@@ -97,7 +94,7 @@ pub trait Broker: Send + Sync + 'static {
         handler: Arc<dyn Handler>,
         tag: &str,
         cancel: CancellationToken,
-    ) -> JoinHandle<Result<ConsumeReport, postbox_core::Error>>;
+    ) -> ConsumerTask;
     /// Removes the scratch streams.
     async fn cleanup(&self);
 }
@@ -143,26 +140,48 @@ impl Handler for Recording {
     }
 }
 
+impl Recording {
+    /// Records as `who`, taking `work` for each message.
+    pub fn new(who: &str, calls: &Calls, work: Duration) -> Self {
+        Recording {
+            who: who.into(),
+            calls: calls.clone(),
+            work,
+            poison: Vec::new(),
+            hang: false,
+        }
+    }
+}
+
 pub fn recording(who: &str, calls: &Calls, work: Duration) -> Arc<dyn Handler> {
+    Arc::new(Recording::new(who, calls, work))
+}
+
+/// Records as `a` and fails every attempt at `poison`.
+pub fn poisoned(calls: &Calls, poison: &Envelope) -> Arc<dyn Handler> {
     Arc::new(Recording {
-        who: who.into(),
-        calls: calls.clone(),
-        work,
-        poison: Vec::new(),
-        hang: false,
+        poison: vec![poison.event_id.clone()],
+        ..Recording::new("a", calls, Duration::ZERO)
     })
+}
+
+/// Polls the dead copies of `group` until there is one, panicking with
+/// `what` after `limit`.
+pub async fn first_dead(b: &dyn Broker, group: &str, limit: Duration, what: &str) -> Vec<DeadCopy> {
+    let start = Instant::now();
+    loop {
+        let d = b.dead(group).await;
+        if !d.is_empty() {
+            return d;
+        }
+        assert!(start.elapsed() < limit, "{what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Waits until `done` holds, panicking with `what` after `limit`.
 pub async fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(
-            start.elapsed() < limit,
-            "timed out after {limit:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    crate::common::wait_until(what, limit, async || done()).await;
 }
 
 pub fn group(prefix: &str) -> String {
@@ -170,10 +189,7 @@ pub fn group(prefix: &str) -> String {
     format!("{prefix}_{}_{}", std::process::id(), &r[r.len() - 6..])
 }
 
-pub async fn stop(
-    cancel: &CancellationToken,
-    task: JoinHandle<Result<ConsumeReport, postbox_core::Error>>,
-) -> ConsumeReport {
+pub async fn stop(cancel: &CancellationToken, task: ConsumerTask) -> ConsumeReport {
     cancel.cancel();
     tokio::time::timeout(Duration::from_secs(10), task)
         .await
@@ -185,10 +201,7 @@ pub async fn stop(
 /// (1) N messages reach the handler with the right envelope and are acked.
 pub async fn delivers_every_message_with_its_envelope(b: &dyn Broker) {
     let g = group("all");
-    let events: Vec<TestEvent> = (0..20).map(TestEvent::new).collect();
-    for e in &events {
-        b.publish(e).await;
-    }
+    let events = publish_events(b, 0..20).await;
     let calls = Calls::default();
     let cancel = CancellationToken::new();
     let task = b.spawn(
@@ -211,7 +224,7 @@ pub async fn delivers_every_message_with_its_envelope(b: &dyn Broker) {
         .collect();
     for e in &events {
         let m = by_id.get(e.event_id.as_str()).expect("every event arrives");
-        let mut want = e.envelope();
+        let mut want = e.clone();
         want.headers
             .insert("x-attempt".into(), m.envelope.headers["x-attempt"].clone());
         assert_eq!(m.envelope, want);
@@ -231,9 +244,7 @@ pub async fn delivers_every_message_with_its_envelope(b: &dyn Broker) {
 pub async fn two_consumers_share_the_work_one_unacked_each(b: &dyn Broker) {
     let g = group("share");
     let n = 60;
-    for i in 0..n {
-        b.publish(&TestEvent::new(i)).await;
-    }
+    publish_events(b, 0..n).await;
     let calls = Calls::default();
     let cancel = CancellationToken::new();
     let config = b.config(&g, serde_json::json!({ "prefetch": 1 }));
@@ -285,38 +296,17 @@ pub async fn two_consumers_share_the_work_one_unacked_each(b: &dyn Broker) {
 /// flow, then lands in the dead letters with its last error.
 pub async fn poison_goes_dead_after_growing_delays(b: &dyn Broker) {
     let g = group("poison");
-    let poison = TestEvent::new(0);
+    let poison = test_event(0);
     b.publish(&poison).await;
-    let good: Vec<TestEvent> = (1..11).map(TestEvent::new).collect();
-    for e in &good {
-        b.publish(e).await;
-    }
+    let good = publish_events(b, 1..11).await;
     let calls = Calls::default();
     let cancel = CancellationToken::new();
-    let handler = Arc::new(Recording {
-        who: "a".into(),
-        calls: calls.clone(),
-        work: Duration::ZERO,
-        poison: vec![poison.event_id.clone()],
-        hang: false,
-    });
     let config = b.config(
         &g,
         serde_json::json!({ "max_attempts": 4, "retry_delay": "200ms", "max_retry_delay": "2s" }),
     );
-    let task = b.spawn(config, handler, "a", cancel.clone());
-    let start = Instant::now();
-    let dead = loop {
-        let d = b.dead(&g).await;
-        if !d.is_empty() {
-            break d;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "no dead copy after 20 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let task = b.spawn(config, poisoned(&calls, &poison), "a", cancel.clone());
+    let dead = first_dead(b, &g, Duration::from_secs(20), "no dead copy after 20 s").await;
     let report = stop(&cancel, task).await;
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].event_id, poison.event_id);
@@ -375,16 +365,13 @@ pub async fn poison_goes_dead_after_growing_delays(b: &dyn Broker) {
 /// (4) A consumer that dies mid-message: the message goes to the other.
 pub async fn a_killed_consumers_message_is_redelivered(b: &dyn Broker, extra: serde_json::Value) {
     let g = group("kill");
-    let e = TestEvent::new(0);
+    let e = test_event(0);
     b.publish(&e).await;
     let calls = Calls::default();
     let config = b.config(&g, extra);
     let hang = Arc::new(Recording {
-        who: "doomed".into(),
-        calls: calls.clone(),
-        work: Duration::ZERO,
-        poison: Vec::new(),
         hang: true,
+        ..Recording::new("doomed", &calls, Duration::ZERO)
     });
     let doomed_cancel = CancellationToken::new();
     let doomed = b.spawn(config.clone(), hang, &format!("{g}-doomed"), doomed_cancel);
@@ -425,9 +412,7 @@ pub async fn a_killed_consumers_message_is_redelivered(b: &dyn Broker, extra: se
 /// finishes it, acks it and returns without taking another.
 pub async fn shutdown_finishes_the_message_in_hand(b: &dyn Broker) {
     let g = group("stop");
-    for i in 0..3 {
-        b.publish(&TestEvent::new(i)).await;
-    }
+    publish_events(b, 0..3).await;
     let calls = Calls::default();
     let cancel = CancellationToken::new();
     let task = b.spawn(
@@ -459,25 +444,6 @@ pub async fn shutdown_finishes_the_message_in_hand(b: &dyn Broker) {
     );
 }
 
-/// An effect table written in the inbox transaction.
-struct Effects;
-
-#[async_trait]
-impl postbox_consumers::inbox::TxHandler<sqlx::Sqlite> for Effects {
-    async fn handle(
-        &self,
-        tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>,
-        message: &Message,
-    ) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO effects (event_id) VALUES (?)")
-            .bind(message.event_id())
-            .execute(&mut **tx)
-            .await
-            .map_err(HandlerError::new)?;
-        Ok(())
-    }
-}
-
 /// (5) With the inbox, a duplicate is counted `duplicate` and an older
 /// version `stale`; each effect happens once.
 pub async fn inbox_counts_duplicates_and_stale_versions(b: &dyn Broker) {
@@ -496,20 +462,24 @@ pub async fn inbox_counts_duplicates_and_stale_versions(b: &dyn Broker) {
         .await
         .unwrap();
     let pool = inbox.pool().clone();
-    let mut v1 = TestEvent::new(1);
+    let mut v1 = test_event(1);
     v1.aggregate_id = Some("room-x".into());
     v1.aggregate_version = Some(1);
-    let mut v2 = TestEvent::new(2);
+    let mut v2 = test_event(2);
     v2.aggregate_id = Some("room-x".into());
     v2.aggregate_version = Some(2);
-    let mut old = TestEvent::new(3);
+    let mut old = test_event(3);
     old.aggregate_id = Some("room-x".into());
     old.aggregate_version = Some(1);
     b.publish(&v1).await;
     b.publish(&v2).await;
     b.publish(&v1).await; // a redelivered or republished copy
     b.publish(&old).await;
-    let handler = Arc::new(InboxHandler::new(inbox, g.clone(), Effects));
+    let handler = Arc::new(InboxHandler::new(
+        inbox,
+        g.clone(),
+        EffectRow::new("effects"),
+    ));
     let cancel = CancellationToken::new();
     let task = b.spawn(
         b.config(&g, serde_json::json!({})),
@@ -545,46 +515,24 @@ pub async fn inbox_counts_duplicates_and_stale_versions(b: &dyn Broker) {
 #[macro_export]
 macro_rules! stream_consumer_suite {
     ($new:expr, kill_config = $kill:expr) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn delivers_every_message_with_its_envelope() {
-            let b = $new.await;
-            nats_redis_suite::delivers_every_message_with_its_envelope(&b).await;
-            b.cleanup().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn two_consumers_share_the_work_one_unacked_each() {
-            let b = $new.await;
-            nats_redis_suite::two_consumers_share_the_work_one_unacked_each(&b).await;
-            b.cleanup().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn poison_goes_dead_after_growing_delays() {
-            let b = $new.await;
-            nats_redis_suite::poison_goes_dead_after_growing_delays(&b).await;
-            b.cleanup().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn a_killed_consumers_message_is_redelivered() {
-            let b = $new.await;
-            nats_redis_suite::a_killed_consumers_message_is_redelivered(&b, $kill).await;
-            b.cleanup().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn shutdown_finishes_the_message_in_hand() {
-            let b = $new.await;
-            nats_redis_suite::shutdown_finishes_the_message_in_hand(&b).await;
-            b.cleanup().await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn inbox_counts_duplicates_and_stale_versions() {
-            let b = $new.await;
-            nats_redis_suite::inbox_counts_duplicates_and_stale_versions(&b).await;
-            b.cleanup().await;
-        }
+        stream_consumer_suite!(
+            $new;
+            delivers_every_message_with_its_envelope(),
+            two_consumers_share_the_work_one_unacked_each(),
+            poison_goes_dead_after_growing_delays(),
+            a_killed_consumers_message_is_redelivered($kill),
+            shutdown_finishes_the_message_in_hand(),
+            inbox_counts_duplicates_and_stale_versions()
+        );
+    };
+    ($new:expr; $($case:ident($($arg:expr)?)),+) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $case() {
+                let b = $new.await;
+                nats_redis_suite::$case(&b $(, $arg)?).await;
+                b.cleanup().await;
+            }
+        )+
     };
 }
