@@ -10,7 +10,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use postbox_core::config::{ConsumerConfig, ConsumerKind};
-use postbox_core::Error;
+use postbox_core::{BoxFuture, Error};
 use tokio_util::sync::CancellationToken;
 
 use super::message::{dead_headers, message_from_nats};
@@ -67,8 +67,8 @@ impl NatsConsumer {
     /// not started (nak without delay) and returns. A broken connection is
     /// re-established with a growing pause (0.5 s to 30 s); messages it held
     /// unacknowledged come back after `ack_wait`.
-    pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
-        run_sessions(self, shutdown).await
+    pub fn run(&self, shutdown: CancellationToken) -> BoxFuture<'_, Result<ConsumeReport, Error>> {
+        Box::pin(run_sessions(self, shutdown))
     }
 
     /// Pulls `prefetch` messages at a time and settles each before pulling

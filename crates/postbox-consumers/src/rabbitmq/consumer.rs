@@ -14,7 +14,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, Ordering};
-use postbox_core::Error;
+use postbox_core::{BoxFuture, Error};
 use tokio_util::sync::CancellationToken;
 
 use super::message::{copy_properties, delivery_count, message_from_delivery};
@@ -59,14 +59,14 @@ impl RabbitMqConsumer {
     /// finishes (and acknowledges) the one in hand and returns. A broken
     /// connection is re-established with a growing pause (0.5 s to 30 s);
     /// messages it held unacknowledged are redelivered by the broker.
-    pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
+    pub fn run(&self, shutdown: CancellationToken) -> BoxFuture<'_, Result<ConsumeReport, Error>> {
         if self.core.config.ordering == Ordering::PerAggregate && self.holds.is_none() {
-            return Err(Error::config(
+            return Box::pin(std::future::ready(Err(Error::config(
                 "ordering",
                 "`per_aggregate` needs the holds of an inbox: call with_holds(Holds::of(&inbox))",
-            ));
+            ))));
         }
-        run_sessions(self, shutdown).await
+        Box::pin(run_sessions(self, shutdown))
     }
 
     /// Handles one delivery to the end: acked, or copied and then acked. An

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use postbox_core::config::{ConsumerConfig, ConsumerKind};
-use postbox_core::Error;
+use postbox_core::{BoxFuture, Error};
 use redis::aio::ConnectionManager;
 use redis::streams::{StreamId, StreamRangeReply, StreamReadReply};
 use redis::RedisError;
@@ -89,8 +89,8 @@ impl RedisConsumer {
     /// entries in hand and returns. A broken connection is re-established
     /// with a growing pause (0.5 s to 30 s); entries left pending are claimed
     /// again once idle for the retry delay.
-    pub async fn run(&self, shutdown: CancellationToken) -> Result<ConsumeReport, Error> {
-        run_sessions(self, shutdown).await
+    pub fn run(&self, shutdown: CancellationToken) -> BoxFuture<'_, Result<ConsumeReport, Error>> {
+        Box::pin(run_sessions(self, shutdown))
     }
 
     fn block(&self) -> Duration {
