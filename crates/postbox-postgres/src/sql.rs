@@ -5,7 +5,7 @@
 //! as parameters, id lists as one array (`= ANY($n)`). Each statement names
 //! the index it relies on.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert};
+use postbox_sqlx::{claim_in_retry_order, columns, head_of_aggregate, history_insert};
 
 /// The database clock in epoch milliseconds, fixed for one statement.
 macro_rules! now_ms {
@@ -33,92 +33,69 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
      ON CONFLICT (app_code, event_id) DO NOTHING \
      RETURNING id";
 
+/// The claims, in the order `ClaimStatements::render` takes them.
+pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
+
+/// One claim: up to $2 rows of tenant $1 that `$pick` selects, in the
+/// order `$order`, locked `FOR UPDATE SKIP LOCKED` (rows another relay
+/// holds are skipped), get `$set` and the lease (worker $3, until now +
+/// $4) and come back. Pending and due rows
+/// (`postbox_sqlx::claim_in_retry_order!`) become `delivering`.
+macro_rules! claim {
+    ($from:literal, $pick:expr, $order:literal) => {
+        claim!($from, $pick, $order, "status = 'delivering', ")
+    };
+    ($from:literal, $pick:expr, $order:literal, $set:literal) => {
+        concat!(
+            "WITH picked AS (SELECT id FROM ",
+            $from,
+            " WHERE app_code = $1 AND ",
+            $pick,
+            " ORDER BY ",
+            $order,
+            " LIMIT $2 FOR UPDATE SKIP LOCKED) \
+             UPDATE {table} o SET ",
+            $set,
+            "worker_id = $3, lock_until_ms = ",
+            now_ms!(),
+            " + $4, updated_at_ms = ",
+            now_ms!(),
+            " FROM picked WHERE o.id = picked.id RETURNING ",
+            o_columns!()
+        )
+    };
+}
+
+/// Retryable rows that are due.
+macro_rules! due {
+    () => {
+        concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
+    };
+}
+
 /// Claim new rows. Index: `{table}_claim_retry_idx`
 /// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
 /// rows have `next_retry_at_ms = 0`, so the index order is creation order.
-pub(crate) const CLAIM_PENDING: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} \
-       WHERE app_code = $1 AND status = 'pending' \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
-);
+pub(crate) const CLAIM_PENDING: &str = claim_in_retry_order!(claim, "status = 'pending'");
 
 /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} c \
-       WHERE app_code = $1 AND status = 'pending'",
-    head_of_aggregate!(),
-    " \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
-);
+pub(crate) const CLAIM_PENDING_ORDERED: &str =
+    claim_in_retry_order!(claim, heads of "status = 'pending'");
 
 /// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
-pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} \
-       WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ",
-    now_ms!(),
-    " \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
-);
+pub(crate) const CLAIM_DUE_RETRIES: &str = claim_in_retry_order!(claim, due!());
 
 /// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} c \
-       WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ",
-    now_ms!(),
-    head_of_aggregate!(),
-    " \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
-);
+pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = claim_in_retry_order!(claim, heads of due!());
 
 /// Take over rows whose lease expired; the lost attempt is counted.
 /// Index: `{table}_claim_lease_idx` `(app_code, status, lock_until_ms, created_at_ms, event_id)`.
-pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} \
-       WHERE app_code = $1 AND status = 'delivering' AND lock_until_ms <= ",
-    now_ms!(),
-    " \
-       ORDER BY lock_until_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET worker_id = $3, retry_count = o.retry_count + 1, \
-       last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
+pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
+    "{table}",
+    concat!("status = 'delivering' AND lock_until_ms <= ", now_ms!()),
+    "lock_until_ms, created_at_ms",
+    "retry_count = o.retry_count + 1, \
+     last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), "
 );
 
 /// Fenced: only rows still leased by this claim. Primary key lookups.

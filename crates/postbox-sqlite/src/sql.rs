@@ -6,7 +6,7 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert};
+use postbox_sqlx::{claim_in_retry_order, columns, head_of_aggregate, history_insert};
 
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
@@ -57,62 +57,60 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
      (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers) \
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
 
+/// The claims, in the order `ClaimStatements::render` takes them.
+pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
+
 // The three claims run inside one `BEGIN IMMEDIATE` transaction each, which
 // stands in for `FOR UPDATE SKIP LOCKED`. Parameters: ?1 app_code, ?2 limit,
 // ?3 worker_id, ?4 lock_until_ms (the fence), ?5 now.
 
+/// One claim: up to ?2 rows of tenant ?1 that `$pick` selects, in the
+/// order `$order`, get `$set` and the lease (worker ?3, until ?4, at ?5)
+/// and come back. Pending and due rows (`postbox_sqlx::claim_in_retry_order!`)
+/// become `delivering`.
+macro_rules! claim {
+    ($from:literal, $pick:expr, $order:literal) => {
+        claim!($from, $pick, $order, "status = 'delivering', ")
+    };
+    ($from:literal, $pick:expr, $order:literal, $set:literal) => {
+        concat!(
+            "UPDATE {table} SET ",
+            $set,
+            "worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
+             WHERE id IN (SELECT id FROM ",
+            $from,
+            " WHERE app_code = ?1 AND ",
+            $pick,
+            " ORDER BY ",
+            $order,
+            " LIMIT ?2) RETURNING ",
+            columns!()
+        )
+    };
+}
+
 /// Claim new rows. Index: `{table}_claim_retry_idx` (pending rows have `next_retry_at_ms = 0`).
-pub(crate) const CLAIM_PENDING: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} \
-       WHERE app_code = ?1 AND status = 'pending' \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
-);
+pub(crate) const CLAIM_PENDING: &str = claim_in_retry_order!(claim, "status = 'pending'");
 
 /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} c \
-       WHERE app_code = ?1 AND status = 'pending'",
-    head_of_aggregate!(),
-    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
-);
+pub(crate) const CLAIM_PENDING_ORDERED: &str =
+    claim_in_retry_order!(claim, heads of "status = 'pending'");
 
 /// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
-pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} \
-       WHERE app_code = ?1 AND status = 'retryable' AND next_retry_at_ms <= ?5 \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
-);
+pub(crate) const CLAIM_DUE_RETRIES: &str =
+    claim_in_retry_order!(claim, "status = 'retryable' AND next_retry_at_ms <= ?5");
 
 /// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} c \
-       WHERE app_code = ?1 AND status = 'retryable' AND next_retry_at_ms <= ?5",
-    head_of_aggregate!(),
-    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
-);
+pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str =
+    claim_in_retry_order!(claim, heads of "status = 'retryable' AND next_retry_at_ms <= ?5");
 
 /// Take over rows whose lease expired; the lost attempt is counted. Index: `{table}_claim_lease_idx`.
-pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
-    "UPDATE {table} SET worker_id = ?3, retry_count = retry_count + 1, \
-       last_error = 'lease expired while held by ' || COALESCE(worker_id, '?'), \
-       lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} \
-       WHERE app_code = ?1 AND status = 'delivering' AND lock_until_ms <= ?5 \
-       ORDER BY lock_until_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
+pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
+    "{table}",
+    "status = 'delivering' AND lock_until_ms <= ?5",
+    "lock_until_ms, created_at_ms",
+    "retry_count = retry_count + 1, \
+     last_error = 'lease expired while held by ' || COALESCE(worker_id, '?'), "
 );
 
 /// Fenced: only rows still leased by this claim. Primary key lookups;

@@ -211,6 +211,26 @@ pub fn insert_values<'a>(event: &'a NewEvent, headers: &'a Option<String>) -> [V
     ]
 }
 
+/// [`postbox_core::Error::DuplicateEvent`] of `event`: its `(app_code,
+/// event_id)` is already in the table.
+pub fn duplicate_event(event: &NewEvent) -> postbox_core::Error {
+    postbox_core::Error::DuplicateEvent {
+        app_code: event.app_code.clone(),
+        event_id: event.event_id.clone(),
+    }
+}
+
+/// The error of a failed enqueue insert of `event`: a unique violation
+/// is [`duplicate_event`], anything else a database error.
+pub fn enqueue_error(event: &NewEvent, e: sqlx::Error) -> postbox_core::Error {
+    match e {
+        sqlx::Error::Database(d) if d.kind() == sqlx::error::ErrorKind::UniqueViolation => {
+            duplicate_event(event)
+        }
+        e => crate::db_error("enqueue", e),
+    }
+}
+
 /// A dialect's five claim statements, rendered for one table.
 #[derive(Debug, Clone)]
 pub struct ClaimStatements {
@@ -481,6 +501,43 @@ macro_rules! statements {
             applied_versions: APPLIED_VERSIONS,
             record_version: RECORD_VERSION,
         }
+    };
+}
+
+/// A dialect's claim statements in the order [`ClaimStatements::render`]
+/// takes them, from the constants `CLAIM_PENDING`, `CLAIM_DUE_RETRIES`,
+/// `CLAIM_PENDING_ORDERED`, `CLAIM_DUE_RETRIES_ORDERED` and
+/// `CLAIM_EXPIRED_LEASES` of the module it is invoked in.
+#[macro_export]
+macro_rules! claims {
+    () => {
+        [
+            CLAIM_PENDING,
+            CLAIM_DUE_RETRIES,
+            CLAIM_PENDING_ORDERED,
+            CLAIM_DUE_RETRIES_ORDERED,
+            CLAIM_EXPIRED_LEASES,
+        ]
+    };
+}
+
+/// A pending or due claim of a dialect whose claim statement is
+/// `$claim!(from, pick, order)`: rows that `$pick` selects, read in
+/// `next_retry_at_ms, created_at_ms` order (`{table}_claim_retry_idx`; a
+/// pending row has `next_retry_at_ms = 0`, so that is creation order).
+/// `heads of $pick`: only heads of aggregates (`ordering =
+/// "per_aggregate"`, [`head_of_aggregate!`]).
+#[macro_export]
+macro_rules! claim_in_retry_order {
+    ($claim:ident, heads of $pick:expr) => {
+        $claim!(
+            "{table} c",
+            concat!($pick, $crate::head_of_aggregate!()),
+            "next_retry_at_ms, created_at_ms"
+        )
+    };
+    ($claim:ident, $pick:expr) => {
+        $claim!("{table}", $pick, "next_retry_at_ms, created_at_ms")
     };
 }
 

@@ -558,17 +558,6 @@ impl SqlOutbox<D> {
             .map_err(|e| db_error("read database clock", e))
     }
 
-    /// [`SqlOutbox::replay_to`] with the default targets.
-    pub async fn replay(
-        &self,
-        selector: &ReplaySelector,
-        dry_run: bool,
-        origin: &str,
-    ) -> Result<Vec<EventRecord>> {
-        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
-            .await
-    }
-
     /// Puts rows back to `pending` for `targets`, with their history, in
     /// one write transaction (a dry run only reads).
     pub async fn replay_to(

@@ -3,17 +3,16 @@
 //! touches only rows it could claim (MariaDB `ANALYZE` measures it).
 
 use postbox_mysql::MySqlOutbox;
-use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url};
+use postbox_testkit::servers::mysql_url;
+use postbox_testkit::store_setup::migrated;
 use postbox_testkit::{assert_claim_plans, scratch_table};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_use_their_index_over_a_million_delivered_rows() {
-    let url = mysql_url();
-    ensure_database("mysql", &url).await;
-    let store = MySqlOutbox::connect(&url, &scratch_table("plans"), 2)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
-    store.migrate().await.unwrap();
+    let store = migrated("mysql", mysql_url(), |url| async move {
+        MySqlOutbox::connect(&url, &scratch_table("plans"), 2).await
+    })
+    .await;
     let t = store.table().as_str().to_owned();
     let load = [
         // History: a million delivered rows (MariaDB's sequence engine).

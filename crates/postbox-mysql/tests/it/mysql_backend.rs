@@ -10,20 +10,21 @@ use sqlx::Row;
 use postbox_core::event::Fence;
 use postbox_core::store::{
     ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, OutboxStore, ReplaySelector,
+    ReplayStore,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};
 use postbox_mysql::MySqlOutbox;
 use postbox_testkit::scratch_table;
-use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url};
+use postbox_testkit::servers::mysql_url;
+use postbox_testkit::store_setup::connected;
 
 /// Makes sure the test database exists and returns a migrated store on a
 /// fresh table.
 async fn store(prefix: &str) -> MySqlOutbox {
-    let url = mysql_url();
-    ensure_database("mysql", &url).await;
-    let store = MySqlOutbox::connect(&url, &scratch_table(prefix), 5)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
+    let store = connected("mysql", mysql_url(), |url| async move {
+        MySqlOutbox::connect(&url, &scratch_table(prefix), 5).await
+    })
+    .await;
     let report = store.migrate().await.expect("first migrate");
     assert_eq!(report.applied, vec![1, 2, 3]);
     assert_eq!(report.version, 3);

@@ -3,17 +3,16 @@
 //! touches only rows it could claim.
 
 use postbox_postgres::PgOutbox;
-use postbox_testkit::servers::{ensure_database, how_to_start, postgres_url};
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
 use postbox_testkit::{assert_claim_plans, scratch_table};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_use_their_index_over_a_million_delivered_rows() {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("plans"), 2)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
+    let store = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("plans"), 2).await
+    })
+    .await;
     let t = store.table().as_str().to_owned();
     let load = [
         // History: a million delivered rows of the tenant being claimed.

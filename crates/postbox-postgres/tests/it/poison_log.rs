@@ -9,7 +9,8 @@ use postbox_core::store::OutboxStore;
 use postbox_core::NewEvent;
 use postbox_postgres::PgOutbox;
 use postbox_testkit::conformance::{fast_worker, run_relay_until_for};
-use postbox_testkit::servers::{ensure_database, how_to_start, postgres_url};
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
 use postbox_testkit::{scratch_table, RecordingPublisher};
 
 #[derive(Clone, Default)]
@@ -35,12 +36,10 @@ async fn poison_is_dead_lettered_and_logged_once_per_event() {
         .with_writer(move || writer.clone())
         .init();
 
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("poison"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
+    let store = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("poison"), 4).await
+    })
+    .await;
     let store: Arc<dyn OutboxStore> = Arc::new(store);
     let good: Vec<NewEvent> = (0..200)
         .map(|i| NewEvent::new("conf", "Good", format!("{{\"n\":{i}}}")))
@@ -165,12 +164,10 @@ async fn a_panicking_stage_stops_the_relay_and_its_poison_ends_failed_after_rest
 }
 
 async fn fresh_store(prefix: &str) -> Arc<dyn OutboxStore> {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table(prefix), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
+    let store = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table(prefix), 4).await
+    })
+    .await;
     Arc::new(store)
 }
 

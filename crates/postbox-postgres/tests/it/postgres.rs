@@ -2,25 +2,18 @@
 
 use std::sync::Arc;
 
-use postbox_core::store::OutboxStore;
+use postbox_core::store::{OutboxStore, ReplayStore};
 use postbox_core::{Error, NewEvent};
 use postbox_postgres::PgOutbox;
-use postbox_testkit::servers::{ensure_database, postgres_url};
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
 use postbox_testkit::{conformance_suite, scratch_table};
 
 async fn outbox() -> PgOutbox {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("pg"), 4)
-        .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}",
-                postbox_testkit::servers::how_to_start("postgres")
-            )
-        });
-    store.migrate().await.expect("migrate");
-    store
+    migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("pg"), 4).await
+    })
+    .await
 }
 
 async fn fresh_store() -> Arc<dyn OutboxStore> {

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector,
+    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector, ReplayStore,
 };
 use postbox_core::time::now_ms;
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};
