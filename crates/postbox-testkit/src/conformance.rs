@@ -154,6 +154,36 @@ pub async fn run_relay_until(
     run_relay_until_for(store, publishers, config, APP, done).await
 }
 
+/// Runs a relay (3 s lease, 1 s publish timeout) on `app_code` until
+/// `events`, its only rows not yet delivered, all are, and checks that each
+/// was delivered on its first attempt. Returns the relay's publisher and
+/// how long the relay took.
+pub async fn relay_delivers_each_once(
+    store: Arc<dyn OutboxStore>,
+    app_code: &str,
+    events: &[NewEvent],
+) -> (Arc<RecordingPublisher>, Duration) {
+    let p = Arc::new(RecordingPublisher::new("rec"));
+    let config = WorkerConfig {
+        lease: HumanDuration::secs(3),
+        publish_timeout: HumanDuration::secs(1),
+        ..fast_worker()
+    };
+    let started = Instant::now();
+    let delivered = events.len() as i64;
+    run_relay_until_for(store.clone(), vec![p.clone()], config, app_code, |s| {
+        s.delivered == delivered
+    })
+    .await;
+    let took = started.elapsed();
+    for e in events {
+        let row = store.find(&e.event_id).await.unwrap().remove(0);
+        assert_eq!(row.status, Status::Delivered, "{row:?}");
+        assert_eq!(row.retry_count, 0, "{row:?}");
+    }
+    (p, took)
+}
+
 /// [`run_relay_until`] for the tenant `app`.
 pub async fn run_relay_until_for(
     store: Arc<dyn OutboxStore>,
@@ -1452,13 +1482,22 @@ async fn concurrent_claims_never_share_a_row(store: Arc<dyn OutboxStore>) {
 /// `migrate` after the outbox table (then its `_archive`/`_history`) were
 /// dropped by hand: the ledger still records version 3, yet `migrate`
 /// recreates what is missing, says so, and the store works again. Not a
-/// listed case because dropping tables needs the backend's pool: `exec`
-/// runs one SQL statement outside any transaction.
-pub async fn migrate_recreates_tables_dropped_by_hand<F, Fut>(store: Arc<dyn OutboxStore>, exec: F)
-where
-    F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = ()>,
+/// listed case because dropping tables needs the backend's `pool` (each
+/// `DROP` runs on it outside any transaction).
+pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
+    store: Arc<dyn OutboxStore>,
+    pool: sqlx::Pool<DB>,
+) where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
 {
+    let exec = |sql: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(&sql).execute(&pool).await.expect(&sql);
+        }
+    };
     let t = store.table().as_str().to_owned();
     let missing = |report: &postbox_core::store::SchemaReport| -> Vec<String> {
         report

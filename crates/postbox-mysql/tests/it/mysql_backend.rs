@@ -9,8 +9,7 @@ use sqlx::Row;
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, OutboxStore, ReplaySelector,
-    ReplayStore,
+    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector, ReplayStore,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};
 use postbox_mysql::MySqlOutbox;
@@ -811,31 +810,14 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
     // A relay delivers rows committed after the open row, each once.
     let relay_events: Vec<NewEvent> = (0..5).map(|_| NewEvent::new("relay", "R", "{}")).collect();
     store.enqueue_batch(&relay_events, 1024).await.unwrap();
-    let shared: std::sync::Arc<dyn OutboxStore> = std::sync::Arc::new(store.clone());
-    let p = std::sync::Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
-    let config = postbox_core::config::WorkerConfig {
-        lease: postbox_core::config::HumanDuration::secs(3),
-        publish_timeout: postbox_core::config::HumanDuration::secs(1),
-        ..postbox_testkit::conformance::fast_worker()
-    };
-    let started = std::time::Instant::now();
-    postbox_testkit::conformance::run_relay_until_for(
-        shared,
-        vec![p.clone()],
-        config,
+    let (p, took) = postbox_testkit::conformance::relay_delivers_each_once(
+        std::sync::Arc::new(store.clone()),
         "relay",
-        |s| s.delivered == 5,
+        &relay_events,
     )
     .await;
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "took {:?}",
-        started.elapsed()
-    );
+    assert!(took < Duration::from_secs(3), "took {took:?}");
     for e in &relay_events {
-        let row = store.find(&e.event_id).await.unwrap().remove(0);
-        assert_eq!(row.status, Status::Delivered, "{row:?}");
-        assert_eq!(row.retry_count, 0, "{row:?}");
         assert_eq!(p.attempts(&e.event_id), 1, "published once: {}", e.event_id);
     }
 
@@ -851,12 +833,7 @@ async fn migrate_recreates_tables_dropped_by_hand() {
     let other = MySqlOutbox::new(pool.clone(), store.table().as_str()).unwrap();
     postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
         std::sync::Arc::new(store),
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&sql).execute(&pool).await.expect(&sql);
-            }
-        },
+        pool,
     )
     .await;
     drop_tables(&other).await;

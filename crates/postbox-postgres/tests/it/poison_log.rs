@@ -171,41 +171,28 @@ async fn fresh_store(prefix: &str) -> Arc<dyn OutboxStore> {
     Arc::new(store)
 }
 
-/// Issue 9.13: a mark whose answer was lost after it committed is the
-/// relay's own result when retried, not a takeover.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_recognises_its_own_mark_after_a_lost_answer() {
-    postbox_testkit::faults::relay_recognises_its_own_mark_after_a_lost_answer(
-        fresh_store("lostack").await,
-    )
-    .await;
+/// One test per fault case of `postbox_testkit::faults`, each on a fresh
+/// table named after `$prefix`.
+macro_rules! fault_cases {
+    ($($(#[doc = $doc:literal])* $case:ident($prefix:literal);)*) => {$(
+        $(#[doc = $doc])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $case() {
+            postbox_testkit::faults::$case(fresh_store($prefix).await).await;
+        }
+    )*};
 }
 
-/// Issue 11: a database error while marking is reported as one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_reports_a_failed_mark_as_a_database_error() {
-    postbox_testkit::faults::relay_reports_a_failed_mark_as_a_database_error(
-        fresh_store("markerr").await,
-    )
-    .await;
-}
-
-/// Issue 11: a lost mark whose read-back fails too is a database error,
-/// not a takeover (failed before: counted and logged as fenced out).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_reports_an_unreadable_lost_mark_as_a_database_error() {
-    postbox_testkit::faults::relay_reports_an_unreadable_lost_mark_as_a_database_error(
-        fresh_store("markread").await,
-    )
-    .await;
-}
-
-/// Issue 11: a failed mark stage stops the relay with an error naming it,
-/// and the batches queued behind it are released.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_stops_with_an_error_when_its_mark_stage_fails() {
-    postbox_testkit::faults::relay_stops_with_an_error_when_its_mark_stage_fails(
-        fresh_store("markpanic").await,
-    )
-    .await;
+fault_cases! {
+    /// Issue 9.13: a mark whose answer was lost after it committed is the
+    /// relay's own result when retried, not a takeover.
+    relay_recognises_its_own_mark_after_a_lost_answer("lostack");
+    /// Issue 11: a database error while marking is reported as one.
+    relay_reports_a_failed_mark_as_a_database_error("markerr");
+    /// Issue 11: a lost mark whose read-back fails too is a database error,
+    /// not a takeover (failed before: counted and logged as fenced out).
+    relay_reports_an_unreadable_lost_mark_as_a_database_error("markread");
+    /// Issue 11: a failed mark stage stops the relay with an error naming it,
+    /// and the batches queued behind it are released.
+    relay_stops_with_an_error_when_its_mark_stage_fails("markpanic");
 }

@@ -185,9 +185,8 @@ async fn time_range_replay_covers_archived_rows() {
 /// relay delivers them once each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_producer_transaction_does_not_stall_the_relay() {
-    use postbox_core::config::{HumanDuration, WorkerConfig};
     use postbox_core::store::ClaimRequest;
-    use postbox_core::{ClaimSource, Status};
+    use postbox_core::ClaimSource;
     use std::time::Duration;
     use tokio::time::timeout;
     let store = outbox().await;
@@ -224,26 +223,12 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
         .unwrap();
     assert_eq!(released, 2);
 
-    let shared: Arc<dyn OutboxStore> = Arc::new(store.clone());
-    let p = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
-    let config = WorkerConfig {
-        lease: HumanDuration::secs(3),
-        publish_timeout: HumanDuration::secs(1),
-        ..postbox_testkit::conformance::fast_worker()
-    };
-    postbox_testkit::conformance::run_relay_until_for(
-        shared,
-        vec![p.clone()],
-        config,
+    let (p, _) = postbox_testkit::conformance::relay_delivers_each_once(
+        Arc::new(store.clone()),
         "room",
-        |s| s.delivered == 6,
+        &committed,
     )
     .await;
-    for e in &committed {
-        let row = store.find(&e.event_id).await.unwrap().remove(0);
-        assert_eq!(row.status, Status::Delivered, "{row:?}");
-        assert_eq!(row.retry_count, 0, "{row:?}");
-    }
     assert_eq!(p.offers().len(), 2, "only the released rows were published");
     producer.commit().await.unwrap();
 }
@@ -252,14 +237,6 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
 async fn migrate_recreates_tables_dropped_by_hand() {
     let store = outbox().await;
     let pool = store.pool().clone();
-    postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
-        Arc::new(store),
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&sql).execute(&pool).await.expect(&sql);
-            }
-        },
-    )
-    .await;
+    postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(Arc::new(store), pool)
+        .await;
 }

@@ -823,12 +823,7 @@ async fn migrate_recreates_tables_dropped_by_hand() {
     let store = SqliteOutbox::new(pool.clone(), TABLE).unwrap();
     postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
         std::sync::Arc::new(store),
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&sql).execute(&pool).await.expect(&sql);
-            }
-        },
+        pool,
     )
     .await;
 }
