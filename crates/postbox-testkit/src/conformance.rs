@@ -1479,6 +1479,41 @@ async fn concurrent_claims_never_share_a_row(store: Arc<dyn OutboxStore>) {
     assert_eq!(stats(store.as_ref()).await.delivered, 200);
 }
 
+/// With the rows `load` writes (run on `pool`: tenant `plan` with 150
+/// pending, 200 retryable and 200 leased rows, half of each due, and a
+/// million delivered ones, beside another tenant's backlog), every claim
+/// query reads through its `app_code`-led index and at most 250 rows (the
+/// 100 rows claimed, read once through the claim index and once by primary
+/// key for the update, with a little slack), and explaining changes
+/// nothing. Drops the tables; returns the plans.
+pub async fn claims_use_their_index_over<DB>(
+    store: Arc<dyn OutboxStore>,
+    pool: sqlx::Pool<DB>,
+    load: &[String],
+) -> Vec<postbox_core::store::QueryPlan>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    for sql in load {
+        sqlx::query(sql).execute(&pool).await.expect("load rows");
+    }
+    let plans = store.explain_claims("plan", 100).await.unwrap();
+    crate::assert_claim_plans(&plans, 250);
+    let s = store.stats(&["plan".into()]).await.unwrap().remove(0);
+    assert_eq!(
+        (s.pending, s.retryable, s.delivering, s.delivered),
+        (150, 200, 200, 1_000_000)
+    );
+    let t = store.table().as_str();
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    plans
+}
+
 /// `migrate` after the outbox table (then its `_archive`/`_history`) were
 /// dropped by hand: the ledger still records version 3, yet `migrate`
 /// recreates what is missing, says so, and the store works again. Not a
