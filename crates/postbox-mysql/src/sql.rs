@@ -12,7 +12,7 @@
 //! second value) and `MySqlDialect::expand` sends plain `?` in that order.
 
 use postbox_sqlx::dialect::Migration;
-use postbox_sqlx::{claim_in_retry_order, columns, head_of_aggregate, history_insert, Statements};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert, Statements};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -98,7 +98,7 @@ pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 /// Claim step 1: lock up to `limit` rows of a tenant (bound in that
 /// order: tenant, limit) that `$pick` selects, in the order `$order`,
 /// skipping rows another relay holds, and read them with the database
-/// clock (`db_now_ms`). Pending and due rows: `postbox_sqlx::claim_in_retry_order!`.
+/// clock (`db_now_ms`). Pending and due rows: `postbox_sqlx::claims_in_retry_order!`.
 macro_rules! claim {
     ($from:literal, $pick:expr, $order:literal) => {
         concat!(
@@ -117,27 +117,10 @@ macro_rules! claim {
     };
 }
 
-/// Retryable rows that are due.
-macro_rules! due {
-    () => {
-        concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
-    };
-}
-
-/// Claim new rows (step 1: lock them). Index: `{table}_claim_retry_idx`
-/// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
-/// rows have `next_retry_at_ms = 0`, so the index order is creation order.
-pub(crate) const CLAIM_PENDING: &str = claim_in_retry_order!(claim, "status = 'pending'");
-
-/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_PENDING_ORDERED: &str =
-    claim_in_retry_order!(claim, heads of "status = 'pending'");
-
-/// Claim retryable rows that are due (step 1). Index: `{table}_claim_retry_idx`.
-pub(crate) const CLAIM_DUE_RETRIES: &str = claim_in_retry_order!(claim, due!());
-
-/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = claim_in_retry_order!(claim, heads of due!());
+postbox_sqlx::claims_in_retry_order!(
+    claim,
+    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
+);
 
 /// Take over rows whose lease expired (step 1). Index: `{table}_claim_lease_idx`
 /// `(app_code, status, lock_until_ms, created_at_ms, event_id)`.

@@ -5,7 +5,7 @@
 //! as parameters, id lists as one array (`= ANY($n)`). Each statement names
 //! the index it relies on.
 
-use postbox_sqlx::{claim_in_retry_order, columns, head_of_aggregate, history_insert};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert};
 
 /// The database clock in epoch milliseconds, fixed for one statement.
 macro_rules! now_ms {
@@ -40,7 +40,7 @@ pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 /// order `$order`, locked `FOR UPDATE SKIP LOCKED` (rows another relay
 /// holds are skipped), get `$set` and the lease (worker $3, until now +
 /// $4) and come back. Pending and due rows
-/// (`postbox_sqlx::claim_in_retry_order!`) become `delivering`.
+/// (`postbox_sqlx::claims_in_retry_order!`) become `delivering`.
 macro_rules! claim {
     ($from:literal, $pick:expr, $order:literal) => {
         claim!($from, $pick, $order, "status = 'delivering', ")
@@ -66,27 +66,10 @@ macro_rules! claim {
     };
 }
 
-/// Retryable rows that are due.
-macro_rules! due {
-    () => {
-        concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
-    };
-}
-
-/// Claim new rows. Index: `{table}_claim_retry_idx`
-/// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
-/// rows have `next_retry_at_ms = 0`, so the index order is creation order.
-pub(crate) const CLAIM_PENDING: &str = claim_in_retry_order!(claim, "status = 'pending'");
-
-/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_PENDING_ORDERED: &str =
-    claim_in_retry_order!(claim, heads of "status = 'pending'");
-
-/// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
-pub(crate) const CLAIM_DUE_RETRIES: &str = claim_in_retry_order!(claim, due!());
-
-/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = claim_in_retry_order!(claim, heads of due!());
+postbox_sqlx::claims_in_retry_order!(
+    claim,
+    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
+);
 
 /// Take over rows whose lease expired; the lost attempt is counted.
 /// Index: `{table}_claim_lease_idx` `(app_code, status, lock_until_ms, created_at_ms, event_id)`.

@@ -6,7 +6,7 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
-use postbox_sqlx::{claim_in_retry_order, columns, head_of_aggregate, history_insert};
+use postbox_sqlx::{columns, head_of_aggregate, history_insert};
 
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
@@ -66,7 +66,7 @@ pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// One claim: up to ?2 rows of tenant ?1 that `$pick` selects, in the
 /// order `$order`, get `$set` and the lease (worker ?3, until ?4, at ?5)
-/// and come back. Pending and due rows (`postbox_sqlx::claim_in_retry_order!`)
+/// and come back. Pending and due rows (`postbox_sqlx::claims_in_retry_order!`)
 /// become `delivering`.
 macro_rules! claim {
     ($from:literal, $pick:expr, $order:literal) => {
@@ -89,20 +89,7 @@ macro_rules! claim {
     };
 }
 
-/// Claim new rows. Index: `{table}_claim_retry_idx` (pending rows have `next_retry_at_ms = 0`).
-pub(crate) const CLAIM_PENDING: &str = claim_in_retry_order!(claim, "status = 'pending'");
-
-/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_PENDING_ORDERED: &str =
-    claim_in_retry_order!(claim, heads of "status = 'pending'");
-
-/// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
-pub(crate) const CLAIM_DUE_RETRIES: &str =
-    claim_in_retry_order!(claim, "status = 'retryable' AND next_retry_at_ms <= ?5");
-
-/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str =
-    claim_in_retry_order!(claim, heads of "status = 'retryable' AND next_retry_at_ms <= ?5");
+postbox_sqlx::claims_in_retry_order!(claim, due: "status = 'retryable' AND next_retry_at_ms <= ?5");
 
 /// Take over rows whose lease expired; the lost attempt is counted. Index: `{table}_claim_lease_idx`.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(

@@ -521,23 +521,43 @@ macro_rules! claims {
     };
 }
 
-/// A pending or due claim of a dialect whose claim statement is
-/// `$claim!(from, pick, order)`: rows that `$pick` selects, read in
-/// `next_retry_at_ms, created_at_ms` order (`{table}_claim_retry_idx`; a
-/// pending row has `next_retry_at_ms = 0`, so that is creation order).
-/// `heads of $pick`: only heads of aggregates (`ordering =
-/// "per_aggregate"`, [`head_of_aggregate!`]).
+/// The pending and due claims of a dialect whose claim statement is
+/// `$claim!(from, pick, order)` and whose due retries are those `$due`
+/// selects: `CLAIM_PENDING`, `CLAIM_DUE_RETRIES` and their per-aggregate
+/// variants, defined in the module it is invoked in. Every one reads
+/// through `{table}_claim_retry_idx`, in its order.
 #[macro_export]
-macro_rules! claim_in_retry_order {
-    ($claim:ident, heads of $pick:expr) => {
-        $claim!(
-            "{table} c",
-            concat!($pick, $crate::head_of_aggregate!()),
+macro_rules! claims_in_retry_order {
+    ($claim:ident, due: $due:expr) => {
+        /// Claim new rows. Index: `{table}_claim_retry_idx`
+        /// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`;
+        /// pending rows have `next_retry_at_ms = 0`, so the index order is
+        /// creation order.
+        pub(crate) const CLAIM_PENDING: &str = $claim!(
+            "{table}",
+            "status = 'pending'",
             "next_retry_at_ms, created_at_ms"
-        )
-    };
-    ($claim:ident, $pick:expr) => {
-        $claim!("{table}", $pick, "next_retry_at_ms, created_at_ms")
+        );
+
+        /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads
+        /// of aggregates.
+        pub(crate) const CLAIM_PENDING_ORDERED: &str = $claim!(
+            "{table} c",
+            concat!("status = 'pending'", $crate::head_of_aggregate!()),
+            "next_retry_at_ms, created_at_ms"
+        );
+
+        /// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
+        pub(crate) const CLAIM_DUE_RETRIES: &str =
+            $claim!("{table}", $due, "next_retry_at_ms, created_at_ms");
+
+        /// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only
+        /// heads of aggregates.
+        pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = $claim!(
+            "{table} c",
+            concat!($due, $crate::head_of_aggregate!()),
+            "next_retry_at_ms, created_at_ms"
+        );
     };
 }
 
