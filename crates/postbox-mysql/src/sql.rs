@@ -12,7 +12,7 @@
 //! second value) and `MySqlDialect::expand` sends plain `?` in that order.
 
 use postbox_sqlx::dialect::Migration;
-use postbox_sqlx::{columns, head_of_aggregate, history_insert, Statements};
+use postbox_sqlx::{columns, head_of_aggregate, Statements};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -195,13 +195,8 @@ pub(crate) const PRESENT_APP_CODES: &str =
     "SELECT DISTINCT app_code FROM {table} ORDER BY app_code";
 
 /// Archived rows of one event: the app_codes (`{ids}` list), then the
-/// event id. Index: `{archive}_event_uq (app_code, event_id)`, one probe
-/// per app_code.
-pub(crate) const FIND_ARCHIVED: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {archive} WHERE app_code IN ({ids}) AND event_id = ? ORDER BY id"
-);
+/// event id (`postbox_sqlx::find_archived!`).
+pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find_archived!("app_code IN ({ids})", "?");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
@@ -211,13 +206,8 @@ pub(crate) const DELIVERED_PER_MINUTE: &str =
      FROM {table} WHERE app_code = ? AND status = 'delivered' AND updated_at_ms >= ? \
      GROUP BY minute_ms ORDER BY minute_ms";
 
-/// By event id. Index: `{table}_event_uq` is led by app_code, so this uses
-/// `{table}_event_id_idx`.
-pub(crate) const FIND: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} WHERE event_id = ? ORDER BY id"
-);
+/// By event id (`postbox_sqlx::find!`).
+pub(crate) const FIND: &str = postbox_sqlx::find!("?");
 
 /// Rows by primary key: what a replay wrote, read back (MySQL has no
 /// `UPDATE … RETURNING`).
@@ -295,20 +285,12 @@ pub(crate) const UNARCHIVE_IDS: &str = concat!(
 /// Archive step 3: remove from the archive the rows a replay brought back.
 pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({ids})";
 
-// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
+// ---- attempt history (see `postbox_sqlx::history_writes!`) ----
 
-/// One failed attempt: the row id, then kind (`failed` or
-/// `dead_lettered`), attempt, publisher, error.
-pub(crate) const HISTORY_FAILED: &str =
-    history_insert!(now_ms!(), ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1");
-
-/// The rows `{ids}` a claim took over after their lease expired.
-pub(crate) const HISTORY_LEASE_EXPIRED: &str =
-    postbox_sqlx::history_lease_expired!(now_ms!(), "id IN ({ids})");
-
-/// The rows `{ids}` a replay put back; targets `?3`, origin `?2`.
-pub(crate) const HISTORY_REPLAYED: &str =
-    postbox_sqlx::history_replayed!(now_ms!(), "?3", "?2", "id IN ({ids})");
+postbox_sqlx::history_writes! {
+    now_ms!(), rows: "id IN ({ids})", origin: "?2", targets: "?3",
+    failed: ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
+}
 
 /// Events of rows `{ids}` holding more than `?` entries. Index:
 /// `{table}_history_event_idx (event_id, app_code, id)`.

@@ -6,7 +6,7 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert};
+use postbox_sqlx::{columns, head_of_aggregate};
 
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
@@ -152,13 +152,10 @@ pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( 
        FROM codes c WHERE c.app_code IS NOT NULL) \
      SELECT app_code FROM codes WHERE app_code IS NOT NULL";
 
-/// Archived rows of one event, in the app_codes of ?1 (a JSON array).
-/// Index: `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
-pub(crate) const FIND_ARCHIVED: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {archive} WHERE app_code IN (SELECT value FROM json_each(?1)) AND event_id = ?2 ORDER BY id"
-);
+/// Archived rows of one event, in the app_codes of ?1 (a JSON array)
+/// (`postbox_sqlx::find_archived!`).
+pub(crate) const FIND_ARCHIVED: &str =
+    postbox_sqlx::find_archived!("app_code IN (SELECT value FROM json_each(?1))", "?2");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
@@ -168,12 +165,8 @@ pub(crate) const DELIVERED_PER_MINUTE: &str =
      FROM {table} WHERE app_code = ?1 AND status = 'delivered' AND updated_at_ms >= ?2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
-/// By event id. Index: `{table}_event_id_idx`.
-pub(crate) const FIND: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} WHERE event_id = ?1 ORDER BY id"
-);
+/// By event id (`postbox_sqlx::find!`).
+pub(crate) const FIND: &str = postbox_sqlx::find!("?1");
 
 /// A replay that picked its targets: rows ?1 (a JSON array of ids) get
 /// `delivered_to` ?2 (the publishers *not* targeted), in the replay's
@@ -241,24 +234,12 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
 pub(crate) const DELETE_UNARCHIVED: &str =
     "DELETE FROM {archive} WHERE id IN (SELECT value FROM json_each(?1))";
 
-// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
+// ---- attempt history (see `postbox_sqlx::history_writes!`) ----
 
-/// One failed attempt of row ?1: kind ?2 (`failed` or `dead_lettered`),
-/// attempt ?3, publisher ?4, error ?5.
-pub(crate) const HISTORY_FAILED: &str =
-    history_insert!(now_ms!(), ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1");
-
-/// Lease takeovers (`postbox_sqlx::history_lease_expired!`).
-pub(crate) const HISTORY_LEASE_EXPIRED: &str =
-    postbox_sqlx::history_lease_expired!(now_ms!(), "id IN (SELECT value FROM json_each(?1))");
-
-/// Replays (`postbox_sqlx::history_replayed!`).
-pub(crate) const HISTORY_REPLAYED: &str = postbox_sqlx::history_replayed!(
-    now_ms!(),
-    "?3",
-    "?2",
-    "id IN (SELECT value FROM json_each(?1))"
-);
+postbox_sqlx::history_writes! {
+    now_ms!(), rows: "id IN (SELECT value FROM json_each(?1))", origin: "?2", targets: "?3",
+    failed: ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
+}
 
 /// Keeps the newest ?2 entries of each event of rows ?1 (JSON array).
 /// Index: `{table}_history_event_idx (event_id, app_code, id)`, read backwards.

@@ -692,6 +692,64 @@ macro_rules! history_replayed {
     };
 }
 
+/// A dialect's three history writes, defined in the module it is invoked
+/// in, on its clock `$now`: `HISTORY_FAILED` (one failed attempt: the
+/// values after `app_code, event_id, at_ms` and the row, `$failed`),
+/// `HISTORY_LEASE_EXPIRED` ([`history_lease_expired!`]) and
+/// `HISTORY_REPLAYED` ([`history_replayed!`]), both of the rows whose ids
+/// `$rows` reads (bound first).
+#[macro_export]
+macro_rules! history_writes {
+    (
+        $now:expr, rows: $rows:literal, origin: $origin:literal, targets: $to:literal,
+        failed: $failed:literal
+    ) => {
+        /// One failed attempt: the row id, then kind (`failed` or
+        /// `dead_lettered`), attempt, publisher, error.
+        pub(crate) const HISTORY_FAILED: &str = $crate::history_insert!($now, $failed);
+
+        /// Rows a claim took over after their lease expired.
+        pub(crate) const HISTORY_LEASE_EXPIRED: &str = $crate::history_lease_expired!($now, $rows);
+
+        /// Rows a replay put back: the ids, the origin, the targets.
+        pub(crate) const HISTORY_REPLAYED: &str =
+            $crate::history_replayed!($now, $to, $origin, $rows);
+    };
+}
+
+/// Archived rows of one event, by id: those of the app_codes `$app_codes`
+/// selects (a list, bound first) and the event id `$p`. Index:
+/// `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
+#[macro_export]
+macro_rules! find_archived {
+    ($app_codes:literal, $p:literal) => {
+        concat!(
+            "SELECT ",
+            $crate::columns!(),
+            " FROM {archive} WHERE ",
+            $app_codes,
+            " AND event_id = ",
+            $p,
+            " ORDER BY id"
+        )
+    };
+}
+
+/// Live rows of one event (`$p`, the event id), by id. Index:
+/// `{table}_event_uq` is led by app_code, so this uses `{table}_event_id_idx`.
+#[macro_export]
+macro_rules! find {
+    ($p:literal) => {
+        concat!(
+            "SELECT ",
+            $crate::columns!(),
+            " FROM {table} WHERE event_id = ",
+            $p,
+            " ORDER BY id"
+        )
+    };
+}
+
 /// A replay update up to its `WHERE`: back to pending with retry_count 0,
 /// keeping event_id ([`replay_set!`] first); `$now` is the dialect's clock.
 #[macro_export]
