@@ -397,20 +397,9 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     "CREATE INDEX IF NOT EXISTS {archive}_created_idx ON {archive} (app_code, created_at_ms)",
 ];
 
-/// Version 2: the bounded attempt history, keyed by event id so that it
-/// survives archiving of the outbox row.
-pub(crate) const V2_HISTORY: &[&str] = &[
-    "CREATE TABLE IF NOT EXISTS {table}_history ( \
-       id INTEGER PRIMARY KEY AUTOINCREMENT, \
-       app_code VARCHAR(64) NOT NULL, \
-       event_id VARCHAR(64) NOT NULL, \
-       at_ms BIGINT NOT NULL, \
-       kind VARCHAR(16) NOT NULL, \
-       attempt INTEGER NOT NULL, \
-       publisher VARCHAR(512), \
-       detail TEXT)",
-    "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
-];
+/// Version 2: the bounded attempt history (`postbox_sqlx::v2_history!`).
+pub(crate) const V2_HISTORY: &[&str] =
+    postbox_sqlx::v2_history!("id INTEGER PRIMARY KEY AUTOINCREMENT", "INTEGER");
 
 /// `(version, description, statements)`, applied in order.
 pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!();

@@ -798,6 +798,28 @@ macro_rules! unarchive_insert {
     };
 }
 
+/// Version 2's statements where the database takes `CREATE INDEX IF NOT
+/// EXISTS`: the bounded attempt history, keyed by event id so that it
+/// survives archiving of the outbox row; `$id` is the dialect's generated
+/// `id` column, `$int` its 32-bit integer type. Index:
+/// `{table}_history_event_idx (event_id, app_code, id)`.
+#[macro_export]
+macro_rules! v2_history {
+    ($id:literal, $int:literal) => {
+        &[
+            concat!(
+                "CREATE TABLE IF NOT EXISTS {table}_history ( ",
+                $id,
+                ", app_code VARCHAR(64) NOT NULL, event_id VARCHAR(64) NOT NULL, \
+                 at_ms BIGINT NOT NULL, kind VARCHAR(16) NOT NULL, attempt ",
+                $int,
+                " NOT NULL, publisher VARCHAR(512), detail TEXT)"
+            ),
+            "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
+        ]
+    };
+}
+
 /// A dialect's [`Migration`]s from the constants `V1_SCHEMA`, `V2_HISTORY`
 /// and `V3_LIST_INDEX` of the module it is invoked in: every database has
 /// the same versions, each with its own DDL.
