@@ -92,9 +92,6 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 /// take no gap locks, so a claim never blocks producers' inserts.
 pub(crate) const CLAIM_ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
-/// The claims, in the order `ClaimStatements::render` takes them.
-pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
-
 /// Claim step 1: lock up to `limit` rows of a tenant (bound in that
 /// order: tenant, limit) that `$pick` selects, in the order `$order`,
 /// skipping rows another relay holds, and read them with the database
@@ -129,6 +126,9 @@ pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     concat!("status = 'delivering' AND lock_until_ms <= ", now_ms!()),
     "lock_until_ms, created_at_ms"
 );
+
+/// The claims, in the order `ClaimStatements::render` takes them.
+pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// Claim step 2 for pending and due rows, locked by step 1: the lease.
 /// `lock_until_ms` is computed once per claim, so it is the batch's fence.

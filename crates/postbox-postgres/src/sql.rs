@@ -33,9 +33,6 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
      ON CONFLICT (app_code, event_id) DO NOTHING \
      RETURNING id";
 
-/// The claims, in the order `ClaimStatements::render` takes them.
-pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
-
 /// One claim: up to $2 rows of tenant $1 that `$pick` selects, in the
 /// order `$order`, locked `FOR UPDATE SKIP LOCKED` (rows another relay
 /// holds are skipped), get `$set` and the lease (worker $3, until now +
@@ -80,6 +77,9 @@ pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "retry_count = o.retry_count + 1, \
      last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), "
 );
+
+/// The claims, in the order `ClaimStatements::render` takes them.
+pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// Fenced: only rows still leased by this claim. Primary key lookups.
 pub(crate) const MARK_DELIVERED: &str = concat!(

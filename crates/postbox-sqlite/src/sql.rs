@@ -57,9 +57,6 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
      (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers) \
      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
 
-/// The claims, in the order `ClaimStatements::render` takes them.
-pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
-
 // The three claims run inside one `BEGIN IMMEDIATE` transaction each, which
 // stands in for `FOR UPDATE SKIP LOCKED`. Parameters: ?1 app_code, ?2 limit,
 // ?3 worker_id, ?4 lock_until_ms (the fence), ?5 now.
@@ -99,6 +96,9 @@ pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "retry_count = retry_count + 1, \
      last_error = 'lease expired while held by ' || COALESCE(worker_id, '?'), "
 );
+
+/// The claims, in the order `ClaimStatements::render` takes them.
+pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// Fenced: only rows still leased by this claim. Primary key lookups;
 /// ?1 is a JSON array of ids.
