@@ -163,15 +163,8 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
      WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' ORDER BY id"
 );
 
-/// Replay by filter. `{filters}`: a predicate per given filter
-/// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
-/// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
-pub(crate) const REPLAY_FILTER: &str = concat!(
-    postbox_sqlx::replay_pending!(now_ms!()),
-    "WHERE status <> 'delivering'{filters} \
-     RETURNING ",
-    columns!()
-);
+/// Replay by filter (`postbox_sqlx::replay_filter!`).
+pub(crate) const REPLAY_FILTER: &str = postbox_sqlx::replay_filter!(now_ms!());
 
 /// Rows a replay by filter would touch.
 pub(crate) const REPLAY_FILTER_DRY: &str = postbox_sqlx::replay_filter_dry!();

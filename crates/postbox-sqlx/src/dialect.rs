@@ -766,6 +766,22 @@ macro_rules! replay_pending {
     };
 }
 
+/// Replay by filter where the database has `UPDATE … RETURNING`, on the
+/// clock `$now`. `{filters}`: a predicate per given filter
+/// ([`crate::filter_query`]), so the plan uses the index those lead, e.g.
+/// `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
+#[macro_export]
+macro_rules! replay_filter {
+    ($now:expr) => {
+        concat!(
+            $crate::replay_pending!($now),
+            "WHERE status <> 'delivering'{filters} \
+             RETURNING ",
+            $crate::columns!()
+        )
+    };
+}
+
 /// Rows a replay by filter would touch. `{filters}`: a predicate per
 /// given filter ([`crate::filter_query`]), so the plan uses the index
 /// those lead, e.g. `{table}_status_id_idx (app_code, status, id)` for a
