@@ -106,6 +106,35 @@ pub fn fast_worker() -> WorkerConfig {
     }
 }
 
+/// [`fast_worker`] retrying a failed row up to `max_retry_count` times,
+/// backing off from `initial_backoff_ms` to at most `max_backoff_ms`.
+pub fn retrying_worker(
+    max_retry_count: u32,
+    initial_backoff_ms: u64,
+    max_backoff_ms: u64,
+) -> WorkerConfig {
+    WorkerConfig {
+        max_retry_count,
+        initial_backoff: HumanDuration::millis(initial_backoff_ms),
+        max_backoff: HumanDuration::millis(max_backoff_ms),
+        ..fast_worker()
+    }
+}
+
+/// Fences that are not `fence`'s claim's: `[another worker's, another
+/// lease end's]`. A mark or release under either writes nothing.
+pub fn wrong_fences(fence: &Fence) -> [Fence; 2] {
+    let wrong_worker = Fence {
+        worker_id: format!("not-{}", fence.worker_id),
+        ..fence.clone()
+    };
+    let wrong_lease = Fence {
+        lock_until_ms: fence.lock_until_ms + 1,
+        ..fence.clone()
+    };
+    [wrong_worker, wrong_lease]
+}
+
 fn events(n: usize, event_type: &str) -> Vec<NewEvent> {
     (0..n)
         .map(|i| {
@@ -270,14 +299,7 @@ async fn mark_delivered_is_fenced(store: Arc<dyn OutboxStore>) {
         .unwrap();
     let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
     let fence = claimed[0].fence();
-    let wrong_worker = Fence {
-        worker_id: "other".into(),
-        ..fence.clone()
-    };
-    let wrong_lease = Fence {
-        lock_until_ms: fence.lock_until_ms + 1,
-        ..fence.clone()
-    };
+    let [wrong_worker, wrong_lease] = wrong_fences(&fence);
     assert_eq!(store.mark_delivered(&wrong_worker, &ids).await.unwrap(), 0);
     assert_eq!(store.mark_delivered(&wrong_lease, &ids).await.unwrap(), 0);
     assert_eq!(store.mark_delivered(&fence, &ids).await.unwrap(), 2);
@@ -712,12 +734,7 @@ async fn relay_follows_the_backoff_schedule(store: Arc<dyn OutboxStore>) {
     let e = NewEvent::new(APP, "Poison", "{}");
     enqueue(store.as_ref(), std::slice::from_ref(&e)).await;
     let p = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
-    let config = WorkerConfig {
-        max_retry_count: 4,
-        initial_backoff: HumanDuration::millis(200),
-        max_backoff: HumanDuration::millis(400),
-        ..fast_worker()
-    };
+    let config = retrying_worker(4, 200, 400);
     let start = Instant::now();
     run_relay_until(store.clone(), vec![p.clone()], config, |s| s.failed == 1).await;
     let took = start.elapsed();
@@ -852,10 +869,7 @@ async fn relay_orders_events_per_aggregate(store: Arc<dyn OutboxStore>) {
     let p = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
     let config = WorkerConfig {
         ordering: Ordering::PerAggregate,
-        max_retry_count: 4,
-        initial_backoff: HumanDuration::millis(100),
-        max_backoff: HumanDuration::millis(400),
-        ..fast_worker()
+        ..retrying_worker(4, 100, 400)
     };
     let shutdown = CancellationToken::new();
     let relays: Vec<_> = ["r1", "r2"]

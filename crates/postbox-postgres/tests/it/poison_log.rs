@@ -8,7 +8,7 @@ use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
 use postbox_core::store::OutboxStore;
 use postbox_core::NewEvent;
 use postbox_postgres::PgOutbox;
-use postbox_testkit::conformance::{fast_worker, run_relay_until_for};
+use postbox_testkit::conformance::{fast_worker, retrying_worker, run_relay_until_for};
 use postbox_testkit::servers::postgres_url;
 use postbox_testkit::store_setup::migrated;
 use postbox_testkit::{scratch_table, RecordingPublisher};
@@ -51,12 +51,7 @@ async fn poison_is_dead_lettered_and_logged_once_per_event() {
     store.enqueue_batch(&good, 1 << 20).await.unwrap();
 
     let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
-    let config = WorkerConfig {
-        max_retry_count: 6,
-        initial_backoff: HumanDuration::millis(20),
-        max_backoff: HumanDuration::millis(60),
-        ..fast_worker()
-    };
+    let config = retrying_worker(6, 20, 60);
     run_relay_until_for(
         store.clone(),
         vec![publisher.clone()],

@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use postbox_core::event::Fence;
 use postbox_core::store::{
     ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector, ReplayStore,
 };
@@ -238,14 +237,7 @@ async fn claim_pending_and_mark_delivered_with_fence() {
         .is_empty());
 
     // Wrong fences write nothing.
-    let wrong_worker = Fence {
-        worker_id: "worker-b".into(),
-        ..fence.clone()
-    };
-    let wrong_lease = Fence {
-        lock_until_ms: fence.lock_until_ms + 1,
-        ..fence.clone()
-    };
+    let [wrong_worker, wrong_lease] = postbox_testkit::conformance::wrong_fences(&fence);
     assert_eq!(
         o.mark_delivered(&wrong_worker, &ids(&claimed))
             .await
