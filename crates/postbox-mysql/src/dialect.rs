@@ -10,7 +10,6 @@
 use std::borrow::Cow;
 
 use async_trait::async_trait;
-use sqlx::error::ErrorKind;
 use sqlx::mysql::{MySqlPool, MySqlQueryResult};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
@@ -19,7 +18,7 @@ use postbox_core::store::{ClaimRequest, QueryPlan, HISTORY_LIMIT};
 use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
 };
-use postbox_sqlx::dialect::{insert_values, ClaimStatements, Migration, Q};
+use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Migration, Q};
 use postbox_sqlx::{
     db_error, query, records, Dialect, Placeholders, ReplayStep, SqlOutbox, Statements, Value,
 };
@@ -227,16 +226,7 @@ impl Dialect for MySqlDialect {
     fn own(t: &TableName) -> Own {
         Own {
             insert_event: t.render(sql::INSERT_EVENT),
-            claims: ClaimStatements::render(
-                t,
-                [
-                    sql::CLAIM_PENDING,
-                    sql::CLAIM_DUE_RETRIES,
-                    sql::CLAIM_PENDING_ORDERED,
-                    sql::CLAIM_DUE_RETRIES_ORDERED,
-                    sql::CLAIM_EXPIRED_LEASES,
-                ],
-            ),
+            claims: ClaimStatements::render(t, sql::CLAIMS),
             claim_take: t.render(sql::CLAIM_TAKE),
             claim_take_expired: t.render(sql::CLAIM_TAKE_EXPIRED),
             select_ids: t.render(sql::SELECT_IDS),
@@ -300,21 +290,12 @@ impl Dialect for MySqlDialect {
         event: &NewEvent,
     ) -> Result<i64> {
         let headers = event.headers_json();
-        let done =
-            query::<MySqlDialect>(&outbox.own().insert_event, insert_values(event, &headers))
-                .execute(conn)
-                .await;
-        match done {
+        query::<MySqlDialect>(&outbox.own().insert_event, insert_values(event, &headers))
+            .execute(conn)
+            .await
             // The column is a signed BIGINT, so the id always fits.
-            Ok(done) => Ok(done.last_insert_id() as i64),
-            Err(sqlx::Error::Database(e)) if e.kind() == ErrorKind::UniqueViolation => {
-                Err(Error::DuplicateEvent {
-                    app_code: event.app_code.clone(),
-                    event_id: event.event_id.clone(),
-                })
-            }
-            Err(e) => Err(db_error("enqueue", e)),
-        }
+            .map(|done| done.last_insert_id() as i64)
+            .map_err(|e| enqueue_error(event, e))
     }
 
     /// Lock up to `limit` rows (`FOR UPDATE SKIP LOCKED`), take the lease

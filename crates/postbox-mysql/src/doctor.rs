@@ -3,7 +3,6 @@
 //! use even where a tiny table makes the optimizer scan instead.
 
 use serde_json::Value;
-use sqlx::Row;
 
 use postbox_core::store::{QueryPlan, ARCHIVE_QUERIES, CLAIM_QUERIES};
 use postbox_core::Result;
@@ -47,13 +46,7 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
                 .fetch_all(format!("EXPLAIN FORMAT=JSON {sql}").as_str())
                 .await
                 .map_err(db)?;
-            let text: String = rows
-                .first()
-                .map(|r| r.try_get_unchecked(0))
-                .transpose()
-                .map_err(db)?
-                .unwrap_or_default();
-            let json: Value = crate::explain::parse_plan(&text)?;
+            let (text, json) = crate::explain::plan_of(&rows, "explain")?;
             let expected_index = format!("{t}{suffix}");
             let mut keys = Vec::new();
             collect_keys(&json, t, &mut keys);

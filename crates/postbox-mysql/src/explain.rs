@@ -2,6 +2,7 @@
 //! back), falling back to `EXPLAIN FORMAT=JSON` on MySQL.
 
 use serde_json::Value;
+use sqlx::mysql::MySqlRow;
 use sqlx::{Connection, Row};
 
 use postbox_core::store::{QueryPlan, CLAIM_QUERIES};
@@ -46,13 +47,7 @@ pub(crate) async fn explain_claims(
                     false,
                 ),
             };
-            let text: String = rows
-                .first()
-                .map(|r| r.try_get_unchecked(0))
-                .transpose()
-                .map_err(db)?
-                .unwrap_or_default();
-            let json: Value = parse_plan(&text)?;
+            let (text, json) = plan_of(&rows, "explain claims")?;
             let mut plan = QueryPlan {
                 query,
                 expected_index,
@@ -70,10 +65,7 @@ pub(crate) async fn explain_claims(
 }
 
 /// Runs a statement that cannot be prepared.
-async fn raw(
-    conn: &mut sqlx::MySqlConnection,
-    sql: String,
-) -> Result<Vec<sqlx::mysql::MySqlRow>, sqlx::Error> {
+async fn raw(conn: &mut sqlx::MySqlConnection, sql: String) -> Result<Vec<MySqlRow>, sqlx::Error> {
     use sqlx::Executor;
     // A plain string with no arguments goes over the text protocol.
     conn.fetch_all(sql.as_str()).await
@@ -105,6 +97,20 @@ fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
         Value::Array(items) => items.iter().for_each(|v| visit(v, table, plan)),
         _ => {}
     }
+}
+
+/// The plan in the answer to an `EXPLAIN` or `ANALYZE` `FORMAT=JSON`, as
+/// text and as JSON: the first row's one column (no row: an empty text);
+/// `operation` names a failed read.
+pub(crate) fn plan_of(rows: &[MySqlRow], operation: &'static str) -> Result<(String, Value)> {
+    let text: String = rows
+        .first()
+        .map(|r| r.try_get_unchecked(0))
+        .transpose()
+        .map_err(|e| db_error(operation, e))?
+        .unwrap_or_default();
+    let json = parse_plan(&text)?;
+    Ok((text, json))
 }
 
 /// `EXPLAIN FORMAT=JSON` output; a text the server did not write as JSON is

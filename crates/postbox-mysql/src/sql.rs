@@ -12,7 +12,7 @@
 //! second value) and `MySqlDialect::expand` sends plain `?` in that order.
 
 use postbox_sqlx::dialect::Migration;
-use postbox_sqlx::{columns, head_of_aggregate, history_insert, Statements};
+use postbox_sqlx::{columns, head_of_aggregate, Statements};
 
 /// The database clock in epoch milliseconds. `NOW(3)` is fixed for one
 /// statement. sqlx sessions run with `time_zone = '+00:00'`, so the
@@ -92,70 +92,43 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 /// take no gap locks, so a claim never blocks producers' inserts.
 pub(crate) const CLAIM_ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
-/// Claim new rows (step 1: lock them). Index: `{table}_claim_retry_idx`
-/// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
-/// rows have `next_retry_at_ms = 0`, so the index order is creation order.
-pub(crate) const CLAIM_PENDING: &str = concat!(
-    "SELECT ",
-    columns!(),
-    ", ",
-    now_ms!(),
-    " AS db_now_ms FROM {table} \
-     WHERE app_code = ? AND status = 'pending' \
-     ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
-);
+/// Claim step 1: lock up to `limit` rows of a tenant (bound in that
+/// order: tenant, limit) that `$pick` selects, in the order `$order`,
+/// skipping rows another relay holds, and read them with the database
+/// clock (`db_now_ms`). Pending and due rows: `postbox_sqlx::claims_in_retry_order!`.
+macro_rules! claim {
+    ($from:literal, $pick:expr, $order:literal) => {
+        concat!(
+            "SELECT ",
+            columns!(),
+            ", ",
+            now_ms!(),
+            " AS db_now_ms FROM ",
+            $from,
+            " WHERE app_code = ? AND ",
+            $pick,
+            " ORDER BY ",
+            $order,
+            " LIMIT ? FOR UPDATE SKIP LOCKED"
+        )
+    };
+}
 
-/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
-    "SELECT ",
-    columns!(),
-    ", ",
-    now_ms!(),
-    " AS db_now_ms FROM {table} c \
-     WHERE app_code = ? AND status = 'pending'",
-    head_of_aggregate!(),
-    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
-);
-
-/// Claim retryable rows that are due (step 1). Index: `{table}_claim_retry_idx`.
-pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
-    "SELECT ",
-    columns!(),
-    ", ",
-    now_ms!(),
-    " AS db_now_ms FROM {table} \
-     WHERE app_code = ? AND status = 'retryable' AND next_retry_at_ms <= ",
-    now_ms!(),
-    " \
-     ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
-);
-
-/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = concat!(
-    "SELECT ",
-    columns!(),
-    ", ",
-    now_ms!(),
-    " AS db_now_ms FROM {table} c \
-     WHERE app_code = ? AND status = 'retryable' AND next_retry_at_ms <= ",
-    now_ms!(),
-    head_of_aggregate!(),
-    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
+postbox_sqlx::claims_in_retry_order!(
+    claim,
+    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
 );
 
 /// Take over rows whose lease expired (step 1). Index: `{table}_claim_lease_idx`
 /// `(app_code, status, lock_until_ms, created_at_ms, event_id)`.
-pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
-    "SELECT ",
-    columns!(),
-    ", ",
-    now_ms!(),
-    " AS db_now_ms FROM {table} \
-     WHERE app_code = ? AND status = 'delivering' AND lock_until_ms <= ",
-    now_ms!(),
-    " \
-     ORDER BY lock_until_ms, created_at_ms LIMIT ? FOR UPDATE SKIP LOCKED"
+pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
+    "{table}",
+    concat!("status = 'delivering' AND lock_until_ms <= ", now_ms!()),
+    "lock_until_ms, created_at_ms"
 );
+
+/// The claims, in the order `ClaimStatements::render` takes them.
+pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// Claim step 2 for pending and due rows, locked by step 1: the lease.
 /// `lock_until_ms` is computed once per claim, so it is the batch's fence.
@@ -222,13 +195,8 @@ pub(crate) const PRESENT_APP_CODES: &str =
     "SELECT DISTINCT app_code FROM {table} ORDER BY app_code";
 
 /// Archived rows of one event: the app_codes (`{ids}` list), then the
-/// event id. Index: `{archive}_event_uq (app_code, event_id)`, one probe
-/// per app_code.
-pub(crate) const FIND_ARCHIVED: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {archive} WHERE app_code IN ({ids}) AND event_id = ? ORDER BY id"
-);
+/// event id (`postbox_sqlx::find_archived!`).
+pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find_archived!("app_code IN ({ids})", "?");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
@@ -238,13 +206,8 @@ pub(crate) const DELIVERED_PER_MINUTE: &str =
      FROM {table} WHERE app_code = ? AND status = 'delivered' AND updated_at_ms >= ? \
      GROUP BY minute_ms ORDER BY minute_ms";
 
-/// By event id. Index: `{table}_event_uq` is led by app_code, so this uses
-/// `{table}_event_id_idx`.
-pub(crate) const FIND: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} WHERE event_id = ? ORDER BY id"
-);
+/// By event id (`postbox_sqlx::find!`).
+pub(crate) const FIND: &str = postbox_sqlx::find!("?");
 
 /// Rows by primary key: what a replay wrote, read back (MySQL has no
 /// `UPDATE … RETURNING`).
@@ -322,20 +285,12 @@ pub(crate) const UNARCHIVE_IDS: &str = concat!(
 /// Archive step 3: remove from the archive the rows a replay brought back.
 pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({ids})";
 
-// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
+// ---- attempt history (see `postbox_sqlx::history_writes!`) ----
 
-/// One failed attempt: the row id, then kind (`failed` or
-/// `dead_lettered`), attempt, publisher, error.
-pub(crate) const HISTORY_FAILED: &str =
-    history_insert!(now_ms!(), ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1");
-
-/// The rows `{ids}` a claim took over after their lease expired.
-pub(crate) const HISTORY_LEASE_EXPIRED: &str =
-    postbox_sqlx::history_lease_expired!(now_ms!(), "id IN ({ids})");
-
-/// The rows `{ids}` a replay put back; targets `?3`, origin `?2`.
-pub(crate) const HISTORY_REPLAYED: &str =
-    postbox_sqlx::history_replayed!(now_ms!(), "?3", "?2", "id IN ({ids})");
+postbox_sqlx::history_writes! {
+    now_ms!(), rows: "id IN ({ids})", origin: "?2", targets: "?3",
+    failed: ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
+}
 
 /// Events of rows `{ids}` holding more than `?` entries. Index:
 /// `{table}_history_event_idx (event_id, app_code, id)`.

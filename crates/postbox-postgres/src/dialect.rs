@@ -9,8 +9,8 @@ use sqlx::postgres::PgQueryResult;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use postbox_core::store::{ClaimRequest, QueryPlan};
-use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Result, TableName};
-use postbox_sqlx::dialect::{insert_values, ClaimStatements, Migration, Q};
+use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
+use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Migration, Q};
 use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, SqlOutbox, Statements, Value};
 
 use crate::sql;
@@ -44,16 +44,7 @@ impl Dialect for PgDialect {
     fn own(t: &TableName) -> Own {
         Own {
             insert_event: t.render(sql::INSERT_EVENT),
-            claims: ClaimStatements::render(
-                t,
-                [
-                    sql::CLAIM_PENDING,
-                    sql::CLAIM_DUE_RETRIES,
-                    sql::CLAIM_PENDING_ORDERED,
-                    sql::CLAIM_DUE_RETRIES_ORDERED,
-                    sql::CLAIM_EXPIRED_LEASES,
-                ],
-            ),
+            claims: ClaimStatements::render(t, sql::CLAIMS),
             archive_batch: t.render(sql::ARCHIVE_BATCH),
             archive_pick: t.render(sql::ARCHIVE_PICK),
         }
@@ -93,10 +84,7 @@ impl Dialect for PgDialect {
             .map(|r| r.try_get("id"))
             .transpose()
             .map_err(|e| db_error("enqueue", e))?;
-        id.ok_or_else(|| Error::DuplicateEvent {
-            app_code: event.app_code.clone(),
-            event_id: event.event_id.clone(),
-        })
+        id.ok_or_else(|| duplicate_event(event))
     }
 
     async fn claim(

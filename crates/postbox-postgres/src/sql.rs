@@ -5,7 +5,7 @@
 //! as parameters, id lists as one array (`= ANY($n)`). Each statement names
 //! the index it relies on.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert};
+use postbox_sqlx::{columns, head_of_aggregate};
 
 /// The database clock in epoch milliseconds, fixed for one statement.
 macro_rules! now_ms {
@@ -33,93 +33,53 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
      ON CONFLICT (app_code, event_id) DO NOTHING \
      RETURNING id";
 
-/// Claim new rows. Index: `{table}_claim_retry_idx`
-/// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`; pending
-/// rows have `next_retry_at_ms = 0`, so the index order is creation order.
-pub(crate) const CLAIM_PENDING: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} \
-       WHERE app_code = $1 AND status = 'pending' \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
-);
+/// One claim: up to $2 rows of tenant $1 that `$pick` selects, in the
+/// order `$order`, locked `FOR UPDATE SKIP LOCKED` (rows another relay
+/// holds are skipped), get `$set` and the lease (worker $3, until now +
+/// $4) and come back. Pending and due rows
+/// (`postbox_sqlx::claims_in_retry_order!`) become `delivering`.
+macro_rules! claim {
+    ($from:literal, $pick:expr, $order:literal) => {
+        claim!($from, $pick, $order, "status = 'delivering', ")
+    };
+    ($from:literal, $pick:expr, $order:literal, $set:literal) => {
+        concat!(
+            "WITH picked AS (SELECT id FROM ",
+            $from,
+            " WHERE app_code = $1 AND ",
+            $pick,
+            " ORDER BY ",
+            $order,
+            " LIMIT $2 FOR UPDATE SKIP LOCKED) \
+             UPDATE {table} o SET ",
+            $set,
+            "worker_id = $3, lock_until_ms = ",
+            now_ms!(),
+            " + $4, updated_at_ms = ",
+            now_ms!(),
+            " FROM picked WHERE o.id = picked.id RETURNING ",
+            o_columns!()
+        )
+    };
+}
 
-/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} c \
-       WHERE app_code = $1 AND status = 'pending'",
-    head_of_aggregate!(),
-    " \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
-);
-
-/// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
-pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} \
-       WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ",
-    now_ms!(),
-    " \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
-);
-
-/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} c \
-       WHERE app_code = $1 AND status = 'retryable' AND next_retry_at_ms <= ",
-    now_ms!(),
-    head_of_aggregate!(),
-    " \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET status = 'delivering', worker_id = $3, \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
+postbox_sqlx::claims_in_retry_order!(
+    claim,
+    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
 );
 
 /// Take over rows whose lease expired; the lost attempt is counted.
 /// Index: `{table}_claim_lease_idx` `(app_code, status, lock_until_ms, created_at_ms, event_id)`.
-pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
-    "WITH picked AS (SELECT id FROM {table} \
-       WHERE app_code = $1 AND status = 'delivering' AND lock_until_ms <= ",
-    now_ms!(),
-    " \
-       ORDER BY lock_until_ms, created_at_ms LIMIT $2 FOR UPDATE SKIP LOCKED) \
-     UPDATE {table} o SET worker_id = $3, retry_count = o.retry_count + 1, \
-       last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), \
-       lock_until_ms = ",
-    now_ms!(),
-    " + $4, updated_at_ms = ",
-    now_ms!(),
-    " \
-     FROM picked WHERE o.id = picked.id RETURNING ",
-    o_columns!()
+pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
+    "{table}",
+    concat!("status = 'delivering' AND lock_until_ms <= ", now_ms!()),
+    "lock_until_ms, created_at_ms",
+    "retry_count = o.retry_count + 1, \
+     last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), "
 );
+
+/// The claims, in the order `ClaimStatements::render` takes them.
+pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// Fenced: only rows still leased by this claim. Primary key lookups.
 pub(crate) const MARK_DELIVERED: &str = concat!(
@@ -169,13 +129,9 @@ pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( 
        FROM codes c WHERE c.app_code IS NOT NULL) \
      SELECT app_code FROM codes WHERE app_code IS NOT NULL";
 
-/// Archived rows of one event, in the given app_codes ($1, an array).
-/// Index: `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
-pub(crate) const FIND_ARCHIVED: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {archive} WHERE app_code = ANY($1) AND event_id = $2 ORDER BY id"
-);
+/// Archived rows of one event, in the given app_codes ($1, an array)
+/// (`postbox_sqlx::find_archived!`).
+pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find_archived!("app_code = ANY($1)", "$2");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
@@ -185,13 +141,8 @@ pub(crate) const DELIVERED_PER_MINUTE: &str =
      FROM {table} WHERE app_code = $1 AND status = 'delivered' AND updated_at_ms >= $2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
-/// By event id. Index: `{table}_event_uq` is led by app_code, so this uses
-/// `{table}_event_id_idx`.
-pub(crate) const FIND: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} WHERE event_id = $1 ORDER BY id"
-);
+/// By event id (`postbox_sqlx::find!`).
+pub(crate) const FIND: &str = postbox_sqlx::find!("$1");
 
 /// A replay that picked its targets: rows $1 get `delivered_to` $2 (the
 /// publishers *not* targeted), in the replay's transaction.
@@ -212,15 +163,8 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
      WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' ORDER BY id"
 );
 
-/// Replay by filter. `{filters}`: a predicate per given filter
-/// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
-/// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
-pub(crate) const REPLAY_FILTER: &str = concat!(
-    postbox_sqlx::replay_pending!(now_ms!()),
-    "WHERE status <> 'delivering'{filters} \
-     RETURNING ",
-    columns!()
-);
+/// Replay by filter (`postbox_sqlx::replay_filter!`).
+pub(crate) const REPLAY_FILTER: &str = postbox_sqlx::replay_filter!(now_ms!());
 
 /// Rows a replay by filter would touch.
 pub(crate) const REPLAY_FILTER_DRY: &str = postbox_sqlx::replay_filter_dry!();
@@ -246,20 +190,12 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
 /// Removes from the archive the rows a replay brought back.
 pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id = ANY($1)";
 
-// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
+// ---- attempt history (see `postbox_sqlx::history_writes!`) ----
 
-/// One failed attempt of row $1: kind $2 (`failed` or `dead_lettered`),
-/// attempt $3, publisher $4, error $5.
-pub(crate) const HISTORY_FAILED: &str =
-    history_insert!(now_ms!(), ", $2, $3, $4, $5 FROM {table} WHERE id = $1");
-
-/// Lease takeovers (`postbox_sqlx::history_lease_expired!`).
-pub(crate) const HISTORY_LEASE_EXPIRED: &str =
-    postbox_sqlx::history_lease_expired!(now_ms!(), "id = ANY($1)");
-
-/// Replays (`postbox_sqlx::history_replayed!`).
-pub(crate) const HISTORY_REPLAYED: &str =
-    postbox_sqlx::history_replayed!(now_ms!(), "$3", "$2", "id = ANY($1)");
+postbox_sqlx::history_writes! {
+    now_ms!(), rows: "id = ANY($1)", origin: "$2", targets: "$3",
+    failed: ", $2, $3, $4, $5 FROM {table} WHERE id = $1"
+}
 
 /// Keeps the newest $2 entries of each event of rows $1. Index:
 /// `{table}_history_event_idx (event_id, app_code, id)`, read backwards.
@@ -434,20 +370,11 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     "CREATE INDEX IF NOT EXISTS {archive}_created_idx ON {archive} (app_code, created_at_ms)",
 ];
 
-/// Version 2: the bounded attempt history, keyed by event id so that it
-/// survives archiving of the outbox row.
-pub(crate) const V2_HISTORY: &[&str] = &[
-    "CREATE TABLE IF NOT EXISTS {table}_history ( \
-       id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY, \
-       app_code VARCHAR(64) NOT NULL, \
-       event_id VARCHAR(64) NOT NULL, \
-       at_ms BIGINT NOT NULL, \
-       kind VARCHAR(16) NOT NULL, \
-       attempt INT NOT NULL, \
-       publisher VARCHAR(512), \
-       detail TEXT)",
-    "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
-];
+/// Version 2: the bounded attempt history (`postbox_sqlx::v2_history!`).
+pub(crate) const V2_HISTORY: &[&str] = postbox_sqlx::v2_history!(
+    "id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY",
+    "INT"
+);
 
 /// `(version, description, statements)`, applied in order.
 pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!();

@@ -6,7 +6,6 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::error::ErrorKind;
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Connection, Sqlite, SqliteConnection, SqlitePool};
@@ -14,7 +13,7 @@ use sqlx::{Connection, Sqlite, SqliteConnection, SqlitePool};
 use postbox_core::redact::redact_url;
 use postbox_core::store::{ClaimRequest, QueryPlan};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Result, TableName};
-use postbox_sqlx::dialect::{insert_values, ClaimStatements, Migration, Q};
+use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Migration, Q};
 use postbox_sqlx::{
     db_error, finish, query, records, Dialect, Placeholders, SqlOutbox, Statements, Value,
 };
@@ -66,16 +65,7 @@ impl Dialect for SqliteDialect {
     fn own(t: &TableName) -> Own {
         Own {
             insert_event: t.render(sql::INSERT_EVENT),
-            claims: ClaimStatements::render(
-                t,
-                [
-                    sql::CLAIM_PENDING,
-                    sql::CLAIM_DUE_RETRIES,
-                    sql::CLAIM_PENDING_ORDERED,
-                    sql::CLAIM_DUE_RETRIES_ORDERED,
-                    sql::CLAIM_EXPIRED_LEASES,
-                ],
-            ),
+            claims: ClaimStatements::render(t, sql::CLAIMS),
             archive_pick: t.render(sql::ARCHIVE_PICK),
             archive_copy: t.render(sql::ARCHIVE_COPY),
             archive_delete: t.render(sql::ARCHIVE_DELETE),
@@ -149,19 +139,11 @@ impl Dialect for SqliteDialect {
         event: &NewEvent,
     ) -> Result<i64> {
         let headers = event.headers_json();
-        let done = query::<Self>(&outbox.own().insert_event, insert_values(event, &headers))
+        query::<Self>(&outbox.own().insert_event, insert_values(event, &headers))
             .execute(conn)
-            .await;
-        match done {
-            Ok(done) => Ok(done.last_insert_rowid()),
-            Err(sqlx::Error::Database(e)) if e.kind() == ErrorKind::UniqueViolation => {
-                Err(Error::DuplicateEvent {
-                    app_code: event.app_code.clone(),
-                    event_id: event.event_id.clone(),
-                })
-            }
-            Err(e) => Err(db_error("enqueue", e)),
-        }
+            .await
+            .map(|done| done.last_insert_rowid())
+            .map_err(|e| enqueue_error(event, e))
     }
 
     async fn claim(

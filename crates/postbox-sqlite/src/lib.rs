@@ -57,6 +57,15 @@ mod tests {
     use super::dialect::is_memory_url;
     use postbox_core::ClaimSource;
 
+    /// A migrated outbox `room_outbox` in a database of its own, in memory.
+    async fn migrated_in_memory() -> super::SqliteOutbox {
+        let o = super::SqliteOutbox::connect("sqlite::memory:", "room_outbox", 1)
+            .await
+            .unwrap();
+        o.migrate().await.unwrap();
+        o
+    }
+
     /// The `detail` column of `EXPLAIN QUERY PLAN`, one line per step.
     async fn plan<'q>(
         q: sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>,
@@ -76,10 +85,7 @@ mod tests {
     /// comment names, never by scanning the table.
     #[tokio::test]
     async fn claims_use_their_indexes() {
-        let o = super::SqliteOutbox::connect("sqlite::memory:", "room_outbox", 1)
-            .await
-            .unwrap();
-        o.migrate().await.unwrap();
+        let o = migrated_in_memory().await;
         let cases = [
             (
                 o.own().claims.of(ClaimSource::Pending, false),
@@ -134,10 +140,7 @@ mod tests {
     /// 0"; it is an error now. A database without the ledger is version 0.
     #[tokio::test]
     async fn a_failed_version_read_is_an_error_not_version_0() {
-        let o = super::SqliteOutbox::connect("sqlite::memory:", "room_outbox", 1)
-            .await
-            .unwrap();
-        o.migrate().await.unwrap();
+        let o = migrated_in_memory().await;
         for sql in [
             "DROP TABLE postbox_schema_migrations",
             "CREATE TABLE postbox_schema_migrations (table_name TEXT, version TEXT)",

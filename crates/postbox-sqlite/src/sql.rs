@@ -6,7 +6,7 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
-use postbox_sqlx::{columns, head_of_aggregate, history_insert};
+use postbox_sqlx::{columns, head_of_aggregate};
 
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
@@ -61,59 +61,44 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 // stands in for `FOR UPDATE SKIP LOCKED`. Parameters: ?1 app_code, ?2 limit,
 // ?3 worker_id, ?4 lock_until_ms (the fence), ?5 now.
 
-/// Claim new rows. Index: `{table}_claim_retry_idx` (pending rows have `next_retry_at_ms = 0`).
-pub(crate) const CLAIM_PENDING: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} \
-       WHERE app_code = ?1 AND status = 'pending' \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
-);
+/// One claim: up to ?2 rows of tenant ?1 that `$pick` selects, in the
+/// order `$order`, get `$set` and the lease (worker ?3, until ?4, at ?5)
+/// and come back. Pending and due rows (`postbox_sqlx::claims_in_retry_order!`)
+/// become `delivering`.
+macro_rules! claim {
+    ($from:literal, $pick:expr, $order:literal) => {
+        claim!($from, $pick, $order, "status = 'delivering', ")
+    };
+    ($from:literal, $pick:expr, $order:literal, $set:literal) => {
+        concat!(
+            "UPDATE {table} SET ",
+            $set,
+            "worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
+             WHERE id IN (SELECT id FROM ",
+            $from,
+            " WHERE app_code = ?1 AND ",
+            $pick,
+            " ORDER BY ",
+            $order,
+            " LIMIT ?2) RETURNING ",
+            columns!()
+        )
+    };
+}
 
-/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} c \
-       WHERE app_code = ?1 AND status = 'pending'",
-    head_of_aggregate!(),
-    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
-);
-
-/// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
-pub(crate) const CLAIM_DUE_RETRIES: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} \
-       WHERE app_code = ?1 AND status = 'retryable' AND next_retry_at_ms <= ?5 \
-       ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
-);
-
-/// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only heads of aggregates.
-pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} c \
-       WHERE app_code = ?1 AND status = 'retryable' AND next_retry_at_ms <= ?5",
-    head_of_aggregate!(),
-    "ORDER BY next_retry_at_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
-);
+postbox_sqlx::claims_in_retry_order!(claim, due: "status = 'retryable' AND next_retry_at_ms <= ?5");
 
 /// Take over rows whose lease expired; the lost attempt is counted. Index: `{table}_claim_lease_idx`.
-pub(crate) const CLAIM_EXPIRED_LEASES: &str = concat!(
-    "UPDATE {table} SET worker_id = ?3, retry_count = retry_count + 1, \
-       last_error = 'lease expired while held by ' || COALESCE(worker_id, '?'), \
-       lock_until_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (SELECT id FROM {table} \
-       WHERE app_code = ?1 AND status = 'delivering' AND lock_until_ms <= ?5 \
-       ORDER BY lock_until_ms, created_at_ms LIMIT ?2) \
-     RETURNING ",
-    columns!()
+pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
+    "{table}",
+    "status = 'delivering' AND lock_until_ms <= ?5",
+    "lock_until_ms, created_at_ms",
+    "retry_count = retry_count + 1, \
+     last_error = 'lease expired while held by ' || COALESCE(worker_id, '?'), "
 );
+
+/// The claims, in the order `ClaimStatements::render` takes them.
+pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// Fenced: only rows still leased by this claim. Primary key lookups;
 /// ?1 is a JSON array of ids.
@@ -167,13 +152,10 @@ pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( 
        FROM codes c WHERE c.app_code IS NOT NULL) \
      SELECT app_code FROM codes WHERE app_code IS NOT NULL";
 
-/// Archived rows of one event, in the app_codes of ?1 (a JSON array).
-/// Index: `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
-pub(crate) const FIND_ARCHIVED: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {archive} WHERE app_code IN (SELECT value FROM json_each(?1)) AND event_id = ?2 ORDER BY id"
-);
+/// Archived rows of one event, in the app_codes of ?1 (a JSON array)
+/// (`postbox_sqlx::find_archived!`).
+pub(crate) const FIND_ARCHIVED: &str =
+    postbox_sqlx::find_archived!("app_code IN (SELECT value FROM json_each(?1))", "?2");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
@@ -183,12 +165,8 @@ pub(crate) const DELIVERED_PER_MINUTE: &str =
      FROM {table} WHERE app_code = ?1 AND status = 'delivered' AND updated_at_ms >= ?2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
-/// By event id. Index: `{table}_event_id_idx`.
-pub(crate) const FIND: &str = concat!(
-    "SELECT ",
-    columns!(),
-    " FROM {table} WHERE event_id = ?1 ORDER BY id"
-);
+/// By event id (`postbox_sqlx::find!`).
+pub(crate) const FIND: &str = postbox_sqlx::find!("?1");
 
 /// A replay that picked its targets: rows ?1 (a JSON array of ids) get
 /// `delivered_to` ?2 (the publishers *not* targeted), in the replay's
@@ -215,15 +193,8 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
        AND status <> 'delivering' ORDER BY id"
 );
 
-/// Replay by filter. `{filters}`: a predicate per given filter
-/// (`postbox_sqlx::filter_query`), so the plan uses the index those lead,
-/// e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
-pub(crate) const REPLAY_FILTER: &str = concat!(
-    postbox_sqlx::replay_pending!(now_ms!()),
-    "WHERE status <> 'delivering'{filters} \
-     RETURNING ",
-    columns!()
-);
+/// Replay by filter (`postbox_sqlx::replay_filter!`).
+pub(crate) const REPLAY_FILTER: &str = postbox_sqlx::replay_filter!(now_ms!());
 
 /// Rows a replay by filter would touch.
 pub(crate) const REPLAY_FILTER_DRY: &str = postbox_sqlx::replay_filter_dry!();
@@ -256,24 +227,12 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
 pub(crate) const DELETE_UNARCHIVED: &str =
     "DELETE FROM {archive} WHERE id IN (SELECT value FROM json_each(?1))";
 
-// ---- attempt history (see `postbox_sqlx::history_insert!`) ----
+// ---- attempt history (see `postbox_sqlx::history_writes!`) ----
 
-/// One failed attempt of row ?1: kind ?2 (`failed` or `dead_lettered`),
-/// attempt ?3, publisher ?4, error ?5.
-pub(crate) const HISTORY_FAILED: &str =
-    history_insert!(now_ms!(), ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1");
-
-/// Lease takeovers (`postbox_sqlx::history_lease_expired!`).
-pub(crate) const HISTORY_LEASE_EXPIRED: &str =
-    postbox_sqlx::history_lease_expired!(now_ms!(), "id IN (SELECT value FROM json_each(?1))");
-
-/// Replays (`postbox_sqlx::history_replayed!`).
-pub(crate) const HISTORY_REPLAYED: &str = postbox_sqlx::history_replayed!(
-    now_ms!(),
-    "?3",
-    "?2",
-    "id IN (SELECT value FROM json_each(?1))"
-);
+postbox_sqlx::history_writes! {
+    now_ms!(), rows: "id IN (SELECT value FROM json_each(?1))", origin: "?2", targets: "?3",
+    failed: ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
+}
 
 /// Keeps the newest ?2 entries of each event of rows ?1 (JSON array).
 /// Index: `{table}_history_event_idx (event_id, app_code, id)`, read backwards.
@@ -431,20 +390,9 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     "CREATE INDEX IF NOT EXISTS {archive}_created_idx ON {archive} (app_code, created_at_ms)",
 ];
 
-/// Version 2: the bounded attempt history, keyed by event id so that it
-/// survives archiving of the outbox row.
-pub(crate) const V2_HISTORY: &[&str] = &[
-    "CREATE TABLE IF NOT EXISTS {table}_history ( \
-       id INTEGER PRIMARY KEY AUTOINCREMENT, \
-       app_code VARCHAR(64) NOT NULL, \
-       event_id VARCHAR(64) NOT NULL, \
-       at_ms BIGINT NOT NULL, \
-       kind VARCHAR(16) NOT NULL, \
-       attempt INTEGER NOT NULL, \
-       publisher VARCHAR(512), \
-       detail TEXT)",
-    "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
-];
+/// Version 2: the bounded attempt history (`postbox_sqlx::v2_history!`).
+pub(crate) const V2_HISTORY: &[&str] =
+    postbox_sqlx::v2_history!("id INTEGER PRIMARY KEY AUTOINCREMENT", "INTEGER");
 
 /// `(version, description, statements)`, applied in order.
 pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!();

@@ -211,6 +211,26 @@ pub fn insert_values<'a>(event: &'a NewEvent, headers: &'a Option<String>) -> [V
     ]
 }
 
+/// [`postbox_core::Error::DuplicateEvent`] of `event`: its `(app_code,
+/// event_id)` is already in the table.
+pub fn duplicate_event(event: &NewEvent) -> postbox_core::Error {
+    postbox_core::Error::DuplicateEvent {
+        app_code: event.app_code.clone(),
+        event_id: event.event_id.clone(),
+    }
+}
+
+/// The error of a failed enqueue insert of `event`: a unique violation
+/// is [`duplicate_event`], anything else a database error.
+pub fn enqueue_error(event: &NewEvent, e: sqlx::Error) -> postbox_core::Error {
+    match e {
+        sqlx::Error::Database(d) if d.kind() == sqlx::error::ErrorKind::UniqueViolation => {
+            duplicate_event(event)
+        }
+        e => crate::db_error("enqueue", e),
+    }
+}
+
 /// A dialect's five claim statements, rendered for one table.
 #[derive(Debug, Clone)]
 pub struct ClaimStatements {
@@ -484,6 +504,63 @@ macro_rules! statements {
     };
 }
 
+/// A dialect's claim statements in the order [`ClaimStatements::render`]
+/// takes them, from the constants `CLAIM_PENDING`, `CLAIM_DUE_RETRIES`,
+/// `CLAIM_PENDING_ORDERED`, `CLAIM_DUE_RETRIES_ORDERED` and
+/// `CLAIM_EXPIRED_LEASES` of the module it is invoked in.
+#[macro_export]
+macro_rules! claims {
+    () => {
+        [
+            CLAIM_PENDING,
+            CLAIM_DUE_RETRIES,
+            CLAIM_PENDING_ORDERED,
+            CLAIM_DUE_RETRIES_ORDERED,
+            CLAIM_EXPIRED_LEASES,
+        ]
+    };
+}
+
+/// The pending and due claims of a dialect whose claim statement is
+/// `$claim!(from, pick, order)` and whose due retries are those `$due`
+/// selects: `CLAIM_PENDING`, `CLAIM_DUE_RETRIES` and their per-aggregate
+/// variants, defined in the module it is invoked in. Every one reads
+/// through `{table}_claim_retry_idx`, in its order.
+#[macro_export]
+macro_rules! claims_in_retry_order {
+    ($claim:ident, due: $due:expr) => {
+        /// Claim new rows. Index: `{table}_claim_retry_idx`
+        /// `(app_code, status, next_retry_at_ms, created_at_ms, event_id)`;
+        /// pending rows have `next_retry_at_ms = 0`, so the index order is
+        /// creation order.
+        pub(crate) const CLAIM_PENDING: &str = $claim!(
+            "{table}",
+            "status = 'pending'",
+            "next_retry_at_ms, created_at_ms"
+        );
+
+        /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads
+        /// of aggregates.
+        pub(crate) const CLAIM_PENDING_ORDERED: &str = $claim!(
+            "{table} c",
+            concat!("status = 'pending'", $crate::head_of_aggregate!()),
+            "next_retry_at_ms, created_at_ms"
+        );
+
+        /// Claim retryable rows that are due. Index: `{table}_claim_retry_idx`.
+        pub(crate) const CLAIM_DUE_RETRIES: &str =
+            $claim!("{table}", $due, "next_retry_at_ms, created_at_ms");
+
+        /// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only
+        /// heads of aggregates.
+        pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = $claim!(
+            "{table} c",
+            concat!($due, $crate::head_of_aggregate!()),
+            "next_retry_at_ms, created_at_ms"
+        );
+    };
+}
+
 /// Columns read back into an `EventRecord` (by name), in the order every
 /// dialect's statements list them.
 #[macro_export]
@@ -615,6 +692,64 @@ macro_rules! history_replayed {
     };
 }
 
+/// A dialect's three history writes, defined in the module it is invoked
+/// in, on its clock `$now`: `HISTORY_FAILED` (one failed attempt: the
+/// values after `app_code, event_id, at_ms` and the row, `$failed`),
+/// `HISTORY_LEASE_EXPIRED` ([`history_lease_expired!`]) and
+/// `HISTORY_REPLAYED` ([`history_replayed!`]), both of the rows whose ids
+/// `$rows` reads (bound first).
+#[macro_export]
+macro_rules! history_writes {
+    (
+        $now:expr, rows: $rows:literal, origin: $origin:literal, targets: $to:literal,
+        failed: $failed:literal
+    ) => {
+        /// One failed attempt: the row id, then kind (`failed` or
+        /// `dead_lettered`), attempt, publisher, error.
+        pub(crate) const HISTORY_FAILED: &str = $crate::history_insert!($now, $failed);
+
+        /// Rows a claim took over after their lease expired.
+        pub(crate) const HISTORY_LEASE_EXPIRED: &str = $crate::history_lease_expired!($now, $rows);
+
+        /// Rows a replay put back: the ids, the origin, the targets.
+        pub(crate) const HISTORY_REPLAYED: &str =
+            $crate::history_replayed!($now, $to, $origin, $rows);
+    };
+}
+
+/// Archived rows of one event, by id: those of the app_codes `$app_codes`
+/// selects (a list, bound first) and the event id `$p`. Index:
+/// `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
+#[macro_export]
+macro_rules! find_archived {
+    ($app_codes:literal, $p:literal) => {
+        concat!(
+            "SELECT ",
+            $crate::columns!(),
+            " FROM {archive} WHERE ",
+            $app_codes,
+            " AND event_id = ",
+            $p,
+            " ORDER BY id"
+        )
+    };
+}
+
+/// Live rows of one event (`$p`, the event id), by id. Index:
+/// `{table}_event_uq` is led by app_code, so this uses `{table}_event_id_idx`.
+#[macro_export]
+macro_rules! find {
+    ($p:literal) => {
+        concat!(
+            "SELECT ",
+            $crate::columns!(),
+            " FROM {table} WHERE event_id = ",
+            $p,
+            " ORDER BY id"
+        )
+    };
+}
+
 /// A replay update up to its `WHERE`: back to pending with retry_count 0,
 /// keeping event_id ([`replay_set!`] first); `$now` is the dialect's clock.
 #[macro_export]
@@ -627,6 +762,22 @@ macro_rules! replay_pending {
                updated_at_ms = ",
             $now,
             " "
+        )
+    };
+}
+
+/// Replay by filter where the database has `UPDATE … RETURNING`, on the
+/// clock `$now`. `{filters}`: a predicate per given filter
+/// ([`crate::filter_query`]), so the plan uses the index those lead, e.g.
+/// `{table}_status_id_idx (app_code, status, id)` for a tenant and status.
+#[macro_export]
+macro_rules! replay_filter {
+    ($now:expr) => {
+        concat!(
+            $crate::replay_pending!($now),
+            "WHERE status <> 'delivering'{filters} \
+             RETURNING ",
+            $crate::columns!()
         )
     };
 }
@@ -660,6 +811,28 @@ macro_rules! unarchive_insert {
                'pending', 0, 0, 0, replay_count + 1, created_at_ms, ",
             $now
         )
+    };
+}
+
+/// Version 2's statements where the database takes `CREATE INDEX IF NOT
+/// EXISTS`: the bounded attempt history, keyed by event id so that it
+/// survives archiving of the outbox row; `$id` is the dialect's generated
+/// `id` column, `$int` its 32-bit integer type. Index:
+/// `{table}_history_event_idx (event_id, app_code, id)`.
+#[macro_export]
+macro_rules! v2_history {
+    ($id:literal, $int:literal) => {
+        &[
+            concat!(
+                "CREATE TABLE IF NOT EXISTS {table}_history ( ",
+                $id,
+                ", app_code VARCHAR(64) NOT NULL, event_id VARCHAR(64) NOT NULL, \
+                 at_ms BIGINT NOT NULL, kind VARCHAR(16) NOT NULL, attempt ",
+                $int,
+                " NOT NULL, publisher VARCHAR(512), detail TEXT)"
+            ),
+            "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
+        ]
     };
 }
 

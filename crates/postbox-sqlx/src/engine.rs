@@ -593,17 +593,6 @@ impl SqlOutbox<D> {
             .map_err(|e| db_error("read database clock", e))
     }
 
-    /// [`SqlOutbox::replay_to`] with the default targets.
-    pub async fn replay(
-        &self,
-        selector: &ReplaySelector,
-        dry_run: bool,
-        origin: &str,
-    ) -> Result<Vec<EventRecord>> {
-        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
-            .await
-    }
-
     /// Puts rows back to `pending` for `targets`, with their history, in
     /// one write transaction (a dry run only reads).
     pub async fn replay_to(
@@ -795,14 +784,12 @@ impl SqlOutbox<D> {
                 .collect::<std::result::Result<_, _>>()
                 .map_err(db)?;
             let names: Vec<String> = EXPECTED_TABLES.iter().map(|s| format!("{}{s}", self.table)).collect();
-            let existing: Vec<String> = self
-                .fetch_expanded(&mut tx, &self.sql.existing_tables, vec![Value::Texts(&names)])
-                .await
-                .map_err(db)?
-                .iter()
-                .map(|r| sqlx::Row::try_get(r, 0))
-                .collect::<std::result::Result<_, _>>()
-                .map_err(db)?;
+            let existing = first_column(
+                self.fetch_expanded(&mut tx, &self.sql.existing_tables, vec![Value::Texts(&names)])
+                    .await
+                    .map_err(db)?,
+            )
+            .map_err(db)?;
             let recorded: Vec<u32> = applied.iter().map(|v| *v as u32).collect();
             let check = check_ledger(self.table.as_str(), &recorded, &existing);
             for note in &check.notes {
@@ -869,13 +856,7 @@ impl SqlOutbox<D> {
     pub async fn inspect_schema(&self) -> Result<SchemaReport> {
         let db = |e| db_error("inspect schema", e);
         let t = self.table.as_str();
-        let names: Vec<String> = sqlx::query(&self.sql.doctor_objects)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db)?
-            .iter()
-            .map(|r| sqlx::Row::try_get(r, 0))
-            .collect::<std::result::Result<_, _>>()
+        let names = first_column(sqlx::query(&self.sql.doctor_objects).fetch_all(&self.pool).await.map_err(db)?)
             .map_err(db)?;
         let version: Option<i32> = if names.iter().any(|n| n == MIGRATIONS_LEDGER) {
             // One column, `MAX(version)`: NULL when nothing is recorded.
@@ -899,6 +880,16 @@ impl SqlOutbox<D> {
 }
 
 /// The values of a [`ListQuery`](crate::ListQuery), in placeholder order.
+/// The first column of every row, as text (names of tables and indexes).
+fn first_column<R>(rows: Vec<R>) -> std::result::Result<Vec<String>, sqlx::Error>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    rows.iter().map(|r| r.try_get(0)).collect()
+}
+
 fn list_values<'a>(args: &'a [ListArg<'a>]) -> impl Iterator<Item = Value<'a>> + 'a {
     args.iter().map(|a| match *a {
         ListArg::Text(s) => s.into(),

@@ -59,8 +59,22 @@ pub async fn connect_server<DB: sqlx::Database>(
         .map_err(|e| db_error(operation, e))
 }
 
-/// Reads one outbox row by column name.
-pub fn record<R>(row: &R) -> std::result::Result<EventRecord, sqlx::Error>
+/// A row read by column name, as the types postbox's columns have: any
+/// row of the three backends.
+pub trait OutboxRow {
+    /// A text column.
+    fn text(&self, column: &str) -> std::result::Result<String, sqlx::Error>;
+    /// A text column that may be NULL.
+    fn text_or_null(&self, column: &str) -> std::result::Result<Option<String>, sqlx::Error>;
+    /// A 64-bit integer column.
+    fn int(&self, column: &str) -> std::result::Result<i64, sqlx::Error>;
+    /// A 64-bit integer column that may be NULL.
+    fn int_or_null(&self, column: &str) -> std::result::Result<Option<i64>, sqlx::Error>;
+    /// A 32-bit integer column (`retry_count`, `attempt`).
+    fn int32(&self, column: &str) -> std::result::Result<i32, sqlx::Error>;
+}
+
+impl<R> OutboxRow for R
 where
     R: Row,
     for<'a> &'a str: ColumnIndex<R>,
@@ -68,42 +82,52 @@ where
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
 {
-    let status: String = row.try_get("status")?;
+    fn text(&self, column: &str) -> std::result::Result<String, sqlx::Error> {
+        self.try_get(column)
+    }
+    fn text_or_null(&self, column: &str) -> std::result::Result<Option<String>, sqlx::Error> {
+        self.try_get(column)
+    }
+    fn int(&self, column: &str) -> std::result::Result<i64, sqlx::Error> {
+        self.try_get(column)
+    }
+    fn int_or_null(&self, column: &str) -> std::result::Result<Option<i64>, sqlx::Error> {
+        self.try_get(column)
+    }
+    fn int32(&self, column: &str) -> std::result::Result<i32, sqlx::Error> {
+        self.try_get(column)
+    }
+}
+
+/// Reads one outbox row by column name.
+pub fn record<R: OutboxRow>(row: &R) -> std::result::Result<EventRecord, sqlx::Error> {
+    let status = row.text("status")?;
     Ok(EventRecord {
-        id: row.try_get("id")?,
-        app_code: row.try_get("app_code")?,
-        event_id: row.try_get("event_id")?,
-        event_type: row.try_get("event_type")?,
-        aggregate_id: row.try_get("aggregate_id")?,
-        aggregate_version: row.try_get("aggregate_version")?,
-        payload: row.try_get("payload")?,
-        headers: row.try_get("headers")?,
+        id: row.int("id")?,
+        app_code: row.text("app_code")?,
+        event_id: row.text("event_id")?,
+        event_type: row.text("event_type")?,
+        aggregate_id: row.text_or_null("aggregate_id")?,
+        aggregate_version: row.int_or_null("aggregate_version")?,
+        payload: row.text("payload")?,
+        headers: row.text_or_null("headers")?,
         status: status
             .parse::<Status>()
             .map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
-        retry_count: row.try_get("retry_count")?,
-        next_retry_at_ms: row.try_get("next_retry_at_ms")?,
-        lock_until_ms: row.try_get("lock_until_ms")?,
-        worker_id: row.try_get("worker_id")?,
-        last_error: row.try_get("last_error")?,
-        delivered_to: parse_delivered_to(
-            row.try_get::<Option<String>, _>("delivered_to")?.as_deref(),
-        ),
-        replay_count: row.try_get("replay_count")?,
-        created_at_ms: row.try_get("created_at_ms")?,
-        updated_at_ms: row.try_get("updated_at_ms")?,
+        retry_count: row.int32("retry_count")?,
+        next_retry_at_ms: row.int("next_retry_at_ms")?,
+        lock_until_ms: row.int("lock_until_ms")?,
+        worker_id: row.text_or_null("worker_id")?,
+        last_error: row.text_or_null("last_error")?,
+        delivered_to: parse_delivered_to(row.text_or_null("delivered_to")?.as_deref()),
+        replay_count: row.int32("replay_count")?,
+        created_at_ms: row.int("created_at_ms")?,
+        updated_at_ms: row.int("updated_at_ms")?,
     })
 }
 
 /// Reads every row; `op` names the operation in the error.
-pub fn records<R>(rows: Vec<R>, op: &'static str) -> Result<Vec<EventRecord>>
-where
-    R: Row,
-    for<'a> &'a str: ColumnIndex<R>,
-    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
-{
+pub fn records<R: OutboxRow>(rows: Vec<R>, op: &'static str) -> Result<Vec<EventRecord>> {
     rows.iter()
         .map(record)
         .collect::<std::result::Result<_, _>>()
@@ -111,17 +135,12 @@ where
 }
 
 /// Reads `minute_ms, delivered` rows of the deliveries-per-minute query.
-pub fn minute_counts<R>(rows: Vec<R>) -> Result<Vec<postbox_core::store::MinuteCount>>
-where
-    R: Row,
-    for<'a> &'a str: ColumnIndex<R>,
-    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
-{
+pub fn minute_counts<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::store::MinuteCount>> {
     rows.iter()
         .map(|r| {
             Ok(postbox_core::store::MinuteCount {
-                minute_ms: r.try_get("minute_ms")?,
-                delivered: r.try_get("delivered")?,
+                minute_ms: r.int("minute_ms")?,
+                delivered: r.int("delivered")?,
             })
         })
         .collect::<std::result::Result<_, sqlx::Error>>()
@@ -130,30 +149,23 @@ where
 
 /// Rows of a backend's `STUCK_AGGREGATES` query (aggregate_id, event_id,
 /// status, retry_count, last_error, age_ms, waiting).
-pub fn stuck_aggregates<R>(
+pub fn stuck_aggregates<R: OutboxRow>(
     app_code: &str,
     rows: Vec<R>,
-) -> Result<Vec<postbox_core::store::StuckAggregate>>
-where
-    R: Row,
-    for<'a> &'a str: ColumnIndex<R>,
-    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
-{
+) -> Result<Vec<postbox_core::store::StuckAggregate>> {
     let db = |e| db_error("find stuck aggregates", e);
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
-        let status: String = row.try_get("status").map_err(db)?;
+        let status = row.text("status").map_err(db)?;
         out.push(postbox_core::store::StuckAggregate {
             app_code: app_code.to_owned(),
-            aggregate_id: row.try_get("aggregate_id").map_err(db)?,
-            head_event_id: row.try_get("event_id").map_err(db)?,
+            aggregate_id: row.text("aggregate_id").map_err(db)?,
+            head_event_id: row.text("event_id").map_err(db)?,
             head_status: status.parse()?,
-            head_retry_count: row.try_get("retry_count").map_err(db)?,
-            head_last_error: row.try_get("last_error").map_err(db)?,
-            head_age_seconds: row.try_get::<i64, _>("age_ms").map_err(db)? as f64 / 1000.0,
-            waiting: row.try_get("waiting").map_err(db)?,
+            head_retry_count: row.int32("retry_count").map_err(db)?,
+            head_last_error: row.text_or_null("last_error").map_err(db)?,
+            head_age_seconds: row.int("age_ms").map_err(db)? as f64 / 1000.0,
+            waiting: row.int("waiting").map_err(db)?,
         });
     }
     Ok(out)
@@ -161,24 +173,19 @@ where
 
 /// Reads history rows selected as `at_ms, kind, attempt, publisher, detail`.
 /// An entry of a kind this version does not know is skipped with a warning.
-pub fn history_entries<R>(rows: Vec<R>) -> Result<Vec<postbox_core::store::HistoryEntry>>
-where
-    R: Row,
-    for<'a> &'a str: ColumnIndex<R>,
-    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
-    for<'r> i32: Decode<'r, R::Database> + Type<R::Database>,
-{
+pub fn history_entries<R: OutboxRow>(
+    rows: Vec<R>,
+) -> Result<Vec<postbox_core::store::HistoryEntry>> {
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
         let read = || -> std::result::Result<_, sqlx::Error> {
-            let kind: String = row.try_get("kind")?;
+            let kind = row.text("kind")?;
             Ok((
                 kind,
-                row.try_get::<i64, _>("at_ms")?,
-                row.try_get::<i32, _>("attempt")?,
-                row.try_get::<Option<String>, _>("publisher")?,
-                row.try_get::<Option<String>, _>("detail")?,
+                row.int("at_ms")?,
+                row.int32("attempt")?,
+                row.text_or_null("publisher")?,
+                row.text_or_null("detail")?,
             ))
         };
         let (kind, at_ms, attempt, publisher, detail) =

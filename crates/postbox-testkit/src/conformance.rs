@@ -106,6 +106,35 @@ pub fn fast_worker() -> WorkerConfig {
     }
 }
 
+/// [`fast_worker`] retrying a failed row up to `max_retry_count` times,
+/// backing off from `initial_backoff_ms` to at most `max_backoff_ms`.
+pub fn retrying_worker(
+    max_retry_count: u32,
+    initial_backoff_ms: u64,
+    max_backoff_ms: u64,
+) -> WorkerConfig {
+    WorkerConfig {
+        max_retry_count,
+        initial_backoff: HumanDuration::millis(initial_backoff_ms),
+        max_backoff: HumanDuration::millis(max_backoff_ms),
+        ..fast_worker()
+    }
+}
+
+/// Fences that are not `fence`'s claim's: `[another worker's, another
+/// lease end's]`. A mark or release under either writes nothing.
+pub fn wrong_fences(fence: &Fence) -> [Fence; 2] {
+    let wrong_worker = Fence {
+        worker_id: format!("not-{}", fence.worker_id),
+        ..fence.clone()
+    };
+    let wrong_lease = Fence {
+        lock_until_ms: fence.lock_until_ms + 1,
+        ..fence.clone()
+    };
+    [wrong_worker, wrong_lease]
+}
+
 fn events(n: usize, event_type: &str) -> Vec<NewEvent> {
     (0..n)
         .map(|i| {
@@ -152,6 +181,36 @@ pub async fn run_relay_until(
     done: impl Fn(&AppStats) -> bool,
 ) -> RelayReport {
     run_relay_until_for(store, publishers, config, APP, done).await
+}
+
+/// Runs a relay (3 s lease, 1 s publish timeout) on `app_code` until
+/// `events`, its only rows not yet delivered, all are, and checks that each
+/// was delivered on its first attempt. Returns the relay's publisher and
+/// how long the relay took.
+pub async fn relay_delivers_each_once(
+    store: Arc<dyn OutboxStore>,
+    app_code: &str,
+    events: &[NewEvent],
+) -> (Arc<RecordingPublisher>, Duration) {
+    let p = Arc::new(RecordingPublisher::new("rec"));
+    let config = WorkerConfig {
+        lease: HumanDuration::secs(3),
+        publish_timeout: HumanDuration::secs(1),
+        ..fast_worker()
+    };
+    let started = Instant::now();
+    let delivered = events.len() as i64;
+    run_relay_until_for(store.clone(), vec![p.clone()], config, app_code, |s| {
+        s.delivered == delivered
+    })
+    .await;
+    let took = started.elapsed();
+    for e in events {
+        let row = store.find(&e.event_id).await.unwrap().remove(0);
+        assert_eq!(row.status, Status::Delivered, "{row:?}");
+        assert_eq!(row.retry_count, 0, "{row:?}");
+    }
+    (p, took)
 }
 
 /// [`run_relay_until`] for the tenant `app`.
@@ -240,14 +299,7 @@ async fn mark_delivered_is_fenced(store: Arc<dyn OutboxStore>) {
         .unwrap();
     let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
     let fence = claimed[0].fence();
-    let wrong_worker = Fence {
-        worker_id: "other".into(),
-        ..fence.clone()
-    };
-    let wrong_lease = Fence {
-        lock_until_ms: fence.lock_until_ms + 1,
-        ..fence.clone()
-    };
+    let [wrong_worker, wrong_lease] = wrong_fences(&fence);
     assert_eq!(store.mark_delivered(&wrong_worker, &ids).await.unwrap(), 0);
     assert_eq!(store.mark_delivered(&wrong_lease, &ids).await.unwrap(), 0);
     assert_eq!(store.mark_delivered(&fence, &ids).await.unwrap(), 2);
@@ -682,12 +734,7 @@ async fn relay_follows_the_backoff_schedule(store: Arc<dyn OutboxStore>) {
     let e = NewEvent::new(APP, "Poison", "{}");
     enqueue(store.as_ref(), std::slice::from_ref(&e)).await;
     let p = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
-    let config = WorkerConfig {
-        max_retry_count: 4,
-        initial_backoff: HumanDuration::millis(200),
-        max_backoff: HumanDuration::millis(400),
-        ..fast_worker()
-    };
+    let config = retrying_worker(4, 200, 400);
     let start = Instant::now();
     run_relay_until(store.clone(), vec![p.clone()], config, |s| s.failed == 1).await;
     let took = start.elapsed();
@@ -822,10 +869,7 @@ async fn relay_orders_events_per_aggregate(store: Arc<dyn OutboxStore>) {
     let p = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
     let config = WorkerConfig {
         ordering: Ordering::PerAggregate,
-        max_retry_count: 4,
-        initial_backoff: HumanDuration::millis(100),
-        max_backoff: HumanDuration::millis(400),
-        ..fast_worker()
+        ..retrying_worker(4, 100, 400)
     };
     let shutdown = CancellationToken::new();
     let relays: Vec<_> = ["r1", "r2"]
@@ -1449,16 +1493,60 @@ async fn concurrent_claims_never_share_a_row(store: Arc<dyn OutboxStore>) {
     assert_eq!(stats(store.as_ref()).await.delivered, 200);
 }
 
+/// With the rows `load` writes (run on `pool`: tenant `plan` with 150
+/// pending, 200 retryable and 200 leased rows, half of each due, and a
+/// million delivered ones, beside another tenant's backlog), every claim
+/// query reads through its `app_code`-led index and at most 250 rows (the
+/// 100 rows claimed, read once through the claim index and once by primary
+/// key for the update, with a little slack), and explaining changes
+/// nothing. Drops the tables; returns the plans.
+pub async fn claims_use_their_index_over<DB>(
+    store: Arc<dyn OutboxStore>,
+    pool: sqlx::Pool<DB>,
+    load: &[String],
+) -> Vec<postbox_core::store::QueryPlan>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    for sql in load {
+        sqlx::query(sql).execute(&pool).await.expect("load rows");
+    }
+    let plans = store.explain_claims("plan", 100).await.unwrap();
+    crate::assert_claim_plans(&plans, 250);
+    let s = store.stats(&["plan".into()]).await.unwrap().remove(0);
+    assert_eq!(
+        (s.pending, s.retryable, s.delivering, s.delivered),
+        (150, 200, 200, 1_000_000)
+    );
+    let t = store.table().as_str();
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    plans
+}
+
 /// `migrate` after the outbox table (then its `_archive`/`_history`) were
 /// dropped by hand: the ledger still records version 3, yet `migrate`
 /// recreates what is missing, says so, and the store works again. Not a
-/// listed case because dropping tables needs the backend's pool: `exec`
-/// runs one SQL statement outside any transaction.
-pub async fn migrate_recreates_tables_dropped_by_hand<F, Fut>(store: Arc<dyn OutboxStore>, exec: F)
-where
-    F: Fn(String) -> Fut,
-    Fut: std::future::Future<Output = ()>,
+/// listed case because dropping tables needs the backend's `pool` (each
+/// `DROP` runs on it outside any transaction).
+pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
+    store: Arc<dyn OutboxStore>,
+    pool: sqlx::Pool<DB>,
+) where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
 {
+    let exec = |sql: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(&sql).execute(&pool).await.expect(&sql);
+        }
+    };
     let t = store.table().as_str().to_owned();
     let missing = |report: &postbox_core::store::SchemaReport| -> Vec<String> {
         report

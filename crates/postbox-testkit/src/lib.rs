@@ -13,6 +13,7 @@ pub mod publisher_suite;
 pub mod publishers;
 pub mod records;
 pub mod servers;
+pub mod store_setup;
 
 pub use publishers::RecordingPublisher;
 pub use servers::{amqp_url, mysql_url, nats_url, postgres_url, redis_url, scratch_table};

@@ -3,17 +3,16 @@
 //! touches only rows it could claim (MariaDB `ANALYZE` measures it).
 
 use postbox_mysql::MySqlOutbox;
-use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url};
-use postbox_testkit::{assert_claim_plans, scratch_table};
+use postbox_testkit::scratch_table;
+use postbox_testkit::servers::mysql_url;
+use postbox_testkit::store_setup::migrated;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_use_their_index_over_a_million_delivered_rows() {
-    let url = mysql_url();
-    ensure_database("mysql", &url).await;
-    let store = MySqlOutbox::connect(&url, &scratch_table("plans"), 2)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
-    store.migrate().await.unwrap();
+    let store = migrated("mysql", mysql_url(), |url| async move {
+        MySqlOutbox::connect(&url, &scratch_table("plans"), 2).await
+    })
+    .await;
     let t = store.table().as_str().to_owned();
     let load = [
         // History: a million delivered rows (MariaDB's sequence engine).
@@ -32,25 +31,14 @@ async fn claims_use_their_index_over_a_million_delivered_rows() {
                  FROM seq_1_to_200"),
         format!("ANALYZE TABLE {t}"),
     ];
-    for sql in &load {
-        sqlx::query(sql)
-            .execute(store.pool())
-            .await
-            .expect("load rows");
-    }
-    let plans = store.explain_claims("plan", 100).await.unwrap();
+    let plans = postbox_testkit::conformance::claims_use_their_index_over(
+        std::sync::Arc::new(store.clone()),
+        store.pool().clone(),
+        &load,
+    )
+    .await;
     assert!(
         plans.iter().all(|p| p.rows_examined.is_some()),
         "MariaDB measures rows read"
     );
-    assert_claim_plans(&plans, 250);
-    let s = store.stats(&["plan".into()]).await.unwrap().remove(0);
-    assert_eq!(
-        (s.pending, s.retryable, s.delivering, s.delivered),
-        (150, 200, 200, 1_000_000)
-    );
-    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
-        .execute(store.pool())
-        .await
-        .unwrap();
 }

@@ -4,16 +4,15 @@ use std::sync::Arc;
 
 use postbox_core::store::OutboxStore;
 use postbox_mysql::MySqlOutbox;
-use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url};
+use postbox_testkit::servers::mysql_url;
+use postbox_testkit::store_setup::migrated;
 use postbox_testkit::{conformance_suite, scratch_table};
 
 async fn fresh_store() -> Arc<dyn OutboxStore> {
-    let url = mysql_url();
-    ensure_database("mysql", &url).await;
-    let store = MySqlOutbox::connect(&url, &scratch_table("my"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
-    store.migrate().await.expect("migrate");
+    let store = migrated("mysql", mysql_url(), |url| async move {
+        MySqlOutbox::connect(&url, &scratch_table("my"), 4).await
+    })
+    .await;
     Arc::new(store)
 }
 

@@ -9,21 +9,21 @@ use sqlx::Row;
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, OutboxStore, ReplaySelector,
+    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector, ReplayStore,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};
 use postbox_mysql::MySqlOutbox;
 use postbox_testkit::scratch_table;
-use postbox_testkit::servers::{ensure_database, how_to_start, mysql_url};
+use postbox_testkit::servers::mysql_url;
+use postbox_testkit::store_setup::connected;
 
 /// Makes sure the test database exists and returns a migrated store on a
 /// fresh table.
 async fn store(prefix: &str) -> MySqlOutbox {
-    let url = mysql_url();
-    ensure_database("mysql", &url).await;
-    let store = MySqlOutbox::connect(&url, &scratch_table(prefix), 5)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("mysql")));
+    let store = connected("mysql", mysql_url(), |url| async move {
+        MySqlOutbox::connect(&url, &scratch_table(prefix), 5).await
+    })
+    .await;
     let report = store.migrate().await.expect("first migrate");
     assert_eq!(report.applied, vec![1, 2, 3]);
     assert_eq!(report.version, 3);
@@ -810,31 +810,14 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
     // A relay delivers rows committed after the open row, each once.
     let relay_events: Vec<NewEvent> = (0..5).map(|_| NewEvent::new("relay", "R", "{}")).collect();
     store.enqueue_batch(&relay_events, 1024).await.unwrap();
-    let shared: std::sync::Arc<dyn OutboxStore> = std::sync::Arc::new(store.clone());
-    let p = std::sync::Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
-    let config = postbox_core::config::WorkerConfig {
-        lease: postbox_core::config::HumanDuration::secs(3),
-        publish_timeout: postbox_core::config::HumanDuration::secs(1),
-        ..postbox_testkit::conformance::fast_worker()
-    };
-    let started = std::time::Instant::now();
-    postbox_testkit::conformance::run_relay_until_for(
-        shared,
-        vec![p.clone()],
-        config,
+    let (p, took) = postbox_testkit::conformance::relay_delivers_each_once(
+        std::sync::Arc::new(store.clone()),
         "relay",
-        |s| s.delivered == 5,
+        &relay_events,
     )
     .await;
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "took {:?}",
-        started.elapsed()
-    );
+    assert!(took < Duration::from_secs(3), "took {took:?}");
     for e in &relay_events {
-        let row = store.find(&e.event_id).await.unwrap().remove(0);
-        assert_eq!(row.status, Status::Delivered, "{row:?}");
-        assert_eq!(row.retry_count, 0, "{row:?}");
         assert_eq!(p.attempts(&e.event_id), 1, "published once: {}", e.event_id);
     }
 
@@ -850,12 +833,7 @@ async fn migrate_recreates_tables_dropped_by_hand() {
     let other = MySqlOutbox::new(pool.clone(), store.table().as_str()).unwrap();
     postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
         std::sync::Arc::new(store),
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&sql).execute(&pool).await.expect(&sql);
-            }
-        },
+        pool,
     )
     .await;
     drop_tables(&other).await;

@@ -3,17 +3,16 @@
 //! touches only rows it could claim.
 
 use postbox_postgres::PgOutbox;
-use postbox_testkit::servers::{ensure_database, how_to_start, postgres_url};
-use postbox_testkit::{assert_claim_plans, scratch_table};
+use postbox_testkit::scratch_table;
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_use_their_index_over_a_million_delivered_rows() {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("plans"), 2)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
+    let store = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("plans"), 2).await
+    })
+    .await;
     let t = store.table().as_str().to_owned();
     let load = [
         // History: a million delivered rows of the tenant being claimed.
@@ -33,24 +32,10 @@ async fn claims_use_their_index_over_a_million_delivered_rows() {
                  FROM generate_series(1, 200) g"),
         format!("ANALYZE {t}"),
     ];
-    for sql in &load {
-        sqlx::query(sql)
-            .execute(store.pool())
-            .await
-            .expect("load rows");
-    }
-    let plans = store.explain_claims("plan", 100).await.unwrap();
-    // At most the 100 rows claimed, read once through the claim index and
-    // once by primary key for the update, with a little slack.
-    assert_claim_plans(&plans, 250);
-    // Nothing was changed by explaining.
-    let s = store.stats(&["plan".into()]).await.unwrap().remove(0);
-    assert_eq!(
-        (s.pending, s.retryable, s.delivering, s.delivered),
-        (150, 200, 200, 1_000_000)
-    );
-    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
-        .execute(store.pool())
-        .await
-        .unwrap();
+    postbox_testkit::conformance::claims_use_their_index_over(
+        std::sync::Arc::new(store.clone()),
+        store.pool().clone(),
+        &load,
+    )
+    .await;
 }

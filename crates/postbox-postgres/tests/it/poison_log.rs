@@ -8,8 +8,9 @@ use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
 use postbox_core::store::OutboxStore;
 use postbox_core::NewEvent;
 use postbox_postgres::PgOutbox;
-use postbox_testkit::conformance::{fast_worker, run_relay_until_for};
-use postbox_testkit::servers::{ensure_database, how_to_start, postgres_url};
+use postbox_testkit::conformance::{fast_worker, retrying_worker, run_relay_until_for};
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
 use postbox_testkit::{scratch_table, RecordingPublisher};
 
 #[derive(Clone, Default)]
@@ -35,12 +36,10 @@ async fn poison_is_dead_lettered_and_logged_once_per_event() {
         .with_writer(move || writer.clone())
         .init();
 
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("poison"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
+    let store = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("poison"), 4).await
+    })
+    .await;
     let store: Arc<dyn OutboxStore> = Arc::new(store);
     let good: Vec<NewEvent> = (0..200)
         .map(|i| NewEvent::new("conf", "Good", format!("{{\"n\":{i}}}")))
@@ -52,12 +51,7 @@ async fn poison_is_dead_lettered_and_logged_once_per_event() {
     store.enqueue_batch(&good, 1 << 20).await.unwrap();
 
     let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
-    let config = WorkerConfig {
-        max_retry_count: 6,
-        initial_backoff: HumanDuration::millis(20),
-        max_backoff: HumanDuration::millis(60),
-        ..fast_worker()
-    };
+    let config = retrying_worker(6, 20, 60);
     run_relay_until_for(
         store.clone(),
         vec![publisher.clone()],
@@ -165,50 +159,35 @@ async fn a_panicking_stage_stops_the_relay_and_its_poison_ends_failed_after_rest
 }
 
 async fn fresh_store(prefix: &str) -> Arc<dyn OutboxStore> {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table(prefix), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
+    let store = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table(prefix), 4).await
+    })
+    .await;
     Arc::new(store)
 }
 
-/// Issue 9.13: a mark whose answer was lost after it committed is the
-/// relay's own result when retried, not a takeover.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_recognises_its_own_mark_after_a_lost_answer() {
-    postbox_testkit::faults::relay_recognises_its_own_mark_after_a_lost_answer(
-        fresh_store("lostack").await,
-    )
-    .await;
+/// One test per fault case of `postbox_testkit::faults`, each on a fresh
+/// table named after `$prefix`.
+macro_rules! fault_cases {
+    ($($(#[doc = $doc:literal])* $case:ident($prefix:literal);)*) => {$(
+        $(#[doc = $doc])*
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $case() {
+            postbox_testkit::faults::$case(fresh_store($prefix).await).await;
+        }
+    )*};
 }
 
-/// Issue 11: a database error while marking is reported as one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_reports_a_failed_mark_as_a_database_error() {
-    postbox_testkit::faults::relay_reports_a_failed_mark_as_a_database_error(
-        fresh_store("markerr").await,
-    )
-    .await;
-}
-
-/// Issue 11: a lost mark whose read-back fails too is a database error,
-/// not a takeover (failed before: counted and logged as fenced out).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_reports_an_unreadable_lost_mark_as_a_database_error() {
-    postbox_testkit::faults::relay_reports_an_unreadable_lost_mark_as_a_database_error(
-        fresh_store("markread").await,
-    )
-    .await;
-}
-
-/// Issue 11: a failed mark stage stops the relay with an error naming it,
-/// and the batches queued behind it are released.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_stops_with_an_error_when_its_mark_stage_fails() {
-    postbox_testkit::faults::relay_stops_with_an_error_when_its_mark_stage_fails(
-        fresh_store("markpanic").await,
-    )
-    .await;
+fault_cases! {
+    /// Issue 9.13: a mark whose answer was lost after it committed is the
+    /// relay's own result when retried, not a takeover.
+    relay_recognises_its_own_mark_after_a_lost_answer("lostack");
+    /// Issue 11: a database error while marking is reported as one.
+    relay_reports_a_failed_mark_as_a_database_error("markerr");
+    /// Issue 11: a lost mark whose read-back fails too is a database error,
+    /// not a takeover (failed before: counted and logged as fenced out).
+    relay_reports_an_unreadable_lost_mark_as_a_database_error("markread");
+    /// Issue 11: a failed mark stage stops the relay with an error naming it,
+    /// and the batches queued behind it are released.
+    relay_stops_with_an_error_when_its_mark_stage_fails("markpanic");
 }

@@ -2,25 +2,18 @@
 
 use std::sync::Arc;
 
-use postbox_core::store::OutboxStore;
+use postbox_core::store::{OutboxStore, ReplayStore};
 use postbox_core::{Error, NewEvent};
 use postbox_postgres::PgOutbox;
-use postbox_testkit::servers::{ensure_database, postgres_url};
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
 use postbox_testkit::{conformance_suite, scratch_table};
 
 async fn outbox() -> PgOutbox {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("pg"), 4)
-        .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}",
-                postbox_testkit::servers::how_to_start("postgres")
-            )
-        });
-    store.migrate().await.expect("migrate");
-    store
+    migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("pg"), 4).await
+    })
+    .await
 }
 
 async fn fresh_store() -> Arc<dyn OutboxStore> {
@@ -192,9 +185,8 @@ async fn time_range_replay_covers_archived_rows() {
 /// relay delivers them once each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_producer_transaction_does_not_stall_the_relay() {
-    use postbox_core::config::{HumanDuration, WorkerConfig};
     use postbox_core::store::ClaimRequest;
-    use postbox_core::{ClaimSource, Status};
+    use postbox_core::ClaimSource;
     use std::time::Duration;
     use tokio::time::timeout;
     let store = outbox().await;
@@ -231,26 +223,12 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
         .unwrap();
     assert_eq!(released, 2);
 
-    let shared: Arc<dyn OutboxStore> = Arc::new(store.clone());
-    let p = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
-    let config = WorkerConfig {
-        lease: HumanDuration::secs(3),
-        publish_timeout: HumanDuration::secs(1),
-        ..postbox_testkit::conformance::fast_worker()
-    };
-    postbox_testkit::conformance::run_relay_until_for(
-        shared,
-        vec![p.clone()],
-        config,
+    let (p, _) = postbox_testkit::conformance::relay_delivers_each_once(
+        Arc::new(store.clone()),
         "room",
-        |s| s.delivered == 6,
+        &committed,
     )
     .await;
-    for e in &committed {
-        let row = store.find(&e.event_id).await.unwrap().remove(0);
-        assert_eq!(row.status, Status::Delivered, "{row:?}");
-        assert_eq!(row.retry_count, 0, "{row:?}");
-    }
     assert_eq!(p.offers().len(), 2, "only the released rows were published");
     producer.commit().await.unwrap();
 }
@@ -259,14 +237,6 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
 async fn migrate_recreates_tables_dropped_by_hand() {
     let store = outbox().await;
     let pool = store.pool().clone();
-    postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
-        Arc::new(store),
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&sql).execute(&pool).await.expect(&sql);
-            }
-        },
-    )
-    .await;
+    postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(Arc::new(store), pool)
+        .await;
 }

@@ -20,7 +20,8 @@ use postbox_publishers::rabbitmq::RabbitMqPublisher;
 use postbox_publishers::webhook::WebhookPublisher;
 use postbox_testkit::conformance::fast_worker;
 use postbox_testkit::scratch_table;
-use postbox_testkit::servers::{ensure_database, how_to_start, postgres_url};
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
 use rabbitmq_support::*;
 
 const APP: &str = "im";
@@ -29,12 +30,10 @@ const N: usize = 500;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_webhook_outage_retries_only_the_webhook_and_rabbitmq_gets_each_event_once() {
     let _broker = broker_shared().await;
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("fanout"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.unwrap();
+    let store = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("fanout"), 4).await
+    })
+    .await;
     let store: Arc<dyn OutboxStore> = Arc::new(store);
     let events: Vec<NewEvent> = (0..N)
         .map(|i| {

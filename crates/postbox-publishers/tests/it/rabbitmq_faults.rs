@@ -16,7 +16,8 @@ use postbox_postgres::PgOutbox;
 use postbox_publishers::rabbitmq::RabbitMqPublisher;
 use postbox_testkit::conformance::fast_worker;
 use postbox_testkit::scratch_table;
-use postbox_testkit::servers::{ensure_database, how_to_start, postgres_url};
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
 use rabbitmq_support::*;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -24,12 +25,10 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const APP: &str = "rmq";
 
 async fn store() -> Arc<dyn OutboxStore> {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("rmq"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.expect("migrate");
+    let store = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("rmq"), 4).await
+    })
+    .await;
     Arc::new(store)
 }
 

@@ -3,9 +3,8 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use postbox_core::event::Fence;
 use postbox_core::store::{
-    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector,
+    ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector, ReplayStore,
 };
 use postbox_core::time::now_ms;
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};
@@ -238,14 +237,7 @@ async fn claim_pending_and_mark_delivered_with_fence() {
         .is_empty());
 
     // Wrong fences write nothing.
-    let wrong_worker = Fence {
-        worker_id: "worker-b".into(),
-        ..fence.clone()
-    };
-    let wrong_lease = Fence {
-        lock_until_ms: fence.lock_until_ms + 1,
-        ..fence.clone()
-    };
+    let [wrong_worker, wrong_lease] = postbox_testkit::conformance::wrong_fences(&fence);
     assert_eq!(
         o.mark_delivered(&wrong_worker, &ids(&claimed))
             .await
@@ -823,12 +815,7 @@ async fn migrate_recreates_tables_dropped_by_hand() {
     let store = SqliteOutbox::new(pool.clone(), TABLE).unwrap();
     postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(
         std::sync::Arc::new(store),
-        |sql| {
-            let pool = pool.clone();
-            async move {
-                sqlx::query(&sql).execute(&pool).await.expect(&sql);
-            }
-        },
+        pool,
     )
     .await;
 }
