@@ -516,6 +516,13 @@ impl Dialect for MySqlDialect {
     async fn explain_index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Vec<QueryPlan>> {
         crate::doctor::index_use(outbox, app_code).await
     }
+
+    fn due_query<'q>(
+        table: &TableName,
+        app_codes: &'q [String],
+    ) -> Option<(String, Vec<Value<'q>>)> {
+        Some(postbox_sqlx::due_union(table, sql::DUE_BRANCH, app_codes))
+    }
 }
 
 type MySqlOutbox = SqlOutbox<MySqlDialect>;

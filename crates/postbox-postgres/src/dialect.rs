@@ -198,4 +198,11 @@ impl Dialect for PgDialect {
     async fn explain_index_use(outbox: &SqlOutbox<Self>, app_code: &str) -> Result<Vec<QueryPlan>> {
         crate::explain::index_use(outbox, app_code).await
     }
+
+    fn due_query<'q>(
+        table: &TableName,
+        app_codes: &'q [String],
+    ) -> Option<(String, Vec<Value<'q>>)> {
+        Some((table.render(sql::DUE), vec![Value::Texts(app_codes)]))
+    }
 }

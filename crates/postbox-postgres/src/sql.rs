@@ -455,3 +455,28 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
 /// The statements the engine runs, by the name it knows them by (each
 /// field of [`postbox_sqlx::Statements`] is the constant of that name here).
 pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements!();
+
+/// The idle probe (`RelayStore::due`) for every app_code at once (`$1`, a
+/// text array): per app_code, whether a pending row exists and how long
+/// until the earliest retryable row is due and the earliest lease ends.
+/// Each sub-query reads the first entry of an index prefix: `EXISTS` on an
+/// `(app_code, status, …)` index (the planner picks
+/// `{table}_claim_retry_idx` or `{table}_status_id_idx`),
+/// `MIN(next_retry_at_ms)` on `{table}_claim_retry_idx (app_code, status,
+/// next_retry_at_ms, …)`, `MIN(lock_until_ms)` on `{table}_claim_lease_idx
+/// (app_code, status, lock_until_ms, …)`; never a scan (checked with
+/// `EXPLAIN ANALYZE`).
+pub(crate) const DUE: &str = concat!(
+    "SELECT a.app_code, \
+       CASE WHEN EXISTS (SELECT 1 FROM {table} o \
+         WHERE o.app_code = a.app_code AND o.status = 'pending') THEN 1 ELSE 0 END::BIGINT AS pending, \
+       (SELECT MIN(o.next_retry_at_ms) FROM {table} o \
+         WHERE o.app_code = a.app_code AND o.status = 'retryable') - ",
+    now_ms!(),
+    " AS retry_in_ms, \
+       (SELECT MIN(o.lock_until_ms) FROM {table} o \
+         WHERE o.app_code = a.app_code AND o.status = 'delivering') - ",
+    now_ms!(),
+    " AS lease_in_ms \
+     FROM unnest($1::text[]) AS a(app_code)"
+);

@@ -276,6 +276,13 @@ impl Dialect for SqliteDialect {
     async fn explain_index_use(outbox: &SqlOutbox<Self>, app_code: &str) -> Result<Vec<QueryPlan>> {
         crate::explain::index_use(outbox, app_code).await
     }
+
+    fn due_query<'q>(
+        table: &TableName,
+        app_codes: &'q [String],
+    ) -> Option<(String, Vec<Value<'q>>)> {
+        Some(postbox_sqlx::due_union(table, sql::DUE_BRANCH, app_codes))
+    }
 }
 
 /// Rolls back a batch whose statement failed, and returns its error.

@@ -10,6 +10,7 @@ pub mod http;
 pub mod publisher_suite;
 pub mod publishers;
 pub mod servers;
+pub mod wake;
 
 pub use publishers::RecordingPublisher;
 pub use servers::{amqp_url, mysql_url, nats_url, postgres_url, redis_url, scratch_table};

@@ -4,3 +4,4 @@
 mod claim_plans;
 mod conformance;
 mod mysql_backend;
+mod wake;

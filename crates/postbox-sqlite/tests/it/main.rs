@@ -3,3 +3,4 @@
 
 mod conformance;
 mod sqlite_backend;
+mod wake;
