@@ -500,7 +500,7 @@ impl SchemaReport {
 /// One expected table or index.
 #[derive(Debug, Clone, Serialize)]
 pub struct SchemaObject {
-    /// `table` or `index`.
+    /// `table`, `index` or `trigger` (PostgreSQL's wake-up trigger).
     pub kind: &'static str,
     /// Its name.
     pub name: String,

@@ -473,6 +473,13 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     ) -> std::result::Result<(), sqlx::Error> {
         Ok(())
     }
+
+    /// Triggers `migrate` creates (suffixes after the table name), which
+    /// the schema report lists; [`Statements::doctor_objects`] must name
+    /// them when present. None by default.
+    fn triggers() -> &'static [&'static str] {
+        &[]
+    }
 }
 
 /// The future of a push wake-up ([`Dialect::listen`]).
@@ -703,14 +710,17 @@ macro_rules! unarchive_insert {
 
 /// A dialect's [`Migration`]s from the constants `V1_SCHEMA`, `V2_HISTORY`
 /// and `V3_LIST_INDEX` of the module it is invoked in: every database has
-/// the same versions, each with its own DDL.
+/// the same versions, each with its own DDL. Versions only one database
+/// has follow as `(version, description, statements)` (PostgreSQL's
+/// wake-up trigger).
 #[macro_export]
 macro_rules! migrations {
-    () => {
+    ($($more:expr),* $(,)?) => {
         &[
             (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
             (2, "attempt history", V2_HISTORY),
             (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+            $($more,)*
         ]
     };
 }

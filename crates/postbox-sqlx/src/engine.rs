@@ -869,13 +869,22 @@ impl SqlOutbox<D> {
         } else {
             None
         };
-        Ok(SchemaReport::from_catalog(
+        let mut report = SchemaReport::from_catalog(
             t,
             version.unwrap_or(0) as u32,
             D::MIGRATIONS.last().map_or(0, |m| m.0),
             &names,
             D::EXTRA_INDEXES,
-        ))
+        );
+        report.objects.extend(D::triggers().iter().map(|suffix| {
+            let name = format!("{t}{suffix}");
+            postbox_core::store::SchemaObject {
+                kind: "trigger",
+                present: names.contains(&name),
+                name,
+            }
+        }));
+        Ok(report)
     }
 }
 }
