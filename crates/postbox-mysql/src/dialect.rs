@@ -214,6 +214,7 @@ impl Dialect for MySqlDialect {
     /// Continued by [`MySqlDialect::continue_ids`] instead.
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[];
     const EXTRA_INDEXES: &'static [&'static str] = &[];
+    const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
     /// A pooled connection whose next transaction runs at READ COMMITTED:
     /// its locking reads take no gap locks, so claims and replays never
     /// block producers' inserts, and rows that do not match are unlocked at
@@ -515,13 +516,6 @@ impl Dialect for MySqlDialect {
 
     async fn explain_index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Vec<QueryPlan>> {
         crate::doctor::index_use(outbox, app_code).await
-    }
-
-    fn due_query<'q>(
-        table: &TableName,
-        app_codes: &'q [String],
-    ) -> Option<(String, Vec<Value<'q>>)> {
-        Some(postbox_sqlx::due_union(table, sql::DUE_BRANCH, app_codes))
     }
 }
 

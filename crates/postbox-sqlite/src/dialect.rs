@@ -62,6 +62,7 @@ impl Dialect for SqliteDialect {
     const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = sql::CONTINUE_IDS_AFTER_ARCHIVE;
     const EXTRA_INDEXES: &'static [&'static str] = &[];
+    const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
 
     fn own(t: &TableName) -> Own {
         Own {
@@ -275,13 +276,6 @@ impl Dialect for SqliteDialect {
 
     async fn explain_index_use(outbox: &SqlOutbox<Self>, app_code: &str) -> Result<Vec<QueryPlan>> {
         crate::explain::index_use(outbox, app_code).await
-    }
-
-    fn due_query<'q>(
-        table: &TableName,
-        app_codes: &'q [String],
-    ) -> Option<(String, Vec<Value<'q>>)> {
-        Some(postbox_sqlx::due_union(table, sql::DUE_BRANCH, app_codes))
     }
 }
 

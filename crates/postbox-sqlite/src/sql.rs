@@ -453,23 +453,6 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
 /// field of [`postbox_sqlx::Statements`] is the constant of that name here).
 pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements!();
 
-/// One app_code's branch of the idle probe (`RelayStore::due`), which
-/// joins one branch per app_code with `UNION ALL`; binds the app_code four
-/// times. Whether a pending row exists and how long until the earliest
-/// retryable row is due and the earliest lease ends, each reading the
-/// first entry of an index prefix: `EXISTS` on an `(app_code, status, …)`
-/// index (the planner picks `{table}_claim_retry_idx` or
-/// `{table}_status_id_idx`), `MIN(next_retry_at_ms)` on
-/// `{table}_claim_retry_idx (app_code, status, next_retry_at_ms, …)`,
-/// `MIN(lock_until_ms)` on `{table}_claim_lease_idx (app_code, status,
-/// lock_until_ms, …)`; never a scan.
-pub(crate) const DUE_BRANCH: &str = concat!(
-    "SELECT CAST(? AS TEXT) AS app_code, \
-       EXISTS (SELECT 1 FROM {table} WHERE app_code = ? AND status = 'pending') AS pending, \
-       (SELECT MIN(next_retry_at_ms) FROM {table} WHERE app_code = ? AND status = 'retryable') - ",
-    now_ms!(),
-    " AS retry_in_ms, \
-       (SELECT MIN(lock_until_ms) FROM {table} WHERE app_code = ? AND status = 'delivering') - ",
-    now_ms!(),
-    " AS lease_in_ms"
-);
+/// One app_code's branch of the idle probe (`RelayStore::due`; the
+/// indexes each sub-query probes: `postbox_sqlx::due_branch!`).
+pub(crate) const DUE_BRANCH: &str = postbox_sqlx::due_branch!("TEXT", now_ms!());

@@ -447,11 +447,16 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// delivering row), each an index probe on the claim indexes. `None`:
     /// no probe (the relay runs every claim query).
     fn due_query<'q>(
-        _table: &TableName,
-        _app_codes: &'q [String],
+        table: &TableName,
+        app_codes: &'q [String],
     ) -> Option<(String, Vec<Value<'q>>)> {
-        None
+        Self::DUE_BRANCH.map(|branch| crate::due_union(table, branch, app_codes))
     }
+
+    /// The idle probe as one `UNION ALL` branch per app_code
+    /// ([`crate::due_branch!`]), for a database without array parameters;
+    /// the default [`Dialect::due_query`] uses it. `None`: no probe.
+    const DUE_BRANCH: Option<&'static str> = None;
 
     /// The database's push wake-up: a future that signals `wake` on every
     /// notification of new rows until `shutdown` (PostgreSQL `LISTEN`).

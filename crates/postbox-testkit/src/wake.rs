@@ -1,6 +1,6 @@
 //! Wake-up and idle cost (issue 12): the idle probe, what an idle relay
 //! asks of its store, and how soon a woken relay delivers. Every backend
-//! runs these cases from its `tests/it/wake.rs`.
+//! runs these cases through `wake_suite!`.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -264,4 +264,43 @@ where
 /// The events of [`an_idle_relay_wakes_for`]: one of `app`, with its id.
 pub fn wake_event(app: &str) -> NewEvent {
     event(app, 1)
+}
+
+/// Generates the wake-up tests for a backend: the idle probe's answers,
+/// the idle relay's store calls, and an in-process `enqueue` (in the
+/// caller's transaction, committed 100 ms later) waking a relay that polls
+/// every 30 s. The argument is an async fn returning a fresh, migrated
+/// `SqlOutbox` of the backend.
+#[macro_export]
+macro_rules! wake_suite {
+    ($make:path) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn due_answers_per_app_code() {
+            $crate::wake::due_answers_per_app_code(std::sync::Arc::new($make().await)).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn idle_relay_makes_one_store_call_per_second() {
+            $crate::wake::idle_relay_makes_one_store_call_per_second(std::sync::Arc::new(
+                $make().await,
+            ))
+            .await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn enqueue_wakes_an_idle_relay_in_the_same_process() {
+            let store = $make().await;
+            let producer = store.clone();
+            $crate::wake::an_idle_relay_wakes_for(std::sync::Arc::new(store), "wake", async move {
+                let event = $crate::wake::wake_event("wake");
+                let mut tx = producer.begin_write().await.expect("begin");
+                producer.enqueue(&mut tx, &event).await.expect("enqueue");
+                // The caller commits a little after its enqueue signalled.
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                tx.commit().await.expect("commit");
+                event.event_id
+            })
+            .await;
+        }
+    };
 }

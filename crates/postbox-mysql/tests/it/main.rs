@@ -4,4 +4,3 @@
 mod claim_plans;
 mod conformance;
 mod mysql_backend;
-mod wake;

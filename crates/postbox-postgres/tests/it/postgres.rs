@@ -8,7 +8,7 @@ use postbox_postgres::PgOutbox;
 use postbox_testkit::servers::{ensure_database, postgres_url};
 use postbox_testkit::{conformance_suite, scratch_table};
 
-async fn outbox() -> PgOutbox {
+pub(crate) async fn outbox() -> PgOutbox {
     let url = postgres_url();
     ensure_database("postgres", &url).await;
     let store = PgOutbox::connect(&url, &scratch_table("pg"), 4)

@@ -1,32 +1,16 @@
-//! Wake-up and idle cost on PostgreSQL (issue 12): the trigger `migrate`
-//! creates notifies `postbox_<table>` once per INSERT statement, and the
-//! relay LISTENs.
+//! Push wake-up on PostgreSQL (issue 12): the trigger `migrate` creates
+//! notifies `postbox_<table>` once per INSERT statement, and the relay
+//! LISTENs.
 
 use std::sync::Arc;
 
-use postbox_postgres::PgOutbox;
-use postbox_testkit::servers::{ensure_database, how_to_start, postgres_url};
-use postbox_testkit::{scratch_table, wake};
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::wake;
 
-async fn outbox() -> PgOutbox {
-    let url = postgres_url();
-    ensure_database("postgres", &url).await;
-    let store = PgOutbox::connect(&url, &scratch_table("pgw"), 4)
-        .await
-        .unwrap_or_else(|e| panic!("{}: {e}", how_to_start("postgres")));
-    store.migrate().await.expect("migrate");
-    store
-}
+use super::postgres::outbox;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn due_answers_per_app_code() {
-    wake::due_answers_per_app_code(Arc::new(outbox().await)).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_relay_makes_one_store_call_per_second() {
-    wake::idle_relay_makes_one_store_call_per_second(Arc::new(outbox().await)).await;
-}
+// The probe, the idle cost, and the in-process wake, as on every backend.
+postbox_testkit::wake_suite!(outbox);
 
 /// A producer in another language: a plain INSERT, not the API, wakes a
 /// relay polling every 30 s through the trigger's NOTIFY.

@@ -3,4 +3,3 @@
 
 mod conformance;
 mod sqlite_backend;
-mod wake;
