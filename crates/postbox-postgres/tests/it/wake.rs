@@ -125,3 +125,48 @@ async fn a_lost_listen_connection_is_re_established() {
     })
     .await;
 }
+
+/// A replay run elsewhere (another store, so no in-process wake reaches
+/// the relay) notifies inside its transaction: the idle relay delivers the
+/// replayed event without waiting for the poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_elsewhere_wakes_an_idle_relay() {
+    use postbox_core::store::{ClaimRequest, ReplaySelector};
+    let store = outbox().await;
+    let elsewhere =
+        postbox_postgres::PgOutbox::new(store.pool().clone(), store.table().as_str()).unwrap();
+    let event = wake::wake_event("wake");
+    elsewhere
+        .enqueue_batch(std::slice::from_ref(&event), 1 << 20)
+        .await
+        .expect("enqueue");
+    let req = ClaimRequest {
+        app_code: "wake",
+        limit: 1,
+        worker_id: "w-before",
+        lease_ms: 30_000,
+        ordered: false,
+    };
+    let claimed = elsewhere
+        .claim(postbox_core::ClaimSource::Pending, &req)
+        .await
+        .expect("claim");
+    let delivered = elsewhere
+        .mark_delivered(&claimed[0].fence(), &[claimed[0].record.id])
+        .await
+        .expect("deliver");
+    assert_eq!(delivered, 1);
+    wake::an_idle_relay_wakes_for(Arc::new(store), "wake", async move {
+        let selector = ReplaySelector::EventIds {
+            app_code: Some("wake".into()),
+            event_ids: vec![event.event_id.clone()],
+        };
+        let replayed = elsewhere
+            .replay(&selector, false, "test")
+            .await
+            .expect("replay");
+        assert_eq!(replayed.len(), 1);
+        event.event_id
+    })
+    .await;
+}
