@@ -500,7 +500,7 @@ impl SchemaReport {
 /// One expected table or index.
 #[derive(Debug, Clone, Serialize)]
 pub struct SchemaObject {
-    /// `table` or `index`.
+    /// `table`, `index` or `trigger` (PostgreSQL's wake-up trigger).
     pub kind: &'static str,
     /// Its name.
     pub name: String,
@@ -671,6 +671,41 @@ pub trait RelayStore: Send + Sync + 'static {
     /// Rows with this event id (one per app_code at most). The relay reads
     /// a row back to recognise its own mark when a mark's answer was lost.
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>>;
+
+    /// The idle probe: per app_code, in one statement for all of them,
+    /// whether a `pending` row exists and how long until the earliest
+    /// retryable row is due and the earliest lease ends (database clock),
+    /// each an index probe on the claim indexes. The relay runs it instead
+    /// of the claim queries when idle, and claims only what is due. The
+    /// default answers "anything may be due" without asking the database
+    /// (the relay then runs every claim query, as a store that cannot
+    /// probe must).
+    async fn due(&self, app_codes: &[String]) -> Result<Vec<crate::wake::Due>> {
+        Ok(app_codes
+            .iter()
+            .map(|a| crate::wake::Due::anything(a))
+            .collect())
+    }
+
+    /// The in-process wake handle the store signals after writing events
+    /// (`enqueue`); the relay wakes on it. `None`: the store signals
+    /// nothing (the relay polls).
+    fn wake(&self) -> Option<crate::wake::Wake> {
+        None
+    }
+
+    /// The database's push wake-up (PostgreSQL: `LISTEN` on the table's
+    /// channel, on a connection of its own): a future that signals `wake`
+    /// on every notification, and after re-establishing a lost connection
+    /// (notifications may have been missed), until `shutdown`. `None` when
+    /// the database pushes nothing.
+    fn listen(
+        &self,
+        _wake: crate::wake::Wake,
+        _shutdown: tokio_util::sync::CancellationToken,
+    ) -> Option<futures::future::BoxFuture<'static, ()>> {
+        None
+    }
 }
 
 /// Writing events outside a service's own transaction (CLI and tools).

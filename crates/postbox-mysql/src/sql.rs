@@ -505,6 +505,10 @@ pub(crate) const V2_HISTORY: &[&str] = &["CREATE TABLE IF NOT EXISTS {table}_his
        KEY {table}_history_event_idx (event_id, app_code, id) \
      ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"];
 
+/// One app_code's branch of the idle probe (`RelayStore::due`; the
+/// indexes each sub-query probes: `postbox_sqlx::due_branch!`).
+pub(crate) const DUE_BRANCH: &str = postbox_sqlx::due_branch!("CHAR(64)", now_ms!());
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -186,4 +186,38 @@ impl Dialect for PgDialect {
     async fn explain_index_use(outbox: &SqlOutbox<Self>, app_code: &str) -> Result<Vec<QueryPlan>> {
         crate::explain::index_use(outbox, app_code).await
     }
+
+    fn due_query<'q>(
+        table: &TableName,
+        app_codes: &'q [String],
+    ) -> Option<(String, Vec<Value<'q>>)> {
+        Some((table.render(sql::DUE), vec![Value::Texts(app_codes)]))
+    }
+
+    fn listen(
+        outbox: &SqlOutbox<Self>,
+        wake: postbox_core::wake::Wake,
+        shutdown: postbox_core::relay::CancellationToken,
+    ) -> Option<postbox_sqlx::dialect::WakeFuture> {
+        let options = (*outbox.pool().connect_options()).clone();
+        let channel = crate::wake::channel(outbox.table());
+        Some(Box::pin(crate::wake::listen(
+            options, channel, wake, shutdown,
+        )))
+    }
+
+    fn triggers() -> &'static [&'static str] {
+        &["_wake"]
+    }
+
+    async fn notify_pending(
+        outbox: &SqlOutbox<Self>,
+        conn: &mut PgConnection,
+    ) -> std::result::Result<(), sqlx::Error> {
+        sqlx::query(sql::NOTIFY_PENDING)
+            .bind(crate::wake::channel(outbox.table()))
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
 }

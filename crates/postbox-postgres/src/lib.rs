@@ -23,6 +23,7 @@
 mod dialect;
 mod explain;
 mod sql;
+mod wake;
 
 pub use dialect::PgDialect;
 

@@ -291,7 +291,10 @@ pub(crate) const DOCTOR_VERSION: &str =
 /// Tables and indexes of the current schema, by name.
 pub(crate) const DOCTOR_OBJECTS: &str =
     "SELECT c.relname::TEXT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-     WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p', 'i')";
+     WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p', 'i') \
+     UNION ALL SELECT t.tgname::TEXT FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid \
+       JOIN pg_namespace n ON n.oid = c.relnamespace \
+     WHERE n.nspname = current_schema() AND NOT t.tgisinternal";
 
 // ---- schema ----
 
@@ -377,8 +380,56 @@ pub(crate) const V2_HISTORY: &[&str] = postbox_sqlx::v2_history!(
 );
 
 /// `(version, description, statements)`, applied in order.
-pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!();
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!((
+    4,
+    "wake-up trigger (NOTIFY postbox_<table> once per INSERT statement)",
+    V4_WAKE_TRIGGER
+));
 
 /// The statements the engine runs, by the name it knows them by (each
 /// field of [`postbox_sqlx::Statements`] is the constant of that name here).
 pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements!();
+
+/// The idle probe (`RelayStore::due`) for every app_code at once (`$1`, a
+/// text array): per app_code, whether a pending row exists and how long
+/// until the earliest retryable row is due and the earliest lease ends.
+/// Each sub-query reads the first entry of an index prefix: `EXISTS` on an
+/// `(app_code, status, …)` index (the planner picks
+/// `{table}_claim_retry_idx` or `{table}_status_id_idx`),
+/// `MIN(next_retry_at_ms)` on `{table}_claim_retry_idx (app_code, status,
+/// next_retry_at_ms, …)`, `MIN(lock_until_ms)` on `{table}_claim_lease_idx
+/// (app_code, status, lock_until_ms, …)`; never a scan (checked with
+/// `EXPLAIN ANALYZE`).
+pub(crate) const DUE: &str = concat!(
+    "SELECT a.app_code, \
+       CASE WHEN EXISTS (SELECT 1 FROM {table} o \
+         WHERE o.app_code = a.app_code AND o.status = 'pending') THEN 1 ELSE 0 END::BIGINT AS pending, \
+       (SELECT MIN(o.next_retry_at_ms) FROM {table} o \
+         WHERE o.app_code = a.app_code AND o.status = 'retryable') - ",
+    now_ms!(),
+    " AS retry_in_ms, \
+       (SELECT MIN(o.lock_until_ms) FROM {table} o \
+         WHERE o.app_code = a.app_code AND o.status = 'delivering') - ",
+    now_ms!(),
+    " AS lease_in_ms \
+     FROM unnest($1::text[]) AS a(app_code)"
+);
+
+/// Version 4: push wake-up. After every `INSERT` statement into the outbox
+/// table (the API's, or any producer's plain SQL), one `NOTIFY` on channel
+/// `postbox_<table>` (the table name as PostgreSQL stores it, cut to 63
+/// bytes: [`crate::wake::channel`]). Statement-level, and PostgreSQL folds
+/// identical notifications of one transaction: a million-row insert costs
+/// one notification, delivered at commit. Relays `LISTEN` on the channel.
+pub(crate) const V4_WAKE_TRIGGER: &[&str] = &[
+    "CREATE OR REPLACE FUNCTION {table}_wake() RETURNS trigger LANGUAGE plpgsql AS $$ \
+     BEGIN PERFORM pg_notify(left('postbox_' || TG_TABLE_NAME, 63), ''); RETURN NULL; END $$",
+    "DROP TRIGGER IF EXISTS {table}_wake ON {table}",
+    "CREATE TRIGGER {table}_wake AFTER INSERT ON {table} \
+     FOR EACH STATEMENT EXECUTE FUNCTION {table}_wake()",
+];
+
+/// Wakes listening relays inside a replay's transaction (rows set back to
+/// pending by an UPDATE, which the insert trigger does not see); the
+/// channel is bound.
+pub(crate) const NOTIFY_PENDING: &str = "SELECT pg_notify($1, '')";

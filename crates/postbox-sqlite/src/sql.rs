@@ -400,3 +400,7 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
 /// The statements the engine runs, by the name it knows them by (each
 /// field of [`postbox_sqlx::Statements`] is the constant of that name here).
 pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements!();
+
+/// One app_code's branch of the idle probe (`RelayStore::due`; the
+/// indexes each sub-query probes: `postbox_sqlx::due_branch!`).
+pub(crate) const DUE_BRANCH: &str = postbox_sqlx::due_branch!("TEXT", now_ms!());

@@ -458,7 +458,57 @@ pub trait Dialect: Sized + Send + Sync + 'static {
 
     /// Whether the claim and archive queries can use their indexes.
     async fn explain_index_use(outbox: &SqlOutbox<Self>, app_code: &str) -> Result<Vec<QueryPlan>>;
+
+    /// The idle probe for `app_codes` (at least one): a statement and its
+    /// binds returning, per app_code, `app_code`, `pending` (integer, 0 or
+    /// 1: a pending row exists), `retry_in_ms` (earliest
+    /// `next_retry_at_ms` of a retryable row minus the database clock,
+    /// NULL when none) and `lease_in_ms` (likewise for `lock_until_ms` of a
+    /// delivering row), each an index probe on the claim indexes. `None`:
+    /// no probe (the relay runs every claim query).
+    fn due_query<'q>(
+        table: &TableName,
+        app_codes: &'q [String],
+    ) -> Option<(String, Vec<Value<'q>>)> {
+        Self::DUE_BRANCH.map(|branch| crate::due_union(table, branch, app_codes))
+    }
+
+    /// The idle probe as one `UNION ALL` branch per app_code
+    /// ([`crate::due_branch!`]), for a database without array parameters;
+    /// the default [`Dialect::due_query`] uses it. `None`: no probe.
+    const DUE_BRANCH: Option<&'static str> = None;
+
+    /// The database's push wake-up: a future that signals `wake` on every
+    /// notification of new rows until `shutdown` (PostgreSQL `LISTEN`).
+    /// `None`: the database pushes nothing.
+    fn listen(
+        _outbox: &SqlOutbox<Self>,
+        _wake: postbox_core::wake::Wake,
+        _shutdown: postbox_core::relay::CancellationToken,
+    ) -> Option<WakeFuture> {
+        None
+    }
+
+    /// Tells listening relays, inside the transaction, that rows became
+    /// pending by an UPDATE (replay), which no insert trigger sees.
+    /// Nothing by default.
+    async fn notify_pending(
+        _outbox: &SqlOutbox<Self>,
+        _conn: &mut <Self::DB as Database>::Connection,
+    ) -> std::result::Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    /// Triggers `migrate` creates (suffixes after the table name), which
+    /// the schema report lists; [`Statements::doctor_objects`] must name
+    /// them when present. None by default.
+    fn triggers() -> &'static [&'static str] {
+        &[]
+    }
 }
+
+/// The future of a push wake-up ([`Dialect::listen`]).
+pub type WakeFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'static>>;
 
 /// A dialect's [`Statements`] from the constants of the module it is
 /// invoked in, each named as its field in upper case (`now_ms: NOW_MS`,
@@ -838,14 +888,17 @@ macro_rules! v2_history {
 
 /// A dialect's [`Migration`]s from the constants `V1_SCHEMA`, `V2_HISTORY`
 /// and `V3_LIST_INDEX` of the module it is invoked in: every database has
-/// the same versions, each with its own DDL.
+/// the same versions, each with its own DDL. Versions only one database
+/// has follow as `(version, description, statements)` (PostgreSQL's
+/// wake-up trigger).
 #[macro_export]
 macro_rules! migrations {
-    () => {
+    ($($more:expr),* $(,)?) => {
         &[
             (1, "outbox table, claim indexes, archive table", V1_SCHEMA),
             (2, "attempt history", V2_HISTORY),
             (3, "list index (app_code, status, id)", V3_LIST_INDEX),
+            $($more,)*
         ]
     };
 }

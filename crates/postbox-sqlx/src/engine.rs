@@ -20,7 +20,10 @@ use postbox_core::store::{
 };
 use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
 
-use crate::dialect::{Dialect, ReplayStep, Statements, Value, Q};
+use postbox_core::relay::CancellationToken;
+use postbox_core::wake::{Due, Wake};
+
+use crate::dialect::{Dialect, ReplayStep, Statements, Value, WakeFuture, Q};
 use crate::{db_error, filter_query, history_entries, list_query, minute_counts, records, ListArg};
 
 /// An outbox table in the database of dialect `D`. `PgOutbox`,
@@ -31,6 +34,8 @@ pub struct SqlOutbox<D: Dialect> {
     max_payload_bytes: usize,
     sql: Arc<Statements<String>>,
     own: Arc<D::Own>,
+    /// Signalled after every `enqueue` (shared by clones).
+    wake: postbox_core::wake::Wake,
 }
 
 impl<D: Dialect> Clone for SqlOutbox<D> {
@@ -41,6 +46,7 @@ impl<D: Dialect> Clone for SqlOutbox<D> {
             max_payload_bytes: self.max_payload_bytes,
             sql: self.sql.clone(),
             own: self.own.clone(),
+            wake: self.wake.clone(),
         }
     }
 }
@@ -91,6 +97,7 @@ impl<D: Dialect> SqlOutbox<D> {
             own: Arc::new(D::own(&table)),
             table,
             max_payload_bytes: 1024 * 1024,
+            wake: postbox_core::wake::Wake::new(),
         })
     }
 
@@ -164,7 +171,11 @@ impl<D: Dialect> SqlOutbox<D> {
         event: &NewEvent,
     ) -> Result<i64> {
         event.validate(self.max_payload_bytes)?;
-        D::insert_event(self, conn, event).await
+        let id = D::insert_event(self, conn, event).await?;
+        // A relay in this process wakes (and polls fast until the caller
+        // commits).
+        self.wake.signal();
+        Ok(id)
     }
 
     /// `postgres`, `mysql` or `sqlite`.
@@ -673,11 +684,17 @@ impl SqlOutbox<D> {
                         .map_err(db)?;
                 }
                 self.prune_history(&mut tx, &ids).await.map_err(db)?;
+                // Rows are pending again: wake relays (in this transaction).
+                D::notify_pending(self, &mut tx).await.map_err(db)?;
             }
             Ok(out)
         }
         .await;
-        finish(tx, res, "replay").await
+        let out = finish(tx, res, "replay").await?;
+        if !dry_run && !out.is_empty() {
+            self.wake.signal();
+        }
+        Ok(out)
     }
 
     /// Moves old delivered rows into the archive in batches, under the
@@ -868,13 +885,66 @@ impl SqlOutbox<D> {
         } else {
             None
         };
-        Ok(SchemaReport::from_catalog(
+        let mut report = SchemaReport::from_catalog(
             t,
             version.unwrap_or(0) as u32,
             D::MIGRATIONS.last().map_or(0, |m| m.0),
             &names,
             D::EXTRA_INDEXES,
-        ))
+        );
+        report.objects.extend(D::triggers().iter().map(|suffix| {
+            let name = format!("{t}{suffix}");
+            postbox_core::store::SchemaObject {
+                kind: "trigger",
+                present: names.contains(&name),
+                name,
+            }
+        }));
+        Ok(report)
+    }
+}
+}
+
+engine_impl! {
+impl SqlOutbox<D> {
+    /// The idle probe ([`postbox_core::RelayStore::due`]): one statement
+    /// for every app_code ([`Dialect::due_query`]); a dialect without one
+    /// answers "anything may be due" without a round trip.
+    pub async fn due(&self, app_codes: &[String]) -> Result<Vec<Due>> {
+        use sqlx::Row;
+        if app_codes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some((sql, binds)) = D::due_query(&self.table, app_codes) else {
+            return Ok(app_codes.iter().map(|a| Due::anything(a)).collect());
+        };
+        let db = |e| db_error("probe for due rows", e);
+        let rows = query::<D>(&sql, binds)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|row| {
+                Ok(Due {
+                    app_code: row.try_get("app_code")?,
+                    pending: row.try_get::<i64, _>("pending")? != 0,
+                    retry_in_ms: row.try_get("retry_in_ms")?,
+                    lease_in_ms: row.try_get("lease_in_ms")?,
+                })
+            })
+            .collect::<std::result::Result<_, sqlx::Error>>()
+            .map_err(db)
+    }
+
+    /// The handle `enqueue` signals after every insert; an embedded relay
+    /// wakes on it.
+    pub fn wake(&self) -> Option<Wake> {
+        Some(self.wake.clone())
+    }
+
+    /// The database's push wake-up ([`Dialect::listen`]), signalling `wake`.
+    pub fn listen(&self, wake: Wake, shutdown: CancellationToken) -> Option<WakeFuture> {
+        D::listen(self, wake, shutdown)
     }
 }
 }

@@ -10,6 +10,7 @@ pub mod dialect;
 mod engine;
 mod list;
 mod store;
+mod wake;
 
 #[doc(hidden)]
 pub mod __private {
@@ -20,6 +21,7 @@ pub mod __private {
 pub use dialect::{Dialect, Migration, ReplayStep, Statements, Value};
 pub use engine::{finish, query, OpenOptions, Opened, SqlOutbox, MIGRATIONS_LEDGER};
 pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
+pub use wake::due_union;
 
 use postbox_core::event::parse_delivered_to;
 use postbox_core::{Error, EventRecord, Result, Status};

@@ -52,6 +52,19 @@ macro_rules! capabilities_from_inherent {
                 async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
                     <$ty>::find(self, event_id).await
                 }
+                async fn due(&self, app_codes: &[String]) -> Result<Vec<$crate::__private::postbox_core::wake::Due>> {
+                    <$ty>::due(self, app_codes).await
+                }
+                fn wake(&self) -> Option<$crate::__private::postbox_core::wake::Wake> {
+                    <$ty>::wake(self)
+                }
+                fn listen(
+                    &self,
+                    wake: $crate::__private::postbox_core::wake::Wake,
+                    shutdown: $crate::__private::postbox_core::relay::CancellationToken,
+                ) -> Option<$crate::dialect::WakeFuture> {
+                    <$ty>::listen(self, wake, shutdown)
+                }
             }
 
             #[async_trait]

@@ -14,6 +14,7 @@ pub mod publishers;
 pub mod records;
 pub mod servers;
 pub mod store_setup;
+pub mod wake;
 
 pub use publishers::RecordingPublisher;
 pub use servers::{amqp_url, mysql_url, nats_url, postgres_url, redis_url, scratch_table};

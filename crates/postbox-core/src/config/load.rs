@@ -292,4 +292,16 @@ mod tests {
         assert_eq!(c.database.table.as_str(), "room_outbox");
         assert_eq!(c.publishers[0].name(), "file");
     }
+
+    #[test]
+    fn wake_defaults_to_notify_and_refuses_other_values_naming_the_key() {
+        use crate::config::WakeMode;
+        assert_eq!(load_str("").unwrap().outbox_worker.wake, WakeMode::Notify);
+        let poll = load_str("[outbox_worker]\nwake = \"poll\"").unwrap();
+        assert_eq!(poll.outbox_worker.wake, WakeMode::Poll);
+        assert_eq!(
+            key_of("[outbox_worker]\nwake = \"bogus\""),
+            "outbox_worker.wake"
+        );
+    }
 }

@@ -134,6 +134,9 @@ pub struct WorkerConfig {
     pub ordering: Ordering,
     /// Per-event-type overrides (degradation).
     pub event_types: BTreeMap<String, EventTypeConfig>,
+    /// `notify` (default: the database's push where it has one, besides
+    /// polling) or `poll` (polling and in-process wake-up only).
+    pub wake: WakeMode,
 }
 
 impl Default for WorkerConfig {
@@ -150,6 +153,7 @@ impl Default for WorkerConfig {
             max_backoff: HumanDuration::secs(300),
             ordering: Ordering::None,
             event_types: BTreeMap::new(),
+            wake: WakeMode::Notify,
         }
     }
 }
@@ -274,4 +278,18 @@ impl Default for AdminConfig {
             token: Secret::default(),
         }
     }
+}
+
+/// `[outbox_worker] wake`: how an idle relay learns of new rows besides
+/// polling every `poll_interval`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum WakeMode {
+    /// The database's push where it has one (PostgreSQL `LISTEN` on
+    /// channel `postbox_<table>`, notified by the trigger `migrate`
+    /// creates), plus the in-process wake-up on `enqueue`.
+    #[default]
+    Notify,
+    /// No `LISTEN`: polling, and the in-process wake-up on `enqueue`.
+    Poll,
 }

@@ -1,4 +1,15 @@
-//! Stage 1: the three claim queries, pending first, and the idle sleep.
+//! Stage 1: the claim queries, pending first, and the idle sleep.
+//!
+//! While a backlog drains (a claim came back full) or right after a
+//! wake-up, the pending query runs back to back for every app_code, and
+//! due retries and expired leases are swept once per poll interval. When
+//! idle, one probe ([`RelayStore::due`]) for all app_codes replaces the
+//! claim queries, and only what it found due is claimed; then the claimer
+//! sleeps until the poll interval passes, the earliest retry or lease is
+//! due, or the store's [`Wake`](crate::wake::Wake) is signalled. After a
+//! wake-up or a claim that found rows it polls fast (10 ms, doubling up to
+//! the poll interval): an in-process `enqueue` signals before its caller
+//! commits.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,118 +20,231 @@ use tokio_util::sync::CancellationToken;
 use super::Batch;
 use crate::config::{Ordering, WorkerConfig};
 use crate::store::{ClaimRequest, RelayStore};
+use crate::wake::WakeListener;
 use crate::{ClaimSource, Result};
+
+/// The first pause of fast polling, after a wake-up or a claim that found
+/// rows; it doubles up to the poll interval.
+pub(super) const FAST_POLL: Duration = Duration::from_millis(10);
 
 pub(super) struct Claimer {
     pub store: Arc<dyn RelayStore>,
     pub config: WorkerConfig,
     pub app_codes: Vec<String>,
     pub worker_id: String,
+    pub wake: WakeListener,
+}
+
+/// What one round of claims found.
+#[derive(Default)]
+struct Round {
+    /// A claim came back with `batch_size` rows: more are waiting.
+    full: bool,
+    /// A claim came back with rows.
+    found: bool,
+    /// A claim (or the probe) failed, not transiently.
+    error: bool,
 }
 
 impl Claimer {
     /// Returns the number of rows claimed. A failed claim is no failure of
     /// the stage: it is logged and tried again after a pause that grows
     /// with the streak (the database may be restarting).
-    pub async fn run(self, out: mpsc::Sender<Batch>, shutdown: CancellationToken) -> Result<u64> {
+    pub async fn run(
+        mut self,
+        out: mpsc::Sender<Batch>,
+        shutdown: CancellationToken,
+    ) -> Result<u64> {
         let poll = self.config.poll_interval.get();
-        let batch_size = self.config.batch_size;
         // Due retries and expired leases are looked for once per poll
         // interval, not on every claim: while a backlog drains, the pending
         // query alone runs back to back.
         let mut last_sweep: Vec<Option<Instant>> = vec![None; self.app_codes.len()];
         let mut claimed = 0u64;
         let mut db_errors = 0u32;
+        // Claim pending rows of every app_code without probing first: a
+        // backlog drains, or a wake-up said rows were written.
+        let mut draining = false;
+        // The pause after the next round that finds nothing, while polling
+        // fast after activity.
+        let mut fast: Option<Duration> = None;
         while !shutdown.is_cancelled() {
-            let mut any_full = false;
-            let mut any_error = false;
-            for (i, app_code) in self.app_codes.iter().enumerate() {
-                let sweep = last_sweep[i].is_none_or(|t| t.elapsed() >= poll);
-                let mut sources = Vec::with_capacity(3);
-                if sweep {
-                    sources.extend([ClaimSource::ExpiredLease, ClaimSource::DueRetry]);
-                    last_sweep[i] = Some(Instant::now());
-                }
-                sources.push(ClaimSource::Pending);
-                for source in sources {
-                    // Claim only when the publish stage can take the batch:
-                    // a claimed batch waits behind at most the one in flight
-                    // (the wait LeaseBudget allows for).
-                    let permit = tokio::select! {
-                        permit = out.reserve() => permit,
-                        _ = shutdown.cancelled() => return Ok(claimed),
-                    };
-                    let Ok(permit) = permit else {
-                        // The publish stage is gone (it failed, and says
-                        // so itself).
-                        return Ok(claimed);
-                    };
-                    if shutdown.is_cancelled() {
-                        return Ok(claimed);
+            let mut round = Round::default();
+            let mut next_due: Option<Duration> = None;
+            let mut plan: Vec<(usize, Vec<ClaimSource>)> = Vec::new();
+            if draining {
+                for (i, sweep) in last_sweep.iter_mut().enumerate() {
+                    let mut sources = Vec::with_capacity(3);
+                    if sweep.is_none_or(|t| t.elapsed() >= poll) {
+                        sources.extend([ClaimSource::ExpiredLease, ClaimSource::DueRetry]);
+                        *sweep = Some(Instant::now());
                     }
-                    let req = ClaimRequest {
-                        app_code,
-                        limit: batch_size,
-                        worker_id: &self.worker_id,
-                        lease_ms: self.config.lease.as_millis_i64(),
-                        ordered: self.config.ordering == Ordering::PerAggregate,
-                    };
-                    // The lease starts on the database while the claim
-                    // runs: count the batch's age from before it.
-                    let claim_started = Instant::now();
-                    match self.store.claim(source, &req).await {
-                        Ok(events) if events.is_empty() => {}
-                        Ok(events) => {
-                            db_errors = 0;
-                            claimed += events.len() as u64;
-                            if source == ClaimSource::ExpiredLease {
-                                metrics::counter!(crate::metrics::LEASE_EXPIRED_TOTAL)
-                                    .increment(events.len() as u64);
-                                tracing::warn!(
-                                    app_code,
-                                    rows = events.len(),
-                                    "took over expired leases; counted as failed attempts"
-                                );
+                    sources.push(ClaimSource::Pending);
+                    plan.push((i, sources));
+                }
+            } else {
+                match self.store.due(&self.app_codes).await {
+                    Ok(dues) => {
+                        db_errors = 0;
+                        for due in dues {
+                            let Some(i) = self.app_codes.iter().position(|a| *a == due.app_code)
+                            else {
+                                continue;
+                            };
+                            // The probe looked at retries and leases: a sweep.
+                            last_sweep[i] = Some(Instant::now());
+                            let mut sources = Vec::with_capacity(3);
+                            if due.lease_expired() {
+                                sources.push(ClaimSource::ExpiredLease);
                             }
-                            if events.len() as u32 == batch_size {
-                                any_full = true;
+                            if due.retry_due() {
+                                sources.push(ClaimSource::DueRetry);
                             }
-                            // A reserved slot cannot refuse: a publish stage
-                            // that stops drains and releases what is queued.
-                            permit.send(Batch {
-                                events,
-                                claimed_at: claim_started,
-                            });
+                            if due.pending {
+                                sources.push(ClaimSource::Pending);
+                            }
+                            if !sources.is_empty() {
+                                plan.push((i, sources));
+                            }
+                            if let Some(ms) = due.next_in_ms() {
+                                let at = Duration::from_millis(ms.unsigned_abs());
+                                next_due = Some(next_due.map_or(at, |n| n.min(at)));
+                            }
                         }
-                        Err(e) if e.is_transient() => {
-                            // A deadlock with a producer or another relay:
-                            // the claim was rolled back; claim again soon.
-                            tracing::debug!(app_code, ?source, error = %e, "claim hit a transient conflict");
-                        }
-                        Err(e) => {
-                            any_error = true;
-                            db_errors += 1;
-                            // One line per streak of failures, not per poll.
-                            if db_errors == 1 || db_errors.is_power_of_two() {
-                                tracing::error!(app_code, ?source, error = %e, consecutive = db_errors, "claim failed");
-                            }
+                    }
+                    Err(e) if e.is_transient() => {
+                        tracing::debug!(error = %e, "idle probe hit a transient conflict");
+                    }
+                    Err(e) => {
+                        round.error = true;
+                        db_errors += 1;
+                        if db_errors == 1 || db_errors.is_power_of_two() {
+                            tracing::error!(error = %e, consecutive = db_errors, "idle probe failed");
                         }
                     }
                 }
             }
-            if any_full && !any_error {
+            for (i, sources) in plan {
+                for source in sources {
+                    let Some(outcome) = self
+                        .claim_one(i, source, &out, &shutdown, &mut claimed, &mut db_errors)
+                        .await
+                    else {
+                        return Ok(claimed);
+                    };
+                    round.full |= outcome.full;
+                    round.found |= outcome.found;
+                    round.error |= outcome.error;
+                }
+            }
+            if round.full && !round.error {
+                draining = true;
                 continue;
             }
-            let pause = if any_error {
+            draining = false;
+            if round.found {
+                fast = Some(FAST_POLL);
+            }
+            let pause = if round.error {
                 (poll * db_errors.min(10)).min(Duration::from_secs(30))
             } else {
-                poll
+                let mut pause = poll;
+                if let Some(f) = fast {
+                    pause = pause.min(f);
+                    fast = Some(f * 2).filter(|next| *next < poll);
+                }
+                next_due.map_or(pause, |due| pause.min(due))
             };
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
+                _ = self.wake.woken() => {
+                    // Rows were written (here, or pushed by the database):
+                    // claim pending at once, then poll fast, for an
+                    // in-process producer may commit a little later.
+                    draining = true;
+                    fast = Some(FAST_POLL);
+                }
                 _ = shutdown.cancelled() => {}
             }
         }
         Ok(claimed)
+    }
+
+    /// Runs one claim query of app_code `i` and hands its batch on; `None`
+    /// when the relay stops.
+    async fn claim_one(
+        &self,
+        i: usize,
+        source: ClaimSource,
+        out: &mpsc::Sender<Batch>,
+        shutdown: &CancellationToken,
+        claimed: &mut u64,
+        db_errors: &mut u32,
+    ) -> Option<Round> {
+        let app_code = self.app_codes[i].as_str();
+        let batch_size = self.config.batch_size;
+        let mut round = Round::default();
+        // Claim only when the publish stage can take the batch: a claimed
+        // batch waits behind at most the one in flight (the wait
+        // LeaseBudget allows for).
+        let permit = tokio::select! {
+            permit = out.reserve() => permit,
+            _ = shutdown.cancelled() => return None,
+        };
+        // The publish stage is gone (it failed, and says so itself).
+        let permit = permit.ok()?;
+        if shutdown.is_cancelled() {
+            return None;
+        }
+        let req = ClaimRequest {
+            app_code,
+            limit: batch_size,
+            worker_id: &self.worker_id,
+            lease_ms: self.config.lease.as_millis_i64(),
+            ordered: self.config.ordering == Ordering::PerAggregate,
+        };
+        // The lease starts on the database while the claim runs: count the
+        // batch's age from before it.
+        let claim_started = Instant::now();
+        match self.store.claim(source, &req).await {
+            Ok(events) if events.is_empty() => {}
+            Ok(events) => {
+                *db_errors = 0;
+                *claimed += events.len() as u64;
+                round.found = true;
+                if source == ClaimSource::ExpiredLease {
+                    metrics::counter!(crate::metrics::LEASE_EXPIRED_TOTAL)
+                        .increment(events.len() as u64);
+                    tracing::warn!(
+                        app_code,
+                        rows = events.len(),
+                        "took over expired leases; counted as failed attempts"
+                    );
+                }
+                if events.len() as u32 == batch_size {
+                    round.full = true;
+                }
+                // A reserved slot cannot refuse: a publish stage that stops
+                // drains and releases what is queued.
+                permit.send(Batch {
+                    events,
+                    claimed_at: claim_started,
+                });
+            }
+            Err(e) if e.is_transient() => {
+                // A deadlock with a producer or another relay: the claim was
+                // rolled back; claim again soon.
+                tracing::debug!(app_code, ?source, error = %e, "claim hit a transient conflict");
+            }
+            Err(e) => {
+                round.error = true;
+                *db_errors += 1;
+                // One line per streak of failures, not per poll.
+                if *db_errors == 1 || db_errors.is_power_of_two() {
+                    tracing::error!(app_code, ?source, error = %e, consecutive = *db_errors, "claim failed");
+                }
+            }
+        }
+        Some(round)
     }
 }

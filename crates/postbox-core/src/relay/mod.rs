@@ -35,7 +35,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 pub use tokio_util::sync::CancellationToken;
 
-use crate::config::{LeaseBudget, RelaySettings, WorkerConfig};
+use crate::config::{LeaseBudget, RelaySettings, WakeMode, WorkerConfig};
 use crate::event::Fence;
 use crate::publish::Publisher;
 use crate::store::RelayStore;
@@ -153,11 +153,15 @@ impl Relay {
             "relay started"
         );
 
+        // The store's in-process wake handle, which the database's push
+        // (when `wake = "notify"` and the database has one) signals too.
+        let wake = self.store.wake().unwrap_or_default();
         let claimer = claimer::Claimer {
             store: self.store.clone(),
             config: self.config.clone(),
             app_codes: self.app_codes.clone(),
             worker_id: self.worker_id.clone(),
+            wake: wake.listen(),
         };
         let publishing = publisher::PublishStage {
             store: self.store.clone(),
@@ -172,6 +176,10 @@ impl Relay {
 
         // Cancelled on shutdown, and by the first stage that fails.
         let stop = shutdown.child_token();
+        let listen_task = match self.config.wake {
+            WakeMode::Notify => self.store.listen(wake, stop.clone()).map(tokio::spawn),
+            WakeMode::Poll => None,
+        };
         let claim_task = spawn_stage("claim", claimer.run(claimed_tx, stop.clone()), stop.clone());
         let publish_task = spawn_stage(
             "publish",
@@ -185,6 +193,11 @@ impl Relay {
         let claimed = join_stage("claim", claim_task).await;
         let released = join_stage("publish", publish_task).await;
         let marked = join_stage("mark", mark_task).await;
+        stop.cancel();
+        if let Some(task) = listen_task {
+            // It ends on `stop`; a panic in it is logged by the runtime.
+            let _ = task.await;
+        }
         for p in &self.publishers {
             p.close().await;
         }

@@ -30,6 +30,14 @@ async fn store(prefix: &str) -> MySqlOutbox {
     store
 }
 
+/// A store for the wake-up cases (issue 12: no push from MariaDB; an
+/// in-process `enqueue` wakes the relay).
+async fn wake_store() -> MySqlOutbox {
+    store("myw").await
+}
+
+postbox_testkit::wake_suite!(wake_store);
+
 async fn drop_tables(store: &MySqlOutbox) {
     let t = store.table().as_str().to_owned();
     for sql in [

@@ -4,3 +4,4 @@
 mod claim_plans;
 mod poison_log;
 mod postgres;
+mod wake;

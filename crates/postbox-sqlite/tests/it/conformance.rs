@@ -6,17 +6,24 @@ use postbox_core::store::OutboxStore;
 use postbox_sqlite::SqliteOutbox;
 use postbox_testkit::{conformance_suite, scratch_table};
 
-async fn fresh_store() -> Arc<dyn OutboxStore> {
+async fn outbox() -> SqliteOutbox {
     let path = std::env::temp_dir().join(format!("{}.db", scratch_table("conformance")));
     let url = format!("sqlite://{}", path.display());
     let store = SqliteOutbox::connect(&url, "room_outbox", 4)
         .await
         .expect("open SQLite");
     store.migrate().await.expect("migrate");
-    Arc::new(store)
+    store
+}
+
+async fn fresh_store() -> Arc<dyn OutboxStore> {
+    Arc::new(outbox().await)
 }
 
 conformance_suite!(fresh_store);
+
+// Issue 12: no push from SQLite; an in-process `enqueue` wakes the relay.
+postbox_testkit::wake_suite!(outbox);
 
 /// A relay with no publisher refuses to start instead of marking every row
 /// delivered.

@@ -1,0 +1,306 @@
+//! Wake-up and idle cost (issue 12): the idle probe, what an idle relay
+//! asks of its store, and how soon a woken relay delivers. Every backend
+//! runs these cases through `wake_suite!`.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
+use postbox_core::event::Fence;
+use postbox_core::relay::{CancellationToken, Relay, RelayReport};
+use postbox_core::store::{ClaimRequest, FailureUpdate, OutboxStore, RelayStore};
+use postbox_core::wake::{Due, Wake};
+use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
+
+use crate::RecordingPublisher;
+
+/// What [`RelayStore::listen`] returns.
+type WakeFuture = std::pin::Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// A real store that counts every call the relay makes of it that reaches
+/// the database (everything but `backend`, `table` and `wake`).
+pub struct CountingStore {
+    inner: Arc<dyn OutboxStore>,
+    calls: AtomicU64,
+}
+
+impl CountingStore {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn OutboxStore>) -> Self {
+        CountingStore {
+            inner,
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    /// Calls so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn count(&self) {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl RelayStore for CountingStore {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn table(&self) -> &TableName {
+        self.inner.table()
+    }
+    async fn claim(
+        &self,
+        source: ClaimSource,
+        req: &ClaimRequest<'_>,
+    ) -> Result<Vec<ClaimedEvent>> {
+        self.count();
+        self.inner.claim(source, req).await
+    }
+    async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        self.count();
+        self.inner.mark_delivered(fence, ids).await
+    }
+    async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool> {
+        self.count();
+        self.inner.mark_failed(fence, id, update).await
+    }
+    async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        self.count();
+        self.inner.release(fence, ids).await
+    }
+    async fn now_ms(&self) -> Result<i64> {
+        self.count();
+        self.inner.now_ms().await
+    }
+    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+        self.count();
+        self.inner.find(event_id).await
+    }
+    async fn due(&self, app_codes: &[String]) -> Result<Vec<Due>> {
+        self.count();
+        self.inner.due(app_codes).await
+    }
+    fn wake(&self) -> Option<Wake> {
+        self.inner.wake()
+    }
+    fn listen(&self, wake: Wake, shutdown: CancellationToken) -> Option<WakeFuture> {
+        self.inner.listen(wake, shutdown)
+    }
+}
+
+fn event(app: &str, n: usize) -> NewEvent {
+    NewEvent::new(app, "Woken", format!(r#"{{"n":{n}}}"#))
+}
+
+/// Enqueues one event of `app`, claims it with `lease_ms` as `worker`,
+/// and, with `retry_after_ms`, records a failed attempt due that much
+/// later. Returns its event id.
+async fn row_of(
+    store: &dyn OutboxStore,
+    app: &str,
+    lease_ms: i64,
+    retry_after_ms: Option<i64>,
+) -> String {
+    let ev = event(app, 0);
+    store
+        .enqueue_batch(std::slice::from_ref(&ev), 1 << 20)
+        .await
+        .expect("enqueue");
+    let req = ClaimRequest {
+        app_code: app,
+        limit: 10,
+        worker_id: "w-test",
+        lease_ms,
+        ordered: false,
+    };
+    let claimed = store
+        .claim(ClaimSource::Pending, &req)
+        .await
+        .expect("claim");
+    assert_eq!(claimed.len(), 1, "one row claimed for {app}");
+    if let Some(after) = retry_after_ms {
+        let update = FailureUpdate {
+            status: Status::Retryable,
+            retry_count: 1,
+            retry_after_ms: after,
+            delivered_to: Vec::new(),
+            error: "test".into(),
+            publisher: Some("p".into()),
+        };
+        let fence = claimed[0].fence();
+        assert!(store
+            .mark_failed(&fence, claimed[0].record.id, &update)
+            .await
+            .expect("mark failed"));
+    }
+    ev.event_id
+}
+
+/// The idle probe answers for every app_code asked, in one call: pending
+/// rows, the time to the earliest due retry and to the earliest lease end
+/// (negative once due), nothing for an app_code without rows.
+pub async fn due_answers_per_app_code(store: Arc<dyn OutboxStore>) {
+    store
+        .enqueue_batch(&[event("w-pending", 0)], 1 << 20)
+        .await
+        .expect("enqueue");
+    row_of(store.as_ref(), "w-later", 30_000, Some(3_600_000)).await;
+    row_of(store.as_ref(), "w-now", 3_600_000, Some(-1_000)).await;
+    row_of(store.as_ref(), "w-leased", 600_000, None).await;
+    row_of(store.as_ref(), "w-expired", -1_000, None).await;
+    let apps: Vec<String> = [
+        "w-pending",
+        "w-later",
+        "w-now",
+        "w-leased",
+        "w-expired",
+        "w-none",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut dues = store.due(&apps).await.expect("probe");
+    dues.sort_by(|a, b| a.app_code.cmp(&b.app_code));
+    let by = |app: &str| {
+        dues.iter()
+            .find(|d| d.app_code == app)
+            .unwrap_or_else(|| panic!("no answer for {app}: {dues:?}"))
+            .clone()
+    };
+    assert_eq!(dues.len(), apps.len(), "{dues:?}");
+    let pending = by("w-pending");
+    assert!(pending.pending, "{pending:?}");
+    assert_eq!((pending.retry_in_ms, pending.lease_in_ms), (None, None));
+    let later = by("w-later");
+    assert!(!later.pending && !later.retry_due() && !later.lease_expired());
+    let in_ms = later.retry_in_ms.expect("a retryable row");
+    assert!((3_500_000..=3_600_000).contains(&in_ms), "{later:?}");
+    assert_eq!(later.next_in_ms(), Some(in_ms));
+    let now = by("w-now");
+    assert!(now.retry_due() && !now.pending, "{now:?}");
+    let leased = by("w-leased");
+    assert!(
+        !leased.lease_expired() && leased.retry_in_ms.is_none(),
+        "{leased:?}"
+    );
+    assert!(
+        (500_000..=600_000).contains(&leased.lease_in_ms.expect("a lease")),
+        "{leased:?}"
+    );
+    let expired = by("w-expired");
+    assert!(expired.lease_expired() && !expired.pending, "{expired:?}");
+    let none = by("w-none");
+    assert!(!none.pending && none.retry_in_ms.is_none() && none.lease_in_ms.is_none());
+}
+
+/// Five app_codes, each with a retryable row due in an hour and a live
+/// lease, none pending, the default poll interval: the idle relay asks its
+/// store at most about once a second (one probe for all app_codes), not
+/// three claim queries per app_code per poll.
+pub async fn idle_relay_makes_one_store_call_per_second(store: Arc<dyn OutboxStore>) {
+    let apps: Vec<String> = (0..5).map(|i| format!("idle-{i}")).collect();
+    for app in &apps {
+        row_of(store.as_ref(), app, 30_000, Some(3_600_000)).await;
+        row_of(store.as_ref(), app, 3_600_000, None).await;
+    }
+    let counting = Arc::new(CountingStore::new(store));
+    let settings = RelaySettings::new(WorkerConfig::default(), apps).expect("valid settings");
+    let publisher = Arc::new(RecordingPublisher::new("rec"));
+    let relay = Relay::new(counting.clone(), vec![publisher.clone()], settings);
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(relay.run(shutdown.clone()));
+    tokio::time::sleep(Duration::from_millis(5_200)).await;
+    let calls = counting.calls();
+    shutdown.cancel();
+    let report = run.await.expect("relay task").expect("relay run");
+    assert_eq!(report.claimed, 0, "nothing was due: {report:?}");
+    assert!(publisher.delivered().is_empty());
+    assert!(calls >= 1, "the relay looked at least once");
+    assert!(
+        calls <= 7,
+        "an idle relay over 5 app_codes made {calls} store calls in ~5 s (at most ~1/s allowed)"
+    );
+}
+
+/// A relay polling only every 30 s, gone idle, delivers an event within a
+/// few seconds of `produce` writing it (which must commit it).
+pub async fn an_idle_relay_wakes_for<F>(
+    store: Arc<dyn OutboxStore>,
+    app: &str,
+    produce: F,
+) -> RelayReport
+where
+    F: Future<Output = String>,
+{
+    let config = WorkerConfig {
+        poll_interval: HumanDuration::secs(30),
+        ..WorkerConfig::default()
+    };
+    let settings = RelaySettings::new(config, vec![app.to_owned()]).expect("valid settings");
+    let publisher = Arc::new(RecordingPublisher::new("rec"));
+    let relay = Relay::new(store, vec![publisher.clone()], settings);
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(relay.run(shutdown.clone()));
+    // Idle: the first probe found nothing, the next poll is 30 s away.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let event_id = produce.await;
+    let written = Instant::now();
+    while !publisher.delivered_ids().contains(&event_id) {
+        if written.elapsed() > Duration::from_secs(5) {
+            shutdown.cancel();
+            panic!("event {event_id} not delivered within 5 s of its commit (poll_interval 30 s)");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    shutdown.cancel();
+    run.await.expect("relay task").expect("relay run")
+}
+
+/// The events of [`an_idle_relay_wakes_for`]: one of `app`, with its id.
+pub fn wake_event(app: &str) -> NewEvent {
+    event(app, 1)
+}
+
+/// Generates the wake-up tests for a backend: the idle probe's answers,
+/// the idle relay's store calls, and an in-process `enqueue` (in the
+/// caller's transaction, committed 100 ms later) waking a relay that polls
+/// every 30 s. The argument is an async fn returning a fresh, migrated
+/// `SqlOutbox` of the backend.
+#[macro_export]
+macro_rules! wake_suite {
+    ($make:path) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn due_answers_per_app_code() {
+            $crate::wake::due_answers_per_app_code(std::sync::Arc::new($make().await)).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn idle_relay_makes_one_store_call_per_second() {
+            $crate::wake::idle_relay_makes_one_store_call_per_second(std::sync::Arc::new(
+                $make().await,
+            ))
+            .await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn enqueue_wakes_an_idle_relay_in_the_same_process() {
+            let store = $make().await;
+            let producer = store.clone();
+            $crate::wake::an_idle_relay_wakes_for(std::sync::Arc::new(store), "wake", async move {
+                let event = $crate::wake::wake_event("wake");
+                let mut tx = producer.begin_write().await.expect("begin");
+                producer.enqueue(&mut tx, &event).await.expect("enqueue");
+                // The caller commits a little after its enqueue signalled.
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                tx.commit().await.expect("commit");
+                event.event_id
+            })
+            .await;
+        }
+    };
+}
