@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use postbox_core::store::{
     confirmed_on_delivery, EventFilter, HistoryEntry, HistoryKind, Inspected, ReplayPick,
-    ReplaySelector, ReplayTargets,
+    ReplayRequest, ReplaySelector, ReplayTargets,
 };
 use postbox_core::time::{now_ms, parse_time_arg};
 use postbox_core::{EventRecord, Status};
@@ -360,7 +360,12 @@ pub(crate) async fn replay(
     if matches!(targets.pick, ReplayPick::Only(_)) {
         let before = state
             .store
-            .replay_to(&selector, true, &origin, &targets)
+            .replay_to(ReplayRequest {
+                selector: &selector,
+                dry_run: true,
+                origin: &origin,
+                targets: &targets,
+            })
             .await?;
         let left_out = targets.unconfirmed_left_out(&before);
         if !left_out.is_empty() {
@@ -375,7 +380,12 @@ pub(crate) async fn replay(
     }
     let replayed = state
         .store
-        .replay_to(&selector, false, &origin, &targets)
+        .replay_to(ReplayRequest {
+            selector: &selector,
+            dry_run: false,
+            origin: &origin,
+            targets: &targets,
+        })
         .await?;
     if replayed.is_empty() {
         let rows = state.store.find(&event_id).await?;

@@ -22,6 +22,7 @@ use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::store::{ClaimRequest, OutboxStore};
 use postbox_core::{ClaimSource, Publisher};
 use postbox_publishers::file::FilePublisher;
+use postbox_testkit::conformance::app_stats;
 use postbox_testkit::scratch_table;
 use postbox_testkit::servers::{ensure_database, mysql_url, postgres_url};
 
@@ -214,11 +215,7 @@ async fn relayed(store: Arc<dyn OutboxStore>, rows: u64) -> f64 {
     }
     // Published all; wait for the last marks.
     loop {
-        let s = store
-            .stats(&[APP.to_owned()])
-            .await
-            .expect("stats")
-            .remove(0);
+        let s = app_stats(store.as_ref(), APP).await;
         if s.delivered as u64 == rows {
             break;
         }

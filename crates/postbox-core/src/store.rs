@@ -703,7 +703,7 @@ pub trait RelayStore: Send + Sync + 'static {
         &self,
         _wake: crate::wake::Wake,
         _shutdown: tokio_util::sync::CancellationToken,
-    ) -> Option<futures::future::BoxFuture<'static, ()>> {
+    ) -> Option<crate::BoxFuture<'static, ()>> {
         None
     }
 }
@@ -813,24 +813,37 @@ pub trait ReplayStore: Send + Sync + 'static {
         dry_run: bool,
         origin: &str,
     ) -> Result<Vec<EventRecord>> {
-        self.replay_to(selector, dry_run, origin, &ReplayTargets::default())
-            .await
+        let targets = ReplayTargets::default();
+        self.replay_to(ReplayRequest {
+            selector,
+            dry_run,
+            origin,
+            targets: &targets,
+        })
+        .await
     }
 
-    /// Puts rows back to `pending` with `retry_count` 0, keeping `event_id`,
-    /// to be sent to `targets` (fanout progress in `delivered_to`, see
-    /// [`ReplayPick`]). Returns the rows affected, as written (or as they
-    /// are, with `dry_run`). Each replayed row gets a
-    /// [`HistoryKind::Replayed`] history entry whose detail is `origin`
-    /// (`cli`, `api 10.0.0.7:51234`, …) and whose publisher names the
-    /// targets, written in the same transaction.
-    async fn replay_to(
-        &self,
-        selector: &ReplaySelector,
-        dry_run: bool,
-        origin: &str,
-        targets: &ReplayTargets,
-    ) -> Result<Vec<EventRecord>>;
+    /// Puts the rows of `request.selector` back to `pending` with
+    /// `retry_count` 0, keeping `event_id`, to be sent to `request.targets`
+    /// (fanout progress in `delivered_to`, see [`ReplayPick`]). Returns the
+    /// rows affected, as written (or as they are, with `dry_run`). Each
+    /// replayed row gets a [`HistoryKind::Replayed`] history entry whose
+    /// detail is `origin` and whose publisher names the targets, written in
+    /// the same transaction.
+    async fn replay_to(&self, request: ReplayRequest<'_>) -> Result<Vec<EventRecord>>;
+}
+
+/// One replay: which rows, to which publishers, asked by whom.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplayRequest<'a> {
+    /// The rows.
+    pub selector: &'a ReplaySelector,
+    /// Only read what would be replayed; change nothing.
+    pub dry_run: bool,
+    /// Who asked (`cli`, `api 10.0.0.7:51234`, …), for the rows' history.
+    pub origin: &'a str,
+    /// The publishers to send the rows to again.
+    pub targets: &'a ReplayTargets,
 }
 
 /// Moving delivered rows into `<table>_archive`.

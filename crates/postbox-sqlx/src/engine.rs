@@ -15,7 +15,7 @@ use sqlx::{Database, Transaction};
 use postbox_core::event::Fence;
 use postbox_core::store::{
     check_ledger, AppStats, ArchiveReport, ArchiveRequest, EnqueueOutcome, EventFilter,
-    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplaySelector, ReplayTargets,
+    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayRequest, ReplaySelector,
     SchemaReport, StuckAggregate, ARCHIVE_QUERIES, EXPECTED_TABLES, HISTORY_LIMIT,
 };
 use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
@@ -606,13 +606,13 @@ impl SqlOutbox<D> {
 
     /// Puts rows back to `pending` for `targets`, with their history, in
     /// one write transaction (a dry run only reads).
-    pub async fn replay_to(
-        &self,
-        selector: &ReplaySelector,
-        dry_run: bool,
-        origin: &str,
-        targets: &ReplayTargets,
-    ) -> Result<Vec<EventRecord>> {
+    pub async fn replay_to(&self, request: ReplayRequest<'_>) -> Result<Vec<EventRecord>> {
+        let ReplayRequest {
+            selector,
+            dry_run,
+            origin,
+            targets,
+        } = request;
         let db = |e| db_error("replay", e);
         // A dry run only reads (one consistent snapshot).
         let mut tx = self.begin_relay(!dry_run).await.map_err(db)?;

@@ -19,8 +19,8 @@ macro_rules! capabilities_from_inherent {
             use $crate::__private::postbox_core::store::{
                 AppStats, ArchiveReport, ArchiveRequest, ArchiveStore, ClaimRequest,
                 EnqueueOutcome, EnqueueStore, EventFilter, FailureUpdate, HistoryEntry,
-                InspectStore, MigrateReport, MinuteCount, QueryPlan, RelayStore, ReplaySelector,
-                ReplayStore, ReplayTargets, SchemaReport, SchemaStore, StuckAggregate,
+                InspectStore, MigrateReport, MinuteCount, QueryPlan, RelayStore, ReplayRequest,
+                ReplayStore, SchemaReport, SchemaStore, StuckAggregate,
             };
             use $crate::__private::postbox_core::{
                 ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, TableName,
@@ -107,14 +107,8 @@ macro_rules! capabilities_from_inherent {
 
             #[async_trait]
             impl<$($gen)*> ReplayStore for $ty where $($bounds)* {
-                async fn replay_to(
-                    &self,
-                    selector: &ReplaySelector,
-                    dry_run: bool,
-                    origin: &str,
-                    targets: &ReplayTargets,
-                ) -> Result<Vec<EventRecord>> {
-                    <$ty>::replay_to(self, selector, dry_run, origin, targets).await
+                async fn replay_to(&self, request: ReplayRequest<'_>) -> Result<Vec<EventRecord>> {
+                    <$ty>::replay_to(self, request).await
                 }
             }
 

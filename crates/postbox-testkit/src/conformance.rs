@@ -14,7 +14,8 @@ use postbox_core::relay::CancellationToken;
 use postbox_core::relay::{Relay, RelayReport};
 use postbox_core::store::{
     AppStats, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate,
-    HistoryKind, OutboxStore, ReplayPick, ReplaySelector, ReplayTargets, HISTORY_LIMIT,
+    HistoryKind, OutboxStore, RelayStore, ReplayPick, ReplayRequest, ReplaySelector, ReplayTargets,
+    HISTORY_LIMIT,
 };
 use postbox_core::{ClaimSource, Error, NewEvent, Publisher, Status};
 
@@ -150,8 +151,18 @@ async fn enqueue(store: &dyn OutboxStore, evs: &[NewEvent]) {
 }
 
 fn req<'a>(worker: &'a str, limit: u32, lease_ms: i64) -> ClaimRequest<'a> {
+    claim_request(APP, worker, limit, lease_ms)
+}
+
+/// An unordered claim of up to `limit` rows of `app_code` by `worker`.
+pub(crate) fn claim_request<'a>(
+    app_code: &'a str,
+    worker: &'a str,
+    limit: u32,
+    lease_ms: i64,
+) -> ClaimRequest<'a> {
     ClaimRequest {
-        app_code: APP,
+        app_code,
         limit,
         worker_id: worker,
         lease_ms,
@@ -160,8 +171,13 @@ fn req<'a>(worker: &'a str, limit: u32, lease_ms: i64) -> ClaimRequest<'a> {
 }
 
 async fn stats(store: &dyn OutboxStore) -> AppStats {
+    app_stats(store, APP).await
+}
+
+/// The counts of `app`.
+pub async fn app_stats(store: &dyn OutboxStore, app: &str) -> AppStats {
     store
-        .stats(&[APP.to_owned()])
+        .stats(&[app.to_owned()])
         .await
         .expect("stats")
         .remove(0)
@@ -221,18 +237,27 @@ pub async fn run_relay_until_for(
     app: &str,
     done: impl Fn(&AppStats) -> bool,
 ) -> RelayReport {
+    run_relay_over_until(store.clone(), store.as_ref(), publishers, config, app, done).await
+}
+
+/// [`run_relay_until_for`] with a relay over `relay_store` (a wrapper of
+/// `store` that injects faults, say) while `store` is watched.
+pub async fn run_relay_over_until(
+    relay_store: Arc<dyn RelayStore>,
+    store: &dyn OutboxStore,
+    publishers: Vec<Arc<dyn Publisher>>,
+    config: WorkerConfig,
+    app: &str,
+    done: impl Fn(&AppStats) -> bool,
+) -> RelayReport {
     let shutdown = CancellationToken::new();
     let settings =
         RelaySettings::new(config, vec![app.to_owned()]).expect("a valid [outbox_worker]");
-    let relay = Relay::new(store.clone(), publishers, settings);
+    let relay = Relay::new(relay_store, publishers, settings);
     let handle = tokio::spawn(relay.run(shutdown.clone()));
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let s = store
-            .stats(&[app.to_owned()])
-            .await
-            .expect("stats")
-            .remove(0);
+        let s = app_stats(store, app).await;
         if done(&s) {
             break;
         }
@@ -1308,7 +1333,12 @@ async fn replay_goes_only_to_publishers_that_did_not_confirm(store: Arc<dyn Outb
     };
     let default = ReplayTargets::new(ReplayPick::Unconfirmed, ab.clone()).unwrap();
     let r = store
-        .replay_to(&by_id(0), false, "t", &default)
+        .replay_to(ReplayRequest {
+            selector: &by_id(0),
+            dry_run: false,
+            origin: "t",
+            targets: &default,
+        })
         .await
         .unwrap();
     assert_eq!(
@@ -1317,7 +1347,12 @@ async fn replay_goes_only_to_publishers_that_did_not_confirm(store: Arc<dyn Outb
         "failed: progress kept"
     );
     let r = store
-        .replay_to(&by_id(1), false, "t", &default)
+        .replay_to(ReplayRequest {
+            selector: &by_id(1),
+            dry_run: false,
+            origin: "t",
+            targets: &default,
+        })
         .await
         .unwrap();
     assert!(
@@ -1326,12 +1361,25 @@ async fn replay_goes_only_to_publishers_that_did_not_confirm(store: Arc<dyn Outb
     );
     let only_a = ReplayTargets::new(ReplayPick::Only(vec!["a".into()]), ab.clone()).unwrap();
     let r = store
-        .replay_to(&by_id(2), false, "t", &only_a)
+        .replay_to(ReplayRequest {
+            selector: &by_id(2),
+            dry_run: false,
+            origin: "t",
+            targets: &only_a,
+        })
         .await
         .unwrap();
     assert_eq!(r[0].delivered_to, vec!["b".to_owned()], "only a");
     let all = ReplayTargets::new(ReplayPick::All, ab.clone()).unwrap();
-    let r = store.replay_to(&by_id(3), false, "t", &all).await.unwrap();
+    let r = store
+        .replay_to(ReplayRequest {
+            selector: &by_id(3),
+            dry_run: false,
+            origin: "t",
+            targets: &all,
+        })
+        .await
+        .unwrap();
     assert!(r[0].delivered_to.is_empty(), "all publishers");
     for (i, want) in [(0, vec!["a"]), (1, vec![]), (2, vec!["b"]), (3, vec![])] {
         let row = status_of(store.as_ref(), &evs[i].event_id).await;
@@ -1557,13 +1605,7 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
             .collect()
     };
     let claim_one = || async {
-        let req = ClaimRequest {
-            app_code: "room",
-            limit: 10,
-            worker_id: "w-migrate",
-            lease_ms: 30_000,
-            ordered: false,
-        };
+        let req = claim_request("room", "w-migrate", 10, 30_000);
         let claimed = store
             .claim(ClaimSource::Pending, &req)
             .await

@@ -2,7 +2,7 @@
 //! connection dies around a COMMIT; and the relay cases that use it.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,27 +10,23 @@ use async_trait::async_trait;
 use postbox_core::config::RelaySettings;
 use postbox_core::event::Fence;
 use postbox_core::relay::{CancellationToken, Relay};
-use postbox_core::store::{
-    AppStats, ArchiveReport, ArchiveRequest, ClaimRequest, EnqueueOutcome, EventFilter,
-    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, OutboxStore, QueryPlan,
-    ReplaySelector, ReplayTargets, SchemaReport, StuckAggregate,
-};
-use postbox_core::store::{
-    ArchiveStore, EnqueueStore, InspectStore, RelayStore, ReplayStore, SchemaStore,
-};
+use postbox_core::store::{ClaimRequest, FailureUpdate, OutboxStore, RelayStore};
+use postbox_core::wake::{Due, Wake};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, TableName};
 
-use crate::conformance::{fast_worker, run_relay_until_for};
+use crate::conformance::{fast_worker, run_relay_over_until};
 use crate::RecordingPublisher;
 
-/// Wraps a real store. With [`lose_first_answers`](Self::lose_first_answers)
+/// Wraps a real store as a relay sees it, counting every call that reaches
+/// the database ([`calls`](Self::calls): all but `backend`, `table`, `wake`
+/// and `listen`). With [`lose_first_answers`](Self::lose_first_answers)
 /// the first try of every mark is applied and committed, then reported as a
 /// lost connection (its answer never arrived); with
 /// [`fail_marks`](Self::fail_marks) the next marks fail without being
 /// applied; with [`fail_reads`](Self::fail_reads) every `find` fails (the
 /// read-back after a lost answer); with [`panic_on_mark`](Self::panic_on_mark)
 /// the next mark panics, as a bug in the mark stage would.
-pub struct FaultyMarks {
+pub struct WrappedStore {
     inner: Arc<dyn OutboxStore>,
     lose_answers: AtomicBool,
     /// The marks whose answer was lost once already (by ids).
@@ -38,19 +34,30 @@ pub struct FaultyMarks {
     failing: AtomicU32,
     failing_reads: AtomicBool,
     panicking: AtomicBool,
+    calls: AtomicU64,
 }
 
-impl FaultyMarks {
+impl WrappedStore {
     /// `inner` without faults.
     pub fn new(inner: Arc<dyn OutboxStore>) -> Self {
-        FaultyMarks {
+        WrappedStore {
             inner,
             lose_answers: false.into(),
             lost: Mutex::new(HashSet::new()),
             failing: AtomicU32::new(0),
             failing_reads: false.into(),
             panicking: false.into(),
+            calls: AtomicU64::new(0),
         }
+    }
+
+    /// Calls so far that reached the database.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn count(&self) {
+        self.calls.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Every `find` fails from now on, as on a lost connection.
@@ -67,7 +74,7 @@ impl FaultyMarks {
 
     fn panic_once(&self, operation: &str) {
         if self.panicking.swap(false, Ordering::SeqCst) {
-            panic!("FaultyMarks: a bug in {operation}");
+            panic!("WrappedStore: a bug in {operation}");
         }
     }
 
@@ -104,13 +111,13 @@ fn lost_connection(operation: &'static str) -> Error {
         operation,
         std::io::Error::new(
             std::io::ErrorKind::ConnectionReset,
-            "connection lost (FaultyMarks)",
+            "connection lost (WrappedStore)",
         ),
     )
 }
 
 #[async_trait]
-impl RelayStore for FaultyMarks {
+impl RelayStore for WrappedStore {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
@@ -122,9 +129,11 @@ impl RelayStore for FaultyMarks {
         source: ClaimSource,
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
+        self.count();
         self.inner.claim(source, req).await
     }
     async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        self.count();
         self.panic_once("mark delivered");
         if self.fail_unapplied() {
             return Err(lost_connection("mark delivered"));
@@ -136,6 +145,7 @@ impl RelayStore for FaultyMarks {
         Ok(n)
     }
     async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool> {
+        self.count();
         self.panic_once("mark failed attempt");
         if self.fail_unapplied() {
             return Err(lost_connection("mark failed attempt"));
@@ -147,115 +157,33 @@ impl RelayStore for FaultyMarks {
         Ok(applied)
     }
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
+        self.count();
         self.inner.release(fence, ids).await
     }
     async fn now_ms(&self) -> Result<i64> {
+        self.count();
         self.inner.now_ms().await
     }
     async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
+        self.count();
         if self.failing_reads.load(Ordering::SeqCst) {
             return Err(lost_connection("find"));
         }
         self.inner.find(event_id).await
     }
-}
-
-#[async_trait]
-impl EnqueueStore for FaultyMarks {
-    async fn enqueue_batch(&self, events: &[NewEvent], max: usize) -> Result<Vec<EnqueueOutcome>> {
-        self.inner.enqueue_batch(events, max).await
+    async fn due(&self, app_codes: &[String]) -> Result<Vec<Due>> {
+        self.count();
+        self.inner.due(app_codes).await
     }
-}
-
-#[async_trait]
-impl InspectStore for FaultyMarks {
-    async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
-        self.inner.stats(app_codes).await
+    fn wake(&self) -> Option<Wake> {
+        self.inner.wake()
     }
-    async fn present_app_codes(&self) -> Result<Vec<String>> {
-        self.inner.present_app_codes().await
-    }
-    async fn list(&self, filter: &EventFilter) -> Result<Vec<EventRecord>> {
-        self.inner.list(filter).await
-    }
-    async fn delivered_per_minute(
+    fn listen(
         &self,
-        app_code: &str,
-        since_ms: i64,
-    ) -> Result<Vec<MinuteCount>> {
-        self.inner.delivered_per_minute(app_code, since_ms).await
-    }
-    async fn find_archived(
-        &self,
-        event_id: &str,
-        app_codes: &[String],
-    ) -> Result<Vec<EventRecord>> {
-        self.inner.find_archived(event_id, app_codes).await
-    }
-    async fn list_archived(&self, filter: &EventFilter) -> Result<Vec<EventRecord>> {
-        self.inner.list_archived(filter).await
-    }
-    async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
-        self.inner.history(event_id).await
-    }
-    async fn archived_event_ids(
-        &self,
-        app_code: &str,
-        event_ids: &[String],
-    ) -> Result<Vec<String>> {
-        self.inner.archived_event_ids(app_code, event_ids).await
-    }
-    async fn stuck_aggregates(
-        &self,
-        app_code: &str,
-        older_than_ms: i64,
-        limit: u32,
-    ) -> Result<Vec<StuckAggregate>> {
-        self.inner
-            .stuck_aggregates(app_code, older_than_ms, limit)
-            .await
-    }
-}
-
-#[async_trait]
-impl ReplayStore for FaultyMarks {
-    async fn replay_to(
-        &self,
-        selector: &ReplaySelector,
-        dry_run: bool,
-        origin: &str,
-        targets: &ReplayTargets,
-    ) -> Result<Vec<EventRecord>> {
-        self.inner
-            .replay_to(selector, dry_run, origin, targets)
-            .await
-    }
-}
-
-#[async_trait]
-impl ArchiveStore for FaultyMarks {
-    async fn archive(
-        &self,
-        req: &ArchiveRequest,
-        on_batch: &(dyn Fn(u64) + Send + Sync),
-    ) -> Result<ArchiveReport> {
-        self.inner.archive(req, on_batch).await
-    }
-}
-
-#[async_trait]
-impl SchemaStore for FaultyMarks {
-    async fn migrate(&self) -> Result<MigrateReport> {
-        self.inner.migrate().await
-    }
-    async fn inspect_schema(&self) -> Result<SchemaReport> {
-        self.inner.inspect_schema().await
-    }
-    async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>> {
-        self.inner.explain_claims(app_code, limit).await
-    }
-    async fn explain_index_use(&self, app_code: &str) -> Result<Vec<QueryPlan>> {
-        self.inner.explain_index_use(app_code).await
+        wake: Wake,
+        shutdown: CancellationToken,
+    ) -> Option<postbox_core::BoxFuture<'static, ()>> {
+        self.inner.listen(wake, shutdown)
     }
 }
 
@@ -274,14 +202,20 @@ async fn enqueue(store: &dyn OutboxStore, n: usize, event_type: &str) {
 
 /// Runs a relay over `faulty` until 20 `Good` events are delivered and 3
 /// `Bad` ones (refused by the publisher) dead-lettered.
-async fn deliver_20_and_dead_letter_3(faulty: FaultyMarks) -> postbox_core::relay::RelayReport {
+async fn deliver_20_and_dead_letter_3(faulty: WrappedStore) -> postbox_core::relay::RelayReport {
     let store = faulty.inner.clone();
     enqueue(store.as_ref(), 20, "Good").await;
     enqueue(store.as_ref(), 3, "Bad").await;
     let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Bad"));
-    run_relay_until_for(Arc::new(faulty), vec![publisher], fast_worker(), APP, |s| {
-        s.delivered == 20 && s.failed == 3
-    })
+    let watched = store.as_ref();
+    run_relay_over_until(
+        Arc::new(faulty),
+        watched,
+        vec![publisher],
+        fast_worker(),
+        APP,
+        |s| s.delivered == 20 && s.failed == 3,
+    )
     .await
 }
 
@@ -290,7 +224,7 @@ async fn deliver_20_and_dead_letter_3(faulty: FaultyMarks) -> postbox_core::rela
 /// fence and must recognise the rows as its own result, not report "taken
 /// over by another relay" with one relay running.
 pub async fn relay_recognises_its_own_mark_after_a_lost_answer(store: Arc<dyn OutboxStore>) {
-    let report = deliver_20_and_dead_letter_3(FaultyMarks::new(store).lose_first_answers()).await;
+    let report = deliver_20_and_dead_letter_3(WrappedStore::new(store).lose_first_answers()).await;
     assert_eq!(report.fenced_out, 0, "nothing was taken over: {report:?}");
     assert_eq!(report.mark_errors, 0, "{report:?}");
     assert_eq!(report.delivered, 20, "{report:?}");
@@ -303,7 +237,7 @@ pub async fn relay_recognises_its_own_mark_after_a_lost_answer(store: Arc<dyn Ou
 /// lease was taken over".
 pub async fn relay_reports_a_failed_mark_as_a_database_error(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), 10, "Good").await;
-    let faulty = Arc::new(FaultyMarks::new(store.clone()));
+    let faulty = Arc::new(WrappedStore::new(store.clone()));
     // The first mark and its five retries.
     faulty.fail_marks(6);
     let publisher = Arc::new(RecordingPublisher::new("rec"));
@@ -334,7 +268,7 @@ pub async fn relay_reports_an_unreadable_lost_mark_as_a_database_error(
     store: Arc<dyn OutboxStore>,
 ) {
     let report =
-        deliver_20_and_dead_letter_3(FaultyMarks::new(store).lose_first_answers().fail_reads())
+        deliver_20_and_dead_letter_3(WrappedStore::new(store).lose_first_answers().fail_reads())
             .await;
     assert_eq!(report.fenced_out, 0, "nothing was taken over: {report:?}");
     // Every write committed but none could be confirmed: 20 delivered
@@ -353,7 +287,7 @@ pub async fn relay_reports_an_unreadable_lost_mark_as_a_database_error(
 /// failed stage held keep their leases (to expire and count an attempt).
 pub async fn relay_stops_with_an_error_when_its_mark_stage_fails(store: Arc<dyn OutboxStore>) {
     enqueue(store.as_ref(), 40, "Good").await;
-    let faulty: Arc<dyn OutboxStore> = Arc::new(FaultyMarks::new(store.clone()).panic_on_mark());
+    let faulty: Arc<dyn RelayStore> = Arc::new(WrappedStore::new(store.clone()).panic_on_mark());
     let config = postbox_core::config::WorkerConfig {
         batch_size: 5,
         ..fast_worker()

@@ -3,96 +3,16 @@
 //! runs these cases through `wake_suite!`.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
-use postbox_core::event::Fence;
 use postbox_core::relay::{CancellationToken, Relay, RelayReport};
-use postbox_core::store::{ClaimRequest, FailureUpdate, OutboxStore, RelayStore};
-use postbox_core::wake::{Due, Wake};
-use postbox_core::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
+use postbox_core::store::{FailureUpdate, OutboxStore};
+use postbox_core::{ClaimSource, NewEvent, Status};
 
+use crate::faults::WrappedStore;
 use crate::RecordingPublisher;
-
-/// What [`RelayStore::listen`] returns.
-type WakeFuture = std::pin::Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
-
-/// A real store that counts every call the relay makes of it that reaches
-/// the database (everything but `backend`, `table` and `wake`).
-pub struct CountingStore {
-    inner: Arc<dyn OutboxStore>,
-    calls: AtomicU64,
-}
-
-impl CountingStore {
-    /// Wraps `inner`.
-    pub fn new(inner: Arc<dyn OutboxStore>) -> Self {
-        CountingStore {
-            inner,
-            calls: AtomicU64::new(0),
-        }
-    }
-
-    /// Calls so far.
-    pub fn calls(&self) -> u64 {
-        self.calls.load(Ordering::SeqCst)
-    }
-
-    fn count(&self) {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-#[async_trait]
-impl RelayStore for CountingStore {
-    fn backend(&self) -> &'static str {
-        self.inner.backend()
-    }
-    fn table(&self) -> &TableName {
-        self.inner.table()
-    }
-    async fn claim(
-        &self,
-        source: ClaimSource,
-        req: &ClaimRequest<'_>,
-    ) -> Result<Vec<ClaimedEvent>> {
-        self.count();
-        self.inner.claim(source, req).await
-    }
-    async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
-        self.count();
-        self.inner.mark_delivered(fence, ids).await
-    }
-    async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool> {
-        self.count();
-        self.inner.mark_failed(fence, id, update).await
-    }
-    async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
-        self.count();
-        self.inner.release(fence, ids).await
-    }
-    async fn now_ms(&self) -> Result<i64> {
-        self.count();
-        self.inner.now_ms().await
-    }
-    async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
-        self.count();
-        self.inner.find(event_id).await
-    }
-    async fn due(&self, app_codes: &[String]) -> Result<Vec<Due>> {
-        self.count();
-        self.inner.due(app_codes).await
-    }
-    fn wake(&self) -> Option<Wake> {
-        self.inner.wake()
-    }
-    fn listen(&self, wake: Wake, shutdown: CancellationToken) -> Option<WakeFuture> {
-        self.inner.listen(wake, shutdown)
-    }
-}
 
 fn event(app: &str, n: usize) -> NewEvent {
     NewEvent::new(app, "Woken", format!(r#"{{"n":{n}}}"#))
@@ -112,13 +32,7 @@ async fn row_of(
         .enqueue_batch(std::slice::from_ref(&ev), 1 << 20)
         .await
         .expect("enqueue");
-    let req = ClaimRequest {
-        app_code: app,
-        limit: 10,
-        worker_id: "w-test",
-        lease_ms,
-        ordered: false,
-    };
+    let req = crate::conformance::claim_request(app, "w-test", 10, lease_ms);
     let claimed = store
         .claim(ClaimSource::Pending, &req)
         .await
@@ -208,7 +122,7 @@ pub async fn idle_relay_makes_one_store_call_per_second(store: Arc<dyn OutboxSto
         row_of(store.as_ref(), app, 30_000, Some(3_600_000)).await;
         row_of(store.as_ref(), app, 3_600_000, None).await;
     }
-    let counting = Arc::new(CountingStore::new(store));
+    let counting = Arc::new(WrappedStore::new(store));
     let settings = RelaySettings::new(WorkerConfig::default(), apps).expect("valid settings");
     let publisher = Arc::new(RecordingPublisher::new("rec"));
     let relay = Relay::new(counting.clone(), vec![publisher.clone()], settings);

@@ -1,7 +1,7 @@
 //! `postbox replay`.
 
 use postbox_core::config::Uses;
-use postbox_core::store::{ReplayPick, ReplaySelector, ReplayTargets};
+use postbox_core::store::{ReplayPick, ReplayRequest, ReplaySelector, ReplayTargets};
 
 use crate::cli::{Global, ReplayArgs};
 use crate::error::CliError;
@@ -47,7 +47,14 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
     if matches!(targets.pick, ReplayPick::Only(_)) {
-        let before = store.replay_to(&selector, true, "cli", &targets).await?;
+        let before = store
+            .replay_to(ReplayRequest {
+                selector: &selector,
+                dry_run: true,
+                origin: "cli",
+                targets: &targets,
+            })
+            .await?;
         let left_out = targets.unconfirmed_left_out(&before);
         if !left_out.is_empty() {
             return Err(CliError::usage(format!(
@@ -57,7 +64,12 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
         }
     }
     let rows = store
-        .replay_to(&selector, args.dry_run, "cli", &targets)
+        .replay_to(ReplayRequest {
+            selector: &selector,
+            dry_run: args.dry_run,
+            origin: "cli",
+            targets: &targets,
+        })
         .await?;
     if !args.dry_run {
         for r in &rows {
