@@ -50,9 +50,8 @@ use std::sync::Arc;
 use postbox_core::config::{ConsumerConfig, ConsumerKind};
 use postbox_core::Error;
 
-use self::settle::{Settler, Transport};
 use crate::metrics::count;
-use crate::{Handled, Handler, Message, RetryPolicy};
+use crate::{Handled, Handler, RetryPolicy};
 
 /// `{queue}-{host}-{pid}`: tells the processes on one queue apart in the
 /// broker's tools (the RabbitMQ management UI and `rabbitmqctl
@@ -116,24 +115,6 @@ impl Core {
         d.field("url", &self.config.url)
             .field(tag, &self.tag)
             .finish_non_exhaustive()
-    }
-
-    /// Takes one message to the end through `transport` (see
-    /// [`Settler::process`]), counting it in `report`.
-    pub(crate) async fn settle<T: Transport>(
-        &self,
-        report: &mut ConsumeReport,
-        transport: &mut T,
-        read: Result<Message, String>,
-        delivered: u32,
-    ) -> Result<(), String> {
-        Settler {
-            consumer: self.config.name(),
-            policy: &self.policy,
-            report,
-        }
-        .process(self.handler.as_ref(), transport, read, delivered)
-        .await
     }
 }
 

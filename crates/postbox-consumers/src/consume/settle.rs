@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use tracing::Instrument;
 
-use super::{ConsumeReport, Counted};
+use super::{ConsumeReport, Core, Counted};
 use crate::{Handled, Handler, HandlerError, Message, RetryDecision, RetryPolicy};
 
 /// Whether a transport action settled the message here.
@@ -239,6 +239,26 @@ impl Settler<'_> {
             );
         }
         Ok(())
+    }
+}
+
+impl Core {
+    /// Takes one message to the end through `transport` (see
+    /// [`Settler::process`]), counting it in `report`.
+    pub(crate) async fn settle<T: Transport>(
+        &self,
+        report: &mut ConsumeReport,
+        transport: &mut T,
+        read: Result<Message, String>,
+        delivered: u32,
+    ) -> Result<(), String> {
+        Settler {
+            consumer: self.config.name(),
+            policy: &self.policy,
+            report,
+        }
+        .process(self.handler.as_ref(), transport, read, delivered)
+        .await
     }
 }
 
