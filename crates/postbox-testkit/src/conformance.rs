@@ -1331,55 +1331,37 @@ async fn replay_goes_only_to_publishers_that_did_not_confirm(store: Arc<dyn Outb
         app_code: None,
         event_ids: vec![evs[i].event_id.clone()],
     };
+    // Replays event `i` (not a dry run) to `targets`.
+    let replay = |i: usize, targets: &ReplayTargets| {
+        let store = store.clone();
+        let (selector, targets) = (by_id(i), targets.clone());
+        async move {
+            let request = ReplayRequest {
+                selector: &selector,
+                dry_run: false,
+                origin: "t",
+                targets: &targets,
+            };
+            store.replay_to(request).await.unwrap()
+        }
+    };
     let default = ReplayTargets::new(ReplayPick::Unconfirmed, ab.clone()).unwrap();
-    let r = store
-        .replay_to(ReplayRequest {
-            selector: &by_id(0),
-            dry_run: false,
-            origin: "t",
-            targets: &default,
-        })
-        .await
-        .unwrap();
+    let r = replay(0, &default).await;
     assert_eq!(
         r[0].delivered_to,
         vec!["a".to_owned()],
         "failed: progress kept"
     );
-    let r = store
-        .replay_to(ReplayRequest {
-            selector: &by_id(1),
-            dry_run: false,
-            origin: "t",
-            targets: &default,
-        })
-        .await
-        .unwrap();
+    let r = replay(1, &default).await;
     assert!(
         r[0].delivered_to.is_empty(),
         "delivered: backtracking to all"
     );
     let only_a = ReplayTargets::new(ReplayPick::Only(vec!["a".into()]), ab.clone()).unwrap();
-    let r = store
-        .replay_to(ReplayRequest {
-            selector: &by_id(2),
-            dry_run: false,
-            origin: "t",
-            targets: &only_a,
-        })
-        .await
-        .unwrap();
+    let r = replay(2, &only_a).await;
     assert_eq!(r[0].delivered_to, vec!["b".to_owned()], "only a");
     let all = ReplayTargets::new(ReplayPick::All, ab.clone()).unwrap();
-    let r = store
-        .replay_to(ReplayRequest {
-            selector: &by_id(3),
-            dry_run: false,
-            origin: "t",
-            targets: &all,
-        })
-        .await
-        .unwrap();
+    let r = replay(3, &all).await;
     assert!(r[0].delivered_to.is_empty(), "all publishers");
     for (i, want) in [(0, vec!["a"]), (1, vec![]), (2, vec!["b"]), (3, vec![])] {
         let row = status_of(store.as_ref(), &evs[i].event_id).await;
