@@ -347,6 +347,11 @@ pub struct StuckAggregate {
     pub waiting: i64,
 }
 
+/// How many delivered rows a store counts one by one: above it, it
+/// reports the database's estimate ([`AppStats::delivered_estimated`]), so
+/// that monitoring costs the same at 10 million delivered rows as at 0.
+pub const DELIVERED_COUNT_CAP: i64 = 100_000;
+
 /// Counts of one tenant.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct AppStats {
@@ -356,8 +361,13 @@ pub struct AppStats {
     pub pending: i64,
     /// Claimed now.
     pub delivering: i64,
-    /// Confirmed (including legacy `published`).
+    /// Confirmed (including legacy `published`): exact up to 100,000, then
+    /// the database's estimate (see `delivered_estimated`).
     pub delivered: i64,
+    /// `delivered` is the database's estimate (from its statistics), not a
+    /// count: counting millions of delivered rows on every poll is the
+    /// monitoring load postbox exists to avoid.
+    pub delivered_estimated: bool,
     /// Waiting for a retry.
     pub retryable: i64,
     /// Dead letters.
@@ -399,28 +409,12 @@ impl AppStats {
     }
 }
 
-/// The three claim queries: name, source, and the index (suffix after the
-/// table name) each is written for. Backends and `doctor` iterate this.
-pub const CLAIM_QUERIES: [(&str, ClaimSource, &str); 3] = [
-    ("claim_pending", ClaimSource::Pending, "_claim_retry_idx"),
-    (
-        "claim_due_retries",
-        ClaimSource::DueRetry,
-        "_claim_retry_idx",
-    ),
-    (
-        "claim_expired_leases",
-        ClaimSource::ExpiredLease,
-        "_claim_lease_idx",
-    ),
-];
-
 /// What one archive run moves: `delivered` (and legacy `published`) rows of
 /// these app_codes last updated before `before_ms`.
 #[derive(Debug, Clone)]
 pub struct ArchiveRequest {
     /// Tenants to archive, one after another (the archive query is scoped
-    /// by app_code so that it reads `{table}_status_updated_idx`).
+    /// by app_code so that it reads its index in order).
     pub app_codes: Vec<String>,
     /// Cut-off on the database clock, epoch ms: rows with
     /// `updated_at_ms < before_ms` move.
@@ -444,12 +438,10 @@ pub struct ArchiveReport {
     pub locked_out: bool,
 }
 
-/// The archive queries (one per archived status): name and the index
-/// (suffix after the table name) each is written for. `doctor` checks them.
-pub const ARCHIVE_QUERIES: [(&str, &str, &str); 2] = [
-    ("archive_delivered", "delivered", "_status_updated_idx"),
-    ("archive_published", "published", "_status_updated_idx"),
-];
+/// The name `doctor` gives the archive query (delivered and legacy
+/// `published` rows older than the cut-off, through the index each
+/// backend names beside it).
+pub const ARCHIVE_QUERY: &str = "archive_delivered";
 
 /// What `doctor` found in the database catalog.
 #[derive(Debug, Clone, Serialize)]
@@ -509,18 +501,14 @@ pub struct SchemaObject {
 }
 
 /// The index names (suffixes after the table name) every backend creates
-/// under that name; PostgreSQL adds `_archive_pk`.
-pub const EXPECTED_INDEXES: [&str; 10] = [
+/// under that name; each backend adds the outbox table's own (its
+/// `Dialect::EXTRA_INDEXES`: one per status on PostgreSQL and SQLite, one
+/// for every status on MySQL).
+pub const EXPECTED_INDEXES: [&str; 4] = [
     "_event_uq",
-    "_claim_retry_idx",
-    "_claim_lease_idx",
-    "_status_updated_idx",
-    "_event_id_idx",
-    "_aggregate_idx",
     "_archive_event_uq",
     "_archive_created_idx",
     "_history_event_idx",
-    "_status_id_idx",
 ];
 
 /// The tables (suffixes after the table name).
@@ -792,8 +780,8 @@ pub trait InspectStore: RelayStore {
     /// per-aggregate order still pending, delivering or retryable) is
     /// `retryable` or `delivering`, was enqueued more than `older_than_ms`
     /// ago, and has later events waiting behind it; oldest head first, at
-    /// most `limit`. One query: heads through `<table>_claim_retry_idx`,
-    /// their siblings through `<table>_aggregate_idx`.
+    /// most `limit`. One query: heads through the retryable and delivering rows' index,
+    /// their siblings through the aggregate index.
     async fn stuck_aggregates(
         &self,
         app_code: &str,

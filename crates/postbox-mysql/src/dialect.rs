@@ -44,6 +44,7 @@ pub struct Own {
     archive_pick_lock: String,
     archive_copy: String,
     archive_delete: String,
+    delivered_estimate: String,
 }
 
 /// `chunk`, padded to [`sql::padded_len`] by repeating its last element.
@@ -212,7 +213,7 @@ impl Dialect for MySqlDialect {
     const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     /// Continued by [`MySqlDialect::continue_ids`] instead.
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[];
-    const EXTRA_INDEXES: &'static [&'static str] = &[];
+    const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
     const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
     /// A pooled connection whose next transaction runs at READ COMMITTED:
     /// its locking reads take no gap locks, so claims and replays never
@@ -238,6 +239,7 @@ impl Dialect for MySqlDialect {
             archive_pick_lock: t.render(sql::ARCHIVE_PICK_LOCK),
             archive_copy: t.render(sql::ARCHIVE_COPY),
             archive_delete: t.render(sql::ARCHIVE_DELETE),
+            delivered_estimate: t.render(sql::DELIVERED_ESTIMATE),
         }
     }
 
@@ -388,7 +390,6 @@ impl Dialect for MySqlDialect {
         outbox: &MySqlOutbox,
         conn: &mut PoolConnection<MySql>,
         app_code: &str,
-        status: &str,
         before_ms: i64,
         batch_size: u32,
     ) -> Result<(u64, u64)> {
@@ -398,7 +399,7 @@ impl Dialect for MySqlDialect {
         let mut tx = conn.begin().await.map_err(db)?;
         let rows = sqlx::query(&own.archive_pick_lock)
             .bind(app_code)
-            .bind(status)
+            .bind(before_ms)
             .bind(before_ms)
             .bind(i64::from(batch_size))
             .fetch_all(&mut *tx)
@@ -497,6 +498,32 @@ impl Dialect for MySqlDialect {
 
     async fn explain_index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Vec<QueryPlan>> {
         crate::doctor::index_use(outbox, app_code).await
+    }
+
+    /// The `rows` InnoDB estimates for a range read of `{table}_due_idx`.
+    async fn delivered_estimate(
+        outbox: &MySqlOutbox,
+        app_code: &str,
+    ) -> Option<Result<(i64, bool)>> {
+        let db = |e| db_error("estimate delivered rows", e);
+        let estimate = async {
+            let row = sqlx::query(&outbox.own().delivered_estimate)
+                .bind(app_code)
+                .fetch_one(outbox.pool())
+                .await
+                .map_err(db)?;
+            // Text on MariaDB, an unsigned integer on MySQL 8; NULL when
+            // the optimizer found nothing to read.
+            let rows = match row.try_get::<Option<String>, _>("rows") {
+                Ok(text) => text.and_then(|t| t.parse::<i64>().ok()),
+                Err(_) => row
+                    .try_get::<Option<u64>, _>("rows")
+                    .map_err(db)?
+                    .map(|n| n as i64),
+            };
+            Ok((rows.unwrap_or(0), true))
+        };
+        Some(estimate.await)
     }
 }
 

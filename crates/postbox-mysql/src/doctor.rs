@@ -4,9 +4,10 @@
 
 use serde_json::Value;
 
-use postbox_core::store::{QueryPlan, ARCHIVE_QUERIES, CLAIM_QUERIES};
+use postbox_core::store::{QueryPlan, ARCHIVE_QUERY};
 use postbox_core::Result;
 
+use crate::sql::{ARCHIVE_INDEX, CLAIM_INDEXES};
 use crate::MySqlOutbox;
 
 use postbox_sqlx::db_error;
@@ -20,7 +21,7 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
         let mut conn = outbox.pool().acquire().await.map_err(db)?;
         let app = crate::explain::literal(app_code);
         let mut statements = Vec::new();
-        for (query, source, suffix) in CLAIM_QUERIES {
+        for (query, source, suffix) in CLAIM_INDEXES {
             let sql = outbox
                 .own()
                 .claims
@@ -29,16 +30,13 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
                 .replacen('?', "100", 1);
             statements.push((query, suffix, sql));
         }
-        for (query, status, suffix) in ARCHIVE_QUERIES {
-            let sql = outbox
-                .own()
-                .archive_pick
-                .replacen('?', &app, 1)
-                .replacen('?', &crate::explain::literal(status), 1)
-                .replacen('?', "0", 1)
-                .replacen('?', "10000", 1);
-            statements.push((query, suffix, sql));
-        }
+        let sql = outbox
+            .own()
+            .archive_pick
+            .replacen('?', &app, 1)
+            .replacen('?', "0", 2)
+            .replacen('?', "10000", 1);
+        statements.push((ARCHIVE_QUERY, ARCHIVE_INDEX, sql));
         let mut plans = Vec::new();
         for (query, suffix, sql) in statements {
             use sqlx::Executor;

@@ -5,7 +5,7 @@ use serde_json::Value;
 use sqlx::mysql::MySqlRow;
 use sqlx::{Connection, Row};
 
-use postbox_core::store::{QueryPlan, CLAIM_QUERIES};
+use postbox_core::store::QueryPlan;
 use postbox_core::Result;
 
 use crate::MySqlOutbox;
@@ -29,8 +29,8 @@ pub(crate) async fn explain_claims(
         let t = outbox.table().as_str();
         let mut conn = outbox.pool().acquire().await.map_err(db)?;
         let mut tx = conn.begin().await.map_err(db)?;
-        let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
-        for (query, source, index_suffix) in CLAIM_QUERIES {
+        let mut plans = Vec::with_capacity(crate::sql::CLAIM_INDEXES.len());
+        for (query, source, index_suffix) in crate::sql::CLAIM_INDEXES {
             let sql = outbox.own().claims.of(source, false);
             let expected_index = format!("{t}{index_suffix}");
             let inlined =

@@ -114,31 +114,44 @@ macro_rules! claim {
     };
 }
 
+// Every claim reads `{table}_due_idx (app_code, status, next_retry_at_ms,
+// id)` in its order (see `V5_INDEXES`): pending rows have
+// `next_retry_at_ms = 0`, so theirs is insertion order.
 postbox_sqlx::claims_in_retry_order!(
     claim,
-    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
+    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!()),
+    pending_order: "next_retry_at_ms, id"
 );
 
-/// Take over rows whose lease expired (step 1). Index: `{table}_claim_lease_idx`
-/// `(app_code, status, lock_until_ms, created_at_ms, event_id)`.
+/// Take over rows whose lease expired (step 1). Index: `{table}_due_idx`:
+/// a claim sets a delivering row's `next_retry_at_ms` to its lease end.
+/// `lock_until_ms` is checked too, for rows claimed before schema version
+/// 5, whose `next_retry_at_ms` is not their lease end.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "{table}",
-    concat!("status = 'delivering' AND lock_until_ms <= ", now_ms!()),
-    "lock_until_ms, created_at_ms"
+    concat!(
+        "status = 'delivering' AND next_retry_at_ms <= ",
+        now_ms!(),
+        " AND lock_until_ms <= ",
+        now_ms!()
+    ),
+    "next_retry_at_ms, id"
 );
 
 /// The claims, in the order `ClaimStatements::render` takes them.
 pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// Claim step 2 for pending and due rows, locked by step 1: the lease.
-/// `lock_until_ms` is computed once per claim, so it is the batch's fence.
+/// `lock_until_ms` is computed once per claim, so it is the batch's fence;
+/// `next_retry_at_ms` takes the same value (MySQL assigns left to right),
+/// which `{table}_due_idx` orders expired leases by.
 /// Primary key lookups. Every `UPDATE … WHERE id …` names the primary key:
 /// on a small table MariaDB would otherwise scan the whole table, reaching
 /// rows a producer's open transaction holds (run at READ COMMITTED, the
 /// scan skips them, but a range read never meets them at all).
 pub(crate) const CLAIM_TAKE: &str =
     "UPDATE {table} FORCE INDEX (PRIMARY) SET status = 'delivering', worker_id = ?, \
-       lock_until_ms = ?, updated_at_ms = ? \
+       lock_until_ms = ?, next_retry_at_ms = lock_until_ms, updated_at_ms = ? \
      WHERE id IN ({ids})";
 
 /// Claim step 2 for expired leases; the lost attempt is counted. MySQL
@@ -147,13 +160,18 @@ pub(crate) const CLAIM_TAKE: &str =
 pub(crate) const CLAIM_TAKE_EXPIRED: &str =
     "UPDATE {table} FORCE INDEX (PRIMARY) SET retry_count = retry_count + 1, \
        last_error = CONCAT('lease expired while held by ', COALESCE(worker_id, '?')), \
-       status = 'delivering', worker_id = ?, lock_until_ms = ?, updated_at_ms = ? \
+       status = 'delivering', worker_id = ?, lock_until_ms = ?, next_retry_at_ms = lock_until_ms, \
+       updated_at_ms = ? \
      WHERE id IN ({ids})";
 
 /// Fenced: only rows still leased by this claim. Primary key lookups.
+/// `next_retry_at_ms` becomes the time of delivery, which archiving and
+/// the chart read through `{table}_due_idx`.
 pub(crate) const MARK_DELIVERED: &str = concat!(
     "UPDATE {table} FORCE INDEX (PRIMARY) SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
-       updated_at_ms = ",
+       next_retry_at_ms = ",
+    now_ms!(),
+    ", updated_at_ms = ",
     now_ms!(),
     " \
      WHERE id IN ({ids}) AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
@@ -178,12 +196,19 @@ pub(crate) const RELEASE: &str =
      WHERE id IN ({ids}) AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
 );
 
-/// Counts by status for one tenant.
-pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ? GROUP BY status";
+/// Counts of one tenant's rows by status (`postbox_sqlx::count_open!`),
+/// each a range of `{table}_due_idx`; delivered rows counted up to a cap,
+/// then estimated ([`DELIVERED_ESTIMATE`]).
+pub(crate) const COUNT_OPEN: &str = postbox_sqlx::count_open!("?1");
+
+/// The optimizer's estimate of one tenant's delivered rows: `EXPLAIN` of a
+/// range read of `{table}_due_idx`, whose `rows` InnoDB estimates by
+/// diving into the index (a few page reads at any size).
+pub(crate) const DELIVERED_ESTIMATE: &str = "EXPLAIN SELECT 1 FROM {table} \
+     WHERE app_code = ? AND status IN ('delivered', 'published')";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!(), "next_retry_at_ms, id");
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
@@ -199,15 +224,17 @@ pub(crate) const PRESENT_APP_CODES: &str =
 pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find_archived!("app_code IN ({ids})", "?");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
-/// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
-/// a range read of the last hour's delivered rows only.
+/// Index: `{table}_due_idx (app_code, status, next_retry_at_ms, id)`, a
+/// range read of the last hour's delivered rows only (a delivered row's
+/// `next_retry_at_ms` is its time of delivery).
 pub(crate) const DELIVERED_PER_MINUTE: &str =
-    "SELECT (updated_at_ms DIV 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
-     FROM {table} WHERE app_code = ? AND status = 'delivered' AND updated_at_ms >= ? \
+    "SELECT (next_retry_at_ms DIV 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
+     FROM {table} WHERE app_code = ? AND status = 'delivered' AND next_retry_at_ms >= ? \
      GROUP BY minute_ms ORDER BY minute_ms";
 
-/// By event id (`postbox_sqlx::find!`).
-pub(crate) const FIND: &str = postbox_sqlx::find!("?");
+/// By event id: the app_codes with rows (`{ids}` list), then the event id
+/// (`postbox_sqlx::find!`).
+pub(crate) const FIND: &str = postbox_sqlx::find!("app_code IN ({ids})", "?");
 
 /// Rows by primary key: what a replay wrote, read back (MySQL has no
 /// `UPDATE … RETURNING`).
@@ -230,8 +257,8 @@ pub(crate) const REPLAY_IDS_LOCK: &str = "SELECT id FROM {table} \
 
 /// Rows a replay by filter would touch. `{filters}`: a predicate per given
 /// filter (`postbox_sqlx::filter_query`), so the plan uses the index those
-/// lead, e.g. `{table}_status_id_idx (app_code, status, id)` for a tenant
-/// and status.
+/// lead, e.g. `{table}_due_idx (app_code, status, …)` for a tenant and
+/// status.
 pub(crate) const REPLAY_FILTER_DRY: &str = postbox_sqlx::replay_filter_dry!();
 
 /// Replay by filter, step 1: lock the rows.
@@ -319,17 +346,25 @@ pub(crate) const ARCHIVE_LOCK: &str = "SELECT GET_LOCK(LEFT(CONCAT('postbox_arch
 pub(crate) const ARCHIVE_UNLOCK: &str =
     "SELECT RELEASE_LOCK(LEFT(CONCAT('postbox_archive:', ?), 64))";
 
-/// The rows one archive batch takes (app_code, status, cut-off, batch
-/// size). Index: `{table}_status_updated_idx`
-/// `(app_code, status, updated_at_ms, event_id)`, read in its order.
-pub(crate) const ARCHIVE_PICK: &str = "SELECT id FROM {table} \
-     WHERE app_code = ? AND status = ? AND updated_at_ms < ? \
-     ORDER BY updated_at_ms, event_id LIMIT ?";
+/// The rows one archive batch takes (app_code, cut-off twice, batch
+/// size): delivered (and legacy `published`) rows last updated before the
+/// cut-off. Index: `{table}_due_idx (app_code, status, next_retry_at_ms,
+/// id)`, read in its order up to the cut-off (a delivered row's
+/// `next_retry_at_ms` is its time of delivery); `updated_at_ms` is
+/// checked too, for rows delivered before schema version 5.
+macro_rules! archive_pick {
+    () => {
+        "SELECT id FROM {table} \
+         WHERE app_code = ? AND status IN ('delivered', 'published') AND next_retry_at_ms < ? \
+           AND updated_at_ms < ? LIMIT ?"
+    };
+}
 
-/// [`ARCHIVE_PICK`], locking the rows for the batch's transaction.
-pub(crate) const ARCHIVE_PICK_LOCK: &str = "SELECT id FROM {table} \
-     WHERE app_code = ? AND status = ? AND updated_at_ms < ? \
-     ORDER BY updated_at_ms, event_id LIMIT ? FOR UPDATE";
+/// [`ARCHIVE_PICK_LOCK`] without the lock, for `doctor`'s EXPLAIN.
+pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
+
+/// The rows of one archive batch, locked for the batch's transaction.
+pub(crate) const ARCHIVE_PICK_LOCK: &str = concat!(archive_pick!(), " FOR UPDATE");
 
 /// Archive step 2: copy what the archive lacks (unique `id`; a row already
 /// there from an earlier run is skipped). Primary key lookups.
@@ -357,7 +392,7 @@ pub(crate) const ARCHIVED_EVENT_IDS: &str =
     "SELECT event_id FROM {archive} WHERE app_code = ? AND event_id IN ({ids})";
 
 /// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
-/// app_code, age cut-off in ms, limit. Heads through `{table}_claim_retry_idx`
+/// app_code, age cut-off in ms, limit. Heads through `{table}_due_idx`
 /// (app_code, status), siblings through `{table}_aggregate_idx`.
 pub(crate) const STUCK_AGGREGATES: &str = concat!(
     "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
@@ -436,7 +471,53 @@ pub(crate) const RECORD_VERSION: &str = concat!(
 /// does not make a run atomic: the named lock
 /// ([`MIGRATION_LOCK`]) is held by one connection for the whole run, and
 /// every statement is idempotent, so a run cut short is simply re-run.
-pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!();
+pub(crate) const MIGRATIONS: &[Migration] =
+    postbox_sqlx::migrations!((5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES));
+
+/// The outbox table's indexes since version 5 (suffixes).
+pub(crate) const INDEXES: &[&str] = &["_due_idx", "_aggregate_idx"];
+
+/// The index each claim query is written for: one for all.
+pub(crate) const CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] = [
+    (
+        "claim_pending",
+        postbox_core::ClaimSource::Pending,
+        "_due_idx",
+    ),
+    (
+        "claim_due_retries",
+        postbox_core::ClaimSource::DueRetry,
+        "_due_idx",
+    ),
+    (
+        "claim_expired_leases",
+        postbox_core::ClaimSource::ExpiredLease,
+        "_due_idx",
+    ),
+];
+
+/// The index [`ARCHIVE_PICK`] is written for.
+pub(crate) const ARCHIVE_INDEX: &str = "_due_idx";
+
+/// Version 5: one index for every status in place of five. InnoDB
+/// rewrites a secondary index entry only when a column of that index
+/// changes; every state change sets `status`, so every index holding it
+/// was rewritten by each of the two updates an event costs (claim, mark):
+/// four of them before, one now, as a table with a single claim index.
+/// `{table}_due_idx (app_code, status, next_retry_at_ms, id)` serves every
+/// claim, the idle probe, the counts, archiving and the chart, because
+/// `next_retry_at_ms` is the time a row is next looked at: 0 for pending
+/// (insertion order), a retryable row's retry, a delivering row's lease
+/// end, a delivered or failed row's time of getting there.
+/// `{table}_aggregate_idx` stays (no update changes its columns);
+/// `{table}_event_id_idx` goes (`events show` probes `{table}_event_uq`
+/// once per app_code). One `ALTER TABLE`: atomic, and MySQL 8 has no
+/// `IF [NOT] EXISTS` for indexes.
+pub(crate) const V5_INDEXES: &[&str] = &["ALTER TABLE {table} \
+       ADD INDEX {table}_due_idx (app_code, status, next_retry_at_ms, id), \
+       DROP INDEX {table}_claim_retry_idx, DROP INDEX {table}_claim_lease_idx, \
+       DROP INDEX {table}_status_updated_idx, DROP INDEX {table}_event_id_idx, \
+       DROP INDEX {table}_status_id_idx"];
 
 /// The shared statements. MySQL has no `UPDATE … RETURNING`: its replay
 /// statements lock the rows' ids (`…_LOCK`), and `MySqlDialect::replay_rows`

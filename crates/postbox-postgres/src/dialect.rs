@@ -26,6 +26,7 @@ pub struct Own {
     pub(crate) claims: ClaimStatements,
     pub(crate) archive_batch: String,
     pub(crate) archive_pick: String,
+    pub(crate) delivered_estimate: String,
 }
 
 #[async_trait]
@@ -39,7 +40,7 @@ impl Dialect for PgDialect {
     const STATEMENTS: Statements = sql::STATEMENTS;
     const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
-    const EXTRA_INDEXES: &'static [&'static str] = &["_archive_pk"];
+    const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
 
     fn own(t: &TableName) -> Own {
         Own {
@@ -47,6 +48,7 @@ impl Dialect for PgDialect {
             claims: ClaimStatements::render(t, sql::CLAIMS),
             archive_batch: t.render(sql::ARCHIVE_BATCH),
             archive_pick: t.render(sql::ARCHIVE_PICK),
+            delivered_estimate: t.render(sql::DELIVERED_ESTIMATE),
         }
     }
 
@@ -148,14 +150,12 @@ impl Dialect for PgDialect {
         outbox: &SqlOutbox<Self>,
         conn: &mut PoolConnection<Postgres>,
         app_code: &str,
-        status: &str,
         before_ms: i64,
         batch_size: u32,
     ) -> Result<(u64, u64)> {
         let db = |e| db_error("archive", e);
         let row = sqlx::query(&outbox.own().archive_batch)
             .bind(app_code)
-            .bind(status)
             .bind(before_ms)
             .bind(i64::from(batch_size))
             .fetch_one(&mut **conn)
@@ -185,6 +185,17 @@ impl Dialect for PgDialect {
 
     async fn explain_index_use(outbox: &SqlOutbox<Self>, app_code: &str) -> Result<Vec<QueryPlan>> {
         crate::explain::index_use(outbox, app_code).await
+    }
+
+    async fn delivered_estimate(
+        outbox: &SqlOutbox<Self>,
+        app_code: &str,
+    ) -> Option<Result<(i64, bool)>> {
+        Some(
+            crate::explain::delivered_estimate(outbox, app_code)
+                .await
+                .map(|n| (n, true)),
+        )
     }
 
     fn due_query<'q>(

@@ -7,10 +7,11 @@
 use serde_json::Value;
 use sqlx::Row;
 
-use postbox_core::store::{QueryPlan, ARCHIVE_QUERIES, CLAIM_QUERIES};
+use postbox_core::store::{QueryPlan, ARCHIVE_QUERY};
 use postbox_core::{Error, Result};
 use postbox_sqlx::db_error;
 
+use crate::sql::{ARCHIVE_INDEX, CLAIM_INDEXES};
 use crate::PgOutbox;
 
 /// Plans of the three claim queries, executed and rolled back.
@@ -21,9 +22,9 @@ pub(crate) async fn claim_plans(
 ) -> Result<Vec<QueryPlan>> {
     let db = |e| db_error("explain claims", e);
     let t = outbox.table().as_str();
-    let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
+    let mut plans = Vec::with_capacity(CLAIM_INDEXES.len());
     let mut tx = outbox.pool().begin().await.map_err(db)?;
-    for (query, source, index_suffix) in CLAIM_QUERIES {
+    for (query, source, index_suffix) in CLAIM_INDEXES {
         let sql = outbox.own().claims.of(source, false);
         let expected_index = format!("{t}{index_suffix}");
         let row = sqlx::query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"))
@@ -75,7 +76,7 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             .map_err(db)?;
     }
     let mut plans = Vec::new();
-    for (query, source, suffix) in CLAIM_QUERIES {
+    for (query, source, suffix) in CLAIM_INDEXES {
         let sql = outbox.own().claims.of(source, false);
         let row = sqlx::query(&format!("EXPLAIN (FORMAT JSON) {sql}"))
             .bind(app_code)
@@ -87,20 +88,17 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             .map_err(db)?;
         plans.push(plan(query, t, suffix, &row)?);
     }
-    for (query, status, suffix) in ARCHIVE_QUERIES {
-        let row = sqlx::query(&format!(
-            "EXPLAIN (FORMAT JSON) {}",
-            outbox.own().archive_pick
-        ))
-        .bind(app_code)
-        .bind(status)
-        .bind(0_i64)
-        .bind(10_000_i64)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(db)?;
-        plans.push(plan(query, t, suffix, &row)?);
-    }
+    let row = sqlx::query(&format!(
+        "EXPLAIN (FORMAT JSON) {}",
+        outbox.own().archive_pick
+    ))
+    .bind(app_code)
+    .bind(0_i64)
+    .bind(10_000_i64)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db)?;
+    plans.push(plan(ARCHIVE_QUERY, t, ARCHIVE_INDEX, &row)?);
     tx.rollback().await.map_err(db)?;
     Ok(plans)
 }
@@ -165,4 +163,18 @@ pub(crate) fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
             visit(child, table, plan);
         }
     }
+}
+
+/// The planner's row estimate of [`crate::sql::DELIVERED_ESTIMATE`] for
+/// `app_code` (`Plan Rows` of its top node).
+pub(crate) async fn delivered_estimate(outbox: &PgOutbox, app_code: &str) -> Result<i64> {
+    let db = |e| db_error("estimate delivered rows", e);
+    let row = sqlx::query(&outbox.own().delivered_estimate)
+        .bind(app_code)
+        .fetch_one(outbox.pool())
+        .await
+        .map_err(db)?;
+    let text: String = row.try_get_unchecked(0).map_err(db)?;
+    let json = parse_plan(&text)?;
+    Ok(json[0]["Plan"]["Plan Rows"].as_f64().unwrap_or(0.0).round() as i64)
 }

@@ -36,7 +36,8 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 /// One claim: up to $2 rows of tenant $1 that `$pick` selects, in the
 /// order `$order`, locked `FOR UPDATE SKIP LOCKED` (rows another relay
 /// holds are skipped), get `$set` and the lease (worker $3, until now +
-/// $4) and come back. Pending and due rows
+/// $4; `next_retry_at_ms` is set to the lease end too, which
+/// `{table}_lease_idx` orders by) and come back. Pending and due rows
 /// (`postbox_sqlx::claims_in_retry_order!`) become `delivering`.
 macro_rules! claim {
     ($from:literal, $pick:expr, $order:literal) => {
@@ -55,6 +56,8 @@ macro_rules! claim {
             $set,
             "worker_id = $3, lock_until_ms = ",
             now_ms!(),
+            " + $4, next_retry_at_ms = ",
+            now_ms!(),
             " + $4, updated_at_ms = ",
             now_ms!(),
             " FROM picked WHERE o.id = picked.id RETURNING ",
@@ -63,17 +66,31 @@ macro_rules! claim {
     };
 }
 
+// Pending rows through `{table}_pending_idx (app_code, id) WHERE status =
+// 'pending'`, in its order; due retries through `{table}_retry_idx
+// (app_code, next_retry_at_ms, id) WHERE status = 'retryable'`, read up to
+// the clock. Partial indexes: a row is in the one index of its status, so
+// each state change writes one claim-index entry, not one per index.
 postbox_sqlx::claims_in_retry_order!(
     claim,
-    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
+    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!()),
+    pending_order: "id"
 );
 
 /// Take over rows whose lease expired; the lost attempt is counted.
-/// Index: `{table}_claim_lease_idx` `(app_code, status, lock_until_ms, created_at_ms, event_id)`.
+/// Index: `{table}_lease_idx (app_code, next_retry_at_ms, id) WHERE status
+/// = 'delivering'`: a claim sets `next_retry_at_ms` to the lease end.
+/// `lock_until_ms` (the fence) is checked too, for rows claimed before
+/// schema version 5, whose `next_retry_at_ms` is not their lease end.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "{table}",
-    concat!("status = 'delivering' AND lock_until_ms <= ", now_ms!()),
-    "lock_until_ms, created_at_ms",
+    concat!(
+        "status = 'delivering' AND next_retry_at_ms <= ",
+        now_ms!(),
+        " AND lock_until_ms <= ",
+        now_ms!()
+    ),
+    "next_retry_at_ms, id",
     "retry_count = o.retry_count + 1, \
      last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), "
 );
@@ -82,9 +99,13 @@ pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
 pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
 /// Fenced: only rows still leased by this claim. Primary key lookups.
+/// `next_retry_at_ms` becomes the time of delivery (as for every terminal
+/// row: see `postbox_sqlx::v5_partial_indexes!`).
 pub(crate) const MARK_DELIVERED: &str = concat!(
     "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
-       updated_at_ms = ",
+       next_retry_at_ms = ",
+    now_ms!(),
+    ", updated_at_ms = ",
     now_ms!(),
     " \
      WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
@@ -109,12 +130,20 @@ pub(crate) const RELEASE: &str =
      WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
 );
 
-/// Counts by status for one tenant.
-pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = $1 GROUP BY status";
+/// Counts of one tenant's rows by status (`postbox_sqlx::count_open!`):
+/// each through the partial index of its status; delivered rows counted
+/// up to a cap, then estimated ([`DELIVERED_ESTIMATE`]).
+pub(crate) const COUNT_OPEN: &str = postbox_sqlx::count_open!("$1");
+
+/// The planner's estimate of one tenant's delivered rows: `EXPLAIN` of a
+/// read through `{table}_done_idx`, whose `Plan Rows` comes from the
+/// table's statistics (`ANALYZE`, autovacuum), read in microseconds at any
+/// size.
+pub(crate) const DELIVERED_ESTIMATE: &str = "EXPLAIN (FORMAT JSON) SELECT 1 FROM {table} \
+     WHERE app_code = $1 AND status IN ('delivered', 'published')";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("$1", now_ms!());
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("$1", now_ms!(), "id");
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
@@ -134,15 +163,17 @@ pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( 
 pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find_archived!("app_code = ANY($1)", "$2");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
-/// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
-/// a range read of the last hour's delivered rows only.
+/// Index: `{table}_done_idx (app_code, updated_at_ms, id) WHERE status IN
+/// ('delivered', 'published')`, a range read of the last hour's delivered
+/// rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
     "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
-     FROM {table} WHERE app_code = $1 AND status = 'delivered' AND updated_at_ms >= $2 \
+     FROM {table} WHERE app_code = $1 AND status IN ('delivered', 'published') AND updated_at_ms >= $2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
-/// By event id (`postbox_sqlx::find!`).
-pub(crate) const FIND: &str = postbox_sqlx::find!("$1");
+/// By event id, in the app_codes ($1, an array) that have rows
+/// (`postbox_sqlx::find!`).
+pub(crate) const FIND: &str = postbox_sqlx::find!("app_code = ANY($1)", "$2");
 
 /// A replay that picked its targets: rows $1 get `delivered_to` $2 (the
 /// publishers *not* targeted), in the replay's transaction.
@@ -219,13 +250,14 @@ pub(crate) const ARCHIVE_LOCK: &str =
 pub(crate) const ARCHIVE_UNLOCK: &str =
     "SELECT pg_advisory_unlock(hashtext('postbox_archive:' || $1))";
 
-/// The rows one archive batch takes ($1 app_code, $2 status, $3 cut-off,
-/// $4 batch size). Index: `{table}_status_updated_idx`
-/// `(app_code, status, updated_at_ms, event_id)`, read in its order.
+/// The rows one archive batch takes ($1 app_code, $2 cut-off, $3 batch
+/// size): delivered (and legacy `published`) rows last updated before the
+/// cut-off. Index: `{table}_done_idx (app_code, updated_at_ms, id) WHERE
+/// status IN ('delivered', 'published')`, read in its order.
 macro_rules! archive_pick {
     () => {
-        "SELECT id FROM {table} WHERE app_code = $1 AND status = $2 AND updated_at_ms < $3 \
-         ORDER BY updated_at_ms, event_id LIMIT $4"
+        "SELECT id FROM {table} WHERE app_code = $1 AND status IN ('delivered', 'published') \
+           AND updated_at_ms < $2 ORDER BY updated_at_ms, id LIMIT $3"
     };
 }
 
@@ -260,8 +292,9 @@ pub(crate) const ARCHIVED_EVENT_IDS: &str =
 pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
 
 /// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
-/// app_code, age cut-off in ms, limit. Heads through `{table}_claim_retry_idx`
-/// (app_code, status), siblings through `{table}_aggregate_idx`.
+/// app_code, age cut-off in ms, limit. Heads through `{table}_retry_idx`
+/// and `{table}_lease_idx` (the two statuses a held-back head has),
+/// siblings through `{table}_open_aggregate_idx`.
 pub(crate) const STUCK_AGGREGATES: &str = concat!(
     "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
        (",
@@ -337,7 +370,10 @@ pub(crate) const RECORD_VERSION: &str = concat!(
 pub(crate) const V3_LIST_INDEX: &[&str] =
     &["CREATE INDEX IF NOT EXISTS {table}_status_id_idx ON {table} (app_code, status, id)"];
 
-/// Version 1: the outbox table, its indexes and the archive twin.
+/// Version 1: the outbox table, its unique event index and the archive
+/// twin. The claim indexes version 1 created before version 5 replaced
+/// them are no longer created here: version 1 runs again when the archive
+/// was dropped by hand, and must not bring them back.
 pub(crate) const V1_SCHEMA: &[&str] = &[
     concat!(
         "CREATE TABLE IF NOT EXISTS {table} ( \
@@ -357,15 +393,14 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
            last_error TEXT, \
            delivered_to TEXT, \
            replay_count INT NOT NULL DEFAULT 0, \
-           created_at_ms BIGINT NOT NULL DEFAULT ", "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT", ", \
-           updated_at_ms BIGINT NOT NULL DEFAULT ", "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT", ")"
+           created_at_ms BIGINT NOT NULL DEFAULT ",
+        "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
+        ", \
+           updated_at_ms BIGINT NOT NULL DEFAULT ",
+        "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
+        ")"
     ),
     "CREATE UNIQUE INDEX IF NOT EXISTS {table}_event_uq ON {table} (app_code, event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_claim_retry_idx ON {table} (app_code, status, next_retry_at_ms, created_at_ms, event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_claim_lease_idx ON {table} (app_code, status, lock_until_ms, created_at_ms, event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_status_updated_idx ON {table} (app_code, status, updated_at_ms, event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_event_id_idx ON {table} (event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_aggregate_idx ON {table} (app_code, aggregate_id, id)",
     "CREATE TABLE IF NOT EXISTS {archive} (LIKE {table} INCLUDING DEFAULTS)",
     "ALTER TABLE {archive} ALTER COLUMN id DROP IDENTITY IF EXISTS",
     "CREATE UNIQUE INDEX IF NOT EXISTS {archive}_pk ON {archive} (id)",
@@ -380,11 +415,32 @@ pub(crate) const V2_HISTORY: &[&str] = postbox_sqlx::v2_history!(
 );
 
 /// `(version, description, statements)`, applied in order.
-pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!((
-    4,
-    "wake-up trigger (NOTIFY postbox_<table> once per INSERT statement)",
-    V4_WAKE_TRIGGER
-));
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!(
+    (
+        4,
+        "wake-up trigger (NOTIFY postbox_<table> once per INSERT statement)",
+        V4_WAKE_TRIGGER
+    ),
+    (5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES),
+);
+
+/// The outbox table's indexes (`postbox_sqlx::partial_indexes!`) and the
+/// archive's primary key.
+pub(crate) const INDEXES: &[&str] = postbox_sqlx::partial_indexes!("_archive_pk");
+
+/// The index each claim query is written for.
+pub(crate) const CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] =
+    postbox_sqlx::PARTIAL_CLAIM_INDEXES;
+
+/// The index [`ARCHIVE_PICK`] is written for.
+pub(crate) const ARCHIVE_INDEX: &str = postbox_sqlx::PARTIAL_ARCHIVE_INDEX;
+
+/// Version 5: one partial index per status (`postbox_sqlx::v5_partial_indexes!`),
+/// then the indexes they replace are dropped.
+pub(crate) const V5_INDEXES: &[&str] = postbox_sqlx::v5_partial_indexes!(
+    "DROP INDEX IF EXISTS {table}_claim_retry_idx, {table}_claim_lease_idx, {table}_status_updated_idx, \
+       {table}_event_id_idx, {table}_aggregate_idx, {table}_status_id_idx"
+);
 
 /// The statements the engine runs, by the name it knows them by (each
 /// field of [`postbox_sqlx::Statements`] is the constant of that name here).
@@ -393,13 +449,10 @@ pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements
 /// The idle probe (`RelayStore::due`) for every app_code at once (`$1`, a
 /// text array): per app_code, whether a pending row exists and how long
 /// until the earliest retryable row is due and the earliest lease ends.
-/// Each sub-query reads the first entry of an index prefix: `EXISTS` on an
-/// `(app_code, status, …)` index (the planner picks
-/// `{table}_claim_retry_idx` or `{table}_status_id_idx`),
-/// `MIN(next_retry_at_ms)` on `{table}_claim_retry_idx (app_code, status,
-/// next_retry_at_ms, …)`, `MIN(lock_until_ms)` on `{table}_claim_lease_idx
-/// (app_code, status, lock_until_ms, …)`; never a scan (checked with
-/// `EXPLAIN ANALYZE`).
+/// Each sub-query reads the first entry of a partial index: `EXISTS` on
+/// `{table}_pending_idx`, `MIN(next_retry_at_ms)` on `{table}_retry_idx`
+/// and on `{table}_lease_idx` (a delivering row's `next_retry_at_ms` is
+/// its lease end); never a scan (checked with `EXPLAIN ANALYZE`).
 pub(crate) const DUE: &str = concat!(
     "SELECT a.app_code, \
        CASE WHEN EXISTS (SELECT 1 FROM {table} o \
@@ -408,7 +461,7 @@ pub(crate) const DUE: &str = concat!(
          WHERE o.app_code = a.app_code AND o.status = 'retryable') - ",
     now_ms!(),
     " AS retry_in_ms, \
-       (SELECT MIN(o.lock_until_ms) FROM {table} o \
+       (SELECT MIN(o.next_retry_at_ms) FROM {table} o \
          WHERE o.app_code = a.app_code AND o.status = 'delivering') - ",
     now_ms!(),
     " AS lease_in_ms \

@@ -4,10 +4,11 @@
 
 use sqlx::Row;
 
-use postbox_core::store::{QueryPlan, ARCHIVE_QUERIES, CLAIM_QUERIES};
+use postbox_core::store::{QueryPlan, ARCHIVE_QUERY};
 use postbox_core::Result;
 use postbox_sqlx::db_error;
 
+use crate::sql::{ARCHIVE_INDEX, CLAIM_INDEXES};
 use crate::SqliteOutbox;
 
 /// The `detail` lines of `EXPLAIN QUERY PLAN` for `q`.
@@ -32,8 +33,8 @@ pub(crate) async fn claim_plans(
     limit: u32,
 ) -> Result<Vec<QueryPlan>> {
     let t = outbox.table().as_str();
-    let mut plans = Vec::with_capacity(CLAIM_QUERIES.len());
-    for (query, source, index_suffix) in CLAIM_QUERIES {
+    let mut plans = Vec::with_capacity(CLAIM_INDEXES.len());
+    for (query, source, index_suffix) in CLAIM_INDEXES {
         let sql = format!(
             "EXPLAIN QUERY PLAN {}",
             outbox.own().claims.of(source, false)
@@ -56,16 +57,12 @@ pub(crate) async fn index_use(outbox: &SqliteOutbox, app_code: &str) -> Result<V
     let mut plans = claim_plans(outbox, app_code, 100).await?;
     let t = outbox.table().as_str();
     let sql = format!("EXPLAIN QUERY PLAN {}", outbox.own().archive_pick);
-    for (query, status, suffix) in ARCHIVE_QUERIES {
-        let q = sqlx::query(&sql)
-            .bind(app_code)
-            .bind(status)
-            .bind(0_i64)
-            .bind(10_000_i64);
-        let text = detail_lines(outbox, q, "explain").await?;
-        plans.push(query_plan(query, t, suffix, text));
-    }
-    debug_assert_eq!(plans.len(), CLAIM_QUERIES.len() + ARCHIVE_QUERIES.len());
+    let q = sqlx::query(&sql)
+        .bind(app_code)
+        .bind(0_i64)
+        .bind(10_000_i64);
+    let text = detail_lines(outbox, q, "explain").await?;
+    plans.push(query_plan(ARCHIVE_QUERY, t, ARCHIVE_INDEX, text));
     Ok(plans)
 }
 

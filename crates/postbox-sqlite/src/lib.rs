@@ -89,21 +89,25 @@ mod tests {
         let cases = [
             (
                 o.own().claims.of(ClaimSource::Pending, false),
-                "room_outbox_claim_retry_idx",
+                "room_outbox_pending_idx",
+            ),
+            (
+                o.own().claims.of(ClaimSource::Pending, true),
+                "room_outbox_open_aggregate_idx",
             ),
             (
                 o.own().claims.of(ClaimSource::DueRetry, false),
-                "room_outbox_claim_retry_idx",
+                "room_outbox_retry_idx",
             ),
             (
                 o.own().claims.of(ClaimSource::ExpiredLease, false),
-                "room_outbox_claim_lease_idx",
+                "room_outbox_lease_idx",
             ),
-            (
-                o.statements().backlog.as_str(),
-                "room_outbox_claim_retry_idx",
-            ),
-            (o.statements().find.as_str(), "room_outbox_event_id_idx"),
+            (o.statements().backlog.as_str(), "room_outbox_pending_idx"),
+            (o.statements().backlog.as_str(), "room_outbox_retry_idx"),
+            (o.statements().count_open.as_str(), "room_outbox_failed_idx"),
+            (o.statements().count_open.as_str(), "room_outbox_done_idx"),
+            (o.statements().find.as_str(), "room_outbox_event_uq"),
         ];
         for (sql, index) in cases {
             let plan = plan(

@@ -63,8 +63,9 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 
 /// One claim: up to ?2 rows of tenant ?1 that `$pick` selects, in the
 /// order `$order`, get `$set` and the lease (worker ?3, until ?4, at ?5)
-/// and come back. Pending and due rows (`postbox_sqlx::claims_in_retry_order!`)
-/// become `delivering`.
+/// and come back (`next_retry_at_ms` becomes the lease end too, which
+/// `{table}_lease_idx` orders by). Pending and due rows
+/// (`postbox_sqlx::claims_in_retry_order!`) become `delivering`.
 macro_rules! claim {
     ($from:literal, $pick:expr, $order:literal) => {
         claim!($from, $pick, $order, "status = 'delivering', ")
@@ -73,7 +74,7 @@ macro_rules! claim {
         concat!(
             "UPDATE {table} SET ",
             $set,
-            "worker_id = ?3, lock_until_ms = ?4, updated_at_ms = ?5 \
+            "worker_id = ?3, lock_until_ms = ?4, next_retry_at_ms = ?4, updated_at_ms = ?5 \
              WHERE id IN (SELECT id FROM ",
             $from,
             " WHERE app_code = ?1 AND ",
@@ -86,13 +87,24 @@ macro_rules! claim {
     };
 }
 
-postbox_sqlx::claims_in_retry_order!(claim, due: "status = 'retryable' AND next_retry_at_ms <= ?5");
+// Pending rows through `{table}_pending_idx (app_code, id) WHERE status =
+// 'pending'`, in its order; due retries through `{table}_retry_idx
+// (app_code, next_retry_at_ms, id) WHERE status = 'retryable'`
+// (`postbox_sqlx::v5_partial_indexes!`).
+postbox_sqlx::claims_in_retry_order!(
+    claim,
+    due: "status = 'retryable' AND next_retry_at_ms <= ?5",
+    pending_order: "id"
+);
 
-/// Take over rows whose lease expired; the lost attempt is counted. Index: `{table}_claim_lease_idx`.
+/// Take over rows whose lease expired; the lost attempt is counted. Index:
+/// `{table}_lease_idx (app_code, next_retry_at_ms, id) WHERE status =
+/// 'delivering'`; `lock_until_ms` is checked too, for rows claimed before
+/// schema version 5.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "{table}",
-    "status = 'delivering' AND lock_until_ms <= ?5",
-    "lock_until_ms, created_at_ms",
+    "status = 'delivering' AND next_retry_at_ms <= ?5 AND lock_until_ms <= ?5",
+    "next_retry_at_ms, id",
     "retry_count = retry_count + 1, \
      last_error = 'lease expired while held by ' || COALESCE(worker_id, '?'), "
 );
@@ -104,7 +116,9 @@ pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 /// ?1 is a JSON array of ids.
 pub(crate) const MARK_DELIVERED: &str = concat!(
     "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
-       updated_at_ms = ",
+       next_retry_at_ms = ",
+    now_ms!(),
+    ", updated_at_ms = ",
     now_ms!(),
     " \
      WHERE id IN (SELECT value FROM json_each(?1)) \
@@ -132,12 +146,17 @@ pub(crate) const RELEASE: &str = concat!(
        AND status = 'delivering' AND worker_id = ?2 AND lock_until_ms = ?3"
 );
 
-/// Counts by status for one tenant.
-pub(crate) const COUNT_BY_STATUS: &str =
-    "SELECT status, COUNT(*) AS n FROM {table} WHERE app_code = ?1 GROUP BY status";
+/// Counts of one tenant's rows by status, each through the partial index
+/// of its status (`postbox_sqlx::count_open!`).
+pub(crate) const COUNT_OPEN: &str = postbox_sqlx::count_open!("?1");
+
+/// One tenant's delivered rows, counted through `{table}_done_idx` (a
+/// covering index read: SQLite keeps no statistics to estimate from).
+pub(crate) const COUNT_DELIVERED: &str = "SELECT COUNT(*) FROM {table} \
+     WHERE app_code = ?1 AND status IN ('delivered', 'published')";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!(), "id");
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
@@ -158,15 +177,18 @@ pub(crate) const FIND_ARCHIVED: &str =
     postbox_sqlx::find_archived!("app_code IN (SELECT value FROM json_each(?1))", "?2");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
-/// Index: `{table}_status_updated_idx (app_code, status, updated_at_ms, …)`,
-/// a range read of the last hour's delivered rows only.
+/// Index: `{table}_done_idx (app_code, updated_at_ms, id) WHERE status IN
+/// ('delivered', 'published')`, a range read of the last hour's delivered
+/// rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
     "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
-     FROM {table} WHERE app_code = ?1 AND status = 'delivered' AND updated_at_ms >= ?2 \
+     FROM {table} WHERE app_code = ?1 AND status IN ('delivered', 'published') AND updated_at_ms >= ?2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
-/// By event id (`postbox_sqlx::find!`).
-pub(crate) const FIND: &str = postbox_sqlx::find!("?1");
+/// By event id, in the app_codes of ?1 (a JSON array) that have rows
+/// (`postbox_sqlx::find!`).
+pub(crate) const FIND: &str =
+    postbox_sqlx::find!("app_code IN (SELECT value FROM json_each(?1))", "?2");
 
 /// A replay that picked its targets: rows ?1 (a JSON array of ids) get
 /// `delivered_to` ?2 (the publishers *not* targeted), in the replay's
@@ -252,14 +274,15 @@ pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail
 // Each batch is one `BEGIN IMMEDIATE` transaction: SQLite's write lock
 // keeps a second archiver (or anything else) out while it runs.
 
-/// The rows one archive batch takes (?1 app_code, ?2 status, ?3 cut-off,
-/// ?4 batch size). Index: `{table}_status_updated_idx`
-/// `(app_code, status, updated_at_ms, event_id)`, read in its order, which
-/// is deterministic, so the copy and the delete see the same rows.
+/// The rows one archive batch takes (?1 app_code, ?2 cut-off, ?3 batch
+/// size): delivered (and legacy `published`) rows last updated before the
+/// cut-off. Index: `{table}_done_idx (app_code, updated_at_ms, id) WHERE
+/// status IN ('delivered', 'published')`, read in its order, which is
+/// deterministic, so the copy and the delete see the same rows.
 macro_rules! archive_pick {
     () => {
-        "SELECT id FROM {table} WHERE app_code = ?1 AND status = ?2 AND updated_at_ms < ?3 \
-         ORDER BY updated_at_ms, event_id LIMIT ?4"
+        "SELECT id FROM {table} WHERE app_code = ?1 AND status IN ('delivered', 'published') \
+           AND updated_at_ms < ?2 ORDER BY updated_at_ms, id LIMIT ?3"
     };
 }
 
@@ -296,8 +319,8 @@ pub(crate) const ARCHIVED_EVENT_IDS: &str = "SELECT event_id FROM {archive} \
      WHERE app_code = ?1 AND event_id IN (SELECT value FROM json_each(?2))";
 
 /// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
-/// app_code, age cut-off in ms, limit. Heads through `{table}_claim_retry_idx`
-/// (app_code, status), siblings through `{table}_aggregate_idx`.
+/// app_code, age cut-off in ms, limit. Heads through `{table}_retry_idx`
+/// and `{table}_lease_idx`, siblings through `{table}_open_aggregate_idx`.
 pub(crate) const STUCK_AGGREGATES: &str = concat!(
     "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
        (",
@@ -367,7 +390,10 @@ pub(crate) const RECORD_VERSION: &str = concat!(
 pub(crate) const V3_LIST_INDEX: &[&str] =
     &["CREATE INDEX IF NOT EXISTS {table}_status_id_idx ON {table} (app_code, status, id)"];
 
-/// Version 1: the outbox table, its indexes and the archive twin.
+/// Version 1: the outbox table, its unique event index and the archive
+/// twin. The claim indexes version 1 created before version 5 replaced
+/// them are no longer created here: version 1 runs again when the archive
+/// was dropped by hand, and must not bring them back.
 pub(crate) const V1_SCHEMA: &[&str] = &[
     concat!(
         "CREATE TABLE IF NOT EXISTS {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, ",
@@ -375,11 +401,6 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
         ")"
     ),
     "CREATE UNIQUE INDEX IF NOT EXISTS {table}_event_uq ON {table} (app_code, event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_claim_retry_idx ON {table} (app_code, status, next_retry_at_ms, created_at_ms, event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_claim_lease_idx ON {table} (app_code, status, lock_until_ms, created_at_ms, event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_status_updated_idx ON {table} (app_code, status, updated_at_ms, event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_event_id_idx ON {table} (event_id)",
-    "CREATE INDEX IF NOT EXISTS {table}_aggregate_idx ON {table} (app_code, aggregate_id, id)",
     // The archive keeps the live ids: a rowid primary key, no AUTOINCREMENT.
     concat!(
         "CREATE TABLE IF NOT EXISTS {archive} (id INTEGER PRIMARY KEY, ",
@@ -394,8 +415,31 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
 pub(crate) const V2_HISTORY: &[&str] =
     postbox_sqlx::v2_history!("id INTEGER PRIMARY KEY AUTOINCREMENT", "INTEGER");
 
-/// `(version, description, statements)`, applied in order.
-pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!();
+/// `(version, description, statements)`, applied in order. (Version 4 is
+/// PostgreSQL's wake-up trigger; SQLite has none.)
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] =
+    postbox_sqlx::migrations!((5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES));
+
+/// The outbox table's indexes (`postbox_sqlx::v5_partial_indexes!`).
+pub(crate) const INDEXES: &[&str] = postbox_sqlx::partial_indexes!();
+
+/// The index each claim query is written for.
+pub(crate) const CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] =
+    postbox_sqlx::PARTIAL_CLAIM_INDEXES;
+
+/// The index [`ARCHIVE_PICK`] is written for.
+pub(crate) const ARCHIVE_INDEX: &str = postbox_sqlx::PARTIAL_ARCHIVE_INDEX;
+
+/// Version 5: one partial index per status (`postbox_sqlx::v5_partial_indexes!`),
+/// then the indexes they replace are dropped (one per statement in SQLite).
+pub(crate) const V5_INDEXES: &[&str] = postbox_sqlx::v5_partial_indexes!(
+    "DROP INDEX IF EXISTS {table}_claim_retry_idx",
+    "DROP INDEX IF EXISTS {table}_claim_lease_idx",
+    "DROP INDEX IF EXISTS {table}_status_updated_idx",
+    "DROP INDEX IF EXISTS {table}_event_id_idx",
+    "DROP INDEX IF EXISTS {table}_aggregate_idx",
+    "DROP INDEX IF EXISTS {table}_status_id_idx",
+);
 
 /// The statements the engine runs, by the name it knows them by (each
 /// field of [`postbox_sqlx::Statements`] is the constant of that name here).

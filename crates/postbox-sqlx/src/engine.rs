@@ -16,7 +16,7 @@ use postbox_core::event::Fence;
 use postbox_core::store::{
     check_ledger, AppStats, ArchiveReport, ArchiveRequest, EnqueueOutcome, EventFilter,
     FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayRequest, ReplaySelector,
-    SchemaReport, StuckAggregate, ARCHIVE_QUERIES, EXPECTED_TABLES, HISTORY_LIMIT,
+    SchemaReport, StuckAggregate, EXPECTED_TABLES, HISTORY_LIMIT,
 };
 use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
 
@@ -461,23 +461,34 @@ impl SqlOutbox<D> {
         .await
     }
 
-    /// Counts per tenant.
+    /// Counts per tenant, each through the index of its status: never a
+    /// read of every delivered row (see [`crate::dialect::DELIVERED_COUNT_CAP`]).
     pub async fn stats(&self, app_codes: &[String]) -> Result<Vec<AppStats>> {
         use sqlx::Row;
         let db = |e| db_error("status", e);
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
             let mut s = AppStats::new(app_code);
-            let rows = query::<D>(&self.sql.count_by_status, [app_code.into()])
-                .fetch_all(&self.pool)
-                .await
-                .map_err(db)?;
-            for row in rows {
-                let status: String = row.try_get("status").map_err(db)?;
-                let n: i64 = row.try_get("n").map_err(db)?;
-                s.count(&status, n);
-            }
             let mut conn = self.pool.acquire().await.map_err(db)?;
+            let row = self
+                .fetch_expanded(&mut conn, &self.sql.count_open, vec![app_code.into()])
+                .await
+                .and_then(|rows| rows.into_iter().next().ok_or(sqlx::Error::RowNotFound))
+                .map_err(db)?;
+            let count = |column: &str| row.try_get::<i64, _>(column).map_err(db);
+            s.pending = count("pending")?;
+            s.delivering = count("delivering")?;
+            s.retryable = count("retryable")?;
+            s.failed = count("failed")?;
+            s.delivered = count("delivered")?;
+            if s.delivered > crate::DELIVERED_COUNT_CAP {
+                s.delivered_estimated = true;
+                if let Some(estimate) = D::delivered_estimate(self, app_code).await {
+                    let (n, estimated) = estimate?;
+                    s.delivered = n.max(s.delivered);
+                    s.delivered_estimated = estimated;
+                }
+            }
             let row = self
                 .fetch_expanded(&mut conn, &self.sql.backlog, vec![app_code.into()])
                 .await
@@ -525,15 +536,26 @@ impl SqlOutbox<D> {
 
     /// Archived rows with this event id in one of `app_codes`.
     pub async fn find_archived(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<EventRecord>> {
+        self.find_in(&self.sql.find_archived, event_id, app_codes, "find archived event").await
+    }
+
+    /// Rows `sql` (binding the app_codes, then the event id) finds, by id.
+    async fn find_in(
+        &self,
+        sql: &str,
+        event_id: &str,
+        app_codes: &[String],
+        op: &'static str,
+    ) -> Result<Vec<EventRecord>> {
         if app_codes.is_empty() {
             return Ok(Vec::new());
         }
-        let db = |e| db_error("find archived event", e);
+        let db = |e| db_error(op, e);
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let binds = vec![Value::Texts(app_codes), event_id.into()];
-        let rows = self.fetch_expanded(&mut conn, &self.sql.find_archived, binds).await.map_err(db)?;
+        let rows = self.fetch_expanded(&mut conn, sql, binds).await.map_err(db)?;
         // A long app_code list may run as several statements (MySQL).
-        let mut found = records(rows, "find archived event")?;
+        let mut found = records(rows, op)?;
         found.sort_by_key(|r| r.id);
         Ok(found)
     }
@@ -548,12 +570,12 @@ impl SqlOutbox<D> {
     }
 
     /// Live rows with this event id.
+    /// The unique `(app_code, event_id)` index is probed once per app_code
+    /// with rows (found by a loose index scan), so no index on `event_id`
+    /// alone is needed.
     pub async fn find(&self, event_id: &str) -> Result<Vec<EventRecord>> {
-        let rows = query::<D>(&self.sql.find, [event_id.into()])
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| db_error("find event", e))?;
-        records(rows, "find event")
+        let app_codes = self.present_app_codes().await?;
+        self.find_in(&self.sql.find, event_id, &app_codes, "find event").await
     }
 
     /// The attempt history of an event, oldest first.
@@ -722,33 +744,31 @@ impl SqlOutbox<D> {
         let report = async {
             let mut report = ArchiveReport::default();
             for app_code in &req.app_codes {
-                for (_, status, _) in ARCHIVE_QUERIES {
-                    loop {
-                        if req.max_batches.is_some_and(|m| report.batches >= m) {
-                            return Ok(report);
-                        }
-                        let mut own;
-                        let conn = match session.as_mut() {
-                            Some(conn) => conn,
-                            None => {
-                                own = self.pool.acquire().await.map_err(db)?;
-                                &mut own
-                            }
-                        };
-                        let (moved, copied) =
-                            D::archive_batch(self, conn, app_code, status, req.before_ms, req.batch_size).await?;
-                        postbox_core::archive::log_archived_duplicates(
-                            self.table.as_str(),
-                            moved as i64,
-                            copied as i64,
-                        );
-                        if moved == 0 {
-                            break;
-                        }
-                        report.moved += moved;
-                        report.batches += 1;
-                        on_batch(moved);
+                loop {
+                    if req.max_batches.is_some_and(|m| report.batches >= m) {
+                        return Ok(report);
                     }
+                    let mut own;
+                    let conn = match session.as_mut() {
+                        Some(conn) => conn,
+                        None => {
+                            own = self.pool.acquire().await.map_err(db)?;
+                            &mut own
+                        }
+                    };
+                    let (moved, copied) =
+                        D::archive_batch(self, conn, app_code, req.before_ms, req.batch_size).await?;
+                    postbox_core::archive::log_archived_duplicates(
+                        self.table.as_str(),
+                        moved as i64,
+                        copied as i64,
+                    );
+                    if moved == 0 {
+                        break;
+                    }
+                    report.moved += moved;
+                    report.batches += 1;
+                    on_batch(moved);
                 }
             }
             report.complete = true;

@@ -18,7 +18,10 @@ pub mod __private {
     pub use postbox_core;
 }
 
-pub use dialect::{Dialect, Migration, ReplayStep, Statements, Value};
+pub use dialect::{
+    Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP, PARTIAL_ARCHIVE_INDEX,
+    PARTIAL_CLAIM_INDEXES, V5_DESCRIPTION,
+};
 pub use engine::{finish, query, OpenOptions, Opened, SqlOutbox, MIGRATIONS_LEDGER};
 pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
 pub use wake::due_union;

@@ -3,12 +3,15 @@
 //! One statement with `(? IS NULL OR …)` for every optional filter cannot be
 //! planned for the filters actually given: the planner picks one plan for all
 //! of them and reads far too many rows at 1,000,000. Here only the given
-//! filters become predicates, so a query with `app_code` and `status` reads
-//! `{table}_status_id_idx (app_code, status, id)` backwards and stops after
-//! `limit` rows (keyset pagination by `id` descending), and a query without
-//! filters reads the primary key backwards.
+//! filters become predicates, so a query with `app_code` and a rare status
+//! reads that status's index and stops after `limit` rows (keyset
+//! pagination by `id` descending), and a query without filters (or for a
+//! status most rows have) reads the primary key backwards. The status is
+//! written as a literal (one of [`Status`]'s fixed names, never user text)
+//! so that the planner can match a partial index for that status.
 
 use postbox_core::store::EventFilter;
+use postbox_core::Status;
 
 /// How a dialect writes its placeholders.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,10 +55,6 @@ pub fn list_query<'a>(
         preds.push("app_code = ");
         args.push(ListArg::Text(a));
     }
-    if let Some(s) = filter.status {
-        preds.push("status = ");
-        args.push(ListArg::Text(s.as_str()));
-    }
     if let Some(t) = &filter.event_type {
         preds.push("event_type = ");
         args.push(ListArg::Text(t));
@@ -81,6 +80,10 @@ pub fn list_query<'a>(
         sql.push_str(if i == 0 { " WHERE " } else { " AND " });
         sql.push_str(pred);
         sql.push_str(&placeholder(i + 1));
+    }
+    if let Some(s) = filter.status {
+        sql.push_str(if preds.is_empty() { " WHERE " } else { " AND " });
+        sql.push_str(&status_literal("status", s));
     }
     sql.push_str(" ORDER BY id DESC LIMIT ");
     sql.push_str(&placeholder(preds.len() + 1));
@@ -110,10 +113,6 @@ pub fn filter_query<'a>(
         preds.push("app_code = ".to_owned());
         args.push(ListArg::Text(a));
     }
-    if let Some(s) = filter.status {
-        preds.push(format!("{status_column} = "));
-        args.push(ListArg::Text(s.as_str()));
-    }
     if let Some(t) = &filter.event_type {
         preds.push("event_type = ".to_owned());
         args.push(ListArg::Text(t));
@@ -135,16 +134,27 @@ pub fn filter_query<'a>(
             Placeholders::Question => filters.push('?'),
         }
     }
+    if let Some(s) = filter.status {
+        filters.push_str(" AND ");
+        filters.push_str(&status_literal(status_column, s));
+    }
     ListQuery {
         sql: sql.replace(FILTERS, &filters),
         args,
     }
 }
 
+/// `column = '<status>'`: a status is one of a fixed set of names, so it
+/// is written into the statement, where the planner sees it and can use
+/// that status's partial index (a bound parameter hides it from a
+/// generic plan).
+fn status_literal(column: &str, status: Status) -> String {
+    format!("{column} = '{}'", status.as_str())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use postbox_core::Status;
 
     #[test]
     fn no_filter_reads_the_primary_key_backwards() {
@@ -169,21 +179,16 @@ mod tests {
         let q = list_query("SELECT id FROM {table}", &f, Placeholders::Numbered);
         assert_eq!(
             q.sql,
-            "SELECT id FROM {table} WHERE app_code = $1 AND status = $2 AND id < $3 ORDER BY id DESC LIMIT $4"
+            "SELECT id FROM {table} WHERE app_code = $1 AND id < $2 AND status = 'failed' ORDER BY id DESC LIMIT $3"
         );
         assert_eq!(
             q.args,
-            vec![
-                ListArg::Text("room"),
-                ListArg::Text("failed"),
-                ListArg::Int(900),
-                ListArg::Int(20)
-            ]
+            vec![ListArg::Text("room"), ListArg::Int(900), ListArg::Int(20)]
         );
         let q = list_query("SELECT id FROM {table}", &f, Placeholders::Question);
         assert_eq!(
             q.sql,
-            "SELECT id FROM {table} WHERE app_code = ? AND status = ? AND id < ? ORDER BY id DESC LIMIT ?"
+            "SELECT id FROM {table} WHERE app_code = ? AND id < ? AND status = 'failed' ORDER BY id DESC LIMIT ?"
         );
     }
 
@@ -206,16 +211,9 @@ mod tests {
         assert_eq!(
             q.sql,
             "UPDATE {table} SET x = 1 WHERE status <> 'delivering' AND app_code = $1 \
-             AND status = $2 AND created_at_ms < $3 RETURNING id"
+             AND created_at_ms < $2 AND status = 'delivered' RETURNING id"
         );
-        assert_eq!(
-            q.args,
-            vec![
-                ListArg::Text("room"),
-                ListArg::Text("delivered"),
-                ListArg::Int(7)
-            ]
-        );
+        assert_eq!(q.args, vec![ListArg::Text("room"), ListArg::Int(7)]);
         let q = filter_query(
             "S WHERE 1 = 1{filters}",
             &f,
@@ -224,7 +222,7 @@ mod tests {
         );
         assert_eq!(
             q.sql,
-            "S WHERE 1 = 1 AND app_code = ? AND 'delivered' = ? AND created_at_ms < ?"
+            "S WHERE 1 = 1 AND app_code = ? AND created_at_ms < ? AND 'delivered' = 'delivered'"
         );
         let none = EventFilter::default();
         let q = filter_query(

@@ -22,13 +22,12 @@ pub fn due_union<'q>(
 /// app_code four times; `$text` is the SQL type the app_code is read back
 /// as, `$now` the dialect's clock. Whether a pending row exists and how
 /// long until the earliest retryable row is due and the earliest lease
-/// ends, each reading the first entry of an index prefix: `EXISTS` on an
-/// `(app_code, status, …)` index (the planner picks
-/// `{table}_claim_retry_idx` or `{table}_status_id_idx`),
-/// `MIN(next_retry_at_ms)` on `{table}_claim_retry_idx (app_code, status,
-/// next_retry_at_ms, …)`, `MIN(lock_until_ms)` on `{table}_claim_lease_idx
-/// (app_code, status, lock_until_ms, …)`; never a scan (MariaDB `ANALYZE`:
-/// a `ref` read of one index entry and two min/max lookups).
+/// ends, each reading the first entry of an index prefix (the dialect's
+/// `sql.rs` names them: one `(app_code, status, next_retry_at_ms, id)`
+/// index on MariaDB, a partial index per status on SQLite). A delivering
+/// row's `next_retry_at_ms` is its lease end (the claim sets both), so
+/// one column serves both `MIN`s; never a scan (MariaDB `ANALYZE`: a
+/// `ref` read of one index entry and two min/max lookups).
 #[macro_export]
 macro_rules! due_branch {
     ($text:literal, $now:expr) => {
@@ -40,7 +39,7 @@ macro_rules! due_branch {
                (SELECT MIN(next_retry_at_ms) FROM {table} WHERE app_code = ? AND status = 'retryable') - ",
             $now,
             " AS retry_in_ms, \
-               (SELECT MIN(lock_until_ms) FROM {table} WHERE app_code = ? AND status = 'delivering') - ",
+               (SELECT MIN(next_retry_at_ms) FROM {table} WHERE app_code = ? AND status = 'delivering') - ",
             $now,
             " AS lease_in_ms"
         )

@@ -1545,10 +1545,14 @@ where
     }
     let plans = store.explain_claims("plan", 100).await.unwrap();
     crate::assert_claim_plans(&plans, 250);
+    // The counts read the open rows' indexes only; a million delivered rows
+    // are estimated, not counted.
     let s = store.stats(&["plan".into()]).await.unwrap().remove(0);
-    assert_eq!(
-        (s.pending, s.retryable, s.delivering, s.delivered),
-        (150, 200, 200, 1_000_000)
+    assert_eq!((s.pending, s.retryable, s.delivering), (150, 200, 200));
+    assert!(s.delivered_estimated, "{s:?}");
+    assert!(
+        (500_000..=2_000_000).contains(&s.delivered),
+        "an estimate near 1,000,000 delivered rows: {s:?}"
     );
     let t = store.table().as_str();
     sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
@@ -1619,13 +1623,14 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
         exec(format!("DROP TABLE {t}{suffix}")).await;
     }
     let report = store.migrate().await.expect("migrate after drop");
-    // Every database has versions 1 to 3; PostgreSQL adds its wake-up
-    // trigger (4).
+    // Every database has versions 1 to 3 and 5 (the index per status);
+    // PostgreSQL adds its wake-up trigger (4).
     let latest = report.version;
-    assert!(latest >= 3, "{report:?}");
-    assert_eq!(
-        report.applied,
-        (1..=latest).collect::<Vec<_>>(),
+    assert_eq!(latest, 5, "{report:?}");
+    let without_trigger = [1, 2, 3, 5];
+    let with_trigger = [1, 2, 3, 4, 5];
+    assert!(
+        report.applied == without_trigger || report.applied == with_trigger,
         "{report:?}"
     );
     assert!(
@@ -1667,9 +1672,8 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
     exec(format!("INSERT INTO {t}_archive SELECT * FROM {t}")).await;
     exec(format!("DROP TABLE {t}")).await;
     let report = store.migrate().await.expect("migrate after outbox drop");
-    assert_eq!(
-        report.applied,
-        (1..=latest).collect::<Vec<_>>(),
+    assert!(
+        report.applied == without_trigger || report.applied == with_trigger,
         "{report:?}"
     );
     enqueue("AfterOutboxDrop").await;

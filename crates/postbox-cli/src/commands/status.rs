@@ -72,11 +72,21 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
             app,
             s.pending,
             s.delivering,
-            s.delivered,
+            if s.delivered_estimated {
+                format!("~{}", s.delivered)
+            } else {
+                s.delivered.to_string()
+            },
             s.retryable,
             s.failed,
             format!("{:.1}s", s.oldest_pending_age_seconds),
             s.retryable_due
+        );
+    }
+    if rows.iter().any(|r| r.stats.delivered_estimated) {
+        outln!(
+            "~ estimated from the database's statistics: delivered rows are counted only up to {}",
+            postbox_core::store::DELIVERED_COUNT_CAP
         );
     }
     if rows.iter().any(|r| !r.served) {

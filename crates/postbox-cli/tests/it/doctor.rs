@@ -32,8 +32,7 @@ async fn doctor_scenario(db: Db, url: &str, t: &str) {
         "plan:claim_due_retries",
         "plan:claim_expired_leases",
         "plan:archive_delivered",
-        "plan:archive_published",
-        &format!("index:{t}_claim_lease_idx"),
+        &format!("index:{t}_{}", lease_index(&db)),
         &format!("index:{t}_history_event_idx"),
     ] {
         let c = expect_in(&report["checks"], "name", q);
@@ -69,7 +68,7 @@ async fn doctor_scenario(db: Db, url: &str, t: &str) {
         );
     }
 
-    let index = format!("{t}_claim_lease_idx");
+    let index = format!("{t}_{}", lease_index(&db));
     db.exec(&match db {
         Db::My(_) => format!("DROP INDEX {index} ON {t}"),
         _ => format!("DROP INDEX {index}"),
@@ -86,9 +85,15 @@ async fn doctor_scenario(db: Db, url: &str, t: &str) {
         shown.contains("FAIL  plan:claim_expired_leases"),
         "names the query that lost its index: {shown}"
     );
+    // MySQL's claims share one index: all of them lose it.
+    let pending = if matches!(db, Db::My(_)) {
+        "FAIL"
+    } else {
+        "ok  "
+    };
     assert!(
-        shown.contains("ok    plan:claim_pending"),
-        "other queries still fine: {shown}"
+        shown.contains(&format!("{pending}  plan:claim_pending")),
+        "other queries still fine where they have their own index: {shown}"
     );
     if !matches!(db, Db::Lite(_)) {
         db.drop_tables(t).await;
@@ -214,4 +219,13 @@ async fn doctor_and_status_show_an_aggregate_whose_head_cannot_move() {
         shown.contains("room-7") && !shown.contains("room-8"),
         "{shown}"
     );
+}
+
+/// The index the expired-lease claim reads: one per status where the
+/// database has partial indexes, one for every status on MySQL.
+fn lease_index(db: &Db) -> &'static str {
+    match db {
+        Db::My(_) => "due_idx",
+        _ => "lease_idx",
+    }
 }

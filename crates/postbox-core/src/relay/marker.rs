@@ -217,7 +217,13 @@ impl Marker {
     }
 
     /// True when the row already holds `update`, written under this relay's
-    /// `worker_id`.
+    /// `worker_id`, or has moved on from it: a retryable row this relay
+    /// claimed again once its retry fell due (the due claim keeps
+    /// `retry_count`, and sets a new lease, so the row is `delivering`
+    /// under this worker with another `lock_until_ms`). Without the update
+    /// the row would still hold `fence`, or have been taken over after its
+    /// lease expired, which cannot happen while its holder is marking it
+    /// (the lease budget keeps the mark inside the lease).
     async fn failure_applied(
         &self,
         fence: &Fence,
@@ -227,10 +233,13 @@ impl Marker {
     ) -> Result<bool> {
         let rows = self.store.find(event_id).await?;
         Ok(rows.iter().any(|row| {
-            row.id == id
-                && row.status == update.status
+            let ours = row.id == id
                 && row.retry_count == update.retry_count
-                && row.worker_id.as_deref() == Some(fence.worker_id.as_str())
+                && row.worker_id.as_deref() == Some(fence.worker_id.as_str());
+            let reclaimed = update.status == crate::Status::Retryable
+                && row.status == crate::Status::Delivering
+                && row.lock_until_ms != fence.lock_until_ms;
+            ours && (row.status == update.status || reclaimed)
         }))
     }
 }

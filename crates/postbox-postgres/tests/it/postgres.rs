@@ -27,7 +27,114 @@ async fn migrate_is_idempotent() {
     let store = outbox().await;
     let again = store.migrate().await.unwrap();
     assert!(again.applied.is_empty(), "second run changes nothing");
-    assert_eq!(again.version, 4, "with the wake-up trigger");
+    assert_eq!(
+        again.version, 5,
+        "with the wake-up trigger and the index per status"
+    );
+}
+
+/// A table made before schema version 5 (its eight indexes over every row,
+/// rows in every status, some claimed under the old rules) upgrades in
+/// place: the old indexes go, the partial ones come, every row stays
+/// where it was, and the relay's statements find them through the new
+/// indexes, including a lease taken before the upgrade.
+#[tokio::test]
+async fn version_5_replaces_the_indexes_of_an_existing_table() {
+    let store = outbox().await;
+    let t = store.table().as_str().to_owned();
+    let pool = store.pool().clone();
+    let old = [
+        "{t}_claim_retry_idx ON {t} (app_code, status, next_retry_at_ms, created_at_ms, event_id)",
+        "{t}_claim_lease_idx ON {t} (app_code, status, lock_until_ms, created_at_ms, event_id)",
+        "{t}_status_updated_idx ON {t} (app_code, status, updated_at_ms, event_id)",
+        "{t}_event_id_idx ON {t} (event_id)",
+        "{t}_aggregate_idx ON {t} (app_code, aggregate_id, id)",
+        "{t}_status_id_idx ON {t} (app_code, status, id)",
+    ];
+    for index in old {
+        let sql = format!("CREATE INDEX {}", index.replace("{t}", &t));
+        sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    }
+    for index in [
+        "pending",
+        "retry",
+        "lease",
+        "failed",
+        "done",
+        "open_aggregate",
+    ] {
+        let sql = format!("DROP INDEX {t}_{index}_idx");
+        sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    }
+    // Rows as version 4 wrote them: a lease whose next_retry_at_ms is not
+    // its end (expired an hour ago), a delivered row, a due retry.
+    let insert = format!(
+        "INSERT INTO {t} (app_code, event_id, event_type, payload, status, worker_id, \
+           lock_until_ms, next_retry_at_ms, updated_at_ms, aggregate_id) VALUES \
+         ('up', 'leased', 'T', '{{}}', 'delivering', 'old-relay', 1, 0, 1, 'a'), \
+         ('up', 'done', 'T', '{{}}', 'delivered', NULL, 0, 0, 1, NULL), \
+         ('up', 'retry', 'T', '{{}}', 'retryable', NULL, 0, 1, 1, NULL), \
+         ('up', 'new', 'T', '{{}}', 'pending', NULL, 0, 0, 1, 'b')"
+    );
+    sqlx::query(&insert).execute(&pool).await.expect("rows");
+    sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name = $1 AND version = 5")
+        .bind(&t)
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let report = store.migrate().await.expect("upgrade");
+    assert_eq!(report.applied, vec![5], "{report:?}");
+    let schema = store.inspect_schema().await.unwrap();
+    assert!(
+        schema.objects.iter().all(|o| o.present),
+        "every expected object: {schema:?}"
+    );
+    let indexes: Vec<String> =
+        sqlx::query_scalar("SELECT indexname::TEXT FROM pg_indexes WHERE tablename = $1")
+            .bind(&t)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    for gone in [
+        "claim_retry",
+        "claim_lease",
+        "status_updated",
+        "event_id",
+        "aggregate",
+        "status_id",
+    ] {
+        assert!(!indexes.contains(&format!("{t}_{gone}_idx")), "{indexes:?}");
+    }
+
+    let s = store.stats(&["up".into()]).await.unwrap().remove(0);
+    assert_eq!(
+        (s.pending, s.delivering, s.retryable, s.delivered, s.failed),
+        (1, 1, 1, 1, 0),
+        "{s:?}"
+    );
+    let req = postbox_core::store::ClaimRequest {
+        app_code: "up",
+        limit: 10,
+        worker_id: "new-relay",
+        lease_ms: 30_000,
+        ordered: false,
+    };
+    use postbox_core::ClaimSource::*;
+    for (source, event) in [
+        (ExpiredLease, "leased"),
+        (DueRetry, "retry"),
+        (Pending, "new"),
+    ] {
+        let claimed = store.claim(source, &req).await.unwrap();
+        let ids: Vec<&str> = claimed.iter().map(|c| c.record.event_id.as_str()).collect();
+        assert_eq!(ids, vec![event], "{source:?}");
+    }
+    assert_eq!(
+        store.find("done").await.unwrap().len(),
+        1,
+        "events show by id"
+    );
 }
 
 #[tokio::test]
