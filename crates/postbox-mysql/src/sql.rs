@@ -478,23 +478,8 @@ pub(crate) const MIGRATIONS: &[Migration] =
 pub(crate) const INDEXES: &[&str] = &["_due_idx", "_aggregate_idx"];
 
 /// The index each claim query is written for: one for all.
-pub(crate) const CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] = [
-    (
-        "claim_pending",
-        postbox_core::ClaimSource::Pending,
-        "_due_idx",
-    ),
-    (
-        "claim_due_retries",
-        postbox_core::ClaimSource::DueRetry,
-        "_due_idx",
-    ),
-    (
-        "claim_expired_leases",
-        postbox_core::ClaimSource::ExpiredLease,
-        "_due_idx",
-    ),
-];
+pub(crate) const CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] =
+    postbox_sqlx::dialect::claim_indexes(["_due_idx"; 3]);
 
 /// The index [`ARCHIVE_PICK`] is written for.
 pub(crate) const ARCHIVE_INDEX: &str = "_due_idx";

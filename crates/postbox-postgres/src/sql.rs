@@ -370,10 +370,10 @@ pub(crate) const RECORD_VERSION: &str = concat!(
 pub(crate) const V3_LIST_INDEX: &[&str] =
     &["CREATE INDEX IF NOT EXISTS {table}_status_id_idx ON {table} (app_code, status, id)"];
 
-/// Version 1: the outbox table, its unique event index and the archive
-/// twin. The claim indexes version 1 created before version 5 replaced
-/// them are no longer created here: version 1 runs again when the archive
-/// was dropped by hand, and must not bring them back.
+/// Version 1: the outbox table (an identity `id`), its unique event index
+/// and the archive twin. Its claim indexes now come with version 5 only
+/// (`postbox_sqlx::v5_partial_indexes!`): version 1 runs again when the
+/// archive was dropped by hand, and must not bring back what 5 dropped.
 pub(crate) const V1_SCHEMA: &[&str] = &[
     concat!(
         "CREATE TABLE IF NOT EXISTS {table} ( \

@@ -390,10 +390,9 @@ pub(crate) const RECORD_VERSION: &str = concat!(
 pub(crate) const V3_LIST_INDEX: &[&str] =
     &["CREATE INDEX IF NOT EXISTS {table}_status_id_idx ON {table} (app_code, status, id)"];
 
-/// Version 1: the outbox table, its unique event index and the archive
-/// twin. The claim indexes version 1 created before version 5 replaced
-/// them are no longer created here: version 1 runs again when the archive
-/// was dropped by hand, and must not bring them back.
+/// Version 1: the outbox table (`AUTOINCREMENT` ids, never reused), the
+/// unique event index, the archive twin; claim indexes are version 5's
+/// (see PostgreSQL's `V1_SCHEMA` for why).
 pub(crate) const V1_SCHEMA: &[&str] = &[
     concat!(
         "CREATE TABLE IF NOT EXISTS {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, ",

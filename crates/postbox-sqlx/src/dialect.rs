@@ -720,22 +720,27 @@ pub use postbox_core::store::DELIVERED_COUNT_CAP;
 macro_rules! count_open {
     ($p:literal) => {
         concat!(
-            "SELECT \
-               (SELECT COUNT(*) FROM {table} WHERE app_code = ",
-            $p,
-            " AND status = 'pending') AS pending, \
-               (SELECT COUNT(*) FROM {table} WHERE app_code = ",
-            $p,
-            " AND status = 'delivering') AS delivering, \
-               (SELECT COUNT(*) FROM {table} WHERE app_code = ",
-            $p,
-            " AND status = 'retryable') AS retryable, \
-               (SELECT COUNT(*) FROM {table} WHERE app_code = ",
-            $p,
-            " AND status = 'failed') AS failed, \
-               (SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE app_code = ",
+            "SELECT ",
+            $crate::count_open!(@ $p, "pending"),
+            ", ",
+            $crate::count_open!(@ $p, "delivering"),
+            ", ",
+            $crate::count_open!(@ $p, "retryable"),
+            ", ",
+            $crate::count_open!(@ $p, "failed"),
+            ", (SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE app_code = ",
             $p,
             " AND status IN ('delivered', 'published') LIMIT 100001) d) AS delivered"
+        )
+    };
+    (@ $p:literal, $status:literal) => {
+        concat!(
+            "(SELECT COUNT(*) FROM {table} WHERE app_code = ",
+            $p,
+            " AND status = '",
+            $status,
+            "') AS ",
+            $status
         )
     };
 }
@@ -956,23 +961,21 @@ macro_rules! migrations {
 /// The claim queries and the index each is written for, where the
 /// database has partial indexes ([`v5_partial_indexes!`]: PostgreSQL,
 /// SQLite).
-pub const PARTIAL_CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] = [
-    (
-        "claim_pending",
-        postbox_core::ClaimSource::Pending,
-        "_pending_idx",
-    ),
-    (
-        "claim_due_retries",
-        postbox_core::ClaimSource::DueRetry,
-        "_retry_idx",
-    ),
-    (
-        "claim_expired_leases",
-        postbox_core::ClaimSource::ExpiredLease,
-        "_lease_idx",
-    ),
-];
+pub const PARTIAL_CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] =
+    claim_indexes(["_pending_idx", "_retry_idx", "_lease_idx"]);
+
+/// The claim queries as `doctor` names them, each with the index (suffix)
+/// it is written for: `[pending, due retries, expired leases]`.
+pub const fn claim_indexes(
+    [pending, due, lease]: [&'static str; 3],
+) -> [(&'static str, postbox_core::ClaimSource, &'static str); 3] {
+    use postbox_core::ClaimSource::*;
+    [
+        ("claim_pending", Pending, pending),
+        ("claim_due_retries", DueRetry, due),
+        ("claim_expired_leases", ExpiredLease, lease),
+    ]
+}
 
 /// The outbox table's index names (suffixes) of [`v5_partial_indexes!`],
 /// then the dialect's own (`$more`).
