@@ -77,6 +77,7 @@ cases! {$
     concurrent_claims_never_share_a_row,
     relay_delivers_everything,
     relay_fanout_retries_only_the_failed_publisher,
+    relay_keeps_pace_when_a_publisher_hangs,
     relay_dead_letters_poison_while_others_flow,
     relay_follows_the_backoff_schedule,
     relay_dead_letters_an_event_whose_last_lease_expired,
@@ -723,6 +724,68 @@ async fn relay_fanout_retries_only_the_failed_publisher(store: Arc<dyn OutboxSto
         let row = status_of(store.as_ref(), &e.event_id).await;
         assert_eq!(row.status, Status::Delivered);
     }
+}
+
+/// A publisher that hangs (every publish times out) costs a healthy one
+/// little: after one batch of timeouts it is skipped for a cool-down, the
+/// healthy publisher gets every event at its own pace, and the hung one
+/// gets them all once it answers again. Without that, each of the ten
+/// batches would wait out the hung publisher's timeout (10 s at least).
+async fn relay_keeps_pace_when_a_publisher_hangs(store: Arc<dyn OutboxStore>) {
+    let evs = events(200, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let healthy = Arc::new(RecordingPublisher::new("rabbit"));
+    let hung = Arc::new(RecordingPublisher::new("hook"));
+    hung.set_hanging(true);
+    let config = WorkerConfig {
+        batch_size: 20,
+        publish_timeout: HumanDuration::secs(1),
+        max_retry_count: 50,
+        ..fast_worker()
+    };
+    let started = Instant::now();
+    let (h, f) = (healthy.clone(), hung.clone());
+    let heal = tokio::spawn(async move {
+        while h.delivered().len() < 200 {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the healthy publisher got {} of 200",
+                h.delivered().len()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let took = started.elapsed();
+        f.set_hanging(false);
+        took
+    });
+    run_relay_until(
+        store.clone(),
+        vec![healthy.clone(), hung.clone()],
+        config,
+        |s| s.delivered == 200,
+    )
+    .await;
+    let healthy_took = heal.await.unwrap();
+    assert!(
+        healthy_took < Duration::from_secs(6),
+        "the healthy publisher kept its pace beside a hung one: all 200 in {healthy_took:?}"
+    );
+    let mut ids = healthy.delivered_ids();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(
+        (ids.len(), healthy.delivered().len()),
+        (200, 200),
+        "each once"
+    );
+    let mut ids = hung.delivered_ids();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(
+        ids.len(),
+        200,
+        "the hung publisher got every event in the end"
+    );
 }
 
 /// A poison event type ends `failed` after max_retry_count while every

@@ -17,6 +17,7 @@ pub struct RecordingPublisher {
     fail_types: Vec<String>,
     panic_types: Vec<String>,
     down: AtomicBool,
+    hanging: AtomicBool,
     delivered: Mutex<Vec<(String, i32, bool)>>,
     attempts: Mutex<HashMap<String, u32>>,
     offers: Mutex<Vec<(String, bool)>>,
@@ -46,6 +47,13 @@ impl RecordingPublisher {
     /// While true, every publish fails.
     pub fn set_down(&self, down: bool) {
         self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// While true, every publish hangs (never answers: the relay's
+    /// `publish_timeout` ends it), as a target that accepts connections and
+    /// then says nothing.
+    pub fn set_hanging(&self, hanging: bool) {
+        self.hanging.store(hanging, Ordering::SeqCst);
     }
 
     /// `(event_id, x-attempt, x-replayed)` of every confirmed delivery, in order.
@@ -81,6 +89,9 @@ impl Publisher for RecordingPublisher {
     }
 
     async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+        if self.hanging.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         let down = self.down.load(Ordering::SeqCst);
         let mut out = Vec::with_capacity(batch.len());
         for d in batch {

@@ -23,6 +23,7 @@
 //! or not published at all) is decided by [`crate::retry::decide`], in the
 //! publish stage; the mark stage writes the decision.
 
+mod breaker;
 mod claimer;
 mod marker;
 mod publisher;
@@ -169,6 +170,7 @@ impl Relay {
             config: self.config.clone(),
             budget: LeaseBudget::of(&self.config),
             max_payload_bytes: self.max_payload_bytes,
+            breakers: self.publishers.iter().map(|_| Default::default()).collect(),
         };
         let marking = marker::Marker {
             store: self.store.clone(),

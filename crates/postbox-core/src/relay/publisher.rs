@@ -8,6 +8,7 @@ use futures::future::join_all;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::breaker::{BatchResult, Breaker, Change};
 use super::Batch;
 use crate::config::{LeaseBudget, WorkerConfig};
 use crate::metrics as m;
@@ -23,6 +24,8 @@ pub(super) struct PublishStage {
     pub budget: LeaseBudget,
     /// `database.max_payload_bytes`: larger rows are never published.
     pub max_payload_bytes: usize,
+    /// One per publisher, in the same order (see [`super::breaker`]).
+    pub breakers: Vec<Breaker>,
 }
 
 impl PublishStage {
@@ -128,29 +131,38 @@ impl PublishStage {
             })
             .collect();
 
-        let per_publisher = self.publishers.iter().map(|p| {
-            let todo: Vec<usize> = rows
-                .iter()
-                .enumerate()
-                .filter(|(_, row)| {
-                    row.before == Decision::Publish
-                        && !row.event.record.delivered_to.iter().any(|d| d == p.name())
-                })
-                .map(|(i, _)| i)
-                .collect();
-            let deliveries: Vec<Delivery<'_>> = todo
-                .iter()
-                .map(|&i| Delivery::of(&rows[i].event.record))
-                .collect();
-            async move {
-                let results = if deliveries.is_empty() {
-                    Vec::new()
-                } else {
-                    publish_bounded(p.as_ref(), &deliveries, timeout, deadline).await
-                };
-                (p.name().to_owned(), todo, results)
-            }
-        });
+        let per_publisher = self
+            .publishers
+            .iter()
+            .zip(&self.breakers)
+            .map(|(p, breaker)| {
+                let todo: Vec<usize> = rows
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, row)| {
+                        row.before == Decision::Publish
+                            && !row.event.record.delivered_to.iter().any(|d| d == p.name())
+                    })
+                    .map(|(i, _)| i)
+                    .collect();
+                let deliveries: Vec<Delivery<'_>> = todo
+                    .iter()
+                    .map(|&i| Delivery::of(&rows[i].event.record))
+                    .collect();
+                async move {
+                    let results = if deliveries.is_empty() {
+                        Vec::new()
+                    } else if let Some(left) = breaker.skip(std::time::Instant::now()) {
+                        skipped(p.name(), deliveries.len(), left)
+                    } else {
+                        let results =
+                            publish_bounded(p.as_ref(), &deliveries, timeout, deadline).await;
+                        trip_or_reset(p.name(), breaker, &results);
+                        results
+                    };
+                    (p.name().to_owned(), todo, results)
+                }
+            });
         let all = join_all(per_publisher).await;
         for (name, todo, results) in all {
             for (i, result) in todo.into_iter().zip(results) {
@@ -228,6 +240,44 @@ pub(super) struct Outcome {
     /// The publishers that failed it in this attempt, comma-separated (the
     /// history's `publisher` column); `None` when it was never published.
     pub failed_publishers: Option<String>,
+}
+
+/// The results of a batch not handed to `publisher` because its breaker is
+/// open for `left` more: failed attempts, retried later like any other.
+fn skipped(publisher: &str, n: usize, left: Duration) -> Vec<Result<(), PublishError>> {
+    metrics::counter!(m::PUBLISH_TOTAL, "publisher" => publisher.to_owned(), "result" => m::RESULT_SKIPPED)
+        .increment(n as u64);
+    let message = format!(
+        "not published: {publisher} timed out on a whole batch, so it is skipped for {left:.0?} more while the other publishers go on; retried after the backoff"
+    );
+    (0..n)
+        .map(|_| Err(PublishError::failed(message.clone())))
+        .collect()
+}
+
+/// Opens `breaker` when every delivery of the batch timed out, closes it
+/// on a confirmation, and says so once.
+fn trip_or_reset(publisher: &str, breaker: &Breaker, results: &[Result<(), PublishError>]) {
+    let outcome = if results.iter().any(Result::is_ok) {
+        BatchResult::Confirmed
+    } else if results
+        .iter()
+        .all(|r| matches!(r, Err(PublishError::Timeout(_))))
+    {
+        BatchResult::AllTimedOut
+    } else {
+        BatchResult::Other
+    };
+    match breaker.record(outcome, std::time::Instant::now()) {
+        Change::Opened(cool_down) => tracing::warn!(
+            publisher,
+            events = results.len(),
+            ?cool_down,
+            "every publish of the batch timed out: skipping this publisher for the cool-down so the others keep their pace (its events are retried for it later)"
+        ),
+        Change::Closed => tracing::info!(publisher, "publisher confirms again: no longer skipped"),
+        Change::None => {}
+    }
 }
 
 /// [`Publisher::publish_each`] (each publish bounded by `timeout`, the batch

@@ -1,0 +1,139 @@
+//! Isolation between publishers: one that times out on a whole batch is
+//! skipped for a while, so the others keep their pace.
+//!
+//! A batch is published to every publisher at once and marked when all of
+//! them have answered, so without this a target that hangs holds every
+//! healthy publisher to one batch per `publish_timeout`. Once a publisher
+//! has let every delivery of a batch time out, its breaker opens: for the
+//! cool-down (5 s, doubling on each failed trial up to 60 s) its deliveries
+//! fail at once, without a publish (counted as `postbox_publish_total{result
+//! = "skipped"}`), and the rows are retried for it later as for any failed
+//! attempt (fanout progress keeps what the others confirmed). The first
+//! batch after the cool-down is a trial: any confirmation closes the
+//! breaker; another batch of timeouts opens it for twice as long. Each
+//! opening and closing is one log line, not one per batch.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The first cool-down after a publisher timed out on a whole batch.
+pub(crate) const FIRST_COOL_DOWN: Duration = Duration::from_secs(5);
+
+/// The longest cool-down.
+pub(crate) const MAX_COOL_DOWN: Duration = Duration::from_secs(60);
+
+/// One publisher's breaker.
+#[derive(Debug, Default)]
+pub(crate) struct Breaker {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Skip publishing until then.
+    open_until: Option<Instant>,
+    /// The last cool-down (zero while closed).
+    cool_down: Duration,
+}
+
+/// How one batch went for a publisher, as far as its breaker cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BatchResult {
+    /// At least one delivery was confirmed.
+    Confirmed,
+    /// Every delivery timed out.
+    AllTimedOut,
+    /// Failures that are not all timeouts (the target answers).
+    Other,
+}
+
+impl Breaker {
+    /// `Some(remaining)` while the breaker is open at `now`: skip the
+    /// publisher.
+    pub(crate) fn skip(&self, now: Instant) -> Option<Duration> {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state
+            .open_until
+            .and_then(|until| until.checked_duration_since(now))
+            .filter(|left| !left.is_zero())
+    }
+
+    /// Records a batch that was published at `now`; returns what changed,
+    /// for the caller to log.
+    pub(crate) fn record(&self, result: BatchResult, now: Instant) -> Change {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match result {
+            BatchResult::AllTimedOut => {
+                state.cool_down = if state.cool_down.is_zero() {
+                    FIRST_COOL_DOWN
+                } else {
+                    (state.cool_down * 2).min(MAX_COOL_DOWN)
+                };
+                state.open_until = Some(now + state.cool_down);
+                Change::Opened(state.cool_down)
+            }
+            BatchResult::Confirmed if !state.cool_down.is_zero() => {
+                *state = State::default();
+                Change::Closed
+            }
+            BatchResult::Confirmed | BatchResult::Other => Change::None,
+        }
+    }
+}
+
+/// What [`Breaker::record`] changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Change {
+    /// Nothing.
+    None,
+    /// Opened for this long.
+    Opened(Duration),
+    /// A trial confirmed: closed again.
+    Closed,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn opens_on_a_batch_of_timeouts_and_doubles_until_a_confirmation() {
+        let b = Breaker::default();
+        let t0 = Instant::now();
+        assert_eq!(b.skip(t0), None, "closed at first");
+        assert_eq!(b.record(BatchResult::Other, t0), Change::None);
+        assert_eq!(b.skip(t0), None, "failures that answer do not open it");
+
+        assert_eq!(
+            b.record(BatchResult::AllTimedOut, t0),
+            Change::Opened(FIRST_COOL_DOWN)
+        );
+        assert!(b.skip(t0 + Duration::from_secs(1)).is_some());
+        let trial = t0 + FIRST_COOL_DOWN;
+        assert_eq!(b.skip(trial), None, "a trial after the cool-down");
+        assert_eq!(
+            b.record(BatchResult::AllTimedOut, trial),
+            Change::Opened(FIRST_COOL_DOWN * 2)
+        );
+        let mut at = trial;
+        for _ in 0..10 {
+            at += MAX_COOL_DOWN;
+            b.record(BatchResult::AllTimedOut, at);
+        }
+        assert_eq!(
+            b.skip(at + MAX_COOL_DOWN),
+            None,
+            "never longer than the maximum"
+        );
+
+        let later = at + MAX_COOL_DOWN;
+        assert_eq!(b.record(BatchResult::Confirmed, later), Change::Closed);
+        assert_eq!(b.skip(later), None);
+        assert_eq!(b.record(BatchResult::Confirmed, later), Change::None);
+        assert_eq!(
+            b.record(BatchResult::AllTimedOut, later),
+            Change::Opened(FIRST_COOL_DOWN),
+            "a new streak starts from the first cool-down"
+        );
+    }
+}
