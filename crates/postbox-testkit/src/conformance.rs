@@ -78,6 +78,7 @@ cases! {$
     relay_delivers_everything,
     relay_fanout_retries_only_the_failed_publisher,
     relay_keeps_pace_when_a_publisher_hangs,
+    relay_claims_fairly_across_app_codes,
     relay_dead_letters_poison_while_others_flow,
     relay_follows_the_backoff_schedule,
     relay_dead_letters_an_event_whose_last_lease_expired,
@@ -786,6 +787,54 @@ async fn relay_keeps_pace_when_a_publisher_hangs(store: Arc<dyn OutboxStore>) {
         200,
         "the hung publisher got every event in the end"
     );
+}
+
+/// One app_code's backlog does not hold back another's fresh event: the
+/// relay claims every app_code in turn, one batch each, so the fresh
+/// event is published within a couple of batches of the backlog, long
+/// before the backlog drains.
+async fn relay_claims_fairly_across_app_codes(store: Arc<dyn OutboxStore>) {
+    let backlog: Vec<NewEvent> = events(1_000, "Backlog");
+    enqueue(store.as_ref(), &backlog).await;
+    let p = Arc::new(RecordingPublisher::new("rec"));
+    let config = WorkerConfig {
+        batch_size: 20,
+        ..fast_worker()
+    };
+    let apps = vec![APP.to_owned(), "fresh".to_owned()];
+    let settings = RelaySettings::new(config, apps.clone()).expect("a valid [outbox_worker]");
+    let shutdown = CancellationToken::new();
+    let relay = Relay::new(store.clone(), vec![p.clone()], settings);
+    let handle = tokio::spawn(relay.run(shutdown.clone()));
+    // Once the backlog is being drained, a fresh event of another app_code.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while p.delivered().len() < 40 {
+        assert!(Instant::now() < deadline, "the backlog does not move");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let fresh = NewEvent::new("fresh", "Fresh", "{}");
+    enqueue(store.as_ref(), std::slice::from_ref(&fresh)).await;
+    let published_before = p.delivered().len();
+    while !p.delivered_ids().contains(&fresh.event_id) {
+        assert!(
+            Instant::now() < deadline,
+            "the fresh event was not published"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let ids = p.delivered_ids();
+    let at = ids.iter().position(|id| *id == fresh.event_id).unwrap();
+    shutdown.cancel();
+    handle.await.expect("relay task").expect("relay run");
+    // Batches of 20: the one being published when it was written, the
+    // one claimed behind it, then the fresh app_code's turn (and slack for
+    // a batch marked in between).
+    assert!(
+        at <= published_before + 4 * 20,
+        "the fresh event came {} events after it was written, behind a backlog of 1,000",
+        at - published_before.min(at)
+    );
+    assert!(at < 500, "long before the backlog drained: position {at}");
 }
 
 /// A poison event type ends `failed` after max_retry_count while every
