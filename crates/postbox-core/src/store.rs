@@ -350,7 +350,7 @@ pub struct StuckAggregate {
 /// How many delivered rows a store counts one by one: above it, it
 /// reports the database's estimate ([`AppStats::delivered_estimated`]), so
 /// that monitoring costs the same at 10 million delivered rows as at 0.
-pub const DELIVERED_COUNT_CAP: i64 = 100_000;
+pub const DELIVERED_COUNT_CAP: i64 = 25_000;
 
 /// Counts of one tenant.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -361,7 +361,7 @@ pub struct AppStats {
     pub pending: i64,
     /// Claimed now.
     pub delivering: i64,
-    /// Confirmed (including legacy `published`): exact up to 100,000, then
+    /// Confirmed (including legacy `published`): exact up to 25,000, then
     /// the database's estimate (see `delivered_estimated`).
     pub delivered: i64,
     /// `delivered` is the database's estimate (from its statistics), not a

@@ -166,7 +166,7 @@ pub(crate) fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
 }
 
 /// The planner's row estimate of [`crate::sql::DELIVERED_ESTIMATE`] for
-/// `app_code` (`Plan Rows` of its top node).
+/// `app_code` (`Plan Rows` of the scan under its `Limit`).
 pub(crate) async fn delivered_estimate(outbox: &PgOutbox, app_code: &str) -> Result<i64> {
     let db = |e| db_error("estimate delivered rows", e);
     let row = sqlx::query(&outbox.own().delivered_estimate)
@@ -176,5 +176,7 @@ pub(crate) async fn delivered_estimate(outbox: &PgOutbox, app_code: &str) -> Res
         .map_err(db)?;
     let text: String = row.try_get_unchecked(0).map_err(db)?;
     let json = parse_plan(&text)?;
-    Ok(json[0]["Plan"]["Plan Rows"].as_f64().unwrap_or(0.0).round() as i64)
+    let top = &json[0]["Plan"];
+    let scan = top["Plans"].get(0).unwrap_or(top);
+    Ok(scan["Plan Rows"].as_f64().unwrap_or(0.0).round() as i64)
 }

@@ -136,11 +136,12 @@ pub(crate) const RELEASE: &str =
 pub(crate) const COUNT_OPEN: &str = postbox_sqlx::count_open!("$1");
 
 /// The planner's estimate of one tenant's delivered rows: `EXPLAIN` of a
-/// read through `{table}_done_idx`, whose `Plan Rows` comes from the
-/// table's statistics (`ANALYZE`, autovacuum), read in microseconds at any
-/// size.
+/// read through `{table}_done_idx`, whose scan's `Plan Rows` comes from
+/// the table's statistics (`ANALYZE`, autovacuum), in about a millisecond
+/// at any size. `LIMIT 1` keeps the plan's cost under `jit_above_cost`:
+/// without it, at 10 M rows, JIT compiling the plan took 20–40 ms.
 pub(crate) const DELIVERED_ESTIMATE: &str = "EXPLAIN (FORMAT JSON) SELECT 1 FROM {table} \
-     WHERE app_code = $1 AND status IN ('delivered', 'published')";
+     WHERE app_code = $1 AND status IN ('delivered', 'published') LIMIT 1";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
 pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("$1", now_ms!(), "id");

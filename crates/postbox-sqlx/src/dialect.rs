@@ -730,7 +730,7 @@ macro_rules! count_open {
             $crate::count_open!(@ $p, "failed"),
             ", (SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE app_code = ",
             $p,
-            " AND status IN ('delivered', 'published') LIMIT 100001) d) AS delivered"
+            " AND status IN ('delivered', 'published') LIMIT 25001) d) AS delivered"
         )
     };
     (@ $p:literal, $status:literal) => {
