@@ -1,0 +1,1794 @@
+//! What postbox costs against a minimal hand-written outbox, measured in
+//! the same run.
+//!
+//! ```sh
+//! cargo bench -p postbox-cli --bench outbox_cost -- [postgres|mysql] [ROWS] [RUNS] \
+//!     [--only drain|rabbitmq|producer|latency]
+//! ```
+//!
+//! RUNS (default 3) runs per section; each prints its figures per run, the
+//! medians and the ratios of the medians. The sections:
+//!
+//! - **drain** (PostgreSQL, MariaDB): ROWS pending rows (default 100,000)
+//!   drained twice per run. *minimal*: a sequential loop over a minimal
+//!   table (primary key, unique `(app_code, event_id)`, one claim index
+//!   `(app_code, status, id)`) that claims 100 rows with `FOR UPDATE SKIP
+//!   LOCKED` and marks them delivered with one fenced `UPDATE`; *postbox*:
+//!   the real relay over a `migrate`d table, to the `file` publisher writing
+//!   to `/dev/null`, batch_size 100. Both tables hold the same rows
+//!   (payload ~100 bytes). Reports events/s, and the log volume per
+//!   delivered event: PostgreSQL WAL (`pg_current_wal_lsn()` around the
+//!   drain, after a `CHECKPOINT`, so both pay their full-page images), or
+//!   MariaDB redo (`Innodb_os_log_written`). Both counters are server-wide:
+//!   anything else writing meanwhile is counted too.
+//! - **rabbitmq** (PostgreSQL, MariaDB): the same, publishing to RabbitMQ
+//!   (persistent, mandatory, publisher confirms awaited per batch) to a
+//!   scratch durable topic exchange with a bound durable queue, batch_size
+//!   500 for both; ROWS (when given, as for drain) defaults to 50,000
+//!   here. The queue is purged after
+//!   every drain, and queue and exchange are deleted at the end.
+//! - **producer** (PostgreSQL, MariaDB): one connection running up to 5,000
+//!   transactions (or 5 s) per variant and run, the variants interleaved:
+//!   *business* — `UPDATE <accounts> SET balance = balance + 1, version =
+//!   version + 1 WHERE id = k` on a scratch table of one row per key (k
+//!   rotating over 1,000 keys) alone;
+//!   *enqueue* — the same plus `enqueue` through the Rust API; *plain
+//!   INSERT* — the same plus `docs/plain-insert.<db>.sql`; for reference,
+//!   *minimal INSERT* — the same plus an INSERT into the drain section's
+//!   minimal table (what one more statement costs with any outbox).
+//!   Reports tx/s and the producer overhead business / variant (target
+//!   ≤ 1.15).
+//! - **latency** (PostgreSQL only): a relay with the default
+//!   `[outbox_worker]` (poll_interval 1 s) in a database of its own,
+//!   `postbox_bench_idle`, while a producer commits 1 event per transaction
+//!   at 1,000 events/s for 10 s: commit → published latency p50/p99/max
+//!   (and the p99 of the events after the first second: the first ones can
+//!   find the relay asleep in its idle poll), for plain INSERTs with `wake
+//!   = "notify"`, plain INSERTs with `wake = "poll"`, and `enqueue` on a
+//!   store other than the relay's (so no in-process wake) with `notify`.
+//!   Then the idle cost: the transactions the database counts
+//!   (`pg_stat_database.xact_commit`) in 10 s, once the relay has been idle
+//!   for 3 s and the busy phase's counts have landed (11 s: PostgreSQL 15
+//!   can hold a backend's counts back for 10 s). The counter is read from
+//!   the `postgres` database, so the reading connection adds none;
+//!   autovacuum visiting the database in the window would be counted too. Run once, not RUNS times: each row is a
+//!   distribution over 10,000 events.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use postbox_core::config::{
+    FilePublisherConfig, HumanDuration, RabbitMqPublisherConfig, RelaySettings, WakeMode,
+    WorkerConfig,
+};
+use postbox_core::event::new_event_id;
+use postbox_core::publish::{Delivery, PublishError, PublishResults};
+use postbox_core::redact::SecretUrl;
+use postbox_core::relay::{CancellationToken, Relay};
+use postbox_core::store::OutboxStore;
+use postbox_core::template::Template;
+use postbox_core::{NewEvent, Publisher};
+use postbox_mysql::MySqlOutbox;
+use postbox_postgres::PgOutbox;
+use postbox_publishers::file::FilePublisher;
+use postbox_publishers::rabbitmq::RabbitMqPublisher;
+use postbox_testkit::conformance::app_stats;
+use postbox_testkit::scratch_table;
+use postbox_testkit::servers::{amqp_url, ensure_database, mysql_url, postgres_url};
+use sqlx::mysql::MySqlPoolOptions;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection as _, MySqlPool, PgPool, Row as _};
+
+const APP: &str = "bench";
+const DRAIN_BATCH: u32 = 100;
+const RABBIT_BATCH: u32 = 500;
+const LEASE_MS: i64 = 30_000;
+/// Every wait panics after this long without progress.
+const NO_PROGRESS: Duration = Duration::from_secs(120);
+/// The payload of every loaded row: ~100 bytes of JSON (`n` = row number).
+const PAD: &str = "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx";
+const PLAIN_INSERT_PG: &str = include_str!("../../../docs/plain-insert.postgres.sql");
+const PLAIN_INSERT_MYSQL: &str = include_str!("../../../docs/plain-insert.mysql.sql");
+/// The database the latency section has to itself.
+const IDLE_DB: &str = "postbox_bench_idle";
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Db {
+    Postgres,
+    MySql,
+}
+
+impl Db {
+    /// As `ensure_database` names the server.
+    fn name(self) -> &'static str {
+        match self {
+            Db::Postgres => "postgres",
+            Db::MySql => "mysql",
+        }
+    }
+
+    fn url(self) -> String {
+        match self {
+            Db::Postgres => postgres_url(),
+            Db::MySql => mysql_url(),
+        }
+    }
+
+    /// What the server calls its log.
+    fn log(self) -> &'static str {
+        match self {
+            Db::Postgres => "WAL",
+            Db::MySql => "redo",
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Section {
+    Drain,
+    Rabbitmq,
+    Producer,
+    Latency,
+}
+
+impl Section {
+    fn parse(s: &str) -> Section {
+        match s {
+            "drain" => Section::Drain,
+            "rabbitmq" => Section::Rabbitmq,
+            "producer" => Section::Producer,
+            "latency" => Section::Latency,
+            other => panic!("unknown section `{other}`: drain, rabbitmq, producer or latency"),
+        }
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    // `cargo bench` adds `--bench`; positional arguments and `--only` count.
+    let mut positional = Vec::new();
+    let mut only = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        if a == "--only" {
+            only = Some(Section::parse(
+                &args.next().expect("--only needs a section"),
+            ));
+        } else if let Some(s) = a.strip_prefix("--only=") {
+            only = Some(Section::parse(s));
+        } else if !a.starts_with("--") {
+            positional.push(a);
+        }
+    }
+    let db = match positional.first().map(String::as_str).unwrap_or("postgres") {
+        "postgres" => Db::Postgres,
+        "mysql" | "mariadb" => Db::MySql,
+        other => panic!("unknown database `{other}`: use postgres or mysql"),
+    };
+    let rows: Option<u64> = positional
+        .get(1)
+        .map(|s| s.parse().expect("ROWS is a number"));
+    let runs: usize = positional
+        .get(2)
+        .map(|s| s.parse().expect("RUNS is a number"))
+        .unwrap_or(3);
+    assert!(runs > 0, "RUNS must be at least 1");
+    ensure_database(db.name(), &db.url()).await;
+    println!(
+        "outbox_cost: {} ({}), {runs} runs",
+        db.name(),
+        server_version(db).await
+    );
+    let wanted = |s: Section| only.is_none_or(|o| o == s);
+    if wanted(Section::Drain) {
+        drain_section(db, rows.unwrap_or(100_000), runs).await;
+    }
+    if wanted(Section::Rabbitmq) {
+        rabbitmq_section(db, rows.unwrap_or(50_000), runs).await;
+    }
+    if wanted(Section::Producer) {
+        producer_section(db, runs).await;
+    }
+    if wanted(Section::Latency) {
+        if db == Db::Postgres {
+            latency_section().await;
+        } else {
+            println!("\n== latency: skipped (PostgreSQL only) ==");
+        }
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock after 1970")
+        .as_millis() as i64
+}
+
+/// `fut`, or a panic naming `what` when it has not finished after
+/// [`NO_PROGRESS`].
+async fn bounded<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(NO_PROGRESS, fut)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer after {NO_PROGRESS:?}"))
+}
+
+/// Panics when a polled counter stops moving for [`NO_PROGRESS`].
+struct Watchdog {
+    what: &'static str,
+    last: Option<u64>,
+    since: Instant,
+}
+
+impl Watchdog {
+    fn new(what: &'static str) -> Self {
+        Watchdog {
+            what,
+            last: None,
+            since: Instant::now(),
+        }
+    }
+
+    fn saw(&mut self, value: u64) {
+        if self.last != Some(value) {
+            self.last = Some(value);
+            self.since = Instant::now();
+        } else if self.since.elapsed() > NO_PROGRESS {
+            panic!(
+                "{}: no progress for {NO_PROGRESS:?} (stuck at {value})",
+                self.what
+            );
+        }
+    }
+}
+
+async fn server_version(db: Db) -> String {
+    let sql = match db {
+        Db::Postgres => "SELECT split_part(version(), ' on ', 1)",
+        Db::MySql => "SELECT version()",
+    };
+    match db {
+        Db::Postgres => {
+            let mut c = pg_connect(&db.url()).await;
+            sqlx::query_scalar(sql).fetch_one(&mut c).await
+        }
+        Db::MySql => {
+            let mut c = mysql_connect(&db.url()).await;
+            sqlx::query_scalar(sql).fetch_one(&mut c).await
+        }
+    }
+    .expect("server version")
+}
+
+async fn pg_connect(url: &str) -> sqlx::PgConnection {
+    sqlx::PgConnection::connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("connect to PostgreSQL: {e}"))
+}
+
+async fn mysql_connect(url: &str) -> sqlx::MySqlConnection {
+    sqlx::MySqlConnection::connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("connect to MariaDB: {e}"))
+}
+
+/// Runs one statement on `db` over a connection of its own.
+async fn exec(db: Db, sql: &str) {
+    let url = db.url();
+    match db {
+        Db::Postgres => {
+            let mut c = pg_connect(&url).await;
+            sqlx::query(sql).execute(&mut c).await.map(|_| ())
+        }
+        Db::MySql => {
+            let mut c = mysql_connect(&url).await;
+            sqlx::query(sql).execute(&mut c).await.map(|_| ())
+        }
+    }
+    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// The SQL expression of the loaded payload, in the loader's row number `n`.
+fn payload_expr(db: Db, n: &str) -> String {
+    match db {
+        Db::Postgres => format!("'{{\"n\":' || {n} || ',\"pad\":\"{PAD}\"}}'"),
+        Db::MySql => format!("CONCAT('{{\"n\":', {n}, ',\"pad\":\"{PAD}\"}}')"),
+    }
+}
+
+/// `INSERT … SELECT` of `rows` rows into `columns` from `values` (in the
+/// row number, `g` on PostgreSQL, `seq` on MariaDB's sequence engine).
+fn load_sql(db: Db, table: &str, columns: &str, values: &[String], rows: u64) -> String {
+    let values = values.join(", ");
+    match db {
+        Db::Postgres => format!(
+            "INSERT INTO {table} ({columns}) SELECT {values} FROM generate_series(1, {rows}) g"
+        ),
+        Db::MySql => {
+            format!("INSERT INTO {table} ({columns}) SELECT {values} FROM seq_1_to_{rows}")
+        }
+    }
+}
+
+fn row_number(db: Db) -> &'static str {
+    match db {
+        Db::Postgres => "g",
+        Db::MySql => "seq",
+    }
+}
+
+fn concat(db: Db, prefix: &str, expr: &str) -> String {
+    match db {
+        Db::Postgres => format!("'{prefix}' || {expr}"),
+        Db::MySql => format!("CONCAT('{prefix}', {expr})"),
+    }
+}
+
+async fn analyze(db: Db, table: &str) {
+    match db {
+        Db::Postgres => exec(db, &format!("VACUUM ANALYZE {table}")).await,
+        Db::MySql => exec(db, &format!("ANALYZE TABLE {table}")).await,
+    }
+}
+
+/// Bytes of a table with its indexes (MariaDB: from its statistics).
+async fn table_bytes(db: Db, table: &str) -> i64 {
+    match db {
+        Db::Postgres => {
+            let mut c = pg_connect(&db.url()).await;
+            sqlx::query_scalar("SELECT pg_total_relation_size($1::text::regclass)")
+                .bind(table)
+                .fetch_one(&mut c)
+                .await
+        }
+        Db::MySql => {
+            let mut c = mysql_connect(&db.url()).await;
+            sqlx::query_scalar(
+                "SELECT CAST(data_length + index_length AS SIGNED) FROM information_schema.tables \
+                 WHERE table_schema = DATABASE() AND table_name = ?",
+            )
+            .bind(table)
+            .fetch_one(&mut c)
+            .await
+        }
+    }
+    .expect("table size")
+}
+
+// ---------------------------------------------------------------------------
+// The minimal outbox.
+
+/// A claimed row of the minimal table.
+struct MinimalRow {
+    id: i64,
+    event_id: String,
+    event_type: String,
+    payload: String,
+}
+
+/// One claim: its rows and its fence.
+struct MinimalBatch {
+    rows: Vec<MinimalRow>,
+    lock_until_ms: i64,
+}
+
+enum MinimalPool {
+    Pg(PgPool),
+    My(MySqlPool),
+}
+
+/// A hand-written outbox: the table and the two statements of a minimal
+/// relay.
+struct Minimal {
+    db: Db,
+    table: String,
+    pool: MinimalPool,
+}
+
+/// `?, ?, …`, `n` times.
+fn placeholders(n: usize) -> String {
+    vec!["?"; n].join(", ")
+}
+
+/// Creates the minimal outbox table: primary key, unique `(app_code,
+/// event_id)`, one claim index `(app_code, status, id)`.
+async fn create_minimal_table(db: Db, table: &str) {
+    let ddl: Vec<String> = match db {
+        Db::Postgres => vec![
+            format!(
+                "CREATE TABLE {table} ( \
+                   id BIGSERIAL PRIMARY KEY, \
+                   app_code VARCHAR(64) NOT NULL, \
+                   event_id VARCHAR(64) NOT NULL, \
+                   event_type VARCHAR(128) NOT NULL, \
+                   payload TEXT NOT NULL, \
+                   status VARCHAR(16) NOT NULL DEFAULT 'pending', \
+                   lock_until_ms BIGINT NOT NULL DEFAULT 0, \
+                   worker_id VARCHAR(128), \
+                   updated_at_ms BIGINT NOT NULL DEFAULT 0)"
+            ),
+            format!("CREATE UNIQUE INDEX {table}_event_uq ON {table} (app_code, event_id)"),
+            format!("CREATE INDEX {table}_claim_idx ON {table} (app_code, status, id)"),
+        ],
+        Db::MySql => vec![format!(
+            "CREATE TABLE {table} ( \
+               id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+               app_code VARCHAR(64) NOT NULL, \
+               event_id VARCHAR(64) NOT NULL, \
+               event_type VARCHAR(128) NOT NULL, \
+               payload MEDIUMTEXT NOT NULL, \
+               status VARCHAR(16) NOT NULL DEFAULT 'pending', \
+               lock_until_ms BIGINT NOT NULL DEFAULT 0, \
+               worker_id VARCHAR(128) NULL, \
+               updated_at_ms BIGINT NOT NULL DEFAULT 0, \
+               UNIQUE KEY {table}_event_uq (app_code, event_id), \
+               KEY {table}_claim_idx (app_code, status, id) \
+             ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+        )],
+    };
+    for sql in &ddl {
+        exec(db, sql).await;
+    }
+}
+
+/// `Index Scan using x`, `Seq Scan on t`, … of a PostgreSQL text plan,
+/// without the costs.
+fn scans_in_plan(plan: &str) -> String {
+    let scans: Vec<&str> = plan
+        .lines()
+        .filter(|l| l.contains(" Scan "))
+        .map(|l| {
+            let l = l.trim().trim_start_matches("->").trim();
+            l.split("  (").next().unwrap_or(l)
+        })
+        .collect();
+    scans.join("; ")
+}
+
+impl Minimal {
+    /// A fresh minimal table holding `rows` pending rows, analyzed.
+    async fn create(db: Db, rows: u64) -> Minimal {
+        let table = scratch_table("cost_min");
+        let url = db.url();
+        create_minimal_table(db, &table).await;
+        let n = row_number(db);
+        let load = load_sql(
+            db,
+            &table,
+            "app_code, event_id, event_type, payload",
+            &[
+                format!("'{APP}'"),
+                concat(db, "ev-", n),
+                "'BenchEvent'".to_owned(),
+                payload_expr(db, n),
+            ],
+            rows,
+        );
+        exec(db, &load).await;
+        analyze(db, &table).await;
+        let pool = match db {
+            Db::Postgres => MinimalPool::Pg(
+                PgPoolOptions::new()
+                    .max_connections(2)
+                    .connect(&url)
+                    .await
+                    .expect("minimal pool"),
+            ),
+            Db::MySql => MinimalPool::My(
+                MySqlPoolOptions::new()
+                    .max_connections(2)
+                    .connect(&url)
+                    .await
+                    .expect("minimal pool"),
+            ),
+        };
+        Minimal { db, table, pool }
+    }
+
+    /// Claims up to `limit` pending rows for `worker` with one lease end.
+    async fn claim(&self, worker: &str, limit: u32) -> MinimalBatch {
+        let t = &self.table;
+        let now = now_ms();
+        let lock_until_ms = now + LEASE_MS;
+        let rows = match &self.pool {
+            MinimalPool::Pg(pool) => {
+                let sql = format!(
+                    "WITH picked AS ( \
+                       SELECT id FROM {t} WHERE app_code = $1 AND status = 'pending' \
+                       ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                     UPDATE {t} o SET status = 'delivering', worker_id = $3, lock_until_ms = $4, \
+                       updated_at_ms = $5 \
+                     FROM picked WHERE o.id = picked.id \
+                     RETURNING o.id, o.event_id, o.event_type, o.payload"
+                );
+                let rows = sqlx::query(&sql)
+                    .bind(APP)
+                    .bind(i64::from(limit))
+                    .bind(worker)
+                    .bind(lock_until_ms)
+                    .bind(now)
+                    .fetch_all(pool)
+                    .await
+                    .expect("minimal claim");
+                rows.iter()
+                    .map(|r| MinimalRow {
+                        id: r.get("id"),
+                        event_id: r.get("event_id"),
+                        event_type: r.get("event_type"),
+                        payload: r.get("payload"),
+                    })
+                    .collect::<Vec<_>>()
+            }
+            MinimalPool::My(pool) => {
+                let mut tx = pool.begin().await.expect("begin");
+                let picked = sqlx::query(&format!(
+                    "SELECT id, event_id, event_type, payload FROM {t} \
+                     WHERE app_code = ? AND status = 'pending' \
+                     ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
+                ))
+                .bind(APP)
+                .bind(i64::from(limit))
+                .fetch_all(&mut *tx)
+                .await
+                .expect("minimal claim: select");
+                let rows: Vec<MinimalRow> = picked
+                    .iter()
+                    .map(|r| MinimalRow {
+                        id: r.get("id"),
+                        event_id: r.get("event_id"),
+                        event_type: r.get("event_type"),
+                        payload: r.get("payload"),
+                    })
+                    .collect();
+                if !rows.is_empty() {
+                    let sql = format!(
+                        "UPDATE {t} SET status = 'delivering', worker_id = ?, lock_until_ms = ?, \
+                           updated_at_ms = ? WHERE id IN ({})",
+                        placeholders(rows.len())
+                    );
+                    let mut q = sqlx::query(&sql).bind(worker).bind(lock_until_ms).bind(now);
+                    for r in &rows {
+                        q = q.bind(r.id);
+                    }
+                    q.execute(&mut *tx).await.expect("minimal claim: update");
+                }
+                tx.commit().await.expect("commit");
+                rows
+            }
+        };
+        MinimalBatch {
+            rows,
+            lock_until_ms,
+        }
+    }
+
+    /// Marks a claimed batch delivered, fenced by its lease; returns the
+    /// rows changed.
+    async fn mark(&self, batch: &MinimalBatch, worker: &str) -> u64 {
+        let t = &self.table;
+        let ids: Vec<i64> = batch.rows.iter().map(|r| r.id).collect();
+        match &self.pool {
+            MinimalPool::Pg(pool) => sqlx::query(&format!(
+                "UPDATE {t} SET status = 'delivered', lock_until_ms = 0, updated_at_ms = $1 \
+                 WHERE id = ANY($2) AND worker_id = $3 AND lock_until_ms = $4"
+            ))
+            .bind(now_ms())
+            .bind(&ids)
+            .bind(worker)
+            .bind(batch.lock_until_ms)
+            .execute(pool)
+            .await
+            .expect("minimal mark")
+            .rows_affected(),
+            MinimalPool::My(pool) => {
+                let sql = format!(
+                    "UPDATE {t} SET status = 'delivered', lock_until_ms = 0, updated_at_ms = ? \
+                     WHERE id IN ({}) AND worker_id = ? AND lock_until_ms = ?",
+                    placeholders(ids.len())
+                );
+                let mut q = sqlx::query(&sql).bind(now_ms());
+                for id in &ids {
+                    q = q.bind(*id);
+                }
+                q.bind(worker)
+                    .bind(batch.lock_until_ms)
+                    .execute(pool)
+                    .await
+                    .expect("minimal mark")
+                    .rows_affected()
+            }
+        }
+    }
+
+    /// Drains every row: claim → (publish) → mark, one batch after the
+    /// other. Returns events/s and where the time went.
+    async fn drain(&self, rows: u64, batch: u32, broker: Option<&Broker>) -> (f64, String) {
+        let start = Instant::now();
+        let mut done = 0u64;
+        let (mut claiming, mut publishing, mut marking) =
+            (Duration::ZERO, Duration::ZERO, Duration::ZERO);
+        loop {
+            let t = Instant::now();
+            let claimed = bounded("minimal claim", self.claim("minimal", batch)).await;
+            claiming += t.elapsed();
+            if claimed.rows.is_empty() {
+                break;
+            }
+            if let Some(broker) = broker {
+                let t = Instant::now();
+                bounded("minimal publish", broker.publish(&claimed.rows)).await;
+                publishing += t.elapsed();
+            }
+            let t = Instant::now();
+            done += bounded("minimal mark", self.mark(&claimed, "minimal")).await;
+            marking += t.elapsed();
+        }
+        let elapsed = start.elapsed();
+        assert_eq!(done, rows, "the minimal loop delivered every row");
+        let share = |d: Duration| 100.0 * d.as_secs_f64() / elapsed.as_secs_f64();
+        let mut split = format!("claim {:.0}%", share(claiming));
+        if broker.is_some() {
+            split.push_str(&format!(", publish {:.0}%", share(publishing)));
+        }
+        split.push_str(&format!(", mark {:.0}%", share(marking)));
+        (rows as f64 / elapsed.as_secs_f64(), split)
+    }
+
+    /// The index (or scan) the claim's `SELECT … FOR UPDATE SKIP LOCKED`
+    /// reads through, from the plan the database picks now.
+    async fn claim_plan(&self, limit: u32) -> String {
+        let t = &self.table;
+        let sql = format!(
+            "EXPLAIN SELECT id FROM {t} WHERE app_code = '{APP}' AND status = 'pending' \
+             ORDER BY id LIMIT {limit} FOR UPDATE SKIP LOCKED"
+        );
+        match &self.pool {
+            MinimalPool::Pg(pool) => {
+                let lines: Vec<String> = sqlx::query_scalar(&sql)
+                    .fetch_all(pool)
+                    .await
+                    .expect("explain minimal claim");
+                scans_in_plan(&lines.join("\n"))
+            }
+            MinimalPool::My(pool) => {
+                let row = sqlx::raw_sql(&sql)
+                    .fetch_one(pool)
+                    .await
+                    .expect("explain minimal claim");
+                let key: Option<String> = row.try_get("key").expect("EXPLAIN key");
+                let access: Option<String> = row.try_get("type").expect("EXPLAIN type");
+                format!(
+                    "{} ({})",
+                    key.unwrap_or_else(|| "no index".to_owned()),
+                    access.unwrap_or_default()
+                )
+            }
+        }
+    }
+
+    async fn drop_table(self) {
+        match self.pool {
+            MinimalPool::Pg(p) => p.close().await,
+            MinimalPool::My(p) => p.close().await,
+        }
+        exec(self.db, &format!("DROP TABLE IF EXISTS {}", self.table)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------
+// postbox's side.
+
+/// A migrated postbox table holding `rows` pending rows, analyzed.
+async fn postbox_table(db: Db, rows: u64) -> Arc<dyn OutboxStore> {
+    let table = scratch_table("cost_pb");
+    let url = db.url();
+    let store: Arc<dyn OutboxStore> = match db {
+        Db::Postgres => Arc::new(PgOutbox::connect(&url, &table, 8).await.expect("connect")),
+        Db::MySql => Arc::new(
+            MySqlOutbox::connect(&url, &table, 8)
+                .await
+                .expect("connect"),
+        ),
+    };
+    store.migrate().await.expect("migrate");
+    let n = row_number(db);
+    let load = load_sql(
+        db,
+        &table,
+        "app_code, event_id, event_type, aggregate_id, payload",
+        &[
+            format!("'{APP}'"),
+            concat(db, "ev-", n),
+            "'BenchEvent'".to_owned(),
+            concat(db, "agg-", &format!("({n} % 1000)")),
+            payload_expr(db, n),
+        ],
+        rows,
+    );
+    exec(db, &load).await;
+    analyze(db, &table).await;
+    store
+}
+
+async fn drop_postbox_table(db: Db, table: &str) {
+    exec(
+        db,
+        &format!("DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"),
+    )
+    .await;
+    if db == Db::Postgres {
+        // The wake trigger's function outlives its table.
+        exec(db, &format!("DROP FUNCTION IF EXISTS {table}_wake()")).await;
+    }
+}
+
+/// Counts the events handed to the inner publisher, to know when to look.
+struct Counting {
+    inner: Arc<dyn Publisher>,
+    offered: AtomicU64,
+}
+
+#[async_trait]
+impl Publisher for Counting {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+        let r = self.inner.publish(batch).await;
+        self.offered
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        r
+    }
+
+    async fn publish_each(
+        &self,
+        batch: &[Delivery<'_>],
+        publish_timeout: Duration,
+        results: &PublishResults,
+    ) {
+        self.inner
+            .publish_each(batch, publish_timeout, results)
+            .await;
+        self.offered
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+    }
+
+    async fn close(&self) {
+        self.inner.close().await;
+    }
+}
+
+async fn dev_null() -> Arc<dyn Publisher> {
+    Arc::new(
+        FilePublisher::open(&FilePublisherConfig {
+            name: None,
+            path: "/dev/null".into(),
+        })
+        .await
+        .expect("open /dev/null"),
+    )
+}
+
+/// The real relay over `store` to `publisher` until every one of `rows`
+/// rows is delivered. Returns events/s.
+async fn relay_drain(
+    store: Arc<dyn OutboxStore>,
+    publisher: Arc<dyn Publisher>,
+    rows: u64,
+    batch: u32,
+) -> f64 {
+    let publisher = Arc::new(Counting {
+        inner: publisher,
+        offered: AtomicU64::new(0),
+    });
+    let config = WorkerConfig {
+        batch_size: batch,
+        poll_interval: HumanDuration::millis(50),
+        ..WorkerConfig::default()
+    };
+    let shutdown = CancellationToken::new();
+    let relay = Relay::new(
+        store.clone(),
+        vec![publisher.clone()],
+        RelaySettings::new(config, vec![APP.to_owned()]).expect("a valid [outbox_worker]"),
+    );
+    let start = Instant::now();
+    let task = tokio::spawn(relay.run(shutdown.clone()));
+    let mut dog = Watchdog::new("relay publishing");
+    loop {
+        let offered = publisher.offered.load(Ordering::Relaxed);
+        if offered >= rows {
+            break;
+        }
+        dog.saw(offered);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Published all; wait for the last marks (pending and delivering are
+    // exact counts; delivered may be an estimate).
+    let mut dog = Watchdog::new("relay marking");
+    loop {
+        let s = app_stats(store.as_ref(), APP).await;
+        assert_eq!(s.retryable + s.failed, 0, "no publish failed: {s:?}");
+        let open = (s.pending + s.delivering) as u64;
+        if open == 0 {
+            break;
+        }
+        dog.saw(open);
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let elapsed = start.elapsed();
+    shutdown.cancel();
+    let report = bounded("relay shutdown", task)
+        .await
+        .expect("relay task")
+        .expect("relay");
+    assert_eq!(report.delivered, rows, "the relay delivered every row");
+    rows as f64 / elapsed.as_secs_f64()
+}
+
+// ---------------------------------------------------------------------------
+// The servers' logs.
+
+/// Reads the position of the server's log: PostgreSQL WAL bytes, MariaDB
+/// `Innodb_os_log_written`.
+enum LogMeter {
+    Pg(sqlx::PgConnection),
+    My(sqlx::MySqlConnection),
+}
+
+impl LogMeter {
+    async fn connect(db: Db) -> LogMeter {
+        match db {
+            Db::Postgres => LogMeter::Pg(pg_connect(&db.url()).await),
+            Db::MySql => LogMeter::My(mysql_connect(&db.url()).await),
+        }
+    }
+
+    /// PostgreSQL: `CHECKPOINT`, so the first change of every page after
+    /// it writes a full-page image, for both tables alike.
+    async fn checkpoint(&mut self) {
+        if let LogMeter::Pg(c) = self {
+            sqlx::query("CHECKPOINT")
+                .execute(&mut *c)
+                .await
+                .expect("CHECKPOINT");
+        }
+    }
+
+    async fn bytes(&mut self) -> i64 {
+        match self {
+            LogMeter::Pg(c) => {
+                sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::BIGINT")
+                    .fetch_one(&mut *c)
+                    .await
+                    .expect("pg_current_wal_lsn")
+            }
+            LogMeter::My(c) => {
+                let row = sqlx::raw_sql("SHOW GLOBAL STATUS LIKE 'Innodb_os_log_written'")
+                    .fetch_one(&mut *c)
+                    .await
+                    .expect("Innodb_os_log_written");
+                let value: String = row.try_get(1).expect("status value");
+                value.parse().expect("a byte count")
+            }
+        }
+    }
+}
+
+/// One drain: events/s and log bytes per delivered event.
+struct Drained {
+    per_s: f64,
+    log_per_event: f64,
+    table_bytes: i64,
+    /// The pending claim's plan right after loading.
+    claim_plan: String,
+    /// Where the minimal loop's time went.
+    split: Option<String>,
+}
+
+/// Loads a minimal table and drains it with the minimal loop.
+async fn drain_minimal(db: Db, rows: u64, batch: u32, broker: Option<&Broker>) -> Drained {
+    let minimal = Minimal::create(db, rows).await;
+    let table_bytes = table_bytes(db, &minimal.table).await;
+    let claim_plan = minimal.claim_plan(batch).await;
+    let mut meter = LogMeter::connect(db).await;
+    meter.checkpoint().await;
+    let before = meter.bytes().await;
+    let (per_s, split) = minimal.drain(rows, batch, broker).await;
+    let after = meter.bytes().await;
+    minimal.drop_table().await;
+    Drained {
+        per_s,
+        log_per_event: (after - before) as f64 / rows as f64,
+        table_bytes,
+        claim_plan,
+        split: Some(split),
+    }
+}
+
+/// What postbox's own `EXPLAIN` of its pending claim reads through.
+async fn postbox_claim_plan(store: &dyn OutboxStore, limit: u32) -> String {
+    let plans = store
+        .explain_claims(APP, limit)
+        .await
+        .expect("explain postbox claims");
+    let Some(p) = plans.iter().find(|p| p.query == "claim_pending") else {
+        return "no claim_pending plan".to_owned();
+    };
+    let used = if p.plan.lines().any(|l| l.contains(" Scan ")) {
+        scans_in_plan(&p.plan)
+    } else {
+        p.indexes_used.join(", ")
+    };
+    format!(
+        "{used} (written for {}{})",
+        p.expected_index,
+        if p.full_scan { "; full scan" } else { "" }
+    )
+}
+
+/// Loads a postbox table and drains it with the relay to `publisher`.
+async fn drain_postbox(db: Db, rows: u64, batch: u32, publisher: Arc<dyn Publisher>) -> Drained {
+    let store = postbox_table(db, rows).await;
+    let table = store.table().as_str().to_owned();
+    let table_bytes = table_bytes(db, &table).await;
+    let claim_plan = postbox_claim_plan(store.as_ref(), batch).await;
+    let mut meter = LogMeter::connect(db).await;
+    meter.checkpoint().await;
+    let before = meter.bytes().await;
+    let per_s = relay_drain(store, publisher, rows, batch).await;
+    let after = meter.bytes().await;
+    drop_postbox_table(db, &table).await;
+    Drained {
+        per_s,
+        log_per_event: (after - before) as f64 / rows as f64,
+        table_bytes,
+        claim_plan,
+        split: None,
+    }
+}
+
+/// The claim plans after loading, and where the minimal loop's time went.
+fn print_plans(minimal: &Drained, postbox: &Drained) {
+    println!("pending claim plan: minimal {}", minimal.claim_plan);
+    println!("pending claim plan: postbox {}", postbox.claim_plan);
+    if let Some(split) = &minimal.split {
+        println!("minimal loop time: {split}");
+    }
+}
+
+fn mib(bytes: i64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+// ---------------------------------------------------------------------------
+// Section 1: drain.
+
+async fn drain_section(db: Db, rows: u64, runs: usize) {
+    let log = db.log();
+    println!(
+        "\n== drain: {rows} rows, batch_size {DRAIN_BATCH}; minimal loop vs relay to /dev/null =="
+    );
+    let (mut m, mut p) = (Vec::new(), Vec::new());
+    for run in 1..=runs {
+        // Alternate which goes first, so neither always finds the warmer
+        // server.
+        let (mr, pr) = if run % 2 == 1 {
+            let mr = drain_minimal(db, rows, DRAIN_BATCH, None).await;
+            let pr = drain_postbox(db, rows, DRAIN_BATCH, dev_null().await).await;
+            (mr, pr)
+        } else {
+            let pr = drain_postbox(db, rows, DRAIN_BATCH, dev_null().await).await;
+            let mr = drain_minimal(db, rows, DRAIN_BATCH, None).await;
+            (mr, pr)
+        };
+        if run == 1 {
+            println!(
+                "loaded: minimal {:.1} MiB, postbox {:.1} MiB (table and indexes)",
+                mib(mr.table_bytes),
+                mib(pr.table_bytes)
+            );
+            print_plans(&mr, &pr);
+        }
+        println!(
+            "run {run}: minimal {:>8.0} events/s {:>6.0} B {log}/event | postbox {:>8.0} events/s {:>6.0} B {log}/event | postbox/minimal: events/s {:.2}, {log}/event {:.2}",
+            mr.per_s,
+            mr.log_per_event,
+            pr.per_s,
+            pr.log_per_event,
+            pr.per_s / mr.per_s,
+            pr.log_per_event / mr.log_per_event,
+        );
+        m.push(mr);
+        p.push(pr);
+    }
+    let rate = |v: &[Drained]| median(&v.iter().map(|d| d.per_s).collect::<Vec<_>>());
+    let bytes = |v: &[Drained]| median(&v.iter().map(|d| d.log_per_event).collect::<Vec<_>>());
+    let (mr, pr, mb, pb) = (rate(&m), rate(&p), bytes(&m), bytes(&p));
+    println!(
+        "median: minimal {mr:.0} events/s, {mb:.0} B {log}/event; postbox {pr:.0} events/s, {pb:.0} B {log}/event"
+    );
+    println!(
+        "ratio postbox/minimal: events/s {:.2}, {log} bytes/event {:.2}",
+        pr / mr,
+        pb / mb
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Section 2: RabbitMQ.
+
+/// A scratch durable topic exchange with a durable queue bound to `#`,
+/// and a confirm-mode channel the minimal loop publishes on.
+struct Broker {
+    connection: Connection,
+    setup: Channel,
+    publish: Channel,
+    exchange: String,
+    queue: String,
+}
+
+impl Broker {
+    async fn declare() -> Broker {
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| panic!("connect to RabbitMQ: {e}"));
+        let setup = connection.create_channel().await.expect("setup channel");
+        let exchange = scratch_table("cost_x");
+        let queue = scratch_table("cost_q");
+        setup
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare exchange");
+        setup
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare queue");
+        setup
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind queue");
+        let publish = connection.create_channel().await.expect("publish channel");
+        publish
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm mode");
+        Broker {
+            connection,
+            setup,
+            publish,
+            exchange,
+            queue,
+        }
+    }
+
+    /// Publishes every row (persistent, mandatory), then awaits all
+    /// confirms; panics on a nack or a return.
+    async fn publish(&self, rows: &[MinimalRow]) {
+        let mut confirms = Vec::with_capacity(rows.len());
+        for r in rows {
+            let properties = BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_message_id(r.event_id.as_str().into());
+            let confirm = self
+                .publish
+                .basic_publish(
+                    self.exchange.as_str().into(),
+                    r.event_type.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        immediate: false,
+                    },
+                    r.payload.as_bytes(),
+                    properties,
+                )
+                .await
+                .expect("basic.publish");
+            confirms.push(confirm);
+        }
+        for c in confirms {
+            let confirmation = c.await.expect("confirm");
+            assert!(confirmation.is_ack(), "the broker nacked a message");
+            assert!(
+                confirmation.take_message().is_none(),
+                "a message was unroutable"
+            );
+        }
+    }
+
+    /// The RabbitMQ publisher of postbox to this exchange.
+    async fn postbox_publisher(&self) -> Arc<dyn Publisher> {
+        let config = RabbitMqPublisherConfig {
+            name: Some("bench".to_owned()),
+            url: SecretUrl::new(amqp_url()),
+            exchange: self.exchange.clone(),
+            routing_key: Template::parse("{event_type}").expect("routing key template"),
+            declare: false,
+            ca_file: None,
+        };
+        Arc::new(
+            RabbitMqPublisher::connect(&config)
+                .await
+                .expect("RabbitMQ publisher"),
+        )
+    }
+
+    /// Empties the queue; returns how many messages it held.
+    async fn purge(&self) -> u32 {
+        self.setup
+            .queue_purge(self.queue.as_str().into(), QueuePurgeOptions::default())
+            .await
+            .expect("purge queue")
+    }
+
+    async fn delete(self) {
+        self.setup
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .expect("delete queue");
+        self.setup
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await
+            .expect("delete exchange");
+        let _ = self.connection.close(200, "done".into()).await;
+    }
+}
+
+async fn rabbitmq_section(db: Db, rows: u64, runs: usize) {
+    println!(
+        "\n== rabbitmq: {rows} rows, batch_size {RABBIT_BATCH}; minimal loop + lapin vs relay + RabbitMQ publisher (persistent, mandatory, confirms) =="
+    );
+    let broker = Broker::declare().await;
+    let (mut m, mut p) = (Vec::new(), Vec::new());
+    for run in 1..=runs {
+        let one = |postbox: bool| {
+            let broker = &broker;
+            async move {
+                let d = if postbox {
+                    let publisher = broker.postbox_publisher().await;
+                    drain_postbox(db, rows, RABBIT_BATCH, publisher).await
+                } else {
+                    drain_minimal(db, rows, RABBIT_BATCH, Some(broker)).await
+                };
+                let queued = broker.purge().await;
+                assert!(
+                    u64::from(queued) >= rows,
+                    "the queue held {queued} of {rows} messages"
+                );
+                d
+            }
+        };
+        let (mr, pr) = if run % 2 == 1 {
+            let mr = one(false).await;
+            (mr, one(true).await)
+        } else {
+            let pr = one(true).await;
+            (one(false).await, pr)
+        };
+        if run == 1 {
+            print_plans(&mr, &pr);
+        }
+        println!(
+            "run {run}: minimal {:>8.0} events/s | postbox {:>8.0} events/s | postbox/minimal {:.2}",
+            mr.per_s,
+            pr.per_s,
+            pr.per_s / mr.per_s
+        );
+        m.push(mr.per_s);
+        p.push(pr.per_s);
+    }
+    broker.delete().await;
+    let (mm, pm) = (median(&m), median(&p));
+    println!(
+        "median: minimal {mm:.0} events/s, postbox {pm:.0} events/s, postbox/minimal = {:.2}",
+        pm / mm
+    );
+}
+
+// ---------------------------------------------------------------------------
+// Section 3: producer.
+
+const ACCOUNTS: i64 = 1000;
+const PRODUCER_TX: u64 = 5000;
+const PRODUCER_TIME: Duration = Duration::from_secs(5);
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Variant {
+    /// The business transaction alone.
+    Business,
+    /// Plus `enqueue` through the Rust API.
+    Enqueue,
+    /// Plus `docs/plain-insert.<db>.sql` into the postbox table.
+    PlainInsert,
+    /// Plus an INSERT into the minimal table of the drain section: what any
+    /// outbox row costs, for reference.
+    MinimalInsert,
+}
+
+impl Variant {
+    const ALL: [Variant; 4] = [
+        Variant::Business,
+        Variant::Enqueue,
+        Variant::PlainInsert,
+        Variant::MinimalInsert,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Variant::Business => "business",
+            Variant::Enqueue => "+enqueue",
+            Variant::PlainInsert => "+plain INSERT",
+            Variant::MinimalInsert => "+minimal INSERT",
+        }
+    }
+}
+
+/// The producer's statements, rendered for its tables.
+struct ProducerSql {
+    /// The business statement, bound to the account id.
+    update: String,
+    /// `docs/plain-insert.<db>.sql` for the postbox table.
+    plain_insert: String,
+    /// `(app_code, event_id, event_type, payload)` into the minimal table.
+    minimal_insert: String,
+}
+
+/// One producer connection, with the outbox `enqueue` writes through it.
+enum Producer {
+    Pg(PgPool, PgOutbox),
+    My(MySqlPool, MySqlOutbox),
+}
+
+fn account_payload(k: i64, version: i64) -> String {
+    format!("{{\"account\":{k},\"delta\":1,\"version\":{version},\"pad\":\"{PAD}\"}}")
+}
+
+/// The body of [`Producer::transaction`], the same on either driver.
+macro_rules! business_transaction {
+    ($pool:expr, $outbox:expr, $sql:expr, $variant:expr, $k:expr, $version:expr) => {{
+        let (k, version) = ($k, $version);
+        let aggregate = format!("acct-{k}");
+        let mut tx = $pool.begin().await.expect("begin");
+        sqlx::query(&$sql.update)
+            .bind(k)
+            .execute(&mut *tx)
+            .await
+            .expect("business update");
+        match $variant {
+            Variant::Business => {}
+            Variant::Enqueue => {
+                let event = NewEvent::new(APP, "BalanceChanged", account_payload(k, version))
+                    .aggregate(aggregate, version);
+                $outbox.enqueue(&mut tx, &event).await.expect("enqueue");
+            }
+            Variant::PlainInsert => {
+                sqlx::query(&$sql.plain_insert)
+                    .bind(APP)
+                    .bind(new_event_id())
+                    .bind("BalanceChanged")
+                    .bind(aggregate)
+                    .bind(version)
+                    .bind(account_payload(k, version))
+                    .bind(None::<String>)
+                    .execute(&mut *tx)
+                    .await
+                    .expect("plain insert");
+            }
+            Variant::MinimalInsert => {
+                sqlx::query(&$sql.minimal_insert)
+                    .bind(APP)
+                    .bind(new_event_id())
+                    .bind("BalanceChanged")
+                    .bind(account_payload(k, version))
+                    .execute(&mut *tx)
+                    .await
+                    .expect("minimal insert");
+            }
+        }
+        tx.commit().await.expect("commit");
+    }};
+}
+
+impl Producer {
+    /// One business transaction on account `k` (now at `version`), with
+    /// the variant's outbox write.
+    async fn transaction(&self, sql: &ProducerSql, variant: Variant, k: i64, version: i64) {
+        match self {
+            Producer::Pg(pool, outbox) => {
+                business_transaction!(pool, outbox, sql, variant, k, version)
+            }
+            Producer::My(pool, outbox) => {
+                business_transaction!(pool, outbox, sql, variant, k, version)
+            }
+        }
+    }
+}
+
+/// Business transactions in order over the accounts, each account's
+/// version tracked as the database counts it.
+struct Accounts {
+    next: i64,
+    versions: Vec<i64>,
+}
+
+impl Accounts {
+    /// The next account and its version after this transaction.
+    fn next(&mut self) -> (i64, i64) {
+        let k = self.next % ACCOUNTS + 1;
+        self.next += 1;
+        let v = &mut self.versions[(k - 1) as usize];
+        *v += 1;
+        (k, *v)
+    }
+}
+
+/// Runs up to `max` transactions of `variant` (at most [`PRODUCER_TIME`]);
+/// returns tx/s.
+async fn produce(
+    producer: &Producer,
+    sql: &ProducerSql,
+    variant: Variant,
+    max: u64,
+    accounts: &mut Accounts,
+) -> f64 {
+    let start = Instant::now();
+    let mut n = 0u64;
+    while n < max && start.elapsed() < PRODUCER_TIME {
+        let (k, version) = accounts.next();
+        bounded(
+            "producer transaction",
+            producer.transaction(sql, variant, k, version),
+        )
+        .await;
+        n += 1;
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn producer_section(db: Db, runs: usize) {
+    println!(
+        "\n== producer: one connection, up to {PRODUCER_TX} transactions or {PRODUCER_TIME:?} per variant and run, variants interleaved =="
+    );
+    let url = db.url();
+    let accounts = scratch_table("cost_acct");
+    let (create, load) = match db {
+        Db::Postgres => (
+            format!("CREATE TABLE {accounts} (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL, version BIGINT NOT NULL)"),
+            format!("INSERT INTO {accounts} SELECT g, 0, 0 FROM generate_series(1, {ACCOUNTS}) g"),
+        ),
+        Db::MySql => (
+            format!("CREATE TABLE {accounts} (id BIGINT NOT NULL PRIMARY KEY, balance BIGINT NOT NULL, version BIGINT NOT NULL) ENGINE=InnoDB"),
+            format!("INSERT INTO {accounts} SELECT seq, 0, 0 FROM seq_1_to_{ACCOUNTS}"),
+        ),
+    };
+    exec(db, &create).await;
+    exec(db, &load).await;
+    analyze(db, &accounts).await;
+    let minimal = scratch_table("cost_pmin");
+    create_minimal_table(db, &minimal).await;
+    let table = scratch_table("cost_prod");
+    let (producer, sql) = match db {
+        Db::Postgres => {
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&url)
+                .await
+                .expect("producer pool");
+            let outbox = PgOutbox::new(pool.clone(), &table).expect("outbox");
+            outbox.migrate().await.expect("migrate");
+            let sql = ProducerSql {
+                update: format!(
+                    "UPDATE {accounts} SET balance = balance + 1, version = version + 1 WHERE id = $1"
+                ),
+                plain_insert: PLAIN_INSERT_PG.trim().replace("room_outbox", &table),
+                minimal_insert: format!(
+                    "INSERT INTO {minimal} (app_code, event_id, event_type, payload) VALUES ($1, $2, $3, $4)"
+                ),
+            };
+            (Producer::Pg(pool, outbox), sql)
+        }
+        Db::MySql => {
+            let pool = MySqlPoolOptions::new()
+                .max_connections(1)
+                .connect(&url)
+                .await
+                .expect("producer pool");
+            let outbox = MySqlOutbox::new(pool.clone(), &table).expect("outbox");
+            outbox.migrate().await.expect("migrate");
+            let sql = ProducerSql {
+                update: format!(
+                    "UPDATE {accounts} SET balance = balance + 1, version = version + 1 WHERE id = ?"
+                ),
+                plain_insert: PLAIN_INSERT_MYSQL.trim().replace("room_outbox", &table),
+                minimal_insert: format!(
+                    "INSERT INTO {minimal} (app_code, event_id, event_type, payload) VALUES (?, ?, ?, ?)"
+                ),
+            };
+            (Producer::My(pool, outbox), sql)
+        }
+    };
+    let mut acc = Accounts {
+        next: 0,
+        versions: vec![0; ACCOUNTS as usize],
+    };
+    // Warm-up: the connection, prepared statements, caches.
+    for v in Variant::ALL {
+        produce(&producer, &sql, v, 300, &mut acc).await;
+    }
+    let mut rates: HashMap<Variant, Vec<f64>> = HashMap::new();
+    let overheads = |rate: &dyn Fn(Variant) -> f64| {
+        let b = rate(Variant::Business);
+        format!(
+            "enqueue {:.3}, plain INSERT {:.3} (minimal INSERT {:.3})",
+            b / rate(Variant::Enqueue),
+            b / rate(Variant::PlainInsert),
+            b / rate(Variant::MinimalInsert)
+        )
+    };
+    for run in 1..=runs {
+        // Each run starts with another variant.
+        let mut order = Variant::ALL;
+        order.rotate_left((run - 1) % Variant::ALL.len());
+        let mut this = HashMap::new();
+        for v in order {
+            let r = produce(&producer, &sql, v, PRODUCER_TX, &mut acc).await;
+            this.insert(v, r);
+            rates.entry(v).or_default().push(r);
+        }
+        let mut line = format!("run {run}:");
+        for v in Variant::ALL {
+            line.push_str(&format!("  {} {:>5.0} tx/s", v.label(), this[&v]));
+        }
+        println!("{line}  | overhead {}", overheads(&|v| this[&v]));
+    }
+    let med = |v: Variant| median(&rates[&v]);
+    let line: Vec<String> = Variant::ALL
+        .iter()
+        .map(|&v| format!("{} {:.0} tx/s", v.label(), med(v)))
+        .collect();
+    println!("median: {}", line.join(", "));
+    println!(
+        "producer overhead business/postbox (target <= 1.15): {}",
+        overheads(&med)
+    );
+    match producer {
+        Producer::Pg(pool, _) => pool.close().await,
+        Producer::My(pool, _) => pool.close().await,
+    }
+    drop_postbox_table(db, &table).await;
+    exec(db, &format!("DROP TABLE IF EXISTS {accounts}, {minimal}")).await;
+}
+
+// ---------------------------------------------------------------------------
+// Section 4: latency and idle cost (PostgreSQL).
+
+const LATENCY_EVENTS: u64 = 10_000;
+const LATENCY_RATE_PER_S: u64 = 1000;
+const IDLE_BEFORE: Duration = Duration::from_secs(3);
+const IDLE_WINDOW: Duration = Duration::from_secs(10);
+/// How late a backend's counts can reach `pg_stat_database`: PostgreSQL 15
+/// flushes them at most once a second, and a backend that goes idle within
+/// a second of its last flush flushes after `PGSTAT_IDLE_INTERVAL` (10 s).
+/// Without this wait the busy phase's last counts land in the idle window
+/// (seen as bursts of ~60 transactions).
+const STATS_SETTLE: Duration = Duration::from_secs(11);
+
+/// Records when each event was first handed to it.
+#[derive(Default)]
+struct Stamps {
+    at: Mutex<HashMap<String, Instant>>,
+    count: AtomicU64,
+}
+
+#[async_trait]
+impl Publisher for Stamps {
+    fn name(&self) -> &str {
+        "stamps"
+    }
+
+    async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+        let now = Instant::now();
+        let mut at = self.at.lock().expect("stamps lock");
+        for d in batch {
+            at.entry(d.record.event_id.clone()).or_insert(now);
+        }
+        self.count.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        vec![Ok(()); batch.len()]
+    }
+}
+
+/// `url` with its database replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let (base, rest) = url.rsplit_once('/').expect("a URL with a database path");
+    let query = rest.find('?').map_or("", |i| &rest[i..]);
+    format!("{base}/{database}{query}")
+}
+
+/// `(xact_commit, xact_rollback)` of `database`, on a fresh stats snapshot.
+async fn xacts(c: &mut sqlx::PgConnection, database: &str) -> (i64, i64) {
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut *c)
+        .await
+        .expect("pg_stat_clear_snapshot");
+    sqlx::query_as("SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = $1")
+        .bind(database)
+        .fetch_one(&mut *c)
+        .await
+        .expect("pg_stat_database")
+}
+
+struct LatencyCase {
+    label: &'static str,
+    wake: WakeMode,
+    enqueue: bool,
+}
+
+async fn latency_section() {
+    println!(
+        "\n== latency: default [outbox_worker] (poll_interval 1s), {LATENCY_EVENTS} events at {LATENCY_RATE_PER_S}/s, 1 per transaction; database {IDLE_DB} =="
+    );
+    let url = with_database(&postgres_url(), IDLE_DB);
+    ensure_database("postgres", &url).await;
+    let cases = [
+        LatencyCase {
+            label: "notify/plain-insert",
+            wake: WakeMode::Notify,
+            enqueue: false,
+        },
+        LatencyCase {
+            label: "poll/plain-insert",
+            wake: WakeMode::Poll,
+            enqueue: false,
+        },
+        LatencyCase {
+            label: "notify/enqueue",
+            wake: WakeMode::Notify,
+            enqueue: true,
+        },
+    ];
+    for case in cases {
+        latency_case(&url, &case).await;
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+async fn latency_case(url: &str, case: &LatencyCase) {
+    let table = scratch_table("cost_lat");
+    let relay_store = PgOutbox::connect(url, &table, 4)
+        .await
+        .expect("relay store");
+    relay_store.migrate().await.expect("migrate");
+    let store: Arc<dyn OutboxStore> = Arc::new(relay_store);
+    let stamps = Arc::new(Stamps::default());
+    let config = WorkerConfig {
+        wake: case.wake,
+        ..WorkerConfig::default()
+    };
+    let relay = Relay::new(
+        store.clone(),
+        vec![stamps.clone() as Arc<dyn Publisher>],
+        RelaySettings::new(config, vec![APP.to_owned()]).expect("a valid [outbox_worker]"),
+    );
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(relay.run(shutdown.clone()));
+    // Let it start, LISTEN and settle into idle polling.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Read from another database: the reading connection's own
+    // transactions are not counted in `IDLE_DB`'s row.
+    let mut reader = pg_connect(&with_database(url, "postgres")).await;
+    let (before_run, _) = xacts(&mut reader, IDLE_DB).await;
+
+    // The producer: one event per transaction, paced by an interval, each
+    // transaction a task of its own over a pool of 4 so a slow commit does
+    // not hold up the pace.
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(url)
+        .await
+        .expect("producer pool");
+    // Another store instance: its wake handle is not the relay's.
+    let outbox = PgOutbox::new(pool.clone(), &table).expect("producer outbox");
+    let insert = Arc::new(PLAIN_INSERT_PG.trim().replace("room_outbox", &table));
+    // event_id → (sequence number, commit instant).
+    let commits: Arc<Mutex<HashMap<String, (u64, Instant)>>> = Arc::default();
+    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / LATENCY_RATE_PER_S));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut tasks = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    for i in 0..LATENCY_EVENTS {
+        tick.tick().await;
+        let (pool, outbox, insert, commits) = (
+            pool.clone(),
+            outbox.clone(),
+            insert.clone(),
+            commits.clone(),
+        );
+        let enqueue = case.enqueue;
+        tasks.spawn(async move {
+            let payload = format!("{{\"n\":{i},\"pad\":\"{PAD}\"}}");
+            let mut tx = pool.begin().await.expect("begin");
+            let event_id = if enqueue {
+                let event = NewEvent::new(APP, "BenchEvent", payload);
+                let id = event.event_id.clone();
+                outbox.enqueue(&mut tx, &event).await.expect("enqueue");
+                id
+            } else {
+                let id = new_event_id();
+                sqlx::query(&insert)
+                    .bind(APP)
+                    .bind(&id)
+                    .bind("BenchEvent")
+                    .bind(None::<String>)
+                    .bind(None::<i64>)
+                    .bind(payload)
+                    .bind(None::<String>)
+                    .execute(&mut *tx)
+                    .await
+                    .expect("plain insert");
+                id
+            };
+            tx.commit().await.expect("commit");
+            let at = Instant::now();
+            commits
+                .lock()
+                .expect("commits lock")
+                .insert(event_id, (i, at));
+        });
+    }
+    bounded("producer tasks", async {
+        while let Some(r) = tasks.join_next().await {
+            r.expect("producer task");
+        }
+    })
+    .await;
+    let produced_in = started.elapsed();
+    pool.close().await;
+
+    let mut dog = Watchdog::new("latency: relay publishing");
+    loop {
+        let n = stamps.count.load(Ordering::Relaxed);
+        if n >= LATENCY_EVENTS {
+            break;
+        }
+        dog.saw(n);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Latencies of all events, and of those after the first second (the
+    // first events may find the relay asleep in its idle poll).
+    let (mut lat, mut later): (Vec<Duration>, Vec<Duration>) = (Vec::new(), Vec::new());
+    {
+        let commits = commits.lock().expect("commits lock");
+        let at = stamps.at.lock().expect("stamps lock");
+        assert_eq!(
+            commits.len() as u64,
+            LATENCY_EVENTS,
+            "every commit recorded"
+        );
+        for (id, (i, committed)) in commits.iter() {
+            let published = at
+                .get(id)
+                .unwrap_or_else(|| panic!("{id} was never published"));
+            let l = published.saturating_duration_since(*committed);
+            lat.push(l);
+            if *i >= LATENCY_RATE_PER_S {
+                later.push(l);
+            }
+        }
+    }
+    let pick = |v: &mut Vec<Duration>, q: usize| {
+        v.sort();
+        v[(v.len() * q / 100).min(v.len() - 1)]
+    };
+    let (p50, p99, max) = (pick(&mut lat, 50), pick(&mut lat, 99), pick(&mut lat, 100));
+    let later_p99 = pick(&mut later, 99);
+
+    // Idle: the rows just written leave autovacuum nothing to do in the
+    // window; then nothing but the relay touches the database.
+    {
+        let mut c = pg_connect(url).await;
+        sqlx::query(&format!("VACUUM ANALYZE {table}"))
+            .execute(&mut c)
+            .await
+            .expect("vacuum");
+        c.close().await.expect("close");
+    }
+    // Idle for IDLE_BEFORE, and long enough for the busy phase's counts
+    // to have landed.
+    tokio::time::sleep(IDLE_BEFORE.max(STATS_SETTLE)).await;
+    // Read every second, to show how the window's transactions spread.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (c0, r0) = xacts(&mut reader, IDLE_DB).await;
+    // Everything since the relay settled: the producer's commits, the
+    // relay's claims and marks, a VACUUM and ~15 idle probes.
+    let relay_per_event = (c0 - before_run - LATENCY_EVENTS as i64) as f64 / LATENCY_EVENTS as f64;
+    let mut per_second = Vec::new();
+    let mut last = c0;
+    let window = Instant::now();
+    for s in 1..=IDLE_WINDOW.as_secs() {
+        let at = window + Duration::from_secs(s);
+        tokio::time::sleep(at.saturating_duration_since(Instant::now())).await;
+        let (c, _) = xacts(&mut reader, IDLE_DB).await;
+        per_second.push((c - last).to_string());
+        last = c;
+    }
+    let (c1, r1) = xacts(&mut reader, IDLE_DB).await;
+
+    shutdown.cancel();
+    let report = bounded("relay shutdown", task)
+        .await
+        .expect("relay task")
+        .expect("relay");
+    assert_eq!(report.delivered, LATENCY_EVENTS, "every event delivered");
+    drop(store);
+    {
+        let mut c = pg_connect(url).await;
+        for sql in [
+            format!("DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"),
+            format!("DROP FUNCTION IF EXISTS {table}_wake()"),
+        ] {
+            sqlx::query(&sql).execute(&mut c).await.expect("drop");
+        }
+    }
+    let rollbacks = if r1 > r0 {
+        format!(" (+{} rollbacks)", r1 - r0)
+    } else {
+        String::new()
+    };
+    println!(
+        "{}: p50 {:.1} ms p99 {:.1} ms max {:.0} ms; idle {:.1} tx/{}s{rollbacks}   [p99 after the first second {:.1} ms; {LATENCY_EVENTS} events in {:.1} s = {:.0}/s; relay ~{:.2} tx/event while busy; idle tx per second: {}]",
+        case.label,
+        ms(p50),
+        ms(p99),
+        ms(max),
+        (c1 - c0) as f64,
+        IDLE_WINDOW.as_secs(),
+        ms(later_p99),
+        produced_in.as_secs_f64(),
+        LATENCY_EVENTS as f64 / produced_in.as_secs_f64(),
+        relay_per_event,
+        per_second.join(" "),
+    );
+}
