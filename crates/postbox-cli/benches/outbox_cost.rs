@@ -20,7 +20,11 @@
 //!   delivered event: PostgreSQL WAL (`pg_current_wal_lsn()` around the
 //!   drain, after a `CHECKPOINT`, so both pay their full-page images), or
 //!   MariaDB redo (`Innodb_os_log_written`). Both counters are server-wide:
-//!   anything else writing meanwhile is counted too.
+//!   anything else writing meanwhile is counted too. To show where the time
+//!   goes, each run also drains a third table with postbox's own claim and
+//!   mark statements back to back (no relay, as relay_drain's baseline),
+//!   and prints the share of claim and mark in both loops and the plan each
+//!   pending claim gets right after loading.
 //! - **rabbitmq** (PostgreSQL, MariaDB): the same, publishing to RabbitMQ
 //!   (persistent, mandatory, publisher confirms awaited per batch) to a
 //!   scratch durable topic exchange with a bound durable queue, batch_size
@@ -74,9 +78,9 @@ use postbox_core::event::new_event_id;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::SecretUrl;
 use postbox_core::relay::{CancellationToken, Relay};
-use postbox_core::store::OutboxStore;
+use postbox_core::store::{ClaimRequest, OutboxStore};
 use postbox_core::template::Template;
-use postbox_core::{NewEvent, Publisher};
+use postbox_core::{ClaimSource, NewEvent, Publisher};
 use postbox_mysql::MySqlOutbox;
 use postbox_postgres::PgOutbox;
 use postbox_publishers::file::FilePublisher;
@@ -922,6 +926,62 @@ async fn drain_minimal(db: Db, rows: u64, batch: u32, broker: Option<&Broker>) -
     }
 }
 
+/// Loads a postbox table and drains it with postbox's own claim and mark
+/// statements, one after the other (relay_drain's baseline): what the
+/// schema and statements cost without the relay's pipeline.
+async fn drain_postbox_statements(db: Db, rows: u64, batch: u32) -> Drained {
+    let store = postbox_table(db, rows).await;
+    let table = store.table().as_str().to_owned();
+    let table_bytes = table_bytes(db, &table).await;
+    let mut meter = LogMeter::connect(db).await;
+    meter.checkpoint().await;
+    let before = meter.bytes().await;
+    let req = ClaimRequest {
+        app_code: APP,
+        limit: batch,
+        worker_id: "statements",
+        lease_ms: LEASE_MS,
+        ordered: false,
+    };
+    let start = Instant::now();
+    let (mut claiming, mut marking, mut done) = (Duration::ZERO, Duration::ZERO, 0u64);
+    loop {
+        let t = Instant::now();
+        let claimed = bounded("postbox claim", store.claim(ClaimSource::Pending, &req))
+            .await
+            .expect("claim");
+        claiming += t.elapsed();
+        if claimed.is_empty() {
+            break;
+        }
+        let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
+        let t = Instant::now();
+        done += bounded(
+            "postbox mark",
+            store.mark_delivered(&claimed[0].fence(), &ids),
+        )
+        .await
+        .expect("mark");
+        marking += t.elapsed();
+    }
+    let elapsed = start.elapsed();
+    let after = meter.bytes().await;
+    assert_eq!(done, rows, "postbox's statements delivered every row");
+    drop_postbox_table(db, &table).await;
+    let share = |d: Duration| 100.0 * d.as_secs_f64() / elapsed.as_secs_f64();
+    Drained {
+        per_s: rows as f64 / elapsed.as_secs_f64(),
+        log_per_event: (after - before) as f64 / rows as f64,
+        table_bytes,
+        claim_plan: String::new(),
+        split: Some(format!(
+            "claim {:.0}%, mark {:.0}%",
+            share(claiming),
+            share(marking)
+        )),
+    }
+}
+
 /// What postbox's own `EXPLAIN` of its pending claim reads through.
 async fn postbox_claim_plan(store: &dyn OutboxStore, limit: u32) -> String {
     let plans = store
@@ -964,13 +1024,10 @@ async fn drain_postbox(db: Db, rows: u64, batch: u32, publisher: Arc<dyn Publish
     }
 }
 
-/// The claim plans after loading, and where the minimal loop's time went.
+/// The pending claims' plans right after loading.
 fn print_plans(minimal: &Drained, postbox: &Drained) {
     println!("pending claim plan: minimal {}", minimal.claim_plan);
     println!("pending claim plan: postbox {}", postbox.claim_plan);
-    if let Some(split) = &minimal.split {
-        println!("minimal loop time: {split}");
-    }
 }
 
 fn mib(bytes: i64) -> f64 {
@@ -985,7 +1042,7 @@ async fn drain_section(db: Db, rows: u64, runs: usize) {
     println!(
         "\n== drain: {rows} rows, batch_size {DRAIN_BATCH}; minimal loop vs relay to /dev/null =="
     );
-    let (mut m, mut p) = (Vec::new(), Vec::new());
+    let (mut m, mut p, mut st) = (Vec::new(), Vec::new(), Vec::new());
     for run in 1..=runs {
         // Alternate which goes first, so neither always finds the warmer
         // server.
@@ -998,6 +1055,8 @@ async fn drain_section(db: Db, rows: u64, runs: usize) {
             let mr = drain_minimal(db, rows, DRAIN_BATCH, None).await;
             (mr, pr)
         };
+        // For where the time goes: postbox's statements without the relay.
+        let sr = drain_postbox_statements(db, rows, DRAIN_BATCH).await;
         if run == 1 {
             println!(
                 "loaded: minimal {:.1} MiB, postbox {:.1} MiB (table and indexes)",
@@ -1015,14 +1074,23 @@ async fn drain_section(db: Db, rows: u64, runs: usize) {
             pr.per_s / mr.per_s,
             pr.log_per_event / mr.log_per_event,
         );
+        println!(
+            "       (postbox's claim + mark statements back to back, no relay: {:.0} events/s, {:.0} B {log}/event; {}; minimal loop: {})",
+            sr.per_s,
+            sr.log_per_event,
+            sr.split.as_deref().unwrap_or(""),
+            mr.split.as_deref().unwrap_or(""),
+        );
         m.push(mr);
         p.push(pr);
+        st.push(sr);
     }
     let rate = |v: &[Drained]| median(&v.iter().map(|d| d.per_s).collect::<Vec<_>>());
     let bytes = |v: &[Drained]| median(&v.iter().map(|d| d.log_per_event).collect::<Vec<_>>());
     let (mr, pr, mb, pb) = (rate(&m), rate(&p), bytes(&m), bytes(&p));
     println!(
-        "median: minimal {mr:.0} events/s, {mb:.0} B {log}/event; postbox {pr:.0} events/s, {pb:.0} B {log}/event"
+        "median: minimal {mr:.0} events/s, {mb:.0} B {log}/event; postbox {pr:.0} events/s, {pb:.0} B {log}/event; postbox statements without the relay {:.0} events/s",
+        rate(&st)
     );
     println!(
         "ratio postbox/minimal: events/s {:.2}, {log} bytes/event {:.2}",
@@ -1209,10 +1277,11 @@ async fn rabbitmq_section(db: Db, rows: u64, runs: usize) {
             print_plans(&mr, &pr);
         }
         println!(
-            "run {run}: minimal {:>8.0} events/s | postbox {:>8.0} events/s | postbox/minimal {:.2}",
+            "run {run}: minimal {:>8.0} events/s | postbox {:>8.0} events/s | postbox/minimal {:.2}   (minimal loop: {})",
             mr.per_s,
             pr.per_s,
-            pr.per_s / mr.per_s
+            pr.per_s / mr.per_s,
+            mr.split.as_deref().unwrap_or(""),
         );
         m.push(mr.per_s);
         p.push(pr.per_s);
