@@ -387,19 +387,6 @@ impl AppStats {
         }
     }
 
-    /// Adds `n` rows of the stored status `status` (legacy `published`
-    /// counts as delivered).
-    pub fn count(&mut self, status: &str, n: i64) {
-        match status.parse::<Status>() {
-            Ok(Status::Pending) => self.pending += n,
-            Ok(Status::Delivering) => self.delivering += n,
-            Ok(Status::Delivered) => self.delivered += n,
-            Ok(Status::Retryable) => self.retryable += n,
-            Ok(Status::Failed) => self.failed += n,
-            Err(_) => tracing::warn!(status, rows = n, "rows with an unknown status"),
-        }
-    }
-
     /// Sets the backlog figures from the oldest pending `created_at_ms`, the
     /// due retries and the database clock.
     pub fn backlog(&mut self, oldest_pending_ms: Option<i64>, retryable_due: i64, now_ms: i64) {

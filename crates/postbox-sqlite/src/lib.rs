@@ -66,6 +66,34 @@ mod tests {
         o
     }
 
+    /// Over the count cap, `stats` asks the dialect for the delivered rows
+    /// while a pool of one connection (an in-memory database) must still
+    /// serve it: the count comes back exact, not after the pool's
+    /// acquire timeout.
+    #[tokio::test]
+    async fn stats_over_the_count_cap_on_a_pool_of_one() {
+        use postbox_core::store::DELIVERED_COUNT_CAP;
+        let o = migrated_in_memory().await;
+        let n = DELIVERED_COUNT_CAP + 5;
+        sqlx::query(&format!(
+            "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < {n}) \
+             INSERT INTO room_outbox (app_code, event_id, event_type, payload, status) \
+             SELECT 'room', 'e' || i, 'T', '{{}}', 'delivered' FROM g"
+        ))
+        .execute(o.pool())
+        .await
+        .unwrap();
+        let stats = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            o.stats(&["room".to_owned()]),
+        )
+        .await
+        .expect("stats answers without waiting for a second connection")
+        .unwrap();
+        assert_eq!(stats[0].delivered, n);
+        assert!(!stats[0].delivered_estimated, "SQLite counts");
+    }
+
     /// The `detail` column of `EXPLAIN QUERY PLAN`, one line per step.
     async fn plan<'q>(
         q: sqlx::query::Query<'q, sqlx::Sqlite, sqlx::sqlite::SqliteArguments<'q>>,

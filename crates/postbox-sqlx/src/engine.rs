@@ -469,18 +469,28 @@ impl SqlOutbox<D> {
         let mut out = Vec::with_capacity(app_codes.len());
         for app_code in app_codes {
             let mut s = AppStats::new(app_code);
-            let mut conn = self.pool.acquire().await.map_err(db)?;
-            let row = self
-                .fetch_expanded(&mut conn, &self.sql.count_open, vec![app_code.into()])
-                .await
-                .and_then(|rows| rows.into_iter().next().ok_or(sqlx::Error::RowNotFound))
-                .map_err(db)?;
-            let count = |column: &str| row.try_get::<i64, _>(column).map_err(db);
+            let (counts, backlog) = {
+                let mut conn = self.pool.acquire().await.map_err(db)?;
+                let mut one = async |sql: &str| {
+                    self.fetch_expanded(&mut conn, sql, vec![app_code.into()])
+                        .await
+                        .and_then(|rows| rows.into_iter().next().ok_or(sqlx::Error::RowNotFound))
+                        .map_err(db)
+                };
+                (one(&self.sql.count_open).await?, one(&self.sql.backlog).await?)
+            };
+            let count = |column: &str| counts.try_get::<i64, _>(column).map_err(db);
             s.pending = count("pending")?;
             s.delivering = count("delivering")?;
             s.retryable = count("retryable")?;
             s.failed = count("failed")?;
             s.delivered = count("delivered")?;
+            let oldest: Option<i64> = backlog.try_get("oldest_pending_ms").map_err(db)?;
+            let due: i64 = backlog.try_get("retryable_due").map_err(db)?;
+            let now: i64 = backlog.try_get("now_ms").map_err(db)?;
+            s.backlog(oldest, due, now);
+            // After the connection went back: the dialect reads on a pooled
+            // one of its own, and a pool may hold just one (SQLite in memory).
             if s.delivered > crate::DELIVERED_COUNT_CAP {
                 s.delivered_estimated = true;
                 if let Some(estimate) = D::delivered_estimate(self, app_code).await {
@@ -489,15 +499,6 @@ impl SqlOutbox<D> {
                     s.delivered_estimated = estimated;
                 }
             }
-            let row = self
-                .fetch_expanded(&mut conn, &self.sql.backlog, vec![app_code.into()])
-                .await
-                .and_then(|rows| rows.into_iter().next().ok_or(sqlx::Error::RowNotFound))
-                .map_err(db)?;
-            let oldest: Option<i64> = row.try_get("oldest_pending_ms").map_err(db)?;
-            let due: i64 = row.try_get("retryable_due").map_err(db)?;
-            let now: i64 = row.try_get("now_ms").map_err(db)?;
-            s.backlog(oldest, due, now);
             out.push(s);
         }
         Ok(out)
