@@ -22,7 +22,7 @@
 //!   MariaDB redo (`Innodb_os_log_written`). Both counters are server-wide:
 //!   anything else writing meanwhile is counted too. To show where the time
 //!   goes, each run also drains a third table with postbox's own claim and
-//!   mark statements back to back (no relay, as relay_drain's baseline),
+//!   mark statements back to back (no relay),
 //!   and prints the share of claim and mark in both loops and the plan each
 //!   pending claim gets right after loading.
 //! - **rabbitmq** (PostgreSQL, MariaDB): the same, publishing to RabbitMQ
@@ -928,7 +928,7 @@ async fn drain_minimal(db: Db, rows: u64, batch: u32, broker: Option<&Broker>) -
 }
 
 /// Loads a postbox table and drains it with postbox's own claim and mark
-/// statements, one after the other (relay_drain's baseline): what the
+/// statements, one after the other: what the
 /// schema and statements cost without the relay's pipeline.
 async fn drain_postbox_statements(db: Db, rows: u64, batch: u32) -> Drained {
     let store = postbox_table(db, rows).await;

@@ -229,7 +229,7 @@ pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find_archived!("app_code IN
 /// `next_retry_at_ms` is its time of delivery).
 pub(crate) const DELIVERED_PER_MINUTE: &str =
     "SELECT (next_retry_at_ms DIV 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
-     FROM {table} WHERE app_code = ? AND status = 'delivered' AND next_retry_at_ms >= ? \
+     FROM {table} WHERE app_code = ? AND status IN ('delivered', 'published') AND next_retry_at_ms >= ? \
      GROUP BY minute_ms ORDER BY minute_ms";
 
 /// By event id: the app_codes with rows (`{ids}` list), then the event id
