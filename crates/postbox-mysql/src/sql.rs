@@ -119,8 +119,7 @@ macro_rules! claim {
 // `next_retry_at_ms = 0`, so theirs is insertion order.
 postbox_sqlx::claims_in_retry_order!(
     claim,
-    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!()),
-    pending_order: "next_retry_at_ms, id"
+    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
 );
 
 /// Take over rows whose lease expired (step 1). Index: `{table}_due_idx`:
@@ -208,7 +207,7 @@ pub(crate) const DELIVERED_ESTIMATE: &str = "EXPLAIN SELECT 1 FROM {table} \
      WHERE app_code = ? AND status IN ('delivered', 'published')";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!(), "next_retry_at_ms, id");
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();

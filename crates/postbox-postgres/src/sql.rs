@@ -38,7 +38,11 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 /// holds are skipped), get `$set` and the lease (worker $3, until now +
 /// $4; `next_retry_at_ms` is set to the lease end too, which
 /// `{table}_lease_idx` orders by) and come back. Pending and due rows
-/// (`postbox_sqlx::claims_in_retry_order!`) become `delivering`.
+/// (`postbox_sqlx::claims_in_retry_order!`) become `delivering`. The
+/// update finds the picked rows by primary key (`id = ANY(ARRAY(…))`):
+/// joined `FROM picked`, the planner hashes the whole table instead when
+/// it is small enough (40,000 rows: a sequential scan, 21 ms instead of
+/// 3 ms per claim of 500).
 macro_rules! claim {
     ($from:literal, $pick:expr, $order:literal) => {
         claim!($from, $pick, $order, "status = 'delivering', ")
@@ -60,21 +64,20 @@ macro_rules! claim {
             now_ms!(),
             " + $4, updated_at_ms = ",
             now_ms!(),
-            " FROM picked WHERE o.id = picked.id RETURNING ",
+            " WHERE o.id = ANY(ARRAY(SELECT id FROM picked)) RETURNING ",
             o_columns!()
         )
     };
 }
 
-// Pending rows through `{table}_pending_idx (app_code, id) WHERE status =
-// 'pending'`, in its order; due retries through `{table}_retry_idx
-// (app_code, next_retry_at_ms, id) WHERE status = 'retryable'`, read up to
-// the clock. Partial indexes: a row is in the one index of its status, so
+// Pending rows through `{table}_pending_idx (app_code, next_retry_at_ms,
+// id) WHERE status = 'pending'` (schema version 6), in its order; due
+// retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
+// WHERE status = 'retryable'`, read up to the clock. Partial indexes: a row is in the one index of its status, so
 // each state change writes one claim-index entry, not one per index.
 postbox_sqlx::claims_in_retry_order!(
     claim,
-    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!()),
-    pending_order: "id"
+    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
 );
 
 /// Take over rows whose lease expired; the lost attempt is counted.
@@ -144,7 +147,7 @@ pub(crate) const DELIVERED_ESTIMATE: &str = "EXPLAIN (FORMAT JSON) SELECT 1 FROM
      WHERE app_code = $1 AND status IN ('delivered', 'published') LIMIT 1";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("$1", now_ms!(), "id");
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("$1", now_ms!());
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
@@ -423,6 +426,11 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
         V4_WAKE_TRIGGER
     ),
     (5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES),
+    (
+        6,
+        postbox_sqlx::V6_DESCRIPTION,
+        postbox_sqlx::V6_PENDING_INDEX
+    ),
 );
 
 /// The outbox table's indexes (`postbox_sqlx::partial_indexes!`) and the

@@ -87,14 +87,13 @@ macro_rules! claim {
     };
 }
 
-// Pending rows through `{table}_pending_idx (app_code, id) WHERE status =
-// 'pending'`, in its order; due retries through `{table}_retry_idx
+// Pending rows through `{table}_pending_idx (app_code, next_retry_at_ms,
+// id) WHERE status = 'pending'` (schema version 6), in its order; due retries through `{table}_retry_idx
 // (app_code, next_retry_at_ms, id) WHERE status = 'retryable'`
 // (`postbox_sqlx::v5_partial_indexes!`).
 postbox_sqlx::claims_in_retry_order!(
     claim,
-    due: "status = 'retryable' AND next_retry_at_ms <= ?5",
-    pending_order: "id"
+    due: "status = 'retryable' AND next_retry_at_ms <= ?5"
 );
 
 /// Take over rows whose lease expired; the lost attempt is counted. Index:
@@ -156,7 +155,7 @@ pub(crate) const COUNT_DELIVERED: &str = "SELECT COUNT(*) FROM {table} \
      WHERE app_code = ?1 AND status IN ('delivered', 'published')";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!(), "id");
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
@@ -416,8 +415,14 @@ pub(crate) const V2_HISTORY: &[&str] =
 
 /// `(version, description, statements)`, applied in order. (Version 4 is
 /// PostgreSQL's wake-up trigger; SQLite has none.)
-pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] =
-    postbox_sqlx::migrations!((5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES));
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!(
+    (5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES),
+    (
+        6,
+        postbox_sqlx::V6_DESCRIPTION,
+        postbox_sqlx::V6_PENDING_INDEX
+    ),
+);
 
 /// The outbox table's indexes (`postbox_sqlx::v5_partial_indexes!`).
 pub(crate) const INDEXES: &[&str] = postbox_sqlx::partial_indexes!();

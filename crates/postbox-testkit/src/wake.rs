@@ -175,6 +175,60 @@ where
     run.await.expect("relay task").expect("relay run")
 }
 
+/// 200 commits about a millisecond apart from one producer, each waking
+/// the relay (an in-process `enqueue`): the relay claims them a few at a
+/// time, in fewer store calls (claims, marks, probes) than events, not a
+/// claim and a mark per event, and delivers every one. For a store whose
+/// commit takes well under a millisecond (SQLite), so that the producer,
+/// not the commit, sets the pace.
+pub async fn a_stream_of_commits_is_claimed_in_few_rounds(store: Arc<dyn OutboxStore>) {
+    const N: usize = 200;
+    let app = "w-stream";
+    let config = WorkerConfig {
+        poll_interval: HumanDuration::secs(30),
+        ..WorkerConfig::default()
+    };
+    let counting = Arc::new(WrappedStore::new(store.clone()));
+    let settings = RelaySettings::new(config, vec![app.to_owned()]).expect("valid settings");
+    let publisher = Arc::new(RecordingPublisher::new("rec"));
+    let relay = Relay::new(counting.clone(), vec![publisher.clone()], settings);
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(relay.run(shutdown.clone()));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = counting.calls();
+    let started = Instant::now();
+    for n in 0..N {
+        store
+            .enqueue_batch(&[event(app, n)], 1 << 20)
+            .await
+            .expect("enqueue");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let written = Instant::now();
+    let took = written - started;
+    while publisher.delivered().len() < N {
+        if written.elapsed() > Duration::from_secs(10) {
+            shutdown.cancel();
+            panic!("{} of {N} events delivered", publisher.delivered().len());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let calls = counting.calls() - before;
+    shutdown.cancel();
+    run.await.expect("relay task").expect("relay run");
+    // A woken round starts no sooner than 5 ms after the one before (the
+    // relay's coalescing window) and costs a claim and a mark; a few more
+    // calls for the fast polls after the stream. Uncoalesced, every commit
+    // is a round of its own: about 2 calls per event.
+    let rounds = took.as_millis() as u64 / 5 + 10;
+    assert!(
+        calls <= 2 * rounds,
+        "{calls} store calls for {N} events committed one by one in {took:?} \
+         (at most {} expected): woken rounds are not coalesced",
+        2 * rounds
+    );
+}
+
 /// The events of [`an_idle_relay_wakes_for`]: one of `app`, with its id.
 pub fn wake_event(app: &str) -> NewEvent {
     event(app, 1)

@@ -28,8 +28,8 @@ async fn migrate_is_idempotent() {
     let again = store.migrate().await.unwrap();
     assert!(again.applied.is_empty(), "second run changes nothing");
     assert_eq!(
-        again.version, 5,
-        "with the wake-up trigger and the index per status"
+        again.version, 6,
+        "with the wake-up trigger, the index per status and the pending index in claim order"
     );
 }
 
@@ -77,14 +77,14 @@ async fn version_5_replaces_the_indexes_of_an_existing_table() {
          ('up', 'new', 'T', '{{}}', 'pending', NULL, 0, 0, 1, 'b')"
     );
     sqlx::query(&insert).execute(&pool).await.expect("rows");
-    sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name = $1 AND version = 5")
+    sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name = $1 AND version >= 5")
         .bind(&t)
         .execute(&pool)
         .await
         .unwrap();
 
     let report = store.migrate().await.expect("upgrade");
-    assert_eq!(report.applied, vec![5], "{report:?}");
+    assert_eq!(report.applied, vec![5, 6], "{report:?}");
     let schema = store.inspect_schema().await.unwrap();
     assert!(
         schema.objects.iter().all(|o| o.present),
@@ -96,6 +96,16 @@ async fn version_5_replaces_the_indexes_of_an_existing_table() {
             .fetch_all(&pool)
             .await
             .unwrap();
+    let pending: String =
+        sqlx::query_scalar("SELECT indexdef::TEXT FROM pg_indexes WHERE indexname = $1")
+            .bind(format!("{t}_pending_idx"))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        pending.contains("(app_code, next_retry_at_ms, id)"),
+        "version 6's pending index: {pending}"
+    );
     for gone in [
         "claim_retry",
         "claim_lease",

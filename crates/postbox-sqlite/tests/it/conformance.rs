@@ -25,6 +25,14 @@ conformance_suite!(fresh_store);
 // Issue 12: no push from SQLite; an in-process `enqueue` wakes the relay.
 postbox_testkit::wake_suite!(outbox);
 
+/// Woken rounds are coalesced (SQLite commits fast enough for the
+/// producer to set the pace; see the case).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_commits_is_claimed_in_few_rounds() {
+    postbox_testkit::wake::a_stream_of_commits_is_claimed_in_few_rounds(Arc::new(outbox().await))
+        .await;
+}
+
 /// A relay with no publisher refuses to start instead of marking every row
 /// delivered.
 #[tokio::test]
