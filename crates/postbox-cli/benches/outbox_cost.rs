@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo bench -p postbox-cli --bench outbox_cost -- [postgres|mysql] [ROWS] [RUNS] \
-//!     [--only drain|rabbitmq|producer|latency]
+//!     [--only drain|rabbitmq|producer|latency|history] [--history N]
 //! ```
 //!
 //! RUNS (default 3) runs per section; each prints its figures per run, the
@@ -58,6 +58,16 @@
 //!   the `postgres` database, so the reading connection adds none;
 //!   autovacuum visiting the database in the window would be counted too. Run once, not RUNS times: each row is a
 //!   distribution over 10,000 events.
+//! - **history** (PostgreSQL, MariaDB; only when asked for with `--only
+//!   history`, as loading takes minutes): one `migrate`d table loaded once
+//!   with `--history N` delivered rows (default 10,000,000). Per run, ROWS
+//!   pending rows (default 100,000) drained by the relay to `/dev/null` on
+//!   a fresh empty table and beside that history (target: ≥ 0.9 ×); then
+//!   `postbox status` run as a process (the release binary, from start to
+//!   exit, median of 5) and the stats poller's query (`stats`, median of 20)
+//!   on both tables; last, `postbox relay` as a process draining ROWS more
+//!   rows beside the history, its peak resident memory (`VmHWM`, target
+//!   ≤ 64 MiB) and rate.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -143,6 +153,7 @@ enum Section {
     Rabbitmq,
     Producer,
     Latency,
+    History,
 }
 
 impl Section {
@@ -152,7 +163,10 @@ impl Section {
             "rabbitmq" => Section::Rabbitmq,
             "producer" => Section::Producer,
             "latency" => Section::Latency,
-            other => panic!("unknown section `{other}`: drain, rabbitmq, producer or latency"),
+            "history" => Section::History,
+            other => {
+                panic!("unknown section `{other}`: drain, rabbitmq, producer, latency or history")
+            }
         }
     }
 }
@@ -162,9 +176,15 @@ async fn main() {
     // `cargo bench` adds `--bench`; positional arguments and `--only` count.
     let mut positional = Vec::new();
     let mut only = None;
+    let mut history = 10_000_000u64;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
-        if a == "--only" {
+        if a == "--history" {
+            history = args
+                .next()
+                .and_then(|n| n.parse().ok())
+                .expect("--history needs a number of rows");
+        } else if a == "--only" {
             only = Some(Section::parse(
                 &args.next().expect("--only needs a section"),
             ));
@@ -193,7 +213,7 @@ async fn main() {
         db.name(),
         server_version(db).await
     );
-    let wanted = |s: Section| only.is_none_or(|o| o == s);
+    let wanted = |s: Section| only.is_none_or(|o| o == s) && s != Section::History;
     if wanted(Section::Drain) {
         drain_section(db, rows.unwrap_or(100_000), runs).await;
     }
@@ -209,6 +229,9 @@ async fn main() {
         } else {
             println!("\n== latency: skipped (PostgreSQL only) ==");
         }
+    }
+    if only == Some(Section::History) {
+        history_section(db, history, rows.unwrap_or(100_000), runs).await;
     }
 }
 
@@ -467,10 +490,21 @@ fn scans_in_plan(plan: &str) -> String {
 
 impl Minimal {
     /// A fresh minimal table holding `rows` pending rows, analyzed.
-    async fn create(db: Db, rows: u64) -> Minimal {
+    /// With `analysed`, the table is analysed after loading, as
+    /// autovacuum does soon after a bulk insert; without, on PostgreSQL it
+    /// has no statistics (autovacuum off for it), so the planner keeps to
+    /// the claim index.
+    async fn create(db: Db, rows: u64, analysed: bool) -> Minimal {
         let table = scratch_table("cost_min");
         let url = db.url();
         create_minimal_table(db, &table).await;
+        if !analysed && db == Db::Postgres {
+            exec(
+                db,
+                &format!("ALTER TABLE {table} SET (autovacuum_enabled = false)"),
+            )
+            .await;
+        }
         let n = row_number(db);
         let load = load_sql(
             db,
@@ -485,7 +519,9 @@ impl Minimal {
             rows,
         );
         exec(db, &load).await;
-        analyze(db, &table).await;
+        if analysed || db == Db::MySql {
+            analyze(db, &table).await;
+        }
         let pool = match db {
             Db::Postgres => MinimalPool::Pg(
                 PgPoolOptions::new()
@@ -711,14 +747,24 @@ async fn postbox_table(db: Db, rows: u64) -> Arc<dyn OutboxStore> {
         ),
     };
     store.migrate().await.expect("migrate");
+    load_pending(db, &table, rows, "ev-").await;
+    store
+}
+
+/// Loads `rows` pending rows of [`APP`] (event ids `<prefix><n>`, an
+/// aggregate per 1,000 rows) into a postbox table, then analyses it.
+async fn load_pending(db: Db, table: &str, rows: u64, prefix: &str) {
+    if rows == 0 {
+        return;
+    }
     let n = row_number(db);
     let load = load_sql(
         db,
-        &table,
+        table,
         "app_code, event_id, event_type, aggregate_id, payload",
         &[
             format!("'{APP}'"),
-            concat(db, "ev-", n),
+            concat(db, prefix, n),
             "'BenchEvent'".to_owned(),
             concat(db, "agg-", &format!("({n} % 1000)")),
             payload_expr(db, n),
@@ -726,8 +772,7 @@ async fn postbox_table(db: Db, rows: u64) -> Arc<dyn OutboxStore> {
         rows,
     );
     exec(db, &load).await;
-    analyze(db, &table).await;
-    store
+    analyze(db, table).await;
 }
 
 async fn drop_postbox_table(db: Db, table: &str) {
@@ -908,8 +953,14 @@ struct Drained {
 }
 
 /// Loads a minimal table and drains it with the minimal loop.
-async fn drain_minimal(db: Db, rows: u64, batch: u32, broker: Option<&Broker>) -> Drained {
-    let minimal = Minimal::create(db, rows).await;
+async fn drain_minimal(
+    db: Db,
+    rows: u64,
+    batch: u32,
+    broker: Option<&Broker>,
+    analysed: bool,
+) -> Drained {
+    let minimal = Minimal::create(db, rows, analysed).await;
     let table_bytes = table_bytes(db, &minimal.table).await;
     let claim_plan = minimal.claim_plan(batch).await;
     let mut meter = LogMeter::connect(db).await;
@@ -1043,19 +1094,32 @@ async fn drain_section(db: Db, rows: u64, runs: usize) {
     println!(
         "\n== drain: {rows} rows, batch_size {DRAIN_BATCH}; minimal loop vs relay to /dev/null =="
     );
-    let (mut m, mut p, mut st) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut m, mut p, mut st, mut mi) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for run in 1..=runs {
         // Alternate which goes first, so neither always finds the warmer
         // server.
         let (mr, pr) = if run % 2 == 1 {
-            let mr = drain_minimal(db, rows, DRAIN_BATCH, None).await;
+            let mr = drain_minimal(db, rows, DRAIN_BATCH, None, true).await;
             let pr = drain_postbox(db, rows, DRAIN_BATCH, dev_null().await).await;
             (mr, pr)
         } else {
             let pr = drain_postbox(db, rows, DRAIN_BATCH, dev_null().await).await;
-            let mr = drain_minimal(db, rows, DRAIN_BATCH, None).await;
+            let mr = drain_minimal(db, rows, DRAIN_BATCH, None, true).await;
             (mr, pr)
         };
+        // PostgreSQL: after ANALYZE of the loaded backlog the minimal
+        // loop's claim reads the primary key (its `ORDER BY id` is that
+        // order too) and filters out the rows it already delivered; the
+        // same loop without statistics stays on its claim index, the
+        // fairer baseline.
+        if db == Db::Postgres {
+            let r = drain_minimal(db, rows, DRAIN_BATCH, None, false).await;
+            println!(
+                "run {run}: minimal loop on its claim index (no statistics) {:>8.0} events/s {:>6.0} B {log}/event; plan {}",
+                r.per_s, r.log_per_event, r.claim_plan
+            );
+            mi.push(r);
+        }
         // For where the time goes: postbox's statements without the relay.
         let sr = drain_postbox_statements(db, rows, DRAIN_BATCH).await;
         if run == 1 {
@@ -1098,6 +1162,14 @@ async fn drain_section(db: Db, rows: u64, runs: usize) {
         pr / mr,
         pb / mb
     );
+    if !mi.is_empty() {
+        let (ir, ib) = (rate(&mi), bytes(&mi));
+        println!(
+            "ratio postbox/minimal on its claim index ({ir:.0} events/s, {ib:.0} B {log}/event): events/s {:.2}, {log} bytes/event {:.2}",
+            pr / ir,
+            pb / ib
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -1257,7 +1329,7 @@ async fn rabbitmq_section(db: Db, rows: u64, runs: usize) {
                     let publisher = broker.postbox_publisher().await;
                     drain_postbox(db, rows, RABBIT_BATCH, publisher).await
                 } else {
-                    drain_minimal(db, rows, RABBIT_BATCH, Some(broker)).await
+                    drain_minimal(db, rows, RABBIT_BATCH, Some(broker), true).await
                 };
                 let queued = broker.purge().await;
                 assert!(
@@ -1901,4 +1973,205 @@ async fn latency_case(url: &str, case: &LatencyCase) {
         relay_per_event,
         per_second.join(" "),
     );
+}
+
+// ---------------------------------------------------------------------------
+// Section 5: history.
+
+/// A config file for the `postbox` binary: `table` of the bench database,
+/// app_code [`APP`], the `file` publisher to `/dev/null`.
+fn binary_config(db: Db, table: &str, dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join(format!("{table}.toml"));
+    let toml = format!(
+        "[database]\nurl = \"{}\"\ntable = \"{table}\"\napp_codes = [\"{APP}\"]\n\n\
+         [outbox_worker]\nbatch_size = {DRAIN_BATCH}\npoll_interval = \"50ms\"\n\n\
+         [[publishers]]\nkind = \"file\"\npath = \"/dev/null\"\n",
+        db.url()
+    );
+    std::fs::write(&path, toml).expect("write the config");
+    path
+}
+
+fn postbox_binary(config: &std::path::Path) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_postbox"));
+    c.arg("--config").arg(config);
+    c
+}
+
+/// `postbox status` from start to exit, median of 5, in ms.
+fn status_ms(config: &std::path::Path) -> f64 {
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        let out = postbox_binary(config)
+            .arg("status")
+            .output()
+            .expect("run postbox status");
+        times.push(started.elapsed().as_secs_f64() * 1000.0);
+        assert!(
+            out.status.success(),
+            "postbox status: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    median(&times)
+}
+
+/// The stats poller's query for [`APP`], median of 20, in ms.
+async fn stats_ms(store: &dyn OutboxStore) -> f64 {
+    let mut times = Vec::new();
+    for _ in 0..20 {
+        let started = Instant::now();
+        store.stats(&[APP.to_owned()]).await.expect("stats");
+        times.push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+    median(&times)
+}
+
+/// A `/proc/<pid>/status` field in KiB (`VmRSS`, `VmHWM`).
+fn proc_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// `postbox relay` as a process over `store`'s table until `rows` more rows
+/// are delivered: (events/s, peak resident MiB).
+async fn binary_relay(config: &std::path::Path, store: &dyn OutboxStore, rows: u64) -> (f64, f64) {
+    let started = Instant::now();
+    let mut child = postbox_binary(config)
+        .arg("relay")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start postbox relay");
+    let pid = child.id();
+    let mut dog = Watchdog::new("postbox relay draining");
+    let mut peak_kib = 0;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let mut err = String::new();
+            use std::io::Read as _;
+            child.stderr.take().map(|mut e| e.read_to_string(&mut err));
+            panic!("postbox relay exited early ({status}): {err}");
+        }
+        peak_kib = peak_kib.max(proc_kib(pid, "VmHWM").unwrap_or(0));
+        let s = app_stats(store, APP).await;
+        let open = (s.pending + s.delivering) as u64;
+        if open == 0 {
+            break;
+        }
+        dog.saw(open);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let per_s = rows as f64 / started.elapsed().as_secs_f64();
+    peak_kib = peak_kib.max(proc_kib(pid, "VmHWM").unwrap_or(0));
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let status = bounded("postbox relay shutdown", async {
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(status.success(), "postbox relay exited with {status}");
+    (per_s, peak_kib as f64 / 1024.0)
+}
+
+async fn history_section(db: Db, history: u64, rows: u64, runs: usize) {
+    println!(
+        "\n== history: {rows} rows drained beside {history} delivered rows vs on an empty table (relay to /dev/null, batch_size {DRAIN_BATCH}) =="
+    );
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let full = postbox_table(db, 0).await;
+    let t = full.table().as_str().to_owned();
+    let n = row_number(db);
+    let loading = Instant::now();
+    // In slices, so that no single statement holds a 10 M-row transaction.
+    let slice = 1_000_000u64;
+    let mut loaded = 0;
+    while loaded < history {
+        let count = slice.min(history - loaded);
+        let at = format!("({n} + {loaded})");
+        let load = load_sql(
+            db,
+            &t,
+            "app_code, event_id, event_type, payload, status, next_retry_at_ms, created_at_ms, updated_at_ms",
+            &[
+                format!("'{APP}'"),
+                concat(db, "old-", &at),
+                "'OldEvent'".to_owned(),
+                payload_expr(db, &at),
+                "'delivered'".to_owned(),
+                format!("1000000000000 + {at}"),
+                format!("1000000000000 + {at}"),
+                format!("1000000000000 + {at}"),
+            ],
+            count,
+        );
+        exec(db, &load).await;
+        loaded += count;
+        println!(
+            "  loaded {loaded} of {history} delivered rows ({:.0?})",
+            loading.elapsed()
+        );
+    }
+    analyze(db, &t).await;
+    println!(
+        "loaded {history} delivered rows in {:.0?}: {:.0} MiB (table and indexes)",
+        loading.elapsed(),
+        mib(table_bytes(db, &t).await)
+    );
+    let full_config = binary_config(db, &t, dir.path());
+    let (mut empty_rates, mut full_rates) = (Vec::new(), Vec::new());
+    let (mut status_empty, mut status_full, mut stats_empty, mut stats_full) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for run in 1..=runs {
+        let empty = postbox_table(db, rows).await;
+        let et = empty.table().as_str().to_owned();
+        let e = relay_drain(empty.clone(), dev_null().await, rows, DRAIN_BATCH).await;
+        status_empty.push(status_ms(&binary_config(db, &et, dir.path())));
+        stats_empty.push(stats_ms(empty.as_ref()).await);
+        drop_postbox_table(db, &et).await;
+
+        load_pending(db, &t, rows, &format!("run{run}-")).await;
+        let h = relay_drain(full.clone(), dev_null().await, rows, DRAIN_BATCH).await;
+        status_full.push(status_ms(&full_config));
+        stats_full.push(stats_ms(full.as_ref()).await);
+        println!(
+            "run {run}: empty table {e:>8.0} events/s | beside the history {h:>8.0} events/s | ratio {:.2} | status {:.0} / {:.0} ms, stats query {:.1} / {:.1} ms (empty / history)",
+            h / e,
+            status_empty[run - 1],
+            status_full[run - 1],
+            stats_empty[run - 1],
+            stats_full[run - 1],
+        );
+        empty_rates.push(e);
+        full_rates.push(h);
+    }
+    let (e, h) = (median(&empty_rates), median(&full_rates));
+    println!(
+        "median: empty table {e:.0} events/s, beside {history} delivered rows {h:.0} events/s; ratio {:.2} (target >= 0.9)",
+        h / e
+    );
+    println!(
+        "median: postbox status {:.0} ms on the empty table, {:.0} ms beside the history (target <= 50 ms); stats query {:.1} ms / {:.1} ms (ratio {:.2})",
+        median(&status_empty),
+        median(&status_full),
+        median(&stats_empty),
+        median(&stats_full),
+        median(&stats_full) / median(&stats_empty),
+    );
+    load_pending(db, &t, rows, "binary-").await;
+    let (per_s, peak) = binary_relay(&full_config, full.as_ref(), rows).await;
+    println!(
+        "postbox relay (the binary) beside the history: {per_s:.0} events/s, peak resident memory {peak:.1} MiB (target <= 64 MiB)"
+    );
+    drop_postbox_table(db, &t).await;
 }
