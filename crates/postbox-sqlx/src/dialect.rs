@@ -321,10 +321,12 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     ) -> Option<Result<(i64, bool)>> {
         None
     }
-    /// Run on the connection before every relay transaction (marks,
-    /// releases, failed attempts, replays), when the database's default
-    /// isolation would make them wait for rows they do not name (MySQL:
-    /// `READ COMMITTED`, no gap locks). `None`: the engine's usual `BEGIN`.
+    /// Run on the connection before every relay transaction (claims,
+    /// marks, releases, failed attempts, replays), when the database's
+    /// default isolation would make them wait for rows they do not name
+    /// (MySQL: `READ COMMITTED`, no gap locks): sent with the `BEGIN` in
+    /// one text query, or just before a single autocommit statement.
+    /// `None`: the engine's usual `BEGIN`.
     const RELAY_ISOLATION: Option<&'static str> = None;
 
     /// The statements one logical statement runs as, each with its binds

@@ -319,17 +319,18 @@ impl SqlOutbox<D> {
 
     /// Starts a relay transaction: at [`Dialect::RELAY_ISOLATION`] when the
     /// dialect sets one, else a write transaction (`write`) or a plain one.
+    /// The isolation and the `BEGIN` go in one round trip (two statements
+    /// of one text query).
     pub async fn begin_relay(
         &self,
         write: bool,
     ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
         match D::RELAY_ISOLATION {
             Some(isolation) => {
-                let mut conn = self.pool.acquire().await?;
-                // A `&str` goes over the text protocol: nothing to prepare.
-                sqlx::Executor::execute(&mut *conn, isolation).await?;
-                let begin = D::BEGIN_WRITE.filter(|_| write).map(std::borrow::Cow::Borrowed);
-                Transaction::begin(conn, begin).await
+                let conn = self.pool.acquire().await?;
+                let begin = D::BEGIN_WRITE.filter(|_| write).unwrap_or("BEGIN");
+                let statement = format!("{isolation}; {begin}");
+                Transaction::begin(conn, Some(statement.into())).await
             }
             None if write => self.begin_write().await,
             None => self.pool.begin().await,
@@ -382,11 +383,17 @@ impl SqlOutbox<D> {
         let db = |e| db_error(op, e);
         let binds = vec![Value::Ids(ids), fence.worker_id.as_str().into(), fence.lock_until_ms.into()];
         let mut parts = D::expand(sql, binds.clone());
-        if D::RELAY_ISOLATION.is_none() && parts.len() == 1 {
+        if parts.len() == 1 {
             // One statement in autocommit: no BEGIN/COMMIT round trips on
-            // the relay's hot path.
+            // the relay's hot path. The dialect's isolation, if any, is
+            // set first on the same connection: it applies to the next
+            // transaction, which an autocommit statement is.
             let (text, values) = parts.remove(0);
-            let done = query::<D>(&text, values).execute(&self.pool).await.map_err(db)?;
+            let mut conn = self.pool.acquire().await.map_err(db)?;
+            if let Some(isolation) = D::RELAY_ISOLATION {
+                sqlx::Executor::execute(&mut *conn, isolation).await.map_err(db)?;
+            }
+            let done = query::<D>(&text, values).execute(&mut *conn).await.map_err(db)?;
             return Ok(D::rows_affected(&done));
         }
         let mut tx = self.begin_relay(true).await.map_err(db)?;
