@@ -125,6 +125,16 @@ impl Inbox {
         (all.len(), ids.len())
     }
 
+    /// Waits until `n` distinct event ids arrived (duplicates do not
+    /// count), or `timeout` passed; returns [`counts`](Self::counts).
+    pub async fn wait_for_distinct(&self, n: usize, timeout: Duration) -> (usize, usize) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.counts().1 < n && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.counts()
+    }
+
     pub async fn wait_for(&self, n: usize, timeout: Duration) -> Vec<Received> {
         let deadline = tokio::time::Instant::now() + timeout;
         while self.len() < n && tokio::time::Instant::now() < deadline {
