@@ -112,6 +112,34 @@ pub async fn due_answers_per_app_code(store: Arc<dyn OutboxStore>) {
     assert!(!none.pending && none.retry_in_ms.is_none() && none.lease_in_ms.is_none());
 }
 
+/// A relay over `store` for `apps` with `config`, delivering to a
+/// recording publisher: (publisher, shutdown, the running relay).
+fn spawn_relay(
+    store: Arc<dyn postbox_core::RelayStore>,
+    config: WorkerConfig,
+    apps: Vec<String>,
+) -> (
+    Arc<RecordingPublisher>,
+    CancellationToken,
+    tokio::task::JoinHandle<postbox_core::Result<RelayReport>>,
+) {
+    let settings = RelaySettings::new(config, apps).expect("valid settings");
+    let publisher = Arc::new(RecordingPublisher::new("rec"));
+    let relay = Relay::new(store, vec![publisher.clone()], settings);
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(relay.run(shutdown.clone()));
+    (publisher, shutdown, run)
+}
+
+/// The config of a relay that polls only every 30 s: anything sooner was
+/// a wake-up.
+fn slow_polling() -> WorkerConfig {
+    WorkerConfig {
+        poll_interval: HumanDuration::secs(30),
+        ..WorkerConfig::default()
+    }
+}
+
 /// Five app_codes, each with a retryable row due in an hour and a live
 /// lease, none pending, the default poll interval: the idle relay asks its
 /// store at most about once a second (one probe for all app_codes), not
@@ -123,11 +151,7 @@ pub async fn idle_relay_makes_one_store_call_per_second(store: Arc<dyn OutboxSto
         row_of(store.as_ref(), app, 3_600_000, None).await;
     }
     let counting = Arc::new(WrappedStore::new(store));
-    let settings = RelaySettings::new(WorkerConfig::default(), apps).expect("valid settings");
-    let publisher = Arc::new(RecordingPublisher::new("rec"));
-    let relay = Relay::new(counting.clone(), vec![publisher.clone()], settings);
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn(relay.run(shutdown.clone()));
+    let (publisher, shutdown, run) = spawn_relay(counting.clone(), WorkerConfig::default(), apps);
     tokio::time::sleep(Duration::from_millis(5_200)).await;
     let calls = counting.calls();
     shutdown.cancel();
@@ -151,15 +175,7 @@ pub async fn an_idle_relay_wakes_for<F>(
 where
     F: Future<Output = String>,
 {
-    let config = WorkerConfig {
-        poll_interval: HumanDuration::secs(30),
-        ..WorkerConfig::default()
-    };
-    let settings = RelaySettings::new(config, vec![app.to_owned()]).expect("valid settings");
-    let publisher = Arc::new(RecordingPublisher::new("rec"));
-    let relay = Relay::new(store, vec![publisher.clone()], settings);
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn(relay.run(shutdown.clone()));
+    let (publisher, shutdown, run) = spawn_relay(store, slow_polling(), vec![app.to_owned()]);
     // Idle: the first probe found nothing, the next poll is 30 s away.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let event_id = produce.await;
@@ -184,16 +200,9 @@ where
 pub async fn a_stream_of_commits_is_claimed_in_few_rounds(store: Arc<dyn OutboxStore>) {
     const N: usize = 200;
     let app = "w-stream";
-    let config = WorkerConfig {
-        poll_interval: HumanDuration::secs(30),
-        ..WorkerConfig::default()
-    };
     let counting = Arc::new(WrappedStore::new(store.clone()));
-    let settings = RelaySettings::new(config, vec![app.to_owned()]).expect("valid settings");
-    let publisher = Arc::new(RecordingPublisher::new("rec"));
-    let relay = Relay::new(counting.clone(), vec![publisher.clone()], settings);
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn(relay.run(shutdown.clone()));
+    let (publisher, shutdown, run) =
+        spawn_relay(counting.clone(), slow_polling(), vec![app.to_owned()]);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = counting.calls();
     let started = Instant::now();

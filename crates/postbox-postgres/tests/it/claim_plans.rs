@@ -7,12 +7,17 @@ use postbox_testkit::scratch_table;
 use postbox_testkit::servers::postgres_url;
 use postbox_testkit::store_setup::migrated;
 
+/// A migrated store on a scratch table named after `prefix`.
+async fn plans_store(prefix: &'static str) -> PgOutbox {
+    migrated("postgres", postgres_url(), move |url| async move {
+        PgOutbox::connect(&url, &scratch_table(prefix), 2).await
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_use_their_index_over_a_million_delivered_rows() {
-    let store = migrated("postgres", postgres_url(), |url| async move {
-        PgOutbox::connect(&url, &scratch_table("plans"), 2).await
-    })
-    .await;
+    let store = plans_store("plans").await;
     let t = store.table().as_str().to_owned();
     let load = [
         // History: a million delivered rows of the tenant being claimed.
@@ -49,10 +54,7 @@ async fn claims_use_their_index_over_a_million_delivered_rows() {
 /// (schema version 6 is the fix).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pending_claim_keeps_its_index_while_an_analysed_backlog_drains() {
-    let store = migrated("postgres", postgres_url(), |url| async move {
-        PgOutbox::connect(&url, &scratch_table("drain_plan"), 2).await
-    })
-    .await;
+    let store = plans_store("drain_plan").await;
     let t = store.table().as_str().to_owned();
     let pool = store.pool().clone();
     for sql in [
