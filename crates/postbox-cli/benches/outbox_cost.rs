@@ -2108,10 +2108,13 @@ fn proc_kib(pid: u32, field: &str) -> Option<u64> {
 /// are delivered: (events/s, peak resident MiB).
 async fn binary_relay(config: &std::path::Path, store: &dyn OutboxStore, rows: u64) -> (f64, f64) {
     let started = Instant::now();
+    // Its log goes to a file: a pipe nobody reads could fill and stall it.
+    let log_path = config.with_extension("relay.log");
+    let log = std::fs::File::create(&log_path).expect("create the relay's log file");
     let mut child = postbox_binary(config)
         .arg("relay")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
+        .stderr(log)
         .spawn()
         .expect("start postbox relay");
     let pid = child.id();
@@ -2119,9 +2122,7 @@ async fn binary_relay(config: &std::path::Path, store: &dyn OutboxStore, rows: u
     let mut peak_kib = 0;
     loop {
         if let Ok(Some(status)) = child.try_wait() {
-            let mut err = String::new();
-            use std::io::Read as _;
-            child.stderr.take().map(|mut e| e.read_to_string(&mut err));
+            let err = std::fs::read_to_string(&log_path).unwrap_or_default();
             panic!("postbox relay exited early ({status}): {err}");
         }
         peak_kib = peak_kib.max(proc_kib(pid, "VmHWM").unwrap_or(0));

@@ -73,8 +73,9 @@ macro_rules! claim {
 // Pending rows through `{table}_pending_idx (app_code, next_retry_at_ms,
 // id) WHERE status = 'pending'` (schema version 6), in its order; due
 // retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
-// WHERE status = 'retryable'`, read up to the clock. Partial indexes: a row is in the one index of its status, so
-// each state change writes one claim-index entry, not one per index.
+// WHERE status = 'retryable'`, read up to the clock. Partial indexes: a
+// row is in the one index of its status, so each state change writes one
+// claim-index entry, not one per index.
 postbox_sqlx::claims_in_retry_order!(
     claim,
     due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())

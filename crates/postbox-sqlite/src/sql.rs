@@ -88,9 +88,9 @@ macro_rules! claim {
 }
 
 // Pending rows through `{table}_pending_idx (app_code, next_retry_at_ms,
-// id) WHERE status = 'pending'` (schema version 6), in its order; due retries through `{table}_retry_idx
-// (app_code, next_retry_at_ms, id) WHERE status = 'retryable'`
-// (`postbox_sqlx::v5_partial_indexes!`).
+// id) WHERE status = 'pending'` (schema version 6), in its order; due
+// retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
+// WHERE status = 'retryable'` (`postbox_sqlx::v5_partial_indexes!`).
 postbox_sqlx::claims_in_retry_order!(
     claim,
     due: "status = 'retryable' AND next_retry_at_ms <= ?5"
