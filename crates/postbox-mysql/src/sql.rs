@@ -117,23 +117,13 @@ macro_rules! claim {
 // Every claim reads `{table}_due_idx (app_code, status, next_retry_at_ms,
 // id)` in its order (see `V5_INDEXES`): pending rows have
 // `next_retry_at_ms = 0`, so theirs is insertion order.
-postbox_sqlx::claims_in_retry_order!(
-    claim,
-    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
-);
+postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!());
 
-/// Take over rows whose lease expired (step 1). Index: `{table}_due_idx`:
-/// a claim sets a delivering row's `next_retry_at_ms` to its lease end.
-/// `lock_until_ms` is checked too, for rows claimed before schema version
-/// 5, whose `next_retry_at_ms` is not their lease end.
+/// Take over rows whose lease expired (step 1;
+/// `postbox_sqlx::expired_lease_pick!`). Index: `{table}_due_idx`.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "{table}",
-    concat!(
-        "status = 'delivering' AND next_retry_at_ms <= ",
-        now_ms!(),
-        " AND lock_until_ms <= ",
-        now_ms!()
-    ),
+    postbox_sqlx::expired_lease_pick!(now_ms!()),
     "next_retry_at_ms, id"
 );
 

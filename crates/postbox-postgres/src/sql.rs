@@ -76,24 +76,14 @@ macro_rules! claim {
 // WHERE status = 'retryable'`, read up to the clock. Partial indexes: a
 // row is in the one index of its status, so each state change writes one
 // claim-index entry, not one per index.
-postbox_sqlx::claims_in_retry_order!(
-    claim,
-    due: concat!("status = 'retryable' AND next_retry_at_ms <= ", now_ms!())
-);
+postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!());
 
-/// Take over rows whose lease expired; the lost attempt is counted.
-/// Index: `{table}_lease_idx (app_code, next_retry_at_ms, id) WHERE status
-/// = 'delivering'`: a claim sets `next_retry_at_ms` to the lease end.
-/// `lock_until_ms` (the fence) is checked too, for rows claimed before
-/// schema version 5, whose `next_retry_at_ms` is not their lease end.
+/// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
+/// the lost attempt is counted. Index: `{table}_lease_idx (app_code,
+/// next_retry_at_ms, id) WHERE status = 'delivering'`.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "{table}",
-    concat!(
-        "status = 'delivering' AND next_retry_at_ms <= ",
-        now_ms!(),
-        " AND lock_until_ms <= ",
-        now_ms!()
-    ),
+    postbox_sqlx::expired_lease_pick!(now_ms!()),
     "next_retry_at_ms, id",
     "retry_count = o.retry_count + 1, \
      last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), "

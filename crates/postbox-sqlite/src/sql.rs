@@ -91,18 +91,14 @@ macro_rules! claim {
 // id) WHERE status = 'pending'` (schema version 6), in its order; due
 // retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
 // WHERE status = 'retryable'` (`postbox_sqlx::v5_partial_indexes!`).
-postbox_sqlx::claims_in_retry_order!(
-    claim,
-    due: "status = 'retryable' AND next_retry_at_ms <= ?5"
-);
+postbox_sqlx::claims_in_retry_order!(claim, now: "?5");
 
-/// Take over rows whose lease expired; the lost attempt is counted. Index:
-/// `{table}_lease_idx (app_code, next_retry_at_ms, id) WHERE status =
-/// 'delivering'`; `lock_until_ms` is checked too, for rows claimed before
-/// schema version 5.
+/// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
+/// the lost attempt is counted. Index: `{table}_lease_idx (app_code,
+/// next_retry_at_ms, id) WHERE status = 'delivering'`.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "{table}",
-    "status = 'delivering' AND next_retry_at_ms <= ?5 AND lock_until_ms <= ?5",
+    postbox_sqlx::expired_lease_pick!("?5"),
     "next_retry_at_ms, id",
     "retry_count = retry_count + 1, \
      last_error = 'lease expired while held by ' || COALESCE(worker_id, '?'), "

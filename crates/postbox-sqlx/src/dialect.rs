@@ -587,8 +587,8 @@ macro_rules! claims {
 }
 
 /// The pending and due claims of a dialect whose claim statement is
-/// `$claim!(from, pick, order)` and whose due retries are those `$due`
-/// selects: `CLAIM_PENDING`, `CLAIM_DUE_RETRIES` and their per-aggregate
+/// `$claim!(from, pick, order)` and whose clock is `$now` (due retries:
+/// retryable rows whose `next_retry_at_ms` is past it): `CLAIM_PENDING`, `CLAIM_DUE_RETRIES` and their per-aggregate
 /// variants, defined in the module it is invoked in. Every claim reads
 /// in the order `next_retry_at_ms, id`: due retries by when they fell
 /// due, pending rows (whose `next_retry_at_ms` is always 0) in insertion
@@ -601,6 +601,12 @@ macro_rules! claims {
 /// invocation.
 #[macro_export]
 macro_rules! claims_in_retry_order {
+    ($claim:ident, now: $now:expr) => {
+        $crate::claims_in_retry_order!(
+            $claim,
+            due: concat!("status = 'retryable' AND next_retry_at_ms <= ", $now)
+        );
+    };
     ($claim:ident, due: $due:expr) => {
         /// Claim new rows, oldest first.
         pub(crate) const CLAIM_PENDING: &str =
@@ -624,6 +630,23 @@ macro_rules! claims_in_retry_order {
             concat!($due, $crate::head_of_aggregate!()),
             "next_retry_at_ms, id"
         );
+    };
+}
+
+/// The rows the expired-lease claim takes over, on the clock `$now`:
+/// delivering rows whose lease ended. A claim sets `next_retry_at_ms` to
+/// the lease end (what the index is ordered by); `lock_until_ms` (the
+/// fence) is checked too, for rows claimed before schema version 5, whose
+/// `next_retry_at_ms` is not their lease end.
+#[macro_export]
+macro_rules! expired_lease_pick {
+    ($now:expr) => {
+        concat!(
+            "status = 'delivering' AND next_retry_at_ms <= ",
+            $now,
+            " AND lock_until_ms <= ",
+            $now
+        )
     };
 }
 

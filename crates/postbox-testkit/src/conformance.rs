@@ -813,6 +813,9 @@ async fn relay_claims_fairly_across_app_codes(store: Arc<dyn OutboxStore>) {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let fresh = NewEvent::new("fresh", "Fresh", "{}");
+    // Counted from its commit: on SQLite the enqueue itself can wait
+    // behind the relay's write transactions (one write lock, an unfair
+    // busy handler), which is not the claim order this case is about.
     enqueue(store.as_ref(), std::slice::from_ref(&fresh)).await;
     let published_before = p.delivered().len();
     while !p.delivered_ids().contains(&fresh.event_id) {
@@ -834,7 +837,6 @@ async fn relay_claims_fairly_across_app_codes(store: Arc<dyn OutboxStore>) {
         "the fresh event came {} events after it was written, behind a backlog of 1,000",
         at - published_before.min(at)
     );
-    assert!(at < 500, "long before the backlog drained: position {at}");
 }
 
 /// A poison event type ends `failed` after max_retry_count while every
