@@ -2213,7 +2213,7 @@ async fn history_section(db: Db, history: u64, rows: u64, runs: usize) {
         status_full.push(status_ms(&full_config));
         stats_full.push(stats_ms(full.as_ref()).await);
         println!(
-            "run {run}: empty table {e:>8.0} events/s | beside the history {h:>8.0} events/s | ratio {:.2} | status {:.0} / {:.0} ms, stats query {:.1} / {:.1} ms (empty / history)",
+            "run {run}: empty table {e:>8.0} events/s | beside the history {h:>8.0} events/s | ratio {:.2} | status {:.0} / {:.0} ms, stats query {:.1} / {:.1} ms (the fresh table after its drain / history)",
             h / e,
             status_empty[run - 1],
             status_full[run - 1],
@@ -2229,7 +2229,7 @@ async fn history_section(db: Db, history: u64, rows: u64, runs: usize) {
         h / e
     );
     println!(
-        "median: postbox status {:.0} ms on the empty table, {:.0} ms beside the history (target <= 50 ms); stats query {:.1} ms / {:.1} ms (ratio {:.2})",
+        "median: postbox status {:.0} ms on the fresh table after its drain, {:.0} ms beside the history (target <= 50 ms); stats query {:.1} ms / {:.1} ms (ratio {:.2})",
         median(&status_empty),
         median(&status_full),
         median(&stats_empty),

@@ -602,12 +602,6 @@ macro_rules! claims {
 #[macro_export]
 macro_rules! claims_in_retry_order {
     ($claim:ident, now: $now:expr) => {
-        $crate::claims_in_retry_order!(
-            $claim,
-            due: concat!("status = 'retryable' AND next_retry_at_ms <= ", $now)
-        );
-    };
-    ($claim:ident, due: $due:expr) => {
         /// Claim new rows, oldest first.
         pub(crate) const CLAIM_PENDING: &str =
             $claim!("{table}", "status = 'pending'", "next_retry_at_ms, id");
@@ -621,13 +615,21 @@ macro_rules! claims_in_retry_order {
         );
 
         /// Claim retryable rows that are due.
-        pub(crate) const CLAIM_DUE_RETRIES: &str = $claim!("{table}", $due, "next_retry_at_ms, id");
+        pub(crate) const CLAIM_DUE_RETRIES: &str = $claim!(
+            "{table}",
+            concat!("status = 'retryable' AND next_retry_at_ms <= ", $now),
+            "next_retry_at_ms, id"
+        );
 
         /// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only
         /// heads of aggregates.
         pub(crate) const CLAIM_DUE_RETRIES_ORDERED: &str = $claim!(
             "{table} c",
-            concat!($due, $crate::head_of_aggregate!()),
+            concat!(
+                "status = 'retryable' AND next_retry_at_ms <= ",
+                $now,
+                $crate::head_of_aggregate!()
+            ),
             "next_retry_at_ms, id"
         );
     };

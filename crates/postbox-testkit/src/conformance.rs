@@ -837,6 +837,10 @@ async fn relay_claims_fairly_across_app_codes(store: Arc<dyn OutboxStore>) {
         "the fresh event came {} events after it was written, behind a backlog of 1,000",
         at - published_before.min(at)
     );
+    assert!(
+        at < backlog.len(),
+        "before the backlog drained: position {at}, {published_before} published when it committed"
+    );
 }
 
 /// A poison event type ends `failed` after max_retry_count while every
