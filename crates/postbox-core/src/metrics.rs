@@ -9,7 +9,7 @@
 
 /// Counter `{publisher, result}`: publishes by outcome, one per event and
 /// publisher. `result` is one of [`RESULT_OK`], [`RESULT_ERROR`],
-/// [`RESULT_TIMEOUT`], [`RESULT_SKIPPED`].
+/// [`RESULT_TIMEOUT`], [`RESULT_SKIPPED`], [`RESULT_DEFERRED`].
 pub const PUBLISH_TOTAL: &str = "postbox_publish_total";
 /// Histogram `{publisher}`: seconds one publisher took over its share of a
 /// batch (one `publish_each` call, bounded by the batch's lease).
@@ -36,6 +36,9 @@ pub const RESULT_TIMEOUT: &str = "timeout";
 /// Not handed to the publisher: it timed out on a whole batch recently and
 /// is skipped for a cool-down (see the relay's publisher isolation).
 pub const RESULT_SKIPPED: &str = "skipped";
+/// Not handed to the publisher because it was behind (its lane was full):
+/// the rows wait for it, no attempt counted.
+pub const RESULT_DEFERRED: &str = "deferred";
 
 /// Registers units and help texts with the installed recorder.
 pub fn describe() {

@@ -21,6 +21,17 @@ pub struct ClaimRequest<'a> {
     pub ordered: bool,
 }
 
+/// How deferred rows are written (see [`RelayStore::defer`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DeferUpdate {
+    /// Delay before the rows are due again, ms.
+    pub after_ms: i64,
+    /// Publishers that have confirmed the rows so far.
+    pub delivered_to: Vec<String>,
+    /// Why (recorded as the rows' `last_error`).
+    pub reason: String,
+}
+
 /// How a failed attempt is written (the fenced `retryable`/`failed` update).
 #[derive(Debug, Clone)]
 pub struct FailureUpdate {
@@ -639,6 +650,13 @@ pub trait RelayStore: Send + Sync + 'static {
 
     /// Gives claimed rows back without an attempt (shutdown).
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64>;
+
+    /// Gives claimed rows back without an attempt as `retryable`, due
+    /// `after_ms` from now, keeping their fanout progress (`delivered_to`)
+    /// and saying why in `last_error` (`reason`): a publisher was behind
+    /// ([`crate::retry::Decision::Defer`]). Returns how many still held
+    /// `fence`.
+    async fn defer(&self, fence: &Fence, ids: &[i64], update: &DeferUpdate) -> Result<u64>;
 
     /// The database clock, epoch ms.
     async fn now_ms(&self) -> Result<i64>;

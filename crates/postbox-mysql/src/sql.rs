@@ -185,6 +185,19 @@ pub(crate) const RELEASE: &str =
      WHERE id IN ({ids}) AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
 );
 
+/// Fenced, no attempt counted: a publisher was behind, so the rows wait
+/// for it as `retryable`, due after the first bind (ms), keeping what the
+/// others confirmed.
+pub(crate) const DEFER: &str = concat!(
+    "UPDATE {table} FORCE INDEX (PRIMARY) SET status = 'retryable', next_retry_at_ms = ",
+    now_ms!(),
+    " + ?, \
+       lock_until_ms = 0, worker_id = NULL, delivered_to = ?, last_error = ?, updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE id IN ({ids}) AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
+);
+
 /// Counts of one tenant's rows by status (`postbox_sqlx::count_open!`),
 /// each a range of `{table}_due_idx`; delivered rows counted up to a cap,
 /// then estimated ([`DELIVERED_ESTIMATE`]).
@@ -586,6 +599,7 @@ mod tests {
             CLAIM_TAKE,
             MARK_DELIVERED,
             RELEASE,
+            DEFER,
             SELECT_IDS,
             REPLAY_IDS,
             DELETE_UNARCHIVED,

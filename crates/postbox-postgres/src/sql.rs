@@ -124,6 +124,19 @@ pub(crate) const RELEASE: &str =
      WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
 );
 
+/// Fenced, no attempt counted: a publisher was behind, so the rows wait
+/// for it as `retryable`, due after `$1` ms, keeping what the others
+/// confirmed.
+pub(crate) const DEFER: &str = concat!(
+    "UPDATE {table} SET status = 'retryable', next_retry_at_ms = ",
+    now_ms!(),
+    " + $1, \
+       lock_until_ms = 0, worker_id = NULL, delivered_to = $2, last_error = $3, updated_at_ms = ",
+    now_ms!(),
+    " \
+     WHERE id = ANY($4) AND status = 'delivering' AND worker_id = $5 AND lock_until_ms = $6"
+);
+
 /// Counts of one tenant's rows by status (`postbox_sqlx::count_open!`):
 /// each through the partial index of its status; delivered rows counted
 /// up to a cap, then estimated ([`DELIVERED_ESTIMATE`]).

@@ -101,6 +101,10 @@ pub struct Statements<S = &'static str> {
     pub mark_failed: S,
     /// Fenced; ids (list), worker_id, lock_until_ms.
     pub release: S,
+    /// Fenced, no attempt counted: `retryable`, due after a delay, with
+    /// fanout progress; after_ms, delivered_to, reason, ids (list),
+    /// worker_id, lock_until_ms.
+    pub defer: S,
     /// Replay by event ids, returning the rows; event_ids (list), app_code.
     pub replay_ids: S,
     /// The rows [`Statements::replay_ids`] would touch; same binds.
@@ -171,6 +175,7 @@ impl Statements {
             mark_delivered,
             mark_failed,
             release,
+            defer,
             replay_ids,
             replay_ids_dry,
             replay_filter,
@@ -543,6 +548,7 @@ macro_rules! statements {
             mark_delivered: MARK_DELIVERED,
             mark_failed: MARK_FAILED,
             release: RELEASE,
+            defer: DEFER,
             replay_ids: REPLAY_IDS,
             replay_ids_dry: REPLAY_IDS_DRY,
             replay_filter: REPLAY_FILTER,

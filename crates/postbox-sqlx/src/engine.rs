@@ -14,9 +14,9 @@ use sqlx::{Database, Transaction};
 
 use postbox_core::event::Fence;
 use postbox_core::store::{
-    check_ledger, AppStats, ArchiveReport, ArchiveRequest, EnqueueOutcome, EventFilter,
-    FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayRequest, ReplaySelector,
-    SchemaReport, StuckAggregate, EXPECTED_TABLES, HISTORY_LIMIT,
+    check_ledger, AppStats, ArchiveReport, ArchiveRequest, DeferUpdate, EnqueueOutcome,
+    EventFilter, FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayRequest,
+    ReplaySelector, SchemaReport, StuckAggregate, EXPECTED_TABLES, HISTORY_LIMIT,
 };
 use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
 
@@ -376,12 +376,38 @@ impl SqlOutbox<D> {
         self.fenced(&self.sql.release, fence, ids, "release leases").await
     }
 
+    /// Gives rows back as `retryable` without an attempt, keeping their
+    /// fanout progress (a publisher was behind).
+    pub async fn defer(&self, fence: &Fence, ids: &[i64], u: &DeferUpdate) -> Result<u64> {
+        let delivered_to = Some(u.delivered_to.join(",")).filter(|s| !s.is_empty());
+        let leading = vec![
+            u.after_ms.into(),
+            delivered_to.as_deref().into(),
+            u.reason.as_str().into(),
+        ];
+        self.fenced_with(&self.sql.defer, leading, fence, ids, "defer rows").await
+    }
+
     async fn fenced(&self, sql: &str, fence: &Fence, ids: &[i64], op: &'static str) -> Result<u64> {
+        self.fenced_with(sql, Vec::new(), fence, ids, op).await
+    }
+
+    /// A fenced statement over `ids`; binds: `leading`, then ids (list),
+    /// worker_id, lock_until_ms.
+    async fn fenced_with(
+        &self,
+        sql: &str,
+        leading: Vec<Value<'_>>,
+        fence: &Fence,
+        ids: &[i64],
+        op: &'static str,
+    ) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         let db = |e| db_error(op, e);
-        let binds = vec![Value::Ids(ids), fence.worker_id.as_str().into(), fence.lock_until_ms.into()];
+        let mut binds = leading;
+        binds.extend([Value::Ids(ids), fence.worker_id.as_str().into(), fence.lock_until_ms.into()]);
         let mut parts = D::expand(sql, binds.clone());
         if parts.len() == 1 {
             // One statement in autocommit: no BEGIN/COMMIT round trips on

@@ -18,7 +18,7 @@ macro_rules! capabilities_from_inherent {
             use $crate::__private::postbox_core::event::Fence;
             use $crate::__private::postbox_core::store::{
                 AppStats, ArchiveReport, ArchiveRequest, ArchiveStore, ClaimRequest,
-                EnqueueOutcome, EnqueueStore, EventFilter, FailureUpdate, HistoryEntry,
+                DeferUpdate, EnqueueOutcome, EnqueueStore, EventFilter, FailureUpdate, HistoryEntry,
                 InspectStore, MigrateReport, MinuteCount, QueryPlan, RelayStore, ReplayRequest,
                 ReplayStore, SchemaReport, SchemaStore, StuckAggregate,
             };
@@ -45,6 +45,9 @@ macro_rules! capabilities_from_inherent {
                 }
                 async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
                     <$ty>::release(self, fence, ids).await
+                }
+                async fn defer(&self, fence: &Fence, ids: &[i64], update: &DeferUpdate) -> Result<u64> {
+                    <$ty>::defer(self, fence, ids, update).await
                 }
                 async fn now_ms(&self) -> Result<i64> {
                     <$ty>::now_ms(self).await

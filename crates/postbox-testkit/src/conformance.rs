@@ -78,6 +78,7 @@ cases! {$
     relay_delivers_everything,
     relay_fanout_retries_only_the_failed_publisher,
     relay_keeps_pace_when_a_publisher_hangs,
+    relay_keeps_pace_when_a_publisher_is_slow,
     relay_claims_fairly_across_app_codes,
     relay_dead_letters_poison_while_others_flow,
     relay_follows_the_backoff_schedule,
@@ -787,6 +788,69 @@ async fn relay_keeps_pace_when_a_publisher_hangs(store: Arc<dyn OutboxStore>) {
         200,
         "the hung publisher got every event in the end"
     );
+}
+
+/// A publisher that is slow but answers (no timeout, so no breaker) holds
+/// back only its own deliveries: the healthy one gets every event at its
+/// own pace while the slow one's share waits for it as deferred rows (no
+/// attempt counted), and the slow one gets each event once in the end.
+/// Publishing each batch to both before the next, the healthy publisher
+/// would wait 10 × 500 ms.
+async fn relay_keeps_pace_when_a_publisher_is_slow(store: Arc<dyn OutboxStore>) {
+    let evs = events(200, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let healthy = Arc::new(RecordingPublisher::new("rabbit"));
+    let slow = Arc::new(RecordingPublisher::new("hook"));
+    slow.set_delay(Duration::from_millis(500));
+    let config = WorkerConfig {
+        batch_size: 20,
+        lease: HumanDuration::secs(10),
+        publish_timeout: HumanDuration::secs(3),
+        ..fast_worker()
+    };
+    let started = Instant::now();
+    let h = healthy.clone();
+    let healthy_done = tokio::spawn(async move {
+        while h.delivered().len() < 200 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        started.elapsed()
+    });
+    let report = run_relay_until(
+        store.clone(),
+        vec![healthy.clone(), slow.clone()],
+        config,
+        |s| s.delivered == 200,
+    )
+    .await;
+    let healthy_took = healthy_done.await.unwrap();
+    assert!(
+        healthy_took < Duration::from_millis(2_500),
+        "the healthy publisher kept its pace beside a slow one: all 200 in {healthy_took:?} (lockstep: 5 s)"
+    );
+    assert!(
+        report.deferred > 0,
+        "rows waited for the slow publisher: {report:?}"
+    );
+    for p in [&healthy, &slow] {
+        let mut ids = p.delivered_ids();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(
+            (ids.len(), p.delivered().len()),
+            (200, 200),
+            "{} got each event once",
+            p.name()
+        );
+    }
+    for e in &evs {
+        let row = status_of(store.as_ref(), &e.event_id).await;
+        assert_eq!(
+            (row.status, row.retry_count),
+            (Status::Delivered, 0),
+            "a deferral is no attempt: {row:?}"
+        );
+    }
 }
 
 /// One app_code's backlog does not hold back another's fresh event: the

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use postbox_core::config::RelaySettings;
 use postbox_core::event::Fence;
 use postbox_core::relay::{CancellationToken, Relay};
-use postbox_core::store::{ClaimRequest, FailureUpdate, OutboxStore, RelayStore};
+use postbox_core::store::{ClaimRequest, DeferUpdate, FailureUpdate, OutboxStore, RelayStore};
 use postbox_core::wake::{Due, Wake};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, TableName};
 
@@ -159,6 +159,10 @@ impl RelayStore for WrappedStore {
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
         self.count();
         self.inner.release(fence, ids).await
+    }
+    async fn defer(&self, fence: &Fence, ids: &[i64], update: &DeferUpdate) -> Result<u64> {
+        self.count();
+        self.inner.defer(fence, ids, update).await
     }
     async fn now_ms(&self) -> Result<i64> {
         self.count();

@@ -2,7 +2,7 @@
 //! demand.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -18,6 +18,8 @@ pub struct RecordingPublisher {
     panic_types: Vec<String>,
     down: AtomicBool,
     hanging: AtomicBool,
+    /// Milliseconds each publish call takes before answering.
+    delay_ms: AtomicU64,
     delivered: Mutex<Vec<(String, i32, bool)>>,
     attempts: Mutex<HashMap<String, u32>>,
     offers: Mutex<Vec<(String, bool)>>,
@@ -56,6 +58,13 @@ impl RecordingPublisher {
         self.hanging.store(hanging, Ordering::SeqCst);
     }
 
+    /// Each publish call takes `delay` before it answers (a slow target
+    /// that still answers within its timeout).
+    pub fn set_delay(&self, delay: std::time::Duration) {
+        self.delay_ms
+            .store(delay.as_millis() as u64, Ordering::SeqCst);
+    }
+
     /// `(event_id, x-attempt, x-replayed)` of every confirmed delivery, in order.
     pub fn delivered(&self) -> Vec<(String, i32, bool)> {
         self.delivered.lock().unwrap().clone()
@@ -91,6 +100,10 @@ impl Publisher for RecordingPublisher {
     async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
         if self.hanging.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
+        }
+        let delay = self.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
         }
         let down = self.down.load(Ordering::SeqCst);
         let mut out = Vec::with_capacity(batch.len());

@@ -1,9 +1,9 @@
-//! Isolation between publishers: one that times out on a whole batch is
-//! skipped for a while, so the others keep their pace.
+//! A publisher that times out on a whole batch is skipped for a while.
 //!
-//! A batch is published to every publisher at once and marked when all of
-//! them have answered, so without this a target that hangs holds every
-//! healthy publisher to one batch per `publish_timeout`. Once a publisher
+//! Each publisher has its own lane (see [`super::publisher`]), so a target
+//! that hangs does not hold the others back; without this it would still
+//! spend a `publish_timeout` on every batch it is handed, and its rows
+//! would wait that long for their next try. Once a publisher
 //! has let every delivery of a batch time out, its breaker opens: for the
 //! cool-down (5 s, doubling on each failed trial up to 60 s) its deliveries
 //! fail at once, without a publish (counted as `postbox_publish_total{result

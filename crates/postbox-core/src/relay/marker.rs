@@ -15,7 +15,7 @@ use super::publisher::Outcome;
 use super::RelayReport;
 use crate::event::{truncate_error, Fence};
 use crate::retry::Decision;
-use crate::store::{FailureUpdate, RelayStore};
+use crate::store::{DeferUpdate, FailureUpdate, RelayStore};
 use crate::{Error, Result};
 
 pub(super) struct Marker {
@@ -42,6 +42,9 @@ impl Marker {
 
     async fn mark(&self, outcomes: Vec<Outcome>, report: &mut RelayReport) -> Result<()> {
         let mut delivered: HashMap<Fence, Vec<i64>> = HashMap::new();
+        // Deferred rows, one write per fence and update (a batch's rows
+        // deferred for the same publishers share one).
+        let mut deferred: HashMap<(Fence, DeferUpdate), Vec<i64>> = HashMap::new();
         // Row id → created_at_ms, for the delivery lag histogram.
         let mut created_at: HashMap<i64, i64> = HashMap::new();
         // Row id → event_id, to read a row back after a lost answer.
@@ -84,6 +87,21 @@ impl Marker {
                     let written = self.write_failure(&fence, r.id, &update, &r.event_id).await;
                     report.count(written, |report| report.retried += 1);
                 }
+                Decision::Defer {
+                    after,
+                    delivered_to,
+                    behind,
+                } => {
+                    let update = DeferUpdate {
+                        after_ms: after.as_millis() as i64,
+                        delivered_to,
+                        reason: truncate_error(&format!(
+                            "deferred, no attempt counted: {} behind (queue full); due again in {after:.1?}",
+                            behind.join(", ")
+                        )),
+                    };
+                    deferred.entry((fence, update)).or_default().push(r.id);
+                }
                 Decision::Failed {
                     retry_count,
                     delivered_to,
@@ -104,6 +122,20 @@ impl Marker {
                         metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => r.app_code.clone())
                             .increment(1);
                     });
+                }
+            }
+        }
+        for ((fence, update), ids) in deferred {
+            match retrying("defer rows", || self.store.defer(&fence, &ids, &update)).await {
+                // Rows a lost answer hid are not counted; their write is
+                // no attempt, so nothing more is needed.
+                Ok((n, _)) => {
+                    report.deferred += n;
+                    tracing::debug!(rows = n, reason = %update.reason, "rows deferred for a publisher behind");
+                }
+                Err(e) => {
+                    report.mark_errors += ids.len() as u64;
+                    tracing::error!(rows = ids.len(), worker_id = %fence.worker_id, error = %e, "could not defer rows (database error); their leases expire and they are tried again");
                 }
             }
         }

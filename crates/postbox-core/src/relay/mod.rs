@@ -2,14 +2,16 @@
 //!
 //! ```text
 //!  claimer ──batch──▶ publisher ──results──▶ marker
-//!  (claim queries)    (all publishers,       (one fenced UPDATE for the
-//!                      concurrently)          delivered rows, one per failure)
+//!  (claim queries)    (a lane per publisher, (one fenced UPDATE for the
+//!                      each at its own pace)  delivered rows, one per
+//!                                             deferral, one per failure)
 //! ```
 //!
-//! The stages are joined by small bounded channels, so while one batch is
-//! being published the next is already claimed and the previous one is being
+//! The stages are joined by small bounded channels, so while batches are
+//! being published the next is already claimed and finished ones are being
 //! marked. On shutdown the claimer stops, batches not yet started are
-//! released, the batch in flight finishes and is marked, and `run` returns.
+//! released, the publishes in flight finish and are marked, and `run`
+//! returns.
 //!
 //! Each stage returns a `Result`. The first stage that fails (returns an
 //! error, or panics: a bug) stops the whole relay: the other stages wind
@@ -55,6 +57,9 @@ pub struct RelayReport {
     pub failed: u64,
     /// Rows given back at shutdown.
     pub released: u64,
+    /// Rows given back for a publisher that was behind (no attempt
+    /// counted), keeping what the others confirmed.
+    pub deferred: u64,
     /// Results dropped because the lease had been taken over.
     pub fenced_out: u64,
     /// Results not written because the database failed on every try (the

@@ -1,11 +1,32 @@
 //! Stage 2: hand each batch to every publisher that has not confirmed it
-//! yet, and decide (with [`crate::retry::decide`]) where each row goes next.
+//! yet, each publisher on its own lane, and decide (with
+//! [`crate::retry::decide`]) where each row goes next.
+//!
+//! ```text
+//!                  ┌▶ lane "rabbit" (queue of 2 batches) ─┐
+//!  claimed batch ──┤                                      ├──▶ outcomes, as each batch's
+//!                  └▶ lane "hook"   (queue of 2 batches) ─┘    lanes have answered
+//! ```
+//!
+//! A lane is one publisher's task with a queue of [`LANE_QUEUE`] batches,
+//! so each publisher goes at its own pace (SPEC §3, isolation). A batch's
+//! rows go to every lane that needs them and has room. A lane that is full
+//! (its publisher is behind: slow, or hung until its timeouts) does not
+//! take them: those rows are *deferred* for it, no attempt counted
+//! ([`Decision::Defer`]), and fall due again when that lane is expected to
+//! have room ([`Pace`]), keeping what the others confirmed. A batch that no
+//! lane with room needs waits for room instead (plain backpressure: a
+//! publisher alone, or every publisher behind, is never deferred). Batches
+//! are marked as their lanes answer, in any order.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use futures::future::join_all;
-use tokio::sync::mpsc;
+use futures::stream::{FuturesUnordered, StreamExt};
+use futures::FutureExt;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::breaker::{BatchResult, Breaker, Change};
@@ -15,7 +36,14 @@ use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, PublishResults, Publisher};
 use crate::retry::{decide, Attempt, AttemptResult, ClaimedRow, Decision, RetryPolicy};
 use crate::store::RelayStore;
-use crate::{ClaimSource, ClaimedEvent, Result};
+use crate::{ClaimSource, ClaimedEvent, Error, Result};
+
+/// Batches a lane holds besides the one it is publishing.
+pub(super) const LANE_QUEUE: usize = 2;
+
+/// The shortest and longest wait of a deferred row.
+const MIN_DEFER: Duration = Duration::from_millis(100);
+const MAX_DEFER: Duration = Duration::from_secs(60);
 
 pub(super) struct PublishStage {
     pub store: Arc<dyn RelayStore>,
@@ -28,63 +56,158 @@ pub(super) struct PublishStage {
     pub breakers: Vec<Breaker>,
 }
 
+/// A batch's future while its lanes publish it.
+type InFlight = Pin<Box<dyn Future<Output = Answered> + Send>>;
+
 impl PublishStage {
     /// Returns the number of rows released at shutdown. Publish errors are
     /// outcomes, not failures of the stage; a publisher that panics (a bug)
-    /// stops it (see [`super::releasing_on_failure`]).
+    /// stops it: batches not started are released, the rows of the batches
+    /// being published keep their leases (see
+    /// [`super::releasing_on_failure`]).
     pub async fn run(
-        self,
+        mut self,
         mut input: mpsc::Receiver<Batch>,
         output: mpsc::Sender<Vec<Outcome>>,
         shutdown: CancellationToken,
     ) -> Result<u64> {
+        let lanes = self.start_lanes(&shutdown);
+        let mut in_flight: FuturesUnordered<InFlight> = FuturesUnordered::new();
+        // A batch waiting for room on a lane that needs it.
+        let mut parked: Option<Prepared> = None;
         let mut released = 0;
-        while let Some(batch) = input.recv().await {
-            if shutdown.is_cancelled() {
-                released += self.release(batch).await;
-                continue;
+        let mut input_open = true;
+        let failure = loop {
+            if !input_open && parked.is_none() && in_flight.is_empty() {
+                break None;
             }
-            if !self.budget.may_start_publish(batch.claimed_at.elapsed()) {
-                // Publishing now could outlive the lease, and another relay
-                // would send the same rows again: give them back instead.
-                tracing::warn!(
-                    rows = batch.events.len(),
-                    waited = ?batch.claimed_at.elapsed(),
-                    "batch waited too long for its publish; released unstarted (the database or a publisher is slower than the lease allows)"
-                );
-                released += self.release(batch).await;
-                continue;
-            }
-            let held = super::held_rows(&batch.events);
-            let outcomes = super::releasing_on_failure(
-                self.store.as_ref(),
-                held,
-                &mut input,
-                |queued| super::held_rows(&queued.events),
-                async { Ok(self.publish(batch).await) },
-            )
-            .await?;
-            if let Err(unsent) = output.send(outcomes).await {
-                // The mark stage is gone (it failed, and says so itself):
-                // give the rows back rather than leave them to an expiring
-                // lease, which would count an attempt. They are published
-                // again.
-                let events: Vec<ClaimedEvent> = unsent.0.into_iter().map(|o| o.event).collect();
-                released +=
-                    super::release(self.store.as_ref(), &events, "the mark stage stopped").await;
-                // And so are the batches claimed behind it.
-                input.close();
-                while let Some(batch) = input.recv().await {
-                    released += self.release(batch).await;
+            let needed = parked.as_ref().map(Prepared::lanes).unwrap_or_default();
+            tokio::select! {
+                biased;
+                Some(answered) = in_flight.next() => {
+                    let (outcomes, unstarted) = match self.outcomes(answered, &lanes, &shutdown) {
+                        Ok(resolved) => resolved,
+                        Err(stop) => break Some(stop),
+                    };
+                    released += super::release(self.store.as_ref(), &unstarted, "unstarted at shutdown").await;
+                    if let Err(unsent) = output.send(outcomes).await {
+                        // The mark stage is gone (it failed, and says so
+                        // itself): give the rows back rather than leave
+                        // them to an expiring lease, which would count an
+                        // attempt. They are published again.
+                        let events: Vec<ClaimedEvent> =
+                            unsent.0.into_iter().map(|o| o.event).collect();
+                        released += super::release(self.store.as_ref(), &events, "the mark stage stopped").await;
+                        break None;
+                    }
                 }
-                break;
+                _ = room(&lanes, &needed), if parked.is_some() => {
+                    if let Some(batch) = parked.take() {
+                        match self.dispatch(batch, &lanes, &mut in_flight) {
+                            Ok(still) => parked = still,
+                            Err(e) => break Some(Stop::Failed(e)),
+                        }
+                    }
+                }
+                _ = shutdown.cancelled(), if parked.is_some() => {
+                    if let Some(batch) = parked.take() {
+                        released += super::release(self.store.as_ref(), &batch.events, "unstarted batch").await;
+                    }
+                }
+                batch = input.recv(), if input_open && parked.is_none() => match batch {
+                    None => input_open = false,
+                    Some(batch) => {
+                        if shutdown.is_cancelled() {
+                            released += self.release(batch).await;
+                        } else if !self.budget.may_start_publish(batch.claimed_at.elapsed()) {
+                            // Publishing now could outlive the lease, and
+                            // another relay would send the same rows
+                            // again: give them back instead.
+                            tracing::warn!(
+                                rows = batch.events.len(),
+                                waited = ?batch.claimed_at.elapsed(),
+                                "batch waited too long for its publish; released unstarted (the database or a publisher is slower than the lease allows)"
+                            );
+                            released += self.release(batch).await;
+                        } else {
+                            let prepared = self.prepare(batch);
+                            match self.dispatch(prepared, &lanes, &mut in_flight) {
+                                Ok(still) => parked = still,
+                                Err(e) => break Some(Stop::Failed(e)),
+                            }
+                        }
+                    }
+                },
+            }
+        };
+        // Stopping: no new batch is taken; the ones claimed behind are
+        // given back.
+        input.close();
+        while let Some(batch) = input.recv().await {
+            released += self.release(batch).await;
+        }
+        if let Some(batch) = parked.take() {
+            released += super::release(self.store.as_ref(), &batch.events, "unstarted batch").await;
+        }
+        for lane in &lanes {
+            lane.task.abort();
+        }
+        match failure {
+            Some(stop) => {
+                tracing::error!(
+                    batches = in_flight.len(),
+                    "a publisher failed; the rows being published keep their leases, which expire and count a failed attempt"
+                );
+                match stop {
+                    Stop::Failed(e) => Err(e),
+                    // The stage panics with the publisher's panic, which
+                    // the relay reports as this stage's.
+                    Stop::Panicked(panic) => std::panic::resume_unwind(panic),
+                }
+            }
+            None => {
+                // Only when the mark stage went away: what is still being
+                // published is given back when its lanes answer.
+                while let Some(answered) = in_flight.next().await {
+                    let events = answered.into_events();
+                    released +=
+                        super::release(self.store.as_ref(), &events, "the mark stage stopped")
+                            .await;
+                }
+                Ok(released)
             }
         }
-        Ok(released)
     }
 
     async fn release(&self, batch: Batch) -> u64 {
         super::release(self.store.as_ref(), &batch.events, "unstarted batch").await
+    }
+
+    /// One lane per publisher, each with its breaker.
+    fn start_lanes(&mut self, shutdown: &CancellationToken) -> Vec<Lane> {
+        let breakers = std::mem::take(&mut self.breakers);
+        self.publishers
+            .iter()
+            .zip(breakers)
+            .map(|(publisher, breaker)| {
+                let (jobs, queue) = mpsc::channel(LANE_QUEUE);
+                let pace = Arc::new(Mutex::new(Pace::default()));
+                let worker = LaneWorker {
+                    publisher: publisher.clone(),
+                    breaker,
+                    pace: pace.clone(),
+                    timeout: self.config.publish_timeout.get(),
+                    budget: self.budget,
+                    shutdown: shutdown.clone(),
+                };
+                Lane {
+                    name: publisher.name().to_owned(),
+                    jobs,
+                    pace,
+                    task: tokio::spawn(worker.run(queue)),
+                }
+            })
+            .collect()
     }
 
     /// The retry rules for a row of `event_type`.
@@ -95,17 +218,12 @@ impl PublishStage {
         }
     }
 
-    /// Publishes what [`decide`] lets through and decides every row's next
-    /// state.
-    async fn publish(&self, batch: Batch) -> Vec<Outcome> {
-        let timeout = self.config.publish_timeout.get();
-        // Every publish of the batch ends by here, leaving the lease's mark
-        // reserve; results not in by then count as timed out.
-        let deadline =
-            tokio::time::Instant::from_std(batch.claimed_at) + self.budget.publish_deadline();
-        let mut rows: Vec<Row> = batch
+    /// Decides what may be published ([`decide`] on each claimed row) and
+    /// which rows each publisher still needs.
+    fn prepare(&self, batch: Batch) -> Prepared {
+        let before: Vec<Decision> = batch
             .events
-            .into_iter()
+            .iter()
             .map(|event| {
                 let r = &event.record;
                 let claimed = Attempt::Claimed(ClaimedRow {
@@ -121,58 +239,172 @@ impl PublishStage {
                     }),
                 });
                 // A refusal needs no backoff: it is never a retry.
-                let before = decide(&claimed, self.policy(&r.event_type), |_| Duration::ZERO);
-                Row {
-                    event,
-                    before,
-                    confirmed: Vec::new(),
-                    errors: Vec::new(),
-                }
+                decide(&claimed, self.policy(&r.event_type), |_| Duration::ZERO)
             })
             .collect();
-
-        let per_publisher = self
+        let todo = self
             .publishers
             .iter()
-            .zip(&self.breakers)
-            .map(|(p, breaker)| {
-                let todo: Vec<usize> = rows
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, row)| {
-                        row.before == Decision::Publish
-                            && !row.event.record.delivered_to.iter().any(|d| d == p.name())
+            .map(|p| {
+                (0..batch.events.len())
+                    .filter(|&i| {
+                        before[i] == Decision::Publish
+                            && !batch.events[i]
+                                .record
+                                .delivered_to
+                                .iter()
+                                .any(|d| d == p.name())
                     })
-                    .map(|(i, _)| i)
-                    .collect();
-                let deliveries: Vec<Delivery<'_>> = todo
-                    .iter()
-                    .map(|&i| Delivery::of(&rows[i].event.record))
-                    .collect();
-                async move {
-                    let results = if deliveries.is_empty() {
-                        Vec::new()
-                    } else if let Some(left) = breaker.skip(std::time::Instant::now()) {
-                        skipped(p.name(), deliveries.len(), left)
-                    } else {
-                        let results =
-                            publish_bounded(p.as_ref(), &deliveries, timeout, deadline).await;
-                        trip_or_reset(p.name(), breaker, &results);
-                        results
-                    };
-                    (p.name().to_owned(), todo, results)
+                    .collect()
+            })
+            .collect();
+        Prepared {
+            events: batch.events,
+            claimed_at: batch.claimed_at,
+            before,
+            todo,
+        }
+    }
+
+    /// Hands `batch` to every lane that needs it and has room, deferring
+    /// it for the lanes that are full; gives it back (`Some`) when no lane
+    /// that needs it has room. A batch no publisher needs is done at once.
+    fn dispatch(
+        &self,
+        batch: Prepared,
+        lanes: &[Lane],
+        in_flight: &mut FuturesUnordered<InFlight>,
+    ) -> Result<Option<Prepared>> {
+        let needed = batch.lanes();
+        if !needed.is_empty() && !needed.iter().any(|&l| lanes[l].jobs.capacity() > 0) {
+            return Ok(Some(batch));
+        }
+        let Prepared {
+            events,
+            claimed_at,
+            before,
+            todo,
+        } = batch;
+        let events = Arc::new(events);
+        let mut answers = Vec::with_capacity(needed.len());
+        let mut full = Vec::new();
+        for l in needed {
+            let (answer, answered) = oneshot::channel();
+            let job = Job {
+                events: events.clone(),
+                todo: todo[l].clone(),
+                claimed_at,
+                answer,
+            };
+            match lanes[l].jobs.try_send(job) {
+                Ok(()) => {
+                    lanes[l].pace().held_rows += todo[l].len();
+                    answers.push((l, answered));
                 }
-            });
-        let all = join_all(per_publisher).await;
-        for (name, todo, results) in all {
-            for (i, result) in todo.into_iter().zip(results) {
-                match result {
-                    Ok(()) => rows[i].confirmed.push(name.clone()),
-                    Err(e) => rows[i].errors.push((name.clone(), e)),
+                Err(mpsc::error::TrySendError::Full(_)) => full.push(l),
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    return Err(Error::Internal(format!(
+                        "the lane of publisher `{}` ended",
+                        lanes[l].name
+                    )))
                 }
             }
         }
-        rows.into_iter().map(|row| self.outcome(row)).collect()
+        in_flight.push(Box::pin(async move {
+            let mut lane_answers = Vec::with_capacity(answers.len());
+            for (l, answered) in answers {
+                lane_answers.push((l, answered.await.ok()));
+            }
+            Answered {
+                events,
+                before,
+                todo,
+                answers: lane_answers,
+                full,
+            }
+        }));
+        Ok(None)
+    }
+
+    /// Every row's decision once its lanes have answered, and the rows to
+    /// give back instead: at shutdown, those no publisher took.
+    fn outcomes(
+        &self,
+        answered: Answered,
+        lanes: &[Lane],
+        shutdown: &CancellationToken,
+    ) -> std::result::Result<(Vec<Outcome>, Vec<ClaimedEvent>), Stop> {
+        let Answered {
+            events,
+            before,
+            todo,
+            answers,
+            full,
+        } = answered;
+        let events = Arc::try_unwrap(events).unwrap_or_else(|shared| (*shared).clone());
+        let mut rows: Vec<Row> = events
+            .into_iter()
+            .zip(before)
+            .map(|(event, before)| Row {
+                event,
+                before,
+                confirmed: Vec::new(),
+                errors: Vec::new(),
+                deferred: Vec::new(),
+            })
+            .collect();
+        let behind = |l: usize, rows: &mut Vec<Row>| {
+            let lane = &lanes[l];
+            let n = todo[l].len();
+            // At shutdown the rows are given back due at once.
+            let after = if shutdown.is_cancelled() {
+                Duration::ZERO
+            } else {
+                lane.pace()
+                    .defer(n, Instant::now(), self.config.poll_interval.get())
+            };
+            metrics::counter!(m::PUBLISH_TOTAL, "publisher" => lane.name.clone(), "result" => m::RESULT_DEFERRED)
+                .increment(n as u64);
+            for &i in &todo[l] {
+                rows[i].deferred.push((lane.name.clone(), after));
+            }
+        };
+        for (l, answer) in answers {
+            let lane = &lanes[l];
+            lane.pace().held_rows -= todo[l].len();
+            match answer {
+                Some(Answer::Published(results)) => {
+                    for (&i, result) in todo[l].iter().zip(results) {
+                        match result {
+                            Ok(()) => rows[i].confirmed.push(lane.name.clone()),
+                            Err(e) => rows[i].errors.push((lane.name.clone(), e)),
+                        }
+                    }
+                }
+                Some(Answer::NotStarted) => behind(l, &mut rows),
+                Some(Answer::Panicked(panic)) => return Err(Stop::Panicked(panic)),
+                None => {
+                    return Err(Stop::Failed(Error::Internal(format!(
+                        "the lane of publisher `{}` ended without an answer",
+                        lane.name
+                    ))))
+                }
+            }
+        }
+        for l in full {
+            behind(l, &mut rows);
+        }
+        let stopping = shutdown.is_cancelled();
+        let (unstarted, rows): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|row| {
+            stopping
+                && !row.deferred.is_empty()
+                && row.confirmed.is_empty()
+                && row.errors.is_empty()
+        });
+        Ok((
+            rows.into_iter().map(|row| self.outcome(row)).collect(),
+            unstarted.into_iter().map(|row| row.event).collect(),
+        ))
     }
 
     /// The decision after publishing (or the refusal made before).
@@ -194,6 +426,7 @@ impl PublishStage {
                 .iter()
                 .map(|(p, e)| (p.clone(), e.to_string()))
                 .collect(),
+            deferred: row.deferred,
         };
         // A target that asked for a later retry (HTTP Retry-After) gets it.
         let asked_delay = row.errors.iter().filter_map(|(_, e)| e.retry_after()).max();
@@ -221,6 +454,197 @@ impl PublishStage {
     }
 }
 
+/// Resolves when a lane in `needed` has room for a batch.
+async fn room(lanes: &[Lane], needed: &[usize]) {
+    let waits = needed.iter().map(|&l| Box::pin(lanes[l].jobs.reserve()));
+    if needed.is_empty() {
+        return std::future::pending().await;
+    }
+    // The permit is dropped at once: this stage is the lanes' only sender,
+    // so the room is still there when it hands the batch over.
+    let _ = futures::future::select_all(waits).await;
+}
+
+/// A claimed batch with its before-publishing decisions.
+struct Prepared {
+    events: Vec<ClaimedEvent>,
+    claimed_at: Instant,
+    before: Vec<Decision>,
+    /// Per publisher (by index), the rows it still needs.
+    todo: Vec<Vec<usize>>,
+}
+
+impl Prepared {
+    /// The lanes that have rows to publish.
+    fn lanes(&self) -> Vec<usize> {
+        (0..self.todo.len())
+            .filter(|&l| !self.todo[l].is_empty())
+            .collect()
+    }
+}
+
+/// A batch whose lanes have answered.
+struct Answered {
+    events: Arc<Vec<ClaimedEvent>>,
+    before: Vec<Decision>,
+    todo: Vec<Vec<usize>>,
+    /// Per lane that took the batch, its answer (`None`: the lane ended).
+    answers: Vec<(usize, Option<Answer>)>,
+    /// The lanes that were full.
+    full: Vec<usize>,
+}
+
+impl Answered {
+    fn into_events(self) -> Vec<ClaimedEvent> {
+        Arc::try_unwrap(self.events).unwrap_or_else(|shared| (*shared).clone())
+    }
+}
+
+/// One publisher's lane, as the stage sees it.
+struct Lane {
+    name: String,
+    jobs: mpsc::Sender<Job>,
+    pace: Arc<Mutex<Pace>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Lane {
+    fn pace(&self) -> std::sync::MutexGuard<'_, Pace> {
+        self.pace.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Rows of a batch for one lane.
+struct Job {
+    events: Arc<Vec<ClaimedEvent>>,
+    todo: Vec<usize>,
+    claimed_at: Instant,
+    answer: oneshot::Sender<Answer>,
+}
+
+/// A lane's answer for one job.
+enum Answer {
+    /// One result per row, in the job's order.
+    Published(Vec<std::result::Result<(), PublishError>>),
+    /// Not published: the job waited in the queue past the lease's publish
+    /// budget, or the relay is stopping.
+    NotStarted,
+    /// The publisher panicked (a bug).
+    Panicked(Box<dyn std::any::Any + Send>),
+}
+
+/// Why the stage stops before its input ends.
+enum Stop {
+    Failed(Error),
+    /// A publisher panicked: the stage resumes its panic.
+    Panicked(Box<dyn std::any::Any + Send>),
+}
+
+/// How fast a lane publishes, to say when rows deferred for it are worth
+/// claiming again.
+#[derive(Debug, Default)]
+struct Pace {
+    /// Seconds per row, a moving average of its publishes.
+    per_row: Option<f64>,
+    /// Rows queued on the lane or being published.
+    held_rows: usize,
+    /// Until when the rows deferred so far are expected to keep it busy.
+    booked_until: Option<Instant>,
+}
+
+impl Pace {
+    fn record(&mut self, rows: usize, took: Duration) {
+        if rows == 0 {
+            return;
+        }
+        let sample = took.as_secs_f64() / rows as f64;
+        self.per_row = Some(match self.per_row {
+            None => sample,
+            Some(avg) => avg * 0.7 + sample * 0.3,
+        });
+    }
+
+    /// How long `rows` deferred at `now` should wait: until the lane has
+    /// published what it holds and what was deferred before them
+    /// (`fallback`, the poll interval, before its first publish ended).
+    fn defer(&mut self, rows: usize, now: Instant, fallback: Duration) -> Duration {
+        let Some(per_row) = self.per_row else {
+            return fallback.clamp(MIN_DEFER, MAX_DEFER);
+        };
+        let busy = now + Duration::from_secs_f64((per_row * self.held_rows as f64).min(3600.0));
+        let start = self.booked_until.map_or(busy, |b| b.max(busy));
+        let until = start + Duration::from_secs_f64((per_row * rows as f64).min(3600.0));
+        self.booked_until = Some(until);
+        (until - now).clamp(MIN_DEFER, MAX_DEFER)
+    }
+}
+
+/// The task behind one lane: publishes its jobs in order.
+struct LaneWorker {
+    publisher: Arc<dyn Publisher>,
+    breaker: Breaker,
+    pace: Arc<Mutex<Pace>>,
+    timeout: Duration,
+    budget: LeaseBudget,
+    shutdown: CancellationToken,
+}
+
+impl LaneWorker {
+    async fn run(self, mut queue: mpsc::Receiver<Job>) {
+        while let Some(job) = queue.recv().await {
+            let Job {
+                events,
+                todo,
+                claimed_at,
+                answer,
+            } = job;
+            let answered = self.publish(&events, &todo, claimed_at).await;
+            // The rows go back to the stage whole: this lane's share of
+            // them is dropped before it answers.
+            drop(events);
+            let _ = answer.send(answered);
+        }
+    }
+
+    async fn publish(
+        &self,
+        events: &[ClaimedEvent],
+        todo: &[usize],
+        claimed_at: Instant,
+    ) -> Answer {
+        if self.shutdown.is_cancelled() || !self.budget.may_start_publish(claimed_at.elapsed()) {
+            return Answer::NotStarted;
+        }
+        let p = self.publisher.as_ref();
+        let deliveries: Vec<Delivery<'_>> = todo
+            .iter()
+            .map(|&i| Delivery::of(&events[i].record))
+            .collect();
+        if let Some(left) = self.breaker.skip(Instant::now()) {
+            return Answer::Published(skipped(p.name(), deliveries.len(), left));
+        }
+        // Every publish of the batch ends by here, leaving the lease's
+        // mark reserve; results not in by then count as timed out.
+        let deadline = tokio::time::Instant::from_std(claimed_at) + self.budget.publish_deadline();
+        let started = Instant::now();
+        let published =
+            std::panic::AssertUnwindSafe(publish_bounded(p, &deliveries, self.timeout, deadline))
+                .catch_unwind()
+                .await;
+        match published {
+            Ok(results) => {
+                trip_or_reset(p.name(), &self.breaker, &results);
+                self.pace
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .record(deliveries.len(), started.elapsed());
+                Answer::Published(results)
+            }
+            Err(panic) => Answer::Panicked(panic),
+        }
+    }
+}
+
 /// One row of the batch being published.
 struct Row {
     event: ClaimedEvent,
@@ -230,6 +654,9 @@ struct Row {
     confirmed: Vec<String>,
     /// Publishers that failed it in this attempt.
     errors: Vec<(String, PublishError)>,
+    /// Publishers that were behind and did not take it, and when they are
+    /// expected to have room.
+    deferred: Vec<(String, Duration)>,
 }
 
 /// What one claimed row's attempt decided, for the mark stage to write.
@@ -325,4 +752,32 @@ async fn publish_bounded(
         }
     }
     results
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deferred_rows_are_due_when_their_lane_is_expected_to_have_room() {
+        let now = Instant::now();
+        let mut pace = Pace::default();
+        // No publish has ended yet: the poll interval, within bounds.
+        assert_eq!(
+            pace.defer(20, now, Duration::from_secs(1)),
+            Duration::from_secs(1)
+        );
+        assert_eq!(pace.defer(20, now, Duration::ZERO), MIN_DEFER);
+        // 25 ms a row, 40 rows held: the 20 deferred are its rows 41..60,
+        // and the next 20 are booked after them.
+        pace.record(20, Duration::from_millis(500));
+        pace.held_rows = 40;
+        let first = pace.defer(20, now, Duration::from_secs(1));
+        let second = pace.defer(20, now, Duration::from_secs(1));
+        assert!((first.as_secs_f64() - 1.5).abs() < 1e-6, "{first:?}");
+        assert!((second.as_secs_f64() - 2.0).abs() < 1e-6, "{second:?}");
+        // A hung publisher's pace is capped, not hours.
+        pace.record(1, Duration::from_secs(3_000));
+        assert_eq!(pace.defer(500, now, Duration::from_secs(1)), MAX_DEFER);
+    }
 }

@@ -62,6 +62,10 @@ pub struct AttemptResult {
     pub confirmed_now: Vec<String>,
     /// `(publisher, error)` for each that failed now.
     pub errors: Vec<(String, String)>,
+    /// `(publisher, when it expects to have room)` for each that did not
+    /// take the row this time because it is behind (its own queue is
+    /// full): not an attempt.
+    pub deferred: Vec<(String, Duration)>,
 }
 
 /// Where the row goes next.
@@ -83,6 +87,17 @@ pub enum Decision {
         /// Joined error text.
         error: String,
     },
+    /// Not an attempt: the publishers that had room confirmed, and the
+    /// ones still behind (`behind`) take the row after `after`, when they
+    /// are expected to have room (SPEC §3, isolation). `retry_count` stays.
+    Defer {
+        /// When the publishers behind are expected to have room.
+        after: Duration,
+        /// Publishers that have confirmed so far.
+        delivered_to: Vec<String>,
+        /// The publishers that did not take the row.
+        behind: Vec<String>,
+    },
     /// Dead letter.
     Failed {
         /// New failed-attempt count.
@@ -100,7 +115,7 @@ impl Decision {
         match self {
             Decision::Publish => Status::Delivering,
             Decision::Delivered => Status::Delivered,
-            Decision::Retry { .. } => Status::Retryable,
+            Decision::Retry { .. } | Decision::Defer { .. } => Status::Retryable,
             Decision::Failed { .. } => Status::Failed,
         }
     }
@@ -122,10 +137,11 @@ const RELAY: &str = "relay";
 /// event may be what crashes or hangs its relay; SPEC §3: it ends `failed`
 /// instead of looping). Either way the refusal counts one more attempt.
 ///
-/// After ([`Attempt::Published`]): delivered when every publisher
-/// confirmed, else one more failed attempt: retried after
-/// `backoff(new count)` while [`RetryPolicy::may_retry`] allows, else
-/// dead-lettered. Never [`Decision::Publish`].
+/// After ([`Attempt::Published`]): one more failed attempt when any
+/// publisher failed: retried after `backoff(new count)` while
+/// [`RetryPolicy::may_retry`] allows, else dead-lettered. Without a
+/// failure: deferred (no attempt counted) when a publisher was behind and
+/// did not take it, else delivered. Never [`Decision::Publish`].
 pub fn decide(
     attempt: &Attempt,
     policy: RetryPolicy,
@@ -155,14 +171,21 @@ fn after_publish(
     policy: RetryPolicy,
     backoff: impl FnOnce(u32) -> Duration,
 ) -> Decision {
-    if result.errors.is_empty() {
-        return Decision::Delivered;
-    }
     let mut delivered_to = result.delivered_before.clone();
     for p in &result.confirmed_now {
         if !delivered_to.contains(p) {
             delivered_to.push(p.clone());
         }
+    }
+    if result.errors.is_empty() {
+        return match result.deferred.iter().map(|(_, after)| *after).max() {
+            None => Decision::Delivered,
+            Some(after) => Decision::Defer {
+                after,
+                delivered_to,
+                behind: result.deferred.iter().map(|(p, _)| p.clone()).collect(),
+            },
+        };
     }
     let error = result
         .errors
@@ -205,6 +228,7 @@ mod tests {
             delivered_before: vec![],
             confirmed_now: vec!["rabbit".into()],
             errors: vec![("hook".into(), "503".into())],
+            deferred: vec![],
         })
     }
 
@@ -228,6 +252,7 @@ mod tests {
             delivered_before: vec![],
             confirmed_now: vec!["rabbit".into()],
             errors: vec![],
+            deferred: vec![],
         });
         assert_eq!(decide(&r, policy(10), secs), Decision::Delivered);
     }
@@ -311,6 +336,25 @@ mod tests {
     }
 
     #[test]
+    fn a_publisher_behind_defers_the_row_without_counting_an_attempt() {
+        let r = Attempt::Published(AttemptResult {
+            retry_count: 2,
+            delivered_before: vec!["file".into()],
+            confirmed_now: vec!["rabbit".into()],
+            errors: vec![],
+            deferred: vec![("hook".into(), secs(3)), ("nats".into(), secs(1))],
+        });
+        assert_eq!(
+            decide(&r, policy(3), secs),
+            Decision::Defer {
+                after: secs(3),
+                delivered_to: vec!["file".to_string(), "rabbit".to_string()],
+                behind: vec!["hook".to_string(), "nats".to_string()],
+            }
+        );
+    }
+
+    #[test]
     fn at_most_once_never_retries() {
         let once = RetryPolicy {
             delivery: Delivery::AtMostOnce,
@@ -356,6 +400,7 @@ mod tests {
                 delivered_before: before.clone(),
                 confirmed_now: now.clone(),
                 errors: vec![("d".into(), "down".into())],
+                deferred: vec![("e".into(), secs(1))],
             });
             match decide(&r, p, secs) {
                 Decision::Retry { retry_count, delivered_to, .. } => {
