@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo bench -p postbox-cli --bench outbox_cost -- [postgres|mysql] [ROWS] [RUNS] \
-//!     [--only drain|rabbitmq|producer|latency|history] [--history N]
+//!     [--only drain|rabbitmq|producer|latency|isolation|history] [--history N]
 //! ```
 //!
 //! RUNS (default 3) runs per section; each prints its figures per run, the
@@ -61,6 +61,12 @@
 //!   the `postgres` database, so the reading connection adds none;
 //!   autovacuum visiting the database in the window would be counted too. Run once, not RUNS times: each row is a
 //!   distribution over 10,000 events.
+//! - **isolation** (PostgreSQL, MariaDB): ROWS pending rows (default
+//!   50,000) drained by the relay (batch_size 100, publish_timeout 1 s) to
+//!   a healthy publisher (`/dev/null`) *alone*, then beside a *slow* one
+//!   (answers each batch after 250 ms) and beside a *hung* one (never
+//!   answers). Reports the rate at which the healthy publisher gets every
+//!   row, and each case's ratio to *alone* (target: ≥ 0.9).
 //! - **history** (PostgreSQL, MariaDB; only when asked for with `--only
 //!   history`, as loading takes minutes): one `migrate`d table loaded once
 //!   with `--history N` delivered rows (default 10,000,000). Per run, ROWS
@@ -156,6 +162,7 @@ enum Section {
     Rabbitmq,
     Producer,
     Latency,
+    Isolation,
     History,
 }
 
@@ -166,9 +173,10 @@ impl Section {
             "rabbitmq" => Section::Rabbitmq,
             "producer" => Section::Producer,
             "latency" => Section::Latency,
+            "isolation" => Section::Isolation,
             "history" => Section::History,
             other => {
-                panic!("unknown section `{other}`: drain, rabbitmq, producer, latency or history")
+                panic!("unknown section `{other}`: drain, rabbitmq, producer, latency, isolation or history")
             }
         }
     }
@@ -232,6 +240,9 @@ async fn main() {
         } else {
             println!("\n== latency: skipped (PostgreSQL only) ==");
         }
+    }
+    if wanted(Section::Isolation) {
+        isolation_section(db, rows.unwrap_or(50_000), runs).await;
     }
     if only == Some(Section::History) {
         history_section(db, history, rows.unwrap_or(100_000), runs).await;
@@ -914,6 +925,114 @@ async fn relays_drain(
     }
     assert_eq!(delivered, rows, "the relays delivered every row once");
     rows as f64 / elapsed.as_secs_f64()
+}
+
+// ---------------------------------------------------------------------------
+// Isolation between publishers.
+
+/// A publisher that answers each batch after `delay`, or never (`None`:
+/// the relay's `publish_timeout` ends each publish).
+struct Lagging {
+    name: &'static str,
+    delay: Option<Duration>,
+}
+
+#[async_trait]
+impl Publisher for Lagging {
+    fn name(&self) -> &str {
+        self.name
+    }
+
+    async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+        match self.delay {
+            Some(delay) => {
+                tokio::time::sleep(delay).await;
+                batch.iter().map(|_| Ok(())).collect()
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// How fast a healthy publisher gets all of `rows` pending rows, beside
+/// `beside` (if any); events/s.
+async fn isolation_run(db: Db, rows: u64, beside: Option<Lagging>) -> f64 {
+    let store = postbox_table(db, rows).await;
+    let table = store.table().as_str().to_owned();
+    let healthy = Arc::new(Counting {
+        inner: dev_null().await,
+        offered: AtomicU64::new(0),
+    });
+    let mut publishers: Vec<Arc<dyn Publisher>> = vec![healthy.clone()];
+    publishers.extend(beside.map(|p| Arc::new(p) as Arc<dyn Publisher>));
+    let config = WorkerConfig {
+        batch_size: DRAIN_BATCH,
+        poll_interval: HumanDuration::millis(50),
+        publish_timeout: HumanDuration::secs(1),
+        max_retry_count: 1_000,
+        ..WorkerConfig::default()
+    };
+    let settings =
+        RelaySettings::new(config, vec![APP.to_owned()]).expect("a valid [outbox_worker]");
+    let shutdown = CancellationToken::new();
+    let start = Instant::now();
+    let task = tokio::spawn(Relay::new(store.clone(), publishers, settings).run(shutdown.clone()));
+    let mut dog = Watchdog::new("healthy publisher");
+    loop {
+        let offered = healthy.offered.load(Ordering::Relaxed);
+        if offered >= rows {
+            break;
+        }
+        dog.saw(offered);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = start.elapsed();
+    shutdown.cancel();
+    bounded("relay shutdown", task)
+        .await
+        .expect("relay task")
+        .expect("relay");
+    drop_postbox_table(db, &table).await;
+    rows as f64 / elapsed.as_secs_f64()
+}
+
+async fn isolation_section(db: Db, rows: u64, runs: usize) {
+    println!(
+        "\n== isolation: {rows} rows, batch {DRAIN_BATCH}, the healthy publisher's rate (events/s) =="
+    );
+    let cases: [(&str, fn() -> Option<Lagging>); 3] = [
+        ("alone", || None),
+        ("beside a slow one (250 ms a batch)", || {
+            Some(Lagging {
+                name: "slow",
+                delay: Some(Duration::from_millis(250)),
+            })
+        }),
+        ("beside a hung one (timeout 1 s)", || {
+            Some(Lagging {
+                name: "hung",
+                delay: None,
+            })
+        }),
+    ];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+    for run in 1..=runs {
+        // The cases take turns, so drift on the machine touches each alike.
+        for (i, (name, beside)) in cases.iter().enumerate() {
+            let rate = isolation_run(db, rows, beside()).await;
+            println!("run {run}: {name:<36} {rate:>9.0}");
+            rates[i].push(rate);
+        }
+    }
+    let alone = median(&rates[0]);
+    println!("median: {:<35} {alone:>9.0}", cases[0].0);
+    for (i, (name, _)) in cases.iter().enumerate().skip(1) {
+        let m = median(&rates[i]);
+        println!(
+            "median: {name:<35} {m:>9.0}   ratio to alone {:.2} (target ≥ 0.9)",
+            m / alone
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -34,7 +34,8 @@ pub const RESULT_ERROR: &str = "error";
 /// `result` label of a publish cut off by `publish_timeout`.
 pub const RESULT_TIMEOUT: &str = "timeout";
 /// Not handed to the publisher: it timed out on a whole batch recently and
-/// is skipped for a cool-down (see the relay's publisher isolation).
+/// is skipped for a cool-down (see the relay's publisher isolation); the
+/// rows are deferred for it, no attempt counted.
 pub const RESULT_SKIPPED: &str = "skipped";
 /// Not handed to the publisher because it was behind (its lane was full):
 /// the rows wait for it, no attempt counted.

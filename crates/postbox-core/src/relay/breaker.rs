@@ -5,10 +5,13 @@
 //! spend a `publish_timeout` on every batch it is handed, and its rows
 //! would wait that long for their next try. Once a publisher
 //! has let every delivery of a batch time out, its breaker opens: for the
-//! cool-down (5 s, doubling on each failed trial up to 60 s) its deliveries
-//! fail at once, without a publish (counted as `postbox_publish_total{result
-//! = "skipped"}`), and the rows are retried for it later as for any failed
-//! attempt (fanout progress keeps what the others confirmed). The first
+//! cool-down (5 s, doubling on each failed trial up to 60 s) its rows are
+//! not published (counted as `postbox_publish_total{result = "skipped"}`)
+//! but deferred for it, no attempt counted, until the cool-down ends at
+//! least (fanout progress keeps what the others confirmed): an outage of
+//! the target is not the events' fault, and one write per batch is what
+//! the database pays while it lasts. The timeouts of the trial batches
+//! count as attempts. The first
 //! batch after the cool-down is a trial: any confirmation closes the
 //! breaker; another batch of timeouts opens it for twice as long. Each
 //! opening and closing is one log line, not one per batch.

@@ -96,7 +96,7 @@ impl Marker {
                         after_ms: after.as_millis() as i64,
                         delivered_to,
                         reason: truncate_error(&format!(
-                            "deferred, no attempt counted: {} behind (queue full); due again in {after:.1?}",
+                            "deferred, no attempt counted: {} behind (slow, or skipped for a cool-down after timing out); due again in {after:.1?}",
                             behind.join(", ")
                         )),
                     };

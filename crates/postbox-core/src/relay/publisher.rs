@@ -43,7 +43,7 @@ pub(super) const LANE_QUEUE: usize = 2;
 
 /// The shortest and longest wait of a deferred row.
 const MIN_DEFER: Duration = Duration::from_millis(100);
-const MAX_DEFER: Duration = Duration::from_secs(60);
+const MAX_DEFER: Duration = Duration::from_secs(600);
 
 pub(super) struct PublishStage {
     pub store: Arc<dyn RelayStore>,
@@ -74,14 +74,18 @@ impl PublishStage {
         let lanes = self.start_lanes(&shutdown);
         let mut in_flight: FuturesUnordered<InFlight> = FuturesUnordered::new();
         // A batch waiting for room on a lane that needs it.
-        let mut parked: Option<Prepared> = None;
+        let mut parked: Option<Parked> = None;
         let mut released = 0;
         let mut input_open = true;
         let failure = loop {
             if !input_open && parked.is_none() && in_flight.is_empty() {
                 break None;
             }
-            let needed = parked.as_ref().map(Prepared::lanes).unwrap_or_default();
+            let waiting_on = parked
+                .as_ref()
+                .map(|p| p.waiting_on.clone())
+                .unwrap_or_default();
+            let patience_ends = parked.as_ref().and_then(|p| p.until);
             tokio::select! {
                 biased;
                 Some(answered) = in_flight.next() => {
@@ -101,17 +105,25 @@ impl PublishStage {
                         break None;
                     }
                 }
-                _ = room(&lanes, &needed), if parked.is_some() => {
-                    if let Some(batch) = parked.take() {
-                        match self.dispatch(batch, &lanes, &mut in_flight) {
+                _ = room(&lanes, &waiting_on), if parked.is_some() => {
+                    if let Some(p) = parked.take() {
+                        match self.dispatch(p.batch, p.until, &lanes, &mut in_flight) {
+                            Ok(still) => parked = still,
+                            Err(e) => break Some(Stop::Failed(e)),
+                        }
+                    }
+                }
+                _ = sleep_until(patience_ends), if parked.is_some() => {
+                    if let Some(p) = parked.take() {
+                        match self.dispatch(p.batch, Some(Instant::now()), &lanes, &mut in_flight) {
                             Ok(still) => parked = still,
                             Err(e) => break Some(Stop::Failed(e)),
                         }
                     }
                 }
                 _ = shutdown.cancelled(), if parked.is_some() => {
-                    if let Some(batch) = parked.take() {
-                        released += super::release(self.store.as_ref(), &batch.events, "unstarted batch").await;
+                    if let Some(p) = parked.take() {
+                        released += super::release(self.store.as_ref(), &p.batch.events, "unstarted batch").await;
                     }
                 }
                 batch = input.recv(), if input_open && parked.is_none() => match batch {
@@ -131,7 +143,7 @@ impl PublishStage {
                             released += self.release(batch).await;
                         } else {
                             let prepared = self.prepare(batch);
-                            match self.dispatch(prepared, &lanes, &mut in_flight) {
+                            match self.dispatch(prepared, None, &lanes, &mut in_flight) {
                                 Ok(still) => parked = still,
                                 Err(e) => break Some(Stop::Failed(e)),
                             }
@@ -146,8 +158,9 @@ impl PublishStage {
         while let Some(batch) = input.recv().await {
             released += self.release(batch).await;
         }
-        if let Some(batch) = parked.take() {
-            released += super::release(self.store.as_ref(), &batch.events, "unstarted batch").await;
+        if let Some(p) = parked.take() {
+            released +=
+                super::release(self.store.as_ref(), &p.batch.events, "unstarted batch").await;
         }
         for lane in &lanes {
             lane.task.abort();
@@ -267,17 +280,49 @@ impl PublishStage {
     }
 
     /// Hands `batch` to every lane that needs it and has room, deferring
-    /// it for the lanes that are full; gives it back (`Some`) when no lane
-    /// that needs it has room. A batch no publisher needs is done at once.
+    /// it for the lanes that are full and *behind*: expected to stay full
+    /// longer than the patience ([`patience`]). Gives it back to wait
+    /// (`Some`) while a full lane it needs may have room soon: until room
+    /// comes, or the patience (`until`, set on the first wait) ends. With
+    /// one publisher it waits for room however long it takes. A batch no
+    /// publisher needs is done at once.
     fn dispatch(
         &self,
         batch: Prepared,
+        until: Option<Instant>,
         lanes: &[Lane],
         in_flight: &mut FuturesUnordered<InFlight>,
-    ) -> Result<Option<Prepared>> {
+    ) -> Result<Option<Parked>> {
         let needed = batch.lanes();
-        if !needed.is_empty() && !needed.iter().any(|&l| lanes[l].jobs.capacity() > 0) {
-            return Ok(Some(batch));
+        let full: Vec<usize> = needed
+            .iter()
+            .copied()
+            .filter(|&l| lanes[l].jobs.capacity() == 0)
+            .collect();
+        let now = Instant::now();
+        if !full.is_empty() && until.is_none_or(|t| now < t) {
+            match patience(lanes, batch.events.len()) {
+                // Nothing else could use the time: wait.
+                None => {
+                    return Ok(Some(Parked {
+                        batch,
+                        waiting_on: full,
+                        until: None,
+                    }))
+                }
+                Some(patience) => {
+                    if full
+                        .iter()
+                        .any(|&l| lanes[l].pace().room_in(now) <= patience)
+                    {
+                        return Ok(Some(Parked {
+                            batch,
+                            waiting_on: full,
+                            until: Some(until.unwrap_or(now + patience)),
+                        }));
+                    }
+                }
+            }
         }
         let Prepared {
             events,
@@ -353,17 +398,27 @@ impl PublishStage {
                 deferred: Vec::new(),
             })
             .collect();
-        let behind = |l: usize, rows: &mut Vec<Row>| {
+        // `skipped`: the lane's breaker is open for that much longer.
+        let behind = |l: usize, rows: &mut Vec<Row>, skipped: Option<Duration>| {
             let lane = &lanes[l];
             let n = todo[l].len();
             // At shutdown the rows are given back due at once.
             let after = if shutdown.is_cancelled() {
                 Duration::ZERO
             } else {
-                lane.pace()
-                    .defer(n, Instant::now(), self.config.poll_interval.get())
+                // Booked at the lane's pace; a skipped lane's rows not
+                // before its cool-down ends.
+                let booked = lane
+                    .pace()
+                    .defer(n, Instant::now(), self.config.poll_interval.get());
+                skipped.map_or(booked, |left| left.max(booked))
             };
-            metrics::counter!(m::PUBLISH_TOTAL, "publisher" => lane.name.clone(), "result" => m::RESULT_DEFERRED)
+            let result = if skipped.is_some() {
+                m::RESULT_SKIPPED
+            } else {
+                m::RESULT_DEFERRED
+            };
+            metrics::counter!(m::PUBLISH_TOTAL, "publisher" => lane.name.clone(), "result" => result)
                 .increment(n as u64);
             for &i in &todo[l] {
                 rows[i].deferred.push((lane.name.clone(), after));
@@ -381,7 +436,8 @@ impl PublishStage {
                         }
                     }
                 }
-                Some(Answer::NotStarted) => behind(l, &mut rows),
+                Some(Answer::NotStarted) => behind(l, &mut rows, None),
+                Some(Answer::Skipped(left)) => behind(l, &mut rows, Some(left)),
                 Some(Answer::Panicked(panic)) => return Err(Stop::Panicked(panic)),
                 None => {
                     return Err(Stop::Failed(Error::Internal(format!(
@@ -392,7 +448,7 @@ impl PublishStage {
             }
         }
         for l in full {
-            behind(l, &mut rows);
+            behind(l, &mut rows, None);
         }
         let stopping = shutdown.is_cancelled();
         let (unstarted, rows): (Vec<Row>, Vec<Row>) = rows.into_iter().partition(|row| {
@@ -452,6 +508,41 @@ impl PublishStage {
             failed_publishers,
         }
     }
+}
+
+/// How long a batch may wait for a full lane that is about to have room
+/// before its rows are deferred for it: twice the fastest lane's time for
+/// a batch of `rows` (at least 2 ms; 20 ms before any publish ended).
+/// `None` with one publisher: there is nothing else to do meanwhile.
+fn patience(lanes: &[Lane], rows: usize) -> Option<Duration> {
+    if lanes.len() < 2 {
+        return None;
+    }
+    let fastest = lanes
+        .iter()
+        .filter_map(|lane| lane.pace().per_row)
+        .min_by(f64::total_cmp);
+    Some(match fastest {
+        Some(per_row) => {
+            Duration::from_secs_f64(2.0 * per_row * rows as f64).max(Duration::from_millis(2))
+        }
+        None => Duration::from_millis(20),
+    })
+}
+
+async fn sleep_until(until: Option<Instant>) {
+    match until {
+        Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A batch waiting for room on `waiting_on` (lanes it needs that were
+/// full), until `until` at most.
+struct Parked {
+    batch: Prepared,
+    waiting_on: Vec<usize>,
+    until: Option<Instant>,
 }
 
 /// Resolves when a lane in `needed` has room for a batch.
@@ -529,6 +620,9 @@ enum Answer {
     /// Not published: the job waited in the queue past the lease's publish
     /// budget, or the relay is stopping.
     NotStarted,
+    /// Not published: the publisher's breaker is open for this much
+    /// longer (it timed out on a whole batch).
+    Skipped(Duration),
     /// The publisher panicked (a bug).
     Panicked(Box<dyn std::any::Any + Send>),
 }
@@ -550,9 +644,36 @@ struct Pace {
     held_rows: usize,
     /// Until when the rows deferred so far are expected to keep it busy.
     booked_until: Option<Instant>,
+    /// The publish under way: when it started, and its rows.
+    running: Option<(Instant, usize)>,
 }
 
 impl Pace {
+    /// Seconds per row: the average, or before the first publish ended,
+    /// what the one under way has taken so far (a lower bound).
+    fn per_row_estimate(&self, now: Instant) -> Option<f64> {
+        self.per_row.or_else(|| {
+            self.running
+                .map(|(since, rows)| now.duration_since(since).as_secs_f64() / rows.max(1) as f64)
+        })
+    }
+
+    /// How long until the publish under way is expected to end (and so
+    /// a full lane to have room): its expected time left, or before the
+    /// first publish ended, as long again as it has taken so far.
+    fn room_in(&self, now: Instant) -> Duration {
+        let Some((since, rows)) = self.running else {
+            return Duration::ZERO;
+        };
+        let taken = now.duration_since(since);
+        match self.per_row {
+            Some(per_row) => {
+                Duration::from_secs_f64((per_row * rows as f64).min(3600.0)).saturating_sub(taken)
+            }
+            None => taken,
+        }
+    }
+
     fn record(&mut self, rows: usize, took: Duration) {
         if rows == 0 {
             return;
@@ -568,7 +689,7 @@ impl Pace {
     /// published what it holds and what was deferred before them
     /// (`fallback`, the poll interval, before its first publish ended).
     fn defer(&mut self, rows: usize, now: Instant, fallback: Duration) -> Duration {
-        let Some(per_row) = self.per_row else {
+        let Some(per_row) = self.per_row_estimate(now) else {
             return fallback.clamp(MIN_DEFER, MAX_DEFER);
         };
         let busy = now + Duration::from_secs_f64((per_row * self.held_rows as f64).min(3600.0));
@@ -590,6 +711,10 @@ struct LaneWorker {
 }
 
 impl LaneWorker {
+    fn pace(&self) -> std::sync::MutexGuard<'_, Pace> {
+        self.pace.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     async fn run(self, mut queue: mpsc::Receiver<Job>) {
         while let Some(job) = queue.recv().await {
             let Job {
@@ -621,23 +746,23 @@ impl LaneWorker {
             .map(|&i| Delivery::of(&events[i].record))
             .collect();
         if let Some(left) = self.breaker.skip(Instant::now()) {
-            return Answer::Published(skipped(p.name(), deliveries.len(), left));
+            return Answer::Skipped(left);
         }
         // Every publish of the batch ends by here, leaving the lease's
         // mark reserve; results not in by then count as timed out.
         let deadline = tokio::time::Instant::from_std(claimed_at) + self.budget.publish_deadline();
         let started = Instant::now();
+        self.pace().running = Some((started, deliveries.len()));
         let published =
             std::panic::AssertUnwindSafe(publish_bounded(p, &deliveries, self.timeout, deadline))
                 .catch_unwind()
                 .await;
+        let mut pace = self.pace();
+        pace.running = None;
         match published {
             Ok(results) => {
                 trip_or_reset(p.name(), &self.breaker, &results);
-                self.pace
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .record(deliveries.len(), started.elapsed());
+                pace.record(deliveries.len(), started.elapsed());
                 Answer::Published(results)
             }
             Err(panic) => Answer::Panicked(panic),
@@ -667,19 +792,6 @@ pub(super) struct Outcome {
     /// The publishers that failed it in this attempt, comma-separated (the
     /// history's `publisher` column); `None` when it was never published.
     pub failed_publishers: Option<String>,
-}
-
-/// The results of a batch not handed to `publisher` because its breaker is
-/// open for `left` more: failed attempts, retried later like any other.
-fn skipped(publisher: &str, n: usize, left: Duration) -> Vec<Result<(), PublishError>> {
-    metrics::counter!(m::PUBLISH_TOTAL, "publisher" => publisher.to_owned(), "result" => m::RESULT_SKIPPED)
-        .increment(n as u64);
-    let message = format!(
-        "not published: {publisher} timed out on a whole batch, so it is skipped for {left:.0?} more while the other publishers go on; retried after the backoff"
-    );
-    (0..n)
-        .map(|_| Err(PublishError::failed(message.clone())))
-        .collect()
 }
 
 /// Opens `breaker` when every delivery of the batch timed out, closes it
