@@ -932,6 +932,7 @@ async fn relays_drain(
 
 /// A publisher that answers each batch after `delay`, or never (`None`:
 /// the relay's `publish_timeout` ends each publish).
+#[derive(Clone, Copy)]
 struct Lagging {
     name: &'static str,
     delay: Option<Duration>,
@@ -1000,26 +1001,29 @@ async fn isolation_section(db: Db, rows: u64, runs: usize) {
     println!(
         "\n== isolation: {rows} rows, batch {DRAIN_BATCH}, the healthy publisher's rate (events/s) =="
     );
-    let cases: [(&str, fn() -> Option<Lagging>); 3] = [
-        ("alone", || None),
-        ("beside a slow one (250 ms a batch)", || {
+    let cases: [(&str, Option<Lagging>); 3] = [
+        ("alone", None),
+        (
+            "beside a slow one (250 ms a batch)",
             Some(Lagging {
                 name: "slow",
                 delay: Some(Duration::from_millis(250)),
-            })
-        }),
-        ("beside a hung one (timeout 1 s)", || {
+            }),
+        ),
+        (
+            "beside a hung one (timeout 1 s)",
             Some(Lagging {
                 name: "hung",
                 delay: None,
-            })
-        }),
+            }),
+        ),
     ];
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
     for run in 1..=runs {
         // The cases take turns, so drift on the machine touches each alike.
         for (i, (name, beside)) in cases.iter().enumerate() {
-            let rate = isolation_run(db, rows, beside()).await;
+            let beside = *beside;
+            let rate = isolation_run(db, rows, beside).await;
             println!("run {run}: {name:<36} {rate:>9.0}");
             rates[i].push(rate);
         }
