@@ -95,8 +95,9 @@ impl Marker {
                     let update = DeferUpdate {
                         after_ms: after.as_millis() as i64,
                         delivered_to,
+                        // Short: it is written into every deferred row.
                         reason: truncate_error(&format!(
-                            "deferred, no attempt counted: {} behind (slow, or skipped for a cool-down after timing out); due again in {after:.1?}",
+                            "deferred for {} (behind; no attempt)",
                             behind.join(", ")
                         )),
                     };

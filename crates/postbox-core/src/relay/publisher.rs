@@ -638,7 +638,7 @@ enum Stop {
 /// claiming again.
 #[derive(Debug, Default)]
 struct Pace {
-    /// Seconds per row, a moving average of its publishes.
+    /// Seconds per row, a moving average of its publishes that confirmed.
     per_row: Option<f64>,
     /// Rows queued on the lane or being published.
     held_rows: usize,
@@ -762,7 +762,11 @@ impl LaneWorker {
         match published {
             Ok(results) => {
                 trip_or_reset(p.name(), &self.breaker, &results);
-                pace.record(deliveries.len(), started.elapsed());
+                // A publish that confirmed nothing (timeouts, a target
+                // that is down) says nothing about the publisher's pace.
+                if results.iter().any(Result::is_ok) {
+                    pace.record(deliveries.len(), started.elapsed());
+                }
                 Answer::Published(results)
             }
             Err(panic) => Answer::Panicked(panic),
