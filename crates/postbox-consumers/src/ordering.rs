@@ -93,9 +93,12 @@ impl Statements {
     }
 }
 
-#[cfg(feature = "postgres")]
-const POSTGRES: Dialect = Dialect {
-    create: "CREATE TABLE IF NOT EXISTS {table}_holds (
+/// The holds table of PostgreSQL and MySQL, followed by `$options`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+macro_rules! create_holds {
+    ($options:literal) => {
+        concat!(
+            "CREATE TABLE IF NOT EXISTS {table}_holds (
         consumer_group VARCHAR(128) NOT NULL,
         aggregate_id VARCHAR(128) NOT NULL,
         event_id VARCHAR(64) NOT NULL,
@@ -103,6 +106,14 @@ const POSTGRES: Dialect = Dialect {
         until_ms BIGINT NOT NULL,
         PRIMARY KEY (consumer_group, aggregate_id, event_id)
     )",
+            $options
+        )
+    };
+}
+
+#[cfg(feature = "postgres")]
+const POSTGRES: Dialect = Dialect {
+    create: create_holds!(""),
     // primary key prefix (consumer_group, aggregate_id)
     blocker: "SELECT event_id FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND aggregate_version < $3 AND event_id <> $4 AND until_ms > $5 ORDER BY aggregate_version LIMIT 1",
     hold: "INSERT INTO {table}_holds (consumer_group, aggregate_id, event_id, aggregate_version, until_ms) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (consumer_group, aggregate_id, event_id) DO UPDATE SET aggregate_version = EXCLUDED.aggregate_version, until_ms = EXCLUDED.until_ms",
@@ -112,14 +123,7 @@ const POSTGRES: Dialect = Dialect {
 
 #[cfg(feature = "mysql")]
 const MYSQL: Dialect = Dialect {
-    create: "CREATE TABLE IF NOT EXISTS {table}_holds (
-        consumer_group VARCHAR(128) NOT NULL,
-        aggregate_id VARCHAR(128) NOT NULL,
-        event_id VARCHAR(64) NOT NULL,
-        aggregate_version BIGINT NOT NULL,
-        until_ms BIGINT NOT NULL,
-        PRIMARY KEY (consumer_group, aggregate_id, event_id)
-    ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin",
+    create: create_holds!(" ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"),
     // primary key prefix (consumer_group, aggregate_id); the cast because a
     // `_bin` collation reads back as VARBINARY
     blocker: "SELECT CAST(event_id AS CHAR CHARACTER SET utf8mb4) FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND aggregate_version < ? AND event_id <> ? AND until_ms > ? ORDER BY aggregate_version LIMIT 1",

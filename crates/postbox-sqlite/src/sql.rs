@@ -107,28 +107,58 @@ pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
 /// The claims, in the order `ClaimStatements::render` takes them.
 pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 
-/// Fenced: only rows still leased by this claim. Primary key lookups;
-/// ?1 is a JSON array of ids.
+/// The fence of a batch write: rows `?$ids` (a JSON array of ids) still
+/// leased by the claim `(?$worker, ?$lock)`. Primary key lookups.
+macro_rules! fenced_ids {
+    ($ids:literal, $worker:literal, $lock:literal) => {
+        concat!(
+            " WHERE id IN (SELECT value FROM json_each(?",
+            $ids,
+            ")) AND status = 'delivering' AND worker_id = ?",
+            $worker,
+            " AND lock_until_ms = ?",
+            $lock
+        )
+    };
+}
+
+/// Fenced: only rows still leased by this claim.
 pub(crate) const MARK_DELIVERED: &str = concat!(
     "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
        next_retry_at_ms = ",
     now_ms!(),
     ", updated_at_ms = ",
     now_ms!(),
-    " \
-     WHERE id IN (SELECT value FROM json_each(?1)) \
-       AND status = 'delivering' AND worker_id = ?2 AND lock_until_ms = ?3"
+    fenced_ids!("1", "2", "3")
 );
+
+/// The assignments of a row that waits for its next try: `$status`, due
+/// `?$after` ms from now, its lease ended, `delivered_to` and
+/// `last_error` written.
+macro_rules! waiting {
+    ($status:literal, $after:literal, $delivered_to:literal, $error:literal) => {
+        concat!(
+            "status = ",
+            $status,
+            ", next_retry_at_ms = ",
+            now_ms!(),
+            " + ?",
+            $after,
+            ", lock_until_ms = 0, delivered_to = ?",
+            $delivered_to,
+            ", last_error = ?",
+            $error,
+            ", updated_at_ms = ",
+            now_ms!()
+        )
+    };
+}
 
 /// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
 pub(crate) const MARK_FAILED: &str = concat!(
-    "UPDATE {table} SET status = ?1, retry_count = ?2, next_retry_at_ms = ",
-    now_ms!(),
-    " + ?3, \
-       lock_until_ms = 0, delivered_to = ?4, last_error = ?5, updated_at_ms = ",
-    now_ms!(),
-    " \
-     WHERE id = ?6 AND status = 'delivering' AND worker_id = ?7 AND lock_until_ms = ?8"
+    "UPDATE {table} SET retry_count = ?2, ",
+    waiting!("?1", "3", "4", "5"),
+    " WHERE id = ?6 AND status = 'delivering' AND worker_id = ?7 AND lock_until_ms = ?8"
 );
 
 /// Fenced release at shutdown: due again at once, no attempt counted.
@@ -136,23 +166,16 @@ pub(crate) const RELEASE: &str = concat!(
     "UPDATE {table} SET status = CASE WHEN retry_count = 0 THEN 'pending' ELSE 'retryable' END, \
        next_retry_at_ms = 0, lock_until_ms = 0, worker_id = NULL, updated_at_ms = ",
     now_ms!(),
-    " \
-     WHERE id IN (SELECT value FROM json_each(?1)) \
-       AND status = 'delivering' AND worker_id = ?2 AND lock_until_ms = ?3"
+    fenced_ids!("1", "2", "3")
 );
 
 /// Fenced, no attempt counted: a publisher was behind, so the rows wait
 /// for it as `retryable`, due after `?1` ms, keeping what the others
 /// confirmed.
 pub(crate) const DEFER: &str = concat!(
-    "UPDATE {table} SET status = 'retryable', next_retry_at_ms = ",
-    now_ms!(),
-    " + ?1, \
-       lock_until_ms = 0, worker_id = NULL, delivered_to = ?2, last_error = ?3, updated_at_ms = ",
-    now_ms!(),
-    " \
-     WHERE id IN (SELECT value FROM json_each(?4)) \
-       AND status = 'delivering' AND worker_id = ?5 AND lock_until_ms = ?6"
+    "UPDATE {table} SET worker_id = NULL, ",
+    waiting!("'retryable'", "1", "2", "3"),
+    fenced_ids!("4", "5", "6")
 );
 
 /// Counts of one tenant's rows by status, each through the partial index

@@ -729,24 +729,83 @@ async fn relay_fanout_retries_only_the_failed_publisher(store: Arc<dyn OutboxSto
 }
 
 /// A publisher that hangs (every publish times out) costs a healthy one
-/// little: after one batch of timeouts it is skipped for a cool-down, the
-/// healthy publisher gets every event at its own pace, and the hung one
-/// gets them all once it answers again. Without that, each of the ten
-/// batches would wait out the hung publisher's timeout (10 s at least).
+/// little: its lane fills, the rows wait for it as deferred rows, and
+/// after one batch of timeouts it is skipped for a cool-down; the healthy
+/// publisher gets every event at its own pace, and the hung one gets them
+/// all once it answers again. Publishing each batch to both before the
+/// next, each of the ten batches would wait out the hung publisher's
+/// timeout (10 s at least).
 async fn relay_keeps_pace_when_a_publisher_hangs(store: Arc<dyn OutboxStore>) {
-    let evs = events(200, "T");
-    enqueue(store.as_ref(), &evs).await;
-    let healthy = Arc::new(RecordingPublisher::new("rabbit"));
     let hung = Arc::new(RecordingPublisher::new("hook"));
     hung.set_hanging(true);
     let config = WorkerConfig {
-        batch_size: 20,
         publish_timeout: HumanDuration::secs(1),
         max_retry_count: 50,
         ..fast_worker()
     };
+    let h = hung.clone();
+    let (_, healthy_took, _) =
+        healthy_beside(store, hung, config, move || h.set_hanging(false)).await;
+    assert!(
+        healthy_took < Duration::from_secs(6),
+        "the healthy publisher kept its pace beside a hung one: all 200 in {healthy_took:?}"
+    );
+}
+
+/// A publisher that is slow but answers (no timeout, so no breaker) holds
+/// back only its own deliveries: the healthy one gets every event at its
+/// own pace while the slow one's share waits for it as deferred rows (no
+/// attempt counted). Publishing each batch to both before the next, the
+/// healthy publisher would wait 10 × 500 ms.
+async fn relay_keeps_pace_when_a_publisher_is_slow(store: Arc<dyn OutboxStore>) {
+    let slow = Arc::new(RecordingPublisher::new("hook"));
+    slow.set_delay(Duration::from_millis(500));
+    let config = WorkerConfig {
+        lease: HumanDuration::secs(10),
+        publish_timeout: HumanDuration::secs(3),
+        ..fast_worker()
+    };
+    let (report, healthy_took, evs) =
+        healthy_beside(store.clone(), slow.clone(), config, || ()).await;
+    assert!(
+        healthy_took < Duration::from_millis(2_500),
+        "the healthy publisher kept its pace beside a slow one: all 200 in {healthy_took:?} (lockstep: 5 s)"
+    );
+    assert!(
+        report.deferred > 0,
+        "rows waited for the slow publisher: {report:?}"
+    );
+    assert_eq!(
+        slow.delivered().len(),
+        200,
+        "the slow one got each event once"
+    );
+    for e in &evs {
+        let row = status_of(store.as_ref(), &e.event_id).await;
+        assert_eq!(
+            (row.status, row.retry_count),
+            (Status::Delivered, 0),
+            "a deferral is no attempt: {row:?}"
+        );
+    }
+}
+
+/// Runs a relay over 200 fresh events (batch 20) to a healthy publisher
+/// and `lagging`, calls `healed` once the healthy one has them all, and
+/// checks that the healthy one got each event once and `lagging` each in
+/// the end. Returns the relay's report, how long the healthy publisher
+/// took, and the events.
+async fn healthy_beside(
+    store: Arc<dyn OutboxStore>,
+    lagging: Arc<RecordingPublisher>,
+    config: WorkerConfig,
+    healed: impl FnOnce() + Send + 'static,
+) -> (RelayReport, Duration, Vec<NewEvent>) {
+    let evs = events(200, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let healthy = Arc::new(RecordingPublisher::new("rabbit"));
     let started = Instant::now();
-    let (h, f) = (healthy.clone(), hung.clone());
+    let h = healthy.clone();
     let heal = tokio::spawn(async move {
         while h.delivered().len() < 200 {
             assert!(
@@ -757,100 +816,39 @@ async fn relay_keeps_pace_when_a_publisher_hangs(store: Arc<dyn OutboxStore>) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let took = started.elapsed();
-        f.set_hanging(false);
+        healed();
         took
     });
-    run_relay_until(
+    let config = WorkerConfig {
+        batch_size: 20,
+        ..config
+    };
+    let report = run_relay_until(
         store.clone(),
-        vec![healthy.clone(), hung.clone()],
+        vec![healthy.clone(), lagging.clone()],
         config,
         |s| s.delivered == 200,
     )
     .await;
     let healthy_took = heal.await.unwrap();
-    assert!(
-        healthy_took < Duration::from_secs(6),
-        "the healthy publisher kept its pace beside a hung one: all 200 in {healthy_took:?}"
-    );
-    let mut ids = healthy.delivered_ids();
-    ids.sort();
-    ids.dedup();
-    assert_eq!(
-        (ids.len(), healthy.delivered().len()),
-        (200, 200),
-        "each once"
-    );
-    let mut ids = hung.delivered_ids();
-    ids.sort();
-    ids.dedup();
-    assert_eq!(
-        ids.len(),
-        200,
-        "the hung publisher got every event in the end"
-    );
-}
-
-/// A publisher that is slow but answers (no timeout, so no breaker) holds
-/// back only its own deliveries: the healthy one gets every event at its
-/// own pace while the slow one's share waits for it as deferred rows (no
-/// attempt counted), and the slow one gets each event once in the end.
-/// Publishing each batch to both before the next, the healthy publisher
-/// would wait 10 × 500 ms.
-async fn relay_keeps_pace_when_a_publisher_is_slow(store: Arc<dyn OutboxStore>) {
-    let evs = events(200, "T");
-    enqueue(store.as_ref(), &evs).await;
-    let healthy = Arc::new(RecordingPublisher::new("rabbit"));
-    let slow = Arc::new(RecordingPublisher::new("hook"));
-    slow.set_delay(Duration::from_millis(500));
-    let config = WorkerConfig {
-        batch_size: 20,
-        lease: HumanDuration::secs(10),
-        publish_timeout: HumanDuration::secs(3),
-        ..fast_worker()
-    };
-    let started = Instant::now();
-    let h = healthy.clone();
-    let healthy_done = tokio::spawn(async move {
-        while h.delivered().len() < 200 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        started.elapsed()
-    });
-    let report = run_relay_until(
-        store.clone(),
-        vec![healthy.clone(), slow.clone()],
-        config,
-        |s| s.delivered == 200,
-    )
-    .await;
-    let healthy_took = healthy_done.await.unwrap();
-    assert!(
-        healthy_took < Duration::from_millis(2_500),
-        "the healthy publisher kept its pace beside a slow one: all 200 in {healthy_took:?} (lockstep: 5 s)"
-    );
-    assert!(
-        report.deferred > 0,
-        "rows waited for the slow publisher: {report:?}"
-    );
-    for p in [&healthy, &slow] {
+    let distinct = |p: &RecordingPublisher| {
         let mut ids = p.delivered_ids();
         ids.sort();
         ids.dedup();
-        assert_eq!(
-            (ids.len(), p.delivered().len()),
-            (200, 200),
-            "{} got each event once",
-            p.name()
-        );
-    }
-    for e in &evs {
-        let row = status_of(store.as_ref(), &e.event_id).await;
-        assert_eq!(
-            (row.status, row.retry_count),
-            (Status::Delivered, 0),
-            "a deferral is no attempt: {row:?}"
-        );
-    }
+        ids.len()
+    };
+    assert_eq!(
+        (distinct(&healthy), healthy.delivered().len()),
+        (200, 200),
+        "the healthy one got each event once"
+    );
+    assert_eq!(
+        distinct(&lagging),
+        200,
+        "{} got every event in the end",
+        lagging.name()
+    );
+    (report, healthy_took, evs)
 }
 
 /// One app_code's backlog does not hold back another's fresh event: the

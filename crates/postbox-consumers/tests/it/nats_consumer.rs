@@ -3,15 +3,13 @@
 
 use crate::nats_redis_suite;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use async_nats::HeaderMap;
 use async_trait::async_trait;
-use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Unacked};
+use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Start, Unacked};
 use postbox_consumers::nats::{dead_stream, NatsConsumer};
-use postbox_consumers::Handler;
 use postbox_core::config::ConsumerConfig;
 use postbox_core::envelope::Envelope;
 use postbox_testkit::servers::{how_to_start, nats_url};
@@ -153,15 +151,11 @@ impl Broker for NatsBroker {
         }
     }
 
-    fn spawn(
-        &self,
-        config: ConsumerConfig,
-        handler: Arc<dyn Handler>,
-        tag: &str,
-        cancel: CancellationToken,
-    ) -> ConsumerTask {
-        let consumer = NatsConsumer::new(config, handler).unwrap().with_tag(tag);
-        tokio::spawn(async move { consumer.run(cancel).await })
+    fn start(&self, s: Start) -> ConsumerTask {
+        let consumer = NatsConsumer::new(s.config, s.handler)
+            .unwrap()
+            .with_tag(s.tag);
+        tokio::spawn(async move { consumer.run(s.cancel).await })
     }
 
     async fn cleanup(&self) {

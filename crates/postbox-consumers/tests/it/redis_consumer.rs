@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Unacked};
+use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Start, Unacked};
 use postbox_consumers::redis::{dead_stream, RedisConsumer};
 use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_core::config::ConsumerConfig;
@@ -166,15 +166,11 @@ impl Broker for RedisBroker {
             .collect()
     }
 
-    fn spawn(
-        &self,
-        config: ConsumerConfig,
-        handler: Arc<dyn Handler>,
-        tag: &str,
-        cancel: CancellationToken,
-    ) -> ConsumerTask {
-        let consumer = RedisConsumer::new(config, handler).unwrap().with_tag(tag);
-        tokio::spawn(async move { consumer.run(cancel).await })
+    fn start(&self, s: Start) -> ConsumerTask {
+        let consumer = RedisConsumer::new(s.config, s.handler)
+            .unwrap()
+            .with_tag(s.tag);
+        tokio::spawn(async move { consumer.run(s.cancel).await })
     }
 
     async fn cleanup(&self) {

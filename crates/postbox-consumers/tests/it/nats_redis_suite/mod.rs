@@ -74,6 +74,14 @@ pub struct DeadCopy {
 /// A running consumer.
 pub type ConsumerTask = JoinHandle<Result<ConsumeReport, postbox_core::Error>>;
 
+/// What a consumer is started with.
+pub struct Start {
+    pub config: ConsumerConfig,
+    pub handler: Arc<dyn Handler>,
+    pub tag: String,
+    pub cancel: CancellationToken,
+}
+
 /// One broker's scratch set-up.
 #[async_trait]
 pub trait Broker: Send + Sync + 'static {
@@ -87,6 +95,8 @@ pub trait Broker: Send + Sync + 'static {
     async fn outstanding(&self, group: &str) -> u64;
     /// The dead copies of `group`.
     async fn dead(&self, group: &str) -> Vec<DeadCopy>;
+    /// Starts the broker's consumer on a task.
+    fn start(&self, start: Start) -> ConsumerTask;
     /// Starts a consumer named `tag`.
     fn spawn(
         &self,
@@ -94,7 +104,14 @@ pub trait Broker: Send + Sync + 'static {
         handler: Arc<dyn Handler>,
         tag: &str,
         cancel: CancellationToken,
-    ) -> ConsumerTask;
+    ) -> ConsumerTask {
+        self.start(Start {
+            config,
+            handler,
+            tag: tag.to_owned(),
+            cancel,
+        })
+    }
     /// Removes the scratch streams.
     async fn cleanup(&self);
 }
