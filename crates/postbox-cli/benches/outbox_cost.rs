@@ -63,10 +63,12 @@
 //!   distribution over 10,000 events.
 //! - **isolation** (PostgreSQL, MariaDB): ROWS pending rows (default
 //!   50,000) drained by the relay (batch_size 100, publish_timeout 1 s) to
-//!   a healthy publisher (`/dev/null`) *alone*, then beside a *slow* one
+//!   a healthy publisher (`/dev/null`) *alone*, then beside another healthy
+//!   one (answers at once: no row should be deferred), beside a *slow* one
 //!   (answers each batch after 250 ms) and beside a *hung* one (never
 //!   answers). Reports the rate at which the healthy publisher gets every
-//!   row, and each case's ratio to *alone* (target: ≥ 0.9).
+//!   row, the rows the relay deferred, and each case's ratio to *alone*
+//!   (target: ≥ 0.9).
 //! - **history** (PostgreSQL, MariaDB; only when asked for with `--only
 //!   history`, as loading takes minutes): one `migrate`d table loaded once
 //!   with `--history N` delivered rows (default 10,000,000). Per run, ROWS
@@ -956,8 +958,8 @@ impl Publisher for Lagging {
 }
 
 /// How fast a healthy publisher gets all of `rows` pending rows, beside
-/// `beside` (if any); events/s.
-async fn isolation_run(db: Db, rows: u64, beside: Option<Lagging>) -> f64 {
+/// `beside` (if any): events/s, and the rows the relay deferred.
+async fn isolation_run(db: Db, rows: u64, beside: Option<Lagging>) -> (f64, u64) {
     let store = postbox_table(db, rows).await;
     let table = store.table().as_str().to_owned();
     let healthy = Arc::new(Counting {
@@ -989,20 +991,27 @@ async fn isolation_run(db: Db, rows: u64, beside: Option<Lagging>) -> f64 {
     }
     let elapsed = start.elapsed();
     shutdown.cancel();
-    bounded("relay shutdown", task)
+    let report = bounded("relay shutdown", task)
         .await
         .expect("relay task")
         .expect("relay");
     drop_postbox_table(db, &table).await;
-    rows as f64 / elapsed.as_secs_f64()
+    (rows as f64 / elapsed.as_secs_f64(), report.deferred)
 }
 
 async fn isolation_section(db: Db, rows: u64, runs: usize) {
     println!(
         "\n== isolation: {rows} rows, batch {DRAIN_BATCH}, the healthy publisher's rate (events/s) =="
     );
-    let cases: [(&str, Option<Lagging>); 3] = [
+    let cases: [(&str, Option<Lagging>); 4] = [
         ("alone", None),
+        (
+            "beside another healthy one",
+            Some(Lagging {
+                name: "also-healthy",
+                delay: Some(Duration::ZERO),
+            }),
+        ),
         (
             "beside a slow one (250 ms a batch)",
             Some(Lagging {
@@ -1023,8 +1032,8 @@ async fn isolation_section(db: Db, rows: u64, runs: usize) {
         // The cases take turns, so drift on the machine touches each alike.
         for (i, (name, beside)) in cases.iter().enumerate() {
             let beside = *beside;
-            let rate = isolation_run(db, rows, beside).await;
-            println!("run {run}: {name:<36} {rate:>9.0}");
+            let (rate, deferred) = isolation_run(db, rows, beside).await;
+            println!("run {run}: {name:<36} {rate:>9.0}   ({deferred} rows deferred)");
             rates[i].push(rate);
         }
     }

@@ -511,7 +511,7 @@ impl PublishStage {
 }
 
 /// How long a batch may wait for a full lane that is about to have room
-/// before its rows are deferred for it: twice the fastest lane's time for
+/// before its rows are deferred for it: the fastest lane's time for
 /// a batch of `rows` (at least 2 ms; 20 ms before any publish ended).
 /// `None` with one publisher: there is nothing else to do meanwhile.
 fn patience(lanes: &[Lane], rows: usize) -> Option<Duration> {
@@ -524,7 +524,7 @@ fn patience(lanes: &[Lane], rows: usize) -> Option<Duration> {
         .min_by(f64::total_cmp);
     Some(match fastest {
         Some(per_row) => {
-            Duration::from_secs_f64(2.0 * per_row * rows as f64).max(Duration::from_millis(2))
+            Duration::from_secs_f64(per_row * rows as f64).max(Duration::from_millis(2))
         }
         None => Duration::from_millis(20),
     })
