@@ -99,9 +99,18 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
                 tick.tick().await;
                 let n = per_tick.min(total - written);
                 let batch: Vec<NewEvent> = (written..written + n).map(demo_event).collect();
-                if let Err(e) = store.enqueue_batch(&batch, 1 << 20).await {
-                    tracing::error!(error = %e, "demo producer failed");
-                    break;
+                // A busy database (SQLite has one writer, and the relay
+                // writes too) delays the demo, never cuts it short: the
+                // same batch is tried again, for up to a minute.
+                let mut tries = 0;
+                while let Err(e) = store.enqueue_batch(&batch, 1 << 20).await {
+                    tries += 1;
+                    if tries == 300 || stop.is_cancelled() {
+                        tracing::error!(error = %e, tries, "demo producer failed; stopping it");
+                        return written;
+                    }
+                    tracing::warn!(error = %e, tries, "demo producer could not write; trying again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
                 written += n;
             }
