@@ -20,6 +20,16 @@ pub struct RelayOptions {
     pub app_codes: Vec<String>,
 }
 
+fn check_enabled(settings: &Settings) -> Result<(), Error> {
+    if settings.outbox_worker.enabled {
+        return Ok(());
+    }
+    Err(Error::config(
+        "outbox_worker.enabled",
+        "is false; nothing to run",
+    ))
+}
+
 /// A relay whose store and publishers are open, ready to [`run`].
 ///
 /// [`run`]: RelayService::run
@@ -40,12 +50,7 @@ impl RelayService {
 
     async fn start_here(settings: &Settings, options: RelayOptions) -> Result<Self, Error> {
         let relay = settings.relay(options.app_codes)?;
-        if !settings.outbox_worker.enabled {
-            return Err(Error::config(
-                "outbox_worker.enabled",
-                "is false; nothing to run",
-            ));
-        }
+        check_enabled(settings)?;
         let create = if options.migrate {
             Create::IfMissing
         } else {
@@ -55,6 +60,30 @@ impl RelayService {
         if options.migrate {
             store.migrate().await?;
         }
+        Self::over_here(settings, relay, store).await
+    }
+
+    /// [`start`](Self::start) over a store the service already has open
+    /// (its own `MySqlOutbox`, `SqliteOutbox` or `PgOutbox`, migrated): the
+    /// relay then wakes in-process on every `enqueue` of that store, with
+    /// no wait for the next poll, on every database.
+    pub fn over(
+        settings: &Settings,
+        store: Arc<dyn OutboxStore>,
+        app_codes: Vec<String>,
+    ) -> BoxFuture<'_, Result<Self, Error>> {
+        Box::pin(async move {
+            let relay = settings.relay(app_codes)?;
+            Self::over_here(settings, relay, store).await
+        })
+    }
+
+    async fn over_here(
+        settings: &Settings,
+        relay: RelaySettings,
+        store: Arc<dyn OutboxStore>,
+    ) -> Result<Self, Error> {
+        check_enabled(settings)?;
         store::require_schema(store.as_ref()).await?;
         let publishers = postbox_publishers::build_all(settings).await?;
         Ok(RelayService {

@@ -1,0 +1,340 @@
+//! `room-service`: the example's processes. `room-service demo` runs them
+//! all in one process on SQLite; on MariaDB + RabbitMQ each runs on its own
+//! (see README.md).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use postbox::relay::CancellationToken;
+use room_service::db::Db;
+use room_service::im::Im;
+use room_service::projection::Projection;
+use room_service::service::{self, RoomService};
+use room_service::wallet::{self, WalletClient, WalletService};
+use room_service::{app_code, load_config, serve, spawn_relay};
+use tokio::net::TcpListener;
+
+#[derive(Parser)]
+#[command(name = "room-service", about = "The seed's room service on postbox")]
+struct Cli {
+    /// Log lines as text or JSON (one object per line, fields included).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The room service: HTTP commands on `--listen`.
+    Serve {
+        /// The postbox config (the same file `postbox relay` reads).
+        #[arg(long, default_value = "config/room.toml")]
+        config: PathBuf,
+        #[arg(long, default_value = "127.0.0.1:8090")]
+        listen: SocketAddr,
+        /// The wallet service.
+        #[arg(long, default_value = "http://127.0.0.1:8092")]
+        wallet: String,
+        /// A snapshot every n versions of a room.
+        #[arg(long, default_value_t = 10)]
+        snapshot_every_n: i64,
+        /// Run the relay in this process (else run `postbox relay --config …`).
+        #[arg(long)]
+        relay: bool,
+    },
+    /// The wallet service (its own tables and outbox).
+    Wallet {
+        #[arg(long, default_value = "config/wallet.toml")]
+        config: PathBuf,
+        #[arg(long, default_value = "127.0.0.1:8092")]
+        listen: SocketAddr,
+        /// A new user's balance.
+        #[arg(long, default_value_t = 1000)]
+        initial_balance: i64,
+        /// Run the wallet's relay in this process.
+        #[arg(long)]
+        relay: bool,
+    },
+    /// The IM stand-in (the room relay's webhook target).
+    Im {
+        #[arg(long, default_value = "127.0.0.1:8091")]
+        listen: SocketAddr,
+    },
+    /// A projection (activity, notice): the handler `postbox consume` posts to.
+    Projection {
+        #[arg(long, default_value = "127.0.0.1:8093")]
+        listen: SocketAddr,
+    },
+    /// Everything in one process on SQLite, with file sinks: no server needed.
+    Demo {
+        /// Where the databases, configs and event files go.
+        #[arg(long, default_value = "room-demo")]
+        dir: PathBuf,
+    },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,sqlx=warn".into()),
+        )
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Json => logs.json().init(),
+        LogFormat::Text => logs.init(),
+    }
+    let shutdown = CancellationToken::new();
+    postbox::runtime::signals::spawn_signal_handler(shutdown.clone(), || {});
+    match run(cli.command, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("room-service: {e}");
+            ExitCode::from(if matches!(e, postbox::Error::Config { .. }) {
+                2
+            } else {
+                1
+            })
+        }
+    }
+}
+
+async fn bind(addr: SocketAddr) -> Result<TcpListener, postbox::Error> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| postbox::Error::config("--listen", format!("cannot listen on {addr}: {e}")))
+}
+
+async fn run(command: Command, shutdown: CancellationToken) -> Result<(), postbox::Error> {
+    match command {
+        Command::Serve {
+            config,
+            listen,
+            wallet,
+            snapshot_every_n,
+            relay,
+        } => {
+            let listener = bind(listen).await?;
+            let settings = load_config(&config)?;
+            let db = Db::open(&settings, &service::TABLES).await?;
+            let relay = if relay {
+                Some(spawn_relay(&settings, &db, shutdown.clone()).await?)
+            } else {
+                None
+            };
+            let rooms = RoomService::new(
+                db,
+                &app_code(&settings),
+                WalletClient::new(&wallet),
+                snapshot_every_n,
+            );
+            tracing::info!(%listen, relay = relay.is_some(), "room service up");
+            let served = serve(listener, rooms.router(), shutdown.clone());
+            wait(served, relay, shutdown).await
+        }
+        Command::Wallet {
+            config,
+            listen,
+            initial_balance,
+            relay,
+        } => {
+            let listener = bind(listen).await?;
+            let settings = load_config(&config)?;
+            let db = Db::open(&settings, &wallet::TABLES).await?;
+            let relay = if relay {
+                Some(spawn_relay(&settings, &db, shutdown.clone()).await?)
+            } else {
+                None
+            };
+            let wallet = WalletService::new(db, &app_code(&settings), initial_balance);
+            tracing::info!(%listen, relay = relay.is_some(), "wallet up");
+            wait(
+                serve(listener, wallet.router(), shutdown.clone()),
+                relay,
+                shutdown,
+            )
+            .await
+        }
+        Command::Im { listen } => {
+            let listener = bind(listen).await?;
+            tracing::info!(%listen, "IM stand-in up: POST /im, POST /control, GET /groups/{{room_id}}, GET /stats");
+            wait(
+                serve(listener, Im::default().router(), shutdown.clone()),
+                None,
+                shutdown,
+            )
+            .await
+        }
+        Command::Projection { listen } => {
+            let listener = bind(listen).await?;
+            tracing::info!(%listen, "projection up: POST /events, GET /stats");
+            wait(
+                serve(listener, Projection::default().router(), shutdown.clone()),
+                None,
+                shutdown,
+            )
+            .await
+        }
+        Command::Demo { dir } => demo(&dir, shutdown).await,
+    }
+}
+
+type Relay = tokio::task::JoinHandle<Result<postbox::relay::RelayReport, postbox::Error>>;
+
+/// Until the server or the relay stops (the relay only on shutdown or an
+/// error, which stops the rest).
+async fn wait(
+    served: tokio::task::JoinHandle<std::io::Result<()>>,
+    relay: Option<Relay>,
+    shutdown: CancellationToken,
+) -> Result<(), postbox::Error> {
+    let internal = |e: tokio::task::JoinError| postbox::Error::Internal(e.to_string());
+    let Some(relay) = relay else {
+        return served
+            .await
+            .map_err(internal)?
+            .map_err(|e| postbox::Error::Internal(e.to_string()));
+    };
+    let report = relay.await.map_err(internal);
+    shutdown.cancel();
+    let _ = served.await;
+    let report = report??;
+    tracing::info!(delivered = report.delivered, "relay stopped");
+    Ok(())
+}
+
+const DEMO_ROOM: &str = r#"# The room service's postbox config: `room-service serve` opens [database],
+# its in-process relay (or `postbox relay --config` this file) runs the rest.
+[database]
+url = "sqlite://{dir}/room.db"
+table = "room_outbox"
+app_codes = ["room"]
+
+[outbox_worker]
+poll_interval = "1s"
+ordering = "per_aggregate"     # each room's events in version order
+batch_size = 100
+publish_timeout = "3s"
+max_retry_count = 5
+initial_backoff = "1s"
+max_backoff = "30s"
+
+[[publishers]]                 # the IM stand-in: RoomCreated ensures the group, the rest are group messages
+kind = "webhook"
+name = "im"
+url = "http://127.0.0.1:8091/im"
+timeout = "3s"
+
+[[publishers]]                 # activity; on MariaDB this is RabbitMQ (config/room.toml)
+kind = "file"
+name = "activity"
+path = "{dir}/activity.jsonl"
+
+[admin]                        # dashboard and API of the room relay
+listen = "127.0.0.1:9464"
+token = "demo"
+"#;
+
+const DEMO_WALLET: &str = r#"# The wallet's own outbox and relay.
+[database]
+url = "sqlite://{dir}/wallet.db"
+table = "wallet_outbox"
+app_codes = ["wallet"]
+
+[outbox_worker]
+poll_interval = "1s"
+ordering = "per_aggregate"
+
+[[publishers]]
+kind = "file"
+name = "notice"
+path = "{dir}/wallet-events.jsonl"
+"#;
+
+async fn demo(dir: &Path, shutdown: CancellationToken) -> Result<(), postbox::Error> {
+    let io = |e: std::io::Error| postbox::Error::config("--dir", format!("{}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let dir = dir.canonicalize().map_err(io)?;
+    let shown = dir.display().to_string();
+    let write = |name: &str, text: &str| -> Result<PathBuf, postbox::Error> {
+        let path = dir.join(name);
+        std::fs::write(&path, text.replace("{dir}", &shown)).map_err(io)?;
+        Ok(path)
+    };
+    let room_config = write("room.toml", DEMO_ROOM)?;
+    let wallet_config = write("wallet.toml", DEMO_WALLET)?;
+
+    let im = bind("127.0.0.1:8091".parse().unwrap()).await?;
+    let wallet_listener = bind("127.0.0.1:8092".parse().unwrap()).await?;
+    let rooms_listener = bind("127.0.0.1:8090".parse().unwrap()).await?;
+    let im_served = serve(im, Im::default().router(), shutdown.clone());
+
+    let wallet_settings = load_config(&wallet_config)?;
+    let wallet_db = Db::open(&wallet_settings, &wallet::TABLES).await?;
+    let wallet_relay = spawn_relay(&wallet_settings, &wallet_db, shutdown.clone()).await?;
+    let wallet = WalletService::new(wallet_db, "wallet", 1000);
+    let wallet_served = serve(wallet_listener, wallet.router(), shutdown.clone());
+
+    let room_settings = load_config(&room_config)?;
+    let room_db = Db::open(&room_settings, &service::TABLES).await?;
+    let room_relay = spawn_relay(&room_settings, &room_db, shutdown.clone()).await?;
+    let rooms = RoomService::new(
+        room_db,
+        "room",
+        WalletClient::new("http://127.0.0.1:8092"),
+        10,
+    );
+    let rooms_served = serve(rooms_listener, rooms.router(), shutdown.clone());
+
+    println!(
+        r#"
+room-service demo: everything on SQLite in {shown}
+  room service  http://127.0.0.1:8090   (relay in-process: IM webhook + {shown}/activity.jsonl)
+  wallet        http://127.0.0.1:8092   (own outbox, own relay: {shown}/wallet-events.jsonl)
+  IM stand-in   http://127.0.0.1:8091   dashboard http://127.0.0.1:9464
+
+Try (each command has a command_id; send one twice and nothing changes):
+  curl -s localhost:8090/rooms/r1/create -d '{{"command_id":"c1","user_id":"alice","title":"hi"}}' -H 'content-type: application/json'
+  curl -s localhost:8090/rooms/r1/join -d '{{"command_id":"c2","user_id":"bob"}}' -H 'content-type: application/json'
+  curl -s localhost:8090/rooms/r1/mic -d '{{"command_id":"c3","user_id":"bob","seat":1,"action":"take"}}' -H 'content-type: application/json'
+  curl -s localhost:8090/rooms/r1/sendGift -d '{{"command_id":"c4","user_id":"alice","to_user_id":"bob","gift_id":"rose","amount":10}}' -H 'content-type: application/json'
+  curl -s localhost:8090/rooms/r1/leave -d '{{"command_id":"c5","user_id":"bob"}}' -H 'content-type: application/json'
+  curl -s localhost:8091/groups/r1                     # what IM received, in version order
+  tail {shown}/activity.jsonl {shown}/wallet-events.jsonl
+
+IM down, then back:
+  curl -s localhost:8091/control -d '{{"down":true}}' -H 'content-type: application/json'
+  postbox --config {shown}/room.toml status             # rows go retryable, then failed
+  curl -s localhost:8091/control -d '{{"down":false}}' -H 'content-type: application/json'
+  postbox --config {shown}/room.toml replay --status failed
+
+Every command logs a room_command_timing line below. Ctrl-C stops the demo.
+"#,
+    );
+    let mut stopped = Ok(());
+    for relay in [room_relay, wallet_relay] {
+        let r = relay
+            .await
+            .map_err(|e| postbox::Error::Internal(e.to_string()));
+        // A relay that fails stops the demo.
+        shutdown.cancel();
+        if let Err(e) = r.and_then(|r| r) {
+            stopped = Err(e);
+        }
+    }
+    for served in [im_served, wallet_served, rooms_served] {
+        let _ = served.await;
+    }
+    stopped
+}
