@@ -79,6 +79,10 @@ enum Command {
         /// Where the databases, configs and event files go.
         #[arg(long, default_value = "room-demo")]
         dir: PathBuf,
+        /// The room service's port; IM is on the next, the wallet on the
+        /// one after, the room relay's dashboard on port + 9.
+        #[arg(long, default_value_t = 8090)]
+        port: u16,
     },
 }
 
@@ -186,7 +190,7 @@ async fn run(command: Command, shutdown: CancellationToken) -> Result<(), postbo
             )
             .await
         }
-        Command::Demo { dir } => demo(&dir, shutdown).await,
+        Command::Demo { dir, port } => demo(&dir, port, shutdown).await,
     }
 }
 
@@ -233,7 +237,7 @@ max_backoff = "30s"
 [[publishers]]                 # the IM stand-in: RoomCreated ensures the group, the rest are group messages
 kind = "webhook"
 name = "im"
-url = "http://127.0.0.1:8091/im"
+url = "http://127.0.0.1:{im_port}/im"
 timeout = "3s"
 
 [[publishers]]                 # activity; on MariaDB this is RabbitMQ (config/room.toml)
@@ -242,7 +246,7 @@ name = "activity"
 path = "{dir}/activity.jsonl"
 
 [admin]                        # dashboard and API of the room relay
-listen = "127.0.0.1:9464"
+listen = "127.0.0.1:{dashboard_port}"
 token = "demo"
 "#;
 
@@ -262,22 +266,27 @@ name = "notice"
 path = "{dir}/wallet-events.jsonl"
 "#;
 
-async fn demo(dir: &Path, shutdown: CancellationToken) -> Result<(), postbox::Error> {
+async fn demo(dir: &Path, port: u16, shutdown: CancellationToken) -> Result<(), postbox::Error> {
     let io = |e: std::io::Error| postbox::Error::config("--dir", format!("{}: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(io)?;
     let dir = dir.canonicalize().map_err(io)?;
     let shown = dir.display().to_string();
     let write = |name: &str, text: &str| -> Result<PathBuf, postbox::Error> {
         let path = dir.join(name);
-        std::fs::write(&path, text.replace("{dir}", &shown)).map_err(io)?;
+        let text = text
+            .replace("{dir}", &shown)
+            .replace("{im_port}", &(port + 1).to_string())
+            .replace("{dashboard_port}", &(port + 9).to_string());
+        std::fs::write(&path, text).map_err(io)?;
         Ok(path)
     };
     let room_config = write("room.toml", DEMO_ROOM)?;
     let wallet_config = write("wallet.toml", DEMO_WALLET)?;
 
-    let im = bind("127.0.0.1:8091".parse().unwrap()).await?;
-    let wallet_listener = bind("127.0.0.1:8092".parse().unwrap()).await?;
-    let rooms_listener = bind("127.0.0.1:8090".parse().unwrap()).await?;
+    let at = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
+    let im = bind(at(port + 1)).await?;
+    let wallet_listener = bind(at(port + 2)).await?;
+    let rooms_listener = bind(at(port)).await?;
     let im_served = serve(im, Im::default().router(), shutdown.clone());
 
     let wallet_settings = load_config(&wallet_config)?;
@@ -292,31 +301,32 @@ async fn demo(dir: &Path, shutdown: CancellationToken) -> Result<(), postbox::Er
     let rooms = RoomService::new(
         room_db,
         "room",
-        WalletClient::new("http://127.0.0.1:8092"),
+        WalletClient::new(&format!("http://{}", at(port + 2))),
         10,
     );
     let rooms_served = serve(rooms_listener, rooms.router(), shutdown.clone());
 
+    let (im_port, wallet_port, dashboard) = (port + 1, port + 2, port + 9);
     println!(
         r#"
 room-service demo: everything on SQLite in {shown}
-  room service  http://127.0.0.1:8090   (relay in-process: IM webhook + {shown}/activity.jsonl)
-  wallet        http://127.0.0.1:8092   (own outbox, own relay: {shown}/wallet-events.jsonl)
-  IM stand-in   http://127.0.0.1:8091   dashboard http://127.0.0.1:9464
+  room service  http://127.0.0.1:{port}   (relay in-process: IM webhook + {shown}/activity.jsonl)
+  wallet        http://127.0.0.1:{wallet_port}   (own outbox, own relay: {shown}/wallet-events.jsonl)
+  IM stand-in   http://127.0.0.1:{im_port}   dashboard http://127.0.0.1:{dashboard}
 
 Try (each command has a command_id; send one twice and nothing changes):
-  curl -s localhost:8090/rooms/r1/create -d '{{"command_id":"c1","user_id":"alice","title":"hi"}}' -H 'content-type: application/json'
-  curl -s localhost:8090/rooms/r1/join -d '{{"command_id":"c2","user_id":"bob"}}' -H 'content-type: application/json'
-  curl -s localhost:8090/rooms/r1/mic -d '{{"command_id":"c3","user_id":"bob","seat":1,"action":"take"}}' -H 'content-type: application/json'
-  curl -s localhost:8090/rooms/r1/sendGift -d '{{"command_id":"c4","user_id":"alice","to_user_id":"bob","gift_id":"rose","amount":10}}' -H 'content-type: application/json'
-  curl -s localhost:8090/rooms/r1/leave -d '{{"command_id":"c5","user_id":"bob"}}' -H 'content-type: application/json'
-  curl -s localhost:8091/groups/r1                     # what IM received, in version order
+  curl -s localhost:{port}/rooms/r1/create -d '{{"command_id":"c1","user_id":"alice","title":"hi"}}' -H 'content-type: application/json'
+  curl -s localhost:{port}/rooms/r1/join -d '{{"command_id":"c2","user_id":"bob"}}' -H 'content-type: application/json'
+  curl -s localhost:{port}/rooms/r1/mic -d '{{"command_id":"c3","user_id":"bob","seat":1,"action":"take"}}' -H 'content-type: application/json'
+  curl -s localhost:{port}/rooms/r1/sendGift -d '{{"command_id":"c4","user_id":"alice","to_user_id":"bob","gift_id":"rose","amount":10}}' -H 'content-type: application/json'
+  curl -s localhost:{port}/rooms/r1/leave -d '{{"command_id":"c5","user_id":"bob"}}' -H 'content-type: application/json'
+  curl -s localhost:{im_port}/groups/r1                     # what IM received, in version order
   tail {shown}/activity.jsonl {shown}/wallet-events.jsonl
 
 IM down, then back:
-  curl -s localhost:8091/control -d '{{"down":true}}' -H 'content-type: application/json'
+  curl -s localhost:{im_port}/control -d '{{"down":true}}' -H 'content-type: application/json'
   postbox --config {shown}/room.toml status             # rows go retryable, then failed
-  curl -s localhost:8091/control -d '{{"down":false}}' -H 'content-type: application/json'
+  curl -s localhost:{im_port}/control -d '{{"down":false}}' -H 'content-type: application/json'
   postbox --config {shown}/room.toml replay --status failed
 
 Every command logs a room_command_timing line below. Ctrl-C stops the demo.

@@ -757,3 +757,88 @@ async fn a_poison_event_fails_and_its_log_lines_stay_bounded() {
     );
     s.stop().await;
 }
+
+// ---------------------------------------------------------------------
+// The no-server run and the shipped configs.
+
+/// `room-service demo` runs the whole chain on SQLite with file sinks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_runs_the_chain_on_sqlite_with_no_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port().min(60000)
+    };
+    let mut demo = tokio::process::Command::new(env!("CARGO_BIN_EXE_room-service"))
+        .args(["demo", "--dir"])
+        .arg(dir.path())
+        .args(["--port", &port.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let http = reqwest::Client::new();
+    let rooms = format!("http://127.0.0.1:{port}");
+    wait_until("the demo to serve", Duration::from_secs(30), async || {
+        http.get(format!("{rooms}/healthz")).send().await.is_ok()
+    })
+    .await;
+    let send = async |name: &str, body: Value| {
+        let r = http
+            .post(format!("{rooms}/rooms/r1/{name}"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{name}");
+    };
+    send("create", json!({ "command_id": "c1", "user_id": "alice" })).await;
+    send("join", json!({ "command_id": "c2", "user_id": "bob" })).await;
+    send("sendGift", json!({ "command_id": "c3", "user_id": "alice", "to_user_id": "bob", "gift_id": "rose", "amount": 10 })).await;
+    let lines = |name: &str| {
+        std::fs::read_to_string(dir.path().join(name))
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    wait_until(
+        "activity.jsonl and wallet-events.jsonl",
+        Duration::from_secs(30),
+        async || lines("activity.jsonl") == 3 && lines("wallet-events.jsonl") == 1,
+    )
+    .await;
+    let group: Value = http
+        .get(format!("http://127.0.0.1:{}/groups/r1", port + 1))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let versions: Vec<i64> = group
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["version"].as_i64().unwrap())
+        .collect();
+    assert_eq!(versions, vec![1, 2, 3]);
+    // The configs it wrote are what `postbox --config` reads.
+    room_service::load_config(&dir.path().join("room.toml")).unwrap();
+    demo.start_kill().unwrap();
+    let _ = demo.wait().await;
+    let mut out = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut demo.stdout.take().unwrap(), &mut out)
+        .await
+        .unwrap();
+    assert!(out.contains("Try"), "the demo says what to try: {out}");
+}
+
+/// The MariaDB + RabbitMQ configs the README runs are valid postbox configs.
+#[test]
+fn the_shipped_configs_parse() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    for name in ["room.toml", "wallet.toml", "activity.toml", "notice.toml"] {
+        room_service::load_config(&dir.join(name)).unwrap_or_else(|e| panic!("config/{name}: {e}"));
+    }
+}
