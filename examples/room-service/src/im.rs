@@ -48,6 +48,8 @@ struct Inner {
     received: u64,
     duplicates: u64,
     refused: u64,
+    /// Commit → shown, per message (ms, from the envelope's created_at_ms).
+    lags: Vec<i64>,
 }
 
 /// The IM stand-in's state, shared by its handlers (and tests).
@@ -79,6 +81,11 @@ impl Im {
     pub fn counts(&self) -> (u64, u64, u64) {
         let i = self.0.lock().unwrap();
         (i.received, i.duplicates, i.refused)
+    }
+
+    /// Commit → shown of every message so far, in ms.
+    pub fn lags(&self) -> Vec<i64> {
+        self.0.lock().unwrap().lags.clone()
     }
 
     fn take(&self, envelope: &Value) -> (StatusCode, Value) {
@@ -118,18 +125,21 @@ impl Im {
             i.duplicates += 1;
             return (StatusCode::OK, json!({ "duplicate": true }));
         }
+        let lag = crate::now_ms() - envelope["created_at_ms"].as_i64().unwrap_or(0);
         let message = GroupMessage {
             event_id,
             event_type: event_type.clone(),
             version: envelope["aggregate_version"].as_i64().unwrap_or(0),
         };
         if event_type == "RoomCreated" {
+            i.lags.push(lag);
             i.groups.entry(room_id).or_default().push(message);
             return (StatusCode::OK, json!({ "group": "ensured" }));
         }
         match i.groups.get_mut(&room_id) {
             Some(g) => {
                 g.push(message);
+                i.lags.push(lag);
                 (StatusCode::OK, json!({ "message": "sent" }))
             }
             None => {

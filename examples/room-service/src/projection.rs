@@ -38,6 +38,8 @@ struct Inner {
     ids: HashSet<String>,
     /// (app_code, aggregate) → the newest version applied.
     versions: HashMap<(String, String), i64>,
+    /// Commit → handled, per event (ms).
+    lags: Vec<i64>,
 }
 
 /// A projection (activity, notice), shared by its handler and tests.
@@ -58,6 +60,11 @@ impl Projection {
         self.0.lock().unwrap().seen.clone()
     }
 
+    /// Commit → handled of every event so far, in ms.
+    pub fn lags(&self) -> Vec<i64> {
+        self.0.lock().unwrap().lags.clone()
+    }
+
     /// Whether `event_id` was applied.
     pub fn has(&self, event_id: &str) -> bool {
         self.0.lock().unwrap().ids.contains(event_id)
@@ -71,6 +78,8 @@ impl Projection {
             return Ok(());
         }
         i.seen.handled += 1;
+        let lag = crate::now_ms() - envelope["created_at_ms"].as_i64().unwrap_or(0);
+        i.lags.push(lag);
         let event_type = envelope["event_type"]
             .as_str()
             .unwrap_or_default()

@@ -1,0 +1,219 @@
+//! The load run of the seed's room service: `rooms` rooms, each sending
+//! `rate` commands per second for `secs` seconds, with IM failing a share
+//! of its requests; on MariaDB + RabbitMQ, everything in this process (the
+//! acceptance tests' stack). Prints command latency, outbox lag (commit →
+//! IM, commit → activity), what failed, and the duplicates the consumers
+//! saw after dedupe.
+//!
+//! ```sh
+//! cargo bench -p room-service --bench load -- --rooms 100 --rate 20 --secs 60 --im-fail 0.1
+//! ```
+
+#[path = "../tests/stack/mod.rs"]
+mod stack;
+
+use std::time::{Duration, Instant};
+
+use postbox_testkit::conformance::app_stats;
+use room_service::im::Faults;
+use serde_json::json;
+use stack::{Options, Stack};
+
+struct Args {
+    rooms: usize,
+    rate: u32,
+    secs: u64,
+    im_fail: f64,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        rooms: 100,
+        rate: 20,
+        secs: 60,
+        im_fail: 0.1,
+    };
+    let given: Vec<String> = std::env::args().collect();
+    let value = |flag: &str| {
+        given
+            .iter()
+            .position(|g| g == flag)
+            .and_then(|i| given.get(i + 1))
+            .cloned()
+    };
+    let bad = |flag: &str, v: &str| -> ! {
+        eprintln!("load: {flag} {v}: not a number");
+        std::process::exit(2)
+    };
+    if let Some(v) = value("--rooms") {
+        a.rooms = v.parse().unwrap_or_else(|_| bad("--rooms", &v));
+    }
+    if let Some(v) = value("--rate") {
+        a.rate = v.parse().unwrap_or_else(|_| bad("--rate", &v));
+    }
+    if let Some(v) = value("--secs") {
+        a.secs = v.parse().unwrap_or_else(|_| bad("--secs", &v));
+    }
+    if let Some(v) = value("--im-fail") {
+        a.im_fail = v.parse().unwrap_or_else(|_| bad("--im-fail", &v));
+    }
+    a
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v
+}
+
+/// One room's commands: create, then join / mic take / gift / mic leave /
+/// leave for ten users in turn, at `rate` per second until `until`.
+/// Latencies of the commands that succeeded, and the statuses of the rest.
+async fn drive(s: &Stack, room: String, rate: u32, until: Instant) -> (Vec<f64>, Vec<u16>) {
+    let owner = format!("{room}-owner");
+    let (mut took, mut refused) = (Vec::new(), Vec::new());
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate as f64));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut k = 0usize;
+    while Instant::now() < until {
+        tick.tick().await;
+        let id = format!("{room}-{k}");
+        let user = format!("{room}-u{}", (k / 5) % 10);
+        let seat = ((k / 5) % 8) as u8;
+        let (name, body) = match (k, k % 5) {
+            (0, _) => ("create", json!({ "command_id": id, "user_id": owner })),
+            (_, 1) => ("join", json!({ "command_id": id, "user_id": user })),
+            (_, 2) => (
+                "mic",
+                json!({ "command_id": id, "user_id": user, "seat": seat, "action": "take" }),
+            ),
+            (_, 3) => (
+                "sendGift",
+                json!({ "command_id": id, "user_id": owner, "to_user_id": user, "gift_id": "rose", "amount": 1 }),
+            ),
+            (_, 4) => (
+                "mic",
+                json!({ "command_id": id, "user_id": user, "seat": seat, "action": "leave" }),
+            ),
+            _ => ("leave", json!({ "command_id": id, "user_id": user })),
+        };
+        let started = Instant::now();
+        let (status, _) = s.command(&room, name, body).await;
+        if status == 200 {
+            took.push(started.elapsed().as_secs_f64() * 1e3);
+        } else {
+            refused.push(status);
+        }
+        k += 1;
+    }
+    (took, refused)
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let a = args();
+    let s = Stack::start(Options {
+        max_retry_count: 10,
+    })
+    .await;
+    s.im.set_faults(Faults {
+        fail_rate: a.im_fail,
+        ..Faults::default()
+    });
+    println!(
+        "load: {} rooms x {} commands/s for {} s (offered {} commands/s), IM failing {:.0} % of pushes; MariaDB + RabbitMQ, relays in-process, 3 activity consumers (prefetch 1) + notice",
+        a.rooms,
+        a.rate,
+        a.secs,
+        a.rooms as u32 * a.rate,
+        a.im_fail * 100.0
+    );
+    let started = Instant::now();
+    let until = started + Duration::from_secs(a.secs);
+    let runs = (0..a.rooms).map(|r| drive(&s, format!("load{r}"), a.rate, until));
+    let results = futures::future::join_all(runs).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut took = Vec::new();
+    let mut refused = Vec::new();
+    for (t, r) in results {
+        took.extend(t);
+        refused.extend(r);
+    }
+    let took = sorted(took);
+    let ok = took.len();
+    println!(
+        "commands: {ok} ok ({:.0}/s), {} refused; latency p50 {:.1} ms, p99 {:.1} ms",
+        ok as f64 / elapsed,
+        refused.len(),
+        percentile(&took, 0.5),
+        percentile(&took, 0.99)
+    );
+
+    // Drain: every committed event delivered (or dead after 10 attempts).
+    let drain = Instant::now();
+    loop {
+        let room = app_stats(s.room_db.outbox(), "room").await;
+        let wallet = app_stats(s.wallet_db.outbox(), "wallet").await;
+        let open = room.pending
+            + room.retryable
+            + room.delivering
+            + wallet.pending
+            + wallet.retryable
+            + wallet.delivering;
+        let consumed = s.activity.seen().handled as i64 >= room.delivered;
+        if open == 0 && consumed {
+            println!(
+                "drained {:.1} s after the load: room delivered {}, failed {}; wallet delivered {}, failed {}",
+                drain.elapsed().as_secs_f64(),
+                room.delivered,
+                room.failed,
+                wallet.delivered,
+                wallet.failed
+            );
+            break;
+        }
+        if drain.elapsed() > Duration::from_secs(300) {
+            println!("not drained after 300 s: room {room:?}, wallet {wallet:?}");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let im_lag = sorted(s.im.lags().into_iter().map(|l| l as f64).collect());
+    let activity_lag = sorted(s.activity.lags().into_iter().map(|l| l as f64).collect());
+    let (im_received, im_duplicates, im_refused) = s.im.counts();
+    println!(
+        "outbox lag (commit -> IM): p50 {:.0} ms, p99 {:.0} ms over {} messages ({im_refused} pushes refused by the fault, {im_duplicates} repeats of {im_received} received)",
+        percentile(&im_lag, 0.5),
+        percentile(&im_lag, 0.99),
+        im_lag.len()
+    );
+    println!(
+        "outbox lag (commit -> activity handler): p50 {:.0} ms, p99 {:.0} ms",
+        percentile(&activity_lag, 0.5),
+        percentile(&activity_lag, 0.99)
+    );
+    let (activity, notice) = (s.activity.seen(), s.notice.seen());
+    println!(
+        "consumers after dedupe: activity handled {} (duplicates {}, stale {}), notice handled {} (duplicates {}); events committed {} (+ {} wallet)",
+        activity.handled,
+        activity.duplicates,
+        activity.stale,
+        notice.handled,
+        notice.duplicates,
+        ok,
+        took_gifts(&notice)
+    );
+    let lost = ok as i64 - activity.handled as i64;
+    println!("lost: {lost} (commands that succeeded and never reached activity)");
+    s.stop().await;
+}
+
+fn took_gifts(seen: &room_service::projection::Seen) -> u64 {
+    seen.by_type.get("WalletDebited").copied().unwrap_or(0)
+}
