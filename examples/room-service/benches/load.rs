@@ -84,8 +84,10 @@ async fn drive(s: &Stack, room: String, rate: u32, until: Instant) -> (Vec<f64>,
     while Instant::now() < until {
         tick.tick().await;
         let id = format!("{room}-{k}");
-        let user = format!("{room}-u{}", (k / 5) % 10);
-        let seat = ((k / 5) % 8) as u8;
+        // Commands 1..=5 are user 0's join … leave, 6..=10 user 1's, …
+        let turn = k.saturating_sub(1) / 5;
+        let user = format!("{room}-u{}", turn % 10);
+        let seat = (turn % 8) as u8;
         let (name, body) = match (k, k % 5) {
             (0, _) => ("create", json!({ "command_id": id, "user_id": owner })),
             (_, 1) => ("join", json!({ "command_id": id, "user_id": user })),
@@ -147,10 +149,14 @@ async fn main() {
     }
     let took = sorted(took);
     let ok = took.len();
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    for r in &refused {
+        *statuses.entry(*r).or_default() += 1;
+    }
     println!(
-        "commands: {ok} ok ({:.0}/s), {} refused; latency p50 {:.1} ms, p99 {:.1} ms",
+        "commands: {ok} ok ({:.0}/s), refused {:?}; latency p50 {:.1} ms, p99 {:.1} ms",
         ok as f64 / elapsed,
-        refused.len(),
+        statuses,
         percentile(&took, 0.5),
         percentile(&took, 0.99)
     );

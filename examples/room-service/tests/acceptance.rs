@@ -367,3 +367,34 @@ fn the_shipped_configs_parse() {
         room_service::load_config(&dir.join(name)).unwrap_or_else(|e| panic!("config/{name}: {e}"));
     }
 }
+
+/// Every `room-service` command the READMEs (English and Chinese) show
+/// exists.
+#[test]
+fn every_room_service_command_in_the_readmes_exists() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut checked = 0;
+    for doc in [
+        root.join("README.md"),
+        root.join("../../docs/zh-CN/room-service.md"),
+    ] {
+        let text = std::fs::read_to_string(&doc).unwrap();
+        for line in text.lines() {
+            let Some((_, rest)) = line.split_once("cargo run -p room-service -- ") else {
+                continue;
+            };
+            let sub = rest.split_whitespace().next().unwrap();
+            let out = std::process::Command::new(env!("CARGO_BIN_EXE_room-service"))
+                .args([sub, "--help"])
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}: `{line}`: no command `{sub}`",
+                doc.display()
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "only {checked} commands found");
+}

@@ -7,5 +7,6 @@ mod archive;
 mod cli;
 mod consume;
 mod dashboard;
+mod docs_zh;
 mod doctor;
 mod relay_processes;

@@ -184,6 +184,7 @@ impl Stack {
         let (server, _) = base.rsplit_once('/').unwrap();
         let db_url = format!("{server}/{}", names.database);
         ensure_database("mysql", &db_url).await;
+        drop_stale_databases(&format!("{server}/")).await;
         let dir = tempfile::tempdir().unwrap();
         let shutdown = CancellationToken::new();
 
@@ -480,6 +481,33 @@ impl Stack {
                 vec![],
             )
             .await;
+    }
+}
+
+/// Drops the databases of earlier test processes that are gone (a failed
+/// test never reaches `stop`).
+async fn drop_stale_databases(server: &str) {
+    use sqlx::Connection;
+    let Ok(mut c) = sqlx::MySqlConnection::connect(server).await else {
+        return;
+    };
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT CAST(schema_name AS CHAR) FROM information_schema.schemata WHERE schema_name LIKE 'room\\_it\\_%'",
+    )
+    .fetch_all(&mut c)
+    .await
+    .unwrap_or_default();
+    for name in names {
+        let pid = name
+            .trim_start_matches("room_it_")
+            .split('_')
+            .next()
+            .unwrap_or("");
+        if !pid.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
+                .execute(&mut c)
+                .await;
+        }
     }
 }
 
