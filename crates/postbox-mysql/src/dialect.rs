@@ -47,6 +47,15 @@ pub struct Own {
     delivered_estimate: String,
 }
 
+impl Own {
+    /// The claim statement the relay runs for `source` (`ordered`: with
+    /// `ordering = "per_aggregate"`), placeholders app_code then limit;
+    /// for reading its plan.
+    pub fn claim_sql(&self, source: postbox_core::ClaimSource, ordered: bool) -> &str {
+        self.claims.of(source, ordered)
+    }
+}
+
 /// `chunk`, padded to [`sql::padded_len`] by repeating its last element.
 fn padded<T>(chunk: &[T]) -> impl Iterator<Item = &T> {
     let pad = sql::padded_len(chunk.len()) - chunk.len();

@@ -117,7 +117,13 @@ macro_rules! claim {
 // Every claim reads `{table}_due_idx (app_code, status, next_retry_at_ms,
 // id)` in its order (see `V5_INDEXES`): pending rows have
 // `next_retry_at_ms = 0`, so theirs is insertion order.
-postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!());
+//
+// The per-aggregate claims check every candidate's earlier events through
+// `{table}_aggregate_idx`, named: MariaDB's planner otherwise may read them
+// through `{table}_due_idx`, every open row of the app_code per candidate
+// (9.4 s instead of 0.7 s for one claim over 26,000 pending rows in 100
+// rooms, measured with ANALYZE in the room-service load run).
+postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), aggregate_hint: "FORCE INDEX ({table}_aggregate_idx)");
 
 /// Take over rows whose lease expired (step 1;
 /// `postbox_sqlx::expired_lease_pick!`). Index: `{table}_due_idx`.
@@ -409,7 +415,7 @@ pub(crate) const STUCK_AGGREGATES: &str = concat!(
        AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
     now_ms!(),
     " - ?",
-    head_of_aggregate!(),
+    head_of_aggregate!("FORCE INDEX ({table}_aggregate_idx)"),
     " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
           AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
           AND w.status IN ('pending', 'delivering', 'retryable')) \

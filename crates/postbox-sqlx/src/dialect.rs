@@ -608,6 +608,9 @@ macro_rules! claims {
 #[macro_export]
 macro_rules! claims_in_retry_order {
     ($claim:ident, now: $now:expr) => {
+        $crate::claims_in_retry_order!($claim, now: $now, aggregate_hint: "");
+    };
+    ($claim:ident, now: $now:expr, aggregate_hint: $hint:literal) => {
         /// Claim new rows, oldest first.
         pub(crate) const CLAIM_PENDING: &str =
             $claim!("{table}", "status = 'pending'", "next_retry_at_ms, id");
@@ -616,7 +619,7 @@ macro_rules! claims_in_retry_order {
         /// of aggregates.
         pub(crate) const CLAIM_PENDING_ORDERED: &str = $claim!(
             "{table} c",
-            concat!("status = 'pending'", $crate::head_of_aggregate!()),
+            concat!("status = 'pending'", $crate::head_of_aggregate!($hint)),
             "next_retry_at_ms, id"
         );
 
@@ -634,7 +637,7 @@ macro_rules! claims_in_retry_order {
             concat!(
                 "status = 'retryable' AND next_retry_at_ms <= ",
                 $now,
-                $crate::head_of_aggregate!()
+                $crate::head_of_aggregate!($hint)
             ),
             "next_retry_at_ms, id"
         );
@@ -676,17 +679,25 @@ macro_rules! columns {
 /// `id` (SPEC: ordering). It must be total: falling back to `id` only when
 /// a version is NULL is not transitive, and an aggregate mixing both could
 /// have no head at all. Index: `{table}_aggregate_idx (app_code,
-/// aggregate_id, id)`, sought by its two leading columns.
+/// aggregate_id, id)`, sought by its two leading columns; `$hint` (MySQL:
+/// `FORCE INDEX (…)`) names it where the planner would pick another.
 #[macro_export]
 macro_rules! head_of_aggregate {
     () => {
-        " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p \
+        $crate::head_of_aggregate!("")
+    };
+    ($hint:literal) => {
+        concat!(
+            " AND (c.aggregate_id IS NULL OR NOT EXISTS (SELECT 1 FROM {table} p ",
+            $hint,
+            " \
            WHERE p.app_code = c.app_code AND p.aggregate_id = c.aggregate_id \
              AND p.status IN ('pending', 'delivering', 'retryable') \
              AND (COALESCE(p.aggregate_version, 9223372036854775807) \
                     < COALESCE(c.aggregate_version, 9223372036854775807) \
                OR (COALESCE(p.aggregate_version, 9223372036854775807) \
                     = COALESCE(c.aggregate_version, 9223372036854775807) AND p.id < c.id)))) "
+        )
     };
 }
 
