@@ -22,7 +22,7 @@ fn docs() -> Vec<(PathBuf, String)> {
 }
 
 /// The fenced blocks of `lang` in `text`.
-fn blocks<'a>(text: &'a str, lang: &str) -> Vec<String> {
+fn blocks(text: &str, lang: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut current: Option<String> = None;
     for line in text.lines() {
