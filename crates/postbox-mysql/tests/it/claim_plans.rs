@@ -7,12 +7,17 @@ use postbox_testkit::scratch_table;
 use postbox_testkit::servers::mysql_url;
 use postbox_testkit::store_setup::migrated;
 
+/// A migrated outbox table of its own.
+async fn scratch_store(prefix: &'static str) -> MySqlOutbox {
+    migrated("mysql", mysql_url(), |url| async move {
+        MySqlOutbox::connect(&url, &scratch_table(prefix), 2).await
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_use_their_index_over_a_million_delivered_rows() {
-    let store = migrated("mysql", mysql_url(), |url| async move {
-        MySqlOutbox::connect(&url, &scratch_table("plans"), 2).await
-    })
-    .await;
+    let store = scratch_store("plans").await;
     let t = store.table().as_str().to_owned();
     let load = [
         // History: a million delivered rows (MariaDB's sequence engine).
@@ -53,10 +58,7 @@ async fn claims_use_their_index_over_a_million_delivered_rows() {
 async fn the_ordered_claim_reads_earlier_events_through_the_aggregate_index() {
     use postbox_core::ClaimSource;
     use sqlx::{Connection, Executor, Row};
-    let store = migrated("mysql", mysql_url(), |url| async move {
-        MySqlOutbox::connect(&url, &scratch_table("headplan"), 2).await
-    })
-    .await;
+    let store = scratch_store("headplan").await;
     let t = store.table().as_str().to_owned();
     let mut conn = store.pool().acquire().await.unwrap();
     for sql in [
