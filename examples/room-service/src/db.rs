@@ -94,11 +94,20 @@ macro_rules! bind_all {
     }};
 }
 
+/// `$body` once per driver: the same code, typed for MySQL or SQLite.
+macro_rules! each_driver {
+    ($value:expr, $enum:ident($($bind:pat),+) => $body:expr) => {
+        match $value {
+            $enum::MySql($($bind),+) => $body,
+            $enum::Sqlite($($bind),+) => $body,
+        }
+    };
+}
+
 impl Db {
     /// Opens the database of `settings` (`[database]` of the postbox config
     /// the relay reads too), creating a missing SQLite file, and migrates the
-    /// outbox table and the service's own `tables` (statements with
-    /// `{auto}` for an auto-increment key type).
+    /// outbox table and the service's own `tables`.
     pub async fn open(settings: &Settings, tables: &[&str]) -> Result<Db, DbError> {
         let d = &settings.database;
         let (url, table, n) = (d.url.expose(), d.table.as_str(), d.max_connections);
@@ -121,19 +130,13 @@ impl Db {
 
     /// The outbox, for the store operations (`status`, `replay`, …).
     pub fn outbox(&self) -> &dyn OutboxStore {
-        match self {
-            Db::MySql(o) => o,
-            Db::Sqlite(o) => o,
-        }
+        each_driver!(self, Db(o) => o)
     }
 
     /// The outbox as the relay takes it: a relay over this store wakes on
     /// every `enqueue` of this process, without waiting for a poll.
     pub fn store(&self) -> std::sync::Arc<dyn OutboxStore> {
-        match self {
-            Db::MySql(o) => std::sync::Arc::new(o.clone()),
-            Db::Sqlite(o) => std::sync::Arc::new(o.clone()),
-        }
+        each_driver!(self, Db(o) => std::sync::Arc::new(o.clone()))
     }
 
     /// `INSERT IGNORE` in this database's words.
@@ -147,35 +150,23 @@ impl Db {
     /// Starts a write transaction (SQLite: `BEGIN IMMEDIATE`, so a
     /// transaction that reads first never fails half-way on the write lock).
     pub async fn begin(&self) -> Result<Tx, DbError> {
+        let begin = |e| db_error("begin", e);
         Ok(match self {
-            Db::MySql(o) => Tx::MySql(
-                o.pool().begin().await.map_err(|e| db_error("begin", e))?,
-                o.clone(),
-            ),
+            Db::MySql(o) => Tx::MySql(o.pool().begin().await.map_err(begin)?, o.clone()),
             Db::Sqlite(o) => Tx::Sqlite(
                 o.pool()
                     .begin_with("BEGIN IMMEDIATE")
                     .await
-                    .map_err(|e| db_error("begin", e))?,
+                    .map_err(begin)?,
                 o.clone(),
             ),
         })
     }
 
-    /// Runs one statement outside a transaction.
+    /// Runs one statement outside a transaction; the rows it changed.
     pub async fn execute(&self, sql: &str, args: Vec<Arg>) -> Result<u64, DbError> {
-        let sql = self.render(sql);
-        let done = match self {
-            Db::MySql(o) => bind_all!(sqlx::query(&sql), &args)
-                .execute(o.pool())
-                .await
-                .map(|r| r.rows_affected()),
-            Db::Sqlite(o) => bind_all!(sqlx::query(&sql), &args)
-                .execute(o.pool())
-                .await
-                .map(|r| r.rows_affected()),
-        };
-        done.map_err(|e| db_error("execute", e))
+        each_driver!(self, Db(o) => bind_all!(sqlx::query(sql), &args).execute(o.pool()).await.map(|r| r.rows_affected()))
+            .map_err(|e| db_error("execute", e))
     }
 
     /// Reads at most one row outside a transaction.
@@ -184,61 +175,21 @@ impl Db {
         sql: &str,
         args: Vec<Arg>,
     ) -> Result<Option<T>, DbError> {
-        let got = match self {
-            Db::MySql(o) => {
-                bind_all!(sqlx::query_as(sql), &args)
-                    .fetch_optional(o.pool())
-                    .await
-            }
-            Db::Sqlite(o) => {
-                bind_all!(sqlx::query_as(sql), &args)
-                    .fetch_optional(o.pool())
-                    .await
-            }
-        };
-        got.map_err(|e| db_error("query", e))
+        each_driver!(self, Db(o) => bind_all!(sqlx::query_as(sql), &args).fetch_optional(o.pool()).await)
+            .map_err(|e| db_error("query", e))
     }
 
     /// Reads every row outside a transaction.
     pub async fn fetch_all<T: Row>(&self, sql: &str, args: Vec<Arg>) -> Result<Vec<T>, DbError> {
-        let got = match self {
-            Db::MySql(o) => {
-                bind_all!(sqlx::query_as(sql), &args)
-                    .fetch_all(o.pool())
-                    .await
-            }
-            Db::Sqlite(o) => {
-                bind_all!(sqlx::query_as(sql), &args)
-                    .fetch_all(o.pool())
-                    .await
-            }
-        };
-        got.map_err(|e| db_error("query", e))
-    }
-
-    /// `{auto}` in a DDL statement: this database's auto-increment key.
-    fn render(&self, sql: &str) -> String {
-        let auto = match self {
-            Db::MySql(_) => "BIGINT AUTO_INCREMENT PRIMARY KEY",
-            Db::Sqlite(_) => "INTEGER PRIMARY KEY AUTOINCREMENT",
-        };
-        sql.replace("{auto}", auto)
+        each_driver!(self, Db(o) => bind_all!(sqlx::query_as(sql), &args).fetch_all(o.pool()).await)
+            .map_err(|e| db_error("query", e))
     }
 }
 
 impl Tx {
     /// Runs one statement in the transaction; the rows it changed.
     pub async fn execute(&mut self, sql: &str, args: Vec<Arg>) -> Result<u64, sqlx::Error> {
-        match self {
-            Tx::MySql(tx, _) => bind_all!(sqlx::query(sql), &args)
-                .execute(&mut **tx)
-                .await
-                .map(|r| r.rows_affected()),
-            Tx::Sqlite(tx, _) => bind_all!(sqlx::query(sql), &args)
-                .execute(&mut **tx)
-                .await
-                .map(|r| r.rows_affected()),
-        }
+        each_driver!(self, Tx(tx, _) => bind_all!(sqlx::query(sql), &args).execute(&mut **tx).await.map(|r| r.rows_affected()))
     }
 
     /// Reads at most one row in the transaction.
@@ -247,37 +198,19 @@ impl Tx {
         sql: &str,
         args: Vec<Arg>,
     ) -> Result<Option<T>, DbError> {
-        let got = match self {
-            Tx::MySql(tx, _) => {
-                bind_all!(sqlx::query_as(sql), &args)
-                    .fetch_optional(&mut **tx)
-                    .await
-            }
-            Tx::Sqlite(tx, _) => {
-                bind_all!(sqlx::query_as(sql), &args)
-                    .fetch_optional(&mut **tx)
-                    .await
-            }
-        };
-        got.map_err(|e| db_error("query", e))
+        each_driver!(self, Tx(tx, _) => bind_all!(sqlx::query_as(sql), &args).fetch_optional(&mut **tx).await)
+            .map_err(|e| db_error("query", e))
     }
 
     /// Writes `event` to the outbox in this transaction: it is delivered if,
     /// and only if, the transaction commits.
     pub async fn enqueue(&mut self, event: &NewEvent) -> Result<i64, DbError> {
-        match self {
-            Tx::MySql(tx, o) => o.enqueue(tx, event).await,
-            Tx::Sqlite(tx, o) => o.enqueue(tx, event).await,
-        }
+        each_driver!(self, Tx(tx, o) => o.enqueue(tx, event).await)
     }
 
     /// Commits.
     pub async fn commit(self) -> Result<(), DbError> {
-        match self {
-            Tx::MySql(tx, _) => tx.commit().await,
-            Tx::Sqlite(tx, _) => tx.commit().await,
-        }
-        .map_err(|e| db_error("commit", e))
+        each_driver!(self, Tx(tx, _) => tx.commit().await).map_err(|e| db_error("commit", e))
     }
 }
 

@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
@@ -118,6 +118,16 @@ impl Im {
             );
         };
         let (event_id, room_id) = (event_id.to_owned(), room_id.to_owned());
+        let created = event_type == "RoomCreated";
+        if !created && !i.groups.contains_key(&room_id) {
+            // Never with `ordering = "per_aggregate"`: RoomCreated is
+            // delivered first. Refused, so the relay retries it.
+            i.refused += 1;
+            return (
+                StatusCode::CONFLICT,
+                json!({ "error": format!("no group for room {room_id}") }),
+            );
+        }
         i.received += 1;
         // IM dedupes by event_id too: a redelivered push is acknowledged
         // and not shown twice.
@@ -125,42 +135,25 @@ impl Im {
             i.duplicates += 1;
             return (StatusCode::OK, json!({ "duplicate": true }));
         }
-        let lag = crate::now_ms() - envelope["created_at_ms"].as_i64().unwrap_or(0);
+        i.lags
+            .push(crate::now_ms() - envelope["created_at_ms"].as_i64().unwrap_or(0));
         let message = GroupMessage {
             event_id,
-            event_type: event_type.clone(),
+            event_type,
             version: envelope["aggregate_version"].as_i64().unwrap_or(0),
         };
-        if event_type == "RoomCreated" {
-            i.lags.push(lag);
-            i.groups.entry(room_id).or_default().push(message);
-            return (StatusCode::OK, json!({ "group": "ensured" }));
-        }
-        match i.groups.get_mut(&room_id) {
-            Some(g) => {
-                g.push(message);
-                i.lags.push(lag);
-                (StatusCode::OK, json!({ "message": "sent" }))
-            }
-            None => {
-                // Never with `ordering = "per_aggregate"`: RoomCreated is
-                // delivered first. Refused, so the relay retries it.
-                let id = message.event_id;
-                i.seen.remove(&id);
-                (
-                    StatusCode::CONFLICT,
-                    json!({ "error": format!("no group for room {room_id}") }),
-                )
-            }
-        }
+        // RoomCreated ensures the group; every other event is a message of it.
+        i.groups.entry(room_id).or_default().push(message);
+        let answer = if created {
+            "group ensured"
+        } else {
+            "message sent"
+        };
+        (StatusCode::OK, json!({ "ok": answer }))
     }
 }
 
-async fn push(
-    State(im): State<Im>,
-    _headers: HeaderMap,
-    Json(envelope): Json<Value>,
-) -> (StatusCode, Json<Value>) {
+async fn push(State(im): State<Im>, Json(envelope): Json<Value>) -> (StatusCode, Json<Value>) {
     let (status, body) = im.take(&envelope);
     (status, Json(body))
 }

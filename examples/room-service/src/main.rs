@@ -120,8 +120,25 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, postbox::Error> {
         .map_err(|e| postbox::Error::config("--listen", format!("cannot listen on {addr}: {e}")))
 }
 
+/// An owner service's database (migrated with its `tables`), and its relay
+/// when it runs in this process.
+async fn owner(
+    config: &Path,
+    tables: &[&str],
+    relay: bool,
+    shutdown: &CancellationToken,
+) -> Result<(Db, String, Option<Relay>), postbox::Error> {
+    let settings = load_config(config)?;
+    let db = Db::open(&settings, tables).await?;
+    let relay = match relay {
+        true => Some(spawn_relay(&settings, &db, shutdown.clone()).await?),
+        false => None,
+    };
+    Ok((db, app_code(&settings), relay))
+}
+
 async fn run(command: Command, shutdown: CancellationToken) -> Result<(), postbox::Error> {
-    match command {
+    let (what, listen, router, relay) = match command {
         Command::Serve {
             config,
             listen,
@@ -129,23 +146,9 @@ async fn run(command: Command, shutdown: CancellationToken) -> Result<(), postbo
             snapshot_every_n,
             relay,
         } => {
-            let listener = bind(listen).await?;
-            let settings = load_config(&config)?;
-            let db = Db::open(&settings, &service::TABLES).await?;
-            let relay = if relay {
-                Some(spawn_relay(&settings, &db, shutdown.clone()).await?)
-            } else {
-                None
-            };
-            let rooms = RoomService::new(
-                db,
-                &app_code(&settings),
-                WalletClient::new(&wallet),
-                snapshot_every_n,
-            );
-            tracing::info!(%listen, relay = relay.is_some(), "room service up");
-            let served = serve(listener, rooms.router(), shutdown.clone());
-            wait(served, relay, shutdown).await
+            let (db, app, relay) = owner(&config, &service::TABLES, relay, &shutdown).await?;
+            let rooms = RoomService::new(db, &app, WalletClient::new(&wallet), snapshot_every_n);
+            ("room service", listen, rooms.router(), relay)
         }
         Command::Wallet {
             config,
@@ -153,45 +156,27 @@ async fn run(command: Command, shutdown: CancellationToken) -> Result<(), postbo
             initial_balance,
             relay,
         } => {
-            let listener = bind(listen).await?;
-            let settings = load_config(&config)?;
-            let db = Db::open(&settings, &wallet::TABLES).await?;
-            let relay = if relay {
-                Some(spawn_relay(&settings, &db, shutdown.clone()).await?)
-            } else {
-                None
-            };
-            let wallet = WalletService::new(db, &app_code(&settings), initial_balance);
-            tracing::info!(%listen, relay = relay.is_some(), "wallet up");
-            wait(
-                serve(listener, wallet.router(), shutdown.clone()),
-                relay,
-                shutdown,
-            )
-            .await
+            let (db, app, relay) = owner(&config, &wallet::TABLES, relay, &shutdown).await?;
+            let wallet = WalletService::new(db, &app, initial_balance);
+            ("wallet", listen, wallet.router(), relay)
         }
-        Command::Im { listen } => {
-            let listener = bind(listen).await?;
-            tracing::info!(%listen, "IM stand-in up: POST /im, POST /control, GET /groups/{{room_id}}, GET /stats");
-            wait(
-                serve(listener, Im::default().router(), shutdown.clone()),
-                None,
-                shutdown,
-            )
-            .await
-        }
-        Command::Projection { listen } => {
-            let listener = bind(listen).await?;
-            tracing::info!(%listen, "projection up: POST /events, GET /stats");
-            wait(
-                serve(listener, Projection::default().router(), shutdown.clone()),
-                None,
-                shutdown,
-            )
-            .await
-        }
-        Command::Demo { dir, port } => demo(&dir, port, shutdown).await,
-    }
+        Command::Im { listen } => (
+            "IM stand-in: POST /im, POST /control, GET /groups/{room_id}, GET /stats",
+            listen,
+            Im::default().router(),
+            None,
+        ),
+        Command::Projection { listen } => (
+            "projection: POST /events, GET /stats",
+            listen,
+            Projection::default().router(),
+            None,
+        ),
+        Command::Demo { dir, port } => return demo(&dir, port, shutdown).await,
+    };
+    let listener = bind(listen).await?;
+    tracing::info!(%listen, relay = relay.is_some(), "{what} up");
+    wait(serve(listener, router, shutdown.clone()), relay, shutdown).await
 }
 
 type Relay = tokio::task::JoinHandle<Result<postbox::relay::RelayReport, postbox::Error>>;

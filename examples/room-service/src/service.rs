@@ -137,29 +137,31 @@ impl RoomService {
     }
 
     async fn load(&self, room_id: &str) -> Result<Option<RoomState>, postbox::Error> {
-        let row: Option<(String,)> = self
-            .db
-            .fetch_optional(
-                "SELECT state FROM room_meta WHERE room_id = ?",
-                args![room_id],
-            )
-            .await?;
-        Ok(
-            row.map(|(s,)| {
-                serde_json::from_str(&s).expect("room_meta.state is the service's JSON")
-            }),
-        )
+        self.json_of("SELECT state FROM room_meta WHERE room_id = ?", room_id)
+            .await
     }
 
     async fn recorded(&self, command_id: &str) -> Result<Option<Value>, postbox::Error> {
-        let row: Option<(String,)> = self
-            .db
-            .fetch_optional(
-                "SELECT response FROM room_command_log WHERE command_id = ?",
-                args![command_id],
-            )
-            .await?;
-        Ok(row.map(|(s,)| serde_json::from_str(&s).expect("command log responses are JSON")))
+        self.json_of(
+            "SELECT response FROM room_command_log WHERE command_id = ?",
+            command_id,
+        )
+        .await
+    }
+
+    /// The JSON column `sql` reads for `key`, if there is a row.
+    async fn json_of<T: serde::de::DeserializeOwned>(
+        &self,
+        sql: &str,
+        key: &str,
+    ) -> Result<Option<T>, postbox::Error> {
+        let row: Option<(String,)> = self.db.fetch_optional(sql, args![key]).await?;
+        row.map(|(text,)| {
+            serde_json::from_str(&text).map_err(|e| {
+                postbox::Error::Internal(format!("`{sql}` for {key}: not the service's JSON: {e}"))
+            })
+        })
+        .transpose()
     }
 
     /// Runs one command; every step is timed and logged.

@@ -138,6 +138,10 @@ pub struct Stack {
     pub wallet_db: Db,
     pub proxy: Arc<Proxy>,
     pub shutdown: CancellationToken,
+    /// The room and wallet relays: each must end without error at `stop`.
+    pub relays: Vec<tokio::task::JoinHandle<Result<postbox::relay::RelayReport, postbox::Error>>>,
+    /// The consumers: likewise.
+    pub consuming: tokio::task::JoinHandle<Result<(), postbox::Error>>,
     pub names: Names,
     pub _dir: tempfile::TempDir,
 }
@@ -151,10 +155,12 @@ pub struct Names {
     pub notice_queue: String,
 }
 
-pub async fn listener() -> (TcpListener, SocketAddr) {
+/// Serves `router` on a free loopback port until `shutdown`; its address.
+pub async fn serve_any(router: axum::Router, shutdown: &CancellationToken) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let a = l.local_addr().unwrap();
-    (l, a)
+    let addr = l.local_addr().unwrap();
+    serve(l, router, shutdown.clone());
+    addr
 }
 
 /// Writes `toml` to `dir/name` and loads it, as a user's config file.
@@ -189,14 +195,11 @@ impl Stack {
         let shutdown = CancellationToken::new();
 
         let im = Im::default();
-        let (l, im_addr) = listener().await;
-        serve(l, im.router(), shutdown.clone());
+        let im_addr = serve_any(im.router(), &shutdown).await;
         let activity = Projection::default();
-        let (l, activity_addr) = listener().await;
-        serve(l, activity.router(), shutdown.clone());
+        let activity_addr = serve_any(activity.router(), &shutdown).await;
         let notice = Projection::default();
-        let (l, notice_addr) = listener().await;
-        serve(l, notice.router(), shutdown.clone());
+        let notice_addr = serve_any(notice.router(), &shutdown).await;
         let proxy = Proxy::start().await;
         let amqp = amqp_url();
         let proxied = amqp.replace("127.0.0.1:5672", &proxy.addr.to_string());
@@ -214,70 +217,53 @@ impl Stack {
             "#,
             options.max_retry_count
         );
+        // An owner's config: its own outbox table and app_code, the test's
+        // worker settings, its publishers.
+        let owner = |name: &str, table: &str, app: &str, publishers: String| {
+            let toml = format!(
+                "[database]\nurl = \"{db_url}\"\ntable = \"{table}\"\napp_codes = [\"{app}\"]\n{worker}\n{publishers}"
+            );
+            settings(dir.path(), name, &toml)
+        };
+        let rabbitmq = |name: &str, url: &str, exchange: &str| {
+            format!(
+                "[[publishers]]\nkind = \"rabbitmq\"\nname = \"{name}\"\nurl = \"{url}\"\nexchange = \"{exchange}\"\n\
+                 routing_key = \"{{app_code}}.{{event_type}}\"\ndeclare = true\n"
+            )
+        };
+        let mut relays = Vec::new();
         // The room: IM by webhook, activity by RabbitMQ (through the proxy).
-        let room = settings(
-            dir.path(),
+        let im_publisher = format!(
+            "[[publishers]]\nkind = \"webhook\"\nname = \"im\"\nurl = \"http://{im_addr}/im\"\ntimeout = \"2s\"\n"
+        );
+        let room = owner(
             "room.toml",
-            &format!(
-                r#"
-            [database]
-            url = "{db_url}"
-            table = "room_outbox"
-            app_codes = ["room"]
-            {worker}
-            [[publishers]]
-            kind = "webhook"
-            name = "im"
-            url = "http://{im_addr}/im"
-            timeout = "2s"
-            [[publishers]]
-            kind = "rabbitmq"
-            name = "activity"
-            url = "{proxied}"
-            exchange = "{}"
-            routing_key = "{{app_code}}.{{event_type}}"
-            declare = true
-            "#,
-                names.room_exchange
-            ),
+            "room_outbox",
+            "room",
+            im_publisher + &rabbitmq("activity", &proxied, &names.room_exchange),
         );
         let room_db = Db::open(&room, &service::TABLES).await.unwrap();
-        spawn_relay(&room, &room_db, shutdown.clone())
-            .await
-            .unwrap();
+        relays.push(
+            spawn_relay(&room, &room_db, shutdown.clone())
+                .await
+                .unwrap(),
+        );
 
         // The wallet: its own outbox and relay, to its own exchange.
-        let wallet_settings = settings(
-            dir.path(),
+        let wallet_settings = owner(
             "wallet.toml",
-            &format!(
-                r#"
-            [database]
-            url = "{db_url}"
-            table = "wallet_outbox"
-            app_codes = ["wallet"]
-            {worker}
-            [[publishers]]
-            kind = "rabbitmq"
-            name = "wallet_mq"
-            url = "{amqp}"
-            exchange = "{}"
-            routing_key = "{{app_code}}.{{event_type}}"
-            declare = true
-            "#,
-                names.wallet_exchange
-            ),
+            "wallet_outbox",
+            "wallet",
+            rabbitmq("wallet_mq", &amqp, &names.wallet_exchange),
         );
         let wallet_db = Db::open(&wallet_settings, &wallet::TABLES).await.unwrap();
-        spawn_relay(&wallet_settings, &wallet_db, shutdown.clone())
-            .await
-            .unwrap();
-        let (l, wallet_addr) = listener().await;
-        serve(
-            l,
-            WalletService::new(wallet_db.clone(), "wallet", 1000).router(),
-            shutdown.clone(),
+        relays.push(
+            spawn_relay(&wallet_settings, &wallet_db, shutdown.clone())
+                .await
+                .unwrap(),
         );
+        let wallet = WalletService::new(wallet_db.clone(), "wallet", 1000);
+        let wallet_addr = serve_any(wallet.router(), &shutdown).await;
 
         // Consumers, as `postbox consume` runs them: three activity
         // workers with one unacked message each, and notice, which reads
@@ -332,11 +318,8 @@ impl Stack {
             .await
             .unwrap();
         let stop = shutdown.clone();
-        tokio::spawn(async move {
-            if let Err(e) = postbox::runtime::consumers::run(&consumers, stop).await {
-                panic!("consumers stopped: {e}");
-            }
-        });
+        let consuming =
+            tokio::spawn(async move { postbox::runtime::consumers::run(&consumers, stop).await });
 
         // Ready when every consumer consumes: its queue is bound by then,
         // so no event is published before there is a queue to route it to.
@@ -373,8 +356,7 @@ impl Stack {
             WalletClient::new(&format!("http://{wallet_addr}")),
             10,
         );
-        let (l, rooms_addr) = listener().await;
-        serve(l, rooms.router(), shutdown.clone());
+        let rooms_addr = serve_any(rooms.router(), &shutdown).await;
 
         Stack {
             http: reqwest::Client::new(),
@@ -387,6 +369,8 @@ impl Stack {
             proxy,
             shutdown,
             names,
+            relays,
+            consuming,
             _dir: dir,
         }
     }
@@ -460,9 +444,20 @@ impl Stack {
             .collect()
     }
 
+    /// Stops everything; every relay and the consumers must have run
+    /// without error until then.
     pub async fn stop(self) {
         self.shutdown.cancel();
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        for relay in self.relays {
+            relay
+                .await
+                .unwrap()
+                .expect("a relay failed during the test");
+        }
+        self.consuming
+            .await
+            .unwrap()
+            .expect("the consumers failed during the test");
         if let Ok(c) = lapin::Connection::connect(&amqp_url(), Default::default()).await {
             let ch = c.create_channel().await.unwrap();
             for q in [&self.names.activity_queue, &self.names.notice_queue] {
