@@ -413,3 +413,46 @@ fn every_room_service_command_in_the_readmes_exists() {
     }
     assert!(checked >= 10, "only {checked} commands found");
 }
+
+/// A snapshot row every `snapshot_every_n` (10) versions, none between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_every_ten_versions() {
+    let s = Stack::start(Options { max_retry_count: 5 }).await;
+    s.ok(
+        "s1",
+        "create",
+        json!({ "command_id": "s1-c", "user_id": "alice" }),
+    )
+    .await;
+    // Versions 2..=11: bob joins and leaves five times.
+    for k in 0..5 {
+        s.ok(
+            "s1",
+            "join",
+            json!({ "command_id": format!("s1-j{k}"), "user_id": "bob" }),
+        )
+        .await;
+        s.ok(
+            "s1",
+            "leave",
+            json!({ "command_id": format!("s1-l{k}"), "user_id": "bob" }),
+        )
+        .await;
+    }
+    let snapshots: Vec<(i64, String)> = s
+        .room_db
+        .fetch_all(
+            "SELECT version, state FROM room_snapshot WHERE room_id = ? ORDER BY version",
+            room_service::args!["s1"],
+        )
+        .await
+        .unwrap();
+    assert_eq!(snapshots.len(), 1, "{snapshots:?}");
+    assert_eq!(snapshots[0].0, 10);
+    let state: Value = serde_json::from_str(&snapshots[0].1).unwrap();
+    assert_eq!(
+        state["version"], 10,
+        "the snapshot holds the state at its version"
+    );
+    s.stop().await;
+}
