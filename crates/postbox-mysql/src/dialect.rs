@@ -326,12 +326,19 @@ impl Dialect for MySqlDialect {
         };
         let mut tx = outbox.begin_relay(true).await.map_err(db)?;
         // 1. Lock up to `limit` rows, skipping those another relay holds.
-        let rows = sqlx::query(own.claims.of(source, req.ordered))
-            .bind(req.app_code)
-            .bind(i64::from(req.limit))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db)?;
+        let limit = i64::from(req.limit);
+        let mut claim = sqlx::query(own.claims.of(source, req.ordered));
+        if source == ClaimSource::Pending && req.ordered {
+            for bind in sql::PENDING_ORDERED_BINDS {
+                claim = match bind {
+                    None => claim.bind(req.app_code),
+                    Some(times) => claim.bind(times * limit),
+                };
+            }
+        } else {
+            claim = claim.bind(req.app_code).bind(limit);
+        }
+        let rows = claim.fetch_all(&mut *tx).await.map_err(db)?;
         let Some(first) = rows.first() else {
             tx.commit().await.map_err(db)?;
             return Ok(Vec::new());

@@ -21,13 +21,8 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
         let mut conn = outbox.pool().acquire().await.map_err(db)?;
         let app = crate::explain::literal(app_code);
         let mut statements = Vec::new();
-        for (query, source, suffix) in CLAIM_INDEXES {
-            let sql = outbox
-                .own()
-                .claims
-                .of(source, false)
-                .replacen('?', &app, 1)
-                .replacen('?', "100", 1);
+        for (query, source, ordered, suffix) in CLAIM_INDEXES {
+            let sql = crate::explain::inlined_claim(outbox, source, ordered, app_code, 100);
             statements.push((query, suffix, sql));
         }
         let sql = outbox

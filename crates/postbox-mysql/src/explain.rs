@@ -18,7 +18,28 @@ pub(crate) fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
 }
 
-/// Plans of the three claim queries (see `OutboxStore::explain_claims`).
+/// A claim statement with its parameters inlined (`ANALYZE` and `EXPLAIN`
+/// cannot be prepared): the tenant and the limit, where each goes.
+pub(crate) fn inlined_claim(
+    outbox: &MySqlOutbox,
+    source: postbox_core::ClaimSource,
+    ordered: bool,
+    app_code: &str,
+    limit: u32,
+) -> String {
+    let sql = outbox.own().claims.of(source, ordered);
+    let binds: &[Option<i64>] = if source == postbox_core::ClaimSource::Pending && ordered {
+        &crate::sql::PENDING_ORDERED_BINDS
+    } else {
+        &[None, Some(1)]
+    };
+    binds.iter().fold(sql.to_owned(), |sql, bind| match bind {
+        None => sql.replacen('?', &literal(app_code), 1),
+        Some(times) => sql.replacen('?', &(times * i64::from(limit)).to_string(), 1),
+    })
+}
+
+/// Plans of the claim queries (see `OutboxStore::explain_claims`).
 pub(crate) async fn explain_claims(
     outbox: &MySqlOutbox,
     app_code: &str,
@@ -30,12 +51,9 @@ pub(crate) async fn explain_claims(
         let mut conn = outbox.pool().acquire().await.map_err(db)?;
         let mut tx = conn.begin().await.map_err(db)?;
         let mut plans = Vec::with_capacity(crate::sql::CLAIM_INDEXES.len());
-        for (query, source, index_suffix) in crate::sql::CLAIM_INDEXES {
-            let sql = outbox.own().claims.of(source, false);
+        for (query, source, ordered, index_suffix) in crate::sql::CLAIM_INDEXES {
             let expected_index = format!("{t}{index_suffix}");
-            let inlined =
-                sql.replacen('?', &literal(app_code), 1)
-                    .replacen('?', &limit.to_string(), 1);
+            let inlined = inlined_claim(outbox, source, ordered, app_code, limit);
             let analyzed = raw(&mut tx, format!("ANALYZE FORMAT=JSON {inlined}")).await;
             let (rows, measured) = match analyzed {
                 Ok(rows) => (rows, true),
@@ -56,7 +74,7 @@ pub(crate) async fn explain_claims(
                 rows_examined: measured.then_some(0),
                 plan: text,
             };
-            visit(&json, t, &mut plan);
+            visit(&json, &mut plan);
             plans.push(plan);
         }
         tx.rollback().await.map_err(db)?;
@@ -71,11 +89,15 @@ async fn raw(conn: &mut sqlx::MySqlConnection, sql: String) -> Result<Vec<MySqlR
     conn.fetch_all(sql.as_str()).await
 }
 
-/// Finds every `"table": {…}` access of `table` in the JSON plan.
-fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
+/// Finds every access of the outbox table in the JSON plan: a claim reads
+/// no other table, and the plan names it by its alias where it has one
+/// (`c`, `p`), so every `"table": {…}` but the server's own temporary
+/// tables (`<derived2>`, `<union3,4>`) is one.
+fn visit(node: &Value, plan: &mut QueryPlan) {
     match node {
         Value::Object(map) => {
-            if map.get("table_name").and_then(Value::as_str) == Some(table) {
+            let name = map.get("table_name").and_then(Value::as_str);
+            if name.is_some_and(|n| !n.starts_with('<')) {
                 let access = map.get("access_type").and_then(Value::as_str).unwrap_or("");
                 if access == "ALL" || access == "index" {
                     plan.full_scan = true;
@@ -91,10 +113,10 @@ fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
                 }
             }
             for v in map.values() {
-                visit(v, table, plan);
+                visit(v, plan);
             }
         }
-        Value::Array(items) => items.iter().for_each(|v| visit(v, table, plan)),
+        Value::Array(items) => items.iter().for_each(|v| visit(v, plan)),
         _ => {}
     }
 }

@@ -118,12 +118,59 @@ macro_rules! claim {
 // id)` in its order (see `V5_INDEXES`): pending rows have
 // `next_retry_at_ms = 0`, so theirs is insertion order.
 //
-// The per-aggregate claims check every candidate's earlier events through
-// `{table}_aggregate_idx`, named: MariaDB's planner otherwise may read them
-// through `{table}_due_idx`, every open row of the app_code per candidate
-// (9.4 s instead of 0.7 s for one claim over 26,000 pending rows in 100
-// rooms, measured with ANALYZE in the room-service load run).
-postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), aggregate_hint: "FORCE INDEX ({table}_aggregate_idx)");
+// The per-aggregate claims find heads through `{table}_head_idx` (schema
+// version 7, [`V7_HEAD_INDEX`]), named: MariaDB's planner otherwise may
+// read an aggregate's events through `{table}_due_idx`, every open row of
+// the app_code per candidate. Its key is the virtual column
+// `open_aggregate_id` (the aggregate while the row is open, else NULL: a
+// partial index), then `aggregate_seq` (the version, NULL last), then id.
+postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), head: (
+    "open_aggregate_id", "", "p.aggregate_seq", "FORCE INDEX ({table}_head_idx)"
+));
+
+/// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: the pending heads
+/// among the candidates `postbox_sqlx::head_candidates!` describes, found
+/// in MariaDB's own way. (1) The heads of the first 2 × limit aggregates
+/// with open events: MariaDB seeks a correlated bound only by equality, so
+/// the recursive scan other databases use would read the index from the
+/// app_code's start (every delivered row's NULL key) per step; instead
+/// `GROUP BY` over the head index reads it in order, index only, and
+/// stops at the limit (each aggregate's lowest `aggregate_seq`, then the
+/// lowest id at it by one equality probe). Its cost is the open rows of
+/// those aggregates (26 ms at 26,000 pending in 100 aggregates), not the
+/// delivered history. (2) Of the `limit` oldest pending rows, the heads.
+/// The candidates are a derived table joined to the outbox by primary
+/// key: as `c.id IN (…)` MariaDB ran the union once per pending row.
+/// Reads inside it are not locking: a head another relay holds is
+/// skipped by the outer `SKIP LOCKED` and never replaced by the event
+/// after it. Binds in the order of [`PENDING_ORDERED_BINDS`].
+pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
+    "SELECT ",
+    columns!(),
+    ", ",
+    now_ms!(),
+    " AS db_now_ms FROM (\
+       SELECT (SELECT MIN(h.id) FROM {table} h FORCE INDEX ({table}_head_idx) \
+           WHERE h.app_code = ? AND h.open_aggregate_id = g.a AND h.aggregate_seq = g.s) AS head_id \
+         FROM (SELECT open_aggregate_id AS a, MIN(aggregate_seq) AS s \
+           FROM {table} FORCE INDEX ({table}_head_idx) \
+           WHERE app_code = ? AND open_aggregate_id IS NOT NULL \
+           GROUP BY open_aggregate_id LIMIT ?) g \
+       UNION \
+       SELECT o.id FROM (SELECT id, app_code, aggregate_id FROM {table} FORCE INDEX ({table}_due_idx) \
+           WHERE app_code = ? AND status = 'pending' ORDER BY next_retry_at_ms, id LIMIT ?) o \
+         WHERE o.aggregate_id IS NULL OR o.id = (SELECT p.id FROM {table} p FORCE INDEX ({table}_head_idx) \
+           WHERE p.app_code = o.app_code AND p.open_aggregate_id = o.aggregate_id \
+           ORDER BY p.aggregate_seq, p.id LIMIT 1)\
+     ) k STRAIGHT_JOIN {table} c ON c.id = k.head_id \
+     WHERE c.app_code = ? AND c.status = 'pending' \
+     ORDER BY c.next_retry_at_ms, c.id LIMIT ? FOR UPDATE SKIP LOCKED"
+);
+
+/// What each `?` of [`CLAIM_PENDING_ORDERED`] takes, in order: the tenant,
+/// or the limit (`Some(n)`: n × the batch size).
+pub(crate) const PENDING_ORDERED_BINDS: [Option<i64>; 7] =
+    [None, None, Some(2), None, Some(1), None, Some(1)];
 
 /// Take over rows whose lease expired (step 1;
 /// `postbox_sqlx::expired_lease_pick!`). Index: `{table}_due_idx`.
@@ -401,24 +448,24 @@ pub(crate) const ARCHIVED_EVENT_IDS: &str =
 
 /// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
 /// app_code, age cut-off in ms, limit. Heads through `{table}_due_idx`
-/// (app_code, status), siblings through `{table}_aggregate_idx`.
+/// (app_code, status), siblings through `{table}_head_idx`.
 pub(crate) const STUCK_AGGREGATES: &str = concat!(
     "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
        (",
     now_ms!(),
     " - c.created_at_ms) AS age_ms, \
-       (SELECT COUNT(*) FROM {table} w WHERE w.app_code = c.app_code \
-          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
-          AND w.status IN ('pending', 'delivering', 'retryable')) AS waiting \
+       (SELECT COUNT(*) FROM {table} w FORCE INDEX ({table}_head_idx) WHERE w.app_code = c.app_code \
+          AND w.open_aggregate_id = c.aggregate_id AND w.id <> c.id) AS waiting \
      FROM {table} c \
      WHERE c.app_code = ? AND c.status IN ('retryable', 'delivering') \
        AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
     now_ms!(),
     " - ?",
-    head_of_aggregate!("FORCE INDEX ({table}_aggregate_idx)"),
-    " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
-          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
-          AND w.status IN ('pending', 'delivering', 'retryable')) \
+    head_of_aggregate!(c, head: (
+        "open_aggregate_id", "", "p.aggregate_seq", "FORCE INDEX ({table}_head_idx)"
+    )),
+    " AND EXISTS (SELECT 1 FROM {table} w FORCE INDEX ({table}_head_idx) WHERE w.app_code = c.app_code \
+          AND w.open_aggregate_id = c.aggregate_id AND w.id <> c.id) \
      ORDER BY c.created_at_ms LIMIT ?"
 );
 
@@ -479,15 +526,17 @@ pub(crate) const RECORD_VERSION: &str = concat!(
 /// does not make a run atomic: the named lock
 /// ([`MIGRATION_LOCK`]) is held by one connection for the whole run, and
 /// every statement is idempotent, so a run cut short is simply re-run.
-pub(crate) const MIGRATIONS: &[Migration] =
-    postbox_sqlx::migrations!((5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES));
+pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!(
+    (5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES),
+    (7, postbox_sqlx::V7_DESCRIPTION, V7_HEAD_INDEX),
+);
 
 /// The outbox table's indexes since version 5 (suffixes).
-pub(crate) const INDEXES: &[&str] = &["_due_idx", "_aggregate_idx"];
+pub(crate) const INDEXES: &[&str] = &["_due_idx", "_head_idx"];
 
 /// The index each claim query is written for: one for all.
-pub(crate) const CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] =
-    postbox_sqlx::dialect::claim_indexes(["_due_idx"; 3]);
+pub(crate) const CLAIM_INDEXES: [postbox_sqlx::dialect::ClaimIndex; 4] =
+    postbox_sqlx::dialect::claim_indexes(["_due_idx", "_due_idx", "_due_idx", "_head_idx"]);
 
 /// The index [`ARCHIVE_PICK`] is written for.
 pub(crate) const ARCHIVE_INDEX: &str = "_due_idx";
@@ -511,6 +560,26 @@ pub(crate) const V5_INDEXES: &[&str] = &["ALTER TABLE {table} \
        DROP INDEX {table}_claim_retry_idx, DROP INDEX {table}_claim_lease_idx, \
        DROP INDEX {table}_status_updated_idx, DROP INDEX {table}_event_id_idx, \
        DROP INDEX {table}_status_id_idx"];
+
+/// Version 7: the head index in place of `{table}_aggregate_idx (app_code,
+/// aggregate_id, id)`, which held every row, delivered ones included, so
+/// a head check read an aggregate's whole history. MariaDB and MySQL have
+/// no partial or expression indexes; two virtual (never stored) columns
+/// stand in: `open_aggregate_id`, the aggregate while the row is pending,
+/// delivering or retryable and NULL after, and `aggregate_seq`, the
+/// version with NULL last. `{table}_head_idx (app_code, open_aggregate_id,
+/// aggregate_seq, id)` then keeps each open aggregate's events in its
+/// order under its key, so the head is the first entry (see
+/// `postbox_sqlx::head_of_aggregate!`). Its entry changes once per event
+/// (when it is delivered or fails); the index it replaces never changed.
+/// Producers' `INSERT`s name their columns and are untouched. One `ALTER
+/// TABLE`: atomic.
+pub(crate) const V7_HEAD_INDEX: &[&str] = &["ALTER TABLE {table} \
+       ADD COLUMN open_aggregate_id VARCHAR(128) AS \
+         (CASE WHEN status IN ('pending', 'delivering', 'retryable') THEN aggregate_id END) VIRTUAL, \
+       ADD COLUMN aggregate_seq BIGINT AS (COALESCE(aggregate_version, 9223372036854775807)) VIRTUAL, \
+       ADD INDEX {table}_head_idx (app_code, open_aggregate_id, aggregate_seq, id), \
+       DROP INDEX {table}_aggregate_idx"];
 
 /// The shared statements. MySQL has no `UPDATE … RETURNING`: its replay
 /// statements lock the rows' ids (`…_LOCK`), and `MySqlDialect::replay_rows`
@@ -620,6 +689,22 @@ mod tests {
             REPLAY_FILTER_LOCK,
         ] {
             assert!(!sql.contains("{ids}"), "{sql}");
+        }
+    }
+
+    /// The ordered pending claim has one bind per `?`: a tenant where the
+    /// tenant is compared, a limit where a limit is.
+    #[test]
+    fn the_ordered_claim_binds_each_placeholder() {
+        let sql = CLAIM_PENDING_ORDERED;
+        let marks: Vec<usize> = sql.match_indices('?').map(|(i, _)| i).collect();
+        assert_eq!(marks.len(), PENDING_ORDERED_BINDS.len(), "{sql}");
+        for (at, bind) in marks.into_iter().zip(PENDING_ORDERED_BINDS) {
+            let before = sql[..at].trim_end();
+            match bind {
+                None => assert!(before.ends_with("app_code ="), "tenant at {at}: {sql}"),
+                Some(_) => assert!(before.ends_with("LIMIT"), "limit at {at}: {sql}"),
+            }
         }
     }
 }

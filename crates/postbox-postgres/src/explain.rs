@@ -14,7 +14,7 @@ use postbox_sqlx::db_error;
 use crate::sql::{ARCHIVE_INDEX, CLAIM_INDEXES};
 use crate::PgOutbox;
 
-/// Plans of the three claim queries, executed and rolled back.
+/// Plans of the claim queries, executed and rolled back.
 pub(crate) async fn claim_plans(
     outbox: &PgOutbox,
     app_code: &str,
@@ -24,8 +24,8 @@ pub(crate) async fn claim_plans(
     let t = outbox.table().as_str();
     let mut plans = Vec::with_capacity(CLAIM_INDEXES.len());
     let mut tx = outbox.pool().begin().await.map_err(db)?;
-    for (query, source, index_suffix) in CLAIM_INDEXES {
-        let sql = outbox.own().claims.of(source, false);
+    for (query, source, ordered, index_suffix) in CLAIM_INDEXES {
+        let sql = outbox.own().claims.of(source, ordered);
         let expected_index = format!("{t}{index_suffix}");
         let row = sqlx::query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"))
             .bind(app_code)
@@ -76,8 +76,8 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             .map_err(db)?;
     }
     let mut plans = Vec::new();
-    for (query, source, suffix) in CLAIM_INDEXES {
-        let sql = outbox.own().claims.of(source, false);
+    for (query, source, ordered, suffix) in CLAIM_INDEXES {
+        let sql = outbox.own().claims.of(source, ordered);
         let row = sqlx::query(&format!("EXPLAIN (FORMAT JSON) {sql}"))
             .bind(app_code)
             .bind(100_i64)

@@ -75,8 +75,9 @@ macro_rules! claim {
 // retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
 // WHERE status = 'retryable'`, read up to the clock. Partial indexes: a
 // row is in the one index of its status, so each state change writes one
-// claim-index entry, not one per index.
-postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!());
+// claim-index entry, not one per index. Heads of aggregates through
+// `{table}_head_idx` (schema version 7).
+postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), app: "$1", limit: "$2", head: partial);
 
 /// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
 /// the lost attempt is counted. Index: `{table}_lease_idx (app_code,
@@ -302,7 +303,7 @@ pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
 /// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
 /// app_code, age cut-off in ms, limit. Heads through `{table}_retry_idx`
 /// and `{table}_lease_idx` (the two statuses a held-back head has),
-/// siblings through `{table}_open_aggregate_idx`.
+/// siblings through `{table}_head_idx`.
 pub(crate) const STUCK_AGGREGATES: &str = concat!(
     "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
        (",
@@ -316,7 +317,7 @@ pub(crate) const STUCK_AGGREGATES: &str = concat!(
        AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
     now_ms!(),
     " - $2",
-    head_of_aggregate!(),
+    head_of_aggregate!(c, head: partial),
     " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
           AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
           AND w.status IN ('pending', 'delivering', 'retryable')) \
@@ -435,6 +436,7 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
         postbox_sqlx::V6_DESCRIPTION,
         postbox_sqlx::V6_PENDING_INDEX
     ),
+    (7, postbox_sqlx::V7_DESCRIPTION, postbox_sqlx::V7_HEAD_INDEX),
 );
 
 /// The outbox table's indexes (`postbox_sqlx::partial_indexes!`) and the
@@ -442,7 +444,7 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
 pub(crate) const INDEXES: &[&str] = postbox_sqlx::partial_indexes!("_archive_pk");
 
 /// The index each claim query is written for.
-pub(crate) const CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] =
+pub(crate) const CLAIM_INDEXES: [postbox_sqlx::dialect::ClaimIndex; 4] =
     postbox_sqlx::PARTIAL_CLAIM_INDEXES;
 
 /// The index [`ARCHIVE_PICK`] is written for.

@@ -26,7 +26,7 @@ async fn detail_lines<'q>(
         .map_err(|e| db_error(op, e))
 }
 
-/// Plans of the three claim queries.
+/// Plans of the claim queries.
 pub(crate) async fn claim_plans(
     outbox: &SqliteOutbox,
     app_code: &str,
@@ -34,10 +34,10 @@ pub(crate) async fn claim_plans(
 ) -> Result<Vec<QueryPlan>> {
     let t = outbox.table().as_str();
     let mut plans = Vec::with_capacity(CLAIM_INDEXES.len());
-    for (query, source, index_suffix) in CLAIM_INDEXES {
+    for (query, source, ordered, index_suffix) in CLAIM_INDEXES {
         let sql = format!(
             "EXPLAIN QUERY PLAN {}",
-            outbox.own().claims.of(source, false)
+            outbox.own().claims.of(source, ordered)
         );
         // Parameters only shape the plan here; their values do not matter.
         let q = sqlx::query(&sql)

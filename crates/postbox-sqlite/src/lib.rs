@@ -121,7 +121,7 @@ mod tests {
             ),
             (
                 o.own().claims.of(ClaimSource::Pending, true),
-                "room_outbox_open_aggregate_idx",
+                "room_outbox_head_idx",
             ),
             (
                 o.own().claims.of(ClaimSource::DueRetry, false),

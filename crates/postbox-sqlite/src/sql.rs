@@ -91,7 +91,8 @@ macro_rules! claim {
 // id) WHERE status = 'pending'` (schema version 6), in its order; due
 // retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
 // WHERE status = 'retryable'` (`postbox_sqlx::v5_partial_indexes!`).
-postbox_sqlx::claims_in_retry_order!(claim, now: "?5");
+// Heads of aggregates through `{table}_head_idx` (schema version 7).
+postbox_sqlx::claims_in_retry_order!(claim, now: "?5", app: "?1", limit: "?2", head: partial);
 
 /// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
 /// the lost attempt is counted. Index: `{table}_lease_idx (app_code,
@@ -352,7 +353,7 @@ pub(crate) const ARCHIVED_EVENT_IDS: &str = "SELECT event_id FROM {archive} \
 
 /// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
 /// app_code, age cut-off in ms, limit. Heads through `{table}_retry_idx`
-/// and `{table}_lease_idx`, siblings through `{table}_open_aggregate_idx`.
+/// and `{table}_lease_idx`, siblings through `{table}_head_idx`.
 pub(crate) const STUCK_AGGREGATES: &str = concat!(
     "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
        (",
@@ -366,7 +367,7 @@ pub(crate) const STUCK_AGGREGATES: &str = concat!(
        AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
     now_ms!(),
     " - ?2",
-    head_of_aggregate!(),
+    head_of_aggregate!(c, head: partial),
     " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
           AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
           AND w.status IN ('pending', 'delivering', 'retryable')) \
@@ -455,13 +456,14 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
         postbox_sqlx::V6_DESCRIPTION,
         postbox_sqlx::V6_PENDING_INDEX
     ),
+    (7, postbox_sqlx::V7_DESCRIPTION, postbox_sqlx::V7_HEAD_INDEX),
 );
 
 /// The outbox table's indexes (`postbox_sqlx::v5_partial_indexes!`).
 pub(crate) const INDEXES: &[&str] = postbox_sqlx::partial_indexes!();
 
 /// The index each claim query is written for.
-pub(crate) const CLAIM_INDEXES: [(&str, postbox_core::ClaimSource, &str); 3] =
+pub(crate) const CLAIM_INDEXES: [postbox_sqlx::dialect::ClaimIndex; 4] =
     postbox_sqlx::PARTIAL_CLAIM_INDEXES;
 
 /// The index [`ARCHIVE_PICK`] is written for.

@@ -87,6 +87,7 @@ cases! {$
     relay_skips_retries_for_at_most_once_types,
     relay_orders_events_per_aggregate,
     relay_orders_an_aggregate_mixing_versions_and_nulls,
+    ordered_claim_passes_a_held_back_aggregate_and_keeps_age_order,
     archive_moves_past_live_duplicates_of_archived_events,
     stuck_aggregates_are_heads_that_cannot_move,
     history_records_attempts_dead_letters_and_replays,
@@ -1173,6 +1174,93 @@ async fn relay_orders_an_aggregate_mixing_versions_and_nulls(store: Arc<dyn Outb
     }
 }
 
+/// A per-aggregate claim takes the oldest heads first among many
+/// aggregates, whatever their keys; it finds every aggregate that can
+/// move, however many events queue behind one whose head cannot (more
+/// than the batch here, so they fill the claim's window of oldest rows);
+/// and while heads are in flight it takes none of their followers.
+async fn ordered_claim_passes_a_held_back_aggregate_and_keeps_age_order(
+    store: Arc<dyn OutboxStore>,
+) {
+    let ordered = |limit| ClaimRequest {
+        ordered: true,
+        ..req("w", limit, 60_000)
+    };
+    let claim_ids = |limit| {
+        let store = store.clone();
+        async move {
+            let got = store
+                .claim(ClaimSource::Pending, &ordered(limit))
+                .await
+                .expect("claim");
+            got.into_iter()
+                .map(|c| c.record.event_id)
+                .collect::<Vec<String>>()
+        }
+    };
+    let ids_of =
+        |evs: &[NewEvent]| -> Vec<String> { evs.iter().map(|e| e.event_id.clone()).collect() };
+
+    // Thirty aggregates with one event each, keys in the reverse of their
+    // age: a claim of 4 takes the 4 oldest.
+    let many: Vec<NewEvent> = (0..30)
+        .rev()
+        .map(|i| NewEvent::new(APP, "Many", "{}").aggregate(format!("k-{i:02}"), 1))
+        .collect();
+    enqueue(store.as_ref(), &many).await;
+    assert_eq!(
+        claim_ids(4).await,
+        ids_of(&many[..4]),
+        "the oldest four heads"
+    );
+    deliver_all(store.as_ref()).await;
+
+    let held: Vec<NewEvent> = (1..=25)
+        .map(|v| NewEvent::new(APP, "Held", "{}").aggregate("m-held", v))
+        .collect();
+    enqueue(store.as_ref(), &held[..1]).await;
+    let head = store
+        .claim(ClaimSource::Pending, &ordered(5))
+        .await
+        .expect("claim");
+    assert_eq!(head.len(), 1);
+    assert!(store
+        .mark_failed(
+            &head[0].fence(),
+            head[0].record.id,
+            &FailureUpdate {
+                status: Status::Retryable,
+                retry_count: 1,
+                retry_after_ms: 3_600_000,
+                delivered_to: Vec::new(),
+                error: "down".into(),
+                publisher: None,
+            },
+        )
+        .await
+        .expect("mark failed"));
+    enqueue(store.as_ref(), &held[1..]).await;
+    // Keys sorting before and after the held aggregate's.
+    let free: Vec<NewEvent> = ["a-1", "z-1", "b-1", "y-1"]
+        .iter()
+        .map(|k| NewEvent::new(APP, "Free", "{}").aggregate(*k, 1))
+        .collect();
+    enqueue(store.as_ref(), &free).await;
+    assert_eq!(
+        claim_ids(5).await,
+        ids_of(&free),
+        "the four free heads, in age order, and nothing of the held aggregate"
+    );
+    // Their heads are in flight: their followers wait.
+    let next: Vec<NewEvent> = ["a-1", "z-1"]
+        .iter()
+        .map(|k| NewEvent::new(APP, "Free", "{}").aggregate(*k, 2))
+        .collect();
+    enqueue(store.as_ref(), &next).await;
+    let none = claim_ids(5).await;
+    assert!(none.is_empty(), "followers of heads in flight: {none:?}");
+}
+
 /// Claims and delivers every pending row of [`APP`].
 async fn deliver_all(store: &dyn OutboxStore) {
     loop {
@@ -1803,13 +1891,14 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
         exec(format!("DROP TABLE {t}{suffix}")).await;
     }
     let report = store.migrate().await.expect("migrate after drop");
-    // Every database has versions 1 to 3 and 5 (the index per status);
-    // PostgreSQL adds its wake-up trigger (4), the databases with partial
-    // indexes (PostgreSQL, SQLite) the pending index in claim order (6).
+    // Every database has versions 1 to 3, 5 (the index per status) and 7
+    // (the head index); PostgreSQL adds its wake-up trigger (4), the
+    // databases with partial indexes (PostgreSQL, SQLite) the pending index
+    // in claim order (6).
     let latest = report.version;
-    let mariadb = [1, 2, 3, 5];
-    let sqlite = [1, 2, 3, 5, 6];
-    let postgres = [1, 2, 3, 4, 5, 6];
+    let mariadb = [1, 2, 3, 5, 7];
+    let sqlite = [1, 2, 3, 5, 6, 7];
+    let postgres = [1, 2, 3, 4, 5, 6, 7];
     assert!(
         [&mariadb[..], &sqlite, &postgres].contains(&report.applied.as_slice()),
         "{report:?}"
@@ -1852,7 +1941,11 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
     // 3. Only the outbox table dropped while its archive keeps rows: the
     //    recreated table's ids continue after the archive's, so archiving
     //    never meets (and silently skips) an id that is already there.
-    exec(format!("INSERT INTO {t}_archive SELECT * FROM {t}")).await;
+    exec(format!(
+        "INSERT INTO {t}_archive ({c}) SELECT {c} FROM {t}",
+        c = postbox_sqlx::columns!()
+    ))
+    .await;
     exec(format!("DROP TABLE {t}")).await;
     let report = store.migrate().await.expect("migrate after outbox drop");
     assert_eq!(report.applied, every_version, "{report:?}");

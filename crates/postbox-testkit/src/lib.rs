@@ -22,7 +22,7 @@ pub use servers::{amqp_url, mysql_url, nats_url, postgres_url, redis_url, scratc
 /// Checks claim plans: each reads through the index it was written for,
 /// scans nothing whole, and (where measured) reads at most `max_rows` rows.
 pub fn assert_claim_plans(plans: &[postbox_core::store::QueryPlan], max_rows: u64) {
-    assert_eq!(plans.len(), 3, "three claim queries");
+    assert_eq!(plans.len(), 4, "four claim queries");
     for p in plans {
         assert!(
             p.is_good(),

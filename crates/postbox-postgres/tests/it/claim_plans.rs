@@ -94,3 +94,50 @@ async fn pending_claim_keeps_its_index_while_an_analysed_backlog_drains() {
         .await
         .unwrap();
 }
+
+/// A per-aggregate claim over a backlog in few aggregates whose heads are
+/// in flight (the next claim runs while a batch publishes), each with a
+/// delivered history: the claim reads the head index, not the backlog.
+/// The check it replaces read every pending row, because with fewer heads
+/// than the batch its LIMIT was never reached (252 ms and 77,867 buffers
+/// per claim that found nothing, at 26,000 pending rows in 100 aggregates).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ordered_claim_reads_heads_not_the_backlog() {
+    let store = plans_store("head_plan").await;
+    let t = store.table().as_str().to_owned();
+    let pool = store.pool().clone();
+    for sql in [
+        format!(
+            "INSERT INTO {t} (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
+               status, worker_id, lock_until_ms, next_retry_at_ms) \
+             SELECT 'room', 'e-' || g, 'RoomEvent', 'room-' || (g % 100), g, '{{}}', \
+               CASE WHEN g <= 6000 THEN 'delivered' WHEN g <= 6100 THEN 'delivering' ELSE 'pending' END, \
+               'w', CASE WHEN g <= 6100 THEN 9000000000000000 ELSE 0 END, \
+               CASE WHEN g <= 6100 THEN 9000000000000000 ELSE 0 END \
+             FROM generate_series(1, 26100) g"
+        ),
+        format!("VACUUM ANALYZE {t}"),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    }
+    let plans = store.explain_claims("room", 500).await.unwrap();
+    let ordered = plans
+        .iter()
+        .find(|p| p.query == "claim_pending_ordered")
+        .expect("the per-aggregate claim's plan");
+    assert!(
+        ordered.is_good(),
+        "reads {:?}, not {}:\n{}",
+        ordered.indexes_used,
+        ordered.expected_index,
+        ordered.plan
+    );
+    let read = ordered.rows_examined.expect("EXPLAIN ANALYZE counts rows");
+    // A probe or two per aggregate and per row of the 500 oldest: about
+    // 1,800 index entries. The old check read all 20,000 pending rows.
+    assert!(read <= 5_000, "read {read} rows:\n{}", ordered.plan);
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}

@@ -28,8 +28,9 @@ async fn migrate_is_idempotent() {
     let again = store.migrate().await.unwrap();
     assert!(again.applied.is_empty(), "second run changes nothing");
     assert_eq!(
-        again.version, 6,
-        "with the wake-up trigger, the index per status and the pending index in claim order"
+        again.version, 7,
+        "with the wake-up trigger, the index per status, the pending index in claim order \
+         and the head index"
     );
 }
 
@@ -55,14 +56,7 @@ async fn version_5_replaces_the_indexes_of_an_existing_table() {
         let sql = format!("CREATE INDEX {}", index.replace("{t}", &t));
         sqlx::query(&sql).execute(&pool).await.expect(&sql);
     }
-    for index in [
-        "pending",
-        "retry",
-        "lease",
-        "failed",
-        "done",
-        "open_aggregate",
-    ] {
+    for index in ["pending", "retry", "lease", "failed", "done", "head"] {
         let sql = format!("DROP INDEX {t}_{index}_idx");
         sqlx::query(&sql).execute(&pool).await.expect(&sql);
     }
@@ -84,7 +78,7 @@ async fn version_5_replaces_the_indexes_of_an_existing_table() {
         .unwrap();
 
     let report = store.migrate().await.expect("upgrade");
-    assert_eq!(report.applied, vec![5, 6], "{report:?}");
+    assert_eq!(report.applied, vec![5, 6, 7], "{report:?}");
     let schema = store.inspect_schema().await.unwrap();
     assert!(
         schema.objects.iter().all(|o| o.present),
@@ -113,6 +107,7 @@ async fn version_5_replaces_the_indexes_of_an_existing_table() {
         "event_id",
         "aggregate",
         "status_id",
+        "open_aggregate",
     ] {
         assert!(!indexes.contains(&format!("{t}_{gone}_idx")), "{indexes:?}");
     }
