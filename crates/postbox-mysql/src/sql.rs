@@ -157,7 +157,7 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
            WHERE app_code = ? AND open_aggregate_id IS NOT NULL \
            GROUP BY open_aggregate_id LIMIT ?) g \
        UNION \
-       SELECT o.id FROM (SELECT id, app_code, aggregate_id FROM {table} FORCE INDEX ({table}_due_idx) \
+       SELECT o.id FROM (SELECT id, app_code, aggregate_id FROM {table} \
            WHERE app_code = ? AND status = 'pending' ORDER BY next_retry_at_ms, id LIMIT ?) o \
          WHERE o.aggregate_id IS NULL OR o.id = (SELECT p.id FROM {table} p FORCE INDEX ({table}_head_idx) \
            WHERE p.app_code = o.app_code AND p.open_aggregate_id = o.aggregate_id \

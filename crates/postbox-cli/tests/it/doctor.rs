@@ -95,6 +95,20 @@ async fn doctor_scenario(db: Db, url: &str, t: &str) {
         shown.contains(&format!("{pending}  plan:claim_pending")),
         "other queries still fine where they have their own index: {shown}"
     );
+    // Without the head index the per-aggregate claim fails, and is still
+    // named (MySQL cannot even explain it: it forces that index).
+    let head = format!("{t}_head_idx");
+    db.exec(&match db {
+        Db::My(_) => format!("DROP INDEX {head} ON {t}"),
+        _ => format!("DROP INDEX {head}"),
+    })
+    .await;
+    let shown = text(&run(&["doctor"]));
+    assert!(
+        shown.contains(&format!("index:{head}"))
+            && shown.contains("FAIL  plan:claim_pending_ordered"),
+        "names the per-aggregate claim: {shown}"
+    );
     if !matches!(db, Db::Lite(_)) {
         db.drop_tables(t).await;
     }
