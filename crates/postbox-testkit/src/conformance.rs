@@ -87,7 +87,7 @@ cases! {$
     relay_skips_retries_for_at_most_once_types,
     relay_orders_events_per_aggregate,
     relay_orders_an_aggregate_mixing_versions_and_nulls,
-    ordered_claim_passes_a_held_back_aggregate_and_keeps_age_order,
+    ordered_claim_skips_held_aggregates_in_age_order,
     archive_moves_past_live_duplicates_of_archived_events,
     stuck_aggregates_are_heads_that_cannot_move,
     history_records_attempts_dead_letters_and_replays,
@@ -1179,9 +1179,7 @@ async fn relay_orders_an_aggregate_mixing_versions_and_nulls(store: Arc<dyn Outb
 /// move, however many events queue behind one whose head cannot (more
 /// than the batch here, so they fill the claim's window of oldest rows);
 /// and while heads are in flight it takes none of their followers.
-async fn ordered_claim_passes_a_held_back_aggregate_and_keeps_age_order(
-    store: Arc<dyn OutboxStore>,
-) {
+async fn ordered_claim_skips_held_aggregates_in_age_order(store: Arc<dyn OutboxStore>) {
     let ordered = |limit| ClaimRequest {
         ordered: true,
         ..req("w", limit, 60_000)

@@ -19,6 +19,24 @@ pub mod wake;
 pub use publishers::RecordingPublisher;
 pub use servers::{amqp_url, mysql_url, nats_url, postgres_url, redis_url, scratch_table};
 
+/// Checks the plan of the claim `query` among `plans`: it reads through
+/// the index it was written for and, measured, at most `max_rows` rows.
+pub fn assert_plan_reads(plans: &[postbox_core::store::QueryPlan], query: &str, max_rows: u64) {
+    let p = plans
+        .iter()
+        .find(|p| p.query == query)
+        .unwrap_or_else(|| panic!("no plan of {query}"));
+    assert!(
+        p.is_good(),
+        "{query} reads {:?}, not {}:\n{}",
+        p.indexes_used,
+        p.expected_index,
+        p.plan
+    );
+    let read = p.rows_examined.expect("the database counts rows read");
+    assert!(read <= max_rows, "{query} read {read} rows:\n{}", p.plan);
+}
+
 /// Checks claim plans: each reads through the index it was written for,
 /// scans nothing whole, and (where measured) reads at most `max_rows` rows.
 pub fn assert_claim_plans(plans: &[postbox_core::store::QueryPlan], max_rows: u64) {

@@ -72,20 +72,8 @@ async fn the_ordered_claim_reads_heads_not_the_backlog() {
     );
     store.pool().execute(sql.as_str()).await.unwrap();
     let plans = store.explain_claims("room", 500).await.unwrap();
-    let ordered = plans
-        .iter()
-        .find(|p| p.query == "claim_pending_ordered")
-        .expect("the per-aggregate claim's plan");
-    assert!(
-        ordered.is_good(),
-        "reads {:?}, not {}:\n{}",
-        ordered.indexes_used,
-        ordered.expected_index,
-        ordered.plan
-    );
-    let read = ordered.rows_examined.expect("ANALYZE counts rows");
     // The open rows of the first 1,000 aggregates, index only (20,100),
     // the 500 oldest pending rows, a probe for each: about 21,000. The old
     // check read 600,000.
-    assert!(read <= 30_000, "read {read} rows:\n{}", ordered.plan);
+    postbox_testkit::assert_plan_reads(&plans, "claim_pending_ordered", 30_000);
 }

@@ -72,23 +72,7 @@ async fn pending_claim_keeps_its_index_while_an_analysed_backlog_drains() {
         sqlx::query(&sql).execute(&pool).await.expect(&sql);
     }
     let plans = store.explain_claims("plan", 500).await.unwrap();
-    let pending = plans
-        .iter()
-        .find(|p| p.query == "claim_pending")
-        .expect("the pending claim's plan");
-    assert!(
-        pending.is_good(),
-        "reads {:?}, not {}:\n{}",
-        pending.indexes_used,
-        pending.expected_index,
-        pending.plan
-    );
-    let read = pending.rows_examined.expect("EXPLAIN ANALYZE counts rows");
-    assert!(
-        read <= 1_000,
-        "read {read} rows to claim 500:\n{}",
-        pending.plan
-    );
+    postbox_testkit::assert_plan_reads(&plans, "claim_pending", 1_000);
     sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
         .execute(&pool)
         .await
@@ -121,21 +105,9 @@ async fn the_ordered_claim_reads_heads_not_the_backlog() {
         sqlx::query(&sql).execute(&pool).await.expect(&sql);
     }
     let plans = store.explain_claims("room", 500).await.unwrap();
-    let ordered = plans
-        .iter()
-        .find(|p| p.query == "claim_pending_ordered")
-        .expect("the per-aggregate claim's plan");
-    assert!(
-        ordered.is_good(),
-        "reads {:?}, not {}:\n{}",
-        ordered.indexes_used,
-        ordered.expected_index,
-        ordered.plan
-    );
-    let read = ordered.rows_examined.expect("EXPLAIN ANALYZE counts rows");
     // A probe or two per aggregate and per row of the 500 oldest: about
     // 1,800 index entries. The old check read all 20,000 pending rows.
-    assert!(read <= 5_000, "read {read} rows:\n{}", ordered.plan);
+    postbox_testkit::assert_plan_reads(&plans, "claim_pending_ordered", 5_000);
     sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
         .execute(&pool)
         .await
