@@ -328,15 +328,11 @@ impl Dialect for MySqlDialect {
         // 1. Lock up to `limit` rows, skipping those another relay holds.
         let limit = i64::from(req.limit);
         let mut claim = sqlx::query(own.claims.of(source, req.ordered));
-        if source == ClaimSource::Pending && req.ordered {
-            for bind in sql::PENDING_ORDERED_BINDS {
-                claim = match bind {
-                    None => claim.bind(req.app_code),
-                    Some(times) => claim.bind(times * limit),
-                };
-            }
-        } else {
-            claim = claim.bind(req.app_code).bind(limit);
+        for bind in sql::claim_binds(source, req.ordered) {
+            claim = match bind {
+                None => claim.bind(req.app_code),
+                Some(times) => claim.bind(times * limit),
+            };
         }
         let rows = claim.fetch_all(&mut *tx).await.map_err(db)?;
         let Some(first) = rows.first() else {

@@ -12,6 +12,9 @@ use crate::MySqlOutbox;
 
 use postbox_sqlx::db_error;
 
+/// MariaDB's error for `FORCE INDEX` naming an index the table lacks.
+const KEY_DOES_NOT_EXIST: u16 = 1176;
+
 /// Whether the claim and archive queries can use their indexes (see
 /// `OutboxStore::explain_index_use`).
 pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Vec<QueryPlan>> {
@@ -44,7 +47,10 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
                 // A statement that names a missing index (`FORCE INDEX`)
                 // cannot be explained: that query fails, the others are
                 // still checked.
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42000") => {
+                Err(sqlx::Error::Database(e))
+                    if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                        .is_some_and(|m| m.number() == KEY_DOES_NOT_EXIST) =>
+                {
                     plans.push(QueryPlan {
                         query,
                         full_scan: true,

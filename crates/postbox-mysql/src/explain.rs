@@ -28,11 +28,7 @@ pub(crate) fn inlined_claim(
     limit: u32,
 ) -> String {
     let sql = outbox.own().claims.of(source, ordered);
-    let binds: &[Option<i64>] = if source == postbox_core::ClaimSource::Pending && ordered {
-        &crate::sql::PENDING_ORDERED_BINDS
-    } else {
-        &[None, Some(1)]
-    };
+    let binds = crate::sql::claim_binds(source, ordered);
     binds.iter().fold(sql.to_owned(), |sql, bind| match bind {
         None => sql.replacen('?', &literal(app_code), 1),
         Some(times) => sql.replacen('?', &(times * i64::from(limit)).to_string(), 1),

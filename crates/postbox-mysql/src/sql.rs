@@ -172,6 +172,19 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
 pub(crate) const PENDING_ORDERED_BINDS: [Option<i64>; 7] =
     [None, None, Some(2), None, Some(1), None, Some(1)];
 
+/// What each `?` of a claim statement takes (see [`PENDING_ORDERED_BINDS`]):
+/// every other claim binds the tenant, then the limit.
+pub(crate) fn claim_binds(
+    source: postbox_core::ClaimSource,
+    ordered: bool,
+) -> &'static [Option<i64>] {
+    if source == postbox_core::ClaimSource::Pending && ordered {
+        &PENDING_ORDERED_BINDS
+    } else {
+        &[None, Some(1)]
+    }
+}
+
 /// Take over rows whose lease expired (step 1;
 /// `postbox_sqlx::expired_lease_pick!`). Index: `{table}_due_idx`.
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(

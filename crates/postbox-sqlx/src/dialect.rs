@@ -610,9 +610,7 @@ macro_rules! claims {
 #[macro_export]
 macro_rules! claims_in_retry_order {
     ($claim:ident, now: $now:expr, app: $app:literal, limit: $limit:literal, head: partial) => {
-        $crate::claims_in_retry_order!($claim, now: $now, head: (
-            $crate::partial_head!(key), $crate::partial_head!(open), $crate::partial_head!(seq), ""
-        ));
+        $crate::claims_in_retry_order!($claim, now: $now, head: partial);
 
         /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads
         /// of aggregates, among the candidates of
@@ -627,7 +625,7 @@ macro_rules! claims_in_retry_order {
             "next_retry_at_ms, id"
         );
     };
-    ($claim:ident, now: $now:expr, head: ($key:expr, $open:expr, $seq:expr, $hint:expr)) => {
+    ($claim:ident, now: $now:expr, head: $head:tt) => {
         /// Claim new rows, oldest first.
         pub(crate) const CLAIM_PENDING: &str =
             $claim!("{table}", "status = 'pending'", "next_retry_at_ms, id");
@@ -647,7 +645,7 @@ macro_rules! claims_in_retry_order {
             concat!(
                 "status = 'retryable' AND next_retry_at_ms <= ",
                 $now,
-                $crate::head_of_aggregate!(c, head: ($key, $open, $seq, $hint))
+                $crate::head_of_aggregate!(c, head: $head)
             ),
             "next_retry_at_ms, id"
         );
@@ -710,7 +708,8 @@ macro_rules! columns {
 /// to `id` only when a version is NULL is not transitive, and an aggregate
 /// mixing both could have no head at all.
 ///
-/// The dialect's head index (`head: (key, open, seq, hint)`) holds exactly
+/// The dialect's head index (`head: (key, open, seq, hint)`, or `head:
+/// partial` for [`partial_head!`]'s) holds exactly
 /// those events, keyed `(app_code, key, seq, id)` where `key` is the
 /// aggregate (NULL for the others) and `seq` the version with NULL last;
 /// `open` restricts a probe `p` to the index's rows and `hint` names it
@@ -722,16 +721,11 @@ macro_rules! columns {
 /// 26,000 pending rows in 100 rooms).
 #[macro_export]
 macro_rules! head_of_aggregate {
-    ($c:ident, head: partial) => {
-        $crate::head_of_aggregate!($c, head: (
-            $crate::partial_head!(key), $crate::partial_head!(open), $crate::partial_head!(seq), ""
-        ))
-    };
-    ($c:ident, head: ($key:expr, $open:expr, $seq:expr, $hint:expr)) => {
+    ($c:ident, head: $head:tt) => {
         concat!(
             " AND (", stringify!($c), ".aggregate_id IS NULL OR ", stringify!($c), ".id = ",
             $crate::first_open_of!(concat!(stringify!($c), ".app_code"), concat!(stringify!($c), ".aggregate_id"),
-                head: ($key, $open, $seq, $hint)),
+                head: $head),
             ") "
         )
     };
