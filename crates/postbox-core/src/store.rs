@@ -33,14 +33,20 @@ pub struct DeferUpdate {
 }
 
 /// How a failed attempt is written (the fenced `retryable`/`failed` update).
-#[derive(Debug, Clone)]
+/// Rows that failed alike share one: the relay groups a batch's failures
+/// by it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FailureUpdate {
     /// `retryable` or `failed`.
     pub status: Status,
     /// New failed-attempt count.
     pub retry_count: i32,
-    /// Delay from database now until due again.
+    /// Delay from database now until due again, at the latest.
     pub retry_after_ms: i64,
+    /// How much earlier a row may be due: the store spreads the rows of
+    /// one write over `[retry_after_ms - retry_jitter_ms, retry_after_ms]`
+    /// by id ([`crate::retry::RetryDelay`]).
+    pub retry_jitter_ms: i64,
     /// Publishers confirmed so far (fanout progress).
     pub delivered_to: Vec<String>,
     /// Truncated error text.
@@ -645,8 +651,11 @@ pub trait RelayStore: Send + Sync + 'static {
     /// Marks rows `delivered`; returns how many still held `fence`.
     async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64>;
 
-    /// Records a failed attempt; false when the fence no longer holds.
-    async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool>;
+    /// Records one failed attempt of each of `ids`, all with `update`, in
+    /// one transaction (a batch's rows that failed alike: one write, not
+    /// one per row), with an attempt-history entry for each row written.
+    /// Returns how many still held `fence`.
+    async fn mark_failed(&self, fence: &Fence, ids: &[i64], update: &FailureUpdate) -> Result<u64>;
 
     /// Gives claimed rows back without an attempt (shutdown).
     async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64>;

@@ -236,11 +236,11 @@ pub(crate) const MARK_DELIVERED: &str = concat!(
 pub(crate) const MARK_FAILED: &str = concat!(
     "UPDATE {table} FORCE INDEX (PRIMARY) SET status = ?, retry_count = ?, next_retry_at_ms = ",
     now_ms!(),
-    " + ?, \
+    " + ? - MOD(id, ? + 1), \
        lock_until_ms = 0, delivered_to = ?, last_error = ?, updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE id = ? AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
+     WHERE id IN ({ids}) AND status = 'delivering' AND worker_id = ? AND lock_until_ms = ?"
 );
 
 /// Fenced release at shutdown: due again at once, no attempt counted.
@@ -384,7 +384,8 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id IN ({
 
 postbox_sqlx::history_writes! {
     now_ms!(), rows: "id IN ({ids})", origin: "?2", targets: "?3",
-    failed: ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
+    failed: ", ?2, ?3, ?4, ?5 FROM {table} \
+       WHERE id IN ({ids}) AND worker_id = ?6 AND lock_until_ms = 0 AND retry_count = ?3"
 }
 
 /// Events of rows `{ids}` holding more than `?` entries. Index:
@@ -686,6 +687,7 @@ mod tests {
         for sql in [
             CLAIM_TAKE,
             MARK_DELIVERED,
+            MARK_FAILED,
             RELEASE,
             DEFER,
             SELECT_IDS,
@@ -694,13 +696,7 @@ mod tests {
         ] {
             assert!(sql.contains("{ids}"), "{sql}");
         }
-        for sql in [
-            CLAIM_PENDING,
-            LIST_SELECT,
-            BACKLOG,
-            MARK_FAILED,
-            REPLAY_FILTER_LOCK,
-        ] {
+        for sql in [CLAIM_PENDING, LIST_SELECT, BACKLOG, REPLAY_FILTER_LOCK] {
             assert!(!sql.contains("{ids}"), "{sql}");
         }
     }

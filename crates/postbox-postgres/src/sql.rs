@@ -110,11 +110,11 @@ pub(crate) const MARK_DELIVERED: &str = concat!(
 pub(crate) const MARK_FAILED: &str = concat!(
     "UPDATE {table} SET status = $1, retry_count = $2, next_retry_at_ms = ",
     now_ms!(),
-    " + $3, \
-       lock_until_ms = 0, delivered_to = $4, last_error = $5, updated_at_ms = ",
+    " + $3 - id % ($4 + 1), \
+       lock_until_ms = 0, delivered_to = $5, last_error = $6, updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE id = $6 AND status = 'delivering' AND worker_id = $7 AND lock_until_ms = $8"
+     WHERE id = ANY($7) AND status = 'delivering' AND worker_id = $8 AND lock_until_ms = $9"
 );
 
 /// Fenced release at shutdown: due again at once, no attempt counted.
@@ -234,7 +234,8 @@ pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id = ANY
 
 postbox_sqlx::history_writes! {
     now_ms!(), rows: "id = ANY($1)", origin: "$2", targets: "$3",
-    failed: ", $2, $3, $4, $5 FROM {table} WHERE id = $1"
+    failed: ", $2, $3, $4, $5 FROM {table} \
+       WHERE id = ANY($1) AND worker_id = $6 AND lock_until_ms = 0 AND retry_count = $3"
 }
 
 /// Keeps the newest $2 entries of each event of rows $1. Index:

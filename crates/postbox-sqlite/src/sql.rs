@@ -143,7 +143,7 @@ macro_rules! waiting {
             $status,
             ", next_retry_at_ms = ",
             now_ms!(),
-            " + ?",
+            " + ",
             $after,
             ", lock_until_ms = 0, delivered_to = ?",
             $delivered_to,
@@ -156,10 +156,12 @@ macro_rules! waiting {
 }
 
 /// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
+/// Fenced failed attempts of rows ?7 (JSON array): `retryable` (due after
+/// a backoff, spread by id over its jitter) or `failed`.
 pub(crate) const MARK_FAILED: &str = concat!(
     "UPDATE {table} SET retry_count = ?2, ",
-    waiting!("?1", "3", "4", "5"),
-    " WHERE id = ?6 AND status = 'delivering' AND worker_id = ?7 AND lock_until_ms = ?8"
+    waiting!("?1", "?3 - id % (?4 + 1)", "5", "6"),
+    fenced_ids!("7", "8", "9")
 );
 
 /// Fenced release at shutdown: due again at once, no attempt counted.
@@ -175,7 +177,7 @@ pub(crate) const RELEASE: &str = concat!(
 /// confirmed.
 pub(crate) const DEFER: &str = concat!(
     "UPDATE {table} SET worker_id = NULL, ",
-    waiting!("'retryable'", "1", "2", "3"),
+    waiting!("'retryable'", "?1", "2", "3"),
     fenced_ids!("4", "5", "6")
 );
 
@@ -286,7 +288,8 @@ pub(crate) const DELETE_UNARCHIVED: &str =
 
 postbox_sqlx::history_writes! {
     now_ms!(), rows: "id IN (SELECT value FROM json_each(?1))", origin: "?2", targets: "?3",
-    failed: ", ?2, ?3, ?4, ?5 FROM {table} WHERE id = ?1"
+    failed: ", ?2, ?3, ?4, ?5 FROM {table} \
+       WHERE id IN (SELECT value FROM json_each(?1)) AND worker_id = ?6 AND lock_until_ms = 0 AND retry_count = ?3"
 }
 
 /// Keeps the newest ?2 entries of each event of rows ?1 (JSON array).

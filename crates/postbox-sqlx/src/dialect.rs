@@ -96,8 +96,9 @@ pub struct Statements<S = &'static str> {
     pub find: S,
     /// Fenced; ids (list), worker_id, lock_until_ms.
     pub mark_delivered: S,
-    /// Fenced; status, retry_count, retry_after_ms, delivered_to, error, id,
-    /// worker_id, lock_until_ms.
+    /// Fenced; status, retry_count, retry_after_ms, retry_jitter_ms (due at
+    /// `now + after - id mod (jitter + 1)`), delivered_to, error, ids
+    /// (list), worker_id, lock_until_ms.
     pub mark_failed: S,
     /// Fenced; ids (list), worker_id, lock_until_ms.
     pub release: S,
@@ -983,8 +984,9 @@ macro_rules! history_writes {
         $now:expr, rows: $rows:literal, origin: $origin:literal, targets: $to:literal,
         failed: $failed:literal
     ) => {
-        /// One failed attempt: the row id, then kind (`failed` or
-        /// `dead_lettered`), attempt, publisher, error.
+        /// Failed attempts of the rows just marked: their ids (list), then
+        /// kind (`failed` or `dead_lettered`), attempt, publisher, error,
+        /// worker_id (the marked rows hold it, unleased, at that attempt).
         pub(crate) const HISTORY_FAILED: &str = $crate::history_insert!($now, $failed);
 
         /// Rows a claim took over after their lease expired.

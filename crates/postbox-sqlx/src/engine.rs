@@ -429,43 +429,51 @@ impl SqlOutbox<D> {
 
     /// Records a failed attempt and its history entry; false when the
     /// fence no longer holds.
-    pub async fn mark_failed(&self, fence: &Fence, id: i64, u: &FailureUpdate) -> Result<bool> {
-        let db = |e| db_error("mark failed attempt", e);
+    pub async fn mark_failed(&self, fence: &Fence, ids: &[i64], u: &FailureUpdate) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let db = |e| db_error("mark failed attempts", e);
         let mut tx = self.begin_relay(true).await.map_err(db)?;
         let res = async {
             let delivered_to = Some(u.delivered_to.join(",")).filter(|s| !s.is_empty());
-            let binds = [
+            let binds = vec![
                 u.status.as_str().into(),
                 Value::Int32(u.retry_count),
                 u.retry_after_ms.into(),
+                u.retry_jitter_ms.max(0).into(),
                 delivered_to.as_deref().into(),
                 u.error.as_str().into(),
-                id.into(),
+                Value::Ids(ids),
                 fence.worker_id.as_str().into(),
                 fence.lock_until_ms.into(),
             ];
-            let done = query::<D>(&self.sql.mark_failed, binds)
-                .execute(&mut *tx)
+            let written = self
+                .execute_expanded(&mut tx, &self.sql.mark_failed, binds)
                 .await
                 .map_err(db)?;
-            let written = D::rows_affected(&done) == 1;
-            if written {
+            // Nothing written: nothing to record. Otherwise this try's
+            // transaction wrote every row it marked (an earlier try that
+            // committed would have left none to mark), and the history
+            // entries go to exactly those rows: ours, no longer leased.
+            if written > 0 {
                 let binds = vec![
-                    id.into(),
+                    Value::Ids(ids),
                     u.history_kind().as_str().into(),
                     Value::Int32(u.retry_count),
                     u.publisher.as_deref().into(),
                     u.error.as_str().into(),
+                    fence.worker_id.as_str().into(),
                 ];
                 self.execute_expanded(&mut tx, &self.sql.history_failed, binds)
                     .await
                     .map_err(db)?;
-                self.prune_history(&mut tx, &[id]).await.map_err(db)?;
+                self.prune_history(&mut tx, ids).await.map_err(db)?;
             }
             Ok(written)
         }
         .await;
-        finish(tx, res, "mark failed attempt").await
+        finish(tx, res, "mark failed attempts").await
     }
 
     /// Writes events in their own transaction, retried on a transient

@@ -40,8 +40,8 @@ macro_rules! capabilities_from_inherent {
                 async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
                     <$ty>::mark_delivered(self, fence, ids).await
                 }
-                async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool> {
-                    <$ty>::mark_failed(self, fence, id, update).await
+                async fn mark_failed(&self, fence: &Fence, ids: &[i64], update: &FailureUpdate) -> Result<u64> {
+                    <$ty>::mark_failed(self, fence, ids, update).await
                 }
                 async fn release(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {
                     <$ty>::release(self, fence, ids).await

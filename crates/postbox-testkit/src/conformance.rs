@@ -69,6 +69,7 @@ cases! {$
     claim_pending_takes_batches_and_leases,
     mark_delivered_is_fenced,
     failed_attempt_becomes_retryable_after_backoff,
+    failed_attempts_of_a_batch_are_one_write,
     expired_lease_is_taken_over_and_counted,
     release_returns_rows_without_an_attempt,
     replay_keeps_event_id_and_resets_retry_count,
@@ -355,23 +356,31 @@ async fn failed_attempt_becomes_retryable_after_backoff(store: Arc<dyn OutboxSto
         status: Status::Retryable,
         retry_count: 1,
         retry_after_ms: after,
+        retry_jitter_ms: 0,
         delivered_to: vec!["rabbit".into()],
         error: "broker said no".into(),
         publisher: Some("p".into()),
     };
-    assert!(store
-        .mark_failed(&fence, late.id, &update(60_000))
-        .await
-        .unwrap());
-    assert!(store
-        .mark_failed(&fence, soon.id, &update(0))
-        .await
-        .unwrap());
-    assert!(
-        !store
-            .mark_failed(&fence, soon.id, &update(0))
+    assert_eq!(
+        store
+            .mark_failed(&fence, &[late.id], &update(60_000))
             .await
             .unwrap(),
+        1
+    );
+    assert_eq!(
+        store
+            .mark_failed(&fence, &[soon.id], &update(0))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        store
+            .mark_failed(&fence, &[soon.id], &update(0))
+            .await
+            .unwrap(),
+        0,
         "fenced: no longer leased"
     );
 
@@ -399,6 +408,74 @@ async fn failed_attempt_becomes_retryable_after_backoff(store: Arc<dyn OutboxSto
     assert_eq!(due[0].record.event_id, soon.event_id);
     assert_eq!(due[0].record.retry_count, 1);
     assert_eq!(due[0].record.delivered_to, vec!["rabbit".to_string()]);
+}
+
+/// A batch's rows that failed alike are one write: every row still held
+/// gets the attempt and one history entry, a row no longer held gets
+/// neither, and the due times spread over the jitter by id.
+async fn failed_attempts_of_a_batch_are_one_write(store: Arc<dyn OutboxStore>) {
+    enqueue(store.as_ref(), &events(6, "T")).await;
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 10, 30_000))
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 6);
+    let fence = claimed[0].fence();
+    let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
+    // One row is no longer held by the time the failures are written.
+    assert_eq!(store.mark_delivered(&fence, &ids[..1]).await.unwrap(), 1);
+    let update = FailureUpdate {
+        status: Status::Retryable,
+        retry_count: 1,
+        retry_after_ms: 60_000,
+        retry_jitter_ms: 10_000,
+        delivered_to: vec![],
+        error: "hook: 503".into(),
+        publisher: Some("hook".into()),
+    };
+    let [wrong_worker, _] = wrong_fences(&fence);
+    assert_eq!(
+        store
+            .mark_failed(&wrong_worker, &ids, &update)
+            .await
+            .unwrap(),
+        0,
+        "a stale fence writes nothing"
+    );
+    assert_eq!(store.mark_failed(&fence, &ids, &update).await.unwrap(), 5);
+    let mut due = Vec::new();
+    for c in &claimed[1..] {
+        let row = status_of(store.as_ref(), &c.record.event_id).await;
+        assert_eq!((row.status, row.retry_count), (Status::Retryable, 1));
+        assert_eq!(row.last_error.as_deref(), Some("hook: 503"));
+        let wait = row.next_retry_at_ms - row.updated_at_ms;
+        assert!(
+            (50_000..=60_000).contains(&wait),
+            "due within the jitter before 60 s, got {wait} ms"
+        );
+        due.push(wait);
+        let h = store.history(&c.record.event_id).await.unwrap();
+        assert_eq!(h.len(), 1, "one entry per failed row: {h:?}");
+        assert_eq!((h[0].kind, h[0].attempt), (HistoryKind::Failed, 1));
+        assert_eq!(h[0].publisher.as_deref(), Some("hook"));
+    }
+    due.sort();
+    due.dedup();
+    assert!(due.len() > 1, "rows failing together are spread: {due:?}");
+    let delivered = &claimed[0].record.event_id;
+    assert_eq!(
+        status_of(store.as_ref(), delivered).await.status,
+        Status::Delivered
+    );
+    assert!(store.history(delivered).await.unwrap().is_empty());
+    assert_eq!(
+        store.mark_failed(&fence, &ids, &update).await.unwrap(),
+        0,
+        "written once"
+    );
+    for c in &claimed[1..] {
+        assert_eq!(store.history(&c.record.event_id).await.unwrap().len(), 1);
+    }
 }
 
 /// An expired lease is taken over, counted as an attempt, and the old
@@ -435,14 +512,18 @@ async fn expired_lease_is_taken_over_and_counted(store: Arc<dyn OutboxStore>) {
         status: Status::Failed,
         retry_count: 9,
         retry_after_ms: 0,
+        retry_jitter_ms: 0,
         delivered_to: vec![],
         error: "late".into(),
         publisher: Some("p".into()),
     };
-    assert!(!store
-        .mark_failed(&old[0].fence(), id, &late_failure)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .mark_failed(&old[0].fence(), &[id], &late_failure)
+            .await
+            .unwrap(),
+        0
+    );
     assert_eq!(
         store.mark_delivered(&new[0].fence(), &[id]).await.unwrap(),
         1
@@ -497,11 +578,18 @@ async fn replay_keeps_event_id_and_resets_retry_count(store: Arc<dyn OutboxStore
             status: Status::Failed,
             retry_count: 10,
             retry_after_ms: 0,
+            retry_jitter_ms: 0,
             delivered_to: vec![],
             error: "gone".into(),
             publisher: Some("p".into()),
         };
-        assert!(store.mark_failed(&fence, c.record.id, &dead).await.unwrap());
+        assert_eq!(
+            store
+                .mark_failed(&fence, &[c.record.id], &dead)
+                .await
+                .unwrap(),
+            1
+        );
     }
     assert_eq!(stats(store.as_ref()).await.failed, 3);
 
@@ -611,12 +699,13 @@ async fn stats_count_by_status(store: Arc<dyn OutboxStore>) {
         status: Status::Retryable,
         retry_count: 1,
         retry_after_ms: 0,
+        retry_jitter_ms: 0,
         delivered_to: vec![],
         error: "e".into(),
         publisher: Some("p".into()),
     };
     store
-        .mark_failed(&claimed[1].fence(), claimed[1].record.id, &retry_now)
+        .mark_failed(&claimed[1].fence(), &[claimed[1].record.id], &retry_now)
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(30)).await;
@@ -1222,21 +1311,25 @@ async fn ordered_claim_skips_held_aggregates_in_age_order(store: Arc<dyn OutboxS
         .await
         .expect("claim");
     assert_eq!(head.len(), 1);
-    assert!(store
-        .mark_failed(
-            &head[0].fence(),
-            head[0].record.id,
-            &FailureUpdate {
-                status: Status::Retryable,
-                retry_count: 1,
-                retry_after_ms: 3_600_000,
-                delivered_to: Vec::new(),
-                error: "down".into(),
-                publisher: None,
-            },
-        )
-        .await
-        .expect("mark failed"));
+    assert_eq!(
+        store
+            .mark_failed(
+                &head[0].fence(),
+                &[head[0].record.id],
+                &FailureUpdate {
+                    status: Status::Retryable,
+                    retry_count: 1,
+                    retry_after_ms: 3_600_000,
+                    retry_jitter_ms: 0,
+                    delivered_to: Vec::new(),
+                    error: "down".into(),
+                    publisher: None,
+                },
+            )
+            .await
+            .expect("mark failed"),
+        1
+    );
     enqueue(store.as_ref(), &held[1..]).await;
     // Keys sorting before and after the held aggregate's.
     let free: Vec<NewEvent> = ["a-1", "z-1", "b-1", "y-1"]
@@ -1377,21 +1470,25 @@ async fn stuck_aggregates_are_heads_that_cannot_move(store: Arc<dyn OutboxStore>
             .unwrap_or_else(|| panic!("head of {a} claimed"))
     };
     let s1 = head("S");
-    assert!(store
-        .mark_failed(
-            &s1.fence(),
-            s1.record.id,
-            &FailureUpdate {
-                status: Status::Retryable,
-                retry_count: 1,
-                retry_after_ms: 600_000,
-                delivered_to: Vec::new(),
-                error: "broker said no".into(),
-                publisher: Some("p".into()),
-            },
-        )
-        .await
-        .expect("mark failed"));
+    assert_eq!(
+        store
+            .mark_failed(
+                &s1.fence(),
+                &[s1.record.id],
+                &FailureUpdate {
+                    status: Status::Retryable,
+                    retry_count: 1,
+                    retry_after_ms: 600_000,
+                    retry_jitter_ms: 0,
+                    delivered_to: Vec::new(),
+                    error: "broker said no".into(),
+                    publisher: Some("p".into()),
+                },
+            )
+            .await
+            .expect("mark failed"),
+        1
+    );
     let (u1, t1) = (head("U").record.clone(), head("T").record.clone());
     tokio::time::sleep(Duration::from_millis(30)).await;
 
@@ -1447,19 +1544,26 @@ async fn history_records_attempts_dead_letters_and_replays(store: Arc<dyn Outbox
         status: Status::Retryable,
         retry_count: 1,
         retry_after_ms: 0,
+        retry_jitter_ms: 0,
         delivered_to: vec![],
         error: "hook: 503 Service Unavailable".into(),
         publisher: Some("hook".into()),
     };
-    assert!(store
-        .mark_failed(&got[0].fence(), got[0].record.id, &fail)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .mark_failed(&got[0].fence(), &[got[0].record.id], &fail)
+            .await
+            .unwrap(),
+        1
+    );
     // A late result under a stale fence records nothing.
-    assert!(!store
-        .mark_failed(&got[0].fence(), got[0].record.id, &fail)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .mark_failed(&got[0].fence(), &[got[0].record.id], &fail)
+            .await
+            .unwrap(),
+        0
+    );
 
     // Attempt 2: the lease expires and another relay takes over.
     let again = store
@@ -1481,10 +1585,13 @@ async fn history_records_attempts_dead_letters_and_replays(store: Arc<dyn Outbox
         error: "hook: 400 Bad Request".into(),
         ..fail.clone()
     };
-    assert!(store
-        .mark_failed(&taken[0].fence(), taken[0].record.id, &dead)
-        .await
-        .unwrap());
+    assert_eq!(
+        store
+            .mark_failed(&taken[0].fence(), &[taken[0].record.id], &dead)
+            .await
+            .unwrap(),
+        1
+    );
     let by_id = ReplaySelector::EventIds {
         app_code: None,
         event_ids: vec![first.clone()],
@@ -1578,14 +1685,18 @@ async fn replay_goes_only_to_publishers_that_did_not_confirm(store: Arc<dyn Outb
             status: Status::Failed,
             retry_count: 3,
             retry_after_ms: 0,
+            retry_jitter_ms: 0,
             delivered_to: vec!["a".into()],
             error: "b: down".into(),
             publisher: Some("b".into()),
         };
-        assert!(store
-            .mark_failed(&fence, id_of(&evs[i].event_id), &dead)
-            .await
-            .unwrap());
+        assert_eq!(
+            store
+                .mark_failed(&fence, &[id_of(&evs[i].event_id)], &dead)
+                .await
+                .unwrap(),
+            1
+        );
     }
     store
         .mark_delivered(&fence, &[id_of(&evs[1].event_id)])

@@ -35,6 +35,7 @@ pub struct WrappedStore {
     failing_reads: AtomicBool,
     panicking: AtomicBool,
     calls: AtomicU64,
+    failure_writes: AtomicU64,
 }
 
 impl WrappedStore {
@@ -48,7 +49,13 @@ impl WrappedStore {
             failing_reads: false.into(),
             panicking: false.into(),
             calls: AtomicU64::new(0),
+            failure_writes: AtomicU64::new(0),
         }
+    }
+
+    /// `mark_failed` calls so far (each one write, of any number of rows).
+    pub fn failure_writes(&self) -> u64 {
+        self.failure_writes.load(Ordering::SeqCst)
     }
 
     /// Calls so far that reached the database.
@@ -144,15 +151,18 @@ impl RelayStore for WrappedStore {
         }
         Ok(n)
     }
-    async fn mark_failed(&self, fence: &Fence, id: i64, update: &FailureUpdate) -> Result<bool> {
+    async fn mark_failed(&self, fence: &Fence, ids: &[i64], update: &FailureUpdate) -> Result<u64> {
         self.count();
-        self.panic_once("mark failed attempt");
+        self.failure_writes.fetch_add(1, Ordering::SeqCst);
+        self.panic_once("mark failed attempts");
         if self.fail_unapplied() {
-            return Err(lost_connection("mark failed attempt"));
+            return Err(lost_connection("mark failed attempts"));
         }
-        let applied = self.inner.mark_failed(fence, id, update).await?;
-        if self.lose_answer(&[id, update.retry_count as i64]) {
-            return Err(lost_connection("mark failed attempt"));
+        let applied = self.inner.mark_failed(fence, ids, update).await?;
+        let mut key = ids.to_vec();
+        key.push(-i64::from(update.retry_count));
+        if self.lose_answer(&key) {
+            return Err(lost_connection("mark failed attempts"));
         }
         Ok(applied)
     }
@@ -282,6 +292,31 @@ pub async fn relay_reports_an_unreadable_lost_mark_as_a_database_error(
         report.delivered + report.retried + report.failed,
         0,
         "{report:?}"
+    );
+}
+
+/// Issue 12: rows that fail alike (a target refusing a whole batch) are
+/// written together: one failed-attempt write per batch and attempt, not
+/// one transaction per row (before: 40 rows × 3 attempts = 120 writes).
+pub async fn relay_writes_a_batch_of_failures_at_once(store: Arc<dyn OutboxStore>) {
+    enqueue(store.as_ref(), 40, "Bad").await;
+    let faulty = Arc::new(WrappedStore::new(store.clone()));
+    let publisher = Arc::new(RecordingPublisher::new("rec").failing_type("Bad"));
+    let report = run_relay_over_until(
+        faulty.clone(),
+        store.as_ref(),
+        vec![publisher],
+        fast_worker(),
+        APP,
+        |s| s.failed == 40,
+    )
+    .await;
+    // max_retry_count 3: two retryable attempts and a dead letter each.
+    assert_eq!((report.retried, report.failed), (80, 40), "{report:?}");
+    let writes = faulty.failure_writes();
+    assert!(
+        (3..=20).contains(&writes),
+        "{writes} failure writes for 3 attempts of 40 rows that failed alike"
     );
 }
 

@@ -43,15 +43,19 @@ async fn row_of(
             status: Status::Retryable,
             retry_count: 1,
             retry_after_ms: after,
+            retry_jitter_ms: 0,
             delivered_to: Vec::new(),
             error: "test".into(),
             publisher: Some("p".into()),
         };
         let fence = claimed[0].fence();
-        assert!(store
-            .mark_failed(&fence, claimed[0].record.id, &update)
-            .await
-            .expect("mark failed"));
+        assert_eq!(
+            store
+                .mark_failed(&fence, &[claimed[0].record.id], &update)
+                .await
+                .expect("mark failed"),
+            1
+        );
     }
     ev.event_id
 }

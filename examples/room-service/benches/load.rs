@@ -99,10 +99,7 @@ async fn drive(s: &Stack, room: String, rate: u32, until: Instant) -> (Vec<f64>,
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let a = <Args as clap::Parser>::parse();
-    let s = Stack::start(Options {
-        max_retry_count: 10,
-    })
-    .await;
+    let s = Stack::start(Options::retries(10)).await;
     s.im.set_faults(Faults {
         fail_rate: a.im_fail,
         ..Faults::default()

@@ -4,7 +4,8 @@
 //! the whole example in this process: room service and wallet with their
 //! relays in-process, three activity consumers with `prefetch = 1` and a
 //! notice consumer bridged to their HTTP handlers, as `postbox consume`
-//! runs them.
+//! runs them; one test runs the room's relay and the activity workers as
+//! `postbox` processes instead.
 
 mod stack;
 
@@ -25,13 +26,28 @@ use stack::{all_delivered, log_lines, Options, Stack};
 /// wallet events from RabbitMQ, and every command logged its timing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn normal_every_event_reaches_im_and_activity_in_version_order() {
-    let s = Stack::start(Options { max_retry_count: 5 }).await;
-    let rooms = ["n1", "n2", "n3"];
+    normal(Options::retries(5), "n").await;
+}
+
+/// The same, laid out as the README runs it in production: the room's
+/// relay is a `postbox relay --config room.toml` process and activity is
+/// three `postbox consume` processes with one unacked message each
+/// (seed 003's PHP workers), deduping through their shared inbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn normal_with_postbox_relay_and_three_consume_processes() {
+    normal(Options::retries(5).in_processes(), "p").await;
+}
+
+/// Rooms `{rooms}1` … `{rooms}3` (the log is shared by the tests of this
+/// process: each test has rooms of its own).
+async fn normal(options: Options, rooms: &str) {
+    let s = Stack::start(options).await;
+    let rooms: Vec<String> = (1..=3).map(|n| format!("{rooms}{n}")).collect();
     let mut all = Vec::new();
-    for room in rooms {
+    for room in &rooms {
         all.extend(s.chain(room).await);
     }
-    for room in rooms {
+    for room in &rooms {
         s.wait_rows(room, "every row delivered", |r| all_delivered(r, 5))
             .await;
         assert_eq!(
@@ -65,7 +81,7 @@ async fn normal_every_event_reaches_im_and_activity_in_version_order() {
 
     // real chain: one room_command_timing line per command, every field.
     for command in ["create", "join", "mic", "gift", "leave"] {
-        let id = format!("n1-{command}");
+        let id = format!("{}-{command}", rooms[0]);
         let lines: Vec<Value> = log_lines(&format!("\"command_id\":\"{id}\""))
             .into_iter()
             .filter(|l| l["fields"]["message"] == "room_command_timing")
@@ -103,7 +119,7 @@ async fn normal_every_event_reaches_im_and_activity_in_version_order() {
 /// of outbox rows (and one debit); a refused gift writes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_command_id_twice_changes_nothing() {
-    let s = Stack::start(Options { max_retry_count: 5 }).await;
+    let s = Stack::start(Options::retries(5)).await;
     s.ok(
         "i1",
         "create",
@@ -166,7 +182,7 @@ async fn the_same_command_id_twice_changes_nothing() {
 /// (activity confirmed them the first time).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn im_down_commands_succeed_rows_fail_then_replay_delivers() {
-    let s = Stack::start(Options { max_retry_count: 3 }).await;
+    let s = Stack::start(Options::retries(3)).await;
     s.im.set_faults(Faults {
         down: true,
         ..Faults::default()
@@ -219,10 +235,7 @@ async fn im_down_commands_succeed_rows_fail_then_replay_delivers() {
 /// retry and are delivered when it returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn activity_down_rows_retry_and_deliver_when_it_returns() {
-    let s = Stack::start(Options {
-        max_retry_count: 50,
-    })
-    .await;
+    let s = Stack::start(Options::retries(50)).await;
     s.proxy.down();
     let ids = s.chain("a1").await;
     s.wait_rows("a1", "a row retryable while RabbitMQ is down", |r| {
@@ -253,7 +266,7 @@ async fn activity_down_rows_retry_and_deliver_when_it_returns() {
 /// room's other events still delivered, and the log lines about it stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_event_fails_and_its_log_lines_stay_bounded() {
-    let s = Stack::start(Options { max_retry_count: 3 }).await;
+    let s = Stack::start(Options::retries(3)).await;
     s.im.set_faults(Faults {
         poison_event_types: vec!["MicTaken".into()],
         ..Faults::default()
@@ -417,7 +430,7 @@ fn every_room_service_command_in_the_readmes_exists() {
 /// A snapshot row every `snapshot_every_n` (10) versions, none between.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_every_ten_versions() {
-    let s = Stack::start(Options { max_retry_count: 5 }).await;
+    let s = Stack::start(Options::retries(5)).await;
     s.ok(
         "s1",
         "create",

@@ -45,6 +45,8 @@ impl Marker {
         // Deferred rows, one write per fence and update (a batch's rows
         // deferred for the same publishers share one).
         let mut deferred: HashMap<(Fence, DeferUpdate), Vec<i64>> = HashMap::new();
+        // Failed attempts, likewise one write per fence and update.
+        let mut failures: HashMap<(Fence, FailureUpdate), Vec<FailedRow>> = HashMap::new();
         // Row id → created_at_ms, for the delivery lag histogram.
         let mut created_at: HashMap<i64, i64> = HashMap::new();
         // Row id → event_id, to read a row back after a lost answer.
@@ -72,20 +74,23 @@ impl Marker {
                     error,
                 } => {
                     if retry_count == 1 {
-                        tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempt = retry_count, retry_in = ?after, error = %error, "publish failed; will retry");
+                        tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempt = retry_count, retry_in = ?after.after, error = %error, "publish failed; will retry");
                     } else {
-                        tracing::debug!(event_id = %r.event_id, attempt = retry_count, retry_in = ?after, error = %error, "publish failed again");
+                        tracing::debug!(event_id = %r.event_id, attempt = retry_count, retry_in = ?after.after, error = %error, "publish failed again");
                     }
                     let update = FailureUpdate {
                         status: crate::Status::Retryable,
                         retry_count,
-                        retry_after_ms: after.as_millis() as i64,
+                        retry_after_ms: after.after.as_millis() as i64,
+                        retry_jitter_ms: after.jitter.as_millis() as i64,
                         delivered_to,
                         error: truncate_error(&error),
                         publisher: o.failed_publishers,
                     };
-                    let written = self.write_failure(&fence, r.id, &update, &r.event_id).await;
-                    report.count(written, |report| report.retried += 1);
+                    failures
+                        .entry((fence, update))
+                        .or_default()
+                        .push(FailedRow::of(r));
                 }
                 Decision::Defer {
                     after,
@@ -113,17 +118,32 @@ impl Marker {
                         status: crate::Status::Failed,
                         retry_count,
                         retry_after_ms: 0,
+                        retry_jitter_ms: 0,
                         delivered_to,
                         error: truncate_error(&error),
                         publisher: o.failed_publishers,
                     };
-                    let written = self.write_failure(&fence, r.id, &update, &r.event_id).await;
-                    report.count(written, |report| {
-                        report.failed += 1;
-                        metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => r.app_code.clone())
-                            .increment(1);
-                    });
+                    failures
+                        .entry((fence, update))
+                        .or_default()
+                        .push(FailedRow::of(r));
                 }
+            }
+        }
+        // Failed attempts: one write per fence and update (a batch's rows
+        // that failed alike, e.g. every row a target refused, share one).
+        for ((fence, update), rows) in failures {
+            let dead = update.status == crate::Status::Failed;
+            for (row, written) in self.write_failures(&fence, &update, rows).await {
+                report.count(written, |report| {
+                    if dead {
+                        report.failed += 1;
+                        metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => row.app_code)
+                            .increment(1);
+                    } else {
+                        report.retried += 1;
+                    }
+                });
             }
         }
         for ((fence, update), ids) in deferred {
@@ -206,45 +226,56 @@ impl Marker {
         Ok(ours)
     }
 
-    async fn write_failure(
+    /// Writes one failed attempt of each of `rows` (one statement); what
+    /// became of each. When fewer rows than asked held the fence, or a
+    /// lost answer hides what an earlier try wrote, each row is read back.
+    async fn write_failures(
         &self,
         fence: &Fence,
-        id: i64,
         update: &FailureUpdate,
-        event_id: &str,
-    ) -> Written {
-        match retrying("mark failed attempt", || {
-            self.store.mark_failed(fence, id, update)
+        rows: Vec<FailedRow>,
+    ) -> Vec<(FailedRow, Written)> {
+        let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+        let all = |rows: Vec<FailedRow>, written: fn() -> Written| {
+            rows.into_iter().map(|r| (r, written())).collect()
+        };
+        match retrying("mark failed attempts", || {
+            self.store.mark_failed(fence, &ids, update)
         })
         .await
         {
-            Ok((true, _)) => Written::Yes,
-            // A try that failed may have committed before its answer was
-            // lost: the row then holds exactly this update, under our id.
-            Ok((false, true)) => match self.failure_applied(fence, id, update, event_id).await {
-                Ok(true) => Written::Yes,
-                Ok(false) => {
-                    tracing::warn!(
-                        event_id,
-                        "late result dropped: the lease was taken over by another relay"
-                    );
-                    Written::FencedOut
+            Ok((n, _)) if n == ids.len() as u64 => all(rows, || Written::Yes),
+            // Nothing held the fence and no try was lost: all taken over.
+            Ok((0, false)) => {
+                tracing::warn!(rows = ids.len(), worker_id = %fence.worker_id, "late result dropped: the lease was taken over by another relay");
+                all(rows, || Written::FencedOut)
+            }
+            // Some rows were taken over, or a try whose answer was lost
+            // wrote them: the rows say which (rare; one read each).
+            Ok(_) => {
+                let mut out = Vec::with_capacity(rows.len());
+                for row in rows {
+                    let written = match self
+                        .failure_applied(fence, row.id, update, &row.event_id)
+                        .await
+                    {
+                        Ok(true) => Written::Yes,
+                        Ok(false) => {
+                            tracing::warn!(event_id = %row.event_id, "late result dropped: the lease was taken over by another relay");
+                            Written::FencedOut
+                        }
+                        Err(e) => {
+                            tracing::error!(event_id = %row.event_id, error = %e, "could not read back a failed attempt whose mark lost its answer (database error); if unrecorded, the lease expires and the event is tried again");
+                            Written::DatabaseError
+                        }
+                    };
+                    out.push((row, written));
                 }
-                Err(e) => {
-                    tracing::error!(event_id, error = %e, "could not read back a failed attempt whose mark lost its answer (database error); if unrecorded, the lease expires and the event is tried again");
-                    Written::DatabaseError
-                }
-            },
-            Ok((false, false)) => {
-                tracing::warn!(
-                    event_id,
-                    "late result dropped: the lease was taken over by another relay"
-                );
-                Written::FencedOut
+                out
             }
             Err(e) => {
-                tracing::error!(event_id, error = %e, "could not record the failed attempt (database error); the lease expires and the event is tried again");
-                Written::DatabaseError
+                tracing::error!(rows = ids.len(), worker_id = %fence.worker_id, error = %e, "could not record failed attempts (database error); their leases expire and the events are tried again");
+                all(rows, || Written::DatabaseError)
             }
         }
     }
@@ -277,6 +308,23 @@ impl Marker {
     }
 }
 
+/// A row whose attempt failed, as its failure write needs it.
+struct FailedRow {
+    id: i64,
+    event_id: String,
+    app_code: String,
+}
+
+impl FailedRow {
+    fn of(r: &crate::EventRecord) -> FailedRow {
+        FailedRow {
+            id: r.id,
+            event_id: r.event_id.clone(),
+            app_code: r.app_code.clone(),
+        }
+    }
+}
+
 /// Whether a result write took effect.
 enum Written {
     Yes,
@@ -288,8 +336,8 @@ enum Written {
 }
 
 impl RelayReport {
-    /// Counts one failure write: `on_written` when it took effect, else as
-    /// fenced out or as a mark error, never one for the other.
+    /// Counts one row's failure write: `on_written` when it took effect,
+    /// else as fenced out or as a mark error, never one for the other.
     fn count(&mut self, written: Written, on_written: impl FnOnce(&mut Self)) {
         match written {
             Written::Yes => on_written(self),

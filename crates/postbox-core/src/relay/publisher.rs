@@ -34,7 +34,7 @@ use super::Batch;
 use crate::config::{LeaseBudget, WorkerConfig};
 use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, PublishResults, Publisher};
-use crate::retry::{decide, Attempt, AttemptResult, ClaimedRow, Decision, RetryPolicy};
+use crate::retry::{decide, Attempt, AttemptResult, ClaimedRow, Decision, RetryDelay, RetryPolicy};
 use crate::store::RelayStore;
 use crate::{ClaimSource, ClaimedEvent, Error, Result};
 
@@ -252,7 +252,7 @@ impl PublishStage {
                     }),
                 });
                 // A refusal needs no backoff: it is never a retry.
-                decide(&claimed, self.policy(&r.event_type), |_| Duration::ZERO)
+                decide(&claimed, self.policy(&r.event_type), |_| RetryDelay::default())
             })
             .collect();
         let todo = self
@@ -491,8 +491,8 @@ impl PublishStage {
             &Attempt::Published(result),
             self.policy(&r.event_type),
             |n| {
-                let d = backoff.delay(n, &mut rand::rng());
-                asked_delay.map_or(d, |a| a.max(d))
+                let d = backoff.delay(n);
+                asked_delay.map_or(d, |a| d.not_before(a))
             },
         );
         let failed_publishers = (!row.errors.is_empty()).then(|| {

@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use rand::Rng;
-
 /// `initial × 2^(attempt-1)`, capped at `max`, then jittered down by up to a
 /// quarter so that rows failing together do not come due together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,17 +21,43 @@ impl Backoff {
         Duration::from_millis(ms).min(self.max)
     }
 
-    /// The delay to wait after `attempt` failures, jittered into
-    /// `[0.75 × base, base]`.
-    pub fn delay(&self, attempt: u32, rng: &mut impl Rng) -> Duration {
-        let base = self.base_delay(attempt).as_millis() as u64;
-        let spread = base / 4;
-        let jitter = if spread == 0 {
-            0
-        } else {
-            rng.random_range(0..=spread)
-        };
-        Duration::from_millis(base - jitter)
+    /// The delay to wait after `attempt` failures: the base delay, to be
+    /// spread down by up to a quarter (`[0.75 × base, base]`).
+    pub fn delay(&self, attempt: u32) -> RetryDelay {
+        let after = self.base_delay(attempt);
+        RetryDelay {
+            after,
+            jitter: after / 4,
+        }
+    }
+}
+
+/// When a failed row is due again: `after` from now, spread earlier by up
+/// to `jitter`. The store spreads the rows of one write by their ids
+/// (`after - id mod (jitter + 1)`), so that rows failing together, which
+/// one statement marks, do not come due together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RetryDelay {
+    /// The latest the row is due, from now.
+    pub after: Duration,
+    /// How much earlier a row may be due.
+    pub jitter: Duration,
+}
+
+impl RetryDelay {
+    /// Never due before `asked` (a target's `Retry-After`): the delay grows
+    /// to it, and the spread narrows so that no row is due sooner.
+    pub fn not_before(self, asked: Duration) -> RetryDelay {
+        let after = self.after.max(asked);
+        RetryDelay {
+            after,
+            jitter: self.jitter.min(after - asked.min(after)),
+        }
+    }
+
+    /// The earliest a row is due, from now.
+    pub fn earliest(&self) -> Duration {
+        self.after.saturating_sub(self.jitter)
     }
 }
 
@@ -57,14 +81,24 @@ mod tests {
 
     proptest! {
         #[test]
-        fn jittered_delay_stays_in_bounds(attempt in 1u32..200, seed in any::<u64>()) {
-            use rand::SeedableRng;
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        fn jittered_delay_stays_in_bounds(attempt in 1u32..200) {
             let base = b().base_delay(attempt);
-            let d = b().delay(attempt, &mut rng);
-            prop_assert!(d <= base);
-            prop_assert!(d >= base * 3 / 4);
-            prop_assert!(d <= b().max);
+            let d = b().delay(attempt);
+            prop_assert_eq!(d.after, base);
+            prop_assert!(d.earliest() >= base * 3 / 4);
+            prop_assert!(d.after <= b().max);
+        }
+
+        /// A target's Retry-After is honoured by every row of the write:
+        /// none is due before it, and the backoff still applies when
+        /// it is longer.
+        #[test]
+        fn no_row_is_due_before_the_asked_delay(attempt in 1u32..40, asked_ms in 0u64..1_000_000) {
+            let asked = Duration::from_millis(asked_ms);
+            let d = b().delay(attempt).not_before(asked);
+            prop_assert!(d.earliest() >= asked);
+            prop_assert!(d.earliest() >= b().delay(attempt).earliest());
+            prop_assert!(d.after >= b().base_delay(attempt));
         }
 
         #[test]

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use super::RetryDelay;
 use crate::config::Delivery;
 use crate::Status;
 
@@ -81,7 +82,7 @@ pub enum Decision {
         /// New failed-attempt count.
         retry_count: i32,
         /// Backoff before the next attempt.
-        after: Duration,
+        after: RetryDelay,
         /// Publishers that have confirmed so far.
         delivered_to: Vec<String>,
         /// Joined error text.
@@ -145,7 +146,7 @@ const RELAY: &str = "relay";
 pub fn decide(
     attempt: &Attempt,
     policy: RetryPolicy,
-    backoff: impl FnOnce(u32) -> Duration,
+    backoff: impl FnOnce(u32) -> RetryDelay,
 ) -> Decision {
     match attempt {
         Attempt::Claimed(row) => {
@@ -169,7 +170,7 @@ pub fn decide(
 fn after_publish(
     result: &AttemptResult,
     policy: RetryPolicy,
-    backoff: impl FnOnce(u32) -> Duration,
+    backoff: impl FnOnce(u32) -> RetryDelay,
 ) -> Decision {
     let mut delivered_to = result.delivered_before.clone();
     for p in &result.confirmed_now {
@@ -245,6 +246,13 @@ mod tests {
         Duration::from_secs(n as u64)
     }
 
+    fn delay(n: u32) -> RetryDelay {
+        RetryDelay {
+            after: secs(n),
+            jitter: Duration::ZERO,
+        }
+    }
+
     #[test]
     fn all_confirmed_is_delivered() {
         let r = Attempt::Published(AttemptResult {
@@ -254,16 +262,16 @@ mod tests {
             errors: vec![],
             deferred: vec![],
         });
-        assert_eq!(decide(&r, policy(10), secs), Decision::Delivered);
+        assert_eq!(decide(&r, policy(10), delay), Decision::Delivered);
     }
 
     #[test]
     fn failure_retries_with_progress_kept() {
         assert_eq!(
-            decide(&failing(0), policy(10), secs),
+            decide(&failing(0), policy(10), delay),
             Decision::Retry {
                 retry_count: 1,
-                after: secs(1),
+                after: delay(1),
                 delivered_to: vec!["rabbit".to_string()],
                 error: "hook: 503".to_string(),
             }
@@ -273,11 +281,11 @@ mod tests {
     #[test]
     fn last_attempt_dead_letters() {
         assert_eq!(
-            decide(&failing(9), policy(10), secs).status(),
+            decide(&failing(9), policy(10), delay).status(),
             Status::Failed
         );
         assert_eq!(
-            decide(&failing(8), policy(10), secs).status(),
+            decide(&failing(8), policy(10), delay).status(),
             Status::Retryable
         );
     }
@@ -286,14 +294,14 @@ mod tests {
     fn a_claimed_row_is_published_unless_its_last_lease_expired() {
         // retry_count already includes the expiry.
         assert_eq!(
-            decide(&claimed(9, true), policy(10), secs),
+            decide(&claimed(9, true), policy(10), delay),
             Decision::Publish
         );
         assert_eq!(
-            decide(&claimed(10, false), policy(10), secs),
+            decide(&claimed(10, false), policy(10), delay),
             Decision::Publish
         );
-        match decide(&claimed(10, true), policy(10), secs) {
+        match decide(&claimed(10, true), policy(10), delay) {
             Decision::Failed {
                 retry_count,
                 delivered_to,
@@ -310,10 +318,10 @@ mod tests {
             ..policy(10)
         };
         assert_eq!(
-            decide(&claimed(1, true), once, secs).status(),
+            decide(&claimed(1, true), once, delay).status(),
             Status::Failed
         );
-        assert_eq!(decide(&claimed(0, false), once, secs), Decision::Publish);
+        assert_eq!(decide(&claimed(0, false), once, delay), Decision::Publish);
     }
 
     #[test]
@@ -324,7 +332,7 @@ mod tests {
             delivered_to: vec![],
             undeliverable: Some("payload too large".into()),
         });
-        match decide(&r, policy(10), secs) {
+        match decide(&r, policy(10), delay) {
             Decision::Failed {
                 retry_count, error, ..
             } => {
@@ -345,7 +353,7 @@ mod tests {
             deferred: vec![("hook".into(), secs(3)), ("nats".into(), secs(1))],
         });
         assert_eq!(
-            decide(&r, policy(3), secs),
+            decide(&r, policy(3), delay),
             Decision::Defer {
                 after: secs(3),
                 delivered_to: vec!["file".to_string(), "rabbit".to_string()],
@@ -360,7 +368,7 @@ mod tests {
             delivery: Delivery::AtMostOnce,
             ..policy(10)
         };
-        assert_eq!(decide(&failing(0), once, secs).status(), Status::Failed);
+        assert_eq!(decide(&failing(0), once, delay).status(), Status::Failed);
     }
 
     fn any_policy() -> impl Strategy<Value = RetryPolicy> {
@@ -380,8 +388,8 @@ mod tests {
         /// expiry counted by the claim) is published again.
         #[test]
         fn the_skip_and_the_retry_share_one_threshold(n in 0i32..30, p in any_policy()) {
-            let retried = matches!(decide(&failing(n), p, secs), Decision::Retry { .. });
-            let published = decide(&claimed(n + 1, true), p, secs) == Decision::Publish;
+            let retried = matches!(decide(&failing(n), p, delay), Decision::Retry { .. });
+            let published = decide(&claimed(n + 1, true), p, delay) == Decision::Publish;
             prop_assert_eq!(retried, published);
         }
 
@@ -402,7 +410,7 @@ mod tests {
                 errors: vec![("d".into(), "down".into())],
                 deferred: vec![("e".into(), secs(1))],
             });
-            match decide(&r, p, secs) {
+            match decide(&r, p, delay) {
                 Decision::Retry { retry_count, delivered_to, .. } => {
                     prop_assert_eq!(retry_count, n + 1);
                     prop_assert!((retry_count as u32) < p.max_retry_count);
@@ -419,7 +427,7 @@ mod tests {
         /// A row never expired is always published, whatever its count.
         #[test]
         fn a_row_not_from_an_expired_lease_is_published(n in 0i32..30, p in any_policy()) {
-            prop_assert_eq!(decide(&claimed(n, false), p, secs), Decision::Publish);
+            prop_assert_eq!(decide(&claimed(n, false), p, delay), Decision::Publish);
         }
     }
 }

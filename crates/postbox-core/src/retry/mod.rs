@@ -5,7 +5,7 @@
 mod backoff;
 mod decision;
 
-pub use backoff::Backoff;
+pub use backoff::{Backoff, RetryDelay};
 pub use decision::{
     decide, Attempt, AttemptResult, ClaimedRow, Decision, RetryPolicy, EXPIRED_ON_LAST_ATTEMPT,
 };

@@ -26,6 +26,13 @@ async fn relay_recognises_its_own_mark_after_a_lost_answer() {
         .await;
 }
 
+/// Issue 12: a batch that failed alike is one failure write per attempt
+/// (failed before: one per row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_writes_a_batch_of_failures_at_once() {
+    postbox_testkit::faults::relay_writes_a_batch_of_failures_at_once(fresh_store().await).await;
+}
+
 /// Issue 11: a database error while marking is reported as one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_reports_a_failed_mark_as_a_database_error() {

@@ -238,12 +238,13 @@ async fn claim_lease_fence_and_failure() {
         status: Status::Retryable,
         retry_count: 1,
         retry_after_ms: 60_000,
+        retry_jitter_ms: 0,
         delivered_to: vec!["file".into(), "rabbitmq".into()],
         error: "broker down".into(),
         publisher: Some("p".into()),
     };
-    assert!(!store.mark_failed(&wrong, b, &update).await.unwrap());
-    assert!(store.mark_failed(&fence, b, &update).await.unwrap());
+    assert_eq!(store.mark_failed(&wrong, &[b], &update).await.unwrap(), 0);
+    assert_eq!(store.mark_failed(&fence, &[b], &update).await.unwrap(), 1);
     let row = store
         .list(&EventFilter {
             status: Some(Status::Retryable),
@@ -269,6 +270,7 @@ async fn claim_lease_fence_and_failure() {
     // Due at once after a zero backoff.
     let due = FailureUpdate {
         retry_after_ms: 0,
+        retry_jitter_ms: 0,
         delivered_to: vec![],
         ..update.clone()
     };
@@ -293,7 +295,7 @@ async fn claim_lease_fence_and_failure() {
     assert_eq!(retried[0].record.retry_count, 1);
     assert_eq!(retried[0].record.delivered_to, vec!["file", "rabbitmq"]);
     let f3 = retried[0].fence();
-    assert!(store.mark_failed(&f3, b, &due).await.unwrap());
+    assert_eq!(store.mark_failed(&f3, &[b], &due).await.unwrap(), 1);
     let row = store
         .find(&retried[0].record.event_id)
         .await
@@ -368,7 +370,13 @@ async fn claim_lease_fence_and_failure() {
         retry_count: 3,
         ..update
     };
-    assert!(store.mark_failed(&got[0].fence(), b, &dead).await.unwrap());
+    assert_eq!(
+        store
+            .mark_failed(&got[0].fence(), &[b], &dead)
+            .await
+            .unwrap(),
+        1
+    );
 
     // Stats: a delivered, b failed, c pending; wallet's row pending.
     let stats = store
@@ -767,15 +775,17 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
         status: Status::Retryable,
         retry_count: 1,
         retry_after_ms: 0,
+        retry_jitter_ms: 0,
         delivered_to: Vec::new(),
         error: "boom".into(),
         publisher: Some("p".into()),
     };
-    assert!(
-        timeout(quick, store.mark_failed(&fence, committed[3], &failure))
+    assert_eq!(
+        timeout(quick, store.mark_failed(&fence, &[committed[3]], &failure))
             .await
             .expect("mark_failed waited on the producer's row")
-            .unwrap()
+            .unwrap(),
+        1
     );
     let released = timeout(quick, store.release(&fence, &committed[4..]))
         .await

@@ -190,4 +190,7 @@ fault_cases! {
     /// Issue 11: a failed mark stage stops the relay with an error naming it,
     /// and the batches queued behind it are released.
     relay_stops_with_an_error_when_its_mark_stage_fails("markpanic");
+    /// Issue 12: a batch that failed alike is one failure write per
+    /// attempt (failed before: one per row).
+    relay_writes_a_batch_of_failures_at_once("failbatch");
 }

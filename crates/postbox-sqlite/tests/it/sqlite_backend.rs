@@ -98,6 +98,7 @@ fn failure(status: Status, retry_count: i32, retry_after_ms: i64) -> FailureUpda
         status,
         retry_count,
         retry_after_ms,
+        retry_jitter_ms: 0,
         delivered_to: vec!["file".into()],
         error: "broker down".into(),
         publisher: Some("p".into()),
@@ -253,14 +254,16 @@ async fn claim_pending_and_mark_delivered_with_fence() {
             .unwrap(),
         0
     );
-    assert!(!o
-        .mark_failed(
+    assert_eq!(
+        o.mark_failed(
             &wrong_worker,
-            inserted[0],
+            &[inserted[0]],
             &failure(Status::Retryable, 1, 0)
         )
         .await
-        .unwrap());
+        .unwrap(),
+        0
+    );
     assert_eq!(o.release(&wrong_lease, &ids(&claimed)).await.unwrap(), 0);
     assert_eq!(o.mark_delivered(&fence, &[]).await.unwrap(), 0);
 
@@ -283,20 +286,30 @@ async fn mark_failed_schedules_a_retry_and_due_retries_are_claimed() {
     let fence = claimed[0].fence();
 
     let before = now_ms();
-    assert!(o
-        .mark_failed(&fence, inserted[0], &failure(Status::Retryable, 1, 5_000))
+    assert_eq!(
+        o.mark_failed(
+            &fence,
+            &[inserted[0]],
+            &failure(Status::Retryable, 1, 5_000)
+        )
         .await
-        .unwrap());
+        .unwrap(),
+        1
+    );
     let after = now_ms();
-    assert!(o
-        .mark_failed(&fence, inserted[1], &failure(Status::Retryable, 1, -1))
-        .await
-        .unwrap());
+    assert_eq!(
+        o.mark_failed(&fence, &[inserted[1]], &failure(Status::Retryable, 1, -1))
+            .await
+            .unwrap(),
+        1
+    );
     // The fence is gone once the row left `delivering`.
-    assert!(!o
-        .mark_failed(&fence, inserted[0], &failure(Status::Failed, 2, 0))
-        .await
-        .unwrap());
+    assert_eq!(
+        o.mark_failed(&fence, &[inserted[0]], &failure(Status::Failed, 2, 0))
+            .await
+            .unwrap(),
+        0
+    );
 
     let row = one(o, &events[0].event_id).await;
     assert_eq!(row.status, Status::Retryable);
@@ -324,10 +337,12 @@ async fn mark_failed_schedules_a_retry_and_due_retries_are_claimed() {
 
     // Dead letter.
     let f = due[0].fence();
-    assert!(o
-        .mark_failed(&f, inserted[1], &failure(Status::Failed, 2, 0))
-        .await
-        .unwrap());
+    assert_eq!(
+        o.mark_failed(&f, &[inserted[1]], &failure(Status::Failed, 2, 0))
+            .await
+            .unwrap(),
+        1
+    );
     let dead = one(o, &events[1].event_id).await;
     assert_eq!((dead.status, dead.retry_count), (Status::Failed, 2));
     assert!(claim(o, ClaimSource::DueRetry, "worker-b", 30_000)
@@ -424,10 +439,12 @@ async fn mixed(o: &SqliteOutbox) -> ([NewEvent; 4], Vec<i64>) {
     let c = claim(o, ClaimSource::Pending, "worker-a", 30_000).await;
     let f = c[0].fence();
     assert_eq!(o.mark_delivered(&f, &ids_[..1]).await.unwrap(), 1);
-    assert!(o
-        .mark_failed(&f, ids_[1], &failure(Status::Failed, 3, 0))
-        .await
-        .unwrap());
+    assert_eq!(
+        o.mark_failed(&f, &[ids_[1]], &failure(Status::Failed, 3, 0))
+            .await
+            .unwrap(),
+        1
+    );
     let mut all = ids_;
     all.extend(enqueue_all(o, &events[3..]).await);
     (events, all)
@@ -561,10 +578,12 @@ async fn stats_count_by_status() {
     let rid = enqueue_all(o, std::slice::from_ref(&e)).await[0];
     let c = claim(o, ClaimSource::Pending, "w", 30_000).await;
     assert_eq!(ids(&c), vec![ids_[3], rid]);
-    assert!(o
-        .mark_failed(&c[0].fence(), rid, &failure(Status::Retryable, 1, -10))
-        .await
-        .unwrap());
+    assert_eq!(
+        o.mark_failed(&c[0].fence(), &[rid], &failure(Status::Retryable, 1, -10))
+            .await
+            .unwrap(),
+        1
+    );
     assert_eq!(o.release(&c[0].fence(), &ids_[3..]).await.unwrap(), 1);
     // A legacy row counts as delivered.
     sqlx::query(

@@ -126,6 +126,97 @@ impl Proxy {
 
 pub struct Options {
     pub max_retry_count: u32,
+    /// The README's production layout: the room's relay as a `postbox
+    /// relay` process and the activity workers as three `postbox consume`
+    /// processes, instead of in this process.
+    pub processes: bool,
+}
+
+impl Options {
+    /// Everything in this process; rows fail after `max_retry_count`.
+    pub fn retries(max_retry_count: u32) -> Options {
+        Options {
+            max_retry_count,
+            processes: false,
+        }
+    }
+
+    /// The room's relay and the activity workers as `postbox` processes.
+    pub fn in_processes(self) -> Options {
+        Options {
+            processes: true,
+            ..self
+        }
+    }
+}
+
+/// The `postbox` binary that `cargo test --workspace` builds beside this
+/// test (`target/<profile>/postbox`).
+pub fn postbox_bin() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe.parent().unwrap().parent().unwrap().join("postbox");
+    assert!(
+        bin.exists(),
+        "{} is missing: this test runs the `postbox` binary; build it first \
+         (`cargo build -p postbox-cli`; `cargo test --workspace` builds it)",
+        bin.display()
+    );
+    bin
+}
+
+/// A `postbox` process: `postbox --config cfg --log-format json command`,
+/// its log in `log`, killed when dropped.
+pub struct Process {
+    pub name: String,
+    pub child: tokio::process::Child,
+    pub log: std::path::PathBuf,
+}
+
+impl Process {
+    pub fn spawn(dir: &std::path::Path, name: &str, cfg: &str, command: &str) -> Process {
+        let log = dir.join(format!("{name}.log"));
+        let child = tokio::process::Command::new(postbox_bin())
+            .arg("--config")
+            .arg(dir.join(cfg))
+            .args(["--log-format", "json", command])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {name}: {e}"));
+        Process {
+            name: name.to_owned(),
+            child,
+            log,
+        }
+    }
+
+    /// SIGTERM, then it must exit 0 within 30 s: it ran without a fatal
+    /// error until then.
+    pub async fn stop(mut self) {
+        let pid = self.child.id().unwrap_or_else(|| {
+            panic!(
+                "{} ended early: {}",
+                self.name,
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            )
+        });
+        let killed = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success(), "kill -TERM {pid}");
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("{} ignored SIGTERM", self.name))
+            .unwrap();
+        assert!(
+            status.success(),
+            "{} exited with {status}: {}",
+            self.name,
+            std::fs::read_to_string(&self.log).unwrap_or_default()
+        );
+    }
 }
 
 pub struct Stack {
@@ -142,6 +233,9 @@ pub struct Stack {
     pub relays: Vec<tokio::task::JoinHandle<Result<postbox::relay::RelayReport, postbox::Error>>>,
     /// The consumers: likewise.
     pub consuming: tokio::task::JoinHandle<Result<(), postbox::Error>>,
+    /// With `Options::processes`: the room's relay and the activity
+    /// workers; each must exit 0 on SIGTERM at `stop`.
+    pub processes: Vec<Process>,
     pub names: Names,
     pub _dir: tempfile::TempDir,
 }
@@ -243,11 +337,21 @@ impl Stack {
             im_publisher + &rabbitmq("activity", &proxied, &names.room_exchange),
         );
         let room_db = Db::open(&room, &service::TABLES).await.unwrap();
-        relays.push(
-            spawn_relay(&room, &room_db, shutdown.clone())
-                .await
-                .unwrap(),
-        );
+        let mut processes = Vec::new();
+        if options.processes {
+            processes.push(Process::spawn(
+                dir.path(),
+                "room-relay",
+                "room.toml",
+                "relay",
+            ));
+        } else {
+            relays.push(
+                spawn_relay(&room, &room_db, shutdown.clone())
+                    .await
+                    .unwrap(),
+            );
+        }
 
         // The wallet: its own outbox and relay, to its own exchange.
         let wallet_settings = owner(
@@ -296,15 +400,41 @@ impl Stack {
             r##"{{ exchange = "{}", routing_key = "#" }}"##,
             names.wallet_exchange
         );
-        let mut consumers = format!("[database]\nurl = \"{db_url}\"\n");
-        for n in 1..=3 {
-            consumers += &consumer(
-                &format!("activity-{n}"),
-                &names.activity_queue,
-                &room_binding,
-                activity_addr,
-                "activity",
-            );
+        let database = format!("[database]\nurl = \"{db_url}\"\n");
+        let mut consumers = database.clone();
+        if options.processes {
+            // config/activity.toml's shape: one worker per process.
+            let activity = database
+                + &consumer(
+                    "activity",
+                    &names.activity_queue,
+                    &room_binding,
+                    activity_addr,
+                    "activity",
+                );
+            let activity = settings(dir.path(), "activity.toml", &activity);
+            postbox::runtime::consumers::migrate_inboxes(&activity)
+                .await
+                .unwrap();
+            for n in 1..=3 {
+                let name = format!("activity-{n}");
+                processes.push(Process::spawn(
+                    dir.path(),
+                    &name,
+                    "activity.toml",
+                    "consume",
+                ));
+            }
+        } else {
+            for n in 1..=3 {
+                consumers += &consumer(
+                    &format!("activity-{n}"),
+                    &names.activity_queue,
+                    &room_binding,
+                    activity_addr,
+                    "activity",
+                );
+            }
         }
         consumers += &consumer(
             "notice",
@@ -371,6 +501,7 @@ impl Stack {
             names,
             relays,
             consuming,
+            processes,
             _dir: dir,
         }
     }
@@ -447,6 +578,9 @@ impl Stack {
     /// Stops everything; every relay and the consumers must have run
     /// without error until then.
     pub async fn stop(self) {
+        for process in self.processes {
+            process.stop().await;
+        }
         self.shutdown.cancel();
         for relay in self.relays {
             relay
