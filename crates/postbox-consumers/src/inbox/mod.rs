@@ -367,6 +367,7 @@ macro_rules! inbox_backend {
                     Admission::Stale { remembered } => {
                         tracing::info!(
                             event_id = %env.event_id,
+                            consumer_group,
                             aggregate_id = env.aggregate_id.as_deref().unwrap_or(""),
                             aggregate_version = env.aggregate_version,
                             remembered,
