@@ -134,8 +134,8 @@ pub(crate) const MARK_DELIVERED: &str = concat!(
 );
 
 /// The assignments of a row that waits for its next try: `$status`, due
-/// `?$after` ms from now, its lease ended, `delivered_to` and
-/// `last_error` written.
+/// `$after` (an expression in ms) from now, its lease ended,
+/// `delivered_to` and `last_error` written.
 macro_rules! waiting {
     ($status:literal, $after:literal, $delivered_to:literal, $error:literal) => {
         concat!(
@@ -155,7 +155,6 @@ macro_rules! waiting {
     };
 }
 
-/// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
 /// Fenced failed attempts of rows ?7 (JSON array): `retryable` (due after
 /// a backoff, spread by id over its jitter) or `failed`.
 pub(crate) const MARK_FAILED: &str = concat!(

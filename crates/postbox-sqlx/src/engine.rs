@@ -427,8 +427,9 @@ impl SqlOutbox<D> {
         finish(tx, res, op).await
     }
 
-    /// Records a failed attempt and its history entry; false when the
-    /// fence no longer holds.
+    /// Records one failed attempt of each of `ids` (the same update) and a
+    /// history entry for each row written, in one transaction; how many
+    /// rows still held the fence.
     pub async fn mark_failed(&self, fence: &Fence, ids: &[i64], u: &FailureUpdate) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
