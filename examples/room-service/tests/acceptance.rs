@@ -35,7 +35,7 @@ async fn normal_every_event_reaches_im_and_activity_in_version_order() {
 /// (seed 003's PHP workers), deduping through their shared inbox.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn normal_with_postbox_relay_and_three_consume_processes() {
-    normal(Options::retries(5).in_processes(), "p").await;
+    normal(Options::retries(5).in_processes(), "proc").await;
 }
 
 /// Rooms `{rooms}1` … `{rooms}3` (the log is shared by the tests of this
