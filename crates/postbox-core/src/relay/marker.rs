@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use super::publisher::Outcome;
 use super::RelayReport;
 use crate::event::{truncate_error, Fence};
-use crate::retry::Decision;
+use crate::retry::{Decision, RetryDelay};
 use crate::store::{DeferUpdate, FailureUpdate, RelayStore};
 use crate::{Error, Result};
 
@@ -54,7 +54,8 @@ impl Marker {
         for o in outcomes {
             let r = &o.event.record;
             let fence = o.event.fence();
-            match o.decision {
+            // A failed attempt: its status, count, delay, progress, error.
+            let failed = match o.decision {
                 Decision::Publish => {
                     // The publish stage decides every row it hands over.
                     return Err(Error::Internal(format!(
@@ -65,7 +66,8 @@ impl Marker {
                 Decision::Delivered => {
                     created_at.insert(r.id, r.created_at_ms);
                     event_ids.insert(r.id, r.event_id.clone());
-                    delivered.entry(fence).or_default().push(r.id)
+                    delivered.entry(fence).or_default().push(r.id);
+                    continue;
                 }
                 Decision::Retry {
                     retry_count,
@@ -78,19 +80,13 @@ impl Marker {
                     } else {
                         tracing::debug!(event_id = %r.event_id, attempt = retry_count, retry_in = ?after.after, error = %error, "publish failed again");
                     }
-                    let update = FailureUpdate {
-                        status: crate::Status::Retryable,
+                    (
+                        crate::Status::Retryable,
                         retry_count,
-                        retry_after_ms: after.after.as_millis() as i64,
-                        retry_jitter_ms: after.jitter.as_millis() as i64,
+                        after,
                         delivered_to,
-                        error: truncate_error(&error),
-                        publisher: o.failed_publishers,
-                    };
-                    failures
-                        .entry((fence, update))
-                        .or_default()
-                        .push(FailedRow::of(r));
+                        error,
+                    )
                 }
                 Decision::Defer {
                     after,
@@ -107,6 +103,7 @@ impl Marker {
                         )),
                     };
                     deferred.entry((fence, update)).or_default().push(r.id);
+                    continue;
                 }
                 Decision::Failed {
                     retry_count,
@@ -114,21 +111,29 @@ impl Marker {
                     error,
                 } => {
                     tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempts = retry_count, error = %error, "event dead-lettered (status failed); replay it with `postbox replay`");
-                    let update = FailureUpdate {
-                        status: crate::Status::Failed,
+                    // Never due again: a replay makes it due.
+                    (
+                        crate::Status::Failed,
                         retry_count,
-                        retry_after_ms: 0,
-                        retry_jitter_ms: 0,
+                        RetryDelay::default(),
                         delivered_to,
-                        error: truncate_error(&error),
-                        publisher: o.failed_publishers,
-                    };
-                    failures
-                        .entry((fence, update))
-                        .or_default()
-                        .push(FailedRow::of(r));
+                        error,
+                    )
                 }
-            }
+            };
+            let (status, retry_count, delay, delivered_to, error) = failed;
+            let update = failure(
+                status,
+                retry_count,
+                delay,
+                delivered_to,
+                &error,
+                o.failed_publishers,
+            );
+            failures
+                .entry((fence, update))
+                .or_default()
+                .push(FailedRow::of(r));
         }
         // Failed attempts: one write per fence and update (a batch's rows
         // that failed alike, e.g. every row a target refused, share one).
@@ -305,6 +310,26 @@ impl Marker {
                 && row.lock_until_ms != fence.lock_until_ms;
             ours && (row.status == update.status || reclaimed)
         }))
+    }
+}
+
+/// The write of a failed attempt, due after `delay` when `retryable`.
+fn failure(
+    status: crate::Status,
+    retry_count: i32,
+    delay: RetryDelay,
+    delivered_to: Vec<String>,
+    error: &str,
+    publisher: Option<String>,
+) -> FailureUpdate {
+    FailureUpdate {
+        status,
+        retry_count,
+        retry_after_ms: delay.after.as_millis() as i64,
+        retry_jitter_ms: delay.jitter.as_millis() as i64,
+        delivered_to,
+        error: truncate_error(error),
+        publisher,
     }
 }
 
