@@ -401,17 +401,19 @@ impl Stack {
             names.wallet_exchange
         );
         let database = format!("[database]\nurl = \"{db_url}\"\n");
+        let activity_worker = |name: &str| {
+            consumer(
+                name,
+                &names.activity_queue,
+                &room_binding,
+                activity_addr,
+                "activity",
+            )
+        };
         let mut consumers = database.clone();
         if options.processes {
             // config/activity.toml's shape: one worker per process.
-            let activity = database
-                + &consumer(
-                    "activity",
-                    &names.activity_queue,
-                    &room_binding,
-                    activity_addr,
-                    "activity",
-                );
+            let activity = database + &activity_worker("activity");
             let activity = settings(dir.path(), "activity.toml", &activity);
             postbox::runtime::consumers::migrate_inboxes(&activity)
                 .await
@@ -427,13 +429,7 @@ impl Stack {
             }
         } else {
             for n in 1..=3 {
-                consumers += &consumer(
-                    &format!("activity-{n}"),
-                    &names.activity_queue,
-                    &room_binding,
-                    activity_addr,
-                    "activity",
-                );
+                consumers += &activity_worker(&format!("activity-{n}"));
             }
         }
         consumers += &consumer(
