@@ -34,6 +34,9 @@ pub struct MySqlDialect;
 pub struct Own {
     insert_event: String,
     pub(crate) claims: ClaimStatements,
+    pub(crate) pending_first: String,
+    pending_after: String,
+    pending_of_type: String,
     claim_take: String,
     claim_take_expired: String,
     select_ids: String,
@@ -238,6 +241,9 @@ impl Dialect for MySqlDialect {
         Own {
             insert_event: t.render(sql::INSERT_EVENT),
             claims: ClaimStatements::render(t, sql::CLAIMS),
+            pending_first: t.render(sql::PENDING_FIRST),
+            pending_after: t.render(sql::PENDING_AFTER),
+            pending_of_type: t.render(sql::PENDING_OF_TYPE),
             claim_take: t.render(sql::CLAIM_TAKE),
             claim_take_expired: t.render(sql::CLAIM_TAKE_EXPIRED),
             select_ids: t.render(sql::SELECT_IDS),
@@ -328,6 +334,17 @@ impl Dialect for MySqlDialect {
         // 1. Lock up to `limit` rows, skipping those another relay holds.
         let limit = i64::from(req.limit);
         let mut claim = sqlx::query(own.claims.of(source, req.ordered));
+        if source == ClaimSource::Pending && !req.ordered {
+            // New rows: the candidates dealt across types, in that order.
+            let dealt = pending_candidates(&mut tx, own, req.app_code, limit)
+                .await
+                .map_err(db)?;
+            if dealt.is_empty() {
+                tx.commit().await.map_err(db)?;
+                return Ok(Vec::new());
+            }
+            claim = claim.bind(serde_json::to_string(&dealt).unwrap_or_default());
+        }
         for bind in sql::claim_binds(source, req.ordered) {
             claim = match bind {
                 None => claim.bind(req.app_code),
@@ -541,9 +558,107 @@ impl Dialect for MySqlDialect {
 
 type MySqlOutbox = SqlOutbox<MySqlDialect>;
 
+/// The pending rows a claim of `limit` may take, dealt across event types
+/// (`postbox_sqlx::fair_pending!`): each type's oldest `limit` rows, read
+/// type after type through `{table}_due_idx` ([`sql::PENDING_FIRST`]), then
+/// the first 2 × `limit` in round-robin order ([`deal`]). One read when the
+/// backlog is under `limit` rows; with a backlog, one per type that fills a
+/// read, one more for a type a read cut short, and a last one that finds
+/// no further type. At most `limit` types are dealt (the batch could not
+/// hold more), the oldest types by name first.
+async fn pending_candidates(
+    tx: &mut MySqlConnection,
+    own: &Own,
+    app_code: &str,
+    limit: i64,
+) -> std::result::Result<Vec<i64>, sqlx::Error> {
+    let mut types: Vec<Vec<i64>> = Vec::new();
+    let mut after: Option<String> = None;
+    let read = async |tx: &mut MySqlConnection, sql: &str, event_type: &str| {
+        sqlx::query(sql)
+            .bind(app_code)
+            .bind(event_type)
+            .bind(limit)
+            .fetch_all(tx)
+            .await?
+            .into_iter()
+            .map(|row| Ok((row.try_get::<i64, _>("id")?, row.try_get::<String, _>("event_type")?)))
+            .collect::<std::result::Result<Vec<(i64, String)>, sqlx::Error>>()
+    };
+    while (types.len() as i64) < limit {
+        let rows = match &after {
+            None => read(tx, &own.pending_first, "").await?,
+            Some(t) => read(tx, &own.pending_after, t).await?,
+        };
+        let full = rows.len() as i64 == limit;
+        let first_type = types.len();
+        let mut last: Option<String> = None;
+        for (id, event_type) in rows {
+            if last.as_deref() != Some(event_type.as_str()) {
+                types.push(Vec::new());
+                last = Some(event_type);
+            }
+            if let Some(ids) = types.last_mut() {
+                ids.push(id);
+            }
+        }
+        let Some(last) = last else { break };
+        if !full {
+            // Every type in it was read to its end, and none comes after.
+            break;
+        }
+        // The last type may have been cut short by the limit; alone in the
+        // read, it has its `limit` rows already.
+        if types.len() - first_type > 1 {
+            let rows = read(tx, &own.pending_of_type, &last).await?;
+            if let Some(ids) = types.last_mut() {
+                *ids = rows.into_iter().map(|(id, _)| id).collect();
+            }
+        }
+        after = Some(last);
+    }
+    Ok(deal(&types, 2 * limit.max(0) as usize))
+}
+
+/// Round-robin over `types` (each a type's ids, oldest first): every
+/// type's first id, oldest first, then every type's second, and so on,
+/// up to `take` ids. A type with fewer rows leaves its turn to the others.
+pub(crate) fn deal(types: &[Vec<i64>], take: usize) -> Vec<i64> {
+    let mut out = Vec::with_capacity(take.min(types.iter().map(Vec::len).sum()));
+    let mut round = Vec::with_capacity(types.len());
+    for rank in 0.. {
+        round.clear();
+        round.extend(types.iter().filter_map(|ids| ids.get(rank).copied()));
+        if round.is_empty() || out.len() >= take {
+            break;
+        }
+        round.sort_unstable();
+        let room = take - out.len();
+        out.extend(round.iter().take(room));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A batch is dealt round-robin across types, oldest first within a
+    /// round; a short type leaves its turns to the others.
+    #[test]
+    fn deal_gives_every_type_its_turn() {
+        let flood: Vec<i64> = (1..=10).collect();
+        let fresh = vec![20, 21];
+        let lone = vec![30];
+        assert_eq!(
+            deal(&[flood.clone(), fresh.clone(), lone.clone()], 6),
+            vec![1, 20, 30, 2, 21, 3]
+        );
+        assert_eq!(deal(&[flood.clone()], 4), vec![1, 2, 3, 4]);
+        assert_eq!(deal(&[vec![5], vec![]], 4), vec![5]);
+        assert!(deal(&[], 4).is_empty());
+        assert_eq!(deal(&[flood, fresh], 3), vec![1, 20, 2]);
+    }
 
     #[test]
     fn renders_binds_in_statement_order() {

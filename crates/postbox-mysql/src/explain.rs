@@ -27,7 +27,17 @@ pub(crate) fn inlined_claim(
     app_code: &str,
     limit: u32,
 ) -> String {
-    let sql = outbox.own().claims.of(source, ordered);
+    let own = outbox.own();
+    if source == postbox_core::ClaimSource::Pending && !ordered {
+        // The new rows' claim locks candidates by primary key; the index
+        // it relies on is read by the first candidate read.
+        return own
+            .pending_first
+            .replacen('?', &literal(app_code), 1)
+            .replacen('?', "''", 1)
+            .replacen('?', &limit.to_string(), 1);
+    }
+    let sql = own.claims.of(source, ordered);
     let binds = crate::sql::claim_binds(source, ordered);
     binds.iter().fold(sql.to_owned(), |sql, bind| match bind {
         None => sql.replacen('?', &literal(app_code), 1),

@@ -115,8 +115,8 @@ macro_rules! claim {
 }
 
 // Every claim reads `{table}_due_idx (app_code, status, next_retry_at_ms,
-// id)` in its order (see `V5_INDEXES`): pending rows have
-// `next_retry_at_ms = 0`, so theirs is insertion order.
+// event_type, id)` (schema version 8, see `V8_DUE_INDEX`) in its order:
+// due retries and expired leases by when they fell due.
 //
 // The per-aggregate claims find heads through `{table}_head_idx` (schema
 // version 7, [`V7_HEAD_INDEX`]), named: MariaDB's planner otherwise may
@@ -126,7 +126,46 @@ macro_rules! claim {
 // partial index), then `aggregate_seq` (the version, NULL last), then id.
 postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), head: (
     "open_aggregate_id", "", "p.aggregate_seq", "FORCE INDEX ({table}_head_idx)"
-));
+), order: "next_retry_at_ms, event_type, id");
+
+/// Fair claiming across event types (`postbox_sqlx::fair_pending!`), MySQL's
+/// way. MySQL has no `LATERAL`, and it seeks a correlated bound only by
+/// equality, so the one-statement form would read each type's whole
+/// backlog. The claim reads the candidates first, without locking,
+/// through `{table}_due_idx`, whose pending entries are ordered by type,
+/// then id (pending rows have `next_retry_at_ms = 0`): [`PENDING_FIRST`]
+/// and [`PENDING_AFTER`] read up to the batch size from the start of the
+/// first type (after a given type), [`PENDING_OF_TYPE`] one type's oldest
+/// rows. The engine deals them round-robin (`MySqlDialect::claim`), then
+/// [`CLAIM_PENDING`] locks them in that order. Binds: tenant, type, limit.
+pub(crate) const PENDING_FIRST: &str = "SELECT id, event_type FROM {table} \
+     WHERE app_code = ? AND status = 'pending' AND next_retry_at_ms = 0 AND event_type >= ? \
+     ORDER BY next_retry_at_ms, event_type, id LIMIT ?";
+
+/// [`PENDING_FIRST`] for the types after the one bound.
+pub(crate) const PENDING_AFTER: &str = "SELECT id, event_type FROM {table} \
+     WHERE app_code = ? AND status = 'pending' AND next_retry_at_ms = 0 AND event_type > ? \
+     ORDER BY next_retry_at_ms, event_type, id LIMIT ?";
+
+/// The oldest pending rows of one type (see [`PENDING_FIRST`]).
+pub(crate) const PENDING_OF_TYPE: &str = "SELECT id, event_type FROM {table} \
+     WHERE app_code = ? AND status = 'pending' AND next_retry_at_ms = 0 AND event_type = ? \
+     ORDER BY next_retry_at_ms, event_type, id LIMIT ?";
+
+/// Claim step 1 for new rows: lock up to `limit` of the candidates (a JSON
+/// array of ids, bound first, in the dealt order), skipping those another
+/// relay holds. The candidates are read in the array's order (the join is
+/// `STRAIGHT_JOIN`, and no `ORDER BY` makes MySQL read them all first), so
+/// the limit keeps the first that are free. Primary key lookups.
+pub(crate) const CLAIM_PENDING: &str = concat!(
+    "SELECT ",
+    columns!(),
+    ", ",
+    now_ms!(),
+    " AS db_now_ms FROM JSON_TABLE(?, '$[*]' COLUMNS (fid BIGINT PATH '$')) k \
+     STRAIGHT_JOIN {table} FORCE INDEX (PRIMARY) ON id = k.fid \
+     WHERE app_code = ? AND status = 'pending' LIMIT ? FOR UPDATE SKIP LOCKED"
+);
 
 /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: the pending heads
 /// among the candidates `postbox_sqlx::head_candidates!` describes, found
@@ -158,7 +197,7 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
            GROUP BY open_aggregate_id LIMIT ?) g \
        UNION \
        SELECT o.id FROM (SELECT id, app_code, aggregate_id FROM {table} \
-           WHERE app_code = ? AND status = 'pending' ORDER BY next_retry_at_ms, id LIMIT ?) o \
+           WHERE app_code = ? AND status = 'pending' ORDER BY next_retry_at_ms, event_type, id LIMIT ?) o \
          WHERE o.aggregate_id IS NULL OR o.id = (SELECT p.id FROM {table} p FORCE INDEX ({table}_head_idx) \
            WHERE p.app_code = o.app_code AND p.open_aggregate_id = o.aggregate_id \
            ORDER BY p.aggregate_seq, p.id LIMIT 1)\
@@ -190,7 +229,7 @@ pub(crate) fn claim_binds(
 pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "{table}",
     postbox_sqlx::expired_lease_pick!(now_ms!()),
-    "next_retry_at_ms, id"
+    "next_retry_at_ms, event_type, id"
 );
 
 /// The claims, in the order `ClaimStatements::render` takes them.
@@ -276,7 +315,16 @@ pub(crate) const DELIVERED_ESTIMATE: &str = "EXPLAIN SELECT 1 FROM {table} \
      WHERE app_code = ? AND status IN ('delivered', 'published')";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
+///
+/// The oldest pending row is the lowest id among the pending entries of
+/// `{table}_due_idx`: a read of all of them, as the pending count beside
+/// it is (MySQL has no loose index scan that would find each type's first
+/// entry here; see [`PENDING_FIRST`]).
+pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!(
+    "?1",
+    now_ms!(),
+    oldest: "(SELECT MIN(id) FROM {table} WHERE app_code = ?1 AND status = 'pending' AND next_retry_at_ms = 0)"
+);
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
@@ -288,8 +336,8 @@ pub(crate) const PRESENT_APP_CODES: &str =
     "SELECT DISTINCT app_code FROM {table} ORDER BY app_code";
 
 /// Archived rows of one event: the app_codes (`{ids}` list), then the
-/// event id (`postbox_sqlx::find_archived!`).
-pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find_archived!("app_code IN ({ids})", "?");
+/// event id (`postbox_sqlx::find!`).
+pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find!("{archive}", "app_code IN ({ids})", "?");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_due_idx (app_code, status, next_retry_at_ms, id)`, a
@@ -302,7 +350,7 @@ pub(crate) const DELIVERED_PER_MINUTE: &str =
 
 /// By event id: the app_codes with rows (`{ids}` list), then the event id
 /// (`postbox_sqlx::find!`).
-pub(crate) const FIND: &str = postbox_sqlx::find!("app_code IN ({ids})", "?");
+pub(crate) const FIND: &str = postbox_sqlx::find!("{table}", "app_code IN ({ids})", "?");
 
 /// Rows by primary key: what a replay wrote, read back (MySQL has no
 /// `UPDATE … RETURNING`).
@@ -543,6 +591,7 @@ pub(crate) const RECORD_VERSION: &str = concat!(
 pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!(
     (5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES),
     (7, postbox_sqlx::V7_DESCRIPTION, V7_HEAD_INDEX),
+    (8, postbox_sqlx::V8_DESCRIPTION, V8_DUE_INDEX),
 );
 
 /// The outbox table's indexes since version 5 (suffixes).
@@ -594,6 +643,18 @@ pub(crate) const V7_HEAD_INDEX: &[&str] = &["ALTER TABLE {table} \
        ADD COLUMN aggregate_seq BIGINT AS (COALESCE(aggregate_version, 9223372036854775807)) VIRTUAL, \
        ADD INDEX {table}_head_idx (app_code, open_aggregate_id, aggregate_seq, id), \
        DROP INDEX {table}_aggregate_idx"];
+
+/// Version 8: `{table}_due_idx` gains the event type before the id,
+/// `(app_code, status, next_retry_at_ms, event_type, id)`, so a pending
+/// claim can read each type's oldest rows ([`PENDING_FIRST`]) and deal the
+/// batch across types: a flood of one type no longer holds back another's
+/// fresh event. The other statuses keep their order by
+/// `next_retry_at_ms` (their claims order by `next_retry_at_ms,
+/// event_type, id`, the index's order). Same rows, same writes, a wider
+/// key. One `ALTER TABLE`: atomic, and online in InnoDB.
+pub(crate) const V8_DUE_INDEX: &[&str] = &["ALTER TABLE {table} \
+       DROP INDEX {table}_due_idx, \
+       ADD INDEX {table}_due_idx (app_code, status, next_retry_at_ms, event_type, id)"];
 
 /// The shared statements. MySQL has no `UPDATE … RETURNING`: its replay
 /// statements lock the rows' ids (`…_LOCK`), and `MySqlDialect::replay_rows`

@@ -55,8 +55,13 @@ macro_rules! claim {
             $pick,
             " ORDER BY ",
             $order,
-            " LIMIT $2 FOR UPDATE SKIP LOCKED) \
-             UPDATE {table} o SET ",
+            " LIMIT $2 FOR UPDATE SKIP LOCKED) ",
+            claim!(take: $set)
+        )
+    };
+    (take: $set:literal) => {
+        concat!(
+            "UPDATE {table} o SET ",
             $set,
             "worker_id = $3, lock_until_ms = ",
             now_ms!(),
@@ -70,14 +75,27 @@ macro_rules! claim {
     };
 }
 
-// Pending rows through `{table}_pending_idx (app_code, next_retry_at_ms,
-// id) WHERE status = 'pending'` (schema version 6), in its order; due
-// retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
-// WHERE status = 'retryable'`, read up to the clock. Partial indexes: a
+/// Claim new rows, dealt across event types (`postbox_sqlx::fair_pending!`):
+/// of the candidates, twice the batch in round-robin order, the first
+/// `$2` that no other relay holds. Index: `{table}_pending_idx (app_code,
+/// event_type, next_retry_at_ms, id) WHERE status = 'pending'` (schema
+/// version 8), one probe per pending type and at most `$2` entries each.
+/// The lock names the outbox (`OF c`): the candidates are common tables.
+pub(crate) const CLAIM_PENDING: &str = concat!(
+    "WITH RECURSIVE ",
+    postbox_sqlx::fair_pending!(app: "$1", limit: "$2", take: "2 * $2", lateral),
+    ", picked AS (SELECT c.id FROM {table} c JOIN fair f ON c.id = f.fid \
+       WHERE c.app_code = $1 AND c.status = 'pending' \
+       ORDER BY f.rn, c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) ",
+    claim!(take: "status = 'delivering', ")
+);
+
+// Due retries through `{table}_retry_idx (app_code, next_retry_at_ms,
+// id) WHERE status = 'retryable'`, read up to the clock. Partial indexes: a
 // row is in the one index of its status, so each state change writes one
 // claim-index entry, not one per index. Heads of aggregates through
 // `{table}_head_idx` (schema version 7).
-postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), app: "$1", limit: "$2", head: partial);
+postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), app: "$1", limit: "$2", head: partial, fair: lateral);
 
 /// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
 /// the lost attempt is counted. Index: `{table}_lease_idx (app_code,
@@ -152,7 +170,8 @@ pub(crate) const DELIVERED_ESTIMATE: &str = "EXPLAIN (FORMAT JSON) SELECT 1 FROM
      WHERE app_code = $1 AND status IN ('delivered', 'published') LIMIT 1";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("$1", now_ms!());
+pub(crate) const BACKLOG: &str =
+    postbox_sqlx::backlog!("$1", now_ms!(), oldest: postbox_sqlx::oldest_pending!("$1"));
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
@@ -168,8 +187,8 @@ pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( 
      SELECT app_code FROM codes WHERE app_code IS NOT NULL";
 
 /// Archived rows of one event, in the given app_codes ($1, an array)
-/// (`postbox_sqlx::find_archived!`).
-pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find_archived!("app_code = ANY($1)", "$2");
+/// (`postbox_sqlx::find!`).
+pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find!("{archive}", "app_code = ANY($1)", "$2");
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_done_idx (app_code, updated_at_ms, id) WHERE status IN
@@ -182,7 +201,7 @@ pub(crate) const DELIVERED_PER_MINUTE: &str =
 
 /// By event id, in the app_codes ($1, an array) that have rows
 /// (`postbox_sqlx::find!`).
-pub(crate) const FIND: &str = postbox_sqlx::find!("app_code = ANY($1)", "$2");
+pub(crate) const FIND: &str = postbox_sqlx::find!("{table}", "app_code = ANY($1)", "$2");
 
 /// A replay that picked its targets: rows $1 get `delivered_to` $2 (the
 /// publishers *not* targeted), in the replay's transaction.
@@ -438,6 +457,11 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
         postbox_sqlx::V6_PENDING_INDEX
     ),
     (7, postbox_sqlx::V7_DESCRIPTION, postbox_sqlx::V7_HEAD_INDEX),
+    (
+        8,
+        postbox_sqlx::V8_DESCRIPTION,
+        postbox_sqlx::V8_PENDING_INDEX
+    ),
 );
 
 /// The outbox table's indexes (`postbox_sqlx::partial_indexes!`) and the

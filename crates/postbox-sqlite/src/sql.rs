@@ -87,12 +87,25 @@ macro_rules! claim {
     };
 }
 
-// Pending rows through `{table}_pending_idx (app_code, next_retry_at_ms,
-// id) WHERE status = 'pending'` (schema version 6), in its order; due
-// retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
+/// Claim new rows, dealt across event types (`postbox_sqlx::fair_pending!`):
+/// the first ?2 in round-robin order (the claim's `BEGIN IMMEDIATE` keeps
+/// other relays out). Index: `{table}_pending_idx (app_code, event_type,
+/// next_retry_at_ms, id) WHERE status = 'pending'` (schema version 8), one
+/// probe per pending type and at most ?2 entries each.
+pub(crate) const CLAIM_PENDING: &str = claim!(
+    "{table}",
+    concat!(
+        "status = 'pending' AND id IN (WITH RECURSIVE ",
+        postbox_sqlx::fair_pending!(app: "?1", limit: "?2", take: "?2", in_list),
+        " SELECT fid FROM fair)"
+    ),
+    "next_retry_at_ms, id"
+);
+
+// Due retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
 // WHERE status = 'retryable'` (`postbox_sqlx::v5_partial_indexes!`).
 // Heads of aggregates through `{table}_head_idx` (schema version 7).
-postbox_sqlx::claims_in_retry_order!(claim, now: "?5", app: "?1", limit: "?2", head: partial);
+postbox_sqlx::claims_in_retry_order!(claim, now: "?5", app: "?1", limit: "?2", head: partial, fair: in_list);
 
 /// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
 /// the lost attempt is counted. Index: `{table}_lease_idx (app_code,
@@ -190,7 +203,8 @@ pub(crate) const COUNT_DELIVERED: &str = "SELECT COUNT(*) FROM {table} \
      WHERE app_code = ?1 AND status IN ('delivered', 'published')";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
-pub(crate) const BACKLOG: &str = postbox_sqlx::backlog!("?1", now_ms!());
+pub(crate) const BACKLOG: &str =
+    postbox_sqlx::backlog!("?1", now_ms!(), oldest: postbox_sqlx::oldest_pending!("?1"));
 
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
@@ -206,9 +220,12 @@ pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( 
      SELECT app_code FROM codes WHERE app_code IS NOT NULL";
 
 /// Archived rows of one event, in the app_codes of ?1 (a JSON array)
-/// (`postbox_sqlx::find_archived!`).
-pub(crate) const FIND_ARCHIVED: &str =
-    postbox_sqlx::find_archived!("app_code IN (SELECT value FROM json_each(?1))", "?2");
+/// (`postbox_sqlx::find!`).
+pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find!(
+    "{archive}",
+    "app_code IN (SELECT value FROM json_each(?1))",
+    "?2"
+);
 
 /// Rows delivered per minute since a time, for the dashboard's chart.
 /// Index: `{table}_done_idx (app_code, updated_at_ms, id) WHERE status IN
@@ -221,8 +238,11 @@ pub(crate) const DELIVERED_PER_MINUTE: &str =
 
 /// By event id, in the app_codes of ?1 (a JSON array) that have rows
 /// (`postbox_sqlx::find!`).
-pub(crate) const FIND: &str =
-    postbox_sqlx::find!("app_code IN (SELECT value FROM json_each(?1))", "?2");
+pub(crate) const FIND: &str = postbox_sqlx::find!(
+    "{table}",
+    "app_code IN (SELECT value FROM json_each(?1))",
+    "?2"
+);
 
 /// A replay that picked its targets: rows ?1 (a JSON array of ids) get
 /// `delivered_to` ?2 (the publishers *not* targeted), in the replay's
@@ -459,6 +479,11 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
         postbox_sqlx::V6_PENDING_INDEX
     ),
     (7, postbox_sqlx::V7_DESCRIPTION, postbox_sqlx::V7_HEAD_INDEX),
+    (
+        8,
+        postbox_sqlx::V8_DESCRIPTION,
+        postbox_sqlx::V8_PENDING_INDEX
+    ),
 );
 
 /// The outbox table's indexes (`postbox_sqlx::v5_partial_indexes!`).

@@ -593,25 +593,31 @@ macro_rules! claims {
     };
 }
 
-/// The pending and due claims of a dialect whose claim statement is
+/// The due claims of a dialect whose claim statement is
 /// `$claim!(from, pick, order)`, whose clock is `$now` (due retries:
 /// retryable rows whose `next_retry_at_ms` is past it), whose tenant and
 /// limit parameters are `$app` and `$limit`, and whose head index is
-/// `head: …` (see [`head_of_aggregate!`]): `CLAIM_PENDING`,
-/// `CLAIM_DUE_RETRIES` and their per-aggregate variants, defined in the
-/// module it is invoked in. Every claim reads in the order
-/// `next_retry_at_ms, id`: due retries by when they fell due, pending rows
-/// (whose `next_retry_at_ms` is always 0) in insertion order. Ordering
-/// pending rows by `next_retry_at_ms` first is what keeps PostgreSQL on
-/// the pending index: `ORDER BY id` alone is also the primary key's order,
-/// and after `ANALYZE` of an all-pending backlog the planner reads the
-/// primary key, filtering out every row delivered since on each claim
-/// (57 ms instead of 0.6 ms per claim halfway through 100,000 rows). The
-/// index each reads is named beside the dialect's invocation.
+/// `head: …` (see [`head_of_aggregate!`]): `CLAIM_DUE_RETRIES`, its
+/// per-aggregate variant and, where the database has partial indexes, the
+/// per-aggregate pending claim (`fair:` the dialect's form of
+/// [`fair_pending!`]), defined in the module it is invoked in; `order` is
+/// the order of the claim index (`next_retry_at_ms`, then id, except on
+/// MySQL, whose one index has the event type in between). The plain
+/// pending claim (`CLAIM_PENDING`) is each dialect's own: it deals the
+/// batch across event types ([`fair_pending!`]). Every claim reads in the
+/// order `next_retry_at_ms, id`: due retries by when they fell due, pending
+/// rows of a type (whose `next_retry_at_ms` is always 0) in insertion
+/// order. Ordering pending rows by `next_retry_at_ms` first is what keeps
+/// PostgreSQL on the pending index: `ORDER BY id` alone is also the
+/// primary key's order, and after `ANALYZE` of an all-pending backlog the
+/// planner reads the primary key, filtering out every row delivered since
+/// on each claim (57 ms instead of 0.6 ms per claim halfway through
+/// 100,000 rows). The index each reads is named beside the dialect's
+/// invocation.
 #[macro_export]
 macro_rules! claims_in_retry_order {
-    ($claim:ident, now: $now:expr, app: $app:literal, limit: $limit:literal, head: partial) => {
-        $crate::claims_in_retry_order!($claim, now: $now, head: partial);
+    ($claim:ident, now: $now:expr, app: $app:literal, limit: $limit:literal, head: partial, fair: $fair:ident) => {
+        $crate::claims_in_retry_order!($claim, now: $now, head: partial, order: "next_retry_at_ms, id");
 
         /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads
         /// of aggregates, among the candidates of
@@ -620,22 +626,18 @@ macro_rules! claims_in_retry_order {
             "{table} c",
             concat!(
                 "status = 'pending' AND c.id IN (",
-                $crate::head_candidates!(app: $app, limit: $limit),
+                $crate::head_candidates!(app: $app, limit: $limit, fair: $fair),
                 ")"
             ),
             "next_retry_at_ms, id"
         );
     };
-    ($claim:ident, now: $now:expr, head: $head:tt) => {
-        /// Claim new rows, oldest first.
-        pub(crate) const CLAIM_PENDING: &str =
-            $claim!("{table}", "status = 'pending'", "next_retry_at_ms, id");
-
+    ($claim:ident, now: $now:expr, head: $head:tt, order: $order:literal) => {
         /// Claim retryable rows that are due.
         pub(crate) const CLAIM_DUE_RETRIES: &str = $claim!(
             "{table}",
             concat!("status = 'retryable' AND next_retry_at_ms <= ", $now),
-            "next_retry_at_ms, id"
+            $order
         );
 
         /// [`CLAIM_DUE_RETRIES`] for `ordering = "per_aggregate"`: only
@@ -648,8 +650,65 @@ macro_rules! claims_in_retry_order {
                 $now,
                 $crate::head_of_aggregate!(c, head: $head)
             ),
-            "next_retry_at_ms, id"
+            $order
         );
+    };
+}
+
+/// The event types tenant `$app` has pending rows of, as the recursive
+/// common table `types (t)` (its last row is NULL): a loose index scan
+/// over `{table}_pending_idx (app_code, event_type, next_retry_at_ms, id)
+/// WHERE status = 'pending'` ([`V8_PENDING_INDEX`]), one probe per type
+/// however long each type's backlog.
+#[macro_export]
+macro_rules! pending_types {
+    (app: $app:literal) => {
+        concat!(
+            "types (t) AS (SELECT (SELECT p.event_type FROM {table} p WHERE p.app_code = ", $app,
+            " AND p.status = 'pending' ORDER BY p.event_type LIMIT 1) \
+             UNION ALL SELECT (SELECT p.event_type FROM {table} p WHERE p.app_code = ", $app,
+            " AND p.status = 'pending' AND p.event_type > types.t ORDER BY p.event_type LIMIT 1) \
+             FROM types WHERE types.t IS NOT NULL)"
+        )
+    };
+}
+
+/// Fair claiming across event types (SPEC §3): the pending rows a claim
+/// of tenant `$app` takes, as common tables ending in `fair (fid, rn)`
+/// (for a `WITH RECURSIVE`): each pending type's oldest `$limit` rows,
+/// `rn` their rank within the type, the first `$take` by `(rn, id)`. So a
+/// batch is dealt round-robin: every type with pending rows gets an equal
+/// share, a type with fewer rows leaves the rest of its share to the
+/// others, and a lone type gets the whole batch in insertion order. A
+/// flood of one type therefore never holds back another type's fresh
+/// event by more than one batch. Each type's rows are read through
+/// `{table}_pending_idx` in its order (`next_retry_at_ms`, always 0 for a
+/// pending row, then id): at most `$limit` entries per pending type,
+/// whatever the backlog. `lateral` reads them with `LATERAL` (PostgreSQL);
+/// `in_list` with a correlated `IN (… LIMIT)` (SQLite).
+#[macro_export]
+macro_rules! fair_pending {
+    (app: $app:literal, limit: $limit:literal, take: $take:literal, lateral) => {
+        concat!(
+            $crate::pending_types!(app: $app),
+            ", fair (fid, rn) AS (SELECT k.id, k.rn FROM types CROSS JOIN LATERAL \
+               (SELECT s.id, row_number() OVER (ORDER BY s.next_retry_at_ms, s.id) AS rn FROM \
+                 (SELECT p.id, p.next_retry_at_ms FROM {table} p WHERE p.app_code = ", $app,
+            " AND p.status = 'pending' AND p.event_type = types.t \
+                  ORDER BY p.next_retry_at_ms, p.id LIMIT ", $limit, ") s) k \
+             WHERE types.t IS NOT NULL ORDER BY k.rn, k.id LIMIT ", $take, ")"
+        )
+    };
+    (app: $app:literal, limit: $limit:literal, take: $take:literal, in_list) => {
+        concat!(
+            $crate::pending_types!(app: $app),
+            ", fair (fid, rn) AS (SELECT p.id, row_number() OVER \
+               (PARTITION BY p.event_type ORDER BY p.next_retry_at_ms, p.id) AS r \
+             FROM types JOIN {table} p ON p.id IN (SELECT q.id FROM {table} q WHERE q.app_code = ", $app,
+            " AND q.status = 'pending' AND q.event_type = types.t \
+                  ORDER BY q.next_retry_at_ms, q.id LIMIT ", $limit, ") \
+             WHERE types.t IS NOT NULL ORDER BY r, p.id LIMIT ", $take, ")"
+        )
     };
 }
 
@@ -759,7 +818,8 @@ macro_rules! first_open_of {
 ///    2 × `$limit` such aggregates in key order, found by a loose index
 ///    scan over the head index (a recursive query: one probe per
 ///    aggregate to find the next, one to read its head);
-/// 2. of the `$limit` oldest pending rows, those that are heads (or have
+/// 2. of the `$limit` pending rows a plain claim would take
+///    ([`fair_pending!`], `$fair` its form), those that are heads (or have
 ///    no aggregate).
 ///
 /// Neither reads the backlog behind an aggregate's head: a claim costs
@@ -775,7 +835,7 @@ macro_rules! first_open_of {
 /// aggregates, each with a few events.
 #[macro_export]
 macro_rules! head_candidates {
-    (app: $app:literal, limit: $limit:literal) => {
+    (app: $app:literal, limit: $limit:literal, fair: $fair:ident) => {
         concat!(
             "WITH RECURSIVE aggs (a, n) AS (SELECT (SELECT p.aggregate_id FROM {table} p \
                WHERE p.app_code = ", $app, " AND p.aggregate_id IS NOT NULL", $crate::partial_head!(open),
@@ -783,12 +843,12 @@ macro_rules! head_candidates {
              UNION ALL SELECT (SELECT p.aggregate_id FROM {table} p \
                WHERE p.app_code = ", $app, " AND p.aggregate_id > aggs.a", $crate::partial_head!(open),
             " ORDER BY p.aggregate_id LIMIT 1), aggs.n + 1 \
-             FROM aggs WHERE aggs.a IS NOT NULL AND aggs.n < 2 * ", $limit, ") \
-             SELECT ", $crate::first_open_of!($app, "aggs.a", head: partial),
+             FROM aggs WHERE aggs.a IS NOT NULL AND aggs.n < 2 * ", $limit, "), ",
+            $crate::fair_pending!(app: $app, limit: $limit, take: $limit, $fair),
+            " SELECT ", $crate::first_open_of!($app, "aggs.a", head: partial),
             " FROM aggs WHERE aggs.a IS NOT NULL \
-             UNION ALL SELECT o.id FROM (SELECT id, aggregate_id FROM {table} \
-               WHERE app_code = ", $app, " AND status = 'pending' ORDER BY next_retry_at_ms, id LIMIT ", $limit,
-            ") o WHERE o.aggregate_id IS NULL OR o.id = ",
+             UNION ALL SELECT o.id FROM fair JOIN {table} o ON o.id = fair.fid \
+               WHERE o.aggregate_id IS NULL OR o.id = ",
             $crate::first_open_of!($app, "o.aggregate_id", head: partial)
         )
     };
@@ -826,18 +886,18 @@ macro_rules! history_insert {
 
 /// Oldest pending row, due retries and the clock, for one tenant (`$p`,
 /// read twice), as `oldest_pending_ms, retryable_due, now_ms`; `$now` is
-/// the dialect's clock expression. The oldest pending row is read in the
-/// pending claim's order ([`claims_in_retry_order!`]): the first row it
-/// would take, one index entry however long the backlog. Due retries are
-/// counted over the retryable rows' index range that is due.
+/// the dialect's clock expression and `$oldest` the id of the tenant's
+/// oldest pending row, as a scalar subquery (where the database has partial
+/// indexes, [`oldest_pending!`]): one index entry per pending event type
+/// however long the backlog. Due retries are counted over the retryable
+/// rows' index range that is due.
 #[macro_export]
 macro_rules! backlog {
-    ($p:literal, $now:expr) => {
+    ($p:literal, $now:expr, oldest: $oldest:expr) => {
         concat!(
-            "SELECT \
-               (SELECT created_at_ms FROM {table} WHERE app_code = ",
-            $p,
-            " AND status = 'pending' ORDER BY next_retry_at_ms, id LIMIT 1) AS oldest_pending_ms, \
+            "SELECT (SELECT created_at_ms FROM {table} WHERE id = ",
+            $oldest,
+            ") AS oldest_pending_ms, \
                (SELECT COUNT(*) FROM {table} WHERE app_code = ",
             $p,
             " AND status = 'retryable' \
@@ -846,6 +906,23 @@ macro_rules! backlog {
             ") AS retryable_due, ",
             $now,
             " AS now_ms"
+        )
+    };
+}
+
+/// The id of tenant `$p`'s oldest pending row where the database has
+/// partial indexes: the first of each pending type's entries in
+/// `{table}_pending_idx` ([`pending_types!`]), the lowest of them.
+#[macro_export]
+macro_rules! oldest_pending {
+    ($p:literal) => {
+        concat!(
+            "(WITH RECURSIVE ",
+            $crate::pending_types!(app: $p),
+            " SELECT MIN((SELECT p.id FROM {table} p WHERE p.app_code = ",
+            $p,
+            " AND p.status = 'pending' AND p.event_type = types.t \
+               ORDER BY p.next_retry_at_ms, p.id LIMIT 1)) FROM types WHERE types.t IS NOT NULL)"
         )
     };
 }
@@ -907,6 +984,24 @@ pub const V6_DESCRIPTION: &str =
 pub const V6_PENDING_INDEX: &[&str] = &[
     "DROP INDEX IF EXISTS {table}_pending_idx",
     "CREATE INDEX {table}_pending_idx ON {table} (app_code, next_retry_at_ms, id) \
+       WHERE status = 'pending'",
+];
+
+/// The description of schema version 8 in every dialect's ledger.
+pub const V8_DESCRIPTION: &str =
+    "pending rows indexed by event type, so a claim deals its batch across types";
+
+/// Version 8 where the database has partial indexes (PostgreSQL, SQLite):
+/// `_pending_idx` becomes `(app_code, event_type, next_retry_at_ms, id)
+/// WHERE status = 'pending'`. The pending claim reads each pending type's
+/// oldest rows ([`fair_pending!`]), so one type's flood cannot starve the
+/// others; the index holds the same rows as before, one key column wider,
+/// and costs the same writes. Within a type the order is still
+/// `next_retry_at_ms` (0 for every pending row), then id, which the primary
+/// key cannot give (see [`V6_PENDING_INDEX`]).
+pub const V8_PENDING_INDEX: &[&str] = &[
+    "DROP INDEX IF EXISTS {table}_pending_idx",
+    "CREATE INDEX {table}_pending_idx ON {table} (app_code, event_type, next_retry_at_ms, id) \
        WHERE status = 'pending'",
 ];
 
@@ -998,35 +1093,21 @@ macro_rules! history_writes {
     };
 }
 
-/// Archived rows of one event (the engine sorts them by id): those of the app_codes `$app_codes`
-/// selects (a list, bound first) and the event id `$p`. Index:
-/// `{archive}_event_uq (app_code, event_id)`, one probe per app_code.
-#[macro_export]
-macro_rules! find_archived {
-    ($app_codes:literal, $p:literal) => {
-        concat!(
-            "SELECT ",
-            $crate::columns!(),
-            " FROM {archive} WHERE ",
-            $app_codes,
-            " AND event_id = ",
-            $p
-        )
-    };
-}
-
-/// Live rows of one event (the engine sorts them by id): those of the app_codes `$app_codes`
-/// selects (a list, bound first: every app_code with rows) and the event
-/// id `$p`. Index: `{table}_event_uq (app_code, event_id)`, one probe per
-/// app_code (no index on `event_id` alone: it would be written with every
-/// row version and serve only this lookup).
+/// Rows of one event in `$from` (`"{table}"` or `"{archive}"`; the engine
+/// sorts them by id): those of the app_codes `$app_codes` selects (a list,
+/// bound first: every app_code with rows) and the event id `$p`. Index:
+/// `<from>_event_uq (app_code, event_id)`, one probe per app_code (no index
+/// on `event_id` alone: it would be written with every row version and serve
+/// only this lookup).
 #[macro_export]
 macro_rules! find {
-    ($app_codes:literal, $p:literal) => {
+    ($from:literal, $app_codes:literal, $p:literal) => {
         concat!(
             "SELECT ",
             $crate::columns!(),
-            " FROM {table} WHERE ",
+            " FROM ",
+            $from,
+            " WHERE ",
             $app_codes,
             " AND event_id = ",
             $p
@@ -1199,8 +1280,10 @@ pub const PARTIAL_ARCHIVE_INDEX: &str = "_done_idx";
 /// there. The indexes:
 ///
 /// - `_pending_idx (app_code, id)` (`(app_code, next_retry_at_ms, id)`
-///   since version 6, [`V6_PENDING_INDEX`]): the pending claim, in
-///   insertion order; the idle probe; the pending list and count;
+///   since version 6, [`V6_PENDING_INDEX`]; `(app_code, event_type,
+///   next_retry_at_ms, id)` since version 8, [`V8_PENDING_INDEX`]): the
+///   pending claim, each type in insertion order; the idle probe; the
+///   pending count;
 /// - `_retry_idx (app_code, next_retry_at_ms, id)`: due retries;
 /// - `_lease_idx (app_code, next_retry_at_ms, id)`: expired leases;
 /// - `_failed_idx (app_code, id)`: the dead letters' list and count;

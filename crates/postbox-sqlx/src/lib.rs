@@ -21,7 +21,7 @@ pub mod __private {
 pub use dialect::{
     Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP, PARTIAL_ARCHIVE_INDEX,
     PARTIAL_CLAIM_INDEXES, V5_DESCRIPTION, V6_DESCRIPTION, V6_PENDING_INDEX, V7_DESCRIPTION,
-    V7_HEAD_INDEX,
+    V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX,
 };
 pub use engine::{finish, query, OpenOptions, Opened, SqlOutbox, MIGRATIONS_LEDGER};
 pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
