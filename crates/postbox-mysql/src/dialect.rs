@@ -582,7 +582,12 @@ async fn pending_candidates(
             .fetch_all(tx)
             .await?
             .into_iter()
-            .map(|row| Ok((row.try_get::<i64, _>("id")?, row.try_get::<String, _>("event_type")?)))
+            .map(|row| {
+                Ok((
+                    row.try_get::<i64, _>("id")?,
+                    row.try_get::<String, _>("event_type")?,
+                ))
+            })
             .collect::<std::result::Result<Vec<(i64, String)>, sqlx::Error>>()
     };
     while (types.len() as i64) < limit {

@@ -110,7 +110,9 @@ mod tests {
     }
 
     /// Every claim and the backlog query is answered from the index its
-    /// comment names, never by scanning the table.
+    /// comment names, never by scanning the table, and sorts nothing but
+    /// the pending claims' candidates (dealt across types: at most the
+    /// batch size per pending type), whose rows it then finds by rowid.
     #[tokio::test]
     async fn claims_use_their_indexes() {
         let o = migrated_in_memory().await;
@@ -150,7 +152,12 @@ mod tests {
             .await;
             assert!(plan.contains(index), "{sql}\n{plan}");
             assert!(!plan.contains("SCAN room_outbox"), "{sql}\n{plan}");
-            assert!(!plan.contains("TEMP B-TREE"), "{sql}\n{plan}");
+            if sql.contains("fair (fid, rn)") {
+                let first = plan.lines().next().unwrap_or_default();
+                assert!(first.contains("INTEGER PRIMARY KEY"), "{sql}\n{plan}");
+            } else {
+                assert!(!plan.contains("TEMP B-TREE"), "{sql}\n{plan}");
+            }
         }
         for (sql, what) in [
             (&o.statements().mark_delivered, "INTEGER PRIMARY KEY"),

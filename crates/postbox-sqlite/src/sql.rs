@@ -89,17 +89,17 @@ macro_rules! claim {
 
 /// Claim new rows, dealt across event types (`postbox_sqlx::fair_pending!`):
 /// the first ?2 in round-robin order (the claim's `BEGIN IMMEDIATE` keeps
-/// other relays out). Index: `{table}_pending_idx (app_code, event_type,
-/// next_retry_at_ms, id) WHERE status = 'pending'` (schema version 8), one
-/// probe per pending type and at most ?2 entries each.
-pub(crate) const CLAIM_PENDING: &str = claim!(
-    "{table}",
-    concat!(
-        "status = 'pending' AND id IN (WITH RECURSIVE ",
-        postbox_sqlx::fair_pending!(app: "?1", limit: "?2", take: "?2", in_list),
-        " SELECT fid FROM fair)"
-    ),
-    "next_retry_at_ms, id"
+/// other relays out), found by rowid. Index: `{table}_pending_idx
+/// (app_code, event_type, next_retry_at_ms, id) WHERE status = 'pending'`
+/// (schema version 8), one probe per pending type and at most ?2 entries
+/// each; the deal sorts at most that many candidates.
+pub(crate) const CLAIM_PENDING: &str = concat!(
+    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, \
+       next_retry_at_ms = ?4, updated_at_ms = ?5 \
+     WHERE id IN (WITH RECURSIVE ",
+    postbox_sqlx::fair_pending!(app: "?1", limit: "?2", take: "?2", in_list),
+    " SELECT fid FROM fair) AND +status = 'pending' RETURNING ",
+    columns!()
 );
 
 // Due retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)

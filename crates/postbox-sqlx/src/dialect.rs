@@ -625,9 +625,8 @@ macro_rules! claims_in_retry_order {
         pub(crate) const CLAIM_PENDING_ORDERED: &str = $claim!(
             "{table} c",
             concat!(
-                "status = 'pending' AND c.id IN (",
-                $crate::head_candidates!(app: $app, limit: $limit, fair: $fair),
-                ")"
+                "status = 'pending' AND ",
+                $crate::id_among!(c, $fair, $crate::head_candidates!(app: $app, limit: $limit, fair: $fair))
             ),
             "next_retry_at_ms, id"
         );
@@ -655,6 +654,21 @@ macro_rules! claims_in_retry_order {
     };
 }
 
+/// `$c.id` is one of the ids `$list` (a subquery) selects, for the
+/// dialect whose [`fair_pending!`] form is given: on PostgreSQL
+/// (`lateral`) as `= ANY(ARRAY(…))`, so each is found by primary key (as
+/// `IN (…)` the planner hashes the candidates and scans the whole table
+/// when its estimate of them is large); elsewhere `IN (…)`.
+#[macro_export]
+macro_rules! id_among {
+    ($c:ident, lateral, $list:expr) => {
+        concat!(stringify!($c), ".id = ANY(ARRAY(", $list, "))")
+    };
+    ($c:ident, in_list, $list:expr) => {
+        concat!(stringify!($c), ".id IN (", $list, ")")
+    };
+}
+
 /// The event types tenant `$app` has pending rows of, as the recursive
 /// common table `types (t)` (its last row is NULL): a loose index scan
 /// over `{table}_pending_idx (app_code, event_type, next_retry_at_ms, id)
@@ -664,9 +678,11 @@ macro_rules! claims_in_retry_order {
 macro_rules! pending_types {
     (app: $app:literal) => {
         concat!(
-            "types (t) AS (SELECT (SELECT p.event_type FROM {table} p WHERE p.app_code = ", $app,
+            "types (t) AS (SELECT (SELECT p.event_type FROM {table} p WHERE p.app_code = ",
+            $app,
             " AND p.status = 'pending' ORDER BY p.event_type LIMIT 1) \
-             UNION ALL SELECT (SELECT p.event_type FROM {table} p WHERE p.app_code = ", $app,
+             UNION ALL SELECT (SELECT p.event_type FROM {table} p WHERE p.app_code = ",
+            $app,
             " AND p.status = 'pending' AND p.event_type > types.t ORDER BY p.event_type LIMIT 1) \
              FROM types WHERE types.t IS NOT NULL)"
         )
@@ -847,9 +863,9 @@ macro_rules! head_candidates {
             $crate::fair_pending!(app: $app, limit: $limit, take: $limit, $fair),
             " SELECT ", $crate::first_open_of!($app, "aggs.a", head: partial),
             " FROM aggs WHERE aggs.a IS NOT NULL \
-             UNION ALL SELECT o.id FROM fair JOIN {table} o ON o.id = fair.fid \
-               WHERE o.aggregate_id IS NULL OR o.id = ",
-            $crate::first_open_of!($app, "o.aggregate_id", head: partial)
+             UNION ALL SELECT f.fid FROM fair f WHERE COALESCE(f.fid = ",
+            $crate::first_open_of!($app, "(SELECT o.aggregate_id FROM {table} o WHERE o.id = f.fid)", head: partial),
+            ", TRUE)"
         )
     };
 }

@@ -372,7 +372,10 @@ async fn claim_deals_a_batch_across_event_types(store: Arc<dyn OutboxStore>) {
             ids.first() > taken.last(),
             "a lone type goes in insertion order: {ids:?} after {taken:?}"
         );
-        assert!(next.len() == 6 || taken.len() + next.len() == 40, "a lone type fills the batch");
+        assert!(
+            next.len() == 6 || taken.len() + next.len() == 40,
+            "a lone type fills the batch"
+        );
         taken.extend(ids);
     }
     assert_eq!(taken.len(), 40);

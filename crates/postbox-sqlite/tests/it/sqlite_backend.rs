@@ -754,7 +754,10 @@ async fn connects_to_memory_and_plain_paths() {
     let p = SqliteOutbox::connect(&format!("sqlite:{}", path.display()), TABLE, 2)
         .await
         .unwrap();
-    assert_eq!(p.migrate().await.unwrap().applied, vec![1, 2, 3, 5, 6, 7, 8]);
+    assert_eq!(
+        p.migrate().await.unwrap().applied,
+        vec![1, 2, 3, 5, 6, 7, 8]
+    );
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(p.pool())
         .await
@@ -825,7 +828,10 @@ async fn a_failed_claim_rolls_back_its_transaction() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("claim"), "{err}");
-    assert_eq!(o.migrate().await.unwrap().applied, vec![1, 2, 3, 5, 6, 7, 8]);
+    assert_eq!(
+        o.migrate().await.unwrap().applied,
+        vec![1, 2, 3, 5, 6, 7, 8]
+    );
     enqueue_all(&o, &[ev("A")]).await;
     assert_eq!(claim(&o, ClaimSource::Pending, "w", 1000).await.len(), 1);
 }
