@@ -659,7 +659,7 @@ mod tests {
             deal(&[flood.clone(), fresh.clone(), lone.clone()], 6),
             vec![1, 20, 30, 2, 21, 3]
         );
-        assert_eq!(deal(&[flood.clone()], 4), vec![1, 2, 3, 4]);
+        assert_eq!(deal(std::slice::from_ref(&flood), 4), vec![1, 2, 3, 4]);
         assert_eq!(deal(&[vec![5], vec![]], 4), vec![5]);
         assert!(deal(&[], 4).is_empty());
         assert_eq!(deal(&[flood, fresh], 3), vec![1, 20, 2]);
