@@ -76,17 +76,22 @@ macro_rules! claim {
 }
 
 /// Claim new rows, dealt across event types (`postbox_sqlx::fair_pending!`):
-/// of the candidates, twice the batch in round-robin order, the first
-/// `$2` that no other relay holds. Index: `{table}_pending_idx (app_code,
-/// event_type, next_retry_at_ms, id) WHERE status = 'pending'` (schema
-/// version 8), one probe per pending type and at most `$2` entries each.
-/// The lock names the outbox (`OF c`): the candidates are common tables.
+/// how many rows of each type the batch takes (`share`), read index only,
+/// then that many of each type's oldest, locked, skipping those another
+/// relay holds (so a second relay takes each type's next rows). Index:
+/// `{table}_pending_idx (app_code, event_type, next_retry_at_ms, id) WHERE
+/// status = 'pending'` (schema version 8): one probe per pending type, at
+/// most `$2` entries of each for the shares, then the rows taken. A type
+/// alone costs what a plain `LIMIT $2 FOR UPDATE SKIP LOCKED` does, plus
+/// an index-only read of the same entries.
 pub(crate) const CLAIM_PENDING: &str = concat!(
     "WITH RECURSIVE ",
-    postbox_sqlx::fair_pending!(app: "$1", limit: "$2", take: "2 * $2", lateral),
-    ", picked AS (SELECT c.id FROM {table} c JOIN fair f ON c.id = f.fid \
-       WHERE c.app_code = $1 AND c.status = 'pending' \
-       ORDER BY f.rn, c.id LIMIT $2 FOR UPDATE OF c SKIP LOCKED) ",
+    postbox_sqlx::fair_pending!(app: "$1", limit: "$2", take: "$2", lateral),
+    ", share (t, n) AS (SELECT t, count(*) FROM fair GROUP BY t), \
+     picked AS (SELECT l.id FROM share CROSS JOIN LATERAL \
+       (SELECT p.id FROM {table} p WHERE p.app_code = $1 AND p.status = 'pending' \
+          AND p.event_type = share.t ORDER BY p.next_retry_at_ms, p.id \
+          LIMIT share.n FOR UPDATE SKIP LOCKED) l) ",
     claim!(take: "status = 'delivering', ")
 );
 

@@ -152,7 +152,7 @@ mod tests {
             .await;
             assert!(plan.contains(index), "{sql}\n{plan}");
             assert!(!plan.contains("SCAN room_outbox"), "{sql}\n{plan}");
-            if sql.contains("fair (fid, rn)") {
+            if sql.contains("fair (fid, rn, t)") {
                 let first = plan.lines().next().unwrap_or_default();
                 assert!(first.contains("INTEGER PRIMARY KEY"), "{sql}\n{plan}");
             } else {

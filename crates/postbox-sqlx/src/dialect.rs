@@ -690,9 +690,10 @@ macro_rules! pending_types {
 }
 
 /// Fair claiming across event types (SPEC §3): the pending rows a claim
-/// of tenant `$app` takes, as common tables ending in `fair (fid, rn)`
+/// of tenant `$app` takes, as common tables ending in `fair (fid, rn, t)`
 /// (for a `WITH RECURSIVE`): each pending type's oldest `$limit` rows,
-/// `rn` their rank within the type, the first `$take` by `(rn, id)`. So a
+/// `rn` their rank within the type and `t` the type, the first `$take` by
+/// `(rn, id)`. So a
 /// batch is dealt round-robin: every type with pending rows gets an equal
 /// share, a type with fewer rows leaves the rest of its share to the
 /// others, and a lone type gets the whole batch in insertion order. A
@@ -707,7 +708,7 @@ macro_rules! fair_pending {
     (app: $app:literal, limit: $limit:literal, take: $take:literal, lateral) => {
         concat!(
             $crate::pending_types!(app: $app),
-            ", fair (fid, rn) AS (SELECT k.id, k.rn FROM types CROSS JOIN LATERAL \
+            ", fair (fid, rn, t) AS (SELECT k.id, k.rn, types.t FROM types CROSS JOIN LATERAL \
                (SELECT s.id, row_number() OVER (ORDER BY s.next_retry_at_ms, s.id) AS rn FROM \
                  (SELECT p.id, p.next_retry_at_ms FROM {table} p WHERE p.app_code = ", $app,
             " AND p.status = 'pending' AND p.event_type = types.t \
@@ -718,8 +719,8 @@ macro_rules! fair_pending {
     (app: $app:literal, limit: $limit:literal, take: $take:literal, in_list) => {
         concat!(
             $crate::pending_types!(app: $app),
-            ", fair (fid, rn) AS (SELECT p.id, row_number() OVER \
-               (PARTITION BY p.event_type ORDER BY p.next_retry_at_ms, p.id) AS r \
+            ", fair (fid, rn, t) AS (SELECT p.id, row_number() OVER \
+               (PARTITION BY p.event_type ORDER BY p.next_retry_at_ms, p.id) AS r, p.event_type \
              FROM types JOIN {table} p ON p.id IN (SELECT q.id FROM {table} q WHERE q.app_code = ", $app,
             " AND q.status = 'pending' AND q.event_type = types.t \
                   ORDER BY q.next_retry_at_ms, q.id LIMIT ", $limit, ") \
