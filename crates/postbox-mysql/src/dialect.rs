@@ -265,7 +265,14 @@ impl Dialect for MySqlDialect {
             Some(rest) => format!("mysql://{rest}"),
             None => url.to_owned(),
         };
-        postbox_sqlx::connect_server(url, &normalized, max_connections, "connecting to MySQL").await
+        postbox_sqlx::connect_server(
+            url,
+            &normalized,
+            max_connections,
+            "connecting to MySQL",
+            |opts| opts,
+        )
+        .await
     }
 
     fn rows_affected(done: &MySqlQueryResult) -> u64 {

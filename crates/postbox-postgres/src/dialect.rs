@@ -52,8 +52,20 @@ impl Dialect for PgDialect {
         }
     }
 
+    /// Sessions without JIT compilation: postbox's statements are short
+    /// index reads and writes, and the planner's cost estimate of a claim
+    /// with common tables (the recursive scans of the fair and
+    /// per-aggregate claims) passes `jit_above_cost`, when compiling it
+    /// takes about 20 ms, ten times the claim itself.
     async fn connect_pool(url: &str, max_connections: u32, _create: bool) -> Result<PgPool> {
-        postbox_sqlx::connect_server(url, url, max_connections, "connecting to PostgreSQL").await
+        postbox_sqlx::connect_server(
+            url,
+            url,
+            max_connections,
+            "connecting to PostgreSQL",
+            |opts: sqlx::postgres::PgConnectOptions| opts.options([("jit", "off")]),
+        )
+        .await
     }
 
     fn rows_affected(done: &PgQueryResult) -> u64 {

@@ -50,6 +50,9 @@ pub async fn connect_server<DB: sqlx::Database>(
     parse_from: &str,
     max_connections: u32,
     operation: &'static str,
+    tune: impl FnOnce(
+        <DB::Connection as sqlx::Connection>::Options,
+    ) -> <DB::Connection as sqlx::Connection>::Options,
 ) -> Result<sqlx::Pool<DB>> {
     let opts: <DB::Connection as sqlx::Connection>::Options = parse_from.parse().map_err(|e| {
         Error::config(
@@ -60,7 +63,7 @@ pub async fn connect_server<DB: sqlx::Database>(
     sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(max_connections)
         .acquire_timeout(std::time::Duration::from_secs(10))
-        .connect_with(opts)
+        .connect_with(tune(opts))
         .await
         .map_err(|e| db_error(operation, e))
 }
