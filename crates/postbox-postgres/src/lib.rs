@@ -17,6 +17,12 @@
 //!
 //! The relay and the CLI use the same type through
 //! [`OutboxStore`](postbox_core::OutboxStore).
+//!
+//! A relay should run on a pool of its own ([`PgOutbox::connect`]), whose
+//! sessions have JIT compilation off: the planner's cost estimate of the
+//! claims passes `jit_above_cost`, and compiling costs ten times the
+//! claim. A relay handed the service's pool (`PgOutbox::new`) should get
+//! one connected with `options=-c jit=off` in its URL.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
