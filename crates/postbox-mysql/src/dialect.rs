@@ -572,7 +572,7 @@ type MySqlOutbox = SqlOutbox<MySqlDialect>;
 /// backlog is under `limit` rows; with a backlog, one per type that fills a
 /// read, one more for a type a read cut short, and a last one that finds
 /// no further type. At most `limit` types are dealt (the batch could not
-/// hold more), the oldest types by name first.
+/// hold more): the first by name.
 async fn pending_candidates(
     tx: &mut MySqlConnection,
     own: &Own,

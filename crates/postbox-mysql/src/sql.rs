@@ -177,7 +177,8 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
 /// stops at the limit (each aggregate's lowest `aggregate_seq`, then the
 /// lowest id at it by one equality probe). Its cost is the open rows of
 /// those aggregates (26 ms at 26,000 pending in 100 aggregates), not the
-/// delivered history. (2) Of the `limit` oldest pending rows, the heads.
+/// delivered history. (2) Of the first `limit` pending rows in
+/// `{table}_due_idx`'s order (by type, then id), the heads.
 /// The candidates are a derived table joined to the outbox by primary
 /// key: as `c.id IN (…)` MariaDB ran the union once per pending row.
 /// Reads inside it are not locking: a head another relay holds is

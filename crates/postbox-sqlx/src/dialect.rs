@@ -689,12 +689,12 @@ macro_rules! pending_types {
     };
 }
 
-/// Fair claiming across event types (SPEC §3): the pending rows a claim
-/// of tenant `$app` takes, as common tables ending in `fair (fid, rn, t)`
-/// (for a `WITH RECURSIVE`): each pending type's oldest `$limit` rows,
-/// `rn` their rank within the type and `t` the type, the first `$take` by
-/// `(rn, id)`. So a
-/// batch is dealt round-robin: every type with pending rows gets an equal
+/// Fair claiming across event types (README: "Fair claiming"): the
+/// pending rows a claim of tenant `$app` takes, as common tables ending in
+/// `fair (fid, rn, t)` (for a `WITH RECURSIVE`): each pending type's oldest
+/// `$limit` rows, `rn` their rank within the type and `t` the type, the
+/// first `$take` by `(rn, id)`. So a batch is dealt round-robin: every
+/// type with pending rows gets an equal
 /// share, a type with fewer rows leaves the rest of its share to the
 /// others, and a lone type gets the whole batch in insertion order. A
 /// flood of one type therefore never holds back another type's fresh
