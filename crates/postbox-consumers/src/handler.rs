@@ -29,25 +29,45 @@ impl Handled {
     }
 }
 
-/// A handler failure: the message is retried after a delay, then dead-lettered.
+/// A handler failure: the message is retried after a delay, then
+/// dead-lettered; or, [`permanent`](HandlerError::permanent), dead-lettered
+/// at once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandlerError {
     message: String,
+    permanent: bool,
 }
 
 impl HandlerError {
     /// A failure described by `message` (it is logged and, on the last
     /// attempt, stored in the dead letter's `x-last-error` header: keep
-    /// secrets out of it).
+    /// secrets out of it). The message is retried.
     pub fn new(message: impl fmt::Display) -> Self {
         HandlerError {
             message: message.to_string(),
+            permanent: false,
+        }
+    }
+
+    /// A failure that no retry can mend (the message is malformed, refers
+    /// to something that will never exist, breaks a business rule): the
+    /// message is dead-lettered at once, `message` in its `x-last-error`
+    /// header, with no retry spent on it.
+    pub fn permanent(message: impl fmt::Display) -> Self {
+        HandlerError {
+            message: message.to_string(),
+            permanent: true,
         }
     }
 
     /// The description.
     pub fn message(&self) -> &str {
         &self.message
+    }
+
+    /// Whether the message is dead-lettered without a retry.
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
     }
 }
 

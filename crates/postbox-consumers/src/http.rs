@@ -2,8 +2,10 @@
 //! written in any language.
 //!
 //! The request carries `Idempotency-Key: <event_id>`; a 2xx answer acknowledges
-//! the message, anything else (or no answer within the timeout) takes the
-//! retry path. Run it through an [`Inbox`](crate::inbox::Inbox) and an event
+//! the message, `422 Unprocessable Entity` dead-letters it at once (the
+//! service will never accept it; the answer's first 200 characters become
+//! its `x-last-error`), anything else (or no answer within the timeout)
+//! takes the retry path. Run it through an [`Inbox`](crate::inbox::Inbox) and an event
 //! whose POST was answered 2xx is not posted again, whatever the broker
 //! redelivers.
 
@@ -69,10 +71,13 @@ impl HttpHandler {
         }
         let body = response.text().await.unwrap_or_default();
         let body: String = body.chars().take(200).collect();
-        Err(HandlerError::new(format!(
-            "POST to {} answered {status}: {body}",
-            self.url
-        )))
+        let error = format!("POST to {} answered {status}: {body}", self.url);
+        // 422: the service understood the event and will never accept it.
+        Err(if status == reqwest::StatusCode::UNPROCESSABLE_ENTITY {
+            HandlerError::permanent(error)
+        } else {
+            HandlerError::new(error)
+        })
     }
 }
 

@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lapin::options::BasicPublishOptions;
+use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 use postbox_testkit::consumer_fixtures::{broker, delete_queues, rabbitmqctl_list, AmqpEvent};
@@ -94,6 +94,11 @@ fn consumer_toml(queue: &str, handler_url: &str, extra: &str) -> String {
 /// A minimal HTTP/1.1 server that answers every POST with 200 after `hold`,
 /// recording the `Idempotency-Key` of each request.
 async fn slow_server(hold: Duration) -> (String, Arc<Mutex<Vec<String>>>) {
+    http_server(hold, b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await
+}
+
+/// [`slow_server`] giving `answer` (a whole HTTP/1.1 response).
+async fn http_server(hold: Duration, answer: &'static [u8]) -> (String, Arc<Mutex<Vec<String>>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/events", listener.local_addr().unwrap());
     let keys = Arc::new(Mutex::new(Vec::new()));
@@ -137,11 +142,7 @@ async fn slow_server(hold: Duration) -> (String, Arc<Mutex<Vec<String>>>) {
                     }
                     buf.drain(..head_end + len);
                     tokio::time::sleep(hold).await;
-                    if sock
-                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-                        .await
-                        .is_err()
-                    {
+                    if sock.write_all(answer).await.is_err() {
                         return;
                     }
                 }
@@ -389,6 +390,65 @@ async fn the_bridge_delivers_to_a_python_handler_once_per_event() {
 
     common::signal("TERM", bridge.id().unwrap());
     let status = tokio::time::timeout(Duration::from_secs(10), bridge.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    delete_queues(&ch, &queue).await;
+}
+
+/// A handler that answers 422 says no retry can mend the event: it is
+/// posted once and dead-lettered at once, the answer in `x-last-error`,
+/// while a retry (200 ms here, 5 attempts) would have posted it again.
+#[tokio::test]
+async fn a_422_from_the_handler_dead_letters_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, keys) = http_server(
+        Duration::ZERO,
+        b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 12\r\n\r\nno such room",
+    )
+    .await;
+    let (_conn, ch) = broker().await;
+    let queue = scratch_table("unprocessable");
+    let config = write_config(dir.path(), &consumer_toml(&queue, &url, ""));
+    let mut consumer = consume(&config).spawn().unwrap();
+    let start = Instant::now();
+    while sample_unacked(&queue).await.is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "consumer did not start"
+        );
+    }
+    publish(&ch, &queue, "bad-1", r#"{"room":404}"#).await;
+    let dead = postbox_core::wire::rabbitmq::dead_queue(&queue);
+    let got = loop {
+        let got = ch
+            .basic_get(dead.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap();
+        if let Some(got) = got {
+            break got;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "nothing reached {dead}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Time for a retry, had there been one.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(*keys.lock().unwrap(), ["bad-1"], "posted once");
+    let headers = got.properties.headers().clone().unwrap_or_default();
+    let last_error = match headers.inner().get(postbox_core::wire::LAST_ERROR) {
+        Some(AMQPValue::LongString(s)) => s.to_string(),
+        other => panic!("x-last-error is {other:?}"),
+    };
+    assert!(
+        last_error.contains("422") && last_error.contains("no such room"),
+        "{last_error}"
+    );
+    common::signal("TERM", consumer.id().unwrap());
+    let status = tokio::time::timeout(Duration::from_secs(10), consumer.wait())
         .await
         .unwrap()
         .unwrap();

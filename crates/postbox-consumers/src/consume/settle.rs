@@ -5,6 +5,7 @@
 //! ```text
 //! unreadable ─────────────────────────────────────────────► dead
 //! readable ─► Transport::verdict ─► Handle ─► handler ─► Ok(h) ──► ack        (ok / duplicate / stale)
+//!                │                                    ├► Err(permanent) ──────────► dead   (dead)
 //!                │                                    └► Err ──┐
 //!                ├─ Failed (an attempt was lost) ──────────────┴► RetryPolicy::decide
 //!                │                                                 ├► retry after delay   (retry)
@@ -178,6 +179,11 @@ impl Settler<'_> {
                     );
                 }
                 Ok(())
+            }
+            Some(Err(e)) if e.is_permanent() => {
+                // The handler says no retry can mend it.
+                self.dead(transport, Some(message), message.attempt, e.message())
+                    .await
             }
             Some(Err(e)) => {
                 self.failed(transport, message, message.attempt, e.message())
@@ -378,6 +384,21 @@ mod tests {
         let r = run(&mut t, Ok(message(3)), Err(HandlerError::new("boom"))).await;
         assert_eq!(t.actions, ["dead e1 3 boom"]);
         assert_eq!(r.dead, 1);
+    }
+
+    /// A handler that says no retry can mend a message sends it to the
+    /// dead letters on its first attempt.
+    #[tokio::test]
+    async fn a_permanent_failure_is_dead_lettered_at_once() {
+        let mut t = Recorder::default();
+        let r = run(
+            &mut t,
+            Ok(message(1)),
+            Err(HandlerError::permanent("422 no such room")),
+        )
+        .await;
+        assert_eq!(t.actions, ["dead e1 1 422 no such room"]);
+        assert_eq!((r.dead, r.retry), (1, 0));
     }
 
     #[tokio::test]
