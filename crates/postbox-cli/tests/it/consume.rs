@@ -343,13 +343,7 @@ async fn the_bridge_delivers_to_a_python_handler_once_per_event() {
         &consume_toml_with_inbox(&queue, &format!("http://127.0.0.1:{port}/events"), &inbox),
     );
     let mut bridge = consume(&config).spawn().unwrap();
-    let start = Instant::now();
-    while sample_unacked(&queue).await.is_empty() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "consumer did not start"
-        );
-    }
+    let start = consuming(&queue).await;
     publish(&ch, &queue, "py-1", r#"{"room":7}"#).await;
     publish(&ch, &queue, "py-2", "not json").await;
     publish(&ch, &queue, "py-1", r#"{"room":7}"#).await; // a redelivery
@@ -388,13 +382,31 @@ async fn the_bridge_delivers_to_a_python_handler_once_per_event() {
     assert_eq!(e["headers"]["x-attempt"], 1);
     assert_eq!(got[1]["envelope"]["payload"], "not json");
 
-    common::signal("TERM", bridge.id().unwrap());
-    let status = tokio::time::timeout(Duration::from_secs(10), bridge.wait())
+    stopped(&mut bridge).await;
+    delete_queues(&ch, &queue).await;
+}
+
+/// Waits until a consumer takes messages from `queue` (a consuming channel
+/// shows up); returns when it started waiting.
+async fn consuming(queue: &str) -> Instant {
+    let start = Instant::now();
+    while sample_unacked(queue).await.is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "consumer did not start"
+        );
+    }
+    start
+}
+
+/// SIGTERM to a `postbox consume` process, which must exit 0 within 10 s.
+async fn stopped(child: &mut tokio::process::Child) {
+    common::signal("TERM", child.id().unwrap());
+    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
         .await
         .unwrap()
         .unwrap();
     assert!(status.success(), "{status:?}");
-    delete_queues(&ch, &queue).await;
 }
 
 /// A handler that answers 422 says no retry can mend the event: it is
@@ -412,13 +424,7 @@ async fn a_422_from_the_handler_dead_letters_at_once() {
     let queue = scratch_table("unprocessable");
     let config = write_config(dir.path(), &consumer_toml(&queue, &url, ""));
     let mut consumer = consume(&config).spawn().unwrap();
-    let start = Instant::now();
-    while sample_unacked(&queue).await.is_empty() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "consumer did not start"
-        );
-    }
+    let start = consuming(&queue).await;
     publish(&ch, &queue, "bad-1", r#"{"room":404}"#).await;
     let dead = postbox_core::wire::rabbitmq::dead_queue(&queue);
     let got = loop {
@@ -447,12 +453,7 @@ async fn a_422_from_the_handler_dead_letters_at_once() {
         last_error.contains("422") && last_error.contains("no such room"),
         "{last_error}"
     );
-    common::signal("TERM", consumer.id().unwrap());
-    let status = tokio::time::timeout(Duration::from_secs(10), consumer.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(status.success(), "{status:?}");
+    stopped(&mut consumer).await;
     delete_queues(&ch, &queue).await;
 }
 
