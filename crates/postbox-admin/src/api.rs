@@ -96,15 +96,7 @@ pub(crate) async fn healthz() -> Json<serde_json::Value> {
 }
 
 pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
-    let body = state.prometheus.render();
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        body,
-    )
-        .into_response()
+    crate::metrics_server::render(&state.prometheus)
 }
 
 pub(crate) async fn stats(State(state): State<AppState>) -> Json<Snapshot> {

@@ -17,11 +17,13 @@
 mod api;
 mod auth;
 mod dashboard;
+mod metrics_server;
 mod poller;
 mod recorder;
 mod server;
 mod state;
 
+pub use metrics_server::MetricsServer;
 pub use poller::{Snapshot, StatsPoller};
 pub use recorder::install_recorder;
 pub use server::{AdminServer, AdminSettings};

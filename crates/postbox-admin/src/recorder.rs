@@ -47,6 +47,11 @@ pub fn install_recorder() -> Result<PrometheusHandle> {
             LAG_BUCKETS,
         )
         .map_err(refused)?
+        .set_buckets_for_metric(
+            Matcher::Full(m::CONSUME_HANDLER_SECONDS.to_owned()),
+            PUBLISH_BUCKETS,
+        )
+        .map_err(refused)?
         .build_recorder();
     let handle = recorder.handle();
     match metrics::set_global_recorder(recorder) {

@@ -73,16 +73,7 @@ impl AdminServer {
 
     async fn bind_here(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
         let prometheus = crate::recorder::install_recorder()?;
-        let addr: SocketAddr = settings.listen.parse().map_err(|e| {
-            Error::config(
-                "admin.listen",
-                format!("`{}` is not a host:port address: {e}", settings.listen),
-            )
-        })?;
-        let listener = TcpListener::bind(addr).await.map_err(|e| Error::Io {
-            context: format!("admin server cannot listen on {addr} (admin.listen)"),
-            source: e,
-        })?;
+        let listener = listen(&settings.listen).await?;
         if settings.token.is_none() {
             tracing::warn!(
                 "admin.token is not set: replay and every other mutating call is refused"
@@ -109,10 +100,7 @@ impl AdminServer {
 
     /// The address actually bound.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        self.listener.local_addr().map_err(|e| Error::Io {
-            context: "admin server address".to_owned(),
-            source: e,
-        })
+        local_addr(&self.listener)
     }
 
     /// Serves until `shutdown` is cancelled; polls the gauges meanwhile.
@@ -138,6 +126,28 @@ impl AdminServer {
             source: e,
         })
     }
+}
+
+/// A listener on `listen` (`host:port`, the key `admin.listen`).
+pub(crate) async fn listen(listen: &str) -> Result<TcpListener> {
+    let addr: SocketAddr = listen.parse().map_err(|e| {
+        Error::config(
+            "admin.listen",
+            format!("`{listen}` is not a host:port address: {e}"),
+        )
+    })?;
+    TcpListener::bind(addr).await.map_err(|e| Error::Io {
+        context: format!("admin server cannot listen on {addr} (admin.listen)"),
+        source: e,
+    })
+}
+
+/// The address `listener` is bound to.
+pub(crate) fn local_addr(listener: &TcpListener) -> Result<SocketAddr> {
+    listener.local_addr().map_err(|e| Error::Io {
+        context: "admin server address".to_owned(),
+        source: e,
+    })
 }
 
 fn router(state: AppState) -> Router {

@@ -26,6 +26,9 @@ pub const ARCHIVED_TOTAL: &str = "postbox_archived_total";
 pub const OUTBOX_EVENTS: &str = "postbox_outbox_events";
 /// Gauge `{app_code}`: age of the oldest pending row, from the admin poller.
 pub const OUTBOX_OLDEST_PENDING_AGE_SECONDS: &str = "postbox_outbox_oldest_pending_age_seconds";
+/// Histogram `{consumer}`: seconds a consumer's handler took over one
+/// message (`postbox consume`; the HTTP bridge's POST and answer).
+pub const CONSUME_HANDLER_SECONDS: &str = "postbox_consume_handler_seconds";
 
 /// `result` label of a confirmed publish.
 pub const RESULT_OK: &str = "ok";
@@ -67,6 +70,11 @@ pub fn describe() {
         "Expired leases taken over; each counts as a failed attempt."
     );
     describe_counter!(ARCHIVED_TOTAL, "Rows moved to the archive table.");
+    describe_histogram!(
+        CONSUME_HANDLER_SECONDS,
+        Unit::Seconds,
+        "Time a consumer's handler took over one message."
+    );
     describe_gauge!(
         OUTBOX_EVENTS,
         "Outbox rows by app_code and status (polled on an interval)."

@@ -1,6 +1,7 @@
 //! Running every `[[consumers]]` entry: each queue bridged to its HTTP
 //! handler, through its inbox when one is configured, with the inbox purge
-//! beside it.
+//! beside it, and `/healthz` and `/metrics` on `admin.listen` when
+//! `[admin]` is set.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +42,20 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
         warn_short_retention(&at, c);
     }
 
+    // `[admin]`: this process's `/healthz` and `/metrics`
+    // (`postbox_consume_total`, `postbox_consume_handler_seconds`).
+    let metrics = match &settings.admin {
+        Some(admin) => {
+            let server = postbox_admin::MetricsServer::bind(&admin.listen).await?;
+            let stop = shutdown.clone();
+            Some(tokio::spawn(async move {
+                if let Err(e) = server.run(stop).await {
+                    tracing::error!(error = %e, "metrics server stopped");
+                }
+            }))
+        }
+        None => None,
+    };
     let mut tasks = tokio::task::JoinSet::new();
     for (at, c) in settings.consumers() {
         let (handler, holds) = build_handler(&at, c, &shutdown).await?;
@@ -97,6 +112,10 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
                 failure.get_or_insert(Error::Internal(format!("a consumer task panicked: {e}")));
             }
         }
+    }
+    if let Some(metrics) = metrics {
+        shutdown.cancel();
+        let _ = metrics.await;
     }
     failure.map_or(Ok(()), Err)
 }

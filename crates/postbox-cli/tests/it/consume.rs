@@ -457,6 +457,63 @@ async fn a_422_from_the_handler_dead_letters_at_once() {
     delete_queues(&ch, &queue).await;
 }
 
+/// The body of `GET path` on `addr` (HTTP/1.0: the server closes).
+async fn http_get(addr: &str, path: &str) -> String {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    sock.write_all(format!("GET {path} HTTP/1.0\r\nhost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut text = String::new();
+    sock.read_to_string(&mut text).await.unwrap();
+    assert!(
+        text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"),
+        "{text}"
+    );
+    text.split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default()
+}
+
+/// With `[admin]`, `postbox consume` serves `/healthz` and `/metrics`:
+/// each message counted by result, and the handler's time per message.
+#[tokio::test]
+async fn consume_serves_its_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, keys) = slow_server(Duration::from_millis(20)).await;
+    let (_conn, ch) = broker().await;
+    let queue = scratch_table("consume_metrics");
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = free.local_addr().unwrap().to_string();
+    drop(free);
+    let toml = format!(
+        "{}\n[admin]\nlisten = \"{addr}\"\n",
+        consumer_toml(&queue, &url, "")
+    );
+    let config = write_config(dir.path(), &toml);
+    let mut consumer = consume(&config).spawn().unwrap();
+    let start = consuming(&queue).await;
+    assert!(http_get(&addr, "/healthz").await.contains("ok"));
+    publish(&ch, &queue, "m-1", "{}").await;
+    publish(&ch, &queue, "m-2", "{}").await;
+    let ok = format!("postbox_consume_total{{consumer=\"{queue}\",result=\"ok\"}} 2");
+    let metrics = loop {
+        let metrics = http_get(&addr, "/metrics").await;
+        if metrics.contains(&ok) {
+            break metrics;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no `{ok}` in:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(keys.lock().unwrap().len(), 2);
+    let count = format!("postbox_consume_handler_seconds_count{{consumer=\"{queue}\"}} 2");
+    assert!(metrics.contains(&count), "no `{count}` in:\n{metrics}");
+    stopped(&mut consumer).await;
+    delete_queues(&ch, &queue).await;
+}
+
 fn consume_toml_with_inbox(queue: &str, url: &str, inbox: &str) -> String {
     consumer_toml(
         queue,

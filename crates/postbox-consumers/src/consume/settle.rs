@@ -167,7 +167,10 @@ impl Settler<'_> {
             }
             Verdict::Skip => return Ok(()),
         }
-        match transport.handle(handler, message).await {
+        let started = std::time::Instant::now();
+        let handling = transport.handle(handler, message).await;
+        crate::metrics::handler_took(self.consumer, started.elapsed());
+        match handling {
             None => Ok(()),
             Some(Ok(handled)) => {
                 if transport.ack().await? == Settled::Done {
