@@ -96,7 +96,7 @@ pub(crate) async fn healthz() -> Json<serde_json::Value> {
 }
 
 pub(crate) async fn metrics(State(state): State<AppState>) -> Response {
-    crate::metrics_server::render(&state.prometheus)
+    crate::recorder::render(&state.prometheus)
 }
 
 pub(crate) async fn stats(State(state): State<AppState>) -> Json<Snapshot> {

@@ -17,6 +17,7 @@
 mod api;
 mod auth;
 mod dashboard;
+mod listener;
 mod metrics_server;
 mod poller;
 mod recorder;

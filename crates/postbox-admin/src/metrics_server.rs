@@ -3,8 +3,6 @@
 
 use std::net::SocketAddr;
 
-use axum::http::header;
-use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -25,7 +23,7 @@ impl MetricsServer {
     /// `listen` (`host:port`, the key `admin.listen`).
     pub async fn bind(listen: &str) -> Result<Self> {
         let prometheus = crate::recorder::install_recorder()?;
-        let listener = crate::server::listen(listen).await?;
+        let listener = crate::listener::listen(listen).await?;
         Ok(MetricsServer {
             listener,
             prometheus,
@@ -34,7 +32,7 @@ impl MetricsServer {
 
     /// The address actually bound.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        crate::server::local_addr(&self.listener)
+        crate::listener::local_addr(&self.listener)
     }
 
     /// Serves until `shutdown` is cancelled.
@@ -47,7 +45,10 @@ impl MetricsServer {
                 "/healthz",
                 get(async || Json(serde_json::json!({ "status": "ok" }))),
             )
-            .route("/metrics", get(async move || render(&prometheus)));
+            .route(
+                "/metrics",
+                get(async move || crate::recorder::render(&prometheus)),
+            );
         axum::serve(self.listener, app)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
             .await
@@ -56,16 +57,4 @@ impl MetricsServer {
                 source: e,
             })
     }
-}
-
-/// The Prometheus text exposition of `prometheus`.
-pub(crate) fn render(prometheus: &PrometheusHandle) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        prometheus.render(),
-    )
-        .into_response()
 }

@@ -2,6 +2,8 @@
 
 use std::sync::OnceLock;
 
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use postbox_core::metrics as m;
 use postbox_core::{Error, Result};
@@ -66,4 +68,16 @@ pub fn install_recorder() -> Result<PrometheusHandle> {
             )
         }),
     }
+}
+
+/// The Prometheus text exposition of `prometheus`.
+pub(crate) fn render(prometheus: &PrometheusHandle) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        prometheus.render(),
+    )
+        .into_response()
 }

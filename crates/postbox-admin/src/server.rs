@@ -73,7 +73,7 @@ impl AdminServer {
 
     async fn bind_here(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
         let prometheus = crate::recorder::install_recorder()?;
-        let listener = listen(&settings.listen).await?;
+        let listener = crate::listener::listen(&settings.listen).await?;
         if settings.token.is_none() {
             tracing::warn!(
                 "admin.token is not set: replay and every other mutating call is refused"
@@ -100,7 +100,7 @@ impl AdminServer {
 
     /// The address actually bound.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        local_addr(&self.listener)
+        crate::listener::local_addr(&self.listener)
     }
 
     /// Serves until `shutdown` is cancelled; polls the gauges meanwhile.
@@ -126,28 +126,6 @@ impl AdminServer {
             source: e,
         })
     }
-}
-
-/// A listener on `listen` (`host:port`, the key `admin.listen`).
-pub(crate) async fn listen(listen: &str) -> Result<TcpListener> {
-    let addr: SocketAddr = listen.parse().map_err(|e| {
-        Error::config(
-            "admin.listen",
-            format!("`{listen}` is not a host:port address: {e}"),
-        )
-    })?;
-    TcpListener::bind(addr).await.map_err(|e| Error::Io {
-        context: format!("admin server cannot listen on {addr} (admin.listen)"),
-        source: e,
-    })
-}
-
-/// The address `listener` is bound to.
-pub(crate) fn local_addr(listener: &TcpListener) -> Result<SocketAddr> {
-    listener.local_addr().map_err(|e| Error::Io {
-        context: "admin server address".to_owned(),
-        source: e,
-    })
 }
 
 fn router(state: AppState) -> Router {
