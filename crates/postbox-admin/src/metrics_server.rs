@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 
 use axum::routing::get;
-use axum::{Json, Router};
+use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -41,10 +41,7 @@ impl MetricsServer {
         tracing::info!(%addr, "metrics listening on http://{addr}/metrics");
         let prometheus = self.prometheus;
         let app = Router::new()
-            .route(
-                "/healthz",
-                get(async || Json(serde_json::json!({ "status": "ok" }))),
-            )
+            .route("/healthz", get(crate::api::healthz))
             .route(
                 "/metrics",
                 get(async move || crate::recorder::render(&prometheus)),

@@ -128,6 +128,19 @@ postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), head: (
     "open_aggregate_id", "", "p.aggregate_seq", "FORCE INDEX ({table}_head_idx)"
 ), order: "next_retry_at_ms, event_type, id");
 
+/// Pending rows whose type compares to the one bound by `$op`, read in
+/// `{table}_due_idx`'s order (see [`PENDING_FIRST`]).
+macro_rules! pending_rows {
+    ($op:literal) => {
+        concat!(
+            "SELECT id, event_type FROM {table} \
+             WHERE app_code = ? AND status = 'pending' AND next_retry_at_ms = 0 AND event_type ",
+            $op,
+            " ? ORDER BY next_retry_at_ms, event_type, id LIMIT ?"
+        )
+    };
+}
+
 /// Fair claiming across event types (`postbox_sqlx::fair_pending!`), MySQL's
 /// way. MySQL has no `LATERAL`, and it seeks a correlated bound only by
 /// equality, so the one-statement form would read each type's whole
@@ -138,19 +151,13 @@ postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), head: (
 /// first type (after a given type), [`PENDING_OF_TYPE`] one type's oldest
 /// rows. The engine deals them round-robin (`MySqlDialect::claim`), then
 /// [`CLAIM_PENDING`] locks them in that order. Binds: tenant, type, limit.
-pub(crate) const PENDING_FIRST: &str = "SELECT id, event_type FROM {table} \
-     WHERE app_code = ? AND status = 'pending' AND next_retry_at_ms = 0 AND event_type >= ? \
-     ORDER BY next_retry_at_ms, event_type, id LIMIT ?";
+pub(crate) const PENDING_FIRST: &str = pending_rows!(">=");
 
 /// [`PENDING_FIRST`] for the types after the one bound.
-pub(crate) const PENDING_AFTER: &str = "SELECT id, event_type FROM {table} \
-     WHERE app_code = ? AND status = 'pending' AND next_retry_at_ms = 0 AND event_type > ? \
-     ORDER BY next_retry_at_ms, event_type, id LIMIT ?";
+pub(crate) const PENDING_AFTER: &str = pending_rows!(">");
 
 /// The oldest pending rows of one type (see [`PENDING_FIRST`]).
-pub(crate) const PENDING_OF_TYPE: &str = "SELECT id, event_type FROM {table} \
-     WHERE app_code = ? AND status = 'pending' AND next_retry_at_ms = 0 AND event_type = ? \
-     ORDER BY next_retry_at_ms, event_type, id LIMIT ?";
+pub(crate) const PENDING_OF_TYPE: &str = pending_rows!("=");
 
 /// Claim step 1 for new rows: lock up to `limit` of the candidates (a JSON
 /// array of ids, bound first, in the dealt order), skipping those another

@@ -71,17 +71,26 @@ macro_rules! claim {
         claim!($from, $pick, $order, "status = 'delivering', ")
     };
     ($from:literal, $pick:expr, $order:literal, $set:literal) => {
+        claim!(
+            set: $set,
+            rows: concat!(
+                "id IN (SELECT id FROM ",
+                $from,
+                " WHERE app_code = ?1 AND ",
+                $pick,
+                " ORDER BY ",
+                $order,
+                " LIMIT ?2)"
+            )
+        )
+    };
+    (set: $set:literal, rows: $rows:expr) => {
         concat!(
             "UPDATE {table} SET ",
             $set,
-            "worker_id = ?3, lock_until_ms = ?4, next_retry_at_ms = ?4, updated_at_ms = ?5 \
-             WHERE id IN (SELECT id FROM ",
-            $from,
-            " WHERE app_code = ?1 AND ",
-            $pick,
-            " ORDER BY ",
-            $order,
-            " LIMIT ?2) RETURNING ",
+            "worker_id = ?3, lock_until_ms = ?4, next_retry_at_ms = ?4, updated_at_ms = ?5 WHERE ",
+            $rows,
+            " RETURNING ",
             columns!()
         )
     };
@@ -93,13 +102,13 @@ macro_rules! claim {
 /// (app_code, event_type, next_retry_at_ms, id) WHERE status = 'pending'`
 /// (schema version 8), one probe per pending type and at most ?2 entries
 /// each; the deal sorts at most that many candidates.
-pub(crate) const CLAIM_PENDING: &str = concat!(
-    "UPDATE {table} SET status = 'delivering', worker_id = ?3, lock_until_ms = ?4, \
-       next_retry_at_ms = ?4, updated_at_ms = ?5 \
-     WHERE id IN (WITH RECURSIVE ",
-    postbox_sqlx::fair_pending!(app: "?1", limit: "?2", take: "?2", in_list),
-    " SELECT fid FROM fair) AND +status = 'pending' RETURNING ",
-    columns!()
+pub(crate) const CLAIM_PENDING: &str = claim!(
+    set: "status = 'delivering', ",
+    rows: concat!(
+        "id IN (WITH RECURSIVE ",
+        postbox_sqlx::fair_pending!(app: "?1", limit: "?2", take: "?2", in_list),
+        " SELECT fid FROM fair) AND +status = 'pending'"
+    )
 );
 
 // Due retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)

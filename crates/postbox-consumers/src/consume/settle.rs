@@ -169,7 +169,9 @@ impl Settler<'_> {
         }
         let started = std::time::Instant::now();
         let handling = transport.handle(handler, message).await;
-        crate::metrics::handler_took(self.consumer, started.elapsed());
+        if handling.is_some() {
+            crate::metrics::handler_took(self.consumer, started.elapsed());
+        }
         match handling {
             None => Ok(()),
             Some(Ok(handled)) => {
