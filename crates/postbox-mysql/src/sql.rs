@@ -370,13 +370,15 @@ pub(crate) const SELECT_IDS: &str = concat!(
 
 /// Rows a replay by event ids would touch (the ids, then app_code, read twice).
 pub(crate) const REPLAY_IDS_DRY: &str = concat!(
-    "SELECT ", columns!(), " FROM {table} \
-     WHERE event_id IN ({ids}) AND (?2 IS NULL OR app_code = ?2) AND status <> 'delivering' ORDER BY id"
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
+     WHERE event_id IN ({ids}) AND app_code = ?2 AND status <> 'delivering' ORDER BY id"
 );
 
 /// Replay by event ids, step 1: lock the rows.
 pub(crate) const REPLAY_IDS_LOCK: &str = "SELECT id FROM {table} \
-     WHERE event_id IN ({ids}) AND (?2 IS NULL OR app_code = ?2) AND status <> 'delivering' \
+     WHERE event_id IN ({ids}) AND app_code = ?2 AND status <> 'delivering' \
      ORDER BY id FOR UPDATE";
 
 /// Rows a replay by filter would touch. `{filters}`: a predicate per given

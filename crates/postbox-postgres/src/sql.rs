@@ -216,15 +216,17 @@ pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
 /// Replay by ids: back to pending with retry_count 0, keeping event_id.
 pub(crate) const REPLAY_IDS: &str = concat!(
     postbox_sqlx::replay_pending!(now_ms!()),
-    "WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' \
+    "WHERE event_id = ANY($1) AND app_code = $2 AND status <> 'delivering' \
      RETURNING ",
     columns!()
 );
 
 /// Rows a replay by ids would touch.
 pub(crate) const REPLAY_IDS_DRY: &str = concat!(
-    "SELECT ", columns!(), " FROM {table} \
-     WHERE event_id = ANY($1) AND ($2::TEXT IS NULL OR app_code = $2) AND status <> 'delivering' ORDER BY id"
+    "SELECT ",
+    columns!(),
+    " FROM {table} \
+     WHERE event_id = ANY($1) AND app_code = $2 AND status <> 'delivering' ORDER BY id"
 );
 
 /// Replay by filter (`postbox_sqlx::replay_filter!`).

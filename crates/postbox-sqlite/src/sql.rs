@@ -263,7 +263,7 @@ pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
 /// ?1 is a JSON array of event ids.
 pub(crate) const REPLAY_IDS: &str = concat!(
     postbox_sqlx::replay_pending!(now_ms!()),
-    "WHERE event_id IN (SELECT value FROM json_each(?1)) AND (?2 IS NULL OR app_code = ?2) \
+    "WHERE event_id IN (SELECT value FROM json_each(?1)) AND app_code = ?2 \
        AND status <> 'delivering' \
      RETURNING ",
     columns!()
@@ -274,7 +274,7 @@ pub(crate) const REPLAY_IDS_DRY: &str = concat!(
     "SELECT ",
     columns!(),
     " FROM {table} \
-     WHERE event_id IN (SELECT value FROM json_each(?1)) AND (?2 IS NULL OR app_code = ?2) \
+     WHERE event_id IN (SELECT value FROM json_each(?1)) AND app_code = ?2 \
        AND status <> 'delivering' ORDER BY id"
 );
 

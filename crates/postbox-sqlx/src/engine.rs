@@ -679,18 +679,31 @@ impl SqlOutbox<D> {
             targets,
         } = request;
         let db = |e| db_error("replay", e);
+        // Events by id are looked up per app_code, through the unique
+        // `(app_code, event_id)` index (an `OR` that makes the app_code
+        // optional would leave the planner no index: a whole-table scan).
+        // Without one given, every app_code with rows, read before the
+        // transaction (a pool may hold a single connection).
+        let app_codes = match &selector {
+            ReplaySelector::EventIds { app_code: Some(code), .. } => vec![code.clone()],
+            ReplaySelector::EventIds { app_code: None, .. } => self.present_app_codes().await?,
+            ReplaySelector::Filter(_) => Vec::new(),
+        };
         // A dry run only reads (one consistent snapshot).
         let mut tx = self.begin_relay(!dry_run).await.map_err(db)?;
         let res = async {
             let mut out = match selector {
-                ReplaySelector::EventIds { app_code, event_ids } => {
-                    let binds = vec![Value::Texts(event_ids), app_code.as_deref().into()];
-                    let mut out = if dry_run {
-                        let rows = self.fetch_expanded(&mut tx, &self.sql.replay_ids_dry, binds).await.map_err(db)?;
-                        records(rows, "replay")?
-                    } else {
-                        self.replay_rows(&mut tx, ReplayStep::Replay, &self.sql.replay_ids, binds, "replay").await?
-                    };
+                ReplaySelector::EventIds { event_ids, .. } => {
+                    let mut out = Vec::new();
+                    for code in &app_codes {
+                        let binds = vec![Value::Texts(event_ids), code.as_str().into()];
+                        if dry_run {
+                            let rows = self.fetch_expanded(&mut tx, &self.sql.replay_ids_dry, binds).await.map_err(db)?;
+                            out.extend(records(rows, "replay")?);
+                        } else {
+                            out.extend(self.replay_rows(&mut tx, ReplayStep::Replay, &self.sql.replay_ids, binds, "replay").await?);
+                        }
+                    }
                     out.sort_by_key(|r| r.id);
                     out
                 }
