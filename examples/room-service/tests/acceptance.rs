@@ -318,25 +318,33 @@ async fn a_poison_event_fails_and_its_log_lines_stay_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_runs_the_chain_on_sqlite_with_no_server() {
     let dir = tempfile::tempdir().unwrap();
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port().min(60000)
-    };
+    // The demo listens on port, port + 1, port + 2 and port + 9.
+    let port = free_port_block(&[0, 1, 2, 9]);
+    let log = dir.path().join("demo.log");
     let mut demo = tokio::process::Command::new(env!("CARGO_BIN_EXE_room-service"))
         .args(["demo", "--dir"])
         .arg(dir.path())
         .args(["--port", &port.to_string()])
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let http = reqwest::Client::new();
+    let http = stack::http_client();
     let rooms = format!("http://127.0.0.1:{port}");
-    wait_until("the demo to serve", Duration::from_secs(30), async || {
-        http.get(format!("{rooms}/healthz")).send().await.is_ok()
-    })
-    .await;
+    let started = std::time::Instant::now();
+    while http.get(format!("{rooms}/healthz")).send().await.is_err() {
+        let stderr = || std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(status) = demo.try_wait().unwrap() {
+            panic!("the demo exited ({status}) before serving:\n{}", stderr());
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the demo did not serve within 30 s:\n{}",
+            stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let send = async |name: &str, body: Value| {
         let r = http
             .post(format!("{rooms}/rooms/r1/{name}"))
@@ -385,6 +393,21 @@ async fn the_demo_runs_the_chain_on_sqlite_with_no_server() {
         .await
         .unwrap();
     assert!(out.contains("Try"), "the demo says what to try: {out}");
+}
+
+/// A base port below the kernel's ephemeral range (32768 and up, where a
+/// port the test's own outgoing connections use could collide) such that
+/// base + each offset is free now.
+fn free_port_block(offsets: &[u16]) -> u16 {
+    let start = 20_000 + (std::process::id() % 10_000) as u16;
+    (0..1000)
+        .map(|i| 20_000 + (start - 20_000 + i * 17) % 12_000)
+        .find(|base| {
+            offsets
+                .iter()
+                .all(|o| std::net::TcpListener::bind(("127.0.0.1", base + o)).is_ok())
+        })
+        .expect("a free block of ports below 32000")
 }
 
 /// The MariaDB + RabbitMQ configs the README runs are valid postbox configs.

@@ -485,7 +485,7 @@ impl Stack {
         let rooms_addr = serve_any(rooms.router(), &shutdown).await;
 
         Stack {
-            http: reqwest::Client::new(),
+            http: http_client(),
             rooms: format!("http://{rooms_addr}"),
             im,
             activity,
@@ -638,4 +638,12 @@ async fn drop_stale_databases(server: &str) {
 
 pub fn all_delivered(rows: &[(String, String, i64)], n: usize) -> bool {
     rows.len() == n && rows.iter().all(|r| r.1 == "delivered")
+}
+
+/// An HTTP client for the tests (reqwest is built without a bundled
+/// crypto provider: install postbox's, ring, first, whichever test runs
+/// first in the binary).
+pub fn http_client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
 }
