@@ -447,6 +447,18 @@ pub struct ArchiveReport {
 /// backend names beside it).
 pub const ARCHIVE_QUERY: &str = "archive_delivered";
 
+/// The name `doctor` gives replay by event id (per app_code, through
+/// `_event_uq`).
+pub const REPLAY_BY_ID_QUERY: &str = "replay_by_event_id";
+
+/// The name `doctor` gives replay of an app_code's `failed` rows
+/// (`replay --status failed`, through the index each backend names).
+pub const REPLAY_FAILED_QUERY: &str = "replay_failed";
+
+/// The name `doctor` gives the archived half of a time-range replay
+/// (through `_archive_created_idx`).
+pub const REPLAY_ARCHIVED_QUERY: &str = "replay_archived_range";
+
 /// What `doctor` found in the database catalog.
 #[derive(Debug, Clone, Serialize)]
 pub struct SchemaReport {

@@ -10,7 +10,7 @@ use postbox_core::Result;
 use crate::sql::{ARCHIVE_INDEX, CLAIM_INDEXES};
 use crate::MySqlOutbox;
 
-use postbox_sqlx::db_error;
+use postbox_sqlx::{db_error, ReplayProbeArgs};
 
 /// MariaDB's error for `FORCE INDEX` naming an index the table lacks.
 const KEY_DOES_NOT_EXIST: u16 = 1176;
@@ -26,7 +26,7 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
         let mut statements = Vec::new();
         for (query, source, ordered, suffix) in CLAIM_INDEXES {
             let sql = crate::explain::inlined_claim(outbox, source, ordered, app_code, 100);
-            statements.push((query, suffix, sql));
+            statements.push((query, t.to_owned(), format!("{t}{suffix}"), sql));
         }
         let sql = outbox
             .own()
@@ -34,11 +34,20 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
             .replacen('?', &app, 1)
             .replacen('?', "0", 2)
             .replacen('?', "10000", 1);
-        statements.push((ARCHIVE_QUERY, ARCHIVE_INDEX, sql));
+        statements.push((
+            ARCHIVE_QUERY,
+            t.to_owned(),
+            format!("{t}{ARCHIVE_INDEX}"),
+            sql,
+        ));
+        let args = ReplayProbeArgs::new(app_code);
+        for probe in outbox.replay_probes(&args) {
+            let sql = crate::explain::inlined(&probe.sql, &probe.values);
+            statements.push((probe.query, probe.scanned_as, probe.expected_index, sql));
+        }
         let mut plans = Vec::new();
-        for (query, suffix, sql) in statements {
+        for (query, table, expected_index, sql) in statements {
             use sqlx::Executor;
-            let expected_index = format!("{t}{suffix}");
             let rows = match conn
                 .fetch_all(format!("EXPLAIN FORMAT=JSON {sql}").as_str())
                 .await
@@ -65,7 +74,7 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
             };
             let (text, json) = crate::explain::plan_of(&rows, "explain")?;
             let mut keys = Vec::new();
-            collect_keys(&json, t, &mut keys);
+            collect_keys(&json, &table, &mut keys);
             plans.push(QueryPlan {
                 query,
                 full_scan: !keys.contains(&expected_index),

@@ -11,11 +11,42 @@ use postbox_core::Result;
 use crate::MySqlOutbox;
 
 use postbox_sqlx::db_error;
+use postbox_sqlx::dialect::Value as Bind;
 
 /// A string literal for the two values an explained claim needs. `ANALYZE`
 /// cannot be prepared, so they are inlined; quotes and backslashes escaped.
 pub(crate) fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
+}
+
+/// `sql` with each `?` replaced by its value, in order (`EXPLAIN` cannot
+/// be prepared). The statements' own text has no `?` inside quotes.
+pub(crate) fn inlined(sql: &str, values: &[Bind<'_>]) -> String {
+    let mut values = values.iter();
+    let mut out = String::with_capacity(sql.len());
+    for (i, part) in sql.split('?').enumerate() {
+        if i > 0 {
+            out.push_str(
+                &values
+                    .next()
+                    .map_or_else(|| "NULL".to_owned(), value_literal),
+            );
+        }
+        out.push_str(part);
+    }
+    out
+}
+
+fn value_literal(v: &Bind<'_>) -> String {
+    let join = |items: Vec<String>| items.join(", ");
+    match v {
+        Bind::Text(Some(s)) => literal(s),
+        Bind::Text(None) | Bind::Int(None) => "NULL".to_owned(),
+        Bind::Int(Some(i)) => i.to_string(),
+        Bind::Int32(i) => i.to_string(),
+        Bind::Ids(ids) => join(ids.iter().map(i64::to_string).collect()),
+        Bind::Texts(texts) => join(texts.iter().map(|t| literal(t)).collect()),
+    }
 }
 
 /// A claim statement with its parameters inlined (`ANALYZE` and `EXPLAIN`

@@ -41,6 +41,7 @@ impl Dialect for PgDialect {
     const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
     const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
+    const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
 
     fn own(t: &TableName) -> Own {
         Own {

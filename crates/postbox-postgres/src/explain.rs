@@ -9,10 +9,10 @@ use sqlx::Row;
 
 use postbox_core::store::{QueryPlan, ARCHIVE_QUERY};
 use postbox_core::{Error, Result};
-use postbox_sqlx::db_error;
+use postbox_sqlx::{db_error, ReplayProbeArgs};
 
 use crate::sql::{ARCHIVE_INDEX, CLAIM_INDEXES};
-use crate::PgOutbox;
+use crate::{PgDialect, PgOutbox};
 
 /// Plans of the claim queries, executed and rolled back.
 pub(crate) async fn claim_plans(
@@ -86,7 +86,7 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        plans.push(plan(query, t, suffix, &row)?);
+        plans.push(plan(query, t, format!("{t}{suffix}"), &row)?);
     }
     let row = sqlx::query(&format!(
         "EXPLAIN (FORMAT JSON) {}",
@@ -98,7 +98,16 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
     .fetch_one(&mut *tx)
     .await
     .map_err(db)?;
-    plans.push(plan(ARCHIVE_QUERY, t, ARCHIVE_INDEX, &row)?);
+    plans.push(plan(ARCHIVE_QUERY, t, format!("{t}{ARCHIVE_INDEX}"), &row)?);
+    let args = ReplayProbeArgs::new(app_code);
+    for probe in outbox.replay_probes(&args) {
+        let sql = format!("EXPLAIN (FORMAT JSON) {}", probe.sql);
+        let row = postbox_sqlx::query::<PgDialect>(&sql, probe.values)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        plans.push(plan(probe.query, &probe.table, probe.expected_index, &row)?);
+    }
     tx.rollback().await.map_err(db)?;
     Ok(plans)
 }
@@ -112,10 +121,11 @@ fn parse_plan(text: &str) -> Result<Value> {
     })
 }
 
+/// The plan of a statement on `table` that should read `expected_index`.
 fn plan(
     query: &'static str,
     table: &str,
-    suffix: &str,
+    expected_index: String,
     row: &sqlx::postgres::PgRow,
 ) -> Result<QueryPlan> {
     let text: String = row
@@ -124,7 +134,7 @@ fn plan(
     let json = parse_plan(&text)?;
     let mut plan = QueryPlan {
         query,
-        expected_index: format!("{table}{suffix}"),
+        expected_index,
         indexes_used: Vec::new(),
         full_scan: false,
         rows_examined: None,

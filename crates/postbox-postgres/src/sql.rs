@@ -181,15 +181,11 @@ pub(crate) const BACKLOG: &str =
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
 
-/// Every app_code with rows, sorted: a loose index scan (one `MIN` probe
-/// of `{table}_event_uq (app_code, event_id)` per app_code), never a full
-/// scan however many rows there are.
-pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( \
-       SELECT MIN(app_code)::TEXT FROM {table} \
-       UNION ALL \
-       SELECT (SELECT MIN(t.app_code)::TEXT FROM {table} t WHERE t.app_code > c.app_code) \
-       FROM codes c WHERE c.app_code IS NOT NULL) \
-     SELECT app_code FROM codes WHERE app_code IS NOT NULL";
+/// The smallest app_code above $1, or NULL: one probe of
+/// `{table}_event_uq (app_code, event_id)` (the engine lists every app_code
+/// with one probe each, never reading their rows).
+pub(crate) const NEXT_APP_CODE: &str =
+    "SELECT MIN(app_code)::TEXT FROM {table} WHERE app_code > $1";
 
 /// Archived rows of one event, in the given app_codes ($1, an array)
 /// (`postbox_sqlx::find!`).

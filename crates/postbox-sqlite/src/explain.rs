@@ -6,10 +6,10 @@ use sqlx::Row;
 
 use postbox_core::store::{QueryPlan, ARCHIVE_QUERY};
 use postbox_core::Result;
-use postbox_sqlx::db_error;
+use postbox_sqlx::{db_error, ReplayProbeArgs};
 
 use crate::sql::{ARCHIVE_INDEX, CLAIM_INDEXES};
-use crate::SqliteOutbox;
+use crate::{SqliteDialect, SqliteOutbox};
 
 /// The `detail` lines of `EXPLAIN QUERY PLAN` for `q`.
 async fn detail_lines<'q>(
@@ -63,6 +63,23 @@ pub(crate) async fn index_use(outbox: &SqliteOutbox, app_code: &str) -> Result<V
         .bind(10_000_i64);
     let text = detail_lines(outbox, q, "explain").await?;
     plans.push(query_plan(ARCHIVE_QUERY, t, ARCHIVE_INDEX, text));
+    let args = ReplayProbeArgs::new(app_code);
+    for probe in outbox.replay_probes(&args) {
+        let sql = format!("EXPLAIN QUERY PLAN {}", probe.sql);
+        let q = postbox_sqlx::query::<SqliteDialect>(&sql, probe.values);
+        let text = match detail_lines(outbox, q, "explain").await {
+            Ok(text) => text,
+            // A statement naming a missing index (`INDEXED BY`) cannot be
+            // explained: that query fails, the others are still checked.
+            Err(e) if e.to_string().contains("no such index") => {
+                vec![format!("SCAN {} (cannot explain: {e})", probe.scanned_as)]
+            }
+            Err(e) => return Err(e),
+        };
+        let mut plan = query_plan(probe.query, &probe.scanned_as, "", text);
+        plan.expected_index = probe.expected_index;
+        plans.push(plan);
+    }
     Ok(plans)
 }
 

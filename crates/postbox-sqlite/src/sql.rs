@@ -218,15 +218,10 @@ pub(crate) const BACKLOG: &str =
 /// `list` without its predicates (`postbox_sqlx::list_select!`).
 pub(crate) const LIST_SELECT: &str = postbox_sqlx::list_select!();
 
-/// Every app_code with rows, sorted: a loose index scan (one `MIN` probe
-/// of `{table}_event_uq (app_code, event_id)` per app_code), never a full
-/// scan however many rows there are.
-pub(crate) const PRESENT_APP_CODES: &str = "WITH RECURSIVE codes(app_code) AS ( \
-       SELECT MIN(app_code) FROM {table} \
-       UNION ALL \
-       SELECT (SELECT MIN(t.app_code) FROM {table} t WHERE t.app_code > c.app_code) \
-       FROM codes c WHERE c.app_code IS NOT NULL) \
-     SELECT app_code FROM codes WHERE app_code IS NOT NULL";
+/// The smallest app_code above ?1, or NULL: one probe of
+/// `{table}_event_uq (app_code, event_id)` (the engine lists every app_code
+/// with one probe each, never reading their rows).
+pub(crate) const NEXT_APP_CODE: &str = "SELECT MIN(app_code) FROM {table} WHERE app_code > ?1";
 
 /// Archived rows of one event, in the app_codes of ?1 (a JSON array)
 /// (`postbox_sqlx::find!`).
@@ -260,9 +255,11 @@ pub(crate) const REPLAY_SET_DELIVERED_TO: &str =
     "UPDATE {table} SET delivered_to = ?2 WHERE id IN (SELECT value FROM json_each(?1))";
 
 /// Replay by ids: back to pending with retry_count 0, keeping event_id.
-/// ?1 is a JSON array of event ids.
+/// ?1 is a JSON array of event ids. Through `{table}_event_uq`, named:
+/// SQLite cannot tell how many ids the array holds, and on a small
+/// analysed table plans a scan of every row per id list.
 pub(crate) const REPLAY_IDS: &str = concat!(
-    postbox_sqlx::replay_pending!(now_ms!()),
+    postbox_sqlx::replay_pending!(now_ms!(), " INDEXED BY {table}_event_uq"),
     "WHERE event_id IN (SELECT value FROM json_each(?1)) AND app_code = ?2 \
        AND status <> 'delivering' \
      RETURNING ",
@@ -273,7 +270,7 @@ pub(crate) const REPLAY_IDS: &str = concat!(
 pub(crate) const REPLAY_IDS_DRY: &str = concat!(
     "SELECT ",
     columns!(),
-    " FROM {table} \
+    " FROM {table} INDEXED BY {table}_event_uq \
      WHERE event_id IN (SELECT value FROM json_each(?1)) AND app_code = ?2 \
        AND status <> 'delivering' ORDER BY id"
 );

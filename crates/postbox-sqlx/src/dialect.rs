@@ -86,8 +86,8 @@ pub struct Statements<S = &'static str> {
     pub backlog: S,
     /// `SELECT <columns> FROM {table}`, completed by [`crate::list_query`].
     pub list_select: S,
-    /// Every app_code with rows (one column); no binds.
-    pub present_app_codes: S,
+    /// The smallest app_code above the bind, or NULL (one column).
+    pub next_app_code: S,
     /// Archived rows of one event; app_codes (list), event_id.
     pub find_archived: S,
     /// `minute_ms, delivered`; app_code, since_ms.
@@ -169,7 +169,7 @@ impl Statements {
             count_open,
             backlog,
             list_select,
-            present_app_codes,
+            next_app_code,
             find_archived,
             delivered_per_minute,
             find,
@@ -315,6 +315,9 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// The outbox table's own indexes (suffixes), which `doctor` expects
     /// besides [`postbox_core::store::EXPECTED_INDEXES`].
     const EXTRA_INDEXES: &'static [&'static str];
+    /// The index (suffix) replay of an app_code's `failed` rows reads
+    /// (`doctor` checks it; [`SqlOutbox::replay_probes`]).
+    const REPLAY_FAILED_INDEX: &'static str;
 
     /// `app_code`'s delivered rows when there are more than
     /// [`DELIVERED_COUNT_CAP`]: an estimate read in constant time (the
@@ -542,7 +545,7 @@ macro_rules! statements {
             count_open: COUNT_OPEN,
             backlog: BACKLOG,
             list_select: LIST_SELECT,
-            present_app_codes: PRESENT_APP_CODES,
+            next_app_code: NEXT_APP_CODE,
             find_archived: FIND_ARCHIVED,
             delivered_per_minute: DELIVERED_PER_MINUTE,
             find: FIND,
@@ -874,12 +877,20 @@ macro_rules! head_candidates {
 /// The start of a replay update. Fanout progress: a `delivered` row is
 /// sent to every publisher again (backtracking), any other keeps the
 /// publishers that confirmed it, so only the others get it. (First in the
-/// SET list: it reads the old status.)
+/// SET list: it reads the old status.) `$hint`: what follows the table
+/// name (SQLite's `INDEXED BY …`).
 #[macro_export]
 macro_rules! replay_set {
     () => {
-        "UPDATE {table} SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
-           THEN NULL ELSE delivered_to END, "
+        $crate::replay_set!("")
+    };
+    ($hint:expr) => {
+        concat!(
+            "UPDATE {table}",
+            $hint,
+            " SET delivered_to = CASE WHEN status IN ('delivered', 'published') \
+               THEN NULL ELSE delivered_to END, "
+        )
     };
 }
 
@@ -1133,12 +1144,16 @@ macro_rules! find {
 }
 
 /// A replay update up to its `WHERE`: back to pending with retry_count 0,
-/// keeping event_id ([`replay_set!`] first); `$now` is the dialect's clock.
+/// keeping event_id ([`replay_set!`] first); `$now` is the dialect's clock,
+/// `$hint` what follows the table name.
 #[macro_export]
 macro_rules! replay_pending {
     ($now:expr) => {
+        $crate::replay_pending!($now, "")
+    };
+    ($now:expr, $hint:expr) => {
         concat!(
-            $crate::replay_set!(),
+            $crate::replay_set!($hint),
             "status = 'pending', retry_count = 0, next_retry_at_ms = 0, lock_until_ms = 0, \
                worker_id = NULL, replay_count = replay_count + 1, \
                updated_at_ms = ",

@@ -17,6 +17,7 @@ use postbox_core::store::{
     check_ledger, AppStats, ArchiveReport, ArchiveRequest, DeferUpdate, EnqueueOutcome,
     EventFilter, FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayRequest,
     ReplaySelector, SchemaReport, StuckAggregate, EXPECTED_TABLES, HISTORY_LIMIT,
+    REPLAY_ARCHIVED_QUERY, REPLAY_BY_ID_QUERY, REPLAY_FAILED_QUERY,
 };
 use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
 
@@ -354,6 +355,101 @@ impl SqlOutbox<D> {
         records(rows, op)
     }
 
+    /// Replay by filter of one app_code (`f.app_code` is set): live rows,
+    /// then, for a time range, archived ones brought back, each in id
+    /// order (a dry run only reads them).
+    async fn replay_filtered(
+        &self,
+        conn: &mut <D::DB as Database>::Connection,
+        f: &EventFilter,
+        dry_run: bool,
+    ) -> Result<Vec<EventRecord>> {
+        let db = |e| db_error("replay", e);
+        let (live, archived) = if dry_run {
+            (&self.sql.replay_filter_dry, &self.sql.unarchive_filter_dry)
+        } else {
+            (&self.sql.replay_filter, &self.sql.unarchive_filter)
+        };
+        let live = filter_query(live, f, "status", D::PLACEHOLDERS);
+        let binds = list_values(&live.args).collect();
+        let mut out = if dry_run {
+            let rows = self.fetch_expanded(&mut *conn, &live.sql, binds).await.map_err(db)?;
+            records(rows, "replay")?
+        } else {
+            self.replay_rows(&mut *conn, ReplayStep::Replay, &live.sql, binds, "replay").await?
+        };
+        out.sort_by_key(|r| r.id);
+        if f.since_ms.is_none() && f.until_ms.is_none() {
+            return Ok(out);
+        }
+        // A time range also covers rows already archived (delivered ones).
+        let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
+        let binds = list_values(&archived.args).collect();
+        let op = "replay from archive";
+        let mut back = if dry_run {
+            let rows = self.fetch_expanded(&mut *conn, &archived.sql, binds).await.map_err(db)?;
+            records(rows, op)?
+        } else {
+            self.replay_rows(&mut *conn, ReplayStep::Unarchive, &archived.sql, binds, op).await?
+        };
+        back.sort_by_key(|r| r.id);
+        if !dry_run && !back.is_empty() {
+            let ids: Vec<i64> = back.iter().map(|r| r.id).collect();
+            self.execute_expanded(&mut *conn, &self.sql.delete_unarchived, vec![Value::Ids(&ids)])
+                .await
+                .map_err(db)?;
+        }
+        out.extend(back);
+        Ok(out)
+    }
+
+    /// The replay statements `doctor` explains for `app_code`, each as it
+    /// runs (expanded, with its binds): by event id, of the `failed` rows,
+    /// and a time range's archived rows.
+    pub fn replay_probes<'a>(&self, args: &'a ReplayProbeArgs) -> Vec<ReplayProbe<'a>> {
+        let t = self.table.as_str();
+        let archive = self.table.archive();
+        let failed = filter_query(&self.sql.replay_filter, &args.failed, "status", D::PLACEHOLDERS);
+        let range = filter_query(&self.sql.unarchive_filter, &args.range, "'delivered'", D::PLACEHOLDERS);
+        let probes = [
+            (
+                REPLAY_BY_ID_QUERY,
+                t.to_owned(),
+                format!("{t}_event_uq"),
+                self.sql.replay_ids.clone(),
+                vec![Value::Texts(&args.event_ids), args.app_code().into()],
+            ),
+            (
+                REPLAY_FAILED_QUERY,
+                t.to_owned(),
+                format!("{t}{}", D::REPLAY_FAILED_INDEX),
+                failed.sql,
+                list_values(&failed.args).collect(),
+            ),
+            (
+                REPLAY_ARCHIVED_QUERY,
+                archive.clone(),
+                format!("{archive}_created_idx"),
+                range.sql,
+                list_values(&range.args).collect(),
+            ),
+        ];
+        probes
+            .into_iter()
+            .filter_map(|(query, table, expected_index, sql, values)| {
+                let (sql, values) = D::expand(&sql, values).into_iter().next()?;
+                Some(ReplayProbe {
+                    query,
+                    scanned_as: name_in(&sql, &table),
+                    table,
+                    expected_index,
+                    sql: sql.into_owned(),
+                    values,
+                })
+            })
+            .collect()
+    }
+
     /// Records that rows `ids` were taken over after their lease expired,
     /// in the claim's transaction.
     pub async fn record_lease_expired(
@@ -569,12 +665,22 @@ impl SqlOutbox<D> {
     }
 
     /// Every app_code that has rows, sorted.
+    /// One index probe per app_code ([`Statements::next_app_code`]),
+    /// however many rows each has.
     pub async fn present_app_codes(&self) -> Result<Vec<String>> {
-        let codes: Vec<Option<String>> = sqlx::query_scalar(&self.sql.present_app_codes)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| db_error("list app_codes", e))?;
-        Ok(codes.into_iter().flatten().collect())
+        let mut codes: Vec<String> = Vec::new();
+        loop {
+            let after = codes.last().map_or("", String::as_str);
+            let next: Option<String> = query::<D>(&self.sql.next_app_code, [after.into()])
+                .try_map(|row: <D::DB as Database>::Row| sqlx::Row::try_get(&row, 0))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(|e| db_error("list app_codes", e))?;
+            match next {
+                Some(code) => codes.push(code),
+                None => return Ok(codes),
+            }
+        }
     }
 
     /// Archived rows with this event id in one of `app_codes`.
@@ -684,10 +790,12 @@ impl SqlOutbox<D> {
         // optional would leave the planner no index: a whole-table scan).
         // Without one given, every app_code with rows, read before the
         // transaction (a pool may hold a single connection).
+        // A filter without an app_code likewise runs once per app_code, so
+        // that every replay statement reads an index its app_code leads.
         let app_codes = match &selector {
             ReplaySelector::EventIds { app_code: Some(code), .. } => vec![code.clone()],
-            ReplaySelector::EventIds { app_code: None, .. } => self.present_app_codes().await?,
-            ReplaySelector::Filter(_) => Vec::new(),
+            ReplaySelector::Filter(EventFilter { app_code: Some(code), .. }) => vec![code.clone()],
+            _ => self.present_app_codes().await?,
         };
         // A dry run only reads (one consistent snapshot).
         let mut tx = self.begin_relay(!dry_run).await.map_err(db)?;
@@ -708,40 +816,10 @@ impl SqlOutbox<D> {
                     out
                 }
                 ReplaySelector::Filter(f) => {
-                    let (live, archived) = if dry_run {
-                        (&self.sql.replay_filter_dry, &self.sql.unarchive_filter_dry)
-                    } else {
-                        (&self.sql.replay_filter, &self.sql.unarchive_filter)
-                    };
-                    let live = filter_query(live, f, "status", D::PLACEHOLDERS);
-                    let binds = list_values(&live.args).collect();
-                    let mut out = if dry_run {
-                        let rows = self.fetch_expanded(&mut tx, &live.sql, binds).await.map_err(db)?;
-                        records(rows, "replay")?
-                    } else {
-                        self.replay_rows(&mut tx, ReplayStep::Replay, &live.sql, binds, "replay").await?
-                    };
-                    out.sort_by_key(|r| r.id);
-                    // A time range also covers rows already archived.
-                    if f.since_ms.is_some() || f.until_ms.is_some() {
-                        // Archived rows are delivered ones.
-                        let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
-                        let binds = list_values(&archived.args).collect();
-                        let op = "replay from archive";
-                        let mut back = if dry_run {
-                            let rows = self.fetch_expanded(&mut tx, &archived.sql, binds).await.map_err(db)?;
-                            records(rows, op)?
-                        } else {
-                            self.replay_rows(&mut tx, ReplayStep::Unarchive, &archived.sql, binds, op).await?
-                        };
-                        back.sort_by_key(|r| r.id);
-                        if !dry_run && !back.is_empty() {
-                            let ids: Vec<i64> = back.iter().map(|r| r.id).collect();
-                            self.execute_expanded(&mut tx, &self.sql.delete_unarchived, vec![Value::Ids(&ids)])
-                                .await
-                                .map_err(db)?;
-                        }
-                        out.extend(back);
+                    let mut out = Vec::new();
+                    for code in &app_codes {
+                        let f = EventFilter { app_code: Some(code.clone()), ..f.clone() };
+                        out.extend(self.replay_filtered(&mut tx, &f, dry_run).await?);
                     }
                     out
                 }
@@ -1036,7 +1114,76 @@ where
     rows.iter().map(|r| r.try_get(0)).collect()
 }
 
-fn list_values<'a>(args: &'a [ListArg<'a>]) -> impl Iterator<Item = Value<'a>> + 'a {
+/// A replay statement as it runs, for `doctor` to explain
+/// ([`SqlOutbox::replay_probes`]).
+#[derive(Debug)]
+pub struct ReplayProbe<'a> {
+    /// `doctor`'s name for it.
+    pub query: &'static str,
+    /// The table whose reads are checked.
+    pub table: String,
+    /// The name the statement gives it (an alias such as `a`, else the
+    /// table's own), which MySQL's and SQLite's plans show.
+    pub scanned_as: String,
+    /// The index it must read through.
+    pub expected_index: String,
+    /// The statement, placeholders as the dialect writes them.
+    pub sql: String,
+    /// Its binds, in placeholder order.
+    pub values: Vec<Value<'a>>,
+}
+
+/// What the replay probes bind for one app_code: event ids that are not
+/// there, the status `failed`, the last hour.
+#[derive(Debug)]
+pub struct ReplayProbeArgs {
+    event_ids: Vec<String>,
+    failed: EventFilter,
+    range: EventFilter,
+}
+
+impl ReplayProbeArgs {
+    /// The probes' values for `app_code`.
+    pub fn new(app_code: &str) -> Self {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        let scoped = EventFilter {
+            app_code: Some(app_code.to_owned()),
+            ..EventFilter::default()
+        };
+        ReplayProbeArgs {
+            // Two ids: MySQL reads a single id of a unique key while it
+            // plans, and explains a missing one as "Impossible WHERE".
+            event_ids: vec!["postbox-doctor-1".to_owned(), "postbox-doctor-2".to_owned()],
+            failed: EventFilter {
+                status: Some(postbox_core::Status::Failed),
+                ..scoped.clone()
+            },
+            range: EventFilter {
+                since_ms: Some(now_ms - 3_600_000),
+                until_ms: Some(now_ms),
+                ..scoped
+            },
+        }
+    }
+
+    fn app_code(&self) -> &str {
+        self.failed.app_code.as_deref().unwrap_or_default()
+    }
+}
+
+/// How `sql` names `table`: the alias after `FROM <table> ` (lower case,
+/// as keywords are upper case in postbox's statements), else the table.
+fn name_in(sql: &str, table: &str) -> String {
+    let from = format!("FROM {table} ");
+    sql.find(&from)
+        .and_then(|i| sql[i + from.len()..].split_whitespace().next())
+        .filter(|word| word.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        .map_or_else(|| table.to_owned(), str::to_owned)
+}
+
+fn list_values<'a, 's>(args: &'s [ListArg<'a>]) -> impl Iterator<Item = Value<'a>> + use<'a, 's> {
     args.iter().map(|a| match *a {
         ListArg::Text(s) => s.into(),
         ListArg::Int(i) => i.into(),

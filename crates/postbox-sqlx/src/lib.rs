@@ -23,7 +23,9 @@ pub use dialect::{
     PARTIAL_CLAIM_INDEXES, V5_DESCRIPTION, V6_DESCRIPTION, V6_PENDING_INDEX, V7_DESCRIPTION,
     V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX,
 };
-pub use engine::{finish, query, OpenOptions, Opened, SqlOutbox, MIGRATIONS_LEDGER};
+pub use engine::{
+    finish, query, OpenOptions, Opened, ReplayProbe, ReplayProbeArgs, SqlOutbox, MIGRATIONS_LEDGER,
+};
 pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
 pub use wake::due_union;
 

@@ -77,3 +77,67 @@ async fn the_ordered_claim_reads_heads_not_the_backlog() {
     // check read 600,000.
     postbox_testkit::assert_plan_reads(&plans, "claim_pending_ordered", 30_000);
 }
+
+/// A replay by filter without an app_code (`replay --status failed`) runs
+/// once per app_code with rows, each through `_due_idx (app_code, status,
+/// …)`: without the app_code, MariaDB had no index to read and scanned
+/// every row, delivered history included. (Listing the app_codes is one
+/// index probe each: a `DISTINCT` walked the whole `_event_uq` index just
+/// after the bulk load.) Counted on the store's only
+/// connection: rows read by scans (`Handler_read_rnd_next`) and by walks
+/// along an index (`Handler_read_next`; a scan of the primary key in id
+/// order is one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_by_status_reads_no_whole_table() {
+    use postbox_core::store::{EventFilter, ReplaySelector, ReplayStore};
+    use postbox_core::Status;
+    let store = migrated("mysql", mysql_url(), |url| async move {
+        MySqlOutbox::connect(&url, &scratch_table("replay_scan"), 1).await
+    })
+    .await;
+    let t = store.table().as_str().to_owned();
+    let pool = store.pool().clone();
+    for sql in [
+        format!(
+            "INSERT INTO {t} (app_code, event_id, event_type, payload, status) \
+             SELECT IF(seq % 2 = 0, 'a', 'b'), CONCAT('d-', seq), 'Old', '{{}}', 'delivered' \
+             FROM seq_1_to_40000"
+        ),
+        format!(
+            "INSERT INTO {t} (app_code, event_id, event_type, payload, status, retry_count) \
+             SELECT IF(seq % 2 = 0, 'a', 'b'), CONCAT('f-', seq), 'Bad', '{{}}', 'failed', 5 \
+             FROM seq_1_to_6"
+        ),
+        format!("ANALYZE TABLE {t}"),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    }
+    let scanned = async || -> i64 {
+        let rows: Vec<(String, String)> = sqlx::query_as(
+            "SHOW SESSION STATUS WHERE Variable_name IN ('Handler_read_rnd_next', 'Handler_read_next')",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        rows.iter().map(|r| r.1.parse::<i64>().unwrap()).sum()
+    };
+    let failed = ReplaySelector::Filter(EventFilter {
+        status: Some(Status::Failed),
+        ..EventFilter::default()
+    });
+    let before = scanned().await;
+    let dry = store.replay(&failed, true, "test").await.unwrap();
+    assert_eq!(dry.len(), 6, "three failed rows of each app_code");
+    let done = store.replay(&failed, false, "test").await.unwrap();
+    assert_eq!(done.len(), 6);
+    assert!(done.iter().all(|r| r.status == Status::Pending));
+    let read = scanned().await - before;
+    assert!(
+        read < 5_000,
+        "{read} rows read by scans for a replay of 6 rows among 40,006"
+    );
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
