@@ -35,18 +35,7 @@ pub(crate) async fn claim_plans(
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        let text: String = row.try_get_unchecked(0).map_err(db)?;
-        let json = parse_plan(&text)?;
-        let mut plan = QueryPlan {
-            query,
-            expected_index,
-            indexes_used: Vec::new(),
-            full_scan: false,
-            rows_examined: Some(0),
-            plan: text,
-        };
-        visit(&json[0]["Plan"], t, &mut plan);
-        plans.push(plan);
+        plans.push(plan(query, t, expected_index, &row, Analysed::Yes)?);
     }
     tx.rollback().await.map_err(db)?;
     Ok(plans)
@@ -86,7 +75,7 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        plans.push(plan(query, t, format!("{t}{suffix}"), &row)?);
+        plans.push(plan(query, t, format!("{t}{suffix}"), &row, Analysed::No)?);
     }
     let row = sqlx::query(&format!(
         "EXPLAIN (FORMAT JSON) {}",
@@ -98,7 +87,13 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
     .fetch_one(&mut *tx)
     .await
     .map_err(db)?;
-    plans.push(plan(ARCHIVE_QUERY, t, format!("{t}{ARCHIVE_INDEX}"), &row)?);
+    plans.push(plan(
+        ARCHIVE_QUERY,
+        t,
+        format!("{t}{ARCHIVE_INDEX}"),
+        &row,
+        Analysed::No,
+    )?);
     let args = ReplayProbeArgs::new(app_code);
     for probe in outbox.replay_probes(&args) {
         let sql = format!("EXPLAIN (FORMAT JSON) {}", probe.sql);
@@ -106,7 +101,13 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        plans.push(plan(probe.query, &probe.table, probe.expected_index, &row)?);
+        plans.push(plan(
+            probe.query,
+            &probe.table,
+            probe.expected_index,
+            &row,
+            Analysed::No,
+        )?);
     }
     tx.rollback().await.map_err(db)?;
     Ok(plans)
@@ -122,11 +123,20 @@ fn parse_plan(text: &str) -> Result<Value> {
 }
 
 /// The plan of a statement on `table` that should read `expected_index`.
+/// Whether the plan was executed (`EXPLAIN ANALYZE`), so that it counts
+/// the rows read.
+#[derive(PartialEq)]
+enum Analysed {
+    Yes,
+    No,
+}
+
 fn plan(
     query: &'static str,
     table: &str,
     expected_index: String,
     row: &sqlx::postgres::PgRow,
+    analysed: Analysed,
 ) -> Result<QueryPlan> {
     let text: String = row
         .try_get_unchecked(0)
@@ -137,7 +147,7 @@ fn plan(
         expected_index,
         indexes_used: Vec::new(),
         full_scan: false,
-        rows_examined: None,
+        rows_examined: (analysed == Analysed::Yes).then_some(0),
         plan: text,
     };
     visit(&json[0]["Plan"], table, &mut plan);
