@@ -16,6 +16,7 @@
 
 mod api;
 mod auth;
+mod consumers_api;
 mod dashboard;
 mod listener;
 mod metrics_server;
@@ -24,6 +25,7 @@ mod recorder;
 mod server;
 mod state;
 
+pub use consumers_api::ConsumerControl;
 pub use metrics_server::MetricsServer;
 pub use poller::{Snapshot, StatsPoller};
 pub use recorder::install_recorder;

@@ -1,7 +1,8 @@
-//! `/healthz` and `/metrics` alone, for a process without an outbox table
-//! (`postbox consume`).
+//! `/healthz`, `/metrics` and the consumers' API, for a process without an
+//! outbox table (`postbox consume`).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use axum::routing::get;
 use axum::Router;
@@ -9,13 +10,28 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use postbox_core::redact::Secret;
 use postbox_core::{Error, Result};
 
-/// Serves `/healthz` and the Prometheus `/metrics` of this process.
-#[derive(Debug)]
+use crate::auth::TokenCheck;
+use crate::consumers_api::{self, ConsumerControl};
+
+/// Serves `/healthz`, the Prometheus `/metrics` of this process and, with
+/// [`MetricsServer::with_consumers`], `/api/consumers`.
 pub struct MetricsServer {
     listener: TcpListener,
     prometheus: PrometheusHandle,
+    consumers: Vec<Arc<dyn ConsumerControl>>,
+    token: TokenCheck,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer")
+            .field("listener", &self.listener)
+            .field("consumers", &self.consumers.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl MetricsServer {
@@ -27,7 +43,22 @@ impl MetricsServer {
         Ok(MetricsServer {
             listener,
             prometheus,
+            consumers: Vec::new(),
+            token: TokenCheck::new(None),
         })
+    }
+
+    /// Also serves `GET /api/consumers` and `POST
+    /// /api/consumers/{name}/pause|resume` over `consumers`; the mutating
+    /// calls need `Authorization: Bearer <token>` (none: refused).
+    pub fn with_consumers(
+        mut self,
+        consumers: Vec<Arc<dyn ConsumerControl>>,
+        token: Option<&Secret>,
+    ) -> Self {
+        self.consumers = consumers;
+        self.token = TokenCheck::new(token);
+        self
     }
 
     /// The address actually bound.
@@ -45,7 +76,9 @@ impl MetricsServer {
             .route(
                 "/metrics",
                 get(async move || crate::recorder::render(&prometheus)),
-            );
+            )
+            .merge(consumers_api::routes(self.consumers, self.token))
+            .into_make_service_with_connect_info::<SocketAddr>();
         axum::serve(self.listener, app)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
             .await

@@ -25,7 +25,9 @@
 //!   mark statements back to back (no relay),
 //!   and prints the share of claim and mark in both loops and the plan each
 //!   pending claim gets right after loading; and a fourth with two relays
-//!   side by side (target: ≥ 1.5 × one). On PostgreSQL, the minimal loop
+//!   side by side (target: ≥ 1.5 × one), beside two minimal loops side by
+//!   side over one minimal table (what a second loop of the simplest kind
+//!   gains on this machine). On PostgreSQL, the minimal loop
 //!   also runs on a table without statistics, which keeps its claim on its
 //!   index (after `ANALYZE` of the loaded backlog it reads the primary key).
 //! - **rabbitmq** (PostgreSQL, MariaDB): the same, publishing to RabbitMQ
@@ -541,14 +543,14 @@ impl Minimal {
         let pool = match db {
             Db::Postgres => MinimalPool::Pg(
                 PgPoolOptions::new()
-                    .max_connections(2)
+                    .max_connections(4)
                     .connect(&url)
                     .await
                     .expect("minimal pool"),
             ),
             Db::MySql => MinimalPool::My(
                 MySqlPoolOptions::new()
-                    .max_connections(2)
+                    .max_connections(4)
                     .connect(&url)
                     .await
                     .expect("minimal pool"),
@@ -676,12 +678,32 @@ impl Minimal {
     /// other. Returns events/s and where the time went.
     async fn drain(&self, rows: u64, batch: u32, broker: Option<&Broker>) -> (f64, String) {
         let start = Instant::now();
+        let (done, claiming, publishing, marking) = self.drain_as("minimal", batch, broker).await;
+        let elapsed = start.elapsed();
+        assert_eq!(done, rows, "the minimal loop delivered every row");
+        let share = |d: Duration| 100.0 * d.as_secs_f64() / elapsed.as_secs_f64();
+        let mut split = format!("claim {:.0}%", share(claiming));
+        if broker.is_some() {
+            split.push_str(&format!(", publish {:.0}%", share(publishing)));
+        }
+        split.push_str(&format!(", mark {:.0}%", share(marking)));
+        (rows as f64 / elapsed.as_secs_f64(), split)
+    }
+
+    /// One loop, as worker `worker`, until a claim finds nothing: rows
+    /// delivered, and the time spent claiming, publishing and marking.
+    async fn drain_as(
+        &self,
+        worker: &str,
+        batch: u32,
+        broker: Option<&Broker>,
+    ) -> (u64, Duration, Duration, Duration) {
         let mut done = 0u64;
         let (mut claiming, mut publishing, mut marking) =
             (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         loop {
             let t = Instant::now();
-            let claimed = bounded("minimal claim", self.claim("minimal", batch)).await;
+            let claimed = bounded("minimal claim", self.claim(worker, batch)).await;
             claiming += t.elapsed();
             if claimed.rows.is_empty() {
                 break;
@@ -692,18 +714,26 @@ impl Minimal {
                 publishing += t.elapsed();
             }
             let t = Instant::now();
-            done += bounded("minimal mark", self.mark(&claimed, "minimal")).await;
+            done += bounded("minimal mark", self.mark(&claimed, worker)).await;
             marking += t.elapsed();
         }
-        let elapsed = start.elapsed();
-        assert_eq!(done, rows, "the minimal loop delivered every row");
-        let share = |d: Duration| 100.0 * d.as_secs_f64() / elapsed.as_secs_f64();
-        let mut split = format!("claim {:.0}%", share(claiming));
-        if broker.is_some() {
-            split.push_str(&format!(", publish {:.0}%", share(publishing)));
-        }
-        split.push_str(&format!(", mark {:.0}%", share(marking)));
-        (rows as f64 / elapsed.as_secs_f64(), split)
+        (done, claiming, publishing, marking)
+    }
+
+    /// `loops` loops side by side (each its own worker id and connection):
+    /// events/s. What the machine gives a second relay of the simplest
+    /// kind, the ceiling of postbox's two relays / one.
+    async fn drain_side_by_side(&self, rows: u64, batch: u32, loops: usize) -> f64 {
+        let start = Instant::now();
+        let done: u64 =
+            futures::future::join_all((0..loops).map(|i| async move {
+                self.drain_as(&format!("minimal-{i}"), batch, None).await.0
+            }))
+            .await
+            .into_iter()
+            .sum();
+        assert_eq!(done, rows, "the minimal loops delivered every row");
+        rows as f64 / start.elapsed().as_secs_f64()
     }
 
     /// The index (or scan) the claim's `SELECT … FOR UPDATE SKIP LOCKED`
@@ -1261,8 +1291,14 @@ async fn drain_section(db: Db, rows: u64, runs: usize) {
     println!(
         "\n== drain: {rows} rows, batch_size {DRAIN_BATCH}; minimal loop vs relay to /dev/null =="
     );
-    let (mut m, mut p, mut st, mut mi, mut tw) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut m, mut p, mut st, mut mi, mut tw, mut tm) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
     for run in 1..=runs {
         // Alternate which goes first, so neither always finds the warmer
         // server.
@@ -1299,6 +1335,20 @@ async fn drain_section(db: Db, rows: u64, runs: usize) {
             two.per_s / pr.per_s
         );
         tw.push(two);
+        // The same machine's ceiling: two minimal loops side by side.
+        let minimal = Minimal::create(db, rows, false).await;
+        let one_loop = if db == Db::Postgres {
+            mi.last().unwrap_or(&mr).per_s
+        } else {
+            mr.per_s
+        };
+        let two_loops = minimal.drain_side_by_side(rows, DRAIN_BATCH, 2).await;
+        minimal.drop_table().await;
+        println!(
+            "run {run}: two minimal loops {two_loops:>8.0} events/s; two / one {:.2}",
+            two_loops / one_loop
+        );
+        tm.push(two_loops / one_loop);
         if run == 1 {
             println!(
                 "loaded: minimal {:.1} MiB, postbox {:.1} MiB (table and indexes)",
@@ -1340,9 +1390,10 @@ async fn drain_section(db: Db, rows: u64, runs: usize) {
         pb / mb
     );
     println!(
-        "ratio two relays / one: events/s {:.2} ({:.0} events/s; target >= 1.5)",
+        "ratio two relays / one: events/s {:.2} ({:.0} events/s; target >= 1.5); two minimal loops / one on the same machine: {:.2} (median of the runs' ratios)",
         rate(&tw) / pr,
-        rate(&tw)
+        rate(&tw),
+        median(&tm)
     );
     if !mi.is_empty() {
         let (ir, ib) = (rate(&mi), bytes(&mi));

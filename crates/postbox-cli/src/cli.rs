@@ -54,6 +54,8 @@ pub enum Command {
     Replay(ReplayArgs),
     /// Run the [[consumers]] entries (HTTP bridge) until SIGINT/SIGTERM.
     Consume,
+    /// List, pause or resume the consumers of a running `postbox consume` (through its [admin]).
+    Consumers(ConsumersArgs),
     /// Move delivered rows older than a cut-off into <table>_archive, in batches.
     Archive(ArchiveArgs),
     /// Check schema, indexes, the plan of every claim and archive query, and the config.
@@ -64,6 +66,28 @@ pub enum Command {
     Serve(ServeArgs),
     /// A self-contained demo on SQLite and a JSON-lines file; no servers needed.
     Quickstart(QuickstartArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ConsumersArgs {
+    #[command(subcommand)]
+    pub action: Option<ConsumersAction>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConsumersAction {
+    /// Each consumer's kind, queue, state and what it settled (the default).
+    List,
+    /// Stop consumer NAME taking messages, once those in hand are finished.
+    Pause {
+        /// The consumer's name (its `name`, or its queue).
+        name: String,
+    },
+    /// Let a paused consumer take messages again.
+    Resume {
+        /// The consumer's name (its `name`, or its queue).
+        name: String,
+    },
 }
 
 /// `--app-code`, taken by the commands that can serve fewer app_codes

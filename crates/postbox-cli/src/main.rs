@@ -67,6 +67,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
     let g = &cli.global;
     match cli.command {
         Command::Consume => commands::consume::run(g).await,
+        Command::Consumers(args) => commands::consumers::run(g, args).await,
         Command::Migrate => commands::migrate::run(g).await,
         Command::Relay(args) => commands::relay::run(g, args).await,
         Command::Status(args) => commands::status::run(g, args).await,

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use postbox_consumers::consume::state::ConsumerState;
 use postbox_consumers::http::HttpHandler;
 use postbox_consumers::nats::NatsConsumer;
 use postbox_consumers::ordering::AggregateHolds;
@@ -42,20 +43,14 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
         warn_short_retention(&at, c);
     }
 
-    // `[admin]`: this process's `/healthz` and `/metrics`
-    // (`postbox_consume_total`, `postbox_consume_handler_seconds`).
-    let metrics = match &settings.admin {
-        Some(admin) => {
-            let server = postbox_admin::MetricsServer::bind(&admin.listen).await?;
-            let stop = shutdown.clone();
-            Some(tokio::spawn(async move {
-                if let Err(e) = server.run(stop).await {
-                    tracing::error!(error = %e, "metrics server stopped");
-                }
-            }))
-        }
+    // `[admin]`: this process's `/healthz`, `/metrics`
+    // (`postbox_consume_total`, `postbox_consume_handler_seconds`) and
+    // `/api/consumers`; bound first, so a taken address fails at once.
+    let server = match &settings.admin {
+        Some(admin) => Some(postbox_admin::MetricsServer::bind(&admin.listen).await?),
         None => None,
     };
+    let mut controls: Vec<Arc<dyn postbox_admin::ConsumerControl>> = Vec::new();
     let mut tasks = tokio::task::JoinSet::new();
     for (at, c) in settings.consumers() {
         let (handler, holds) = build_handler(&at, c, &shutdown).await?;
@@ -69,6 +64,7 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
                 if let Some(holds) = holds {
                     consumer = consumer.with_holds(holds);
                 }
+                controls.push(Arc::new(Controlled(consumer.state())));
                 tasks.spawn(async move {
                     (
                         name,
@@ -78,6 +74,7 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
             }
             ConsumerKind::Nats => {
                 let consumer = NatsConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
+                controls.push(Arc::new(Controlled(consumer.state())));
                 tasks.spawn(async move {
                     (
                         name,
@@ -87,6 +84,7 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
             }
             ConsumerKind::Redis => {
                 let consumer = RedisConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
+                controls.push(Arc::new(Controlled(consumer.state())));
                 tasks.spawn(async move {
                     (
                         name,
@@ -96,6 +94,16 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
             }
         }
     }
+    let metrics = server.map(|server| {
+        let token = settings.admin.as_ref().map(|a| &a.token);
+        let server = server.with_consumers(controls, token);
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            if let Err(e) = server.run(stop).await {
+                tracing::error!(error = %e, "metrics server stopped");
+            }
+        })
+    });
     let mut failure = None;
     while let Some(joined) = tasks.join_next().await {
         match joined {
@@ -118,6 +126,27 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
         let _ = metrics.await;
     }
     failure.map_or(Ok(()), Err)
+}
+
+/// A consumer's state as the admin server controls it.
+struct Controlled(Arc<ConsumerState>);
+
+impl postbox_admin::ConsumerControl for Controlled {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+
+    fn snapshot(&self) -> serde_json::Value {
+        serde_json::to_value(self.0.snapshot()).unwrap_or_default()
+    }
+
+    fn pause(&self) -> bool {
+        self.0.pause()
+    }
+
+    fn resume(&self) -> bool {
+        self.0.resume()
+    }
 }
 
 /// Creates the inbox tables of every consumer that has one (for `postbox

@@ -2,6 +2,7 @@
 
 pub mod archive;
 pub mod consume;
+pub mod consumers;
 pub mod doctor;
 pub mod enqueue;
 pub mod events;

@@ -474,6 +474,12 @@ async fn http_get(addr: &str, path: &str) -> String {
         .unwrap_or_default()
 }
 
+/// A loopback address nothing listens on now, for `admin.listen`.
+fn free_addr() -> String {
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    free.local_addr().unwrap().to_string()
+}
+
 /// With `[admin]`, `postbox consume` serves `/healthz` and `/metrics`:
 /// each message counted by result, and the handler's time per message.
 #[tokio::test]
@@ -482,9 +488,7 @@ async fn consume_serves_its_metrics() {
     let (url, keys) = slow_server(Duration::from_millis(20)).await;
     let (_conn, ch) = broker().await;
     let queue = scratch_table("consume_metrics");
-    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = free.local_addr().unwrap().to_string();
-    drop(free);
+    let addr = free_addr();
     let toml = format!(
         "{}\n[admin]\nlisten = \"{addr}\"\n",
         consumer_toml(&queue, &url, "")
@@ -511,6 +515,165 @@ async fn consume_serves_its_metrics() {
     let count = format!("postbox_consume_handler_seconds_count{{consumer=\"{queue}\"}} 2");
     assert!(metrics.contains(&count), "no `{count}` in:\n{metrics}");
     stopped(&mut consumer).await;
+    delete_queues(&ch, &queue).await;
+}
+
+/// `POST path` on `addr` with `token` as bearer (if any): the status code
+/// and the body (HTTP/1.0: the server closes).
+async fn http_post(addr: &str, path: &str, token: Option<&str>) -> (u16, String) {
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+    sock.write_all(
+        format!("POST {path} HTTP/1.0\r\nhost: {addr}\r\n{auth}content-length: 0\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut text = String::new();
+    sock.read_to_string(&mut text).await.unwrap();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// `name`'s entry in `GET /api/consumers`.
+async fn consumer_entry(addr: &str, name: &str) -> serde_json::Value {
+    let all: serde_json::Value =
+        serde_json::from_str(&http_get(addr, "/api/consumers").await).unwrap();
+    all["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .cloned()
+        .unwrap_or_else(|| panic!("no consumer {name} in {all}"))
+}
+
+/// Issue 14.2: a consumer is paused and resumed by name through the admin
+/// API of its `postbox consume` process. Paused, it cancels its RabbitMQ
+/// consumer once the message in hand is done: new messages wait in the
+/// queue, ready, held by no one; resumed, it takes them, each once, none
+/// redelivered.
+#[tokio::test]
+async fn a_consumer_is_paused_and_resumed_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, keys) = slow_server(Duration::from_millis(20)).await;
+    let (_conn, ch) = broker().await;
+    let queue = scratch_table("consume_pause");
+    let addr = free_addr();
+    let token = "pause-token-5d1";
+    let toml = format!(
+        "{}\n[admin]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n",
+        consumer_toml(&queue, &url, "")
+    );
+    let config = write_config(dir.path(), &toml);
+    let mut consumer = consume(&config).spawn().unwrap();
+    let start = consuming(&queue).await;
+    publish(&ch, &queue, "p-1", "{}").await;
+    while keys.lock().unwrap().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(20), "p-1 not handled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let entry = consumer_entry(&addr, &queue).await;
+    assert_eq!(entry["state"], "consuming", "{entry}");
+    assert_eq!(entry["kind"], "rabbitmq", "{entry}");
+
+    let pause = format!("/api/consumers/{queue}/pause");
+    assert_eq!(http_post(&addr, &pause, None).await.0, 401, "no token");
+    assert_eq!(http_post(&addr, &pause, Some("wrong")).await.0, 401);
+    let (status, body) = http_post(&addr, "/api/consumers/nope/pause", Some(token)).await;
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains(&queue), "names the consumers it runs: {body}");
+    let (status, body) = http_post(&addr, &pause, Some(token)).await;
+    assert_eq!(status, 200, "{body}");
+    let shown: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(shown["changed"], true, "{shown}");
+    let paused = Instant::now();
+    while consumer_entry(&addr, &queue).await["state"] != "paused" {
+        assert!(paused.elapsed() < Duration::from_secs(10), "never paused");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        consumer_channels(&queue).await.is_empty(),
+        "the broker has no consumer of {queue} while paused"
+    );
+    for id in ["p-2", "p-3", "p-4"] {
+        publish(&ch, &queue, id, "{}").await;
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(*keys.lock().unwrap(), ["p-1"], "nothing taken while paused");
+    let counts = rabbitmqctl_list(
+        "queues",
+        &["name", "messages_ready", "messages_unacknowledged"],
+    )
+    .await;
+    assert!(
+        counts.lines().any(|l| l == format!("{queue}\t3\t0")),
+        "three ready, none held: {counts}"
+    );
+    // The same from the command line, which reads `[admin]` of the config.
+    let cli = |args: &[&str]| {
+        let mut c = postbox();
+        c.args(["--config", config.to_str().unwrap()]).args(args);
+        c.output()
+    };
+    let out = cli(&["consumers", "pause", &queue]).await.unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        shown.contains(&format!("consumer {queue}: paused (no change)")),
+        "{shown}"
+    );
+    let out = cli(&["consumers"]).await.unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        shown
+            .lines()
+            .any(|l| l.starts_with(queue.as_str()) && l.contains("paused")),
+        "{shown}"
+    );
+
+    let (status, body) = http_post(
+        &addr,
+        &format!("/api/consumers/{queue}/resume"),
+        Some(token),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let resumed = Instant::now();
+    while keys.lock().unwrap().len() < 4 {
+        assert!(
+            resumed.elapsed() < Duration::from_secs(20),
+            "not resumed: {:?}",
+            keys.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut got = keys.lock().unwrap().clone();
+    got.sort();
+    assert_eq!(got, ["p-1", "p-2", "p-3", "p-4"], "each once");
+    let entry = consumer_entry(&addr, &queue).await;
+    assert_eq!(entry["state"], "consuming", "{entry}");
+    assert_eq!(entry["ok"], 4, "{entry}");
+    let out = cli(&["--json", "consumers", "list"]).await.unwrap();
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed["consumers"][0]["ok"], 4, "{listed}");
+    stopped(&mut consumer).await;
+    // No process behind the address: exit 1, naming the address.
+    let out = cli(&["consumers"]).await.unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&addr),
+        "{out:?}"
+    );
     delete_queues(&ch, &queue).await;
 }
 

@@ -14,6 +14,9 @@
 
 pub(crate) mod session;
 pub(crate) mod settle;
+pub mod state;
+
+pub(crate) use state::Counted;
 
 /// `with_tag`, `tag` and `Debug` of a consumer type `$consumer` whose
 /// [`Core`] is its field `core` (the type's docs say what the tag is to its
@@ -33,6 +36,12 @@ macro_rules! consumer_basics {
             /// The tag this consumer gives itself to the broker.
             pub fn tag(&self) -> &str {
                 &self.core.tag
+            }
+
+            /// Its live state and pause switch, for an admin server
+            /// ([`ConsumerState`](crate::consume::state::ConsumerState)).
+            pub fn state(&self) -> std::sync::Arc<crate::consume::state::ConsumerState> {
+                self.core.state.clone()
             }
         }
 
@@ -70,6 +79,8 @@ pub(crate) struct Core {
     pub handler: Arc<dyn Handler>,
     pub policy: RetryPolicy,
     pub tag: String,
+    /// Counts, connection and pause switch, shared with an admin server.
+    pub state: Arc<state::ConsumerState>,
 }
 
 impl Core {
@@ -92,6 +103,11 @@ impl Core {
             broker,
             policy: RetryPolicy::of(&config),
             tag: consumer_tag(tag_of(&config)),
+            state: Arc::new(state::ConsumerState::new(
+                config.name(),
+                config.kind.as_str(),
+                config.queue.as_str(),
+            )),
             config,
             handler,
         })
@@ -136,15 +152,6 @@ pub struct ConsumeReport {
     /// unhandled, without counting an attempt (counted as `retry` in the
     /// metric).
     pub held: u64,
-}
-
-/// One settled message, as the report and `postbox_consume_total` count it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Counted {
-    Handled(Handled),
-    Retry,
-    Held,
-    Dead,
 }
 
 impl ConsumeReport {

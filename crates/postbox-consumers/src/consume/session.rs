@@ -8,6 +8,7 @@ use std::time::Duration;
 use postbox_core::Error;
 use tokio_util::sync::CancellationToken;
 
+use super::state::ConsumerState;
 use super::{ConsumeReport, Core};
 
 /// How one session ended.
@@ -27,8 +28,19 @@ pub(crate) struct Run<'a> {
     pub shutdown: &'a CancellationToken,
     /// What the consumer did, across its sessions.
     pub report: &'a mut ConsumeReport,
-    /// Set by the session once the broker accepted the setup.
+    /// Set by the session once the broker accepted the setup
+    /// ([`Run::up`]).
     pub connected: bool,
+    /// The consumer's live state (connected, paused).
+    pub state: &'a ConsumerState,
+}
+
+impl Run<'_> {
+    /// The broker accepted the setup: the session is consuming.
+    pub fn up(&mut self) {
+        self.connected = true;
+        self.state.set_connected(true);
+    }
 }
 
 /// One broker connection's worth of consuming.
@@ -52,13 +64,16 @@ pub(crate) async fn run_sessions<S: Session>(
         if shutdown.is_cancelled() {
             return Ok(report);
         }
+        let state = consumer.core().state.clone();
         let mut run = Run {
             shutdown: &shutdown,
             report: &mut report,
             connected: false,
+            state: &state,
         };
         let end = consumer.session(&mut run).await;
         let connected = run.connected;
+        state.set_connected(false);
         match end {
             SessionEnd::Cancelled => return Ok(report),
             SessionEnd::Fatal(e) => return Err(e),

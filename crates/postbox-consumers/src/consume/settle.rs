@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use tracing::Instrument;
 
+use super::state::ConsumerState;
 use super::{ConsumeReport, Core, Counted};
 use crate::{Handled, Handler, HandlerError, Message, RetryDecision, RetryPolicy};
 
@@ -108,9 +109,20 @@ pub(crate) struct Settler<'a> {
     pub consumer: &'a str,
     pub policy: &'a RetryPolicy,
     pub report: &'a mut ConsumeReport,
+    /// The live counts (`/api/consumers`), `None` in tests.
+    pub state: Option<&'a ConsumerState>,
 }
 
 impl Settler<'_> {
+    /// Counts one settled message in the report, the metric and the live
+    /// state.
+    fn count(&mut self, what: Counted) {
+        self.report.count(self.consumer, what);
+        if let Some(state) = self.state {
+            state.count(what);
+        }
+    }
+
     /// Takes one message to the end: `read` is the message (or why it is
     /// unreadable), `delivered` the attempt number the broker gives even an
     /// unreadable message.
@@ -155,7 +167,7 @@ impl Settler<'_> {
             }
             Verdict::HeldBack { blocker, delay } => {
                 if transport.retry(delay, message.attempt).await? == Settled::Done {
-                    self.report.count(self.consumer, Counted::Held);
+                    self.count(Counted::Held);
                     tracing::info!(
                         consumer = self.consumer,
                         blocker,
@@ -176,7 +188,7 @@ impl Settler<'_> {
             None => Ok(()),
             Some(Ok(handled)) => {
                 if transport.ack().await? == Settled::Done {
-                    self.report.count(self.consumer, Counted::Handled(handled));
+                    self.count(Counted::Handled(handled));
                     tracing::debug!(
                         consumer = self.consumer,
                         result = handled.as_str(),
@@ -212,7 +224,7 @@ impl Settler<'_> {
                 next_attempt,
             } => {
                 if transport.retry(delay, next_attempt).await? == Settled::Done {
-                    self.report.count(self.consumer, Counted::Retry);
+                    self.count(Counted::Retry);
                     tracing::warn!(
                         consumer = self.consumer,
                         error,
@@ -240,7 +252,7 @@ impl Settler<'_> {
             last_error: error,
         };
         if transport.dead(copy).await? == Settled::Done {
-            self.report.count(self.consumer, Counted::Dead);
+            self.count(Counted::Dead);
             tracing::error!(
                 consumer = self.consumer,
                 error,
@@ -267,6 +279,7 @@ impl Core {
             consumer: self.config.name(),
             policy: &self.policy,
             report,
+            state: Some(&self.state),
         }
         .process(self.handler.as_ref(), transport, read, delivered)
         .await
@@ -364,6 +377,7 @@ mod tests {
             consumer: "c",
             policy: &POLICY,
             report: &mut report,
+            state: None,
         }
         .process(&handler, t, read, 1)
         .await

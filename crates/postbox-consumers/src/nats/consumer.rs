@@ -83,7 +83,7 @@ impl NatsConsumer {
     ) -> SessionEnd {
         let mut stopping = false;
         loop {
-            if stopping || shutdown.is_cancelled() {
+            if stopping || !self.core.state.unless_paused(shutdown).await {
                 return SessionEnd::Cancelled;
             }
             let mut batch = match consumer
@@ -323,7 +323,7 @@ impl Session for NatsConsumer {
             Err(SetupError::Fatal(e)) => return SessionEnd::Fatal(e),
             Err(SetupError::Broken(reason)) => return SessionEnd::Broken(reason),
         };
-        run.connected = true;
+        run.up();
         tracing::info!(
             consumer = self.core.config.name(),
             stream = %self.core.config.queue,

@@ -322,6 +322,20 @@ async fn ack(delivery: &Delivery) -> Result<(), String> {
         .map_err(|e| format!("ack: {e}"))
 }
 
+impl RabbitMqConsumer {
+    /// `basic.consume` of the queue under this consumer's tag.
+    async fn start_consuming(&self, channel: &Channel) -> Result<lapin::Consumer, lapin::Error> {
+        channel
+            .basic_consume(
+                self.core.config.queue.as_str().into(),
+                self.core.tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+    }
+}
+
 impl Session for RabbitMqConsumer {
     fn core(&self) -> &Core {
         &self.core
@@ -368,14 +382,7 @@ impl Session for RabbitMqConsumer {
             consuming
                 .basic_qos(self.core.config.prefetch, BasicQosOptions { global: false })
                 .await?;
-            consuming
-                .basic_consume(
-                    self.core.config.queue.as_str().into(),
-                    self.core.tag.as_str().into(),
-                    BasicConsumeOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
+            self.start_consuming(&consuming).await
         };
         let mut consumer = match topology.await {
             Ok(c) => c,
@@ -396,7 +403,7 @@ impl Session for RabbitMqConsumer {
             }
             Err(e) => return broken(e),
         };
-        run.connected = true;
+        run.up();
         tracing::info!(
             consumer = self.core.config.name(),
             queue = %self.core.config.queue,
@@ -404,6 +411,9 @@ impl Session for RabbitMqConsumer {
             prefetch = self.core.config.prefetch,
             "consuming"
         );
+        // Set while paused: the consumer was cancelled, and what the
+        // broker had already pushed is being finished.
+        let mut pausing = false;
         loop {
             let next = tokio::select! {
                 biased;
@@ -417,11 +427,33 @@ impl Session for RabbitMqConsumer {
                     tracing::info!(consumer = self.core.config.name(), "consumer stopped");
                     return SessionEnd::Cancelled;
                 }
+                _ = self.core.state.paused(), if !pausing => {
+                    // Stop the pushes; the deliveries already pushed are
+                    // finished below, then the stream ends.
+                    if let Err(e) = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default()).await {
+                        return broken(e);
+                    }
+                    pausing = true;
+                    continue;
+                }
                 next = consumer.next() => next,
             };
             let delivery = match next {
                 Some(Ok(d)) => d,
                 Some(Err(e)) => return broken(e),
+                None if pausing => {
+                    // Paused with nothing in hand: the queue's other
+                    // consumers get its messages until this one resumes.
+                    if !self.core.state.unless_paused(run.shutdown).await {
+                        continue; // shutdown: the branch above closes
+                    }
+                    consumer = match self.start_consuming(&consuming).await {
+                        Ok(c) => c,
+                        Err(e) => return broken(e),
+                    };
+                    pausing = false;
+                    continue;
+                }
                 None => return SessionEnd::Broken("the broker cancelled the consumer".to_owned()),
             };
             if let Err(reason) = self.process(delivery, &publishing, run.report).await {

@@ -428,7 +428,7 @@ impl Session for RedisConsumer {
             Ok(k) => k,
             Err(e) => return SessionEnd::Broken(e),
         };
-        run.connected = true;
+        run.up();
         tracing::info!(
             consumer = self.core.config.name(),
             stream,
@@ -439,7 +439,8 @@ impl Session for RedisConsumer {
         );
         let mut cursor = "-".to_owned();
         loop {
-            if run.shutdown.is_cancelled() {
+            // Nothing in hand here: a paused consumer waits before reading.
+            if run.shutdown.is_cancelled() || !self.core.state.unless_paused(run.shutdown).await {
                 self.leave(&mut conn).await;
                 tracing::info!(consumer = self.core.config.name(), "consumer stopped");
                 return SessionEnd::Cancelled;

@@ -3,12 +3,14 @@
 
 use crate::nats_redis_suite;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
 use async_nats::HeaderMap;
 use async_trait::async_trait;
 use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Start, Unacked};
+use postbox_consumers::consume::state::ConsumerState;
 use postbox_consumers::nats::{dead_stream, NatsConsumer};
 use postbox_core::config::ConsumerConfig;
 use postbox_core::envelope::Envelope;
@@ -151,11 +153,15 @@ impl Broker for NatsBroker {
         }
     }
 
-    fn start(&self, s: Start) -> ConsumerTask {
+    fn start_controlled(&self, s: Start) -> (ConsumerTask, Arc<ConsumerState>) {
         let consumer = NatsConsumer::new(s.config, s.handler)
             .unwrap()
             .with_tag(s.tag);
-        tokio::spawn(async move { consumer.run(s.cancel).await })
+        let state = consumer.state();
+        (
+            tokio::spawn(async move { consumer.run(s.cancel).await }),
+            state,
+        )
     }
 
     async fn cleanup(&self) {

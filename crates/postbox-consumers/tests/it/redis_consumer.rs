@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use nats_redis_suite::{config_with, test_event, Broker, ConsumerTask, DeadCopy, Start, Unacked};
+use postbox_consumers::consume::state::ConsumerState;
 use postbox_consumers::redis::{dead_stream, RedisConsumer};
 use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_core::config::ConsumerConfig;
@@ -166,11 +167,15 @@ impl Broker for RedisBroker {
             .collect()
     }
 
-    fn start(&self, s: Start) -> ConsumerTask {
+    fn start_controlled(&self, s: Start) -> (ConsumerTask, Arc<ConsumerState>) {
         let consumer = RedisConsumer::new(s.config, s.handler)
             .unwrap()
             .with_tag(s.tag);
-        tokio::spawn(async move { consumer.run(s.cancel).await })
+        let state = consumer.state();
+        (
+            tokio::spawn(async move { consumer.run(s.cancel).await }),
+            state,
+        )
     }
 
     async fn cleanup(&self) {

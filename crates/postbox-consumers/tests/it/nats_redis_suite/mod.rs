@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use postbox_consumers::consume::state::ConsumerState;
 use postbox_consumers::rabbitmq::ConsumeReport;
 use postbox_consumers::{Handled, Handler, HandlerError, Message};
 use postbox_core::config::ConsumerConfig;
@@ -95,8 +96,13 @@ pub trait Broker: Send + Sync + 'static {
     async fn outstanding(&self, group: &str) -> u64;
     /// The dead copies of `group`.
     async fn dead(&self, group: &str) -> Vec<DeadCopy>;
+    /// Starts the broker's consumer on a task; returns it with the
+    /// consumer's state (its pause switch).
+    fn start_controlled(&self, start: Start) -> (ConsumerTask, Arc<ConsumerState>);
     /// Starts the broker's consumer on a task.
-    fn start(&self, start: Start) -> ConsumerTask;
+    fn start(&self, start: Start) -> ConsumerTask {
+        self.start_controlled(start).0
+    }
     /// Starts a consumer named `tag`.
     fn spawn(
         &self,
@@ -528,6 +534,58 @@ pub async fn inbox_counts_duplicates_and_stale_versions(b: &dyn Broker) {
     assert_eq!(effects, [v1.event_id.clone(), v2.event_id.clone()]);
 }
 
+/// (7) Paused, a consumer finishes what it holds and takes nothing more
+/// (the messages wait, unacknowledged by no one); resumed, it takes what
+/// came meanwhile, each message once, no attempt counted for the pause.
+pub async fn a_paused_consumer_takes_nothing_until_resumed(b: &dyn Broker) {
+    let g = group("pause");
+    let calls = Calls::default();
+    let cancel = CancellationToken::new();
+    let (task, state) = b.start_controlled(Start {
+        config: b.config(&g, serde_json::json!({})),
+        handler: recording("a", &calls, Duration::ZERO),
+        tag: "a".to_owned(),
+        cancel: cancel.clone(),
+    });
+    let before = publish_events(b, 0..3).await;
+    wait_until(Duration::from_secs(20), "3 messages handled", || {
+        calls.lock().unwrap().len() >= 3
+    })
+    .await;
+    assert!(state.pause());
+    // A pull or read under way ends first (at most its wait).
+    let start = Instant::now();
+    while state.snapshot().state != "paused" {
+        assert!(start.elapsed() < Duration::from_secs(20), "never paused");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let during = publish_events(b, 3..6).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(calls.lock().unwrap().len(), 3, "nothing taken while paused");
+    assert_eq!(b.unacked(&g).await.total, 0, "nothing held while paused");
+    assert_eq!(b.outstanding(&g).await, 3, "the new messages wait");
+    assert!(state.resume());
+    wait_until(Duration::from_secs(20), "6 messages handled", || {
+        calls.lock().unwrap().len() >= 6
+    })
+    .await;
+    let report = stop(&cancel, task).await;
+    assert_eq!(report.ok, 6, "{report:?}");
+    let calls = calls.lock().unwrap().clone();
+    for e in before.iter().chain(&during) {
+        let got: Vec<&Call> = calls
+            .iter()
+            .filter(|c| c.message.event_id() == e.event_id)
+            .collect();
+        assert_eq!(got.len(), 1, "{} handled once", e.event_id);
+        assert_eq!(
+            got[0].message.attempt, 1,
+            "no attempt counted for the pause"
+        );
+    }
+    assert_eq!(state.snapshot().ok, 6);
+}
+
 /// Runs every case against a broker built by `$new` (an async expression).
 #[macro_export]
 macro_rules! stream_consumer_suite {
@@ -539,7 +597,8 @@ macro_rules! stream_consumer_suite {
             poison_goes_dead_after_growing_delays(),
             a_killed_consumers_message_is_redelivered($kill),
             shutdown_finishes_the_message_in_hand(),
-            inbox_counts_duplicates_and_stale_versions()
+            inbox_counts_duplicates_and_stale_versions(),
+            a_paused_consumer_takes_nothing_until_resumed()
         );
     };
     ($new:expr; $($case:ident($($arg:expr)?)),+) => {
