@@ -4,9 +4,9 @@
 use std::net::SocketAddr;
 
 use axum::extract::{ConnectInfo, Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 
 use postbox_core::store::{
@@ -16,7 +16,8 @@ use postbox_core::store::{
 use postbox_core::time::{now_ms, parse_time_arg};
 use postbox_core::{EventRecord, Status};
 
-use crate::auth::Refusal;
+use crate::auth::Caller;
+use crate::error::{ApiError, ApiResult};
 use crate::poller::Snapshot;
 use crate::state::AppState;
 
@@ -24,72 +25,6 @@ use crate::state::AppState;
 const DEFAULT_PAGE: u32 = 50;
 /// Largest page.
 const MAX_PAGE: u32 = 500;
-
-/// A JSON error: `{"error": "..."}` with a status code.
-pub(crate) struct ApiError {
-    status: StatusCode,
-    message: String,
-}
-
-impl ApiError {
-    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
-        ApiError {
-            status,
-            message: message.into(),
-        }
-    }
-
-    fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message)
-    }
-}
-
-impl From<postbox_core::Error> for ApiError {
-    fn from(e: postbox_core::Error) -> Self {
-        // Bad input (a NUL byte in an event id, …) is the caller's error:
-        // 400, no ERROR log.
-        if e.is_usage() {
-            tracing::debug!(error = %e, "admin API: bad request");
-            return ApiError::bad_request(e.to_string());
-        }
-        tracing::error!(error = %e, "admin API: store call failed");
-        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-    }
-}
-
-impl From<Refusal> for ApiError {
-    fn from(r: Refusal) -> Self {
-        match r {
-            Refusal::NoTokenConfigured => ApiError::new(
-                StatusCode::FORBIDDEN,
-                "mutating calls are disabled: no admin token is configured (set `admin.token`, e.g. token = \"${POSTBOX_ADMIN_TOKEN}\")",
-            ),
-            Refusal::BadToken => ApiError::new(
-                StatusCode::UNAUTHORIZED,
-                "missing or wrong admin token: send `Authorization: Bearer <admin.token>`",
-            ),
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut res = (
-            self.status,
-            Json(serde_json::json!({ "error": self.message })),
-        )
-            .into_response();
-        if self.status == StatusCode::UNAUTHORIZED {
-            res.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                header::HeaderValue::from_static("Bearer realm=\"postbox\""),
-            );
-        }
-        res
-    }
-}
-
-type ApiResult<T> = Result<T, ApiError>;
 
 pub(crate) async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
@@ -169,12 +104,15 @@ pub(crate) async fn list(
     Query(params): Query<ListParams>,
 ) -> ApiResult<Json<Page>> {
     let filter = params.filter()?;
-    let items = state.store.list_inspected(&filter).await?;
+    let mut items = state.store.list_inspected(&filter).await?;
     let next = if items.len() as u32 == filter.limit {
         items.last().map(|r| r.record.id)
     } else {
         None
     };
+    for i in &mut items {
+        state.redact.apply(&mut i.record);
+    }
     Ok(Json(Page { items, next }))
 }
 
@@ -272,6 +210,10 @@ pub(crate) async fn show(
     }
     let history = state.store.history(&event_id).await?;
     let timeline = timeline(rows.iter().map(|r| &r.record), history, &state.publishers);
+    let mut rows = rows;
+    for r in &mut rows {
+        state.redact.apply(&mut r.record);
+    }
     Ok(Json(EventDetail {
         event_id,
         rows,
@@ -332,18 +274,19 @@ pub(crate) struct Replayed {
     targets: Vec<Option<Vec<String>>>,
 }
 
+/// `POST /api/events/{event_id}/replay` (an operator token, checked by
+/// `auth::guard`): the origin recorded in the history names the token.
 pub(crate) async fn replay(
     State(state): State<AppState>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
+    caller: Option<Extension<Caller>>,
     Path(event_id): Path<String>,
     Query(params): Query<ReplayParams>,
 ) -> ApiResult<Json<Replayed>> {
-    let origin = format!("api {}", peer.ip());
-    if let Err(refusal) = state.token.check(&headers) {
-        tracing::warn!(event_id, origin, reason = ?refusal, "admin API: replay refused");
-        return Err(refusal.into());
-    }
+    let origin = match caller {
+        Some(Extension(c)) => format!("api {}@{}", c.name, peer.ip()),
+        None => format!("api {}", peer.ip()),
+    };
     let targets = params.targets(&state.publishers)?;
     let selector = ReplaySelector::EventIds {
         app_code: params.app_code.clone().filter(|s| !s.is_empty()),
@@ -410,6 +353,10 @@ pub(crate) async fn replay(
             })
         })
         .collect();
+    let mut replayed = replayed;
+    for r in &mut replayed {
+        state.redact.apply(r);
+    }
     Ok(Json(Replayed { replayed, targets }))
 }
 

@@ -1,40 +1,110 @@
-//! The bearer token of mutating endpoints, compared in constant time.
+//! Who may call what, checked in one place (a middleware in front of every
+//! route) before any handler runs, so a refused request learns nothing,
+//! not even whether an event exists.
+//!
+//! - `/healthz`, the dashboard's page and assets: open (they hold no data).
+//! - `/metrics`: open, or with `admin.metrics = "token"` a token of either
+//!   role.
+//! - `GET /api/…` (stats, events with their payloads, timelines,
+//!   consumers): a `viewer` or `operator` token.
+//! - Every other `/api/…` call (replay, consumer pause and resume): an
+//!   `operator` token.
+//!
+//! Without any token configured, reads are open (a local, trusted port)
+//! and every change is refused. Tokens are compared as SHA-256 digests in
+//! constant time, against every configured token.
 
-use axum::http::{header, HeaderMap};
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use postbox_core::config::{AdminConfig, AdminRole, MetricsAccess};
 use postbox_core::redact::Secret;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-/// Why a mutating call was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+use crate::error::ApiError;
+
+/// Why a call was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Refusal {
-    /// No `admin.token` configured: mutating calls are disabled.
+    /// No admin token configured: changes are disabled.
     NoTokenConfigured,
-    /// Missing or wrong `Authorization: Bearer …`.
+    /// Missing or unknown `Authorization: Bearer …`.
     BadToken,
+    /// A known token whose role may not do this.
+    NotAllowed {
+        /// The token's name.
+        name: String,
+        /// What the call needs.
+        need: AdminRole,
+    },
 }
 
-/// The configured token, stored as its SHA-256 so that the comparison
-/// runs over equal lengths and leaks nothing about the token's length.
-#[derive(Clone)]
-pub(crate) struct TokenCheck {
-    digest: Option<[u8; 32]>,
+/// The caller of a request, put in its extensions by [`guard`] (absent
+/// when no token is configured).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Caller {
+    /// The token's name (`admin` for `admin.token`).
+    pub name: String,
 }
 
-impl TokenCheck {
-    pub(crate) fn new(token: Option<&Secret>) -> Self {
-        TokenCheck {
-            digest: token
-                .filter(|t| !t.is_empty())
-                .map(|t| Sha256::digest(t.expose().as_bytes()).into()),
+#[derive(Debug)]
+struct Holder {
+    name: String,
+    role: AdminRole,
+    digest: [u8; 32],
+}
+
+/// The configured tokens and the `/metrics` rule.
+#[derive(Debug, Clone)]
+pub(crate) struct Access {
+    holders: Arc<Vec<Holder>>,
+    metrics: MetricsAccess,
+}
+
+impl Access {
+    /// Access by `tokens` (name, role, token); empty tokens are left out.
+    pub(crate) fn new(tokens: &[(String, AdminRole, Secret)], metrics: MetricsAccess) -> Self {
+        let holders = tokens
+            .iter()
+            .filter(|(_, _, t)| !t.is_empty())
+            .map(|(name, role, t)| Holder {
+                name: name.clone(),
+                role: *role,
+                digest: Sha256::digest(t.expose().as_bytes()).into(),
+            })
+            .collect();
+        Access {
+            holders: Arc::new(holders),
+            metrics,
         }
     }
 
-    /// Checks the request's `Authorization` header.
-    pub(crate) fn check(&self, headers: &HeaderMap) -> Result<(), Refusal> {
-        let Some(expected) = &self.digest else {
-            return Err(Refusal::NoTokenConfigured);
-        };
+    /// Access as `[admin]` configures it.
+    pub(crate) fn of(admin: &AdminConfig) -> Self {
+        Access::new(&admin.named_tokens(), admin.metrics)
+    }
+
+    /// No token configured: reads open, changes refused.
+    pub(crate) fn is_open(&self) -> bool {
+        self.holders.is_empty()
+    }
+
+    /// The caller of a request that needs `need`.
+    pub(crate) fn check(
+        &self,
+        headers: &HeaderMap,
+        need: AdminRole,
+    ) -> Result<Option<Caller>, Refusal> {
+        if self.is_open() {
+            return match need {
+                AdminRole::Viewer => Ok(None),
+                AdminRole::Operator => Err(Refusal::NoTokenConfigured),
+            };
+        }
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -42,10 +112,83 @@ impl TokenCheck {
             .map(str::trim)
             .ok_or(Refusal::BadToken)?;
         let given: [u8; 32] = Sha256::digest(given.as_bytes()).into();
-        if bool::from(given.ct_eq(expected)) {
-            Ok(())
+        // Every token compared, whichever matches.
+        let mut found = None;
+        for h in self.holders.iter() {
+            if bool::from(given.ct_eq(&h.digest)) {
+                found = Some(h);
+            }
+        }
+        let holder = found.ok_or(Refusal::BadToken)?;
+        if holder.role < need {
+            return Err(Refusal::NotAllowed {
+                name: holder.name.clone(),
+                need,
+            });
+        }
+        Ok(Some(Caller {
+            name: holder.name.clone(),
+        }))
+    }
+
+    /// What a request to `path` with `method` needs; `None`: open.
+    fn need(&self, method: &Method, path: &str) -> Option<AdminRole> {
+        if path.starts_with("/api/") || path == "/api" {
+            Some(if method == Method::GET || method == Method::HEAD {
+                AdminRole::Viewer
+            } else {
+                AdminRole::Operator
+            })
+        } else if path == "/metrics" && self.metrics == MetricsAccess::Token && !self.is_open() {
+            Some(AdminRole::Viewer)
         } else {
-            Err(Refusal::BadToken)
+            None
+        }
+    }
+}
+
+impl From<Refusal> for ApiError {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::NoTokenConfigured => ApiError::new(
+                StatusCode::FORBIDDEN,
+                "changes are disabled: no admin token is configured (set `admin.token`, e.g. token = \"${POSTBOX_ADMIN_TOKEN}\", or [[admin.tokens]] with role = \"operator\")",
+            ),
+            Refusal::BadToken => ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong admin token: send `Authorization: Bearer <token>` (admin.token or an [[admin.tokens]] entry)",
+            ),
+            Refusal::NotAllowed { name, need } => ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "the token `{name}` may not do this: it needs the `{}` role",
+                    need.as_str()
+                ),
+            ),
+        }
+    }
+}
+
+/// The middleware in front of every route (see the module docs).
+pub(crate) async fn guard(State(access): State<Access>, mut req: Request, next: Next) -> Response {
+    let Some(need) = access.need(req.method(), req.uri().path()) else {
+        return next.run(req).await;
+    };
+    match access.check(req.headers(), need) {
+        Ok(caller) => {
+            if let Some(caller) = caller {
+                req.extensions_mut().insert(caller);
+            }
+            next.run(req).await
+        }
+        Err(refusal) => {
+            tracing::warn!(
+                method = %req.method(),
+                path = req.uri().path(),
+                reason = ?refusal,
+                "admin API: call refused"
+            );
+            ApiError::from(refusal).into_response()
         }
     }
 }
@@ -60,26 +203,82 @@ mod tests {
         h
     }
 
-    #[test]
-    fn only_the_configured_token_passes() {
-        let check = TokenCheck::new(Some(&Secret::new("s3cret")));
-        assert_eq!(check.check(&headers("Bearer s3cret")), Ok(()));
-        assert_eq!(
-            check.check(&headers("Bearer s3cre")),
-            Err(Refusal::BadToken)
-        );
-        assert_eq!(check.check(&headers("s3cret")), Err(Refusal::BadToken));
-        assert_eq!(check.check(&HeaderMap::new()), Err(Refusal::BadToken));
+    fn access() -> Access {
+        Access::new(
+            &[
+                ("ops".into(), AdminRole::Operator, Secret::new("op-s3cret")),
+                ("eve".into(), AdminRole::Viewer, Secret::new("view-s3cret")),
+            ],
+            MetricsAccess::Open,
+        )
     }
 
     #[test]
-    fn no_token_configured_refuses_everything() {
-        for t in [None, Some(Secret::new(""))] {
-            let check = TokenCheck::new(t.as_ref());
+    fn each_token_gets_its_role() {
+        let a = access();
+        let caller = |name: &str| Ok(Some(Caller { name: name.into() }));
+        assert_eq!(
+            a.check(&headers("Bearer op-s3cret"), AdminRole::Operator),
+            caller("ops")
+        );
+        assert_eq!(
+            a.check(&headers("Bearer op-s3cret"), AdminRole::Viewer),
+            caller("ops")
+        );
+        assert_eq!(
+            a.check(&headers("Bearer view-s3cret"), AdminRole::Viewer),
+            caller("eve")
+        );
+        assert_eq!(
+            a.check(&headers("Bearer view-s3cret"), AdminRole::Operator),
+            Err(Refusal::NotAllowed {
+                name: "eve".into(),
+                need: AdminRole::Operator
+            })
+        );
+        for bad in ["Bearer op-s3cre", "op-s3cret", "Bearer "] {
             assert_eq!(
-                check.check(&headers("Bearer ")),
-                Err(Refusal::NoTokenConfigured)
+                a.check(&headers(bad), AdminRole::Viewer),
+                Err(Refusal::BadToken),
+                "{bad}"
             );
         }
+        assert_eq!(
+            a.check(&HeaderMap::new(), AdminRole::Viewer),
+            Err(Refusal::BadToken)
+        );
+    }
+
+    #[test]
+    fn without_tokens_reads_are_open_and_changes_refused() {
+        for t in [None, Some(Secret::new(""))] {
+            let tokens: Vec<_> = t
+                .into_iter()
+                .map(|t| ("admin".into(), AdminRole::Operator, t))
+                .collect();
+            let a = Access::new(&tokens, MetricsAccess::Token);
+            assert!(a.is_open());
+            assert_eq!(a.check(&HeaderMap::new(), AdminRole::Viewer), Ok(None));
+            assert_eq!(
+                a.check(&headers("Bearer x"), AdminRole::Operator),
+                Err(Refusal::NoTokenConfigured)
+            );
+            assert_eq!(a.need(&Method::GET, "/metrics"), None, "nothing to ask for");
+        }
+    }
+
+    #[test]
+    fn what_each_route_needs() {
+        let mut a = access();
+        assert_eq!(a.need(&Method::GET, "/api/events"), Some(AdminRole::Viewer));
+        assert_eq!(
+            a.need(&Method::POST, "/api/events/e/replay"),
+            Some(AdminRole::Operator)
+        );
+        assert_eq!(a.need(&Method::GET, "/healthz"), None);
+        assert_eq!(a.need(&Method::GET, "/"), None);
+        assert_eq!(a.need(&Method::GET, "/metrics"), None);
+        a.metrics = MetricsAccess::Token;
+        assert_eq!(a.need(&Method::GET, "/metrics"), Some(AdminRole::Viewer));
     }
 }

@@ -10,12 +10,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::{ConnectInfo, Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 
-use crate::api::ApiError;
-use crate::auth::TokenCheck;
+use crate::auth::Caller;
+use crate::error::ApiError;
 
 /// One consumer as the admin server controls it (implemented over
 /// `postbox_consumers`' consumer state by the runtime).
@@ -33,17 +33,16 @@ pub trait ConsumerControl: Send + Sync + 'static {
 #[derive(Clone)]
 struct Consumers {
     all: Arc<Vec<Arc<dyn ConsumerControl>>>,
-    token: TokenCheck,
 }
 
-/// The routes, over `consumers`, mutating calls checked against `token`.
-pub(crate) fn routes(consumers: Vec<Arc<dyn ConsumerControl>>, token: TokenCheck) -> Router {
+/// The routes over `consumers` (the caller's token is checked by
+/// `auth::guard` in front of them: a viewer lists, an operator switches).
+pub(crate) fn routes(consumers: Vec<Arc<dyn ConsumerControl>>) -> Router {
     Router::new()
         .route("/api/consumers", get(list))
         .route("/api/consumers/{name}/{action}", post(switch))
         .with_state(Consumers {
             all: Arc::new(consumers),
-            token,
         })
 }
 
@@ -56,10 +55,13 @@ async fn list(State(c): State<Consumers>) -> Json<serde_json::Value> {
 async fn switch(
     State(c): State<Consumers>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
+    caller: Option<Extension<Caller>>,
     Path((name, action)): Path<(String, String)>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let origin = format!("api {}", peer.ip());
+    let origin = match caller {
+        Some(Extension(c)) => format!("api {}@{}", c.name, peer.ip()),
+        None => format!("api {}", peer.ip()),
+    };
     let pause = match action.as_str() {
         "pause" => true,
         "resume" => false,
@@ -70,10 +72,6 @@ async fn switch(
             ))
         }
     };
-    if let Err(refusal) = c.token.check(&headers) {
-        tracing::warn!(consumer = name, origin, action, reason = ?refusal, "admin API: consumer switch refused");
-        return Err(refusal.into());
-    }
     let Some(consumer) = c.all.iter().find(|c| c.name() == name) else {
         let known: Vec<&str> = c.all.iter().map(|c| c.name()).collect();
         return Err(ApiError::new(

@@ -18,10 +18,12 @@ mod api;
 mod auth;
 mod consumers_api;
 mod dashboard;
+mod error;
 mod listener;
 mod metrics_server;
 mod poller;
 mod recorder;
+mod redact;
 mod server;
 mod state;
 

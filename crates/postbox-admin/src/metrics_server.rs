@@ -10,10 +10,10 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use postbox_core::redact::Secret;
+use postbox_core::config::AdminConfig;
 use postbox_core::{Error, Result};
 
-use crate::auth::TokenCheck;
+use crate::auth::{self, Access};
 use crate::consumers_api::{self, ConsumerControl};
 
 /// Serves `/healthz`, the Prometheus `/metrics` of this process and, with
@@ -22,7 +22,7 @@ pub struct MetricsServer {
     listener: TcpListener,
     prometheus: PrometheusHandle,
     consumers: Vec<Arc<dyn ConsumerControl>>,
-    token: TokenCheck,
+    access: Access,
 }
 
 impl std::fmt::Debug for MetricsServer {
@@ -44,20 +44,21 @@ impl MetricsServer {
             listener,
             prometheus,
             consumers: Vec::new(),
-            token: TokenCheck::new(None),
+            access: Access::of(&AdminConfig::default()),
         })
     }
 
     /// Also serves `GET /api/consumers` and `POST
-    /// /api/consumers/{name}/pause|resume` over `consumers`; the mutating
-    /// calls need `Authorization: Bearer <token>` (none: refused).
+    /// /api/consumers/{name}/pause|resume` over `consumers`, with the
+    /// tokens and the `/metrics` rule of `admin` (the same as the outbox
+    /// admin server's: a viewer lists, an operator switches).
     pub fn with_consumers(
         mut self,
         consumers: Vec<Arc<dyn ConsumerControl>>,
-        token: Option<&Secret>,
+        admin: &AdminConfig,
     ) -> Self {
         self.consumers = consumers;
-        self.token = TokenCheck::new(token);
+        self.access = Access::of(admin);
         self
     }
 
@@ -77,7 +78,11 @@ impl MetricsServer {
                 "/metrics",
                 get(async move || crate::recorder::render(&prometheus)),
             )
-            .merge(consumers_api::routes(self.consumers, self.token))
+            .merge(consumers_api::routes(self.consumers))
+            .layer(axum::middleware::from_fn_with_state(
+                self.access,
+                auth::guard,
+            ))
             .into_make_service_with_connect_info::<SocketAddr>();
         axum::serve(self.listener, app)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })

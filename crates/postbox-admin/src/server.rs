@@ -1,20 +1,22 @@
 //! Binding the listener and serving the routes until shutdown.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::middleware;
 use axum::routing::{get, post};
 use axum::Router;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use postbox_core::config::Settings;
+use postbox_core::config::{AdminConfig, AdminToken, MetricsAccess, Settings};
 use postbox_core::redact::Secret;
 use postbox_core::store::OutboxStore;
 use postbox_core::{Error, Result};
 
-use crate::auth::TokenCheck;
+use crate::auth::{self, Access};
 use crate::poller::StatsPoller;
 use crate::state::AppState;
 use crate::{api, dashboard};
@@ -24,8 +26,15 @@ use crate::{api, dashboard};
 pub struct AdminSettings {
     /// Listen address, `host:port` (port 0 picks a free one).
     pub listen: String,
-    /// Bearer token of mutating calls; without one they are refused.
+    /// An operator token named `admin` (`admin.token`).
     pub token: Option<Secret>,
+    /// Named tokens with their roles (`[[admin.tokens]]`). Without any
+    /// token, reads are open and changes refused.
+    pub tokens: Vec<AdminToken>,
+    /// Whether `/metrics` needs a token.
+    pub metrics: MetricsAccess,
+    /// Payload fields shown as `"***"`, per event type (`[admin.redact]`).
+    pub redact: BTreeMap<String, Vec<String>>,
     /// Tenants shown by the gauges, `/api/stats` and the dashboard.
     pub app_codes: Vec<String>,
     /// How often the gauges are refreshed from the database.
@@ -44,6 +53,9 @@ impl AdminSettings {
         AdminSettings {
             listen: admin.listen,
             token: Some(admin.token).filter(|t| !t.is_empty()),
+            tokens: admin.tokens,
+            metrics: admin.metrics,
+            redact: admin.redact,
             app_codes: settings.app_codes_or_default(app_codes),
             poll_interval: Duration::from_secs(5),
             publishers: settings
@@ -74,9 +86,16 @@ impl AdminServer {
     async fn bind_here(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
         let prometheus = crate::recorder::install_recorder()?;
         let listener = crate::listener::listen(&settings.listen).await?;
-        if settings.token.is_none() {
+        let access = Access::of(&AdminConfig {
+            listen: settings.listen.clone(),
+            token: settings.token.clone().unwrap_or_default(),
+            tokens: settings.tokens.clone(),
+            metrics: settings.metrics,
+            redact: BTreeMap::new(),
+        });
+        if access.is_open() {
             tracing::warn!(
-                "admin.token is not set: replay and every other mutating call is refused"
+                "no admin token is set: anyone who reaches admin.listen reads events and their payloads, and replay and every other change is refused; set admin.token or [[admin.tokens]]"
             );
         }
         let poller = StatsPoller::new(
@@ -91,7 +110,8 @@ impl AdminServer {
                 store,
                 poller,
                 prometheus,
-                token: TokenCheck::new(settings.token.as_ref()),
+                access,
+                redact: Arc::new(crate::redact::Redaction::new(settings.redact.clone())),
                 publishers: Arc::new(settings.publishers.clone()),
                 app_codes: Arc::new(settings.app_codes.clone()),
             },
@@ -140,5 +160,9 @@ fn router(state: AppState) -> Router {
         .route("/api/events", get(api::list))
         .route("/api/events/{event_id}", get(api::show))
         .route("/api/events/{event_id}/replay", post(api::replay))
+        .layer(middleware::from_fn_with_state(
+            state.access.clone(),
+            auth::guard,
+        ))
         .with_state(state)
 }

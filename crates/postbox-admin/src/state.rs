@@ -6,8 +6,9 @@ use std::sync::Arc;
 use metrics_exporter_prometheus::PrometheusHandle;
 use postbox_core::store::OutboxStore;
 
-use crate::auth::TokenCheck;
+use crate::auth::Access;
 use crate::poller::StatsPoller;
+use crate::redact::Redaction;
 
 /// Shared by every handler.
 #[derive(Clone)]
@@ -15,7 +16,10 @@ pub(crate) struct AppState {
     pub store: Arc<dyn OutboxStore>,
     pub poller: StatsPoller,
     pub prometheus: PrometheusHandle,
-    pub token: TokenCheck,
+    /// Who may call what (checked by `auth::guard` before any handler).
+    pub access: Access,
+    /// Payload fields masked in every event shown.
+    pub redact: Arc<Redaction>,
     /// Configured publisher names (replay targets).
     pub publishers: Arc<Vec<String>>,
     /// The tenants served (where archived rows are looked up).

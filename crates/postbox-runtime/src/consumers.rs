@@ -95,8 +95,7 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
         }
     }
     let metrics = server.map(|server| {
-        let token = settings.admin.as_ref().map(|a| &a.token);
-        let server = server.with_consumers(controls, token);
+        let server = server.with_consumers(controls, &settings.admin_or_default());
         let stop = shutdown.clone();
         tokio::spawn(async move {
             if let Err(e) = server.run(stop).await {

@@ -297,7 +297,7 @@ async fn demo(dir: &Path, port: u16, shutdown: CancellationToken) -> Result<(), 
 room-service demo: everything on SQLite in {shown}
   room service  http://127.0.0.1:{port}   (relay in-process: IM webhook + {shown}/activity.jsonl)
   wallet        http://127.0.0.1:{wallet_port}   (own outbox, own relay: {shown}/wallet-events.jsonl)
-  IM stand-in   http://127.0.0.1:{im_port}   dashboard http://127.0.0.1:{dashboard}
+  IM stand-in   http://127.0.0.1:{im_port}   dashboard http://127.0.0.1:{dashboard} (token: demo)
 
 Try (each command has a command_id; send one twice and nothing changes):
   curl -s localhost:{port}/rooms/r1/create -d '{{"command_id":"c1","user_id":"alice","title":"hi"}}' -H 'content-type: application/json'

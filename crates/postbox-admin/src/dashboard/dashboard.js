@@ -30,10 +30,24 @@ function time(ms) {
   return new Date(ms).toLocaleString();
 }
 
-async function getJson(url, init) {
-  const res = await fetch(url, init);
+// Every API call carries the token of this tab (sessionStorage, sent as a
+// header: no cookie, so no other site can make the browser call for it).
+// A read answered 401 asks for the token once and tries again; a refused
+// prompt is not asked again until the page is reloaded.
+let tokenRefused = false;
+
+async function getJson(url, init, retried) {
+  const t = sessionStorage.getItem(TOKEN_KEY);
+  const headers = Object.assign({}, (init && init.headers) || {});
+  if (t && !headers.Authorization) headers.Authorization = "Bearer " + t;
+  const res = await fetch(url, Object.assign({}, init, { headers }));
   let body = null;
   try { body = await res.json(); } catch (_) { /* not JSON */ }
+  const reading = !init || !init.method || init.method === "GET";
+  if (res.status === 401 && reading && !retried && !tokenRefused) {
+    if (token(true, "Admin token (viewer or operator) to read events:")) return getJson(url, init, true);
+    tokenRefused = true;
+  }
   if (!res.ok) {
     const err = new Error((body && body.error) || res.status + " " + res.statusText);
     err.status = res.status;
@@ -128,10 +142,10 @@ function targetPicker() {
     ...(publishers || []).map((p) => el("option", { value: p }, "only to " + p)));
 }
 
-function token(forceAsk) {
+function token(forceAsk, question) {
   let t = sessionStorage.getItem(TOKEN_KEY);
   if (!t || forceAsk) {
-    t = window.prompt("Admin token (admin.token) for replays:");
+    t = window.prompt(question || "Admin token (an operator's) for replays:");
     if (!t) return null;
     sessionStorage.setItem(TOKEN_KEY, t);
   }

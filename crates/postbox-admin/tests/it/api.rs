@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use postbox_admin::{AdminServer, AdminSettings};
+use postbox_core::config::{AdminRole, AdminToken, MetricsAccess};
 use postbox_core::redact::Secret;
 use postbox_core::relay::CancellationToken;
 use postbox_core::store::OutboxStore;
@@ -83,18 +84,28 @@ impl Fixture {
     }
 
     async fn serve(&self, token: Option<&str>) -> (SocketAddr, CancellationToken) {
-        let server = AdminServer::bind(
-            self.store.clone(),
-            AdminSettings {
-                listen: "127.0.0.1:0".into(),
-                token: token.map(Secret::new),
-                app_codes: vec![self.app.into()],
-                poll_interval: Duration::from_millis(100),
-                publishers: vec!["a".into(), "b".into()],
-            },
-        )
-        .await
-        .expect("bind admin");
+        self.serve_with(|s| s.token = token.map(Secret::new)).await
+    }
+
+    /// Serves the fixture's table with the settings `tweak` makes.
+    async fn serve_with(
+        &self,
+        tweak: impl FnOnce(&mut AdminSettings),
+    ) -> (SocketAddr, CancellationToken) {
+        let mut settings = AdminSettings {
+            listen: "127.0.0.1:0".into(),
+            token: None,
+            tokens: Vec::new(),
+            metrics: MetricsAccess::Open,
+            redact: Default::default(),
+            app_codes: vec![self.app.into()],
+            poll_interval: Duration::from_millis(100),
+            publishers: vec!["a".into(), "b".into()],
+        };
+        tweak(&mut settings);
+        let server = AdminServer::bind(self.store.clone(), settings)
+            .await
+            .expect("bind admin");
         let addr = server.local_addr().unwrap();
         let stop = CancellationToken::new();
         tokio::spawn(server.run(stop.clone()));
@@ -284,7 +295,7 @@ async fn replay_picks_its_publishers() {
     let bearer = format!("Bearer {TOKEN}");
     let auth = [("Authorization", bearer.as_str())];
 
-    let listed = request(addr, "GET", "/api/publishers", &[]).await.json();
+    let listed = request(addr, "GET", "/api/publishers", &auth).await.json();
     assert_eq!(listed["publishers"], serde_json::json!(["a", "b"]));
 
     let path = |i: usize, q: &str| format!("/api/events/{}/replay?{q}", ids[i]);
@@ -327,7 +338,7 @@ async fn replay_picks_its_publishers() {
         .delivered_to
         .is_empty());
 
-    let d = request(addr, "GET", &format!("/api/events/{}", ids[1]), &[])
+    let d = request(addr, "GET", &format!("/api/events/{}", ids[1]), &auth)
         .await
         .json();
     let replayed = expect_in(&d["timeline"], "kind", "replayed");
@@ -407,5 +418,119 @@ async fn bad_input_is_400_and_delivered_names_the_right_publisher() {
     let delivered = step(&d, "delivered");
     assert_eq!(delivered["publisher"], "b", "{d}");
     assert_eq!(delivered["attempt"], 2);
+    stop.cancel();
+}
+
+/// Issue 14.7: every route × {no token, viewer, operator, wrong token}.
+/// With tokens configured, reading events (payloads) needs a viewer or
+/// operator token and changing anything an operator's; a refused answer
+/// carries no byte of any payload and says nothing of whether the event
+/// exists; `/healthz` and the dashboard's page stay open; a replay's
+/// history names the token that made it; `[admin.redact]` masks fields.
+#[tokio::test]
+async fn each_route_answers_each_role_as_configured() {
+    let fx = fixture("api_roles", "roles").await;
+    let secret = r#"{"email":"secret-mail@example.com","n":1}"#;
+    let ev = NewEvent::new(fx.app, "UserSignedUp", secret);
+    fx.store
+        .enqueue_batch(std::slice::from_ref(&ev), 1 << 20)
+        .await
+        .unwrap();
+    fx.dead_letter(&ev.event_id).await;
+    let (addr, stop) = fx
+        .serve_with(|s| {
+            s.token = Some(Secret::new("ops-token-1"));
+            s.tokens = vec![AdminToken {
+                name: "eve".into(),
+                role: AdminRole::Viewer,
+                token: Secret::new("viewer-token-2"),
+            }];
+            s.metrics = MetricsAccess::Token;
+            s.redact = [("UserSignedUp".to_owned(), vec!["email".to_owned()])].into();
+        })
+        .await;
+    let none: &[(&str, &str)] = &[];
+    let viewer = [("Authorization", "Bearer viewer-token-2")];
+    let operator = [("Authorization", "Bearer ops-token-1")];
+    let wrong = [("Authorization", "Bearer ops-token-")];
+    let event = format!("/api/events/{}", ev.event_id);
+    let replay = format!("{event}/replay");
+    // (method, path, no token, viewer, operator, wrong token)
+    let table: Vec<(&str, String, [u16; 4])> = vec![
+        ("GET", "/healthz".into(), [200, 200, 200, 200]),
+        ("GET", "/".into(), [200, 200, 200, 200]),
+        ("GET", "/metrics".into(), [401, 200, 200, 401]),
+        ("GET", "/api/stats".into(), [401, 200, 200, 401]),
+        ("GET", "/api/publishers".into(), [401, 200, 200, 401]),
+        (
+            "GET",
+            "/api/events?status=failed".into(),
+            [401, 200, 200, 401],
+        ),
+        ("GET", event.clone(), [401, 200, 200, 401]),
+        (
+            "GET",
+            "/api/events/no-such-event".into(),
+            [401, 404, 404, 401],
+        ),
+        (
+            "POST",
+            "/api/events/no-such-event/replay".into(),
+            [401, 403, 404, 401],
+        ),
+    ];
+    for (method, path, want) in &table {
+        for (who, auth, status) in [
+            ("no token", none, want[0]),
+            ("viewer", &viewer[..], want[1]),
+            ("operator", &operator[..], want[2]),
+            ("wrong token", &wrong[..], want[3]),
+        ] {
+            let res = request(addr, method, path, auth).await;
+            assert_eq!(res.status, status, "{method} {path} as {who}: {}", res.body);
+            assert!(
+                !res.body.contains("secret-mail"),
+                "{method} {path} as {who} shows a redacted field: {}",
+                res.body
+            );
+            if res.status == 401 || res.status == 403 {
+                assert!(
+                    !res.body.contains(&ev.event_id) && !res.body.contains("Thing"),
+                    "a refusal tells nothing of the events: {}",
+                    res.body
+                );
+            }
+        }
+    }
+    // A viewer's refused replay names the role it lacks; nothing changed.
+    let res = request(addr, "POST", &replay, &viewer).await;
+    assert_eq!(res.status, 403, "{}", res.body);
+    assert!(
+        res.body.contains("`eve`") && res.body.contains("operator"),
+        "{}",
+        res.body
+    );
+    assert_eq!(
+        fx.store.find(&ev.event_id).await.unwrap()[0].status,
+        Status::Failed
+    );
+    // Shown, the redacted field is masked and the rest kept.
+    let shown = request(addr, "GET", &event, &viewer).await.json();
+    let payload: serde_json::Value =
+        serde_json::from_str(shown["rows"][0]["payload"].as_str().unwrap()).unwrap();
+    assert_eq!(payload, serde_json::json!({"email": "***", "n": 1}));
+    // The operator's replay is recorded under its token's name.
+    let res = request(addr, "POST", &replay, &operator).await;
+    assert_eq!(res.status, 200, "{}", res.body);
+    assert!(!res.body.contains("secret-mail"), "{}", res.body);
+    let shown = request(addr, "GET", &event, &operator).await.json();
+    let replayed = step(&shown, "replayed");
+    assert!(
+        replayed["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("api admin@"),
+        "{replayed}"
+    );
     stop.cancel();
 }

@@ -47,6 +47,9 @@ async fn metrics_after_a_relay_run() {
         AdminSettings {
             listen: "127.0.0.1:0".into(),
             token: None,
+            tokens: Vec::new(),
+            metrics: postbox_core::config::MetricsAccess::Open,
+            redact: Default::default(),
             app_codes: vec![app.into()],
             poll_interval: Duration::from_millis(100),
             publishers: vec![],

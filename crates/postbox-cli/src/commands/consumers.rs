@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use postbox_core::config::Uses;
+use postbox_core::config::{AdminRole, Uses};
 use serde_json::Value;
 
 use crate::cli::{ConsumersAction, ConsumersArgs, Global};
@@ -32,14 +32,28 @@ pub async fn run(g: &Global, args: ConsumersArgs) -> Result<(), CliError> {
         .timeout(Duration::from_secs(10))
         .build()
         .map_err(|e| CliError::runtime(format!("cannot build an HTTP client: {e}")))?;
-    let request = match &args.action {
-        None | Some(ConsumersAction::List) => http.get(format!("{base}/api/consumers")),
-        Some(ConsumersAction::Pause { name }) => http
-            .post(format!("{base}/api/consumers/{name}/pause"))
-            .bearer_auth(admin.token.expose()),
-        Some(ConsumersAction::Resume { name }) => http
-            .post(format!("{base}/api/consumers/{name}/resume"))
-            .bearer_auth(admin.token.expose()),
+    let (request, need) = match &args.action {
+        None | Some(ConsumersAction::List) => {
+            (http.get(format!("{base}/api/consumers")), AdminRole::Viewer)
+        }
+        Some(ConsumersAction::Pause { name }) => (
+            http.post(format!("{base}/api/consumers/{name}/pause")),
+            AdminRole::Operator,
+        ),
+        Some(ConsumersAction::Resume { name }) => (
+            http.post(format!("{base}/api/consumers/{name}/resume")),
+            AdminRole::Operator,
+        ),
+    };
+    // The config's first token that may do this (`admin.token` first).
+    let token = admin
+        .named_tokens()
+        .into_iter()
+        .find(|(_, role, _)| *role >= need)
+        .map(|(_, _, t)| t);
+    let request = match &token {
+        Some(t) => request.bearer_auth(t.expose()),
+        None => request,
     };
     let unreachable = |e: reqwest::Error| {
         CliError::runtime(format!(

@@ -67,7 +67,7 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     outln!("  database   {}", db.display());
     outln!("  relay to   {}", out.display());
     outln!(
-        "  dashboard  http://{dashboard_addr}/   (admin token for Replay: in {})",
+        "  dashboard  http://{dashboard_addr}/   (it asks for the admin token: `token` in {})",
         config_path.display()
     );
     outln!(
@@ -223,8 +223,8 @@ batch_size = 100
 kind = "file"
 path = "{out}"
 
-# `postbox serve` and the quickstart's dashboard; the token lets the
-# dashboard's Replay button put a failed event back to pending.
+# `postbox serve` and the quickstart's dashboard. The dashboard asks for
+# this token: it reads events (payloads) and replays failed ones with it.
 [admin]
 listen = "{listen}"
 token = "{token}"

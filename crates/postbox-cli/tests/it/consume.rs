@@ -459,19 +459,14 @@ async fn a_422_from_the_handler_dead_letters_at_once() {
 
 /// The body of `GET path` on `addr` (HTTP/1.0: the server closes).
 async fn http_get(addr: &str, path: &str) -> String {
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    sock.write_all(format!("GET {path} HTTP/1.0\r\nhost: {addr}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut text = String::new();
-    sock.read_to_string(&mut text).await.unwrap();
-    assert!(
-        text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"),
-        "{text}"
-    );
-    text.split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_owned())
-        .unwrap_or_default()
+    http_get_as(addr, path, None).await
+}
+
+/// [`http_get`] with `token` as bearer; the answer must be a 200.
+async fn http_get_as(addr: &str, path: &str, token: Option<&str>) -> String {
+    let (status, body) = http_call(addr, "GET", path, token).await;
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
 }
 
 /// A loopback address nothing listens on now, for `admin.listen`.
@@ -519,12 +514,18 @@ async fn consume_serves_its_metrics() {
 }
 
 /// `POST path` on `addr` with `token` as bearer (if any): the status code
-/// and the body (HTTP/1.0: the server closes).
+/// and the body.
 async fn http_post(addr: &str, path: &str, token: Option<&str>) -> (u16, String) {
+    http_call(addr, "POST", path, token).await
+}
+
+/// `method path` on `addr` with `token` as bearer (if any): the status
+/// code and the body (HTTP/1.0: the server closes).
+async fn http_call(addr: &str, method: &str, path: &str, token: Option<&str>) -> (u16, String) {
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
     sock.write_all(
-        format!("POST {path} HTTP/1.0\r\nhost: {addr}\r\n{auth}content-length: 0\r\n\r\n")
+        format!("{method} {path} HTTP/1.0\r\nhost: {addr}\r\n{auth}content-length: 0\r\n\r\n")
             .as_bytes(),
     )
     .await
@@ -543,10 +544,10 @@ async fn http_post(addr: &str, path: &str, token: Option<&str>) -> (u16, String)
     (status, body)
 }
 
-/// `name`'s entry in `GET /api/consumers`.
-async fn consumer_entry(addr: &str, name: &str) -> serde_json::Value {
+/// `name`'s entry in `GET /api/consumers` (read with `token`).
+async fn consumer_entry(addr: &str, name: &str, token: &str) -> serde_json::Value {
     let all: serde_json::Value =
-        serde_json::from_str(&http_get(addr, "/api/consumers").await).unwrap();
+        serde_json::from_str(&http_get_as(addr, "/api/consumers", Some(token)).await).unwrap();
     all["consumers"]
         .as_array()
         .unwrap()
@@ -581,9 +582,15 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
         assert!(start.elapsed() < Duration::from_secs(20), "p-1 not handled");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let entry = consumer_entry(&addr, &queue).await;
+    let entry = consumer_entry(&addr, &queue, token).await;
     assert_eq!(entry["state"], "consuming", "{entry}");
     assert_eq!(entry["kind"], "rabbitmq", "{entry}");
+    let (status, body) = http_call(&addr, "GET", "/api/consumers", None).await;
+    assert_eq!(
+        status, 401,
+        "with a token configured, listing needs one: {body}"
+    );
+    assert!(!body.contains(&queue), "{body}");
 
     let pause = format!("/api/consumers/{queue}/pause");
     assert_eq!(http_post(&addr, &pause, None).await.0, 401, "no token");
@@ -596,7 +603,7 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
     let shown: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(shown["changed"], true, "{shown}");
     let paused = Instant::now();
-    while consumer_entry(&addr, &queue).await["state"] != "paused" {
+    while consumer_entry(&addr, &queue, token).await["state"] != "paused" {
         assert!(paused.elapsed() < Duration::from_secs(10), "never paused");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -660,7 +667,7 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
     let mut got = keys.lock().unwrap().clone();
     got.sort();
     assert_eq!(got, ["p-1", "p-2", "p-3", "p-4"], "each once");
-    let entry = consumer_entry(&addr, &queue).await;
+    let entry = consumer_entry(&addr, &queue, token).await;
     assert_eq!(entry["state"], "consuming", "{entry}");
     assert_eq!(entry["ok"], 4, "{entry}");
     let out = cli(&["--json", "consumers", "list"]).await.unwrap();

@@ -10,7 +10,7 @@ mod load;
 mod publisher;
 mod settings;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use serde::Deserialize;
 
@@ -31,6 +31,7 @@ pub use settings::{RelaySettings, Settings};
 
 use crate::redact::{Secret, SecretUrl};
 use crate::retry::Backoff;
+use crate::Error;
 use crate::TableName;
 
 /// The parts of the configuration a command uses besides `[database]`:
@@ -258,9 +259,127 @@ pub struct AdminConfig {
     /// Listen address.
     #[serde(default = "default_admin_listen")]
     pub listen: String,
-    /// Bearer token for mutating endpoints.
+    /// An `operator` token, named `admin` (the same as one
+    /// `[[admin.tokens]]` entry with that role).
     #[serde(default)]
     pub token: Secret,
+    /// `[[admin.tokens]]`: named tokens, each with its role. With any
+    /// token configured, every `/api` call needs one (reading events shows
+    /// payloads); without, reads are open and mutations refused.
+    #[serde(default)]
+    pub tokens: Vec<AdminToken>,
+    /// `/metrics`: `open` (the default) or `token` (any role's token).
+    #[serde(default)]
+    pub metrics: MetricsAccess,
+    /// `[admin.redact]`: per event type, the payload fields the API and
+    /// the dashboard show as `"***"` (`UserSignedUp = ["email",
+    /// "contact.phone"]`; a dotted path reaches into objects).
+    #[serde(default)]
+    pub redact: BTreeMap<String, Vec<String>>,
+}
+
+/// One `[[admin.tokens]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminToken {
+    /// Who holds it: logged with each call, and recorded as the origin of
+    /// every change it makes (a replay's history entry).
+    pub name: String,
+    /// What it may do.
+    pub role: AdminRole,
+    /// The bearer token (`${VAR}` from the environment).
+    pub token: Secret,
+}
+
+/// What an admin token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdminRole {
+    /// Read: stats, events with their payloads and timelines, consumers.
+    Viewer,
+    /// Read, and change: replay, pause and resume consumers.
+    Operator,
+}
+
+impl AdminRole {
+    /// `viewer` or `operator`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdminRole::Viewer => "viewer",
+            AdminRole::Operator => "operator",
+        }
+    }
+}
+
+/// `[admin] metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum MetricsAccess {
+    /// Anyone who reaches `admin.listen` may scrape.
+    #[default]
+    Open,
+    /// A scrape needs a token of either role.
+    Token,
+}
+
+impl AdminConfig {
+    /// Every token with its name and role: `token` as `admin`
+    /// (operator), then `[[admin.tokens]]`; empty tokens left out.
+    pub fn named_tokens(&self) -> Vec<(String, AdminRole, Secret)> {
+        let mut all = Vec::new();
+        if !self.token.is_empty() {
+            all.push(("admin".to_owned(), AdminRole::Operator, self.token.clone()));
+        }
+        for t in &self.tokens {
+            if !t.token.is_empty() {
+                all.push((t.name.clone(), t.role, t.token.clone()));
+            }
+        }
+        all
+    }
+
+    /// Names unique and set, tokens set and distinct.
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        let mut names = HashSet::new();
+        let mut tokens = HashSet::new();
+        if !self.token.is_empty() {
+            names.insert("admin");
+            tokens.insert(self.token.expose());
+        }
+        for (i, t) in self.tokens.iter().enumerate() {
+            let at = KeyPath::root("admin").join("tokens").index(i);
+            if t.name.trim().is_empty() {
+                return Err(Error::config(at.join("name"), "must not be empty"));
+            }
+            if !names.insert(t.name.as_str()) {
+                return Err(Error::config(
+                    at.join("name"),
+                    format!("`{}` names two tokens (`admin` is `admin.token`'s)", t.name),
+                ));
+            }
+            if t.token.unresolved().is_none() && t.token.is_empty() {
+                return Err(Error::config(at.join("token"), "must not be empty"));
+            }
+            if !t.token.is_empty() && !tokens.insert(t.token.expose()) {
+                return Err(Error::config(
+                    at.join("token"),
+                    "is the same as another admin token: give each holder its own",
+                ));
+            }
+        }
+        for (event_type, fields) in &self.redact {
+            if fields
+                .iter()
+                .any(|f| f.is_empty() || f.split('.').any(str::is_empty))
+            {
+                return Err(Error::config(
+                    KeyPath::root("admin").join("redact").join(event_type),
+                    "holds an empty field name (give paths like `email` or `contact.phone`)",
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Where the admin server listens when `[admin]` or `listen` is absent.
@@ -276,6 +395,9 @@ impl Default for AdminConfig {
         AdminConfig {
             listen: default_admin_listen(),
             token: Secret::default(),
+            tokens: Vec::new(),
+            metrics: MetricsAccess::default(),
+            redact: BTreeMap::new(),
         }
     }
 }

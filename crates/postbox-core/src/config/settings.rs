@@ -177,6 +177,9 @@ impl Config {
             name_once(&mut consumer_names, &at, c.name(), default, "consumer")?;
         }
 
+        if let Some(admin) = &self.admin {
+            admin.validate()?;
+        }
         if self.archive.batch_size == 0 {
             return Err(Error::config("archive.batch_size", "must be > 0"));
         }
@@ -220,6 +223,10 @@ impl Config {
                     KeyPath::root("admin").join("token"),
                     admin.token.unresolved(),
                 )?;
+                for (i, t) in admin.tokens.iter().enumerate() {
+                    let at = KeyPath::root("admin").join("tokens").index(i);
+                    check(at.join("token"), t.token.unresolved())?;
+                }
             }
         }
         if uses.consumers {
@@ -342,7 +349,7 @@ fn validate_worker(w: &WorkerConfig) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{HumanDuration, PublisherConfig};
+    use crate::config::{AdminConfig, AdminRole, HumanDuration, PublisherConfig};
     use crate::redact::SecretUrl;
 
     fn key_of(e: Error) -> String {
@@ -375,6 +382,67 @@ mod tests {
             settings.admin_or_default().listen,
             super::super::DEFAULT_ADMIN_LISTEN
         );
+    }
+
+    #[test]
+    fn admin_tokens_are_named_once_and_each_its_own() {
+        let admin = |body: serde_json::Value| Config {
+            admin: Some(serde_json::from_value(body).unwrap()),
+            ..Config::default()
+        };
+        let token = |name: &str, role: &str, token: &str| serde_json::json!({ "name": name, "role": role, "token": token });
+        let ok = admin(serde_json::json!({
+            "token": "t0",
+            "tokens": [token("eve", "viewer", "t1"), token("ops", "operator", "t2")],
+            "metrics": "token",
+            "redact": { "UserSignedUp": ["email", "contact.phone"] },
+        }));
+        let settings = ok.validate().unwrap();
+        let names: Vec<(String, AdminRole)> = settings
+            .admin_or_default()
+            .named_tokens()
+            .into_iter()
+            .map(|(n, r, _)| (n, r))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("admin".to_owned(), AdminRole::Operator),
+                ("eve".to_owned(), AdminRole::Viewer),
+                ("ops".to_owned(), AdminRole::Operator)
+            ]
+        );
+        for (body, key) in [
+            (
+                serde_json::json!({ "tokens": [token("eve", "viewer", "t1"), token("eve", "operator", "t2")] }),
+                "admin.tokens.1.name",
+            ),
+            (
+                serde_json::json!({ "token": "t1", "tokens": [token("admin", "viewer", "t2")] }),
+                "admin.tokens.0.name",
+            ),
+            (
+                serde_json::json!({ "token": "same", "tokens": [token("eve", "viewer", "same")] }),
+                "admin.tokens.0.token",
+            ),
+            (
+                serde_json::json!({ "tokens": [token("eve", "viewer", "")] }),
+                "admin.tokens.0.token",
+            ),
+            (
+                serde_json::json!({ "redact": { "UserSignedUp": ["contact."] } }),
+                "admin.redact.UserSignedUp",
+            ),
+        ] {
+            assert_eq!(
+                key_of(admin(body.clone()).validate().unwrap_err()),
+                key,
+                "{body}"
+            );
+        }
+        let bad_role: Result<AdminConfig, _> =
+            serde_json::from_value(serde_json::json!({ "tokens": [token("eve", "root", "t")] }));
+        assert!(bad_role.unwrap_err().to_string().contains("viewer"));
     }
 
     #[test]
