@@ -570,8 +570,10 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
     let queue = scratch_table("consume_pause");
     let addr = free_addr();
     let token = "pause-token-5d1";
+    let viewer = "viewer-token-9c2";
     let toml = format!(
-        "{}\n[admin]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n",
+        "{}\n[admin]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n\
+         [[admin.tokens]]\nname = \"watcher\"\nrole = \"viewer\"\ntoken = \"{viewer}\"\n",
         consumer_toml(&queue, &url, "")
     );
     let config = write_config(dir.path(), &toml);
@@ -591,6 +593,22 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
         "with a token configured, listing needs one: {body}"
     );
     assert!(!body.contains(&queue), "{body}");
+    // A viewer lists, and may not pause.
+    assert_eq!(
+        consumer_entry(&addr, &queue, viewer).await["state"],
+        "consuming"
+    );
+    let (status, body) = http_post(
+        &addr,
+        &format!("/api/consumers/{queue}/pause"),
+        Some(viewer),
+    )
+    .await;
+    assert_eq!(status, 403, "{body}");
+    assert!(
+        body.contains("watcher") && body.contains("operator"),
+        "{body}"
+    );
 
     let pause = format!("/api/consumers/{queue}/pause");
     assert_eq!(http_post(&addr, &pause, None).await.0, 401, "no token");
