@@ -25,7 +25,7 @@ pub use lease_budget::LeaseBudget;
 pub use load::{load, load_for, ConfigSource};
 pub use publisher::{
     FilePublisherConfig, NatsPublisherConfig, PublisherConfig, RabbitMqPublisherConfig,
-    RedisPublisherConfig, WebhookPublisherConfig,
+    RedisPublisherConfig, WebhookPublisherConfig, WebhookSignature, STANDARD_SECRET_PREFIX,
 };
 pub use settings::{RelaySettings, Settings};
 

@@ -147,6 +147,24 @@ impl PublisherConfig {
                         "is empty; leave it out to send unsigned requests",
                     ));
                 }
+                if c.signature == WebhookSignature::Standard {
+                    let resolved = c.secret.as_ref().filter(|s| s.unresolved().is_none());
+                    match (&c.secret, resolved) {
+                        (None, _) => {
+                            return Err(Error::config(
+                                at.join("secret"),
+                                "is required with signature = \"standard\" (a `whsec_<base64>` secret)",
+                            ))
+                        }
+                        (_, Some(s)) if !s.expose().starts_with(STANDARD_SECRET_PREFIX) => {
+                            return Err(Error::config(
+                                at.join("secret"),
+                                "must be a Standard Webhooks secret, `whsec_` then the key in base64, with signature = \"standard\"",
+                            ))
+                        }
+                        _ => {}
+                    }
+                }
                 &["http", "https"]
             }
         };
@@ -257,11 +275,35 @@ pub struct WebhookPublisherConfig {
     /// HMAC-SHA256 key; when set every request is signed.
     #[serde(default)]
     pub secret: Option<Secret>,
+    /// How requests are signed: `postbox` (`X-Postbox-Signature`, the
+    /// default) or `standard` (the Standard Webhooks headers
+    /// `webhook-id`, `webhook-timestamp`, `webhook-signature`, with a
+    /// `whsec_…` secret), which receivers verify with the
+    /// `standardwebhooks` libraries.
+    #[serde(default)]
+    pub signature: WebhookSignature,
     /// Per-request timeout (default 10s; the relay's `publish_timeout`
     /// still bounds the whole batch).
     #[serde(default = "default_webhook_timeout")]
     pub timeout: HumanDuration,
 }
+
+/// `signature` of a webhook publisher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WebhookSignature {
+    /// `X-Postbox-Timestamp` and `X-Postbox-Signature: v1=<hex HMAC>`.
+    #[default]
+    Postbox,
+    /// Standard Webhooks (<https://www.standardwebhooks.com>): `webhook-id`
+    /// (the event id), `webhook-timestamp`, `webhook-signature: v1,<base64
+    /// HMAC-SHA256 of "id.timestamp.body">`, keyed by the bytes of a
+    /// `whsec_<base64>` secret.
+    Standard,
+}
+
+/// The prefix of a Standard Webhooks secret.
+pub const STANDARD_SECRET_PREFIX: &str = "whsec_";
 
 /// Separates a key from its reason in a template's error. Inside a
 /// `[[publishers]]` entry (an internally tagged enum, buffered by serde) the

@@ -385,6 +385,33 @@ mod tests {
     }
 
     #[test]
+    fn standard_webhook_signing_needs_a_whsec_secret() {
+        let webhook = |extra: serde_json::Value| {
+            let mut entry = serde_json::json!({ "kind": "webhook", "url": "http://127.0.0.1:1/h", "signature": "standard" });
+            entry
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            Config {
+                publishers: vec![serde_json::from_value(entry).unwrap()],
+                ..Config::default()
+            }
+        };
+        for extra in [
+            serde_json::json!({}),
+            serde_json::json!({ "secret": "plain" }),
+        ] {
+            assert_eq!(
+                key_of(webhook(extra).validate().unwrap_err()),
+                "publishers.0.secret"
+            );
+        }
+        webhook(serde_json::json!({ "secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw" }))
+            .validate()
+            .unwrap();
+    }
+
+    #[test]
     fn admin_tokens_are_named_once_and_each_its_own() {
         let admin = |body: serde_json::Value| Config {
             admin: Some(serde_json::from_value(body).unwrap()),

@@ -10,3 +10,11 @@ pub const SIGNATURE: &str = "X-Postbox-Signature";
 /// The consumer bridge's attempt at the event (the consumer's attempt
 /// counter, 1 on the first delivery).
 pub const CONSUME_ATTEMPT: &str = "X-Postbox-Attempt";
+
+/// Standard Webhooks (`signature = "standard"`): the message id, the event
+/// id.
+pub const STANDARD_ID: &str = "webhook-id";
+/// Standard Webhooks: unix seconds of the signature.
+pub const STANDARD_TIMESTAMP: &str = "webhook-timestamp";
+/// Standard Webhooks: `v1,<base64 HMAC-SHA256 of "id.timestamp.body">`.
+pub const STANDARD_SIGNATURE: &str = "webhook-signature";

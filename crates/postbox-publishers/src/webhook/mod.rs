@@ -5,7 +5,11 @@
 //! `Idempotency-Key: <event_id>`. With a `secret`, it is signed:
 //! `X-Postbox-Timestamp: <unix seconds>` and
 //! `X-Postbox-Signature: v1=<hex HMAC-SHA256(secret, "<timestamp>.<body>")>`
-//! (see `docs/webhook-signature.md` for verifying it).
+//! (see `docs/webhook-signature.md` for verifying it); or, with `signature
+//! = "standard"`, as Standard Webhooks sign: `webhook-id: <event_id>`,
+//! `webhook-timestamp`, `webhook-signature: v1,<base64 HMAC-SHA256(key,
+//! "<id>.<timestamp>.<body>")>`, the key being the bytes of the
+//! `whsec_<base64>` secret.
 //!
 //! A 2xx answer is success. Anything else is a failed attempt: 408, 429 and
 //! 5xx are the retryable kind, and a `Retry-After` on 429 or 503 (seconds or
@@ -26,7 +30,7 @@ use reqwest::{StatusCode, Url};
 use sha2::Sha256;
 use tokio::sync::Semaphore;
 
-use postbox_core::config::WebhookPublisherConfig;
+use postbox_core::config::{WebhookPublisherConfig, WebhookSignature, STANDARD_SECRET_PREFIX};
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::Secret;
 use postbox_core::wire::{self, http};
@@ -48,9 +52,69 @@ pub struct WebhookPublisher {
     url: Url,
     /// The URL without userinfo or query, for messages.
     shown_url: String,
-    secret: Option<Secret>,
+    signer: Option<Signer>,
     timeout: Duration,
     client: reqwest::Client,
+}
+
+/// How requests are signed.
+enum Signer {
+    /// `X-Postbox-Signature` with the secret as the key.
+    Postbox(Secret),
+    /// Standard Webhooks, with the decoded key of a `whsec_` secret.
+    Standard(Vec<u8>),
+}
+
+impl Signer {
+    fn of(config: &WebhookPublisherConfig) -> Result<Option<Self>> {
+        let Some(secret) = &config.secret else {
+            return Ok(None);
+        };
+        Ok(Some(match config.signature {
+            WebhookSignature::Postbox => Signer::Postbox(secret.clone()),
+            WebhookSignature::Standard => Signer::Standard(standard_key(secret)?),
+        }))
+    }
+}
+
+/// The key of a Standard Webhooks secret: the base64 after `whsec_`.
+pub fn standard_key(secret: &Secret) -> Result<Vec<u8>> {
+    use base64::Engine as _;
+    let encoded = secret
+        .expose()
+        .strip_prefix(STANDARD_SECRET_PREFIX)
+        .ok_or_else(|| {
+            Error::config(
+                "secret",
+                "must start with `whsec_` (signature = \"standard\")",
+            )
+        })?;
+    let key = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim_end_matches('='))
+        .or_else(|_| {
+            base64::engine::general_purpose::STANDARD_NO_PAD.decode(encoded.trim_end_matches('='))
+        })
+        .map_err(|_| Error::config("secret", "is not `whsec_` followed by base64"))?;
+    if key.is_empty() {
+        return Err(Error::config("secret", "holds an empty key after `whsec_`"));
+    }
+    Ok(key)
+}
+
+/// `v1,<base64 HMAC-SHA256(key, "<id>.<timestamp>.<body>")>`, the
+/// Standard Webhooks signature.
+pub fn standard_signature(key: &[u8], id: &str, timestamp: u64, body: &str) -> String {
+    use base64::Engine as _;
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC accepts any key length");
+    mac.update(id.as_bytes());
+    mac.update(b".");
+    mac.update(timestamp.to_string().as_bytes());
+    mac.update(b".");
+    mac.update(body.as_bytes());
+    format!(
+        "v1,{}",
+        base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
+    )
 }
 
 impl WebhookPublisher {
@@ -81,7 +145,7 @@ impl WebhookPublisher {
             name,
             url,
             shown_url,
-            secret: config.secret.clone(),
+            signer: Signer::of(config)?,
             timeout,
             client,
         })
@@ -100,14 +164,31 @@ impl WebhookPublisher {
             .timeout(timeout)
             .header(CONTENT_TYPE, wire::CONTENT_TYPE)
             .header(http::IDEMPOTENCY_KEY, idempotency_key(&d.record.event_id)?);
-        if let Some(secret) = &self.secret {
-            let timestamp = SystemTime::now()
+        let timestamp = || {
+            SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .unwrap_or_default()
-                .as_secs();
-            request = request
-                .header(http::TIMESTAMP, timestamp.to_string())
-                .header(http::SIGNATURE, signature(secret, timestamp, &body));
+                .as_secs()
+        };
+        match &self.signer {
+            None => {}
+            Some(Signer::Postbox(secret)) => {
+                let timestamp = timestamp();
+                request = request
+                    .header(http::TIMESTAMP, timestamp.to_string())
+                    .header(http::SIGNATURE, signature(secret, timestamp, &body));
+            }
+            Some(Signer::Standard(key)) => {
+                let timestamp = timestamp();
+                let id = &d.record.event_id;
+                request = request
+                    .header(http::STANDARD_ID, idempotency_key(id)?)
+                    .header(http::STANDARD_TIMESTAMP, timestamp.to_string())
+                    .header(
+                        http::STANDARD_SIGNATURE,
+                        standard_signature(key, id, timestamp, &body),
+                    );
+            }
         }
         let response = match request.body(body).send().await {
             Ok(r) => r,
@@ -319,6 +400,34 @@ mod tests {
     fn shown_url_hides_userinfo_and_query() {
         let url = Url::parse("https://user:pw@hooks.example:8443/in/x?token=abc").unwrap();
         assert_eq!(shown_url(&url), "https://hooks.example:8443/in/x");
+    }
+
+    #[test]
+    fn the_standard_signature_is_the_specifications() {
+        // The example of the Standard Webhooks specification, as its
+        // Python package `standardwebhooks` 1.1.0 signs it too.
+        let key = standard_key(&Secret::new("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")).unwrap();
+        assert_eq!(
+            standard_signature(
+                &key,
+                "msg_p5jXN8AQM9LWM0D4loKWxJek",
+                1_614_265_330,
+                r#"{"test": 2432232314}"#
+            ),
+            "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+        );
+        for bad in [
+            "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+            "whsec_not base64!",
+            "whsec_",
+        ] {
+            let e = standard_key(&Secret::new(bad)).unwrap_err();
+            assert!(e.to_string().contains("secret"), "{bad}: {e}");
+            assert!(
+                !e.to_string().contains("MfKQ"),
+                "the secret is never shown: {e}"
+            );
+        }
     }
 
     #[test]

@@ -62,6 +62,7 @@ async fn a_webhook_outage_retries_only_the_webhook_and_rabbitmq_gets_each_event_
     };
     let webhook: Arc<dyn Publisher> = Arc::new(
         WebhookPublisher::new(&WebhookPublisherConfig {
+            signature: Default::default(),
             name: Some("im-webhook".to_owned()),
             url: SecretUrl::new(format!("http://127.0.0.1:{port}/im/push")),
             secret: None,

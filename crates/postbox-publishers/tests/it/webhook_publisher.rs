@@ -137,6 +137,7 @@ impl Receiver {
 
 fn config(url: &str, secret: &str) -> WebhookPublisherConfig {
     WebhookPublisherConfig {
+        signature: Default::default(),
         name: Some("webhook".to_owned()),
         url: SecretUrl::new(url),
         secret: Some(Secret::new(secret)),
@@ -330,5 +331,104 @@ async fn a_slow_receiver_gets_every_event_once_without_retries() {
     assert!(
         rows.iter().all(|r| r.retry_count == 0),
         "no row has a failed attempt"
+    );
+}
+
+/// Where `scripts/test` installs the Standard Webhooks Python package
+/// (`python3 -m pip install --target … standardwebhooks==1.1.0`).
+fn standardwebhooks_dir() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python");
+    assert!(
+        dir.join("standardwebhooks").exists(),
+        "the Python package standardwebhooks is not installed: run `python3 -m pip install --target {} standardwebhooks==1.1.0` (scripts/test does this)",
+        dir.display()
+    );
+    dir
+}
+
+/// Issue 15.5: with `signature = "standard"`, every request verifies with
+/// the Standard Webhooks Python package from PyPI, unmodified, given the
+/// `whsec_` secret; a changed body, id or secret does not.
+#[tokio::test]
+async fn a_standard_webhooks_receiver_verifies_every_request() {
+    let site = standardwebhooks_dir();
+    type Seen = Arc<Mutex<Vec<(serde_json::Map<String, serde_json::Value>, String)>>>;
+    let seen: Seen = Arc::default();
+    let app = axum::Router::new()
+        .fallback(
+            async |State(seen): State<Seen>, headers: HeaderMap, body: Bytes| {
+                let headers = headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str().to_owned(), v.to_str().unwrap().into()))
+                    .collect();
+                let body = String::from_utf8(body.to_vec()).unwrap();
+                seen.lock().unwrap().push((headers, body));
+                StatusCode::NO_CONTENT
+            },
+        )
+        .with_state(seen.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    let publisher = WebhookPublisher::new(&WebhookPublisherConfig {
+        signature: postbox_core::config::WebhookSignature::Standard,
+        ..config(&format!("{base}/hooks"), secret)
+    })
+    .unwrap();
+    let events = sample_events("room", 3);
+    let deliveries: Vec<_> = events
+        .iter()
+        .map(postbox_core::publish::Delivery::of)
+        .collect();
+    for r in publisher.publish(&deliveries).await {
+        r.unwrap();
+    }
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3);
+    for (headers, _) in &seen {
+        assert!(
+            events
+                .iter()
+                .any(|e| headers["webhook-id"] == e.event_id.as_str()),
+            "webhook-id is the event id: {headers:?}"
+        );
+        assert!(!headers.contains_key("x-postbox-signature"), "{headers:?}");
+    }
+    let check = r#"
+import json, sys
+from standardwebhooks import Webhook, WebhookVerificationError
+requests, secret = json.load(open(sys.argv[1])), sys.argv[2]
+def verifies(secret, body, headers):
+    try:
+        Webhook(secret).verify(body, headers)
+        return True
+    except WebhookVerificationError:
+        return False
+for headers, body in requests:
+    assert verifies(secret, body, headers), "a request postbox sent does not verify"
+    assert not verifies(secret, body.replace("room", "r00m"), headers), "a changed body verifies"
+    assert not verifies(secret, body, dict(headers, **{"webhook-id": "other"})), "another id verifies"
+    assert not verifies("whsec_" + "QUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFB", body, headers), "another secret verifies"
+print("verified", len(requests))
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let requests = dir.path().join("requests.json");
+    std::fs::write(&requests, serde_json::to_string(&seen).unwrap()).unwrap();
+    let out = tokio::process::Command::new("python3")
+        .arg("-c")
+        .arg(check)
+        .arg(&requests)
+        .arg(secret)
+        .env("PYTHONPATH", &site)
+        .output()
+        .await
+        .expect("python3 on PATH");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("verified 3"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
