@@ -232,3 +232,60 @@ mod tests {
         assert!(parse_prometheus("# TYPE a countr").is_err());
     }
 }
+
+/// The `deploy/` files that name postbox's metrics: the alert rules and the
+/// Grafana dashboard.
+pub const DEPLOY_FILES: [&str; 2] = [
+    "deploy/prometheus/alerts.yml",
+    "deploy/grafana/postbox.json",
+];
+
+/// A metric's family name: a histogram's `_bucket`, `_sum` and `_count`
+/// series belong to it.
+fn family(name: &str) -> &str {
+    ["_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name)
+}
+
+/// Every `postbox_…` metric family the [`DEPLOY_FILES`] name, with the file
+/// that names it.
+pub fn deploy_metric_names() -> std::collections::BTreeMap<String, &'static str> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut names = std::collections::BTreeMap::new();
+    for file in DEPLOY_FILES {
+        let text =
+            std::fs::read_to_string(root.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find("postbox_") {
+            let word: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            rest = &rest[at + word.len()..];
+            names.entry(family(&word).to_owned()).or_insert(file);
+        }
+    }
+    assert!(
+        !names.is_empty(),
+        "no postbox_ metric named in {DEPLOY_FILES:?}"
+    );
+    names
+}
+
+/// Checks that every metric family the [`DEPLOY_FILES`] name with a name
+/// that `owned` accepts is among the `samples` of a live `/metrics`.
+pub fn assert_deploy_names_exported(samples: &[Sample], owned: impl Fn(&str) -> bool) {
+    let live: std::collections::BTreeSet<&str> = samples.iter().map(|s| family(&s.name)).collect();
+    let named = deploy_metric_names();
+    let mut checked = 0;
+    for (name, file) in named.iter().filter(|(n, _)| owned(n)) {
+        assert!(
+            live.contains(name.as_str()),
+            "{file} names `{name}`, which a live /metrics does not export (it has: {live:?})"
+        );
+        checked += 1;
+    }
+    assert!(checked > 0, "no deploy metric checked");
+}

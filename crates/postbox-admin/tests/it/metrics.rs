@@ -112,6 +112,11 @@ async fn metrics_after_a_relay_run() {
         ),
         0.0
     );
+    // Issue 15.6: every relay metric the shipped alert rules and Grafana
+    // dashboard name is one this relay exports.
+    postbox_testkit::http::assert_deploy_names_exported(&samples, |n| {
+        !n.starts_with("postbox_consume_")
+    });
     assert!(
         res.body
             .contains("# TYPE postbox_delivery_lag_seconds histogram"),

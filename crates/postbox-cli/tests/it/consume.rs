@@ -509,6 +509,12 @@ async fn consume_serves_its_metrics() {
     assert_eq!(keys.lock().unwrap().len(), 2);
     let count = format!("postbox_consume_handler_seconds_count{{consumer=\"{queue}\"}} 2");
     assert!(metrics.contains(&count), "no `{count}` in:\n{metrics}");
+    // Issue 15.6: every consumer metric the shipped alert rules and Grafana
+    // dashboard name is one this process exports.
+    let samples = postbox_testkit::http::parse_prometheus(&metrics).unwrap();
+    postbox_testkit::http::assert_deploy_names_exported(&samples, |n| {
+        n.starts_with("postbox_consume_")
+    });
     stopped(&mut consumer).await;
     delete_queues(&ch, &queue).await;
 }

@@ -7,6 +7,7 @@ mod archive;
 mod cli;
 mod consume;
 mod dashboard;
+mod deploy;
 mod docs_zh;
 mod doctor;
 mod relay_processes;
