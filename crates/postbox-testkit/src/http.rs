@@ -215,24 +215,6 @@ pub fn sample_value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> 
         .map(|s| s.value)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_samples_and_rejects_garbage() {
-        let text = "# HELP a_total Things.\n# TYPE a_total counter\na_total{x=\"1\",y=\"q\\\"z\"} 3\nb 1.5e3\nh_bucket{le=\"+Inf\"} 2\n";
-        let s = parse_prometheus(text).unwrap();
-        assert_eq!(sample_value(&s, "a_total", &[("y", "q\"z")]), Some(3.0));
-        assert_eq!(sample_value(&s, "b", &[]), Some(1500.0));
-        assert_eq!(s.len(), 3);
-        assert!(parse_prometheus("a{x=1} 2").is_err());
-        assert!(parse_prometheus("a 2 x").is_err());
-        assert!(parse_prometheus("1a 2").is_err());
-        assert!(parse_prometheus("# TYPE a countr").is_err());
-    }
-}
-
 /// The `deploy/` files that name postbox's metrics: the alert rules and the
 /// Grafana dashboard.
 pub const DEPLOY_FILES: [&str; 2] = [
@@ -288,4 +270,22 @@ pub fn assert_deploy_names_exported(samples: &[Sample], owned: impl Fn(&str) -> 
         checked += 1;
     }
     assert!(checked > 0, "no deploy metric checked");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_samples_and_rejects_garbage() {
+        let text = "# HELP a_total Things.\n# TYPE a_total counter\na_total{x=\"1\",y=\"q\\\"z\"} 3\nb 1.5e3\nh_bucket{le=\"+Inf\"} 2\n";
+        let s = parse_prometheus(text).unwrap();
+        assert_eq!(sample_value(&s, "a_total", &[("y", "q\"z")]), Some(3.0));
+        assert_eq!(sample_value(&s, "b", &[]), Some(1500.0));
+        assert_eq!(s.len(), 3);
+        assert!(parse_prometheus("a{x=1} 2").is_err());
+        assert!(parse_prometheus("a 2 x").is_err());
+        assert!(parse_prometheus("1a 2").is_err());
+        assert!(parse_prometheus("# TYPE a countr").is_err());
+    }
 }
