@@ -43,7 +43,7 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Create or upgrade the outbox tables and indexes (idempotent).
-    Migrate,
+    Migrate(MigrateArgs),
     /// Relay committed rows to every publisher until SIGINT/SIGTERM.
     Relay(RelayArgs),
     /// Counts by status, oldest pending age and backlog per app_code.
@@ -66,6 +66,32 @@ pub enum Command {
     Serve(ServeArgs),
     /// A self-contained demo on SQLite and a JSON-lines file; no servers needed.
     Quickstart(QuickstartArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    /// Print the SQL `migrate` would run, version by version, instead of
+    /// running it (no connection is made): for a team's own migration tool.
+    #[arg(long)]
+    pub print_sql: bool,
+    /// With --print-sql: only the versions after N (the schema's version now).
+    #[arg(long, value_name = "N", default_value_t = 0, requires = "print_sql")]
+    pub from: u32,
+    /// With --print-sql: one file per version in DIR instead of stdout.
+    #[arg(long, value_name = "DIR", requires = "print_sql")]
+    pub out: Option<std::path::PathBuf>,
+    /// With --out: the files' names, as the tool that applies them wants.
+    #[arg(long, value_enum, default_value_t = ScriptFormat::Flyway, requires = "out")]
+    pub format: ScriptFormat,
+}
+
+/// How `migrate --print-sql --out` names its files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ScriptFormat {
+    /// `V<n>__<description>.sql` (Flyway; Liquibase includes them as SQL files).
+    Flyway,
+    /// `<n>_<description>.up.sql` (golang-migrate).
+    GolangMigrate,
 }
 
 #[derive(Debug, Args)]

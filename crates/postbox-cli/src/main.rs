@@ -68,7 +68,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Consume => commands::consume::run(g).await,
         Command::Consumers(args) => commands::consumers::run(g, args).await,
-        Command::Migrate => commands::migrate::run(g).await,
+        Command::Migrate(args) => commands::migrate::run(g, args).await,
         Command::Relay(args) => commands::relay::run(g, args).await,
         Command::Status(args) => commands::status::run(g, args).await,
         Command::Events(args) => commands::events::run(g, args).await,

@@ -49,6 +49,26 @@ async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn Outbox
     }
 }
 
+pub use postbox_sqlx::ScriptVersion;
+
+/// The statements `migrate` runs for `database.table` on the database
+/// `database.url` names, for the schema versions after `from`, as SQL text
+/// (`postbox migrate --print-sql`); no connection is made.
+pub fn migration_script(settings: &Settings, from: u32) -> Vec<ScriptVersion> {
+    let table = &settings.database.table;
+    match settings.database_kind() {
+        DatabaseKind::Postgres => {
+            postbox_sqlx::migration_script::<postbox_postgres::PgDialect>(table, from)
+        }
+        DatabaseKind::MySql => {
+            postbox_sqlx::migration_script::<postbox_mysql::MySqlDialect>(table, from)
+        }
+        DatabaseKind::Sqlite => {
+            postbox_sqlx::migration_script::<postbox_sqlite::SqliteDialect>(table, from)
+        }
+    }
+}
+
 /// Fails with a clear message when the outbox table does not exist yet.
 pub fn require_schema(store: &dyn OutboxStore) -> BoxFuture<'_, Result<(), Error>> {
     Box::pin(require_schema_here(store))

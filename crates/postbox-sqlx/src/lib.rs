@@ -9,6 +9,7 @@
 pub mod dialect;
 mod engine;
 mod list;
+mod script;
 mod store;
 mod wake;
 
@@ -27,6 +28,7 @@ pub use engine::{
     finish, query, OpenOptions, Opened, ReplayProbe, ReplayProbeArgs, SqlOutbox, MIGRATIONS_LEDGER,
 };
 pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
+pub use script::{migration_script, ScriptVersion};
 pub use wake::due_union;
 
 use postbox_core::event::parse_delivered_to;

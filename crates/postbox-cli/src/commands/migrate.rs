@@ -1,12 +1,18 @@
 //! `postbox migrate`.
 
-use crate::cli::Global;
+use postbox_core::config::{DatabaseKind, Settings};
+use postbox_runtime::store::ScriptVersion;
+
+use crate::cli::{Global, MigrateArgs, ScriptFormat};
 use crate::error::CliError;
 use crate::open::{load_config, open_store_creating, WITH_CONSUMERS};
 use crate::output;
 
-pub async fn run(g: &Global) -> Result<(), CliError> {
+pub async fn run(g: &Global, args: MigrateArgs) -> Result<(), CliError> {
     let config = load_config(g, WITH_CONSUMERS)?;
+    if args.print_sql {
+        return print_sql(&config, &args);
+    }
     let store = open_store_creating(&config).await?;
     let report = store.migrate().await?;
     let inboxes = postbox_runtime::consumers::migrate_inboxes(&config).await?;
@@ -34,6 +40,66 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     }
     for line in inboxes {
         outln!("{line}.");
+    }
+    Ok(())
+}
+
+/// `--print-sql`: the versions after `--from`, to stdout or a file each.
+fn print_sql(config: &Settings, args: &MigrateArgs) -> Result<(), CliError> {
+    let versions = postbox_runtime::store::migration_script(config, args.from);
+    let backend = match config.database_kind() {
+        DatabaseKind::Postgres => "PostgreSQL",
+        DatabaseKind::MySql => "MariaDB/MySQL",
+        DatabaseKind::Sqlite => "SQLite",
+    };
+    let table = config.database.table.as_str();
+    let text = |v: &ScriptVersion| {
+        let mut s = format!(
+            "-- postbox schema version {} of `{table}` ({backend}): {}\n",
+            v.version, v.description
+        );
+        for st in &v.statements {
+            s.push_str(st.trim_end());
+            s.push_str(";\n");
+        }
+        s
+    };
+    let Some(dir) = &args.out else {
+        if versions.is_empty() {
+            errln!("postbox: nothing after schema version {}", args.from);
+        }
+        for v in &versions {
+            outln!("{}", text(v));
+        }
+        return Ok(());
+    };
+    std::fs::create_dir_all(dir)
+        .map_err(|e| CliError::runtime(format!("--out {}: {e}", dir.display())))?;
+    for v in &versions {
+        let slug: String = v
+            .description
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '_'
+                }
+            })
+            .collect::<String>()
+            .split('_')
+            .filter(|w| !w.is_empty())
+            .take(8)
+            .collect::<Vec<_>>()
+            .join("_");
+        let name = match args.format {
+            ScriptFormat::Flyway => format!("V{}__{slug}.sql", v.version),
+            ScriptFormat::GolangMigrate => format!("{:06}_{slug}.up.sql", v.version),
+        };
+        let path = dir.join(&name);
+        std::fs::write(&path, text(v))
+            .map_err(|e| CliError::runtime(format!("{}: {e}", path.display())))?;
+        outln!("{}", path.display());
     }
     Ok(())
 }

@@ -10,4 +10,5 @@ mod dashboard;
 mod deploy;
 mod docs_zh;
 mod doctor;
+mod printed_sql;
 mod relay_processes;
