@@ -12,7 +12,7 @@ use postbox_consumers::nats::NatsConsumer;
 use postbox_consumers::ordering::AggregateHolds;
 use postbox_consumers::rabbitmq::RabbitMqConsumer;
 use postbox_consumers::redis::RedisConsumer;
-use postbox_consumers::{Handler, RetryPolicy};
+use postbox_consumers::{ConsumeReport, Handler, RetryPolicy};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, KeyPath, Settings};
 use postbox_core::relay::CancellationToken;
 use postbox_core::{BoxFuture, Error};
@@ -57,42 +57,38 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
         let shutdown = shutdown.clone();
         let name = c.name().to_owned();
         let placed = at.clone();
-        match c.kind {
+        let (state, run): (
+            Arc<ConsumerState>,
+            BoxFuture<'static, Result<ConsumeReport, Error>>,
+        ) = match c.kind {
             ConsumerKind::Rabbitmq => {
                 let mut consumer =
                     RabbitMqConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
                 if let Some(holds) = holds {
                     consumer = consumer.with_holds(holds);
                 }
-                controls.push(Arc::new(Controlled(consumer.state())));
-                tasks.spawn(async move {
-                    (
-                        name,
-                        consumer.run(shutdown).await.map_err(|e| e.within(&placed)),
-                    )
-                });
+                (
+                    consumer.state(),
+                    Box::pin(async move { consumer.run(shutdown).await }),
+                )
             }
             ConsumerKind::Nats => {
                 let consumer = NatsConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
-                controls.push(Arc::new(Controlled(consumer.state())));
-                tasks.spawn(async move {
-                    (
-                        name,
-                        consumer.run(shutdown).await.map_err(|e| e.within(&placed)),
-                    )
-                });
+                (
+                    consumer.state(),
+                    Box::pin(async move { consumer.run(shutdown).await }),
+                )
             }
             ConsumerKind::Redis => {
                 let consumer = RedisConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
-                controls.push(Arc::new(Controlled(consumer.state())));
-                tasks.spawn(async move {
-                    (
-                        name,
-                        consumer.run(shutdown).await.map_err(|e| e.within(&placed)),
-                    )
-                });
+                (
+                    consumer.state(),
+                    Box::pin(async move { consumer.run(shutdown).await }),
+                )
             }
-        }
+        };
+        controls.push(Arc::new(Controlled(state)));
+        tasks.spawn(async move { (name, run.await.map_err(|e| e.within(&placed))) });
     }
     let metrics = server.map(|server| {
         let server = server.with_consumers(controls, &settings.admin_or_default());

@@ -475,22 +475,66 @@ fn free_addr() -> String {
     free.local_addr().unwrap().to_string()
 }
 
+/// A running `postbox consume` of a scratch queue, bridged to a handler
+/// answering 200 after 20 ms, with `[admin]` on a free address. (Bind
+/// `_dir` and `_conn` too: they hold its config file and the broker
+/// connection of `ch`.)
+struct AdminConsume {
+    _dir: tempfile::TempDir,
+    keys: Arc<Mutex<Vec<String>>>,
+    _conn: lapin::Connection,
+    ch: Channel,
+    queue: String,
+    addr: String,
+    config: std::path::PathBuf,
+    consumer: tokio::process::Child,
+    /// When it started consuming.
+    start: Instant,
+}
+
+/// [`AdminConsume`] on a queue named after `prefix`, `admin` added to its
+/// `[admin]` section.
+async fn admin_consume(prefix: &str, admin: &str) -> AdminConsume {
+    let dir = tempfile::tempdir().unwrap();
+    let (url, keys) = slow_server(Duration::from_millis(20)).await;
+    let (conn, ch) = broker().await;
+    let queue = scratch_table(prefix);
+    let addr = free_addr();
+    let toml = format!(
+        "{}\n[admin]\nlisten = \"{addr}\"\n{admin}",
+        consumer_toml(&queue, &url, "")
+    );
+    let config = write_config(dir.path(), &toml);
+    let consumer = consume(&config).spawn().unwrap();
+    let start = consuming(&queue).await;
+    AdminConsume {
+        _dir: dir,
+        keys,
+        _conn: conn,
+        ch,
+        queue,
+        addr,
+        config,
+        consumer,
+        start,
+    }
+}
+
 /// With `[admin]`, `postbox consume` serves `/healthz` and `/metrics`:
 /// each message counted by result, and the handler's time per message.
 #[tokio::test]
 async fn consume_serves_its_metrics() {
-    let dir = tempfile::tempdir().unwrap();
-    let (url, keys) = slow_server(Duration::from_millis(20)).await;
-    let (_conn, ch) = broker().await;
-    let queue = scratch_table("consume_metrics");
-    let addr = free_addr();
-    let toml = format!(
-        "{}\n[admin]\nlisten = \"{addr}\"\n",
-        consumer_toml(&queue, &url, "")
-    );
-    let config = write_config(dir.path(), &toml);
-    let mut consumer = consume(&config).spawn().unwrap();
-    let start = consuming(&queue).await;
+    let AdminConsume {
+        keys,
+        ch,
+        queue,
+        addr,
+        mut consumer,
+        start,
+        _dir,
+        _conn,
+        ..
+    } = admin_consume("consume_metrics", "").await;
     assert!(http_get(&addr, "/healthz").await.contains("ok"));
     publish(&ch, &queue, "m-1", "{}").await;
     publish(&ch, &queue, "m-2", "{}").await;
@@ -550,6 +594,16 @@ async fn http_call(addr: &str, method: &str, path: &str, token: Option<&str>) ->
     (status, body)
 }
 
+/// `POST /api/consumers/{name}/{action}` as the holder of `token`.
+async fn switch(addr: &str, name: &str, action: &str, token: &str) -> (u16, String) {
+    http_post(
+        addr,
+        &format!("/api/consumers/{name}/{action}"),
+        Some(token),
+    )
+    .await
+}
+
 /// `name`'s entry in `GET /api/consumers` (read with `token`).
 async fn consumer_entry(addr: &str, name: &str, token: &str) -> serde_json::Value {
     let all: serde_json::Value =
@@ -570,21 +624,26 @@ async fn consumer_entry(addr: &str, name: &str, token: &str) -> serde_json::Valu
 /// redelivered.
 #[tokio::test]
 async fn a_consumer_is_paused_and_resumed_by_name() {
-    let dir = tempfile::tempdir().unwrap();
-    let (url, keys) = slow_server(Duration::from_millis(20)).await;
-    let (_conn, ch) = broker().await;
-    let queue = scratch_table("consume_pause");
-    let addr = free_addr();
     let token = "pause-token-5d1";
     let viewer = "viewer-token-9c2";
-    let toml = format!(
-        "{}\n[admin]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n\
-         [[admin.tokens]]\nname = \"watcher\"\nrole = \"viewer\"\ntoken = \"{viewer}\"\n",
-        consumer_toml(&queue, &url, "")
-    );
-    let config = write_config(dir.path(), &toml);
-    let mut consumer = consume(&config).spawn().unwrap();
-    let start = consuming(&queue).await;
+    let AdminConsume {
+        keys,
+        ch,
+        queue,
+        addr,
+        config,
+        mut consumer,
+        start,
+        _dir,
+        _conn,
+    } = admin_consume(
+        "consume_pause",
+        &format!(
+            "token = \"{token}\"\n\
+             [[admin.tokens]]\nname = \"watcher\"\nrole = \"viewer\"\ntoken = \"{viewer}\"\n"
+        ),
+    )
+    .await;
     publish(&ch, &queue, "p-1", "{}").await;
     while keys.lock().unwrap().is_empty() {
         assert!(start.elapsed() < Duration::from_secs(20), "p-1 not handled");
@@ -604,12 +663,7 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
         consumer_entry(&addr, &queue, viewer).await["state"],
         "consuming"
     );
-    let (status, body) = http_post(
-        &addr,
-        &format!("/api/consumers/{queue}/pause"),
-        Some(viewer),
-    )
-    .await;
+    let (status, body) = switch(&addr, &queue, "pause", viewer).await;
     assert_eq!(status, 403, "{body}");
     assert!(
         body.contains("watcher") && body.contains("operator"),
@@ -671,12 +725,7 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
         "{shown}"
     );
 
-    let (status, body) = http_post(
-        &addr,
-        &format!("/api/consumers/{queue}/resume"),
-        Some(token),
-    )
-    .await;
+    let (status, body) = switch(&addr, &queue, "resume", token).await;
     assert_eq!(status, 200, "{body}");
     let resumed = Instant::now();
     while keys.lock().unwrap().len() < 4 {

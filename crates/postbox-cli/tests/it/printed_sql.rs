@@ -74,8 +74,35 @@ fn apply(client: &str, args: &[&str], file: &Path) {
     );
 }
 
-/// A store whose table was made by the printed SQL, not by `migrate`.
-async fn checked<S: OutboxStore>(store: S) -> Arc<dyn OutboxStore> {
+/// A store whose table was made by the printed SQL, not by `migrate`:
+/// the files for a scratch table of `server` at `url` (in `format`),
+/// applied one by one with `client` and the `args` that point it at the
+/// database; then checked as `migrate` and `doctor` see it.
+/// A database: its testkit server name, the `--format` its files are
+/// printed in, and its client.
+struct Db {
+    server: &'static str,
+    format: &'static str,
+    client: &'static str,
+}
+
+async fn printed_store<S: OutboxStore, F: std::future::Future<Output = postbox_core::Result<S>>>(
+    Db {
+        server,
+        format,
+        client,
+    }: Db,
+    url: String,
+    args: &[&str],
+    connect: impl FnOnce(String, String) -> F,
+) -> Arc<dyn OutboxStore> {
+    ensure_database(server, &url).await;
+    let table = scratch_table("printed");
+    let dir = tempfile::tempdir().unwrap();
+    for file in printed(dir.path(), &url, &table, format) {
+        apply(client, args, &file);
+    }
+    let store = connect(url, table).await.unwrap();
     let report = store.migrate().await.unwrap();
     assert!(
         report.applied.is_empty(),
@@ -95,22 +122,19 @@ mod postgres {
     use postbox_postgres::PgOutbox;
     use postbox_testkit::conformance_suite;
 
-    async fn printed_store() -> Arc<dyn OutboxStore> {
+    async fn fresh() -> Arc<dyn OutboxStore> {
         let url = postgres_url();
-        ensure_database("postgres", &url).await;
-        let table = scratch_table("printed");
-        let dir = tempfile::tempdir().unwrap();
-        for file in printed(dir.path(), &url, &table, "flyway") {
-            apply(
-                "psql",
-                &[&url, "-q", "-v", "ON_ERROR_STOP=1", "-f", "-"],
-                &file,
-            );
-        }
-        checked(PgOutbox::connect(&url, &table, 4).await.unwrap()).await
+        let args = [url.as_str(), "-q", "-v", "ON_ERROR_STOP=1", "-f", "-"];
+        let db = Db {
+            server: "postgres",
+            format: "flyway",
+            client: "psql",
+        };
+        let connect = async |url: String, table: String| PgOutbox::connect(&url, &table, 4).await;
+        printed_store(db, url.clone(), &args, connect).await
     }
 
-    conformance_suite!(printed_store);
+    conformance_suite!(fresh);
 }
 
 mod mariadb {
@@ -118,12 +142,9 @@ mod mariadb {
     use postbox_mysql::MySqlOutbox;
     use postbox_testkit::conformance_suite;
 
-    async fn printed_store() -> Arc<dyn OutboxStore> {
-        let url = mysql_url();
-        ensure_database("mysql", &url).await;
-        let table = scratch_table("printed");
-        let dir = tempfile::tempdir().unwrap();
+    async fn fresh() -> Arc<dyn OutboxStore> {
         // mysql://user[:password]@host:port/database
+        let url = mysql_url();
         let rest = url.split_once("://").unwrap().1;
         let (auth, place) = rest.rsplit_once('@').unwrap();
         let (user, password) = auth.split_once(':').unwrap_or((auth, ""));
@@ -134,13 +155,17 @@ mod mariadb {
         if password != "--password=" {
             args.push(&password);
         }
-        for file in printed(dir.path(), &url, &table, "golang-migrate") {
-            apply("mariadb", &args, &file);
-        }
-        checked(MySqlOutbox::connect(&url, &table, 4).await.unwrap()).await
+        let db = Db {
+            server: "mysql",
+            format: "golang-migrate",
+            client: "mariadb",
+        };
+        let connect =
+            async |url: String, table: String| MySqlOutbox::connect(&url, &table, 4).await;
+        printed_store(db, url.clone(), &args, connect).await
     }
 
-    conformance_suite!(printed_store);
+    conformance_suite!(fresh);
 }
 
 /// `--from N` prints the versions after N only; without `--out`, to

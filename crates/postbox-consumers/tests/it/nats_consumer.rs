@@ -154,14 +154,7 @@ impl Broker for NatsBroker {
     }
 
     fn start_controlled(&self, s: Start) -> (ConsumerTask, Arc<ConsumerState>) {
-        let consumer = NatsConsumer::new(s.config, s.handler)
-            .unwrap()
-            .with_tag(s.tag);
-        let state = consumer.state();
-        (
-            tokio::spawn(async move { consumer.run(s.cancel).await }),
-            state,
-        )
+        nats_redis_suite::started!(NatsConsumer, s)
     }
 
     async fn cleanup(&self) {

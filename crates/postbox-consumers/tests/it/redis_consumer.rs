@@ -168,14 +168,7 @@ impl Broker for RedisBroker {
     }
 
     fn start_controlled(&self, s: Start) -> (ConsumerTask, Arc<ConsumerState>) {
-        let consumer = RedisConsumer::new(s.config, s.handler)
-            .unwrap()
-            .with_tag(s.tag);
-        let state = consumer.state();
-        (
-            tokio::spawn(async move { consumer.run(s.cancel).await }),
-            state,
-        )
+        nats_redis_suite::started!(RedisConsumer, s)
     }
 
     async fn cleanup(&self) {

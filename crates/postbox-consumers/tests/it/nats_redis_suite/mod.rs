@@ -83,6 +83,23 @@ pub struct Start {
     pub cancel: CancellationToken,
 }
 
+/// A `$consumer` (type) built from `$start` (a [`Start`]), run on a task:
+/// the task and the consumer's state.
+macro_rules! started {
+    ($consumer:ty, $start:expr) => {{
+        let s: Start = $start;
+        let consumer = <$consumer>::new(s.config, s.handler)
+            .unwrap()
+            .with_tag(s.tag);
+        let state = consumer.state();
+        (
+            tokio::spawn(async move { consumer.run(s.cancel).await }),
+            state,
+        )
+    }};
+}
+pub(crate) use started;
+
 /// One broker's scratch set-up.
 #[async_trait]
 pub trait Broker: Send + Sync + 'static {
@@ -221,6 +238,25 @@ pub async fn stop(cancel: &CancellationToken, task: ConsumerTask) -> ConsumeRepo
         .expect("consumer run")
 }
 
+/// Waits for `n` handled messages, stops the consumer (whose report must
+/// count `n` handled), and returns the calls.
+async fn handled_then_stopped(
+    calls: &Calls,
+    n: usize,
+    cancel: &CancellationToken,
+    task: ConsumerTask,
+) -> Vec<Call> {
+    wait_until(
+        Duration::from_secs(20),
+        &format!("{n} messages handled"),
+        || calls.lock().unwrap().len() >= n,
+    )
+    .await;
+    let report = stop(cancel, task).await;
+    assert_eq!(report.ok, n as u64, "{report:?}");
+    calls.lock().unwrap().clone()
+}
+
 /// (1) N messages reach the handler with the right envelope and are acked.
 pub async fn delivers_every_message_with_its_envelope(b: &dyn Broker) {
     let g = group("all");
@@ -233,13 +269,7 @@ pub async fn delivers_every_message_with_its_envelope(b: &dyn Broker) {
         "a",
         cancel.clone(),
     );
-    wait_until(Duration::from_secs(20), "20 messages handled", || {
-        calls.lock().unwrap().len() >= 20
-    })
-    .await;
-    let report = stop(&cancel, task).await;
-    assert_eq!(report.ok, 20, "{report:?}");
-    let calls = calls.lock().unwrap().clone();
+    let calls = handled_then_stopped(&calls, 20, &cancel, task).await;
     assert_eq!(calls.len(), 20, "each message handled once");
     let by_id: HashMap<&str, &Message> = calls
         .iter()
@@ -565,13 +595,7 @@ pub async fn a_paused_consumer_takes_nothing_until_resumed(b: &dyn Broker) {
     assert_eq!(b.unacked(&g).await.total, 0, "nothing held while paused");
     assert_eq!(b.outstanding(&g).await, 3, "the new messages wait");
     assert!(state.resume());
-    wait_until(Duration::from_secs(20), "6 messages handled", || {
-        calls.lock().unwrap().len() >= 6
-    })
-    .await;
-    let report = stop(&cancel, task).await;
-    assert_eq!(report.ok, 6, "{report:?}");
-    let calls = calls.lock().unwrap().clone();
+    let calls = handled_then_stopped(&calls, 6, &cancel, task).await;
     for e in before.iter().chain(&during) {
         let got: Vec<&Call> = calls
             .iter()
