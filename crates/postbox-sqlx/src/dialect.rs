@@ -86,7 +86,9 @@ pub struct Statements<S = &'static str> {
     pub backlog: S,
     /// `SELECT <columns> FROM {table}`, completed by [`crate::list_query`].
     pub list_select: S,
-    /// The smallest app_code above the bind, or NULL (one column).
+    /// The smallest app_code above the bind, or NULL (one column), as
+    /// `… WHERE app_code > <bind>` (the engine's first probe reads it as
+    /// `>=`).
     pub next_app_code: S,
     /// Archived rows of one event; app_codes (list), event_id.
     pub find_archived: S,

@@ -668,10 +668,16 @@ impl SqlOutbox<D> {
     /// One index probe per app_code ([`Statements::next_app_code`]),
     /// however many rows each has.
     pub async fn present_app_codes(&self) -> Result<Vec<String>> {
+        // The first probe takes `>=` the empty string: a row a plain
+        // INSERT wrote with an empty app_code is listed too.
+        let first = self.sql.next_app_code.replacen("app_code > ", "app_code >= ", 1);
         let mut codes: Vec<String> = Vec::new();
         loop {
-            let after = codes.last().map_or("", String::as_str);
-            let next: Option<String> = query::<D>(&self.sql.next_app_code, [after.into()])
+            let (sql, after) = match codes.last() {
+                None => (first.as_str(), ""),
+                Some(last) => (self.sql.next_app_code.as_str(), last.as_str()),
+            };
+            let next: Option<String> = query::<D>(sql, [after.into()])
                 .try_map(|row: <D::DB as Database>::Row| sqlx::Row::try_get(&row, 0))
                 .fetch_one(&self.pool)
                 .await

@@ -131,6 +131,10 @@ async fn a_replay_by_event_id_reads_no_whole_table() {
              SELECT CASE WHEN g % 2 = 0 THEN 'a' ELSE 'b' END, 'e-' || g, 'Old', '{{}}', 'delivered' \
              FROM generate_series(1, 50000) g"
         ),
+        format!(
+            "INSERT INTO {t} (app_code, event_id, event_type, payload, status) \
+             VALUES ('', 'blank-1', 'Old', '{{}}', 'delivered')"
+        ),
         format!("VACUUM ANALYZE {t}"),
     ] {
         sqlx::query(&sql).execute(&pool).await.expect(&sql);
@@ -147,6 +151,8 @@ async fn a_replay_by_event_id_reads_no_whole_table() {
     };
     tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
     let before = tuples_scanned().await;
+    // Every app_code with rows, a plain INSERT's empty one included.
+    assert_eq!(store.present_app_codes().await.unwrap(), ["", "a", "b"]);
     let by_id = ReplaySelector::EventIds {
         app_code: None,
         event_ids: vec!["e-7".to_owned(), "e-8".to_owned()],
