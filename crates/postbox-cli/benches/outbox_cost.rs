@@ -594,46 +594,71 @@ impl Minimal {
                     .collect::<Vec<_>>()
             }
             MinimalPool::My(pool) => {
-                let mut tx = pool.begin().await.expect("begin");
-                let picked = sqlx::query(&format!(
-                    "SELECT id, event_id, event_type, payload FROM {t} \
-                     WHERE app_code = ? AND status = 'pending' \
-                     ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
-                ))
-                .bind(APP)
-                .bind(i64::from(limit))
-                .fetch_all(&mut *tx)
-                .await
-                .expect("minimal claim: select");
-                let rows: Vec<MinimalRow> = picked
-                    .iter()
-                    .map(|r| MinimalRow {
-                        id: r.get("id"),
-                        event_id: r.get("event_id"),
-                        event_type: r.get("event_type"),
-                        payload: r.get("payload"),
-                    })
-                    .collect();
-                if !rows.is_empty() {
-                    let sql = format!(
-                        "UPDATE {t} SET status = 'delivering', worker_id = ?, lock_until_ms = ?, \
-                           updated_at_ms = ? WHERE id IN ({})",
-                        placeholders(rows.len())
-                    );
-                    let mut q = sqlx::query(&sql).bind(worker).bind(lock_until_ms).bind(now);
-                    for r in &rows {
-                        q = q.bind(r.id);
+                // Two loops side by side deadlock now and then at MariaDB's
+                // default isolation; the simplest loop then tries again.
+                loop {
+                    match self
+                        .claim_mysql(pool, worker, limit, lock_until_ms, now)
+                        .await
+                    {
+                        Ok(rows) => break rows,
+                        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("40001") => {
+                            continue
+                        }
+                        Err(e) => panic!("minimal claim: {e}"),
                     }
-                    q.execute(&mut *tx).await.expect("minimal claim: update");
                 }
-                tx.commit().await.expect("commit");
-                rows
             }
         };
         MinimalBatch {
             rows,
             lock_until_ms,
         }
+    }
+
+    /// One MariaDB claim transaction of the minimal loop.
+    async fn claim_mysql(
+        &self,
+        pool: &MySqlPool,
+        worker: &str,
+        limit: u32,
+        lock_until_ms: i64,
+        now: i64,
+    ) -> Result<Vec<MinimalRow>, sqlx::Error> {
+        let t = &self.table;
+        let mut tx = pool.begin().await?;
+        let picked = sqlx::query(&format!(
+            "SELECT id, event_id, event_type, payload FROM {t} \
+             WHERE app_code = ? AND status = 'pending' \
+             ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(APP)
+        .bind(i64::from(limit))
+        .fetch_all(&mut *tx)
+        .await?;
+        let rows: Vec<MinimalRow> = picked
+            .iter()
+            .map(|r| MinimalRow {
+                id: r.get("id"),
+                event_id: r.get("event_id"),
+                event_type: r.get("event_type"),
+                payload: r.get("payload"),
+            })
+            .collect();
+        if !rows.is_empty() {
+            let sql = format!(
+                "UPDATE {t} SET status = 'delivering', worker_id = ?, lock_until_ms = ?, \
+                   updated_at_ms = ? WHERE id IN ({})",
+                placeholders(rows.len())
+            );
+            let mut q = sqlx::query(&sql).bind(worker).bind(lock_until_ms).bind(now);
+            for r in &rows {
+                q = q.bind(r.id);
+            }
+            q.execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        Ok(rows)
     }
 
     /// Marks a claimed batch delivered, fenced by its lease; returns the
