@@ -344,6 +344,9 @@ fn config_checks(config: &Config) -> Vec<Check> {
             ),
         ));
     }
+    if let Some(admin) = &config.admin {
+        checks.push(admin_check(admin));
+    }
     if w.batch_size > 1_000 {
         checks.push(check(
             "config:batch_size",
@@ -355,4 +358,46 @@ fn config_checks(config: &Config) -> Vec<Check> {
         ));
     }
     checks
+}
+
+/// `[admin]`: without a token, anyone who reaches `admin.listen` reads
+/// every event's payload, which is a warning when the address is not
+/// loopback-only.
+fn admin_check(admin: &postbox_core::config::AdminConfig) -> Check {
+    // A `${VAR}` not set here still names a token (`config:env` says so).
+    let tokens = std::iter::once(&admin.token)
+        .chain(admin.tokens.iter().map(|t| &t.token))
+        .filter(|t| !t.is_empty() || t.unresolved().is_some())
+        .count();
+    if tokens > 0 {
+        return check(
+            "config:admin",
+            Level::Ok,
+            format!("{tokens} token(s); reading events needs one, changes need an operator's"),
+        );
+    }
+    let loopback = admin
+        .listen
+        .parse::<std::net::SocketAddr>()
+        .is_ok_and(|a| a.ip().is_loopback())
+        || admin.listen.starts_with("localhost:");
+    if loopback {
+        check(
+            "config:admin",
+            Level::Ok,
+            format!(
+                "no token: reads are open on {} (loopback only), changes refused",
+                admin.listen
+            ),
+        )
+    } else {
+        check(
+            "config:admin",
+            Level::Warn,
+            format!(
+                "no admin token, and admin.listen {} is reachable beyond this host: anyone who reaches it reads every event's payload; set admin.token or [[admin.tokens]], or listen on 127.0.0.1",
+                admin.listen
+            ),
+        )
+    }
 }

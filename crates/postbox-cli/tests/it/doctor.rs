@@ -282,3 +282,51 @@ fn lease_index(db: &Db) -> &'static str {
         _ => "lease_idx",
     }
 }
+
+/// An admin server without a token on an address other hosts reach gives
+/// every event's payload to whoever asks: `doctor` warns; with a token, or
+/// on loopback only, it does not.
+#[test]
+fn doctor_warns_of_an_open_admin_server_beyond_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("outbox.db");
+    let config = dir.path().join("postbox.toml");
+    let admin_check = |admin: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "[database]\nurl = \"sqlite://{}\"\napp_codes = [\"doc\"]\n[admin]\n{admin}",
+                db.display()
+            ),
+        )
+        .unwrap();
+        let out = common::postbox(
+            dir.path(),
+            &["--config", config.to_str().unwrap(), "--json", "doctor"],
+        );
+        expect_in(&json(&out)["checks"], "name", "config:admin")
+    };
+    std::fs::write(
+        &config,
+        format!("[database]\nurl = \"sqlite://{}\"\n", db.display()),
+    )
+    .unwrap();
+    assert_ok(&common::postbox(
+        dir.path(),
+        &["--config", config.to_str().unwrap(), "migrate"],
+    ));
+    let open = admin_check("listen = \"0.0.0.0:9464\"\n");
+    assert_eq!(open["level"], "warn", "{open:#}");
+    assert!(
+        open["message"].as_str().unwrap().contains("0.0.0.0:9464"),
+        "{open:#}"
+    );
+    let local = admin_check("listen = \"127.0.0.1:9464\"\n");
+    assert_eq!(local["level"], "ok", "{local:#}");
+    let guarded = admin_check("listen = \"0.0.0.0:9464\"\ntoken = \"s3cret\"\n");
+    assert_eq!(guarded["level"], "ok", "{guarded:#}");
+    assert!(
+        !guarded.to_string().contains("s3cret"),
+        "the token is never shown: {guarded:#}"
+    );
+}
