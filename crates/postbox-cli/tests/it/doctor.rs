@@ -173,56 +173,53 @@ async fn sqlite_doctor_passes_fresh_and_names_a_dropped_index() {
     doctor_scenario(db, &url, "room_outbox").await;
 }
 
+/// `doctor --json`'s check `name` for a config of the SQLite database in
+/// `dir` (migrated by the first call) followed by `rest`.
+fn doctor_check(dir: &std::path::Path, rest: &str, name: &str) -> serde_json::Value {
+    let db = dir.join("outbox.db");
+    let config = dir.join("postbox.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"sqlite://{}\"\napp_codes = [\"doc\"]\n{rest}",
+            db.display()
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    if !db.exists() {
+        assert_ok(&common::postbox(dir, &["--config", config, "migrate"]));
+    }
+    let out = common::postbox(dir, &["--config", config, "--json", "doctor"]);
+    expect_in(&json(&out)["checks"], "name", name)
+}
+
 #[test]
 fn doctor_warns_when_an_inbox_forgets_before_redeliveries_end() {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("outbox.db");
-    let config = dir.path().join("postbox.toml");
-    let write = |retention: &str| {
-        std::fs::write(
-            &config,
-            format!(
-                "[database]\nurl = \"sqlite://{}\"\napp_codes = [\"doc\"]\n\
-                 [outbox_worker]\nmax_retry_count = 10\nmax_backoff = \"5m\"\n\
-                 [[consumers]]\nkind = \"rabbitmq\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\n\
-                 queue = \"doc_q\"\nmax_attempts = 5\nretry_delay = \"1s\"\n\
-                 inbox = {{ url = \"sqlite://{}\" }}\ninbox_retention = \"{retention}\"\n",
-                db.display(),
-                dir.path().join("inbox.db").display()
-            ),
-        )
-        .unwrap();
-    };
-    let doctor = || {
-        let out = common::postbox(
-            dir.path(),
-            &["--config", config.to_str().unwrap(), "--json", "doctor"],
+    let inbox_db = dir.path().join("inbox.db");
+    let inbox = |retention: &str| {
+        let rest = format!(
+            "[outbox_worker]\nmax_retry_count = 10\nmax_backoff = \"5m\"\n\
+             [[consumers]]\nkind = \"rabbitmq\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\n\
+             queue = \"doc_q\"\nmax_attempts = 5\nretry_delay = \"1s\"\n\
+             inbox = {{ url = \"sqlite://{}\" }}\ninbox_retention = \"{retention}\"\n",
+            inbox_db.display()
         );
-        expect_in(
-            &json(&out)["checks"],
-            "name",
-            "config:consumers.0.inbox_retention",
-        )
+        doctor_check(dir.path(), &rest, "config:consumers.0.inbox_retention")
     };
-    write("10m");
-    assert_ok(&common::postbox(
-        dir.path(),
-        &["--config", config.to_str().unwrap(), "migrate"],
-    ));
-    let inbox = doctor();
+    let short = inbox("10m");
     // 10 relay retries × 5m alone is 50m: 10m of memory is too short.
-    assert_eq!(inbox["level"], "warn", "{inbox:#}");
+    assert_eq!(short["level"], "warn", "{short:#}");
     assert!(
-        inbox["message"]
+        short["message"]
             .as_str()
             .unwrap()
             .contains("consumers.0.inbox_retention (10m)"),
-        "{inbox:#}"
+        "{short:#}"
     );
-
-    write("7d");
-    let inbox = doctor();
-    assert_eq!(inbox["level"], "ok", "{inbox:#}");
+    let long = inbox("7d");
+    assert_eq!(long["level"], "ok", "{long:#}");
 }
 
 /// Issue 10.1: with `ordering = "per_aggregate"`, `doctor` warns about (and
@@ -289,32 +286,8 @@ fn lease_index(db: &Db) -> &'static str {
 #[test]
 fn doctor_warns_of_an_open_admin_server_beyond_loopback() {
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("outbox.db");
-    let config = dir.path().join("postbox.toml");
-    let admin_check = |admin: &str| {
-        std::fs::write(
-            &config,
-            format!(
-                "[database]\nurl = \"sqlite://{}\"\napp_codes = [\"doc\"]\n[admin]\n{admin}",
-                db.display()
-            ),
-        )
-        .unwrap();
-        let out = common::postbox(
-            dir.path(),
-            &["--config", config.to_str().unwrap(), "--json", "doctor"],
-        );
-        expect_in(&json(&out)["checks"], "name", "config:admin")
-    };
-    std::fs::write(
-        &config,
-        format!("[database]\nurl = \"sqlite://{}\"\n", db.display()),
-    )
-    .unwrap();
-    assert_ok(&common::postbox(
-        dir.path(),
-        &["--config", config.to_str().unwrap(), "migrate"],
-    ));
+    let admin_check =
+        |admin: &str| doctor_check(dir.path(), &format!("[admin]\n{admin}"), "config:admin");
     let open = admin_check("listen = \"0.0.0.0:9464\"\n");
     assert_eq!(open["level"], "warn", "{open:#}");
     assert!(
