@@ -283,10 +283,7 @@ pub(crate) async fn replay(
     Path(event_id): Path<String>,
     Query(params): Query<ReplayParams>,
 ) -> ApiResult<Json<Replayed>> {
-    let origin = match caller {
-        Some(Extension(c)) => format!("api {}@{}", c.name, peer.ip()),
-        None => format!("api {}", peer.ip()),
-    };
+    let origin = crate::auth::origin(caller.as_deref(), peer);
     let targets = params.targets(&state.publishers)?;
     let selector = ReplaySelector::EventIds {
         app_code: params.app_code.clone().filter(|s| !s.is_empty()),

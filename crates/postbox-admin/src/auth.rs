@@ -51,6 +51,15 @@ pub(crate) struct Caller {
     pub name: String,
 }
 
+/// Who made a change, as logs and an event's history record it:
+/// `api <token name>@<ip>`, or `api <ip>` without a token.
+pub(crate) fn origin(caller: Option<&Caller>, peer: std::net::SocketAddr) -> String {
+    match caller {
+        Some(c) => format!("api {}@{}", c.name, peer.ip()),
+        None => format!("api {}", peer.ip()),
+    }
+}
+
 #[derive(Debug)]
 struct Holder {
     name: String,

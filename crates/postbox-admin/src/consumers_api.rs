@@ -58,10 +58,7 @@ async fn switch(
     caller: Option<Extension<Caller>>,
     Path((name, action)): Path<(String, String)>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let origin = match caller {
-        Some(Extension(c)) => format!("api {}@{}", c.name, peer.ip()),
-        None => format!("api {}", peer.ip()),
-    };
+    let origin = crate::auth::origin(caller.as_deref(), peer);
     let pause = match action.as_str() {
         "pause" => true,
         "resume" => false,

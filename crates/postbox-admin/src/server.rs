@@ -11,7 +11,7 @@ use axum::Router;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use postbox_core::config::{AdminConfig, AdminToken, MetricsAccess, Settings};
+use postbox_core::config::{named_tokens, AdminToken, MetricsAccess, Settings};
 use postbox_core::redact::Secret;
 use postbox_core::store::OutboxStore;
 use postbox_core::{Error, Result};
@@ -86,13 +86,8 @@ impl AdminServer {
     async fn bind_here(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
         let prometheus = crate::recorder::install_recorder()?;
         let listener = crate::listener::listen(&settings.listen).await?;
-        let access = Access::of(&AdminConfig {
-            listen: settings.listen.clone(),
-            token: settings.token.clone().unwrap_or_default(),
-            tokens: settings.tokens.clone(),
-            metrics: settings.metrics,
-            redact: BTreeMap::new(),
-        });
+        let token = settings.token.clone().unwrap_or_default();
+        let access = Access::new(&named_tokens(&token, &settings.tokens), settings.metrics);
         if access.is_open() {
             tracing::warn!(
                 "no admin token is set: anyone who reaches admin.listen reads events and their payloads, and replay and every other change is refused; set admin.token or [[admin.tokens]]"

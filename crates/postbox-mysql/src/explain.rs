@@ -19,22 +19,11 @@ pub(crate) fn literal(s: &str) -> String {
     format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"))
 }
 
-/// `sql` with each `?` replaced by its value, in order (`EXPLAIN` cannot
-/// be prepared). The statements' own text has no `?` inside quotes.
+/// `sql` with each `?` replaced by its value as a MySQL literal
+/// (`EXPLAIN` cannot be prepared).
 pub(crate) fn inlined(sql: &str, values: &[Bind<'_>]) -> String {
-    let mut values = values.iter();
-    let mut out = String::with_capacity(sql.len());
-    for (i, part) in sql.split('?').enumerate() {
-        if i > 0 {
-            out.push_str(
-                &values
-                    .next()
-                    .map_or_else(|| "NULL".to_owned(), value_literal),
-            );
-        }
-        out.push_str(part);
-    }
-    out
+    let literals: Vec<String> = values.iter().map(value_literal).collect();
+    postbox_sqlx::inline(sql, &literals, postbox_sqlx::Placeholders::Question)
 }
 
 fn value_literal(v: &Bind<'_>) -> String {

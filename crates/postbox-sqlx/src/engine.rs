@@ -1151,9 +1151,7 @@ pub struct ReplayProbeArgs {
 impl ReplayProbeArgs {
     /// The probes' values for `app_code`.
     pub fn new(app_code: &str) -> Self {
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64);
+        let now_ms = postbox_core::time::now_ms();
         let scoped = EventFilter {
             app_code: Some(app_code.to_owned()),
             ..EventFilter::default()

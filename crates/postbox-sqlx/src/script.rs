@@ -62,9 +62,11 @@ fn quoted(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-/// `sql` with its placeholders (`$1…`, or `?` in order) replaced by
-/// `values`.
-fn inline(sql: &str, values: &[String], p: Placeholders) -> String {
+/// `sql` with its placeholders (`$1…`, `?` in order, or `?1…`) replaced by
+/// `values`, each already a SQL literal (for statements that cannot be
+/// prepared or are printed: `EXPLAIN` on MySQL, `migrate --print-sql`).
+/// The statements' own text has no placeholder character inside quotes.
+pub fn inline(sql: &str, values: &[String], p: Placeholders) -> String {
     match p {
         Placeholders::Numbered => values
             .iter()

@@ -311,6 +311,21 @@ impl AdminRole {
     }
 }
 
+/// Every admin token with its name and role: `token` (`admin.token`) as
+/// the operator `admin`, then `tokens` (`[[admin.tokens]]`); empty tokens
+/// left out.
+pub fn named_tokens(token: &Secret, tokens: &[AdminToken]) -> Vec<(String, AdminRole, Secret)> {
+    let admin = ("admin".to_owned(), AdminRole::Operator, token.clone());
+    std::iter::once(admin)
+        .chain(
+            tokens
+                .iter()
+                .map(|t| (t.name.clone(), t.role, t.token.clone())),
+        )
+        .filter(|(_, _, t)| !t.is_empty())
+        .collect()
+}
+
 /// `[admin] metrics`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -323,19 +338,9 @@ pub enum MetricsAccess {
 }
 
 impl AdminConfig {
-    /// Every token with its name and role: `token` as `admin`
-    /// (operator), then `[[admin.tokens]]`; empty tokens left out.
+    /// Every token with its name and role ([`named_tokens`]).
     pub fn named_tokens(&self) -> Vec<(String, AdminRole, Secret)> {
-        let mut all = Vec::new();
-        if !self.token.is_empty() {
-            all.push(("admin".to_owned(), AdminRole::Operator, self.token.clone()));
-        }
-        for t in &self.tokens {
-            if !t.token.is_empty() {
-                all.push((t.name.clone(), t.role, t.token.clone()));
-            }
-        }
-        all
+        named_tokens(&self.token, &self.tokens)
     }
 
     /// Names unique and set, tokens set and distinct.

@@ -89,11 +89,9 @@ pub fn standard_key(secret: &Secret) -> Result<Vec<u8>> {
                 "must start with `whsec_` (signature = \"standard\")",
             )
         })?;
-    let key = base64::engine::general_purpose::STANDARD
+    // Padding or none, as the secret was written.
+    let key = base64::engine::general_purpose::STANDARD_NO_PAD
         .decode(encoded.trim_end_matches('='))
-        .or_else(|_| {
-            base64::engine::general_purpose::STANDARD_NO_PAD.decode(encoded.trim_end_matches('='))
-        })
         .map_err(|_| Error::config("secret", "is not `whsec_` followed by base64"))?;
     if key.is_empty() {
         return Err(Error::config("secret", "holds an empty key after `whsec_`"));
@@ -105,16 +103,25 @@ pub fn standard_key(secret: &Secret) -> Result<Vec<u8>> {
 /// Standard Webhooks signature.
 pub fn standard_signature(key: &[u8], id: &str, timestamp: u64, body: &str) -> String {
     use base64::Engine as _;
-    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC accepts any key length");
-    mac.update(id.as_bytes());
-    mac.update(b".");
-    mac.update(timestamp.to_string().as_bytes());
-    mac.update(b".");
-    mac.update(body.as_bytes());
+    let mac = hmac_of(key, &[id, &timestamp.to_string(), body]);
     format!(
         "v1,{}",
-        base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
+        base64::engine::general_purpose::STANDARD.encode(mac)
     )
+}
+
+/// HMAC-SHA256 keyed with `key` of `parts` joined by `.`, as both
+/// signatures take it.
+fn hmac_of(key: &[u8], parts: &[&str]) -> [u8; 32] {
+    // HMAC takes keys of any length, so this cannot fail.
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC accepts any key length");
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            mac.update(b".");
+        }
+        mac.update(part.as_bytes());
+    }
+    mac.finalize().into_bytes().into()
 }
 
 impl WebhookPublisher {
@@ -292,13 +299,8 @@ fn idempotency_key(event_id: &str) -> std::result::Result<HeaderValue, PublishEr
 
 /// `v1=<hex HMAC-SHA256(secret, "<timestamp>.<body>")>`.
 pub fn signature(secret: &Secret, timestamp: u64, body: &str) -> String {
-    // HMAC takes keys of any length, so this cannot fail.
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret.expose().as_bytes())
-        .expect("HMAC accepts any key length");
-    mac.update(timestamp.to_string().as_bytes());
-    mac.update(b".");
-    mac.update(body.as_bytes());
-    format!("v1={}", hex::encode(mac.finalize().into_bytes()))
+    let mac = hmac_of(secret.expose().as_bytes(), &[&timestamp.to_string(), body]);
+    format!("v1={}", hex::encode(mac))
 }
 
 /// 408, 429 and 5xx: the receiver may well accept the same request later.
