@@ -1,5 +1,5 @@
-//! Four real `postbox relay` processes drain 20,000 events written by
-//! concurrent producers while one relay is SIGKILLed and restarted twice.
+//! Four real `postbox relay` processes drain at least 40,000 events written
+//! by concurrent producers while one relay is SIGKILLed and restarted twice.
 //! Every event is delivered at least once, nothing is left undelivered, and
 //! every duplicate is explained by a killed relay's lease.
 
@@ -8,6 +8,7 @@ use crate::common;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -143,12 +144,22 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
 
     let mut killed_outputs = Vec::new();
 
+    // The producers write at least EVENTS_PER_PRODUCER each and keep writing
+    // until both kills have happened, so the kills always land while there
+    // is work to hold leases on, however fast this machine drains.
+    let kills_done = Arc::new(AtomicBool::new(false));
+    let produced_count = Arc::new(AtomicI64::new(0));
     let producers: Vec<_> = (0..PRODUCERS)
         .map(|p| {
             let store = store.clone();
+            let kills_done = kills_done.clone();
+            let produced_count = produced_count.clone();
             tokio::spawn(async move {
                 let mut ids = Vec::with_capacity(EVENTS_PER_PRODUCER);
-                for chunk in 0..EVENTS_PER_PRODUCER / 50 {
+                let mut chunk = 0;
+                while ids.len() < EVENTS_PER_PRODUCER
+                    || (!kills_done.load(Ordering::Relaxed) && ids.len() < 4 * EVENTS_PER_PRODUCER)
+                {
                     let batch: Vec<NewEvent> = (0..50)
                         .map(|i| {
                             let n = chunk * 50 + i;
@@ -163,16 +174,18 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
                     let out = store.enqueue_batch(&batch, 1 << 20).await.expect("enqueue");
                     assert!(out.iter().all(|o| matches!(o, EnqueueOutcome::Inserted(_))));
                     ids.extend(batch.into_iter().map(|e| e.event_id));
+                    produced_count.fetch_add(50, Ordering::Relaxed);
+                    chunk += 1;
                 }
                 ids
             })
         })
         .collect();
 
-    let total = (EVENTS_PER_PRODUCER * PRODUCERS) as i64;
+    let minimum = (EVENTS_PER_PRODUCER * PRODUCERS) as i64;
     // The relays start against a backlog (as after an outage) while the
     // producers keep writing, so they drain full batches and hold leases.
-    while stats(store.as_ref()).await.1 < total / 3 {
+    while stats(store.as_ref()).await.1 < minimum / 3 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut relays: Vec<Relay> = (0..RELAYS)
@@ -180,7 +193,7 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
         .collect();
     // Early, while most of the backlog is left: a relay holds leases only
     // while there is work to claim.
-    let kill_at = [total / 10, total / 5];
+    let kill_at = [minimum / 10, minimum / 5];
     let mut kills = 0;
     let deadline = Instant::now() + Duration::from_secs(180);
     loop {
@@ -201,12 +214,16 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
                 kills += 1;
                 eprintln!("SIGKILLed relay 0 at {delivered} delivered while it held leases; restarting it");
                 relays[0] = start_relay(dir, url, &table, 0, kills);
+                if kills == kill_at.len() {
+                    kills_done.store(true, Ordering::Relaxed);
+                }
             } else {
                 signal("CONT", pid);
                 tokio::time::sleep(Duration::from_millis(30)).await;
             }
         }
-        if delivered == total && open == 0 {
+        let written = producers.iter().all(|p| p.is_finished());
+        if written && delivered == produced_count.load(Ordering::Relaxed) && open == 0 {
             break;
         }
         if Instant::now() >= deadline {
@@ -233,7 +250,8 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
     for p in producers {
         produced.extend(p.await.unwrap());
     }
-    assert_eq!(produced.len(), total as usize);
+    let total = produced.len() as i64;
+    assert_eq!(total, produced_count.load(Ordering::Relaxed));
 
     // Graceful stop: SIGTERM, and every relay exits 0.
     for r in &relays {
