@@ -56,6 +56,8 @@ pub enum Command {
     Consume,
     /// List, pause or resume the consumers of a running `postbox consume` (through its [admin]).
     Consumers(ConsumersArgs),
+    /// List, show, replay or purge a consumer's dead letters on its broker.
+    Dead(DeadArgs),
     /// Move delivered rows older than a cut-off into <table>_archive, in batches.
     Archive(ArchiveArgs),
     /// Check schema, indexes, the plan of every claim and archive query, and the config.
@@ -92,6 +94,81 @@ pub enum ScriptFormat {
     Flyway,
     /// `<n>_<description>.up.sql` (golang-migrate).
     GolangMigrate,
+}
+
+#[derive(Debug, Args)]
+pub struct DeadArgs {
+    #[command(subcommand)]
+    pub action: DeadCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DeadCommand {
+    /// The dead letters the filters take, oldest first (nothing changes).
+    List {
+        #[command(flatten)]
+        filter: DeadFilterArgs,
+        /// At most this many letters.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// Every dead letter of one event, with its headers and payload.
+    Show {
+        /// The consumer's name (its `name`, or its queue).
+        #[arg(long)]
+        consumer: String,
+        /// The event's id.
+        event_id: String,
+    },
+    /// Send the letters the filters take back to the consumer's queue
+    /// (same event_id, marked x-replayed, attempts afresh), then remove them.
+    Replay {
+        #[command(flatten)]
+        filter: DeadFilterArgs,
+        #[command(flatten)]
+        scope: DeadScope,
+    },
+    /// Remove the letters the filters take.
+    Purge {
+        #[command(flatten)]
+        filter: DeadFilterArgs,
+        #[command(flatten)]
+        scope: DeadScope,
+    },
+}
+
+/// Which consumer's dead letters, and which of them.
+#[derive(Debug, Args, Clone, Default)]
+pub struct DeadFilterArgs {
+    /// The consumer's name (its `name`, or its queue).
+    #[arg(long)]
+    pub consumer: String,
+    /// Only this event type.
+    #[arg(long)]
+    pub event_type: Option<String>,
+    /// Only this event id.
+    #[arg(long)]
+    pub event_id: Option<String>,
+    /// Dead-lettered at or after: RFC 3339, epoch ms, or a duration ago (`2h`).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Dead-lettered before: RFC 3339, epoch ms, or a duration ago.
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Only letters whose last error contains this text (any case).
+    #[arg(long)]
+    pub error: Option<String>,
+}
+
+/// How far a replay or purge may go.
+#[derive(Debug, Args, Clone, Default)]
+pub struct DeadScope {
+    /// Count and show what would be done; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Take every letter of the consumer when no filter is given.
+    #[arg(long)]
+    pub all: bool,
 }
 
 #[derive(Debug, Args)]

@@ -73,6 +73,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Status(args) => commands::status::run(g, args).await,
         Command::Events(args) => commands::events::run(g, args).await,
         Command::Replay(args) => commands::replay::run(g, args).await,
+        Command::Dead(args) => commands::dead::run(g, args).await,
         Command::Archive(args) => commands::archive::run(g, args).await,
         Command::Doctor => commands::doctor::run(g).await,
         Command::Enqueue(args) => commands::enqueue::run(g, args).await,

@@ -44,6 +44,8 @@
     allow(dead_code)
 )]
 pub mod consume;
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "redis"))]
+pub mod dead;
 pub mod handler;
 #[cfg(feature = "http")]
 pub mod http;

@@ -3,6 +3,7 @@
 pub mod archive;
 pub mod consume;
 pub mod consumers;
+pub mod dead;
 pub mod doctor;
 pub mod enqueue;
 pub mod events;

@@ -230,6 +230,7 @@ impl Transport for InHand<'_> {
         let headers = dead_headers(
             self.m.headers.as_ref(),
             copy.message.map(Message::event_id),
+            self.m.subject.as_str(),
             &self.stream,
             self.sequence,
             consumer.core.config.consumer_group(),

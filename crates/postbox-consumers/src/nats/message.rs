@@ -94,12 +94,15 @@ pub fn message_from_nats(
 }
 
 /// Headers of a dead copy: the original's, with `x-event-id`, the attempt
-/// count, the last error (one line, at most 1,000 characters) and a
+/// count, the last error (one line, at most 1,000 characters), the time
+/// (`x-dead-at-ms`), the original's subject (`x-source-subject`) and a
 /// `Nats-Msg-Id` of `<stream>:<stream_sequence>:dead:<durable>` (where the
 /// original is stored; see [`dead_msg_id`] for why).
+#[allow(clippy::too_many_arguments)]
 pub fn dead_headers(
     original: Option<&HeaderMap>,
     event_id: Option<&str>,
+    subject: &str,
     stream: &str,
     stream_sequence: u64,
     durable: &str,
@@ -111,6 +114,11 @@ pub fn dead_headers(
     let error = wire::last_error(last_error).replace(|c: char| c.is_control(), " ");
     h.insert(CONSUME_ATTEMPT, attempt.to_string().as_str());
     h.insert(LAST_ERROR, error.as_str());
+    h.insert(
+        wire::DEAD_AT_MS,
+        postbox_core::time::now_ms().to_string().as_str(),
+    );
+    h.insert(wire::nats::SOURCE_SUBJECT, subject);
     if let Some(id) = event_id {
         h.insert(EVENT_ID, id);
     }
@@ -173,6 +181,7 @@ mod tests {
         let h = dead_headers(
             Some(&published()),
             Some("ev-1"),
+            "rooms.RoomCreated",
             "ROOMS",
             42,
             "billing",
@@ -181,6 +190,18 @@ mod tests {
         );
         assert_eq!(h.get(MSG_ID).unwrap().as_str(), "ROOMS:42:dead:billing");
         assert_eq!(h.get(LAST_ERROR).unwrap().as_str(), "boom line two");
+        assert_eq!(
+            h.get(wire::nats::SOURCE_SUBJECT).unwrap().as_str(),
+            "rooms.RoomCreated"
+        );
+        assert!(
+            h.get(wire::DEAD_AT_MS)
+                .unwrap()
+                .as_str()
+                .parse::<i64>()
+                .unwrap()
+                > 0
+        );
         let m = message_from_nats(Some(&h), "s", b"{}", 1).unwrap();
         assert_eq!(m.envelope.event_id, "ev-1");
         assert_eq!(m.envelope.headers[CONSUME_ATTEMPT], "5");

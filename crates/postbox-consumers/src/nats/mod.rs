@@ -39,6 +39,7 @@
 //! [`postbox_core::wire::nats`]'s.
 
 mod consumer;
+pub(crate) mod dead;
 mod message;
 mod topology;
 

@@ -12,12 +12,12 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, Ordering};
 use postbox_core::{BoxFuture, Error};
 use tokio_util::sync::CancellationToken;
 
-use super::message::{copy_properties, delivery_count, message_from_delivery};
+use super::message::{confirmed, copy_properties, delivery_count, message_from_delivery};
 use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
 use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
 use crate::consume::settle::{DeadCopy, Settled, Transport, Verdict};
@@ -241,14 +241,7 @@ impl InHand<'_> {
             .map_err(|e| format!("publishing to {queue}: {e}"))?
             .await
             .map_err(|e| format!("confirm from {queue}: {e}"))?;
-        match confirm {
-            Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(_)) => Err(format!(
-                "{queue} does not exist (the copy was returned unroutable): declare it, or set declare = true"
-            )),
-            Confirmation::Nack(_) => Err(format!("the broker refused the copy to {queue}")),
-            Confirmation::NotRequested => Err("publisher confirms are off".to_owned()),
-        }
+        confirmed(confirm, &queue)
     }
 }
 

@@ -2,7 +2,7 @@
 //! retry or dead copy.
 
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::BasicProperties;
+use lapin::{BasicProperties, Confirmation};
 use postbox_core::envelope::Envelope;
 
 use postbox_core::wire::rabbitmq::{is_death_header, DELIVERY_COUNT, PERSISTENT};
@@ -100,7 +100,7 @@ pub(crate) fn delivery_count(properties: &BasicProperties) -> u32 {
 
 /// Properties of a copy: the original's identity and headers, persistent,
 /// with the next attempt number, and either a delay (`expiration`) or the
-/// last error.
+/// last error and the time it was dead-lettered.
 pub(crate) fn copy_properties(
     original: &BasicProperties,
     next_attempt: u32,
@@ -108,17 +108,7 @@ pub(crate) fn copy_properties(
     last_error: Option<&str>,
 ) -> BasicProperties {
     // `x-delivery-count` counted deliveries of the original, not of this copy.
-    let mut headers: FieldTable = original
-        .headers()
-        .as_ref()
-        .map(|h| {
-            h.into_iter()
-                .filter(|(k, _)| k.as_str() != DELIVERY_COUNT)
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect::<std::collections::BTreeMap<_, _>>()
-                .into()
-        })
-        .unwrap_or_default();
+    let mut headers = headers_without(original, &[DELIVERY_COUNT]);
     headers.insert(
         CONSUME_ATTEMPT.into(),
         AMQPValue::LongLongInt(i64::from(next_attempt)),
@@ -128,7 +118,50 @@ pub(crate) fn copy_properties(
             wire::LAST_ERROR.into(),
             AMQPValue::LongString(wire::last_error(e).into()),
         );
+        headers.insert(
+            wire::DEAD_AT_MS.into(),
+            AMQPValue::LongLongInt(postbox_core::time::now_ms()),
+        );
     }
+    with_identity(original, headers, expiration_ms)
+}
+
+/// Properties of a dead copy sent back to its queue (`postbox dead
+/// replay`): the copy's identity and headers without the consumer's attempt
+/// count, last error and dead time, and the broker's dead-lettering
+/// bookkeeping, marked `x-replayed`.
+pub(crate) fn replay_properties(dead: &BasicProperties) -> BasicProperties {
+    let mut headers = headers_without(dead, &crate::dead::letter::CLEARED_ON_REPLAY);
+    headers.insert(wire::REPLAYED.into(), AMQPValue::Boolean(true));
+    with_identity(dead, headers, None)
+}
+
+/// The headers of `original` but `dropped` (and the broker's
+/// dead-lettering bookkeeping).
+fn headers_without(original: &BasicProperties, dropped: &[&str]) -> FieldTable {
+    original
+        .headers()
+        .as_ref()
+        .map(|h| {
+            h.into_iter()
+                .filter(|(k, _)| {
+                    let k = k.as_str();
+                    !(dropped.contains(&k) || k == DELIVERY_COUNT || is_death_header(k))
+                })
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect::<std::collections::BTreeMap<_, _>>()
+                .into()
+        })
+        .unwrap_or_default()
+}
+
+/// `headers` on a persistent message carrying `original`'s identity (and
+/// a delay, `expiration_ms`, when given).
+fn with_identity(
+    original: &BasicProperties,
+    headers: FieldTable,
+    expiration_ms: Option<u128>,
+) -> BasicProperties {
     let mut p = BasicProperties::default()
         .with_delivery_mode(PERSISTENT)
         .with_headers(headers);
@@ -204,6 +237,25 @@ fn to_json(v: &AMQPValue) -> serde_json::Value {
         AMQPValue::DecimalValue(d) => Value::String(format!("{d:?}")),
         other => as_i64(other).map_or(Value::Null, |i| Value::Number(i.into())),
     }
+}
+
+/// Whether the broker confirmed a copy published to `queue` with
+/// `mandatory` set.
+pub(crate) fn confirmed(confirm: Confirmation, queue: &str) -> Result<(), String> {
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(format!(
+            "{queue} does not exist (the copy was returned unroutable): declare it, or set declare = true"
+        )),
+        Confirmation::Nack(_) => Err(format!("the broker refused the copy to {queue}")),
+        Confirmation::NotRequested => Err("publisher confirms are off".to_owned()),
+    }
+}
+
+/// Every header of a message, as JSON (the broker's dead-lettering
+/// bookkeeping included).
+pub(crate) fn headers_json(p: &BasicProperties) -> serde_json::Map<String, serde_json::Value> {
+    p.headers().as_ref().map(table_to_json).unwrap_or_default()
 }
 
 fn table_to_json(t: &FieldTable) -> serde_json::Map<String, serde_json::Value> {

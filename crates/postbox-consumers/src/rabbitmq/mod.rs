@@ -21,13 +21,15 @@
 //! `ordering = "per_aggregate"` holds later versions of an aggregate back
 //! while an earlier one waits in retry ([`crate::ordering`]).
 //!
-//! Files: `topology.rs` (the queues), `message.rs` (a delivery as a
+//! Files: `topology.rs` (the queues), `dead.rs` (`postbox dead` on
+//! `<queue>.dead`), `message.rs` (a delivery as a
 //! [`Message`](crate::Message), and the properties of a copy),
 //! `consumer.rs` (the consume loop and the transport actions of the shared
 //! ack / retry / dead path, [`crate::consume`]). The queue names are
 //! [`postbox_core::wire::rabbitmq`]'s.
 
 mod consumer;
+pub(crate) mod dead;
 mod message;
 mod topology;
 

@@ -15,7 +15,7 @@ use postbox_core::wire::{self, CONSUME_ATTEMPT, LAST_ERROR};
 use crate::message::checked_event_id;
 use crate::Message;
 
-fn text(fields: &HashMap<String, Value>, name: &str) -> Option<String> {
+pub(crate) fn text(fields: &HashMap<String, Value>, name: &str) -> Option<String> {
     fields
         .get(name)
         .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
@@ -75,8 +75,8 @@ pub fn message_from_entry(
 }
 
 /// The field/value pairs of a dead copy: the entry's own fields unchanged,
-/// except `headers`, which gains `x-consume-attempt` and `x-last-error` (at
-/// most 1,000 characters), plus `consumer_group` and `source_id` (the
+/// except `headers`, which gains `x-consume-attempt`, `x-last-error` (at
+/// most 1,000 characters) and `x-dead-at-ms`, plus `consumer_group` and `source_id` (the
 /// original entry's id) for whoever inspects the dead stream.
 pub fn dead_fields(
     fields: &HashMap<String, Value>,
@@ -85,24 +85,45 @@ pub fn dead_fields(
     attempt: u32,
     last_error: &str,
 ) -> Vec<(String, Vec<u8>)> {
-    let mut headers = text(fields, HEADERS)
+    let mut headers = headers_of(fields);
+    headers.insert(CONSUME_ATTEMPT.to_owned(), attempt.into());
+    headers.insert(LAST_ERROR.to_owned(), wire::last_error(last_error).into());
+    headers.insert(
+        wire::DEAD_AT_MS.to_owned(),
+        postbox_core::time::now_ms().into(),
+    );
+    let mut out = fields_with(fields, headers);
+    out.push((CONSUMER_GROUP.to_owned(), group.as_bytes().to_vec()));
+    out.push((SOURCE_ID.to_owned(), source_id.as_bytes().to_vec()));
+    out
+}
+
+/// The entry's `headers` field as a JSON object (empty when absent or not
+/// an object).
+pub(crate) fn headers_of(
+    fields: &HashMap<String, Value>,
+) -> serde_json::Map<String, serde_json::Value> {
+    text(fields, HEADERS)
         .and_then(|h| match serde_json::from_str(&h) {
             Ok(serde_json::Value::Object(map)) => Some(map),
             _ => None,
         })
-        .unwrap_or_default();
-    headers.insert(CONSUME_ATTEMPT.to_owned(), attempt.into());
-    headers.insert(LAST_ERROR.to_owned(), wire::last_error(last_error).into());
+        .unwrap_or_default()
+}
+
+/// The entry's fields in [`FIELDS`] order, `headers` replaced by `headers`,
+/// then its other fields by name, without a dead copy's `consumer_group`
+/// and `source_id`.
+pub(crate) fn fields_with(
+    fields: &HashMap<String, Value>,
+    headers: serde_json::Map<String, serde_json::Value>,
+) -> Vec<(String, Vec<u8>)> {
     let raw = |v: &Value| redis::from_redis_value_ref::<Vec<u8>>(v).unwrap_or_default();
     let mut out: Vec<(String, Vec<u8>)> = Vec::with_capacity(fields.len() + 3);
+    let headers = serde_json::Value::Object(headers).to_string().into_bytes();
     for name in FIELDS {
         if name == HEADERS {
-            out.push((
-                name.to_owned(),
-                serde_json::Value::Object(headers.clone())
-                    .to_string()
-                    .into_bytes(),
-            ));
+            out.push((name.to_owned(), headers.clone()));
         } else if let Some(v) = fields.get(name) {
             out.push((name.to_owned(), raw(v)));
         }
@@ -115,8 +136,6 @@ pub fn dead_fields(
         .collect();
     others.sort_by(|a, b| a.0.cmp(b.0));
     out.extend(others.into_iter().map(|(k, v)| (k.clone(), raw(v))));
-    out.push((CONSUMER_GROUP.to_owned(), group.as_bytes().to_vec()));
-    out.push((SOURCE_ID.to_owned(), source_id.as_bytes().to_vec()));
     out
 }
 

@@ -35,6 +35,7 @@
 //! [`postbox_core::wire::redis`]'s.
 
 mod consumer;
+pub(crate) mod dead;
 mod keeper;
 mod message;
 mod topology;

@@ -5,6 +5,7 @@ mod common;
 #[macro_use]
 mod nats_redis_suite;
 
+mod dead_letters;
 mod inbox;
 mod kill;
 mod metrics;

@@ -46,6 +46,8 @@ pub const CREATED_AT_MS: &str = "x-created-at-ms";
 pub const CONSUME_ATTEMPT: &str = "x-consume-attempt";
 /// On a dead-lettered copy: the handler's last error.
 pub const LAST_ERROR: &str = "x-last-error";
+/// On a dead-lettered copy: when the consumer gave up on it, epoch ms.
+pub const DEAD_AT_MS: &str = "x-dead-at-ms";
 /// The longest [`LAST_ERROR`] a copy carries, in characters: the start says
 /// what failed, and long errors would bloat every copy.
 pub const LAST_ERROR_MAX_CHARS: usize = 1000;

@@ -33,6 +33,10 @@ use crate::EventRecord;
 /// The stream's dedupe header (see the module docs).
 pub const MSG_ID: &str = "Nats-Msg-Id";
 
+/// On a dead copy: the subject the original was published on, where
+/// `postbox dead replay` sends it back.
+pub const SOURCE_SUBJECT: &str = "x-source-subject";
+
 /// Headers whose name starts with this are the server's bookkeeping, not
 /// the event's (compared in lower case).
 pub const SERVER_HEADER_PREFIX: &str = "nats-";

@@ -610,6 +610,27 @@ pub async fn a_paused_consumer_takes_nothing_until_resumed(b: &dyn Broker) {
     assert_eq!(state.snapshot().ok, 6);
 }
 
+/// (8) Dead letters listed, replayed and purged (`postbox dead`): the
+/// scenario of [`crate::dead_letters::scenario`] on this broker.
+pub async fn dead_letters_are_listed_replayed_and_purged(b: &dyn Broker) {
+    let g = group("deadtool");
+    let events = publish_events(b, 0..6).await;
+    let published: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+    let poison = published[..4].to_vec();
+    let config = b.config(&g, serde_json::json!({ "max_attempts": 1 }));
+    let start: crate::dead_letters::Starter<'_> = Box::new(move |config, handler| {
+        let cancel = CancellationToken::new();
+        let task = b.start(Start {
+            config,
+            handler,
+            tag: "a".to_owned(),
+            cancel: cancel.clone(),
+        });
+        (cancel, task)
+    });
+    crate::dead_letters::scenario(config, &published, &poison, start).await;
+}
+
 /// Runs every case against a broker built by `$new` (an async expression).
 #[macro_export]
 macro_rules! stream_consumer_suite {
@@ -622,7 +643,8 @@ macro_rules! stream_consumer_suite {
             a_killed_consumers_message_is_redelivered($kill),
             shutdown_finishes_the_message_in_hand(),
             inbox_counts_duplicates_and_stale_versions(),
-            a_paused_consumer_takes_nothing_until_resumed()
+            a_paused_consumer_takes_nothing_until_resumed(),
+            dead_letters_are_listed_replayed_and_purged()
         );
     };
     ($new:expr; $($case:ident($($arg:expr)?)),+) => {

@@ -1,0 +1,229 @@
+//! `postbox dead list|show|replay|purge --consumer NAME`: a consumer's dead
+//! letters, straight on its broker (`postbox_consumers::dead`). Works
+//! whether `postbox consume` runs or not.
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use postbox_consumers::dead::{self, DeadAction, DeadFilter, DeadLetter, DeadReport};
+use postbox_core::config::ConsumerConfig;
+use postbox_core::time::{now_ms, parse_time_arg};
+
+use crate::cli::{DeadArgs, DeadCommand, DeadFilterArgs, DeadScope, Global};
+use crate::error::CliError;
+use crate::open::{load_config, WITH_CONSUMERS};
+use crate::output;
+
+pub async fn run(g: &Global, args: DeadArgs) -> Result<(), CliError> {
+    let settings = load_config(g, WITH_CONSUMERS)?;
+    let (name, action, filter, dry_run) = match args.action {
+        DeadCommand::List { filter, limit } => (
+            filter.consumer.clone(),
+            DeadAction::List(limit),
+            filter,
+            false,
+        ),
+        DeadCommand::Show { consumer, event_id } => {
+            let filter = DeadFilterArgs {
+                consumer: consumer.clone(),
+                event_id: Some(event_id),
+                ..DeadFilterArgs::default()
+            };
+            (consumer, DeadAction::List(usize::MAX), filter, false)
+        }
+        DeadCommand::Replay { filter, scope } => {
+            scoped(&filter, &scope, "replay")?;
+            (
+                filter.consumer.clone(),
+                DeadAction::Replay,
+                filter,
+                scope.dry_run,
+            )
+        }
+        DeadCommand::Purge { filter, scope } => {
+            scoped(&filter, &scope, "purge")?;
+            (
+                filter.consumer.clone(),
+                DeadAction::Purge,
+                filter,
+                scope.dry_run,
+            )
+        }
+    };
+    let consumer = find(&settings.consumers, &name)?;
+    let filter = dead_filter(&filter)?;
+    let bar = ProgressBar::new_spinner().with_style(
+        ProgressStyle::with_template("{spinner} {msg} in {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    // Drawn on stderr only when it is a terminal (indicatif hides it otherwise).
+    bar.set_draw_target(ProgressDrawTarget::stderr());
+    let verb = match action {
+        DeadAction::List(_) => "read",
+        DeadAction::Replay => "replayed",
+        DeadAction::Purge => "purged",
+    };
+    let progress = move |scanned: u64, done: u64| {
+        bar.set_message(format!("{scanned} letters read, {done} {verb}"));
+    };
+    let report = dead::run(consumer, action, &filter, dry_run, &progress)
+        .await
+        .map_err(|e| match e {
+            dead::DeadError::Unsupported(m) => CliError::usage(m),
+            other => CliError::runtime(other),
+        })?;
+    if g.json {
+        return output::json(&report);
+    }
+    match action {
+        DeadAction::List(_) if name_given_event(&filter) => show(&report),
+        DeadAction::List(_) => list(&report),
+        DeadAction::Replay | DeadAction::Purge => summary(&report, verb, dry_run),
+    }
+    Ok(())
+}
+
+/// A replay or purge takes a filter, or `--all` said out loud.
+fn scoped(filter: &DeadFilterArgs, scope: &DeadScope, what: &str) -> Result<(), CliError> {
+    let any = filter.event_type.is_some()
+        || filter.event_id.is_some()
+        || filter.since.is_some()
+        || filter.until.is_some()
+        || filter.error.is_some();
+    if any || scope.all {
+        return Ok(());
+    }
+    Err(CliError::usage(format!(
+        "dead {what}: give a filter (--event-type, --event-id, --since, --until, --error) or --all to take every dead letter of the consumer"
+    )))
+}
+
+fn find<'a>(consumers: &'a [ConsumerConfig], name: &str) -> Result<&'a ConsumerConfig, CliError> {
+    consumers.iter().find(|c| c.name() == name).ok_or_else(|| {
+        let known: Vec<&str> = consumers.iter().map(ConsumerConfig::name).collect();
+        CliError::usage(format!(
+            "--consumer: no consumer `{name}` in [[consumers]] (the config has: {})",
+            if known.is_empty() {
+                "none".to_owned()
+            } else {
+                known.join(", ")
+            }
+        ))
+    })
+}
+
+fn dead_filter(args: &DeadFilterArgs) -> Result<DeadFilter, CliError> {
+    let now = now_ms();
+    let time = |flag: &str, v: &Option<String>| -> Result<Option<i64>, CliError> {
+        v.as_deref()
+            .map(|s| parse_time_arg(s, now).map_err(|e| CliError::usage(format!("--{flag}: {e}"))))
+            .transpose()
+    };
+    Ok(DeadFilter {
+        event_id: args.event_id.clone(),
+        event_type: args.event_type.clone(),
+        since_ms: time("since", &args.since)?,
+        until_ms: time("until", &args.until)?,
+        error: args.error.clone(),
+    })
+}
+
+fn name_given_event(filter: &DeadFilter) -> bool {
+    filter.event_id.is_some()
+}
+
+fn list(report: &DeadReport) {
+    outln!(
+        "{:<14} {:<38} {:<24} {:<24} {:>8}  last error",
+        "position",
+        "event_id",
+        "event_type",
+        "dead at",
+        "attempts"
+    );
+    for l in &report.letters {
+        outln!(
+            "{:<14} {:<38} {:<24} {:<24} {:>8}  {}",
+            output::clip(&l.position, 14),
+            output::clip(l.event_id.as_deref().unwrap_or("(none)"), 38),
+            output::clip(&l.event_type, 24),
+            l.dead_at_ms.map_or_else(|| "?".to_owned(), output::time),
+            l.attempts.map_or_else(|| "?".to_owned(), |a| a.to_string()),
+            output::clip(l.last_error.as_deref().unwrap_or(""), 80)
+        );
+    }
+    outln!(
+        "{} of {} dead letters in {} shown",
+        report.letters.len(),
+        report.matched,
+        report.dead_letters
+    );
+}
+
+fn show(report: &DeadReport) {
+    if report.letters.is_empty() {
+        outln!("no dead letter of that event in {}", report.dead_letters);
+    }
+    for l in &report.letters {
+        show_one(l);
+    }
+}
+
+fn show_one(l: &DeadLetter) {
+    outln!("position:     {}", l.position);
+    outln!(
+        "event_id:     {}",
+        l.event_id.as_deref().unwrap_or("(none)")
+    );
+    outln!("event_type:   {}", l.event_type);
+    outln!("app_code:     {}", l.app_code);
+    if let Some(a) = &l.aggregate_id {
+        outln!("aggregate_id: {a}");
+    }
+    outln!("created:      {}", output::time(l.created_at_ms));
+    outln!(
+        "dead at:      {}",
+        l.dead_at_ms.map_or_else(|| "?".to_owned(), output::time)
+    );
+    outln!(
+        "attempts:     {}",
+        l.attempts.map_or_else(|| "?".to_owned(), |a| a.to_string())
+    );
+    outln!("last error:   {}", l.last_error.as_deref().unwrap_or(""));
+    outln!(
+        "headers:      {}",
+        serde_json::Value::Object(l.headers.clone())
+    );
+    outln!("payload:      {}", l.payload);
+    outln!();
+}
+
+fn summary(report: &DeadReport, verb: &str, dry_run: bool) {
+    if dry_run {
+        outln!(
+            "dry run: {} of {} dead letters in {} would be {verb}; nothing changed",
+            report.matched,
+            report.scanned,
+            report.dead_letters
+        );
+        for l in &report.letters {
+            outln!(
+                "  {} {} {}",
+                l.position,
+                l.event_id.as_deref().unwrap_or("(none)"),
+                l.event_type
+            );
+        }
+        if report.matched as usize > report.letters.len() {
+            outln!(
+                "  … and {} more",
+                report.matched as usize - report.letters.len()
+            );
+        }
+    } else {
+        outln!(
+            "{} of {} dead letters in {} {verb}",
+            report.done,
+            report.scanned,
+            report.dead_letters
+        );
+    }
+}
