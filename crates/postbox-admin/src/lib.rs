@@ -27,7 +27,7 @@ mod redact;
 mod server;
 mod state;
 
-pub use consumers_api::ConsumerControl;
+pub use consumers_api::{ConsumerControl, DeadRequest, DeadVerb};
 pub use metrics_server::MetricsServer;
 pub use poller::{Snapshot, StatsPoller};
 pub use recorder::install_recorder;

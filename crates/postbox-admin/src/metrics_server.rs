@@ -23,6 +23,7 @@ pub struct MetricsServer {
     prometheus: PrometheusHandle,
     consumers: Vec<Arc<dyn ConsumerControl>>,
     access: Access,
+    redact: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 impl std::fmt::Debug for MetricsServer {
@@ -45,11 +46,13 @@ impl MetricsServer {
             prometheus,
             consumers: Vec::new(),
             access: Access::of(&AdminConfig::default()),
+            redact: Default::default(),
         })
     }
 
-    /// Also serves `GET /api/consumers` and `POST
-    /// /api/consumers/{name}/pause|resume` over `consumers`, with the
+    /// Also serves `GET /api/consumers`, `POST
+    /// /api/consumers/{name}/pause|resume` and the dead letters' routes
+    /// over `consumers` (payloads masked by `admin.redact`), with the
     /// tokens and the `/metrics` rule of `admin` (the same as the outbox
     /// admin server's: a viewer lists, an operator switches).
     pub fn with_consumers(
@@ -59,6 +62,7 @@ impl MetricsServer {
     ) -> Self {
         self.consumers = consumers;
         self.access = Access::of(admin);
+        self.redact = admin.redact.clone();
         self
     }
 
@@ -78,7 +82,10 @@ impl MetricsServer {
                 "/metrics",
                 get(async move || crate::recorder::render(&prometheus)),
             )
-            .merge(consumers_api::routes(self.consumers))
+            .merge(consumers_api::routes(
+                self.consumers,
+                crate::redact::Redaction::new(self.redact),
+            ))
             .layer(axum::middleware::from_fn_with_state(
                 self.access,
                 auth::guard,

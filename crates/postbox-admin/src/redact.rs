@@ -36,15 +36,20 @@ impl Redaction {
 
     /// Masks `record`'s payload as configured for its event type.
     pub(crate) fn apply(&self, record: &mut EventRecord) {
-        let Some(paths) = self.by_type.get(&record.event_type) else {
+        self.apply_payload(&record.event_type, &mut record.payload);
+    }
+
+    /// Masks `payload` (JSON text) as configured for `event_type`.
+    pub(crate) fn apply_payload(&self, event_type: &str, payload: &mut String) {
+        let Some(paths) = self.by_type.get(event_type) else {
             return;
         };
-        record.payload = match serde_json::from_str::<Value>(&record.payload) {
-            Ok(mut payload @ Value::Object(_)) => {
+        *payload = match serde_json::from_str::<Value>(payload) {
+            Ok(mut value @ Value::Object(_)) => {
                 for path in paths {
-                    mask(&mut payload, path);
+                    mask(&mut value, path);
                 }
-                payload.to_string()
+                value.to_string()
             }
             _ => format!("\"{MASK}\""),
         };

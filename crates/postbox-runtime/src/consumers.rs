@@ -87,7 +87,10 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
                 )
             }
         };
-        controls.push(Arc::new(Controlled(state)));
+        controls.push(Arc::new(Controlled {
+            state,
+            config: c.clone(),
+        }));
         tasks.spawn(async move { (name, run.await.map_err(|e| e.within(&placed))) });
     }
     let metrics = server.map(|server| {
@@ -123,24 +126,54 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
     failure.map_or(Ok(()), Err)
 }
 
-/// A consumer's state as the admin server controls it.
-struct Controlled(Arc<ConsumerState>);
+/// A consumer's state as the admin server controls it, and its config
+/// for the passes over its dead letters.
+struct Controlled {
+    state: Arc<ConsumerState>,
+    config: ConsumerConfig,
+}
 
 impl postbox_admin::ConsumerControl for Controlled {
     fn name(&self) -> &str {
-        self.0.name()
+        self.state.name()
     }
 
     fn snapshot(&self) -> serde_json::Value {
-        serde_json::to_value(self.0.snapshot()).unwrap_or_default()
+        serde_json::to_value(self.state.snapshot()).unwrap_or_default()
     }
 
     fn pause(&self) -> bool {
-        self.0.pause()
+        self.state.pause()
     }
 
     fn resume(&self) -> bool {
-        self.0.resume()
+        self.state.resume()
+    }
+
+    fn dead_letters(
+        &self,
+        r: postbox_admin::DeadRequest,
+    ) -> BoxFuture<'_, Result<serde_json::Value, String>> {
+        use postbox_admin::DeadVerb;
+        use postbox_consumers::dead::{self, DeadAction, DeadFilter};
+        Box::pin(async move {
+            let action = match r.verb {
+                DeadVerb::List(limit) => DeadAction::List(limit),
+                DeadVerb::Replay => DeadAction::Replay,
+                DeadVerb::Purge => DeadAction::Purge,
+            };
+            let filter = DeadFilter {
+                event_id: r.event_id,
+                event_type: r.event_type,
+                since_ms: r.since_ms,
+                until_ms: r.until_ms,
+                error: r.error,
+            };
+            let report = dead::run(&self.config, action, &filter, r.dry_run, &|_, _| {})
+                .await
+                .map_err(|e| e.to_string())?;
+            serde_json::to_value(report).map_err(|e| e.to_string())
+        })
     }
 }
 

@@ -572,11 +572,31 @@ async fn http_post(addr: &str, path: &str, token: Option<&str>) -> (u16, String)
 /// `method path` on `addr` with `token` as bearer (if any): the status
 /// code and the body (HTTP/1.0: the server closes).
 async fn http_call(addr: &str, method: &str, path: &str, token: Option<&str>) -> (u16, String) {
+    http_send(addr, method, path, token, None).await
+}
+
+/// [`http_call`] with a JSON `body`, if any.
+async fn http_send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&serde_json::Value>,
+) -> (u16, String) {
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
     let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+    let body = body.map_or(String::new(), |b| b.to_string());
+    let kind = if body.is_empty() {
+        ""
+    } else {
+        "content-type: application/json\r\n"
+    };
     sock.write_all(
-        format!("{method} {path} HTTP/1.0\r\nhost: {addr}\r\n{auth}content-length: 0\r\n\r\n")
-            .as_bytes(),
+        format!(
+            "{method} {path} HTTP/1.0\r\nhost: {addr}\r\n{auth}{kind}content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
     )
     .await
     .unwrap();
@@ -983,5 +1003,189 @@ async fn per_aggregate_ordering_keeps_its_holds_beside_the_inbox() {
             "bridge_inbox_versions"
         ]
     );
+    delete_queues(&ch, &queue).await;
+}
+
+/// Issue 14.4: `postbox dead` and the consume process's dead-letter API on
+/// letters a real `postbox consume` dead-lettered (its handler answers 422):
+/// listed with masked payloads for a viewer, refused without a token or a
+/// filter, counted by a dry run, replayed into the queue (where the bridge
+/// takes it again) and purged, from the API and the command line.
+#[tokio::test]
+async fn dead_letters_from_the_cli_and_the_api() {
+    let token = "dead-operator-51a";
+    let viewer = "dead-viewer-77b";
+    let dir = tempfile::tempdir().unwrap();
+    let (url, keys) = http_server(
+        Duration::ZERO,
+        b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 12\r\n\r\nno such room",
+    )
+    .await;
+    let (_conn, ch) = broker().await;
+    let queue = scratch_table("dead_cli");
+    let addr = free_addr();
+    let toml = format!(
+        "{}\n[admin]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n\
+         [[admin.tokens]]\nname = \"watcher\"\nrole = \"viewer\"\ntoken = \"{viewer}\"\n\
+         [admin.redact]\nRoomCreated = [\"secret\"]\n",
+        consumer_toml(&queue, &url, "")
+    );
+    let config = write_config(dir.path(), &toml);
+    let mut consumer = consume(&config).spawn().unwrap();
+    let start = consuming(&queue).await;
+    for i in 1..=3 {
+        publish(
+            &ch,
+            &queue,
+            &format!("d-{i}"),
+            &format!(r#"{{"secret":"s3cr3t","n":{i}}}"#),
+        )
+        .await;
+    }
+    let path = format!("/api/consumers/{queue}/dead");
+    let listed = loop {
+        let (status, body) = http_call(&addr, "GET", &path, Some(viewer)).await;
+        assert_eq!(status, 200, "{body}");
+        let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if listed["matched"] == 3 {
+            break listed;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "not 3 dead: {listed}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // A viewer sees the letters, the configured field masked.
+    let text = listed.to_string();
+    assert!(!text.contains("s3cr3t"), "{text}");
+    let first = &listed["letters"][0];
+    assert_eq!(first["event_type"], "RoomCreated", "{first}");
+    assert!(
+        first["last_error"].as_str().unwrap().contains("422"),
+        "{first}"
+    );
+    assert!(
+        first["payload"].as_str().unwrap().contains("***"),
+        "{first}"
+    );
+    assert!(first["dead_at_ms"].as_i64().unwrap() > 1_700_000_000_000);
+    // Refusals never show a letter.
+    let (status, body) = http_call(&addr, "GET", &path, None).await;
+    assert_eq!(status, 401);
+    assert!(!body.contains("d-1") && !body.contains("s3cr3t"), "{body}");
+    let purge = format!("{path}/purge");
+    let all = serde_json::json!({ "all": true });
+    let (status, body) = http_send(&addr, "POST", &purge, Some(viewer), Some(&all)).await;
+    assert_eq!(status, 403, "a viewer may not purge: {body}");
+    let (status, body) = http_send(&addr, "POST", &purge, Some(token), None).await;
+    assert_eq!(status, 400, "no filter, no `all`: {body}");
+    assert!(body.contains("all"), "{body}");
+    let dry = serde_json::json!({ "all": true, "dry_run": true });
+    let (status, body) = http_send(&addr, "POST", &purge, Some(token), Some(&dry)).await;
+    assert_eq!(status, 200, "{body}");
+    let dry: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (dry["matched"].as_u64(), dry["done"].as_u64()),
+        (Some(3), Some(0)),
+        "{dry}"
+    );
+
+    // The command line, straight on the broker.
+    let cli = |args: &[&str]| {
+        let mut c = postbox();
+        c.args(["--config", config.to_str().unwrap()]).args(args);
+        c.output()
+    };
+    let out = cli(&["--json", "dead", "list", "--consumer", &queue])
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut ids: Vec<&str> = listed["letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["event_id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["d-1", "d-2", "d-3"]);
+    let out = cli(&["dead", "show", "--consumer", &queue, "d-2"])
+        .await
+        .unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        shown.contains("event_id:     d-2") && shown.contains("no such room"),
+        "{shown}"
+    );
+    let out = cli(&["dead", "replay", "--consumer", &queue])
+        .await
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a replay needs a filter: {out:?}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--all"),
+        "{out:?}"
+    );
+    let out = cli(&["dead", "list", "--consumer", "nope"]).await.unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&queue),
+        "names the consumers: {out:?}"
+    );
+
+    // Replayed, d-1 goes back to the queue: the bridge posts it again, and
+    // the handler's 422 dead-letters it again.
+    let out = cli(&["dead", "replay", "--consumer", &queue, "--event-id", "d-1"])
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(said.contains("1 of 3 dead letters"), "{said}");
+    while keys.lock().unwrap().iter().filter(|k| *k == "d-1").count() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "d-1 never handled again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let back = loop {
+        let out = cli(&[
+            "--json",
+            "dead",
+            "list",
+            "--consumer",
+            &queue,
+            "--event-id",
+            "d-1",
+        ])
+        .await
+        .unwrap();
+        let back: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        if back["matched"] == 1 {
+            break back;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "d-1 not dead again: {back}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(back["letters"][0]["headers"]["x-replayed"], true, "{back}");
+
+    let (status, body) = http_send(&addr, "POST", &purge, Some(token), Some(&all)).await;
+    assert_eq!(status, 200, "{body}");
+    let purged: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(purged["done"], 3, "{purged}");
+    let out = cli(&["--json", "dead", "list", "--consumer", &queue])
+        .await
+        .unwrap();
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed["matched"], 0, "{listed}");
+    stopped(&mut consumer).await;
     delete_queues(&ch, &queue).await;
 }
