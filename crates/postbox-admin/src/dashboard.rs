@@ -1,5 +1,7 @@
 //! The dashboard: one page, plain JS and CSS, compiled into the binary (no
-//! CDN, no build step). It reads `/api/stats` and `/api/events` only.
+//! CDN, no build step). Served by `postbox serve` (the outbox: `/api/stats`,
+//! `/api/events`) and by `postbox consume` (its consumers and their dead
+//! letters: `/api/consumers`); it shows the parts its process serves.
 
 use axum::http::header;
 use axum::response::IntoResponse;

@@ -1,5 +1,6 @@
-//! `/healthz`, `/metrics` and the consumers' API, for a process without an
-//! outbox table (`postbox consume`).
+//! `/healthz`, `/metrics`, the consumers' API and the dashboard (its
+//! consumers part), for a process without an outbox table (`postbox
+//! consume`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -77,6 +78,9 @@ impl MetricsServer {
         tracing::info!(%addr, "metrics listening on http://{addr}/metrics");
         let prometheus = self.prometheus;
         let app = Router::new()
+            .route("/", get(crate::dashboard::index))
+            .route("/dashboard.js", get(crate::dashboard::script))
+            .route("/dashboard.css", get(crate::dashboard::style))
             .route("/healthz", get(crate::api::healthz))
             .route(
                 "/metrics",

@@ -1,5 +1,8 @@
-// postbox dashboard: polls /api/stats and the failed list every few seconds.
-// Plain JS, no dependencies; served from the postbox binary.
+// postbox dashboard: polls /api/stats and the failed list every few seconds
+// (`postbox serve`), and the consumers (`postbox consume`), whose dead
+// letters are read from the broker when asked (never polled); each part
+// shows when its process serves its API. Plain JS, no
+// dependencies; served from the postbox binary.
 "use strict";
 
 const REFRESH_MS = 3000;
@@ -204,15 +207,141 @@ async function showTimeline(eventId) {
   }
 }
 
-async function refresh() {
+// ---- consumers and their dead letters (`postbox consume`) ----
+
+let openConsumer = null;
+
+async function loadConsumers() {
+  const d = await getJson("/api/consumers");
+  $("#consumers-section").hidden = false;
+  $("#consumers tbody").replaceChildren(...d.consumers.map((c) => el("tr", {
+    "data-consumer": c.name, class: c.name === openConsumer ? "open" : "",
+  },
+  el("td", {}, c.name), el("td", {}, c.kind), el("td", {}, el("code", {}, c.queue)),
+  el("td", { "data-state": c.state }, c.state), el("td", { class: "num" }, c.ok),
+  el("td", { class: "num" }, c.retry), el("td", { class: "num" }, c.dead),
+  el("td", {},
+    el("button", {
+      class: "switch", type: "button",
+      onclick: (ev) => operate("/api/consumers/" + encodeURIComponent(c.name) + (c.state === "paused" ? "/resume" : "/pause"),
+        null, ev.target, c.name + (c.state === "paused" ? " resumed." : " paused: it finishes the message in hand.")),
+    }, c.state === "paused" ? "Resume" : "Pause"), " ",
+    el("button", { class: "dead plain", type: "button", onclick: () => showDead(c.name) }, "Dead letters")))));
+}
+
+async function showDead(name) {
+  openConsumer = name;
+  const d = await getJson("/api/consumers/" + encodeURIComponent(name) + "/dead?limit=200");
+  $("#dead-name").textContent = name;
+  $("#dead-where").textContent = "(" + d.dead_letters + "; " +
+    (d.complete ? d.matched + " letters)" : "the first " + d.letters.length + "; more follow)");
+  $("#dead-empty").hidden = d.letters.length > 0;
+  $("#dead tbody").replaceChildren(...d.letters.map((l) => el("tr", { "data-event-id": l.event_id || "" },
+    el("td", { class: "num" }, l.position), el("td", {}, el("code", {}, l.event_id || "(none)")),
+    el("td", {}, l.event_type), el("td", {}, l.dead_at_ms ? time(l.dead_at_ms) : "?"),
+    el("td", { class: "num" }, l.attempts ?? "?"), el("td", { class: "error" }, l.last_error || ""),
+    el("td", {}, ...(l.event_id ? [
+      el("button", { class: "dead-replay", type: "button",
+        onclick: (ev) => deadChange(name, "replay", { event_id: l.event_id }, ev.target) }, "Replay"), " ",
+      el("button", { class: "dead-purge danger", type: "button",
+        onclick: (ev) => deadChange(name, "purge", { event_id: l.event_id }, ev.target) }, "Purge"),
+    ] : [])))));
+  $("#dead-section").hidden = false;
+}
+
+// A replay or purge of the letters `filter` takes: counted by a dry run
+// first, done once the operator confirmed that count.
+async function deadChange(name, action, filter, button) {
+  const url = "/api/consumers/" + encodeURIComponent(name) + "/dead/" + action;
+  const what = filter.event_id ? "the dead letter of " + filter.event_id : "every dead letter";
   try {
-    renderStats(await getJson("/api/stats"));
-    await loadPublishers();
-    await loadFailed();
+    const dry = await send(url, Object.assign({ dry_run: true }, filter));
+    if (!dry) return;
+    if (dry.matched === 0) return say("Nothing to " + action + ": " + what + " is gone.", false);
+    const verb = action === "replay" ? "Replay" : "Purge";
+    if (!window.confirm(verb + " " + dry.matched + " dead letter" + (dry.matched === 1 ? "" : "s") + " of " + name + "?")) {
+      return say(verb + " cancelled.", false);
+    }
+    await operate(url, filter, button, verb + "ed " + what + " of " + name + ".");
+    await showDead(name);
   } catch (e) {
-    const upd = $("#updated");
-    upd.textContent = "admin server unreachable: " + e.message;
+    say(action + " of " + what + " failed: " + e.message, false);
+  }
+}
+
+// POST `url` with `body` as the operator; asks for the token once.
+async function send(url, body, retried) {
+  const t = token(retried);
+  if (!t) { say("Cancelled: no token given.", false); return null; }
+  try {
+    return await getJson(url, {
+      method: "POST",
+      headers: { Authorization: "Bearer " + t, "Content-Type": "application/json" },
+      body: body ? JSON.stringify(body) : undefined,
+    });
+  } catch (e) {
+    if (e.status === 401 && !retried) {
+      sessionStorage.removeItem(TOKEN_KEY);
+      return send(url, body, true);
+    }
+    throw e;
+  }
+}
+
+async function operate(url, body, button, done) {
+  if (button) button.disabled = true;
+  try {
+    const res = await send(url, body);
+    if (res) say(done + (res.done != null ? " (" + res.done + ")" : ""), true);
+    await refresh();
+  } catch (e) {
+    say("Failed: " + e.message, false);
+  } finally {
+    if (button) button.disabled = false;
+  }
+}
+
+$("#dead-replay-all").addEventListener("click", (ev) => deadChange(openConsumer, "replay", { all: true }, ev.target));
+$("#dead-purge-all").addEventListener("click", (ev) => deadChange(openConsumer, "purge", { all: true }, ev.target));
+$("#dead-reload").addEventListener("click", () => showDead(openConsumer));
+
+// Which parts this process serves: unknown (null) until first asked.
+let servesOutbox = null;
+let servesConsumers = null;
+
+async function refresh() {
+  let reached = false;
+  let failure = null;
+  if (servesOutbox !== false) {
+    try {
+      renderStats(await getJson("/api/stats"));
+      servesOutbox = true;
+      reached = true;
+      for (const s of document.querySelectorAll("section.outbox")) s.hidden = false;
+      await loadPublishers();
+      await loadFailed();
+    } catch (e) {
+      if (e.status === 404) servesOutbox = false;
+      else failure = e;
+    }
+  }
+  if (servesConsumers !== false) {
+    try {
+      await loadConsumers();
+      servesConsumers = true;
+      reached = true;
+    } catch (e) {
+      if (e.status === 404) servesConsumers = false;
+      else failure = failure || e;
+    }
+  }
+  const upd = $("#updated");
+  if (failure) {
+    upd.textContent = "admin server unreachable: " + failure.message;
     upd.classList.add("stale");
+  } else if (reached && servesOutbox !== true) {
+    upd.textContent = "updated " + time(Date.now());
+    upd.classList.remove("stale");
   }
 }
 

@@ -1189,3 +1189,94 @@ async fn dead_letters_from_the_cli_and_the_api() {
     stopped(&mut consumer).await;
     delete_queues(&ch, &queue).await;
 }
+
+/// Issue 14.4 and 14.5 in a real browser: the dashboard served by `postbox
+/// consume` shows its consumers (no outbox part), pauses and resumes one,
+/// lists its dead letters, replays one after confirming the count (the
+/// handler refuses it again, so it comes back dead) and purges them all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
+    crate::dashboard::browser();
+    let token = "dead-browser-3f0";
+    let dir = tempfile::tempdir().unwrap();
+    let (url, keys) = http_server(
+        Duration::ZERO,
+        b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 12\r\n\r\nno such room",
+    )
+    .await;
+    let (_conn, ch) = broker().await;
+    let queue = scratch_table("dead_browser");
+    let addr = free_addr();
+    let toml = format!(
+        "{}\n[admin]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n",
+        consumer_toml(&queue, &url, "")
+    );
+    let config = write_config(dir.path(), &toml);
+    let mut consumer = consume(&config).spawn().unwrap();
+    let start = consuming(&queue).await;
+    for i in 1..=3 {
+        publish(&ch, &queue, &format!("d-{i}"), "{}").await;
+    }
+    let dead = postbox_core::wire::rabbitmq::dead_queue(&queue);
+    while count_ready(&ch, &dead).await < 3 {
+        assert!(start.elapsed() < Duration::from_secs(20), "not 3 dead");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let args = serde_json::json!({
+        "url": format!("http://{addr}/"),
+        "token": token,
+        "consumer": queue,
+        "replay": "d-1",
+    });
+    let result =
+        tokio::task::spawn_blocking(move || crate::dashboard::run_browser("consumers.mjs", &args))
+            .await
+            .unwrap();
+    assert_eq!(result["outbox_hidden"], true, "{result}");
+    assert_eq!(
+        result["states"],
+        serde_json::json!(["consuming", "paused", "consuming"]),
+        "{result}"
+    );
+    assert_eq!(result["dead_listed"], 3, "{result}");
+    assert_eq!(result["position_before"], "1", "{result}");
+    assert_eq!(result["prompts"], 1, "the token is asked once: {result}");
+    assert_eq!(
+        result["confirms"],
+        serde_json::json!([
+            format!("Replay 1 dead letter of {queue}?"),
+            format!("Purge 3 dead letters of {queue}?")
+        ]),
+        "{result}"
+    );
+    assert_eq!(result["dead_after"], 0, "{result}");
+    assert_eq!(
+        result["offsite_requests"],
+        serde_json::json!([]),
+        "{result}"
+    );
+    assert_eq!(
+        keys.lock().unwrap().iter().filter(|k| *k == "d-1").count(),
+        2,
+        "the replayed letter was posted again"
+    );
+    assert_eq!(count_ready(&ch, &dead).await, 0);
+    stopped(&mut consumer).await;
+    delete_queues(&ch, &queue).await;
+}
+
+/// Messages ready in `queue`.
+async fn count_ready(ch: &Channel, queue: &str) -> u32 {
+    use lapin::options::QueueDeclareOptions;
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}

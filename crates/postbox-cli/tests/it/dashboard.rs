@@ -25,15 +25,16 @@ impl Drop for Serve {
     }
 }
 
-fn require(path: &str, what: &str) {
+pub(crate) fn require(path: &str, what: &str) {
     assert!(
         Path::new(path).exists(),
         "{what} is missing at {path}: install it with `apt-get install chromium nodejs npm` (scripts/test does this)"
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dashboard_replays_a_failed_event_in_a_browser() {
+/// Node and the directory of the browser scripts, checked: Chromium, node
+/// and playwright-core must be installed.
+pub(crate) fn browser() -> (std::path::PathBuf, std::path::PathBuf) {
     require("/usr/bin/chromium", "Chromium");
     let node = which("node").expect(
         "node is missing: install it with `apt-get install nodejs npm` (scripts/test does this)",
@@ -44,6 +45,32 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
         "playwright-core is not installed: run `npm ci` in {} (scripts/test does this)",
         browser_dir.display()
     );
+    (node, browser_dir)
+}
+
+/// Runs `script` of the browser directory with `args`; its JSON result.
+pub(crate) fn run_browser(script: &str, args: &serde_json::Value) -> serde_json::Value {
+    let (node, browser_dir) = browser();
+    let started = Instant::now();
+    let out = Command::new(node)
+        .current_dir(&browser_dir)
+        .arg(script)
+        .arg(args.to_string())
+        .output()
+        .expect("run node");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "browser check failed after {:?}:\n{stdout}\n{}",
+        started.elapsed(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).expect("browser result JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_replays_a_failed_event_in_a_browser() {
+    browser();
 
     let (url, store) = common::server_outbox("postgres", "dash", 2).await;
     let table = store.table().as_str().to_owned();
@@ -111,22 +138,7 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
         "counts": { "delivered": 5, "pending": 3, "failed": 2 },
         "replay": ids[6],
     });
-    let started = Instant::now();
-    let out = Command::new(node)
-        .current_dir(&browser_dir)
-        .arg("dashboard.mjs")
-        .arg(args.to_string())
-        .output()
-        .expect("run node");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "browser check failed after {:?}:\n{stdout}\n{}",
-        started.elapsed(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let result: serde_json::Value =
-        serde_json::from_str(stdout.trim()).expect("browser result JSON");
+    let result = run_browser("dashboard.mjs", &args);
     assert_eq!(result["failed_listed"], 2, "{result}");
     assert_eq!(result["failed_after"], 1, "{result}");
     assert_eq!(result["prompts"], 1, "the token is asked once: {result}");
@@ -151,7 +163,7 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
     drop(serve);
 }
 
-fn which(bin: &str) -> Option<std::path::PathBuf> {
+pub(crate) fn which(bin: &str) -> Option<std::path::PathBuf> {
     std::env::var_os("PATH")?
         .to_str()?
         .split(':')

@@ -165,8 +165,12 @@ pub struct DeadReport {
     pub dead_letters: String,
     /// Letters read.
     pub scanned: u64,
-    /// Letters the filter took.
+    /// Letters the filter took (of those read: a list stops reading once it
+    /// has its limit, see `complete`).
     pub matched: u64,
+    /// Whether the pass read every letter there was when it began (a list
+    /// that reached its limit stops early).
+    pub complete: bool,
     /// Letters replayed or purged (0 on a list or a dry run).
     pub done: u64,
     /// The first matching letters (all of a list up to its limit; a sample
@@ -180,6 +184,11 @@ impl DeadReport {
             dead_letters,
             ..DeadReport::default()
         }
+    }
+
+    /// Whether a list has its limit of letters: the pass stops reading.
+    pub(crate) fn full(&self, action: DeadAction) -> bool {
+        matches!(action, DeadAction::List(limit) if self.letters.len() >= limit)
     }
 
     /// Counts `letter` as read and, when the filter took it, keeps it (up

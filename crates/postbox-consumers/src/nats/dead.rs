@@ -43,9 +43,11 @@ async fn pass_over(js: &Context, pass: &Pass<'_>, subject: &str) -> Result<DeadR
         // it takes a message: none yet, no dead letters yet.
         Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
             (pass.progress)(0, 0);
-            return Ok(DeadReport::new(format!(
+            let mut report = DeadReport::new(format!(
                 "{subject} (no stream captures it yet: the consumer has not run)"
-            )));
+            ));
+            report.complete = true;
+            return Ok(report);
         }
         Err(e) => return Err(format!("looking up the stream of the dead subject: {e}")),
     };
@@ -94,10 +96,15 @@ async fn pass_over(js: &Context, pass: &Pass<'_>, subject: &str) -> Result<DeadR
                 .map_err(|e| format!("deleting the letter at {}: {e}", m.sequence))?;
             report.done += 1;
         }
+        if report.full(pass.action) {
+            (pass.progress)(report.scanned, report.done);
+            return Ok(report);
+        }
         if report.scanned % PROGRESS_EVERY == 0 {
             (pass.progress)(report.scanned, report.done);
         }
     }
+    report.complete = true;
     (pass.progress)(report.scanned, report.done);
     Ok(report)
 }

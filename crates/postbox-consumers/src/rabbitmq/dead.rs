@@ -105,10 +105,15 @@ async fn pass_over(
                 .map_err(|e| format!("removing the letter at {place}: {e}"))?;
             report.done += 1;
         }
+        if report.full(pass.action) {
+            (pass.progress)(report.scanned, report.done);
+            return Ok(report);
+        }
         if report.scanned % PROGRESS_EVERY == 0 {
             (pass.progress)(report.scanned, report.done);
         }
     }
+    report.complete = true;
     (pass.progress)(report.scanned, report.done);
     Ok(report)
 }

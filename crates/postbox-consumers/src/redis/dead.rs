@@ -50,6 +50,7 @@ async fn pass_over(
         .await
         .map_err(|e| format!("reading: {e}"))?;
     let Some(last) = last.ids.into_iter().next().map(|e| e.id) else {
+        report.complete = true;
         (pass.progress)(0, 0);
         return Ok(report);
     };
@@ -88,12 +89,17 @@ async fn pass_over(
                     .map_err(|e| format!("{}: {e}", entry.id))?;
                 report.done += 1;
             }
+            if report.full(pass.action) {
+                (pass.progress)(report.scanned, report.done);
+                return Ok(report);
+            }
         }
         (pass.progress)(report.scanned, report.done);
         if n < PAGE {
             break;
         }
     }
+    report.complete = true;
     Ok(report)
 }
 

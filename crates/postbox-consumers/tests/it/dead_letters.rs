@@ -111,13 +111,13 @@ pub async fn scenario(
         assert!(!l.event_type.is_empty() && !l.app_code.is_empty(), "{l:?}");
     }
     // A limit, and filters that take nothing.
+    let first = pass(&config, DeadAction::List(1), DeadFilter::default(), false).await;
     assert_eq!(
-        pass(&config, DeadAction::List(1), DeadFilter::default(), false)
-            .await
-            .letters
-            .len(),
-        1
+        (first.letters.len(), first.complete),
+        (1, false),
+        "a list stops at its limit"
     );
+    assert!(all.complete);
     let none = DeadFilter {
         error: Some("no such error".into()),
         ..DeadFilter::default()
