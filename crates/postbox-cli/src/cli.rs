@@ -122,19 +122,22 @@ pub enum DeadCommand {
     },
     /// Send the letters the filters take back to the consumer's queue
     /// (same event_id, marked x-replayed, attempts afresh), then remove them.
-    Replay {
-        #[command(flatten)]
-        filter: DeadFilterArgs,
-        #[command(flatten)]
-        scope: DeadScope,
-    },
+    Replay(DeadChange),
     /// Remove the letters the filters take.
-    Purge {
-        #[command(flatten)]
-        filter: DeadFilterArgs,
-        #[command(flatten)]
-        scope: DeadScope,
-    },
+    Purge(DeadChange),
+}
+
+/// The letters a replay or purge takes, and how far it may go.
+#[derive(Debug, Args, Clone, Default)]
+pub struct DeadChange {
+    #[command(flatten)]
+    pub filter: DeadFilterArgs,
+    /// Count and show what would be done; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Take every letter of the consumer when no filter is given.
+    #[arg(long)]
+    pub all: bool,
 }
 
 /// Which consumer's dead letters, and which of them.
@@ -158,17 +161,6 @@ pub struct DeadFilterArgs {
     /// Only letters whose last error contains this text (any case).
     #[arg(long)]
     pub error: Option<String>,
-}
-
-/// How far a replay or purge may go.
-#[derive(Debug, Args, Clone, Default)]
-pub struct DeadScope {
-    /// Count and show what would be done; change nothing.
-    #[arg(long)]
-    pub dry_run: bool,
-    /// Take every letter of the consumer when no filter is given.
-    #[arg(long)]
-    pub all: bool,
 }
 
 #[derive(Debug, Args)]

@@ -80,6 +80,21 @@ impl AmqpEvent<'_> {
     }
 }
 
+/// Messages ready in `queue` (a passive declare).
+pub async fn ready(ch: &Channel, queue: &str) -> u32 {
+    ch.queue_declare(
+        queue.into(),
+        lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..lapin::options::QueueDeclareOptions::default()
+        },
+        lapin::types::FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
 /// Deletes `queue` and its twins `<queue>.retry` and `<queue>.dead`.
 pub async fn delete_queues(ch: &Channel, queue: &str) {
     for q in [

@@ -7,7 +7,7 @@ use postbox_consumers::dead::{self, DeadAction, DeadFilter, DeadLetter, DeadRepo
 use postbox_core::config::ConsumerConfig;
 use postbox_core::time::{now_ms, parse_time_arg};
 
-use crate::cli::{DeadArgs, DeadCommand, DeadFilterArgs, DeadScope, Global};
+use crate::cli::{DeadArgs, DeadChange, DeadCommand, DeadFilterArgs, Global};
 use crate::error::CliError;
 use crate::open::{load_config, WITH_CONSUMERS};
 use crate::output;
@@ -29,24 +29,8 @@ pub async fn run(g: &Global, args: DeadArgs) -> Result<(), CliError> {
             };
             (consumer, DeadAction::List(usize::MAX), filter, false)
         }
-        DeadCommand::Replay { filter, scope } => {
-            scoped(&filter, &scope, "replay")?;
-            (
-                filter.consumer.clone(),
-                DeadAction::Replay,
-                filter,
-                scope.dry_run,
-            )
-        }
-        DeadCommand::Purge { filter, scope } => {
-            scoped(&filter, &scope, "purge")?;
-            (
-                filter.consumer.clone(),
-                DeadAction::Purge,
-                filter,
-                scope.dry_run,
-            )
-        }
+        DeadCommand::Replay(change) => changing(change, DeadAction::Replay)?,
+        DeadCommand::Purge(change) => changing(change, DeadAction::Purge)?,
     };
     let consumer = find(&settings.consumers, &name)?;
     let filter = dead_filter(&filter)?;
@@ -81,19 +65,29 @@ pub async fn run(g: &Global, args: DeadArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// A replay or purge takes a filter, or `--all` said out loud.
-fn scoped(filter: &DeadFilterArgs, scope: &DeadScope, what: &str) -> Result<(), CliError> {
-    let any = filter.event_type.is_some()
-        || filter.event_id.is_some()
-        || filter.since.is_some()
-        || filter.until.is_some()
-        || filter.error.is_some();
-    if any || scope.all {
-        return Ok(());
+/// A replay or purge: its consumer, action, filter and dry run. It takes a
+/// filter, or `--all` said out loud.
+fn changing(
+    change: DeadChange,
+    action: DeadAction,
+) -> Result<(String, DeadAction, DeadFilterArgs, bool), CliError> {
+    let f = &change.filter;
+    let any = f.event_type.is_some()
+        || f.event_id.is_some()
+        || f.since.is_some()
+        || f.until.is_some()
+        || f.error.is_some();
+    if !any && !change.all {
+        let what = if action == DeadAction::Replay {
+            "replay"
+        } else {
+            "purge"
+        };
+        return Err(CliError::usage(format!(
+            "dead {what}: give a filter (--event-type, --event-id, --since, --until, --error) or --all to take every dead letter of the consumer"
+        )));
     }
-    Err(CliError::usage(format!(
-        "dead {what}: give a filter (--event-type, --event-id, --since, --until, --error) or --all to take every dead letter of the consumer"
-    )))
+    Ok((f.consumer.clone(), action, change.filter, change.dry_run))
 }
 
 fn find<'a>(consumers: &'a [ConsumerConfig], name: &str) -> Result<&'a ConsumerConfig, CliError> {

@@ -5,24 +5,11 @@
 // (confirming the count the dashboard asks about) and waits for it to come
 // back dead (the handler refuses it again), then purges them all. Exits
 // non-zero with the reason on any failure.
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
-import { chromium } from "playwright-core";
+import { run } from "./chromium.mjs";
 
 const args = JSON.parse(process.argv[2]);
-const userDataDir = mkdtempSync(join(tmpdir(), "postbox-chromium-"));
-const context = await chromium.launchPersistentContext(userDataDir, {
-  executablePath: "/usr/bin/chromium",
-  headless: true,
-  args: [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-  ],
-});
-const result = { prompts: 0, confirms: [], states: [] };
-try {
-  const page = context.pages()[0] ?? (await context.newPage());
+const initial = { prompts: 0, confirms: [], states: [] };
+await run("consumers dashboard", initial, async (page, result) => {
   page.on("dialog", async (d) => {
     if (d.type() === "prompt") {
       result.prompts += 1;
@@ -73,12 +60,4 @@ try {
   await page.locator("#dead-empty:not([hidden])").waitFor({ timeout: 15000 });
   result.dead_after = await letters.count();
   result.offsite_requests = requests.filter((u) => !u.startsWith(args.url));
-  console.log(JSON.stringify(result));
-} catch (e) {
-  console.error("consumers dashboard check failed:", e.message);
-  console.error(JSON.stringify(result));
-  process.exitCode = 1;
-} finally {
-  await context.close();
-  rmSync(userDataDir, { recursive: true, force: true });
-}
+});

@@ -4,24 +4,11 @@
 // Checks the counts shown, replays a failed event through its button
 // (entering the token at the prompt) and waits for it to leave the failed
 // list. Exits non-zero with the reason on any failure.
-import { mkdtempSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
-import { chromium } from "playwright-core";
+import { run } from "./chromium.mjs";
 
 const args = JSON.parse(process.argv[2]);
-const userDataDir = mkdtempSync(join(tmpdir(), "postbox-chromium-"));
-const context = await chromium.launchPersistentContext(userDataDir, {
-  executablePath: "/usr/bin/chromium",
-  headless: true,
-  args: [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-  ],
-});
-const result = { prompts: 0, timeline: [] };
-try {
-  const page = context.pages()[0] ?? (await context.newPage());
+const initial = { prompts: 0, timeline: [] };
+await run("dashboard", initial, async (page, result) => {
   page.on("dialog", async (d) => {
     result.prompts += 1;
     await d.accept(args.token);
@@ -51,12 +38,4 @@ try {
   await cell("failed").filter({ hasText: new RegExp(`^${args.counts.failed - 1}$`) }).waitFor({ timeout: 20000 });
   result.failed_after = await failedRows.count();
   result.offsite_requests = requests.filter((u) => !u.startsWith(args.url));
-  console.log(JSON.stringify(result));
-} catch (e) {
-  console.error("dashboard check failed:", e.message);
-  console.error(JSON.stringify(result));
-  process.exitCode = 1;
-} finally {
-  await context.close();
-  rmSync(userDataDir, { recursive: true, force: true });
-}
+});

@@ -409,17 +409,22 @@ async fn stopped(child: &mut tokio::process::Child) {
     assert!(status.success(), "{status:?}");
 }
 
+/// A handler answering every POST with 422 (no such room).
+async fn refusing_handler() -> (String, Arc<Mutex<Vec<String>>>) {
+    http_server(
+        Duration::ZERO,
+        b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 12\r\n\r\nno such room",
+    )
+    .await
+}
+
 /// A handler that answers 422 says no retry can mend the event: it is
 /// posted once and dead-lettered at once, the answer in `x-last-error`,
 /// while a retry (200 ms here, 5 attempts) would have posted it again.
 #[tokio::test]
 async fn a_422_from_the_handler_dead_letters_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let (url, keys) = http_server(
-        Duration::ZERO,
-        b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 12\r\n\r\nno such room",
-    )
-    .await;
+    let (url, keys) = refusing_handler().await;
     let (_conn, ch) = broker().await;
     let queue = scratch_table("unprocessable");
     let config = write_config(dir.path(), &consumer_toml(&queue, &url, ""));
@@ -495,8 +500,17 @@ struct AdminConsume {
 /// [`AdminConsume`] on a queue named after `prefix`, `admin` added to its
 /// `[admin]` section.
 async fn admin_consume(prefix: &str, admin: &str) -> AdminConsume {
+    admin_consume_on(slow_server(Duration::from_millis(20)).await, prefix, admin).await
+}
+
+/// [`admin_consume`] bridged to `handler` (its URL and the keys it saw).
+async fn admin_consume_on(
+    handler: (String, Arc<Mutex<Vec<String>>>),
+    prefix: &str,
+    admin: &str,
+) -> AdminConsume {
     let dir = tempfile::tempdir().unwrap();
-    let (url, keys) = slow_server(Duration::from_millis(20)).await;
+    let (url, keys) = handler;
     let (conn, ch) = broker().await;
     let queue = scratch_table(prefix);
     let addr = free_addr();
@@ -1015,24 +1029,24 @@ async fn per_aggregate_ordering_keeps_its_holds_beside_the_inbox() {
 async fn dead_letters_from_the_cli_and_the_api() {
     let token = "dead-operator-51a";
     let viewer = "dead-viewer-77b";
-    let dir = tempfile::tempdir().unwrap();
-    let (url, keys) = http_server(
-        Duration::ZERO,
-        b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 12\r\n\r\nno such room",
+    let mut bridge = admin_consume_on(
+        refusing_handler().await,
+        "dead_cli",
+        &format!(
+            "token = \"{token}\"\n\
+             [[admin.tokens]]\nname = \"watcher\"\nrole = \"viewer\"\ntoken = \"{viewer}\"\n\
+             [admin.redact]\nRoomCreated = [\"secret\"]\n"
+        ),
     )
     .await;
-    let (_conn, ch) = broker().await;
-    let queue = scratch_table("dead_cli");
-    let addr = free_addr();
-    let toml = format!(
-        "{}\n[admin]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n\
-         [[admin.tokens]]\nname = \"watcher\"\nrole = \"viewer\"\ntoken = \"{viewer}\"\n\
-         [admin.redact]\nRoomCreated = [\"secret\"]\n",
-        consumer_toml(&queue, &url, "")
+    let (ch, queue, addr, config, keys, start) = (
+        bridge.ch.clone(),
+        bridge.queue.clone(),
+        bridge.addr.clone(),
+        bridge.config.clone(),
+        bridge.keys.clone(),
+        bridge.start,
     );
-    let config = write_config(dir.path(), &toml);
-    let mut consumer = consume(&config).spawn().unwrap();
-    let start = consuming(&queue).await;
     for i in 1..=3 {
         publish(
             &ch,
@@ -1186,7 +1200,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
         .unwrap();
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed["matched"], 0, "{listed}");
-    stopped(&mut consumer).await;
+    stopped(&mut bridge.consumer).await;
     delete_queues(&ch, &queue).await;
 }
 
@@ -1198,27 +1212,24 @@ async fn dead_letters_from_the_cli_and_the_api() {
 async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
     crate::dashboard::browser();
     let token = "dead-browser-3f0";
-    let dir = tempfile::tempdir().unwrap();
-    let (url, keys) = http_server(
-        Duration::ZERO,
-        b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 12\r\n\r\nno such room",
+    let mut bridge = admin_consume_on(
+        refusing_handler().await,
+        "dead_browser",
+        &format!("token = \"{token}\"\n"),
     )
     .await;
-    let (_conn, ch) = broker().await;
-    let queue = scratch_table("dead_browser");
-    let addr = free_addr();
-    let toml = format!(
-        "{}\n[admin]\nlisten = \"{addr}\"\ntoken = \"{token}\"\n",
-        consumer_toml(&queue, &url, "")
+    let (ch, queue, addr, keys, start) = (
+        bridge.ch.clone(),
+        bridge.queue.clone(),
+        bridge.addr.clone(),
+        bridge.keys.clone(),
+        bridge.start,
     );
-    let config = write_config(dir.path(), &toml);
-    let mut consumer = consume(&config).spawn().unwrap();
-    let start = consuming(&queue).await;
     for i in 1..=3 {
         publish(&ch, &queue, &format!("d-{i}"), "{}").await;
     }
     let dead = postbox_core::wire::rabbitmq::dead_queue(&queue);
-    while count_ready(&ch, &dead).await < 3 {
+    while postbox_testkit::consumer_fixtures::ready(&ch, &dead).await < 3 {
         assert!(start.elapsed() < Duration::from_secs(20), "not 3 dead");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -1260,23 +1271,10 @@ async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
         2,
         "the replayed letter was posted again"
     );
-    assert_eq!(count_ready(&ch, &dead).await, 0);
-    stopped(&mut consumer).await;
+    assert_eq!(
+        postbox_testkit::consumer_fixtures::ready(&ch, &dead).await,
+        0
+    );
+    stopped(&mut bridge.consumer).await;
     delete_queues(&ch, &queue).await;
-}
-
-/// Messages ready in `queue`.
-async fn count_ready(ch: &Channel, queue: &str) -> u32 {
-    use lapin::options::QueueDeclareOptions;
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }

@@ -247,10 +247,31 @@ pub(crate) struct Pass<'a> {
     pub progress: Progress<'a>,
 }
 
+/// A pass reports its progress every this many letters.
+const PROGRESS_EVERY: u64 = 200;
+
 impl Pass<'_> {
     /// Whether the pass changes the broker.
     pub fn writes(&self) -> bool {
         self.action.writes(self.dry_run)
+    }
+
+    /// After each letter: whether the pass stops here (a list that has its
+    /// limit); reports progress every [`PROGRESS_EVERY`] letters and when
+    /// it stops.
+    pub fn stops_after(&self, report: &DeadReport) -> bool {
+        let full = report.full(self.action);
+        if full || report.scanned % PROGRESS_EVERY == 0 {
+            (self.progress)(report.scanned, report.done);
+        }
+        full
+    }
+
+    /// The report of a pass that read every letter there was.
+    pub fn finished(&self, mut report: DeadReport) -> DeadReport {
+        report.complete = true;
+        (self.progress)(report.scanned, report.done);
+        report
     }
 }
 

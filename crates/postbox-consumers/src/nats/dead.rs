@@ -18,9 +18,6 @@ use postbox_core::wire::nats::{MSG_ID, SOURCE_SUBJECT};
 use super::message::message_from_nats;
 use crate::dead::letter::{replay_headers, DeadAction, DeadLetter, DeadReport, Failed, Pass};
 
-/// Reports progress every this many letters.
-const PROGRESS_EVERY: u64 = 200;
-
 pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
     let subject = pass.config.nats_dead_subject();
     let fail = |e: String| (subject.clone(), e);
@@ -42,12 +39,9 @@ async fn pass_over(js: &Context, pass: &Pass<'_>, subject: &str) -> Result<DeadR
         // The consumer makes (or finds) a home for its dead copies before
         // it takes a message: none yet, no dead letters yet.
         Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
-            (pass.progress)(0, 0);
-            let mut report = DeadReport::new(format!(
+            return Ok(pass.finished(DeadReport::new(format!(
                 "{subject} (no stream captures it yet: the consumer has not run)"
-            ));
-            report.complete = true;
-            return Ok(report);
+            ))));
         }
         Err(e) => return Err(format!("looking up the stream of the dead subject: {e}")),
     };
@@ -96,17 +90,11 @@ async fn pass_over(js: &Context, pass: &Pass<'_>, subject: &str) -> Result<DeadR
                 .map_err(|e| format!("deleting the letter at {}: {e}", m.sequence))?;
             report.done += 1;
         }
-        if report.full(pass.action) {
-            (pass.progress)(report.scanned, report.done);
+        if pass.stops_after(&report) {
             return Ok(report);
         }
-        if report.scanned % PROGRESS_EVERY == 0 {
-            (pass.progress)(report.scanned, report.done);
-        }
     }
-    report.complete = true;
-    (pass.progress)(report.scanned, report.done);
-    Ok(report)
+    Ok(pass.finished(report))
 }
 
 /// Where a replay goes: the copy's `x-source-subject`, else (a copy made

@@ -19,9 +19,6 @@ use super::message::{confirmed, headers_json, message_from_delivery, replay_prop
 use crate::dead::letter::{DeadAction, DeadLetter, DeadReport, Failed, Pass};
 use postbox_core::wire::rabbitmq::dead_queue;
 
-/// Reports progress every this many letters.
-const PROGRESS_EVERY: u64 = 200;
-
 pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
     let queue = pass.config.queue.clone();
     let dead = dead_queue(&queue);
@@ -105,15 +102,9 @@ async fn pass_over(
                 .map_err(|e| format!("removing the letter at {place}: {e}"))?;
             report.done += 1;
         }
-        if report.full(pass.action) {
-            (pass.progress)(report.scanned, report.done);
+        if pass.stops_after(&report) {
             return Ok(report);
         }
-        if report.scanned % PROGRESS_EVERY == 0 {
-            (pass.progress)(report.scanned, report.done);
-        }
     }
-    report.complete = true;
-    (pass.progress)(report.scanned, report.done);
-    Ok(report)
+    Ok(pass.finished(report))
 }

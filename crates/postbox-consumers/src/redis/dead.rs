@@ -50,9 +50,7 @@ async fn pass_over(
         .await
         .map_err(|e| format!("reading: {e}"))?;
     let Some(last) = last.ids.into_iter().next().map(|e| e.id) else {
-        report.complete = true;
-        (pass.progress)(0, 0);
-        return Ok(report);
+        return Ok(pass.finished(report));
     };
     let mut from = "-".to_owned();
     loop {
@@ -89,18 +87,15 @@ async fn pass_over(
                     .map_err(|e| format!("{}: {e}", entry.id))?;
                 report.done += 1;
             }
-            if report.full(pass.action) {
-                (pass.progress)(report.scanned, report.done);
+            if pass.stops_after(&report) {
                 return Ok(report);
             }
         }
-        (pass.progress)(report.scanned, report.done);
         if n < PAGE {
             break;
         }
     }
-    report.complete = true;
-    Ok(report)
+    Ok(pass.finished(report))
 }
 
 fn letter_of(id: &str, fields: &HashMap<String, Value>) -> DeadLetter {

@@ -4,14 +4,12 @@
 #![allow(dead_code)]
 
 use async_trait::async_trait;
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use lapin::Channel;
 use postbox_consumers::inbox::TxHandler;
 use postbox_consumers::{HandlerError, Message};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, HumanDuration};
 use postbox_core::redact::SecretUrl;
-pub use postbox_testkit::consumer_fixtures::{broker, wait_until};
+pub use postbox_testkit::consumer_fixtures::{broker, ready, wait_until};
 use postbox_testkit::consumer_fixtures::{delete_queues, AmqpEvent};
 use postbox_testkit::servers::{amqp_url, scratch_name};
 
@@ -70,21 +68,6 @@ pub async fn publish(
     }
     .publish(ch, queue, payload)
     .await;
-}
-
-/// Messages ready in `queue`.
-pub async fn ready(ch: &Channel, queue: &str) -> u32 {
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 /// Deletes `queue` and its twins.
