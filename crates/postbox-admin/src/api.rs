@@ -357,6 +357,23 @@ pub(crate) async fn replay(
     Ok(Json(Replayed { replayed, targets }))
 }
 
+/// `GET /api/topology`: who publishes what, and who consumes it.
+pub(crate) async fn topology(
+    State(state): State<AppState>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let Some(source) = &state.topology else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "this admin server was started without the config's publishers and consumers: no topology",
+        ));
+    };
+    source
+        .topology()
+        .await
+        .map(Json)
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

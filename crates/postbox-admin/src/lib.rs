@@ -32,3 +32,4 @@ pub use metrics_server::MetricsServer;
 pub use poller::{Snapshot, StatsPoller};
 pub use recorder::install_recorder;
 pub use server::{AdminServer, AdminSettings};
+pub use state::TopologySource;

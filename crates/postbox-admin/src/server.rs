@@ -109,8 +109,15 @@ impl AdminServer {
                 redact: Arc::new(crate::redact::Redaction::new(settings.redact.clone())),
                 publishers: Arc::new(settings.publishers.clone()),
                 app_codes: Arc::new(settings.app_codes.clone()),
+                topology: None,
             },
         })
+    }
+
+    /// Also serves `GET /api/topology` from `source`.
+    pub fn with_topology(mut self, source: Arc<dyn crate::state::TopologySource>) -> Self {
+        self.state.topology = Some(source);
+        self
     }
 
     /// The address actually bound.
@@ -152,6 +159,7 @@ fn router(state: AppState) -> Router {
         .route("/metrics", get(api::metrics))
         .route("/api/stats", get(api::stats))
         .route("/api/publishers", get(api::publishers))
+        .route("/api/topology", get(api::topology))
         .route("/api/events", get(api::list))
         .route("/api/events/{event_id}", get(api::show))
         .route("/api/events/{event_id}/replay", post(api::replay))

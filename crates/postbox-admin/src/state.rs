@@ -24,4 +24,13 @@ pub(crate) struct AppState {
     pub publishers: Arc<Vec<String>>,
     /// The tenants served (where archived rows are looked up).
     pub app_codes: Arc<Vec<String>>,
+    /// Who publishes what and who consumes it (`/api/topology`), when the
+    /// server was given the config's publishers and consumers.
+    pub topology: Option<Arc<dyn TopologySource>>,
+}
+
+/// Gathers the topology (`postbox_runtime::topology`) for `/api/topology`.
+pub trait TopologySource: Send + Sync + 'static {
+    /// The topology as JSON, or why it could not be read.
+    fn topology(&self) -> postbox_core::BoxFuture<'_, Result<serde_json::Value, String>>;
 }

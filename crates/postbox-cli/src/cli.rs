@@ -58,6 +58,8 @@ pub enum Command {
     Consumers(ConsumersArgs),
     /// List, show, replay or purge a consumer's dead letters on its broker.
     Dead(DeadArgs),
+    /// Who publishes what, and who consumes it: event type → publisher → target → queues, consumers, groups.
+    Topology,
     /// Move delivered rows older than a cut-off into <table>_archive, in batches.
     Archive(ArchiveArgs),
     /// Check schema, indexes, the plan of every claim and archive query, and the config.

@@ -24,6 +24,7 @@ pub mod store;
 pub mod table;
 pub mod template;
 pub mod time;
+pub mod topology;
 pub mod wake;
 pub mod wire;
 

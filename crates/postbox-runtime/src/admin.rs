@@ -21,7 +21,28 @@ pub fn bind(
     if let Some(listen) = listen {
         admin.listen = listen;
     }
-    AdminServer::bind(store, admin)
+    let source = Arc::new(Topology {
+        settings: settings.clone(),
+        store: store.clone(),
+    });
+    Box::pin(async move { Ok(AdminServer::bind(store, admin).await?.with_topology(source)) })
+}
+
+/// `/api/topology` of these settings.
+struct Topology {
+    settings: Settings,
+    store: Arc<dyn OutboxStore>,
+}
+
+impl postbox_admin::TopologySource for Topology {
+    fn topology(&self) -> BoxFuture<'_, Result<serde_json::Value, String>> {
+        Box::pin(async move {
+            let t = crate::topology::gather(&self.settings, self.store.as_ref())
+                .await
+                .map_err(|e| e.to_string())?;
+            serde_json::to_value(t).map_err(|e| e.to_string())
+        })
+    }
 }
 
 /// Starts the admin server in the background when `[admin]` is set (beside

@@ -60,5 +60,6 @@ pub mod signals;
 pub mod store;
 #[cfg(test)]
 mod test_support;
+pub mod topology;
 
 pub use postbox_core::config::DEFAULT_ADMIN_LISTEN;

@@ -207,6 +207,36 @@ async function showTimeline(eventId) {
   }
 }
 
+// ---- topology (`postbox serve`): read when the page opens and on Reload,
+// never polled (it asks the brokers) ----
+
+let topologyLoaded = false;
+
+async function loadTopology() {
+  topologyLoaded = true;
+  let t;
+  try {
+    t = await getJson("/api/topology");
+  } catch (e) {
+    if (e.status === 404) { $("#topology-section").remove(); return; }
+    $("#topology-notes").replaceChildren(el("li", { class: "error" }, "topology: " + e.message));
+    return;
+  }
+  $("#topology tbody").replaceChildren(...t.routes.map((r) => el("tr", {
+    "data-event-type": r.event_type, "data-publisher": r.publisher,
+  },
+  el("td", {}, r.event_type), el("td", {}, r.app_code), el("td", {}, r.publisher + " (" + r.kind + ")"),
+  el("td", {}, r.target),
+  el("td", { class: "takers" }, r.subscribers.length
+    ? r.subscribers.map((s) => s.name + " (" + s.via + ", " + s.source + ")").join("; ")
+    : (["rabbitmq", "nats", "redis"].includes(r.kind) ? "nobody known" : "—")))));
+  $("#topology-notes").replaceChildren(
+    ...t.idle_consumers.map((c) => el("li", {}, "consumer " + c + ": no route of the event types seen reaches it")),
+    ...t.brokers.unreachable.map((u) => el("li", { class: "error" }, "not asked: " + u)));
+}
+
+$("#topology-reload").addEventListener("click", loadTopology);
+
 // ---- consumers and their dead letters (`postbox consume`) ----
 
 let openConsumer = null;
@@ -320,6 +350,7 @@ async function refresh() {
       for (const s of document.querySelectorAll("section.outbox")) s.hidden = false;
       await loadPublishers();
       await loadFailed();
+      if (!topologyLoaded) await loadTopology();
     } catch (e) {
       if (e.status === 404) servesOutbox = false;
       else failure = e;

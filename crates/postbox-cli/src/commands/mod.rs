@@ -13,3 +13,4 @@ pub mod relay;
 pub mod replay;
 pub mod serve;
 pub mod status;
+pub mod topology;

@@ -21,6 +21,10 @@ await run("dashboard", initial, async (page, result) => {
   for (const [status, n] of Object.entries(args.counts)) {
     await cell(status).filter({ hasText: new RegExp(`^${n}$`) }).waitFor({ timeout: 15000 });
   }
+  // The topology: each event type through each publisher.
+  const route = page.locator(`#topology tr[data-event-type="RoomCreated"]`);
+  await route.first().waitFor({ timeout: 15000 });
+  result.topology = await route.first().locator("td").allTextContents();
   const failedRows = page.locator("#failed tbody tr");
   await failedRows.first().waitFor({ timeout: 15000 });
   result.failed_listed = await failedRows.count();

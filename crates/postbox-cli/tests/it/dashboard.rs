@@ -140,6 +140,11 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
     });
     let result = run_browser("dashboard.mjs", &args);
     assert_eq!(result["failed_listed"], 2, "{result}");
+    assert_eq!(
+        result["topology"],
+        serde_json::json!(["RoomCreated", app, "file (file)", "file `-`", "—"]),
+        "{result}"
+    );
     assert_eq!(result["failed_after"], 1, "{result}");
     assert_eq!(result["prompts"], 1, "the token is asked once: {result}");
     assert!(

@@ -12,3 +12,4 @@ mod docs_zh;
 mod doctor;
 mod printed_sql;
 mod relay_processes;
+mod topology;
