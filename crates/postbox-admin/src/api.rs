@@ -357,6 +357,103 @@ pub(crate) async fn replay(
     Ok(Json(Replayed { replayed, targets }))
 }
 
+/// `POST /api/replay` body: the filters of `GET /api/events` (without the
+/// page), the targets of `POST …/replay`, `dry_run`, and `all` (a replay
+/// without any filter must say so).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BulkReplay {
+    app_code: Option<String>,
+    status: Option<String>,
+    event_type: Option<String>,
+    since: Option<String>,
+    until: Option<String>,
+    publishers: Option<String>,
+    all_publishers: Option<bool>,
+    #[serde(default)]
+    dry_run: bool,
+    #[serde(default)]
+    all: bool,
+}
+
+/// What a bulk replay took: how many rows (each app_code's), and the first
+/// of them.
+#[derive(Debug, Serialize)]
+pub(crate) struct BulkReplayed {
+    dry_run: bool,
+    count: usize,
+    /// The first rows (at most [`DEFAULT_PAGE`]).
+    sample: Vec<EventRecord>,
+}
+
+/// `POST /api/replay` (an operator): every row the filters take back to
+/// `pending`, keeping event ids, as `postbox replay --status … --since …`
+/// does (one statement per app_code, through its indexes); `dry_run`
+/// counts them first, for the confirmation the dashboard asks.
+pub(crate) async fn replay_filtered(
+    State(state): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    caller: Option<Extension<Caller>>,
+    body: Option<Json<BulkReplay>>,
+) -> ApiResult<Json<BulkReplayed>> {
+    let b = body.map(|Json(b)| b).unwrap_or_default();
+    let list = ListParams {
+        app_code: b.app_code,
+        status: b.status,
+        event_type: b.event_type,
+        since: b.since,
+        until: b.until,
+        before_id: None,
+        limit: None,
+    };
+    let filter = list.filter()?;
+    let narrowed = filter.status.is_some()
+        || filter.event_type.is_some()
+        || filter.since_ms.is_some()
+        || filter.until_ms.is_some();
+    if !narrowed && !b.all {
+        return Err(ApiError::bad_request(
+            "give a filter (status, event_type, since, until) or \"all\": true to replay every event",
+        ));
+    }
+    let targets = ReplayParams {
+        app_code: None,
+        publishers: b.publishers,
+        all_publishers: b.all_publishers,
+    }
+    .targets(&state.publishers)?;
+    let origin = crate::auth::origin(caller.as_deref(), peer);
+    let selector = ReplaySelector::Filter(filter);
+    let rows = state
+        .store
+        .replay_to(ReplayRequest {
+            selector: &selector,
+            dry_run: b.dry_run,
+            origin: &origin,
+            targets: &targets,
+        })
+        .await?;
+    if !b.dry_run {
+        tracing::info!(
+            origin,
+            rows = rows.len(),
+            ?selector,
+            "replayed by filter: back to pending"
+        );
+        state.poller.poll_once().await;
+    }
+    let count = rows.len();
+    let mut sample: Vec<EventRecord> = rows.into_iter().take(DEFAULT_PAGE as usize).collect();
+    for r in &mut sample {
+        state.redact.apply(r);
+    }
+    Ok(Json(BulkReplayed {
+        dry_run: b.dry_run,
+        count,
+        sample,
+    }))
+}
+
 /// `GET /api/topology`: who publishes what, and who consumes it.
 pub(crate) async fn topology(
     State(state): State<AppState>,

@@ -163,6 +163,7 @@ fn router(state: AppState) -> Router {
         .route("/api/events", get(api::list))
         .route("/api/events/{event_id}", get(api::show))
         .route("/api/events/{event_id}/replay", post(api::replay))
+        .route("/api/replay", post(api::replay_filtered))
         .layer(middleware::from_fn_with_state(
             state.access.clone(),
             auth::guard,

@@ -33,16 +33,33 @@ pub async fn request(
     path: &str,
     headers: &[(&str, &str)],
 ) -> Response {
+    request_with(addr, method, path, headers, None).await
+}
+
+/// [`request`] with a JSON `body`, if any.
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&serde_json::Value>,
+) -> Response {
     let mut stream = TcpStream::connect(addr)
         .await
         .unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    let body = body.map_or(String::new(), |b| b.to_string());
     let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
     );
+    if !body.is_empty() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
     req.push_str("\r\n");
+    req.push_str(&body);
     stream
         .write_all(req.as_bytes())
         .await

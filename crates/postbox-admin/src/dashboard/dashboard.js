@@ -63,6 +63,10 @@ let appCodes = [];
 
 function renderStats(snap) {
   appCodes = snap.apps.map((a) => a.app_code);
+  const pick = $("#search select[name=app_code]");
+  if (pick.options.length !== appCodes.length + 1) {
+    pick.replaceChildren(el("option", { value: "" }, "any app_code"), ...appCodes.map((a) => el("option", { value: a }, a)));
+  }
   const body = $("#apps tbody");
   body.replaceChildren(...snap.apps.map((a) => {
     const cells = STATUSES.map((s) => el("td", {
@@ -207,6 +211,75 @@ async function showTimeline(eventId) {
   }
 }
 
+// ---- search (`GET /api/events`, keyset pages) and bulk replay
+// (`POST /api/replay`, after confirming the count of a dry run) ----
+
+let searchNext = null;
+
+function searchFilter() {
+  const f = new FormData($("#search"));
+  const out = {};
+  for (const k of ["app_code", "event_type", "status", "since", "until"]) {
+    const v = (f.get(k) || "").trim();
+    if (v) out[k] = v;
+  }
+  return { eventId: (f.get("event_id") || "").trim(), filter: out };
+}
+
+function resultRow(r) {
+  return el("tr", { "data-event-id": r.event_id, onclick: () => showTimeline(r.event_id) },
+    el("td", { class: "num" }, r.id), el("td", {}, r.app_code), el("td", {}, el("code", {}, r.event_id)),
+    el("td", {}, r.event_type), el("td", { "data-status": r.status }, r.status),
+    el("td", { class: "num" }, r.retry_count), el("td", {}, time(r.created_at_ms)),
+    el("td", {}, r.archived ? "archived" : ""));
+}
+
+async function search(more) {
+  const { eventId, filter } = searchFilter();
+  const body = $("#results tbody");
+  try {
+    if (eventId) {
+      const d = await getJson("/api/events/" + encodeURIComponent(eventId));
+      body.replaceChildren(...d.rows.map(resultRow));
+      searchNext = null;
+    } else {
+      const q = new URLSearchParams(Object.assign({ limit: "50" }, filter));
+      if (more && searchNext != null) q.set("before_id", searchNext);
+      const page = await getJson("/api/events?" + q);
+      const rows = page.items.map(resultRow);
+      if (more) body.append(...rows); else body.replaceChildren(...rows);
+      searchNext = page.next;
+    }
+  } catch (e) {
+    if (e.status === 404 && eventId) body.replaceChildren();
+    else return say("Search failed: " + e.message, false);
+  }
+  $("#search-more").hidden = searchNext == null;
+  $("#search-empty").hidden = body.children.length > 0;
+}
+
+async function replayMatching(button) {
+  const { filter } = searchFilter();
+  const said = Object.entries(filter).map(([k, v]) => k + " " + v).join(", ");
+  if (!said) return say("Give a filter first (status, event type, time): replaying every event is the command line's job.", false);
+  try {
+    const dry = await send("/api/replay", Object.assign({ dry_run: true }, filter));
+    if (!dry) return;
+    if (dry.count === 0) return say("No event matches " + said + ".", false);
+    if (!window.confirm("Replay " + dry.count + " event" + (dry.count === 1 ? "" : "s") + " matching " + said + "?")) {
+      return say("Replay cancelled.", false);
+    }
+    await operate("/api/replay", filter, button, "Replayed the events matching " + said + ": pending again.");
+    await search(false);
+  } catch (e) {
+    say("Replay failed: " + e.message, false);
+  }
+}
+
+$("#search").addEventListener("submit", (ev) => { ev.preventDefault(); search(false); });
+$("#search-more").addEventListener("click", () => search(true));
+$("#search-replay").addEventListener("click", (ev) => replayMatching(ev.target));
+
 // ---- topology (`postbox serve`): read when the page opens and on Reload,
 // never polled (it asks the brokers) ----
 
@@ -322,7 +395,7 @@ async function operate(url, body, button, done) {
   if (button) button.disabled = true;
   try {
     const res = await send(url, body);
-    if (res) say(done + (res.done != null ? " (" + res.done + ")" : ""), true);
+    if (res) say(done + (res.done != null ? " (" + res.done + ")" : res.count != null ? " (" + res.count + ")" : ""), true);
     await refresh();
   } catch (e) {
     say("Failed: " + e.message, false);

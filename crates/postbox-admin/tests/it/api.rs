@@ -14,7 +14,7 @@ use postbox_core::store::OutboxStore;
 use postbox_core::{NewEvent, Status};
 use postbox_postgres::PgOutbox;
 use postbox_testkit::cli_fixtures::expect_in;
-use postbox_testkit::http::request;
+use postbox_testkit::http::{request, request_with};
 use postbox_testkit::servers::ensure_database;
 use postbox_testkit::{postgres_url, scratch_table};
 
@@ -478,6 +478,10 @@ async fn each_route_answers_each_role_as_configured() {
             "/api/events/no-such-event/replay".into(),
             [401, 403, 404, 401],
         ),
+        // Not given a topology source here; without a filter, a bulk
+        // replay is refused.
+        ("GET", "/api/topology".into(), [401, 404, 404, 401]),
+        ("POST", "/api/replay".into(), [401, 403, 400, 401]),
     ];
     for (method, path, want) in &table {
         for (who, auth, status) in [
@@ -519,6 +523,24 @@ async fn each_route_answers_each_role_as_configured() {
     let payload: serde_json::Value =
         serde_json::from_str(shown["rows"][0]["payload"].as_str().unwrap()).unwrap();
     assert_eq!(payload, serde_json::json!({"email": "***", "n": 1}));
+    // Issue 14.5: a bulk replay by filter, counted by a dry run first.
+    let failed = serde_json::json!({ "status": "failed", "app_code": fx.app, "dry_run": true });
+    let res = request_with(addr, "POST", "/api/replay", &viewer, Some(&failed)).await;
+    assert_eq!(res.status, 403, "{}", res.body);
+    let dry = request_with(addr, "POST", "/api/replay", &operator, Some(&failed))
+        .await
+        .json();
+    assert_eq!(
+        (dry["count"].as_u64(), dry["dry_run"].as_bool()),
+        (Some(1), Some(true)),
+        "{dry}"
+    );
+    assert!(!dry.to_string().contains("secret-mail"), "{dry}");
+    assert_eq!(
+        fx.store.find(&ev.event_id).await.unwrap()[0].status,
+        Status::Failed,
+        "a dry run changes nothing"
+    );
     // The operator's replay is recorded under its token's name.
     let res = request(addr, "POST", &replay, &operator).await;
     assert_eq!(res.status, 200, "{}", res.body);

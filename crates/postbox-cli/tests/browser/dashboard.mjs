@@ -7,11 +7,16 @@
 import { run } from "./chromium.mjs";
 
 const args = JSON.parse(process.argv[2]);
-const initial = { prompts: 0, timeline: [] };
+const initial = { prompts: 0, confirms: [], timeline: [] };
 await run("dashboard", initial, async (page, result) => {
   page.on("dialog", async (d) => {
-    result.prompts += 1;
-    await d.accept(args.token);
+    if (d.type() === "prompt") {
+      result.prompts += 1;
+      await d.accept(args.token);
+    } else {
+      result.confirms.push(d.message());
+      await d.accept();
+    }
   });
   const requests = [];
   page.on("request", (r) => requests.push(r.url()));
@@ -41,5 +46,22 @@ await run("dashboard", initial, async (page, result) => {
   // The counts follow on the server's next poll.
   await cell("failed").filter({ hasText: new RegExp(`^${args.counts.failed - 1}$`) }).waitFor({ timeout: 20000 });
   result.failed_after = await failedRows.count();
+
+  // Search: one event by id (delivered), then the failed ones, replayed in
+  // bulk after confirming their count.
+  const results = page.locator("#results tbody tr");
+  await page.locator("#search input[name=event_id]").fill(args.lookup);
+  await page.locator("#search button[type=submit]").click();
+  await page.locator(`#results tr[data-event-id="${args.lookup}"]`).waitFor({ timeout: 10000 });
+  result.lookup_status = await page.locator(`#results tr[data-event-id="${args.lookup}"] td[data-status]`).textContent();
+  await page.locator("#search input[name=event_id]").fill("");
+  await page.locator("#search select[name=status]").selectOption("failed");
+  await page.locator("#search button[type=submit]").click();
+  await page.locator("#results tbody tr td[data-status=failed]").first().waitFor({ timeout: 10000 });
+  result.search_failed = await results.count();
+  await page.locator("#search-replay").click();
+  await page.locator("#replay-message.ok").filter({ hasText: "matching" }).waitFor({ timeout: 15000 });
+  await cell("failed").filter({ hasText: /^0$/ }).waitFor({ timeout: 20000 });
+  result.failed_at_end = await failedRows.count();
   result.offsite_requests = requests.filter((u) => !u.startsWith(args.url));
 });

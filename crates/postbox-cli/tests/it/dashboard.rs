@@ -137,6 +137,7 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
         "app": app,
         "counts": { "delivered": 5, "pending": 3, "failed": 2 },
         "replay": ids[6],
+        "lookup": ids[0],
     });
     let result = run_browser("dashboard.mjs", &args);
     assert_eq!(result["failed_listed"], 2, "{result}");
@@ -147,6 +148,14 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
     );
     assert_eq!(result["failed_after"], 1, "{result}");
     assert_eq!(result["prompts"], 1, "the token is asked once: {result}");
+    assert_eq!(result["lookup_status"], "delivered", "{result}");
+    assert_eq!(result["search_failed"], 1, "{result}");
+    assert_eq!(
+        result["confirms"],
+        serde_json::json!(["Replay 1 event matching status failed?"]),
+        "{result}"
+    );
+    assert_eq!(result["failed_at_end"], 0, "{result}");
     assert!(
         result["timeline"][0].as_str().unwrap().contains("enqueued"),
         "{result}"
@@ -164,7 +173,11 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
         "the replayed row is pending again"
     );
     assert_eq!(row.event_id, ids[6]);
-    assert_eq!(store.find(&ids[5]).await.unwrap()[0].status, Status::Failed);
+    assert_eq!(
+        store.find(&ids[5]).await.unwrap()[0].status,
+        Status::Pending,
+        "replayed in bulk from the search"
+    );
     drop(serve);
 }
 
