@@ -313,6 +313,17 @@ $("#topology-reload").addEventListener("click", loadTopology);
 // ---- consumers and their dead letters (`postbox consume`) ----
 
 let openConsumer = null;
+// The previous reading of each consumer's settled count, for its rate.
+const lastSettled = new Map();
+
+function rate(c) {
+  const settled = c.ok + c.duplicate + c.stale + c.retry + c.held + c.dead;
+  const now = Date.now();
+  const before = lastSettled.get(c.name);
+  lastSettled.set(c.name, { settled, at: now });
+  if (!before || now <= before.at) return "—";
+  return ((settled - before.settled) * 1000 / (now - before.at)).toFixed(1);
+}
 
 async function loadConsumers() {
   const d = await getJson("/api/consumers");
@@ -323,6 +334,7 @@ async function loadConsumers() {
   el("td", {}, c.name), el("td", {}, c.kind), el("td", {}, el("code", {}, c.queue)),
   el("td", { "data-state": c.state }, c.state), el("td", { class: "num" }, c.ok),
   el("td", { class: "num" }, c.retry), el("td", { class: "num" }, c.dead),
+  el("td", { class: "num", "data-rate": "" }, rate(c)),
   el("td", {},
     el("button", {
       class: "switch", type: "button",

@@ -28,6 +28,11 @@ await run("consumers dashboard", initial, async (page, result) => {
   const state = row.locator("td[data-state]");
   result.states.push(await state.textContent());
   result.outbox_hidden = await page.locator("section.outbox:not([hidden])").count() === 0;
+  // The rate shows from the second reading on (a number, never NaN).
+  await page.waitForFunction((name) => {
+    const td = document.querySelector(`#consumers tr[data-consumer="${name}"] td[data-rate]`);
+    return td && /^\d+\.\d$/.test(td.textContent);
+  }, args.consumer, { timeout: 15000 });
 
   await row.locator("button.switch").click();
   await page.locator(`#consumers tr[data-consumer="${args.consumer}"] td[data-state="paused"]`).waitFor({ timeout: 15000 });
