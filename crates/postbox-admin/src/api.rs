@@ -454,6 +454,94 @@ pub(crate) async fn replay_filtered(
     }))
 }
 
+/// `GET /api/controls`: the runtime controls and the newest changes.
+pub(crate) async fn controls(State(state): State<AppState>) -> ApiResult<Json<serde_json::Value>> {
+    let controls = state.store.controls().await?;
+    let log = state.store.control_log(50).await?;
+    Ok(Json(
+        serde_json::json!({ "controls": controls, "log": log }),
+    ))
+}
+
+/// `POST /api/controls` body: the key (`*` for any), the fields to change
+/// (`delivery` and `max_retry_count` take `"default"` or null for the
+/// config's), or `clear`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ControlBody {
+    app_code: String,
+    event_type: String,
+    paused: Option<bool>,
+    #[serde(default)]
+    delivery: Option<serde_json::Value>,
+    #[serde(default)]
+    max_retry_count: Option<serde_json::Value>,
+    #[serde(default)]
+    clear: bool,
+}
+
+/// `POST /api/controls` (an operator): changes one control, logged under
+/// the token's name; a control that then sets nothing is cleared.
+pub(crate) async fn set_control(
+    State(state): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    caller: Option<Extension<Caller>>,
+    Json(b): Json<ControlBody>,
+) -> ApiResult<Json<serde_json::Value>> {
+    use postbox_core::control::{parse_delivery, sets_nothing, ControlChange};
+    let by = crate::auth::origin(caller.as_deref(), peer);
+    let bad = |e: String| ApiError::bad_request(e);
+    let delivery = match b.delivery {
+        None => None,
+        Some(serde_json::Value::Null) => Some(None),
+        Some(serde_json::Value::String(s)) => {
+            Some(parse_delivery(&s).map_err(|e| bad(format!("delivery: {e}")))?)
+        }
+        Some(other) => return Err(bad(format!("delivery: {other} is not a string"))),
+    };
+    let max_retry_count = match b.max_retry_count {
+        None => None,
+        Some(serde_json::Value::Null) => Some(None),
+        Some(serde_json::Value::String(s)) if s == "default" => Some(None),
+        Some(v) => Some(Some(
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| {
+                    bad(format!(
+                        "max_retry_count: {v} is neither a count nor \"default\""
+                    ))
+                })?,
+        )),
+    };
+    let change = ControlChange {
+        paused: b.paused,
+        delivery,
+        max_retry_count,
+    };
+    let current = state.store.controls().await?;
+    let now = current
+        .iter()
+        .find(|c| c.app_code == b.app_code && c.event_type == b.event_type);
+    let next = change.apply(&b.app_code, &b.event_type, now);
+    next.validate().map_err(bad)?;
+    if b.clear || sets_nothing(&next) {
+        let cleared = state
+            .store
+            .clear_control(&b.app_code, &b.event_type, &by)
+            .await?;
+        tracing::info!(
+            app_code = b.app_code,
+            event_type = b.event_type,
+            origin = by,
+            "admin API: control cleared"
+        );
+        return Ok(Json(serde_json::json!({ "cleared": cleared })));
+    }
+    let stored = state.store.set_control(&next, &by).await?;
+    tracing::info!(app_code = b.app_code, event_type = b.event_type, origin = by, control = %stored.describe(), "admin API: control set");
+    Ok(Json(serde_json::to_value(stored).unwrap_or_default()))
+}
+
 /// `GET /api/topology`: who publishes what, and who consumes it.
 pub(crate) async fn topology(
     State(state): State<AppState>,

@@ -164,6 +164,7 @@ fn router(state: AppState) -> Router {
         .route("/api/events/{event_id}", get(api::show))
         .route("/api/events/{event_id}/replay", post(api::replay))
         .route("/api/replay", post(api::replay_filtered))
+        .route("/api/controls", get(api::controls).post(api::set_control))
         .layer(middleware::from_fn_with_state(
             state.access.clone(),
             auth::guard,

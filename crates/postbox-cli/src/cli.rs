@@ -60,6 +60,8 @@ pub enum Command {
     Dead(DeadArgs),
     /// Who publishes what, and who consumes it: event type → publisher → target → queues, consumers, groups.
     Topology,
+    /// Runtime controls: pause an app_code, change delivery or max_retry_count while relays run.
+    Control(ControlArgs),
     /// Move delivered rows older than a cut-off into <table>_archive, in batches.
     Archive(ArchiveArgs),
     /// Check schema, indexes, the plan of every claim and archive query, and the config.
@@ -163,6 +165,55 @@ pub struct DeadFilterArgs {
     /// Only letters whose last error contains this text (any case).
     #[arg(long)]
     pub error: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ControlArgs {
+    #[command(subcommand)]
+    pub action: Option<ControlAction>,
+}
+
+/// Which control: `(app_code, event_type)`, `*` for any.
+#[derive(Debug, Args, Clone)]
+pub struct ControlKey {
+    /// The app_code, or `*` for every one.
+    #[arg(long, default_value = "*")]
+    pub app_code: String,
+    /// The event type, or `*` for every one.
+    #[arg(long, default_value = "*")]
+    pub event_type: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ControlAction {
+    /// The controls in force and the recent changes (the default).
+    List {
+        /// How many recent changes to show.
+        #[arg(long, default_value_t = 20)]
+        changes: u32,
+    },
+    /// Change the control of a key; flags not given keep their value.
+    Set {
+        #[command(flatten)]
+        key: ControlKey,
+        /// Stop claiming the app_code's rows (they stay pending).
+        #[arg(long)]
+        pause: bool,
+        /// Claim them again.
+        #[arg(long)]
+        resume: bool,
+        /// at_least_once, at_most_once, or default (the config's).
+        #[arg(long)]
+        delivery: Option<String>,
+        /// A count, or default (the config's).
+        #[arg(long)]
+        max_retry_count: Option<String>,
+    },
+    /// Remove the control of a key: the config's rules apply again.
+    Clear {
+        #[command(flatten)]
+        key: ControlKey,
+    },
 }
 
 #[derive(Debug, Args)]

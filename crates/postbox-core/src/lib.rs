@@ -12,6 +12,7 @@
 
 pub mod archive;
 pub mod config;
+pub mod control;
 pub mod envelope;
 pub mod error;
 pub mod event;

@@ -528,7 +528,7 @@ pub const EXPECTED_INDEXES: [&str; 4] = [
 ];
 
 /// The tables (suffixes after the table name).
-pub const EXPECTED_TABLES: [&str; 3] = ["", "_archive", "_history"];
+pub const EXPECTED_TABLES: [&str; 5] = ["", "_archive", "_history", "_controls", "_control_log"];
 
 /// Outcome of `migrate`.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -544,7 +544,13 @@ pub struct MigrateReport {
 
 /// The tables of [`EXPECTED_TABLES`] and the migration version that creates
 /// each of them.
-pub const TABLE_VERSIONS: [(&str, u32); 3] = [("", 1), ("_archive", 1), ("_history", 2)];
+pub const TABLE_VERSIONS: [(&str, u32); 5] = [
+    ("", 1),
+    ("_archive", 1),
+    ("_history", 2),
+    ("_controls", 9),
+    ("_control_log", 9),
+];
 
 /// What `migrate` must do before applying pending versions, when its ledger
 /// (`postbox_schema_migrations`) disagrees with the tables that exist.
@@ -699,6 +705,13 @@ pub trait RelayStore: Send + Sync + 'static {
             .iter()
             .map(|a| crate::wake::Due::anything(a))
             .collect())
+    }
+
+    /// The runtime controls (`<table>_controls`, [`crate::control`]); the
+    /// relay reads them at most every [`crate::control::REFRESH`] while it
+    /// claims. None by default.
+    async fn controls(&self) -> Result<Vec<crate::control::Control>> {
+        Ok(Vec::new())
     }
 
     /// The in-process wake handle the store signals after writing events
@@ -904,12 +917,39 @@ pub trait SchemaStore: Send + Sync + 'static {
 /// the admin server and the CLI hold as `Arc<dyn OutboxStore>`.
 /// Implemented for every type that implements all the capability traits.
 pub trait OutboxStore:
-    RelayStore + EnqueueStore + InspectStore + ReplayStore + ArchiveStore + SchemaStore
+    RelayStore + EnqueueStore + InspectStore + ReplayStore + ArchiveStore + SchemaStore + ControlStore
 {
 }
 
+/// Setting the runtime controls ([`crate::control`]); reading them is
+/// [`RelayStore::controls`].
+#[async_trait]
+pub trait ControlStore: Send + Sync + 'static {
+    /// Stores `control` (replacing the one of its key) and logs the change
+    /// as made `by`, in one transaction; returns it as stored.
+    async fn set_control(
+        &self,
+        control: &crate::control::Control,
+        by: &str,
+    ) -> Result<crate::control::Control>;
+
+    /// Removes the control of `(app_code, event_type)` and logs it; false
+    /// when there was none.
+    async fn clear_control(&self, app_code: &str, event_type: &str, by: &str) -> Result<bool>;
+
+    /// The newest `limit` changes, newest first.
+    async fn control_log(&self, limit: u32) -> Result<Vec<crate::control::ControlLogEntry>>;
+}
+
 impl<T> OutboxStore for T where
-    T: RelayStore + EnqueueStore + InspectStore + ReplayStore + ArchiveStore + SchemaStore + ?Sized
+    T: RelayStore
+        + EnqueueStore
+        + InspectStore
+        + ReplayStore
+        + ArchiveStore
+        + SchemaStore
+        + ControlStore
+        + ?Sized
 {
 }
 

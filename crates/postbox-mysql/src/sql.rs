@@ -603,7 +603,14 @@ pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!(
     (5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES),
     (7, postbox_sqlx::V7_DESCRIPTION, V7_HEAD_INDEX),
     (8, postbox_sqlx::V8_DESCRIPTION, V8_DUE_INDEX),
+    (9, postbox_sqlx::V9_DESCRIPTION, V9_CONTROLS),
 );
+
+/// Version 9: the runtime controls (`postbox_sqlx::v9_controls!`).
+pub(crate) const V9_CONTROLS: &[&str] =
+    postbox_sqlx::v9_controls!("id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY");
+
+postbox_sqlx::control_statements!(now: now_ms!(), "?", "?", "?", "?", "?", "?");
 
 /// The outbox table's indexes since version 5 (suffixes).
 pub(crate) const INDEXES: &[&str] = &["_due_idx", "_head_idx"];

@@ -490,7 +490,14 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migratio
         postbox_sqlx::V8_DESCRIPTION,
         postbox_sqlx::V8_PENDING_INDEX
     ),
+    (9, postbox_sqlx::V9_DESCRIPTION, V9_CONTROLS),
 );
+
+/// Version 9: the runtime controls (`postbox_sqlx::v9_controls!`).
+pub(crate) const V9_CONTROLS: &[&str] =
+    postbox_sqlx::v9_controls!("id INTEGER PRIMARY KEY AUTOINCREMENT");
+
+postbox_sqlx::control_statements!(now: now_ms!(), "?1", "?2", "?3", "?4", "?5", "?6");
 
 /// The outbox table's indexes (`postbox_sqlx::v5_partial_indexes!`).
 pub(crate) const INDEXES: &[&str] = postbox_sqlx::partial_indexes!();

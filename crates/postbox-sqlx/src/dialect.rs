@@ -137,6 +137,17 @@ pub struct Statements<S = &'static str> {
     pub history: S,
     /// Which event ids are archived (one column); app_code, event_ids (list).
     pub archived_event_ids: S,
+    /// Every runtime control; no binds.
+    pub control_select: S,
+    /// Removes a control; app_code, event_type.
+    pub control_delete: S,
+    /// Stores a control; app_code, event_type, paused, delivery,
+    /// max_retry_count, updated_by.
+    pub control_insert: S,
+    /// Logs a control change; actor, app_code, event_type, detail.
+    pub control_log_insert: S,
+    /// `at_ms, actor, app_code, event_type, detail`, newest first; limit.
+    pub control_log_select: S,
     /// Heads of aggregates held back; app_code, older_than_ms, limit.
     pub stuck_aggregates: S,
     /// The table's schema version (one column); table name.
@@ -193,6 +204,11 @@ impl Statements {
             history_prune,
             history,
             archived_event_ids,
+            control_select,
+            control_delete,
+            control_insert,
+            control_log_insert,
+            control_log_select,
             stuck_aggregates,
             doctor_version,
             doctor_objects,
@@ -569,6 +585,11 @@ macro_rules! statements {
             history_prune: HISTORY_PRUNE,
             history: HISTORY,
             archived_event_ids: ARCHIVED_EVENT_IDS,
+            control_select: CONTROL_SELECT,
+            control_delete: CONTROL_DELETE,
+            control_insert: CONTROL_INSERT,
+            control_log_insert: CONTROL_LOG_INSERT,
+            control_log_select: CONTROL_LOG_SELECT,
             stuck_aggregates: STUCK_AGGREGATES,
             doctor_version: DOCTOR_VERSION,
             doctor_objects: DOCTOR_OBJECTS,
@@ -1231,6 +1252,70 @@ macro_rules! v2_history {
             ),
             "CREATE INDEX IF NOT EXISTS {table}_history_event_idx ON {table}_history (event_id, app_code, id)",
         ]
+    };
+}
+
+/// Version 9: the runtime controls ([`postbox_core::control`]):
+/// `{table}_controls`, one row per `(app_code, event_type)` key (`*` for
+/// any), and `{table}_control_log`, every change with who made it. `$id`
+/// is the dialect's auto-increment primary key.
+#[macro_export]
+macro_rules! v9_controls {
+    ($id:literal) => {
+        &[
+            "CREATE TABLE IF NOT EXISTS {table}_controls ( \
+               app_code VARCHAR(64) NOT NULL, event_type VARCHAR(128) NOT NULL, \
+               paused INT NOT NULL DEFAULT 0, delivery VARCHAR(16), max_retry_count INT, \
+               updated_at_ms BIGINT NOT NULL, updated_by VARCHAR(256) NOT NULL, \
+               PRIMARY KEY (app_code, event_type))",
+            concat!(
+                "CREATE TABLE IF NOT EXISTS {table}_control_log ( ",
+                $id,
+                ", at_ms BIGINT NOT NULL, actor VARCHAR(256) NOT NULL, \
+                 app_code VARCHAR(64) NOT NULL, event_type VARCHAR(128) NOT NULL, detail TEXT NOT NULL)"
+            ),
+        ]
+    };
+}
+
+/// [`v9_controls!`]'s description.
+pub const V9_DESCRIPTION: &str =
+    "runtime controls and their log (<table>_controls, <table>_control_log)";
+
+/// The statements of the runtime controls, with the dialect's clock `$now`
+/// and its placeholders (`$p1` … `$p6`): `CONTROL_SELECT` (every control),
+/// `CONTROL_DELETE` (app_code, event_type), `CONTROL_INSERT` (app_code,
+/// event_type, paused, delivery, max_retry_count, updated_by),
+/// `CONTROL_LOG_INSERT` (actor, app_code, event_type, detail) and
+/// `CONTROL_LOG_SELECT` (limit; newest first). The tables are small: no
+/// index beyond their primary keys.
+#[macro_export]
+macro_rules! control_statements {
+    (now: $now:expr, $p1:literal, $p2:literal, $p3:literal, $p4:literal, $p5:literal, $p6:literal) => {
+        /// Every control.
+        pub(crate) const CONTROL_SELECT: &str = "SELECT app_code, event_type, paused, delivery, \
+            COALESCE(max_retry_count, -1) AS max_retry_count, updated_at_ms, updated_by \
+            FROM {table}_controls ORDER BY app_code, event_type";
+        /// Removes a control.
+        pub(crate) const CONTROL_DELETE: &str = concat!(
+            "DELETE FROM {table}_controls WHERE app_code = ", $p1, " AND event_type = ", $p2
+        );
+        /// Stores a control (after [`CONTROL_DELETE`], in one transaction).
+        pub(crate) const CONTROL_INSERT: &str = concat!(
+            "INSERT INTO {table}_controls (app_code, event_type, paused, delivery, max_retry_count, \
+               updated_at_ms, updated_by) VALUES (", $p1, ", ", $p2, ", ", $p3, ", ", $p4, ", ", $p5, ", ",
+            $now, ", ", $p6, ")"
+        );
+        /// Logs a change.
+        pub(crate) const CONTROL_LOG_INSERT: &str = concat!(
+            "INSERT INTO {table}_control_log (at_ms, actor, app_code, event_type, detail) VALUES (",
+            $now, ", ", $p1, ", ", $p2, ", ", $p3, ", ", $p4, ")"
+        );
+        /// The newest changes.
+        pub(crate) const CONTROL_LOG_SELECT: &str = concat!(
+            "SELECT at_ms, actor, app_code, event_type, detail FROM {table}_control_log \
+             ORDER BY id DESC LIMIT ", $p1
+        );
     };
 }
 

@@ -733,6 +733,89 @@ impl SqlOutbox<D> {
         self.find_in(&self.sql.find, event_id, &app_codes, "find event").await
     }
 
+    /// The runtime controls.
+    pub async fn controls(&self) -> Result<Vec<postbox_core::control::Control>> {
+        let rows = query::<D>(&self.sql.control_select, [])
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("read controls", e))?;
+        crate::controls_of(rows)
+    }
+
+    /// Stores `control` in place of its key's and logs it, in one
+    /// transaction.
+    pub async fn set_control(
+        &self,
+        control: &postbox_core::control::Control,
+        by: &str,
+    ) -> Result<postbox_core::control::Control> {
+        control
+            .validate()
+            .map_err(|e| postbox_core::Error::InvalidEvent(format!("control: {e}")))?;
+        let op = "set a control";
+        let mut tx = self.begin_write().await.map_err(|e| db_error(op, e))?;
+        let delivery = control.delivery.map(postbox_core::control::delivery_name);
+        let detail = control.describe();
+        let res = async {
+            let key = || [control.app_code.as_str().into(), control.event_type.as_str().into()];
+            query::<D>(&self.sql.control_delete, key()).execute(&mut *tx).await?;
+            let binds = [
+                control.app_code.as_str().into(),
+                control.event_type.as_str().into(),
+                Value::Int32(i32::from(control.paused)),
+                delivery.into(),
+                Value::Int(control.max_retry_count.map(i64::from)),
+                by.into(),
+            ];
+            query::<D>(&self.sql.control_insert, binds).execute(&mut *tx).await?;
+            let log = [
+                by.into(),
+                control.app_code.as_str().into(),
+                control.event_type.as_str().into(),
+                detail.as_str().into(),
+            ];
+            query::<D>(&self.sql.control_log_insert, log).execute(&mut *tx).await?;
+            Ok::<_, sqlx::Error>(())
+        }
+        .await
+        .map_err(|e| db_error(op, e));
+        finish(tx, res, op).await?;
+        let stored = self.controls().await?;
+        stored
+            .into_iter()
+            .find(|c| c.app_code == control.app_code && c.event_type == control.event_type)
+            .ok_or_else(|| postbox_core::Error::Internal("a control set was not found".into()))
+    }
+
+    /// Removes the control of a key and logs it; false when there was none.
+    pub async fn clear_control(&self, app_code: &str, event_type: &str, by: &str) -> Result<bool> {
+        let op = "clear a control";
+        let mut tx = self.begin_write().await.map_err(|e| db_error(op, e))?;
+        let res = async {
+            let done = query::<D>(&self.sql.control_delete, [app_code.into(), event_type.into()])
+                .execute(&mut *tx)
+                .await?;
+            let gone = D::rows_affected(&done);
+            if gone > 0 {
+                let log = [by.into(), app_code.into(), event_type.into(), "cleared".into()];
+                query::<D>(&self.sql.control_log_insert, log).execute(&mut *tx).await?;
+            }
+            Ok::<_, sqlx::Error>(gone > 0)
+        }
+        .await
+        .map_err(|e| db_error(op, e));
+        finish(tx, res, op).await
+    }
+
+    /// The newest `limit` control changes, newest first.
+    pub async fn control_log(&self, limit: u32) -> Result<Vec<postbox_core::control::ControlLogEntry>> {
+        let rows = query::<D>(&self.sql.control_log_select, [Value::Int(Some(i64::from(limit)))])
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("read the control log", e))?;
+        crate::control_log_of(rows)
+    }
+
     /// The attempt history of an event, oldest first.
     pub async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
         let rows = query::<D>(&self.sql.history, [event_id.into()])

@@ -22,7 +22,7 @@ pub mod __private {
 pub use dialect::{
     Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP, PARTIAL_ARCHIVE_INDEX,
     PARTIAL_CLAIM_INDEXES, V5_DESCRIPTION, V6_DESCRIPTION, V6_PENDING_INDEX, V7_DESCRIPTION,
-    V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX,
+    V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX, V9_DESCRIPTION,
 };
 pub use engine::{
     finish, query, OpenOptions, Opened, ReplayProbe, ReplayProbeArgs, SqlOutbox, MIGRATIONS_LEDGER,
@@ -182,6 +182,54 @@ pub fn stuck_aggregates<R: OutboxRow>(
         });
     }
     Ok(out)
+}
+
+/// Reads control rows selected as `app_code, event_type, paused, delivery,
+/// max_retry_count (-1: none), updated_at_ms, updated_by`.
+pub fn controls_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::control::Control>> {
+    use postbox_core::config::Delivery;
+    let db = |e| db_error("read controls", e);
+    let mut out = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let delivery = match row.text_or_null("delivery").map_err(db)?.as_deref() {
+            None => None,
+            Some("at_most_once") => Some(Delivery::AtMostOnce),
+            Some("at_least_once") => Some(Delivery::AtLeastOnce),
+            Some(other) => {
+                tracing::warn!(delivery = other, "control with an unknown delivery ignored");
+                None
+            }
+        };
+        out.push(postbox_core::control::Control {
+            app_code: row.text("app_code").map_err(db)?,
+            event_type: row.text("event_type").map_err(db)?,
+            paused: row.int32("paused").map_err(db)? != 0,
+            delivery,
+            max_retry_count: u32::try_from(row.int32("max_retry_count").map_err(db)?).ok(),
+            updated_at_ms: row.int("updated_at_ms").map_err(db)?,
+            updated_by: row.text("updated_by").map_err(db)?,
+        });
+    }
+    Ok(out)
+}
+
+/// Reads control log rows selected as `at_ms, actor, app_code, event_type,
+/// detail`.
+pub fn control_log_of<R: OutboxRow>(
+    rows: Vec<R>,
+) -> Result<Vec<postbox_core::control::ControlLogEntry>> {
+    let db = |e| db_error("read the control log", e);
+    rows.iter()
+        .map(|row| {
+            Ok(postbox_core::control::ControlLogEntry {
+                at_ms: row.int("at_ms").map_err(db)?,
+                by: row.text("actor").map_err(db)?,
+                app_code: row.text("app_code").map_err(db)?,
+                event_type: row.text("event_type").map_err(db)?,
+                change: row.text("detail").map_err(db)?,
+            })
+        })
+        .collect()
 }
 
 /// Reads history rows selected as `at_ms, kind, attempt, publisher, detail`.

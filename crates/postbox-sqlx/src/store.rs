@@ -17,7 +17,7 @@ macro_rules! capabilities_from_inherent {
             use $crate::__private::async_trait;
             use $crate::__private::postbox_core::event::Fence;
             use $crate::__private::postbox_core::store::{
-                AppStats, ArchiveReport, ArchiveRequest, ArchiveStore, ClaimRequest,
+                AppStats, ArchiveReport, ArchiveRequest, ArchiveStore, ClaimRequest, ControlStore,
                 DeferUpdate, EnqueueOutcome, EnqueueStore, EventFilter, FailureUpdate, HistoryEntry,
                 InspectStore, MigrateReport, MinuteCount, QueryPlan, RelayStore, ReplayRequest,
                 ReplayStore, SchemaReport, SchemaStore, StuckAggregate,
@@ -25,6 +25,7 @@ macro_rules! capabilities_from_inherent {
             use $crate::__private::postbox_core::{
                 ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, TableName,
             };
+            use $crate::__private::postbox_core::control::{Control, ControlLogEntry};
 
             #[async_trait]
             impl<$($gen)*> RelayStore for $ty where $($bounds)* {
@@ -57,6 +58,9 @@ macro_rules! capabilities_from_inherent {
                 }
                 async fn due(&self, app_codes: &[String]) -> Result<Vec<$crate::__private::postbox_core::wake::Due>> {
                     <$ty>::due(self, app_codes).await
+                }
+                async fn controls(&self) -> Result<Vec<Control>> {
+                    <$ty>::controls(self).await
                 }
                 fn wake(&self) -> Option<$crate::__private::postbox_core::wake::Wake> {
                     <$ty>::wake(self)
@@ -105,6 +109,19 @@ macro_rules! capabilities_from_inherent {
                 }
                 async fn stuck_aggregates(&self, app_code: &str, older_than_ms: i64, limit: u32) -> Result<Vec<StuckAggregate>> {
                     <$ty>::stuck_aggregates(self, app_code, older_than_ms, limit).await
+                }
+            }
+
+            #[async_trait]
+            impl<$($gen)*> ControlStore for $ty where $($bounds)* {
+                async fn set_control(&self, control: &Control, by: &str) -> Result<Control> {
+                    <$ty>::set_control(self, control, by).await
+                }
+                async fn clear_control(&self, app_code: &str, event_type: &str, by: &str) -> Result<bool> {
+                    <$ty>::clear_control(self, app_code, event_type, by).await
+                }
+                async fn control_log(&self, limit: u32) -> Result<Vec<ControlLogEntry>> {
+                    <$ty>::control_log(self, limit).await
                 }
             }
 

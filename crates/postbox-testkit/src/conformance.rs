@@ -95,6 +95,8 @@ cases! {$
     history_records_attempts_dead_letters_and_replays,
     replay_goes_only_to_publishers_that_did_not_confirm,
     archived_rows_are_found_and_listed,
+    controls_are_set_cleared_and_logged,
+    relay_applies_controls_while_it_runs,
 }
 
 const APP: &str = "conf";
@@ -2064,13 +2066,14 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
     }
     let report = store.migrate().await.expect("migrate after drop");
     // Every database has versions 1 to 3, 5 (the index per status), 7
-    // (the head index) and 8 (pending rows by event type); PostgreSQL adds
+    // (the head index), 8 (pending rows by event type) and 9 (the runtime
+    // controls); PostgreSQL adds
     // its wake-up trigger (4), the databases with partial indexes
     // (PostgreSQL, SQLite) the pending index in claim order (6).
     let latest = report.version;
-    let mariadb = [1, 2, 3, 5, 7, 8];
-    let sqlite = [1, 2, 3, 5, 6, 7, 8];
-    let postgres = [1, 2, 3, 4, 5, 6, 7, 8];
+    let mariadb = [1, 2, 3, 5, 7, 8, 9];
+    let sqlite = [1, 2, 3, 5, 6, 7, 8, 9];
+    let postgres = [1, 2, 3, 4, 5, 6, 7, 8, 9];
     assert!(
         [&mariadb[..], &sqlite, &postgres].contains(&report.applied.as_slice()),
         "{report:?}"
@@ -2124,6 +2127,183 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
     enqueue("AfterOutboxDrop").await;
     let id = claim_one().await;
     assert!(id > kept, "id {id} reuses an archived id (<= {kept})");
+}
+
+/// Issue 14.1: a control is stored in place of its key's, read back by
+/// every relay's `controls()`, cleared, and every change is logged with
+/// who made it, newest first.
+async fn controls_are_set_cleared_and_logged(store: Arc<dyn OutboxStore>) {
+    use postbox_core::config::Delivery;
+    use postbox_core::control::{Control, ANY};
+    assert!(store.controls().await.expect("no controls").is_empty());
+    let tick = Control {
+        app_code: APP.into(),
+        event_type: "Tick".into(),
+        paused: false,
+        delivery: Some(Delivery::AtMostOnce),
+        max_retry_count: Some(0),
+        updated_at_ms: 0,
+        updated_by: String::new(),
+    };
+    let stored = store.set_control(&tick, "cli ops@host").await.expect("set");
+    assert_eq!(stored.updated_by, "cli ops@host");
+    assert!(stored.updated_at_ms > 1_700_000_000_000, "{stored:?}");
+    // Set again: replaced, not added.
+    let tick2 = Control {
+        max_retry_count: None,
+        ..tick.clone()
+    };
+    store
+        .set_control(&tick2, "api eve@10.0.0.1")
+        .await
+        .expect("set again");
+    let pause = Control {
+        app_code: APP.into(),
+        event_type: ANY.into(),
+        paused: true,
+        delivery: None,
+        max_retry_count: None,
+        updated_at_ms: 0,
+        updated_by: String::new(),
+    };
+    store
+        .set_control(&pause, "cli ops@host")
+        .await
+        .expect("pause");
+    let all = store.controls().await.expect("read");
+    assert_eq!(all.len(), 2, "{all:?}");
+    let read_tick = all.iter().find(|c| c.event_type == "Tick").unwrap();
+    assert_eq!(
+        (read_tick.delivery, read_tick.max_retry_count),
+        (Some(Delivery::AtMostOnce), None)
+    );
+    assert!(all.iter().any(|c| c.paused && c.event_type == ANY));
+    // A pause of one type is refused, naming why.
+    let typed = Control {
+        paused: true,
+        ..tick.clone()
+    };
+    let err = store
+        .set_control(&typed, "x")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("whole app_code"), "{err}");
+    assert!(store
+        .clear_control(APP, ANY, "cli ops@host")
+        .await
+        .expect("clear"));
+    assert!(!store
+        .clear_control(APP, ANY, "cli ops@host")
+        .await
+        .expect("clear again"));
+    let log = store.control_log(10).await.expect("log");
+    let said: Vec<(&str, &str, &str)> = log
+        .iter()
+        .map(|e| (e.by.as_str(), e.event_type.as_str(), e.change.as_str()))
+        .collect();
+    assert_eq!(
+        said,
+        [
+            ("cli ops@host", "*", "cleared"),
+            ("cli ops@host", "*", "paused"),
+            ("api eve@10.0.0.1", "Tick", "delivery=at_most_once"),
+            (
+                "cli ops@host",
+                "Tick",
+                "delivery=at_most_once max_retry_count=0"
+            ),
+        ]
+    );
+    assert_eq!(store.control_log(1).await.unwrap().len(), 1);
+}
+
+/// Issue 14.1: a running relay applies a control set meanwhile (by another
+/// process; here the store) before its next claims: an app_code paused is
+/// not claimed while another goes on, and once cleared it drains; a type
+/// set to `max_retry_count = 0` is dead-lettered at its first failure
+/// instead of retried as the config says.
+async fn relay_applies_controls_while_it_runs(store: Arc<dyn OutboxStore>) {
+    use postbox_core::control::{Control, ANY};
+    let held_app = "conf_held";
+    let control = |app: &str, ty: &str| Control {
+        app_code: app.into(),
+        event_type: ty.into(),
+        paused: false,
+        delivery: None,
+        max_retry_count: None,
+        updated_at_ms: 0,
+        updated_by: String::new(),
+    };
+    store
+        .set_control(
+            &Control {
+                paused: true,
+                ..control(held_app, ANY)
+            },
+            "test",
+        )
+        .await
+        .unwrap();
+    let p = Arc::new(RecordingPublisher::new("rec").failing_type("Fragile"));
+    let config = WorkerConfig {
+        max_retry_count: 5,
+        ..fast_worker()
+    };
+    let settings = RelaySettings::new(config, vec![APP.to_owned(), held_app.to_owned()])
+        .expect("a valid [outbox_worker]");
+    let shutdown = CancellationToken::new();
+    let handle =
+        tokio::spawn(Relay::new(store.clone(), vec![p.clone()], settings).run(shutdown.clone()));
+    let held: Vec<NewEvent> = (0..3)
+        .map(|_| NewEvent::new(held_app, "Held", "{}"))
+        .collect();
+    enqueue(store.as_ref(), &held).await;
+    enqueue(store.as_ref(), &events(3, "Free")).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while stats(store.as_ref()).await.delivered < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the free app_code was not delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let s = app_stats(store.as_ref(), held_app).await;
+    assert_eq!(
+        (s.pending, s.delivered),
+        (3, 0),
+        "a paused app_code is not claimed: {s:?}"
+    );
+    // max_retry_count 0 for Fragile, set while the relay runs.
+    store
+        .set_control(
+            &Control {
+                max_retry_count: Some(0),
+                ..control(APP, "Fragile")
+            },
+            "test",
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(postbox_core::control::REFRESH + Duration::from_millis(300)).await;
+    let fragile = NewEvent::new(APP, "Fragile", "{}");
+    enqueue(store.as_ref(), std::slice::from_ref(&fragile)).await;
+    while stats(store.as_ref()).await.failed < 1 {
+        assert!(Instant::now() < deadline, "Fragile was not dead-lettered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(p.attempts(&fragile.event_id), 1, "one attempt, no retry");
+    // Cleared, the held app_code drains.
+    assert!(store.clear_control(held_app, ANY, "test").await.unwrap());
+    while app_stats(store.as_ref(), held_app).await.delivered < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the resumed app_code was not delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    handle.await.expect("relay task").expect("relay run");
 }
 
 #[cfg(test)]

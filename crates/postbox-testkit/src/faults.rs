@@ -170,6 +170,9 @@ impl RelayStore for WrappedStore {
         self.count();
         self.inner.release(fence, ids).await
     }
+    async fn controls(&self) -> Result<Vec<postbox_core::control::Control>> {
+        self.inner.controls().await
+    }
     async fn defer(&self, fence: &Fence, ids: &[i64], update: &DeferUpdate) -> Result<u64> {
         self.count();
         self.inner.defer(fence, ids, update).await

@@ -141,12 +141,19 @@ fn process_alive(pid: u32) -> bool {
 }
 
 /// The pid in `{prefix}_{pid}_{n}_{6 hex}` (or one of its twins:
-/// `_archive`, `_history`, `_versions`), as made by [`scratch_table`].
+/// `_archive`, `_history`, `_versions`, `_controls`, `_control_log`), as
+/// made by [`scratch_table`].
 fn scratch_pid(name: &str) -> Option<u32> {
-    let base = ["_archive", "_history", "_versions"]
-        .iter()
-        .find_map(|s| name.strip_suffix(s))
-        .unwrap_or(name);
+    let base = [
+        "_archive",
+        "_history",
+        "_versions",
+        "_controls",
+        "_control_log",
+    ]
+    .iter()
+    .find_map(|s| name.strip_suffix(s))
+    .unwrap_or(name);
     let parts: Vec<&str> = base.rsplitn(4, '_').collect();
     let ok = parts.len() == 4
         && parts[0].len() == 6

@@ -482,6 +482,8 @@ async fn each_route_answers_each_role_as_configured() {
         // replay is refused.
         ("GET", "/api/topology".into(), [401, 404, 404, 401]),
         ("POST", "/api/replay".into(), [401, 403, 400, 401]),
+        ("GET", "/api/controls".into(), [401, 200, 200, 401]),
+        ("POST", "/api/controls".into(), [401, 403, 415, 401]),
     ];
     for (method, path, want) in &table {
         for (who, auth, status) in [
@@ -541,6 +543,38 @@ async fn each_route_answers_each_role_as_configured() {
         Status::Failed,
         "a dry run changes nothing"
     );
+    // Issue 14.1: a runtime control set by the operator, logged under its
+    // token's name; a viewer may read but not set.
+    let tick = serde_json::json!({ "app_code": "*", "event_type": "Tick", "max_retry_count": 0, "delivery": "at_most_once" });
+    let res = request_with(addr, "POST", "/api/controls", &viewer, Some(&tick)).await;
+    assert_eq!(res.status, 403, "{}", res.body);
+    let res = request_with(addr, "POST", "/api/controls", &operator, Some(&tick)).await;
+    assert_eq!(res.status, 200, "{}", res.body);
+    let set = res.json();
+    assert_eq!(
+        (set["max_retry_count"].as_u64(), set["delivery"].as_str()),
+        (Some(0), Some("at_most_once")),
+        "{set}"
+    );
+    let typed = serde_json::json!({ "app_code": "room", "event_type": "Tick", "paused": true });
+    let res = request_with(addr, "POST", "/api/controls", &operator, Some(&typed)).await;
+    assert_eq!(
+        res.status, 400,
+        "a pause is for a whole app_code: {}",
+        res.body
+    );
+    let shown = request(addr, "GET", "/api/controls", &viewer).await.json();
+    assert_eq!(shown["controls"].as_array().unwrap().len(), 1, "{shown}");
+    assert!(
+        shown["log"][0]["by"]
+            .as_str()
+            .unwrap()
+            .starts_with("api admin@"),
+        "{shown}"
+    );
+    let clear = serde_json::json!({ "app_code": "*", "event_type": "Tick", "clear": true });
+    let res = request_with(addr, "POST", "/api/controls", &operator, Some(&clear)).await;
+    assert_eq!(res.json()["cleared"], true);
     // The operator's replay is recorded under its token's name.
     let res = request(addr, "POST", &replay, &operator).await;
     assert_eq!(res.status, 200, "{}", res.body);

@@ -3,6 +3,7 @@
 pub mod archive;
 pub mod consume;
 pub mod consumers;
+pub mod control;
 pub mod dead;
 pub mod doctor;
 pub mod enqueue;

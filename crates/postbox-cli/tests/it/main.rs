@@ -6,6 +6,7 @@ mod common;
 mod archive;
 mod cli;
 mod consume;
+mod control;
 mod dashboard;
 mod deploy;
 mod docs_zh;

@@ -207,7 +207,7 @@ pub enum Ordering {
 }
 
 /// Delivery guarantee of an event type.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Delivery {
     /// Retried until confirmed or dead-lettered.

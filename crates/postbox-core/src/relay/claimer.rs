@@ -43,6 +43,9 @@ pub(super) struct Claimer {
     pub app_codes: Vec<String>,
     pub worker_id: String,
     pub wake: WakeListener,
+    /// The runtime controls, read again before a round's claims when older
+    /// than their refresh interval: a paused app_code is not claimed.
+    pub controls: super::controls::ControlView,
 }
 
 /// What one round of claims found.
@@ -134,6 +137,11 @@ impl Claimer {
                         }
                     }
                 }
+            }
+            if !plan.is_empty() {
+                self.controls.refresh(self.store.as_ref()).await;
+                let controls = self.controls.get();
+                plan.retain(|(i, _)| !controls.paused(&self.app_codes[*i]));
             }
             for (i, sources) in plan {
                 for source in sources {

@@ -27,6 +27,7 @@
 
 mod breaker;
 mod claimer;
+mod controls;
 mod marker;
 mod publisher;
 
@@ -162,14 +163,17 @@ impl Relay {
         // The store's in-process wake handle, which the database's push
         // (when `wake = "notify"` and the database has one) signals too.
         let wake = self.store.wake().unwrap_or_default();
+        let controls = controls::ControlView::default();
         let claimer = claimer::Claimer {
             store: self.store.clone(),
             config: self.config.clone(),
             app_codes: self.app_codes.clone(),
             worker_id: self.worker_id.clone(),
             wake: wake.listen(),
+            controls: controls.clone(),
         };
         let publishing = publisher::PublishStage {
+            controls,
             store: self.store.clone(),
             publishers: self.publishers.clone(),
             config: self.config.clone(),

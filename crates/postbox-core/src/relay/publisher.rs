@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 use super::breaker::{BatchResult, Breaker, Change};
 use super::Batch;
 use crate::config::{LeaseBudget, WorkerConfig};
+use crate::control::Controls;
 use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, PublishResults, Publisher};
 use crate::retry::{decide, Attempt, AttemptResult, ClaimedRow, Decision, RetryDelay, RetryPolicy};
@@ -46,6 +47,8 @@ const MIN_DEFER: Duration = Duration::from_millis(100);
 const MAX_DEFER: Duration = Duration::from_secs(600);
 
 pub(super) struct PublishStage {
+    /// The runtime controls (retry rules per app_code and event type).
+    pub controls: super::controls::ControlView,
     pub store: Arc<dyn RelayStore>,
     pub publishers: Vec<Arc<dyn Publisher>>,
     pub config: WorkerConfig,
@@ -223,17 +226,23 @@ impl PublishStage {
             .collect()
     }
 
-    /// The retry rules for a row of `event_type`.
-    fn policy(&self, event_type: &str) -> RetryPolicy {
+    /// The retry rules for a row of `event_type` in `app_code`: the runtime
+    /// controls' (`controls`, read once per batch), else the config's.
+    fn policy(&self, controls: &Controls, app_code: &str, event_type: &str) -> RetryPolicy {
         RetryPolicy {
-            max_retry_count: self.config.max_retry_count_for(event_type),
-            delivery: self.config.delivery_for(event_type),
+            max_retry_count: controls
+                .max_retry_count(app_code, event_type)
+                .unwrap_or_else(|| self.config.max_retry_count_for(event_type)),
+            delivery: controls
+                .delivery(app_code, event_type)
+                .unwrap_or_else(|| self.config.delivery_for(event_type)),
         }
     }
 
     /// Decides what may be published ([`decide`] on each claimed row) and
     /// which rows each publisher still needs.
     fn prepare(&self, batch: Batch) -> Prepared {
+        let controls = self.controls.get();
         let before: Vec<Decision> = batch
             .events
             .iter()
@@ -252,7 +261,9 @@ impl PublishStage {
                     }),
                 });
                 // A refusal needs no backoff: it is never a retry.
-                decide(&claimed, self.policy(&r.event_type), |_| RetryDelay::default())
+                decide(&claimed, self.policy(&controls, &r.app_code, &r.event_type), |_| {
+                    RetryDelay::default()
+                })
             })
             .collect();
         let todo = self
@@ -458,13 +469,18 @@ impl PublishStage {
                 && row.errors.is_empty()
         });
         Ok((
-            rows.into_iter().map(|row| self.outcome(row)).collect(),
+            {
+                let controls = self.controls.get();
+                rows.into_iter()
+                    .map(|row| self.outcome(&controls, row))
+                    .collect()
+            },
             unstarted.into_iter().map(|row| row.event).collect(),
         ))
     }
 
     /// The decision after publishing (or the refusal made before).
-    fn outcome(&self, row: Row) -> Outcome {
+    fn outcome(&self, controls: &Controls, row: Row) -> Outcome {
         if row.before != Decision::Publish {
             return Outcome {
                 event: row.event,
@@ -489,7 +505,7 @@ impl PublishStage {
         let backoff = self.config.backoff();
         let decision = decide(
             &Attempt::Published(result),
-            self.policy(&r.event_type),
+            self.policy(controls, &r.app_code, &r.event_type),
             |n| {
                 let d = backoff.delay(n);
                 asked_delay.map_or(d, |a| d.not_before(a))

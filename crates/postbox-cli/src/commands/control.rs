@@ -1,0 +1,185 @@
+//! `postbox control list | set | clear`: the runtime controls
+//! (`<table>_controls`), which every relay applies within a second or two,
+//! without a restart; every change is logged with who made it.
+
+use postbox_core::config::Uses;
+use postbox_core::control::{delivery_name, parse_delivery, sets_nothing, Control, ControlChange};
+use postbox_core::store::OutboxStore;
+
+use crate::cli::{ControlAction, ControlArgs, ControlKey, Global};
+use crate::error::CliError;
+use crate::open::{load_config, open_store, require_schema};
+use crate::output;
+
+pub async fn run(g: &Global, args: ControlArgs) -> Result<(), CliError> {
+    let settings = load_config(g, Uses::DATABASE)?;
+    let store = open_store(&settings).await?;
+    require_schema(store.as_ref()).await?;
+    let by = format!(
+        "cli {}@{}",
+        std::env::var("USER").unwrap_or_else(|_| "?".to_owned()),
+        postbox_core::wire::host_name().unwrap_or_else(|| "?".to_owned())
+    );
+    match args.action.unwrap_or(ControlAction::List { changes: 20 }) {
+        ControlAction::List { changes } => list(g, store.as_ref(), changes).await,
+        ControlAction::Set {
+            key,
+            pause,
+            resume,
+            delivery,
+            max_retry_count,
+        } => {
+            let change = ControlChange {
+                paused: match (pause, resume) {
+                    (true, true) => {
+                        return Err(CliError::usage("give --pause or --resume, not both"))
+                    }
+                    (true, false) => Some(true),
+                    (false, true) => Some(false),
+                    (false, false) => None,
+                },
+                delivery: delivery
+                    .as_deref()
+                    .map(parse_delivery)
+                    .transpose()
+                    .map_err(|e| CliError::usage(format!("--delivery: {e}")))?,
+                max_retry_count: max_retry_count
+                    .as_deref()
+                    .map(|n| match n {
+                        "default" => Ok(None),
+                        n => n.parse::<u32>().map(Some).map_err(|_| {
+                            CliError::usage(format!(
+                                "--max-retry-count: `{n}` is neither a count nor `default`"
+                            ))
+                        }),
+                    })
+                    .transpose()?,
+            };
+            if change == ControlChange::default() {
+                return Err(CliError::usage(
+                    "control set: give --pause, --resume, --delivery or --max-retry-count",
+                ));
+            }
+            set(g, store.as_ref(), &key, &change, &by).await
+        }
+        ControlAction::Clear { key } => {
+            let gone = store
+                .clear_control(&key.app_code, &key.event_type, &by)
+                .await?;
+            if g.json {
+                return output::json(&serde_json::json!({ "cleared": gone }));
+            }
+            outln!(
+                "{}",
+                if gone {
+                    format!(
+                        "control of {} cleared: the config's rules apply",
+                        shown(&key)
+                    )
+                } else {
+                    format!("no control of {}", shown(&key))
+                }
+            );
+            Ok(())
+        }
+    }
+}
+
+fn shown(key: &ControlKey) -> String {
+    format!(
+        "app_code `{}`, event type `{}`",
+        key.app_code, key.event_type
+    )
+}
+
+async fn set(
+    g: &Global,
+    store: &dyn OutboxStore,
+    key: &ControlKey,
+    change: &ControlChange,
+    by: &str,
+) -> Result<(), CliError> {
+    let current = store.controls().await?;
+    let now = current
+        .iter()
+        .find(|c| c.app_code == key.app_code && c.event_type == key.event_type);
+    let next = change.apply(&key.app_code, &key.event_type, now);
+    next.validate()
+        .map_err(|e| CliError::usage(format!("control set: {e}")))?;
+    if sets_nothing(&next) {
+        let gone = store
+            .clear_control(&key.app_code, &key.event_type, by)
+            .await?;
+        if g.json {
+            return output::json(&serde_json::json!({ "cleared": gone }));
+        }
+        outln!(
+            "control of {} sets nothing any more: cleared, the config's rules apply",
+            shown(key)
+        );
+        return Ok(());
+    }
+    let stored = store.set_control(&next, by).await?;
+    if g.json {
+        return output::json(&stored);
+    }
+    outln!(
+        "control of {}: {} (relays apply it within {} s)",
+        shown(key),
+        stored.describe(),
+        postbox_core::control::REFRESH.as_secs() + 1
+    );
+    Ok(())
+}
+
+async fn list(g: &Global, store: &dyn OutboxStore, log: u32) -> Result<(), CliError> {
+    let controls = store.controls().await?;
+    let changes = store.control_log(log).await?;
+    if g.json {
+        return output::json(&serde_json::json!({ "controls": controls, "log": changes }));
+    }
+    if controls.is_empty() {
+        outln!("no runtime controls: the config's rules apply");
+    } else {
+        outln!(
+            "{:<16} {:<24} {:<7} {:<14} {:>15}  set by",
+            "app_code",
+            "event_type",
+            "paused",
+            "delivery",
+            "max_retry_count"
+        );
+        for c in &controls {
+            row(c);
+        }
+    }
+    if !changes.is_empty() {
+        outln!();
+        outln!("recent changes, newest first:");
+        for e in &changes {
+            outln!(
+                "  {}  {}  {}/{}: {}",
+                output::time(e.at_ms),
+                e.by,
+                e.app_code,
+                e.event_type,
+                e.change
+            );
+        }
+    }
+    Ok(())
+}
+
+fn row(c: &Control) {
+    outln!(
+        "{:<16} {:<24} {:<7} {:<14} {:>15}  {} ({})",
+        c.app_code,
+        c.event_type,
+        if c.paused { "yes" } else { "" },
+        c.delivery.map_or("", delivery_name),
+        c.max_retry_count
+            .map_or_else(String::new, |n| n.to_string()),
+        c.updated_by,
+        output::time(c.updated_at_ms)
+    );
+}

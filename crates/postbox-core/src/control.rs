@@ -1,0 +1,296 @@
+//! Runtime controls (SPEC §10): delivery changed while relays run, stored
+//! in `<table>_controls` so that every relay on every host applies a change
+//! within [`REFRESH`], without a restart; every change is logged in
+//! `<table>_control_log` (who, when, what).
+//!
+//! A control is keyed by `(app_code, event_type)`, either of which may be
+//! [`ANY`]. For an event, each field is taken from the most specific
+//! control that sets it — `(app, type)`, `(app, *)`, `(*, type)`, `(*, *)` —
+//! then from the config file (`[outbox_worker.event_types.<T>]`, then
+//! `[outbox_worker]`). `paused` stops the relays claiming an app_code's
+//! rows (they stay `pending`, other app_codes go on); it is set for a whole
+//! app_code (`event_type = "*"`).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::Delivery;
+
+/// "Any app_code" or "any event type" in a control's key.
+pub const ANY: &str = "*";
+
+/// How old the relay's copy of the controls may be when it claims.
+pub const REFRESH: Duration = Duration::from_secs(1);
+
+/// One control as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Control {
+    /// The app_code, or [`ANY`].
+    pub app_code: String,
+    /// The event type, or [`ANY`].
+    pub event_type: String,
+    /// The relays claim none of the app_code's rows.
+    #[serde(default)]
+    pub paused: bool,
+    /// Overrides the delivery guarantee.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivery: Option<Delivery>,
+    /// Overrides `max_retry_count`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_retry_count: Option<u32>,
+    /// When it was last set, epoch ms (the database's clock).
+    #[serde(default)]
+    pub updated_at_ms: i64,
+    /// Who set it (`cli <user>@<host>`, `api <token name>@<ip>`).
+    #[serde(default)]
+    pub updated_by: String,
+}
+
+impl Control {
+    /// What the control sets, for the log: `paused`, `delivery=…`,
+    /// `max_retry_count=…`, or `nothing`.
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if self.paused {
+            parts.push("paused".to_owned());
+        }
+        if let Some(d) = self.delivery {
+            parts.push(format!("delivery={}", delivery_name(d)));
+        }
+        if let Some(n) = self.max_retry_count {
+            parts.push(format!("max_retry_count={n}"));
+        }
+        if parts.is_empty() {
+            "nothing".to_owned()
+        } else {
+            parts.join(" ")
+        }
+    }
+
+    /// Checks the key and the fields.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.app_code.is_empty() || self.event_type.is_empty() {
+            return Err("app_code and event_type must be given (`*` for any)".to_owned());
+        }
+        if self.app_code.len() > 64 || self.event_type.len() > 128 {
+            return Err("app_code is at most 64 bytes, event_type at most 128".to_owned());
+        }
+        if self.paused && self.event_type != ANY {
+            return Err(format!(
+                "pause is set for a whole app_code (event_type `*`), not for event type `{}`: to hold one type back, set its delivery or max_retry_count",
+                self.event_type
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A change to the control of one key: each field given replaces the
+/// stored one (`Some(None)`: back to the config's value).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ControlChange {
+    /// Pause or resume (`Some(false)`).
+    pub paused: Option<bool>,
+    /// The delivery guarantee, or `Some(None)` for the config's.
+    pub delivery: Option<Option<Delivery>>,
+    /// `max_retry_count`, or `Some(None)` for the config's.
+    pub max_retry_count: Option<Option<u32>>,
+}
+
+impl ControlChange {
+    /// The control of `(app_code, event_type)` after this change to
+    /// `current` (the stored one, if any).
+    pub fn apply(&self, app_code: &str, event_type: &str, current: Option<&Control>) -> Control {
+        let mut c = current.cloned().unwrap_or_else(|| Control {
+            app_code: app_code.to_owned(),
+            event_type: event_type.to_owned(),
+            paused: false,
+            delivery: None,
+            max_retry_count: None,
+            updated_at_ms: 0,
+            updated_by: String::new(),
+        });
+        if let Some(p) = self.paused {
+            c.paused = p;
+        }
+        if let Some(d) = self.delivery {
+            c.delivery = d;
+        }
+        if let Some(n) = self.max_retry_count {
+            c.max_retry_count = n;
+        }
+        c
+    }
+}
+
+/// A control that sets nothing is no control: `set` clears it instead.
+pub fn sets_nothing(c: &Control) -> bool {
+    !c.paused && c.delivery.is_none() && c.max_retry_count.is_none()
+}
+
+/// Parses `at_least_once`, `at_most_once`, or `default` (`None`).
+pub fn parse_delivery(s: &str) -> Result<Option<Delivery>, String> {
+    match s {
+        "at_least_once" => Ok(Some(Delivery::AtLeastOnce)),
+        "at_most_once" => Ok(Some(Delivery::AtMostOnce)),
+        "default" => Ok(None),
+        other => Err(format!(
+            "`{other}` is no delivery: at_least_once, at_most_once, or default (the config's)"
+        )),
+    }
+}
+
+/// `at_least_once` or `at_most_once`.
+pub fn delivery_name(d: Delivery) -> &'static str {
+    match d {
+        Delivery::AtLeastOnce => "at_least_once",
+        Delivery::AtMostOnce => "at_most_once",
+    }
+}
+
+/// One entry of the control log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ControlLogEntry {
+    /// When, epoch ms (the database's clock).
+    pub at_ms: i64,
+    /// Who.
+    pub by: String,
+    /// The control's app_code.
+    pub app_code: String,
+    /// The control's event type.
+    pub event_type: String,
+    /// What it sets now (`Control::describe`), or `cleared`.
+    pub change: String,
+}
+
+/// The controls a relay applies: a snapshot of the table.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Controls {
+    all: Vec<Control>,
+}
+
+impl Controls {
+    /// The snapshot of `all`.
+    pub fn new(all: Vec<Control>) -> Controls {
+        Controls { all }
+    }
+
+    /// Every control, as stored.
+    pub fn all(&self) -> &[Control] {
+        &self.all
+    }
+
+    /// Whether the relays claim none of `app_code`'s rows.
+    pub fn paused(&self, app_code: &str) -> bool {
+        self.all.iter().any(|c| {
+            c.paused && c.event_type == ANY && (c.app_code == app_code || c.app_code == ANY)
+        })
+    }
+
+    /// The most specific control's value of `field` for an event.
+    fn pick<T>(
+        &self,
+        app_code: &str,
+        event_type: &str,
+        field: impl Fn(&Control) -> Option<T>,
+    ) -> Option<T> {
+        [
+            (app_code, event_type),
+            (app_code, ANY),
+            (ANY, event_type),
+            (ANY, ANY),
+        ]
+        .into_iter()
+        .find_map(|(a, t)| {
+            self.all
+                .iter()
+                .find(|c| c.app_code == a && c.event_type == t)
+                .and_then(&field)
+        })
+    }
+
+    /// `max_retry_count` for an event, when a control sets it.
+    pub fn max_retry_count(&self, app_code: &str, event_type: &str) -> Option<u32> {
+        self.pick(app_code, event_type, |c| c.max_retry_count)
+    }
+
+    /// The delivery guarantee for an event, when a control sets it.
+    pub fn delivery(&self, app_code: &str, event_type: &str) -> Option<Delivery> {
+        self.pick(app_code, event_type, |c| c.delivery)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn control(app: &str, ty: &str) -> Control {
+        Control {
+            app_code: app.into(),
+            event_type: ty.into(),
+            paused: false,
+            delivery: None,
+            max_retry_count: None,
+            updated_at_ms: 0,
+            updated_by: String::new(),
+        }
+    }
+
+    #[test]
+    fn the_most_specific_control_that_sets_a_field_wins() {
+        let c = Controls::new(vec![
+            Control {
+                max_retry_count: Some(9),
+                ..control(ANY, ANY)
+            },
+            Control {
+                max_retry_count: Some(0),
+                ..control("room", "Tick")
+            },
+            Control {
+                delivery: Some(Delivery::AtMostOnce),
+                ..control(ANY, "Tick")
+            },
+            Control {
+                paused: true,
+                ..control("wallet", ANY)
+            },
+        ]);
+        assert_eq!(c.max_retry_count("room", "Tick"), Some(0));
+        assert_eq!(c.max_retry_count("room", "Other"), Some(9));
+        assert_eq!(c.delivery("game", "Tick"), Some(Delivery::AtMostOnce));
+        assert_eq!(c.delivery("game", "Other"), None);
+        assert!(c.paused("wallet") && !c.paused("room"));
+        let all = Controls::new(vec![Control {
+            paused: true,
+            ..control(ANY, ANY)
+        }]);
+        assert!(all.paused("room"));
+    }
+
+    #[test]
+    fn a_pause_is_for_a_whole_app_code() {
+        let typed = Control {
+            paused: true,
+            ..control("room", "Tick")
+        };
+        assert!(typed.validate().unwrap_err().contains("whole app_code"));
+        assert!(Control {
+            paused: true,
+            ..control("room", ANY)
+        }
+        .validate()
+        .is_ok());
+        assert!(control("", ANY).validate().is_err());
+        assert_eq!(
+            Control {
+                max_retry_count: Some(0),
+                delivery: Some(Delivery::AtMostOnce),
+                ..control("a", "b")
+            }
+            .describe(),
+            "delivery=at_most_once max_retry_count=0"
+        );
+    }
+}
