@@ -280,6 +280,40 @@ $("#search").addEventListener("submit", (ev) => { ev.preventDefault(); search(fa
 $("#search-more").addEventListener("click", () => search(true));
 $("#search-replay").addEventListener("click", (ev) => replayMatching(ev.target));
 
+// ---- runtime controls (`GET/POST /api/controls`) ----
+
+async function loadControls() {
+  let d;
+  try {
+    d = await getJson("/api/controls");
+  } catch (e) {
+    if (e.status === 404) { $("#controls-section").remove(); return; }
+    throw e;
+  }
+  $("#controls tbody").replaceChildren(...d.controls.map((c) => el("tr", {
+    "data-app": c.app_code, "data-event-type": c.event_type,
+  },
+  el("td", {}, c.app_code), el("td", {}, c.event_type), el("td", { "data-paused": c.paused }, c.paused ? "paused" : ""),
+  el("td", {}, c.delivery || ""), el("td", { class: "num" }, c.max_retry_count ?? ""),
+  el("td", {}, c.updated_by + " · " + time(c.updated_at_ms)),
+  el("td", {}, el("button", { class: "clear plain", type: "button",
+    onclick: (ev) => operate("/api/controls", { app_code: c.app_code, event_type: c.event_type, clear: true },
+      ev.target, "Cleared the control of " + c.app_code + "/" + c.event_type + ".") }, "Clear")))));
+  $("#control-log").replaceChildren(...d.log.slice(0, 10).map((e) =>
+    el("li", {}, time(e.at_ms) + " · " + e.by + " · " + e.app_code + "/" + e.event_type + ": " + e.change)));
+}
+
+$("#control-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const f = new FormData(ev.target);
+  const body = { app_code: (f.get("app_code") || "*").trim(), event_type: (f.get("event_type") || "*").trim() };
+  if (f.get("paused")) body.paused = f.get("paused") === "true";
+  if (f.get("delivery")) body.delivery = f.get("delivery");
+  const retries = (f.get("max_retry_count") || "").trim();
+  if (retries) body.max_retry_count = retries === "default" ? "default" : Number(retries);
+  operate("/api/controls", body, ev.submitter, "Control of " + body.app_code + "/" + body.event_type + " set.");
+});
+
 // ---- topology (`postbox serve`): read when the page opens and on Reload,
 // never polled (it asks the brokers) ----
 
@@ -435,6 +469,7 @@ async function refresh() {
       for (const s of document.querySelectorAll("section.outbox")) s.hidden = false;
       await loadPublishers();
       await loadFailed();
+      await loadControls();
       if (!topologyLoaded) await loadTopology();
     } catch (e) {
       if (e.status === 404) servesOutbox = false;

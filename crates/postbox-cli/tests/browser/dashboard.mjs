@@ -63,5 +63,17 @@ await run("dashboard", initial, async (page, result) => {
   await page.locator("#replay-message.ok").filter({ hasText: "matching" }).waitFor({ timeout: 15000 });
   await cell("failed").filter({ hasText: /^0$/ }).waitFor({ timeout: 20000 });
   result.failed_at_end = await failedRows.count();
+
+  // Runtime controls: pause the app_code from the form, then clear it.
+  const form = page.locator("#control-form");
+  await form.locator("input[name=app_code]").fill(args.app);
+  await form.locator("select[name=paused]").selectOption("true");
+  await form.locator("button[type=submit]").click();
+  const control = page.locator(`#controls tr[data-app="${args.app}"][data-event-type="*"]`);
+  await control.locator('td[data-paused="true"]').waitFor({ timeout: 10000 });
+  result.control_log = await page.locator("#control-log li").first().textContent();
+  await control.locator("button.clear").click();
+  await control.waitFor({ state: "detached", timeout: 10000 });
+  result.controls_after = await page.locator("#controls tbody tr").count();
   result.offsite_requests = requests.filter((u) => !u.startsWith(args.url));
 });
