@@ -48,6 +48,19 @@ pub struct Control {
 }
 
 impl Control {
+    /// The control of `(app_code, event_type)` that sets nothing yet.
+    pub fn new(app_code: &str, event_type: &str) -> Control {
+        Control {
+            app_code: app_code.to_owned(),
+            event_type: event_type.to_owned(),
+            paused: false,
+            delivery: None,
+            max_retry_count: None,
+            updated_at_ms: 0,
+            updated_by: String::new(),
+        }
+    }
+
     /// What the control sets, for the log: `paused`, `delivery=…`,
     /// `max_retry_count=…`, or `nothing`.
     pub fn describe(&self) -> String {
@@ -102,15 +115,9 @@ impl ControlChange {
     /// The control of `(app_code, event_type)` after this change to
     /// `current` (the stored one, if any).
     pub fn apply(&self, app_code: &str, event_type: &str, current: Option<&Control>) -> Control {
-        let mut c = current.cloned().unwrap_or_else(|| Control {
-            app_code: app_code.to_owned(),
-            event_type: event_type.to_owned(),
-            paused: false,
-            delivery: None,
-            max_retry_count: None,
-            updated_at_ms: 0,
-            updated_by: String::new(),
-        });
+        let mut c = current
+            .cloned()
+            .unwrap_or_else(|| Control::new(app_code, event_type));
         if let Some(p) = self.paused {
             c.paused = p;
         }
@@ -226,15 +233,7 @@ mod tests {
     use super::*;
 
     fn control(app: &str, ty: &str) -> Control {
-        Control {
-            app_code: app.into(),
-            event_type: ty.into(),
-            paused: false,
-            delivery: None,
-            max_retry_count: None,
-            updated_at_ms: 0,
-            updated_by: String::new(),
-        }
+        Control::new(app, ty)
     }
 
     #[test]

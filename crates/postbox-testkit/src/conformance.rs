@@ -2137,13 +2137,9 @@ async fn controls_are_set_cleared_and_logged(store: Arc<dyn OutboxStore>) {
     use postbox_core::control::{Control, ANY};
     assert!(store.controls().await.expect("no controls").is_empty());
     let tick = Control {
-        app_code: APP.into(),
-        event_type: "Tick".into(),
-        paused: false,
         delivery: Some(Delivery::AtMostOnce),
         max_retry_count: Some(0),
-        updated_at_ms: 0,
-        updated_by: String::new(),
+        ..Control::new(APP, "Tick")
     };
     let stored = store.set_control(&tick, "cli ops@host").await.expect("set");
     assert_eq!(stored.updated_by, "cli ops@host");
@@ -2158,13 +2154,8 @@ async fn controls_are_set_cleared_and_logged(store: Arc<dyn OutboxStore>) {
         .await
         .expect("set again");
     let pause = Control {
-        app_code: APP.into(),
-        event_type: ANY.into(),
         paused: true,
-        delivery: None,
-        max_retry_count: None,
-        updated_at_ms: 0,
-        updated_by: String::new(),
+        ..Control::new(APP, ANY)
     };
     store
         .set_control(&pause, "cli ops@host")
@@ -2226,15 +2217,7 @@ async fn controls_are_set_cleared_and_logged(store: Arc<dyn OutboxStore>) {
 async fn relay_applies_controls_while_it_runs(store: Arc<dyn OutboxStore>) {
     use postbox_core::control::{Control, ANY};
     let held_app = "conf_held";
-    let control = |app: &str, ty: &str| Control {
-        app_code: app.into(),
-        event_type: ty.into(),
-        paused: false,
-        delivery: None,
-        max_retry_count: None,
-        updated_at_ms: 0,
-        updated_by: String::new(),
-    };
+    let control = Control::new;
     store
         .set_control(
             &Control {

@@ -30,3 +30,20 @@ export async function run(name, result, check) {
     rmSync(userDataDir, { recursive: true, force: true });
   }
 }
+
+// Answers the page's dialogs: a prompt with `token` (counted in
+// `result.prompts`), a confirmation with yes (its text kept in
+// `result.confirms`).
+export function answerDialogs(page, token, result) {
+  result.prompts = 0;
+  result.confirms = [];
+  page.on("dialog", async (d) => {
+    if (d.type() === "prompt") {
+      result.prompts += 1;
+      await d.accept(token);
+    } else {
+      result.confirms.push(d.message());
+      await d.accept();
+    }
+  });
+}

@@ -5,20 +5,12 @@
 // (confirming the count the dashboard asks about) and waits for it to come
 // back dead (the handler refuses it again), then purges them all. Exits
 // non-zero with the reason on any failure.
-import { run } from "./chromium.mjs";
+import { answerDialogs, run } from "./chromium.mjs";
 
 const args = JSON.parse(process.argv[2]);
 const initial = { prompts: 0, confirms: [], states: [] };
 await run("consumers dashboard", initial, async (page, result) => {
-  page.on("dialog", async (d) => {
-    if (d.type() === "prompt") {
-      result.prompts += 1;
-      await d.accept(args.token);
-    } else {
-      result.confirms.push(d.message());
-      await d.accept();
-    }
-  });
+  answerDialogs(page, args.token, result);
   const requests = [];
   page.on("request", (r) => requests.push(r.url()));
   await page.goto(args.url, { waitUntil: "load" });

@@ -4,20 +4,12 @@
 // Checks the counts shown, replays a failed event through its button
 // (entering the token at the prompt) and waits for it to leave the failed
 // list. Exits non-zero with the reason on any failure.
-import { run } from "./chromium.mjs";
+import { answerDialogs, run } from "./chromium.mjs";
 
 const args = JSON.parse(process.argv[2]);
 const initial = { prompts: 0, confirms: [], timeline: [] };
 await run("dashboard", initial, async (page, result) => {
-  page.on("dialog", async (d) => {
-    if (d.type() === "prompt") {
-      result.prompts += 1;
-      await d.accept(args.token);
-    } else {
-      result.confirms.push(d.message());
-      await d.accept();
-    }
-  });
+  answerDialogs(page, args.token, result);
   const requests = [];
   page.on("request", (r) => requests.push(r.url()));
   await page.goto(args.url, { waitUntil: "load" });
