@@ -488,7 +488,7 @@ pub(crate) async fn set_control(
     caller: Option<Extension<Caller>>,
     Json(b): Json<ControlBody>,
 ) -> ApiResult<Json<serde_json::Value>> {
-    use postbox_core::control::{parse_delivery, sets_nothing, ControlChange};
+    use postbox_core::control::{self, parse_delivery, Changed, ControlChange};
     let by = crate::auth::origin(caller.as_deref(), peer);
     let bad = |e: String| ApiError::bad_request(e);
     let delivery = match b.delivery {
@@ -518,28 +518,30 @@ pub(crate) async fn set_control(
         delivery,
         max_retry_count,
     };
-    let current = state.store.controls().await?;
-    let now = current
-        .iter()
-        .find(|c| c.app_code == b.app_code && c.event_type == b.event_type);
-    let next = change.apply(&b.app_code, &b.event_type, now);
-    next.validate().map_err(bad)?;
-    if b.clear || sets_nothing(&next) {
-        let cleared = state
-            .store
-            .clear_control(&b.app_code, &b.event_type, &by)
-            .await?;
-        tracing::info!(
-            app_code = b.app_code,
-            event_type = b.event_type,
-            origin = by,
-            "admin API: control cleared"
-        );
-        return Ok(Json(serde_json::json!({ "cleared": cleared })));
-    }
-    let stored = state.store.set_control(&next, &by).await?;
-    tracing::info!(app_code = b.app_code, event_type = b.event_type, origin = by, control = %stored.describe(), "admin API: control set");
-    Ok(Json(serde_json::to_value(stored).unwrap_or_default()))
+    let done = control::change(
+        state.store.as_ref(),
+        &b.app_code,
+        &b.event_type,
+        &change,
+        b.clear,
+        &by,
+    )
+    .await?;
+    Ok(Json(match done {
+        Changed::Cleared(cleared) => {
+            tracing::info!(
+                app_code = b.app_code,
+                event_type = b.event_type,
+                origin = by,
+                "admin API: control cleared"
+            );
+            serde_json::json!({ "cleared": cleared })
+        }
+        Changed::Set(stored) => {
+            tracing::info!(app_code = b.app_code, event_type = b.event_type, origin = by, control = %stored.describe(), "admin API: control set");
+            serde_json::to_value(stored).unwrap_or_default()
+        }
+    }))
 }
 
 /// `GET /api/topology`: who publishes what, and who consumes it.

@@ -3,7 +3,7 @@
 //! without a restart; every change is logged with who made it.
 
 use postbox_core::config::Uses;
-use postbox_core::control::{delivery_name, parse_delivery, sets_nothing, Control, ControlChange};
+use postbox_core::control::{self, delivery_name, parse_delivery, Changed, Control, ControlChange};
 use postbox_core::store::OutboxStore;
 
 use crate::cli::{ControlAction, ControlArgs, ControlKey, Global};
@@ -99,36 +99,29 @@ async fn set(
     change: &ControlChange,
     by: &str,
 ) -> Result<(), CliError> {
-    let current = store.controls().await?;
-    let now = current
-        .iter()
-        .find(|c| c.app_code == key.app_code && c.event_type == key.event_type);
-    let next = change.apply(&key.app_code, &key.event_type, now);
-    next.validate()
-        .map_err(|e| CliError::usage(format!("control set: {e}")))?;
-    if sets_nothing(&next) {
-        let gone = store
-            .clear_control(&key.app_code, &key.event_type, by)
-            .await?;
-        if g.json {
-            return output::json(&serde_json::json!({ "cleared": gone }));
+    let done = control::change(store, &key.app_code, &key.event_type, change, false, by).await?;
+    match done {
+        Changed::Cleared(gone) => {
+            if g.json {
+                return output::json(&serde_json::json!({ "cleared": gone }));
+            }
+            outln!(
+                "control of {} sets nothing any more: cleared, the config's rules apply",
+                shown(key)
+            );
         }
-        outln!(
-            "control of {} sets nothing any more: cleared, the config's rules apply",
-            shown(key)
-        );
-        return Ok(());
+        Changed::Set(stored) => {
+            if g.json {
+                return output::json(&stored);
+            }
+            outln!(
+                "control of {}: {} (relays apply it within {} s)",
+                shown(key),
+                stored.describe(),
+                control::REFRESH.as_secs() + 1
+            );
+        }
     }
-    let stored = store.set_control(&next, by).await?;
-    if g.json {
-        return output::json(&stored);
-    }
-    outln!(
-        "control of {}: {} (relays apply it within {} s)",
-        shown(key),
-        stored.describe(),
-        postbox_core::control::REFRESH.as_secs() + 1
-    );
     Ok(())
 }
 

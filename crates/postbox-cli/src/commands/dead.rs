@@ -7,87 +7,67 @@ use postbox_consumers::dead::{self, DeadAction, DeadFilter, DeadLetter, DeadRepo
 use postbox_core::config::ConsumerConfig;
 use postbox_core::time::{now_ms, parse_time_arg};
 
-use crate::cli::{DeadArgs, DeadChange, DeadCommand, DeadFilterArgs, Global};
+use crate::cli::{DeadArgs, DeadCommand, DeadFilterArgs, Global};
 use crate::error::CliError;
 use crate::open::{load_config, WITH_CONSUMERS};
 use crate::output;
 
 pub async fn run(g: &Global, args: DeadArgs) -> Result<(), CliError> {
     let settings = load_config(g, WITH_CONSUMERS)?;
-    let (name, action, filter, dry_run) = match args.action {
-        DeadCommand::List { filter, limit } => (
-            filter.consumer.clone(),
-            DeadAction::List(limit),
-            filter,
-            false,
-        ),
+    // (filter flags, action, dry run, `--all`, whether one event is shown whole)
+    let (args, action, dry_run, all, showing) = match args.action {
+        DeadCommand::List { filter, limit } => {
+            (filter, DeadAction::List(limit), false, false, false)
+        }
         DeadCommand::Show { consumer, event_id } => {
             let filter = DeadFilterArgs {
-                consumer: consumer.clone(),
+                consumer,
                 event_id: Some(event_id),
                 ..DeadFilterArgs::default()
             };
-            (consumer, DeadAction::List(usize::MAX), filter, false)
+            (filter, DeadAction::List(usize::MAX), false, false, true)
         }
-        DeadCommand::Replay(change) => changing(change, DeadAction::Replay)?,
-        DeadCommand::Purge(change) => changing(change, DeadAction::Purge)?,
+        DeadCommand::Replay(c) => (c.filter, DeadAction::Replay, c.dry_run, c.all, false),
+        DeadCommand::Purge(c) => (c.filter, DeadAction::Purge, c.dry_run, c.all, false),
     };
-    let consumer = find(&settings.consumers, &name)?;
-    let filter = dead_filter(&filter)?;
+    let consumer = find(&settings.consumers, &args.consumer)?;
+    let filter = dead_filter(&args)?;
+    let verb = match action {
+        DeadAction::List(_) => "read",
+        DeadAction::Replay => "replayed",
+        DeadAction::Purge => "purged",
+    };
+    if action.changes() && filter.is_empty() && !all {
+        return Err(CliError::usage(format!(
+            "dead {}: give a filter (--event-type, --event-id, --since, --until, --error) or --all to take every dead letter of the consumer",
+            if action == DeadAction::Replay { "replay" } else { "purge" }
+        )));
+    }
     let bar = ProgressBar::new_spinner().with_style(
         ProgressStyle::with_template("{spinner} {msg} in {elapsed}")
             .unwrap_or_else(|_| ProgressStyle::default_spinner()),
     );
     // Drawn on stderr only when it is a terminal (indicatif hides it otherwise).
     bar.set_draw_target(ProgressDrawTarget::stderr());
-    let verb = match action {
-        DeadAction::List(_) => "read",
-        DeadAction::Replay => "replayed",
-        DeadAction::Purge => "purged",
-    };
+    let shown = bar.clone();
     let progress = move |scanned: u64, done: u64| {
-        bar.set_message(format!("{scanned} letters read, {done} {verb}"));
+        shown.set_message(format!("{scanned} letters read, {done} {verb}"));
     };
-    let report = dead::run(consumer, action, &filter, dry_run, &progress)
-        .await
-        .map_err(|e| match e {
-            dead::DeadError::Unsupported(m) => CliError::usage(m),
-            other => CliError::runtime(other),
-        })?;
+    let report = dead::run(consumer, action, &filter, dry_run, &progress).await;
+    bar.finish_and_clear();
+    let report = report.map_err(|e| match e {
+        dead::DeadError::Unsupported(m) => CliError::usage(m),
+        other => CliError::runtime(other),
+    })?;
     if g.json {
         return output::json(&report);
     }
     match action {
-        DeadAction::List(_) if name_given_event(&filter) => show(&report),
+        DeadAction::List(_) if showing => show(&report),
         DeadAction::List(_) => list(&report),
         DeadAction::Replay | DeadAction::Purge => summary(&report, verb, dry_run),
     }
     Ok(())
-}
-
-/// A replay or purge: its consumer, action, filter and dry run. It takes a
-/// filter, or `--all` said out loud.
-fn changing(
-    change: DeadChange,
-    action: DeadAction,
-) -> Result<(String, DeadAction, DeadFilterArgs, bool), CliError> {
-    let f = &change.filter;
-    let any = f.event_type.is_some()
-        || f.event_id.is_some()
-        || f.since.is_some()
-        || f.until.is_some()
-        || f.error.is_some();
-    if !any && !change.all {
-        let what = if action == DeadAction::Replay {
-            "replay"
-        } else {
-            "purge"
-        };
-        return Err(CliError::usage(format!(
-            "dead {what}: give a filter (--event-type, --event-id, --since, --until, --error) or --all to take every dead letter of the consumer"
-        )));
-    }
-    Ok((f.consumer.clone(), action, change.filter, change.dry_run))
 }
 
 fn find<'a>(consumers: &'a [ConsumerConfig], name: &str) -> Result<&'a ConsumerConfig, CliError> {
@@ -118,10 +98,6 @@ fn dead_filter(args: &DeadFilterArgs) -> Result<DeadFilter, CliError> {
         until_ms: time("until", &args.until)?,
         error: args.error.clone(),
     })
-}
-
-fn name_given_event(filter: &DeadFilter) -> bool {
-    filter.event_id.is_some()
 }
 
 fn list(report: &DeadReport) {

@@ -108,6 +108,12 @@ pub struct DeadFilter {
 }
 
 impl DeadFilter {
+    /// Whether it takes every letter (no field given): a replay or purge
+    /// must then say `all`.
+    pub fn is_empty(&self) -> bool {
+        *self == DeadFilter::default()
+    }
+
     /// Whether `letter` is one this filter takes.
     pub fn matches(&self, letter: &DeadLetter) -> bool {
         let text = |want: &Option<String>, have: Option<&str>| {
@@ -143,9 +149,14 @@ pub enum DeadAction {
 }
 
 impl DeadAction {
+    /// A replay or a purge: it must take a filter, or say it takes all.
+    pub fn changes(self) -> bool {
+        !matches!(self, DeadAction::List(_))
+    }
+
     /// Whether the pass changes the broker (not a list, not a dry run).
     pub(crate) fn writes(self, dry_run: bool) -> bool {
-        !dry_run && !matches!(self, DeadAction::List(_))
+        !dry_run && self.changes()
     }
 
     /// How many matching letters the report carries.
