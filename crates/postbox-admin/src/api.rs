@@ -488,7 +488,8 @@ pub(crate) async fn set_control(
     caller: Option<Extension<Caller>>,
     Json(b): Json<ControlBody>,
 ) -> ApiResult<Json<serde_json::Value>> {
-    use postbox_core::control::{self, parse_delivery, Changed, ControlChange};
+    use postbox_core::control::{parse_delivery, ControlChange};
+    use postbox_core::store::{change_control, Changed};
     let by = crate::auth::origin(caller.as_deref(), peer);
     let bad = |e: String| ApiError::bad_request(e);
     let delivery = match b.delivery {
@@ -518,7 +519,7 @@ pub(crate) async fn set_control(
         delivery,
         max_retry_count,
     };
-    let done = control::change(
+    let done = change_control(
         state.store.as_ref(),
         &b.app_code,
         &b.event_type,

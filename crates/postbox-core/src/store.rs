@@ -921,6 +921,42 @@ pub trait OutboxStore:
 {
 }
 
+/// What [`change_control`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Changed {
+    /// The control as stored now.
+    Set(crate::control::Control),
+    /// The control was removed (false: there was none).
+    Cleared(bool),
+}
+
+/// Applies `change` (or, with `clear`, removal) to the control of
+/// `(app_code, event_type)` in `store`, logged as made `by`: the stored
+/// control merged with the change, checked, and cleared when it then sets
+/// nothing. A bad control is [`crate::Error::InvalidEvent`] naming why.
+pub async fn change_control(
+    store: &dyn OutboxStore,
+    app_code: &str,
+    event_type: &str,
+    change: &crate::control::ControlChange,
+    clear: bool,
+    by: &str,
+) -> crate::Result<Changed> {
+    let current = store.controls().await?;
+    let now = current
+        .iter()
+        .find(|c| c.app_code == app_code && c.event_type == event_type);
+    let next = change.apply(app_code, event_type, now);
+    next.validate()
+        .map_err(|e| crate::Error::InvalidEvent(format!("control: {e}")))?;
+    if clear || crate::control::sets_nothing(&next) {
+        return Ok(Changed::Cleared(
+            store.clear_control(app_code, event_type, by).await?,
+        ));
+    }
+    Ok(Changed::Set(store.set_control(&next, by).await?))
+}
+
 /// Setting the runtime controls ([`crate::control`]); reading them is
 /// [`RelayStore::controls`].
 #[async_trait]

@@ -3,8 +3,9 @@
 //! without a restart; every change is logged with who made it.
 
 use postbox_core::config::Uses;
-use postbox_core::control::{self, delivery_name, parse_delivery, Changed, Control, ControlChange};
+use postbox_core::control::{self, delivery_name, parse_delivery, Control, ControlChange};
 use postbox_core::store::OutboxStore;
+use postbox_core::store::{change_control, Changed};
 
 use crate::cli::{ControlAction, ControlArgs, ControlKey, Global};
 use crate::error::CliError;
@@ -99,7 +100,7 @@ async fn set(
     change: &ControlChange,
     by: &str,
 ) -> Result<(), CliError> {
-    let done = control::change(store, &key.app_code, &key.event_type, change, false, by).await?;
+    let done = change_control(store, &key.app_code, &key.event_type, change, false, by).await?;
     match done {
         Changed::Cleared(gone) => {
             if g.json {
