@@ -112,8 +112,6 @@ use postbox_publishers::rabbitmq::RabbitMqPublisher;
 use postbox_testkit::conformance::app_stats;
 use postbox_testkit::scratch_table;
 use postbox_testkit::servers::{amqp_url, ensure_database, mysql_url, postgres_url};
-use sqlx::mysql::MySqlPoolOptions;
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection as _, MySqlPool, PgPool, Row as _};
 
 const APP: &str = "bench";
@@ -541,20 +539,8 @@ impl Minimal {
             analyze(db, &table).await;
         }
         let pool = match db {
-            Db::Postgres => MinimalPool::Pg(
-                PgPoolOptions::new()
-                    .max_connections(4)
-                    .connect(&url)
-                    .await
-                    .expect("minimal pool"),
-            ),
-            Db::MySql => MinimalPool::My(
-                MySqlPoolOptions::new()
-                    .max_connections(4)
-                    .connect(&url)
-                    .await
-                    .expect("minimal pool"),
-            ),
+            Db::Postgres => MinimalPool::Pg(open_pool(&url, 4).await),
+            Db::MySql => MinimalPool::My(open_pool(&url, 4).await),
         };
         Minimal { db, table, pool }
     }
@@ -1691,6 +1677,32 @@ struct ProducerSql {
     minimal_insert: String,
 }
 
+impl ProducerSql {
+    /// The statements on `accounts`, `minimal` and the postbox `table`
+    /// (from `plain_insert`'s text) with the database's placeholders `p`.
+    fn new(accounts: &str, minimal: &str, plain_insert: &str, table: &str, p: [&str; 4]) -> Self {
+        let [p1, p2, p3, p4] = p;
+        ProducerSql {
+            update: format!(
+                "UPDATE {accounts} SET balance = balance + 1, version = version + 1 WHERE id = {p1}"
+            ),
+            plain_insert: plain_insert.trim().replace("room_outbox", table),
+            minimal_insert: format!(
+                "INSERT INTO {minimal} (app_code, event_id, event_type, payload) VALUES ({p1}, {p2}, {p3}, {p4})"
+            ),
+        }
+    }
+}
+
+/// A pool of at most `connections` to `url`.
+async fn open_pool<DB: sqlx::Database>(url: &str, connections: u32) -> sqlx::Pool<DB> {
+    sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(connections)
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("a pool to {url}: {e}"))
+}
+
 /// One producer connection, with the outbox `enqueue` writes through it.
 enum Producer {
     Pg(PgPool, PgOutbox),
@@ -1858,41 +1870,23 @@ async fn producer_section(db: Db, runs: usize) {
     let table = scratch_table("cost_prod");
     let (producer, sql) = match db {
         Db::Postgres => {
-            let pool = PgPoolOptions::new()
-                .max_connections(1)
-                .connect(&url)
-                .await
-                .expect("producer pool");
+            let pool = open_pool(&url, 1).await;
             let outbox = PgOutbox::new(pool.clone(), &table).expect("outbox");
             outbox.migrate().await.expect("migrate");
-            let sql = ProducerSql {
-                update: format!(
-                    "UPDATE {accounts} SET balance = balance + 1, version = version + 1 WHERE id = $1"
-                ),
-                plain_insert: PLAIN_INSERT_PG.trim().replace("room_outbox", &table),
-                minimal_insert: format!(
-                    "INSERT INTO {minimal} (app_code, event_id, event_type, payload) VALUES ($1, $2, $3, $4)"
-                ),
-            };
+            let sql = ProducerSql::new(
+                &accounts,
+                &minimal,
+                PLAIN_INSERT_PG,
+                &table,
+                ["$1", "$2", "$3", "$4"],
+            );
             (Producer::Pg(pool, outbox), sql)
         }
         Db::MySql => {
-            let pool = MySqlPoolOptions::new()
-                .max_connections(1)
-                .connect(&url)
-                .await
-                .expect("producer pool");
+            let pool = open_pool(&url, 1).await;
             let outbox = MySqlOutbox::new(pool.clone(), &table).expect("outbox");
             outbox.migrate().await.expect("migrate");
-            let sql = ProducerSql {
-                update: format!(
-                    "UPDATE {accounts} SET balance = balance + 1, version = version + 1 WHERE id = ?"
-                ),
-                plain_insert: PLAIN_INSERT_MYSQL.trim().replace("room_outbox", &table),
-                minimal_insert: format!(
-                    "INSERT INTO {minimal} (app_code, event_id, event_type, payload) VALUES (?, ?, ?, ?)"
-                ),
-            };
+            let sql = ProducerSql::new(&accounts, &minimal, PLAIN_INSERT_MYSQL, &table, ["?"; 4]);
             (Producer::My(pool, outbox), sql)
         }
     };
@@ -2081,11 +2075,7 @@ async fn latency_case(url: &str, case: &LatencyCase) {
     // The producer: one event per transaction, paced by an interval, each
     // transaction a task of its own over a pool of 4 so a slow commit does
     // not hold up the pace.
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect(url)
-        .await
-        .expect("producer pool");
+    let pool: PgPool = open_pool(url, 4).await;
     // Another store instance: its wake handle is not the relay's.
     let outbox = PgOutbox::new(pool.clone(), &table).expect("producer outbox");
     let insert = Arc::new(PLAIN_INSERT_PG.trim().replace("room_outbox", &table));

@@ -23,35 +23,6 @@ macro_rules! now_ms {
     };
 }
 
-/// Every column but `id`; an outbox row's column order, for the DDL.
-macro_rules! row_columns {
-    () => {
-        concat!(
-            "app_code VARCHAR(64) NOT NULL, \
-             event_id VARCHAR(64) NOT NULL, \
-             event_type VARCHAR(128) NOT NULL, \
-             aggregate_id VARCHAR(128) NULL, \
-             aggregate_version BIGINT NULL, \
-             payload MEDIUMTEXT NOT NULL, \
-             headers TEXT NULL, \
-             status VARCHAR(16) NOT NULL DEFAULT 'pending', \
-             retry_count INT NOT NULL DEFAULT 0, \
-             next_retry_at_ms BIGINT NOT NULL DEFAULT 0, \
-             lock_until_ms BIGINT NOT NULL DEFAULT 0, \
-             worker_id VARCHAR(128) NULL, \
-             last_error TEXT NULL, \
-             delivered_to TEXT NULL, \
-             replay_count INT NOT NULL DEFAULT 0, \
-             created_at_ms BIGINT NOT NULL DEFAULT (",
-            now_ms!(),
-            "), \
-             updated_at_ms BIGINT NOT NULL DEFAULT (",
-            now_ms!(),
-            ")"
-        )
-    };
-}
-
 /// Most placeholders put into one `IN (…)` list; longer id lists are split
 /// into several statements.
 pub(crate) const MAX_IN_LIST: usize = 1024;
@@ -565,11 +536,7 @@ pub(crate) const MIGRATION_LOCK: &str =
 pub(crate) const MIGRATION_UNLOCK: &str =
     "SELECT RELEASE_LOCK(LEFT(CONCAT('postbox_migrate:', ?), 64))";
 
-pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
-    "CREATE TABLE IF NOT EXISTS postbox_schema_migrations ( \
-       table_name VARCHAR(64) NOT NULL, version INT NOT NULL, description TEXT NOT NULL, \
-       applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version) \
-     ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4";
+postbox_sqlx::ledger_statements!(int: "INT", options: " ENGINE=InnoDB DEFAULT CHARSET=utf8mb4", now: now_ms!(), "?", "?", "?");
 
 /// Which of the given tables (`{ids}`: the engine passes a list) exist in
 /// the current database.
@@ -577,22 +544,9 @@ pub(crate) const EXISTING_TABLES: &str =
     "SELECT CAST(table_name AS CHAR) FROM information_schema.tables \
      WHERE table_schema = DATABASE() AND table_name IN ({ids})";
 
-pub(crate) const FORGET_VERSIONS: &str =
-    "DELETE FROM postbox_schema_migrations WHERE table_name = ?";
-
 /// The highest id the archive kept, which a recreated outbox table must
 /// continue after so that archiving never meets an id already there.
 pub(crate) const ARCHIVE_MAX_ID: &str = "SELECT MAX(id) FROM {archive}";
-
-pub(crate) const APPLIED_VERSIONS: &str =
-    "SELECT version FROM postbox_schema_migrations WHERE table_name = ? ORDER BY version";
-
-pub(crate) const RECORD_VERSION: &str = concat!(
-    "INSERT INTO postbox_schema_migrations (table_name, version, description, applied_at_ms) \
-     VALUES (?, ?, ?, ",
-    now_ms!(),
-    ")"
-);
 
 /// `(version, description, statements)`, applied in order. MySQL commits
 /// implicitly around every DDL statement, so the migration's transaction
@@ -706,7 +660,7 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     concat!(
         "CREATE TABLE IF NOT EXISTS {table} ( \
            id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, ",
-        row_columns!(),
+        postbox_sqlx::outbox_columns!(payload: "MEDIUMTEXT", now: now_ms!()),
         ", \
            UNIQUE KEY {table}_event_uq (app_code, event_id), \
            KEY {table}_claim_retry_idx (app_code, status, next_retry_at_ms, created_at_ms, event_id), \
@@ -719,7 +673,7 @@ pub(crate) const V1_SCHEMA: &[&str] = &[
     concat!(
         "CREATE TABLE IF NOT EXISTS {archive} ( \
            id BIGINT NOT NULL PRIMARY KEY, ",
-        row_columns!(),
+        postbox_sqlx::outbox_columns!(payload: "MEDIUMTEXT", now: now_ms!()),
         ", \
            UNIQUE KEY {archive}_event_uq (app_code, event_id), \
            KEY {archive}_created_idx (app_code, created_at_ms) \

@@ -71,19 +71,12 @@ async fn facts(settings: &Settings, kinds: &[EventKind]) -> BrokerFacts {
         }
     }
     for (url, stream) in nats {
-        match tokio::time::timeout(BROKER_TIMEOUT, nats_stream(&url, &stream)).await {
-            Ok(Ok(Some(s))) => facts.nats.push(s),
-            Ok(Ok(None)) => facts
+        match ask("NATS", &url, &stream, nats_stream(&url, &stream)).await {
+            Ok(Some(s)) => facts.nats.push(s),
+            Ok(None) => facts
                 .unreachable
                 .push(format!("NATS stream `{stream}` does not exist")),
-            Ok(Err(e)) => facts.unreachable.push(format!(
-                "NATS {} (stream `{stream}`): {e}",
-                postbox_core::redact::redact_url(&url)
-            )),
-            Err(_) => facts.unreachable.push(format!(
-                "NATS {} (stream `{stream}`): no answer within {BROKER_TIMEOUT:?}",
-                postbox_core::redact::redact_url(&url)
-            )),
+            Err(why) => facts.unreachable.push(why),
         }
     }
     // Redis: each publisher's streams for the app_codes seen.
@@ -101,19 +94,31 @@ async fn facts(settings: &Settings, kinds: &[EventKind]) -> BrokerFacts {
         }
     }
     for (url, stream) in redis {
-        match tokio::time::timeout(BROKER_TIMEOUT, redis_groups(&url, &stream)).await {
-            Ok(Ok(groups)) => facts.redis.push(RedisStream { stream, groups }),
-            Ok(Err(e)) => facts.unreachable.push(format!(
-                "Redis {} (stream `{stream}`): {e}",
-                postbox_core::redact::redact_url(&url)
-            )),
-            Err(_) => facts.unreachable.push(format!(
-                "Redis {} (stream `{stream}`): no answer within {BROKER_TIMEOUT:?}",
-                postbox_core::redact::redact_url(&url)
-            )),
+        match ask("Redis", &url, &stream, redis_groups(&url, &stream)).await {
+            Ok(groups) => facts.redis.push(RedisStream { stream, groups }),
+            Err(why) => facts.unreachable.push(why),
         }
     }
     facts
+}
+
+/// The answer of `question` to the `broker` at `url` about `stream`
+/// within [`BROKER_TIMEOUT`], or why there is none, naming both (the URL
+/// without credentials).
+async fn ask<T>(
+    broker: &str,
+    url: &str,
+    stream: &str,
+    question: impl std::future::Future<Output = Result<T, String>>,
+) -> Result<T, String> {
+    let why = |e: String| {
+        let url = postbox_core::redact::redact_url(url);
+        format!("{broker} {url} (stream `{stream}`): {e}")
+    };
+    match tokio::time::timeout(BROKER_TIMEOUT, question).await {
+        Ok(answer) => answer.map_err(why),
+        Err(_) => Err(why(format!("no answer within {BROKER_TIMEOUT:?}"))),
+    }
 }
 
 /// The stream's subjects and consumers; `None` when it does not exist.

@@ -6,7 +6,8 @@
 //! Parameters are numbered (`?1`, `?2`, …) and every statement uses each
 //! number from 1 up without gaps.
 
-use postbox_sqlx::{columns, head_of_aggregate};
+use postbox_sqlx::columns;
+use postbox_sqlx::dialect::V3_LIST_INDEX;
 
 /// The clock in epoch milliseconds. SQLite is embedded, so this is the
 /// host's clock; `'now'` is fixed for one statement. `ROUND` undoes the
@@ -14,37 +15,6 @@ use postbox_sqlx::{columns, head_of_aggregate};
 macro_rules! now_ms {
     () => {
         "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)"
-    };
-}
-
-/// Every column after `id`, with types and defaults: shared by the live
-/// table and its archive twin. Defaults make a plain `INSERT` of the seven
-/// event columns work from any language.
-macro_rules! column_defs {
-    () => {
-        concat!(
-            "app_code VARCHAR(64) NOT NULL, \
-             event_id VARCHAR(64) NOT NULL, \
-             event_type VARCHAR(128) NOT NULL, \
-             aggregate_id VARCHAR(128), \
-             aggregate_version BIGINT, \
-             payload TEXT NOT NULL, \
-             headers TEXT, \
-             status VARCHAR(16) NOT NULL DEFAULT 'pending', \
-             retry_count INTEGER NOT NULL DEFAULT 0, \
-             next_retry_at_ms BIGINT NOT NULL DEFAULT 0, \
-             lock_until_ms BIGINT NOT NULL DEFAULT 0, \
-             worker_id VARCHAR(128), \
-             last_error TEXT, \
-             delivered_to TEXT, \
-             replay_count INTEGER NOT NULL DEFAULT 0, \
-             created_at_ms BIGINT NOT NULL DEFAULT (",
-            now_ms!(),
-            "), \
-             updated_at_ms BIGINT NOT NULL DEFAULT (",
-            now_ms!(),
-            ")"
-        )
     };
 }
 
@@ -379,28 +349,7 @@ pub(crate) const ARCHIVE_DELETE: &str = concat!(
 pub(crate) const ARCHIVED_EVENT_IDS: &str = "SELECT event_id FROM {archive} \
      WHERE app_code = ?1 AND event_id IN (SELECT value FROM json_each(?2))";
 
-/// Heads of aggregates held back for long (see `OutboxStore::stuck_aggregates`):
-/// app_code, age cut-off in ms, limit. Heads through `{table}_retry_idx`
-/// and `{table}_lease_idx`, siblings through `{table}_head_idx`.
-pub(crate) const STUCK_AGGREGATES: &str = concat!(
-    "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, \
-       (",
-    now_ms!(),
-    " - c.created_at_ms) AS age_ms, \
-       (SELECT COUNT(*) FROM {table} w WHERE w.app_code = c.app_code \
-          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
-          AND w.status IN ('pending', 'delivering', 'retryable')) AS waiting \
-     FROM {table} c \
-     WHERE c.app_code = ?1 AND c.status IN ('retryable', 'delivering') \
-       AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
-    now_ms!(),
-    " - ?2",
-    head_of_aggregate!(c, head: partial),
-    " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
-          AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
-          AND w.status IN ('pending', 'delivering', 'retryable')) \
-     ORDER BY c.created_at_ms LIMIT ?3"
-);
+postbox_sqlx::partial_stuck_aggregates!(now: now_ms!(), "?1", "?2", "?3");
 
 // ---- doctor ----
 
@@ -414,17 +363,11 @@ pub(crate) const DOCTOR_OBJECTS: &str =
 
 // ---- schema ----
 
-pub(crate) const CREATE_MIGRATIONS_TABLE: &str =
-    "CREATE TABLE IF NOT EXISTS postbox_schema_migrations ( \
-       table_name VARCHAR(64) NOT NULL, version INTEGER NOT NULL, description TEXT NOT NULL, \
-       applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))";
+postbox_sqlx::ledger_statements!(int: "INTEGER", options: "", now: now_ms!(), "?1", "?2", "?3");
 
 /// Which of the given tables (?1, a JSON array) exist.
 pub(crate) const EXISTING_TABLES: &str = "SELECT name FROM sqlite_master \
      WHERE type = 'table' AND name IN (SELECT value FROM json_each(?1))";
-
-pub(crate) const FORGET_VERSIONS: &str =
-    "DELETE FROM postbox_schema_migrations WHERE table_name = ?";
 
 /// A recreated outbox table continues the ids of the archive it kept, so
 /// that archiving never meets an id that is already there (AUTOINCREMENT
@@ -436,35 +379,20 @@ pub(crate) const CONTINUE_IDS_AFTER_ARCHIVE: &[&str] = &[
      WHERE name = '{table}' AND seq < (SELECT MAX(id) FROM {archive})",
 ];
 
-pub(crate) const APPLIED_VERSIONS: &str =
-    "SELECT version FROM postbox_schema_migrations WHERE table_name = ?1 ORDER BY version";
-
-pub(crate) const RECORD_VERSION: &str = concat!(
-    "INSERT INTO postbox_schema_migrations (table_name, version, description, applied_at_ms) \
-     VALUES (?1, ?2, ?3, ",
-    now_ms!(),
-    ")"
-);
-
-/// Version 3: the index the admin API's lists read newest first per tenant
-/// and status (keyset pagination by id).
-pub(crate) const V3_LIST_INDEX: &[&str] =
-    &["CREATE INDEX IF NOT EXISTS {table}_status_id_idx ON {table} (app_code, status, id)"];
-
 /// Version 1: the outbox table (`AUTOINCREMENT` ids, never reused), the
 /// unique event index, the archive twin; claim indexes are version 5's
 /// (see PostgreSQL's `V1_SCHEMA` for why).
 pub(crate) const V1_SCHEMA: &[&str] = &[
     concat!(
         "CREATE TABLE IF NOT EXISTS {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, ",
-        column_defs!(),
+        postbox_sqlx::outbox_columns!(payload: "TEXT", now: now_ms!()),
         ")"
     ),
     "CREATE UNIQUE INDEX IF NOT EXISTS {table}_event_uq ON {table} (app_code, event_id)",
     // The archive keeps the live ids: a rowid primary key, no AUTOINCREMENT.
     concat!(
         "CREATE TABLE IF NOT EXISTS {archive} (id INTEGER PRIMARY KEY, ",
-        column_defs!(),
+        postbox_sqlx::outbox_columns!(payload: "TEXT", now: now_ms!()),
         ")"
     ),
     "CREATE UNIQUE INDEX IF NOT EXISTS {archive}_event_uq ON {archive} (app_code, event_id)",
@@ -477,21 +405,8 @@ pub(crate) const V2_HISTORY: &[&str] =
 
 /// `(version, description, statements)`, applied in order. (Version 4 is
 /// PostgreSQL's wake-up trigger; SQLite has none.)
-pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] = postbox_sqlx::migrations!(
-    (5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES),
-    (
-        6,
-        postbox_sqlx::V6_DESCRIPTION,
-        postbox_sqlx::V6_PENDING_INDEX
-    ),
-    (7, postbox_sqlx::V7_DESCRIPTION, postbox_sqlx::V7_HEAD_INDEX),
-    (
-        8,
-        postbox_sqlx::V8_DESCRIPTION,
-        postbox_sqlx::V8_PENDING_INDEX
-    ),
-    (9, postbox_sqlx::V9_DESCRIPTION, V9_CONTROLS),
-);
+pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] =
+    postbox_sqlx::migrations!(partial_indexes;);
 
 /// Version 9: the runtime controls (`postbox_sqlx::v9_controls!`).
 pub(crate) const V9_CONTROLS: &[&str] =

@@ -1233,6 +1233,115 @@ macro_rules! unarchive_insert {
     };
 }
 
+/// `STUCK_AGGREGATES` where the database has partial indexes (PostgreSQL,
+/// SQLite): heads of aggregates held back for long (see
+/// `OutboxStore::stuck_aggregates`), with the dialect's clock `$now` and
+/// placeholders for app_code, age cut-off in ms, limit. Heads through
+/// `{table}_retry_idx` and `{table}_lease_idx` (the two statuses a held-back
+/// head has), siblings through `{table}_head_idx`.
+#[macro_export]
+#[rustfmt::skip] // rustfmt does not settle on `head_of_aggregate!`'s arguments
+macro_rules! partial_stuck_aggregates {
+    (now: $now:expr, $p1:literal, $p2:literal, $p3:literal) => {
+        /// Heads of aggregates held back for long (`postbox_sqlx::partial_stuck_aggregates!`).
+        pub(crate) const STUCK_AGGREGATES: &str = concat!(
+            "SELECT c.aggregate_id, c.event_id, c.status, c.retry_count, c.last_error, (",
+            $now,
+            " - c.created_at_ms) AS age_ms, \
+               (SELECT COUNT(*) FROM {table} w WHERE w.app_code = c.app_code \
+                  AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
+                  AND w.status IN ('pending', 'delivering', 'retryable')) AS waiting \
+             FROM {table} c \
+             WHERE c.app_code = ",
+            $p1,
+            " AND c.status IN ('retryable', 'delivering') \
+               AND c.aggregate_id IS NOT NULL AND c.created_at_ms < ",
+            $now,
+            " - ",
+            $p2,
+            $crate::head_of_aggregate!(c, head: partial),
+            " AND EXISTS (SELECT 1 FROM {table} w WHERE w.app_code = c.app_code \
+                  AND w.aggregate_id = c.aggregate_id AND w.id <> c.id \
+                  AND w.status IN ('pending', 'delivering', 'retryable')) \
+             ORDER BY c.created_at_ms LIMIT ",
+            $p3
+        );
+    };
+}
+
+/// The statements of the migration ledger `postbox_schema_migrations`
+/// (one row per table and applied version), with the dialect's integer
+/// type `$int`, table options `$options`, clock `$now` and placeholders:
+/// `CREATE_MIGRATIONS_TABLE`, `FORGET_VERSIONS` (table), `APPLIED_VERSIONS`
+/// (table) and `RECORD_VERSION` (table, version, description).
+#[macro_export]
+macro_rules! ledger_statements {
+    (int: $int:literal, options: $options:literal, now: $now:expr, $p1:literal, $p2:literal, $p3:literal) => {
+        pub(crate) const CREATE_MIGRATIONS_TABLE: &str = concat!(
+            "CREATE TABLE IF NOT EXISTS postbox_schema_migrations ( \
+               table_name VARCHAR(64) NOT NULL, version ",
+            $int,
+            " NOT NULL, description TEXT NOT NULL, \
+               applied_at_ms BIGINT NOT NULL, PRIMARY KEY (table_name, version))",
+            $options
+        );
+        pub(crate) const FORGET_VERSIONS: &str = concat!(
+            "DELETE FROM postbox_schema_migrations WHERE table_name = ",
+            $p1
+        );
+        pub(crate) const APPLIED_VERSIONS: &str = concat!(
+            "SELECT version FROM postbox_schema_migrations WHERE table_name = ",
+            $p1,
+            " ORDER BY version"
+        );
+        pub(crate) const RECORD_VERSION: &str = concat!(
+            "INSERT INTO postbox_schema_migrations (table_name, version, description, applied_at_ms) \
+             VALUES (", $p1, ", ", $p2, ", ", $p3, ", ", $now, ")"
+        );
+    };
+}
+
+/// Version 3 where the database takes `CREATE INDEX IF NOT EXISTS`: the
+/// index the admin API's lists read newest first per tenant and status
+/// (keyset pagination by id).
+pub const V3_LIST_INDEX: &[&str] =
+    &["CREATE INDEX IF NOT EXISTS {table}_status_id_idx ON {table} (app_code, status, id)"];
+
+/// Every outbox column after `id`, with types and defaults, for version 1's
+/// DDL of the live table and its archive twin (SPEC §2): `$payload` is the
+/// dialect's payload type, `$now` its clock in epoch milliseconds. The
+/// defaults let any language write a row with a plain `INSERT` of the seven
+/// event columns.
+#[macro_export]
+macro_rules! outbox_columns {
+    (payload: $payload:literal, now: $now:expr) => {
+        concat!(
+            "app_code VARCHAR(64) NOT NULL, \
+             event_id VARCHAR(64) NOT NULL, \
+             event_type VARCHAR(128) NOT NULL, \
+             aggregate_id VARCHAR(128), \
+             aggregate_version BIGINT, \
+             payload ",
+            $payload,
+            " NOT NULL, \
+             headers TEXT, \
+             status VARCHAR(16) NOT NULL DEFAULT 'pending', \
+             retry_count INT NOT NULL DEFAULT 0, \
+             next_retry_at_ms BIGINT NOT NULL DEFAULT 0, \
+             lock_until_ms BIGINT NOT NULL DEFAULT 0, \
+             worker_id VARCHAR(128), \
+             last_error TEXT, \
+             delivered_to TEXT, \
+             replay_count INT NOT NULL DEFAULT 0, \
+             created_at_ms BIGINT NOT NULL DEFAULT (",
+            $now,
+            "), updated_at_ms BIGINT NOT NULL DEFAULT (",
+            $now,
+            ")"
+        )
+    };
+}
+
 /// Version 2's statements where the database takes `CREATE INDEX IF NOT
 /// EXISTS`: the bounded attempt history, keyed by event id so that it
 /// survives archiving of the outbox row; `$id` is the dialect's generated
@@ -1321,11 +1430,24 @@ macro_rules! control_statements {
 
 /// A dialect's [`Migration`]s from the constants `V1_SCHEMA`, `V2_HISTORY`
 /// and `V3_LIST_INDEX` of the module it is invoked in: every database has
-/// the same versions, each with its own DDL. Versions only one database
-/// has follow as `(version, description, statements)` (PostgreSQL's
-/// wake-up trigger).
+/// the same versions, each with its own DDL. Later versions follow as
+/// `(version, description, statements)`; `partial_indexes;` lists those
+/// PostgreSQL and SQLite share.
 #[macro_export]
 macro_rules! migrations {
+    // PostgreSQL and SQLite: versions 5 to 9 with partial indexes, from
+    // `V5_INDEXES` and `V9_CONTROLS` of the invoking module; versions only
+    // this database has, below 5, come first.
+    (partial_indexes; $($before_v5:expr),* $(,)?) => {
+        $crate::migrations!(
+            $($before_v5,)*
+            (5, $crate::V5_DESCRIPTION, V5_INDEXES),
+            (6, $crate::V6_DESCRIPTION, $crate::V6_PENDING_INDEX),
+            (7, $crate::V7_DESCRIPTION, $crate::V7_HEAD_INDEX),
+            (8, $crate::V8_DESCRIPTION, $crate::V8_PENDING_INDEX),
+            (9, $crate::V9_DESCRIPTION, V9_CONTROLS),
+        )
+    };
     ($($more:expr),* $(,)?) => {
         &[
             (1, "outbox table, claim indexes, archive table", V1_SCHEMA),

@@ -120,6 +120,26 @@ pub async fn rabbitmqctl_list(what: &str, columns: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Polls `probe` every 100 ms until it gives `Ok`, and returns that; after
+/// `limit`, panics with `what` and the last `Err` (what was seen instead).
+pub async fn eventually<T>(
+    what: &str,
+    limit: Duration,
+    mut probe: impl AsyncFnMut() -> Result<T, String>,
+) -> T {
+    let start = Instant::now();
+    loop {
+        match probe().await {
+            Ok(value) => return value,
+            Err(seen) => assert!(
+                start.elapsed() < limit,
+                "timed out after {limit:?} waiting for {what}: {seen}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Polls `check` every 50 ms until it holds, panicking with `what` after
 /// `limit`.
 pub async fn wait_until(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> bool) {

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use lapin::options::{BasicGetOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
-use postbox_testkit::consumer_fixtures::{broker, delete_queues, rabbitmqctl_list, AmqpEvent};
+use postbox_testkit::consumer_fixtures::{
+    broker, delete_queues, eventually, rabbitmqctl_list, AmqpEvent,
+};
 use postbox_testkit::servers::{amqp_url, scratch_table};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
@@ -1029,7 +1031,17 @@ async fn per_aggregate_ordering_keeps_its_holds_beside_the_inbox() {
 async fn dead_letters_from_the_cli_and_the_api() {
     let token = "dead-operator-51a";
     let viewer = "dead-viewer-77b";
-    let mut bridge = admin_consume_on(
+    let AdminConsume {
+        _dir,
+        _conn,
+        ch,
+        queue,
+        addr,
+        config,
+        keys,
+        start,
+        mut consumer,
+    } = admin_consume_on(
         refusing_handler().await,
         "dead_cli",
         &format!(
@@ -1039,14 +1051,6 @@ async fn dead_letters_from_the_cli_and_the_api() {
         ),
     )
     .await;
-    let (ch, queue, addr, config, keys, start) = (
-        bridge.ch.clone(),
-        bridge.queue.clone(),
-        bridge.addr.clone(),
-        bridge.config.clone(),
-        bridge.keys.clone(),
-        bridge.start,
-    );
     for i in 1..=3 {
         publish(
             &ch,
@@ -1057,19 +1061,16 @@ async fn dead_letters_from_the_cli_and_the_api() {
         .await;
     }
     let path = format!("/api/consumers/{queue}/dead");
-    let listed = loop {
+    let listed = eventually("3 dead letters", Duration::from_secs(20), async || {
         let (status, body) = http_call(&addr, "GET", &path, Some(viewer)).await;
         assert_eq!(status, 200, "{body}");
         let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
-        if listed["matched"] == 3 {
-            break listed;
+        match listed["matched"] == 3 {
+            true => Ok(listed),
+            false => Err(listed.to_string()),
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "not 3 dead: {listed}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
     // A viewer sees the letters, the configured field masked.
     let text = listed.to_string();
     assert!(!text.contains("s3cr3t"), "{text}");
@@ -1167,7 +1168,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let back = loop {
+    let back = eventually("d-1 dead again", Duration::from_secs(30), async || {
         let out = cli(&[
             "--json",
             "dead",
@@ -1180,15 +1181,12 @@ async fn dead_letters_from_the_cli_and_the_api() {
         .await
         .unwrap();
         let back: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        if back["matched"] == 1 {
-            break back;
+        match back["matched"] == 1 {
+            true => Ok(back),
+            false => Err(back.to_string()),
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "d-1 not dead again: {back}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
     assert_eq!(back["letters"][0]["headers"]["x-replayed"], true, "{back}");
 
     let (status, body) = http_send(&addr, "POST", &purge, Some(token), Some(&all)).await;
@@ -1200,7 +1198,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
         .unwrap();
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed["matched"], 0, "{listed}");
-    stopped(&mut bridge.consumer).await;
+    stopped(&mut consumer).await;
     delete_queues(&ch, &queue).await;
 }
 
@@ -1212,19 +1210,22 @@ async fn dead_letters_from_the_cli_and_the_api() {
 async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
     crate::dashboard::browser();
     let token = "dead-browser-3f0";
-    let mut bridge = admin_consume_on(
+    let AdminConsume {
+        _dir,
+        _conn,
+        ch,
+        queue,
+        addr,
+        keys,
+        start,
+        mut consumer,
+        ..
+    } = admin_consume_on(
         refusing_handler().await,
         "dead_browser",
         &format!("token = \"{token}\"\n"),
     )
     .await;
-    let (ch, queue, addr, keys, start) = (
-        bridge.ch.clone(),
-        bridge.queue.clone(),
-        bridge.addr.clone(),
-        bridge.keys.clone(),
-        bridge.start,
-    );
     for i in 1..=3 {
         publish(&ch, &queue, &format!("d-{i}"), "{}").await;
     }
@@ -1275,6 +1276,6 @@ async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
         postbox_testkit::consumer_fixtures::ready(&ch, &dead).await,
         0
     );
-    stopped(&mut bridge.consumer).await;
+    stopped(&mut consumer).await;
     delete_queues(&ch, &queue).await;
 }

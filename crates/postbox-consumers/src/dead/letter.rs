@@ -332,40 +332,23 @@ mod tests {
     fn every_given_filter_field_must_match() {
         let l = letter();
         assert!(DeadFilter::default().matches(&l));
-        let f = |f: DeadFilter| f.matches(&l);
-        assert!(f(DeadFilter {
-            event_type: Some("RoomCreated".into()),
-            ..Default::default()
+        // Whether the default filter with `set` applied takes the letter.
+        let takes = |set: fn(&mut DeadFilter)| {
+            let mut f = DeadFilter::default();
+            set(&mut f);
+            f.matches(&l)
+        };
+        assert!(takes(|f| f.event_type = Some("RoomCreated".into())));
+        assert!(!takes(|f| f.event_type = Some("Other".into())));
+        assert!(takes(|f| f.error = Some("boom".into())));
+        assert!(!takes(|f| f.error = Some("timeout".into())));
+        assert!(takes(|f| {
+            f.since_ms = Some(1_000);
+            f.until_ms = Some(1_001);
         }));
-        assert!(!f(DeadFilter {
-            event_type: Some("Other".into()),
-            ..Default::default()
-        }));
-        assert!(f(DeadFilter {
-            error: Some("boom".into()),
-            ..Default::default()
-        }));
-        assert!(!f(DeadFilter {
-            error: Some("timeout".into()),
-            ..Default::default()
-        }));
-        assert!(f(DeadFilter {
-            since_ms: Some(1_000),
-            until_ms: Some(1_001),
-            ..Default::default()
-        }));
-        assert!(!f(DeadFilter {
-            until_ms: Some(1_000),
-            ..Default::default()
-        }));
-        assert!(f(DeadFilter {
-            event_id: Some("e1".into()),
-            ..Default::default()
-        }));
-        assert!(!f(DeadFilter {
-            event_id: Some("e2".into()),
-            ..Default::default()
-        }));
+        assert!(!takes(|f| f.until_ms = Some(1_000)));
+        assert!(takes(|f| f.event_id = Some("e1".into())));
+        assert!(!takes(|f| f.event_id = Some("e2".into())));
     }
 
     #[test]

@@ -26,6 +26,13 @@ pub type Starter<'a> = Box<
         + 'a,
 >;
 
+/// How many dead letters of `config` `filter` matches.
+async fn matched(config: &ConsumerConfig, filter: DeadFilter) -> u64 {
+    pass(config, DeadAction::List(100), filter, false)
+        .await
+        .matched
+}
+
 async fn pass(
     config: &ConsumerConfig,
     action: DeadAction,
@@ -127,20 +134,13 @@ pub async fn scenario(
         since_ms: Some(now + 60_000),
         ..DeadFilter::default()
     };
-    assert_eq!(
-        pass(&config, DeadAction::List(100), later, false)
-            .await
-            .matched,
-        0
-    );
+    assert_eq!(matched(&config, later).await, 0);
     let by_error = DeadFilter {
         error: Some("POISON".into()),
         ..DeadFilter::default()
     };
     assert_eq!(
-        pass(&config, DeadAction::List(100), by_error, false)
-            .await
-            .matched,
+        matched(&config, by_error).await,
         poison.len() as u64,
         "the error filter ignores case"
     );
@@ -155,9 +155,7 @@ pub async fn scenario(
         0
     );
     assert_eq!(
-        pass(&config, DeadAction::List(100), DeadFilter::default(), false)
-            .await
-            .matched,
+        matched(&config, DeadFilter::default()).await,
         poison.len() as u64,
         "nothing changed by dry runs"
     );
@@ -208,12 +206,7 @@ pub async fn scenario(
     // Purge the rest.
     let rest = pass(&config, DeadAction::Purge, DeadFilter::default(), false).await;
     assert_eq!(rest.done as usize, poison.len() - 2);
-    assert_eq!(
-        pass(&config, DeadAction::List(100), DeadFilter::default(), false)
-            .await
-            .matched,
-        0
-    );
+    assert_eq!(matched(&config, DeadFilter::default()).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -62,6 +62,14 @@ fn req<'a>(app_code: &'a str, worker_id: &'a str, lease_ms: i64) -> ClaimRequest
     }
 }
 
+/// What `worker` claims from `source` for app_code `room`, with a 30 s lease.
+async fn claim(store: &MySqlOutbox, source: ClaimSource, worker: &str) -> Vec<ClaimedEvent> {
+    store
+        .claim(source, &req("room", worker, 30_000))
+        .await
+        .unwrap()
+}
+
 fn ids(events: &[ClaimedEvent]) -> Vec<i64> {
     events.iter().map(|e| e.record.id).collect()
 }
@@ -174,10 +182,7 @@ async fn claim_lease_fence_and_failure() {
     enqueue_committed(&store, &NewEvent::new("wallet", "W", "{}")).await;
 
     // Claim pending: scoped by app_code, in creation order, one fence.
-    let claimed = store
-        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
-        .await
-        .unwrap();
+    let claimed = claim(&store, ClaimSource::Pending, "w1").await;
     assert_eq!(ids(&claimed), vec![a, b]);
     let fence = claimed[0].fence();
     assert_eq!(fence, claimed[1].fence());
@@ -203,15 +208,9 @@ async fn claim_lease_fence_and_failure() {
     assert_eq!(stored.updated_at_ms, claimed[0].record.updated_at_ms);
 
     // Nothing left to claim; a live lease is not taken over.
-    assert!(store
-        .claim(ClaimSource::Pending, &req("room", "w2", 30_000))
+    assert!(claim(&store, ClaimSource::Pending, "w2").await.is_empty());
+    assert!(claim(&store, ClaimSource::ExpiredLease, "w2")
         .await
-        .unwrap()
-        .is_empty());
-    assert!(store
-        .claim(ClaimSource::ExpiredLease, &req("room", "w2", 30_000))
-        .await
-        .unwrap()
         .is_empty());
 
     // A wrong fence writes nothing.
@@ -263,11 +262,7 @@ async fn claim_lease_fence_and_failure() {
     assert_eq!(row.lock_until_ms, 0);
     assert!(row.next_retry_at_ms >= now + 50_000);
     // Not due yet.
-    assert!(store
-        .claim(ClaimSource::DueRetry, &req("room", "w1", 30_000))
-        .await
-        .unwrap()
-        .is_empty());
+    assert!(claim(&store, ClaimSource::DueRetry, "w1").await.is_empty());
 
     // Due at once after a zero backoff.
     let due = FailureUpdate {
@@ -276,10 +271,7 @@ async fn claim_lease_fence_and_failure() {
         delivered_to: vec![],
         ..update.clone()
     };
-    let again = store
-        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
-        .await
-        .unwrap();
+    let again = claim(&store, ClaimSource::Pending, "w1").await;
     assert!(again.is_empty());
     sqlx::query(&format!(
         "UPDATE {} SET next_retry_at_ms = 0 WHERE id = ?",
@@ -289,10 +281,7 @@ async fn claim_lease_fence_and_failure() {
     .execute(store.pool())
     .await
     .unwrap();
-    let retried = store
-        .claim(ClaimSource::DueRetry, &req("room", "w3", 30_000))
-        .await
-        .unwrap();
+    let retried = claim(&store, ClaimSource::DueRetry, "w3").await;
     assert_eq!(ids(&retried), vec![b]);
     assert_eq!(retried[0].record.retry_count, 1);
     assert_eq!(retried[0].record.delivered_to, vec!["file", "rabbitmq"]);
@@ -311,10 +300,7 @@ async fn claim_lease_fence_and_failure() {
         .await
         .unwrap();
     assert_eq!(ids(&short), vec![b]);
-    let taken = store
-        .claim(ClaimSource::ExpiredLease, &req("room", "w5", 30_000))
-        .await
-        .unwrap();
+    let taken = claim(&store, ClaimSource::ExpiredLease, "w5").await;
     assert_eq!(ids(&taken), vec![b]);
     let t = &taken[0].record;
     assert_eq!(t.retry_count, 2);
@@ -345,10 +331,7 @@ async fn claim_lease_fence_and_failure() {
 
     // A released never-failed row goes back to pending.
     let c = enqueue_committed(&store, &NewEvent::new("room", "C", "{}")).await;
-    let got = store
-        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
-        .await
-        .unwrap();
+    let got = claim(&store, ClaimSource::Pending, "w1").await;
     assert_eq!(ids(&got), vec![c]);
     assert_eq!(store.release(&got[0].fence(), &[c]).await.unwrap(), 1);
     let stored = store
@@ -362,10 +345,7 @@ async fn claim_lease_fence_and_failure() {
     assert_eq!((stored.id, stored.status), (c, Status::Pending));
 
     // Dead letter.
-    let got = store
-        .claim(ClaimSource::DueRetry, &req("room", "w1", 30_000))
-        .await
-        .unwrap();
+    let got = claim(&store, ClaimSource::DueRetry, "w1").await;
     assert_eq!(ids(&got), vec![b]);
     let dead = FailureUpdate {
         status: Status::Failed,
@@ -464,10 +444,7 @@ async fn replay_by_ids_filter_and_archive() {
         enqueue_committed(&store, e).await;
     }
     // Deliver all four.
-    let got = store
-        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
-        .await
-        .unwrap();
+    let got = claim(&store, ClaimSource::Pending, "w1").await;
     assert_eq!(
         store
             .mark_delivered(&got[0].fence(), &ids(&got))
@@ -672,10 +649,7 @@ async fn plain_insert_from_other_languages_and_legacy_rows() {
         row.created_at_ms
     );
     assert_eq!(row.created_at_ms, row.updated_at_ms);
-    let got = store
-        .claim(ClaimSource::Pending, &req("room", "w1", 30_000))
-        .await
-        .unwrap();
+    let got = claim(&store, ClaimSource::Pending, "w1").await;
     assert_eq!(ids(&got), vec![row.id]);
 
     // Legacy `published` rows read as delivered.

@@ -15,6 +15,21 @@ async fn plans_store(prefix: &'static str) -> PgOutbox {
     .await
 }
 
+/// Runs each of `statements` on `pool`, in order.
+async fn load(pool: &sqlx::PgPool, statements: impl IntoIterator<Item = String>) {
+    for sql in statements {
+        sqlx::query(&sql).execute(pool).await.expect(&sql);
+    }
+}
+
+/// Drops the scratch table `t` and its twins.
+async fn drop_tables(pool: &sqlx::PgPool, t: &str) {
+    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_use_their_index_over_a_million_delivered_rows() {
     let store = plans_store("plans").await;
@@ -57,27 +72,26 @@ async fn pending_claim_keeps_its_index_while_an_analysed_backlog_drains() {
     let store = plans_store("drain_plan").await;
     let t = store.table().as_str().to_owned();
     let pool = store.pool().clone();
-    for sql in [
-        format!(
-            "INSERT INTO {t} (app_code, event_id, event_type, payload) \
-             SELECT 'plan', 'p-' || g, 'New', '{{}}' FROM generate_series(1, 40000) g"
-        ),
-        format!("VACUUM ANALYZE {t}"),
-        // The first half delivered, as a relay would leave them.
-        format!(
-            "UPDATE {t} SET status = 'delivered', next_retry_at_ms = 1, updated_at_ms = 1 \
-             WHERE id <= (SELECT MIN(id) + 19999 FROM {t})"
-        ),
-    ] {
-        sqlx::query(&sql).execute(&pool).await.expect(&sql);
-    }
+    load(
+        &pool,
+        [
+            format!(
+                "INSERT INTO {t} (app_code, event_id, event_type, payload) \
+                 SELECT 'plan', 'p-' || g, 'New', '{{}}' FROM generate_series(1, 40000) g"
+            ),
+            format!("VACUUM ANALYZE {t}"),
+            // The first half delivered, as a relay would leave them.
+            format!(
+                "UPDATE {t} SET status = 'delivered', next_retry_at_ms = 1, updated_at_ms = 1 \
+                 WHERE id <= (SELECT MIN(id) + 19999 FROM {t})"
+            ),
+        ],
+    )
+    .await;
     let plans = store.explain_claims("plan", 500).await.unwrap();
     // 500 index entries, then the 500 rows locked and the 500 updated.
     postbox_testkit::assert_plan_reads(&plans, "claim_pending", 1_600);
-    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_tables(&pool, &t).await;
 }
 
 /// A per-aggregate claim over a backlog in few aggregates whose heads are
@@ -91,28 +105,27 @@ async fn the_ordered_claim_reads_heads_not_the_backlog() {
     let store = plans_store("head_plan").await;
     let t = store.table().as_str().to_owned();
     let pool = store.pool().clone();
-    for sql in [
-        format!(
-            "INSERT INTO {t} (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
-               status, worker_id, lock_until_ms, next_retry_at_ms) \
-             SELECT 'room', 'e-' || g, 'RoomEvent', 'room-' || (g % 100), g, '{{}}', \
-               CASE WHEN g <= 6000 THEN 'delivered' WHEN g <= 6100 THEN 'delivering' ELSE 'pending' END, \
-               'w', CASE WHEN g <= 6100 THEN 9000000000000000 ELSE 0 END, \
-               CASE WHEN g <= 6100 THEN 9000000000000000 ELSE 0 END \
-             FROM generate_series(1, 26100) g"
-        ),
-        format!("VACUUM ANALYZE {t}"),
-    ] {
-        sqlx::query(&sql).execute(&pool).await.expect(&sql);
-    }
+    load(
+        &pool,
+        [
+            format!(
+                "INSERT INTO {t} (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, \
+                   status, worker_id, lock_until_ms, next_retry_at_ms) \
+                 SELECT 'room', 'e-' || g, 'RoomEvent', 'room-' || (g % 100), g, '{{}}', \
+                   CASE WHEN g <= 6000 THEN 'delivered' WHEN g <= 6100 THEN 'delivering' ELSE 'pending' END, \
+                   'w', CASE WHEN g <= 6100 THEN 9000000000000000 ELSE 0 END, \
+                   CASE WHEN g <= 6100 THEN 9000000000000000 ELSE 0 END \
+                 FROM generate_series(1, 26100) g"
+            ),
+            format!("VACUUM ANALYZE {t}"),
+        ],
+    )
+    .await;
     let plans = store.explain_claims("room", 500).await.unwrap();
     // A probe or two per aggregate and per row of the 500 oldest: about
     // 1,800 index entries. The old check read all 20,000 pending rows.
     postbox_testkit::assert_plan_reads(&plans, "claim_pending_ordered", 5_000);
-    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_tables(&pool, &t).await;
 }
 
 /// A replay by event id without an app_code reads the unique `(app_code,
@@ -125,20 +138,22 @@ async fn a_replay_by_event_id_reads_no_whole_table() {
     let store = plans_store("replay_plan").await;
     let t = store.table().as_str().to_owned();
     let pool = store.pool().clone();
-    for sql in [
-        format!(
-            "INSERT INTO {t} (app_code, event_id, event_type, payload, status) \
-             SELECT CASE WHEN g % 2 = 0 THEN 'a' ELSE 'b' END, 'e-' || g, 'Old', '{{}}', 'delivered' \
-             FROM generate_series(1, 50000) g"
-        ),
-        format!(
-            "INSERT INTO {t} (app_code, event_id, event_type, payload, status) \
-             VALUES ('', 'blank-1', 'Old', '{{}}', 'delivered')"
-        ),
-        format!("VACUUM ANALYZE {t}"),
-    ] {
-        sqlx::query(&sql).execute(&pool).await.expect(&sql);
-    }
+    load(
+        &pool,
+        [
+            format!(
+                "INSERT INTO {t} (app_code, event_id, event_type, payload, status) \
+                 SELECT CASE WHEN g % 2 = 0 THEN 'a' ELSE 'b' END, 'e-' || g, 'Old', '{{}}', 'delivered' \
+                 FROM generate_series(1, 50000) g"
+            ),
+            format!(
+                "INSERT INTO {t} (app_code, event_id, event_type, payload, status) \
+                 VALUES ('', 'blank-1', 'Old', '{{}}', 'delivered')"
+            ),
+            format!("VACUUM ANALYZE {t}"),
+        ],
+    )
+    .await;
     let tuples_scanned = async || -> i64 {
         // The statistics collector reports a backend's counts at its
         // transaction's end, at most every 500 ms (PostgreSQL 15: at once
@@ -167,8 +182,5 @@ async fn a_replay_by_event_id_reads_no_whole_table() {
         before,
         "rows read by whole-table scans during the replay"
     );
-    sqlx::query(&format!("DROP TABLE {t}, {t}_archive, {t}_history"))
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_tables(&pool, &t).await;
 }
