@@ -1191,6 +1191,7 @@ async fn drain_postbox_statements(db: Db, rows: u64, batch: u32) -> Drained {
         worker_id: "statements",
         lease_ms: LEASE_MS,
         ordered: false,
+        skip_types: &[],
     };
     let start = Instant::now();
     let (mut claiming, mut marking, mut done) = (Duration::ZERO, Duration::ZERO, 0u64);

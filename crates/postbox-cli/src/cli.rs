@@ -196,7 +196,7 @@ pub enum ControlAction {
     Set {
         #[command(flatten)]
         key: ControlKey,
-        /// Stop claiming the app_code's rows (they stay pending).
+        /// Stop claiming the key's rows (they stay pending; other keys go on).
         #[arg(long)]
         pause: bool,
         /// Claim them again.

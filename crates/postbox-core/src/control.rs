@@ -7,9 +7,11 @@
 //! [`ANY`]. For an event, each field is taken from the most specific
 //! control that sets it — `(app, type)`, `(app, *)`, `(*, type)`, `(*, *)` —
 //! then from the config file (`[outbox_worker.event_types.<T>]`, then
-//! `[outbox_worker]`). `paused` stops the relays claiming an app_code's
-//! rows (they stay `pending`, other app_codes go on); it is set for a whole
-//! app_code (`event_type = "*"`).
+//! `[outbox_worker]`). `paused` stops the relays claiming the key's rows:
+//! they stay `pending`, the other app_codes and event types go on. A
+//! paused app_code (`event_type = "*"`) is not claimed at all; a paused
+//! event type is left out of the pending claims, and a due retry or an
+//! expired lease of it that a claim takes is given back as `pending`.
 
 use std::time::Duration;
 
@@ -30,7 +32,7 @@ pub struct Control {
     pub app_code: String,
     /// The event type, or [`ANY`].
     pub event_type: String,
-    /// The relays claim none of the app_code's rows.
+    /// The relays claim none of the key's rows (they stay `pending`).
     #[serde(default)]
     pub paused: bool,
     /// Overrides the delivery guarantee.
@@ -88,12 +90,6 @@ impl Control {
         }
         if self.app_code.len() > 64 || self.event_type.len() > 128 {
             return Err("app_code is at most 64 bytes, event_type at most 128".to_owned());
-        }
-        if self.paused && self.event_type != ANY {
-            return Err(format!(
-                "pause is set for a whole app_code (event_type `*`), not for event type `{}`: to hold one type back, set its delivery or max_retry_count",
-                self.event_type
-            ));
         }
         Ok(())
     }
@@ -196,6 +192,33 @@ impl Controls {
         })
     }
 
+    /// The event types paused for `app_code` (by controls keyed by a
+    /// type; a whole app_code is [`Controls::paused`]), which its pending
+    /// claims leave out.
+    pub fn paused_types(&self, app_code: &str) -> Vec<String> {
+        let mut types: Vec<String> = self
+            .all
+            .iter()
+            .filter(|c| {
+                c.paused && c.event_type != ANY && (c.app_code == app_code || c.app_code == ANY)
+            })
+            .map(|c| c.event_type.clone())
+            .collect();
+        types.sort_unstable();
+        types.dedup();
+        types
+    }
+
+    /// Whether a row of `event_type` in `app_code` may not be published
+    /// now: its app_code or its type is paused.
+    pub fn holds(&self, app_code: &str, event_type: &str) -> bool {
+        self.all.iter().any(|c| {
+            c.paused
+                && (c.app_code == app_code || c.app_code == ANY)
+                && (c.event_type == event_type || c.event_type == ANY)
+        })
+    }
+
     /// The most specific control's value of `field` for an event.
     fn pick<T>(
         &self,
@@ -237,6 +260,12 @@ mod tests {
         Control::new(app, ty)
     }
 
+    impl Controls {
+        fn validate_all(&self) -> bool {
+            self.all.iter().all(|c| c.validate().is_ok())
+        }
+    }
+
     #[test]
     fn the_most_specific_control_that_sets_a_field_wins() {
         let c = Controls::new(vec![
@@ -270,18 +299,31 @@ mod tests {
     }
 
     #[test]
-    fn a_pause_is_for_a_whole_app_code() {
-        let typed = Control {
-            paused: true,
-            ..control("room", "Tick")
-        };
-        assert!(typed.validate().unwrap_err().contains("whole app_code"));
-        assert!(Control {
-            paused: true,
-            ..control("room", ANY)
-        }
-        .validate()
-        .is_ok());
+    fn a_pause_holds_its_app_code_or_its_type() {
+        let c = Controls::new(vec![
+            Control {
+                paused: true,
+                ..control("room", "Tick")
+            },
+            Control {
+                paused: true,
+                ..control(ANY, "Audit")
+            },
+            Control {
+                paused: true,
+                ..control("wallet", ANY)
+            },
+            Control {
+                max_retry_count: Some(1),
+                ..control("room", "Other")
+            },
+        ]);
+        assert!(c.validate_all());
+        assert_eq!(c.paused_types("room"), ["Audit", "Tick"]);
+        assert_eq!(c.paused_types("game"), ["Audit"]);
+        assert!(!c.paused("room"), "a type's pause is not its app_code's");
+        assert!(c.holds("room", "Tick") && c.holds("game", "Audit") && c.holds("wallet", "X"));
+        assert!(!c.holds("room", "Other") && !c.holds("game", "Tick"));
         assert!(control("", ANY).validate().is_err());
         assert_eq!(
             Control {

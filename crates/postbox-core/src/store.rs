@@ -19,6 +19,9 @@ pub struct ClaimRequest<'a> {
     pub lease_ms: i64,
     /// Per-aggregate ordering: claim only the head event of each aggregate.
     pub ordered: bool,
+    /// Event types paused by a runtime control: the pending claims leave
+    /// their rows alone (other claims ignore it).
+    pub skip_types: &'a [String],
 }
 
 /// How deferred rows are written (see [`RelayStore::defer`]).

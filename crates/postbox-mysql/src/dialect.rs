@@ -344,7 +344,7 @@ impl Dialect for MySqlDialect {
         let mut claim = sqlx::query(own.claims.of(source, req.ordered));
         if source == ClaimSource::Pending && !req.ordered {
             // New rows: the candidates dealt across types, in that order.
-            let dealt = pending_candidates(&mut tx, own, req.app_code, limit)
+            let dealt = pending_candidates(&mut tx, own, req, limit)
                 .await
                 .map_err(db)?;
             if dealt.is_empty() {
@@ -354,9 +354,12 @@ impl Dialect for MySqlDialect {
             claim = claim.bind(serde_json::to_string(&dealt).unwrap_or_default());
         }
         for bind in sql::claim_binds(source, req.ordered) {
-            claim = match bind {
-                None => claim.bind(req.app_code),
-                Some(times) => claim.bind(times * limit),
+            claim = match *bind {
+                sql::Bind::Tenant => claim.bind(req.app_code),
+                sql::Bind::Limit(times) => claim.bind(times * limit),
+                sql::Bind::Skipped => {
+                    claim.bind(serde_json::to_string(req.skip_types).unwrap_or_default())
+                }
             };
         }
         let rows = claim.fetch_all(&mut *tx).await.map_err(db)?;
@@ -573,14 +576,16 @@ type MySqlOutbox = SqlOutbox<MySqlDialect>;
 /// backlog is under `limit` rows; with a backlog, one per type that fills a
 /// read, one more for a type a read cut short, and a last one that finds
 /// no further type. At most `limit` types are dealt (the batch could not
-/// hold more): the first by name.
+/// hold more): the first by name. The types paused by a runtime control
+/// (`req.skip_types`) are read past, not dealt.
 async fn pending_candidates(
     tx: &mut MySqlConnection,
     own: &Own,
-    app_code: &str,
+    req: &ClaimRequest<'_>,
     limit: i64,
 ) -> std::result::Result<Vec<i64>, sqlx::Error> {
-    let mut types: Vec<Vec<i64>> = Vec::new();
+    let app_code = req.app_code;
+    let mut types: Vec<(String, Vec<i64>)> = Vec::new();
     let mut after: Option<String> = None;
     let read = async |tx: &mut MySqlConnection, sql: &str, event_type: &str| {
         sqlx::query(sql)
@@ -608,10 +613,10 @@ async fn pending_candidates(
         let mut last: Option<String> = None;
         for (id, event_type) in rows {
             if last.as_deref() != Some(event_type.as_str()) {
-                types.push(Vec::new());
+                types.push((event_type.clone(), Vec::new()));
                 last = Some(event_type);
             }
-            if let Some(ids) = types.last_mut() {
+            if let Some((_, ids)) = types.last_mut() {
                 ids.push(id);
             }
         }
@@ -622,14 +627,16 @@ async fn pending_candidates(
         }
         // The last type may have been cut short by the limit; alone in the
         // read, it has its `limit` rows already.
-        if types.len() - first_type > 1 {
+        if types.len() - first_type > 1 && !req.skip_types.contains(&last) {
             let rows = read(tx, &own.pending_of_type, &last).await?;
-            if let Some(ids) = types.last_mut() {
+            if let Some((_, ids)) = types.last_mut() {
                 *ids = rows.into_iter().map(|(id, _)| id).collect();
             }
         }
         after = Some(last);
     }
+    types.retain(|(event_type, _)| !req.skip_types.contains(event_type));
+    let types: Vec<Vec<i64>> = types.into_iter().map(|(_, ids)| ids).collect();
     Ok(deal(&types, 2 * limit.max(0) as usize))
 }
 

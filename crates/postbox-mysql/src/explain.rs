@@ -59,9 +59,11 @@ pub(crate) fn inlined_claim(
     }
     let sql = own.claims.of(source, ordered);
     let binds = crate::sql::claim_binds(source, ordered);
+    use crate::sql::Bind;
     binds.iter().fold(sql.to_owned(), |sql, bind| match bind {
-        None => sql.replacen('?', &literal(app_code), 1),
-        Some(times) => sql.replacen('?', &(times * i64::from(limit)).to_string(), 1),
+        Bind::Tenant => sql.replacen('?', &literal(app_code), 1),
+        Bind::Limit(times) => sql.replacen('?', &(times * i64::from(limit)).to_string(), 1),
+        Bind::Skipped => sql.replacen('?', "'[]'", 1),
     })
 }
 

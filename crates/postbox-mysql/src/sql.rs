@@ -182,24 +182,41 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
            ORDER BY p.aggregate_seq, p.id LIMIT 1)\
      ) k STRAIGHT_JOIN {table} c ON c.id = k.head_id \
      WHERE c.app_code = ? AND c.status = 'pending' \
+       AND NOT JSON_CONTAINS(?, JSON_QUOTE(c.event_type)) \
      ORDER BY c.next_retry_at_ms, c.id LIMIT ? FOR UPDATE SKIP LOCKED"
 );
 
-/// What each `?` of [`CLAIM_PENDING_ORDERED`] takes, in order: the tenant,
-/// or the limit (`Some(n)`: n × the batch size).
-pub(crate) const PENDING_ORDERED_BINDS: [Option<i64>; 7] =
-    [None, None, Some(2), None, Some(1), None, Some(1)];
+/// What a `?` of a claim statement takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bind {
+    /// The tenant.
+    Tenant,
+    /// `n` × the batch size.
+    Limit(i64),
+    /// The event types paused by a runtime control, as a JSON array.
+    Skipped,
+}
+
+/// What each `?` of [`CLAIM_PENDING_ORDERED`] takes, in order. A paused
+/// type's head is left out, and still holds its aggregate back.
+pub(crate) const PENDING_ORDERED_BINDS: [Bind; 8] = [
+    Bind::Tenant,
+    Bind::Tenant,
+    Bind::Limit(2),
+    Bind::Tenant,
+    Bind::Limit(1),
+    Bind::Tenant,
+    Bind::Skipped,
+    Bind::Limit(1),
+];
 
 /// What each `?` of a claim statement takes (see [`PENDING_ORDERED_BINDS`]):
 /// every other claim binds the tenant, then the limit.
-pub(crate) fn claim_binds(
-    source: postbox_core::ClaimSource,
-    ordered: bool,
-) -> &'static [Option<i64>] {
+pub(crate) fn claim_binds(source: postbox_core::ClaimSource, ordered: bool) -> &'static [Bind] {
     if source == postbox_core::ClaimSource::Pending && ordered {
         &PENDING_ORDERED_BINDS
     } else {
-        &[None, Some(1)]
+        &[Bind::Tenant, Bind::Limit(1)]
     }
 }
 
@@ -744,8 +761,11 @@ mod tests {
         for (at, bind) in marks.into_iter().zip(PENDING_ORDERED_BINDS) {
             let before = sql[..at].trim_end();
             match bind {
-                None => assert!(before.ends_with("app_code ="), "tenant at {at}: {sql}"),
-                Some(_) => assert!(before.ends_with("LIMIT"), "limit at {at}: {sql}"),
+                Bind::Tenant => assert!(before.ends_with("app_code ="), "tenant at {at}: {sql}"),
+                Bind::Limit(_) => assert!(before.ends_with("LIMIT"), "limit at {at}: {sql}"),
+                Bind::Skipped => {
+                    assert!(before.ends_with("JSON_CONTAINS("), "types at {at}: {sql}")
+                }
             }
         }
     }

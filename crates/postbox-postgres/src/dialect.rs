@@ -108,11 +108,7 @@ impl Dialect for PgDialect {
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
         let db = |e| db_error("claim", e);
-        let query = sqlx::query(outbox.own().claims.of(source, req.ordered))
-            .bind(req.app_code)
-            .bind(i64::from(req.limit))
-            .bind(req.worker_id)
-            .bind(req.lease_ms);
+        let query = sql::claim_query(outbox.own().claims.of(source, req.ordered), source, req);
         let claimed = if source == ClaimSource::ExpiredLease {
             // The takeover counts an attempt: record it in the claim's
             // transaction.

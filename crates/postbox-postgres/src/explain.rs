@@ -7,11 +7,11 @@
 use serde_json::Value;
 use sqlx::Row;
 
-use postbox_core::store::{QueryPlan, ARCHIVE_QUERY};
+use postbox_core::store::{ClaimRequest, QueryPlan, ARCHIVE_QUERY};
 use postbox_core::{Error, Result};
 use postbox_sqlx::{db_error, ReplayProbeArgs};
 
-use crate::sql::{ARCHIVE_INDEX, CLAIM_INDEXES};
+use crate::sql::{claim_query, ARCHIVE_INDEX, CLAIM_INDEXES};
 use crate::{PgDialect, PgOutbox};
 
 /// Plans of the claim queries, executed and rolled back.
@@ -27,11 +27,16 @@ pub(crate) async fn claim_plans(
     for (query, source, ordered, index_suffix) in CLAIM_INDEXES {
         let sql = outbox.own().claims.of(source, ordered);
         let expected_index = format!("{t}{index_suffix}");
-        let row = sqlx::query(&format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}"))
-            .bind(app_code)
-            .bind(i64::from(limit))
-            .bind("postbox-explain")
-            .bind(30_000_i64)
+        let sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}");
+        let req = ClaimRequest {
+            app_code,
+            limit,
+            worker_id: "postbox-explain",
+            lease_ms: 30_000,
+            ordered,
+            skip_types: &[],
+        };
+        let row = claim_query(&sql, source, &req)
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
@@ -67,11 +72,16 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
     let mut plans = Vec::new();
     for (query, source, ordered, suffix) in CLAIM_INDEXES {
         let sql = outbox.own().claims.of(source, ordered);
-        let row = sqlx::query(&format!("EXPLAIN (FORMAT JSON) {sql}"))
-            .bind(app_code)
-            .bind(100_i64)
-            .bind("postbox-doctor")
-            .bind(30_000_i64)
+        let sql = format!("EXPLAIN (FORMAT JSON) {sql}");
+        let req = ClaimRequest {
+            app_code,
+            limit: 100,
+            worker_id: "postbox-doctor",
+            lease_ms: 30_000,
+            ordered,
+            skip_types: &[],
+        };
+        let row = claim_query(&sql, source, &req)
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;

@@ -87,7 +87,7 @@ macro_rules! claim {
 /// an index-only read of the same entries.
 pub(crate) const CLAIM_PENDING: &str = concat!(
     "WITH RECURSIVE ",
-    postbox_sqlx::fair_pending!(app: "$1", limit: "$2", take: "$2", lateral),
+    postbox_sqlx::fair_pending!(app: "$1", limit: "$2", take: "$2", skip: " <> ALL($5::text[])", lateral),
     ", share (t, n) AS (SELECT t, count(*) FROM fair GROUP BY t), \
      picked AS (SELECT l.id FROM share CROSS JOIN LATERAL \
        (SELECT p.id FROM {table} p WHERE p.app_code = $1 AND p.status = 'pending' \
@@ -101,7 +101,7 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
 // row is in the one index of its status, so each state change writes one
 // claim-index entry, not one per index. Heads of aggregates through
 // `{table}_head_idx` (schema version 7).
-postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), app: "$1", limit: "$2", head: partial, fair: lateral);
+postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), app: "$1", limit: "$2", skip: " <> ALL($5::text[])", head: partial, fair: lateral);
 
 /// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
 /// the lost attempt is counted. Index: `{table}_lease_idx (app_code,
@@ -113,6 +113,25 @@ pub(crate) const CLAIM_EXPIRED_LEASES: &str = claim!(
     "retry_count = o.retry_count + 1, \
      last_error = 'lease expired while held by ' || COALESCE(o.worker_id, '?'), "
 );
+
+/// A claim statement with its parameters: tenant, limit, worker, lease
+/// length, and for the pending claims the paused event types
+/// (`ClaimRequest::skip_types`, `$5`).
+pub(crate) fn claim_query<'q>(
+    sql: &'q str,
+    source: postbox_core::ClaimSource,
+    req: &postbox_core::store::ClaimRequest<'q>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let query = sqlx::query(sql)
+        .bind(req.app_code)
+        .bind(i64::from(req.limit))
+        .bind(req.worker_id)
+        .bind(req.lease_ms);
+    match source {
+        postbox_core::ClaimSource::Pending => query.bind(req.skip_types),
+        postbox_core::ClaimSource::DueRetry | postbox_core::ClaimSource::ExpiredLease => query,
+    }
+}
 
 /// The claims, in the order `ClaimStatements::render` takes them.
 pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();

@@ -170,10 +170,15 @@ impl Dialect for SqliteDialect {
                 .bind(i64::from(req.limit))
                 .bind(req.worker_id)
                 .bind(lock_until_ms)
-                .bind(now)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(db)?;
+                .bind(now);
+            // The pending claims leave the paused types out (`?6`).
+            let rows = match source {
+                ClaimSource::Pending => rows.bind(json_list(req.skip_types)),
+                ClaimSource::DueRetry | ClaimSource::ExpiredLease => rows,
+            }
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
             let claimed = records(rows, "claim")?;
             if source == ClaimSource::ExpiredLease && !claimed.is_empty() {
                 // The takeover counted an attempt: record it with the claim.

@@ -642,17 +642,18 @@ macro_rules! claims {
 /// invocation.
 #[macro_export]
 macro_rules! claims_in_retry_order {
-    ($claim:ident, now: $now:expr, app: $app:literal, limit: $limit:literal, head: partial, fair: $fair:ident) => {
+    ($claim:ident, now: $now:expr, app: $app:literal, limit: $limit:literal, skip: $skip:literal, head: partial, fair: $fair:ident) => {
         $crate::claims_in_retry_order!($claim, now: $now, head: partial, order: "next_retry_at_ms, id");
 
         /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads
         /// of aggregates, among the candidates of
-        /// `postbox_sqlx::head_candidates!`.
+        /// `postbox_sqlx::head_candidates!`, but for the paused types'
+        /// (a paused head still holds its aggregate back).
         pub(crate) const CLAIM_PENDING_ORDERED: &str = $claim!(
             "{table} c",
             concat!(
-                "status = 'pending' AND ",
-                $crate::id_among!(c, $fair, $crate::head_candidates!(app: $app, limit: $limit, fair: $fair))
+                "status = 'pending' AND c.event_type", $skip, " AND ",
+                $crate::id_among!(c, $fair, $crate::head_candidates!(app: $app, limit: $limit, skip: $skip, fair: $fair))
             ),
             "next_retry_at_ms, id"
         );
@@ -728,10 +729,13 @@ macro_rules! pending_types {
 /// `{table}_pending_idx` in its order (`next_retry_at_ms`, always 0 for a
 /// pending row, then id): at most `$limit` entries per pending type,
 /// whatever the backlog. `lateral` reads them with `LATERAL` (PostgreSQL);
-/// `in_list` with a correlated `IN (… LIMIT)` (SQLite).
+/// `in_list` with a correlated `IN (… LIMIT)` (SQLite). `$skip` follows
+/// the type in a predicate that is false for the event types paused by a
+/// runtime control (`ClaimRequest::skip_types`, one parameter): their rows
+/// are not dealt, and cost one probe of the type scan.
 #[macro_export]
 macro_rules! fair_pending {
-    (app: $app:literal, limit: $limit:literal, take: $take:literal, lateral) => {
+    (app: $app:literal, limit: $limit:literal, take: $take:literal, skip: $skip:literal, lateral) => {
         concat!(
             $crate::pending_types!(app: $app),
             ", fair (fid, rn, t) AS (SELECT k.id, k.rn, types.t FROM types CROSS JOIN LATERAL \
@@ -739,10 +743,10 @@ macro_rules! fair_pending {
                  (SELECT p.id, p.next_retry_at_ms FROM {table} p WHERE p.app_code = ", $app,
             " AND p.status = 'pending' AND p.event_type = types.t \
                   ORDER BY p.next_retry_at_ms, p.id LIMIT ", $limit, ") s) k \
-             WHERE types.t IS NOT NULL ORDER BY k.rn, k.id LIMIT ", $take, ")"
+             WHERE types.t IS NOT NULL AND types.t", $skip, " ORDER BY k.rn, k.id LIMIT ", $take, ")"
         )
     };
-    (app: $app:literal, limit: $limit:literal, take: $take:literal, in_list) => {
+    (app: $app:literal, limit: $limit:literal, take: $take:literal, skip: $skip:literal, in_list) => {
         concat!(
             $crate::pending_types!(app: $app),
             ", fair (fid, rn, t) AS (SELECT p.id, row_number() OVER \
@@ -750,7 +754,7 @@ macro_rules! fair_pending {
              FROM types JOIN {table} p ON p.id IN (SELECT q.id FROM {table} q WHERE q.app_code = ", $app,
             " AND q.status = 'pending' AND q.event_type = types.t \
                   ORDER BY q.next_retry_at_ms, q.id LIMIT ", $limit, ") \
-             WHERE types.t IS NOT NULL ORDER BY r, p.id LIMIT ", $take, ")"
+             WHERE types.t IS NOT NULL AND types.t", $skip, " ORDER BY r, p.id LIMIT ", $take, ")"
         )
     };
 }
@@ -878,7 +882,7 @@ macro_rules! first_open_of {
 /// aggregates, each with a few events.
 #[macro_export]
 macro_rules! head_candidates {
-    (app: $app:literal, limit: $limit:literal, fair: $fair:ident) => {
+    (app: $app:literal, limit: $limit:literal, skip: $skip:literal, fair: $fair:ident) => {
         concat!(
             "WITH RECURSIVE aggs (a, n) AS (SELECT (SELECT p.aggregate_id FROM {table} p \
                WHERE p.app_code = ", $app, " AND p.aggregate_id IS NOT NULL", $crate::partial_head!(open),
@@ -887,7 +891,7 @@ macro_rules! head_candidates {
                WHERE p.app_code = ", $app, " AND p.aggregate_id > aggs.a", $crate::partial_head!(open),
             " ORDER BY p.aggregate_id LIMIT 1), aggs.n + 1 \
              FROM aggs WHERE aggs.a IS NOT NULL AND aggs.n < 2 * ", $limit, "), ",
-            $crate::fair_pending!(app: $app, limit: $limit, take: $limit, $fair),
+            $crate::fair_pending!(app: $app, limit: $limit, take: $limit, skip: $skip, $fair),
             " SELECT ", $crate::first_open_of!($app, "aggs.a", head: partial),
             " FROM aggs WHERE aggs.a IS NOT NULL \
              UNION ALL SELECT f.fid FROM fair f WHERE COALESCE(f.fid = ",

@@ -97,6 +97,7 @@ cases! {$
     archived_rows_are_found_and_listed,
     controls_are_set_cleared_and_logged,
     relay_applies_controls_while_it_runs,
+    relay_holds_a_paused_event_type_and_delivers_the_others,
 }
 
 const APP: &str = "conf";
@@ -175,6 +176,7 @@ pub(crate) fn claim_request<'a>(
         worker_id: worker,
         lease_ms,
         ordered: false,
+        skip_types: &[],
     }
 }
 
@@ -2169,17 +2171,17 @@ async fn controls_are_set_cleared_and_logged(store: Arc<dyn OutboxStore>) {
         (Some(Delivery::AtMostOnce), None)
     );
     assert!(all.iter().any(|c| c.paused && c.event_type == ANY));
-    // A pause of one type is refused, naming why.
-    let typed = Control {
+    // A control with a blank key is refused, naming why.
+    let blank = Control {
         paused: true,
-        ..tick.clone()
+        ..Control::new("", ANY)
     };
     let err = store
-        .set_control(&typed, "x")
+        .set_control(&blank, "x")
         .await
         .unwrap_err()
         .to_string();
-    assert!(err.contains("whole app_code"), "{err}");
+    assert!(err.contains("app_code and event_type"), "{err}");
     assert!(store
         .clear_control(APP, ANY, "cli ops@host")
         .await
@@ -2287,6 +2289,121 @@ async fn relay_applies_controls_while_it_runs(store: Arc<dyn OutboxStore>) {
     }
     shutdown.cancel();
     handle.await.expect("relay task").expect("relay run");
+}
+
+/// Issue 14.1: a paused event type stays `pending` and does not delay the
+/// other types of its app_code, with either ordering: the pending claims
+/// leave it out, and a retry of it that falls due is given back as
+/// `retryable` without an attempt counted. Per aggregate, a paused head
+/// still holds its aggregate back. Cleared, everything is delivered.
+async fn relay_holds_a_paused_event_type_and_delivers_the_others(store: Arc<dyn OutboxStore>) {
+    use postbox_core::config::Ordering;
+    use postbox_core::control::Control;
+    for (app, ordering) in [
+        ("conf_typed", Ordering::None),
+        ("conf_typed_agg", Ordering::PerAggregate),
+    ] {
+        let new = |ty: &str, agg: String, v: i64| NewEvent::new(app, ty, "{}").aggregate(agg, v);
+        // A Tick that failed once and is due now: the due-retry sweep takes it.
+        enqueue(store.as_ref(), &[new("Tick", "tick-r".into(), 1)]).await;
+        let claimed = store
+            .claim(ClaimSource::Pending, &claim_request(app, "w0", 10, 30_000))
+            .await
+            .unwrap();
+        let retry = FailureUpdate {
+            status: Status::Retryable,
+            retry_count: 1,
+            retry_after_ms: 0,
+            retry_jitter_ms: 0,
+            delivered_to: vec![],
+            error: "first try".into(),
+            publisher: Some("rec".into()),
+        };
+        let retried = claimed[0].record.clone();
+        store
+            .mark_failed(&claimed[0].fence(), &[retried.id], &retry)
+            .await
+            .unwrap();
+        let pause = Control {
+            paused: true,
+            ..Control::new(app, "Tick")
+        };
+        store.set_control(&pause, "test").await.unwrap();
+        let ticks: Vec<NewEvent> = (0..5)
+            .map(|i| new("Tick", format!("tick-{i}"), 1))
+            .collect();
+        let orders: Vec<NewEvent> = (0..5)
+            .map(|i| new("Order", format!("order-{i}"), 1))
+            .collect();
+        // An Order behind a Tick of its aggregate.
+        let behind = [
+            new("Tick", "mixed".into(), 1),
+            new("Order", "mixed".into(), 2),
+        ];
+        enqueue(store.as_ref(), &ticks).await;
+        enqueue(store.as_ref(), &orders).await;
+        enqueue(store.as_ref(), &behind).await;
+        let p = Arc::new(RecordingPublisher::new("rec"));
+        let config = WorkerConfig {
+            ordering,
+            ..fast_worker()
+        };
+        let settings = RelaySettings::new(config, vec![app.to_owned()]).expect("[outbox_worker]");
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn(
+            Relay::new(store.clone(), vec![p.clone()], settings).run(shutdown.clone()),
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let unordered = ordering == Ordering::None;
+        let free = if unordered { 6 } else { 5 };
+        while app_stats(store.as_ref(), app).await.delivered < free {
+            assert!(
+                Instant::now() < deadline,
+                "{app}: the other type was not delivered"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Sweeps enough to take the due Tick (and give it back).
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let s = app_stats(store.as_ref(), app).await;
+        let held_back = if unordered { 0 } else { 1 };
+        assert_eq!(
+            (s.delivered, s.pending, s.retryable),
+            (free, 6 + held_back, 1),
+            "{app}: the paused type waits: {s:?}"
+        );
+        let row = status_of(store.as_ref(), &retried.event_id).await;
+        assert_eq!(
+            (row.status, row.retry_count, row.last_error.as_deref()),
+            (Status::Retryable, 1, Some("paused by a runtime control")),
+            "{app}: the due Tick was given back, no attempt counted"
+        );
+        for e in ticks.iter().chain([&behind[0]]) {
+            assert_eq!(
+                p.attempts(&e.event_id),
+                0,
+                "{app}: a paused Tick was published"
+            );
+        }
+        // Cleared, the Ticks go (the due one within its recheck).
+        assert!(store.clear_control(app, "Tick", "test").await.unwrap());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while app_stats(store.as_ref(), app).await.delivered < 13 {
+            assert!(
+                Instant::now() < deadline,
+                "{app}: the resumed type was not delivered"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            status_of(store.as_ref(), &retried.event_id)
+                .await
+                .retry_count,
+            1
+        );
+        shutdown.cancel();
+        handle.await.expect("relay task").expect("relay run");
+    }
 }
 
 #[cfg(test)]

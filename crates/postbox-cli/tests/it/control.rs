@@ -32,8 +32,8 @@ async fn a_relay_process_follows_the_controls_set_from_another_process() {
     for (args, says) in [
         (vec!["control", "set", "--app-code", "room"], "--pause"),
         (
-            vec!["control", "set", "--event-type", "Tick", "--pause"],
-            "whole app_code",
+            vec!["control", "set", "--app-code", "", "--pause"],
+            "app_code and event_type",
         ),
         (
             vec!["control", "set", "--max-retry-count", "lots"],

@@ -14,6 +14,7 @@
 //! stream of commits (each one a notification) is claimed a few rows per
 //! round, not one round per commit.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,9 +23,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::Batch;
 use crate::config::{Ordering, WorkerConfig};
-use crate::store::{ClaimRequest, RelayStore};
+use crate::control::Controls;
+use crate::event::Fence;
+use crate::store::{ClaimRequest, DeferUpdate, RelayStore};
 use crate::wake::WakeListener;
-use crate::{ClaimSource, Result};
+use crate::{ClaimSource, ClaimedEvent, Result};
 
 /// The first pause of fast polling, after a wake-up or a claim that found
 /// rows; it doubles up to the poll interval.
@@ -47,6 +50,22 @@ pub(super) struct Claimer {
     /// than their refresh interval: a paused app_code is not claimed.
     pub controls: super::controls::ControlView,
 }
+
+/// One claim query to run: app_code `app` (its index), from `source`,
+/// leaving out the pending rows of `skip_types`.
+struct Claim<'a> {
+    app: usize,
+    source: ClaimSource,
+    skip_types: &'a [String],
+    controls: &'a Controls,
+}
+
+/// How long a due retry of a paused type waits before the sweep takes it
+/// again (to give it back again, or to publish it once resumed).
+pub(super) const PAUSED_RECHECK: Duration = Duration::from_secs(5);
+
+/// Why rows were given back while paused (their `last_error` when deferred).
+const PAUSED: &str = "paused by a runtime control";
 
 /// What one round of claims found.
 #[derive(Default)]
@@ -138,15 +157,23 @@ impl Claimer {
                     }
                 }
             }
+            let mut controls = Controls::default();
             if !plan.is_empty() {
                 self.controls.refresh(self.store.as_ref()).await;
-                let controls = self.controls.get();
+                controls = self.controls.get();
                 plan.retain(|(i, _)| !controls.paused(&self.app_codes[*i]));
             }
             for (i, sources) in plan {
+                let skip_types = controls.paused_types(&self.app_codes[i]);
                 for source in sources {
+                    let claim = Claim {
+                        app: i,
+                        source,
+                        skip_types: &skip_types,
+                        controls: &controls,
+                    };
                     let Some(outcome) = self
-                        .claim_one(i, source, &out, &shutdown, &mut claimed, &mut db_errors)
+                        .claim_one(claim, &out, &shutdown, &mut claimed, &mut db_errors)
                         .await
                     else {
                         return Ok(claimed);
@@ -196,12 +223,16 @@ impl Claimer {
         Ok(claimed)
     }
 
-    /// Runs one claim query of app_code `i` and hands its batch on; `None`
-    /// when the relay stops.
+    /// Runs one claim query and hands its batch on; `None` when the relay
+    /// stops.
     async fn claim_one(
         &self,
-        i: usize,
-        source: ClaimSource,
+        Claim {
+            app: i,
+            source,
+            skip_types,
+            controls,
+        }: Claim<'_>,
         out: &mpsc::Sender<Batch>,
         shutdown: &CancellationToken,
         claimed: &mut u64,
@@ -228,6 +259,7 @@ impl Claimer {
             worker_id: &self.worker_id,
             lease_ms: self.config.lease.as_millis_i64(),
             ordered: self.config.ordering == Ordering::PerAggregate,
+            skip_types,
         };
         // The lease starts on the database while the claim runs: count the
         // batch's age from before it.
@@ -235,6 +267,17 @@ impl Claimer {
         match self.store.claim(source, &req).await {
             Ok(events) if events.is_empty() => {}
             Ok(events) => {
+                // A paused type's due retries and expired leases (and rows
+                // claimed just before a pause was read) go back.
+                let (held, events): (Vec<_>, Vec<_>) = events
+                    .into_iter()
+                    .partition(|e| controls.holds(&e.record.app_code, &e.record.event_type));
+                if !held.is_empty() {
+                    self.hold_back(held).await;
+                }
+                if events.is_empty() {
+                    return Some(round);
+                }
                 *db_errors = 0;
                 *claimed += events.len() as u64;
                 round.found = true;
@@ -272,5 +315,33 @@ impl Claimer {
             }
         }
         Some(round)
+    }
+
+    /// Gives back rows a claim took while their app_code or type is paused,
+    /// counting no attempt: a row never tried becomes `pending` again (the
+    /// pending claims leave it out while paused); a retry stays
+    /// `retryable`, due after [`PAUSED_RECHECK`], keeping the publishers
+    /// that confirmed it.
+    async fn hold_back(&self, held: Vec<ClaimedEvent>) {
+        let (fresh, retries): (Vec<_>, Vec<_>) =
+            held.into_iter().partition(|e| e.record.retry_count == 0);
+        if !fresh.is_empty() {
+            super::release(self.store.as_ref(), &fresh, PAUSED).await;
+        }
+        let mut waiting: HashMap<(Fence, Vec<String>), Vec<i64>> = HashMap::new();
+        for e in retries {
+            let key = (e.fence(), e.record.delivered_to.clone());
+            waiting.entry(key).or_default().push(e.record.id);
+        }
+        for ((fence, delivered_to), ids) in waiting {
+            let update = DeferUpdate {
+                after_ms: PAUSED_RECHECK.as_millis() as i64,
+                delivered_to,
+                reason: PAUSED.to_owned(),
+            };
+            if let Err(e) = self.store.defer(&fence, &ids, &update).await {
+                tracing::warn!(error = %e, rows = ids.len(), "could not give back paused rows; their leases expire by themselves");
+            }
+        }
     }
 }

@@ -59,6 +59,7 @@ fn req<'a>(app_code: &'a str, worker_id: &'a str, lease_ms: i64) -> ClaimRequest
         worker_id,
         lease_ms,
         ordered: false,
+        skip_types: &[],
     }
 }
 

@@ -124,6 +124,7 @@ async fn version_5_replaces_the_indexes_of_an_existing_table() {
         worker_id: "new-relay",
         lease_ms: 30_000,
         ordered: false,
+        skip_types: &[],
     };
     use postbox_core::ClaimSource::*;
     for (source, event) in [
@@ -316,6 +317,7 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
         worker_id: "w1",
         lease_ms: 30_000,
         ordered: false,
+        skip_types: &[],
     };
     let claimed = timeout(quick, store.claim(ClaimSource::Pending, &req))
         .await

@@ -148,6 +148,7 @@ async fn a_replay_elsewhere_wakes_an_idle_relay() {
         worker_id: "w-before",
         lease_ms: 30_000,
         ordered: false,
+        skip_types: &[],
     };
     let claimed = elsewhere
         .claim(postbox_core::ClaimSource::Pending, &req)

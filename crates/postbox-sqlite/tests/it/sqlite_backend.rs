@@ -69,6 +69,7 @@ fn req<'a>(worker_id: &'a str, lease_ms: i64) -> ClaimRequest<'a> {
         worker_id,
         lease_ms,
         ordered: false,
+        skip_types: &[],
     }
 }
 
