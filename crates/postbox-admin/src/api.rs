@@ -10,10 +10,10 @@ use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 
 use postbox_core::store::{
-    confirmed_on_delivery, EventFilter, HistoryEntry, HistoryKind, Inspected, ReplayPick,
-    ReplayRequest, ReplaySelector, ReplayTargets,
+    EventFilter, Inspected, ReplayPick, ReplayRequest, ReplaySelector, ReplayTargets,
 };
 use postbox_core::time::{now_ms, parse_time_arg};
+use postbox_core::timeline::{control_changes, timeline, Step};
 use postbox_core::{EventRecord, Status};
 
 use crate::auth::Caller;
@@ -116,82 +116,13 @@ pub(crate) async fn list(
     Ok(Json(Page { items, next }))
 }
 
-/// One step of an event's life.
-#[derive(Debug, Serialize)]
-pub(crate) struct TimelineEntry {
-    at_ms: i64,
-    /// `enqueued`, `failed`, `lease_expired`, `dead_lettered`, `replayed`,
-    /// `delivered`.
-    kind: &'static str,
-    app_code: String,
-    attempt: Option<i32>,
-    publisher: Option<String>,
-    detail: Option<String>,
-}
-
 /// `GET /api/events/{event_id}`: the row(s) and the timeline.
 #[derive(Debug, Serialize)]
 pub(crate) struct EventDetail {
     event_id: String,
     /// Rows of the outbox and of its archive (`"archived": true`).
     rows: Vec<Inspected>,
-    timeline: Vec<TimelineEntry>,
-}
-
-fn history_kind(k: HistoryKind) -> &'static str {
-    match k {
-        HistoryKind::Failed => "failed",
-        HistoryKind::LeaseExpired => "lease_expired",
-        HistoryKind::DeadLettered => "dead_lettered",
-        HistoryKind::Replayed => "replayed",
-    }
-}
-
-/// Enqueue, the recorded attempts, then delivery, oldest first.
-fn timeline<'a>(
-    rows: impl IntoIterator<Item = &'a EventRecord>,
-    history: Vec<HistoryEntry>,
-    publishers: &[String],
-) -> Vec<TimelineEntry> {
-    let mut out = Vec::new();
-    let rows: Vec<&EventRecord> = rows.into_iter().collect();
-    let app_of_history = rows.first().map(|r| r.app_code.clone()).unwrap_or_default();
-    for r in rows {
-        out.push(TimelineEntry {
-            at_ms: r.created_at_ms,
-            kind: "enqueued",
-            app_code: r.app_code.clone(),
-            attempt: None,
-            publisher: None,
-            detail: Some(r.event_type.clone()),
-        });
-        if r.status == Status::Delivered {
-            out.push(TimelineEntry {
-                at_ms: r.updated_at_ms,
-                kind: "delivered",
-                app_code: r.app_code.clone(),
-                attempt: Some(r.retry_count + 1),
-                // Those that confirmed on this attempt; `delivered_to`
-                // holds the ones that confirmed on earlier attempts.
-                publisher: Some(confirmed_on_delivery(r, publishers).join(","))
-                    .filter(|p| !p.is_empty()),
-                detail: (!r.delivered_to.is_empty())
-                    .then(|| format!("confirmed earlier: {}", r.delivered_to.join(", "))),
-            });
-        }
-    }
-    for h in history {
-        out.push(TimelineEntry {
-            at_ms: h.at_ms,
-            kind: history_kind(h.kind),
-            app_code: app_of_history.clone(),
-            attempt: Some(h.attempt),
-            publisher: h.publisher,
-            detail: h.detail,
-        });
-    }
-    out.sort_by_key(|e| e.at_ms);
-    out
+    timeline: Vec<Step>,
 }
 
 pub(crate) async fn show(
@@ -209,7 +140,9 @@ pub(crate) async fn show(
         ));
     }
     let history = state.store.history(&event_id).await?;
-    let timeline = timeline(rows.iter().map(|r| &r.record), history, &state.publishers);
+    let changes = control_changes(state.store.as_ref()).await;
+    let records: Vec<&EventRecord> = rows.iter().map(|r| &r.record).collect();
+    let timeline = timeline(&records, &history, &state.publishers, &changes);
     let mut rows = rows;
     for r in &mut rows {
         state.redact.apply(&mut r.record);
@@ -565,33 +498,6 @@ pub(crate) async fn topology(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn row(status: Status) -> EventRecord {
-        EventRecord {
-            status,
-            retry_count: 1,
-            created_at_ms: 1_000,
-            updated_at_ms: 3_000,
-            ..postbox_testkit::records::room_created(1)
-        }
-    }
-
-    #[test]
-    fn timeline_runs_from_enqueue_through_attempts_to_delivery() {
-        let history = vec![HistoryEntry {
-            at_ms: 2_000,
-            kind: HistoryKind::Failed,
-            attempt: 1,
-            publisher: Some("file".into()),
-            detail: Some("disk full".into()),
-        }];
-        let t = timeline(&[row(Status::Delivered)], history, &[]);
-        let kinds: Vec<_> = t.iter().map(|e| e.kind).collect();
-        assert_eq!(kinds, ["enqueued", "failed", "delivered"]);
-        assert_eq!(t[2].attempt, Some(2));
-        let t = timeline(&[row(Status::Failed)], vec![], &[]);
-        assert_eq!(t.len(), 1, "no delivered step for a failed row");
-    }
 
     #[test]
     fn list_params_validate_names_the_parameter() {

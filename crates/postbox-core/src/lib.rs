@@ -25,6 +25,7 @@ pub mod store;
 pub mod table;
 pub mod template;
 pub mod time;
+pub mod timeline;
 pub mod topology;
 pub mod wake;
 pub mod wire;

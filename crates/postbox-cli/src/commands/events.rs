@@ -3,8 +3,9 @@
 use postbox_core::config::Uses;
 use serde::Serialize;
 
-use postbox_core::store::{confirmed_on_delivery, HistoryEntry, Inspected};
-use postbox_core::{EventRecord, Status};
+use postbox_core::store::Inspected;
+use postbox_core::timeline::{control_changes, timeline, Step};
+use postbox_core::Status;
 
 use crate::cli::{EventsArgs, EventsCommand, Global};
 use crate::error::CliError;
@@ -43,6 +44,7 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                 )));
             }
             let history = store.history(&show.event_id).await?;
+            let changes = control_changes(store.as_ref()).await;
             let publishers: Vec<String> = config
                 .publishers
                 .iter()
@@ -52,7 +54,7 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                 let shown: Vec<Shown> = rows
                     .iter()
                     .map(|r| Shown {
-                        timeline: timeline(&r.record, &history, &publishers),
+                        timeline: timeline(&[&r.record], &history, &publishers, &changes),
                         row: r,
                     })
                     .collect();
@@ -110,7 +112,7 @@ pub async fn run(g: &Global, args: EventsArgs) -> Result<(), CliError> {
                 outln!("headers            {}", r.headers.as_deref().unwrap_or("-"));
                 outln!("payload            {}", r.payload);
                 outln!("timeline");
-                for step in timeline(&r, &history, &publishers) {
+                for step in timeline(&[&r], &history, &publishers, &changes) {
                     let mut line = format!("  {:<24}  {:<13}", output::time(step.at_ms), step.kind);
                     if let Some(a) = step.attempt.filter(|a| *a > 0) {
                         line.push_str(&format!("  attempt {a}"));
@@ -136,51 +138,4 @@ struct Shown<'a> {
     #[serde(flatten)]
     row: &'a Inspected,
     timeline: Vec<Step>,
-}
-
-/// One step of an event's life, from enqueue to delivery.
-#[derive(Serialize)]
-struct Step {
-    at_ms: i64,
-    /// `enqueued`, a history kind, or `delivered`.
-    kind: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    attempt: Option<i32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    publisher: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    detail: Option<String>,
-}
-
-/// Enqueued (created_at), each history entry, then delivered (updated_at)
-/// when the row is delivered.
-fn timeline(r: &EventRecord, history: &[HistoryEntry], publishers: &[String]) -> Vec<Step> {
-    let mut steps = vec![Step {
-        at_ms: r.created_at_ms,
-        kind: "enqueued",
-        attempt: None,
-        publisher: None,
-        detail: None,
-    }];
-    steps.extend(history.iter().map(|h| Step {
-        at_ms: h.at_ms,
-        kind: h.kind.as_str(),
-        attempt: Some(h.attempt),
-        publisher: h.publisher.clone(),
-        detail: h.detail.clone(),
-    }));
-    if r.status == Status::Delivered {
-        steps.push(Step {
-            at_ms: r.updated_at_ms,
-            kind: "delivered",
-            attempt: Some(r.retry_count + 1),
-            // The publishers that confirmed on this attempt, not those in
-            // `delivered_to` (they confirmed on an earlier one).
-            publisher: Some(confirmed_on_delivery(r, publishers).join(","))
-                .filter(|p| !p.is_empty()),
-            detail: (!r.delivered_to.is_empty())
-                .then(|| format!("confirmed earlier: {}", r.delivered_to.join(", "))),
-        });
-    }
-    steps
 }

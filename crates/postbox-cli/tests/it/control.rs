@@ -102,6 +102,31 @@ async fn a_relay_process_follows_the_controls_set_from_another_process() {
         resumed.elapsed() < Duration::from_secs(3),
         "applied within 2 s (plus a poll)"
     );
+    // The resume is in the timeline of the event it let go; the pause,
+    // made before the event was written, is not.
+    let rows = json(&project.run(&["--json", "events", "list", "--app-code", "room"]));
+    let id = rows[0]["event_id"]
+        .as_str()
+        .expect("an event_id")
+        .to_owned();
+    let shown = json(&project.run(&["--json", "events", "show", &id]));
+    let controls: Vec<&str> = shown[0]["timeline"]
+        .as_array()
+        .expect("a timeline")
+        .iter()
+        .filter(|s| s["kind"] == "control")
+        .map(|s| s["detail"].as_str().unwrap())
+        .collect();
+    assert_eq!(controls.len(), 1, "{shown}");
+    assert!(
+        controls[0].starts_with("room/*: cleared (by cli "),
+        "{controls:?}"
+    );
+    let text = common::text(&project.run(&["events", "show", &id]));
+    assert!(
+        text.contains("control") && text.contains("room/*: cleared"),
+        "{text}"
+    );
 
     // A control that sets nothing any more was cleared; the log has all.
     let listed = json(&project.run(&["--json", "control", "list"]));
