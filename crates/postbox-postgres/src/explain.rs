@@ -14,6 +14,18 @@ use postbox_sqlx::{db_error, ReplayProbeArgs};
 use crate::sql::{claim_query, ARCHIVE_INDEX, CLAIM_INDEXES};
 use crate::{PgDialect, PgOutbox};
 
+/// The claim `doctor` explains: no type paused, a 30 s lease.
+fn explained(app_code: &str, limit: u32, ordered: bool) -> ClaimRequest<'_> {
+    ClaimRequest {
+        app_code,
+        limit,
+        worker_id: "postbox-doctor",
+        lease_ms: 30_000,
+        ordered,
+        skip_types: &[],
+    }
+}
+
 /// Plans of the claim queries, executed and rolled back.
 pub(crate) async fn claim_plans(
     outbox: &PgOutbox,
@@ -28,15 +40,7 @@ pub(crate) async fn claim_plans(
         let sql = outbox.own().claims.of(source, ordered);
         let expected_index = format!("{t}{index_suffix}");
         let sql = format!("EXPLAIN (ANALYZE, FORMAT JSON) {sql}");
-        let req = ClaimRequest {
-            app_code,
-            limit,
-            worker_id: "postbox-explain",
-            lease_ms: 30_000,
-            ordered,
-            skip_types: &[],
-        };
-        let row = claim_query(&sql, source, &req)
+        let row = claim_query(&sql, source, &explained(app_code, limit, ordered))
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
@@ -73,15 +77,7 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
     for (query, source, ordered, suffix) in CLAIM_INDEXES {
         let sql = outbox.own().claims.of(source, ordered);
         let sql = format!("EXPLAIN (FORMAT JSON) {sql}");
-        let req = ClaimRequest {
-            app_code,
-            limit: 100,
-            worker_id: "postbox-doctor",
-            lease_ms: 30_000,
-            ordered,
-            skip_types: &[],
-        };
-        let row = claim_query(&sql, source, &req)
+        let row = claim_query(&sql, source, &explained(app_code, 100, ordered))
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;

@@ -180,6 +180,19 @@ pub(crate) fn claim_request<'a>(
     }
 }
 
+/// A first failed attempt by `publisher`, due again at once.
+fn first_failure_due_now(error: &str, publisher: &str) -> FailureUpdate {
+    FailureUpdate {
+        status: Status::Retryable,
+        retry_count: 1,
+        retry_after_ms: 0,
+        retry_jitter_ms: 0,
+        delivered_to: vec![],
+        error: error.into(),
+        publisher: Some(publisher.into()),
+    }
+}
+
 async fn stats(store: &dyn OutboxStore) -> AppStats {
     app_stats(store, APP).await
 }
@@ -760,15 +773,7 @@ async fn stats_count_by_status(store: Arc<dyn OutboxStore>) {
         .mark_delivered(&claimed[0].fence(), &[claimed[0].record.id])
         .await
         .unwrap();
-    let retry_now = FailureUpdate {
-        status: Status::Retryable,
-        retry_count: 1,
-        retry_after_ms: 0,
-        retry_jitter_ms: 0,
-        delivered_to: vec![],
-        error: "e".into(),
-        publisher: Some("p".into()),
-    };
+    let retry_now = first_failure_due_now("e", "p");
     store
         .mark_failed(&claimed[1].fence(), &[claimed[1].record.id], &retry_now)
         .await
@@ -2310,15 +2315,7 @@ async fn relay_holds_a_paused_event_type_and_delivers_the_others(store: Arc<dyn 
             .claim(ClaimSource::Pending, &claim_request(app, "w0", 10, 30_000))
             .await
             .unwrap();
-        let retry = FailureUpdate {
-            status: Status::Retryable,
-            retry_count: 1,
-            retry_after_ms: 0,
-            retry_jitter_ms: 0,
-            delivered_to: vec![],
-            error: "first try".into(),
-            publisher: Some("rec".into()),
-        };
+        let retry = first_failure_due_now("first try", "rec");
         let retried = claimed[0].record.clone();
         store
             .mark_failed(&claimed[0].fence(), &[retried.id], &retry)

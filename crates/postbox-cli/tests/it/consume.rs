@@ -1031,17 +1031,7 @@ async fn per_aggregate_ordering_keeps_its_holds_beside_the_inbox() {
 async fn dead_letters_from_the_cli_and_the_api() {
     let token = "dead-operator-51a";
     let viewer = "dead-viewer-77b";
-    let AdminConsume {
-        _dir,
-        _conn,
-        ch,
-        queue,
-        addr,
-        config,
-        keys,
-        start,
-        mut consumer,
-    } = admin_consume_on(
+    let mut b = admin_consume_on(
         refusing_handler().await,
         "dead_cli",
         &format!(
@@ -1051,10 +1041,12 @@ async fn dead_letters_from_the_cli_and_the_api() {
         ),
     )
     .await;
+    let (ch, queue, addr, config, keys) = (&b.ch, &b.queue, &b.addr, &b.config, &b.keys);
+    let start = b.start;
     for i in 1..=3 {
         publish(
-            &ch,
-            &queue,
+            ch,
+            queue,
             &format!("d-{i}"),
             &format!(r#"{{"secret":"s3cr3t","n":{i}}}"#),
         )
@@ -1062,7 +1054,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
     }
     let path = format!("/api/consumers/{queue}/dead");
     let listed = eventually("3 dead letters", Duration::from_secs(20), async || {
-        let (status, body) = http_call(&addr, "GET", &path, Some(viewer)).await;
+        let (status, body) = http_call(addr, "GET", &path, Some(viewer)).await;
         assert_eq!(status, 200, "{body}");
         let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
         match listed["matched"] == 3 {
@@ -1086,18 +1078,18 @@ async fn dead_letters_from_the_cli_and_the_api() {
     );
     assert!(first["dead_at_ms"].as_i64().unwrap() > 1_700_000_000_000);
     // Refusals never show a letter.
-    let (status, body) = http_call(&addr, "GET", &path, None).await;
+    let (status, body) = http_call(addr, "GET", &path, None).await;
     assert_eq!(status, 401);
     assert!(!body.contains("d-1") && !body.contains("s3cr3t"), "{body}");
     let purge = format!("{path}/purge");
     let all = serde_json::json!({ "all": true });
-    let (status, body) = http_send(&addr, "POST", &purge, Some(viewer), Some(&all)).await;
+    let (status, body) = http_send(addr, "POST", &purge, Some(viewer), Some(&all)).await;
     assert_eq!(status, 403, "a viewer may not purge: {body}");
-    let (status, body) = http_send(&addr, "POST", &purge, Some(token), None).await;
+    let (status, body) = http_send(addr, "POST", &purge, Some(token), None).await;
     assert_eq!(status, 400, "no filter, no `all`: {body}");
     assert!(body.contains("all"), "{body}");
     let dry = serde_json::json!({ "all": true, "dry_run": true });
-    let (status, body) = http_send(&addr, "POST", &purge, Some(token), Some(&dry)).await;
+    let (status, body) = http_send(addr, "POST", &purge, Some(token), Some(&dry)).await;
     assert_eq!(status, 200, "{body}");
     let dry: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(
@@ -1112,7 +1104,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
         c.args(["--config", config.to_str().unwrap()]).args(args);
         c.output()
     };
-    let out = cli(&["--json", "dead", "list", "--consumer", &queue])
+    let out = cli(&["--json", "dead", "list", "--consumer", queue])
         .await
         .unwrap();
     assert!(out.status.success(), "{out:?}");
@@ -1125,7 +1117,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
         .collect();
     ids.sort();
     assert_eq!(ids, ["d-1", "d-2", "d-3"]);
-    let out = cli(&["dead", "show", "--consumer", &queue, "d-2"])
+    let out = cli(&["dead", "show", "--consumer", queue, "d-2"])
         .await
         .unwrap();
     let shown = String::from_utf8_lossy(&out.stdout);
@@ -1134,9 +1126,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
         shown.contains("event_id:     d-2") && shown.contains("no such room"),
         "{shown}"
     );
-    let out = cli(&["dead", "replay", "--consumer", &queue])
-        .await
-        .unwrap();
+    let out = cli(&["dead", "replay", "--consumer", queue]).await.unwrap();
     assert_eq!(
         out.status.code(),
         Some(2),
@@ -1149,13 +1139,13 @@ async fn dead_letters_from_the_cli_and_the_api() {
     let out = cli(&["dead", "list", "--consumer", "nope"]).await.unwrap();
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains(&queue),
+        String::from_utf8_lossy(&out.stderr).contains(queue.as_str()),
         "names the consumers: {out:?}"
     );
 
     // Replayed, d-1 goes back to the queue: the bridge posts it again, and
     // the handler's 422 dead-letters it again.
-    let out = cli(&["dead", "replay", "--consumer", &queue, "--event-id", "d-1"])
+    let out = cli(&["dead", "replay", "--consumer", queue, "--event-id", "d-1"])
         .await
         .unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
@@ -1174,7 +1164,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
             "dead",
             "list",
             "--consumer",
-            &queue,
+            queue,
             "--event-id",
             "d-1",
         ])
@@ -1189,17 +1179,17 @@ async fn dead_letters_from_the_cli_and_the_api() {
     .await;
     assert_eq!(back["letters"][0]["headers"]["x-replayed"], true, "{back}");
 
-    let (status, body) = http_send(&addr, "POST", &purge, Some(token), Some(&all)).await;
+    let (status, body) = http_send(addr, "POST", &purge, Some(token), Some(&all)).await;
     assert_eq!(status, 200, "{body}");
     let purged: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(purged["done"], 3, "{purged}");
-    let out = cli(&["--json", "dead", "list", "--consumer", &queue])
+    let out = cli(&["--json", "dead", "list", "--consumer", queue])
         .await
         .unwrap();
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed["matched"], 0, "{listed}");
-    stopped(&mut consumer).await;
-    delete_queues(&ch, &queue).await;
+    stopped(&mut b.consumer).await;
+    delete_queues(ch, queue).await;
 }
 
 /// Issue 14.4 and 14.5 in a real browser: the dashboard served by `postbox
@@ -1210,27 +1200,18 @@ async fn dead_letters_from_the_cli_and_the_api() {
 async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
     crate::dashboard::browser();
     let token = "dead-browser-3f0";
-    let AdminConsume {
-        _dir,
-        _conn,
-        ch,
-        queue,
-        addr,
-        keys,
-        start,
-        mut consumer,
-        ..
-    } = admin_consume_on(
+    let mut b = admin_consume_on(
         refusing_handler().await,
         "dead_browser",
         &format!("token = \"{token}\"\n"),
     )
     .await;
+    let (ch, queue, addr, keys, start) = (&b.ch, &b.queue, &b.addr, &b.keys, b.start);
     for i in 1..=3 {
-        publish(&ch, &queue, &format!("d-{i}"), "{}").await;
+        publish(ch, queue, &format!("d-{i}"), "{}").await;
     }
-    let dead = postbox_core::wire::rabbitmq::dead_queue(&queue);
-    while postbox_testkit::consumer_fixtures::ready(&ch, &dead).await < 3 {
+    let dead = postbox_core::wire::rabbitmq::dead_queue(queue);
+    while postbox_testkit::consumer_fixtures::ready(ch, &dead).await < 3 {
         assert!(start.elapsed() < Duration::from_secs(20), "not 3 dead");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -1273,9 +1254,9 @@ async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
         "the replayed letter was posted again"
     );
     assert_eq!(
-        postbox_testkit::consumer_fixtures::ready(&ch, &dead).await,
+        postbox_testkit::consumer_fixtures::ready(ch, &dead).await,
         0
     );
-    stopped(&mut consumer).await;
-    delete_queues(&ch, &queue).await;
+    stopped(&mut b.consumer).await;
+    delete_queues(ch, queue).await;
 }

@@ -71,6 +71,20 @@ async fn claim(store: &MySqlOutbox, source: ClaimSource, worker: &str) -> Vec<Cl
         .unwrap()
 }
 
+/// What `worker` claims from `source` for app_code `room` with a lease of
+/// `lease_ms`, unless the claim waits longer than 5 s (on a lock).
+async fn claim_within(
+    store: &MySqlOutbox,
+    source: ClaimSource,
+    worker: &str,
+    lease_ms: i64,
+) -> Result<Vec<ClaimedEvent>, tokio::time::error::Elapsed> {
+    let req = req("room", worker, lease_ms);
+    let claimed =
+        tokio::time::timeout(std::time::Duration::from_secs(5), store.claim(source, &req)).await?;
+    Ok(claimed.unwrap())
+}
+
 fn ids(events: &[ClaimedEvent]) -> Vec<i64> {
     events.iter().map(|e| e.record.id).collect()
 }
@@ -734,13 +748,9 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
     }
 
     // Claim, then mark, fail and release: each within seconds.
-    let claimed = timeout(
-        quick,
-        store.claim(ClaimSource::Pending, &req("room", "w1", 30_000)),
-    )
-    .await
-    .expect("claim waited on the producer's row")
-    .unwrap();
+    let claimed = claim_within(&store, ClaimSource::Pending, "w1", 30_000)
+        .await
+        .expect("claim waited on the producer's row");
     assert_eq!(ids(&claimed), committed);
     let fence = claimed[0].fence();
     let delivered = timeout(quick, store.mark_delivered(&fence, &committed[..3]))
@@ -772,30 +782,18 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
 
     // The released and the retryable rows come back; an expired lease is
     // taken over (with its history entry) without waiting either.
-    let again = timeout(
-        quick,
-        store.claim(ClaimSource::Pending, &req("room", "w2", 1)),
-    )
-    .await
-    .expect("second claim waited")
-    .unwrap();
+    let again = claim_within(&store, ClaimSource::Pending, "w2", 1)
+        .await
+        .expect("second claim waited");
     assert_eq!(ids(&again), committed[4..].to_vec());
-    let retry = timeout(
-        quick,
-        store.claim(ClaimSource::DueRetry, &req("room", "w2", 30_000)),
-    )
-    .await
-    .expect("retry claim waited")
-    .unwrap();
+    let retry = claim_within(&store, ClaimSource::DueRetry, "w2", 30_000)
+        .await
+        .expect("retry claim waited");
     assert_eq!(ids(&retry), vec![committed[3]]);
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let taken = timeout(
-        quick,
-        store.claim(ClaimSource::ExpiredLease, &req("room", "w3", 30_000)),
-    )
-    .await
-    .expect("takeover waited")
-    .unwrap();
+    let taken = claim_within(&store, ClaimSource::ExpiredLease, "w3", 30_000)
+        .await
+        .expect("takeover waited");
     assert_eq!(ids(&taken), committed[4..].to_vec());
     let done = timeout(quick, store.mark_delivered(&taken[0].fence(), &ids(&taken)))
         .await
