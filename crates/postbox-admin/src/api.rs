@@ -478,6 +478,14 @@ pub(crate) async fn set_control(
     }))
 }
 
+/// `GET /api/relays`: every relay of the table, as its heartbeats in
+/// `<table>_relays` tell (worker id, host, pid, app_codes, counts, rate,
+/// last seen, state).
+pub(crate) async fn relays(State(state): State<AppState>) -> ApiResult<Json<serde_json::Value>> {
+    let relays = state.store.relays().await?;
+    Ok(Json(serde_json::json!({ "relays": relays })))
+}
+
 /// `GET /api/topology`: who publishes what, and who consumes it.
 pub(crate) async fn topology(
     State(state): State<AppState>,

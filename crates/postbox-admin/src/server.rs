@@ -160,6 +160,7 @@ fn router(state: AppState) -> Router {
         .route("/api/stats", get(api::stats))
         .route("/api/publishers", get(api::publishers))
         .route("/api/topology", get(api::topology))
+        .route("/api/relays", get(api::relays))
         .route("/api/events", get(api::list))
         .route("/api/events/{event_id}", get(api::show))
         .route("/api/events/{event_id}/replay", post(api::replay))

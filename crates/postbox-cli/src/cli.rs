@@ -60,6 +60,8 @@ pub enum Command {
     Dead(DeadArgs),
     /// Who publishes what, and who consumes it: event type → publisher → target → queues, consumers, groups.
     Topology,
+    /// Every relay of the table on any host: state, worker id, host, counts, rate, last heartbeat.
+    Relays,
     /// Runtime controls: pause an app_code, change delivery or max_retry_count while relays run.
     Control(ControlArgs),
     /// Move delivered rows older than a cut-off into <table>_archive, in batches.

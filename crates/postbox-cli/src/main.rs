@@ -75,6 +75,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Replay(args) => commands::replay::run(g, args).await,
         Command::Dead(args) => commands::dead::run(g, args).await,
         Command::Topology => commands::topology::run(g).await,
+        Command::Relays => commands::relays::run(g).await,
         Command::Control(args) => commands::control::run(g, args).await,
         Command::Archive(args) => commands::archive::run(g, args).await,
         Command::Doctor => commands::doctor::run(g).await,

@@ -24,6 +24,69 @@ pub struct ClaimRequest<'a> {
     pub skip_types: &'a [String],
 }
 
+/// How often a relay writes its heartbeat into `<table>_relays`.
+pub const RELAY_BEAT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Relays not heard from for this long are forgotten by the others'
+/// heartbeats.
+pub const RELAY_FORGOTTEN_AFTER_MS: i64 = 24 * 3_600_000;
+
+/// A relay's heartbeat (`<table>_relays`, schema version 10): who it is
+/// and what it did since it started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RelayBeat {
+    /// Its worker id, written into the leases it takes.
+    pub worker_id: String,
+    /// The host it runs on.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+    /// The app_codes it serves.
+    pub app_codes: Vec<String>,
+    /// Rows claimed since it started.
+    pub claimed: u64,
+    /// Rows marked delivered since it started.
+    pub delivered: u64,
+    /// Rows dead-lettered since it started.
+    pub failed: u64,
+    /// Rows delivered per minute over its last heartbeat interval.
+    pub per_minute: u64,
+    /// This is its last heartbeat: it stopped.
+    pub stopped: bool,
+}
+
+/// A relay as the registry last heard of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RelaySeen {
+    /// Its last heartbeat.
+    #[serde(flatten)]
+    pub beat: RelayBeat,
+    /// When it started, epoch ms (the database's clock).
+    pub started_at_ms: i64,
+    /// Its last heartbeat, epoch ms.
+    pub seen_at_ms: i64,
+    /// When it stopped, if it said so.
+    pub stopped_at_ms: Option<i64>,
+    /// `running` (heard from within three heartbeats), `stopped` (said so)
+    /// or `silent` (no heartbeat for longer: killed, hung or cut off; its
+    /// leases expire and other relays take its rows over).
+    pub state: &'static str,
+}
+
+impl RelaySeen {
+    /// The state of a relay last seen at `seen_at_ms` when the database's
+    /// clock reads `now_ms`.
+    pub fn state_of(stopped: bool, seen_at_ms: i64, now_ms: i64) -> &'static str {
+        if stopped {
+            "stopped"
+        } else if now_ms - seen_at_ms <= 3 * RELAY_BEAT.as_millis() as i64 {
+            "running"
+        } else {
+            "silent"
+        }
+    }
+}
+
 /// How deferred rows are written (see [`RelayStore::defer`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct DeferUpdate {
@@ -531,7 +594,14 @@ pub const EXPECTED_INDEXES: [&str; 4] = [
 ];
 
 /// The tables (suffixes after the table name).
-pub const EXPECTED_TABLES: [&str; 5] = ["", "_archive", "_history", "_controls", "_control_log"];
+pub const EXPECTED_TABLES: [&str; 6] = [
+    "",
+    "_archive",
+    "_history",
+    "_controls",
+    "_control_log",
+    "_relays",
+];
 
 /// Outcome of `migrate`.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -547,12 +617,13 @@ pub struct MigrateReport {
 
 /// The tables of [`EXPECTED_TABLES`] and the migration version that creates
 /// each of them.
-pub const TABLE_VERSIONS: [(&str, u32); 5] = [
+pub const TABLE_VERSIONS: [(&str, u32); 6] = [
     ("", 1),
     ("_archive", 1),
     ("_history", 2),
     ("_controls", 9),
     ("_control_log", 9),
+    ("_relays", 10),
 ];
 
 /// What `migrate` must do before applying pending versions, when its ledger
@@ -661,6 +732,10 @@ impl EnqueueOutcome {
 pub trait RelayStore: Send + Sync + 'static {
     /// `postgres`, `mysql` or `sqlite`.
     fn backend(&self) -> &'static str;
+
+    /// Writes a relay's heartbeat into `<table>_relays` and forgets relays
+    /// not heard from for [`RELAY_FORGOTTEN_AFTER_MS`].
+    async fn beat(&self, beat: &RelayBeat) -> Result<()>;
 
     /// The outbox table.
     fn table(&self) -> &TableName;
@@ -817,6 +892,9 @@ pub trait InspectStore: RelayStore {
     /// event id again. Index: `<table>_archive_event_uq (app_code, event_id)`.
     async fn archived_event_ids(&self, app_code: &str, event_ids: &[String])
         -> Result<Vec<String>>;
+
+    /// Every relay the registry knows (`<table>_relays`), the newest first.
+    async fn relays(&self) -> Result<Vec<RelaySeen>>;
 
     /// Aggregates of `app_code` whose head (the first event in the
     /// per-aggregate order still pending, delivering or retryable) is
@@ -995,4 +1073,25 @@ impl<T> OutboxStore for T where
 fn tag(rows: Vec<EventRecord>, archived: bool) -> impl Iterator<Item = Inspected> {
     rows.into_iter()
         .map(move |record| Inspected { record, archived })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{RelaySeen, RELAY_BEAT};
+
+    /// A relay heard from within three heartbeats runs; one that said it
+    /// stopped is stopped; one silent for longer is `silent`.
+    #[test]
+    fn a_relay_is_running_stopped_or_silent() {
+        let beat = RELAY_BEAT.as_millis() as i64;
+        assert_eq!(
+            RelaySeen::state_of(false, 1_000, 1_000 + 3 * beat),
+            "running"
+        );
+        assert_eq!(
+            RelaySeen::state_of(false, 1_000, 1_001 + 3 * beat),
+            "silent"
+        );
+        assert_eq!(RelaySeen::state_of(true, 1_000, 1_000), "stopped");
+    }
 }

@@ -575,6 +575,7 @@ pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!(
     (7, postbox_sqlx::V7_DESCRIPTION, V7_HEAD_INDEX),
     (8, postbox_sqlx::V8_DESCRIPTION, V8_DUE_INDEX),
     (9, postbox_sqlx::V9_DESCRIPTION, V9_CONTROLS),
+    (10, postbox_sqlx::V10_DESCRIPTION, V10_RELAYS),
 );
 
 /// Version 9: the runtime controls (`postbox_sqlx::v9_controls!`).
@@ -582,6 +583,12 @@ pub(crate) const V9_CONTROLS: &[&str] =
     postbox_sqlx::v9_controls!("id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY");
 
 postbox_sqlx::control_statements!(now: now_ms!(), "?", "?", "?", "?", "?", "?");
+
+/// Version 10: the relay registry (`postbox_sqlx::v10_relays!`).
+pub(crate) const V10_RELAYS: &[&str] =
+    postbox_sqlx::v10_relays!(" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4");
+
+postbox_sqlx::relay_statements!(now: now_ms!(), "?", "?", "?", "?", "?", "?", "?", "?", "?");
 
 /// The outbox table's indexes since version 5 (suffixes).
 pub(crate) const INDEXES: &[&str] = &["_due_idx", "_head_idx"];

@@ -424,6 +424,11 @@ pub(crate) const V9_CONTROLS: &[&str] =
 
 postbox_sqlx::control_statements!(now: now_ms!(), "$1", "$2", "$3", "$4", "$5", "$6");
 
+/// Version 10: the relay registry (`postbox_sqlx::v10_relays!`).
+pub(crate) const V10_RELAYS: &[&str] = postbox_sqlx::v10_relays!("");
+
+postbox_sqlx::relay_statements!(now: now_ms!(), "$1", "$2", "$3", "$4", "$5", "$6", "$7", "$8", "$9");
+
 /// The outbox table's indexes (`postbox_sqlx::partial_indexes!`) and the
 /// archive's primary key.
 pub(crate) const INDEXES: &[&str] = postbox_sqlx::partial_indexes!("_archive_pk");

@@ -148,6 +148,15 @@ pub struct Statements<S = &'static str> {
     pub control_log_insert: S,
     /// `at_ms, actor, app_code, event_type, detail`, newest first; limit.
     pub control_log_select: S,
+    /// A relay's heartbeat; host, pid, app_codes, claimed, delivered,
+    /// failed, per_minute, stopped, worker_id.
+    pub relay_update: S,
+    /// A relay's first heartbeat; same binds.
+    pub relay_insert: S,
+    /// Every relay (see `relay_statements!`); no binds.
+    pub relay_select: S,
+    /// Forgets relays not seen for a time; ms.
+    pub relay_forget: S,
     /// Heads of aggregates held back; app_code, older_than_ms, limit.
     pub stuck_aggregates: S,
     /// The table's schema version (one column); table name.
@@ -209,6 +218,10 @@ impl Statements {
             control_insert,
             control_log_insert,
             control_log_select,
+            relay_update,
+            relay_insert,
+            relay_select,
+            relay_forget,
             stuck_aggregates,
             doctor_version,
             doctor_objects,
@@ -590,6 +603,10 @@ macro_rules! statements {
             control_insert: CONTROL_INSERT,
             control_log_insert: CONTROL_LOG_INSERT,
             control_log_select: CONTROL_LOG_SELECT,
+            relay_update: RELAY_UPDATE,
+            relay_insert: RELAY_INSERT,
+            relay_select: RELAY_SELECT,
+            relay_forget: RELAY_FORGET,
             stuck_aggregates: STUCK_AGGREGATES,
             doctor_version: DOCTOR_VERSION,
             doctor_objects: DOCTOR_OBJECTS,
@@ -1391,6 +1408,67 @@ macro_rules! v9_controls {
     };
 }
 
+/// Version 10: the relay registry, `{table}_relays`: one row per relay
+/// (`worker_id`), written by its heartbeat ([`relay_statements!`]) and read
+/// by `postbox relays`, `GET /api/relays` and the dashboard. `$options`
+/// follows the definition (MySQL's engine and charset).
+#[macro_export]
+macro_rules! v10_relays {
+    ($options:literal) => {
+        &[concat!(
+            "CREATE TABLE IF NOT EXISTS {table}_relays ( \
+               worker_id VARCHAR(128) NOT NULL PRIMARY KEY, host VARCHAR(256) NOT NULL, \
+               pid BIGINT NOT NULL, app_codes TEXT NOT NULL, \
+               claimed BIGINT NOT NULL, delivered BIGINT NOT NULL, failed BIGINT NOT NULL, \
+               per_minute BIGINT NOT NULL, stopped_at_ms BIGINT, \
+               started_at_ms BIGINT NOT NULL, seen_at_ms BIGINT NOT NULL)",
+            $options
+        )]
+    };
+}
+
+/// [`v10_relays!`]'s description.
+pub const V10_DESCRIPTION: &str = "relay registry (<table>_relays)";
+
+/// The statements of the relay registry ([`v10_relays!`]), with the
+/// dialect's clock `$now` and placeholders `$p1` … `$p9`, each used once
+/// and in that order: `RELAY_UPDATE` and `RELAY_INSERT` take host, pid,
+/// app_codes, claimed, delivered, failed, per_minute, stopped (1 or 0),
+/// worker_id (a heartbeat updates its row, and inserts it the first time);
+/// `RELAY_SELECT` reads every row with the database clock; `RELAY_FORGET`
+/// deletes rows not seen for `$p1` ms. The table holds a row per relay:
+/// no index beyond its primary key.
+#[macro_export]
+macro_rules! relay_statements {
+    (now: $now:expr, $p1:literal, $p2:literal, $p3:literal, $p4:literal, $p5:literal, $p6:literal, $p7:literal, $p8:literal, $p9:literal) => {
+        /// One relay's heartbeat.
+        pub(crate) const RELAY_UPDATE: &str = concat!(
+            "UPDATE {table}_relays SET host = ", $p1, ", pid = ", $p2, ", app_codes = ", $p3,
+            ", claimed = ", $p4, ", delivered = ", $p5, ", failed = ", $p6, ", per_minute = ", $p7,
+            ", stopped_at_ms = CASE WHEN ", $p8, " = 1 THEN ", $now, " ELSE NULL END, seen_at_ms = ",
+            $now, " WHERE worker_id = ", $p9
+        );
+        /// A relay's first heartbeat.
+        pub(crate) const RELAY_INSERT: &str = concat!(
+            "INSERT INTO {table}_relays (host, pid, app_codes, claimed, delivered, failed, per_minute, \
+               stopped_at_ms, worker_id, started_at_ms, seen_at_ms) VALUES (",
+            $p1, ", ", $p2, ", ", $p3, ", ", $p4, ", ", $p5, ", ", $p6, ", ", $p7,
+            ", CASE WHEN ", $p8, " = 1 THEN ", $now, " ELSE NULL END, ", $p9, ", ", $now, ", ", $now, ")"
+        );
+        /// Every relay, the newest first, with the database clock.
+        pub(crate) const RELAY_SELECT: &str = concat!(
+            "SELECT worker_id, host, pid, app_codes, claimed, delivered, failed, per_minute, \
+               stopped_at_ms, started_at_ms, seen_at_ms, ",
+            $now,
+            " AS now_ms FROM {table}_relays ORDER BY started_at_ms DESC, worker_id"
+        );
+        /// Forgets relays long gone.
+        pub(crate) const RELAY_FORGET: &str = concat!(
+            "DELETE FROM {table}_relays WHERE seen_at_ms < ", $now, " - ", $p1
+        );
+    };
+}
+
 /// [`v9_controls!`]'s description.
 pub const V9_DESCRIPTION: &str =
     "runtime controls and their log (<table>_controls, <table>_control_log)";
@@ -1439,8 +1517,8 @@ macro_rules! control_statements {
 /// PostgreSQL and SQLite share.
 #[macro_export]
 macro_rules! migrations {
-    // PostgreSQL and SQLite: versions 5 to 9 with partial indexes, from
-    // `V5_INDEXES` and `V9_CONTROLS` of the invoking module; versions only
+    // PostgreSQL and SQLite: versions 5 to 10 with partial indexes, from
+    // `V5_INDEXES`, `V9_CONTROLS` and `V10_RELAYS` of the invoking module; versions only
     // this database has, below 5, come first.
     (partial_indexes; $($before_v5:expr),* $(,)?) => {
         $crate::migrations!(
@@ -1450,6 +1528,7 @@ macro_rules! migrations {
             (7, $crate::V7_DESCRIPTION, $crate::V7_HEAD_INDEX),
             (8, $crate::V8_DESCRIPTION, $crate::V8_PENDING_INDEX),
             (9, $crate::V9_DESCRIPTION, V9_CONTROLS),
+            (10, $crate::V10_DESCRIPTION, V10_RELAYS),
         )
     };
     ($($more:expr),* $(,)?) => {

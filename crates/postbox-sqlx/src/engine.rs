@@ -816,6 +816,52 @@ impl SqlOutbox<D> {
         crate::control_log_of(rows)
     }
 
+    /// Writes a relay's heartbeat (its row, inserted the first time) and
+    /// forgets relays long gone.
+    pub async fn beat(&self, beat: &postbox_core::store::RelayBeat) -> Result<()> {
+        let op = "write the relay heartbeat";
+        let app_codes = beat.app_codes.join(",");
+        let binds = || {
+            [
+                beat.host.as_str().into(),
+                Value::Int(Some(i64::from(beat.pid))),
+                app_codes.as_str().into(),
+                Value::Int(Some(beat.claimed as i64)),
+                Value::Int(Some(beat.delivered as i64)),
+                Value::Int(Some(beat.failed as i64)),
+                Value::Int(Some(beat.per_minute as i64)),
+                Value::Int(Some(i64::from(beat.stopped))),
+                beat.worker_id.as_str().into(),
+            ]
+        };
+        let db = |e| db_error(op, e);
+        let updated = query::<D>(&self.sql.relay_update, binds())
+            .execute(&self.pool)
+            .await
+            .map_err(db)?;
+        if D::rows_affected(&updated) == 0 {
+            query::<D>(&self.sql.relay_insert, binds())
+                .execute(&self.pool)
+                .await
+                .map_err(db)?;
+        }
+        let forget = [Value::Int(Some(postbox_core::store::RELAY_FORGOTTEN_AFTER_MS))];
+        query::<D>(&self.sql.relay_forget, forget)
+            .execute(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    /// Every relay of the registry, the newest first.
+    pub async fn relays(&self) -> Result<Vec<postbox_core::store::RelaySeen>> {
+        let rows = query::<D>(&self.sql.relay_select, [])
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("read the relays", e))?;
+        crate::relays_of(rows)
+    }
+
     /// The attempt history of an event, oldest first.
     pub async fn history(&self, event_id: &str) -> Result<Vec<HistoryEntry>> {
         let rows = query::<D>(&self.sql.history, [event_id.into()])

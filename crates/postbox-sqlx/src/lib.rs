@@ -21,8 +21,8 @@ pub mod __private {
 
 pub use dialect::{
     Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP, PARTIAL_ARCHIVE_INDEX,
-    PARTIAL_CLAIM_INDEXES, V5_DESCRIPTION, V6_DESCRIPTION, V6_PENDING_INDEX, V7_DESCRIPTION,
-    V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX, V9_DESCRIPTION,
+    PARTIAL_CLAIM_INDEXES, V10_DESCRIPTION, V5_DESCRIPTION, V6_DESCRIPTION, V6_PENDING_INDEX,
+    V7_DESCRIPTION, V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX, V9_DESCRIPTION,
 };
 pub use engine::{
     finish, query, OpenOptions, Opened, ReplayProbe, ReplayProbeArgs, SqlOutbox, MIGRATIONS_LEDGER,
@@ -211,6 +211,43 @@ pub fn controls_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::contr
         });
     }
     Ok(out)
+}
+
+/// Relays from rows of `RELAY_SELECT` (`relay_statements!`).
+pub fn relays_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::store::RelaySeen>> {
+    use postbox_core::store::{RelayBeat, RelaySeen};
+    let db = |e| db_error("read the relays", e);
+    let count = |row: &R, column: &str| row.int(column).map(|n| n.max(0) as u64);
+    rows.iter()
+        .map(|row| {
+            let stopped_at_ms = row.int_or_null("stopped_at_ms").map_err(db)?;
+            let seen_at_ms = row.int("seen_at_ms").map_err(db)?;
+            let app_codes = row.text("app_codes").map_err(db)?;
+            let beat = RelayBeat {
+                worker_id: row.text("worker_id").map_err(db)?,
+                host: row.text("host").map_err(db)?,
+                pid: u32::try_from(row.int("pid").map_err(db)?).unwrap_or(0),
+                app_codes: app_codes
+                    .split(',')
+                    .filter(|a| !a.is_empty())
+                    .map(str::to_owned)
+                    .collect(),
+                claimed: count(row, "claimed").map_err(db)?,
+                delivered: count(row, "delivered").map_err(db)?,
+                failed: count(row, "failed").map_err(db)?,
+                per_minute: count(row, "per_minute").map_err(db)?,
+                stopped: stopped_at_ms.is_some(),
+            };
+            let now_ms = row.int("now_ms").map_err(db)?;
+            Ok(RelaySeen {
+                state: RelaySeen::state_of(beat.stopped, seen_at_ms, now_ms),
+                beat,
+                started_at_ms: row.int("started_at_ms").map_err(db)?,
+                seen_at_ms,
+                stopped_at_ms,
+            })
+        })
+        .collect()
 }
 
 /// Reads control log rows selected as `at_ms, actor, app_code, event_type,

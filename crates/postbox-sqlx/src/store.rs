@@ -19,7 +19,7 @@ macro_rules! capabilities_from_inherent {
             use $crate::__private::postbox_core::store::{
                 AppStats, ArchiveReport, ArchiveRequest, ArchiveStore, ClaimRequest, ControlStore,
                 DeferUpdate, EnqueueOutcome, EnqueueStore, EventFilter, FailureUpdate, HistoryEntry,
-                InspectStore, MigrateReport, MinuteCount, QueryPlan, RelayStore, ReplayRequest,
+                InspectStore, MigrateReport, MinuteCount, QueryPlan, RelayBeat, RelaySeen, RelayStore, ReplayRequest,
                 ReplayStore, SchemaReport, SchemaStore, StuckAggregate,
             };
             use $crate::__private::postbox_core::{
@@ -31,6 +31,9 @@ macro_rules! capabilities_from_inherent {
             impl<$($gen)*> RelayStore for $ty where $($bounds)* {
                 fn backend(&self) -> &'static str {
                     <$ty>::backend(self)
+                }
+                async fn beat(&self, beat: &RelayBeat) -> Result<()> {
+                    <$ty>::beat(self, beat).await
                 }
                 fn table(&self) -> &TableName {
                     <$ty>::table(self)
@@ -106,6 +109,9 @@ macro_rules! capabilities_from_inherent {
                 }
                 async fn archived_event_ids(&self, app_code: &str, event_ids: &[String]) -> Result<Vec<String>> {
                     <$ty>::archived_event_ids(self, app_code, event_ids).await
+                }
+                async fn relays(&self) -> Result<Vec<RelaySeen>> {
+                    <$ty>::relays(self).await
                 }
                 async fn stuck_aggregates(&self, app_code: &str, older_than_ms: i64, limit: u32) -> Result<Vec<StuckAggregate>> {
                     <$ty>::stuck_aggregates(self, app_code, older_than_ms, limit).await

@@ -98,6 +98,7 @@ cases! {$
     controls_are_set_cleared_and_logged,
     relay_applies_controls_while_it_runs,
     relay_holds_a_paused_event_type_and_delivers_the_others,
+    relays_register_by_their_heartbeats,
 }
 
 const APP: &str = "conf";
@@ -2073,14 +2074,14 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
     }
     let report = store.migrate().await.expect("migrate after drop");
     // Every database has versions 1 to 3, 5 (the index per status), 7
-    // (the head index), 8 (pending rows by event type) and 9 (the runtime
-    // controls); PostgreSQL adds
+    // (the head index), 8 (pending rows by event type), 9 (the runtime
+    // controls) and 10 (the relay registry); PostgreSQL adds
     // its wake-up trigger (4), the databases with partial indexes
     // (PostgreSQL, SQLite) the pending index in claim order (6).
     let latest = report.version;
-    let mariadb = [1, 2, 3, 5, 7, 8, 9];
-    let sqlite = [1, 2, 3, 5, 6, 7, 8, 9];
-    let postgres = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+    let mariadb = [1, 2, 3, 5, 7, 8, 9, 10];
+    let sqlite = [1, 2, 3, 5, 6, 7, 8, 9, 10];
+    let postgres = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
     assert!(
         [&mariadb[..], &sqlite, &postgres].contains(&report.applied.as_slice()),
         "{report:?}"
@@ -2401,6 +2402,84 @@ async fn relay_holds_a_paused_event_type_and_delivers_the_others(store: Arc<dyn 
         shutdown.cancel();
         handle.await.expect("relay task").expect("relay run");
     }
+}
+
+/// Issue 14.5: heartbeats register a relay in `<table>_relays`, each one
+/// replacing the last; its last one says it stopped. A running relay
+/// writes its own, with what it claimed and delivered.
+async fn relays_register_by_their_heartbeats(store: Arc<dyn OutboxStore>) {
+    use postbox_core::store::RelayBeat;
+    let beat = RelayBeat {
+        worker_id: "conf-w1".into(),
+        host: "h1".into(),
+        pid: 42,
+        app_codes: vec![APP.into(), "other".into()],
+        claimed: 5,
+        delivered: 4,
+        failed: 1,
+        per_minute: 240,
+        stopped: false,
+    };
+    store.beat(&beat).await.expect("first beat");
+    let later = RelayBeat {
+        delivered: 5,
+        ..beat.clone()
+    };
+    store.beat(&later).await.expect("second beat");
+    let seen = store.relays().await.expect("relays");
+    let r = seen
+        .iter()
+        .find(|r| r.beat.worker_id == "conf-w1")
+        .expect("registered");
+    assert_eq!(
+        (&r.beat, r.state, r.stopped_at_ms),
+        (&later, "running", None)
+    );
+    assert!(r.seen_at_ms >= r.started_at_ms, "{r:?}");
+    let last = RelayBeat {
+        stopped: true,
+        ..later.clone()
+    };
+    store.beat(&last).await.expect("last beat");
+    let seen = store.relays().await.expect("relays");
+    let r = seen.iter().find(|r| r.beat.worker_id == "conf-w1").unwrap();
+    assert_eq!((r.state, r.beat.stopped), ("stopped", true));
+    assert!(
+        r.stopped_at_ms.is_some_and(|at| at >= r.started_at_ms),
+        "{r:?}"
+    );
+
+    // A relay that runs and stops.
+    enqueue(store.as_ref(), &events(3, "T")).await;
+    let p = Arc::new(RecordingPublisher::new("rec"));
+    let settings =
+        RelaySettings::new(fast_worker(), vec![APP.to_owned()]).expect("[outbox_worker]");
+    let shutdown = CancellationToken::new();
+    let relay = Relay::new(store.clone(), vec![p], settings).with_worker_id("conf-relay");
+    let handle = tokio::spawn(relay.run(shutdown.clone()));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while stats(store.as_ref()).await.delivered < 3 {
+        assert!(Instant::now() < deadline, "not delivered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    handle.await.expect("relay task").expect("relay run");
+    let seen = store.relays().await.expect("relays");
+    let r = seen
+        .iter()
+        .find(|r| r.beat.worker_id == "conf-relay")
+        .expect("the relay registered itself");
+    assert_eq!(
+        (
+            r.state,
+            r.beat.claimed,
+            r.beat.delivered,
+            r.beat.app_codes.clone()
+        ),
+        ("stopped", 3, 3, vec![APP.to_owned()]),
+        "{r:?}"
+    );
+    assert_eq!(r.beat.pid, std::process::id());
 }
 
 #[cfg(test)]

@@ -173,6 +173,9 @@ impl RelayStore for WrappedStore {
     async fn controls(&self) -> Result<Vec<postbox_core::control::Control>> {
         self.inner.controls().await
     }
+    async fn beat(&self, beat: &postbox_core::store::RelayBeat) -> Result<()> {
+        self.inner.beat(beat).await
+    }
     async fn defer(&self, fence: &Fence, ids: &[i64], update: &DeferUpdate) -> Result<u64> {
         self.count();
         self.inner.defer(fence, ids, update).await

@@ -314,6 +314,17 @@ $("#control-form").addEventListener("submit", (ev) => {
   operate("/api/controls", body, ev.submitter, "Control of " + body.app_code + "/" + body.event_type + " set.");
 });
 
+// ---- relays: their heartbeats in `<table>_relays`, read with the stats ----
+
+async function loadRelays() {
+  const r = await getJson("/api/relays");
+  $("#relays tbody").replaceChildren(...r.relays.map((x) => el("tr", { "data-worker": x.worker_id },
+    el("td", { "data-state": x.state }, x.state), el("td", {}, x.worker_id),
+    el("td", {}, x.host + ":" + x.pid), el("td", {}, x.app_codes.join(", ")),
+    el("td", {}, String(x.claimed)), el("td", {}, String(x.delivered)), el("td", {}, String(x.failed)),
+    el("td", {}, String(x.per_minute)), el("td", {}, new Date(x.seen_at_ms).toLocaleString()))));
+}
+
 // ---- topology (`postbox serve`): read when the page opens and on Reload,
 // never polled (it asks the brokers) ----
 
@@ -470,6 +481,7 @@ async function refresh() {
       await loadPublishers();
       await loadFailed();
       await loadControls();
+      await loadRelays();
       if (!topologyLoaded) await loadTopology();
     } catch (e) {
       if (e.status === 404) servesOutbox = false;

@@ -11,6 +11,7 @@ pub mod events;
 pub mod migrate;
 pub mod quickstart;
 pub mod relay;
+pub mod relays;
 pub mod replay;
 pub mod serve;
 pub mod status;

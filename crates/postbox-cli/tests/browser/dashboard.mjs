@@ -18,6 +18,10 @@ await run("dashboard", initial, async (page, result) => {
   for (const [status, n] of Object.entries(args.counts)) {
     await cell(status).filter({ hasText: new RegExp(`^${n}$`) }).waitFor({ timeout: 15000 });
   }
+  // The relays, from their heartbeats (all but the time last seen).
+  const relay = page.locator(`#relays tr[data-worker="${args.relay}"]`);
+  await relay.waitFor({ timeout: 15000 });
+  result.relay = (await relay.locator("td").allTextContents()).slice(0, 8);
   // The topology: each event type through each publisher.
   const route = page.locator(`#topology tr[data-event-type="RoomCreated"]`);
   await route.first().waitFor({ timeout: 15000 });

@@ -99,6 +99,19 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
     set("delivered", ids[0..5].to_vec()).await;
     set("failed", ids[5..7].to_vec()).await;
     // ids[7..10] stay pending.
+    // A relay's heartbeat, listed with the others.
+    let beat = postbox_core::store::RelayBeat {
+        worker_id: "dash-relay".into(),
+        host: "dash-host".into(),
+        pid: 4242,
+        app_codes: vec![app.into()],
+        claimed: 7,
+        delivered: 5,
+        failed: 2,
+        per_minute: 60,
+        stopped: false,
+    };
+    store.beat(&beat).await.expect("a heartbeat");
 
     let dir = tempfile::tempdir().unwrap();
     let config = common::write_config(
@@ -138,9 +151,24 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
         "counts": { "delivered": 5, "pending": 3, "failed": 2 },
         "replay": ids[6],
         "lookup": ids[0],
+        "relay": "dash-relay",
     });
     let result = run_browser("dashboard.mjs", &args);
     assert_eq!(result["failed_listed"], 2, "{result}");
+    assert_eq!(
+        result["relay"],
+        serde_json::json!([
+            "running",
+            "dash-relay",
+            "dash-host:4242",
+            "web",
+            "7",
+            "5",
+            "2",
+            "60"
+        ]),
+        "the relay list: {result}"
+    );
     assert_eq!(
         result["topology"],
         serde_json::json!(["RoomCreated", app, "file (file)", "file `-`", "—"]),

@@ -13,4 +13,5 @@ mod docs_zh;
 mod doctor;
 mod printed_sql;
 mod relay_processes;
+mod relays;
 mod topology;

@@ -49,6 +49,8 @@ pub(super) struct Claimer {
     /// The runtime controls, read again before a round's claims when older
     /// than their refresh interval: a paused app_code is not claimed.
     pub controls: super::controls::ControlView,
+    /// Rows claimed, for the heartbeat.
+    pub tally: Arc<super::heartbeat::Tally>,
 }
 
 /// One claim query to run: app_code `app` (its index), from `source`,
@@ -280,6 +282,7 @@ impl Claimer {
                 }
                 *db_errors = 0;
                 *claimed += events.len() as u64;
+                super::heartbeat::Tally::add(&self.tally.claimed, events.len() as u64);
                 round.found = true;
                 if source == ClaimSource::ExpiredLease {
                     metrics::counter!(crate::metrics::LEASE_EXPIRED_TOTAL)

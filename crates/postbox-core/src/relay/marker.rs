@@ -20,6 +20,8 @@ use crate::{Error, Result};
 
 pub(super) struct Marker {
     pub store: Arc<dyn RelayStore>,
+    /// Rows delivered and dead-lettered, for the heartbeat.
+    pub tally: Arc<super::heartbeat::Tally>,
 }
 
 impl Marker {
@@ -143,6 +145,7 @@ impl Marker {
                 report.count(written, |report| {
                     if dead {
                         report.failed += 1;
+                        super::heartbeat::Tally::add(&self.tally.failed, 1);
                         metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => row.app_code)
                             .increment(1);
                     } else {
@@ -196,6 +199,7 @@ impl Marker {
                 }
             };
             report.delivered += n;
+            super::heartbeat::Tally::add(&self.tally.delivered, n);
             report.mark_errors += unknown;
             record_delivery_lag(&ids, n, &created_at);
             let lost = rows - n - unknown;

@@ -28,6 +28,7 @@
 mod breaker;
 mod claimer;
 mod controls;
+mod heartbeat;
 mod marker;
 mod publisher;
 
@@ -164,7 +165,9 @@ impl Relay {
         // (when `wake = "notify"` and the database has one) signals too.
         let wake = self.store.wake().unwrap_or_default();
         let controls = controls::ControlView::default();
+        let tally = Arc::new(heartbeat::Tally::default());
         let claimer = claimer::Claimer {
+            tally: tally.clone(),
             store: self.store.clone(),
             config: self.config.clone(),
             app_codes: self.app_codes.clone(),
@@ -183,6 +186,13 @@ impl Relay {
         };
         let marking = marker::Marker {
             store: self.store.clone(),
+            tally: tally.clone(),
+        };
+        let heartbeat = heartbeat::Heartbeat {
+            store: self.store.clone(),
+            worker_id: self.worker_id.clone(),
+            app_codes: self.app_codes.clone(),
+            tally,
         };
 
         // Cancelled on shutdown, and by the first stage that fails.
@@ -198,6 +208,7 @@ impl Relay {
             stop.clone(),
         );
         let mark_task = spawn_stage("mark", marking.run(results_rx), stop.clone());
+        let heartbeat_task = tokio::spawn(heartbeat.run(stop.clone()));
 
         // Every stage winds down before `run` returns, failed or not: the
         // others release what they hold.
@@ -211,6 +222,10 @@ impl Relay {
         }
         for p in &self.publishers {
             p.close().await;
+        }
+        // The registry hears that this relay stopped, whatever the cause.
+        if let Ok(heartbeat) = heartbeat_task.await {
+            heartbeat.last().await;
         }
         let (claimed, released, mut report) = match (claimed, released, marked) {
             (Ok(c), Ok(r), Ok(m)) => (c, r, m),
@@ -412,14 +427,9 @@ async fn releasing_on_failure<T, I>(
 
 /// `{host}-{pid}-{4 hex}`: tells relays apart in `worker_id` and in logs.
 pub fn default_worker_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .map(|h| h.trim().to_owned())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "host".to_owned());
+    let (host, pid) = heartbeat::host_and_pid();
     let suffix: u16 = rand::random();
-    let mut id = format!("{host}-{}-{suffix:04x}", std::process::id());
+    let mut id = format!("{host}-{pid}-{suffix:04x}");
     id.truncate(120);
     id
 }

@@ -1,0 +1,97 @@
+//! The relay's heartbeat: its row in `<table>_relays` (schema version 10),
+//! written when it starts, every [`RELAY_BEAT`] while it runs and once more
+//! when it stops, so that `postbox relays`, `GET /api/relays` and the
+//! dashboard list every relay of the table, on any host, with what it did.
+//! One write per beat: an idle relay still makes at most one database
+//! round trip per second in all.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{RelayBeat, RelayStore, RELAY_BEAT};
+
+/// What the stages did since the relay started, counted as they go.
+#[derive(Debug, Default)]
+pub(super) struct Tally {
+    pub claimed: AtomicU64,
+    pub delivered: AtomicU64,
+    pub failed: AtomicU64,
+}
+
+impl Tally {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// Writes the heartbeats of one relay.
+pub(super) struct Heartbeat {
+    pub store: Arc<dyn RelayStore>,
+    pub worker_id: String,
+    pub app_codes: Vec<String>,
+    pub tally: Arc<Tally>,
+}
+
+impl Heartbeat {
+    /// Beats until `stop` is cancelled; the last beat is [`Heartbeat::last`]'s.
+    pub async fn run(self, stop: CancellationToken) -> Self {
+        let mut since = (Instant::now(), 0u64);
+        let mut failures = 0u32;
+        loop {
+            let delivered = self.tally.delivered.load(Ordering::Relaxed);
+            let elapsed_ms = since.0.elapsed().as_millis().max(1) as u64;
+            let per_minute = delivered.saturating_sub(since.1) * 60_000 / elapsed_ms;
+            since = (Instant::now(), delivered);
+            match self.store.beat(&self.beat(per_minute, false)).await {
+                Ok(()) => failures = 0,
+                Err(e) => {
+                    failures += 1;
+                    // One line per streak: the relay works on without it.
+                    if failures == 1 {
+                        tracing::warn!(error = %e, "could not write the relay heartbeat (run `postbox migrate` for schema version 10); relaying goes on");
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(RELAY_BEAT) => {}
+                _ = stop.cancelled() => return self,
+            }
+        }
+    }
+
+    /// The last beat: the relay stopped, with its final counts.
+    pub async fn last(&self) {
+        if let Err(e) = self.store.beat(&self.beat(0, true)).await {
+            tracing::debug!(error = %e, "could not write the relay's last heartbeat");
+        }
+    }
+
+    fn beat(&self, per_minute: u64, stopped: bool) -> RelayBeat {
+        let (host, pid) = host_and_pid();
+        RelayBeat {
+            worker_id: self.worker_id.clone(),
+            host,
+            pid,
+            app_codes: self.app_codes.clone(),
+            claimed: self.tally.claimed.load(Ordering::Relaxed),
+            delivered: self.tally.delivered.load(Ordering::Relaxed),
+            failed: self.tally.failed.load(Ordering::Relaxed),
+            per_minute,
+            stopped,
+        }
+    }
+}
+
+/// This host's name and this process's id.
+pub(super) fn host_and_pid() -> (String, u32) {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned());
+    (host, std::process::id())
+}
