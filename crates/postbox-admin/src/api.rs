@@ -410,7 +410,29 @@ pub(crate) struct ControlBody {
     #[serde(default)]
     max_retry_count: Option<serde_json::Value>,
     #[serde(default)]
+    sample_percent: Option<serde_json::Value>,
+    #[serde(default)]
     clear: bool,
+}
+
+/// A number up to `max` (`Some(Some(n))`), or back to the config's
+/// (`Some(None)`: `null` or `"default"`), or not given (`None`).
+fn number_or_default(
+    field: &str,
+    value: Option<serde_json::Value>,
+    max: u64,
+) -> Result<Option<Option<u64>>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(serde_json::Value::Null) => Ok(Some(None)),
+        Some(serde_json::Value::String(s)) if s == "default" => Ok(Some(None)),
+        Some(v) => match v.as_u64().filter(|n| *n <= max) {
+            Some(n) => Ok(Some(Some(n))),
+            None => Err(ApiError::bad_request(format!(
+                "{field}: {v} is neither a number up to {max} nor \"default\""
+            ))),
+        },
+    }
 }
 
 /// `POST /api/controls` (an operator): changes one control, logged under
@@ -433,24 +455,14 @@ pub(crate) async fn set_control(
         }
         Some(other) => return Err(bad(format!("delivery: {other} is not a string"))),
     };
-    let max_retry_count = match b.max_retry_count {
-        None => None,
-        Some(serde_json::Value::Null) => Some(None),
-        Some(serde_json::Value::String(s)) if s == "default" => Some(None),
-        Some(v) => Some(Some(
-            v.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| {
-                    bad(format!(
-                        "max_retry_count: {v} is neither a count nor \"default\""
-                    ))
-                })?,
-        )),
-    };
+    let max_retry_count =
+        number_or_default("max_retry_count", b.max_retry_count, u64::from(u32::MAX))?;
+    let sample_percent = number_or_default("sample_percent", b.sample_percent, 100)?;
     let change = ControlChange {
         paused: b.paused,
         delivery,
-        max_retry_count,
+        max_retry_count: max_retry_count.map(|n| n.map(|n| n as u32)),
+        sample_percent: sample_percent.map(|p| p.map(|p| p as u8)),
     };
     let done = change_control(
         state.store.as_ref(),

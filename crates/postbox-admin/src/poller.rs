@@ -119,6 +119,9 @@ fn set_gauges(apps: &[AppStats]) {
     for a in apps {
         for status in Status::ALL {
             let n = match status {
+                // Counted as they happen (`postbox_dropped_total`), not
+                // read from the table.
+                Status::Dropped => continue,
                 Status::Pending => a.pending,
                 Status::Delivering => a.delivering,
                 Status::Delivered => a.delivered,

@@ -210,6 +210,10 @@ pub enum ControlAction {
         /// A count, or default (the config's).
         #[arg(long)]
         max_retry_count: Option<String>,
+        /// Deliver this percentage (0–100) of the key's events, mark the others
+        /// `dropped`; or default (every event).
+        #[arg(long)]
+        sample_percent: Option<String>,
     },
     /// Remove the control of a key: the config's rules apply again.
     Clear {

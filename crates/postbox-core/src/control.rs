@@ -41,6 +41,12 @@ pub struct Control {
     /// Overrides `max_retry_count`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_retry_count: Option<u32>,
+    /// Delivers this percentage of the key's events (0–100) and marks the
+    /// others `dropped`, with the reason: for high-rate types a later event
+    /// supersedes anyway. Which events is decided by their event_id, the
+    /// same on every relay; a replayed event is always delivered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample_percent: Option<u8>,
     /// When it was last set, epoch ms (the database's clock).
     #[serde(default)]
     pub updated_at_ms: i64,
@@ -58,6 +64,7 @@ impl Control {
             paused: false,
             delivery: None,
             max_retry_count: None,
+            sample_percent: None,
             updated_at_ms: 0,
             updated_by: String::new(),
         }
@@ -76,6 +83,9 @@ impl Control {
         if let Some(n) = self.max_retry_count {
             parts.push(format!("max_retry_count={n}"));
         }
+        if let Some(p) = self.sample_percent {
+            parts.push(format!("sample_percent={p}"));
+        }
         if parts.is_empty() {
             "nothing".to_owned()
         } else {
@@ -91,6 +101,9 @@ impl Control {
         if self.app_code.len() > 64 || self.event_type.len() > 128 {
             return Err("app_code is at most 64 bytes, event_type at most 128".to_owned());
         }
+        if self.sample_percent.is_some_and(|p| p > 100) {
+            return Err("sample_percent is a percentage: 0 to 100".to_owned());
+        }
         Ok(())
     }
 }
@@ -105,6 +118,8 @@ pub struct ControlChange {
     pub delivery: Option<Option<Delivery>>,
     /// `max_retry_count`, or `Some(None)` for the config's.
     pub max_retry_count: Option<Option<u32>>,
+    /// `sample_percent`, or `Some(None)` for every event.
+    pub sample_percent: Option<Option<u8>>,
 }
 
 impl ControlChange {
@@ -123,6 +138,9 @@ impl ControlChange {
         if let Some(n) = self.max_retry_count {
             c.max_retry_count = n;
         }
+        if let Some(p) = self.sample_percent {
+            c.sample_percent = p;
+        }
         c
     }
 }
@@ -130,7 +148,7 @@ impl ControlChange {
 /// A control that sets nothing is no control:
 /// `change_control` (the store module) clears it instead.
 pub fn sets_nothing(c: &Control) -> bool {
-    !c.paused && c.delivery.is_none() && c.max_retry_count.is_none()
+    !c.paused && c.delivery.is_none() && c.max_retry_count.is_none() && c.sample_percent.is_none()
 }
 
 /// Parses `at_least_once`, `at_most_once`, or `default` (`None`).
@@ -246,15 +264,49 @@ impl Controls {
         self.pick(app_code, event_type, |c| c.max_retry_count)
     }
 
+    /// The percentage of an event's type to deliver, when a control
+    /// samples it.
+    pub fn sample_percent(&self, app_code: &str, event_type: &str) -> Option<u8> {
+        self.pick(app_code, event_type, |c| c.sample_percent)
+    }
+
     /// The delivery guarantee for an event, when a control sets it.
     pub fn delivery(&self, app_code: &str, event_type: &str) -> Option<Delivery> {
         self.pick(app_code, event_type, |c| c.delivery)
     }
 }
 
+/// Whether sampling at `percent` delivers the event `event_id`: a hash of
+/// the id (FNV-1a, the same on every host and release) below `percent` of
+/// 100, so every relay, and a relay after a restart, decides alike.
+pub fn sampled_in(event_id: &str, percent: u8) -> bool {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in event_id.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash % 100 < u64::from(percent)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Sampling keeps about the share asked, the same events every time.
+    #[test]
+    fn sampling_keeps_about_the_share_asked_the_same_events_every_time() {
+        let ids: Vec<String> = (0..10_000).map(|_| crate::event::new_event_id()).collect();
+        let kept = ids.iter().filter(|id| sampled_in(id, 50)).count();
+        assert!((4_500..5_500).contains(&kept), "{kept} of 10,000 at 50 %");
+        assert!(ids
+            .iter()
+            .all(|id| sampled_in(id, 50) == sampled_in(id, 50)));
+        assert!(ids
+            .iter()
+            .all(|id| sampled_in(id, 100) && !sampled_in(id, 0)));
+        let at_10 = ids.iter().filter(|id| sampled_in(id, 10)).count();
+        assert!((700..1_300).contains(&at_10), "{at_10} of 10,000 at 10 %");
+    }
 
     fn control(app: &str, ty: &str) -> Control {
         Control::new(app, ty)

@@ -36,16 +36,20 @@ pub enum Status {
     Retryable,
     /// Dead letter: out of attempts; only a replay moves it again.
     Failed,
+    /// Not delivered on purpose: a runtime control's sampling left it out
+    /// (`last_error` says why). Terminal; a replay delivers it.
+    Dropped,
 }
 
 impl Status {
     /// Every status, in life order.
-    pub const ALL: [Status; 5] = [
+    pub const ALL: [Status; 6] = [
         Status::Pending,
         Status::Delivering,
         Status::Delivered,
         Status::Retryable,
         Status::Failed,
+        Status::Dropped,
     ];
 
     /// The value stored in the `status` column.
@@ -56,6 +60,7 @@ impl Status {
             Status::Delivered => "delivered",
             Status::Retryable => "retryable",
             Status::Failed => "failed",
+            Status::Dropped => "dropped",
         }
     }
 }
@@ -77,8 +82,9 @@ impl FromStr for Status {
             "delivered" | "published" => Ok(Status::Delivered),
             "retryable" => Ok(Status::Retryable),
             "failed" => Ok(Status::Failed),
+            "dropped" => Ok(Status::Dropped),
             other => Err(Error::InvalidEvent(format!(
-                "unknown status `{other}`: expected pending, delivering, delivered, retryable or failed"
+                "unknown status `{other}`: expected pending, delivering, delivered, retryable, failed or dropped"
             ))),
         }
     }

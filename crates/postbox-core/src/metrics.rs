@@ -20,6 +20,9 @@ pub const DELIVERY_LAG_SECONDS: &str = "postbox_delivery_lag_seconds";
 pub const DEAD_LETTERED_TOTAL: &str = "postbox_dead_lettered_total";
 /// Counter: expired leases taken over (each counts as a failed attempt).
 pub const LEASE_EXPIRED_TOTAL: &str = "postbox_lease_expired_total";
+/// Counter: rows left out by a runtime control's sampling (`dropped`), by
+/// app_code.
+pub const DROPPED_TOTAL: &str = "postbox_dropped_total";
 /// Counter: rows moved to the archive table.
 pub const ARCHIVED_TOTAL: &str = "postbox_archived_total";
 /// Gauge `{app_code, status}`: rows per status, from the admin poller.
@@ -68,6 +71,10 @@ pub fn describe() {
     describe_counter!(
         LEASE_EXPIRED_TOTAL,
         "Expired leases taken over; each counts as a failed attempt."
+    );
+    describe_counter!(
+        DROPPED_TOTAL,
+        "Events a runtime control's sampling left out (status dropped)."
     );
     describe_counter!(ARCHIVED_TOTAL, "Rows moved to the archive table.");
     describe_histogram!(

@@ -127,10 +127,10 @@ impl FailureUpdate {
     /// The history entry this update writes: `dead_lettered` when it makes
     /// the row `failed`, else `failed`.
     pub fn history_kind(&self) -> HistoryKind {
-        if self.status == Status::Failed {
-            HistoryKind::DeadLettered
-        } else {
-            HistoryKind::Failed
+        match self.status {
+            Status::Failed => HistoryKind::DeadLettered,
+            Status::Dropped => HistoryKind::Dropped,
+            _ => HistoryKind::Failed,
         }
     }
 }
@@ -351,6 +351,8 @@ pub enum HistoryKind {
     DeadLettered,
     /// An operator put the row back to `pending`.
     Replayed,
+    /// Sampling left the row out (`dropped`).
+    Dropped,
 }
 
 /// One entry of an event's attempt history (bounded per event). Together
@@ -392,6 +394,7 @@ impl HistoryKind {
             HistoryKind::LeaseExpired => "lease_expired",
             HistoryKind::DeadLettered => "dead_lettered",
             HistoryKind::Replayed => "replayed",
+            HistoryKind::Dropped => "dropped",
         }
     }
 
@@ -402,6 +405,7 @@ impl HistoryKind {
             "lease_expired" => HistoryKind::LeaseExpired,
             "dead_lettered" => HistoryKind::DeadLettered,
             "replayed" => HistoryKind::Replayed,
+            "dropped" => HistoryKind::Dropped,
             _ => return None,
         })
     }
@@ -617,13 +621,15 @@ pub struct MigrateReport {
 
 /// The tables of [`EXPECTED_TABLES`] and the migration version that creates
 /// each of them.
-pub const TABLE_VERSIONS: [(&str, u32); 6] = [
+pub const TABLE_VERSIONS: [(&str, u32); 7] = [
     ("", 1),
     ("_archive", 1),
     ("_history", 2),
     ("_controls", 9),
     ("_control_log", 9),
     ("_relays", 10),
+    // 11 adds a column to it.
+    ("_controls", 11),
 ];
 
 /// What `migrate` must do before applying pending versions, when its ledger

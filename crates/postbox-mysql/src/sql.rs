@@ -471,7 +471,7 @@ pub(crate) const ARCHIVE_UNLOCK: &str =
 macro_rules! archive_pick {
     () => {
         "SELECT id FROM {table} \
-         WHERE app_code = ? AND status IN ('delivered', 'published') AND next_retry_at_ms < ? \
+         WHERE app_code = ? AND status IN ('delivered', 'published', 'dropped') AND next_retry_at_ms < ? \
            AND updated_at_ms < ? LIMIT ?"
     };
 }
@@ -576,15 +576,22 @@ pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!(
     (8, postbox_sqlx::V8_DESCRIPTION, V8_DUE_INDEX),
     (9, postbox_sqlx::V9_DESCRIPTION, V9_CONTROLS),
     (10, postbox_sqlx::V10_DESCRIPTION, V10_RELAYS),
+    (11, postbox_sqlx::V11_DESCRIPTION, V11_SAMPLING),
 );
 
 /// Version 9: the runtime controls (`postbox_sqlx::v9_controls!`).
 pub(crate) const V9_CONTROLS: &[&str] =
     postbox_sqlx::v9_controls!("id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY");
 
-postbox_sqlx::control_statements!(now: now_ms!(), "?", "?", "?", "?", "?", "?");
+postbox_sqlx::control_statements!(now: now_ms!(), "?", "?", "?", "?", "?", "?", "?");
 
 /// Version 10: the relay registry (`postbox_sqlx::v10_relays!`).
+/// Version 11: sampling's `sample_percent` (one statement: atomic).
+/// `dropped` rows are archived through `{table}_due_idx`, which has the
+/// status in its key.
+pub(crate) const V11_SAMPLING: &[&str] =
+    &["ALTER TABLE {table}_controls ADD COLUMN sample_percent INT"];
+
 pub(crate) const V10_RELAYS: &[&str] =
     postbox_sqlx::v10_relays!(" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4");
 

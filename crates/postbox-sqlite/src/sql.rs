@@ -179,7 +179,7 @@ pub(crate) const COUNT_OPEN: &str = postbox_sqlx::count_open!("?1");
 /// One tenant's delivered rows, counted through `{table}_done_idx` (a
 /// covering index read: SQLite keeps no statistics to estimate from).
 pub(crate) const COUNT_DELIVERED: &str = "SELECT COUNT(*) FROM {table} \
-     WHERE app_code = ?1 AND status IN ('delivered', 'published')";
+     WHERE app_code = ?1 AND status IN ('delivered', 'published', 'dropped') AND status <> 'dropped'";
 
 /// Oldest pending row and due retries (`postbox_sqlx::backlog!`).
 pub(crate) const BACKLOG: &str =
@@ -207,7 +207,8 @@ pub(crate) const FIND_ARCHIVED: &str = postbox_sqlx::find!(
 /// rows only.
 pub(crate) const DELIVERED_PER_MINUTE: &str =
     "SELECT (updated_at_ms / 60000) * 60000 AS minute_ms, COUNT(*) AS delivered \
-     FROM {table} WHERE app_code = ?1 AND status IN ('delivered', 'published') AND updated_at_ms >= ?2 \
+     FROM {table} WHERE app_code = ?1 AND status IN ('delivered', 'published', 'dropped') \
+       AND status <> 'dropped' AND updated_at_ms >= ?2 \
      GROUP BY minute_ms ORDER BY minute_ms";
 
 /// By event id, in the app_codes of ?1 (a JSON array) that have rows
@@ -312,7 +313,7 @@ pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail
 /// deterministic, so the copy and the delete see the same rows.
 macro_rules! archive_pick {
     () => {
-        "SELECT id FROM {table} WHERE app_code = ?1 AND status IN ('delivered', 'published') \
+        "SELECT id FROM {table} WHERE app_code = ?1 AND status IN ('delivered', 'published', 'dropped') \
            AND updated_at_ms < ?2 ORDER BY updated_at_ms, id LIMIT ?3"
     };
 }
@@ -412,9 +413,12 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] =
 pub(crate) const V9_CONTROLS: &[&str] =
     postbox_sqlx::v9_controls!("id INTEGER PRIMARY KEY AUTOINCREMENT");
 
-postbox_sqlx::control_statements!(now: now_ms!(), "?1", "?2", "?3", "?4", "?5", "?6");
+postbox_sqlx::control_statements!(now: now_ms!(), "?1", "?2", "?3", "?4", "?5", "?6", "?7");
 
 /// Version 10: the relay registry (`postbox_sqlx::v10_relays!`).
+/// Version 11: sampling (`postbox_sqlx::v11_sampling!`).
+pub(crate) const V11_SAMPLING: &[&str] = postbox_sqlx::v11_sampling!("");
+
 pub(crate) const V10_RELAYS: &[&str] = postbox_sqlx::v10_relays!("");
 
 postbox_sqlx::relay_statements!(now: now_ms!(), "?1", "?2", "?3", "?4", "?5", "?6", "?7", "?8", "?9");

@@ -1019,7 +1019,7 @@ macro_rules! count_open {
             $crate::count_open!(@ $p, "failed"),
             ", (SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE app_code = ",
             $p,
-            " AND status IN ('delivered', 'published') LIMIT 25001) d) AS delivered"
+            " AND status IN ('delivered', 'published', 'dropped') AND status <> 'dropped' LIMIT 25001) d) AS delivered"
         )
     };
     (@ $p:literal, $status:literal) => {
@@ -1427,6 +1427,31 @@ macro_rules! v10_relays {
     };
 }
 
+/// Version 11's description: sampling (`sample_percent`) and the
+/// `dropped` status, archived with the delivered rows.
+pub const V11_DESCRIPTION: &str =
+    "sampling: <table>_controls.sample_percent, dropped rows archived like delivered ones";
+
+/// Version 11 where the database has partial indexes (PostgreSQL, SQLite):
+/// `$add_column` adds `sample_percent` to `{table}_controls`, and
+/// `{table}_done_idx` takes `dropped` rows too, so that `archive` moves
+/// them with the delivered ones.
+#[macro_export]
+macro_rules! v11_sampling {
+    ($add_column:literal) => {
+        &[
+            concat!(
+                "ALTER TABLE {table}_controls ADD COLUMN ",
+                $add_column,
+                "sample_percent INT"
+            ),
+            "DROP INDEX IF EXISTS {table}_done_idx",
+            "CREATE INDEX IF NOT EXISTS {table}_done_idx ON {table} (app_code, updated_at_ms, id) \
+               WHERE status IN ('delivered', 'published', 'dropped')",
+        ]
+    };
+}
+
 /// [`v10_relays!`]'s description.
 pub const V10_DESCRIPTION: &str = "relay registry (<table>_relays)";
 
@@ -1474,18 +1499,20 @@ pub const V9_DESCRIPTION: &str =
     "runtime controls and their log (<table>_controls, <table>_control_log)";
 
 /// The statements of the runtime controls, with the dialect's clock `$now`
-/// and its placeholders (`$p1` … `$p6`): `CONTROL_SELECT` (every control),
+/// and its placeholders (`$p1` … `$p7`): `CONTROL_SELECT` (every control),
 /// `CONTROL_DELETE` (app_code, event_type), `CONTROL_INSERT` (app_code,
-/// event_type, paused, delivery, max_retry_count, updated_by),
+/// event_type, paused, delivery, max_retry_count, sample_percent,
+/// updated_by),
 /// `CONTROL_LOG_INSERT` (actor, app_code, event_type, detail) and
 /// `CONTROL_LOG_SELECT` (limit; newest first). The tables are small: no
 /// index beyond their primary keys.
 #[macro_export]
 macro_rules! control_statements {
-    (now: $now:expr, $p1:literal, $p2:literal, $p3:literal, $p4:literal, $p5:literal, $p6:literal) => {
+    (now: $now:expr, $p1:literal, $p2:literal, $p3:literal, $p4:literal, $p5:literal, $p6:literal, $p7:literal) => {
         /// Every control.
         pub(crate) const CONTROL_SELECT: &str = "SELECT app_code, event_type, paused, delivery, \
-            COALESCE(max_retry_count, -1) AS max_retry_count, updated_at_ms, updated_by \
+            COALESCE(max_retry_count, -1) AS max_retry_count, \
+            COALESCE(sample_percent, -1) AS sample_percent, updated_at_ms, updated_by \
             FROM {table}_controls ORDER BY app_code, event_type";
         /// Removes a control.
         pub(crate) const CONTROL_DELETE: &str = concat!(
@@ -1494,8 +1521,8 @@ macro_rules! control_statements {
         /// Stores a control (after [`CONTROL_DELETE`], in one transaction).
         pub(crate) const CONTROL_INSERT: &str = concat!(
             "INSERT INTO {table}_controls (app_code, event_type, paused, delivery, max_retry_count, \
-               updated_at_ms, updated_by) VALUES (", $p1, ", ", $p2, ", ", $p3, ", ", $p4, ", ", $p5, ", ",
-            $now, ", ", $p6, ")"
+               sample_percent, updated_by, updated_at_ms) VALUES (", $p1, ", ", $p2, ", ", $p3, ", ", $p4,
+            ", ", $p5, ", ", $p6, ", ", $p7, ", ", $now, ")"
         );
         /// Logs a change.
         pub(crate) const CONTROL_LOG_INSERT: &str = concat!(
@@ -1529,6 +1556,7 @@ macro_rules! migrations {
             (8, $crate::V8_DESCRIPTION, $crate::V8_PENDING_INDEX),
             (9, $crate::V9_DESCRIPTION, V9_CONTROLS),
             (10, $crate::V10_DESCRIPTION, V10_RELAYS),
+            (11, $crate::V11_DESCRIPTION, V11_SAMPLING),
         )
     };
     ($($more:expr),* $(,)?) => {

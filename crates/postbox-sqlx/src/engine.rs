@@ -765,6 +765,7 @@ impl SqlOutbox<D> {
                 Value::Int32(i32::from(control.paused)),
                 delivery.into(),
                 Value::Int(control.max_retry_count.map(i64::from)),
+                Value::Int(control.sample_percent.map(i64::from)),
                 by.into(),
             ];
             query::<D>(&self.sql.control_insert, binds).execute(&mut *tx).await?;
@@ -1118,10 +1119,13 @@ impl SqlOutbox<D> {
                     continue;
                 }
                 for stmt in *statements {
-                    sqlx::query(&self.table.render(stmt))
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db)?;
+                    match sqlx::query(&self.table.render(stmt)).execute(&mut *tx).await {
+                        Ok(_) => {}
+                        // A column a kept table already has (its table was
+                        // not dropped when the outbox was): applied.
+                        Err(e) if adds_an_existing_column(stmt, &e) => {}
+                        Err(e) => return Err(db(e)),
+                    }
                 }
                 if pending && *version == 1 {
                     // A (re)created outbox table continues a kept archive's ids.
@@ -1247,6 +1251,21 @@ where
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
     rows.iter().map(|r| r.try_get(0)).collect()
+}
+
+/// Whether `stmt`, a lone `ADD COLUMN`, failed only because the column is
+/// there: MySQL and MariaDB (42S21) and SQLite have no `ADD COLUMN IF NOT
+/// EXISTS` to say so (MariaDB's is not MySQL's), PostgreSQL's statements
+/// use theirs (42701 otherwise).
+fn adds_an_existing_column(stmt: &str, e: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(e) = e else {
+        return false;
+    };
+    let lone_add = stmt.contains("ADD COLUMN") && !stmt.contains(',');
+    let code = e.code();
+    lone_add
+        && (matches!(code.as_deref(), Some("42S21") | Some("42701"))
+            || e.message().contains("duplicate column name"))
 }
 
 /// A replay statement as it runs, for `doctor` to explain

@@ -21,8 +21,9 @@ pub mod __private {
 
 pub use dialect::{
     Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP, PARTIAL_ARCHIVE_INDEX,
-    PARTIAL_CLAIM_INDEXES, V10_DESCRIPTION, V5_DESCRIPTION, V6_DESCRIPTION, V6_PENDING_INDEX,
-    V7_DESCRIPTION, V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX, V9_DESCRIPTION,
+    PARTIAL_CLAIM_INDEXES, V10_DESCRIPTION, V11_DESCRIPTION, V5_DESCRIPTION, V6_DESCRIPTION,
+    V6_PENDING_INDEX, V7_DESCRIPTION, V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX,
+    V9_DESCRIPTION,
 };
 pub use engine::{
     finish, query, OpenOptions, Opened, ReplayProbe, ReplayProbeArgs, SqlOutbox, MIGRATIONS_LEDGER,
@@ -206,6 +207,7 @@ pub fn controls_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::contr
             paused: row.int32("paused").map_err(db)? != 0,
             delivery,
             max_retry_count: u32::try_from(row.int32("max_retry_count").map_err(db)?).ok(),
+            sample_percent: u8::try_from(row.int32("sample_percent").map_err(db)?).ok(),
             updated_at_ms: row.int("updated_at_ms").map_err(db)?,
             updated_by: row.text("updated_by").map_err(db)?,
         });

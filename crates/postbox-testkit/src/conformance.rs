@@ -99,6 +99,7 @@ cases! {$
     relay_applies_controls_while_it_runs,
     relay_holds_a_paused_event_type_and_delivers_the_others,
     relays_register_by_their_heartbeats,
+    relay_samples_a_type_and_drops_the_rest,
 }
 
 const APP: &str = "conf";
@@ -2075,13 +2076,13 @@ pub async fn migrate_recreates_tables_dropped_by_hand<DB>(
     let report = store.migrate().await.expect("migrate after drop");
     // Every database has versions 1 to 3, 5 (the index per status), 7
     // (the head index), 8 (pending rows by event type), 9 (the runtime
-    // controls) and 10 (the relay registry); PostgreSQL adds
+    // controls), 10 (the relay registry) and 11 (sampling); PostgreSQL adds
     // its wake-up trigger (4), the databases with partial indexes
     // (PostgreSQL, SQLite) the pending index in claim order (6).
     let latest = report.version;
-    let mariadb = [1, 2, 3, 5, 7, 8, 9, 10];
-    let sqlite = [1, 2, 3, 5, 6, 7, 8, 9, 10];
-    let postgres = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10];
+    let mariadb = [1, 2, 3, 5, 7, 8, 9, 10, 11];
+    let sqlite = [1, 2, 3, 5, 6, 7, 8, 9, 10, 11];
+    let postgres = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11];
     assert!(
         [&mariadb[..], &sqlite, &postgres].contains(&report.applied.as_slice()),
         "{report:?}"
@@ -2480,6 +2481,115 @@ async fn relays_register_by_their_heartbeats(store: Arc<dyn OutboxStore>) {
         "{r:?}"
     );
     assert_eq!(r.beat.pid, std::process::id());
+}
+
+/// Issue 14.1: sampling at 50 % delivers about half of a type's events
+/// and marks the others `dropped` with the reason, no publisher seeing
+/// them, the same ones any relay would pick; the other types are untouched.
+/// A dropped event replayed by name is delivered; `archive` moves dropped
+/// rows with the delivered ones.
+async fn relay_samples_a_type_and_drops_the_rest(store: Arc<dyn OutboxStore>) {
+    use postbox_core::control::{sampled_in, Control};
+    let sample = Control {
+        sample_percent: Some(50),
+        ..Control::new(APP, "Tick")
+    };
+    store
+        .set_control(&sample, "test")
+        .await
+        .expect("set sampling");
+    let ticks = events(200, "Tick");
+    let others = events(20, "Other");
+    enqueue(store.as_ref(), &ticks).await;
+    enqueue(store.as_ref(), &others).await;
+    let p = Arc::new(RecordingPublisher::new("rec"));
+    let settings =
+        RelaySettings::new(fast_worker(), vec![APP.to_owned()]).expect("[outbox_worker]");
+    let shutdown = CancellationToken::new();
+    let handle =
+        tokio::spawn(Relay::new(store.clone(), vec![p.clone()], settings).run(shutdown.clone()));
+    let dropped = |limit| {
+        let store = store.clone();
+        async move {
+            let filter = EventFilter {
+                app_code: Some(APP.into()),
+                status: Some(Status::Dropped),
+                limit,
+                ..Default::default()
+            };
+            store.list(&filter).await.expect("list dropped")
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = stats(store.as_ref()).await;
+        if s.pending + s.delivering + s.retryable == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not all handled: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let gone = dropped(500).await;
+    let delivered = stats(store.as_ref()).await.delivered;
+    println!(
+        "sampling at 50 %: {} of 200 dropped, {delivered} delivered",
+        gone.len()
+    );
+    assert_eq!(gone.len() as i64 + delivered, 220);
+    assert!(
+        (60..=140).contains(&gone.len()),
+        "about half dropped: {}",
+        gone.len()
+    );
+    for row in &gone {
+        assert_eq!(row.event_type, "Tick");
+        assert!(
+            !sampled_in(&row.event_id, 50),
+            "{} was sampled in",
+            row.event_id
+        );
+        assert_eq!(
+            p.attempts(&row.event_id),
+            0,
+            "a dropped event reached a publisher"
+        );
+        let why = row.last_error.as_deref().unwrap_or_default();
+        assert!(why.contains("sampled out") && why.contains("50 %"), "{why}");
+        assert_eq!(row.retry_count, 0, "no attempt counted");
+    }
+    for e in &others {
+        assert_eq!(p.attempts(&e.event_id), 1, "another type is untouched");
+    }
+    let history = store.history(&gone[0].event_id).await.expect("history");
+    assert!(
+        history.iter().any(|h| h.kind == HistoryKind::Dropped),
+        "{history:?}"
+    );
+    // Replayed by name, a dropped event goes.
+    let by_id = ReplaySelector::EventIds {
+        app_code: None,
+        event_ids: vec![gone[0].event_id.clone()],
+    };
+    assert_eq!(store.replay(&by_id, false, "test").await.unwrap().len(), 1);
+    while status_of(store.as_ref(), &gone[0].event_id).await.status != Status::Delivered {
+        assert!(
+            Instant::now() < deadline,
+            "the replayed dropped event was not delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    handle.await.expect("relay task").expect("relay run");
+    // Archived with the delivered rows.
+    let req = ArchiveRequest {
+        app_codes: vec![APP.to_owned()],
+        before_ms: store.now_ms().await.expect("now") + 60_000,
+        batch_size: 100,
+        max_batches: None,
+    };
+    let report = store.archive(&req, &|_| {}).await.expect("archive");
+    assert_eq!(report.moved, 220, "{report:?}");
+    assert!(dropped(10).await.is_empty());
 }
 
 #[cfg(test)]

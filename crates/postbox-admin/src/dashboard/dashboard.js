@@ -295,6 +295,7 @@ async function loadControls() {
   },
   el("td", {}, c.app_code), el("td", {}, c.event_type), el("td", { "data-paused": c.paused }, c.paused ? "paused" : ""),
   el("td", {}, c.delivery || ""), el("td", { class: "num" }, c.max_retry_count ?? ""),
+  el("td", { class: "num" }, c.sample_percent != null ? c.sample_percent + " %" : ""),
   el("td", {}, c.updated_by + " · " + time(c.updated_at_ms)),
   el("td", {}, el("button", { class: "clear plain", type: "button",
     onclick: (ev) => operate("/api/controls", { app_code: c.app_code, event_type: c.event_type, clear: true },
@@ -309,6 +310,8 @@ $("#control-form").addEventListener("submit", (ev) => {
   const body = { app_code: (f.get("app_code") || "*").trim(), event_type: (f.get("event_type") || "*").trim() };
   if (f.get("paused")) body.paused = f.get("paused") === "true";
   if (f.get("delivery")) body.delivery = f.get("delivery");
+  const sample = (f.get("sample_percent") || "").trim();
+  if (sample) body.sample_percent = sample === "default" ? "default" : Number(sample);
   const retries = (f.get("max_retry_count") || "").trim();
   if (retries) body.max_retry_count = retries === "default" ? "default" : Number(retries);
   operate("/api/controls", body, ev.submitter, "Control of " + body.app_code + "/" + body.event_type + " set.");

@@ -29,6 +29,7 @@ pub async fn run(g: &Global, args: ControlArgs) -> Result<(), CliError> {
             resume,
             delivery,
             max_retry_count,
+            sample_percent,
         } => {
             let change = ControlChange {
                 paused: match (pause, resume) {
@@ -44,21 +45,13 @@ pub async fn run(g: &Global, args: ControlArgs) -> Result<(), CliError> {
                     .map(parse_delivery)
                     .transpose()
                     .map_err(|e| CliError::usage(format!("--delivery: {e}")))?,
-                max_retry_count: max_retry_count
-                    .as_deref()
-                    .map(|n| match n {
-                        "default" => Ok(None),
-                        n => n.parse::<u32>().map(Some).map_err(|_| {
-                            CliError::usage(format!(
-                                "--max-retry-count: `{n}` is neither a count nor `default`"
-                            ))
-                        }),
-                    })
-                    .transpose()?,
+                max_retry_count: number_or_default("--max-retry-count", max_retry_count, u32::MAX)?,
+                sample_percent: number_or_default("--sample-percent", sample_percent, 100)?
+                    .map(|p| p.map(|p| p as u8)),
             };
             if change == ControlChange::default() {
                 return Err(CliError::usage(
-                    "control set: give --pause, --resume, --delivery or --max-retry-count",
+                    "control set: give --pause, --resume, --delivery, --max-retry-count or --sample-percent",
                 ));
             }
             set(g, store.as_ref(), &key, &change, &by).await
@@ -84,6 +77,30 @@ pub async fn run(g: &Global, args: ControlArgs) -> Result<(), CliError> {
             Ok(())
         }
     }
+}
+
+/// `flag`'s value: a number up to `max`, or `default` (`Some(None)`).
+fn number_or_default(
+    flag: &str,
+    value: Option<String>,
+    max: u32,
+) -> Result<Option<Option<u32>>, CliError> {
+    value
+        .as_deref()
+        .map(|n| match n {
+            "default" => Ok(None),
+            n => n
+                .parse::<u32>()
+                .ok()
+                .filter(|n| *n <= max)
+                .map(Some)
+                .ok_or_else(|| {
+                    CliError::usage(format!(
+                        "{flag}: `{n}` is neither a number up to {max} nor `default`"
+                    ))
+                }),
+        })
+        .transpose()
 }
 
 fn shown(key: &ControlKey) -> String {
@@ -136,12 +153,13 @@ async fn list(g: &Global, store: &dyn OutboxStore, log: u32) -> Result<(), CliEr
         outln!("no runtime controls: the config's rules apply");
     } else {
         outln!(
-            "{:<16} {:<24} {:<7} {:<14} {:>15}  set by",
+            "{:<16} {:<24} {:<7} {:<14} {:>15} {:>7}  set by",
             "app_code",
             "event_type",
             "paused",
             "delivery",
-            "max_retry_count"
+            "max_retry_count",
+            "sample"
         );
         for c in &controls {
             row(c);
@@ -166,13 +184,15 @@ async fn list(g: &Global, store: &dyn OutboxStore, log: u32) -> Result<(), CliEr
 
 fn row(c: &Control) {
     outln!(
-        "{:<16} {:<24} {:<7} {:<14} {:>15}  {} ({})",
+        "{:<16} {:<24} {:<7} {:<14} {:>15} {:>7}  {} ({})",
         c.app_code,
         c.event_type,
         if c.paused { "yes" } else { "" },
         c.delivery.map_or("", delivery_name),
         c.max_retry_count
             .map_or_else(String::new, |n| n.to_string()),
+        c.sample_percent
+            .map_or_else(String::new, |p| format!("{p} %")),
         c.updated_by,
         output::time(c.updated_at_ms)
     );

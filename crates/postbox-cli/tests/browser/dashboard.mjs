@@ -64,6 +64,7 @@ await run("dashboard", initial, async (page, result) => {
   const form = page.locator("#control-form");
   await form.locator("input[name=app_code]").fill(args.app);
   await form.locator("select[name=paused]").selectOption("true");
+  await form.locator("input[name=sample_percent]").fill("25");
   await form.locator("button[type=submit]").click();
   const control = page.locator(`#controls tr[data-app="${args.app}"][data-event-type="*"]`);
   await control.locator('td[data-paused="true"]').waitFor({ timeout: 10000 });

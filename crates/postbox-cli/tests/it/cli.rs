@@ -185,7 +185,7 @@ fn migrate_recreates_an_outbox_table_dropped_by_hand() {
         &out,
         &[
             "`room_outbox` does not exist",
-            "applied schema versions [1, 2, 3, 5, 6, 7, 8, 9, 10]",
+            "applied schema versions [1, 2, 3, 5, 6, 7, 8, 9, 10, 11]",
         ],
     );
     assert_ok(&run(&[

@@ -43,6 +43,10 @@ async fn a_relay_process_follows_the_controls_set_from_another_process() {
             vec!["control", "set", "--delivery", "sometimes"],
             "--delivery",
         ),
+        (
+            vec!["control", "set", "--sample-percent", "150"],
+            "--sample-percent",
+        ),
     ] {
         let out = project.run(&args);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
@@ -152,9 +156,17 @@ async fn a_relay_process_follows_the_controls_set_from_another_process() {
         "--delivery",
         "at_most_once",
     ]));
+    assert_ok(&project.run(&[
+        "control",
+        "set",
+        "--event-type",
+        "Tick",
+        "--sample-percent",
+        "10",
+    ]));
     let text = common::text(&project.run(&["control"]));
     assert!(
-        text.contains("Tick") && text.contains("at_most_once"),
+        text.contains("Tick") && text.contains("at_most_once") && text.contains("10 %"),
         "{text}"
     );
     assert_ok(&project.run(&["control", "clear", "--event-type", "Tick"]));

@@ -186,7 +186,7 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
     assert_eq!(result["failed_at_end"], 0, "{result}");
     let log = result["control_log"].as_str().unwrap();
     assert!(
-        log.contains("api admin@") && log.contains("paused"),
+        log.contains("api admin@") && log.contains("paused sample_percent=25"),
         "{result}"
     );
     assert_eq!(result["controls_after"], 0, "{result}");

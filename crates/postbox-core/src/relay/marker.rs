@@ -107,6 +107,16 @@ impl Marker {
                     deferred.entry((fence, update)).or_default().push(r.id);
                     continue;
                 }
+                Decision::Dropped { reason } => {
+                    // No attempt: the count and the progress stay.
+                    (
+                        crate::Status::Dropped,
+                        r.retry_count,
+                        RetryDelay::default(),
+                        r.delivered_to.clone(),
+                        reason,
+                    )
+                }
                 Decision::Failed {
                     retry_count,
                     delivered_to,
@@ -141,9 +151,14 @@ impl Marker {
         // that failed alike, e.g. every row a target refused, share one).
         for ((fence, update), rows) in failures {
             let dead = update.status == crate::Status::Failed;
+            let dropped = update.status == crate::Status::Dropped;
             for (row, written) in self.write_failures(&fence, &update, rows).await {
                 report.count(written, |report| {
-                    if dead {
+                    if dropped {
+                        report.dropped += 1;
+                        metrics::counter!(crate::metrics::DROPPED_TOTAL, "app_code" => row.app_code)
+                            .increment(1);
+                    } else if dead {
                         report.failed += 1;
                         super::heartbeat::Tally::add(&self.tally.failed, 1);
                         metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => row.app_code)

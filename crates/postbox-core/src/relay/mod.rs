@@ -57,6 +57,8 @@ pub struct RelayReport {
     pub retried: u64,
     /// Rows dead-lettered.
     pub failed: u64,
+    /// Rows left out by sampling (`dropped`).
+    pub dropped: u64,
     /// Rows given back at shutdown.
     pub released: u64,
     /// Rows given back for a publisher that was behind (no attempt

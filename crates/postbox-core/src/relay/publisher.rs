@@ -248,6 +248,18 @@ impl PublishStage {
             .iter()
             .map(|event| {
                 let r = &event.record;
+                // Sampled out by a runtime control: no publisher sees it. A
+                // replayed event was asked for by name, and goes.
+                if let Some(percent) = controls.sample_percent(&r.app_code, &r.event_type) {
+                    if r.replay_count == 0 && !crate::control::sampled_in(&r.event_id, percent) {
+                        return Decision::Dropped {
+                            reason: format!(
+                                "sampled out: a runtime control delivers {percent} % of {}/{}",
+                                r.app_code, r.event_type
+                            ),
+                        };
+                    }
+                }
                 let claimed = Attempt::Claimed(ClaimedRow {
                     retry_count: r.retry_count,
                     from_expired_lease: event.source == ClaimSource::ExpiredLease,

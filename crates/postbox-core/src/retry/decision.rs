@@ -99,6 +99,12 @@ pub enum Decision {
         /// The publishers that did not take the row.
         behind: Vec<String>,
     },
+    /// Not published on purpose (a runtime control samples its type):
+    /// `dropped`, terminal, with `reason`; no attempt counted.
+    Dropped {
+        /// Why, written as the row's `last_error`.
+        reason: String,
+    },
     /// Dead letter.
     Failed {
         /// New failed-attempt count.
@@ -118,6 +124,7 @@ impl Decision {
             Decision::Delivered => Status::Delivered,
             Decision::Retry { .. } | Decision::Defer { .. } => Status::Retryable,
             Decision::Failed { .. } => Status::Failed,
+            Decision::Dropped { .. } => Status::Dropped,
         }
     }
 }

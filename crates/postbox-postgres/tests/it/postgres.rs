@@ -28,7 +28,7 @@ async fn migrate_is_idempotent() {
     let again = store.migrate().await.unwrap();
     assert!(again.applied.is_empty(), "second run changes nothing");
     assert_eq!(
-        again.version, 10,
+        again.version, 11,
         "with the wake-up trigger, the index per status, the pending index in claim order, \
          the head index, the pending index by event type and the runtime controls"
     );
@@ -78,7 +78,7 @@ async fn version_5_replaces_the_indexes_of_an_existing_table() {
         .unwrap();
 
     let report = store.migrate().await.expect("upgrade");
-    assert_eq!(report.applied, vec![5, 6, 7, 8, 9, 10], "{report:?}");
+    assert_eq!(report.applied, vec![5, 6, 7, 8, 9, 10, 11], "{report:?}");
     let schema = store.inspect_schema().await.unwrap();
     assert!(
         schema.objects.iter().all(|o| o.present),

@@ -62,11 +62,11 @@ async fn migrate_adds_the_trigger_to_an_existing_table_once() {
     };
     assert_eq!(trigger(&before), Some((format!("{t}_wake"), false)));
     let report = store.migrate().await.expect("upgrade");
-    assert_eq!(report.applied, vec![4, 5, 6, 7, 8, 9, 10], "{report:?}");
+    assert_eq!(report.applied, vec![4, 5, 6, 7, 8, 9, 10, 11], "{report:?}");
     let again = store.migrate().await.expect("again");
     assert!(again.applied.is_empty(), "{again:?}");
     let after = store.inspect_schema().await.expect("inspect");
-    assert_eq!(after.version, 10);
+    assert_eq!(after.version, 11);
     assert_eq!(trigger(&after), Some((format!("{t}_wake"), true)));
 
     // One notification per statement: a 1,000-row INSERT sends one.

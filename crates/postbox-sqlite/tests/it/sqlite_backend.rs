@@ -42,7 +42,7 @@ async fn scratch(name: &str) -> Scratch {
         .await
         .expect("connect");
     let report = outbox.migrate().await.expect("migrate");
-    assert_eq!(report.applied, vec![1, 2, 3, 5, 6, 7, 8, 9, 10]);
+    assert_eq!(report.applied, vec![1, 2, 3, 5, 6, 7, 8, 9, 10, 11]);
     Scratch { path, outbox }
 }
 
@@ -111,14 +111,14 @@ async fn migrate_is_idempotent() {
     let s = scratch("migrate").await;
     let again = s.outbox.migrate().await.unwrap();
     assert!(again.applied.is_empty());
-    assert_eq!(again.version, 10);
+    assert_eq!(again.version, 11);
     // A second table in the same database gets its own versions.
     let other = SqliteOutbox::new(s.outbox.pool().clone(), "wallet_outbox").unwrap();
     assert_eq!(
         other.migrate().await.unwrap().applied,
-        vec![1, 2, 3, 5, 6, 7, 8, 9, 10]
+        vec![1, 2, 3, 5, 6, 7, 8, 9, 10, 11]
     );
-    assert_eq!(other.migrate().await.unwrap().version, 10);
+    assert_eq!(other.migrate().await.unwrap().version, 11);
     assert_eq!(s.outbox.backend(), "sqlite");
 }
 
@@ -757,7 +757,7 @@ async fn connects_to_memory_and_plain_paths() {
         .unwrap();
     assert_eq!(
         p.migrate().await.unwrap().applied,
-        vec![1, 2, 3, 5, 6, 7, 8, 9, 10]
+        vec![1, 2, 3, 5, 6, 7, 8, 9, 10, 11]
     );
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(p.pool())
@@ -831,7 +831,7 @@ async fn a_failed_claim_rolls_back_its_transaction() {
     assert!(err.to_string().contains("claim"), "{err}");
     assert_eq!(
         o.migrate().await.unwrap().applied,
-        vec![1, 2, 3, 5, 6, 7, 8, 9, 10]
+        vec![1, 2, 3, 5, 6, 7, 8, 9, 10, 11]
     );
     enqueue_all(&o, &[ev("A")]).await;
     assert_eq!(claim(&o, ClaimSource::Pending, "w", 1000).await.len(), 1);
