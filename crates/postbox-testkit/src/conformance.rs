@@ -19,6 +19,7 @@ use postbox_core::store::{
 };
 use postbox_core::{ClaimSource, Error, NewEvent, Publisher, Status};
 
+use crate::consumer_fixtures::wait_until;
 use crate::RecordingPublisher;
 
 /// Declares the conformance cases, and is their one list. Every name is a
@@ -2352,16 +2353,14 @@ async fn relay_holds_a_paused_event_type_and_delivers_the_others(store: Arc<dyn 
         let handle = tokio::spawn(
             Relay::new(store.clone(), vec![p.clone()], settings).run(shutdown.clone()),
         );
-        let deadline = Instant::now() + Duration::from_secs(20);
         let unordered = ordering == Ordering::None;
         let free = if unordered { 6 } else { 5 };
-        while app_stats(store.as_ref(), app).await.delivered < free {
-            assert!(
-                Instant::now() < deadline,
-                "{app}: the other type was not delivered"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until(
+            "the other type delivered",
+            Duration::from_secs(20),
+            async || app_stats(store.as_ref(), app).await.delivered >= free,
+        )
+        .await;
         // Sweeps enough to take the due Tick (and give it back).
         tokio::time::sleep(Duration::from_millis(500)).await;
         let s = app_stats(store.as_ref(), app).await;
@@ -2386,14 +2385,12 @@ async fn relay_holds_a_paused_event_type_and_delivers_the_others(store: Arc<dyn 
         }
         // Cleared, the Ticks go (the due one within its recheck).
         assert!(store.clear_control(app, "Tick", "test").await.unwrap());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while app_stats(store.as_ref(), app).await.delivered < 13 {
-            assert!(
-                Instant::now() < deadline,
-                "{app}: the resumed type was not delivered"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until(
+            "the resumed type delivered",
+            Duration::from_secs(20),
+            async || app_stats(store.as_ref(), app).await.delivered >= 13,
+        )
+        .await;
         assert_eq!(
             status_of(store.as_ref(), &retried.event_id)
                 .await
@@ -2571,13 +2568,12 @@ async fn relay_samples_a_type_and_drops_the_rest(store: Arc<dyn OutboxStore>) {
         event_ids: vec![gone[0].event_id.clone()],
     };
     assert_eq!(store.replay(&by_id, false, "test").await.unwrap().len(), 1);
-    while status_of(store.as_ref(), &gone[0].event_id).await.status != Status::Delivered {
-        assert!(
-            Instant::now() < deadline,
-            "the replayed dropped event was not delivered"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(
+        "the replayed dropped event delivered",
+        Duration::from_secs(20),
+        async || status_of(store.as_ref(), &gone[0].event_id).await.status == Status::Delivered,
+    )
+    .await;
     shutdown.cancel();
     handle.await.expect("relay task").expect("relay run");
     // Archived with the delivered rows.

@@ -277,16 +277,7 @@ async fn relay_archives_on_its_interval() {
         )
     });
     for i in 0..5 {
-        let payload = format!("{{\"n\":{i}}}");
-        assert_ok(&project.run(&[
-            "enqueue",
-            "--app-code",
-            "room",
-            "--event-type",
-            "T",
-            "--payload",
-            &payload,
-        ]));
+        project.enqueue("room", &format!("{{\"n\":{i}}}"));
     }
     let mut relay = project.spawn(&["relay"], Stdio::null());
     let url = format!("sqlite://{}/outbox.db", project.path().display());

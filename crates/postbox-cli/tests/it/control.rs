@@ -17,16 +17,7 @@ fn lines(path: &std::path::Path) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_process_follows_the_controls_set_from_another_process() {
-    let (url, store) = common::server_outbox("postgres", "ctl", 2).await;
-    let table = store.table().as_str().to_owned();
-    let project = Project::migrated(|dir| {
-        format!(
-            "[database]\nurl = \"{url}\"\ntable = \"{table}\"\napp_codes = [\"room\", \"wallet\"]\n\
-             [outbox_worker]\npoll_interval = \"100ms\"\n\
-             [[publishers]]\nkind = \"file\"\npath = \"{}/out.jsonl\"\n",
-            dir.display()
-        )
-    });
+    let project = Project::room_and_wallet_to_a_file("ctl").await;
     let out_file = project.path().join("out.jsonl");
     // Bad input names what was wrong.
     for (args, says) in [

@@ -39,16 +39,7 @@ fn relay_of(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_process_is_listed_while_it_runs_and_after_it_stops() {
-    let (url, store) = common::server_outbox("postgres", "relays", 2).await;
-    let table = store.table().as_str().to_owned();
-    let project = Project::migrated(|dir| {
-        format!(
-            "[database]\nurl = \"{url}\"\ntable = \"{table}\"\napp_codes = [\"room\", \"wallet\"]\n\
-             [outbox_worker]\npoll_interval = \"100ms\"\n\
-             [[publishers]]\nkind = \"file\"\npath = \"{}/out.jsonl\"\n",
-            dir.display()
-        )
-    });
+    let project = Project::room_and_wallet_to_a_file("relays").await;
     let out = project.run(&["relays"]);
     assert_ok(&out);
     assert!(common::text(&out).contains("no relay has run"), "{out:?}");
@@ -67,19 +58,10 @@ async fn a_relay_process_is_listed_while_it_runs_and_after_it_stops() {
     assert!(!running["host"].as_str().unwrap().is_empty(), "{running}");
 
     for _ in 0..3 {
-        assert_ok(&project.run(&[
-            "enqueue",
-            "--app-code",
-            "room",
-            "--event-type",
-            "T",
-            "--payload",
-            "{}",
-        ]));
+        project.enqueue("room", "{}");
     }
-    let out_file = project.path().join("out.jsonl");
     let start = Instant::now();
-    while std::fs::read_to_string(&out_file).map_or(0, |t| t.lines().count()) < 3 {
+    while project.lines("out.jsonl") < 3 {
         assert!(start.elapsed() < Duration::from_secs(10), "not delivered");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -74,6 +74,40 @@ pub struct Project {
 }
 
 impl Project {
+    /// A migrated PostgreSQL outbox on a scratch table named after
+    /// `prefix`, app_codes `room` and `wallet`, polled every 100 ms, its
+    /// one publisher the file `out.jsonl` in the project's folder.
+    pub async fn room_and_wallet_to_a_file(prefix: &str) -> Self {
+        let (url, store) = server_outbox("postgres", prefix, 2).await;
+        let table = store.table().as_str().to_owned();
+        Project::migrated(|dir| {
+            format!(
+                "[database]\nurl = \"{url}\"\ntable = \"{table}\"\napp_codes = [\"room\", \"wallet\"]\n\
+                 [outbox_worker]\npoll_interval = \"100ms\"\n\
+                 [[publishers]]\nkind = \"file\"\npath = \"{}/out.jsonl\"\n",
+                dir.display()
+            )
+        })
+    }
+
+    /// Enqueues an event of type `T` for `app_code` with `payload`.
+    pub fn enqueue(&self, app_code: &str, payload: &str) {
+        assert_ok(&self.run(&[
+            "enqueue",
+            "--app-code",
+            app_code,
+            "--event-type",
+            "T",
+            "--payload",
+            payload,
+        ]));
+    }
+
+    /// Lines written to the file `name` of the project's folder so far.
+    pub fn lines(&self, name: &str) -> usize {
+        std::fs::read_to_string(self.path().join(name)).map_or(0, |t| t.lines().count())
+    }
+
     /// A fresh folder with the config `body(folder)`.
     pub fn new(body: impl FnOnce(&Path) -> String) -> Self {
         let dir = tempfile::tempdir().unwrap();
