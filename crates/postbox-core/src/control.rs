@@ -11,7 +11,9 @@
 //! they stay `pending`, the other app_codes and event types go on. A
 //! paused app_code (`event_type = "*"`) is not claimed at all; a paused
 //! event type is left out of the pending claims, and a due retry or an
-//! expired lease of it that a claim takes is given back as `pending`.
+//! expired lease of it that a claim takes is given back (the pause counts
+//! no attempt). `sample_percent` delivers that share of the key's events
+//! ([`sampled_in`]) and marks the others `dropped`.
 
 use std::time::Duration;
 

@@ -739,8 +739,8 @@ pub trait RelayStore: Send + Sync + 'static {
     /// `postgres`, `mysql` or `sqlite`.
     fn backend(&self) -> &'static str;
 
-    /// Writes a relay's heartbeat into `<table>_relays` and forgets relays
-    /// not heard from for [`RELAY_FORGOTTEN_AFTER_MS`].
+    /// Writes a relay's heartbeat into `<table>_relays`; a relay's first
+    /// also forgets relays not heard from for [`RELAY_FORGOTTEN_AFTER_MS`].
     async fn beat(&self, beat: &RelayBeat) -> Result<()>;
 
     /// The outbox table.

@@ -817,8 +817,8 @@ impl SqlOutbox<D> {
         crate::control_log_of(rows)
     }
 
-    /// Writes a relay's heartbeat (its row, inserted the first time) and
-    /// forgets relays long gone.
+    /// Writes a relay's heartbeat: one update of its row, or, the first
+    /// time, an insert, when relays long gone are forgotten too.
     pub async fn beat(&self, beat: &postbox_core::store::RelayBeat) -> Result<()> {
         let op = "write the relay heartbeat";
         let app_codes = beat.app_codes.join(",");
@@ -845,12 +845,12 @@ impl SqlOutbox<D> {
                 .execute(&self.pool)
                 .await
                 .map_err(db)?;
+            let forget = [Value::Int(Some(postbox_core::store::RELAY_FORGOTTEN_AFTER_MS))];
+            query::<D>(&self.sql.relay_forget, forget)
+                .execute(&self.pool)
+                .await
+                .map_err(db)?;
         }
-        let forget = [Value::Int(Some(postbox_core::store::RELAY_FORGOTTEN_AFTER_MS))];
-        query::<D>(&self.sql.relay_forget, forget)
-            .execute(&self.pool)
-            .await
-            .map_err(db)?;
         Ok(())
     }
 
