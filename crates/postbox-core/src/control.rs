@@ -229,6 +229,11 @@ impl Controls {
         types
     }
 
+    /// Whether any control pauses anything.
+    pub fn any_paused(&self) -> bool {
+        self.all.iter().any(|c| c.paused)
+    }
+
     /// Whether a row of `event_type` in `app_code` may not be published
     /// now: its app_code or its type is paused.
     pub fn holds(&self, app_code: &str, event_type: &str) -> bool {
@@ -376,6 +381,7 @@ mod tests {
         assert_eq!(c.paused_types("room"), ["Audit", "Tick"]);
         assert_eq!(c.paused_types("game"), ["Audit"]);
         assert!(!c.paused("room"), "a type's pause is not its app_code's");
+        assert!(c.any_paused() && !Controls::default().any_paused());
         assert!(c.holds("room", "Tick") && c.holds("game", "Audit") && c.holds("wallet", "X"));
         assert!(!c.holds("room", "Other") && !c.holds("game", "Tick"));
         assert!(control("", ANY).validate().is_err());

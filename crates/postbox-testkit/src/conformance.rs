@@ -2424,11 +2424,14 @@ async fn relays_register_by_their_heartbeats(store: Arc<dyn OutboxStore>) {
         ..beat.clone()
     };
     store.beat(&later).await.expect("second beat");
-    let seen = store.relays().await.expect("relays");
-    let r = seen
-        .iter()
-        .find(|r| r.beat.worker_id == "conf-w1")
-        .expect("registered");
+    // The registry's row of `worker`.
+    let registered = async |worker: &str| {
+        let seen = store.relays().await.expect("relays");
+        seen.into_iter()
+            .find(|r| r.beat.worker_id == worker)
+            .unwrap_or_else(|| panic!("{worker} is not registered"))
+    };
+    let r = registered("conf-w1").await;
     assert_eq!(
         (&r.beat, r.state, r.stopped_at_ms),
         (&later, "running", None)
@@ -2439,8 +2442,7 @@ async fn relays_register_by_their_heartbeats(store: Arc<dyn OutboxStore>) {
         ..later.clone()
     };
     store.beat(&last).await.expect("last beat");
-    let seen = store.relays().await.expect("relays");
-    let r = seen.iter().find(|r| r.beat.worker_id == "conf-w1").unwrap();
+    let r = registered("conf-w1").await;
     assert_eq!((r.state, r.beat.stopped), ("stopped", true));
     assert!(
         r.stopped_at_ms.is_some_and(|at| at >= r.started_at_ms),
@@ -2455,18 +2457,13 @@ async fn relays_register_by_their_heartbeats(store: Arc<dyn OutboxStore>) {
     let shutdown = CancellationToken::new();
     let relay = Relay::new(store.clone(), vec![p], settings).with_worker_id("conf-relay");
     let handle = tokio::spawn(relay.run(shutdown.clone()));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while stats(store.as_ref()).await.delivered < 3 {
-        assert!(Instant::now() < deadline, "not delivered");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until("3 delivered", Duration::from_secs(20), async || {
+        stats(store.as_ref()).await.delivered >= 3
+    })
+    .await;
     shutdown.cancel();
     handle.await.expect("relay task").expect("relay run");
-    let seen = store.relays().await.expect("relays");
-    let r = seen
-        .iter()
-        .find(|r| r.beat.worker_id == "conf-relay")
-        .expect("the relay registered itself");
+    let r = registered("conf-relay").await;
     assert_eq!(
         (
             r.state,

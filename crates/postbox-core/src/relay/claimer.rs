@@ -64,7 +64,7 @@ struct Claim<'a> {
 
 /// How long a due retry of a paused type waits before the sweep takes it
 /// again (to give it back again, or to publish it once resumed).
-pub(super) const PAUSED_RECHECK: Duration = Duration::from_secs(5);
+const PAUSED_RECHECK: Duration = Duration::from_secs(5);
 
 /// Why rows were given back while paused (their `last_error` when deferred).
 const PAUSED: &str = "paused by a runtime control";
@@ -270,12 +270,17 @@ impl Claimer {
             Ok(events) if events.is_empty() => {}
             Ok(events) => {
                 // A paused type's due retries and expired leases (and rows
-                // claimed just before a pause was read) go back.
-                let (held, events): (Vec<_>, Vec<_>) = events
-                    .into_iter()
-                    .partition(|e| controls.holds(&e.record.app_code, &e.record.event_type));
-                if !held.is_empty() {
-                    self.hold_back(held).await;
+                // claimed just before a pause was read) go back. Nothing
+                // to look at while nothing is paused.
+                let mut events = events;
+                if controls.any_paused() {
+                    let held;
+                    (held, events) = events
+                        .into_iter()
+                        .partition(|e| controls.holds(&e.record.app_code, &e.record.event_type));
+                    if !held.is_empty() {
+                        self.hold_back(held).await;
+                    }
                 }
                 if events.is_empty() {
                     return Some(round);

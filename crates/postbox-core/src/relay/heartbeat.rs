@@ -33,6 +33,8 @@ pub(super) struct Heartbeat {
     pub worker_id: String,
     pub app_codes: Vec<String>,
     pub tally: Arc<Tally>,
+    /// This host's name and this process's id ([`host_and_pid`]), read once.
+    pub host: (String, u32),
 }
 
 impl Heartbeat {
@@ -70,11 +72,10 @@ impl Heartbeat {
     }
 
     fn beat(&self, per_minute: u64, stopped: bool) -> RelayBeat {
-        let (host, pid) = host_and_pid();
         RelayBeat {
             worker_id: self.worker_id.clone(),
-            host,
-            pid,
+            host: self.host.0.clone(),
+            pid: self.host.1,
             app_codes: self.app_codes.clone(),
             claimed: self.tally.claimed.load(Ordering::Relaxed),
             delivered: self.tally.delivered.load(Ordering::Relaxed),

@@ -195,6 +195,7 @@ impl Relay {
             worker_id: self.worker_id.clone(),
             app_codes: self.app_codes.clone(),
             tally,
+            host: heartbeat::host_and_pid(),
         };
 
         // Cancelled on shutdown, and by the first stage that fails.
