@@ -420,19 +420,17 @@ pub(crate) struct ControlBody {
 fn number_or_default(
     field: &str,
     value: Option<serde_json::Value>,
-    max: u64,
-) -> Result<Option<Option<u64>>, ApiError> {
-    match value {
-        None => Ok(None),
-        Some(serde_json::Value::Null) => Ok(Some(None)),
-        Some(serde_json::Value::String(s)) if s == "default" => Ok(Some(None)),
-        Some(v) => match v.as_u64().filter(|n| *n <= max) {
-            Some(n) => Ok(Some(Some(n))),
-            None => Err(ApiError::bad_request(format!(
-                "{field}: {v} is neither a number up to {max} nor \"default\""
-            ))),
-        },
-    }
+    max: u32,
+) -> Result<Option<Option<u32>>, ApiError> {
+    let text = match value {
+        None => return Ok(None),
+        Some(serde_json::Value::Null) => return Ok(Some(None)),
+        Some(serde_json::Value::String(s)) => s,
+        Some(other) => other.to_string(),
+    };
+    postbox_core::control::parse_number(&text, max)
+        .map(Some)
+        .map_err(|e| ApiError::bad_request(format!("{field}: {e}")))
 }
 
 /// `POST /api/controls` (an operator): changes one control, logged under
@@ -455,14 +453,12 @@ pub(crate) async fn set_control(
         }
         Some(other) => return Err(bad(format!("delivery: {other} is not a string"))),
     };
-    let max_retry_count =
-        number_or_default("max_retry_count", b.max_retry_count, u64::from(u32::MAX))?;
-    let sample_percent = number_or_default("sample_percent", b.sample_percent, 100)?;
     let change = ControlChange {
         paused: b.paused,
         delivery,
-        max_retry_count: max_retry_count.map(|n| n.map(|n| n as u32)),
-        sample_percent: sample_percent.map(|p| p.map(|p| p as u8)),
+        max_retry_count: number_or_default("max_retry_count", b.max_retry_count, u32::MAX)?,
+        sample_percent: number_or_default("sample_percent", b.sample_percent, 100)?
+            .map(|p| p.map(|p| p as u8)),
     };
     let done = change_control(
         state.store.as_ref(),

@@ -165,6 +165,20 @@ pub fn parse_delivery(s: &str) -> Result<Option<Delivery>, String> {
     }
 }
 
+/// Parses a number up to `max` (`max_retry_count`, `sample_percent`), or
+/// `default` (`None`: back to the config's, or every event).
+pub fn parse_number(s: &str, max: u32) -> Result<Option<u32>, String> {
+    match s {
+        "default" => Ok(None),
+        n => n
+            .parse::<u32>()
+            .ok()
+            .filter(|n| *n <= max)
+            .map(Some)
+            .ok_or_else(|| format!("`{n}` is neither a number up to {max} nor `default`")),
+    }
+}
+
 /// `at_least_once` or `at_most_once`.
 pub fn delivery_name(d: Delivery) -> &'static str {
     match d {
@@ -313,6 +327,14 @@ mod tests {
             .all(|id| sampled_in(id, 100) && !sampled_in(id, 0)));
         let at_10 = ids.iter().filter(|id| sampled_in(id, 10)).count();
         assert!((700..1_300).contains(&at_10), "{at_10} of 10,000 at 10 %");
+    }
+
+    #[test]
+    fn a_number_is_up_to_its_maximum_or_default() {
+        assert_eq!(parse_number("25", 100), Ok(Some(25)));
+        assert_eq!(parse_number("default", 100), Ok(None));
+        assert!(parse_number("150", 100).unwrap_err().contains("up to 100"));
+        assert!(parse_number("lots", 100).is_err());
     }
 
     fn control(app: &str, ty: &str) -> Control {

@@ -86,19 +86,8 @@ fn number_or_default(
     max: u32,
 ) -> Result<Option<Option<u32>>, CliError> {
     value
-        .as_deref()
-        .map(|n| match n {
-            "default" => Ok(None),
-            n => n
-                .parse::<u32>()
-                .ok()
-                .filter(|n| *n <= max)
-                .map(Some)
-                .ok_or_else(|| {
-                    CliError::usage(format!(
-                        "{flag}: `{n}` is neither a number up to {max} nor `default`"
-                    ))
-                }),
+        .map(|n| {
+            control::parse_number(&n, max).map_err(|e| CliError::usage(format!("{flag}: {e}")))
         })
         .transpose()
 }
