@@ -42,6 +42,7 @@ pub(crate) async fn stats(State(state): State<AppState>) -> Json<Snapshot> {
 #[derive(Debug, Deserialize)]
 pub(crate) struct ListParams {
     app_code: Option<String>,
+    aggregate_id: Option<String>,
     status: Option<String>,
     event_type: Option<String>,
     since: Option<String>,
@@ -87,8 +88,16 @@ impl ListParams {
             )));
         }
         let non_empty = |v: &Option<String>| v.clone().filter(|s| !s.is_empty());
+        let app_code = non_empty(&self.app_code);
+        let aggregate_id = non_empty(&self.aggregate_id);
+        if aggregate_id.is_some() && app_code.is_none() {
+            return Err(ApiError::bad_request(
+                "aggregate_id: give an app_code too (aggregate ids are a tenant's)",
+            ));
+        }
         Ok(EventFilter {
-            app_code: non_empty(&self.app_code),
+            app_code,
+            aggregate_id,
             status,
             event_type: non_empty(&self.event_type),
             since_ms: time("since", &self.since)?,
@@ -297,6 +306,7 @@ pub(crate) async fn replay(
 #[serde(deny_unknown_fields)]
 pub(crate) struct BulkReplay {
     app_code: Option<String>,
+    aggregate_id: Option<String>,
     status: Option<String>,
     event_type: Option<String>,
     since: Option<String>,
@@ -332,6 +342,7 @@ pub(crate) async fn replay_filtered(
     let b = body.map(|Json(b)| b).unwrap_or_default();
     let list = ListParams {
         app_code: b.app_code,
+        aggregate_id: b.aggregate_id,
         status: b.status,
         event_type: b.event_type,
         since: b.since,
@@ -341,12 +352,13 @@ pub(crate) async fn replay_filtered(
     };
     let filter = list.filter()?;
     let narrowed = filter.status.is_some()
+        || filter.aggregate_id.is_some()
         || filter.event_type.is_some()
         || filter.since_ms.is_some()
         || filter.until_ms.is_some();
     if !narrowed && !b.all {
         return Err(ApiError::bad_request(
-            "give a filter (status, event_type, since, until) or \"all\": true to replay every event",
+            "give a filter (status, aggregate_id, event_type, since, until) or \"all\": true to replay every event",
         ));
     }
     let targets = ReplayParams {
@@ -519,6 +531,7 @@ mod tests {
     fn list_params_validate_names_the_parameter() {
         let p = ListParams {
             app_code: Some(String::new()),
+            aggregate_id: None,
             status: Some("lost".into()),
             event_type: None,
             since: None,
@@ -534,5 +547,16 @@ mod tests {
             ..p
         };
         assert!(p.filter().err().unwrap().message.starts_with("limit:"));
+        let p = ListParams {
+            limit: None,
+            aggregate_id: Some("order-1".into()),
+            ..p
+        };
+        assert!(p
+            .filter()
+            .err()
+            .unwrap()
+            .message
+            .starts_with("aggregate_id:"));
     }
 }

@@ -31,6 +31,13 @@ impl From<postbox_core::Error> for ApiError {
             tracing::debug!(error = %e, "admin API: bad request");
             return ApiError::bad_request(e.to_string());
         }
+        // The schema lacks what the request reads (not migrated, or an
+        // optional index such as the aggregate search's): the operator's
+        // to fix, the database is fine.
+        if let postbox_core::Error::Schema(_) = e {
+            tracing::warn!(error = %e, "admin API: schema");
+            return ApiError::new(StatusCode::CONFLICT, e.to_string());
+        }
         tracing::error!(error = %e, "admin API: store call failed");
         ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
     }

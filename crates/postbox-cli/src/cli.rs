@@ -91,6 +91,15 @@ pub struct MigrateArgs {
     /// With --out: the files' names, as the tool that applies them wants.
     #[arg(long, value_enum, default_value_t = ScriptFormat::Flyway, requires = "out")]
     pub format: ScriptFormat,
+    /// Also create the optional index search by aggregate reads
+    /// (`<table>_agg_idx`, `<table>_archive_agg_idx`), without blocking
+    /// writes where the database can. It costs every event one more index
+    /// entry per write.
+    #[arg(long, conflicts_with_all = ["print_sql", "drop_aggregate_index"])]
+    pub aggregate_index: bool,
+    /// Drop that index (search by aggregate is then refused).
+    #[arg(long, conflicts_with = "print_sql")]
+    pub drop_aggregate_index: bool,
 }
 
 /// How `migrate --print-sql --out` names its files.
@@ -294,7 +303,7 @@ pub enum EventsCommand {
 /// Filters shared by `events list` and `replay`.
 #[derive(Debug, Args, Clone, Default)]
 pub struct FilterArgs {
-    /// pending, delivering, delivered, retryable or failed.
+    /// pending, delivering, delivered, retryable, failed or dropped.
     #[arg(long)]
     pub status: Option<String>,
     /// Only this event type.
@@ -303,6 +312,10 @@ pub struct FilterArgs {
     /// Only this app_code.
     #[arg(long)]
     pub app_code: Option<String>,
+    /// Only this aggregate's events (with --app-code; needs the index
+    /// `postbox migrate --aggregate-index` creates).
+    #[arg(long, value_name = "AGGREGATE_ID")]
+    pub aggregate: Option<String>,
     /// Created at or after: RFC 3339, epoch ms, or a duration ago (`2h`).
     #[arg(long)]
     pub since: Option<String>,

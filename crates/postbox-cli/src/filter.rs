@@ -23,8 +23,14 @@ pub fn filter(args: &FilterArgs, limit: u32) -> Result<EventFilter, CliError> {
                 .map_err(|e| CliError::usage(format!("--status: {e}")))
         })
         .transpose()?;
+    if args.aggregate.is_some() && args.app_code.is_none() {
+        return Err(CliError::usage(
+            "--aggregate needs --app-code (aggregate ids are a tenant's)",
+        ));
+    }
     Ok(EventFilter {
         app_code: args.app_code.clone(),
+        aggregate_id: args.aggregate.clone(),
         status,
         event_type: args.event_type.clone(),
         since_ms: time("since", &args.since)?,

@@ -144,6 +144,10 @@ pub struct EventFilter {
     pub status: Option<Status>,
     /// Only this type.
     pub event_type: Option<String>,
+    /// Only this aggregate (with an `app_code`: aggregate ids are a
+    /// tenant's). Read through [`AGGREGATE_INDEX`], which is optional:
+    /// without it the search is refused, never a scan of the table.
+    pub aggregate_id: Option<String>,
     /// `created_at_ms >= since_ms`.
     pub since_ms: Option<i64>,
     /// `created_at_ms < until_ms`.
@@ -538,6 +542,9 @@ pub struct SchemaReport {
     pub latest_version: u32,
     /// Every table and index this build expects, and whether it exists.
     pub objects: Vec<SchemaObject>,
+    /// [`AGGREGATE_INDEX`] is on the outbox table and on its archive:
+    /// events can be searched by aggregate.
+    pub aggregate_search: bool,
 }
 
 impl SchemaReport {
@@ -567,10 +574,13 @@ impl SchemaReport {
                 }
             })
             .collect();
+        let aggregate_index = |t: &str| names.contains(&format!("{t}{AGGREGATE_INDEX}"));
         SchemaReport {
             version,
             latest_version,
             objects,
+            aggregate_search: aggregate_index(table)
+                && aggregate_index(&format!("{table}_archive")),
         }
     }
 }
@@ -585,6 +595,15 @@ pub struct SchemaObject {
     /// Found in the catalog.
     pub present: bool,
 }
+
+/// The optional index (a suffix, on the outbox table and on its archive)
+/// that search by aggregate reads: `(app_code, aggregate_id, id)` over
+/// every row. `migrate` leaves it out: on the outbox table it costs every
+/// event an index entry per write (its insert, and on PostgreSQL each
+/// status change), which only deployments that search by aggregate should
+/// pay. `postbox migrate --aggregate-index` adds it (without blocking
+/// writes where the database can), `--drop-aggregate-index` removes it.
+pub const AGGREGATE_INDEX: &str = "_agg_idx";
 
 /// The index names (suffixes after the table name) every backend creates
 /// under that name; each backend adds the outbox table's own (its
@@ -986,6 +1005,12 @@ pub trait SchemaStore: Send + Sync + 'static {
     /// The schema version and which expected tables and indexes exist, read
     /// from the catalog.
     async fn inspect_schema(&self) -> Result<SchemaReport>;
+
+    /// Creates (`wanted`) or drops [`AGGREGATE_INDEX`] on the outbox table
+    /// and its archive, without blocking writes where the database can
+    /// (PostgreSQL `CONCURRENTLY`, MySQL `LOCK=NONE`). Returns the names of
+    /// the indexes it created or dropped (none: already as wanted).
+    async fn aggregate_index(&self, wanted: bool) -> Result<Vec<String>>;
 
     /// Plans of the three claim queries for `app_code`, taking up to `limit`
     /// rows. Nothing is changed: executions are rolled back.

@@ -226,6 +226,8 @@ impl Dialect for MySqlDialect {
     /// Continued by [`MySqlDialect::continue_ids`] instead.
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[];
     const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
+    const CREATE_AGGREGATE_INDEX: &'static str = sql::CREATE_AGGREGATE_INDEX;
+    const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
     const REPLAY_FAILED_INDEX: &'static str = "_due_idx";
     const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
     /// A pooled connection whose next transaction runs at READ COMMITTED:

@@ -41,6 +41,8 @@ impl Dialect for PgDialect {
     const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
     const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
+    const CREATE_AGGREGATE_INDEX: &'static str = sql::CREATE_AGGREGATE_INDEX;
+    const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
 
     fn own(t: &TableName) -> Own {

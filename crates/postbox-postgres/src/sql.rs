@@ -494,3 +494,12 @@ pub(crate) const V4_WAKE_TRIGGER: &[&str] = &[
 /// pending by an UPDATE, which the insert trigger does not see); the
 /// channel is bound.
 pub(crate) const NOTIFY_PENDING: &str = "SELECT pg_notify($1, '')";
+
+/// The optional aggregate index (`postbox migrate --aggregate-index`),
+/// built `CONCURRENTLY`: the outbox's writers never wait for it (so it
+/// runs outside a transaction).
+pub(crate) const CREATE_AGGREGATE_INDEX: &str =
+    "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {on} (app_code, aggregate_id, id)";
+
+/// Drops it.
+pub(crate) const DROP_AGGREGATE_INDEX: &str = "DROP INDEX CONCURRENTLY IF EXISTS {name}";

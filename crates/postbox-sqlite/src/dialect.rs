@@ -62,6 +62,8 @@ impl Dialect for SqliteDialect {
     const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = sql::CONTINUE_IDS_AFTER_ARCHIVE;
     const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
+    const CREATE_AGGREGATE_INDEX: &'static str = sql::CREATE_AGGREGATE_INDEX;
+    const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
     const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
 

@@ -451,3 +451,10 @@ pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements
 /// One app_code's branch of the idle probe (`RelayStore::due`; the
 /// indexes each sub-query probes: `postbox_sqlx::due_branch!`).
 pub(crate) const DUE_BRANCH: &str = postbox_sqlx::due_branch!("TEXT", now_ms!());
+
+/// The optional aggregate index (`postbox migrate --aggregate-index`).
+pub(crate) const CREATE_AGGREGATE_INDEX: &str =
+    "CREATE INDEX IF NOT EXISTS {name} ON {on} (app_code, aggregate_id, id)";
+
+/// Drops it.
+pub(crate) const DROP_AGGREGATE_INDEX: &str = "DROP INDEX IF EXISTS {name}";

@@ -346,6 +346,12 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// The outbox table's own indexes (suffixes), which `doctor` expects
     /// besides [`postbox_core::store::EXPECTED_INDEXES`].
     const EXTRA_INDEXES: &'static [&'static str];
+    /// Creates the optional aggregate index `{name}` on `{on}`
+    /// (`(app_code, aggregate_id, id)`, [`postbox_core::store::AGGREGATE_INDEX`])
+    /// without blocking the table's writes where the database can.
+    const CREATE_AGGREGATE_INDEX: &'static str;
+    /// Drops index `{name}` of `{on}`.
+    const DROP_AGGREGATE_INDEX: &'static str;
     /// The index (suffix) replay of an app_code's `failed` rows reads
     /// (`doctor` checks it; [`SqlOutbox::replay_probes`]).
     const REPLAY_FAILED_INDEX: &'static str;

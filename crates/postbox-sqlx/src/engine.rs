@@ -16,7 +16,7 @@ use postbox_core::event::Fence;
 use postbox_core::store::{
     check_ledger, AppStats, ArchiveReport, ArchiveRequest, DeferUpdate, EnqueueOutcome,
     EventFilter, FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayRequest,
-    ReplaySelector, SchemaReport, StuckAggregate, EXPECTED_TABLES, HISTORY_LIMIT,
+    ReplaySelector, SchemaReport, StuckAggregate, AGGREGATE_INDEX, EXPECTED_TABLES, HISTORY_LIMIT,
     REPLAY_ARCHIVED_QUERY, REPLAY_BY_ID_QUERY, REPLAY_FAILED_QUERY,
 };
 use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
@@ -379,10 +379,11 @@ impl SqlOutbox<D> {
             self.replay_rows(&mut *conn, ReplayStep::Replay, &live.sql, binds, "replay").await?
         };
         out.sort_by_key(|r| r.id);
-        if f.since_ms.is_none() && f.until_ms.is_none() {
+        if f.since_ms.is_none() && f.until_ms.is_none() && f.aggregate_id.is_none() {
             return Ok(out);
         }
-        // A time range also covers rows already archived (delivered ones).
+        // A time range, or an aggregate's events, also covers rows already
+        // archived (delivered ones).
         let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
         let binds = list_values(&archived.args).collect();
         let op = "replay from archive";
@@ -644,17 +645,27 @@ impl SqlOutbox<D> {
 
     /// Rows matching a filter, newest first.
     pub async fn list(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
-        self.list_from(D::STATEMENTS.list_select, f).await
+        self.list_from(D::STATEMENTS.list_select, f, self.table.as_str()).await
     }
 
     /// Archived rows matching a filter, newest first.
     pub async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
         let select = D::STATEMENTS.list_select.replace("{table}", "{archive}");
-        self.list_from(&select, f).await
+        self.list_from(&select, f, &self.table.archive()).await
     }
 
-    /// `list` over `select` (`SELECT <columns> FROM {table}` or `{archive}`).
-    async fn list_from(&self, select: &str, f: &EventFilter) -> Result<Vec<EventRecord>> {
+    /// `list` over `select` (`SELECT <columns> FROM {table}` or `{archive}`,
+    /// the table `on`).
+    async fn list_from(&self, select: &str, f: &EventFilter, on: &str) -> Result<Vec<EventRecord>> {
+        if f.aggregate_id.is_some() {
+            if f.app_code.is_none() {
+                return Err(postbox_core::Error::InvalidInput {
+                    operation: "list events",
+                    source: "a search by aggregate needs an app_code (aggregate ids are a tenant's)".into(),
+                });
+            }
+            self.require_aggregate_index(&[on]).await?;
+        }
         let q = list_query(select, f, D::PLACEHOLDERS);
         let sql = self.table.render(&q.sql);
         let rows = query::<D>(&sql, list_values(&q.args))
@@ -928,6 +939,9 @@ impl SqlOutbox<D> {
         // transaction (a pool may hold a single connection).
         // A filter without an app_code likewise runs once per app_code, so
         // that every replay statement reads an index its app_code leads.
+        if let ReplaySelector::Filter(EventFilter { aggregate_id: Some(_), .. }) = &selector {
+            self.require_aggregate_index(&[self.table.as_str(), &self.table.archive()]).await?;
+        }
         let app_codes = match &selector {
             ReplaySelector::EventIds { app_code: Some(code), .. } => vec![code.clone()],
             ReplaySelector::Filter(EventFilter { app_code: Some(code), .. }) => vec![code.clone()],
@@ -1166,8 +1180,7 @@ impl SqlOutbox<D> {
     pub async fn inspect_schema(&self) -> Result<SchemaReport> {
         let db = |e| db_error("inspect schema", e);
         let t = self.table.as_str();
-        let names = first_column(sqlx::query(&self.sql.doctor_objects).fetch_all(&self.pool).await.map_err(db)?)
-            .map_err(db)?;
+        let names = self.catalog_names("inspect schema").await?;
         let version: Option<i32> = if names.iter().any(|n| n == MIGRATIONS_LEDGER) {
             // One column, `MAX(version)`: NULL when nothing is recorded.
             query::<D>(&self.sql.doctor_version, [t.into()])
@@ -1200,6 +1213,51 @@ impl SqlOutbox<D> {
 
 engine_impl! {
 impl SqlOutbox<D> {
+    /// The names of the tables, indexes and triggers in the catalog.
+    async fn catalog_names(&self, op: &'static str) -> Result<Vec<String>> {
+        let db = |e| db_error(op, e);
+        let rows = sqlx::query(&self.sql.doctor_objects).fetch_all(&self.pool).await.map_err(db)?;
+        first_column(rows).map_err(db)
+    }
+
+    /// Creates (`wanted`) or drops [`AGGREGATE_INDEX`] on the outbox table
+    /// and its archive, each only where it is missing (or there).
+    pub async fn aggregate_index(&self, wanted: bool) -> Result<Vec<String>> {
+        let op = if wanted { "create the aggregate index" } else { "drop the aggregate index" };
+        let names = self.catalog_names(op).await?;
+        let mut changed = Vec::new();
+        for on in [self.table.as_str().to_owned(), self.table.archive()] {
+            let name = format!("{on}{AGGREGATE_INDEX}");
+            if names.contains(&name) == wanted {
+                continue;
+            }
+            let template = if wanted { D::CREATE_AGGREGATE_INDEX } else { D::DROP_AGGREGATE_INDEX };
+            let sql = template.replace("{name}", &name).replace("{on}", &on);
+            query::<D>(&sql, []).execute(&self.pool).await.map_err(|e| db_error(op, e))?;
+            changed.push(name);
+        }
+        Ok(changed)
+    }
+
+    /// A search by aggregate reads [`AGGREGATE_INDEX`] on each of `tables`;
+    /// where it is missing the search is refused (never a scan of the
+    /// table), naming the command that creates it.
+    async fn require_aggregate_index(&self, tables: &[&str]) -> Result<()> {
+        let names = self.catalog_names("look for the aggregate index").await?;
+        let missing: Vec<String> = tables
+            .iter()
+            .map(|on| format!("{on}{AGGREGATE_INDEX}"))
+            .filter(|name| !names.contains(name))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(postbox_core::Error::Schema(format!(
+            "searching by aggregate reads the index `{}`, which is not there: `postbox migrate --aggregate-index` creates it (it costs every event one more index entry per write)",
+            missing.join("`, `")
+        )))
+    }
+
     /// The idle probe ([`postbox_core::RelayStore::due`]): one statement
     /// for every app_code ([`Dialect::due_query`]); a dialect without one
     /// answers "anything may be due" without a round trip.
@@ -1242,7 +1300,6 @@ impl SqlOutbox<D> {
 }
 }
 
-/// The values of a [`ListQuery`](crate::ListQuery), in placeholder order.
 /// The first column of every row, as text (names of tables and indexes).
 fn first_column<R>(rows: Vec<R>) -> std::result::Result<Vec<String>, sqlx::Error>
 where

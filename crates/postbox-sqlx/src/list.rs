@@ -22,6 +22,16 @@ pub enum Placeholders {
     Question,
 }
 
+impl Placeholders {
+    /// The `n`th placeholder (from 1).
+    fn nth(self, n: usize) -> String {
+        match self {
+            Placeholders::Numbered => format!("${n}"),
+            Placeholders::Question => "?".to_owned(),
+        }
+    }
+}
+
 /// One bound value, in placeholder order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ListArg<'a> {
@@ -49,32 +59,12 @@ pub fn list_query<'a>(
     filter: &'a EventFilter,
     p: Placeholders,
 ) -> ListQuery<'a> {
-    let mut preds: Vec<&'static str> = Vec::new();
-    let mut args = Vec::new();
-    if let Some(a) = &filter.app_code {
-        preds.push("app_code = ");
-        args.push(ListArg::Text(a));
-    }
-    if let Some(t) = &filter.event_type {
-        preds.push("event_type = ");
-        args.push(ListArg::Text(t));
-    }
-    if let Some(since) = filter.since_ms {
-        preds.push("created_at_ms >= ");
-        args.push(ListArg::Int(since));
-    }
-    if let Some(until) = filter.until_ms {
-        preds.push("created_at_ms < ");
-        args.push(ListArg::Int(until));
-    }
+    let (mut preds, mut args) = predicates(filter);
     if let Some(before) = filter.before_id {
         preds.push("id < ");
         args.push(ListArg::Int(before));
     }
-    let placeholder = |n: usize| match p {
-        Placeholders::Numbered => format!("${n}"),
-        Placeholders::Question => "?".to_owned(),
-    };
+    let placeholder = |n: usize| p.nth(n);
     let mut sql = select_from.to_owned();
     for (i, pred) in preds.iter().enumerate() {
         sql.push_str(if i == 0 { " WHERE " } else { " AND " });
@@ -96,7 +86,7 @@ pub const FILTERS: &str = "{filters}";
 
 /// A replay statement for `filter`: `{filters}` in `sql` (which follows a
 /// `WHERE` clause) becomes ` AND <column> = <placeholder>` for each given
-/// filter among app_code, status, event_type and the time range, numbered
+/// filter among app_code, aggregate, status, event_type and the time range, numbered
 /// from 1, so the plan uses the index of the filters actually given (the
 /// `(? IS NULL OR …)` pattern cannot). `status_column` is what the status
 /// filter compares (`status`, or `'delivered'` for archived rows). The
@@ -107,32 +97,12 @@ pub fn filter_query<'a>(
     status_column: &str,
     p: Placeholders,
 ) -> ListQuery<'a> {
-    let mut preds: Vec<String> = Vec::new();
-    let mut args = Vec::new();
-    if let Some(a) = &filter.app_code {
-        preds.push("app_code = ".to_owned());
-        args.push(ListArg::Text(a));
-    }
-    if let Some(t) = &filter.event_type {
-        preds.push("event_type = ".to_owned());
-        args.push(ListArg::Text(t));
-    }
-    if let Some(since) = filter.since_ms {
-        preds.push("created_at_ms >= ".to_owned());
-        args.push(ListArg::Int(since));
-    }
-    if let Some(until) = filter.until_ms {
-        preds.push("created_at_ms < ".to_owned());
-        args.push(ListArg::Int(until));
-    }
+    let (preds, args) = predicates(filter);
     let mut filters = String::new();
     for (i, pred) in preds.iter().enumerate() {
         filters.push_str(" AND ");
         filters.push_str(pred);
-        match p {
-            Placeholders::Numbered => filters.push_str(&format!("${}", i + 1)),
-            Placeholders::Question => filters.push('?'),
-        }
+        filters.push_str(&p.nth(i + 1));
     }
     if let Some(s) = filter.status {
         filters.push_str(" AND ");
@@ -142,6 +112,36 @@ pub fn filter_query<'a>(
         sql: sql.replace(FILTERS, &filters),
         args,
     }
+}
+
+/// The given filters' predicates (each to be followed by its placeholder)
+/// and values, in the order of the `(app_code, aggregate_id, …)` and
+/// `(app_code, event_type, …)` indexes' columns.
+fn predicates(filter: &EventFilter) -> (Vec<&'static str>, Vec<ListArg<'_>>) {
+    let mut preds = Vec::new();
+    let mut args = Vec::new();
+    let text = [
+        ("app_code = ", &filter.app_code),
+        ("aggregate_id = ", &filter.aggregate_id),
+        ("event_type = ", &filter.event_type),
+    ];
+    for (pred, value) in text {
+        if let Some(v) = value {
+            preds.push(pred);
+            args.push(ListArg::Text(v));
+        }
+    }
+    let ints = [
+        ("created_at_ms >= ", filter.since_ms),
+        ("created_at_ms < ", filter.until_ms),
+    ];
+    for (pred, value) in ints {
+        if let Some(v) = value {
+            preds.push(pred);
+            args.push(ListArg::Int(v));
+        }
+    }
+    (preds, args)
 }
 
 /// `column = '<status>'`: a status is one of a fixed set of names, so it

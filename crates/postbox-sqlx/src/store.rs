@@ -153,6 +153,9 @@ macro_rules! capabilities_from_inherent {
                 async fn inspect_schema(&self) -> Result<SchemaReport> {
                     <$ty>::inspect_schema(self).await
                 }
+                async fn aggregate_index(&self, wanted: bool) -> Result<Vec<String>> {
+                    <$ty>::aggregate_index(self, wanted).await
+                }
                 async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>> {
                     <$ty>::explain_claims(self, app_code, limit).await
                 }

@@ -96,6 +96,7 @@ cases! {$
     history_records_attempts_dead_letters_and_replays,
     replay_goes_only_to_publishers_that_did_not_confirm,
     archived_rows_are_found_and_listed,
+    events_are_searched_by_aggregate_in_the_table_and_the_archive,
     controls_are_set_cleared_and_logged,
     relay_applies_controls_while_it_runs,
     relay_holds_a_paused_event_type_and_delivers_the_others,
@@ -1926,6 +1927,117 @@ async fn archived_rows_are_found_and_listed(store: Arc<dyn OutboxStore>) {
         .unwrap()
         .iter()
         .all(|r| !r.archived));
+}
+
+/// Events are searched by aggregate through the optional aggregate index,
+/// in the live table and the archive alike, newest first, page by page,
+/// and replayed by aggregate; without the index (or without an app_code)
+/// the search is refused, never a scan of the table.
+async fn events_are_searched_by_aggregate_in_the_table_and_the_archive(
+    store: Arc<dyn OutboxStore>,
+) {
+    // agg-1: evs[1] and evs[8]; agg-0: evs[0] and evs[7].
+    let evs = events(10, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let of = |aggregate: &str, limit: u32| EventFilter {
+        app_code: Some(APP.into()),
+        aggregate_id: Some(aggregate.into()),
+        limit,
+        ..Default::default()
+    };
+    let found = async |f: &EventFilter| -> Vec<(String, bool)> {
+        let rows = store.list_inspected(f).await.expect("search by aggregate");
+        rows.into_iter()
+            .map(|r| (r.record.event_id, r.archived))
+            .collect()
+    };
+    let id = |i: usize, archived: bool| (evs[i].event_id.clone(), archived);
+    let by_aggregate = ReplaySelector::Filter(EventFilter {
+        aggregate_id: Some("agg-1".into()),
+        ..Default::default()
+    });
+
+    let refused = store.list_inspected(&of("agg-1", 10)).await.unwrap_err();
+    assert!(
+        matches!(refused, Error::Schema(_)) && refused.to_string().contains("--aggregate-index"),
+        "without its index: {refused}"
+    );
+    let refused = store.replay(&by_aggregate, true, "test").await.unwrap_err();
+    assert!(matches!(refused, Error::Schema(_)), "{refused}");
+    assert!(!store.inspect_schema().await.unwrap().aggregate_search);
+
+    let created = store.aggregate_index(true).await.expect("create the index");
+    assert_eq!(
+        created.len(),
+        2,
+        "on the table and the archive: {created:?}"
+    );
+    assert_eq!(
+        store.aggregate_index(true).await.unwrap(),
+        Vec::<String>::new()
+    );
+    assert!(store.inspect_schema().await.unwrap().aggregate_search);
+    let no_app_code = EventFilter {
+        app_code: None,
+        ..of("agg-1", 10)
+    };
+    let refused = store.list_inspected(&no_app_code).await.unwrap_err();
+    assert!(refused.is_usage(), "{refused}");
+
+    // evs[0] and evs[1] delivered, then archived.
+    let claimed = store
+        .claim(ClaimSource::Pending, &req("w1", 2, 30_000))
+        .await
+        .unwrap();
+    let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
+    store
+        .mark_delivered(&claimed[0].fence(), &ids)
+        .await
+        .unwrap();
+    let now = store.now_ms().await.unwrap();
+    let archive = ArchiveRequest {
+        app_codes: vec![APP.into()],
+        before_ms: now + 1,
+        batch_size: 10,
+        max_batches: None,
+    };
+    assert_eq!(store.archive(&archive, &|_| {}).await.unwrap().moved, 2);
+
+    assert_eq!(found(&of("agg-1", 10)).await, [id(8, false), id(1, true)]);
+    assert_eq!(found(&of("agg-0", 10)).await, [id(7, false), id(0, true)]);
+    assert_eq!(found(&of("agg-9", 10)).await, []);
+    let first = found(&of("agg-1", 1)).await;
+    assert_eq!(first, [id(8, false)]);
+    let live_id = store.find(&evs[8].event_id).await.unwrap()[0].id;
+    let next = EventFilter {
+        before_id: Some(live_id),
+        ..of("agg-1", 1)
+    };
+    assert_eq!(found(&next).await, [id(1, true)], "the next page");
+    let delivered = EventFilter {
+        status: Some(Status::Delivered),
+        ..of("agg-1", 10)
+    };
+    assert_eq!(found(&delivered).await, [id(1, true)]);
+
+    // A replay by aggregate brings its archived event back too.
+    let dry = store.replay(&by_aggregate, true, "test").await.unwrap();
+    assert_eq!(dry.len(), 2, "{dry:?}");
+    store.replay(&by_aggregate, false, "test").await.unwrap();
+    assert_eq!(found(&of("agg-1", 10)).await, [id(8, false), id(1, false)]);
+    assert_eq!(
+        found(&of("agg-0", 10)).await,
+        [id(7, false), id(0, true)],
+        "only agg-1"
+    );
+
+    let dropped = store.aggregate_index(false).await.expect("drop the index");
+    assert_eq!(dropped, created);
+    assert!(!store.inspect_schema().await.unwrap().aggregate_search);
+    assert!(matches!(
+        store.list_inspected(&of("agg-1", 10)).await,
+        Err(Error::Schema(_))
+    ));
 }
 
 /// Workers claiming at the same time never get the same row: each of 200

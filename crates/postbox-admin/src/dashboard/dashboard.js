@@ -219,7 +219,7 @@ let searchNext = null;
 function searchFilter() {
   const f = new FormData($("#search"));
   const out = {};
-  for (const k of ["app_code", "event_type", "status", "since", "until"]) {
+  for (const k of ["app_code", "aggregate_id", "event_type", "status", "since", "until"]) {
     const v = (f.get(k) || "").trim();
     if (v) out[k] = v;
   }
@@ -261,7 +261,7 @@ async function search(more) {
 async function replayMatching(button) {
   const { filter } = searchFilter();
   const said = Object.entries(filter).map(([k, v]) => k + " " + v).join(", ");
-  if (!said) return say("Give a filter first (status, event type, time): replaying every event is the command line's job.", false);
+  if (!said) return say("Give a filter first (status, aggregate, event type, time): replaying every event is the command line's job.", false);
   try {
     const dry = await send("/api/replay", Object.assign({ dry_run: true }, filter));
     if (!dry) return;

@@ -484,6 +484,18 @@ async fn each_route_answers_each_role_as_configured() {
         ("POST", "/api/replay".into(), [401, 403, 400, 401]),
         ("GET", "/api/controls".into(), [401, 200, 200, 401]),
         ("POST", "/api/controls".into(), [401, 403, 415, 401]),
+        ("GET", "/api/relays".into(), [401, 200, 200, 401]),
+        // Search by aggregate without its optional index: refused, 409.
+        (
+            "GET",
+            format!("/api/events?app_code={}&aggregate_id=order-1", fx.app),
+            [401, 409, 409, 401],
+        ),
+        (
+            "GET",
+            "/api/events?aggregate_id=order-1".into(),
+            [401, 400, 400, 401],
+        ),
     ];
     for (method, path, want) in &table {
         for (who, auth, status) in [

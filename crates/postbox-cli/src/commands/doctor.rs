@@ -129,6 +129,15 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
                     )
                 });
             }
+            checks.push(check(
+                "search:aggregate",
+                Level::Ok,
+                if schema.aggregate_search {
+                    "on: its index is on the table and the archive"
+                } else {
+                    "off (events list --aggregate is refused): `postbox migrate --aggregate-index` adds its index, one more index entry per event write"
+                },
+            ));
         }
         Err(e) => checks.push(check("schema", Level::Fail, e.to_string())),
     }

@@ -16,8 +16,17 @@ pub async fn run(g: &Global, args: MigrateArgs) -> Result<(), CliError> {
     let store = open_store_creating(&config).await?;
     let report = store.migrate().await?;
     let inboxes = postbox_runtime::consumers::migrate_inboxes(&config).await?;
+    let aggregate_index = match (args.aggregate_index, args.drop_aggregate_index) {
+        (false, false) => None,
+        (wanted, _) => Some((wanted, store.aggregate_index(wanted).await?)),
+    };
     if g.json {
-        return output::json(&report);
+        let mut out = serde_json::to_value(&report).map_err(CliError::runtime)?;
+        if let Some((wanted, changed)) = &aggregate_index {
+            let key = if *wanted { "created" } else { "dropped" };
+            out["aggregate_index"] = serde_json::json!({ key: changed });
+        }
+        return output::json(&out);
     }
     for note in &report.notes {
         outln!("{} `{}`: {note}.", store.backend(), store.table());
@@ -40,6 +49,23 @@ pub async fn run(g: &Global, args: MigrateArgs) -> Result<(), CliError> {
     }
     for line in inboxes {
         outln!("{line}.");
+    }
+    match aggregate_index {
+        Some((true, changed)) if changed.is_empty() => {
+            outln!("search by aggregate: its indexes were already there.")
+        }
+        Some((true, changed)) => outln!(
+            "search by aggregate: created {} (one more index entry per event write).",
+            changed.join(", ")
+        ),
+        Some((false, changed)) if changed.is_empty() => {
+            outln!("search by aggregate: its indexes were not there.")
+        }
+        Some((false, changed)) => outln!(
+            "search by aggregate: dropped {}; it is refused until `postbox migrate --aggregate-index`.",
+            changed.join(", ")
+        ),
+        None => {}
     }
     Ok(())
 }

@@ -10,8 +10,11 @@ use crate::output;
 
 pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
     let f = &args.filter;
-    let has_filter =
-        f.status.is_some() || f.event_type.is_some() || f.since.is_some() || f.until.is_some();
+    let has_filter = f.status.is_some()
+        || f.aggregate.is_some()
+        || f.event_type.is_some()
+        || f.since.is_some()
+        || f.until.is_some();
     let selector = match (args.event_ids.is_empty(), has_filter) {
         (false, false) => ReplaySelector::EventIds {
             app_code: f.app_code.clone(),
@@ -20,12 +23,12 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
         (true, true) => ReplaySelector::Filter(crate::filter::filter(f, 0)?),
         (false, true) => {
             return Err(CliError::usage(
-                "give either event ids or filters (--status, --event-type, --since, --until), not both",
+                "give either event ids or filters (--status, --aggregate, --event-type, --since, --until), not both",
             ))
         }
         (true, false) => {
             return Err(CliError::usage(
-                "nothing selected: give event ids, or --status failed, or --since/--until (with --dry-run to preview)",
+                "nothing selected: give event ids, or --status failed, --aggregate ID, or --since/--until (with --dry-run to preview)",
             ))
         }
     };

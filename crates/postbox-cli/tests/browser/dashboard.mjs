@@ -60,6 +60,14 @@ await run("dashboard", initial, async (page, result) => {
   await cell("failed").filter({ hasText: /^0$/ }).waitFor({ timeout: 20000 });
   result.failed_at_end = await failedRows.count();
 
+  // Search by aggregate: its events in the app_code, newest first.
+  await page.locator("#search select[name=status]").selectOption("");
+  await page.locator("#search select[name=app_code]").selectOption(args.app);
+  await page.locator("#search input[name=aggregate_id]").fill(args.aggregate);
+  await page.locator("#search button[type=submit]").click();
+  await results.nth(2).waitFor({ timeout: 10000 });
+  result.aggregate_rows = await results.evaluateAll((rows) => rows.map((r) => r.dataset.eventId));
+
   // Runtime controls: pause the app_code from the form, then clear it.
   const form = page.locator("#control-form");
   await form.locator("input[name=app_code]").fill(args.app);

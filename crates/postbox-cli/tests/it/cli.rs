@@ -693,6 +693,7 @@ async fn archived_events_stay_visible_to_events_show_and_list() {
         "UPDATE {table} SET status = 'delivered', updated_at_ms = 1000 WHERE event_id = 'old-1'",
     )
     .await;
+    fx.exec("UPDATE {table} SET aggregate_id = 'order-1'").await;
     assert_ok(&run(&["archive", "--older-than", "1h"]));
 
     let show = run(&["--json", "events", "show", "old-1"]);
@@ -716,6 +717,54 @@ async fn archived_events_stay_visible_to_events_show_and_list() {
     );
     let list = run(&["events", "list"]);
     assert_says(&list, &["delivered (archived)"]);
+
+    // Search by aggregate: refused without its index, then through it.
+    let by_order = [
+        "--json",
+        "events",
+        "list",
+        "--app-code",
+        "room",
+        "--aggregate",
+        "order-1",
+    ];
+    let refused = run(&by_order);
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
+    assert_says(&refused, &["migrate --aggregate-index"]);
+    let usage = run(&["events", "list", "--aggregate", "order-1"]);
+    assert_eq!(usage.status.code(), Some(2), "{}", text(&usage));
+    assert_says(&usage, &["--app-code"]);
+    let doctor = run(&["doctor"]);
+    assert_says(&doctor, &["search:aggregate", "off"]);
+    let made = run(&["migrate", "--aggregate-index"]);
+    assert_ok(&made);
+    assert_says(&made, &["created", "_agg_idx", "_archive_agg_idx"]);
+    assert_says(&run(&["migrate", "--aggregate-index"]), &["already there"]);
+    let rows = json(&run(&by_order));
+    assert_eq!(
+        pluck(&rows, &["event_id", "archived"]),
+        [json!(["new-1", false]), json!(["old-1", true])]
+    );
+    assert_says(&run(&["doctor"]), &["search:aggregate", "on"]);
+    let replay = json(&run(&[
+        "--json",
+        "replay",
+        "--app-code",
+        "room",
+        "--aggregate",
+        "order-1",
+        "--dry-run",
+    ]));
+    assert_eq!(replay["count"], 2, "{replay}");
+    let dropped = run(&["--json", "migrate", "--drop-aggregate-index"]);
+    assert_ok(&dropped);
+    assert_eq!(
+        json(&dropped)["aggregate_index"]["dropped"]
+            .as_array()
+            .map(Vec::len),
+        Some(2)
+    );
+    assert_eq!(run(&by_order).status.code(), Some(1));
     fx.drop_tables().await;
 }
 

@@ -75,10 +75,21 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
     let (url, store) = common::server_outbox("postgres", "dash", 2).await;
     let table = store.table().as_str().to_owned();
     let app = "web";
+    // Events 0, 2 and 6 are room-1's (delivered, delivered, failed).
     let evs: Vec<NewEvent> = (0..10)
-        .map(|i| NewEvent::new(app, "RoomCreated", format!(r#"{{"n":{i}}}"#)))
+        .map(|i| {
+            let e = NewEvent::new(app, "RoomCreated", format!(r#"{{"n":{i}}}"#));
+            match i {
+                0 | 2 | 6 => e.aggregate("room-1", i),
+                _ => e.aggregate(format!("room-{}", i + 10), 1),
+            }
+        })
         .collect();
     store.enqueue_batch(&evs, 1 << 20).await.expect("enqueue");
+    store
+        .aggregate_index(true)
+        .await
+        .expect("the aggregate index");
     let pool = sqlx::PgPool::connect(&url).await.expect("connect");
     let set = |status: &'static str, ids: Vec<String>| {
         let pool = pool.clone();
@@ -151,6 +162,7 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
         "counts": { "delivered": 5, "pending": 3, "failed": 2 },
         "replay": ids[6],
         "lookup": ids[0],
+        "aggregate": "room-1",
         "relay": "dash-relay",
     });
     let result = run_browser("dashboard.mjs", &args);
@@ -178,6 +190,11 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
     assert_eq!(result["prompts"], 1, "the token is asked once: {result}");
     assert_eq!(result["lookup_status"], "delivered", "{result}");
     assert_eq!(result["search_failed"], 1, "{result}");
+    assert_eq!(
+        result["aggregate_rows"],
+        serde_json::json!([ids[6], ids[2], ids[0]]),
+        "an aggregate's events, newest first: {result}"
+    );
     assert_eq!(
         result["confirms"],
         serde_json::json!(["Replay 1 event matching status failed?"]),
