@@ -18,10 +18,8 @@ use postbox_core::store::{ClaimRequest, QueryPlan, HISTORY_LIMIT};
 use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
 };
-use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Migration, Q};
-use postbox_sqlx::{
-    db_error, query, records, Dialect, Placeholders, ReplayStep, SqlOutbox, Statements, Value,
-};
+use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Q};
+use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, ReplayStep, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -221,13 +219,9 @@ impl Dialect for MySqlDialect {
     const BACKEND: &'static str = "mysql";
     const PLACEHOLDERS: Placeholders = Placeholders::Question;
     const BEGIN_WRITE: Option<&'static str> = None;
-    const STATEMENTS: Statements = sql::STATEMENTS;
-    const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     /// Continued by [`MySqlDialect::continue_ids`] instead.
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[];
-    const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
-    const CREATE_AGGREGATE_INDEX: &'static str = sql::CREATE_AGGREGATE_INDEX;
-    const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
+    postbox_sqlx::dialect_constants!();
     const REPLAY_FAILED_INDEX: &'static str = "_due_idx";
     const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
     /// A pooled connection whose next transaction runs at READ COMMITTED:

@@ -583,8 +583,6 @@ pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!(
 pub(crate) const V9_CONTROLS: &[&str] =
     postbox_sqlx::v9_controls!("id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY");
 
-postbox_sqlx::control_statements!(now: now_ms!(), "?", "?", "?", "?", "?", "?", "?");
-
 /// Version 10: the relay registry (`postbox_sqlx::v10_relays!`).
 /// Version 11: sampling's `sample_percent` (one statement: atomic).
 /// `dropped` rows are archived through `{table}_due_idx`, which has the
@@ -595,7 +593,7 @@ pub(crate) const V11_SAMPLING: &[&str] =
 pub(crate) const V10_RELAYS: &[&str] =
     postbox_sqlx::v10_relays!(" ENGINE=InnoDB DEFAULT CHARSET=utf8mb4");
 
-postbox_sqlx::relay_statements!(now: now_ms!(), "?", "?", "?", "?", "?", "?", "?", "?", "?");
+postbox_sqlx::control_plane_statements!(now: now_ms!(), "?", "?", "?", "?", "?", "?", "?", "?", "?");
 
 /// The outbox table's indexes since version 5 (suffixes).
 pub(crate) const INDEXES: &[&str] = &["_due_idx", "_head_idx"];

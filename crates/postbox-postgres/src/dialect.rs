@@ -10,8 +10,8 @@ use sqlx::{PgConnection, PgPool, Postgres, Row};
 
 use postbox_core::store::{ClaimRequest, QueryPlan};
 use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
-use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Migration, Q};
-use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, SqlOutbox, Statements, Value};
+use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Q};
+use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -37,12 +37,8 @@ impl Dialect for PgDialect {
     const BACKEND: &'static str = "postgres";
     const PLACEHOLDERS: Placeholders = Placeholders::Numbered;
     const BEGIN_WRITE: Option<&'static str> = None;
-    const STATEMENTS: Statements = sql::STATEMENTS;
-    const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
-    const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
-    const CREATE_AGGREGATE_INDEX: &'static str = sql::CREATE_AGGREGATE_INDEX;
-    const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
+    postbox_sqlx::dialect_constants!();
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
 
     fn own(t: &TableName) -> Own {

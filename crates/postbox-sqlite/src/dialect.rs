@@ -13,10 +13,8 @@ use sqlx::{Connection, Sqlite, SqliteConnection, SqlitePool};
 use postbox_core::redact::redact_url;
 use postbox_core::store::{ClaimRequest, QueryPlan};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Result, TableName};
-use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Migration, Q};
-use postbox_sqlx::{
-    db_error, finish, query, records, Dialect, Placeholders, SqlOutbox, Statements, Value,
-};
+use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Q};
+use postbox_sqlx::{db_error, finish, query, records, Dialect, Placeholders, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -58,12 +56,8 @@ impl Dialect for SqliteDialect {
     const BACKEND: &'static str = "sqlite";
     const PLACEHOLDERS: Placeholders = Placeholders::Question;
     const BEGIN_WRITE: Option<&'static str> = Some("BEGIN IMMEDIATE");
-    const STATEMENTS: Statements = sql::STATEMENTS;
-    const MIGRATIONS: &'static [Migration] = sql::MIGRATIONS;
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = sql::CONTINUE_IDS_AFTER_ARCHIVE;
-    const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
-    const CREATE_AGGREGATE_INDEX: &'static str = sql::CREATE_AGGREGATE_INDEX;
-    const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
+    postbox_sqlx::dialect_constants!();
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
     const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
 

@@ -413,15 +413,13 @@ pub(crate) const MIGRATIONS: &[postbox_sqlx::Migration] =
 pub(crate) const V9_CONTROLS: &[&str] =
     postbox_sqlx::v9_controls!("id INTEGER PRIMARY KEY AUTOINCREMENT");
 
-postbox_sqlx::control_statements!(now: now_ms!(), "?1", "?2", "?3", "?4", "?5", "?6", "?7");
-
 /// Version 10: the relay registry (`postbox_sqlx::v10_relays!`).
+pub(crate) const V10_RELAYS: &[&str] = postbox_sqlx::v10_relays!("");
+
 /// Version 11: sampling (`postbox_sqlx::v11_sampling!`).
 pub(crate) const V11_SAMPLING: &[&str] = postbox_sqlx::v11_sampling!("");
 
-pub(crate) const V10_RELAYS: &[&str] = postbox_sqlx::v10_relays!("");
-
-postbox_sqlx::relay_statements!(now: now_ms!(), "?1", "?2", "?3", "?4", "?5", "?6", "?7", "?8", "?9");
+postbox_sqlx::control_plane_statements!(now: now_ms!(), "?1", "?2", "?3", "?4", "?5", "?6", "?7", "?8", "?9");
 
 /// The outbox table's indexes (`postbox_sqlx::v5_partial_indexes!`).
 pub(crate) const INDEXES: &[&str] = postbox_sqlx::partial_indexes!();

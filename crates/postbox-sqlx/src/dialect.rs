@@ -625,6 +625,20 @@ macro_rules! statements {
     };
 }
 
+/// The [`Dialect`] constants every dialect takes from its `sql` module
+/// under the same names (its statements, versions, indexes and the
+/// aggregate index's DDL), invoked inside `impl Dialect for …`.
+#[macro_export]
+macro_rules! dialect_constants {
+    () => {
+        const STATEMENTS: $crate::Statements = sql::STATEMENTS;
+        const MIGRATIONS: &'static [$crate::Migration] = sql::MIGRATIONS;
+        const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
+        const CREATE_AGGREGATE_INDEX: &'static str = sql::CREATE_AGGREGATE_INDEX;
+        const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
+    };
+}
+
 /// A dialect's claim statements in the order [`ClaimStatements::render`]
 /// takes them, from the constants `CLAIM_PENDING`, `CLAIM_DUE_RETRIES`,
 /// `CLAIM_PENDING_ORDERED`, `CLAIM_DUE_RETRIES_ORDERED` and
@@ -1460,6 +1474,17 @@ macro_rules! v11_sampling {
 
 /// [`v10_relays!`]'s description.
 pub const V10_DESCRIPTION: &str = "relay registry (<table>_relays)";
+
+/// The statements of the control plane, from one list of placeholders:
+/// [`control_statements!`] (the first seven) and [`relay_statements!`].
+#[macro_export]
+#[rustfmt::skip]
+macro_rules! control_plane_statements {
+    (now: $now:expr, $p1:literal, $p2:literal, $p3:literal, $p4:literal, $p5:literal, $p6:literal, $p7:literal, $p8:literal, $p9:literal) => {
+        $crate::control_statements!(now: $now, $p1, $p2, $p3, $p4, $p5, $p6, $p7);
+        $crate::relay_statements!(now: $now, $p1, $p2, $p3, $p4, $p5, $p6, $p7, $p8, $p9);
+    };
+}
 
 /// The statements of the relay registry ([`v10_relays!`]), with the
 /// dialect's clock `$now` and placeholders `$p1` … `$p9`, each used once

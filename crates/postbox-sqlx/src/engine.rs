@@ -746,11 +746,7 @@ impl SqlOutbox<D> {
 
     /// The runtime controls.
     pub async fn controls(&self) -> Result<Vec<postbox_core::control::Control>> {
-        let rows = query::<D>(&self.sql.control_select, [])
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| db_error("read controls", e))?;
-        crate::controls_of(rows)
+        crate::controls_of(self.all_rows(&self.sql.control_select, "read controls").await?)
     }
 
     /// Stores `control` in place of its key's and logs it, in one
@@ -867,11 +863,7 @@ impl SqlOutbox<D> {
 
     /// Every relay of the registry, the newest first.
     pub async fn relays(&self) -> Result<Vec<postbox_core::store::RelaySeen>> {
-        let rows = query::<D>(&self.sql.relay_select, [])
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|e| db_error("read the relays", e))?;
-        crate::relays_of(rows)
+        crate::relays_of(self.all_rows(&self.sql.relay_select, "read the relays").await?)
     }
 
     /// The attempt history of an event, oldest first.
@@ -1213,11 +1205,15 @@ impl SqlOutbox<D> {
 
 engine_impl! {
 impl SqlOutbox<D> {
+    /// Every row of `sql`, a statement without parameters.
+    async fn all_rows(&self, sql: &str, op: &'static str) -> Result<Vec<<D::DB as Database>::Row>> {
+        query::<D>(sql, []).fetch_all(&self.pool).await.map_err(|e| db_error(op, e))
+    }
+
     /// The names of the tables, indexes and triggers in the catalog.
     async fn catalog_names(&self, op: &'static str) -> Result<Vec<String>> {
-        let db = |e| db_error(op, e);
-        let rows = sqlx::query(&self.sql.doctor_objects).fetch_all(&self.pool).await.map_err(db)?;
-        first_column(rows).map_err(db)
+        let rows = self.all_rows(&self.sql.doctor_objects, op).await?;
+        first_column(rows).map_err(|e| db_error(op, e))
     }
 
     /// Creates (`wanted`) or drops [`AGGREGATE_INDEX`] on the outbox table
