@@ -67,7 +67,10 @@ pub enum Command {
     /// Move delivered rows older than a cut-off into <table>_archive, in batches.
     Archive(ArchiveArgs),
     /// Check schema, indexes, the plan of every claim and archive query, and the config.
-    Doctor,
+    Doctor(DoctorArgs),
+    /// Check SQL text for the outbox query shapes that overload a database
+    /// (OR across statuses, no app_code); exit 1 on any finding.
+    LintSql(LintSqlArgs),
     /// Write events: one from flags, or many from a JSON-lines file.
     Enqueue(EnqueueArgs),
     /// Serve the admin API, /metrics and the dashboard (from `[admin]`).
@@ -109,6 +112,38 @@ pub enum ScriptFormat {
     Flyway,
     /// `<n>_<description>.up.sql` (golang-migrate).
     GolangMigrate,
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Instead of the checks: list the statements the database's own
+    /// statistics (pg_stat_statements, performance_schema) show touching
+    /// the outbox table, flagging those that break the lint-sql rules or
+    /// read far more rows than they return; exit 1 when any is flagged.
+    #[arg(long)]
+    pub scans: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct LintSqlArgs {
+    /// SQL files (`-` or none: stdin).
+    pub files: Vec<PathBuf>,
+    /// The outbox table (its `_archive` too); repeatable. Default: the
+    /// config's database.table.
+    #[arg(long = "table", value_name = "NAME")]
+    pub tables: Vec<String>,
+    /// How to read the SQL. Default: the config's database, else postgres.
+    #[arg(long, value_enum)]
+    pub syntax: Option<SqlSyntax>,
+}
+
+/// The SQL syntax `lint-sql` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SqlSyntax {
+    /// PostgreSQL.
+    Postgres,
+    /// MySQL and MariaDB.
+    Mysql,
 }
 
 #[derive(Debug, Args)]

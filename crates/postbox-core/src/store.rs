@@ -585,6 +585,33 @@ impl SchemaReport {
     }
 }
 
+/// Statement statistics read by `doctor --scans`
+/// ([`SchemaStore::statement_stats`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct StatementStats {
+    /// Where they come from (`pg_stat_statements`, …).
+    pub source: &'static str,
+    /// The statements, the most total time first.
+    pub statements: Vec<StatementStat>,
+}
+
+/// One normalised statement's totals since the statistics were reset.
+#[derive(Debug, Clone, Serialize)]
+pub struct StatementStat {
+    /// Its text, constants replaced by placeholders.
+    pub text: String,
+    /// Executions.
+    pub calls: i64,
+    /// Total execution time, ms.
+    pub total_ms: f64,
+    /// Rows returned or written.
+    pub rows: i64,
+    /// Rows the server read for it (MariaDB/MySQL).
+    pub rows_examined: Option<i64>,
+    /// Buffer pages it read, cached or not (PostgreSQL).
+    pub blocks: Option<i64>,
+}
+
 /// One expected table or index.
 #[derive(Debug, Clone, Serialize)]
 pub struct SchemaObject {
@@ -1005,6 +1032,13 @@ pub trait SchemaStore: Send + Sync + 'static {
     /// The schema version and which expected tables and indexes exist, read
     /// from the catalog.
     async fn inspect_schema(&self) -> Result<SchemaReport>;
+
+    /// The database's own statistics of the statements whose text names
+    /// the outbox table (PostgreSQL `pg_stat_statements`, MariaDB/MySQL
+    /// `performance_schema` digests), the most time first, at most 500.
+    /// Where they are not kept, an [`Error::Schema`] says how to turn them
+    /// on.
+    async fn statement_stats(&self) -> Result<StatementStats>;
 
     /// Creates (`wanted`) or drops [`AGGREGATE_INDEX`] on the outbox table
     /// and its archive, without blocking writes where the database can

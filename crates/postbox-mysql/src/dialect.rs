@@ -10,11 +10,11 @@
 use std::borrow::Cow;
 
 use async_trait::async_trait;
-use sqlx::mysql::{MySqlPool, MySqlQueryResult};
+use sqlx::mysql::{MySqlPool, MySqlQueryResult, MySqlRow};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 
-use postbox_core::store::{ClaimRequest, QueryPlan, HISTORY_LIMIT};
+use postbox_core::store::{ClaimRequest, QueryPlan, StatementStat, StatementStats, HISTORY_LIMIT};
 use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
 };
@@ -270,6 +270,44 @@ impl Dialect for MySqlDialect {
             |opts| opts,
         )
         .await
+    }
+
+    /// From `performance_schema`'s statement digests, which must be on.
+    async fn statement_stats(outbox: &SqlOutbox<Self>) -> Result<StatementStats> {
+        let db = |e| db_error("read performance_schema", e);
+        let on: i64 = sqlx::query_scalar(sql::PERFORMANCE_SCHEMA_ON)
+            .fetch_one(outbox.pool())
+            .await
+            .map_err(db)?;
+        if on == 0 {
+            return Err(Error::Schema(
+                "performance_schema is off: set performance_schema = ON under [mysqld] (MariaDB: [mariadbd]) and restart the server; its statement digests are on by default".into(),
+            ));
+        }
+        let rows = sqlx::query(sql::STATEMENT_STATS)
+            .bind(outbox.table().as_str())
+            .fetch_all(outbox.pool())
+            .await
+            .map_err(db)?;
+        let stat = |r: &MySqlRow| -> std::result::Result<StatementStat, sqlx::Error> {
+            Ok(StatementStat {
+                text: r.try_get::<Option<String>, _>("query")?.unwrap_or_default(),
+                calls: r.try_get("calls")?,
+                total_ms: r.try_get("total_ms")?,
+                rows: r.try_get("rows_returned")?,
+                rows_examined: Some(r.try_get("rows_examined")?),
+                blocks: None,
+            })
+        };
+        let statements = rows
+            .iter()
+            .map(stat)
+            .collect::<std::result::Result<_, _>>()
+            .map_err(db)?;
+        Ok(StatementStats {
+            source: "performance_schema",
+            statements,
+        })
     }
 
     fn rows_affected(done: &MySqlQueryResult) -> u64 {

@@ -5,10 +5,10 @@
 
 use async_trait::async_trait;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::PgQueryResult;
+use sqlx::postgres::{PgQueryResult, PgRow};
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
-use postbox_core::store::{ClaimRequest, QueryPlan};
+use postbox_core::store::{ClaimRequest, QueryPlan, StatementStat, StatementStats};
 use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Q};
 use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, SqlOutbox, Value};
@@ -65,6 +65,45 @@ impl Dialect for PgDialect {
             |opts: sqlx::postgres::PgConnectOptions| opts.options([("jit", "off")]),
         )
         .await
+    }
+
+    /// From `pg_stat_statements`, which must be preloaded and created.
+    async fn statement_stats(outbox: &SqlOutbox<Self>) -> Result<StatementStats> {
+        let rows = sqlx::query(sql::STATEMENT_STATS)
+            .bind(outbox.table().as_str())
+            .fetch_all(outbox.pool())
+            .await;
+        let rows = match rows {
+            // 42P01: the view is not there; 55000: the library is not loaded.
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("42P01") | Some("55000")) =>
+            {
+                return Err(postbox_core::Error::Schema(format!(
+                    "pg_stat_statements is not available ({}): add it to shared_preload_libraries in postgresql.conf, restart PostgreSQL, and run `CREATE EXTENSION pg_stat_statements` in this database",
+                    e.message()
+                )));
+            }
+            rows => rows.map_err(|e| db_error("read pg_stat_statements", e))?,
+        };
+        let stat = |r: &PgRow| -> std::result::Result<StatementStat, sqlx::Error> {
+            Ok(StatementStat {
+                text: r.try_get::<Option<String>, _>("query")?.unwrap_or_default(),
+                calls: r.try_get("calls")?,
+                total_ms: r.try_get("total_ms")?,
+                rows: r.try_get("rows")?,
+                rows_examined: None,
+                blocks: Some(r.try_get("blocks")?),
+            })
+        };
+        let statements = rows
+            .iter()
+            .map(stat)
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| db_error("read pg_stat_statements", e))?;
+        Ok(StatementStats {
+            source: "pg_stat_statements",
+            statements,
+        })
     }
 
     fn rows_affected(done: &PgQueryResult) -> u64 {

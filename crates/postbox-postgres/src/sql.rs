@@ -501,3 +501,13 @@ pub(crate) const CREATE_AGGREGATE_INDEX: &str =
 
 /// Drops it.
 pub(crate) const DROP_AGGREGATE_INDEX: &str = "DROP INDEX CONCURRENTLY IF EXISTS {name}";
+
+/// `doctor --scans`: the statements of this database whose text names
+/// the table (`$1`), from `pg_stat_statements`, the most time first.
+pub(crate) const STATEMENT_STATS: &str =
+    "SELECT query, calls, total_exec_time::FLOAT8 AS total_ms, rows, \
+       (shared_blks_hit + shared_blks_read)::BIGINT AS blocks \
+     FROM pg_stat_statements \
+     WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+       AND strpos(lower(query), lower($1)) > 0 \
+     ORDER BY total_exec_time DESC LIMIT 500";

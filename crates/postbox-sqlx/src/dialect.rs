@@ -367,6 +367,17 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     ) -> Option<Result<(i64, bool)>> {
         None
     }
+    /// The database's statement statistics for statements naming
+    /// `outbox`'s table ([`postbox_core::store::SchemaStore::statement_stats`]).
+    /// SQLite keeps none.
+    async fn statement_stats(
+        _outbox: &SqlOutbox<Self>,
+    ) -> Result<postbox_core::store::StatementStats> {
+        Err(postbox_core::Error::Schema(
+            "SQLite keeps no statement statistics: `doctor --scans` needs PostgreSQL (pg_stat_statements) or MariaDB/MySQL (performance_schema)".into(),
+        ))
+    }
+
     /// Run on the connection before every relay transaction (claims,
     /// marks, releases, failed attempts, replays), when the database's
     /// default isolation would make them wait for rows they do not name

@@ -1235,6 +1235,12 @@ impl SqlOutbox<D> {
         Ok(changed)
     }
 
+    /// The database's statistics of the statements naming the table
+    /// ([`Dialect::statement_stats`]).
+    pub async fn statement_stats(&self) -> Result<postbox_core::store::StatementStats> {
+        D::statement_stats(self).await
+    }
+
     /// A search by aggregate reads [`AGGREGATE_INDEX`] on each of `tables`;
     /// where it is missing the search is refused (never a scan of the
     /// table), naming the command that creates it.

@@ -20,7 +20,7 @@ macro_rules! capabilities_from_inherent {
                 AppStats, ArchiveReport, ArchiveRequest, ArchiveStore, ClaimRequest, ControlStore,
                 DeferUpdate, EnqueueOutcome, EnqueueStore, EventFilter, FailureUpdate, HistoryEntry,
                 InspectStore, MigrateReport, MinuteCount, QueryPlan, RelayBeat, RelaySeen, RelayStore, ReplayRequest,
-                ReplayStore, SchemaReport, SchemaStore, StuckAggregate,
+                ReplayStore, SchemaReport, SchemaStore, StatementStats, StuckAggregate,
             };
             use $crate::__private::postbox_core::{
                 ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, TableName,
@@ -152,6 +152,9 @@ macro_rules! capabilities_from_inherent {
                 }
                 async fn inspect_schema(&self) -> Result<SchemaReport> {
                     <$ty>::inspect_schema(self).await
+                }
+                async fn statement_stats(&self) -> Result<StatementStats> {
+                    <$ty>::statement_stats(self).await
                 }
                 async fn aggregate_index(&self, wanted: bool) -> Result<Vec<String>> {
                     <$ty>::aggregate_index(self, wanted).await

@@ -303,3 +303,202 @@ fn doctor_warns_of_an_open_admin_server_beyond_loopback() {
         "the token is never shown: {guarded:#}"
     );
 }
+
+/// Issue 15.2: `doctor --scans` reads the database's own statement
+/// statistics. After a relay delivered, replayed and archived (and
+/// `status` and `events list` ran), none of postbox's own statements on the
+/// table is flagged; a foreign claim with an `OR` across statuses and no
+/// app_code is, and a tenant-keyed one is listed but not flagged.
+async fn scans_scenario(server: &str, db: Db) {
+    use postbox_core::store::{ArchiveRequest, EventFilter, ReplaySelector};
+    use postbox_core::NewEvent;
+    let (url, store) = common::server_outbox(server, "scan", 2).await;
+    let t = store.table().as_str().to_owned();
+    if let Db::Pg(_) = db {
+        db.exec("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .await;
+    }
+    let project = Project::new(|_| {
+        format!("[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"doc\"]\n")
+    });
+    let run = |args: &[&str]| project.run(args);
+    let events: Vec<NewEvent> = (0..20)
+        .map(|i| NewEvent::new("doc", "T", "{}").aggregate(format!("a{}", i % 3), i))
+        .collect();
+    store.enqueue_batch(&events, 1 << 20).await.unwrap();
+    postbox_testkit::conformance::relay_delivers_each_once(store.clone(), "doc", &events).await;
+    let failed = EventFilter {
+        app_code: Some("doc".into()),
+        ..Default::default()
+    };
+    store
+        .replay(&ReplaySelector::Filter(failed), true, "test")
+        .await
+        .unwrap();
+    let archive = ArchiveRequest {
+        app_codes: vec!["doc".into()],
+        before_ms: store.now_ms().await.unwrap() + 1,
+        batch_size: 10,
+        max_batches: None,
+    };
+    store.archive(&archive, &|_| {}).await.unwrap();
+    assert_ok(&run(&["status"]));
+    assert_ok(&run(&["events", "list", "--app-code", "doc"]));
+
+    let clean = run(&["--json", "doctor", "--scans"]);
+    let report = json(&clean);
+    assert_eq!(
+        clean.status.code(),
+        Some(0),
+        "postbox's own statements: {report:#}"
+    );
+    assert_eq!(report["flagged"], 0);
+    // MariaDB's digest summary leaves out server-side prepared statements
+    // (postbox's, through sqlx): it lists text-protocol statements, which
+    // is how PHP's PDO sends them by default.
+    if let Db::Pg(_) = db {
+        let seen = report["statements"].as_array().unwrap().len();
+        assert!(
+            seen >= 5,
+            "postbox's statements are in the statistics: {report:#}"
+        );
+    }
+
+    let foreign = format!(
+        "SELECT id FROM {t} WHERE status = 'pending' OR (status = 'retryable' AND next_retry_at_ms < 5) LIMIT 10"
+    );
+    let keyed =
+        format!("SELECT id FROM {t} WHERE app_code = 'doc' AND status = 'pending' LIMIT 10");
+    db.exec(&foreign).await;
+    db.exec(&keyed).await;
+    let out = run(&["--json", "doctor", "--scans"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let report = json(&out);
+    let flagged: Vec<&serde_json::Value> = report["statements"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["flags"].as_array().is_some_and(|f| !f.is_empty()))
+        .collect();
+    assert_eq!(report["flagged"], 1, "{report:#}");
+    let hit = flagged
+        .iter()
+        .find(|s| {
+            s["flags"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|f| f != "unparsed")
+        })
+        .expect("the foreign claim is flagged");
+    assert!(hit["text"].as_str().unwrap().contains("OR"), "{hit}");
+    assert_eq!(
+        hit["flags"],
+        serde_json::json!(["or_across_statuses", "no_app_code"]),
+        "{hit}"
+    );
+    assert!(
+        report["statements"].as_array().unwrap().iter().any(|s| {
+            let text = s["text"].as_str().unwrap().to_ascii_lowercase();
+            text.contains("limit")
+                && text.contains("app_code")
+                && s["flags"] == serde_json::json!([])
+        }),
+        "the keyed query is listed, unflagged: {report:#}"
+    );
+    let shown = run(&["doctor", "--scans"]);
+    assert_says(&shown, &["FLAG", "or-across-statuses", "no-app-code"]);
+    db.drop_tables(&t).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_doctor_scans_flag_a_foreign_or_claim_and_not_postbox() {
+    let (_, pool) = server_pool::<sqlx::Postgres>("postgres").await;
+    scans_scenario("postgres", Db::Pg(pool)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_doctor_scans_flag_a_foreign_or_claim_and_not_postbox() {
+    let (_, pool) = server_pool::<sqlx::MySql>("mysql").await;
+    scans_scenario("mysql", Db::My(pool)).await;
+}
+
+/// Issue 15.2: `lint-sql` on files and stdin, with line and rule, and
+/// `--json`; a clean file passes.
+#[test]
+fn lint_sql_reports_line_and_rule_and_passes_clean_sql() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.sql");
+    std::fs::write(
+        &bad,
+        "-- the PHP worker's claim\n\
+         SELECT * FROM room_outbox\n  WHERE status = 0 OR (status = 3 AND next_retry_at < NOW())\n  LIMIT 100;\n\
+         SELECT id FROM room_outbox WHERE app_code = 'room' AND status = 0 LIMIT 100;\n\
+         SELECT status, COUNT(*) FROM room_outbox GROUP BY status;\n",
+    )
+    .unwrap();
+    let good = dir.path().join("good.sql");
+    std::fs::write(
+        &good,
+        "UPDATE room_outbox SET status = 'delivered' WHERE id IN (1, 2, 3);\n\
+         SELECT * FROM users WHERE a = 1 OR b = 2;\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| common::run(dir.path(), args, &[]);
+    let out = run(&[
+        "lint-sql",
+        "--table",
+        "room_outbox",
+        "--syntax",
+        "mysql",
+        "bad.sql",
+        "good.sql",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_says(
+        &out,
+        &[
+            "bad.sql:2: or-across-statuses (room_outbox)",
+            "bad.sql:2: no-app-code (room_outbox)",
+            "bad.sql:6: no-app-code (room_outbox)",
+        ],
+    );
+    assert!(!text(&out).contains("good.sql:"), "{}", text(&out));
+    let out = run(&["--json", "lint-sql", "--table", "room_outbox", "bad.sql"]);
+    let findings = json(&out);
+    let got: Vec<(u64, &str)> = findings
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| (f["line"].as_u64().unwrap(), f["rule"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (2, "or_across_statuses"),
+            (2, "no_app_code"),
+            (6, "no_app_code")
+        ]
+    );
+    assert_ok(&run(&["lint-sql", "--table", "room_outbox", "good.sql"]));
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir.path())
+        .args(["lint-sql", "--table", "room_outbox"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"SELECT * FROM room_outbox WHERE created_at_ms > 5")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("<stdin>:1: no-app-code"));
+    let usage = run(&["lint-sql", "bad.sql"]);
+    assert_eq!(usage.status.code(), Some(2), "{}", text(&usage));
+    assert_says(&usage, &["--table"]);
+}

@@ -258,7 +258,14 @@ impl Db {
 
     /// Drops the outbox table `t` and its archive and history tables.
     pub async fn drop_tables(&self, t: &str) {
-        for suffix in ["", "_archive", "_history", "_controls", "_control_log"] {
+        for suffix in [
+            "",
+            "_archive",
+            "_history",
+            "_controls",
+            "_control_log",
+            "_relays",
+        ] {
             self.exec(&format!("DROP TABLE IF EXISTS {t}{suffix}"))
                 .await;
         }
