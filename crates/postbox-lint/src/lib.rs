@@ -461,34 +461,23 @@ fn join_condition(op: &JoinOperator) -> Option<&Expr> {
 
 /// The top-level `AND` terms of `e`.
 fn conjuncts(e: &Expr) -> Vec<&Expr> {
-    match e {
-        Expr::BinaryOp {
-            left,
-            op: BinaryOperator::And,
-            right,
-        } => {
-            let mut v = conjuncts(left);
-            v.extend(conjuncts(right));
-            v
-        }
-        Expr::Nested(inner) => conjuncts(inner),
-        _ => vec![e],
-    }
+    terms(e, &BinaryOperator::And)
 }
 
 /// The top-level `OR` terms of `e`.
 fn disjuncts(e: &Expr) -> Vec<&Expr> {
+    terms(e, &BinaryOperator::Or)
+}
+
+/// The operands of a chain of `op` (through parentheses).
+fn terms<'e>(e: &'e Expr, op: &BinaryOperator) -> Vec<&'e Expr> {
     match e {
-        Expr::BinaryOp {
-            left,
-            op: BinaryOperator::Or,
-            right,
-        } => {
-            let mut v = disjuncts(left);
-            v.extend(disjuncts(right));
+        Expr::BinaryOp { left, op: o, right } if o == op => {
+            let mut v = terms(left, op);
+            v.extend(terms(right, op));
             v
         }
-        Expr::Nested(inner) => disjuncts(inner),
+        Expr::Nested(inner) => terms(inner, op),
         _ => vec![e],
     }
 }
@@ -592,71 +581,88 @@ fn one_line(s: &str) -> String {
 mod tests {
     use super::*;
 
-    fn rules(sql: &str, syntax: Syntax) -> Vec<(u64, &'static str)> {
-        lint(sql, &Target::outbox("room_outbox"), syntax)
-            .into_iter()
-            .map(|f| (f.line, f.rule.name()))
-            .collect()
-    }
+    /// (what it shows, SQL, syntax, the findings as (line, rule)).
+    type Case = (
+        &'static str,
+        &'static str,
+        Syntax,
+        &'static [(u64, &'static str)],
+    );
+
+    const CASES: &[Case] = &[
+        (
+            "seed 002's claim: no app_code, an OR across statuses",
+            "SELECT * FROM room_outbox\n WHERE status = 0 OR (status = 3 AND next_retry_at < NOW())\n LIMIT 100 FOR UPDATE",
+            Syntax::MySql,
+            &[(1, "or-across-statuses"), (1, "no-app-code")],
+        ),
+        (
+            "tenant-keyed claims, marks by id, and an OR of statuses alone are clean",
+            "SELECT id FROM room_outbox WHERE app_code = $1 AND status = 'pending' ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED;\n\
+             UPDATE room_outbox SET status = 'delivered' WHERE id = ANY($1) AND worker_id = $2;\n\
+             SELECT id FROM room_outbox WHERE app_code = $1 AND (status = 'pending' OR status = 'retryable')",
+            Syntax::Postgres,
+            &[],
+        ),
+        (
+            "monitoring without app_code, at its line; other tables are not checked",
+            "-- the dashboard\nSELECT 1;\n\nSELECT status, COUNT(*)\n  FROM room_outbox GROUP BY status;\nSELECT * FROM other_table",
+            Syntax::Postgres,
+            &[(4, "no-app-code")],
+        ),
+        (
+            "UNION branches, DELETE, quoted names and subqueries",
+            "SELECT * FROM room_outbox_archive a WHERE a.app_code = ? UNION ALL SELECT * FROM room_outbox WHERE created_at_ms > 5;\n\
+             DELETE FROM room_outbox WHERE status = 'delivered' OR updated_at_ms < 10;\n\
+             SELECT * FROM t WHERE x IN (SELECT id FROM `room_outbox` WHERE app_code = 'a')",
+            Syntax::MySql,
+            &[(1, "no-app-code"), (2, "or-across-statuses"), (2, "no-app-code")],
+        ),
+        (
+            "an unparsable statement on the table is reported, the rest checked",
+            "SELECT FROM WHERE room_outbox ((;\nSELECT * FROM room_outbox",
+            Syntax::Postgres,
+            &[(1, "unparsed"), (2, "no-app-code")],
+        ),
+        (
+            "a page by id or the key's end reads no more than it returns",
+            "SELECT id, status FROM room_outbox ORDER BY id DESC LIMIT 50;\n\
+             SELECT MAX(id) FROM room_outbox;\n\
+             SELECT id FROM room_outbox WHERE status = 'x' ORDER BY id LIMIT 5;\n\
+             SELECT MAX(created_at_ms) FROM room_outbox",
+            Syntax::Postgres,
+            &[(3, "no-app-code"), (4, "no-app-code")],
+        ),
+        (
+            "pg_stat_statements' normalised text",
+            "SELECT id FROM room_outbox WHERE status = $1 OR next_retry_at_ms < $2",
+            Syntax::Postgres,
+            &[(1, "or-across-statuses"), (1, "no-app-code")],
+        ),
+        (
+            "MariaDB's digest text",
+            "SELECT `id` FROM `room_outbox` WHERE `app_code` = ? AND ( `status` = ? OR `lock_until_ms` < ? ) LIMIT ?",
+            Syntax::MySql,
+            &[(1, "or-across-statuses")],
+        ),
+        (
+            "a driver's ? placeholders in PostgreSQL code",
+            "SELECT id FROM room_outbox WHERE app_code = ? AND status = ?",
+            Syntax::Postgres,
+            &[],
+        ),
+    ];
 
     #[test]
-    fn the_incident_claim_breaks_both_rules() {
-        // Seed 002's claim: no app_code, an OR across statuses.
-        let sql = "SELECT * FROM room_outbox\n WHERE status = 0 OR (status = 3 AND next_retry_at < NOW())\n LIMIT 100 FOR UPDATE";
-        assert_eq!(
-            rules(sql, Syntax::MySql),
-            [(1, "or-across-statuses"), (1, "no-app-code")]
-        );
-    }
-
-    #[test]
-    fn a_tenant_keyed_claim_per_status_is_clean() {
-        let sql = "SELECT id FROM room_outbox WHERE app_code = $1 AND status = 'pending' ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED;\n\
-                   UPDATE room_outbox SET status = 'delivered' WHERE id = ANY($1) AND worker_id = $2;\n\
-                   SELECT id FROM room_outbox WHERE app_code = ? AND (status = 'pending' OR status = 'retryable')";
-        assert_eq!(rules(sql, Syntax::Postgres), []);
-    }
-
-    #[test]
-    fn monitoring_without_app_code_is_flagged_at_its_line() {
-        let sql = "-- the dashboard\nSELECT 1;\n\nSELECT status, COUNT(*)\n  FROM room_outbox GROUP BY status;\nSELECT * FROM other_table";
-        assert_eq!(rules(sql, Syntax::Postgres), [(4, "no-app-code")]);
-    }
-
-    #[test]
-    fn subqueries_unions_and_deletes_are_checked() {
-        let sql = "SELECT * FROM room_outbox_archive a WHERE a.app_code = ? UNION ALL SELECT * FROM room_outbox WHERE created_at_ms > 5;\n\
-                   DELETE FROM room_outbox WHERE status = 'delivered' OR updated_at_ms < 10;\n\
-                   SELECT * FROM t WHERE x IN (SELECT id FROM `room_outbox` WHERE app_code = 'a')";
-        assert_eq!(
-            rules(sql, Syntax::MySql),
-            [
-                (1, "no-app-code"),
-                (2, "or-across-statuses"),
-                (2, "no-app-code")
-            ]
-        );
-    }
-
-    #[test]
-    fn an_unparsable_statement_on_the_table_is_reported_and_the_rest_checked() {
-        let sql = "SELECT FROM WHERE room_outbox ((;\nSELECT * FROM room_outbox";
-        assert_eq!(
-            rules(sql, Syntax::Postgres),
-            [(1, "unparsed"), (2, "no-app-code")]
-        );
-    }
-
-    #[test]
-    fn a_page_by_id_or_the_key_s_end_reads_no_more_than_it_returns() {
-        let sql = "SELECT id, status FROM room_outbox ORDER BY id DESC LIMIT 50;\n\
-                   SELECT MAX(id) FROM room_outbox;\n\
-                   SELECT id FROM room_outbox WHERE status = 'x' ORDER BY id LIMIT 5;\n\
-                   SELECT MAX(created_at_ms) FROM room_outbox";
-        assert_eq!(
-            rules(sql, Syntax::Postgres),
-            [(3, "no-app-code"), (4, "no-app-code")]
-        );
+    fn each_case_finds_what_it_should() {
+        let target = Target::outbox("room_outbox");
+        for (what, sql, syntax, want) in CASES {
+            let got: Vec<(u64, &str)> = lint(sql, &target, *syntax)
+                .into_iter()
+                .map(|f| (f.line, f.rule.name()))
+                .collect();
+            assert_eq!(got, *want, "{what}");
+        }
     }
 
     #[test]
@@ -672,17 +678,5 @@ mod tests {
         );
         assert!(reads_far_more(2, 5, None, Some(20_000)));
         assert!(!reads_far_more(2, 5, None, Some(200)));
-    }
-
-    #[test]
-    fn statistics_texts_parse() {
-        // pg_stat_statements and MariaDB's digest texts.
-        let pg = "SELECT id FROM room_outbox WHERE status = $1 OR next_retry_at_ms < $2";
-        assert_eq!(
-            rules(pg, Syntax::Postgres),
-            [(1, "or-across-statuses"), (1, "no-app-code")]
-        );
-        let my = "SELECT `id` FROM `room_outbox` WHERE `app_code` = ? AND ( `status` = ? OR `lock_until_ms` < ? ) LIMIT ?";
-        assert_eq!(rules(my, Syntax::MySql), [(1, "or-across-statuses")]);
     }
 }

@@ -10,11 +10,11 @@
 use std::borrow::Cow;
 
 use async_trait::async_trait;
-use sqlx::mysql::{MySqlPool, MySqlQueryResult, MySqlRow};
+use sqlx::mysql::{MySqlPool, MySqlQueryResult};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 
-use postbox_core::store::{ClaimRequest, QueryPlan, StatementStat, StatementStats, HISTORY_LIMIT};
+use postbox_core::store::{ClaimRequest, QueryPlan, StatementStats, HISTORY_LIMIT};
 use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
 };
@@ -289,25 +289,7 @@ impl Dialect for MySqlDialect {
             .fetch_all(outbox.pool())
             .await
             .map_err(db)?;
-        let stat = |r: &MySqlRow| -> std::result::Result<StatementStat, sqlx::Error> {
-            Ok(StatementStat {
-                text: r.try_get::<Option<String>, _>("query")?.unwrap_or_default(),
-                calls: r.try_get("calls")?,
-                total_ms: r.try_get("total_ms")?,
-                rows: r.try_get("rows_returned")?,
-                rows_examined: Some(r.try_get("rows_examined")?),
-                blocks: None,
-            })
-        };
-        let statements = rows
-            .iter()
-            .map(stat)
-            .collect::<std::result::Result<_, _>>()
-            .map_err(db)?;
-        Ok(StatementStats {
-            source: "performance_schema",
-            statements,
-        })
+        postbox_sqlx::statement_stats_of(rows, "performance_schema")
     }
 
     fn rows_affected(done: &MySqlQueryResult) -> u64 {

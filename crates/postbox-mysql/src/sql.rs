@@ -742,9 +742,11 @@ pub(crate) const PERFORMANCE_SCHEMA_ON: &str = "SELECT @@performance_schema + 0"
 
 /// `doctor --scans`: the statement digests of this schema whose text names
 /// the table (`?`), the most time first (timers are in picoseconds).
-pub(crate) const STATEMENT_STATS: &str = "SELECT DIGEST_TEXT AS query, CAST(COUNT_STAR AS SIGNED) AS calls, \
-       SUM_TIMER_WAIT / 1e9 AS total_ms, CAST(SUM_ROWS_SENT + SUM_ROWS_AFFECTED AS SIGNED) AS rows_returned, \
-       CAST(SUM_ROWS_EXAMINED AS SIGNED) AS rows_examined \
+pub(crate) const STATEMENT_STATS: &str =
+    "SELECT DIGEST_TEXT AS query, CAST(COUNT_STAR AS SIGNED) AS calls, \
+       CAST(SUM_TIMER_WAIT / 1000000 AS SIGNED) AS total_us, \
+       CAST(SUM_ROWS_SENT + SUM_ROWS_AFFECTED AS SIGNED) AS rows_returned, \
+       CAST(SUM_ROWS_EXAMINED AS SIGNED) AS rows_examined, CAST(NULL AS SIGNED) AS blocks \
      FROM performance_schema.events_statements_summary_by_digest \
      WHERE SCHEMA_NAME = DATABASE() AND LOCATE(LOWER(?), LOWER(DIGEST_TEXT)) > 0 \
      ORDER BY SUM_TIMER_WAIT DESC LIMIT 500";

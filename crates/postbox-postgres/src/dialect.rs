@@ -5,10 +5,10 @@
 
 use async_trait::async_trait;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgQueryResult, PgRow};
+use sqlx::postgres::PgQueryResult;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
-use postbox_core::store::{ClaimRequest, QueryPlan, StatementStat, StatementStats};
+use postbox_core::store::{ClaimRequest, QueryPlan, StatementStats};
 use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Q};
 use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, SqlOutbox, Value};
@@ -85,25 +85,7 @@ impl Dialect for PgDialect {
             }
             rows => rows.map_err(|e| db_error("read pg_stat_statements", e))?,
         };
-        let stat = |r: &PgRow| -> std::result::Result<StatementStat, sqlx::Error> {
-            Ok(StatementStat {
-                text: r.try_get::<Option<String>, _>("query")?.unwrap_or_default(),
-                calls: r.try_get("calls")?,
-                total_ms: r.try_get("total_ms")?,
-                rows: r.try_get("rows")?,
-                rows_examined: None,
-                blocks: Some(r.try_get("blocks")?),
-            })
-        };
-        let statements = rows
-            .iter()
-            .map(stat)
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|e| db_error("read pg_stat_statements", e))?;
-        Ok(StatementStats {
-            source: "pg_stat_statements",
-            statements,
-        })
+        postbox_sqlx::statement_stats_of(rows, "pg_stat_statements")
     }
 
     fn rows_affected(done: &PgQueryResult) -> u64 {

@@ -505,8 +505,8 @@ pub(crate) const DROP_AGGREGATE_INDEX: &str = "DROP INDEX CONCURRENTLY IF EXISTS
 /// `doctor --scans`: the statements of this database whose text names
 /// the table (`$1`), from `pg_stat_statements`, the most time first.
 pub(crate) const STATEMENT_STATS: &str =
-    "SELECT query, calls, total_exec_time::FLOAT8 AS total_ms, rows, \
-       (shared_blks_hit + shared_blks_read)::BIGINT AS blocks \
+    "SELECT query, calls, (total_exec_time * 1000)::BIGINT AS total_us, rows AS rows_returned, \
+       NULL::BIGINT AS rows_examined, (shared_blks_hit + shared_blks_read)::BIGINT AS blocks \
      FROM pg_stat_statements \
      WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
        AND strpos(lower(query), lower($1)) > 0 \

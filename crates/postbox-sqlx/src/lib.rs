@@ -215,6 +215,31 @@ pub fn controls_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::contr
     Ok(out)
 }
 
+/// Statement statistics from rows with the columns `query`, `calls`,
+/// `total_us`, `rows_returned`, `rows_examined` and `blocks` (NULL where
+/// the database does not count it): `doctor --scans`.
+pub fn statement_stats_of<R: OutboxRow>(
+    rows: Vec<R>,
+    source: &'static str,
+) -> Result<postbox_core::store::StatementStats> {
+    let stat = |row: &R| -> std::result::Result<_, sqlx::Error> {
+        Ok(postbox_core::store::StatementStat {
+            text: row.text_or_null("query")?.unwrap_or_default(),
+            calls: row.int("calls")?,
+            total_ms: row.int("total_us")? as f64 / 1000.0,
+            rows: row.int("rows_returned")?,
+            rows_examined: row.int_or_null("rows_examined")?,
+            blocks: row.int_or_null("blocks")?,
+        })
+    };
+    let statements = rows
+        .iter()
+        .map(stat)
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| db_error("read statement statistics", e))?;
+    Ok(postbox_core::store::StatementStats { source, statements })
+}
+
 /// Relays from rows of `RELAY_SELECT` (`relay_statements!`).
 pub fn relays_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::store::RelaySeen>> {
     use postbox_core::store::{RelayBeat, RelaySeen};

@@ -1857,13 +1857,11 @@ async fn replay_goes_only_to_publishers_that_did_not_confirm(store: Arc<dyn Outb
     assert_eq!(got_b, want_b, "b was not targeted for event 2");
 }
 
-/// Archived rows stay visible to inspection: found by event id and listed
-/// (newest first, merged with live rows), marked as archived.
-async fn archived_rows_are_found_and_listed(store: Arc<dyn OutboxStore>) {
-    let evs = events(3, "T");
-    enqueue(store.as_ref(), &evs).await;
+/// Claims the `n` oldest pending rows, marks them delivered and archives
+/// every delivered row; returns the claimed rows.
+async fn deliver_and_archive(store: &dyn OutboxStore, n: u32) -> Vec<postbox_core::ClaimedEvent> {
     let claimed = store
-        .claim(ClaimSource::Pending, &req("w1", 2, 30_000))
+        .claim(ClaimSource::Pending, &req("w1", n, 30_000))
         .await
         .unwrap();
     let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
@@ -1871,20 +1869,23 @@ async fn archived_rows_are_found_and_listed(store: Arc<dyn OutboxStore>) {
         .mark_delivered(&claimed[0].fence(), &ids)
         .await
         .unwrap();
-    let now = store.now_ms().await.unwrap();
-    let report = store
-        .archive(
-            &ArchiveRequest {
-                app_codes: vec![APP.into()],
-                before_ms: now + 1,
-                batch_size: 10,
-                max_batches: None,
-            },
-            &|_| {},
-        )
-        .await
-        .unwrap();
-    assert_eq!(report.moved, 2);
+    let archive = ArchiveRequest {
+        app_codes: vec![APP.into()],
+        before_ms: store.now_ms().await.unwrap() + 1,
+        batch_size: 10,
+        max_batches: None,
+    };
+    let report = store.archive(&archive, &|_| {}).await.unwrap();
+    assert_eq!(report.moved, u64::from(n), "{report:?}");
+    claimed
+}
+
+/// Archived rows stay visible to inspection: found by event id and listed
+/// (newest first, merged with live rows), marked as archived.
+async fn archived_rows_are_found_and_listed(store: Arc<dyn OutboxStore>) {
+    let evs = events(3, "T");
+    enqueue(store.as_ref(), &evs).await;
+    let claimed = deliver_and_archive(store.as_ref(), 2).await;
     let gone = &claimed[0].record.event_id;
     assert!(store.find(gone).await.unwrap().is_empty(), "moved");
     let found = store.find_inspected(gone, &[APP.to_owned()]).await.unwrap();
@@ -1985,23 +1986,7 @@ async fn events_are_searched_by_aggregate_in_the_table_and_the_archive(
     assert!(refused.is_usage(), "{refused}");
 
     // evs[0] and evs[1] delivered, then archived.
-    let claimed = store
-        .claim(ClaimSource::Pending, &req("w1", 2, 30_000))
-        .await
-        .unwrap();
-    let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
-    store
-        .mark_delivered(&claimed[0].fence(), &ids)
-        .await
-        .unwrap();
-    let now = store.now_ms().await.unwrap();
-    let archive = ArchiveRequest {
-        app_codes: vec![APP.into()],
-        before_ms: now + 1,
-        batch_size: 10,
-        max_batches: None,
-    };
-    assert_eq!(store.archive(&archive, &|_| {}).await.unwrap().moved, 2);
+    deliver_and_archive(store.as_ref(), 2).await;
 
     assert_eq!(found(&of("agg-1", 10)).await, [id(8, false), id(1, true)]);
     assert_eq!(found(&of("agg-0", 10)).await, [id(7, false), id(0, true)]);

@@ -22,6 +22,31 @@ async fn load(pool: &sqlx::PgPool, statements: impl IntoIterator<Item = String>)
     }
 }
 
+/// Rows read by sequential scans of `tables` so far, once the count is
+/// settled: a backend reports its statistics when its transaction ends,
+/// at most once a second (an idle pooled connection's, up to a second
+/// later), so the count is read until two reads a second apart agree.
+async fn settled_scans(pool: &sqlx::PgPool, tables: &[&str]) -> i64 {
+    let read = async || -> i64 {
+        sqlx::query_scalar(
+            "SELECT COALESCE(SUM(seq_tup_read), 0)::BIGINT FROM pg_stat_user_tables WHERE relname = ANY($1)",
+        )
+        .bind(tables)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    };
+    let mut last = read().await;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
+        let now = read().await;
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+}
+
 /// Drops the scratch table `t` and its twins.
 async fn drop_tables(pool: &sqlx::PgPool, t: &str) {
     sqlx::query(&format!(
@@ -156,18 +181,8 @@ async fn a_replay_by_event_id_reads_no_whole_table() {
         ],
     )
     .await;
-    let tuples_scanned = async || -> i64 {
-        // The statistics collector reports a backend's counts at its
-        // transaction's end, at most every 500 ms (PostgreSQL 15: at once
-        // after `pg_stat_clear_snapshot`, from shared memory).
-        sqlx::query_scalar("SELECT seq_tup_read FROM pg_stat_user_tables WHERE relname = $1")
-            .bind(&t)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
-    tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
-    let before = tuples_scanned().await;
+    let tables = [t.as_str()];
+    let before = settled_scans(&pool, &tables).await;
     // Every app_code with rows, a plain INSERT's empty one included.
     assert_eq!(store.present_app_codes().await.unwrap(), ["", "a", "b"]);
     let by_id = ReplaySelector::EventIds {
@@ -178,9 +193,8 @@ async fn a_replay_by_event_id_reads_no_whole_table() {
     assert_eq!(dry.len(), 2, "one of each app_code");
     let done = store.replay(&by_id, false, "test").await.unwrap();
     assert_eq!(done.len(), 2);
-    tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
     assert_eq!(
-        tuples_scanned().await,
+        settled_scans(&pool, &tables).await,
         before,
         "rows read by whole-table scans during the replay"
     );
@@ -218,27 +232,9 @@ async fn a_search_by_aggregate_reads_its_index_in_the_table_and_the_archive() {
         created,
         [format!("{t}_agg_idx"), format!("{t}_archive_agg_idx")]
     );
-    let tuples_scanned = async || -> i64 {
-        sqlx::query_scalar(
-            "SELECT SUM(seq_tup_read)::BIGINT FROM pg_stat_user_tables WHERE relname IN ($1, $2)",
-        )
-        .bind(&t)
-        .bind(format!("{t}_archive"))
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
-    // The index builds' own scans reach the statistics up to a second
-    // after they end, from the pool's idle connection.
-    let mut before = tuples_scanned().await;
-    loop {
-        tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
-        let now = tuples_scanned().await;
-        if now == before {
-            break;
-        }
-        before = now;
-    }
+    let archive = format!("{t}_archive");
+    let tables = [t.as_str(), archive.as_str()];
+    let before = settled_scans(&pool, &tables).await;
     let filter = EventFilter {
         app_code: Some("a".into()),
         aggregate_id: Some("order-7".into()),
@@ -249,9 +245,8 @@ async fn a_search_by_aggregate_reads_its_index_in_the_table_and_the_archive() {
     assert_eq!(found.len(), 10, "5 live and 5 archived events of order-7");
     assert_eq!(found.iter().filter(|r| r.archived).count(), 5);
     assert!(found.windows(2).all(|w| w[0].record.id > w[1].record.id));
-    tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
     assert_eq!(
-        tuples_scanned().await,
+        settled_scans(&pool, &tables).await,
         before,
         "rows read by whole-table scans"
     );

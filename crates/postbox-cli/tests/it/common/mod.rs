@@ -258,14 +258,7 @@ impl Db {
 
     /// Drops the outbox table `t` and its archive and history tables.
     pub async fn drop_tables(&self, t: &str) {
-        for suffix in [
-            "",
-            "_archive",
-            "_history",
-            "_controls",
-            "_control_log",
-            "_relays",
-        ] {
+        for suffix in postbox_core::store::EXPECTED_TABLES {
             self.exec(&format!("DROP TABLE IF EXISTS {t}{suffix}"))
                 .await;
         }
