@@ -19,7 +19,7 @@ use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
 };
 use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, ReplayStep, SqlOutbox, Value};
+use postbox_sqlx::{db_error, query, records, Dialect, ReplayStep, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -213,15 +213,9 @@ async fn replay_locked(
 
 #[async_trait]
 impl Dialect for MySqlDialect {
-    type DB = MySql;
-    type Own = Own;
-
-    const BACKEND: &'static str = "mysql";
-    const PLACEHOLDERS: Placeholders = Placeholders::Question;
-    const BEGIN_WRITE: Option<&'static str> = None;
+    postbox_sqlx::dialect_constants!(db: MySql, backend: "mysql", placeholders: Question, begin_write: None);
     /// Continued by [`MySqlDialect::continue_ids`] instead.
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[];
-    postbox_sqlx::dialect_constants!();
     const REPLAY_FAILED_INDEX: &'static str = "_due_idx";
     const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
     /// A pooled connection whose next transaction runs at READ COMMITTED:

@@ -11,7 +11,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Row};
 use postbox_core::store::{ClaimRequest, QueryPlan, StatementStats};
 use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, query, records, Dialect, Placeholders, SqlOutbox, Value};
+use postbox_sqlx::{db_error, query, records, Dialect, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -31,14 +31,8 @@ pub struct Own {
 
 #[async_trait]
 impl Dialect for PgDialect {
-    type DB = Postgres;
-    type Own = Own;
-
-    const BACKEND: &'static str = "postgres";
-    const PLACEHOLDERS: Placeholders = Placeholders::Numbered;
-    const BEGIN_WRITE: Option<&'static str> = None;
+    postbox_sqlx::dialect_constants!(db: Postgres, backend: "postgres", placeholders: Numbered, begin_write: None);
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
-    postbox_sqlx::dialect_constants!();
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
 
     fn own(t: &TableName) -> Own {

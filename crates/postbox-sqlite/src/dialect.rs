@@ -14,7 +14,7 @@ use postbox_core::redact::redact_url;
 use postbox_core::store::{ClaimRequest, QueryPlan};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, finish, query, records, Dialect, Placeholders, SqlOutbox, Value};
+use postbox_sqlx::{db_error, finish, query, records, Dialect, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -50,14 +50,8 @@ pub(crate) fn is_memory_url(url: &str) -> bool {
 
 #[async_trait]
 impl Dialect for SqliteDialect {
-    type DB = Sqlite;
-    type Own = Own;
-
-    const BACKEND: &'static str = "sqlite";
-    const PLACEHOLDERS: Placeholders = Placeholders::Question;
-    const BEGIN_WRITE: Option<&'static str> = Some("BEGIN IMMEDIATE");
+    postbox_sqlx::dialect_constants!(db: Sqlite, backend: "sqlite", placeholders: Question, begin_write: Some("BEGIN IMMEDIATE"));
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = sql::CONTINUE_IDS_AFTER_ARCHIVE;
-    postbox_sqlx::dialect_constants!();
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
     const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
 

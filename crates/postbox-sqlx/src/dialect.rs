@@ -636,12 +636,18 @@ macro_rules! statements {
     };
 }
 
-/// The [`Dialect`] constants every dialect takes from its `sql` module
-/// under the same names (its statements, versions, indexes and the
-/// aggregate index's DDL), invoked inside `impl Dialect for …`.
+/// A [`Dialect`]'s types and the constants every dialect takes from its
+/// `sql` module under the same names (its statements, versions, indexes
+/// and the aggregate index's DDL), invoked inside `impl Dialect for …`
+/// of a crate whose `Own` struct holds its own rendered statements.
 #[macro_export]
 macro_rules! dialect_constants {
-    () => {
+    (db: $db:ty, backend: $backend:literal, placeholders: $ph:ident, begin_write: $begin:expr) => {
+        type DB = $db;
+        type Own = Own;
+        const BACKEND: &'static str = $backend;
+        const PLACEHOLDERS: $crate::Placeholders = $crate::Placeholders::$ph;
+        const BEGIN_WRITE: Option<&'static str> = $begin;
         const STATEMENTS: $crate::Statements = sql::STATEMENTS;
         const MIGRATIONS: &'static [$crate::Migration] = sql::MIGRATIONS;
         const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
