@@ -731,8 +731,8 @@ pub(crate) const DUE_BRANCH: &str = postbox_sqlx::due_branch!("CHAR(64)", now_ms
 /// The optional aggregate index (`postbox migrate --aggregate-index`), an
 /// online build (`LOCK=NONE`): the outbox's writers never wait for it.
 /// MySQL 8 has no `IF NOT EXISTS` here; the engine creates only a missing one.
-pub(crate) const CREATE_AGGREGATE_INDEX: &str =
-    "CREATE INDEX {name} ON {on} (app_code, aggregate_id, id) ALGORITHM=INPLACE LOCK=NONE";
+pub(crate) const CREATE_AGGREGATE_INDEX: &[&str] =
+    &["CREATE INDEX {name} ON {on} (app_code, aggregate_id, id) ALGORITHM=INPLACE LOCK=NONE"];
 
 /// Drops it (InnoDB only updates the dictionary: no table rebuild).
 pub(crate) const DROP_AGGREGATE_INDEX: &str = "DROP INDEX {name} ON {on}";

@@ -355,6 +355,7 @@ pub(crate) const DOCTOR_VERSION: &str =
 pub(crate) const DOCTOR_OBJECTS: &str =
     "SELECT c.relname::TEXT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
      WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p', 'i') \
+       AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = c.oid AND NOT i.indisvalid) \
      UNION ALL SELECT t.tgname::TEXT FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid \
        JOIN pg_namespace n ON n.oid = c.relnamespace \
      WHERE n.nspname = current_schema() AND NOT t.tgisinternal";
@@ -494,10 +495,14 @@ pub(crate) const V4_WAKE_TRIGGER: &[&str] = &[
 pub(crate) const NOTIFY_PENDING: &str = "SELECT pg_notify($1, '')";
 
 /// The optional aggregate index (`postbox migrate --aggregate-index`),
-/// built `CONCURRENTLY`: the outbox's writers never wait for it (so it
-/// runs outside a transaction).
-pub(crate) const CREATE_AGGREGATE_INDEX: &str =
-    "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {on} (app_code, aggregate_id, id)";
+/// built `CONCURRENTLY`: the outbox's writers never wait for it (so each
+/// statement runs alone, outside a transaction). A build that failed half
+/// way leaves an invalid index of that name, which serves no query and
+/// which [`DOCTOR_OBJECTS`] does not list: it is dropped first.
+pub(crate) const CREATE_AGGREGATE_INDEX: &[&str] = &[
+    "DROP INDEX CONCURRENTLY IF EXISTS {name}",
+    "CREATE INDEX CONCURRENTLY {name} ON {on} (app_code, aggregate_id, id)",
+];
 
 /// Drops it.
 pub(crate) const DROP_AGGREGATE_INDEX: &str = "DROP INDEX CONCURRENTLY IF EXISTS {name}";

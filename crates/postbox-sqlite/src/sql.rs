@@ -451,8 +451,8 @@ pub(crate) const STATEMENTS: postbox_sqlx::Statements = postbox_sqlx::statements
 pub(crate) const DUE_BRANCH: &str = postbox_sqlx::due_branch!("TEXT", now_ms!());
 
 /// The optional aggregate index (`postbox migrate --aggregate-index`).
-pub(crate) const CREATE_AGGREGATE_INDEX: &str =
-    "CREATE INDEX IF NOT EXISTS {name} ON {on} (app_code, aggregate_id, id)";
+pub(crate) const CREATE_AGGREGATE_INDEX: &[&str] =
+    &["CREATE INDEX IF NOT EXISTS {name} ON {on} (app_code, aggregate_id, id)"];
 
 /// Drops it.
 pub(crate) const DROP_AGGREGATE_INDEX: &str = "DROP INDEX IF EXISTS {name}";

@@ -348,8 +348,9 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     const EXTRA_INDEXES: &'static [&'static str];
     /// Creates the optional aggregate index `{name}` on `{on}`
     /// (`(app_code, aggregate_id, id)`, [`postbox_core::store::AGGREGATE_INDEX`])
-    /// without blocking the table's writes where the database can.
-    const CREATE_AGGREGATE_INDEX: &'static str;
+    /// without blocking the table's writes where the database can: each
+    /// statement run alone, in order.
+    const CREATE_AGGREGATE_INDEX: &'static [&'static str];
     /// Drops index `{name}` of `{on}`.
     const DROP_AGGREGATE_INDEX: &'static str;
     /// The index (suffix) replay of an app_code's `failed` rows reads
@@ -651,7 +652,7 @@ macro_rules! dialect_constants {
         const STATEMENTS: $crate::Statements = sql::STATEMENTS;
         const MIGRATIONS: &'static [$crate::Migration] = sql::MIGRATIONS;
         const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
-        const CREATE_AGGREGATE_INDEX: &'static str = sql::CREATE_AGGREGATE_INDEX;
+        const CREATE_AGGREGATE_INDEX: &'static [&'static str] = sql::CREATE_AGGREGATE_INDEX;
         const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
     };
 }

@@ -1227,9 +1227,12 @@ impl SqlOutbox<D> {
             if names.contains(&name) == wanted {
                 continue;
             }
-            let template = if wanted { D::CREATE_AGGREGATE_INDEX } else { D::DROP_AGGREGATE_INDEX };
-            let sql = template.replace("{name}", &name).replace("{on}", &on);
-            query::<D>(&sql, []).execute(&self.pool).await.map_err(|e| db_error(op, e))?;
+            let drop = [D::DROP_AGGREGATE_INDEX];
+            let statements = if wanted { D::CREATE_AGGREGATE_INDEX } else { &drop[..] };
+            for template in statements {
+                let sql = template.replace("{name}", &name).replace("{on}", &on);
+                query::<D>(&sql, []).execute(&self.pool).await.map_err(|e| db_error(op, e))?;
+            }
             changed.push(name);
         }
         Ok(changed)

@@ -227,6 +227,15 @@ async fn a_search_by_aggregate_reads_its_index_in_the_table_and_the_archive() {
         ],
     )
     .await;
+    // A concurrent build that failed half way leaves an invalid index of
+    // the name, which serves no query: not counted, and rebuilt.
+    let failed = sqlx::query(&format!(
+        "CREATE UNIQUE INDEX CONCURRENTLY {t}_agg_idx ON {t} (app_code)"
+    ))
+    .execute(&pool)
+    .await;
+    assert!(failed.is_err(), "every row has app_code 'a'");
+    assert!(!store.inspect_schema().await.unwrap().aggregate_search);
     let created = store.aggregate_index(true).await.expect("build the index");
     assert_eq!(
         created,
