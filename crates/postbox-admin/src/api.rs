@@ -104,6 +104,7 @@ impl ListParams {
             until_ms: time("until", &self.until)?,
             before_id: self.before_id,
             limit,
+            ..EventFilter::default()
         })
     }
 }

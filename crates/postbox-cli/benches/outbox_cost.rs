@@ -89,11 +89,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use lapin::options::{
-    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
-    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeleteOptions,
+    QueuePurgeOptions,
 };
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use postbox_core::config::{
     FilePublisherConfig, HumanDuration, RabbitMqPublisherConfig, RelaySettings, WakeMode,
     WorkerConfig,
@@ -109,6 +108,7 @@ use postbox_mysql::MySqlOutbox;
 use postbox_postgres::PgOutbox;
 use postbox_publishers::file::FilePublisher;
 use postbox_publishers::rabbitmq::RabbitMqPublisher;
+use postbox_testkit::amqp::{bind_queue, declare_queue, declare_topic_exchange, Lifetime};
 use postbox_testkit::conformance::app_stats;
 use postbox_testkit::scratch_table;
 use postbox_testkit::servers::{amqp_url, ensure_database, mysql_url, postgres_url};
@@ -1438,39 +1438,9 @@ impl Broker {
         let setup = connection.create_channel().await.expect("setup channel");
         let exchange = scratch_table("cost_x");
         let queue = scratch_table("cost_q");
-        setup
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare exchange");
-        setup
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare queue");
-        setup
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("bind queue");
+        declare_topic_exchange(&setup, &exchange, Lifetime::Durable).await;
+        declare_queue(&setup, &queue, Lifetime::Durable).await;
+        bind_queue(&setup, &queue, &exchange, "#").await;
         let publish = connection.create_channel().await.expect("publish channel");
         publish
             .confirm_select(ConfirmSelectOptions::default())

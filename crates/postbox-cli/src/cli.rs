@@ -398,6 +398,19 @@ pub struct ReplayArgs {
     /// Send to every publisher, also those that already confirmed.
     #[arg(long)]
     pub all_publishers: bool,
+    /// Paced: at most N rows a second (a backfill of a filter's rows, in
+    /// batches, never more than one batch ahead of the relay).
+    #[arg(long, value_name = "N")]
+    pub rate: Option<f64>,
+    /// Paced: rows per batch (default 1000).
+    #[arg(long, value_name = "N")]
+    pub batch: Option<u32>,
+    /// Paced: continue the replay stopped with this state file.
+    #[arg(long)]
+    pub resume: bool,
+    /// Paced: the file keeping the cursor (default .postbox-replay.json).
+    #[arg(long, value_name = "FILE")]
+    pub state: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

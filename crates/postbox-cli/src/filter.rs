@@ -35,7 +35,7 @@ pub fn filter(args: &FilterArgs, limit: u32) -> Result<EventFilter, CliError> {
         event_type: args.event_type.clone(),
         since_ms: time("since", &args.since)?,
         until_ms: time("until", &args.until)?,
-        before_id: None,
         limit,
+        ..EventFilter::default()
     })
 }

@@ -1,7 +1,7 @@
 //! The storage interface every database backend implements.
 
 use async_trait::async_trait;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::event::Fence;
 use crate::{ClaimSource, ClaimedEvent, EventRecord, NewEvent, Result, Status, TableName};
@@ -136,7 +136,7 @@ impl FailureUpdate {
 }
 
 /// Filters shared by `events list`, `replay` and the admin API.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EventFilter {
     /// Only this tenant.
     pub app_code: Option<String>,
@@ -152,8 +152,12 @@ pub struct EventFilter {
     pub since_ms: Option<i64>,
     /// `created_at_ms < until_ms`.
     pub until_ms: Option<i64>,
-    /// Only ids below this (pagination cursor, newest first).
+    /// Only ids below this (pagination cursor, newest first); lists only.
     pub before_id: Option<i64>,
+    /// Only ids above this (a paced replay's cursor).
+    pub after_id: Option<i64>,
+    /// Only ids up to this one (the end of a paced replay's batch).
+    pub through_id: Option<i64>,
     /// At most this many rows.
     pub limit: u32,
 }
@@ -982,6 +986,18 @@ pub trait ReplayStore: Send + Sync + 'static {
         })
         .await
     }
+
+    /// The ids, in order, of at most `size` rows after `after_id` that a
+    /// replay by `filter` would take, live or archived (the archive as a
+    /// filtered replay reads it: with a time range or an aggregate): a
+    /// paced replay's next batch, which then replays `filter` with
+    /// `after_id` and `through_id` set to its ends.
+    async fn replay_ids_after(
+        &self,
+        filter: &EventFilter,
+        after_id: i64,
+        size: u32,
+    ) -> Result<Vec<i64>>;
 
     /// Puts the rows of `request.selector` back to `pending` with
     /// `retry_count` 0, keeping `event_id`, to be sent to `request.targets`

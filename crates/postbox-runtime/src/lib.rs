@@ -53,6 +53,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod backfill;
 pub mod consumers;
 pub mod inbox;
 pub mod relay;

@@ -914,6 +914,41 @@ impl SqlOutbox<D> {
             .map_err(|e| db_error("read database clock", e))
     }
 
+    /// A paced replay's next batch ([`postbox_core::ReplayStore::replay_ids_after`]):
+    /// per app_code, through the same indexes as the replay.
+    pub async fn replay_ids_after(&self, f: &EventFilter, after_id: i64, size: u32) -> Result<Vec<i64>> {
+        let f = EventFilter { after_id: Some(after_id), through_id: None, before_id: None, limit: size, ..f.clone() };
+        let archive_too = f.since_ms.is_some() || f.until_ms.is_some() || f.aggregate_id.is_some();
+        if f.aggregate_id.is_some() {
+            self.require_aggregate_index(&[self.table.as_str(), &self.table.archive()]).await?;
+        }
+        let app_codes = match &f.app_code {
+            Some(code) => vec![code.clone()],
+            None => self.present_app_codes().await?,
+        };
+        let mut ids: Vec<i64> = Vec::new();
+        for code in app_codes {
+            let f = EventFilter { app_code: Some(code), ..f.clone() };
+            let mut tables = vec![("{table}", "status")];
+            if archive_too {
+                tables.push(("{archive}", "'delivered'"));
+            }
+            for (table, status) in tables {
+                let q = crate::ids_query(table, &f, status, D::PLACEHOLDERS);
+                let sql = self.table.render(&q.sql);
+                let rows = query::<D>(&sql, list_values(&q.args))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(|e| db_error("find a replay's next batch", e))?;
+                ids.extend(first_ints(rows).map_err(|e| db_error("find a replay's next batch", e))?);
+            }
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        ids.truncate(size as usize);
+        Ok(ids)
+    }
+
     /// Puts rows back to `pending` for `targets`, with their history, in
     /// one write transaction (a dry run only reads).
     pub async fn replay_to(&self, request: ReplayRequest<'_>) -> Result<Vec<EventRecord>> {
@@ -1303,6 +1338,16 @@ impl SqlOutbox<D> {
         D::listen(self, wake, shutdown)
     }
 }
+}
+
+/// The first column of every row, as an integer (ids).
+fn first_ints<R>(rows: Vec<R>) -> std::result::Result<Vec<i64>, sqlx::Error>
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    rows.iter().map(|r| r.try_get(0)).collect()
 }
 
 /// The first column of every row, as text (names of tables and indexes).

@@ -28,7 +28,7 @@ pub use dialect::{
 pub use engine::{
     finish, query, OpenOptions, Opened, ReplayProbe, ReplayProbeArgs, SqlOutbox, MIGRATIONS_LEDGER,
 };
-pub use list::{filter_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
+pub use list::{filter_query, ids_query, list_query, ListArg, ListQuery, Placeholders, FILTERS};
 pub use script::{inline, migration_script, ScriptVersion};
 pub use wake::due_union;
 

@@ -114,6 +114,24 @@ pub fn filter_query<'a>(
     }
 }
 
+/// The ids, in order, of at most `filter.limit` rows of `table`
+/// (`{table}` or `{archive}`) that match the filter, as [`filter_query`]
+/// writes it (`status_column` likewise): where a paced replay's batch
+/// ends.
+pub fn ids_query<'a>(
+    table: &str,
+    filter: &'a EventFilter,
+    status_column: &str,
+    p: Placeholders,
+) -> ListQuery<'a> {
+    let select = format!("SELECT id FROM {table} WHERE 1 = 1{FILTERS}");
+    let mut q = filter_query(&select, filter, status_column, p);
+    q.sql.push_str(" ORDER BY id LIMIT ");
+    q.sql.push_str(&p.nth(q.args.len() + 1));
+    q.args.push(ListArg::Int(i64::from(filter.limit)));
+    q
+}
+
 /// The given filters' predicates (each to be followed by its placeholder)
 /// and values, in the order of the `(app_code, aggregate_id, …)` and
 /// `(app_code, event_type, …)` indexes' columns.
@@ -134,6 +152,8 @@ fn predicates(filter: &EventFilter) -> (Vec<&'static str>, Vec<ListArg<'_>>) {
     let ints = [
         ("created_at_ms >= ", filter.since_ms),
         ("created_at_ms < ", filter.until_ms),
+        ("id > ", filter.after_id),
+        ("id <= ", filter.through_id),
     ];
     for (pred, value) in ints {
         if let Some(v) = value {
@@ -156,99 +176,124 @@ fn status_literal(column: &str, status: Status) -> String {
 mod tests {
     use super::*;
 
+    /// Which statement a case builds.
+    enum Build {
+        /// [`list_query`] after this `SELECT … FROM`.
+        List(&'static str),
+        /// [`filter_query`] of this statement, the status filter comparing
+        /// this column.
+        Replay(&'static str, &'static str),
+    }
+
+    /// Each case: a statement, a filter and the placeholders, and the SQL
+    /// and values they make. Only the given filters become predicates, in
+    /// the order of the indexes' columns; a replay takes no `before_id` nor
+    /// `limit`.
     #[test]
-    fn no_filter_reads_the_primary_key_backwards() {
-        let f = EventFilter {
+    fn only_given_filters_become_predicates_in_order() {
+        use Build::{List, Replay};
+        use Placeholders::{Numbered, Question};
+        let first_50 = EventFilter {
             limit: 50,
             ..Default::default()
         };
-        let q = list_query("SELECT id FROM {table}", &f, Placeholders::Numbered);
-        assert_eq!(q.sql, "SELECT id FROM {table} ORDER BY id DESC LIMIT $1");
-        assert_eq!(q.args, vec![ListArg::Int(50)]);
-    }
-
-    #[test]
-    fn only_given_filters_become_predicates_in_order() {
-        let f = EventFilter {
+        // Rows of `room` in `status`.
+        let room = |status| EventFilter {
             app_code: Some("room".into()),
-            status: Some(Status::Failed),
+            status: Some(status),
+            ..Default::default()
+        };
+        let room_failed_page = EventFilter {
             before_id: Some(900),
             limit: 20,
-            ..Default::default()
+            ..room(Status::Failed)
         };
-        let q = list_query("SELECT id FROM {table}", &f, Placeholders::Numbered);
-        assert_eq!(
-            q.sql,
-            "SELECT id FROM {table} WHERE app_code = $1 AND id < $2 AND status = 'failed' ORDER BY id DESC LIMIT $3"
-        );
-        assert_eq!(
-            q.args,
-            vec![ListArg::Text("room"), ListArg::Int(900), ListArg::Int(20)]
-        );
-        let q = list_query("SELECT id FROM {table}", &f, Placeholders::Question);
-        assert_eq!(
-            q.sql,
-            "SELECT id FROM {table} WHERE app_code = ? AND id < ? AND status = 'failed' ORDER BY id DESC LIMIT ?"
-        );
-    }
-
-    #[test]
-    fn replay_filters_become_predicates_only_when_given() {
-        let f = EventFilter {
-            app_code: Some("room".into()),
-            status: Some(Status::Delivered),
-            until_ms: Some(7),
-            before_id: Some(1),
-            limit: 3,
-            ..Default::default()
-        };
-        let q = filter_query(
-            "UPDATE {table} SET x = 1 WHERE status <> 'delivering'{filters} RETURNING id",
-            &f,
-            "status",
-            Placeholders::Numbered,
-        );
-        assert_eq!(
-            q.sql,
-            "UPDATE {table} SET x = 1 WHERE status <> 'delivering' AND app_code = $1 \
-             AND created_at_ms < $2 AND status = 'delivered' RETURNING id"
-        );
-        assert_eq!(q.args, vec![ListArg::Text("room"), ListArg::Int(7)]);
-        let q = filter_query(
-            "S WHERE 1 = 1{filters}",
-            &f,
-            "'delivered'",
-            Placeholders::Question,
-        );
-        assert_eq!(
-            q.sql,
-            "S WHERE 1 = 1 AND app_code = ? AND created_at_ms < ? AND 'delivered' = 'delivered'"
-        );
-        let none = EventFilter::default();
-        let q = filter_query(
-            "S WHERE 1 = 1{filters} ORDER BY id",
-            &none,
-            "status",
-            Placeholders::Question,
-        );
-        assert_eq!(q.sql, "S WHERE 1 = 1 ORDER BY id");
-        assert!(q.args.is_empty());
-    }
-
-    #[test]
-    fn time_range_and_type() {
-        let f = EventFilter {
+        let typed_range = EventFilter {
             event_type: Some("T".into()),
             since_ms: Some(1),
             until_ms: Some(2),
             limit: 1,
             ..Default::default()
         };
-        let q = list_query("S", &f, Placeholders::Question);
-        assert_eq!(
-            q.sql,
-            "S WHERE event_type = ? AND created_at_ms >= ? AND created_at_ms < ? ORDER BY id DESC LIMIT ?"
-        );
-        assert_eq!(q.args.len(), 4);
+        let room_delivered_until = EventFilter {
+            until_ms: Some(7),
+            before_id: Some(1),
+            limit: 3,
+            ..room(Status::Delivered)
+        };
+        let none = EventFilter::default();
+        let room_page = || vec![ListArg::Text("room"), ListArg::Int(900), ListArg::Int(20)];
+        let room_until = || vec![ListArg::Text("room"), ListArg::Int(7)];
+        let cases = [
+            // No filter reads the primary key backwards.
+            (
+                List("SELECT id FROM {table}"),
+                &first_50,
+                Numbered,
+                "SELECT id FROM {table} ORDER BY id DESC LIMIT $1",
+                vec![ListArg::Int(50)],
+            ),
+            (
+                List("SELECT id FROM {table}"),
+                &room_failed_page,
+                Numbered,
+                "SELECT id FROM {table} WHERE app_code = $1 AND id < $2 AND status = 'failed' ORDER BY id DESC LIMIT $3",
+                room_page(),
+            ),
+            (
+                List("SELECT id FROM {table}"),
+                &room_failed_page,
+                Question,
+                "SELECT id FROM {table} WHERE app_code = ? AND id < ? AND status = 'failed' ORDER BY id DESC LIMIT ?",
+                room_page(),
+            ),
+            (
+                List("S"),
+                &typed_range,
+                Question,
+                "S WHERE event_type = ? AND created_at_ms >= ? AND created_at_ms < ? ORDER BY id DESC LIMIT ?",
+                vec![
+                    ListArg::Text("T"),
+                    ListArg::Int(1),
+                    ListArg::Int(2),
+                    ListArg::Int(1),
+                ],
+            ),
+            (
+                Replay(
+                    "UPDATE {table} SET x = 1 WHERE status <> 'delivering'{filters} RETURNING id",
+                    "status",
+                ),
+                &room_delivered_until,
+                Numbered,
+                "UPDATE {table} SET x = 1 WHERE status <> 'delivering' AND app_code = $1 \
+                 AND created_at_ms < $2 AND status = 'delivered' RETURNING id",
+                room_until(),
+            ),
+            (
+                Replay("S WHERE 1 = 1{filters}", "'delivered'"),
+                &room_delivered_until,
+                Question,
+                "S WHERE 1 = 1 AND app_code = ? AND created_at_ms < ? AND 'delivered' = 'delivered'",
+                room_until(),
+            ),
+            (
+                Replay("S WHERE 1 = 1{filters} ORDER BY id", "status"),
+                &none,
+                Question,
+                "S WHERE 1 = 1 ORDER BY id",
+                vec![],
+            ),
+        ];
+        for (build, filter, p, sql, args) in cases {
+            let q = match build {
+                List(select_from) => list_query(select_from, filter, p),
+                Replay(statement, status_column) => {
+                    filter_query(statement, filter, status_column, p)
+                }
+            };
+            assert_eq!(q.sql, sql, "{filter:?}");
+            assert_eq!(q.args, args, "{filter:?}");
+        }
     }
 }

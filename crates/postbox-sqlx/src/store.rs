@@ -133,6 +133,14 @@ macro_rules! capabilities_from_inherent {
 
             #[async_trait]
             impl<$($gen)*> ReplayStore for $ty where $($bounds)* {
+                async fn replay_ids_after(
+                    &self,
+                    filter: &EventFilter,
+                    after_id: i64,
+                    size: u32,
+                ) -> Result<Vec<i64>> {
+                    <$ty>::replay_ids_after(self, filter, after_id, size).await
+                }
                 async fn replay_to(&self, request: ReplayRequest<'_>) -> Result<Vec<EventRecord>> {
                     <$ty>::replay_to(self, request).await
                 }

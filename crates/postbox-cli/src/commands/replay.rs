@@ -49,6 +49,23 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
         .map_err(|e| CliError::usage(format!("--publisher: {e}")))?;
     let store = open_store(&config).await?;
     require_schema(store.as_ref()).await?;
+    let paced = args.rate.is_some() || args.batch.is_some() || args.resume || args.state.is_some();
+    if paced {
+        let ReplaySelector::Filter(filter) = selector else {
+            return Err(CliError::usage(
+                "--rate, --batch, --resume and --state pace a replay by filter (--since/--until, --status, …), not one by event ids",
+            ));
+        };
+        if args.dry_run {
+            return Err(CliError::usage(
+                "a paced replay changes rows as it goes: preview it with --dry-run without --rate/--batch",
+            ));
+        }
+        if args.rate.is_some_and(|r| r.is_nan() || r <= 0.0) {
+            return Err(CliError::usage("--rate: must be above 0 rows a second"));
+        }
+        return paced_replay(g, store.as_ref(), filter, &targets, &args).await;
+    }
     if matches!(targets.pick, ReplayPick::Only(_)) {
         let before = store
             .replay_to(ReplayRequest {
@@ -126,4 +143,78 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+/// `--rate`/`--batch`/`--resume`: a backfill (`postbox_runtime::backfill`),
+/// with a progress line per batch on stderr; SIGINT or SIGTERM stops it
+/// after the batch in hand, keeping the cursor for `--resume`.
+async fn paced_replay(
+    g: &Global,
+    store: &dyn postbox_core::store::OutboxStore,
+    filter: postbox_core::store::EventFilter,
+    targets: &ReplayTargets,
+    args: &ReplayArgs,
+) -> Result<(), CliError> {
+    use postbox_runtime::backfill::{self, Backfill, Ended};
+    let stop = postbox_core::relay::CancellationToken::new();
+    postbox_runtime::signals::spawn_signal_handler(stop.clone(), crate::logging::flush);
+    let (since, until) = (
+        filter.since_ms,
+        filter.until_ms.unwrap_or_else(postbox_core::time::now_ms),
+    );
+    let b = Backfill {
+        filter,
+        batch: args.batch.unwrap_or(1000),
+        rate: args.rate,
+        targets,
+        origin: "cli",
+        state: args
+            .state
+            .clone()
+            .unwrap_or_else(|| ".postbox-replay.json".into()),
+    };
+    let started = std::time::Instant::now();
+    let first_share = std::sync::Mutex::new(None::<f64>);
+    let on_batch = |p: &backfill::Progress| {
+        let mut line = format!("replayed {} rows (through id {})", p.replayed, p.after_id);
+        // How far through the time range, and at this pace how long is left.
+        if let (Some(since), Some(at)) = (since, p.last_created_at_ms) {
+            let share = ((at - since) as f64 / (until - since).max(1) as f64).clamp(0.0, 1.0);
+            let first = *first_share.lock().unwrap().get_or_insert(share);
+            line.push_str(&format!(", {:.0} % of the time range", share * 100.0));
+            if share > first {
+                let left = started.elapsed().as_secs_f64() * (1.0 - share) / (share - first);
+                line.push_str(&format!(
+                    ", about {} left",
+                    humantime::format_duration(std::time::Duration::from_secs(left.ceil() as u64))
+                ));
+            }
+        }
+        errln!("{line}");
+    };
+    let ended = backfill::run(store, &b, args.resume, &stop, &on_batch).await?;
+    let (done, p) = match &ended {
+        Ended::Done(p) => (true, p),
+        Ended::Stopped(p) => (false, p),
+    };
+    if g.json {
+        output::json(&serde_json::json!({
+            "done": done,
+            "replayed": p.replayed,
+            "through_id": p.after_id,
+            "state": if done { None } else { Some(b.state.display().to_string()) },
+        }))?;
+    } else if done {
+        outln!("replayed {} event(s) in batches of {}", p.replayed, b.batch);
+    }
+    if done {
+        Ok(())
+    } else {
+        Err(CliError::runtime(format!(
+            "stopped after id {} ({} rows replayed): the same command with --resume continues (state in {})",
+            p.after_id,
+            p.replayed,
+            b.state.display()
+        )))
+    }
 }

@@ -936,3 +936,142 @@ async fn events_show_smalls_and_a_closed_pipe() {
     }
     fx.drop_tables().await;
 }
+
+/// Kills a child process (a relay) when dropped.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Issue 16.6: a paced time-range replay of live and archived rows keeps at
+/// most one batch pending ahead of the relay and holds its rate; SIGINT
+/// stops it after a batch, keeping its cursor; a run without `--resume`
+/// refuses to start over, and `--resume` replays the rest, each row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paced_replay_stays_one_batch_ahead_stops_and_resumes() {
+    let fx = PgSinks::new("cli_paced").await;
+    // 120 delivered events a second apart, the older half archived.
+    fx.exec(
+        "INSERT INTO {table} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         SELECT 'room', 'p-' || lpad(g::text, 3, '0'), 'T', '{}', 'delivered', \
+           (EXTRACT(EPOCH FROM now()) * 1000)::BIGINT - (121 - g) * 1000, \
+           CASE WHEN g <= 60 THEN 1000 ELSE (EXTRACT(EPOCH FROM now()) * 1000)::BIGINT END \
+         FROM generate_series(1, 120) g",
+    )
+    .await;
+    assert_ok(&fx.run(&["archive", "--older-than", "1h"]));
+
+    // The most rows pending at once, sampled every 5 ms.
+    let most = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (pool, table) = (fx.pool.clone(), fx.table.clone());
+        let (most, on) = (most.clone(), sampling.clone());
+        tokio::spawn(async move {
+            while on.load(std::sync::atomic::Ordering::Relaxed) {
+                let n: i64 = sqlx::query_scalar(&format!(
+                    "SELECT COUNT(*) FROM {table} WHERE status = 'pending'"
+                ))
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                most.fetch_max(n, std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    // No relay yet: the first batch waits for one, and nothing more is
+    // replayed meanwhile.
+    let fast = [
+        "replay", "--since", "1d", "--batch", "20", "--state", "s1.json",
+    ];
+    let first = fx.project.spawn(&fast, Stdio::piped());
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let held = most.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(held, 20, "one batch ahead of a relay that is not running");
+    let relay = Killed(fx.project.spawn(&["relay"], Stdio::null()));
+    let out = first.wait_with_output().unwrap();
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    sampler.await.unwrap();
+    assert_ok(&out);
+    assert_says(
+        &out,
+        &["replayed 120 rows (through id 120)", "of the time range"],
+    );
+    let most_pending = most.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(most_pending <= 20, "{most_pending} rows pending at once");
+    assert!(
+        !fx.project.path().join("s1.json").exists(),
+        "done: no state kept"
+    );
+    let sink = fx.project.path().join("a.jsonl");
+    wait_until(
+        30,
+        Duration::from_millis(50),
+        || sink_ids(&sink).len() == 120,
+        || format!("{} of 120 rows delivered to a", sink_ids(&sink).len()),
+    );
+    let mut want: Vec<String> = (1..=120).map(|g| format!("p-{g:03}")).collect();
+    assert_eq!(sink_ids(&sink), want, "every row once, archived ones too");
+
+    // Stopped by SIGINT after a batch or two, then resumed.
+    let slow = [
+        "replay", "--since", "1d", "--batch", "10", "--rate", "20", "--state", "s2.json",
+    ];
+    let child = fx.project.spawn(&slow, Stdio::piped());
+    let state = fx.project.path().join("s2.json");
+    wait_until(
+        30,
+        Duration::from_millis(20),
+        || state.exists(),
+        || "the paced replay wrote no state".into(),
+    );
+    signal("INT", child.id());
+    let stopped = child.wait_with_output().unwrap();
+    assert_eq!(stopped.status.code(), Some(1), "{}", text(&stopped));
+    assert_says(&stopped, &["--resume"]);
+    let kept: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    let replayed = kept["replayed"].as_u64().unwrap();
+    assert!((10..120).contains(&replayed), "{kept}");
+    let again = fx.run(&slow);
+    assert_eq!(again.status.code(), Some(2), "{}", text(&again));
+    assert_says(&again, &["--resume", "s2.json"]);
+    // The rate is the run's own: the rest at 100 rows a second.
+    let started = std::time::Instant::now();
+    let resumed = fx.run(&[
+        "replay", "--since", "1d", "--batch", "10", "--rate", "100", "--state", "s2.json",
+        "--resume",
+    ]);
+    let took = started.elapsed().as_secs_f64();
+    let least = (120 - replayed) as f64 / 100.0 - 0.1;
+    assert!(
+        took >= least,
+        "{} rows at 100/s took {took:.2} s",
+        120 - replayed
+    );
+    assert_ok(&resumed);
+    assert_says(&resumed, &["replayed 120 event(s)"]);
+    let wrong: i64 = sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM {} WHERE replay_count <> 2",
+        fx.table
+    ))
+    .fetch_one(&fx.pool)
+    .await
+    .unwrap();
+    assert_eq!(wrong, 0, "each row replayed once by each backfill");
+    want = want.into_iter().flat_map(|id| [id.clone(), id]).collect();
+    wait_until(
+        30,
+        Duration::from_millis(50),
+        || sink_ids(&sink).len() == 240,
+        || format!("{} of 240 deliveries to a", sink_ids(&sink).len()),
+    );
+    assert_eq!(sink_ids(&sink), want);
+    drop(relay);
+    fx.drop_tables().await;
+}

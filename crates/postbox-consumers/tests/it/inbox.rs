@@ -34,6 +34,63 @@ fn lock_aggregate_a(versions: &str) -> String {
     )
 }
 
+/// Creates `<table>_effect`, the table the handlers write event ids to,
+/// with the columns (and options) `definition`; returns its name.
+async fn create_effect_table<DB>(pool: &sqlx::Pool<DB>, table: &str, definition: &str) -> String
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    let effect = format!("{table}_effect");
+    sqlx::query(&format!("CREATE TABLE {effect} {definition}"))
+        .execute(pool)
+        .await
+        .unwrap();
+    effect
+}
+
+/// The event ids written to the table `effect`, in order.
+async fn effects<DB>(pool: &sqlx::Pool<DB>, effect: &str) -> Vec<String>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'r> String: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    (String,): for<'r> sqlx::FromRow<'r, DB::Row>,
+{
+    sqlx::query_scalar(&format!("SELECT event_id FROM {effect} ORDER BY event_id"))
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Drops the tables `tables` where they exist.
+async fn drop_tables<DB>(pool: &sqlx::Pool<DB>, tables: [String; 3])
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    for t in tables {
+        let _ = sqlx::query(&format!("DROP TABLE {t}")).execute(pool).await;
+    }
+}
+
+/// Two more connections to `url`: `holder`, in a transaction, to hold
+/// rows, and `watcher`, to see who waits for them.
+async fn holder_and_watcher<C>(url: &str) -> (C, C)
+where
+    C: sqlx::Connection,
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = C::Database>,
+    for<'q> <C::Database as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, C::Database>,
+{
+    let mut holder = C::connect(url).await.unwrap();
+    let watcher = C::connect(url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    (holder, watcher)
+}
+
 /// Generates the same cases for one database.
 macro_rules! inbox_cases {
     ($module:ident, $db:ty, $setup:expr) => {
@@ -54,13 +111,9 @@ macro_rules! inbox_cases {
                 let inbox = Inbox::<$db>::connect(&url, &table).await.unwrap();
                 // A second connect (another process starting) is harmless.
                 Inbox::<$db>::connect(&url, &table).await.unwrap();
-                let effect = format!("{table}_effect");
-                sqlx::query(&format!(
-                    "CREATE TABLE {effect} (event_id VARCHAR(64) NOT NULL)"
-                ))
-                .execute(inbox.pool())
-                .await
-                .unwrap();
+                let effect =
+                    create_effect_table(inbox.pool(), &table, "(event_id VARCHAR(64) NOT NULL)")
+                        .await;
                 let ok = EffectRow::new(effect.clone());
                 let failing = EffectRow {
                     fail: true,
@@ -107,11 +160,7 @@ macro_rules! inbox_cases {
                 // After the purge the event is new again: retention must outlast redelivery.
                 assert_eq!(inbox.process("g", &m1, &ok).await.unwrap(), Handled::Ok);
 
-                for t in [effect, format!("{table}_versions"), table] {
-                    let _ = sqlx::query(&format!("DROP TABLE {t}"))
-                        .execute(inbox.pool())
-                        .await;
-                }
+                drop_tables(inbox.pool(), [effect, format!("{table}_versions"), table]).await;
             }
         }
     };
@@ -140,7 +189,7 @@ mod mariadb_locking {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use sqlx::{Connection, MySqlConnection};
+    use sqlx::MySqlConnection;
     use tokio::sync::{oneshot, Mutex};
 
     use super::*;
@@ -182,13 +231,12 @@ mod mariadb_locking {
         ensure_database("mysql", &url).await;
         let table = scratch_table("inbox_lock");
         let inbox = Inbox::<sqlx::MySql>::connect(&url, &table).await.unwrap();
-        let effect = format!("{table}_effect");
-        sqlx::query(&format!(
-            "CREATE TABLE {effect} (event_id VARCHAR(64) NOT NULL) ENGINE = InnoDB"
-        ))
-        .execute(inbox.pool())
-        .await
-        .unwrap();
+        let effect = create_effect_table(
+            inbox.pool(),
+            &table,
+            "(event_id VARCHAR(64) NOT NULL) ENGINE = InnoDB",
+        )
+        .await;
         let gate = gate(&effect, "none").0;
         assert_eq!(
             inbox
@@ -250,16 +298,6 @@ mod mariadb_locking {
         }
     }
 
-    async fn effects(s: &Setup) -> Vec<String> {
-        sqlx::query_scalar(&format!(
-            "SELECT event_id FROM {} ORDER BY event_id",
-            s.effect
-        ))
-        .fetch_all(s.inbox.pool())
-        .await
-        .unwrap()
-    }
-
     async fn version(s: &Setup) -> i64 {
         sqlx::query_scalar(&format!(
             "SELECT aggregate_version FROM {}_versions WHERE consumer_group = 'g' AND aggregate_id = 'a'",
@@ -270,16 +308,14 @@ mod mariadb_locking {
         .unwrap()
     }
 
-    async fn drop_tables(s: &Setup) {
-        for t in [
+    /// Drops the inbox's tables and the effect table.
+    async fn drop_setup(s: &Setup) {
+        let tables = [
             s.effect.clone(),
             format!("{}_versions", s.table),
             s.table.clone(),
-        ] {
-            let _ = sqlx::query(&format!("DROP TABLE {t}"))
-                .execute(s.inbox.pool())
-                .await;
-        }
+        ];
+        drop_tables(s.inbox.pool(), tables).await;
     }
 
     /// e1(v1) and e2(v2) of a known aggregate reach the version check at the
@@ -294,9 +330,7 @@ mod mariadb_locking {
     async fn two_versions_of_a_known_aggregate_do_not_deadlock() {
         let s = setup().await;
         let versions = format!("{}_versions", s.table);
-        let mut holder = MySqlConnection::connect(&s.url).await.unwrap();
-        let mut watcher = MySqlConnection::connect(&s.url).await.unwrap();
-        sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+        let (mut holder, mut watcher) = holder_and_watcher::<MySqlConnection>(&s.url).await;
         sqlx::query(&lock_aggregate_a(&versions))
             .fetch_all(&mut holder)
             .await
@@ -350,9 +384,9 @@ mod mariadb_locking {
 
         assert_eq!(t1.await.unwrap().unwrap(), Handled::Ok);
         assert_eq!(t2.await.unwrap().unwrap(), Handled::Ok);
-        assert_eq!(effects(&s).await, ["e0", "e1", "e2"]);
+        assert_eq!(effects(s.inbox.pool(), &s.effect).await, ["e0", "e1", "e2"]);
         assert_eq!(version(&s).await, 2);
-        drop_tables(&s).await;
+        drop_setup(&s).await;
     }
 
     /// A deadlock whose victim is the inbox transaction, before the handler
@@ -364,9 +398,7 @@ mod mariadb_locking {
     async fn a_deadlock_before_the_handler_is_retried() {
         let s = setup().await;
         let versions = format!("{}_versions", s.table);
-        let mut holder = MySqlConnection::connect(&s.url).await.unwrap();
-        let mut watcher = MySqlConnection::connect(&s.url).await.unwrap();
-        sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+        let (mut holder, mut watcher) = holder_and_watcher::<MySqlConnection>(&s.url).await;
         let ballast: Vec<String> = (0..200).map(|i| format!("('ballast-{i}')")).collect();
         sqlx::query(&format!(
             "INSERT INTO {} (event_id) VALUES {}",
@@ -412,9 +444,9 @@ mod mariadb_locking {
             Handled::Ok,
             "the deadlock was retried transparently"
         );
-        assert_eq!(effects(&s).await, ["e0", "e1"]);
+        assert_eq!(effects(s.inbox.pool(), &s.effect).await, ["e0", "e1"]);
         assert_eq!(version(&s).await, 1);
-        drop_tables(&s).await;
+        drop_setup(&s).await;
     }
 }
 
@@ -424,7 +456,7 @@ mod mariadb_locking {
 mod postgres_locking {
     use std::time::{Duration, Instant};
 
-    use sqlx::{Connection, PgConnection};
+    use sqlx::PgConnection;
 
     use super::*;
 
@@ -460,20 +492,14 @@ mod postgres_locking {
         let inbox = Inbox::<sqlx::Postgres>::connect(&url, &table)
             .await
             .unwrap();
-        let effect = format!("{table}_effect");
-        sqlx::query(&format!("CREATE TABLE {effect} (event_id TEXT NOT NULL)"))
-            .execute(inbox.pool())
-            .await
-            .unwrap();
+        let effect = create_effect_table(inbox.pool(), &table, "(event_id TEXT NOT NULL)").await;
         let handler = std::sync::Arc::new(EffectRow::new(effect.clone()));
         let seed = message("e0", Some(("a", 0)));
         assert_eq!(
             inbox.process("g", &seed, &*handler).await.unwrap(),
             Handled::Ok
         );
-        let mut holder = PgConnection::connect(&url).await.unwrap();
-        let mut watcher = PgConnection::connect(&url).await.unwrap();
-        sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+        let (mut holder, mut watcher) = holder_and_watcher::<PgConnection>(&url).await;
         sqlx::query(&lock_aggregate_a(&versions))
             .fetch_all(&mut holder)
             .await
@@ -489,16 +515,7 @@ mod postgres_locking {
         sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
         assert_eq!(t1.await.unwrap().unwrap(), Handled::Ok);
         assert_eq!(t2.await.unwrap().unwrap(), Handled::Ok);
-        let effects: Vec<String> =
-            sqlx::query_scalar(&format!("SELECT event_id FROM {effect} ORDER BY event_id"))
-                .fetch_all(inbox.pool())
-                .await
-                .unwrap();
-        assert_eq!(effects, ["e0", "e1", "e2"]);
-        for t in [effect, versions, table] {
-            let _ = sqlx::query(&format!("DROP TABLE {t}"))
-                .execute(inbox.pool())
-                .await;
-        }
+        assert_eq!(effects(inbox.pool(), &effect).await, ["e0", "e1", "e2"]);
+        drop_tables(inbox.pool(), [effect, versions, table]).await;
     }
 }

@@ -18,28 +18,10 @@ async fn scratch_store(prefix: &'static str) -> MySqlOutbox {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_use_their_index_over_a_million_delivered_rows() {
     let store = scratch_store("plans").await;
-    let t = store.table().as_str().to_owned();
-    let load = [
-        // History: a million delivered rows (MariaDB's sequence engine).
-        format!("INSERT INTO {t} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
-                 SELECT 'plan', CONCAT('d-', seq), 'Old', '{{}}', 'delivered', 1000000000000 + seq, 1000000000000 + seq \
-                 FROM seq_1_to_1000000"),
-        format!("INSERT INTO {t} (app_code, event_id, event_type, payload) \
-                 SELECT 'other', CONCAT('o-', seq), 'New', '{{}}' FROM seq_1_to_20000"),
-        format!("INSERT INTO {t} (app_code, event_id, event_type, payload) \
-                 SELECT 'plan', CONCAT('p-', seq), 'New', '{{}}' FROM seq_1_to_150"),
-        format!("INSERT INTO {t} (app_code, event_id, event_type, payload, status, retry_count, next_retry_at_ms) \
-                 SELECT 'plan', CONCAT('r-', seq), 'Retry', '{{}}', 'retryable', 1, IF(seq <= 100, 0, 9000000000000000) \
-                 FROM seq_1_to_200"),
-        format!("INSERT INTO {t} (app_code, event_id, event_type, payload, status, worker_id, lock_until_ms) \
-                 SELECT 'plan', CONCAT('l-', seq), 'Leased', '{{}}', 'delivering', 'w', IF(seq <= 100, 0, 9000000000000000) \
-                 FROM seq_1_to_200"),
-        format!("ANALYZE TABLE {t}"),
-    ];
     let plans = postbox_testkit::conformance::claims_use_their_index_over(
         std::sync::Arc::new(store.clone()),
         store.pool().clone(),
-        &load,
+        &postbox_testkit::conformance::Numbers::MARIADB,
     )
     .await;
     assert!(

@@ -71,20 +71,6 @@ async fn claim(store: &MySqlOutbox, source: ClaimSource, worker: &str) -> Vec<Cl
         .unwrap()
 }
 
-/// What `worker` claims from `source` for app_code `room` with a lease of
-/// `lease_ms`, unless the claim waits longer than 5 s (on a lock).
-async fn claim_within(
-    store: &MySqlOutbox,
-    source: ClaimSource,
-    worker: &str,
-    lease_ms: i64,
-) -> Result<Vec<ClaimedEvent>, tokio::time::error::Elapsed> {
-    let req = req("room", worker, lease_ms);
-    let claimed =
-        tokio::time::timeout(std::time::Duration::from_secs(5), store.claim(source, &req)).await?;
-    Ok(claimed.unwrap())
-}
-
 fn ids(events: &[ClaimedEvent]) -> Vec<i64> {
     events.iter().map(|e| e.record.id).collect()
 }
@@ -374,76 +360,9 @@ async fn claim_lease_fence_and_failure() {
             .unwrap(),
         1
     );
+    let stored = store.find(&t.event_id).await.unwrap().remove(0);
+    assert_eq!((stored.status, stored.retry_count), (Status::Failed, 3));
 
-    // Stats: a delivered, b failed, c pending; wallet's row pending.
-    let stats = store
-        .stats(&["room".into(), "wallet".into(), "nobody".into()])
-        .await
-        .unwrap();
-    assert_eq!(
-        (
-            stats[0].pending,
-            stats[0].delivering,
-            stats[0].delivered,
-            stats[0].retryable,
-            stats[0].failed
-        ),
-        (1, 0, 1, 0, 1)
-    );
-    assert!(stats[0].oldest_pending_age_seconds >= 0.0);
-    assert_eq!(stats[1].pending, 1);
-    assert_eq!(
-        stats[2],
-        postbox_core::store::AppStats {
-            app_code: "nobody".into(),
-            ..Default::default()
-        }
-    );
-
-    drop_tables(&store).await;
-}
-
-#[tokio::test]
-async fn concurrent_claims_never_overlap() {
-    let store = store("mb_concurrent").await;
-    let events: Vec<NewEvent> = (0..200)
-        .map(|i| NewEvent::new("room", "E", format!("{{\"i\":{i}}}")))
-        .collect();
-    store.enqueue_batch(&events, 1024).await.unwrap();
-    let mut tasks = Vec::new();
-    for w in 0..4 {
-        let store = store.clone();
-        tasks.push(tokio::spawn(async move {
-            let worker = format!("w{w}");
-            let mut mine = Vec::new();
-            loop {
-                let got = store
-                    .claim(ClaimSource::Pending, &req("room", &worker, 30_000))
-                    .await
-                    .unwrap();
-                if got.is_empty() {
-                    break;
-                }
-                let fence = got[0].fence();
-                let batch = ids(&got);
-                assert_eq!(
-                    store.mark_delivered(&fence, &batch).await.unwrap(),
-                    batch.len() as u64
-                );
-                mine.extend(batch);
-            }
-            mine
-        }));
-    }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await.unwrap());
-    }
-    all.sort_unstable();
-    let n = all.len();
-    all.dedup();
-    assert_eq!(all.len(), n, "a row was claimed twice");
-    assert_eq!(n, 200);
     drop_tables(&store).await;
 }
 
@@ -582,55 +501,6 @@ async fn replay_by_ids_filter_and_archive() {
     assert_eq!(archived, 0);
     assert_eq!(store.find(&e4.event_id).await.unwrap()[0].id, back.id);
 
-    // List: newest first, filters and the id cursor.
-    let all = store
-        .list(&EventFilter {
-            limit: 10,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(all.len(), 4);
-    assert!(all.windows(2).all(|w| w[0].id > w[1].id));
-    let page = store
-        .list(&EventFilter {
-            before_id: Some(all[1].id),
-            limit: 10,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(page.len(), 2);
-    let delivering = store
-        .list(&EventFilter {
-            status: Some(Status::Delivering),
-            limit: 10,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(delivering.len(), 1);
-    assert_eq!(delivering[0].event_id, e3.event_id);
-    let typed = store
-        .list(&EventFilter {
-            event_type: Some("A".into()),
-            app_code: Some("room".into()),
-            limit: 1,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(typed.len(), 1);
-    assert!(store
-        .list(&EventFilter {
-            app_code: Some("wallet".into()),
-            limit: 10,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .is_empty());
-
     drop_tables(&store).await;
 }
 
@@ -720,103 +590,12 @@ async fn connect_accepts_mariadb_urls_and_hides_passwords() {
 }
 
 /// Issue 9.3: a producer's open transaction holding an uncommitted outbox
-/// row must not stall the relay. On a small table MariaDB plans `id IN (…)`
-/// as a whole-primary-key scan; at REPEATABLE READ the scan waited for the
-/// producer's row lock (50 s), the lease expired and rows were published
-/// twice. Every relay statement must lock only the rows it names.
+/// row must not stall the relay (MariaDB's whole-primary-key scan at
+/// REPEATABLE READ waited for the producer's row lock; see the case).
 #[tokio::test]
 async fn an_open_producer_transaction_does_not_stall_the_relay() {
-    use std::time::Duration;
-    use tokio::time::timeout;
     let store = store("mb_open_tx").await;
-    let quick = Duration::from_secs(5);
-    // The producer inserts first and keeps its transaction open throughout.
-    let mut producer = store.pool().begin().await.unwrap();
-    store
-        .enqueue(&mut producer, &NewEvent::new("room", "Open", "{}"))
-        .await
-        .unwrap();
-    let mut committed = Vec::new();
-    for i in 0..6 {
-        committed.push(
-            enqueue_committed(
-                &store,
-                &NewEvent::new("room", "E", format!("{{\"i\":{i}}}")),
-            )
-            .await,
-        );
-    }
-
-    // Claim, then mark, fail and release: each within seconds.
-    let claimed = claim_within(&store, ClaimSource::Pending, "w1", 30_000)
-        .await
-        .expect("claim waited on the producer's row");
-    assert_eq!(ids(&claimed), committed);
-    let fence = claimed[0].fence();
-    let delivered = timeout(quick, store.mark_delivered(&fence, &committed[..3]))
-        .await
-        .expect("mark_delivered waited on the producer's row")
-        .unwrap();
-    assert_eq!(delivered, 3);
-    let failure = FailureUpdate {
-        status: Status::Retryable,
-        retry_count: 1,
-        retry_after_ms: 0,
-        retry_jitter_ms: 0,
-        delivered_to: Vec::new(),
-        error: "boom".into(),
-        publisher: Some("p".into()),
-    };
-    assert_eq!(
-        timeout(quick, store.mark_failed(&fence, &[committed[3]], &failure))
-            .await
-            .expect("mark_failed waited on the producer's row")
-            .unwrap(),
-        1
-    );
-    let released = timeout(quick, store.release(&fence, &committed[4..]))
-        .await
-        .expect("release waited on the producer's row")
-        .unwrap();
-    assert_eq!(released, 2);
-
-    // The released and the retryable rows come back; an expired lease is
-    // taken over (with its history entry) without waiting either.
-    let again = claim_within(&store, ClaimSource::Pending, "w2", 1)
-        .await
-        .expect("second claim waited");
-    assert_eq!(ids(&again), committed[4..].to_vec());
-    let retry = claim_within(&store, ClaimSource::DueRetry, "w2", 30_000)
-        .await
-        .expect("retry claim waited");
-    assert_eq!(ids(&retry), vec![committed[3]]);
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let taken = claim_within(&store, ClaimSource::ExpiredLease, "w3", 30_000)
-        .await
-        .expect("takeover waited");
-    assert_eq!(ids(&taken), committed[4..].to_vec());
-    let done = timeout(quick, store.mark_delivered(&taken[0].fence(), &ids(&taken)))
-        .await
-        .expect("mark_delivered after takeover waited")
-        .unwrap();
-    assert_eq!(done, 2);
-
-    // A relay delivers rows committed after the open row, each once.
-    let relay_events: Vec<NewEvent> = (0..5).map(|_| NewEvent::new("relay", "R", "{}")).collect();
-    store.enqueue_batch(&relay_events, 1024).await.unwrap();
-    let (p, took) = postbox_testkit::conformance::relay_delivers_each_once(
-        std::sync::Arc::new(store.clone()),
-        "relay",
-        &relay_events,
-    )
-    .await;
-    assert!(took < Duration::from_secs(3), "took {took:?}");
-    for e in &relay_events {
-        assert_eq!(p.attempts(&e.event_id), 1, "published once: {}", e.event_id);
-    }
-
-    // The producer's transaction was open all along, and still commits.
-    producer.commit().await.unwrap();
+    postbox_testkit::conformance::an_open_producer_transaction_stalls_nothing(store.clone()).await;
     drop_tables(&store).await;
 }
 

@@ -7,17 +7,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions,
-};
+use lapin::options::{BasicConsumeOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Channel, Connection, ConnectionProperties};
 use postbox_core::config::RabbitMqPublisherConfig;
 use postbox_core::redact::SecretUrl;
 use postbox_core::template::Template;
 use postbox_publishers::rabbitmq::message::{json_value, POSTBOX_HEADERS};
 use postbox_publishers::rabbitmq::RabbitMqPublisher;
+use postbox_testkit::amqp::{bind_queue, declare_queue, declare_topic_exchange, Lifetime};
 use postbox_testkit::publisher_suite::Received;
 use postbox_testkit::servers::{amqp_url, how_to_start};
 
@@ -50,18 +48,7 @@ pub async fn connect() -> Connection {
 /// An auto-delete topic exchange: it goes away with the last binding, so a
 /// failed test leaves nothing behind.
 pub async fn declare_exchange(channel: &Channel, exchange: &str) {
-    channel
-        .exchange_declare(
-            exchange.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare scratch exchange");
+    declare_topic_exchange(channel, exchange, Lifetime::Scratch).await;
 }
 
 /// A scratch exchange ([`declare_exchange`]) with a consumer bound to it by
@@ -146,27 +133,8 @@ impl Inbox {
 
 pub async fn consume(connection: &Connection, exchange: &str, binding: &str) -> Inbox {
     let channel = connection.create_channel().await.unwrap();
-    let queue = channel
-        .queue_declare(
-            scratch("q").as_str().into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare scratch queue");
-    channel
-        .queue_bind(
-            queue.name().as_str().into(),
-            exchange.into(),
-            binding.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind scratch queue");
+    let queue = declare_queue(&channel, &scratch("q"), Lifetime::Scratch).await;
+    bind_queue(&channel, queue.name().as_str(), exchange, binding).await;
     let mut consumer = channel
         .basic_consume(
             queue.name().as_str().into(),

@@ -1,0 +1,228 @@
+//! A paced replay (backfill): a filter's rows, live and archived, put back
+//! to `pending` in id order, a batch at a time, at most `rate` rows a
+//! second, and never more than one batch ahead of the relay: the next batch
+//! waits until the relay has taken the last one. Its cursor is written to a
+//! state file after every batch, so a stopped run resumes where it stopped.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use postbox_core::relay::CancellationToken;
+use postbox_core::store::{EventFilter, OutboxStore, ReplayRequest, ReplaySelector, ReplayTargets};
+use postbox_core::{Error, Result, Status};
+use serde::{Deserialize, Serialize};
+
+/// What to replay and how fast.
+#[derive(Debug)]
+pub struct Backfill<'a> {
+    /// The rows (its `limit`, `before_id`, `after_id` and `through_id` are
+    /// the backfill's own).
+    pub filter: EventFilter,
+    /// Rows per batch.
+    pub batch: u32,
+    /// At most this many rows a second (`None`: as fast as the relay takes
+    /// them).
+    pub rate: Option<f64>,
+    /// The publishers to send to.
+    pub targets: &'a ReplayTargets,
+    /// Who asked, for the events' history.
+    pub origin: &'a str,
+    /// Where the cursor is kept.
+    pub state: PathBuf,
+}
+
+/// Where a backfill is: written to its state file after every batch.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Progress {
+    /// The filter, as given (a resume must give the same).
+    pub filter: serde_json::Value,
+    /// Every row with an id up to this one is done.
+    pub after_id: i64,
+    /// Rows put back to pending so far, over every run.
+    pub replayed: u64,
+    /// `created_at_ms` of the last row replayed.
+    pub last_created_at_ms: Option<i64>,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ended {
+    /// Every row was replayed; the state file is gone.
+    Done(Progress),
+    /// Stopped by the token after a batch; the state file holds the cursor.
+    Stopped(Progress),
+}
+
+/// How often the relay's progress on the last batch is read.
+const RELAY_POLL: Duration = Duration::from_millis(50);
+
+/// Runs `b` on `store` until every row is replayed or `stop` is cancelled
+/// (the batch in hand is finished first). `resume` continues from the
+/// state file, which must exist and name the same filter; without it, a
+/// state file already there is an error (a stopped run would be replayed
+/// again from the start). `on_batch` sees the progress after each batch.
+pub async fn run(
+    store: &dyn OutboxStore,
+    b: &Backfill<'_>,
+    resume: bool,
+    stop: &CancellationToken,
+    on_batch: &(dyn Fn(&Progress) + Send + Sync),
+) -> Result<Ended> {
+    if b.batch == 0 {
+        return Err(Error::config("--batch", "must be at least 1"));
+    }
+    let mut progress = start(&b.state, &b.filter, resume)?;
+    // A resumed run replays the filter it started with: times given as
+    // `2h` ago resolve to another instant on every run.
+    let filter: EventFilter = serde_json::from_value(progress.filter.clone())
+        .map_err(|e| Error::Internal(e.to_string()))?;
+    let started = Instant::now();
+    let mut replayed_here = 0u64;
+    loop {
+        if stop.is_cancelled() {
+            return Ok(Ended::Stopped(progress));
+        }
+        let ids = store
+            .replay_ids_after(&filter, progress.after_id, b.batch)
+            .await?;
+        let (Some(&first), Some(&last)) = (ids.first(), ids.last()) else {
+            remove(&b.state)?;
+            return Ok(Ended::Done(progress));
+        };
+        let batch = EventFilter {
+            after_id: Some(progress.after_id),
+            through_id: Some(last),
+            ..filter.clone()
+        };
+        let rows = store
+            .replay_to(ReplayRequest {
+                selector: &ReplaySelector::Filter(batch),
+                dry_run: false,
+                origin: b.origin,
+                targets: b.targets,
+            })
+            .await?;
+        progress.after_id = last;
+        progress.replayed += rows.len() as u64;
+        progress.last_created_at_ms = rows
+            .iter()
+            .map(|r| r.created_at_ms)
+            .max()
+            .or(progress.last_created_at_ms);
+        replayed_here += rows.len() as u64;
+        save(&b.state, &progress)?;
+        on_batch(&progress);
+        // One batch ahead of the relay at most.
+        let waiting = EventFilter {
+            app_code: filter.app_code.clone(),
+            status: Some(Status::Pending),
+            after_id: Some(first - 1),
+            through_id: Some(last),
+            limit: 1,
+            ..EventFilter::default()
+        };
+        while !store.list(&waiting).await?.is_empty() {
+            if pause(stop, RELAY_POLL).await {
+                return Ok(Ended::Stopped(progress));
+            }
+        }
+        if let Some(rate) = b.rate {
+            let due = Duration::from_secs_f64(replayed_here as f64 / rate);
+            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                if pause(stop, wait).await {
+                    return Ok(Ended::Stopped(progress));
+                }
+            }
+        }
+    }
+}
+
+/// Sleeps `d`; true when `stop` was cancelled meanwhile.
+async fn pause(stop: &CancellationToken, d: Duration) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => true,
+        _ = tokio::time::sleep(d) => false,
+    }
+}
+
+/// The progress a run starts from. A resume must give the same filter,
+/// but for the instants of its time range.
+fn start(state: &Path, filter: &EventFilter, resume: bool) -> Result<Progress> {
+    let json =
+        |f: &EventFilter| serde_json::to_value(f).map_err(|e| Error::Internal(e.to_string()));
+    let untimed = |f: &EventFilter| {
+        json(&EventFilter {
+            since_ms: None,
+            until_ms: None,
+            ..f.clone()
+        })
+    };
+    let given = untimed(filter)?;
+    let kept = match std::fs::read_to_string(state) {
+        Ok(text) => Some(serde_json::from_str::<Progress>(&text).map_err(|e| {
+            Error::config(
+                "--state",
+                format!("{}: not a replay state file: {e}", state.display()),
+            )
+        })?),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(io(state, e)),
+    };
+    let same = |p: &Progress| -> Result<bool> {
+        let kept: EventFilter = serde_json::from_value(p.filter.clone())
+            .map_err(|e| Error::config("--state", format!("{}: {e}", state.display())))?;
+        Ok(untimed(&kept)? == given)
+    };
+    match (kept, resume) {
+        (Some(p), true) if same(&p)? => Ok(p),
+        (Some(p), true) => Err(Error::config(
+            "--resume",
+            format!(
+                "{} is the state of another replay ({}): give the same filters, or another --state",
+                state.display(),
+                p.filter
+            ),
+        )),
+        (None, true) => Err(Error::config(
+            "--resume",
+            format!("no replay to resume: {} does not exist", state.display()),
+        )),
+        (Some(p), false) => Err(Error::config(
+            "--resume",
+            format!(
+                "{} holds a replay stopped after id {} ({} rows): add --resume to continue it, or delete the file to start again",
+                state.display(),
+                p.after_id,
+                p.replayed
+            ),
+        )),
+        (None, false) => Ok(Progress {
+            filter: json(filter)?,
+            after_id: 0,
+            replayed: 0,
+            last_created_at_ms: None,
+        }),
+    }
+}
+
+/// Writes `p` to `state` (a new file, then renamed over the old one).
+fn save(state: &Path, p: &Progress) -> Result<()> {
+    let tmp = state.with_extension("tmp");
+    let text = serde_json::to_string_pretty(p).map_err(|e| Error::Internal(e.to_string()))?;
+    std::fs::write(&tmp, text).map_err(|e| io(&tmp, e))?;
+    std::fs::rename(&tmp, state).map_err(|e| io(state, e))
+}
+
+fn remove(state: &Path) -> Result<()> {
+    match std::fs::remove_file(state) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(state, e)),
+        _ => Ok(()),
+    }
+}
+
+fn io(path: &Path, e: std::io::Error) -> Error {
+    Error::Io {
+        context: format!("replay state {}", path.display()),
+        source: e,
+    }
+}
