@@ -56,6 +56,9 @@ pub enum Ended {
 /// How often the relay's progress on the last batch is read.
 const RELAY_POLL: Duration = Duration::from_millis(50);
 
+/// After this long waiting for the relay (none running?), it is said once.
+const SAY_WAITING_AFTER: Duration = Duration::from_secs(10);
+
 /// Runs `b` on `store` until every row is replayed or `stop` is cancelled
 /// (the batch in hand is finished first). `resume` continues from the
 /// state file, which must exist and name the same filter; without it, a
@@ -121,7 +124,16 @@ pub async fn run(
             limit: 1,
             ..EventFilter::default()
         };
+        let since = Instant::now();
+        let mut said = false;
         while !store.list(&waiting).await?.is_empty() {
+            if !said && since.elapsed() >= SAY_WAITING_AFTER {
+                tracing::info!(
+                    through_id = last,
+                    "waiting for a relay to take the last batch"
+                );
+                said = true;
+            }
             if pause(stop, RELAY_POLL).await {
                 return Ok(Ended::Stopped(progress));
             }

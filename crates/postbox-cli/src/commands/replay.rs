@@ -64,6 +64,9 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
         if args.rate.is_some_and(|r| r.is_nan() || r <= 0.0) {
             return Err(CliError::usage("--rate: must be above 0 rows a second"));
         }
+        if args.batch == Some(0) {
+            return Err(CliError::usage("--batch: must be at least 1 row"));
+        }
         return paced_replay(g, store.as_ref(), filter, &targets, &args).await;
     }
     if matches!(targets.pick, ReplayPick::Only(_)) {
