@@ -940,7 +940,7 @@ impl SqlOutbox<D> {
                     .fetch_all(&self.pool)
                     .await
                     .map_err(|e| db_error("find a replay's next batch", e))?;
-                ids.extend(first_ints(rows).map_err(|e| db_error("find a replay's next batch", e))?);
+                ids.extend(first_column::<i64, _>(rows).map_err(|e| db_error("find a replay's next batch", e))?);
             }
         }
         ids.sort_unstable();
@@ -1340,22 +1340,12 @@ impl SqlOutbox<D> {
 }
 }
 
-/// The first column of every row, as an integer (ids).
-fn first_ints<R>(rows: Vec<R>) -> std::result::Result<Vec<i64>, sqlx::Error>
+/// The first column of every row (ids, names of tables and indexes).
+fn first_column<T, R>(rows: Vec<R>) -> std::result::Result<Vec<T>, sqlx::Error>
 where
     R: sqlx::Row,
     usize: sqlx::ColumnIndex<R>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    rows.iter().map(|r| r.try_get(0)).collect()
-}
-
-/// The first column of every row, as text (names of tables and indexes).
-fn first_column<R>(rows: Vec<R>) -> std::result::Result<Vec<String>, sqlx::Error>
-where
-    R: sqlx::Row,
-    usize: sqlx::ColumnIndex<R>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> T: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
 {
     rows.iter().map(|r| r.try_get(0)).collect()
 }
