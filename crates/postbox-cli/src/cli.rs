@@ -401,10 +401,10 @@ pub struct ReplayArgs {
     /// Paced: at most N rows a second (a backfill of a filter's rows, in
     /// batches, never more than one batch ahead of the relay).
     #[arg(long, value_name = "N")]
-    pub rate: Option<f64>,
+    pub rate: Option<postbox_runtime::backfill::Rate>,
     /// Paced: rows per batch (default 1000).
     #[arg(long, value_name = "N")]
-    pub batch: Option<u32>,
+    pub batch: Option<std::num::NonZeroU32>,
     /// Paced: continue the replay stopped with this state file.
     #[arg(long)]
     pub resume: bool,

@@ -27,13 +27,20 @@ pub const WITH_ADMIN: Uses = Uses {
 /// besides `[database]`: a `${VAR}` left unset in a section it does not
 /// use is no error (`postbox status` needs no admin token).
 pub fn load_config(g: &Global, uses: Uses) -> Result<Settings, CliError> {
-    Ok(config::load_for(
-        &ConfigSource {
-            file: g.config.clone(),
-            database_url: g.database_url.clone(),
-        },
-        uses,
-    )?)
+    Ok(config::load_for(&source(g), uses)?)
+}
+
+/// Whether a config file would be read (`--config`, or `postbox.toml`
+/// here), not only defaults and the environment.
+pub fn has_config_file(g: &Global) -> Result<bool, CliError> {
+    Ok(source(g).file_to_read()?.is_some())
+}
+
+fn source(g: &Global) -> ConfigSource {
+    ConfigSource {
+        file: g.config.clone(),
+        database_url: g.database_url.clone(),
+    }
 }
 
 /// Opens the store; never creates a SQLite database file (a missing one is

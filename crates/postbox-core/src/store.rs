@@ -162,6 +162,15 @@ pub struct EventFilter {
     pub limit: u32,
 }
 
+impl EventFilter {
+    /// Whether a replay by this filter also takes archived rows: with a
+    /// time range or an aggregate (a status or a type alone reads the live
+    /// table).
+    pub fn reaches_archive(&self) -> bool {
+        self.since_ms.is_some() || self.until_ms.is_some() || self.aggregate_id.is_some()
+    }
+}
+
 /// What `replay` acts on.
 #[derive(Debug, Clone)]
 pub enum ReplaySelector {

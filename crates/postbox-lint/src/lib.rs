@@ -193,7 +193,7 @@ pub fn lint(sql: &str, target: &Target, syntax: Syntax) -> Vec<Finding> {
                         line,
                         rule: Rule::Unparsed,
                         table: None,
-                        statement: one_line(text),
+                        statement: one_line(text, STATEMENT_WIDTH),
                     }),
                     Err(_) => {}
                 }
@@ -222,11 +222,14 @@ pub fn reads_a_target(sql: &str, target: &Target, syntax: Syntax) -> Option<bool
     Some(v.scoped)
 }
 
+/// How much of a statement a finding quotes.
+const STATEMENT_WIDTH: usize = 200;
+
 /// The findings for one statement, starting at `line`.
 fn check(st: &Statement, target: &Target, line: u64, out: &mut Vec<Finding>) {
     let mut v = Checker::new(target);
     let _ = st.visit(&mut v);
-    let text = one_line(&st.to_string());
+    let text = one_line(&st.to_string(), STATEMENT_WIDTH);
     for (rule, table) in v.found {
         let finding = Finding {
             line,
@@ -568,10 +571,10 @@ fn split_statements(sql: &str) -> Vec<(u64, &str)> {
     out
 }
 
-/// `s` on one line, cut at 200 characters.
-fn one_line(s: &str) -> String {
+/// `s` on one line, cut at `width` characters.
+pub fn one_line(s: &str, width: usize) -> String {
     let flat: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
-    match flat.char_indices().nth(200) {
+    match flat.char_indices().nth(width) {
         Some((i, _)) => format!("{}…", &flat[..i]),
         None => flat,
     }

@@ -4,7 +4,9 @@
 //! waits until the relay has taken the last one. Its cursor is written to a
 //! state file after every batch, so a stopped run resumes where it stopped.
 
+use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use postbox_core::relay::CancellationToken;
@@ -19,10 +21,10 @@ pub struct Backfill<'a> {
     /// the backfill's own).
     pub filter: EventFilter,
     /// Rows per batch.
-    pub batch: u32,
+    pub batch: NonZeroU32,
     /// At most this many rows a second (`None`: as fast as the relay takes
     /// them).
-    pub rate: Option<f64>,
+    pub rate: Option<Rate>,
     /// The publishers to send to.
     pub targets: &'a ReplayTargets,
     /// Who asked, for the events' history.
@@ -31,11 +33,33 @@ pub struct Backfill<'a> {
     pub state: PathBuf,
 }
 
+/// A pace: rows a second, finite and above 0 (`--rate`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rate(f64);
+
+impl Rate {
+    /// Rows a second.
+    pub fn per_second(self) -> f64 {
+        self.0
+    }
+}
+
+impl FromStr for Rate {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.parse::<f64>() {
+            Ok(r) if r.is_finite() && r > 0.0 => Ok(Rate(r)),
+            _ => Err(format!("`{s}` is not a number of rows a second above 0")),
+        }
+    }
+}
+
 /// Where a backfill is: written to its state file after every batch.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Progress {
-    /// The filter, as given (a resume must give the same).
-    pub filter: serde_json::Value,
+    /// The filter the run started with (a resume replays it).
+    pub filter: EventFilter,
     /// Every row with an id up to this one is done.
     pub after_id: i64,
     /// Rows put back to pending so far, over every run.
@@ -71,14 +95,10 @@ pub async fn run(
     stop: &CancellationToken,
     on_batch: &(dyn Fn(&Progress) + Send + Sync),
 ) -> Result<Ended> {
-    if b.batch == 0 {
-        return Err(Error::config("--batch", "must be at least 1"));
-    }
     let mut progress = start(&b.state, &b.filter, resume)?;
     // A resumed run replays the filter it started with: times given as
     // `2h` ago resolve to another instant on every run.
-    let filter: EventFilter = serde_json::from_value(progress.filter.clone())
-        .map_err(|e| Error::Internal(e.to_string()))?;
+    let filter = progress.filter.clone();
     let started = Instant::now();
     let mut replayed_here = 0u64;
     loop {
@@ -86,7 +106,7 @@ pub async fn run(
             return Ok(Ended::Stopped(progress));
         }
         let ids = store
-            .replay_ids_after(&filter, progress.after_id, b.batch)
+            .replay_ids_after(&filter, progress.after_id, b.batch.get())
             .await?;
         let (Some(&first), Some(&last)) = (ids.first(), ids.last()) else {
             remove(&b.state)?;
@@ -139,7 +159,7 @@ pub async fn run(
             }
         }
         if let Some(rate) = b.rate {
-            let due = Duration::from_secs_f64(replayed_here as f64 / rate);
+            let due = Duration::from_secs_f64(replayed_here as f64 / rate.per_second());
             if let Some(wait) = due.checked_sub(started.elapsed()) {
                 if pause(stop, wait).await {
                     return Ok(Ended::Stopped(progress));
@@ -160,16 +180,6 @@ async fn pause(stop: &CancellationToken, d: Duration) -> bool {
 /// The progress a run starts from. A resume must give the same filter,
 /// but for the instants of its time range.
 fn start(state: &Path, filter: &EventFilter, resume: bool) -> Result<Progress> {
-    let json =
-        |f: &EventFilter| serde_json::to_value(f).map_err(|e| Error::Internal(e.to_string()));
-    let untimed = |f: &EventFilter| {
-        json(&EventFilter {
-            since_ms: None,
-            until_ms: None,
-            ..f.clone()
-        })
-    };
-    let given = untimed(filter)?;
     let kept = match std::fs::read_to_string(state) {
         Ok(text) => Some(serde_json::from_str::<Progress>(&text).map_err(|e| {
             Error::config(
@@ -180,17 +190,17 @@ fn start(state: &Path, filter: &EventFilter, resume: bool) -> Result<Progress> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(io(state, e)),
     };
-    let same = |p: &Progress| -> Result<bool> {
-        let kept: EventFilter = serde_json::from_value(p.filter.clone())
-            .map_err(|e| Error::config("--state", format!("{}: {e}", state.display())))?;
-        Ok(untimed(&kept)? == given)
+    let untimed = |f: &EventFilter| EventFilter {
+        since_ms: None,
+        until_ms: None,
+        ..f.clone()
     };
     match (kept, resume) {
-        (Some(p), true) if same(&p)? => Ok(p),
+        (Some(p), true) if untimed(&p.filter) == untimed(filter) => Ok(p),
         (Some(p), true) => Err(Error::config(
             "--resume",
             format!(
-                "{} is the state of another replay ({}): give the same filters, or another --state",
+                "{} is the state of another replay ({:?}): give the same filters, or another --state",
                 state.display(),
                 p.filter
             ),
@@ -209,7 +219,7 @@ fn start(state: &Path, filter: &EventFilter, resume: bool) -> Result<Progress> {
             ),
         )),
         (None, false) => Ok(Progress {
-            filter: json(filter)?,
+            filter: filter.clone(),
             after_id: 0,
             replayed: 0,
             last_created_at_ms: None,

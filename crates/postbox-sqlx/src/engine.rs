@@ -379,7 +379,7 @@ impl SqlOutbox<D> {
             self.replay_rows(&mut *conn, ReplayStep::Replay, &live.sql, binds, "replay").await?
         };
         out.sort_by_key(|r| r.id);
-        if f.since_ms.is_none() && f.until_ms.is_none() && f.aggregate_id.is_none() {
+        if !f.reaches_archive() {
             return Ok(out);
         }
         // A time range, or an aggregate's events, also covers rows already
@@ -918,7 +918,6 @@ impl SqlOutbox<D> {
     /// per app_code, through the same indexes as the replay.
     pub async fn replay_ids_after(&self, f: &EventFilter, after_id: i64, size: u32) -> Result<Vec<i64>> {
         let f = EventFilter { after_id: Some(after_id), through_id: None, before_id: None, limit: size, ..f.clone() };
-        let archive_too = f.since_ms.is_some() || f.until_ms.is_some() || f.aggregate_id.is_some();
         if f.aggregate_id.is_some() {
             self.require_aggregate_index(&[self.table.as_str(), &self.table.archive()]).await?;
         }
@@ -930,7 +929,7 @@ impl SqlOutbox<D> {
         for code in app_codes {
             let f = EventFilter { app_code: Some(code), ..f.clone() };
             let mut tables = vec![("{table}", "status")];
-            if archive_too {
+            if f.reaches_archive() {
                 tables.push(("{archive}", "'delivered'"));
             }
             for (table, status) in tables {

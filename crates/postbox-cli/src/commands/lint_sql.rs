@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use crate::cli::{Global, LintSqlArgs, SqlSyntax};
 use crate::error::CliError;
-use crate::open::load_config;
+use crate::open::{has_config_file, load_config};
 use crate::output;
 
 /// One finding, with the file it is in.
@@ -25,7 +25,7 @@ struct Located {
 pub fn run(g: &Global, args: LintSqlArgs) -> Result<(), CliError> {
     let (tables, config_syntax) = if args.tables.is_empty() {
         // Without a config file the defaults would name a table nobody has.
-        if g.config.is_none() && !std::path::Path::new("postbox.toml").exists() {
+        if !has_config_file(g)? {
             return Err(CliError::usage(
                 "name the outbox table with --table NAME, or give a config (--config) with database.table",
             ));

@@ -61,12 +61,6 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
                 "a paced replay changes rows as it goes: preview it with --dry-run without --rate/--batch",
             ));
         }
-        if args.rate.is_some_and(|r| r.is_nan() || r <= 0.0) {
-            return Err(CliError::usage("--rate: must be above 0 rows a second"));
-        }
-        if args.batch == Some(0) {
-            return Err(CliError::usage("--batch: must be at least 1 row"));
-        }
         return paced_replay(g, store.as_ref(), filter, &targets, &args).await;
     }
     if matches!(targets.pick, ReplayPick::Only(_)) {
@@ -148,6 +142,9 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Rows per batch of a paced replay without `--batch`.
+const DEFAULT_BATCH: std::num::NonZeroU32 = std::num::NonZeroU32::new(1000).unwrap();
+
 /// `--rate`/`--batch`/`--resume`: a backfill (`postbox_runtime::backfill`),
 /// with a progress line per batch on stderr; SIGINT or SIGTERM stops it
 /// after the batch in hand, keeping the cursor for `--resume`.
@@ -167,7 +164,7 @@ async fn paced_replay(
     );
     let b = Backfill {
         filter,
-        batch: args.batch.unwrap_or(1000),
+        batch: args.batch.unwrap_or(DEFAULT_BATCH),
         rate: args.rate,
         targets,
         origin: "cli",

@@ -4,7 +4,7 @@
 
 use postbox_core::config::Uses;
 use postbox_core::store::StatementStat;
-use postbox_lint::{lint, reads_a_target, reads_far_more, Rule, Syntax, Target};
+use postbox_lint::{lint, one_line, reads_a_target, reads_far_more, Rule, Syntax, Target};
 use serde::Serialize;
 
 use crate::cli::Global;
@@ -42,16 +42,15 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
         .statements
         .iter()
         .map(|stat| {
-            let text = readable(&stat.text);
-            let mut flags: Vec<Rule> = lint(&text, &target, syntax)
+            let mut flags: Vec<Rule> = lint(&stat.text, &target, syntax)
                 .into_iter()
                 .map(|f| f.rule)
                 .collect();
             flags.dedup();
             // Only reads and writes of the table's rows: DDL (a migration)
             // reads catalogs. An unparsed text counts when it reads rows.
-            let dml = reads_a_target(&text, &target, syntax).unwrap_or_else(|| {
-                let head = text.trim_start().to_ascii_uppercase();
+            let dml = reads_a_target(&stat.text, &target, syntax).unwrap_or_else(|| {
+                let head = stat.text.trim_start().to_ascii_uppercase();
                 ["SELECT", "UPDATE", "DELETE", "WITH"]
                     .iter()
                     .any(|k| head.starts_with(k))
@@ -100,7 +99,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
                 s.stat.total_ms,
                 s.stat.rows
             );
-            outln!("      {}", one_line(&s.stat.text));
+            outln!("      {}", one_line(&s.stat.text, 300));
             for r in &s.flags {
                 outln!("      {}: {}", r.name(), r.advice());
             }
@@ -112,37 +111,5 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
         Err(CliError::runtime(format!(
             "doctor --scans: {flagged} statement(s) on `{table}` flagged"
         )))
-    }
-}
-
-/// A statistics text as SQL the parser reads: pg_stat_statements
-/// replaces the field of `EXTRACT(EPOCH FROM …)` by a placeholder too,
-/// which no SQL grammar takes.
-fn readable(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(at) = rest.find("EXTRACT($") {
-        let (head, tail) = rest.split_at(at + "EXTRACT(".len());
-        out.push_str(head);
-        let digits = tail[1..]
-            .find(|c: char| !c.is_ascii_digit())
-            .map_or(tail.len(), |n| n + 1);
-        if tail[digits..].starts_with(" FROM") {
-            out.push_str("EPOCH");
-            rest = &tail[digits..];
-        } else {
-            rest = tail;
-        }
-    }
-    out.push_str(rest);
-    out
-}
-
-/// A statement on one line, cut at 300 characters.
-fn one_line(s: &str) -> String {
-    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
-    match flat.char_indices().nth(300) {
-        Some((i, _)) => format!("{}…", &flat[..i]),
-        None => flat,
     }
 }

@@ -18,6 +18,21 @@ pub struct ConfigSource {
     pub database_url: Option<String>,
 }
 
+impl ConfigSource {
+    /// The file to read: `--config`'s (which must exist), else
+    /// `postbox.toml` when it exists; `None`: defaults and the environment.
+    pub fn file_to_read(&self) -> Result<Option<PathBuf>, Error> {
+        match &self.file {
+            Some(f) if !f.exists() => Err(Error::config(
+                "--config",
+                format!("file `{}` does not exist", f.display()),
+            )),
+            Some(f) => Ok(Some(f.clone())),
+            None => Ok(Some(PathBuf::from("postbox.toml")).filter(|p| p.exists())),
+        }
+    }
+}
+
 /// Loads and validates the configuration into [`Settings`]: file (TOML or YAML by extension),
 /// then `POSTBOX__SECTION__KEY` variables, then command-line overrides.
 pub fn load(source: &ConfigSource) -> Result<Settings, Error> {
@@ -28,18 +43,7 @@ pub fn load(source: &ConfigSource) -> Result<Settings, Error> {
 /// unset `${VAR}` in another section is not an error.
 pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Error> {
     let mut figment = Figment::new();
-    let file = match &source.file {
-        Some(f) => {
-            if !f.exists() {
-                return Err(Error::config(
-                    "--config",
-                    format!("file `{}` does not exist", f.display()),
-                ));
-            }
-            Some(f.clone())
-        }
-        None => Some(PathBuf::from("postbox.toml")).filter(|p| p.exists()),
-    };
+    let file = source.file_to_read()?;
     if let Some(f) = &file {
         figment = match extension(f) {
             "yaml" | "yml" => figment.merge(Yaml::file(f)),
