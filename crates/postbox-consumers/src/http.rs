@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use postbox_core::redact::SecretUrl;
+use postbox_core::trace;
 use postbox_core::wire::http;
 
 use crate::inbox::TxHandler;
@@ -49,6 +50,7 @@ impl HttpHandler {
             .post(self.url.expose())
             .header(http::IDEMPOTENCY_KEY, message.event_id())
             .header(http::CONSUME_ATTEMPT, message.attempt.to_string())
+            .headers(trace_headers(message))
             .json(&message.envelope)
             .send()
             .await
@@ -79,6 +81,23 @@ impl HttpHandler {
             HandlerError::new(error)
         })
     }
+}
+
+/// `traceparent` and `tracestate` for the handler: the handler span's when
+/// the consumer records one (the context current here), else the
+/// message's own, passed on as it came.
+fn trace_headers(message: &Message) -> reqwest::header::HeaderMap {
+    let mut headers = reqwest::header::HeaderMap::new();
+    let Some(context) = trace::current().or_else(|| trace::parent_of(&message.envelope.headers))
+    else {
+        return headers;
+    };
+    for (name, value) in trace::header_pairs(&context) {
+        if let Ok(value) = reqwest::header::HeaderValue::from_str(&value) {
+            headers.insert(name, value);
+        }
+    }
+    headers
 }
 
 #[async_trait]

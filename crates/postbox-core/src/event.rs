@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-use crate::Error;
+use crate::{trace, Error};
 
 /// Longest `app_code` and `event_id`, in bytes.
 pub const MAX_ID_LEN: usize = 64;
@@ -189,11 +189,18 @@ impl NewEvent {
         Ok(())
     }
 
-    /// The headers column value.
+    /// The headers column value: the event's headers, plus the trace
+    /// context current at `enqueue` (`traceparent`, `tracestate`; see
+    /// [`crate::trace`]) unless the headers name one already. Every
+    /// backend's `enqueue` writes this.
     pub fn headers_json(&self) -> Option<String> {
-        self.headers
-            .as_ref()
-            .map(|h| serde_json::Value::Object(h.clone()).to_string())
+        let traced = (self.headers.as_ref()).is_some_and(|h| h.contains_key(trace::TRACEPARENT));
+        if let Some(context) = (!traced).then(trace::current).flatten() {
+            let mut headers = self.headers.clone().unwrap_or_default();
+            trace::inject(&context, &mut headers);
+            return Some(serde_json::Value::Object(headers).to_string());
+        }
+        (self.headers.as_ref()).map(|h| serde_json::to_string(h).unwrap_or_else(|_| "{}".into()))
     }
 }
 

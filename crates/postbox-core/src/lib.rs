@@ -27,6 +27,7 @@ pub mod template;
 pub mod time;
 pub mod timeline;
 pub mod topology;
+pub mod trace;
 pub mod wake;
 pub mod wire;
 

@@ -58,6 +58,7 @@ pub mod consumers;
 pub mod inbox;
 pub mod relay;
 pub mod signals;
+pub mod spans;
 pub mod store;
 #[cfg(test)]
 mod test_support;

@@ -306,3 +306,104 @@ mod tests {
         assert!(parse_prometheus("# TYPE a countr").is_err());
     }
 }
+
+/// One request a [`Recorder`] received.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    /// The request line's path.
+    pub path: String,
+    /// Header lines, lowercase names.
+    pub headers: Vec<(String, String)>,
+    /// The body's bytes (by `Content-Length`).
+    pub body: Vec<u8>,
+}
+
+impl Recorded {
+    /// The first header named `name` (lowercase).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        (self.headers.iter())
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// An HTTP/1.1 server on loopback that answers every request `200 OK`
+/// (empty body) and records it: a webhook target, a consumer bridge's
+/// handler, an OTLP/HTTP collector. It stops with the test's runtime.
+#[derive(Debug, Clone)]
+pub struct Recorder {
+    /// `http://127.0.0.1:<port>`.
+    pub url: String,
+    requests: std::sync::Arc<std::sync::Mutex<Vec<Recorded>>>,
+}
+
+impl Recorder {
+    /// Listens on a free port.
+    pub async fn start() -> Recorder {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = requests.clone();
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = listener.accept().await {
+                tokio::spawn(serve_recording(sock, seen.clone()));
+            }
+        });
+        Recorder { url, requests }
+    }
+
+    /// Every request so far.
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.requests.lock().unwrap().clone()
+    }
+}
+
+/// Reads requests off one connection (keep-alive), recording each.
+async fn serve_recording(
+    mut sock: TcpStream,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Recorded>>>,
+) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        let (head_end, len) = loop {
+            if let Some(pos) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..pos]).to_lowercase();
+                let len = (head.lines())
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse::<usize>().unwrap_or(0));
+                break (pos + 4, len);
+            }
+            match sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        };
+        while buf.len() < head_end + len {
+            match sock.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+        let head = String::from_utf8_lossy(&buf[..head_end - 4]).into_owned();
+        let mut lines = head.lines();
+        let path = (lines.next().and_then(|l| l.split_whitespace().nth(1)))
+            .unwrap_or("")
+            .to_owned();
+        let headers = lines
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect();
+        let body = buf[head_end..head_end + len].to_vec();
+        buf.drain(..head_end + len);
+        seen.lock().unwrap().push(Recorded {
+            path,
+            headers,
+            body,
+        });
+        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+        if sock.write_all(answer).await.is_err() {
+            return;
+        }
+    }
+}

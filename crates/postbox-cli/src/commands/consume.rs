@@ -11,7 +11,12 @@ use crate::open::{load_config, WITH_CONSUMERS};
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
     let settings = load_config(g, WITH_CONSUMERS)?;
+    let spans = postbox_runtime::spans::start(&settings.tracing)?;
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone(), logging::flush);
-    Ok(postbox_runtime::consumers::run(&settings, shutdown).await?)
+    let ran = postbox_runtime::consumers::run(&settings, shutdown).await;
+    if let Some(spans) = spans {
+        spans.shutdown().await;
+    }
+    Ok(ran?)
 }

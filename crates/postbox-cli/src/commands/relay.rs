@@ -23,10 +23,15 @@ pub async fn run(g: &Global, args: RelayArgs) -> Result<(), CliError> {
         migrate: args.migrate,
         app_codes: args.only.app_codes,
     };
+    let spans = postbox_runtime::spans::start(&settings.tracing)?;
     let relay = RelayService::start(&settings, options).await?;
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone(), logging::flush);
-    let report = relay.run(shutdown).await?;
+    let report = relay.run(shutdown).await;
+    if let Some(spans) = spans {
+        spans.shutdown().await;
+    }
+    let report = report?;
     if g.json {
         output::json(&report)?;
     }

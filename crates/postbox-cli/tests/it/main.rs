@@ -15,3 +15,4 @@ mod printed_sql;
 mod relay_processes;
 mod relays;
 mod topology;
+mod tracing;

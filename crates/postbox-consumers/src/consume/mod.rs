@@ -14,6 +14,7 @@
 
 pub(crate) mod session;
 pub(crate) mod settle;
+mod spans;
 pub mod state;
 
 pub(crate) use state::Counted;

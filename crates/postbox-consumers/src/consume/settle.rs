@@ -23,8 +23,11 @@
 
 use std::time::Duration;
 
+use opentelemetry::context::FutureExt as _;
+use opentelemetry::Context;
 use tracing::Instrument;
 
+use super::spans;
 use super::state::ConsumerState;
 use super::{ConsumeReport, Core, Counted};
 use crate::{Handled, Handler, HandlerError, Message, RetryDecision, RetryPolicy};
@@ -146,16 +149,23 @@ impl Settler<'_> {
         };
         let span =
             tracing::info_span!("event", event_id = %message.event_id(), attempt = message.attempt);
-        self.settle(handler, transport, &message)
+        let consume = spans::consume(self.consumer, &message);
+        let settled = (self.settle(handler, transport, &message, consume.as_ref()))
             .instrument(span)
-            .await
+            .await;
+        if let Some(cx) = &consume {
+            spans::end(cx, settled.as_ref().err().map(String::as_str));
+        }
+        settled
     }
 
+    /// `consume`: the message's `consume` span, when it is traced.
     async fn settle<T: Transport>(
         &mut self,
         handler: &dyn Handler,
         transport: &mut T,
         message: &Message,
+        consume: Option<&Context>,
     ) -> Result<(), String> {
         match transport.verdict(message).await {
             Verdict::Handle => {}
@@ -180,7 +190,21 @@ impl Settler<'_> {
             Verdict::Skip => return Ok(()),
         }
         let started = std::time::Instant::now();
-        let handling = transport.handle(handler, message).await;
+        let handling = match consume {
+            None => transport.handle(handler, message).await,
+            Some(consume) => {
+                let cx = spans::handler(consume);
+                let handling = (transport.handle(handler, message))
+                    .with_context(cx.clone())
+                    .await;
+                let error = match &handling {
+                    Some(Err(e)) => Some(e.message()),
+                    _ => None,
+                };
+                spans::end(&cx, error);
+                handling
+            }
+        };
         if handling.is_some() {
             crate::metrics::handler_took(self.consumer, started.elapsed());
         }

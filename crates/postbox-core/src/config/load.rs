@@ -255,6 +255,47 @@ mod tests {
     }
 
     #[test]
+    fn tracing_takes_an_http_collector_and_names_its_traces_endpoint() {
+        let t = "[tracing]\n";
+        assert_eq!(load_str("").unwrap().tracing.traces_endpoint(), None);
+        for (otlp, endpoint) in [
+            ("http://collector:4318", "http://collector:4318/v1/traces"),
+            (
+                "https://collector:4318/",
+                "https://collector:4318/v1/traces",
+            ),
+            (
+                "http://collector:4318/otlp/traces",
+                "http://collector:4318/otlp/traces",
+            ),
+        ] {
+            let c = load_str(&format!("{t}otlp = \"{otlp}\"\nservice_name = \"relay\"")).unwrap();
+            assert_eq!(c.tracing.traces_endpoint().as_deref(), Some(endpoint));
+            assert_eq!(c.tracing.service_name, "relay");
+        }
+        for bad in [
+            "collector:4318",
+            "grpc://collector:4317",
+            "http://",
+            "http:///v1/traces",
+        ] {
+            assert_eq!(
+                key_of(&format!("{t}otlp = \"{bad}\"")),
+                "tracing.otlp",
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            key_of(&format!("{t}service_name = \" \"")),
+            "tracing.service_name"
+        );
+        assert_eq!(
+            key_of(&format!("{t}exporter = \"jaeger\"")),
+            "tracing.exporter"
+        );
+    }
+
+    #[test]
     fn rabbitmq_ca_file_needs_amqps() {
         let p = "[[publishers]]\nkind = \"rabbitmq\"\nexchange = \"x\"\nca_file = \"ca.pem\"\n";
         assert_eq!(

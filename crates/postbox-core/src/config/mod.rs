@@ -79,6 +79,65 @@ pub struct Config {
     pub admin: Option<AdminConfig>,
     /// `[[consumers]]`: what `postbox consume` runs.
     pub consumers: Vec<ConsumerConfig>,
+    /// `[tracing]`: span export (the relay and the consumers).
+    pub tracing: TracingConfig,
+}
+
+/// `[tracing]`: where the relay and the consumers export their spans.
+/// Trace context travels in events' headers whether or not this is set
+/// ([`crate::trace`]).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingConfig {
+    /// An OTLP/HTTP collector (`http://collector:4318`): spans are sent,
+    /// protobuf-encoded, to `<otlp>/v1/traces` (a URL with a path of its own
+    /// is used as written). Unset: no exporter runs and no span is
+    /// recorded.
+    pub otlp: Option<SecretUrl>,
+    /// The `service.name` resource of the exported spans.
+    pub service_name: String,
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        TracingConfig {
+            otlp: None,
+            service_name: "postbox".to_owned(),
+        }
+    }
+}
+
+impl TracingConfig {
+    /// The URL spans are POSTed to: `otlp` with `/v1/traces` when it has no
+    /// path of its own.
+    pub fn traces_endpoint(&self) -> Option<String> {
+        let url = self.otlp.as_ref()?.expose().trim_end_matches('/');
+        let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
+        Some(if after_scheme.contains('/') {
+            url.to_owned()
+        } else {
+            format!("{url}/v1/traces")
+        })
+    }
+
+    fn validate(&self) -> Result<(), Error> {
+        if let Some(url) = &self.otlp {
+            let after_scheme = url.expose().split_once("://").map(|(_, rest)| rest);
+            let host = after_scheme.map(|rest| rest.split(['/', '?']).next().unwrap_or(""));
+            if url.unresolved().is_none()
+                && (!matches!(url.scheme(), "http" | "https") || host.is_none_or(str::is_empty))
+            {
+                return Err(Error::config(
+                    "tracing.otlp",
+                    format!("`{url}` is not an http:// or https:// URL of an OTLP collector"),
+                ));
+            }
+        }
+        if self.service_name.trim().is_empty() {
+            return Err(Error::config("tracing.service_name", "must not be empty"));
+        }
+        Ok(())
+    }
 }
 
 /// `[database]`.

@@ -180,6 +180,7 @@ impl Config {
         if let Some(admin) = &self.admin {
             admin.validate()?;
         }
+        self.tracing.validate()?;
         if self.archive.batch_size == 0 {
             return Err(Error::config("archive.batch_size", "must be > 0"));
         }
@@ -228,6 +229,13 @@ impl Config {
                     check(at.join("token"), t.token.unresolved())?;
                 }
             }
+        }
+        if uses.publishers || uses.consumers {
+            let otlp = self.tracing.otlp.as_ref();
+            check(
+                KeyPath::root("tracing").join("otlp"),
+                otlp.and_then(|u| u.unresolved()),
+            )?;
         }
         if uses.consumers {
             for (i, c) in self.consumers.iter().enumerate() {

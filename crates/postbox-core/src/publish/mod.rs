@@ -5,8 +5,9 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
+use opentelemetry::trace::SpanContext;
 
-use crate::EventRecord;
+use crate::{trace, EventRecord};
 
 /// One event handed to a publisher.
 #[derive(Debug, Clone, Copy)]
@@ -17,6 +18,10 @@ pub struct Delivery<'a> {
     pub attempt: i32,
     /// True when an operator replayed the row (`x-replayed`).
     pub replayed: bool,
+    /// The relay's `publish` span for this event, when it records one: the
+    /// trace context sent on in place of the producer's (see
+    /// [`crate::trace`]).
+    pub trace: Option<&'a SpanContext>,
 }
 
 impl<'a> Delivery<'a> {
@@ -26,6 +31,29 @@ impl<'a> Delivery<'a> {
             record,
             attempt: record.retry_count + 1,
             replayed: record.replay_count > 0,
+            trace: None,
+        }
+    }
+
+    /// The event's headers as this delivery sends them: the row's, with
+    /// [`trace`](Delivery::trace) as `traceparent`/`tracestate` when the
+    /// relay records a span for it. Without the delivery metadata
+    /// ([`crate::wire::stamp_delivery`]).
+    pub fn headers(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut headers = self.record.headers_map();
+        if let Some(context) = self.trace {
+            trace::inject(context, &mut headers);
+        }
+        headers
+    }
+
+    /// The trace context this delivery carries: the relay's span, else the
+    /// one the event was written with.
+    pub fn trace_context(&self) -> Option<SpanContext> {
+        match self.trace {
+            Some(context) => Some(context.clone()),
+            None if self.record.headers.is_some() => trace::parent_of(&self.record.headers_map()),
+            None => None,
         }
     }
 }

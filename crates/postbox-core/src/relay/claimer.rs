@@ -16,18 +16,19 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
+use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::Batch;
+use super::{spans, Batch};
 use crate::config::{Ordering, WorkerConfig};
 use crate::control::Controls;
 use crate::event::Fence;
 use crate::store::{ClaimRequest, DeferUpdate, RelayStore};
 use crate::wake::WakeListener;
-use crate::{ClaimSource, ClaimedEvent, Result};
+use crate::{trace, ClaimSource, ClaimedEvent, Result};
 
 /// The first pause of fast polling, after a wake-up or a claim that found
 /// rows; it doubles up to the poll interval.
@@ -266,6 +267,7 @@ impl Claimer {
         // The lease starts on the database while the claim runs: count the
         // batch's age from before it.
         let claim_started = Instant::now();
+        let traced_since = trace::exporting().then(SystemTime::now);
         match self.store.claim(source, &req).await {
             Ok(events) if events.is_empty() => {}
             Ok(events) => {
@@ -300,6 +302,15 @@ impl Claimer {
                 }
                 if events.len() as u32 == batch_size {
                     round.full = true;
+                }
+                if let Some(started) = traced_since {
+                    let attributes = vec![
+                        KeyValue::new("postbox.app_code", app_code.to_owned()),
+                        KeyValue::new("postbox.claim_source", format!("{source:?}")),
+                        KeyValue::new("postbox.rows", events.len() as i64),
+                    ];
+                    let links = spans::links(events.iter().map(|e| &e.record));
+                    spans::batch("postbox.claim", started, links, attributes, None);
                 }
                 // A reserved slot cannot refuse: a publish stage that stops
                 // drains and releases what is queued.

@@ -7,16 +7,17 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
 
 use super::publisher::Outcome;
-use super::RelayReport;
+use super::{spans, RelayReport};
 use crate::event::{truncate_error, Fence};
 use crate::retry::{Decision, RetryDelay};
 use crate::store::{DeferUpdate, FailureUpdate, RelayStore};
-use crate::{Error, Result};
+use crate::{trace, Error, Result};
 
 pub(super) struct Marker {
     pub store: Arc<dyn RelayStore>,
@@ -30,14 +31,24 @@ impl Marker {
         let mut report = RelayReport::default();
         while let Some(outcomes) = input.recv().await {
             let rows = held(&outcomes);
-            super::releasing_on_failure(
+            let traced = trace::exporting().then(|| {
+                let links = spans::links(outcomes.iter().map(|o| &o.event.record));
+                (SystemTime::now(), links, outcomes.len())
+            });
+            let marked = super::releasing_on_failure(
                 self.store.as_ref(),
                 rows,
                 &mut input,
                 |queued| held(&queued),
                 self.mark(outcomes, &mut report),
             )
-            .await?;
+            .await;
+            if let Some((started, links, rows)) = traced {
+                let attributes = vec![KeyValue::new("postbox.rows", rows as i64)];
+                let error = marked.as_ref().err().map(ToString::to_string);
+                spans::batch("postbox.mark", started, links, attributes, error);
+            }
+            marked?;
         }
         Ok(report)
     }

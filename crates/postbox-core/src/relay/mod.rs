@@ -31,6 +31,7 @@ mod controls;
 mod heartbeat;
 mod marker;
 mod publisher;
+mod spans;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -30,6 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::breaker::{BatchResult, Breaker, Change};
+use super::spans::PublishSpans;
 use super::Batch;
 use crate::config::{LeaseBudget, WorkerConfig};
 use crate::control::Controls;
@@ -37,7 +38,7 @@ use crate::metrics as m;
 use crate::publish::{Delivery, PublishError, PublishResults, Publisher};
 use crate::retry::{decide, Attempt, AttemptResult, ClaimedRow, Decision, RetryDelay, RetryPolicy};
 use crate::store::RelayStore;
-use crate::{ClaimSource, ClaimedEvent, Error, Result};
+use crate::{trace, ClaimSource, ClaimedEvent, Error, Result};
 
 /// Batches a lane holds besides the one it is publishing.
 pub(super) const LANE_QUEUE: usize = 2;
@@ -769,13 +770,16 @@ impl LaneWorker {
             return Answer::NotStarted;
         }
         let p = self.publisher.as_ref();
-        let deliveries: Vec<Delivery<'_>> = todo
-            .iter()
-            .map(|&i| Delivery::of(&events[i].record))
-            .collect();
         if let Some(left) = self.breaker.skip(Instant::now()) {
             return Answer::Skipped(left);
         }
+        let spans = trace::exporting().then(|| PublishSpans::start(p.name(), events, todo));
+        let deliveries: Vec<Delivery<'_>> = (todo.iter().enumerate())
+            .map(|(k, &i)| Delivery {
+                trace: spans.as_ref().and_then(|s| s.context(k)),
+                ..Delivery::of(&events[i].record)
+            })
+            .collect();
         // Every publish of the batch ends by here, leaving the lease's
         // mark reserve; results not in by then count as timed out.
         let deadline = tokio::time::Instant::from_std(claimed_at) + self.budget.publish_deadline();
@@ -785,15 +789,20 @@ impl LaneWorker {
             std::panic::AssertUnwindSafe(publish_bounded(p, &deliveries, self.timeout, deadline))
                 .catch_unwind()
                 .await;
+        let rows = deliveries.len();
+        drop(deliveries);
         let mut pace = self.pace();
         pace.running = None;
         match published {
             Ok(results) => {
+                if let Some(spans) = spans {
+                    spans.end(&results);
+                }
                 trip_or_reset(p.name(), &self.breaker, &results);
                 // A publish that confirmed nothing (timeouts, a target
                 // that is down) says nothing about the publisher's pace.
                 if results.iter().any(Result::is_ok) {
-                    pace.record(deliveries.len(), started.elapsed());
+                    pace.record(rows, started.elapsed());
                 }
                 Answer::Published(results)
             }

@@ -116,6 +116,7 @@ fn append_whole(file: &std::fs::File, buf: &[u8], path: &str) -> std::result::Re
 /// headers (`x-attempt`, `x-replayed`).
 pub fn envelope_line(d: &Delivery<'_>) -> String {
     let mut env = Envelope::from_record(d.record);
+    env.headers = d.headers();
     postbox_core::wire::stamp_delivery(&mut env.headers, d.attempt, d.replayed);
     let line = serde_json::to_string(&env).unwrap_or_default();
     // The payload is embedded verbatim (see `Envelope`), so a pretty-printed

@@ -131,7 +131,7 @@ impl NatsPublisher {
             h.insert(name, value);
             Ok(())
         };
-        for (k, v) in r.headers_map() {
+        for (k, v) in d.headers() {
             match v {
                 serde_json::Value::String(s) => put(&k, &s)?,
                 other => put(&k, &other.to_string())?,

@@ -36,7 +36,7 @@ pub(super) fn outgoing(d: &Delivery<'_>, routing_key: &Template) -> Result<Outgo
     let routing_key = short("routing key", routing_key.render(r))?;
 
     let mut headers = FieldTable::default();
-    for (key, value) in r.headers_map() {
+    for (key, value) in d.headers() {
         headers.insert(short("header name", key)?, field_value(value));
     }
     if let Some(aggregate_id) = &r.aggregate_id {

@@ -96,7 +96,7 @@ impl RedisPublisher {
         if let Some(v) = r.aggregate_version {
             cmd.arg(fields::AGGREGATE_VERSION).arg(v);
         }
-        let mut headers = r.headers_map();
+        let mut headers = d.headers();
         wire::stamp_delivery(&mut headers, d.attempt, d.replayed);
         cmd.arg(fields::CREATED_AT_MS)
             .arg(r.created_at_ms)

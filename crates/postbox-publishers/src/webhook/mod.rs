@@ -34,7 +34,7 @@ use postbox_core::config::{WebhookPublisherConfig, WebhookSignature, STANDARD_SE
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::Secret;
 use postbox_core::wire::{self, http};
-use postbox_core::{Error, Publisher, Result};
+use postbox_core::{trace, Error, Publisher, Result};
 
 /// Requests of one batch in flight at once.
 pub const IN_FLIGHT: usize = 16;
@@ -171,6 +171,13 @@ impl WebhookPublisher {
             .timeout(timeout)
             .header(CONTENT_TYPE, wire::CONTENT_TYPE)
             .header(http::IDEMPOTENCY_KEY, idempotency_key(&d.record.event_id)?);
+        for (name, value) in d
+            .trace_context()
+            .map(|c| trace::header_pairs(&c))
+            .unwrap_or_default()
+        {
+            request = request.header(name, value);
+        }
         let timestamp = || {
             SystemTime::now()
                 .duration_since(UNIX_EPOCH)
