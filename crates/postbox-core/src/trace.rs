@@ -17,9 +17,9 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use opentelemetry::trace::{
-    Link, SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState,
-};
+/// A span's identity: trace id, span id, flags and state.
+pub use opentelemetry::trace::SpanContext;
+use opentelemetry::trace::{Link, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
 use opentelemetry::Context;
 
 /// The W3C header naming the caller's span: `00-<trace id>-<span id>-<flags>`.

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use postbox_core::publish::Delivery;
-use postbox_core::{EventRecord, Publisher, Status};
+use postbox_core::{trace, EventRecord, Publisher, Status};
 
 /// One message as a broker's own client received it, normalised.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -105,8 +105,14 @@ pub async fn publish_one(publisher: &dyn Publisher) -> Result<(), String> {
 pub fn sample_events(app_code: &str, n: usize) -> Vec<EventRecord> {
     (0..n)
         .map(|i| {
+            // Every sixth event carries its producer's trace context.
             let headers = (i % 3 == 0).then(|| {
-                serde_json::json!({ "trace_id": format!("t-{i}"), "tenant": "北京" }).to_string()
+                let mut h = serde_json::json!({ "trace_id": format!("t-{i}"), "tenant": "北京" });
+                if i % 6 == 0 {
+                    h[trace::TRACEPARENT] = format!("00-{:032x}-{:016x}-01", i + 1, i + 1).into();
+                    h[trace::TRACESTATE] = "vendor=producer".into();
+                }
+                h.to_string()
             });
             EventRecord {
                 id: i as i64 + 1,
@@ -156,8 +162,19 @@ pub async fn check_publisher(
     reader: &mut dyn ReadBack,
     route: impl Fn(&EventRecord) -> String,
 ) {
-    for chunk in events.chunks(batch.max(1)) {
-        let deliveries: Vec<Delivery<'_>> = chunk.iter().map(Delivery::of).collect();
+    // Every fourth event is published as the relay does while it records
+    // spans: with its own context, sent in place of the producer's.
+    let relay_spans: Vec<_> = events.iter().map(relay_span).collect();
+    for (chunk, spans) in events
+        .chunks(batch.max(1))
+        .zip(relay_spans.chunks(batch.max(1)))
+    {
+        let deliveries: Vec<Delivery<'_>> = (chunk.iter().zip(spans))
+            .map(|(e, span)| Delivery {
+                trace: span.as_ref(),
+                ..Delivery::of(e)
+            })
+            .collect();
         let results = publisher.publish(&deliveries).await;
         assert_eq!(
             results.len(),
@@ -188,7 +205,19 @@ pub async fn check_publisher(
         let m = by_id
             .remove(e.event_id.as_str())
             .unwrap_or_else(|| panic!("{}: {} never arrived", publisher.name(), e.event_id));
-        let expected = expected(e, route(e));
+        let mut expected = expected(e, route(e));
+        if let Some(span) = relay_span(e) {
+            let delivery = Delivery {
+                trace: Some(&span),
+                ..Delivery::of(e)
+            };
+            expected.headers = delivery.headers().into_iter().collect();
+            let sent = &expected.headers[trace::TRACEPARENT];
+            assert!(
+                sent.as_str().unwrap().ends_with("-00000000000000aa-01"),
+                "{sent}"
+            );
+        }
         assert_eq!(
             m,
             &expected,
@@ -203,6 +232,14 @@ pub async fn check_publisher(
         publisher.name(),
         by_id.keys().collect::<Vec<_>>()
     );
+}
+
+/// The relay's span context for every fourth event (as if it recorded a
+/// `publish` span for it), `None` for the others.
+fn relay_span(e: &EventRecord) -> Option<trace::SpanContext> {
+    (e.id % 4 == 1).then(|| {
+        trace::parse_traceparent(&format!("00-{:032x}-00000000000000aa-01", e.id)).unwrap()
+    })
 }
 
 /// What a faithful publisher delivers for `e` on `route`.
