@@ -1494,6 +1494,7 @@ impl Broker {
         let config = RabbitMqPublisherConfig {
             name: Some("bench".to_owned()),
             url: SecretUrl::new(amqp_url()),
+            urls: Vec::new(),
             exchange: self.exchange.clone(),
             routing_key: Template::parse("{event_type}").expect("routing key template"),
             declare: false,

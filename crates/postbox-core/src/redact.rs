@@ -94,7 +94,7 @@ impl<'de> Deserialize<'de> for Secret {
 
 /// A connection URL whose `Debug`/`Display` hide the password.
 /// Like [`Secret`], an unset `${VAR}` leaves it [`SecretUrl::unresolved`].
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq, Default)]
 pub struct SecretUrl(String, Option<String>);
 
 impl SecretUrl {

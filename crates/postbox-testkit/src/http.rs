@@ -316,6 +316,8 @@ pub struct Recorded {
     pub headers: Vec<(String, String)>,
     /// The body's bytes (by `Content-Length`).
     pub body: Vec<u8>,
+    /// When it came in.
+    pub at: std::time::Instant,
 }
 
 impl Recorded {
@@ -400,6 +402,7 @@ async fn serve_recording(
             path,
             headers,
             body,
+            at: std::time::Instant::now(),
         });
         let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
         if sock.write_all(answer).await.is_err() {

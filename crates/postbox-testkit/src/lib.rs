@@ -6,6 +6,7 @@
 
 pub mod amqp;
 pub mod cli_fixtures;
+pub mod clusters;
 pub mod conformance;
 pub mod consumer_fixtures;
 pub mod faults;

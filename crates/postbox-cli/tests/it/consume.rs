@@ -384,7 +384,7 @@ async fn the_bridge_delivers_to_a_python_handler_once_per_event() {
     assert_eq!(e["headers"]["x-attempt"], 1);
     assert_eq!(got[1]["envelope"]["payload"], "not json");
 
-    stopped(&mut bridge).await;
+    common::stopped(&mut bridge).await;
     delete_queues(&ch, &queue).await;
 }
 
@@ -399,16 +399,6 @@ async fn consuming(queue: &str) -> Instant {
         );
     }
     start
-}
-
-/// SIGTERM to a `postbox consume` process, which must exit 0 within 10 s.
-async fn stopped(child: &mut tokio::process::Child) {
-    common::signal("TERM", child.id().unwrap());
-    let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(status.success(), "{status:?}");
 }
 
 /// A handler answering every POST with 422 (no such room).
@@ -460,7 +450,7 @@ async fn a_422_from_the_handler_dead_letters_at_once() {
         last_error.contains("422") && last_error.contains("no such room"),
         "{last_error}"
     );
-    stopped(&mut consumer).await;
+    common::stopped(&mut consumer).await;
     delete_queues(&ch, &queue).await;
 }
 
@@ -575,7 +565,7 @@ async fn consume_serves_its_metrics() {
     postbox_testkit::http::assert_deploy_names_exported(&samples, |n| {
         n.starts_with("postbox_consume_")
     });
-    stopped(&mut consumer).await;
+    common::stopped(&mut consumer).await;
     delete_queues(&ch, &queue).await;
 }
 
@@ -782,7 +772,7 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
     let out = cli(&["--json", "consumers", "list"]).await.unwrap();
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed["consumers"][0]["ok"], 4, "{listed}");
-    stopped(&mut consumer).await;
+    common::stopped(&mut consumer).await;
     // No process behind the address: exit 1, naming the address.
     let out = cli(&["consumers"]).await.unwrap();
     assert_eq!(out.status.code(), Some(1), "{out:?}");
@@ -1188,7 +1178,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
         .unwrap();
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed["matched"], 0, "{listed}");
-    stopped(&mut b.consumer).await;
+    common::stopped(&mut b.consumer).await;
     delete_queues(ch, queue).await;
 }
 
@@ -1257,6 +1247,6 @@ async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
         postbox_testkit::consumer_fixtures::ready(ch, &dead).await,
         0
     );
-    stopped(&mut b.consumer).await;
+    common::stopped(&mut b.consumer).await;
     delete_queues(ch, queue).await;
 }

@@ -5,6 +5,7 @@ mod common;
 
 mod archive;
 mod cli;
+mod clusters;
 mod consume;
 mod control;
 mod dashboard;

@@ -128,29 +128,14 @@ impl Setup {
     }
 }
 
-/// `postbox --config cfg <command>` as a process, `service` its
-/// `[tracing] service_name`, spans exported every 100 ms.
+/// `postbox --config cfg <command>`, `service` its `[tracing]
+/// service_name`, spans exported every 100 ms.
 fn spawn(dir: &Path, cfg: &str, command: &str, service: &str) -> tokio::process::Child {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .current_dir(dir)
-        .args(["--config", cfg, command])
-        .env_remove("POSTBOX_CONFIG")
-        .env("POSTBOX__TRACING__SERVICE_NAME", service)
-        .env("OTEL_BSP_SCHEDULE_DELAY", "100")
-        .stdout(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start postbox")
-}
-
-/// SIGTERM, and a clean exit within 15 s.
-async fn stop(child: &mut tokio::process::Child) {
-    common::signal("TERM", child.id().unwrap());
-    let status = tokio::time::timeout(Duration::from_secs(15), child.wait())
-        .await
-        .expect("postbox stops within 15 s")
-        .unwrap();
-    assert!(status.success(), "{status:?}");
+    let env = [
+        ("POSTBOX__TRACING__SERVICE_NAME", service),
+        ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+    ];
+    common::spawn_async(dir, cfg, command, &env)
 }
 
 /// Runs the consumer, then the relay, until `hook` and `handler` each got
@@ -198,8 +183,8 @@ async fn deliver(
         },
     )
     .await;
-    stop(&mut relay).await;
-    stop(&mut consume).await;
+    common::stopped(&mut relay).await;
+    common::stopped(&mut consume).await;
 }
 
 /// The one span named `name` in trace `trace_id`.

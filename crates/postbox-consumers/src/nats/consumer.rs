@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use postbox_core::config::{ConsumerConfig, ConsumerKind};
+use postbox_core::config::{nodes, ConsumerConfig, ConsumerKind};
 use postbox_core::{BoxFuture, Error};
 use tokio_util::sync::CancellationToken;
 
@@ -310,7 +310,8 @@ impl Session for NatsConsumer {
         let client = match async_nats::ConnectOptions::new()
             .name(self.core.tag.clone())
             .request_timeout(Some(REQUEST_TIMEOUT))
-            .connect(self.core.config.url.expose())
+            .retain_servers_order()
+            .connect(nodes::exposed(self.core.config.nodes()))
             .await
         {
             Ok(c) => c,

@@ -26,7 +26,8 @@ pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
             "postbox-dead-{}",
             crate::consume::consumer_tag(&pass.config.queue)
         ))
-        .connect(pass.config.url.expose())
+        .retain_servers_order()
+        .connect(postbox_core::config::nodes::exposed(pass.config.nodes()))
         .await
         .map_err(|e| fail(format!("connecting: {e}")))?;
     let js = jetstream::new(client);

@@ -12,7 +12,7 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, ConnectionProperties};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, Ordering};
 use postbox_core::{BoxFuture, Error};
 use tokio_util::sync::CancellationToken;
@@ -32,6 +32,9 @@ use crate::{Handler, Message};
 pub struct RabbitMqConsumer {
     core: Core,
     holds: Option<Arc<dyn AggregateHolds>>,
+    /// The node the next session tries first: the one after the node the
+    /// last session lost.
+    next_node: std::sync::atomic::AtomicUsize,
 }
 
 consumer_basics!(RabbitMqConsumer, ("queue", None, "tag"));
@@ -45,6 +48,7 @@ impl RabbitMqConsumer {
                 &c.queue
             })?,
             holds: None,
+            next_node: Default::default(),
         })
     }
 
@@ -338,9 +342,21 @@ impl Session for RabbitMqConsumer {
         let broken = |e: lapin::Error| SessionEnd::Broken(e.to_string());
         let props =
             ConnectionProperties::default().with_connection_name(self.core.tag.clone().into());
-        let conn = match Connection::connect(self.core.config.url.expose(), props).await {
-            Ok(c) => c,
-            Err(e) => return broken(e),
+        let nodes = self.core.config.nodes();
+        let first = self.next_node.load(std::sync::atomic::Ordering::Relaxed);
+        let conn = match super::connect(nodes, first, props).await {
+            Ok((c, node)) => {
+                // When this connection is lost, the next session starts at
+                // the next node: this one is likely down.
+                let next = (node + 1) % nodes.len();
+                self.next_node
+                    .store(next, std::sync::atomic::Ordering::Relaxed);
+                if nodes.len() > 1 {
+                    tracing::info!(consumer = self.core.config.name(), url = %nodes[node], "connected to a node of the cluster");
+                }
+                c
+            }
+            Err(reason) => return SessionEnd::Broken(reason),
         };
         let setup = async {
             let consuming = conn.create_channel().await?;

@@ -25,7 +25,7 @@ pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
     let props = ConnectionProperties::default().with_connection_name(
         format!("postbox-dead-{}", crate::consume::consumer_tag(&queue)).into(),
     );
-    let conn = Connection::connect(pass.config.url.expose(), props)
+    let (conn, _) = super::connect(pass.config.nodes(), 0, props)
         .await
         .map_err(|e| (dead.clone(), format!("connecting: {e}")))?;
     let result = pass_over(&conn, pass, &queue, &dead).await;

@@ -37,3 +37,35 @@ pub use crate::consume::{consumer_tag, ConsumeReport};
 pub use consumer::RabbitMqConsumer;
 pub use message::message_from_delivery;
 pub use topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
+
+use std::time::Duration;
+
+use postbox_core::redact::SecretUrl;
+
+/// How long one connection attempt to one node may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connects to the first of `nodes` that answers, trying them in order from
+/// `first` (wrapping around); the connection and its node's index, or every
+/// node's reason.
+pub(crate) async fn connect(
+    nodes: &[SecretUrl],
+    first: usize,
+    props: lapin::ConnectionProperties,
+) -> Result<(lapin::Connection, usize), String> {
+    let mut reasons = Vec::new();
+    for k in 0..nodes.len() {
+        let i = (first + k) % nodes.len();
+        let url = &nodes[i];
+        let attempt = lapin::Connection::connect(url.expose(), props.clone());
+        match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
+            Ok(Ok(connection)) => return Ok((connection, i)),
+            Ok(Err(e)) => reasons.push(format!(
+                "{url}: {}",
+                postbox_core::redact::redact_url(&e.to_string())
+            )),
+            Err(_) => reasons.push(format!("{url}: no answer within {CONNECT_TIMEOUT:?}")),
+        }
+    }
+    Err(reasons.join("; "))
+}

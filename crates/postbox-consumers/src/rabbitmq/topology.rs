@@ -3,8 +3,8 @@
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, Connection, ExchangeKind};
-use postbox_core::config::ConsumerConfig;
-use postbox_core::wire::rabbitmq::{DEAD_LETTER_EXCHANGE, DEAD_LETTER_ROUTING_KEY};
+use postbox_core::config::{ConsumerConfig, QueueType};
+use postbox_core::wire::rabbitmq::{DEAD_LETTER_EXCHANGE, DEAD_LETTER_ROUTING_KEY, QUEUE_TYPE};
 
 pub use postbox_core::wire::rabbitmq::{dead_queue, retry_queue};
 
@@ -18,14 +18,29 @@ pub async fn declare_topology(channel: &Channel, config: &ConsumerConfig) -> lap
         ..QueueDeclareOptions::default()
     };
     let queue = config.queue.as_str();
+    let typed = |mut args: FieldTable| {
+        if config.queue_type != QueueType::Classic {
+            let kind = LongString::from(config.queue_type.as_str());
+            args.insert(QUEUE_TYPE.into(), AMQPValue::LongString(kind));
+        }
+        args
+    };
     channel
-        .queue_declare(queue.into(), durable, FieldTable::default())
+        .queue_declare(queue.into(), durable, typed(FieldTable::default()))
         .await?;
     channel
-        .queue_declare(retry_queue(queue).into(), durable, retry_arguments(queue))
+        .queue_declare(
+            retry_queue(queue).into(),
+            durable,
+            typed(retry_arguments(queue)),
+        )
         .await?;
     channel
-        .queue_declare(dead_queue(queue).into(), durable, FieldTable::default())
+        .queue_declare(
+            dead_queue(queue).into(),
+            durable,
+            typed(FieldTable::default()),
+        )
         .await?;
     for b in &config.bindings {
         channel

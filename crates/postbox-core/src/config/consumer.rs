@@ -46,8 +46,19 @@ pub struct ConsumerConfig {
     /// to the queue name.
     #[serde(default)]
     pub name: Option<String>,
-    /// Broker URL (`amqp://…`, `nats://…`, `redis://…`).
+    /// Broker URL (`amqp://…`, `nats://…`, `redis://…`): one server.
+    #[serde(default)]
     pub url: SecretUrl,
+    /// RabbitMQ, NATS: the nodes of a cluster, instead of `url`; each
+    /// connection goes to the first live one, in order. Once checked,
+    /// every node (`url` alone too) is here.
+    #[serde(default)]
+    pub urls: Vec<SecretUrl>,
+    /// RabbitMQ: the type of the queues `declare` creates, `classic` (the
+    /// default) or `quorum` (replicated across a cluster's nodes: a
+    /// consumer carries on when a node is lost).
+    #[serde(default)]
+    pub queue_type: QueueType,
     /// The queue (RabbitMQ) or the stream (NATS JetStream stream, Redis
     /// stream key); `stream` is accepted as another name for this key.
     #[serde(alias = "stream")]
@@ -104,6 +115,27 @@ pub struct ConsumerConfig {
     /// held back behind it, through `<inbox table>_holds`.
     #[serde(default)]
     pub ordering: Ordering,
+}
+
+/// `queue_type` of a RabbitMQ consumer's queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueType {
+    /// A classic queue, on one node.
+    #[default]
+    Classic,
+    /// A quorum queue (`x-queue-type: quorum`), replicated with Raft.
+    Quorum,
+}
+
+impl QueueType {
+    /// The `x-queue-type` argument's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+        }
+    }
 }
 
 /// One `{ exchange, routing_key }` binding.
@@ -172,6 +204,9 @@ impl ConsumerConfig {
         if self.kind != ConsumerKind::Rabbitmq && !self.bindings.is_empty() {
             return only("bindings", "rabbitmq");
         }
+        if self.kind != ConsumerKind::Rabbitmq && self.queue_type != QueueType::Classic {
+            return only("queue_type", "rabbitmq");
+        }
         if self.kind != ConsumerKind::Nats {
             if self.subject.is_some() {
                 return only("subject", "nats");
@@ -224,6 +259,20 @@ impl ConsumerConfig {
         Ok(())
     }
 
+    /// Every node: `urls`, or `url` ([`super::nodes::all`]).
+    pub fn nodes(&self) -> &[SecretUrl] {
+        super::nodes::all(&self.url, &self.urls)
+    }
+
+    /// Settles `url` and `urls` ([`super::nodes::settle`]).
+    pub(crate) fn settle_nodes(&mut self, at: &KeyPath) -> Result<(), Error> {
+        let clusters = match self.kind {
+            ConsumerKind::Redis => Err(super::nodes::REDIS_ONE_SERVER),
+            _ => Ok(()),
+        };
+        super::nodes::settle(&mut self.url, &mut self.urls, at, clusters)
+    }
+
     /// Checks one entry; `at` is its path, e.g. `consumers.0`.
     pub(crate) fn validate(&self, at: &KeyPath) -> Result<(), Error> {
         self.validate_kind_keys(at)?;
@@ -232,19 +281,7 @@ impl ConsumerConfig {
             ConsumerKind::Nats => &["nats", "tls"],
             ConsumerKind::Redis => &["redis", "rediss"],
         };
-        // An unset `${VAR}` is reported by `require_env`, by the commands
-        // that use this section only.
-        if self.url.unresolved().is_none() && !schemes.contains(&self.url.scheme()) {
-            return Err(Error::config(
-                at.join("url"),
-                format!(
-                    "unsupported scheme `{}` for kind `{}`: use {}://",
-                    self.url.scheme(),
-                    self.kind.as_str(),
-                    schemes.join(":// or ")
-                ),
-            ));
-        }
+        super::nodes::check_schemes(self.nodes(), at, self.kind.as_str(), schemes)?;
         if let Some(name) = &self.name {
             if name.is_empty() || name.len() > 64 {
                 return Err(Error::config(at.join("name"), "must be 1 to 64 bytes"));

@@ -255,6 +255,57 @@ mod tests {
     }
 
     #[test]
+    fn brokers_take_one_url_or_the_nodes_of_a_cluster() {
+        let rabbit = "[[publishers]]\nkind = \"rabbitmq\"\nexchange = \"x\"\n";
+        let nodes = "urls = [\"amqp://a:5672/%2f\", \"amqp://b:5672/%2f\"]";
+        let c = load_str(&format!("{rabbit}{nodes}")).unwrap();
+        let urls: Vec<_> = c.publishers[0]
+            .nodes()
+            .iter()
+            .map(|u| u.expose().to_owned())
+            .collect();
+        assert_eq!(urls, ["amqp://a:5672/%2f", "amqp://b:5672/%2f"]);
+        assert_eq!(c.publishers[0].url().unwrap().expose(), "amqp://a:5672/%2f");
+        let one = load_str(&format!("{rabbit}url = \"amqp://a/\"")).unwrap();
+        assert_eq!(one.publishers[0].nodes().len(), 1);
+        assert_eq!(key_of(rabbit), "publishers.0.url");
+        assert_eq!(
+            key_of(&format!("{rabbit}url = \"amqp://a/\"\n{nodes}")),
+            "publishers.0.urls"
+        );
+        assert_eq!(
+            key_of(&format!("{rabbit}urls = [\"amqp://a/\", \"http://b/\"]")),
+            "publishers.0.urls.1"
+        );
+        let consumer = "[[consumers]]\nqueue = \"q\"\n";
+        let c = load_str(&format!(
+            "{consumer}kind = \"nats\"\nurls = [\"nats://a:4222\", \"nats://b:4222\"]"
+        ))
+        .unwrap();
+        assert_eq!(c.consumers[0].nodes().len(), 2);
+        assert_eq!(
+            key_of(&format!(
+                "{consumer}kind = \"redis\"\nurls = [\"redis://a\", \"redis://b\"]"
+            )),
+            "consumers.0.urls"
+        );
+        let quorum = load_str(&format!(
+            "{consumer}kind = \"rabbitmq\"\nurl = \"amqp://a/\"\nqueue_type = \"quorum\""
+        ))
+        .unwrap();
+        assert_eq!(
+            quorum.consumers[0].queue_type,
+            crate::config::QueueType::Quorum
+        );
+        assert_eq!(
+            key_of(&format!(
+                "{consumer}kind = \"nats\"\nurl = \"nats://a\"\nqueue_type = \"quorum\""
+            )),
+            "consumers.0.queue_type"
+        );
+    }
+
+    #[test]
     fn tracing_takes_an_http_collector_and_names_its_traces_endpoint() {
         let t = "[tracing]\n";
         assert_eq!(load_str("").unwrap().tracing.traces_endpoint(), None);

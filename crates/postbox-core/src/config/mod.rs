@@ -7,6 +7,7 @@ mod duration;
 mod key;
 mod lease_budget;
 mod load;
+pub mod nodes;
 mod publisher;
 mod settings;
 
@@ -15,7 +16,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Deserialize;
 
 pub use consumer::{
-    BindingConfig, ConsumerConfig, ConsumerKind, HandlerConfig, InboxConfig,
+    BindingConfig, ConsumerConfig, ConsumerKind, HandlerConfig, InboxConfig, QueueType,
     MAX_CONSUMER_GROUP_LEN, MAX_QUEUE_LEN,
 };
 pub use database::DatabaseKind;

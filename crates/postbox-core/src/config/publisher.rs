@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Deserializer};
 
-use super::{HumanDuration, KeyPath};
+use super::{nodes, HumanDuration, KeyPath};
 use crate::redact::{Secret, SecretUrl};
 use crate::template::Template;
 use crate::Error;
@@ -60,6 +60,27 @@ impl PublisherConfig {
             PublisherConfig::Nats(c) => Some(&c.url),
             PublisherConfig::Redis(c) => Some(&c.url),
             PublisherConfig::Webhook(c) => Some(&c.url),
+        }
+    }
+
+    /// Every URL of the target: its cluster's nodes, or its one server
+    /// (empty for the file publisher).
+    pub fn nodes(&self) -> &[SecretUrl] {
+        match self {
+            PublisherConfig::File(_) => &[],
+            PublisherConfig::Rabbitmq(c) => c.nodes(),
+            PublisherConfig::Nats(c) => c.nodes(),
+            PublisherConfig::Redis(c) => std::slice::from_ref(&c.url),
+            PublisherConfig::Webhook(c) => std::slice::from_ref(&c.url),
+        }
+    }
+
+    /// Settles `url` and `urls` ([`super::nodes::settle`]).
+    pub(crate) fn settle_nodes(&mut self, at: &KeyPath) -> Result<(), Error> {
+        match self {
+            PublisherConfig::Rabbitmq(c) => nodes::settle(&mut c.url, &mut c.urls, at, Ok(())),
+            PublisherConfig::Nats(c) => nodes::settle(&mut c.url, &mut c.urls, at, Ok(())),
+            _ => Ok(()),
         }
     }
 
@@ -168,25 +189,7 @@ impl PublisherConfig {
                 &["http", "https"]
             }
         };
-        let url = self.url().expect("every broker publisher has a url");
-        // An unset `${VAR}` is reported by `require_env`, by the commands
-        // that use this section only.
-        if url.unresolved().is_none() && !url_schemes.contains(&url.scheme()) {
-            return Err(Error::config(
-                at.join("url"),
-                format!(
-                    "unsupported scheme `{}` for kind `{}`: use {}",
-                    url.scheme(),
-                    self.kind(),
-                    url_schemes
-                        .iter()
-                        .map(|s| format!("{s}://"))
-                        .collect::<Vec<_>>()
-                        .join(" or ")
-                ),
-            ));
-        }
-        Ok(())
+        nodes::check_schemes(self.nodes(), at, self.kind(), url_schemes)
     }
 }
 
@@ -208,8 +211,14 @@ pub struct RabbitMqPublisherConfig {
     /// Name (default `rabbitmq`).
     #[serde(default)]
     pub name: Option<String>,
-    /// `amqp://user:pass@host:5672/vhost` or `amqps://…`.
+    /// `amqp://user:pass@host:5672/vhost` or `amqps://…`: one server.
+    #[serde(default)]
     pub url: SecretUrl,
+    /// The nodes of a cluster, instead of `url`: the publisher connects to
+    /// the first live one, in order, and moves to the next when it goes
+    /// away. Once checked, every node (`url` alone too) is here.
+    #[serde(default)]
+    pub urls: Vec<SecretUrl>,
     /// The exchange messages are published to.
     pub exchange: String,
     /// Routing key template (default `{event_type}`).
@@ -226,6 +235,20 @@ pub struct RabbitMqPublisherConfig {
     pub ca_file: Option<String>,
 }
 
+impl RabbitMqPublisherConfig {
+    /// Every node: `urls`, or `url` ([`nodes::all`]).
+    pub fn nodes(&self) -> &[SecretUrl] {
+        nodes::all(&self.url, &self.urls)
+    }
+}
+
+impl NatsPublisherConfig {
+    /// Every node: `urls`, or `url` ([`nodes::all`]).
+    pub fn nodes(&self) -> &[SecretUrl] {
+        nodes::all(&self.url, &self.urls)
+    }
+}
+
 /// `kind = "nats"`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -233,8 +256,14 @@ pub struct NatsPublisherConfig {
     /// Name (default `nats`).
     #[serde(default)]
     pub name: Option<String>,
-    /// `nats://host:4222`.
+    /// `nats://host:4222`: one server.
+    #[serde(default)]
     pub url: SecretUrl,
+    /// The nodes of a cluster, instead of `url` (the client also learns the
+    /// cluster's other nodes from the server). Once checked, every node
+    /// (`url` alone too) is here.
+    #[serde(default)]
+    pub urls: Vec<SecretUrl>,
     /// Subject template (default `{app_code}.{event_type}`).
     #[serde(default = "default_subject", deserialize_with = "subject")]
     pub subject: Template,

@@ -143,8 +143,14 @@ impl Config {
     /// Checks every rule that a type alone cannot and returns the checked
     /// [`Settings`]; the error names the key. `database.url` must be set
     /// (other sections' unset `${VAR}`s are [`Config::require_env`]'s).
-    pub fn validate(self) -> Result<Settings, Error> {
+    pub fn validate(mut self) -> Result<Settings, Error> {
         self.require_env(Uses::DATABASE)?;
+        for (i, p) in self.publishers.iter_mut().enumerate() {
+            p.settle_nodes(&KeyPath::publisher(i))?;
+        }
+        for (i, c) in self.consumers.iter_mut().enumerate() {
+            c.settle_nodes(&KeyPath::consumer(i))?;
+        }
         let db = &self.database;
         let database = DatabaseKind::of(&db.url, &KeyPath::root("database").join("url"))?;
         validate_app_codes(&db.app_codes)?;
@@ -209,7 +215,9 @@ impl Config {
         if uses.publishers {
             for (i, p) in self.publishers.iter().enumerate() {
                 let at = KeyPath::publisher(i);
-                check(at.join("url"), p.url().and_then(|u| u.unresolved()))?;
+                if let Some((key, why)) = super::nodes::unresolved(p.nodes(), &at) {
+                    check(key, Some(why))?;
+                }
                 if let PublisherConfig::Webhook(w) = p {
                     check(
                         at.join("secret"),
@@ -240,7 +248,9 @@ impl Config {
         if uses.consumers {
             for (i, c) in self.consumers.iter().enumerate() {
                 let at = KeyPath::consumer(i);
-                check(at.join("url"), c.url.unresolved())?;
+                if let Some((key, why)) = super::nodes::unresolved(c.nodes(), &at) {
+                    check(key, Some(why))?;
+                }
                 if let Some(h) = &c.handler {
                     check(at.join("handler.http"), h.http.unresolved())?;
                 }

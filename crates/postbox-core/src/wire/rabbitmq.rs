@@ -29,6 +29,10 @@ pub const POSTBOX_HEADERS: [&str; 5] = [
 /// classic queues only set the `redelivered` flag).
 pub const DELIVERY_COUNT: &str = "x-delivery-count";
 
+/// Queue argument: the queue's type (`classic`, `quorum`), set by
+/// `declare` from the consumer's `queue_type`.
+pub const QUEUE_TYPE: &str = "x-queue-type";
+
 /// Queue argument: where expired messages go (`""`, the default exchange,
 /// on `<queue>.retry`).
 pub const DEAD_LETTER_EXCHANGE: &str = "x-dead-letter-exchange";

@@ -17,6 +17,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
+use postbox_core::config::nodes;
 use postbox_core::config::NatsPublisherConfig;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::redact_url;
@@ -48,10 +49,13 @@ impl NatsPublisher {
     /// `declare = true`.
     pub async fn connect(config: &NatsPublisherConfig) -> Result<Self> {
         let name = config.name.clone().unwrap_or_else(|| "nats".to_owned());
-        let url = config.url.expose();
+        // A cluster's nodes in the order given (the client also learns the
+        // others from the server); on a lost connection it moves on to the
+        // next live one.
         let client = async_nats::ConnectOptions::new()
             .name(format!("postbox publisher {name}"))
-            .connect(url)
+            .retain_servers_order()
+            .connect(nodes::exposed(config.nodes()))
             .await
             .map_err(|e| start_error(&name, &config.url, format!("cannot connect: {e}")))?;
         let js = jetstream::ContextBuilder::new()
@@ -197,8 +201,11 @@ impl NatsPublisher {
 
     fn publish_error(&self, subject: &str, e: &jetstream::context::PublishError) -> PublishError {
         let message = match e.kind() {
+            // NATS answers "no responders" both when no stream captures
+            // the subject and, in a cluster, while the stream elects a new
+            // leader after losing a node.
             PublishErrorKind::StreamNotFound => format!(
-                "no JetStream stream captures subject `{subject}` (expected stream `{}`): fix `subject` or the stream's subjects",
+                "no JetStream stream answered for subject `{subject}` (expected stream `{}`): no stream captures it (fix `subject` or the stream's subjects), or in a cluster the stream is electing a new leader; will retry",
                 self.stream
             ),
             PublishErrorKind::TimedOut => format!(

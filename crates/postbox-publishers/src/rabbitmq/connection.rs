@@ -1,6 +1,7 @@
 //! Reaching the broker: the parsed URL, TLS trust, the connection name, and
 //! opening a connection with a confirm-mode channel on a checked exchange.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -24,15 +25,55 @@ pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub(super) struct Target {
     /// The publisher's name.
     pub name: String,
-    /// For messages: `Display` hides the password.
-    pub url: SecretUrl,
     /// The exchange every message goes to.
     pub exchange: ShortString,
-    uri: AMQPUri,
+    /// The broker's nodes (`url`, or the `urls` of a cluster), tried in
+    /// order from [`Target::current`].
+    nodes: Vec<Node>,
+    /// The node connected to last (or to try first).
+    current: AtomicUsize,
     ca_pem: Option<String>,
     declare: bool,
     connection_name: String,
+}
+
+/// One node of the broker.
+struct Node {
+    /// For messages: `Display` hides the password.
+    url: SecretUrl,
+    uri: AMQPUri,
     password: String,
+}
+
+impl Node {
+    fn new(name: &str, url: &SecretUrl) -> Result<Self> {
+        let raw = url.expose();
+        let mut uri: AMQPUri = raw.parse().map_err(|e: String| {
+            Error::config(
+                "url",
+                format!(
+                    "publisher `{name}`: `{url}` is not an AMQP URL: {}",
+                    scrub(&e, raw)
+                ),
+            )
+        })?;
+        // amq-protocol-uri takes the host from `Url::domain()`, which is
+        // empty for IP addresses, and then connects to `localhost` instead.
+        if let Some(host) = url::Url::parse(raw)
+            .ok()
+            .and_then(|u| u.host_str().map(str::to_owned))
+        {
+            uri.authority.host = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned();
+        }
+        Ok(Node {
+            password: uri.authority.userinfo.password.clone(),
+            url: url.clone(),
+            uri,
+        })
+    }
 }
 
 /// Why opening a connection failed.
@@ -61,31 +102,12 @@ impl Drop for Link {
 }
 
 impl Target {
-    /// Checks the URL and reads the CA file; nothing is contacted yet.
+    /// Checks the URLs and reads the CA file; nothing is contacted yet.
     pub fn new(config: &RabbitMqPublisherConfig) -> Result<Self> {
         let name = config.name.clone().unwrap_or_else(|| "rabbitmq".to_owned());
-        let raw = config.url.expose();
-        let mut uri: AMQPUri = raw.parse().map_err(|e: String| {
-            Error::config(
-                "url",
-                format!(
-                    "publisher `{name}`: `{}` is not an AMQP URL: {}",
-                    config.url,
-                    scrub(&e, raw)
-                ),
-            )
-        })?;
-        // amq-protocol-uri takes the host from `Url::domain()`, which is
-        // empty for IP addresses, and then connects to `localhost` instead.
-        if let Some(host) = url::Url::parse(raw)
-            .ok()
-            .and_then(|u| u.host_str().map(str::to_owned))
-        {
-            uri.authority.host = host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned();
-        }
+        let nodes = (config.nodes().iter())
+            .map(|url| Node::new(&name, url))
+            .collect::<Result<Vec<_>>>()?;
         let ca_pem = match &config.ca_file {
             None => None,
             Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
@@ -95,7 +117,7 @@ impl Target {
                 )
             })?),
         };
-        if ca_pem.is_some() && uri.scheme != AMQPScheme::AMQPS {
+        if ca_pem.is_some() && nodes.iter().any(|n| n.uri.scheme != AMQPScheme::AMQPS) {
             return Err(Error::config(
                 "ca_file",
                 format!("publisher `{name}`: ca_file is only used with amqps:// URLs"),
@@ -103,15 +125,33 @@ impl Target {
         }
         Ok(Target {
             connection_name: connection_name(&name),
-            password: uri.authority.userinfo.password.clone(),
             exchange: ShortString::try_new(config.exchange.clone())
                 .map_err(|e| Error::config("exchange", format!("publisher `{name}`: {e}")))?,
             declare: config.declare,
-            url: config.url.clone(),
-            uri,
+            nodes,
+            current: AtomicUsize::new(0),
             ca_pem,
             name,
         })
+    }
+
+    fn current(&self) -> usize {
+        self.current.load(Ordering::Relaxed) % self.nodes.len()
+    }
+
+    /// The node connected to last, or to be tried first (`Display` hides
+    /// the password).
+    pub fn url(&self) -> &SecretUrl {
+        &self.nodes[self.current()].url
+    }
+
+    /// After a lost connection: the next attempt starts at the next node,
+    /// since the one just lost is likely down.
+    pub fn skip_node(&self) {
+        if self.nodes.len() > 1 {
+            self.current
+                .store((self.current() + 1) % self.nodes.len(), Ordering::Relaxed);
+        }
     }
 
     /// The `connection_name` client property operators see in
@@ -120,9 +160,36 @@ impl Target {
         &self.connection_name
     }
 
-    /// Connects, checks (or declares) the exchange and opens a channel in
-    /// confirm mode. Not bounded here: callers apply [`CONNECT_TIMEOUT`].
+    /// Connects to the first node that answers, from the current one on,
+    /// each attempt bounded by [`CONNECT_TIMEOUT`]; checks (or declares)
+    /// the exchange and opens a channel in confirm mode. Fails with every
+    /// node's reason when none answers.
     pub async fn open(&self) -> Result<Link, OpenError> {
+        let first = self.current();
+        let mut reasons = Vec::new();
+        for k in 0..self.nodes.len() {
+            let i = (first + k) % self.nodes.len();
+            self.current.store(i, Ordering::Relaxed);
+            match tokio::time::timeout(CONNECT_TIMEOUT, self.open_node(i)).await {
+                Ok(Ok(link)) => {
+                    if k > 0 {
+                        tracing::warn!(publisher = %self.name, url = %self.url(), skipped = k, "connected to another node of the cluster");
+                    }
+                    return Ok(link);
+                }
+                Ok(Err(OpenError::MissingExchange)) => return Err(OpenError::MissingExchange),
+                Ok(Err(OpenError::Other(reason))) => reasons.push(reason),
+                Err(_) => reasons.push(format!(
+                    "connecting to {} timed out after {CONNECT_TIMEOUT:?}",
+                    self.url()
+                )),
+            }
+        }
+        Err(OpenError::Other(reasons.join("; ")))
+    }
+
+    /// [`Target::open`] on node `i` (the current one).
+    async fn open_node(&self, i: usize) -> Result<Link, OpenError> {
         let props = ConnectionProperties::default()
             .with_connection_name(self.connection_name.clone().into())
             .with_client_property("product".into(), "postbox".into())
@@ -133,7 +200,8 @@ impl Target {
         };
         let runtime =
             lapin::runtime::default_runtime().map_err(|e| self.other("connecting", &e))?;
-        let connection = Connection::connect_uri_with_config(self.uri.clone(), props, tls, runtime)
+        let uri = self.nodes[i].uri.clone();
+        let connection = Connection::connect_uri_with_config(uri, props, tls, runtime)
             .await
             .map_err(|e| self.other("connecting", &e))?;
         let blocked = Arc::new(Mutex::new(None));
@@ -239,15 +307,17 @@ impl Target {
             "exchange",
             format!(
                 "publisher `{}`: exchange `{}` does not exist on {}; create it, or set `declare = true` to let postbox declare it (durable, topic)",
-                self.name, self.exchange, self.url
+                self.name,
+                self.exchange,
+                self.url()
             ),
         )
     }
 
     /// `while {doing} on {url}: {error}`, with the password scrubbed.
     pub fn describe(&self, doing: &str, error: &lapin::Error) -> String {
-        let message = format!("{doing} on {}: {error}", self.url);
-        scrub(&message, &self.password)
+        let message = format!("{doing} on {}: {error}", self.url());
+        (self.nodes.iter()).fold(message, |m, node| scrub(&m, &node.password))
     }
 
     fn other(&self, doing: &str, error: &lapin::Error) -> OpenError {
@@ -321,6 +391,7 @@ mod tests {
         RabbitMqPublisherConfig {
             name: Some("orders".into()),
             url: SecretUrl::new(url),
+            urls: Vec::new(),
             exchange: "postbox".into(),
             routing_key: postbox_core::template::Template::parse("{event_type}").unwrap(),
             declare: false,
@@ -331,12 +402,12 @@ mod tests {
     #[test]
     fn keeps_ip_hosts_that_the_uri_parser_drops() {
         let t = Target::new(&config("amqp://u:p@10.1.2.3:5673/%2f")).unwrap();
-        assert_eq!(t.uri.authority.host, "10.1.2.3");
-        assert_eq!(t.uri.authority.port, 5673);
-        assert_eq!(t.uri.vhost, "/");
+        assert_eq!(t.nodes[0].uri.authority.host, "10.1.2.3");
+        assert_eq!(t.nodes[0].uri.authority.port, 5673);
+        assert_eq!(t.nodes[0].uri.vhost, "/");
         let t = Target::new(&config("amqps://[::1]/v")).unwrap();
-        assert_eq!(t.uri.authority.host, "::1");
-        assert_eq!(t.uri.authority.port, 5671);
+        assert_eq!(t.nodes[0].uri.authority.host, "::1");
+        assert_eq!(t.nodes[0].uri.authority.port, 5671);
     }
 
     #[test]

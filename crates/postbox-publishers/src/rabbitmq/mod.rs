@@ -48,7 +48,7 @@ use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::template::Template;
 use postbox_core::{Error, Publisher, Result};
 
-use connection::{OpenError, Target, CONNECT_TIMEOUT};
+use connection::{OpenError, Target};
 use session::{Request, Session};
 
 /// Publishes to a RabbitMQ exchange with publisher confirms.
@@ -66,23 +66,14 @@ impl RabbitMqPublisher {
     /// `declare`; errors never contain the URL's password.
     pub async fn connect(config: &RabbitMqPublisherConfig) -> Result<Self> {
         let target = Arc::new(Target::new(config)?);
-        let link = match tokio::time::timeout(CONNECT_TIMEOUT, target.open()).await {
-            Ok(Ok(link)) => link,
-            Ok(Err(OpenError::MissingExchange)) => return Err(target.missing_exchange()),
-            Ok(Err(OpenError::Other(reason))) => return Err(start_error(&target, reason)),
-            Err(_) => {
-                return Err(start_error(
-                    &target,
-                    format!(
-                        "connecting to {} timed out after {CONNECT_TIMEOUT:?}",
-                        target.url
-                    ),
-                ))
-            }
+        let link = match target.open().await {
+            Ok(link) => link,
+            Err(OpenError::MissingExchange) => return Err(target.missing_exchange()),
+            Err(OpenError::Other(reason)) => return Err(start_error(&target, reason)),
         };
         tracing::info!(
             publisher = %target.name,
-            url = %target.url,
+            url = %target.url(),
             exchange = %target.exchange,
             connection = target.connection_name(),
             "connected to RabbitMQ"

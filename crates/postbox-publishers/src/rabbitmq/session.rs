@@ -114,18 +114,29 @@ impl Session {
         };
         let outcome = tokio::select! {
             biased;
-            broken = send_and_confirm(&channel, &self.target, &messages, &reply) => Some(broken),
+            sent = send_and_confirm(&channel, &self.target, &messages, &reply) => Some(sent),
             _ = reply.closed() => None,
         };
-        let Some(broken) = outcome else {
+        let Some(sent) = outcome else {
             // The relay stopped waiting (its publish_timeout, or shutdown).
             // What was sent may still be confirmed and routed: the rows are
             // retried, so a consumer may see those events twice.
             self.retire_channel("a publish was abandoned before all confirms arrived");
             return;
         };
-        if let Some(reason) = broken {
-            self.lose_channel(&reason);
+        match sent {
+            Sent {
+                broken: Some(reason),
+                ..
+            } => self.lose_channel(&reason),
+            // A channel whose messages a queue refused may hold a stale
+            // view of it: a quorum queue whose leader moved while the
+            // channel was opened (RabbitMQ 3.10 nacks every later message
+            // of that channel). The next batch gets a fresh channel.
+            Sent { nacked: true, .. } => {
+                self.retire_channel("the broker nacked messages on this channel")
+            }
+            Sent { .. } => {}
         }
     }
 
@@ -167,30 +178,27 @@ impl Session {
                 Err(reason)
             }
             Err(_) => {
-                let reason = format!("opening a channel on {} timed out", self.target.url);
+                let reason = format!("opening a channel on {} timed out", self.target.url());
                 self.lose_connection(&reason);
                 Err(reason)
             }
         }
     }
 
-    /// One connection attempt, bounded by [`CONNECT_TIMEOUT`]; on failure
+    /// One round of connection attempts (each node once, each bounded by
+    /// [`CONNECT_TIMEOUT`]); on failure
     /// the next attempt waits out the backoff.
     async fn reconnect(&mut self) {
-        let result = match timeout(CONNECT_TIMEOUT, self.target.open()).await {
-            Ok(Ok(link)) => Ok(link),
-            Ok(Err(OpenError::MissingExchange)) => Err(self.target.missing_exchange().to_string()),
-            Ok(Err(OpenError::Other(reason))) => Err(reason),
-            Err(_) => Err(format!(
-                "connecting to {} timed out after {:?}",
-                self.target.url, CONNECT_TIMEOUT
-            )),
+        let result = match self.target.open().await {
+            Ok(link) => Ok(link),
+            Err(OpenError::MissingExchange) => Err(self.target.missing_exchange().to_string()),
+            Err(OpenError::Other(reason)) => Err(reason),
         };
         match result {
             Ok(link) => {
                 tracing::info!(
                     publisher = %self.target.name,
-                    url = %self.target.url,
+                    url = %self.target.url(),
                     failed_attempts = self.failures,
                     "reconnected to RabbitMQ"
                 );
@@ -226,7 +234,7 @@ impl Session {
                 (_, _, true) => format!("{state}failed"),
                 _ => format!("{state}not connected"),
             };
-            let reason = format!("connection to {} lost ({state})", self.target.url);
+            let reason = format!("connection to {} lost ({state})", self.target.url());
             self.lose_connection(&reason);
         }
     }
@@ -260,6 +268,7 @@ impl Session {
     fn lose_connection(&mut self, reason: &str) {
         let Some(link) = self.link.take() else { return };
         tracing::warn!(publisher = %self.target.name, error = %reason, "lost the RabbitMQ connection; reconnecting");
+        self.target.skip_node();
         self.last_error = reason.to_owned();
         self.next_attempt = Instant::now();
         close_in_background(link);
@@ -279,14 +288,14 @@ impl Session {
 
 /// Publishes every message in order (each `basic.publish` only waits for
 /// its frames to be written), then awaits all confirms together, sending
-/// each message's result on `reply` as soon as its confirm arrives. Returns,
-/// when the channel or connection broke, why.
+/// each message's result on `reply` as soon as its confirm arrives. Says
+/// whether the channel or connection broke, and whether the broker nacked.
 async fn send_and_confirm(
     channel: &Channel,
     target: &Target,
     messages: &[Result<Outgoing, String>],
     reply: &Reply,
-) -> Option<String> {
+) -> Sent {
     let mandatory = BasicPublishOptions {
         mandatory: true,
         immediate: false,
@@ -296,6 +305,7 @@ async fn send_and_confirm(
     };
     let mut pending = Vec::with_capacity(messages.len());
     let mut broken: Option<String> = None;
+    let mut nacked = false;
     for (i, m) in messages.iter().enumerate() {
         let m = match m {
             Ok(m) => m,
@@ -373,10 +383,13 @@ async fn send_and_confirm(
                     target.exchange, m.routing_key, r.reply_code, r.reply_text
                 ))),
                 (None, Ok(true)) => Ok(()),
-                (None, Ok(false)) => Err(PublishError::failed(format!(
-                    "the broker refused the message on exchange {} (basic.nack: a queue rejected it or the broker failed to store it)",
-                    target.exchange
-                ))),
+                (None, Ok(false)) => {
+                    nacked = true;
+                    Err(PublishError::failed(format!(
+                        "the broker refused the message on exchange {} (basic.nack: a queue rejected it or the broker failed to store it)",
+                        target.exchange
+                    )))
+                }
                 (None, Err(reason)) => Err(PublishError::failed(format!(
                     "not confirmed: {reason}"
                 ))),
@@ -384,7 +397,15 @@ async fn send_and_confirm(
             let _ = reply.send((i, result));
         }
     }
-    broken
+    Sent { broken, nacked }
+}
+
+/// How a batch's sending ended.
+struct Sent {
+    /// The connection or channel broke: why.
+    broken: Option<String>,
+    /// The broker nacked at least one message.
+    nacked: bool,
 }
 
 /// Takes the confirms of `pending` that have resolved, with their batch

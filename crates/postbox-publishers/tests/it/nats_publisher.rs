@@ -40,6 +40,7 @@ fn config(name: &str, stream: &str, subject: &str, declare: bool) -> NatsPublish
     NatsPublisherConfig {
         name: Some(name.to_owned()),
         url: SecretUrl::new(nats_url()),
+        urls: Vec::new(),
         subject: Template::parse(subject).unwrap(),
         stream: stream.to_owned(),
         declare,
@@ -300,7 +301,7 @@ async fn a_subject_no_stream_captures_is_a_failed_attempt() {
         .unwrap();
     let err = publish_one(&stray).await.expect_err("nothing captured it");
     assert!(
-        err.contains("no JetStream stream captures") && err.contains(&format!("{prefix}.b.")),
+        err.contains("no stream captures it") && err.contains(&format!("{prefix}.b.")),
         "{err}"
     );
 }

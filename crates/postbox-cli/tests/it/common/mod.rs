@@ -150,6 +150,36 @@ impl Project {
     }
 }
 
+/// `postbox --config cfg command` in `dir` as a tokio process (stdout
+/// dropped, stderr inherited), with extra environment variables; killed
+/// when dropped.
+pub fn spawn_async(
+    dir: &Path,
+    cfg: &str,
+    command: &str,
+    env: &[(&str, &str)],
+) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir)
+        .args(["--config", cfg, command])
+        .env_remove("POSTBOX_CONFIG")
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start postbox")
+}
+
+/// SIGTERM to a postbox process, which must exit 0 within 15 s.
+pub async fn stopped(child: &mut tokio::process::Child) {
+    signal("TERM", child.id().unwrap());
+    let status = tokio::time::timeout(Duration::from_secs(15), child.wait())
+        .await
+        .expect("postbox stops within 15 s of SIGTERM")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
 /// `kill -NAME pid`, which must succeed.
 pub fn signal(name: &str, pid: u32) {
     let st = Command::new("kill")

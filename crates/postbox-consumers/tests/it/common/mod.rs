@@ -24,6 +24,8 @@ pub fn consumer_config(queue: &str) -> ConsumerConfig {
         kind: ConsumerKind::Rabbitmq,
         name: None,
         url: SecretUrl::new(amqp_url()),
+        urls: Vec::new(),
+        queue_type: Default::default(),
         queue: queue.to_owned(),
         bindings: vec![],
         declare: true,
