@@ -11,6 +11,7 @@ pub mod conformance;
 pub mod consumer_fixtures;
 pub mod faults;
 pub mod http;
+pub mod netns;
 pub mod publisher_suite;
 pub mod publishers;
 pub mod records;

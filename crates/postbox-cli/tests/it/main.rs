@@ -13,6 +13,7 @@ mod deploy;
 mod docs_zh;
 mod doctor;
 mod printed_sql;
+mod relay_hosts;
 mod relay_processes;
 mod relays;
 mod topology;
