@@ -165,9 +165,11 @@ pub(crate) async fn show(
 }
 
 /// `GET /api/publishers`: the configured publishers, a replay's possible
-/// targets.
+/// targets; and, in a relay's admin server, the target each publisher with
+/// failover targets publishes to now (`active_targets`).
 pub(crate) async fn publishers(State(state): State<AppState>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({ "publishers": *state.publishers }))
+    let active = postbox_core::publish::active_targets();
+    Json(serde_json::json!({ "publishers": *state.publishers, "active_targets": active }))
 }
 
 /// `POST …/replay` query: narrows the replay to one tenant, and picks its

@@ -102,7 +102,6 @@ use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::SecretUrl;
 use postbox_core::relay::{CancellationToken, Relay};
 use postbox_core::store::{ClaimRequest, OutboxStore};
-use postbox_core::template::Template;
 use postbox_core::{ClaimSource, NewEvent, Publisher};
 use postbox_mysql::MySqlOutbox;
 use postbox_postgres::PgOutbox;
@@ -1493,12 +1492,7 @@ impl Broker {
     async fn postbox_publisher(&self) -> Arc<dyn Publisher> {
         let config = RabbitMqPublisherConfig {
             name: Some("bench".to_owned()),
-            url: SecretUrl::new(amqp_url()),
-            urls: Vec::new(),
-            exchange: self.exchange.clone(),
-            routing_key: Template::parse("{event_type}").expect("routing key template"),
-            declare: false,
-            ca_file: None,
+            ..RabbitMqPublisherConfig::new(SecretUrl::new(amqp_url()), self.exchange.clone())
         };
         Arc::new(
             RabbitMqPublisher::connect(&config)

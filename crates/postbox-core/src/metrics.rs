@@ -23,6 +23,11 @@ pub const LEASE_EXPIRED_TOTAL: &str = "postbox_lease_expired_total";
 /// Counter: rows left out by a runtime control's sampling (`dropped`), by
 /// app_code.
 pub const DROPPED_TOTAL: &str = "postbox_dropped_total";
+/// Gauge `{publisher, target}`: 1 for the target a publisher with failover
+/// targets publishes to now, 0 for its others.
+pub const PUBLISHER_ACTIVE_TARGET: &str = "postbox_publisher_active_target";
+/// Counter `{publisher, from, to}`: switches between a publisher's targets.
+pub const PUBLISHER_SWITCHES_TOTAL: &str = "postbox_publisher_switches_total";
 /// Counter: rows moved to the archive table.
 pub const ARCHIVED_TOTAL: &str = "postbox_archived_total";
 /// Gauge `{app_code, status}`: rows per status, from the admin poller.
@@ -77,6 +82,14 @@ pub fn describe() {
         "Events a runtime control's sampling left out (status dropped)."
     );
     describe_counter!(ARCHIVED_TOTAL, "Rows moved to the archive table.");
+    describe_gauge!(
+        PUBLISHER_ACTIVE_TARGET,
+        "1 for the target a publisher with failover targets publishes to now, 0 for the others."
+    );
+    describe_counter!(
+        PUBLISHER_SWITCHES_TOTAL,
+        "Switches of a publisher between its targets (failover and failback)."
+    );
     describe_histogram!(
         CONSUME_HANDLER_SECONDS,
         Unit::Seconds,

@@ -24,6 +24,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod failover;
 pub mod file;
 #[cfg(feature = "nats")]
 pub mod nats;
@@ -36,7 +37,7 @@ pub mod webhook;
 
 use std::sync::Arc;
 
-use postbox_core::config::{PublisherConfig, Settings};
+use postbox_core::config::{KeyPath, PublisherConfig, Settings};
 use postbox_core::{BoxFuture, Publisher, Result};
 
 /// Builds the publisher a config entry describes; config errors name keys
@@ -51,8 +52,38 @@ async fn build_here(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
     match config {
         PublisherConfig::File(c) => Ok(Arc::new(file::FilePublisher::open(c).await?)),
         #[cfg(feature = "rabbitmq")]
-        PublisherConfig::Rabbitmq(c) => {
+        PublisherConfig::Rabbitmq(c) if c.failover.is_empty() => {
             Ok(Arc::new(rabbitmq::RabbitMqPublisher::connect(c).await?))
+        }
+        #[cfg(feature = "rabbitmq")]
+        PublisherConfig::Rabbitmq(c) => {
+            let name = config.name();
+            let mut targets = Vec::with_capacity(c.failover.len() + 1);
+            for i in 0..=c.failover.len() {
+                let target = c.target_name(i);
+                let mut one = if i == 0 {
+                    c.clone()
+                } else {
+                    c.for_failover(i - 1)
+                };
+                one.name = Some(format!("{name}.{target}"));
+                let publisher = rabbitmq::RabbitMqPublisher::connect(&one).await;
+                let publisher = match (i, publisher) {
+                    (_, Ok(p)) => p,
+                    (0, Err(e)) => return Err(e),
+                    (i, Err(e)) => return Err(e.within(&KeyPath::root("failover").index(i - 1))),
+                };
+                targets.push(failover::Target {
+                    name: target,
+                    publisher: Arc::new(publisher),
+                });
+            }
+            Ok(Arc::new(failover::FailoverPublisher::new(
+                name.to_owned(),
+                targets,
+                c.failover_after.get(),
+                c.failback_after.get(),
+            )))
         }
         #[cfg(feature = "nats")]
         PublisherConfig::Nats(c) => Ok(Arc::new(nats::NatsPublisher::connect(c).await?)),

@@ -171,6 +171,19 @@ impl RabbitCluster {
             .collect()
     }
 
+    /// Stops RabbitMQ on node `i`, the Erlang VM left running: its
+    /// listeners close and its clients are disconnected, as in a broker
+    /// outage. Blocking.
+    pub fn stop_app(&self, i: usize) {
+        rabbitmqctl(&self.nodes[i].name, &["stop_app"]).unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Starts RabbitMQ on node `i` again after [`RabbitCluster::stop_app`].
+    /// Blocking.
+    pub fn start_app(&self, i: usize) {
+        rabbitmqctl(&self.nodes[i].name, &["start_app"]).unwrap_or_else(|e| panic!("{e}"));
+    }
+
     /// Kills node `i` at once (SIGKILL), as a crash would.
     pub fn kill(&mut self, i: usize) {
         if let Some(pid) = self.nodes[i].pid.take() {

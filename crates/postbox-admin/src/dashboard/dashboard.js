@@ -320,6 +320,10 @@ $("#control-form").addEventListener("submit", (ev) => {
 // ---- relays: their heartbeats in `<table>_relays`, read with the stats ----
 
 async function loadRelays() {
+  const active = Object.entries((await getJson("/api/publishers")).active_targets || {});
+  $("#active-targets").hidden = active.length === 0;
+  $("#active-targets").replaceChildren("Publishing through: ",
+    ...active.map(([p, t], i) => el("span", { "data-publisher": p }, (i ? ", " : "") + p + " → " + t)));
   const r = await getJson("/api/relays");
   $("#relays tbody").replaceChildren(...r.relays.map((x) => el("tr", { "data-worker": x.worker_id },
     el("td", { "data-state": x.state }, x.state), el("td", {}, x.worker_id),

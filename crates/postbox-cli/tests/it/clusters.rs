@@ -259,3 +259,214 @@ async fn relay_and_consumer_carry_on_when_a_nats_cluster_node_dies() {
     )
     .await;
 }
+
+/// Declares `exchange` (durable topic) and `queue`, bound with `#`, on the
+/// broker at `url`.
+async fn exchange_and_queue(url: &str, exchange: &str, queue: &str) -> lapin::Connection {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    let conn = lapin::Connection::connect(url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let kind = lapin::ExchangeKind::Topic;
+    (ch.exchange_declare(exchange.into(), kind, durable, Default::default())
+        .await)
+        .unwrap();
+    let options = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    (ch.queue_declare(queue.into(), options, Default::default())
+        .await)
+        .unwrap();
+    let bind = QueueBindOptions::default();
+    (ch.queue_bind(
+        queue.into(),
+        exchange.into(),
+        "#".into(),
+        bind,
+        Default::default(),
+    )
+    .await)
+        .unwrap();
+    conn
+}
+
+/// The `message_id`s of every message in `queue` (read and removed).
+async fn drain(url: &str, queue: &str) -> Vec<String> {
+    let conn = lapin::Connection::connect(url, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let mut ids = Vec::new();
+    let options = lapin::options::BasicGetOptions { no_ack: true };
+    while let Some(m) = ch.basic_get(queue.into(), options).await.unwrap() {
+        ids.push(
+            m.delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    ids
+}
+
+/// A sample of the relay's `/metrics`, 0 when absent.
+async fn metric(admin: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let response =
+        postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/metrics", &[]).await;
+    let samples = postbox_testkit::http::parse_prometheus(&response.body).unwrap();
+    (samples.iter())
+        .find(|s| {
+            s.name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .map_or(0.0, |s| s.value)
+}
+
+/// Enqueues `n` events; their ids.
+async fn enqueue(store: &Arc<dyn OutboxStore>, n: usize) -> Vec<String> {
+    let events: Vec<_> = (0..n)
+        .map(|i| NewEvent::new("room", "RoomCreated", format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    for chunk in events.chunks(50) {
+        store.enqueue_batch(chunk, 1 << 20).await.unwrap();
+    }
+    events.into_iter().map(|e| e.event_id).collect()
+}
+
+async fn delivered(store: &Arc<dyn OutboxStore>, n: usize, what: &str) {
+    eventually(what, Duration::from_secs(60), async || {
+        let stats = store.stats(&["room".to_owned()]).await.unwrap();
+        let delivered = stats[0].delivered as usize;
+        (delivered == n)
+            .then_some(())
+            .ok_or(format!("{delivered} of {n} delivered ({stats:?})"))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
+    let (primary, secondary) = tokio::join!(
+        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
+        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
+    );
+    let (primary, secondary) = (Arc::new(primary.unwrap()), secondary.unwrap());
+    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
+    let (url, store) = common::server_outbox("postgres", "pbx_failover", 4).await;
+    let (exchange, queue) = (scratch_name("pbx_fox"), scratch_name("pbx_foq"));
+    exchange_and_queue(&primary_url, &exchange, &queue).await;
+    exchange_and_queue(&secondary_url, &exchange, &queue).await;
+    let admin = format!("127.0.0.1:{}", postbox_testkit::clusters::free_port());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::write_config(
+        dir.path(),
+        &format!(
+            "{}[[publishers]]\nkind = \"rabbitmq\"\nname = \"mq\"\nurl = \"{primary_url}\"\nexchange = \"{exchange}\"\n\
+             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n\
+             [admin]\nlisten = \"{admin}\"\n",
+            outbox_toml(&url, store.table().as_str()),
+        ),
+    );
+    let mut relay = common::spawn_async(dir.path(), &cfg, "relay", &[]);
+    let active = async |target: &str| {
+        metric(
+            &admin,
+            "postbox_publisher_active_target",
+            &[("publisher", "mq"), ("target", target)],
+        )
+        .await
+    };
+
+    let before = enqueue(&store, 300).await;
+    delivered(&store, 300, "the first events, through the primary").await;
+
+    let down = Instant::now();
+    let stop = primary.clone();
+    tokio::task::spawn_blocking(move || stop.stop_app(0))
+        .await
+        .unwrap();
+    let during = enqueue(&store, 300).await;
+    delivered(&store, 600, "the events sent while the primary is down").await;
+    let failover = down.elapsed();
+    assert_eq!(active("secondary").await, 1.0);
+    let publishers =
+        postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/api/publishers", &[]).await;
+    assert_eq!(
+        publishers.json()["active_targets"]["mq"],
+        "secondary",
+        "{}",
+        publishers.body
+    );
+
+    let up = Instant::now();
+    let start = primary.clone();
+    tokio::task::spawn_blocking(move || start.start_app(0))
+        .await
+        .unwrap();
+    eventually(
+        "publishing back on the primary",
+        Duration::from_secs(60),
+        async || {
+            (active("primary").await == 1.0)
+                .then_some(())
+                .ok_or_else(|| "still on the secondary".to_owned())
+        },
+    )
+    .await;
+    let failback = up.elapsed();
+    let publishers =
+        postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/api/publishers", &[]).await;
+    assert_eq!(
+        publishers.json()["active_targets"]["mq"],
+        "primary",
+        "{}",
+        publishers.body
+    );
+    let after = enqueue(&store, 300).await;
+    delivered(&store, 900, "the events after the primary came back").await;
+    for (from, to) in [("primary", "secondary"), ("secondary", "primary")] {
+        let labels = [("publisher", "mq"), ("from", from), ("to", to)];
+        let switches = metric(&admin, "postbox_publisher_switches_total", &labels).await;
+        assert_eq!(switches, 1.0, "one switch from {from} to {to}");
+    }
+    common::stopped(&mut relay).await;
+
+    let on_primary: HashSet<_> = drain(&primary_url, &queue).await.into_iter().collect();
+    let on_secondary_all = drain(&secondary_url, &queue).await;
+    let on_secondary: HashSet<_> = on_secondary_all.iter().cloned().collect();
+    let all: HashSet<_> = before
+        .iter()
+        .chain(&during)
+        .chain(&after)
+        .cloned()
+        .collect();
+    let reached: HashSet<_> = on_primary.union(&on_secondary).cloned().collect();
+    let both = on_primary.intersection(&on_secondary).count();
+    println!(
+        "failover: 900 events, lost {}, on both targets {both}; the events of the outage all delivered (through the secondary) {failover:?} after the primary stopped; back on the primary {failback:?} after it started",
+        all.difference(&reached).count()
+    );
+    assert_eq!(reached, all, "every event reached a target");
+    assert!(
+        before.iter().all(|id| on_primary.contains(id)),
+        "before the outage: the primary"
+    );
+    assert!(
+        during.iter().all(|id| on_secondary.contains(id)),
+        "during it: the secondary"
+    );
+    assert!(
+        after.iter().all(|id| on_primary.contains(id)),
+        "after the failback: the primary"
+    );
+}

@@ -277,6 +277,34 @@ mod tests {
             key_of(&format!("{rabbit}urls = [\"amqp://a/\", \"http://b/\"]")),
             "publishers.0.urls.1"
         );
+        let failover = format!("{rabbit}url = \"amqp://a/\"\nfailover = [{{ name = \"dr\", urls = [\"amqp://b/\", \"amqp://c/\"] }}, {{ url = \"amqp://d/\" }}]\n");
+        let c = load_str(&failover).unwrap();
+        let crate::config::PublisherConfig::Rabbitmq(r) = &c.publishers[0] else {
+            panic!("a rabbitmq publisher")
+        };
+        assert_eq!(
+            (r.target_name(0), r.target_name(1), r.target_name(2)),
+            ("primary".into(), "dr".into(), "failover-2".into())
+        );
+        assert_eq!(r.for_failover(0).nodes().len(), 2);
+        assert_eq!(r.for_failover(1).url.expose(), "amqp://d/");
+        assert_eq!(r.failover_after.get(), std::time::Duration::from_secs(10));
+        assert_eq!(
+            key_of(&format!(
+                "{rabbit}url = \"amqp://a/\"\nfailover = [{{ url = \"http://b/\" }}]"
+            )),
+            "publishers.0.failover.0.url"
+        );
+        assert_eq!(
+            key_of(&format!(
+                "{rabbit}url = \"amqp://a/\"\nfailover = [{{ name = \"x\" }}]"
+            )),
+            "publishers.0.failover.0.url"
+        );
+        assert_eq!(
+            key_of(&format!("{failover}failback_after = \"0s\"")),
+            "publishers.0.failback_after"
+        );
         let consumer = "[[consumers]]\nqueue = \"q\"\n";
         let c = load_str(&format!(
             "{consumer}kind = \"nats\"\nurls = [\"nats://a:4222\", \"nats://b:4222\"]"

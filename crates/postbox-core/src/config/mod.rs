@@ -25,8 +25,9 @@ pub use key::KeyPath;
 pub use lease_budget::LeaseBudget;
 pub use load::{load, load_for, ConfigSource};
 pub use publisher::{
-    FilePublisherConfig, NatsPublisherConfig, PublisherConfig, RabbitMqPublisherConfig,
-    RedisPublisherConfig, WebhookPublisherConfig, WebhookSignature, STANDARD_SECRET_PREFIX,
+    FailoverTarget, FilePublisherConfig, NatsPublisherConfig, PublisherConfig,
+    RabbitMqPublisherConfig, RedisPublisherConfig, WebhookPublisherConfig, WebhookSignature,
+    STANDARD_SECRET_PREFIX,
 };
 pub use settings::{RelaySettings, Settings};
 

@@ -78,7 +78,14 @@ impl PublisherConfig {
     /// Settles `url` and `urls` ([`super::nodes::settle`]).
     pub(crate) fn settle_nodes(&mut self, at: &KeyPath) -> Result<(), Error> {
         match self {
-            PublisherConfig::Rabbitmq(c) => nodes::settle(&mut c.url, &mut c.urls, at, Ok(())),
+            PublisherConfig::Rabbitmq(c) => {
+                for (i, f) in c.failover.iter_mut().enumerate() {
+                    let at = at.join("failover").index(i);
+                    nodes::settle(&mut f.url, &mut f.urls, &at, Ok(()))?;
+                    nodes::check_schemes(&f.urls, &at, "rabbitmq", &["amqp", "amqps"])?;
+                }
+                nodes::settle(&mut c.url, &mut c.urls, at, Ok(()))
+            }
             PublisherConfig::Nats(c) => nodes::settle(&mut c.url, &mut c.urls, at, Ok(())),
             _ => Ok(()),
         }
@@ -113,6 +120,14 @@ impl PublisherConfig {
                         at.join("exchange"),
                         "is empty; the default exchange cannot confirm routing, name an exchange",
                     ));
+                }
+                for (key, d) in [
+                    ("failover_after", &c.failover_after),
+                    ("failback_after", &c.failback_after),
+                ] {
+                    if d.get().is_zero() {
+                        return Err(Error::config(at.join(key), "must be > 0"));
+                    }
                 }
                 if c.exchange.len() > 255 {
                     return Err(Error::config(
@@ -233,6 +248,92 @@ pub struct RabbitMqPublisherConfig {
     /// signed). Only valid with `amqps://`.
     #[serde(default)]
     pub ca_file: Option<String>,
+    /// Other brokers (clusters) to publish to, in priority order, when
+    /// this one (the primary) is unavailable for `failover_after`; the
+    /// publisher returns to a higher-priority target once it has been
+    /// reachable for `failback_after`. Each takes the entry's exchange and
+    /// routing key.
+    #[serde(default)]
+    pub failover: Vec<FailoverTarget>,
+    /// How long the active target must be unreachable before publishing
+    /// moves to the next (default 10s).
+    #[serde(default = "default_failover_after")]
+    pub failover_after: HumanDuration,
+    /// How long a higher-priority target must be reachable again before
+    /// publishing returns to it (default 60s).
+    #[serde(default = "default_failback_after")]
+    pub failback_after: HumanDuration,
+}
+
+/// One `failover` target of a RabbitMQ publisher.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FailoverTarget {
+    /// Shown in logs and metrics (default `failover-<n>`, from 1).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// One server.
+    #[serde(default)]
+    pub url: SecretUrl,
+    /// The nodes of a cluster, instead of `url`.
+    #[serde(default)]
+    pub urls: Vec<SecretUrl>,
+}
+
+impl FailoverTarget {
+    /// Every node: `urls`, or `url` ([`nodes::all`]).
+    pub fn nodes(&self) -> &[SecretUrl] {
+        nodes::all(&self.url, &self.urls)
+    }
+}
+
+fn default_failover_after() -> HumanDuration {
+    HumanDuration::secs(10)
+}
+
+fn default_failback_after() -> HumanDuration {
+    HumanDuration::secs(60)
+}
+
+impl RabbitMqPublisherConfig {
+    /// A publisher to `exchange` on the broker at `url`, every other key
+    /// at its default (for code that configures a publisher itself).
+    pub fn new(url: SecretUrl, exchange: impl Into<String>) -> Self {
+        RabbitMqPublisherConfig {
+            name: None,
+            url,
+            urls: Vec::new(),
+            exchange: exchange.into(),
+            routing_key: default_routing_key(),
+            declare: false,
+            ca_file: None,
+            failover: Vec::new(),
+            failover_after: default_failover_after(),
+            failback_after: default_failback_after(),
+        }
+    }
+
+    /// The name of target `i` of the priority list: `primary`, then each
+    /// failover's name (default `failover-<i>`).
+    pub fn target_name(&self, i: usize) -> String {
+        match i {
+            0 => "primary".to_owned(),
+            i => (self.failover.get(i - 1).and_then(|f| f.name.clone()))
+                .unwrap_or_else(|| format!("failover-{i}")),
+        }
+    }
+
+    /// The entry as it publishes to failover target `i` (from 0): its
+    /// nodes, the entry's exchange and routing key, no failover of its own.
+    pub fn for_failover(&self, i: usize) -> RabbitMqPublisherConfig {
+        let target = &self.failover[i];
+        RabbitMqPublisherConfig {
+            url: target.nodes()[0].clone(),
+            urls: target.nodes().to_vec(),
+            failover: Vec::new(),
+            ..self.clone()
+        }
+    }
 }
 
 impl RabbitMqPublisherConfig {

@@ -9,6 +9,26 @@ use opentelemetry::trace::SpanContext;
 
 use crate::{trace, EventRecord};
 
+/// Per publisher with failover targets, the target it publishes to now,
+/// for this process's admin API and dashboard.
+static ACTIVE_TARGETS: std::sync::Mutex<std::collections::BTreeMap<String, String>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// Records that `publisher` publishes to `target` now.
+pub fn set_active_target(publisher: &str, target: &str) {
+    let mut active = ACTIVE_TARGETS.lock().unwrap_or_else(|p| p.into_inner());
+    active.insert(publisher.to_owned(), target.to_owned());
+}
+
+/// Per publisher with failover targets in this process, the target it
+/// publishes to now.
+pub fn active_targets() -> std::collections::BTreeMap<String, String> {
+    ACTIVE_TARGETS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone()
+}
+
 /// One event handed to a publisher.
 #[derive(Debug, Clone, Copy)]
 pub struct Delivery<'a> {
@@ -182,6 +202,13 @@ pub trait Publisher: Send + Sync + 'static {
         if let Ok(all) = tokio::time::timeout(publish_timeout, self.publish(batch)).await {
             results.set_all(all);
         }
+    }
+
+    /// Whether the publisher holds a live connection to its target right
+    /// now: `None` when it cannot tell (a file, HTTP requests). A
+    /// publisher with failover targets switches on this.
+    fn connected(&self) -> Option<bool> {
+        None
     }
 
     /// Flushes and closes; called once at shutdown.

@@ -390,12 +390,7 @@ mod tests {
     fn config(url: &str) -> RabbitMqPublisherConfig {
         RabbitMqPublisherConfig {
             name: Some("orders".into()),
-            url: SecretUrl::new(url),
-            urls: Vec::new(),
-            exchange: "postbox".into(),
-            routing_key: postbox_core::template::Template::parse("{event_type}").unwrap(),
-            declare: false,
-            ca_file: None,
+            ..RabbitMqPublisherConfig::new(SecretUrl::new(url), "postbox")
         }
     }
 

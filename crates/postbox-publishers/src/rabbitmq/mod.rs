@@ -37,6 +37,7 @@ mod connection;
 pub mod message;
 mod session;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,6 +54,8 @@ use session::{Request, Session};
 
 /// Publishes to a RabbitMQ exchange with publisher confirms.
 pub struct RabbitMqPublisher {
+    /// Whether the session holds a live connection.
+    connected: Arc<AtomicBool>,
     name: String,
     connection_name: String,
     routing_key: Template,
@@ -79,8 +82,10 @@ impl RabbitMqPublisher {
             "connected to RabbitMQ"
         );
         let (requests, queue) = mpsc::channel(16);
-        tokio::spawn(Session::new(target.clone(), link).run(queue));
+        let connected = Arc::new(AtomicBool::new(true));
+        tokio::spawn(Session::new(target.clone(), link, connected.clone()).run(queue));
         Ok(RabbitMqPublisher {
+            connected,
             name: target.name.clone(),
             connection_name: target.connection_name().to_owned(),
             routing_key: config.routing_key.clone(),
@@ -177,6 +182,10 @@ impl Publisher for RabbitMqPublisher {
             }
         };
         let _ = tokio::time::timeout(publish_timeout, work).await;
+    }
+
+    fn connected(&self) -> Option<bool> {
+        Some(self.connected.load(Ordering::Relaxed))
     }
 
     async fn close(&self) {

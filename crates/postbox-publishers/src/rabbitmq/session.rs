@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -52,6 +53,8 @@ pub(super) enum Request {
 pub(super) struct Session {
     target: Arc<Target>,
     link: Option<Link>,
+    /// Whether `link` is up, for [`super::RabbitMqPublisher`]'s `connected`.
+    connected: Arc<AtomicBool>,
     /// Consecutive failed connection attempts.
     failures: u32,
     next_attempt: Instant,
@@ -60,10 +63,12 @@ pub(super) struct Session {
 
 impl Session {
     /// A session starting on the link opened at start.
-    pub fn new(target: Arc<Target>, link: Link) -> Self {
+    pub fn new(target: Arc<Target>, link: Link, connected: Arc<AtomicBool>) -> Self {
+        connected.store(true, Ordering::Relaxed);
         Session {
             target,
             link: Some(link),
+            connected,
             failures: 0,
             next_attempt: Instant::now(),
             last_error: String::new(),
@@ -203,6 +208,7 @@ impl Session {
                     "reconnected to RabbitMQ"
                 );
                 self.link = Some(link);
+                self.connected.store(true, Ordering::Relaxed);
                 self.failures = 0;
             }
             Err(reason) => {
@@ -267,6 +273,7 @@ impl Session {
 
     fn lose_connection(&mut self, reason: &str) {
         let Some(link) = self.link.take() else { return };
+        self.connected.store(false, Ordering::Relaxed);
         tracing::warn!(publisher = %self.target.name, error = %reason, "lost the RabbitMQ connection; reconnecting");
         self.target.skip_node();
         self.last_error = reason.to_owned();
@@ -275,6 +282,7 @@ impl Session {
     }
 
     async fn close(&mut self) {
+        self.connected.store(false, Ordering::Relaxed);
         if let Some(link) = self.link.take() {
             let _ = timeout(
                 Duration::from_secs(2),

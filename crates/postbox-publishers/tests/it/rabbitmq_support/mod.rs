@@ -31,12 +31,9 @@ pub fn scratch(prefix: &str) -> String {
 pub fn config(exchange: &str, routing_key: &str, declare: bool) -> RabbitMqPublisherConfig {
     RabbitMqPublisherConfig {
         name: Some(format!("t{:06x}", rand::random::<u32>() & 0xff_ffff)),
-        url: SecretUrl::new(amqp_url()),
-        urls: Vec::new(),
-        exchange: exchange.to_owned(),
         routing_key: Template::parse(routing_key).unwrap(),
         declare,
-        ca_file: None,
+        ..RabbitMqPublisherConfig::new(SecretUrl::new(amqp_url()), exchange)
     }
 }
 

@@ -1,0 +1,195 @@
+//! Failover between brokers (SPEC §10, `failover`): one logical publisher
+//! over a priority list of targets (the primary, then each failover
+//! target), publishing to one at a time.
+//!
+//! - When the active target has been unreachable (no live connection) for
+//!   `failover_after`, publishing moves to the first other target that is
+//!   reachable, in priority order.
+//! - When a higher-priority target has been reachable again for
+//!   `failback_after`, publishing returns to it (hysteresis: a target that
+//!   flaps does not take traffic back at once).
+//! - Every switch is logged and counted (`postbox_publisher_switches_total`);
+//!   `postbox_publisher_active_target` says which target is active, and so
+//!   do `GET /api/publishers` and the dashboard of the relay's admin server
+//!   ([`postbox_core::publish::active_targets`]).
+//!
+//! Each target keeps connecting in the background, so the primary is
+//! watched while it is not used. The relay sees one publisher: fanout
+//! progress (`delivered_to`) records the logical name, whichever target
+//! confirmed. Events in flight at a switch may reach both targets
+//! (consumers dedupe by `event_id`).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use postbox_core::metrics as m;
+use postbox_core::publish::{Delivery, PublishError, PublishResults, Publisher};
+
+/// One target of the priority list.
+pub struct Target {
+    /// `primary`, or the failover target's name.
+    pub name: String,
+    /// Its publisher.
+    pub publisher: Arc<dyn Publisher>,
+}
+
+/// How often the targets' connections are looked at while nothing is
+/// published (a publish looks at them too).
+const WATCH_EVERY: Duration = Duration::from_millis(500);
+
+/// A publisher over a priority list of targets.
+pub struct FailoverPublisher {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    name: String,
+    targets: Vec<Target>,
+    failover_after: Duration,
+    failback_after: Duration,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    active: usize,
+    /// Per target: since when it has been reachable, or unreachable.
+    up_since: Vec<Option<Instant>>,
+    down_since: Vec<Option<Instant>>,
+}
+
+impl FailoverPublisher {
+    /// A publisher named `name` over `targets` (the first is the primary);
+    /// a task looks at the targets every half second while it lives.
+    pub fn new(
+        name: String,
+        targets: Vec<Target>,
+        failover_after: Duration,
+        failback_after: Duration,
+    ) -> Self {
+        let n = targets.len();
+        let publisher = Inner {
+            name,
+            targets,
+            failover_after,
+            failback_after,
+            state: Mutex::new(State {
+                active: 0,
+                up_since: vec![None; n],
+                down_since: vec![None; n],
+            }),
+        };
+        for (i, t) in publisher.targets.iter().enumerate() {
+            let active = if i == 0 { 1.0 } else { 0.0 };
+            metrics::gauge!(m::PUBLISHER_ACTIVE_TARGET, "publisher" => publisher.name.clone(), "target" => t.name.clone()).set(active);
+        }
+        postbox_core::publish::set_active_target(&publisher.name, &publisher.targets[0].name);
+        let inner = Arc::new(publisher);
+        let watched = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(WATCH_EVERY);
+            loop {
+                every.tick().await;
+                let Some(inner) = watched.upgrade() else {
+                    return;
+                };
+                inner.choose(Instant::now());
+            }
+        });
+        FailoverPublisher { inner }
+    }
+
+    /// The name of the target published to now.
+    pub fn active_target(&self) -> String {
+        let inner = &self.inner;
+        let active = inner.state.lock().unwrap_or_else(|p| p.into_inner()).active;
+        inner.targets[active].name.clone()
+    }
+}
+
+impl Inner {
+    /// Looks at every target's connection, switches when the rules say
+    /// so, and returns the target to publish to.
+    fn choose(&self, now: Instant) -> &Arc<dyn Publisher> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        for (i, t) in self.targets.iter().enumerate() {
+            // A publisher that cannot tell counts as reachable.
+            if t.publisher.connected().unwrap_or(true) {
+                state.up_since[i].get_or_insert(now);
+                state.down_since[i] = None;
+            } else {
+                state.down_since[i].get_or_insert(now);
+                state.up_since[i] = None;
+            }
+        }
+        let active = state.active;
+        let up_for = |state: &State, i: usize| state.up_since[i].map(|t| now - t);
+        let back =
+            (0..active).find(|&i| up_for(&state, i).is_some_and(|d| d >= self.failback_after));
+        let down_for = state.down_since[active].map(|t| now - t);
+        let next = match (back, down_for) {
+            (Some(i), _) => Some((i, format!("{} is reachable again", self.targets[i].name))),
+            (None, Some(down)) if down >= self.failover_after => (0..self.targets.len())
+                .find(|&i| i != active && up_for(&state, i).is_some())
+                .map(|i| {
+                    let why = format!(
+                        "{} unreachable for {} s",
+                        self.targets[active].name,
+                        down.as_secs()
+                    );
+                    (i, why)
+                }),
+            _ => None,
+        };
+        if let Some((to, why)) = next {
+            self.switch(&mut state, to, &why);
+        }
+        &self.targets[state.active].publisher
+    }
+
+    fn switch(&self, state: &mut State, to: usize, why: &str) {
+        let from = &self.targets[state.active].name;
+        let to_name = &self.targets[to].name;
+        tracing::warn!(publisher = %self.name, from = %from, to = %to_name, reason = why, "publisher switched targets");
+        metrics::counter!(m::PUBLISHER_SWITCHES_TOTAL, "publisher" => self.name.clone(), "from" => from.clone(), "to" => to_name.clone()).increment(1);
+        metrics::gauge!(m::PUBLISHER_ACTIVE_TARGET, "publisher" => self.name.clone(), "target" => from.clone()).set(0.0);
+        metrics::gauge!(m::PUBLISHER_ACTIVE_TARGET, "publisher" => self.name.clone(), "target" => to_name.clone()).set(1.0);
+        postbox_core::publish::set_active_target(&self.name, to_name);
+        state.active = to;
+    }
+}
+
+#[async_trait]
+impl Publisher for FailoverPublisher {
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+        let target = self.inner.choose(Instant::now()).clone();
+        target.publish(batch).await
+    }
+
+    async fn publish_each(
+        &self,
+        batch: &[Delivery<'_>],
+        publish_timeout: Duration,
+        results: &PublishResults,
+    ) {
+        let target = self.inner.choose(Instant::now()).clone();
+        target.publish_each(batch, publish_timeout, results).await
+    }
+
+    fn connected(&self) -> Option<bool> {
+        let inner = &self.inner;
+        let active = inner.state.lock().unwrap_or_else(|p| p.into_inner()).active;
+        inner.targets[active].publisher.connected()
+    }
+
+    async fn close(&self) {
+        for t in &self.inner.targets {
+            t.publisher.close().await;
+        }
+    }
+}
