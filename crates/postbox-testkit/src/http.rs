@@ -339,16 +339,26 @@ pub struct Recorder {
     requests: std::sync::Arc<std::sync::Mutex<Vec<Recorded>>>,
 }
 
+/// `200 OK` with an empty body.
+const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+
 impl Recorder {
-    /// Listens on a free port.
+    /// Listens on a free port, answering `200 OK` at once.
     pub async fn start() -> Recorder {
+        Recorder::answering(std::time::Duration::ZERO, OK).await
+    }
+
+    /// Listens on a free port, answering every request with `answer` (a
+    /// whole HTTP/1.1 response) after `hold`; the request is recorded as
+    /// it comes in.
+    pub async fn answering(hold: std::time::Duration, answer: &'static [u8]) -> Recorder {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let requests = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let seen = requests.clone();
         tokio::spawn(async move {
             while let Ok((sock, _)) = listener.accept().await {
-                tokio::spawn(serve_recording(sock, seen.clone()));
+                tokio::spawn(serve_recording(sock, seen.clone(), hold, answer));
             }
         });
         Recorder { url, requests }
@@ -358,12 +368,22 @@ impl Recorder {
     pub fn requests(&self) -> Vec<Recorded> {
         self.requests.lock().unwrap().clone()
     }
+
+    /// The `Idempotency-Key` of every request so far, in order.
+    pub fn keys(&self) -> Vec<String> {
+        let requests = self.requests.lock().unwrap();
+        (requests.iter())
+            .filter_map(|r| r.header("idempotency-key").map(str::to_owned))
+            .collect()
+    }
 }
 
 /// Reads requests off one connection (keep-alive), recording each.
 async fn serve_recording(
     mut sock: TcpStream,
     seen: std::sync::Arc<std::sync::Mutex<Vec<Recorded>>>,
+    hold: std::time::Duration,
+    answer: &'static [u8],
 ) {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 16 * 1024];
@@ -404,7 +424,7 @@ async fn serve_recording(
             body,
             at: std::time::Instant::now(),
         });
-        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+        tokio::time::sleep(hold).await;
         if sock.write_all(answer).await.is_err() {
             return;
         }

@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use lapin::options::{BasicGetOptions, BasicPublishOptions};
@@ -16,6 +15,7 @@ use lapin::{BasicProperties, Channel};
 use postbox_testkit::consumer_fixtures::{
     broker, delete_queues, eventually, rabbitmqctl_list, AmqpEvent,
 };
+use postbox_testkit::http::Recorder;
 use postbox_testkit::servers::{amqp_url, scratch_table};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
@@ -93,65 +93,16 @@ fn consumer_toml(queue: &str, handler_url: &str, extra: &str) -> String {
     )
 }
 
-/// A minimal HTTP/1.1 server that answers every POST with 200 after `hold`,
-/// recording the `Idempotency-Key` of each request.
-async fn slow_server(hold: Duration) -> (String, Arc<Mutex<Vec<String>>>) {
+/// A handler answering every POST with 200 after `hold`, recording the
+/// `Idempotency-Key` of each request.
+async fn slow_server(hold: Duration) -> (String, Recorder) {
     http_server(hold, b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await
 }
 
 /// [`slow_server`] giving `answer` (a whole HTTP/1.1 response).
-async fn http_server(hold: Duration, answer: &'static [u8]) -> (String, Arc<Mutex<Vec<String>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/events", listener.local_addr().unwrap());
-    let keys = Arc::new(Mutex::new(Vec::new()));
-    let seen = keys.clone();
-    tokio::spawn(async move {
-        loop {
-            let (mut sock, _) = listener.accept().await.unwrap();
-            let seen = seen.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 8192];
-                loop {
-                    // One request: headers, then Content-Length bytes of body.
-                    let (head_end, len) = loop {
-                        if let Some(pos) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            let head = String::from_utf8_lossy(&buf[..pos]).to_lowercase();
-                            let len = head
-                                .lines()
-                                .find_map(|l| l.strip_prefix("content-length:"))
-                                .map_or(0, |v| v.trim().parse::<usize>().unwrap());
-                            break (pos + 4, len);
-                        }
-                        match sock.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    };
-                    while buf.len() < head_end + len {
-                        match sock.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
-                    if let Some(key) = head.lines().find_map(|l| {
-                        l.to_lowercase()
-                            .starts_with("idempotency-key:")
-                            .then(|| l[16..].trim().to_owned())
-                    }) {
-                        seen.lock().unwrap().push(key);
-                    }
-                    buf.drain(..head_end + len);
-                    tokio::time::sleep(hold).await;
-                    if sock.write_all(answer).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (url, keys)
+async fn http_server(hold: Duration, answer: &'static [u8]) -> (String, Recorder) {
+    let recorder = Recorder::answering(hold, answer).await;
+    (format!("{}/events", recorder.url), recorder)
 }
 
 /// `rabbitmqctl`: the channels consuming `queue` and their unacked counts.
@@ -265,13 +216,13 @@ async fn three_processes_with_prefetch_one_share_a_queue() {
         c.await.unwrap();
     }
     let mut samples = Vec::new();
-    while keys.lock().unwrap().len() < N {
+    while keys.keys().len() < N {
         assert!(
             start.elapsed() < Duration::from_secs(55),
             "not all messages handled"
         );
         let s = unacked_on(&pids).await;
-        if keys.lock().unwrap().len() < N - 50 {
+        if keys.keys().len() < N - 50 {
             samples.push(s);
         }
     }
@@ -309,7 +260,7 @@ async fn three_processes_with_prefetch_one_share_a_queue() {
         handled_per_process.iter().all(|n| *n > 0),
         "every process did work: {handled_per_process:?}"
     );
-    let keys = keys.lock().unwrap().clone();
+    let keys = keys.keys();
     let mut distinct: Vec<&String> = keys.iter().collect();
     distinct.sort();
     distinct.dedup();
@@ -402,7 +353,7 @@ async fn consuming(queue: &str) -> Instant {
 }
 
 /// A handler answering every POST with 422 (no such room).
-async fn refusing_handler() -> (String, Arc<Mutex<Vec<String>>>) {
+async fn refusing_handler() -> (String, Recorder) {
     http_server(
         Duration::ZERO,
         b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: 12\r\n\r\nno such room",
@@ -440,7 +391,7 @@ async fn a_422_from_the_handler_dead_letters_at_once() {
     };
     // Time for a retry, had there been one.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(*keys.lock().unwrap(), ["bad-1"], "posted once");
+    assert_eq!(keys.keys(), ["bad-1"], "posted once");
     let headers = got.properties.headers().clone().unwrap_or_default();
     let last_error = match headers.inner().get(postbox_core::wire::LAST_ERROR) {
         Some(AMQPValue::LongString(s)) => s.to_string(),
@@ -478,7 +429,7 @@ fn free_addr() -> String {
 /// connection of `ch`.)
 struct AdminConsume {
     _dir: tempfile::TempDir,
-    keys: Arc<Mutex<Vec<String>>>,
+    keys: Recorder,
     _conn: lapin::Connection,
     ch: Channel,
     queue: String,
@@ -496,11 +447,7 @@ async fn admin_consume(prefix: &str, admin: &str) -> AdminConsume {
 }
 
 /// [`admin_consume`] bridged to `handler` (its URL and the keys it saw).
-async fn admin_consume_on(
-    handler: (String, Arc<Mutex<Vec<String>>>),
-    prefix: &str,
-    admin: &str,
-) -> AdminConsume {
+async fn admin_consume_on(handler: (String, Recorder), prefix: &str, admin: &str) -> AdminConsume {
     let dir = tempfile::tempdir().unwrap();
     let (url, keys) = handler;
     let (conn, ch) = broker().await;
@@ -556,7 +503,7 @@ async fn consume_serves_its_metrics() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert_eq!(keys.lock().unwrap().len(), 2);
+    assert_eq!(keys.keys().len(), 2);
     let count = format!("postbox_consume_handler_seconds_count{{consumer=\"{queue}\"}} 2");
     assert!(metrics.contains(&count), "no `{count}` in:\n{metrics}");
     // Issue 15.6: every consumer metric the shipped alert rules and Grafana
@@ -671,7 +618,7 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
     )
     .await;
     publish(&ch, &queue, "p-1", "{}").await;
-    while keys.lock().unwrap().is_empty() {
+    while keys.keys().is_empty() {
         assert!(start.elapsed() < Duration::from_secs(20), "p-1 not handled");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -719,7 +666,7 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
         publish(&ch, &queue, id, "{}").await;
     }
     tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(*keys.lock().unwrap(), ["p-1"], "nothing taken while paused");
+    assert_eq!(keys.keys(), ["p-1"], "nothing taken while paused");
     let counts = rabbitmqctl_list(
         "queues",
         &["name", "messages_ready", "messages_unacknowledged"],
@@ -754,16 +701,16 @@ async fn a_consumer_is_paused_and_resumed_by_name() {
     let (status, body) = switch(&addr, &queue, "resume", token).await;
     assert_eq!(status, 200, "{body}");
     let resumed = Instant::now();
-    while keys.lock().unwrap().len() < 4 {
+    while keys.keys().len() < 4 {
         assert!(
             resumed.elapsed() < Duration::from_secs(20),
             "not resumed: {:?}",
-            keys.lock().unwrap()
+            keys.keys()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut got = keys.lock().unwrap().clone();
+    let mut got = keys.keys();
     got.sort();
     assert_eq!(got, ["p-1", "p-2", "p-3", "p-4"], "each once");
     let entry = consumer_entry(&addr, &queue, token).await;
@@ -940,7 +887,7 @@ async fn a_hand_made_retry_queue_that_does_not_dead_letter_back_is_refused() {
     let mut child = consume(&config).stderr(Stdio::piped()).spawn().unwrap();
     publish(&ch, &good, "hand-1", "{}").await;
     let start = Instant::now();
-    while keys.lock().unwrap().is_empty() {
+    while keys.keys().is_empty() {
         if let Some(status) = child.try_wait().unwrap() {
             panic!("consume exited {status:?}: {}", stderr_of(&mut child).await);
         }
@@ -994,7 +941,7 @@ async fn per_aggregate_ordering_keeps_its_holds_beside_the_inbox() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     publish(&ch, &queue, "ord-1", "{}").await;
-    while keys.lock().unwrap().is_empty() {
+    while keys.keys().is_empty() {
         assert!(start.elapsed() < Duration::from_secs(20), "nothing handled");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -1141,7 +1088,7 @@ async fn dead_letters_from_the_cli_and_the_api() {
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(said.contains("1 of 3 dead letters"), "{said}");
-    while keys.lock().unwrap().iter().filter(|k| *k == "d-1").count() < 2 {
+    while keys.keys().iter().filter(|k| *k == "d-1").count() < 2 {
         assert!(
             start.elapsed() < Duration::from_secs(30),
             "d-1 never handled again"
@@ -1239,7 +1186,7 @@ async fn the_consumers_dashboard_handles_dead_letters_in_a_browser() {
         "{result}"
     );
     assert_eq!(
-        keys.lock().unwrap().iter().filter(|k| *k == "d-1").count(),
+        keys.keys().iter().filter(|k| *k == "d-1").count(),
         2,
         "the replayed letter was posted again"
     );

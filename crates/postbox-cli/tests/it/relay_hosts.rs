@@ -12,7 +12,6 @@ use lapin::options::{
     BasicGetOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::ExchangeKind;
-use postbox_core::NewEvent;
 use postbox_testkit::consumer_fixtures::{broker, delete_queues, eventually};
 use postbox_testkit::netns::Host;
 use postbox_testkit::servers::{amqp_url, scratch_name};
@@ -104,28 +103,8 @@ async fn relays_on_two_hosts_share_a_table_and_losing_one_loses_nothing() {
         relays.push(relay);
     }
 
-    let producer = {
-        let store = store.clone();
-        tokio::spawn(async move {
-            for chunk in 0..EVENTS / 25 {
-                let events: Vec<_> = (0..25)
-                    .map(|k| {
-                        NewEvent::new(
-                            "room",
-                            "RoomCreated",
-                            format!(r#"{{"n":{}}}"#, chunk * 25 + k),
-                        )
-                    })
-                    .collect();
-                store.enqueue_batch(&events, 1 << 20).await.unwrap();
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
-    let delivered = async || -> i64 {
-        let stats = store.stats(&["room".to_owned()]).await.unwrap();
-        stats[0].delivered
-    };
+    let producer = common::produce(store.clone(), EVENTS, 25);
+    let delivered = async || common::delivered_rooms(store.as_ref()).await;
     eventually("a third delivered", Duration::from_secs(60), async || {
         let n = delivered().await;
         (n >= (EVENTS / 3) as i64)
@@ -141,19 +120,26 @@ async fn relays_on_two_hosts_share_a_table_and_losing_one_loses_nothing() {
         relays[0].id().unwrap()
     );
     let started = Instant::now();
+    let count_held =
+        async || -> i64 { (sqlx::query_scalar(&held_by_first).fetch_one(&pool).await).unwrap() };
+    let first = relays[0].id().unwrap();
     let held: i64 = loop {
-        let n: i64 = sqlx::query_scalar(&held_by_first)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-        if n > 0 {
-            hosts[0].lose();
-            break n;
-        }
         assert!(
             started.elapsed() < Duration::from_secs(30),
             "the first host never held a lease"
         );
+        if count_held().await == 0 {
+            continue;
+        }
+        // Frozen, it cannot mark what it holds between the count and
+        // the loss.
+        common::signal("STOP", first);
+        let n = count_held().await;
+        if n > 0 {
+            hosts[0].lose();
+            break n;
+        }
+        common::signal("CONT", first);
     };
     let lost_at = Instant::now();
     producer.await.unwrap();

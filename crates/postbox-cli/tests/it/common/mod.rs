@@ -180,6 +180,32 @@ pub async fn stopped(child: &mut tokio::process::Child) {
     assert!(status.success(), "{status:?}");
 }
 
+/// Enqueues `total` events of app_code `room`, `batch` at a time every
+/// 50 ms, like a service under load.
+pub fn produce(
+    store: Arc<dyn OutboxStore>,
+    total: usize,
+    batch: usize,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        for chunk in 0..total / batch {
+            let events: Vec<_> = (0..batch)
+                .map(|k| {
+                    let payload = format!(r#"{{"n":{}}}"#, chunk * batch + k);
+                    postbox_core::NewEvent::new("room", "RoomCreated", payload)
+                })
+                .collect();
+            store.enqueue_batch(&events, 1 << 20).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+}
+
+/// The delivered rows of app_code `room`.
+pub async fn delivered_rooms(store: &dyn OutboxStore) -> i64 {
+    store.stats(&["room".to_owned()]).await.unwrap()[0].delivered
+}
+
 /// `kill -NAME pid`, which must succeed.
 pub fn signal(name: &str, pid: u32) {
     let st = Command::new("kill")
