@@ -37,7 +37,7 @@ pub mod webhook;
 
 use std::sync::Arc;
 
-use postbox_core::config::{KeyPath, PublisherConfig, Settings};
+use postbox_core::config::{PublisherConfig, Settings};
 use postbox_core::{BoxFuture, Publisher, Result};
 
 /// Builds the publisher a config entry describes; config errors name keys
@@ -46,6 +46,26 @@ use postbox_core::{BoxFuture, Publisher, Result};
 /// feature.
 pub fn build(config: &PublisherConfig) -> BoxFuture<'_, Result<Arc<dyn Publisher>>> {
     Box::pin(build_here(config))
+}
+
+/// A publisher entry `c` with failover targets: its publishers, connected
+/// with `connect`, behind one [`failover::FailoverPublisher`].
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+macro_rules! failover_of {
+    ($config:expr, $c:expr, $connect:path) => {{
+        let configs = (0..$c.failover.len()).map(|i| $c.for_failover(i));
+        let targets = std::iter::once($c.clone()).chain(configs).collect();
+        let times = (
+            $c.failover.as_slice(),
+            $c.failover_after.get(),
+            $c.failback_after.get(),
+        );
+        with_failover($config.name(), times, targets, |mut one, name| async move {
+            one.name = Some(name);
+            Ok(Arc::new($connect(&one).await?) as Arc<dyn Publisher>)
+        })
+        .await
+    }};
 }
 
 async fn build_here(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
@@ -57,36 +77,14 @@ async fn build_here(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
         }
         #[cfg(feature = "rabbitmq")]
         PublisherConfig::Rabbitmq(c) => {
-            let name = config.name();
-            let mut targets = Vec::with_capacity(c.failover.len() + 1);
-            for i in 0..=c.failover.len() {
-                let target = c.target_name(i);
-                let mut one = if i == 0 {
-                    c.clone()
-                } else {
-                    c.for_failover(i - 1)
-                };
-                one.name = Some(format!("{name}.{target}"));
-                let publisher = rabbitmq::RabbitMqPublisher::connect(&one).await;
-                let publisher = match (i, publisher) {
-                    (_, Ok(p)) => p,
-                    (0, Err(e)) => return Err(e),
-                    (i, Err(e)) => return Err(e.within(&KeyPath::root("failover").index(i - 1))),
-                };
-                targets.push(failover::Target {
-                    name: target,
-                    publisher: Arc::new(publisher),
-                });
-            }
-            Ok(Arc::new(failover::FailoverPublisher::new(
-                name.to_owned(),
-                targets,
-                c.failover_after.get(),
-                c.failback_after.get(),
-            )))
+            failover_of!(config, c, rabbitmq::RabbitMqPublisher::connect)
         }
         #[cfg(feature = "nats")]
-        PublisherConfig::Nats(c) => Ok(Arc::new(nats::NatsPublisher::connect(c).await?)),
+        PublisherConfig::Nats(c) if c.failover.is_empty() => {
+            Ok(Arc::new(nats::NatsPublisher::connect(c).await?))
+        }
+        #[cfg(feature = "nats")]
+        PublisherConfig::Nats(c) => failover_of!(config, c, nats::NatsPublisher::connect),
         #[cfg(feature = "redis")]
         PublisherConfig::Redis(c) => Ok(Arc::new(redis::RedisPublisher::connect(c).await?)),
         #[cfg(feature = "webhook")]
@@ -101,6 +99,49 @@ async fn build_here(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
             ),
         )),
     }
+}
+
+/// A [`failover::FailoverPublisher`] named `name` over `configs` (the
+/// primary's, then each failover target's), each connected by `connect`
+/// under the name `<name>.<target>`; a target's config error names its
+/// `failover.<i>` key.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+async fn with_failover<C, F, Fut>(
+    name: &str,
+    (failover, failover_after, failback_after): (
+        &[postbox_core::config::FailoverTarget],
+        std::time::Duration,
+        std::time::Duration,
+    ),
+    configs: Vec<C>,
+    connect: F,
+) -> Result<Arc<dyn Publisher>>
+where
+    F: Fn(C, String) -> Fut,
+    Fut: std::future::Future<Output = Result<Arc<dyn Publisher>>>,
+{
+    let mut targets = Vec::with_capacity(configs.len());
+    for (i, one) in configs.into_iter().enumerate() {
+        let target = postbox_core::config::target_name(failover, i);
+        let publisher = match connect(one, format!("{name}.{target}")).await {
+            Ok(p) => p,
+            Err(e) if i == 0 => return Err(e),
+            Err(e) => {
+                let at = postbox_core::config::KeyPath::root("failover").index(i - 1);
+                return Err(e.within(&at));
+            }
+        };
+        targets.push(failover::Target {
+            name: target,
+            publisher,
+        });
+    }
+    Ok(Arc::new(failover::FailoverPublisher::new(
+        name.to_owned(),
+        targets,
+        failover_after,
+        failback_after,
+    )))
 }
 
 /// Builds every configured publisher, in order. A config error names the

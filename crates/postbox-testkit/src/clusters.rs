@@ -207,13 +207,23 @@ impl Drop for RabbitCluster {
     }
 }
 
-/// A NATS cluster with JetStream on every node.
+/// A NATS cluster with JetStream on every node (one node: a plain
+/// JetStream server).
 #[derive(Debug)]
 pub struct NatsCluster {
     /// The client ports on 127.0.0.1, in node order.
     pub ports: Vec<u16>,
-    processes: Vec<Option<std::process::Child>>,
+    /// Each node's `nats-server` arguments, to start it again.
+    args: Vec<Vec<String>>,
+    processes: std::sync::Mutex<Vec<Option<std::process::Child>>>,
     dir: PathBuf,
+}
+
+fn nats_server(args: &[String]) -> std::process::Child {
+    Command::new("nats-server")
+        .args(args)
+        .spawn()
+        .expect("nats-server (Debian's nats-server package)")
 }
 
 impl NatsCluster {
@@ -223,28 +233,44 @@ impl NatsCluster {
         let dir = scratch_dir("nats-cluster");
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
         let routes: Vec<u16> = (0..n).map(|_| free_port()).collect();
-        let name = format!("pbx{}", std::process::id());
-        let mut processes = Vec::new();
+        let name = format!(
+            "pbx{}x{}",
+            std::process::id(),
+            &uuid::Uuid::now_v7().simple().to_string()[26..]
+        );
+        let mut all_args = Vec::new();
         for i in 0..n {
             let others: Vec<String> = (0..n)
                 .filter(|&j| j != i)
                 .map(|j| format!("nats://127.0.0.1:{}", routes[j]))
                 .collect();
-            let child = Command::new("nats-server")
-                .args(["-a", "127.0.0.1", "-p", &ports[i].to_string(), "-js"])
-                .args(["-sd", &dir.join(format!("n{i}")).display().to_string()])
-                .args(["--server_name", &format!("{name}n{i}")])
-                .args(["--cluster_name", &name])
-                .args(["--cluster", &format!("nats://127.0.0.1:{}", routes[i])])
-                .args(["--routes", &others.join(",")])
-                .args(["-l", &dir.join(format!("n{i}.log")).display().to_string()])
-                .spawn()
-                .expect("nats-server (Debian's nats-server package)");
-            processes.push(Some(child));
+            let mut args: Vec<String> = ["-a", "127.0.0.1", "-p", &ports[i].to_string(), "-js"]
+                .map(str::to_owned)
+                .to_vec();
+            args.extend([
+                "-sd".into(),
+                dir.join(format!("n{i}")).display().to_string(),
+            ]);
+            args.extend(["--server_name".into(), format!("{name}n{i}")]);
+            args.extend([
+                "-l".into(),
+                dir.join(format!("n{i}.log")).display().to_string(),
+            ]);
+            if n > 1 {
+                args.extend(["--cluster_name".into(), name.clone()]);
+                args.extend([
+                    "--cluster".into(),
+                    format!("nats://127.0.0.1:{}", routes[i]),
+                ]);
+                args.extend(["--routes".into(), others.join(",")]);
+            }
+            all_args.push(args);
         }
+        let processes = all_args.iter().map(|a| Some(nats_server(a))).collect();
         let cluster = NatsCluster {
             ports,
-            processes,
+            args: all_args,
+            processes: std::sync::Mutex::new(processes),
             dir,
         };
         let started = Instant::now();
@@ -285,17 +311,35 @@ impl NatsCluster {
     }
 
     /// Kills node `i` at once (SIGKILL), as a crash would.
-    pub fn kill(&mut self, i: usize) {
-        if let Some(mut child) = self.processes[i].take() {
+    pub fn kill(&self, i: usize) {
+        let mut processes = self.processes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mut child) = processes[i].take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+
+    /// Starts node `i` again (after [`NatsCluster::kill`]) on its port and
+    /// its data folder, and waits until it answers.
+    pub async fn restart(&self, i: usize) {
+        self.kill(i);
+        let child = nats_server(&self.args[i]);
+        self.processes.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(child);
+        let url = self.urls()[i].clone();
+        let started = Instant::now();
+        while async_nats::connect(&url).await.is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "{url} did not come back"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
 }
 
 impl Drop for NatsCluster {
     fn drop(&mut self) {
-        for i in 0..self.processes.len() {
+        for i in 0..self.args.len() {
             self.kill(i);
         }
         if !std::thread::panicking() {

@@ -183,7 +183,7 @@ fn queue_types(node: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_and_consumer_carry_on_when_a_nats_cluster_node_dies() {
-    let mut cluster = NatsCluster::start(3).await;
+    let cluster = NatsCluster::start(3).await;
     let urls = toml_list(&cluster.urls());
     let (url, store) = common::server_outbox("postgres", "pbx_nats_cluster", 4).await;
     let handler = Recorder::start().await;
@@ -333,65 +333,61 @@ async fn delivered(store: &Arc<dyn OutboxStore>, n: usize, what: &str) {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
-    let (primary, secondary) = tokio::join!(
-        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
-        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
-    );
-    let (primary, secondary) = (Arc::new(primary.unwrap()), secondary.unwrap());
-    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
-    let (url, store) = common::server_outbox("postgres", "pbx_failover", 4).await;
-    let (exchange, queue) = (scratch_name("pbx_fox"), scratch_name("pbx_foq"));
-    exchange_and_queue(&primary_url, &exchange, &queue).await;
-    exchange_and_queue(&secondary_url, &exchange, &queue).await;
-    let admin = format!("127.0.0.1:{}", postbox_testkit::clusters::free_port());
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = common::write_config(
-        dir.path(),
-        &format!(
-            "{}[[publishers]]\nkind = \"rabbitmq\"\nname = \"mq\"\nurl = \"{primary_url}\"\nexchange = \"{exchange}\"\n\
-             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n\
-             [admin]\nlisten = \"{admin}\"\n",
-            outbox_toml(&url, store.table().as_str()),
-        ),
-    );
-    let mut relay = common::spawn_async(dir.path(), &cfg, "relay", &[]);
+/// Drives a publisher `mq` with a failover target through an outage of
+/// its primary: 300 events through the primary; `stop`, 300 more (through
+/// the secondary); `start`, back on the primary; 300 more. `read(primary)`
+/// gives the event ids a target holds. Every event must reach a target,
+/// each phase's on the right one, with one switch each way.
+/// A relay's setup for [`fail_over_and_back`]: its config file in `dir`,
+/// its outbox, the address of its admin server.
+struct Failover<'a> {
+    label: &'a str,
+    dir: &'a Path,
+    cfg: &'a str,
+    store: &'a Arc<dyn OutboxStore>,
+    admin: &'a str,
+}
+
+async fn fail_over_and_back(
+    Failover {
+        label,
+        dir,
+        cfg,
+        store,
+        admin,
+    }: Failover<'_>,
+    stop: impl AsyncFnOnce(),
+    start: impl AsyncFnOnce(),
+    read: impl AsyncFn(bool) -> Vec<String>,
+) {
+    let mut relay = common::spawn_async(dir, cfg, "relay", &[]);
     let active = async |target: &str| {
-        metric(
-            &admin,
-            "postbox_publisher_active_target",
-            &[("publisher", "mq"), ("target", target)],
-        )
-        .await
+        let labels = [("publisher", "mq"), ("target", target)];
+        metric(admin, "postbox_publisher_active_target", &labels).await
+    };
+    let active_in_api = async || {
+        let api =
+            postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/api/publishers", &[])
+                .await;
+        api.json()["active_targets"]["mq"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
     };
 
-    let before = enqueue(&store, 300).await;
-    delivered(&store, 300, "the first events, through the primary").await;
+    let before = enqueue(store, 300).await;
+    delivered(store, 300, "the first events, through the primary").await;
 
     let down = Instant::now();
-    let stop = primary.clone();
-    tokio::task::spawn_blocking(move || stop.stop_app(0))
-        .await
-        .unwrap();
-    let during = enqueue(&store, 300).await;
-    delivered(&store, 600, "the events sent while the primary is down").await;
+    stop().await;
+    let during = enqueue(store, 300).await;
+    delivered(store, 600, "the events sent while the primary is down").await;
     let failover = down.elapsed();
     assert_eq!(active("secondary").await, 1.0);
-    let publishers =
-        postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/api/publishers", &[]).await;
-    assert_eq!(
-        publishers.json()["active_targets"]["mq"],
-        "secondary",
-        "{}",
-        publishers.body
-    );
+    assert_eq!(active_in_api().await, "secondary");
 
     let up = Instant::now();
-    let start = primary.clone();
-    tokio::task::spawn_blocking(move || start.start_app(0))
-        .await
-        .unwrap();
+    start().await;
     eventually(
         "publishing back on the primary",
         Duration::from_secs(60),
@@ -403,26 +399,18 @@ async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
     )
     .await;
     let failback = up.elapsed();
-    let publishers =
-        postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/api/publishers", &[]).await;
-    assert_eq!(
-        publishers.json()["active_targets"]["mq"],
-        "primary",
-        "{}",
-        publishers.body
-    );
-    let after = enqueue(&store, 300).await;
-    delivered(&store, 900, "the events after the primary came back").await;
+    assert_eq!(active_in_api().await, "primary");
+    let after = enqueue(store, 300).await;
+    delivered(store, 900, "the events after the primary came back").await;
     for (from, to) in [("primary", "secondary"), ("secondary", "primary")] {
         let labels = [("publisher", "mq"), ("from", from), ("to", to)];
-        let switches = metric(&admin, "postbox_publisher_switches_total", &labels).await;
+        let switches = metric(admin, "postbox_publisher_switches_total", &labels).await;
         assert_eq!(switches, 1.0, "one switch from {from} to {to}");
     }
     common::stopped(&mut relay).await;
 
-    let on_primary: HashSet<_> = drain(&primary_url, &queue).await.into_iter().collect();
-    let on_secondary_all = drain(&secondary_url, &queue).await;
-    let on_secondary: HashSet<_> = on_secondary_all.iter().cloned().collect();
+    let on_primary: HashSet<_> = read(true).await.into_iter().collect();
+    let on_secondary: HashSet<_> = read(false).await.into_iter().collect();
     let all: HashSet<_> = before
         .iter()
         .chain(&during)
@@ -432,7 +420,7 @@ async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
     let reached: HashSet<_> = on_primary.union(&on_secondary).cloned().collect();
     let both = on_primary.intersection(&on_secondary).count();
     println!(
-        "failover: 900 events, lost {}, on both targets {both}; the events of the outage all delivered (through the secondary) {failover:?} after the primary stopped; back on the primary {failback:?} after it started",
+        "{label}: 900 events, lost {}, on both targets {both}; the events of the outage all delivered (through the secondary) {failover:?} after the primary stopped; back on the primary {failback:?} after it started",
         all.difference(&reached).count()
     );
     assert_eq!(reached, all, "every event reached a target");
@@ -448,4 +436,126 @@ async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
         after.iter().all(|id| on_primary.contains(id)),
         "after the failback: the primary"
     );
+}
+
+/// `[admin]` on a free port, and its address.
+fn admin_toml() -> (String, String) {
+    let admin = format!("127.0.0.1:{}", postbox_testkit::clusters::free_port());
+    (format!("[admin]\nlisten = \"{admin}\"\n"), admin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
+    let (primary, secondary) = tokio::join!(
+        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
+        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
+    );
+    let (primary, secondary) = (Arc::new(primary.unwrap()), secondary.unwrap());
+    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
+    let (url, store) = common::server_outbox("postgres", "pbx_failover", 4).await;
+    let (exchange, queue) = (scratch_name("pbx_fox"), scratch_name("pbx_foq"));
+    exchange_and_queue(&primary_url, &exchange, &queue).await;
+    exchange_and_queue(&secondary_url, &exchange, &queue).await;
+    let (admin_toml, admin) = admin_toml();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::write_config(
+        dir.path(),
+        &format!(
+            "{}[[publishers]]\nkind = \"rabbitmq\"\nname = \"mq\"\nurl = \"{primary_url}\"\nexchange = \"{exchange}\"\n\
+             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n{admin_toml}",
+            outbox_toml(&url, store.table().as_str()),
+        ),
+    );
+    let (stopping, starting) = (primary.clone(), primary.clone());
+    let setup = Failover {
+        label: "rabbitmq failover",
+        dir: dir.path(),
+        cfg: &cfg,
+        store: &store,
+        admin: &admin,
+    };
+    fail_over_and_back(
+        setup,
+        async || {
+            tokio::task::spawn_blocking(move || stopping.stop_app(0))
+                .await
+                .unwrap()
+        },
+        async || {
+            tokio::task::spawn_blocking(move || starting.start_app(0))
+                .await
+                .unwrap()
+        },
+        async |primary| {
+            let url = if primary {
+                &primary_url
+            } else {
+                &secondary_url
+            };
+            drain(url, &queue).await
+        },
+    )
+    .await;
+}
+
+/// The `x-event-id` of every message in `stream` on the server at `url`.
+async fn stream_event_ids(url: &str, stream: &str) -> Vec<String> {
+    let js = async_nats::jetstream::new(async_nats::connect(url).await.unwrap());
+    let mut stream = js.get_stream(stream).await.unwrap();
+    let last = stream.info().await.unwrap().state.last_sequence;
+    let mut ids = Vec::new();
+    for seq in 1..=last {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        ids.push(m.headers.get("x-event-id").unwrap().as_str().to_owned());
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_publisher_fails_over_to_the_secondary_system_and_back() {
+    let (primary, secondary) = (NatsCluster::start(1).await, NatsCluster::start(1).await);
+    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
+    let (url, store) = common::server_outbox("postgres", "pbx_nats_failover", 4).await;
+    let stream = scratch_name("PBXFO").replace('-', "_");
+    for url in [&primary_url, &secondary_url] {
+        let js = async_nats::jetstream::new(async_nats::connect(url.as_str()).await.unwrap());
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{stream}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let (admin_toml, admin) = admin_toml();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::write_config(
+        dir.path(),
+        &format!(
+            "{}[[publishers]]\nkind = \"nats\"\nname = \"mq\"\nurl = \"{primary_url}\"\nstream = \"{stream}\"\nsubject = \"{stream}.{{app_code}}.{{event_type}}\"\n\
+             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n{admin_toml}",
+            outbox_toml(&url, store.table().as_str()),
+        ),
+    );
+    let setup = Failover {
+        label: "nats failover",
+        dir: dir.path(),
+        cfg: &cfg,
+        store: &store,
+        admin: &admin,
+    };
+    fail_over_and_back(
+        setup,
+        async || primary.kill(0),
+        async || primary.restart(0).await,
+        async |primary| {
+            let url = if primary {
+                &primary_url
+            } else {
+                &secondary_url
+            };
+            stream_event_ids(url, &stream).await
+        },
+    )
+    .await;
 }

@@ -305,6 +305,21 @@ mod tests {
             key_of(&format!("{failover}failback_after = \"0s\"")),
             "publishers.0.failback_after"
         );
+        let nats = "[[publishers]]\nkind = \"nats\"\nstream = \"S\"\nurl = \"nats://a:4222\"\n";
+        let c = load_str(&format!("{nats}failover = [{{ url = \"nats://b:4222\" }}]")).unwrap();
+        let crate::config::PublisherConfig::Nats(n) = &c.publishers[0] else {
+            panic!("a nats publisher")
+        };
+        assert_eq!(n.for_failover(0).url.expose(), "nats://b:4222");
+        assert_eq!(n.for_failover(0).stream, "S");
+        assert_eq!(
+            key_of(&format!("{nats}failover = [{{ url = \"amqp://b/\" }}]")),
+            "publishers.0.failover.0.url"
+        );
+        assert_eq!(
+            key_of(&format!("{nats}failover_after = \"0s\"")),
+            "publishers.0.failover_after"
+        );
         let consumer = "[[consumers]]\nqueue = \"q\"\n";
         let c = load_str(&format!(
             "{consumer}kind = \"nats\"\nurls = [\"nats://a:4222\", \"nats://b:4222\"]"

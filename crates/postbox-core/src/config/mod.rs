@@ -25,7 +25,7 @@ pub use key::KeyPath;
 pub use lease_budget::LeaseBudget;
 pub use load::{load, load_for, ConfigSource};
 pub use publisher::{
-    FailoverTarget, FilePublisherConfig, NatsPublisherConfig, PublisherConfig,
+    target_name, FailoverTarget, FilePublisherConfig, NatsPublisherConfig, PublisherConfig,
     RabbitMqPublisherConfig, RedisPublisherConfig, WebhookPublisherConfig, WebhookSignature,
     STANDARD_SECRET_PREFIX,
 };

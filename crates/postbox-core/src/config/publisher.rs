@@ -79,14 +79,13 @@ impl PublisherConfig {
     pub(crate) fn settle_nodes(&mut self, at: &KeyPath) -> Result<(), Error> {
         match self {
             PublisherConfig::Rabbitmq(c) => {
-                for (i, f) in c.failover.iter_mut().enumerate() {
-                    let at = at.join("failover").index(i);
-                    nodes::settle(&mut f.url, &mut f.urls, &at, Ok(()))?;
-                    nodes::check_schemes(&f.urls, &at, "rabbitmq", &["amqp", "amqps"])?;
-                }
+                settle_failover(&mut c.failover, at, "rabbitmq", &["amqp", "amqps"])?;
                 nodes::settle(&mut c.url, &mut c.urls, at, Ok(()))
             }
-            PublisherConfig::Nats(c) => nodes::settle(&mut c.url, &mut c.urls, at, Ok(())),
+            PublisherConfig::Nats(c) => {
+                settle_failover(&mut c.failover, at, "nats", &["nats", "tls"])?;
+                nodes::settle(&mut c.url, &mut c.urls, at, Ok(()))
+            }
             _ => Ok(()),
         }
     }
@@ -121,14 +120,7 @@ impl PublisherConfig {
                         "is empty; the default exchange cannot confirm routing, name an exchange",
                     ));
                 }
-                for (key, d) in [
-                    ("failover_after", &c.failover_after),
-                    ("failback_after", &c.failback_after),
-                ] {
-                    if d.get().is_zero() {
-                        return Err(Error::config(at.join(key), "must be > 0"));
-                    }
-                }
+                positive_failover_times(at, &c.failover_after, &c.failback_after)?;
                 if c.exchange.len() > 255 {
                     return Err(Error::config(
                         at.join("exchange"),
@@ -153,6 +145,7 @@ impl PublisherConfig {
                 &["amqp", "amqps"]
             }
             PublisherConfig::Nats(c) => {
+                positive_failover_times(at, &c.failover_after, &c.failback_after)?;
                 if !crate::wire::nats::valid_name(&c.stream) {
                     return Err(Error::config(
                         at.join("stream"),
@@ -287,6 +280,38 @@ impl FailoverTarget {
     }
 }
 
+/// Settles the nodes of each failover target and checks their schemes.
+fn settle_failover(
+    failover: &mut [FailoverTarget],
+    at: &KeyPath,
+    kind: &str,
+    schemes: &[&str],
+) -> Result<(), Error> {
+    for (i, f) in failover.iter_mut().enumerate() {
+        let at = at.join("failover").index(i);
+        nodes::settle(&mut f.url, &mut f.urls, &at, Ok(()))?;
+        nodes::check_schemes(&f.urls, &at, kind, schemes)?;
+    }
+    Ok(())
+}
+
+/// `failover_after` and `failback_after` are positive.
+fn positive_failover_times(
+    at: &KeyPath,
+    failover_after: &HumanDuration,
+    failback_after: &HumanDuration,
+) -> Result<(), Error> {
+    for (key, d) in [
+        ("failover_after", failover_after),
+        ("failback_after", failback_after),
+    ] {
+        if d.get().is_zero() {
+            return Err(Error::config(at.join(key), "must be > 0"));
+        }
+    }
+    Ok(())
+}
+
 fn default_failover_after() -> HumanDuration {
     HumanDuration::secs(10)
 }
@@ -313,14 +338,9 @@ impl RabbitMqPublisherConfig {
         }
     }
 
-    /// The name of target `i` of the priority list: `primary`, then each
-    /// failover's name (default `failover-<i>`).
+    /// The name of target `i` of the priority list ([`target_name`]).
     pub fn target_name(&self, i: usize) -> String {
-        match i {
-            0 => "primary".to_owned(),
-            i => (self.failover.get(i - 1).and_then(|f| f.name.clone()))
-                .unwrap_or_else(|| format!("failover-{i}")),
-        }
+        target_name(&self.failover, i)
     }
 
     /// The entry as it publishes to failover target `i` (from 0): its
@@ -344,9 +364,47 @@ impl RabbitMqPublisherConfig {
 }
 
 impl NatsPublisherConfig {
+    /// A publisher to `stream` on the server at `url`, every other key at
+    /// its default (for code that configures a publisher itself).
+    pub fn new(url: SecretUrl, stream: impl Into<String>) -> Self {
+        NatsPublisherConfig {
+            name: None,
+            url,
+            urls: Vec::new(),
+            subject: default_subject(),
+            stream: stream.into(),
+            declare: false,
+            failover: Vec::new(),
+            failover_after: default_failover_after(),
+            failback_after: default_failback_after(),
+        }
+    }
+
     /// Every node: `urls`, or `url` ([`nodes::all`]).
     pub fn nodes(&self) -> &[SecretUrl] {
         nodes::all(&self.url, &self.urls)
+    }
+
+    /// The entry as it publishes to failover target `i` (from 0): its
+    /// nodes, the entry's stream and subject, no failover of its own.
+    pub fn for_failover(&self, i: usize) -> NatsPublisherConfig {
+        let target = &self.failover[i];
+        NatsPublisherConfig {
+            url: target.nodes()[0].clone(),
+            urls: target.nodes().to_vec(),
+            failover: Vec::new(),
+            ..self.clone()
+        }
+    }
+}
+
+/// The name of target `i` of a priority list: `primary`, then each
+/// failover's name (default `failover-<i>`).
+pub fn target_name(failover: &[FailoverTarget], i: usize) -> String {
+    match i {
+        0 => "primary".to_owned(),
+        i => (failover.get(i - 1).and_then(|f| f.name.clone()))
+            .unwrap_or_else(|| format!("failover-{i}")),
     }
 }
 
@@ -374,6 +432,17 @@ pub struct NatsPublisherConfig {
     /// placeholders as wildcards) when missing.
     #[serde(default)]
     pub declare: bool,
+    /// Other NATS systems to publish to, in priority order, as for
+    /// RabbitMQ ([`RabbitMqPublisherConfig::failover`]); each takes the
+    /// entry's stream and subject.
+    #[serde(default)]
+    pub failover: Vec<FailoverTarget>,
+    /// As for RabbitMQ (default 10s).
+    #[serde(default = "default_failover_after")]
+    pub failover_after: HumanDuration,
+    /// As for RabbitMQ (default 60s).
+    #[serde(default = "default_failback_after")]
+    pub failback_after: HumanDuration,
 }
 
 /// `kind = "redis"`.

@@ -257,6 +257,11 @@ impl Publisher for NatsPublisher {
         let _ = tokio::time::timeout(publish_timeout, work).await;
     }
 
+    fn connected(&self) -> Option<bool> {
+        let state = self.client.connection_state();
+        Some(state == async_nats::connection::State::Connected)
+    }
+
     async fn close(&self) {
         if let Err(e) = self.client.flush().await {
             tracing::debug!(publisher = %self.name, error = %e, "flush at close failed");

@@ -39,11 +39,9 @@ async fn jetstream() -> jetstream::Context {
 fn config(name: &str, stream: &str, subject: &str, declare: bool) -> NatsPublisherConfig {
     NatsPublisherConfig {
         name: Some(name.to_owned()),
-        url: SecretUrl::new(nats_url()),
-        urls: Vec::new(),
         subject: Template::parse(subject).unwrap(),
-        stream: stream.to_owned(),
         declare,
+        ..NatsPublisherConfig::new(SecretUrl::new(nats_url()), stream)
     }
 }
 
