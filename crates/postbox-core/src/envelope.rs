@@ -10,6 +10,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
+use crate::publish::Delivery;
 use crate::EventRecord;
 
 /// One event as the outside world sees it.
@@ -62,6 +63,16 @@ impl Envelope {
             headers: r.headers_map(),
             payload: Self::payload_of(&r.payload),
         }
+    }
+
+    /// The envelope a publisher sends for `d`: the row's, its headers as
+    /// the delivery sends them (the relay's trace context, when it records
+    /// one) with `x-attempt` and `x-replayed`.
+    pub fn of_delivery(d: &Delivery<'_>) -> Self {
+        let mut env = Envelope::from_record(d.record);
+        d.apply_trace(&mut env.headers);
+        crate::wire::stamp_delivery(&mut env.headers, d.attempt, d.replayed);
+        env
     }
 
     /// The envelope's `payload` for a payload text: the text itself when it

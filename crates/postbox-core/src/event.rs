@@ -254,6 +254,16 @@ pub struct EventRecord {
 }
 
 impl EventRecord {
+    /// The trace context the row was written with (its `traceparent`
+    /// header); the headers are parsed only when they mention one.
+    pub fn trace_parent(&self) -> Option<trace::SpanContext> {
+        let headers = self.headers.as_deref()?;
+        if !headers.contains(trace::TRACEPARENT) {
+            return None;
+        }
+        trace::parent_of(&self.headers_map())
+    }
+
     /// Parses the `headers` column into a JSON object (empty when absent or
     /// not an object).
     pub fn headers_map(&self) -> serde_json::Map<String, serde_json::Value> {

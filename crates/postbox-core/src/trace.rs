@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A span's identity: trace id, span id, flags and state.
 pub use opentelemetry::trace::SpanContext;
-use opentelemetry::trace::{Link, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
+use opentelemetry::trace::{SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
 use opentelemetry::Context;
 
 /// The W3C header naming the caller's span: `00-<trace id>-<span id>-<flags>`.
@@ -150,18 +150,6 @@ pub fn current() -> Option<SpanContext> {
     })
 }
 
-/// Links from a batch span to the traced events among `headers`, at most
-/// [`MAX_BATCH_LINKS`].
-pub fn links<'a>(
-    headers: impl Iterator<Item = &'a serde_json::Map<String, serde_json::Value>>,
-) -> Vec<Link> {
-    headers
-        .filter_map(parent_of)
-        .take(MAX_BATCH_LINKS)
-        .map(Link::with_context)
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,10 +194,12 @@ mod tests {
         inject(&parent, &mut out);
         assert_eq!(out[TRACEPARENT], TP);
         assert_eq!(out[TRACESTATE], "congo=t61rcWkgMzE");
-        assert_eq!(
-            links([&h, &out, &serde_json::Map::new()].into_iter()).len(),
-            2
-        );
+        let row = |headers: &serde_json::Map<String, serde_json::Value>| crate::EventRecord {
+            headers: Some(serde_json::to_string(headers).unwrap()),
+            ..crate::template::tests::record()
+        };
+        assert_eq!(row(&out).trace_parent(), Some(parent));
+        assert_eq!(row(&serde_json::Map::new()).trace_parent(), None);
     }
 
     #[test]

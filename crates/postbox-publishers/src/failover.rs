@@ -54,9 +54,9 @@ struct Inner {
 #[derive(Debug)]
 struct State {
     active: usize,
-    /// Per target: since when it has been reachable, or unreachable.
-    up_since: Vec<Option<Instant>>,
-    down_since: Vec<Option<Instant>>,
+    /// Per target: whether it was reachable when last looked at, and
+    /// since when.
+    seen: Vec<Option<(bool, Instant)>>,
 }
 
 impl FailoverPublisher {
@@ -76,8 +76,7 @@ impl FailoverPublisher {
             failback_after,
             state: Mutex::new(State {
                 active: 0,
-                up_since: vec![None; n],
-                down_since: vec![None; n],
+                seen: vec![None; n],
             }),
         };
         for (i, t) in publisher.targets.iter().enumerate() {
@@ -99,13 +98,6 @@ impl FailoverPublisher {
         });
         FailoverPublisher { inner }
     }
-
-    /// The name of the target published to now.
-    pub fn active_target(&self) -> String {
-        let inner = &self.inner;
-        let active = inner.state.lock().unwrap_or_else(|p| p.into_inner()).active;
-        inner.targets[active].name.clone()
-    }
 }
 
 impl Inner {
@@ -115,23 +107,25 @@ impl Inner {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         for (i, t) in self.targets.iter().enumerate() {
             // A publisher that cannot tell counts as reachable.
-            if t.publisher.connected().unwrap_or(true) {
-                state.up_since[i].get_or_insert(now);
-                state.down_since[i] = None;
-            } else {
-                state.down_since[i].get_or_insert(now);
-                state.up_since[i] = None;
+            let up = t.publisher.connected().unwrap_or(true);
+            if state.seen[i].is_none_or(|(was, _)| was != up) {
+                state.seen[i] = Some((up, now));
             }
         }
+        // How long target `i` has been reachable (`up`) or not, if it is so
+        // (a caller that read the clock before another saw a change counts 0).
+        let lasted = |state: &State, i: usize, up: bool| {
+            (state.seen[i])
+                .and_then(|(was, since)| (was == up).then(|| now.saturating_duration_since(since)))
+        };
         let active = state.active;
-        let up_for = |state: &State, i: usize| state.up_since[i].map(|t| now - t);
-        let back =
-            (0..active).find(|&i| up_for(&state, i).is_some_and(|d| d >= self.failback_after));
-        let down_for = state.down_since[active].map(|t| now - t);
+        let back = (0..active)
+            .find(|&i| lasted(&state, i, true).is_some_and(|d| d >= self.failback_after));
+        let down_for = lasted(&state, active, false);
         let next = match (back, down_for) {
             (Some(i), _) => Some((i, format!("{} is reachable again", self.targets[i].name))),
             (None, Some(down)) if down >= self.failover_after => (0..self.targets.len())
-                .find(|&i| i != active && up_for(&state, i).is_some())
+                .find(|&i| i != active && lasted(&state, i, true).is_some())
                 .map(|i| {
                     let why = format!(
                         "{} unreachable for {} s",
@@ -191,5 +185,85 @@ impl Publisher for FailoverPublisher {
         for t in &self.inner.targets {
             t.publisher.close().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// A target whose connection the test sets.
+    struct Stub {
+        up: AtomicBool,
+    }
+
+    #[async_trait]
+    impl Publisher for Stub {
+        fn name(&self) -> &str {
+            "stub"
+        }
+
+        async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+            batch.iter().map(|_| Ok(())).collect()
+        }
+
+        fn connected(&self) -> Option<bool> {
+            Some(self.up.load(Ordering::Relaxed))
+        }
+    }
+
+    #[tokio::test]
+    async fn it_fails_over_after_its_delay_and_fails_back_only_after_a_steady_primary() {
+        let stubs: Vec<_> = (0..2)
+            .map(|_| {
+                Arc::new(Stub {
+                    up: AtomicBool::new(true),
+                })
+            })
+            .collect();
+        let targets = ["primary", "dr"]
+            .iter()
+            .zip(&stubs)
+            .map(|(name, stub)| Target {
+                name: (*name).to_owned(),
+                publisher: stub.clone(),
+            })
+            .collect();
+        let (after, back) = (Duration::from_secs(10), Duration::from_secs(60));
+        let p = FailoverPublisher::new("mq".into(), targets, after, back);
+        let active = |at: Instant| {
+            let chosen = p.inner.choose(at);
+            usize::from(!Arc::ptr_eq(
+                chosen,
+                &(stubs[0].clone() as Arc<dyn Publisher>),
+            ))
+        };
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(active(at(0)), 0);
+        stubs[0].up.store(false, Ordering::Relaxed);
+        assert_eq!(active(at(1)), 0, "down, but not for failover_after yet");
+        assert_eq!(active(at(10)), 0);
+        assert_eq!(active(at(11)), 1, "down for 10 s: the next target");
+        stubs[0].up.store(true, Ordering::Relaxed);
+        assert_eq!(active(at(20)), 1, "back, but not for failback_after yet");
+        stubs[0].up.store(false, Ordering::Relaxed);
+        assert_eq!(active(at(30)), 1);
+        stubs[0].up.store(true, Ordering::Relaxed);
+        assert_eq!(active(at(40)), 1, "a flap starts the wait again");
+        assert_eq!(active(at(99)), 1);
+        assert_eq!(
+            active(at(100)),
+            0,
+            "reachable for 60 s: back to the primary"
+        );
+        // With no other target reachable, it stays where it is.
+        stubs[0].up.store(false, Ordering::Relaxed);
+        stubs[1].up.store(false, Ordering::Relaxed);
+        assert_eq!(active(at(200)), 0);
+        assert_eq!(active(at(300)), 0);
+        assert_eq!(postbox_core::publish::active_targets()["mq"], "primary");
     }
 }

@@ -56,24 +56,19 @@ impl<'a> Delivery<'a> {
     }
 
     /// The event's headers as this delivery sends them: the row's, with
-    /// [`trace`](Delivery::trace) as `traceparent`/`tracestate` when the
-    /// relay records a span for it. Without the delivery metadata
-    /// ([`crate::wire::stamp_delivery`]).
+    /// [`trace`](Delivery::trace) applied ([`Delivery::apply_trace`]).
+    /// Without the delivery metadata ([`crate::wire::stamp_delivery`]).
     pub fn headers(&self) -> serde_json::Map<String, serde_json::Value> {
         let mut headers = self.record.headers_map();
-        if let Some(context) = self.trace {
-            trace::inject(context, &mut headers);
-        }
+        self.apply_trace(&mut headers);
         headers
     }
 
-    /// The trace context this delivery carries: the relay's span, else the
-    /// one the event was written with.
-    pub fn trace_context(&self) -> Option<SpanContext> {
-        match self.trace {
-            Some(context) => Some(context.clone()),
-            None if self.record.headers.is_some() => trace::parent_of(&self.record.headers_map()),
-            None => None,
+    /// Writes [`trace`](Delivery::trace), when the relay records a span for
+    /// this event, into the row's `headers` as `traceparent`/`tracestate`.
+    pub fn apply_trace(&self, headers: &mut serde_json::Map<String, serde_json::Value>) {
+        if let Some(context) = self.trace {
+            trace::inject(context, headers);
         }
     }
 }

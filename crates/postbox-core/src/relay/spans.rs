@@ -1,8 +1,8 @@
 //! The relay's OpenTelemetry spans, recorded only while the process exports
 //! them ([`trace::exporting`]): a `postbox.claim` and a `postbox.mark` span
 //! per batch, linked to the traced events among its rows, and a
-//! `postbox.publish` span per traced event and publisher, a child of the
-//! producer's span, whose context the publisher sends on.
+//! `publish <publisher>` span per traced event and publisher, a child of
+//! the producer's span, whose context the publisher sends on.
 
 use std::borrow::Cow;
 use std::time::SystemTime;
@@ -16,11 +16,11 @@ use crate::{trace, ClaimedEvent, EventRecord};
 /// Links to the traced events among `records` (at most
 /// [`trace::MAX_BATCH_LINKS`]).
 pub(super) fn links<'a>(records: impl Iterator<Item = &'a EventRecord>) -> Vec<Link> {
-    let headers: Vec<_> = records
-        .filter(|r| r.headers.is_some())
-        .map(EventRecord::headers_map)
-        .collect();
-    trace::links(headers.iter())
+    records
+        .filter_map(EventRecord::trace_parent)
+        .take(trace::MAX_BATCH_LINKS)
+        .map(Link::with_context)
+        .collect()
 }
 
 /// Records a batch span (`postbox.claim`, `postbox.mark`) that ran from
@@ -62,8 +62,7 @@ impl PublishSpans {
             .iter()
             .map(|&i| {
                 let r = &events[i].record;
-                r.headers.as_ref()?;
-                let parent = trace::parent_of(&r.headers_map())?;
+                let parent = r.trace_parent()?;
                 let span = tracer
                     .span_builder(Cow::Owned(format!("publish {publisher}")))
                     .with_kind(SpanKind::Producer)

@@ -115,10 +115,12 @@ fn append_whole(file: &std::fs::File, buf: &[u8], path: &str) -> std::result::Re
 /// One envelope line (no line break inside), with the delivery metadata that brokers carry in
 /// headers (`x-attempt`, `x-replayed`).
 pub fn envelope_line(d: &Delivery<'_>) -> String {
-    let mut env = Envelope::from_record(d.record);
-    env.headers = d.headers();
-    postbox_core::wire::stamp_delivery(&mut env.headers, d.attempt, d.replayed);
-    let line = serde_json::to_string(&env).unwrap_or_default();
+    line_of(&Envelope::of_delivery(d))
+}
+
+/// `env` as one line (no line break inside), ending with one.
+pub fn line_of(env: &Envelope) -> String {
+    let line = serde_json::to_string(env).unwrap_or_default();
     // The payload is embedded verbatim (see `Envelope`), so a pretty-printed
     // payload brings its line breaks. In JSON text a raw CR or LF can only be
     // whitespace between tokens (inside strings they are escaped), so turning

@@ -31,6 +31,7 @@ use sha2::Sha256;
 use tokio::sync::Semaphore;
 
 use postbox_core::config::{WebhookPublisherConfig, WebhookSignature, STANDARD_SECRET_PREFIX};
+use postbox_core::envelope::Envelope;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::Secret;
 use postbox_core::wire::{self, http};
@@ -164,18 +165,17 @@ impl WebhookPublisher {
         d: &Delivery<'_>,
         timeout: Duration,
     ) -> std::result::Result<(), PublishError> {
-        let body = envelope_body(d);
+        let envelope = Envelope::of_delivery(d);
+        // The relay's span when it records one, else the producer's.
+        let trace = trace::parent_of(&envelope.headers);
+        let body = envelope_body(&envelope);
         let mut request = self
             .client
             .post(self.url.clone())
             .timeout(timeout)
             .header(CONTENT_TYPE, wire::CONTENT_TYPE)
             .header(http::IDEMPOTENCY_KEY, idempotency_key(&d.record.event_id)?);
-        for (name, value) in d
-            .trace_context()
-            .map(|c| trace::header_pairs(&c))
-            .unwrap_or_default()
-        {
+        for (name, value) in trace.map(|c| trace::header_pairs(&c)).unwrap_or_default() {
             request = request.header(name, value);
         }
         let timestamp = || {
@@ -289,8 +289,8 @@ impl Publisher for WebhookPublisher {
 }
 
 /// The request body: the envelope with `x-attempt` / `x-replayed`.
-fn envelope_body(d: &Delivery<'_>) -> String {
-    let mut line = crate::file::envelope_line(d);
+fn envelope_body(envelope: &Envelope) -> String {
+    let mut line = crate::file::line_of(envelope);
     line.pop();
     line
 }
