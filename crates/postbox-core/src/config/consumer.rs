@@ -50,8 +50,8 @@ pub struct ConsumerConfig {
     #[serde(default)]
     pub url: SecretUrl,
     /// RabbitMQ, NATS: the nodes of a cluster, instead of `url`; each
-    /// connection goes to the first live one, in order. Once checked,
-    /// every node (`url` alone too) is here.
+    /// connection goes to the first live one, in order. Read both
+    /// through `nodes()`.
     #[serde(default)]
     pub urls: Vec<SecretUrl>,
     /// RabbitMQ: the type of the queues `declare` creates, `classic` (the
@@ -270,7 +270,7 @@ impl ConsumerConfig {
             ConsumerKind::Redis => Err(super::nodes::REDIS_ONE_SERVER),
             _ => Ok(()),
         };
-        super::nodes::settle(&mut self.url, &mut self.urls, at, clusters)
+        super::nodes::settle(&mut self.url, &self.urls, at, clusters)
     }
 
     /// Checks one entry; `at` is its path, e.g. `consumers.0`.

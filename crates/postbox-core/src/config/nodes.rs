@@ -28,18 +28,19 @@ fn given(url: &SecretUrl) -> bool {
     !url.expose().is_empty() || url.unresolved().is_some()
 }
 
-/// Settles `url` and `urls` into one list: afterwards `urls` holds every
-/// node in order and `url` the first (what log lines show). Fails, naming
-/// the key, when neither or both are given, or `urls` where `clusters` is
-/// `None` (the kind takes one server; the reason says why).
+/// Checks that one of `url` and `urls` is given, and sets `url` to the
+/// first node when `urls` is (what log lines show); [`all`] lists the
+/// nodes either way. Fails, naming the key, when neither or both are
+/// given, or several nodes where `clusters` is `Err(why)` (the kind takes
+/// one server).
 pub(crate) fn settle(
     url: &mut SecretUrl,
-    urls: &mut Vec<SecretUrl>,
+    urls: &[SecretUrl],
     at: &KeyPath,
     clusters: Result<(), &str>,
 ) -> Result<(), Error> {
     match (given(url), urls.is_empty()) {
-        (true, true) => urls.push(url.clone()),
+        (true, true) => {}
         (false, false) => *url = urls[0].clone(),
         (false, true) => {
             return Err(Error::config(

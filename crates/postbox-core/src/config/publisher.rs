@@ -80,11 +80,11 @@ impl PublisherConfig {
         match self {
             PublisherConfig::Rabbitmq(c) => {
                 settle_failover(&mut c.failover, at, "rabbitmq", &["amqp", "amqps"])?;
-                nodes::settle(&mut c.url, &mut c.urls, at, Ok(()))
+                nodes::settle(&mut c.url, &c.urls, at, Ok(()))
             }
             PublisherConfig::Nats(c) => {
                 settle_failover(&mut c.failover, at, "nats", &["nats", "tls"])?;
-                nodes::settle(&mut c.url, &mut c.urls, at, Ok(()))
+                nodes::settle(&mut c.url, &c.urls, at, Ok(()))
             }
             _ => Ok(()),
         }
@@ -224,7 +224,7 @@ pub struct RabbitMqPublisherConfig {
     pub url: SecretUrl,
     /// The nodes of a cluster, instead of `url`: the publisher connects to
     /// the first live one, in order, and moves to the next when it goes
-    /// away. Once checked, every node (`url` alone too) is here.
+    /// away. Read both through `nodes()`.
     #[serde(default)]
     pub urls: Vec<SecretUrl>,
     /// The exchange messages are published to.
@@ -258,7 +258,7 @@ pub struct RabbitMqPublisherConfig {
     pub failback_after: HumanDuration,
 }
 
-/// One `failover` target of a RabbitMQ publisher.
+/// One `failover` target of a RabbitMQ or NATS publisher.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FailoverTarget {
@@ -289,8 +289,8 @@ fn settle_failover(
 ) -> Result<(), Error> {
     for (i, f) in failover.iter_mut().enumerate() {
         let at = at.join("failover").index(i);
-        nodes::settle(&mut f.url, &mut f.urls, &at, Ok(()))?;
-        nodes::check_schemes(&f.urls, &at, kind, schemes)?;
+        nodes::settle(&mut f.url, &f.urls, &at, Ok(()))?;
+        nodes::check_schemes(f.nodes(), &at, kind, schemes)?;
     }
     Ok(())
 }
@@ -419,8 +419,8 @@ pub struct NatsPublisherConfig {
     #[serde(default)]
     pub url: SecretUrl,
     /// The nodes of a cluster, instead of `url` (the client also learns the
-    /// cluster's other nodes from the server). Once checked, every node
-    /// (`url` alone too) is here.
+    /// cluster's other nodes from the server). Read both through
+    /// `nodes()`.
     #[serde(default)]
     pub urls: Vec<SecretUrl>,
     /// Subject template (default `{app_code}.{event_type}`).

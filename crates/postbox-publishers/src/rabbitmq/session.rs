@@ -190,9 +190,9 @@ impl Session {
         }
     }
 
-    /// One round of connection attempts (each node once, each bounded by
-    /// [`CONNECT_TIMEOUT`]); on failure
-    /// the next attempt waits out the backoff.
+    /// One round of connection attempts, each node once, each bounded by
+    /// [`CONNECT_TIMEOUT`]; on failure the next round waits out the
+    /// backoff.
     async fn reconnect(&mut self) {
         let result = match self.target.open().await {
             Ok(link) => Ok(link),
