@@ -17,6 +17,7 @@ pub mod envelope;
 pub mod error;
 pub mod event;
 pub mod metrics;
+pub mod naming;
 pub mod publish;
 pub mod redact;
 pub mod relay;

@@ -678,6 +678,32 @@ pub struct MigrateReport {
     pub notes: Vec<String>,
 }
 
+/// What `postbox adopt` found on a table a team already has, and what it
+/// runs (or ran, with `--apply`) so postbox can work on it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct AdoptReport {
+    /// The table.
+    pub table: String,
+    /// postbox's column names the table calls differently, and its names.
+    pub renamed: Vec<(String, String)>,
+    /// Legacy status values, each with the status it reads as.
+    pub legacy_statuses: Vec<(String, String)>,
+    /// Columns postbox adds (the table's names).
+    pub missing_columns: Vec<String>,
+    /// Indexes postbox adds.
+    pub missing_indexes: Vec<String>,
+    /// What stops the adoption until fixed (an event column the table
+    /// lacks); nothing is applied while there is one.
+    pub blockers: Vec<String>,
+    /// The DDL, in order: `ADD COLUMN`s, then the indexes, each in the
+    /// database's online form; `migrate` runs after them.
+    pub statements: Vec<String>,
+    /// Whether the statements and `migrate` ran.
+    pub applied: bool,
+    /// What `migrate` did after them.
+    pub migrated: Option<MigrateReport>,
+}
+
 /// The tables of [`EXPECTED_TABLES`] and the migration version that creates
 /// each of them.
 pub const TABLE_VERSIONS: [(&str, u32); 7] = [
@@ -1070,6 +1096,12 @@ pub trait SchemaStore: Send + Sync + 'static {
     /// (PostgreSQL `CONCURRENTLY`, MySQL `LOCK=NONE`). Returns the names of
     /// the indexes it created or dropped (none: already as wanted).
     async fn aggregate_index(&self, wanted: bool) -> Result<Vec<String>>;
+
+    /// Compares a table the team already has with what postbox needs
+    /// (`[database.columns]` and `[database.statuses]` name its own
+    /// columns and statuses) and, with `apply`, adds what is missing
+    /// without blocking its writes where the database can, then migrates.
+    async fn adopt(&self, apply: bool) -> Result<AdoptReport>;
 
     /// Plans of the three claim queries for `app_code`, taking up to `limit`
     /// rows. Nothing is changed: executions are rolled back.

@@ -4,9 +4,11 @@
 //! MySQL's `IN (?, …)` placeholder lists.)
 
 use std::fmt;
+use std::sync::Arc;
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::naming::Naming;
 use crate::Error;
 
 /// A table name checked against `^[A-Za-z_][A-Za-z0-9_]{0,41}$`, so it can be
@@ -16,9 +18,12 @@ use crate::Error;
 /// characters: PostgreSQL would silently cut a longer index name (two
 /// indexes could then collide, and `doctor` would find neither) and MySQL
 /// would refuse it.
-#[derive(Clone, PartialEq, Eq, Hash, Serialize)]
-#[serde(transparent)]
-pub struct TableName(String);
+///
+/// An adopted table also carries its [`Naming`]: every statement
+/// [`TableName::render`] renders is then written with the table's column
+/// names and reads its legacy statuses.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct TableName(String, Option<Arc<Naming>>);
 
 impl TableName {
     /// The longest suffix postbox appends (`_versions_updated_idx`).
@@ -40,7 +45,7 @@ impl TableName {
             .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
         let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
         if first_ok && rest_ok && name.len() <= Self::MAX_LEN {
-            Ok(TableName(name.to_owned()))
+            Ok(TableName(name.to_owned(), None))
         } else {
             Err(Error::InvalidTableName(name.to_owned()))
         }
@@ -56,9 +61,38 @@ impl TableName {
         format!("{}_archive", self.0)
     }
 
+    /// This table, whose columns and statuses `naming` describes.
+    pub fn with_naming(mut self, naming: Naming) -> Self {
+        self.1 = (!naming.is_plain()).then(|| Arc::new(naming));
+        self
+    }
+
+    /// The table's column names and legacy statuses (plain unless
+    /// adopted).
+    pub fn naming(&self) -> &Naming {
+        static PLAIN: std::sync::OnceLock<Naming> = std::sync::OnceLock::new();
+        self.1
+            .as_deref()
+            .unwrap_or_else(|| PLAIN.get_or_init(Naming::default))
+    }
+
+    /// The table's name of postbox's column `ours`.
+    pub fn column<'a>(&'a self, ours: &'a str) -> &'a str {
+        match &self.1 {
+            Some(n) => n.column(ours),
+            None => ours,
+        }
+    }
+
     /// Replaces every `{table}` in a SQL template with this name, and
-    /// `{archive}` with the archive twin's name.
+    /// `{archive}` with the archive twin's name; on an adopted table, the
+    /// statement is first written with the table's own names
+    /// ([`Naming::rewrite`]).
     pub fn render(&self, sql: &str) -> String {
+        let sql = match &self.1 {
+            Some(naming) => std::borrow::Cow::Owned(naming.rewrite(sql)),
+            None => std::borrow::Cow::Borrowed(sql),
+        };
         sql.replace("{table}", &self.0)
             .replace("{archive}", &self.archive())
     }
@@ -66,7 +100,13 @@ impl TableName {
 
 impl Default for TableName {
     fn default() -> Self {
-        TableName("postbox_outbox".to_owned())
+        TableName("postbox_outbox".to_owned(), None)
+    }
+}
+
+impl Serialize for TableName {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
     }
 }
 

@@ -206,7 +206,7 @@ async fn replay_locked(
         .fetch_expanded(&mut *conn, &outbox.own().select_ids, vec![Value::Ids(&ids)])
         .await
         .map_err(|e| db_error("replay", e))?;
-    let mut out = records(rows, "replay")?;
+    let mut out = records(rows, outbox.table().naming(), "replay")?;
     out.sort_by_key(|r| r.id);
     Ok(out)
 }
@@ -380,7 +380,7 @@ impl Dialect for MySqlDialect {
         // 2. One lease end for the whole batch, on the database clock: the fence.
         let db_now_ms: i64 = first.try_get("db_now_ms").map_err(db)?;
         let lock_until_ms = db_now_ms + req.lease_ms;
-        let mut claimed = records(rows, "claim")?;
+        let mut claimed = records(rows, outbox.table().naming(), "claim")?;
         // 3. Take the lease.
         let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
         let binds = vec![

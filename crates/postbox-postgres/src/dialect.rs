@@ -34,6 +34,11 @@ impl Dialect for PgDialect {
     postbox_sqlx::dialect_constants!(db: Postgres, backend: "postgres", placeholders: Numbered, begin_write: None);
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
+    const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
+        columns_of: sql::ADOPT_COLUMNS,
+        online_index: sql::online_index,
+        add_column: sql::add_column,
+    });
 
     fn own(t: &TableName) -> Own {
         Own {
@@ -113,7 +118,7 @@ impl Dialect for PgDialect {
             .await
             .map_err(|e| db_error("enqueue", e))?;
         let id: Option<i64> = row
-            .map(|r| r.try_get("id"))
+            .map(|r| r.try_get(0))
             .transpose()
             .map_err(|e| db_error("enqueue", e))?;
         id.ok_or_else(|| duplicate_event(event))
@@ -130,7 +135,11 @@ impl Dialect for PgDialect {
             // The takeover counts an attempt: record it in the claim's
             // transaction.
             let mut tx = outbox.pool().begin().await.map_err(db)?;
-            let claimed = records(query.fetch_all(&mut *tx).await.map_err(db)?, "claim")?;
+            let claimed = records(
+                query.fetch_all(&mut *tx).await.map_err(db)?,
+                outbox.table().naming(),
+                "claim",
+            )?;
             if !claimed.is_empty() {
                 let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
                 outbox
@@ -142,7 +151,11 @@ impl Dialect for PgDialect {
             claimed
         } else {
             // One statement: no transaction round trips on the hot path.
-            records(query.fetch_all(outbox.pool()).await.map_err(db)?, "claim")?
+            records(
+                query.fetch_all(outbox.pool()).await.map_err(db)?,
+                outbox.table().naming(),
+                "claim",
+            )?
         };
         Ok(claimed
             .into_iter()

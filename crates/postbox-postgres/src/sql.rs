@@ -516,3 +516,30 @@ pub(crate) const STATEMENT_STATS: &str =
      WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) \
        AND strpos(lower(query), lower($1)) > 0 \
      ORDER BY total_exec_time DESC LIMIT 500";
+
+/// `postbox adopt`: the columns a table has, by name.
+pub(crate) const ADOPT_COLUMNS: &str = "SELECT column_name::TEXT FROM information_schema.columns \
+     WHERE table_schema = current_schema() AND table_name = lower($1) ORDER BY ordinal_position";
+
+/// A migration's index, built without blocking the table's writes.
+pub(crate) fn online_index(create: &str) -> String {
+    create.replacen(
+        " INDEX IF NOT EXISTS ",
+        " INDEX CONCURRENTLY IF NOT EXISTS ",
+        1,
+    )
+}
+
+/// A missing column. A constant default costs no rewrite (PostgreSQL 11
+/// stores it in the catalog); a default the clock computes would rewrite
+/// every row under an exclusive lock, so existing rows take 0 and new ones
+/// the clock.
+pub(crate) fn add_column(table: &str, column: &str, definition: &str) -> Vec<String> {
+    match definition.split_once(" DEFAULT (") {
+        Some((head, clock)) => vec![
+            format!("ALTER TABLE {table} ADD COLUMN {head} DEFAULT 0"),
+            format!("ALTER TABLE {table} ALTER COLUMN {column} SET DEFAULT ({clock}"),
+        ],
+        None => vec![format!("ALTER TABLE {table} ADD COLUMN {definition}")],
+    }
+}

@@ -30,9 +30,10 @@ pub fn open(
 
 async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxStore>, Error> {
     let db = &settings.database;
+    let table = db.adopted_table()?;
     let options = postbox_sqlx::OpenOptions {
         url: db.url.expose(),
-        table: db.table.as_str(),
+        table: &table,
         max_connections: db.max_connections,
         create: create == Create::IfMissing,
         max_payload_bytes: db.max_payload_bytes,
@@ -55,7 +56,10 @@ pub use postbox_sqlx::ScriptVersion;
 /// `database.url` names, for the schema versions after `from`, as SQL text
 /// (`postbox migrate --print-sql`); no connection is made.
 pub fn migration_script(settings: &Settings, from: u32) -> Vec<ScriptVersion> {
-    let table = &settings.database.table;
+    let table = &settings
+        .database
+        .adopted_table()
+        .expect("the settings checked the table's names");
     match settings.database_kind() {
         DatabaseKind::Postgres => {
             postbox_sqlx::migration_script::<postbox_postgres::PgDialect>(table, from)

@@ -169,7 +169,7 @@ impl Dialect for SqliteDialect {
             .fetch_all(&mut *tx)
             .await
             .map_err(db)?;
-            let claimed = records(rows, "claim")?;
+            let claimed = records(rows, outbox.table().naming(), "claim")?;
             if source == ClaimSource::ExpiredLease && !claimed.is_empty() {
                 // The takeover counted an attempt: record it with the claim.
                 let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();

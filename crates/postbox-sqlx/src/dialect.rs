@@ -356,6 +356,9 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// The index (suffix) replay of an app_code's `failed` rows reads
     /// (`doctor` checks it; [`SqlOutbox::replay_probes`]).
     const REPLAY_FAILED_INDEX: &'static str;
+    /// How `postbox adopt` changes a live table; `None`: not on this
+    /// database.
+    const ADOPT: Option<crate::Adopt> = None;
 
     /// `app_code`'s delivered rows when there are more than
     /// [`DELIVERED_COUNT_CAP`]: an estimate read in constant time (the

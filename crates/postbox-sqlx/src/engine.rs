@@ -67,8 +67,8 @@ impl<D: Dialect> std::fmt::Debug for SqlOutbox<D> {
 pub struct OpenOptions<'a> {
     /// The database URL.
     pub url: &'a str,
-    /// The outbox table (validated when opened).
-    pub table: &'a str,
+    /// The outbox table, with its adopted names if any.
+    pub table: &'a TableName,
     /// The pool's size.
     pub max_connections: u32,
     /// Create a missing database (SQLite's file); other databases ignore it.
@@ -91,15 +91,19 @@ pub fn query<'q, D: Dialect>(
 impl<D: Dialect> SqlOutbox<D> {
     /// Uses `pool` for the outbox table `table` (validated).
     pub fn new(pool: sqlx::Pool<D::DB>, table: &str) -> Result<Self> {
-        let table = TableName::new(table)?;
-        Ok(SqlOutbox {
+        Ok(Self::named(pool, TableName::new(table)?))
+    }
+
+    /// Uses `pool` for `table`, an adopted table's names included.
+    pub fn named(pool: sqlx::Pool<D::DB>, table: TableName) -> Self {
+        SqlOutbox {
             pool,
             sql: Arc::new(D::STATEMENTS.render(&table)),
             own: Arc::new(D::own(&table)),
             table,
             max_payload_bytes: 1024 * 1024,
             wake: postbox_core::wake::Wake::new(),
-        })
+        }
     }
 
     /// Connects a pool of `max_connections` to `url` (the dialect's
@@ -126,8 +130,8 @@ impl<D: Dialect> SqlOutbox<D> {
         Box::pin(async move {
             let pool =
                 D::connect_pool(options.url, options.max_connections, options.create).await?;
-            let store =
-                Self::new(pool, options.table)?.with_max_payload_bytes(options.max_payload_bytes);
+            let store = Self::named(pool, options.table.clone())
+                .with_max_payload_bytes(options.max_payload_bytes);
             Ok(Arc::new(store) as Arc<dyn OutboxStore>)
         })
     }
@@ -352,7 +356,7 @@ impl SqlOutbox<D> {
             return rows;
         }
         let rows = self.fetch_expanded(conn, sql, values).await.map_err(|e| db_error(op, e))?;
-        records(rows, op)
+        records(rows, self.table.naming(), op)
     }
 
     /// Replay by filter of one app_code (`f.app_code` is set): live rows,
@@ -371,12 +375,13 @@ impl SqlOutbox<D> {
             (&self.sql.replay_filter, &self.sql.unarchive_filter)
         };
         let live = filter_query(live, f, "status", D::PLACEHOLDERS);
+        let live_sql = self.table.render(&live.sql);
         let binds = list_values(&live.args).collect();
         let mut out = if dry_run {
-            let rows = self.fetch_expanded(&mut *conn, &live.sql, binds).await.map_err(db)?;
-            records(rows, "replay")?
+            let rows = self.fetch_expanded(&mut *conn, &live_sql, binds).await.map_err(db)?;
+            records(rows, self.table.naming(), "replay")?
         } else {
-            self.replay_rows(&mut *conn, ReplayStep::Replay, &live.sql, binds, "replay").await?
+            self.replay_rows(&mut *conn, ReplayStep::Replay, &live_sql, binds, "replay").await?
         };
         out.sort_by_key(|r| r.id);
         if !f.reaches_archive() {
@@ -385,13 +390,14 @@ impl SqlOutbox<D> {
         // A time range, or an aggregate's events, also covers rows already
         // archived (delivered ones).
         let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
+        let archived_sql = self.table.render(&archived.sql);
         let binds = list_values(&archived.args).collect();
         let op = "replay from archive";
         let mut back = if dry_run {
-            let rows = self.fetch_expanded(&mut *conn, &archived.sql, binds).await.map_err(db)?;
-            records(rows, op)?
+            let rows = self.fetch_expanded(&mut *conn, &archived_sql, binds).await.map_err(db)?;
+            records(rows, self.table.naming(), op)?
         } else {
-            self.replay_rows(&mut *conn, ReplayStep::Unarchive, &archived.sql, binds, op).await?
+            self.replay_rows(&mut *conn, ReplayStep::Unarchive, &archived_sql, binds, op).await?
         };
         back.sort_by_key(|r| r.id);
         if !dry_run && !back.is_empty() {
@@ -424,14 +430,14 @@ impl SqlOutbox<D> {
                 REPLAY_FAILED_QUERY,
                 t.to_owned(),
                 format!("{t}{}", D::REPLAY_FAILED_INDEX),
-                failed.sql,
+                self.table.render(&failed.sql),
                 list_values(&failed.args).collect(),
             ),
             (
                 REPLAY_ARCHIVED_QUERY,
                 archive.clone(),
                 format!("{archive}_created_idx"),
-                range.sql,
+                self.table.render(&range.sql),
                 list_values(&range.args).collect(),
             ),
         ];
@@ -672,7 +678,7 @@ impl SqlOutbox<D> {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| db_error("list events", e))?;
-        records(rows, "list events")
+        records(rows, self.table.naming(), "list events")
     }
 
     /// Every app_code that has rows, sorted.
@@ -681,7 +687,11 @@ impl SqlOutbox<D> {
     pub async fn present_app_codes(&self) -> Result<Vec<String>> {
         // The first probe takes `>=` the empty string: a row a plain
         // INSERT wrote with an empty app_code is listed too.
-        let first = self.sql.next_app_code.replacen("app_code > ", "app_code >= ", 1);
+        let app_code = self.table.column("app_code");
+        let first = self
+            .sql
+            .next_app_code
+            .replacen(&format!("{app_code} > "), &format!("{app_code} >= "), 1);
         let mut codes: Vec<String> = Vec::new();
         loop {
             let (sql, after) = match codes.last() {
@@ -721,7 +731,7 @@ impl SqlOutbox<D> {
         let binds = vec![Value::Texts(app_codes), event_id.into()];
         let rows = self.fetch_expanded(&mut conn, sql, binds).await.map_err(db)?;
         // A long app_code list may run as several statements (MySQL).
-        let mut found = records(rows, op)?;
+        let mut found = records(rows, self.table.naming(), op)?;
         found.sort_by_key(|r| r.id);
         Ok(found)
     }
@@ -746,7 +756,10 @@ impl SqlOutbox<D> {
 
     /// The runtime controls.
     pub async fn controls(&self) -> Result<Vec<postbox_core::control::Control>> {
-        crate::controls_of(self.all_rows(&self.sql.control_select, "read controls").await?)
+        crate::controls_of(
+            self.all_rows(&self.sql.control_select, "read controls").await?,
+            self.table.naming(),
+        )
     }
 
     /// Stores `control` in place of its key's and logs it, in one
@@ -821,7 +834,7 @@ impl SqlOutbox<D> {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| db_error("read the control log", e))?;
-        crate::control_log_of(rows)
+        crate::control_log_of(rows, self.table.naming())
     }
 
     /// Writes a relay's heartbeat: one update of its row, or, the first
@@ -863,7 +876,10 @@ impl SqlOutbox<D> {
 
     /// Every relay of the registry, the newest first.
     pub async fn relays(&self) -> Result<Vec<postbox_core::store::RelaySeen>> {
-        crate::relays_of(self.all_rows(&self.sql.relay_select, "read the relays").await?)
+        crate::relays_of(
+            self.all_rows(&self.sql.relay_select, "read the relays").await?,
+            self.table.naming(),
+        )
     }
 
     /// The attempt history of an event, oldest first.
@@ -903,7 +919,7 @@ impl SqlOutbox<D> {
             .fetch_all(&self.pool)
             .await
             .map_err(|e| db_error("find stuck aggregates", e))?;
-        crate::stuck_aggregates(app_code, rows)
+        crate::stuck_aggregates(app_code, rows, self.table.naming())
     }
 
     /// The database clock, epoch ms.
@@ -983,7 +999,7 @@ impl SqlOutbox<D> {
                         let binds = vec![Value::Texts(event_ids), code.as_str().into()];
                         if dry_run {
                             let rows = self.fetch_expanded(&mut tx, &self.sql.replay_ids_dry, binds).await.map_err(db)?;
-                            out.extend(records(rows, "replay")?);
+                            out.extend(records(rows, self.table.naming(), "replay")?);
                         } else {
                             out.extend(self.replay_rows(&mut tx, ReplayStep::Replay, &self.sql.replay_ids, binds, "replay").await?);
                         }
@@ -1100,10 +1116,16 @@ impl SqlOutbox<D> {
     /// under the migration lock ([`check_ledger`]): an outbox table that is
     /// gone is created as new, and versions whose tables are gone run again.
     pub async fn migrate(&self) -> Result<MigrateReport> {
+        self.migrate_skipping(|_| false).await
+    }
+
+    /// [`SqlOutbox::migrate`], leaving out the statements `skip` picks
+    /// (`adopt` has built the outbox table's indexes without blocking it).
+    pub(crate) async fn migrate_skipping(&self, skip: impl Fn(&str) -> bool + Sync) -> Result<MigrateReport> {
         let db = |e| db_error("migrate", e);
         let mut conn = self.pool.acquire().await.map_err(db)?;
         D::migration_session_lock(&mut conn, &self.table).await?;
-        let report = self.migrate_on(&mut conn).await;
+        let report = self.migrate_on(&mut conn, &skip).await;
         if let Err(e) = D::migration_session_unlock(&mut conn, &self.table).await {
             // The lock dies with the session: make sure the session dies.
             tracing::warn!(error = %e, "could not release the migration lock; closing its connection");
@@ -1113,7 +1135,11 @@ impl SqlOutbox<D> {
     }
 
     /// [`SqlOutbox::migrate`] on `conn`, in one write transaction.
-    async fn migrate_on(&self, conn: &mut <D::DB as Database>::Connection) -> Result<MigrateReport> {
+    async fn migrate_on(
+        &self,
+        conn: &mut <D::DB as Database>::Connection,
+        skip: &(dyn Fn(&str) -> bool + Sync),
+    ) -> Result<MigrateReport> {
         let db = |e| db_error("migrate", e);
         let mut tx = Transaction::<D::DB>::begin(conn, D::BEGIN_WRITE.map(Cow::Borrowed)).await.map_err(db)?;
         let res = async {
@@ -1158,12 +1184,15 @@ impl SqlOutbox<D> {
                 if !pending && !check.rerun.contains(version) {
                     continue;
                 }
-                for stmt in *statements {
-                    match sqlx::query(&self.table.render(stmt)).execute(&mut *tx).await {
+                for stmt in statements.iter().map(|st| self.table.render(st)) {
+                    if skip(&stmt) {
+                        continue;
+                    }
+                    match sqlx::query(&stmt).execute(&mut *tx).await {
                         Ok(_) => {}
                         // A column a kept table already has (its table was
                         // not dropped when the outbox was): applied.
-                        Err(e) if adds_an_existing_column(stmt, &e) => {}
+                        Err(e) if adds_an_existing_column(&stmt, &e) => {}
                         Err(e) => return Err(db(e)),
                     }
                 }
@@ -1245,7 +1274,7 @@ impl SqlOutbox<D> {
     }
 
     /// The names of the tables, indexes and triggers in the catalog.
-    async fn catalog_names(&self, op: &'static str) -> Result<Vec<String>> {
+    pub(crate) async fn catalog_names(&self, op: &'static str) -> Result<Vec<String>> {
         let rows = self.all_rows(&self.sql.doctor_objects, op).await?;
         first_column(rows).map_err(|e| db_error(op, e))
     }
@@ -1264,7 +1293,7 @@ impl SqlOutbox<D> {
             let drop = [D::DROP_AGGREGATE_INDEX];
             let statements = if wanted { D::CREATE_AGGREGATE_INDEX } else { &drop[..] };
             for template in statements {
-                let sql = template.replace("{name}", &name).replace("{on}", &on);
+                let sql = self.table.render(&template.replace("{name}", &name)).replace("{on}", &on);
                 query::<D>(&sql, []).execute(&self.pool).await.map_err(|e| db_error(op, e))?;
             }
             changed.push(name);
@@ -1316,7 +1345,7 @@ impl SqlOutbox<D> {
         rows.iter()
             .map(|row| {
                 Ok(Due {
-                    app_code: row.try_get("app_code")?,
+                    app_code: row.try_get(self.table.column("app_code"))?,
                     pending: row.try_get::<i64, _>("pending")? != 0,
                     retry_in_ms: row.try_get("retry_in_ms")?,
                     lease_in_ms: row.try_get("lease_in_ms")?,
@@ -1340,7 +1369,7 @@ impl SqlOutbox<D> {
 }
 
 /// The first column of every row (ids, names of tables and indexes).
-fn first_column<T, R>(rows: Vec<R>) -> std::result::Result<Vec<T>, sqlx::Error>
+pub(crate) fn first_column<T, R>(rows: Vec<R>) -> std::result::Result<Vec<T>, sqlx::Error>
 where
     R: sqlx::Row,
     usize: sqlx::ColumnIndex<R>,

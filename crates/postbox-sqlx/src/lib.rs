@@ -7,7 +7,9 @@
 #![warn(missing_docs)]
 
 pub mod dialect;
+#[macro_use]
 mod engine;
+mod adopt;
 mod list;
 mod script;
 mod store;
@@ -19,6 +21,7 @@ pub mod __private {
     pub use postbox_core;
 }
 
+pub use adopt::Adopt;
 pub use dialect::{
     Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP, PARTIAL_ARCHIVE_INDEX,
     PARTIAL_CLAIM_INDEXES, V10_DESCRIPTION, V11_DESCRIPTION, V5_DESCRIPTION, V6_DESCRIPTION,
@@ -33,6 +36,7 @@ pub use script::{inline, migration_script, ScriptVersion};
 pub use wake::due_union;
 
 use postbox_core::event::parse_delivered_to;
+use postbox_core::naming::Naming;
 use postbox_core::{Error, EventRecord, Result, Status};
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
@@ -113,9 +117,43 @@ where
     }
 }
 
-/// Reads one outbox row by column name.
-pub fn record<R: OutboxRow>(row: &R) -> std::result::Result<EventRecord, sqlx::Error> {
-    let status = row.text("status")?;
+/// A row of an adopted table, read by postbox's column names: each is
+/// looked up under the table's own ([`Naming::column`]; statements name
+/// their result columns as the table does, see [`Naming::rewrite`]).
+pub struct Renamed<'r, R>(pub &'r R, pub &'r Naming);
+
+impl<R: OutboxRow> OutboxRow for Renamed<'_, R> {
+    fn text(&self, column: &str) -> std::result::Result<String, sqlx::Error> {
+        self.0.text(self.1.column(column))
+    }
+    fn text_or_null(&self, column: &str) -> std::result::Result<Option<String>, sqlx::Error> {
+        self.0.text_or_null(self.1.column(column))
+    }
+    fn int(&self, column: &str) -> std::result::Result<i64, sqlx::Error> {
+        self.0.int(self.1.column(column))
+    }
+    fn int_or_null(&self, column: &str) -> std::result::Result<Option<i64>, sqlx::Error> {
+        self.0.int_or_null(self.1.column(column))
+    }
+    fn int32(&self, column: &str) -> std::result::Result<i32, sqlx::Error> {
+        self.0.int32(self.1.column(column))
+    }
+}
+
+/// The status a row holds, a legacy value read as its postbox status.
+fn status_of<R: OutboxRow>(row: &Renamed<'_, R>) -> std::result::Result<Status, sqlx::Error> {
+    let stored = row.text("status")?;
+    row.1
+        .status(&stored)
+        .map_err(|e: Error| sqlx::Error::Decode(e.into()))
+}
+
+/// Reads one outbox row by column name (the table's, through `naming`).
+pub fn record<R: OutboxRow>(
+    row: &R,
+    naming: &Naming,
+) -> std::result::Result<EventRecord, sqlx::Error> {
+    let row = &Renamed(row, naming);
     Ok(EventRecord {
         id: row.int("id")?,
         app_code: row.text("app_code")?,
@@ -125,9 +163,7 @@ pub fn record<R: OutboxRow>(row: &R) -> std::result::Result<EventRecord, sqlx::E
         aggregate_version: row.int_or_null("aggregate_version")?,
         payload: row.text("payload")?,
         headers: row.text_or_null("headers")?,
-        status: status
-            .parse::<Status>()
-            .map_err(|e: Error| sqlx::Error::Decode(e.into()))?,
+        status: status_of(row)?,
         retry_count: row.int32("retry_count")?,
         next_retry_at_ms: row.int("next_retry_at_ms")?,
         lock_until_ms: row.int("lock_until_ms")?,
@@ -141,9 +177,13 @@ pub fn record<R: OutboxRow>(row: &R) -> std::result::Result<EventRecord, sqlx::E
 }
 
 /// Reads every row; `op` names the operation in the error.
-pub fn records<R: OutboxRow>(rows: Vec<R>, op: &'static str) -> Result<Vec<EventRecord>> {
+pub fn records<R: OutboxRow>(
+    rows: Vec<R>,
+    naming: &Naming,
+    op: &'static str,
+) -> Result<Vec<EventRecord>> {
     rows.iter()
-        .map(record)
+        .map(|row| record(row, naming))
         .collect::<std::result::Result<_, _>>()
         .map_err(|e| db_error(op, e))
 }
@@ -166,16 +206,17 @@ pub fn minute_counts<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::sto
 pub fn stuck_aggregates<R: OutboxRow>(
     app_code: &str,
     rows: Vec<R>,
+    naming: &Naming,
 ) -> Result<Vec<postbox_core::store::StuckAggregate>> {
     let db = |e| db_error("find stuck aggregates", e);
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
-        let status = row.text("status").map_err(db)?;
+        let row = &Renamed(row, naming);
         out.push(postbox_core::store::StuckAggregate {
             app_code: app_code.to_owned(),
             aggregate_id: row.text("aggregate_id").map_err(db)?,
             head_event_id: row.text("event_id").map_err(db)?,
-            head_status: status.parse()?,
+            head_status: status_of(row).map_err(db)?,
             head_retry_count: row.int32("retry_count").map_err(db)?,
             head_last_error: row.text_or_null("last_error").map_err(db)?,
             head_age_seconds: row.int("age_ms").map_err(db)? as f64 / 1000.0,
@@ -187,11 +228,15 @@ pub fn stuck_aggregates<R: OutboxRow>(
 
 /// Reads control rows selected as `app_code, event_type, paused, delivery,
 /// max_retry_count (-1: none), updated_at_ms, updated_by`.
-pub fn controls_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::control::Control>> {
+pub fn controls_of<R: OutboxRow>(
+    rows: Vec<R>,
+    naming: &Naming,
+) -> Result<Vec<postbox_core::control::Control>> {
     use postbox_core::config::Delivery;
     let db = |e| db_error("read controls", e);
     let mut out = Vec::with_capacity(rows.len());
     for row in &rows {
+        let row = &Renamed(row, naming);
         let delivery = match row.text_or_null("delivery").map_err(db)?.as_deref() {
             None => None,
             Some("at_most_once") => Some(Delivery::AtMostOnce),
@@ -241,12 +286,16 @@ pub fn statement_stats_of<R: OutboxRow>(
 }
 
 /// Relays from rows of `RELAY_SELECT` (`relay_statements!`).
-pub fn relays_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::store::RelaySeen>> {
+pub fn relays_of<R: OutboxRow>(
+    rows: Vec<R>,
+    naming: &Naming,
+) -> Result<Vec<postbox_core::store::RelaySeen>> {
     use postbox_core::store::{RelayBeat, RelaySeen};
     let db = |e| db_error("read the relays", e);
-    let count = |row: &R, column: &str| row.int(column).map(|n| n.max(0) as u64);
+    let count = |row: &Renamed<'_, R>, column: &str| row.int(column).map(|n| n.max(0) as u64);
     rows.iter()
         .map(|row| {
+            let row = &Renamed(row, naming);
             let stopped_at_ms = row.int_or_null("stopped_at_ms").map_err(db)?;
             let seen_at_ms = row.int("seen_at_ms").map_err(db)?;
             let app_codes = row.text("app_codes").map_err(db)?;
@@ -281,10 +330,12 @@ pub fn relays_of<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::store::
 /// detail`.
 pub fn control_log_of<R: OutboxRow>(
     rows: Vec<R>,
+    naming: &Naming,
 ) -> Result<Vec<postbox_core::control::ControlLogEntry>> {
     let db = |e| db_error("read the control log", e);
     rows.iter()
         .map(|row| {
+            let row = &Renamed(row, naming);
             Ok(postbox_core::control::ControlLogEntry {
                 at_ms: row.int("at_ms").map_err(db)?,
                 by: row.text("actor").map_err(db)?,

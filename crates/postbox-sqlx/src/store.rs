@@ -167,6 +167,9 @@ macro_rules! capabilities_from_inherent {
                 async fn aggregate_index(&self, wanted: bool) -> Result<Vec<String>> {
                     <$ty>::aggregate_index(self, wanted).await
                 }
+                async fn adopt(&self, apply: bool) -> Result<postbox_core::store::AdoptReport> {
+                    <$ty>::adopt(self, apply).await
+                }
                 async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>> {
                     <$ty>::explain_claims(self, app_code, limit).await
                 }

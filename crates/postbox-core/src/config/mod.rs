@@ -156,6 +156,21 @@ pub struct DatabaseConfig {
     pub max_payload_bytes: usize,
     /// Connection pool size.
     pub max_connections: u32,
+    /// An adopted table's own column names, by postbox's name
+    /// (`lock_until_ms = "locked_until_ms"`).
+    pub columns: BTreeMap<String, String>,
+    /// Legacy status values the table's rows hold, each with the status it
+    /// reads as (`published = "delivered"`); postbox writes only its own.
+    pub statuses: BTreeMap<String, String>,
+}
+
+impl DatabaseConfig {
+    /// The outbox table with its adopted names (`columns`, `statuses`);
+    /// a bad mapping is an error naming its key.
+    pub fn adopted_table(&self) -> Result<TableName, Error> {
+        let naming = crate::naming::Naming::new(&self.columns, &self.statuses)?;
+        Ok(self.table.clone().with_naming(naming))
+    }
 }
 
 impl Default for DatabaseConfig {
@@ -166,6 +181,8 @@ impl Default for DatabaseConfig {
             app_codes: vec!["default".to_owned()],
             max_payload_bytes: 1024 * 1024,
             max_connections: 10,
+            columns: BTreeMap::new(),
+            statuses: BTreeMap::new(),
         }
     }
 }

@@ -187,6 +187,7 @@ impl Config {
             admin.validate()?;
         }
         self.tracing.validate()?;
+        self.database.adopted_table()?;
         if self.archive.batch_size == 0 {
             return Err(Error::config("archive.batch_size", "must be > 0"));
         }

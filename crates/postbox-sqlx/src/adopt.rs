@@ -1,0 +1,241 @@
+//! `postbox adopt`: run postbox on a table a team already has. The table
+//! is read from the catalog and compared with what postbox's statements
+//! need, by the table's own names (`[database.columns]`): the columns
+//! postbox can add (everything but the event itself), then the outbox
+//! table's indexes, each built without blocking the table's writes where
+//! the database can. `migrate` then adds the rest (the archive, history,
+//! controls and relays tables, the wake-up trigger) and records the
+//! schema versions, so `doctor`, the relay and every command treat the
+//! table as their own.
+
+use postbox_core::naming::COLUMNS;
+use postbox_core::store::AdoptReport;
+use postbox_core::{Error, Result};
+
+use sqlx::Database;
+
+use crate::dialect::{Dialect, Value};
+use crate::engine::{first_column, query};
+use crate::{db_error, SqlOutbox};
+
+/// How a dialect adopts a table.
+#[derive(Debug, Clone, Copy)]
+pub struct Adopt {
+    /// The table's column names (one column); the table's name.
+    pub columns_of: &'static str,
+    /// A migration's `CREATE INDEX` as it runs on a live table without
+    /// blocking its writes.
+    pub online_index: fn(&str) -> String,
+    /// `ALTER TABLE … ADD COLUMN` of `definition` on `table`, as it runs
+    /// without rewriting the table, with any statement needed after it.
+    pub add_column: fn(table: &str, column: &str, definition: &str) -> Vec<String>,
+}
+
+/// The event's own columns: a row means nothing without them, so postbox
+/// never adds them.
+const EVENT_COLUMNS: [&str; 5] = ["id", "app_code", "event_id", "event_type", "payload"];
+
+engine_impl! {
+impl SqlOutbox<D> {
+    /// Compares the live table with what postbox needs and, with `apply`,
+    /// changes it ([`AdoptReport`]).
+    pub async fn adopt(&self, apply: bool) -> Result<AdoptReport> {
+        let Some(adopt) = D::ADOPT else {
+            return Err(Error::Schema(format!(
+                "`postbox adopt` is for PostgreSQL tables, not {}",
+                D::BACKEND
+            )));
+        };
+        let t = self.table().clone();
+        let op = "inspect the table to adopt";
+        let rows = query::<D>(adopt.columns_of, [Value::from(t.as_str())])
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| db_error(op, e))?;
+        let found: Vec<String> = first_column(rows).map_err(|e| db_error(op, e))?;
+        if found.is_empty() {
+            return Err(Error::Schema(format!(
+                "table `{t}` does not exist: `postbox migrate` creates a new outbox table; `adopt` is for one you have"
+            )));
+        }
+        let has = |name: &str| found.iter().any(|c| c.eq_ignore_ascii_case(name));
+        let definitions = column_definitions(&t.render(D::MIGRATIONS[0].2[0]));
+        let mut report = AdoptReport {
+            table: t.as_str().to_owned(),
+            renamed: t.naming().renamed().map(|(a, b)| (a.to_owned(), b.to_owned())).collect(),
+            legacy_statuses: t
+                .naming()
+                .legacy_statuses()
+                .map(|(a, b)| (a.to_owned(), b.as_str().to_owned()))
+                .collect(),
+            ..AdoptReport::default()
+        };
+        for ours in COLUMNS {
+            let theirs = t.column(ours);
+            if has(theirs) {
+                continue;
+            }
+            if EVENT_COLUMNS.contains(&ours) {
+                report.blockers.push(format!(
+                    "no column `{theirs}` for postbox's `{ours}`: name the table's column in [database.columns] ({ours} = \"…\")"
+                ));
+                continue;
+            }
+            report.missing_columns.push(theirs.to_owned());
+            let definition = definitions
+                .iter()
+                .find(|d| d.split_whitespace().next() == Some(theirs))
+                .ok_or_else(|| Error::Schema(format!("no definition of column `{theirs}`")))?;
+            report.statements.extend((adopt.add_column)(t.as_str(), theirs, definition));
+        }
+        let existing = self.catalog_names(op).await?;
+        for (name, create) in outbox_indexes(&t, D::MIGRATIONS) {
+            if !existing.iter().any(|e| e.eq_ignore_ascii_case(&name)) {
+                report.missing_indexes.push(name);
+                report.statements.push((adopt.online_index)(&create));
+            }
+        }
+        if apply && report.blockers.is_empty() {
+            for sql in &report.statements {
+                tracing::info!(table = %t, statement = %sql, "adopt");
+                query::<D>(sql, [])
+                    .execute(self.pool())
+                    .await
+                    .map_err(|e| db_error("adopt the table", e))?;
+            }
+            // The outbox table's indexes are built: `migrate` must not
+            // drop and build them again under its lock.
+            let migrated = self.migrate_skipping(|stmt| index_of(&t, stmt).is_some()).await?;
+            report.migrated = Some(migrated);
+            report.applied = true;
+        }
+        Ok(report)
+    }
+}
+}
+
+/// The column definitions of a `CREATE TABLE … ( … )` statement, one per
+/// column, each starting with its name.
+fn column_definitions(create: &str) -> Vec<String> {
+    let (Some(open), Some(close)) = (create.find('('), create.rfind(')')) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0, open + 1);
+    let body = &create[..close];
+    for (i, c) in body.char_indices().skip(open + 1) {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(body[start..i].trim().to_owned());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(body[start..].trim().to_owned());
+    out
+}
+
+/// What an index statement of the outbox table itself (not its archive
+/// or other tables) does: `(name, Some(create))` for a `CREATE [UNIQUE]
+/// INDEX`, written `IF NOT EXISTS`; `(name, None)` for each index a `DROP
+/// INDEX` names.
+fn index_of(t: &postbox_core::TableName, stmt: &str) -> Option<Vec<(String, Option<String>)>> {
+    let words: Vec<&str> = stmt.split_whitespace().collect();
+    let own = |name: &str| {
+        name.strip_prefix(t.as_str())
+            .is_some_and(|rest| rest.starts_with('_') && !rest.starts_with("_archive"))
+    };
+    let (unique, rest) = match words.as_slice() {
+        ["CREATE", "INDEX", rest @ ..] => (false, rest),
+        ["CREATE", "UNIQUE", "INDEX", rest @ ..] => (true, rest),
+        ["DROP", "INDEX", rest @ ..] => {
+            let names = rest.strip_prefix(&["IF", "EXISTS"][..]).unwrap_or(rest);
+            let dropped: Vec<_> = names
+                .iter()
+                .map(|n| n.trim_end_matches(','))
+                .filter(|n| own(n))
+                .map(|n| (n.to_owned(), None))
+                .collect();
+            return (!dropped.is_empty()).then_some(dropped);
+        }
+        _ => return None,
+    };
+    let rest = rest
+        .strip_prefix(&["IF", "NOT", "EXISTS"][..])
+        .unwrap_or(rest);
+    let [name, "ON", table, ..] = rest else {
+        return None;
+    };
+    if *table != t.as_str() && !table.starts_with(&format!("{}(", t.as_str())) || !own(name) {
+        return None;
+    }
+    let after_name = stmt
+        .split_once(&format!(" {name} "))
+        .map_or("", |(_, after)| after);
+    let unique = if unique { "UNIQUE " } else { "" };
+    let create = format!("CREATE {unique}INDEX IF NOT EXISTS {name} {after_name}");
+    Some(vec![((*name).to_owned(), Some(create))])
+}
+
+/// The outbox table's indexes as the migrations leave them: the last
+/// definition of each that no later `DROP INDEX` removes, in migration
+/// order.
+fn outbox_indexes(
+    t: &postbox_core::TableName,
+    migrations: &[crate::Migration],
+) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for (_, _, statements) in migrations {
+        for stmt in statements.iter().map(|s| t.render(s)) {
+            for (name, create) in index_of(t, &stmt).unwrap_or_default() {
+                out.retain(|(n, _)| *n != name);
+                if let Some(create) = create {
+                    out.push((name, create));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn definitions_split_at_top_level_commas() {
+        let defs = column_definitions(
+            "CREATE TABLE IF NOT EXISTS t ( id BIGINT PRIMARY KEY, a VARCHAR(64) NOT NULL, \
+             b BIGINT NOT NULL DEFAULT (EXTRACT(EPOCH FROM now()) * 1000)::BIGINT)",
+        );
+        assert_eq!(
+            defs,
+            [
+                "id BIGINT PRIMARY KEY",
+                "a VARCHAR(64) NOT NULL",
+                "b BIGINT NOT NULL DEFAULT (EXTRACT(EPOCH FROM now()) * 1000)::BIGINT"
+            ]
+        );
+    }
+
+    #[test]
+    fn indexes_are_the_last_definition_of_each_not_dropped_later() {
+        let t = postbox_core::TableName::new("o").unwrap();
+        let migrations: &[crate::Migration] = &[
+            (1, "", &["CREATE UNIQUE INDEX IF NOT EXISTS {table}_event_uq ON {table} (app_code, event_id)",
+                      "CREATE INDEX IF NOT EXISTS {table}_old_idx ON {table} (status)",
+                      "CREATE INDEX IF NOT EXISTS {archive}_created_idx ON {archive} (created_at_ms)"]),
+            (2, "", &["DROP INDEX IF EXISTS {table}_old_idx, {table}_gone_idx",
+                      "CREATE INDEX IF NOT EXISTS {table}_due_idx ON {table} (a)"]),
+            (3, "", &["DROP INDEX IF EXISTS {table}_due_idx",
+                      "CREATE INDEX {table}_due_idx ON {table} (a, b)"]),
+        ];
+        let got = outbox_indexes(&t, migrations);
+        let names: Vec<&str> = got.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["o_event_uq", "o_due_idx"]);
+        assert_eq!(got[1].1, "CREATE INDEX IF NOT EXISTS o_due_idx ON o (a, b)");
+    }
+}
