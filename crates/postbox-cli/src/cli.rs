@@ -44,6 +44,10 @@ pub enum LogFormat {
 pub enum Command {
     /// Create or upgrade the outbox tables and indexes (idempotent).
     Migrate(MigrateArgs),
+    /// Run on an outbox table you already have: report what postbox needs
+    /// (columns, indexes) by the table's own names ([database.columns],
+    /// [database.statuses]) and print the DDL, or run it with --apply.
+    Adopt(AdoptArgs),
     /// Relay committed rows to every publisher until SIGINT/SIGTERM.
     Relay(RelayArgs),
     /// Counts by status, oldest pending age and backlog per app_code.
@@ -77,6 +81,15 @@ pub enum Command {
     Serve(ServeArgs),
     /// A self-contained demo on SQLite and a JSON-lines file; no servers needed.
     Quickstart(QuickstartArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct AdoptArgs {
+    /// Run the statements (online: `CREATE INDEX CONCURRENTLY`, columns
+    /// added without a table rewrite), then add postbox's own tables and
+    /// record the schema version.
+    #[arg(long)]
+    pub apply: bool,
 }
 
 #[derive(Debug, Args)]

@@ -69,6 +69,7 @@ async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Consume => commands::consume::run(g).await,
         Command::Consumers(args) => commands::consumers::run(g, args).await,
         Command::Migrate(args) => commands::migrate::run(g, args).await,
+        Command::Adopt(args) => commands::adopt::run(g, args).await,
         Command::Relay(args) => commands::relay::run(g, args).await,
         Command::Status(args) => commands::status::run(g, args).await,
         Command::Events(args) => commands::events::run(g, args).await,

@@ -217,6 +217,12 @@ impl Dialect for MySqlDialect {
     /// Continued by [`MySqlDialect::continue_ids`] instead.
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[];
     const REPLAY_FAILED_INDEX: &'static str = "_due_idx";
+    const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
+        columns_of: sql::ADOPT_COLUMNS,
+        indexes: Some(sql::ADOPT_INDEXES),
+        online_index: str::to_owned,
+        add_column: sql::add_column,
+    });
     const DUE_BRANCH: Option<&'static str> = Some(sql::DUE_BRANCH);
     /// A pooled connection whose next transaction runs at READ COMMITTED:
     /// its locking reads take no gap locks, so claims and replays never
@@ -606,10 +612,8 @@ async fn pending_candidates(
             .await?
             .into_iter()
             .map(|row| {
-                Ok((
-                    row.try_get::<i64, _>("id")?,
-                    row.try_get::<String, _>("event_type")?,
-                ))
+                // By position: an adopted table names them its own way.
+                Ok((row.try_get::<i64, _>(0)?, row.try_get::<String, _>(1)?))
             })
             .collect::<std::result::Result<Vec<(i64, String)>, sqlx::Error>>()
     };

@@ -751,6 +751,48 @@ pub(crate) const STATEMENT_STATS: &str =
      WHERE SCHEMA_NAME = DATABASE() AND LOCATE(LOWER(?), LOWER(DIGEST_TEXT)) > 0 \
      ORDER BY SUM_TIMER_WAIT DESC LIMIT 500";
 
+/// `postbox adopt`: the columns a table has, by name.
+pub(crate) const ADOPT_COLUMNS: &str =
+    "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
+     WHERE table_schema = DATABASE() AND table_name = ? ORDER BY ordinal_position";
+
+/// `postbox adopt`: the outbox table's indexes as the migrations leave
+/// them (versions 1, 7 and 8), each built in place while the table takes
+/// writes (`LOCK=NONE`). The head index comes with its two virtual columns
+/// ([`V7_HEAD_INDEX`]).
+pub(crate) const ADOPT_INDEXES: &[(&str, &[&str])] = &[
+    (
+        "_event_uq",
+        &["ALTER TABLE {table} ADD UNIQUE INDEX {table}_event_uq (app_code, event_id), \
+           ALGORITHM=INPLACE, LOCK=NONE"],
+    ),
+    (
+        "_due_idx",
+        &["ALTER TABLE {table} ADD INDEX {table}_due_idx (app_code, status, next_retry_at_ms, event_type, id), \
+           ALGORITHM=INPLACE, LOCK=NONE"],
+    ),
+    (
+        "_head_idx",
+        // MariaDB adds virtual columns in place only on their own.
+        &[
+            "ALTER TABLE {table} \
+               ADD COLUMN IF NOT EXISTS open_aggregate_id VARCHAR(128) AS \
+                 (CASE WHEN status IN ('pending', 'delivering', 'retryable') THEN aggregate_id END) VIRTUAL, \
+               ADD COLUMN IF NOT EXISTS aggregate_seq BIGINT AS (COALESCE(aggregate_version, 9223372036854775807)) VIRTUAL, \
+               ALGORITHM=INPLACE, LOCK=NONE",
+            "ALTER TABLE {table} ADD INDEX {table}_head_idx (app_code, open_aggregate_id, aggregate_seq, id), \
+               ALGORITHM=INPLACE, LOCK=NONE",
+        ],
+    ),
+];
+
+/// A missing column, added in place while the table takes writes.
+pub(crate) fn add_column(table: &str, _column: &str, definition: &str) -> Vec<String> {
+    vec![format!(
+        "ALTER TABLE {table} ADD COLUMN {definition}, ALGORITHM=INPLACE, LOCK=NONE"
+    )]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,6 +36,7 @@ impl Dialect for PgDialect {
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
     const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
         columns_of: sql::ADOPT_COLUMNS,
+        indexes: None,
         online_index: sql::online_index,
         add_column: sql::add_column,
     });

@@ -23,6 +23,10 @@ use crate::{db_error, SqlOutbox};
 pub struct Adopt {
     /// The table's column names (one column); the table's name.
     pub columns_of: &'static str,
+    /// The outbox table's indexes, each as a suffix and the statement
+    /// that builds it on a live table without blocking its writes; `None`:
+    /// the migrations' `CREATE INDEX` statements, through `online_index`.
+    pub indexes: Option<&'static [(&'static str, &'static [&'static str])]>,
     /// A migration's `CREATE INDEX` as it runs on a live table without
     /// blocking its writes.
     pub online_index: fn(&str) -> String,
@@ -42,7 +46,7 @@ impl SqlOutbox<D> {
     pub async fn adopt(&self, apply: bool) -> Result<AdoptReport> {
         let Some(adopt) = D::ADOPT else {
             return Err(Error::Schema(format!(
-                "`postbox adopt` is for PostgreSQL tables, not {}",
+                "`postbox adopt` is for PostgreSQL and MariaDB/MySQL tables, not {}",
                 D::BACKEND
             )));
         };
@@ -89,10 +93,20 @@ impl SqlOutbox<D> {
             report.statements.extend((adopt.add_column)(t.as_str(), theirs, definition));
         }
         let existing = self.catalog_names(op).await?;
-        for (name, create) in outbox_indexes(&t, D::MIGRATIONS) {
+        let indexes: Vec<(String, Vec<String>)> = match adopt.indexes {
+            Some(list) => list
+                .iter()
+                .map(|(suffix, create)| (format!("{t}{suffix}"), create.iter().map(|c| t.render(c)).collect()))
+                .collect(),
+            None => outbox_indexes(&t, D::MIGRATIONS)
+                .into_iter()
+                .map(|(name, create)| (name, vec![(adopt.online_index)(&create)]))
+                .collect(),
+        };
+        for (name, create) in indexes {
             if !existing.iter().any(|e| e.eq_ignore_ascii_case(&name)) {
                 report.missing_indexes.push(name);
-                report.statements.push((adopt.online_index)(&create));
+                report.statements.extend(create);
             }
         }
         if apply && report.blockers.is_empty() {
@@ -104,8 +118,13 @@ impl SqlOutbox<D> {
                     .map_err(|e| db_error("adopt the table", e))?;
             }
             // The outbox table's indexes are built: `migrate` must not
-            // drop and build them again under its lock.
-            let migrated = self.migrate_skipping(|stmt| index_of(&t, stmt).is_some()).await?;
+            // drop and build them again under its lock (MySQL's versions
+            // change them with `ALTER TABLE <table> …`; the statements
+            // that change other tables start `ALTER TABLE <table>_…`).
+            let alter = format!("ALTER TABLE {t} ");
+            let migrated = self
+                .migrate_skipping(|stmt| index_of(&t, stmt).is_some() || stmt.starts_with(&alter))
+                .await?;
             report.migrated = Some(migrated);
             report.applied = true;
         }

@@ -904,7 +904,7 @@ impl SqlOutbox<D> {
             .await
             .map_err(db)?
             .iter()
-            .map(|r| sqlx::Row::try_get(r, "event_id"))
+            .map(|r| sqlx::Row::try_get(r, self.table.column("event_id")))
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| db_error("look up archived events", e))?;
         found.sort_unstable();

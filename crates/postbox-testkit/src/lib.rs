@@ -4,6 +4,7 @@
 //! A missing server is a loud failure naming the server and how to start
 //! it, never a silent skip.
 
+pub mod adopted;
 pub mod amqp;
 pub mod cli_fixtures;
 pub mod clusters;

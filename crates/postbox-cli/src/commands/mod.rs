@@ -1,5 +1,6 @@
 //! One file per command.
 
+pub mod adopt;
 pub mod archive;
 pub mod consume;
 pub mod consumers;
