@@ -112,6 +112,15 @@ impl Target {
         }
     }
 
+    /// The table names postbox's `app_code`, `status` and `id` columns
+    /// its own way (an adopted table, `[database.columns]`).
+    pub fn columns(mut self, app_code: &str, status: &str, id: &str) -> Self {
+        self.app_code = app_code.to_ascii_lowercase();
+        self.status = status.to_ascii_lowercase();
+        self.id = id.to_ascii_lowercase();
+        self
+    }
+
     /// Also checks statements on `table`.
     pub fn and_table(mut self, table: &str) -> Self {
         self.tables.push(table.to_ascii_lowercase());
@@ -666,6 +675,27 @@ mod tests {
                 .collect();
             assert_eq!(got, *want, "{what}");
         }
+    }
+
+    #[test]
+    fn an_adopted_table_is_read_by_its_own_column_names() {
+        let target = Target::outbox("room_outbox").columns("app", "state", "id");
+        let rules = |sql: &str| -> Vec<&str> {
+            lint(sql, &target, Syntax::MySql)
+                .into_iter()
+                .map(|f| f.rule.name())
+                .collect()
+        };
+        assert_eq!(
+            rules("SELECT id FROM room_outbox WHERE app = ? AND (state = 'init' OR locked_until_ms < ?)"),
+            ["or-across-statuses"]
+        );
+        assert_eq!(
+            rules("SELECT id FROM room_outbox WHERE app_code = ? AND state = 'init'"),
+            ["no-app-code"],
+            "postbox's name is not the table's"
+        );
+        assert!(rules("SELECT id FROM room_outbox WHERE app = ? AND state = 'init'").is_empty());
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use postbox_core::config::{DatabaseKind, Uses};
+use postbox_core::TableName;
 use postbox_lint::{lint, Finding, Syntax, Target};
 use serde::Serialize;
 
@@ -22,8 +23,18 @@ struct Located {
     why: &'static str,
 }
 
+/// The rules' target: `table` and its archive, by the table's own column
+/// names.
+pub(crate) fn target_of(table: &TableName) -> Target {
+    Target::outbox(table.as_str()).columns(
+        table.column("app_code"),
+        table.column("status"),
+        table.column("id"),
+    )
+}
+
 pub fn run(g: &Global, args: LintSqlArgs) -> Result<(), CliError> {
-    let (tables, config_syntax) = if args.tables.is_empty() {
+    let (tables, config) = if args.tables.is_empty() {
         // Without a config file the defaults would name a table nobody has.
         if !has_config_file(g)? {
             return Err(CliError::usage(
@@ -39,23 +50,25 @@ pub fn run(g: &Global, args: LintSqlArgs) -> Result<(), CliError> {
             DatabaseKind::MySql => Syntax::MySql,
             _ => Syntax::Postgres,
         };
-        (
-            vec![config.database.table.as_str().to_owned()],
-            Some(syntax),
-        )
+        let table = config.database.adopted_table()?;
+        (vec![table.as_str().to_owned()], Some((syntax, table)))
     } else {
         (args.tables.clone(), None)
     };
     let syntax = match args.syntax {
         Some(SqlSyntax::Postgres) => Syntax::Postgres,
         Some(SqlSyntax::Mysql) => Syntax::MySql,
-        None => config_syntax.unwrap_or(Syntax::Postgres),
+        None => config
+            .as_ref()
+            .map_or(Syntax::Postgres, |(syntax, _)| *syntax),
     };
-    let target = tables[1..]
-        .iter()
-        .fold(Target::outbox(&tables[0]), |t, name| {
-            t.and_table(name).and_table(&format!("{name}_archive"))
-        });
+    let first = match &config {
+        Some((_, table)) => target_of(table),
+        None => Target::outbox(&tables[0]),
+    };
+    let target = tables[1..].iter().fold(first, |t, name| {
+        t.and_table(name).and_table(&format!("{name}_archive"))
+    });
     let stdin = [PathBuf::from("-")];
     let files = if args.files.is_empty() {
         &stdin[..]

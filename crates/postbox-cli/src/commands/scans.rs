@@ -4,7 +4,7 @@
 
 use postbox_core::config::Uses;
 use postbox_core::store::StatementStat;
-use postbox_lint::{lint, one_line, reads_a_target, reads_far_more, Rule, Syntax, Target};
+use postbox_lint::{lint, one_line, reads_a_target, reads_far_more, Rule, Syntax};
 use serde::Serialize;
 
 use crate::cli::Global;
@@ -33,7 +33,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     let store = open_store(&config).await?;
     let stats = store.statement_stats().await?;
     let table = store.table().as_str();
-    let target = Target::outbox(table);
+    let target = super::lint_sql::target_of(store.table());
     let syntax = match store.backend() {
         "mysql" => Syntax::MySql,
         _ => Syntax::Postgres,

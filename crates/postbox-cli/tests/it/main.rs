@@ -3,6 +3,7 @@
 
 mod common;
 
+mod adopt;
 mod archive;
 mod cli;
 mod clusters;
