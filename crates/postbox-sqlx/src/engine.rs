@@ -1115,8 +1115,42 @@ impl SqlOutbox<D> {
     /// (`postbox_schema_migrations`) is checked against the tables first,
     /// under the migration lock ([`check_ledger`]): an outbox table that is
     /// gone is created as new, and versions whose tables are gone run again.
+    ///
+    /// A table with its own names (`[database.columns]`,
+    /// `[database.statuses]`) that postbox has not adopted yet is refused:
+    /// `postbox adopt` adds what it lacks without blocking it.
     pub async fn migrate(&self) -> Result<MigrateReport> {
+        if !self.table.naming().is_plain() && self.not_adopted_yet().await? {
+            return Err(postbox_core::Error::Schema(format!(
+                "table `{}` is a table of your own that postbox has not adopted yet: \
+                 run `postbox adopt` (it lists what postbox adds) and `postbox adopt --apply`",
+                self.table
+            )));
+        }
         self.migrate_skipping(|_| false).await
+    }
+
+    /// The outbox table exists and the ledger has no version of it.
+    async fn not_adopted_yet(&self) -> Result<bool> {
+        let db = |e| db_error("migrate", e);
+        let mut conn = self.pool.acquire().await.map_err(db)?;
+        let names = [self.table.as_str().to_owned()];
+        let existing = self
+            .fetch_expanded(&mut conn, &self.sql.existing_tables, vec![Value::Texts(&names)])
+            .await
+            .map_err(db)?;
+        if existing.is_empty() {
+            return Ok(false);
+        }
+        sqlx::query(&self.sql.create_migrations_table)
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?;
+        let versions = query::<D>(&self.sql.applied_versions, [self.table.as_str().into()])
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db)?;
+        Ok(versions.is_empty())
     }
 
     /// [`SqlOutbox::migrate`], leaving out the statements `skip` picks

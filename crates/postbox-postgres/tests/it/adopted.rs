@@ -72,6 +72,10 @@ async fn adopt_reports_what_it_adds_then_runs_it_online_and_then_finds_nothing()
     assert!(missing.contains("does not exist"), "{missing}");
 
     sqlx::query(&ddl(&name)).execute(&pool).await.unwrap();
+    // `migrate` would build the indexes under its lock and leave the
+    // columns out: it sends the user to `adopt`.
+    let refused = store.migrate().await.unwrap_err().to_string();
+    assert!(refused.contains("postbox adopt"), "{refused}");
     let plan = store.adopt(false).await.unwrap();
     println!("adopt plan: {plan:#?}");
     let indexes = [
