@@ -89,6 +89,23 @@ pub fn assert_first_plan(plan: &AdoptReport, indexes: &[&str]) {
     );
 }
 
+/// `adopt --apply` on the planned table runs it all and migrates; then
+/// nothing is left to add and every object `doctor` expects is there.
+pub async fn assert_applied_then_nothing_left(store: &dyn OutboxStore) {
+    let applied = store.adopt(true).await.unwrap();
+    assert!(applied.applied);
+    assert_eq!(applied.migrated.as_ref().map(|m| m.version), Some(11));
+    let again = store.adopt(false).await.unwrap();
+    assert!(
+        again.missing_columns.is_empty()
+            && again.missing_indexes.is_empty()
+            && again.statements.is_empty(),
+        "{again:?}"
+    );
+    let schema = store.inspect_schema().await.unwrap();
+    assert!(schema.objects.iter().all(|o| o.present), "{schema:?}");
+}
+
 /// The store (adopted over [`legacy_rows`]) reads the legacy rows as their
 /// postbox statuses: counts, lists, claims (new rows and the expired
 /// lease), archiving.
@@ -152,4 +169,61 @@ pub async fn legacy_rows_read_as_their_postbox_status(store: Arc<dyn OutboxStore
     };
     let archived = store.archive(&request, &|_| {}).await.unwrap();
     assert_eq!(archived.moved, 2, "{archived:?}");
+}
+
+/// For one backend (`$store`, a `SqlOutbox`, on `$server` at `$url()`,
+/// the legacy table made by `$ddl(name)`): `scratch()` (a pool and a fresh
+/// table name with [`legacy_naming`]), `adopted_table(rows)` (the legacy
+/// table, with [`legacy_rows`] if `rows`, adopted with `--apply`), the
+/// conformance suite on an adopted table, and
+/// [`legacy_rows_read_as_their_postbox_status`].
+#[macro_export]
+macro_rules! adopted_suite {
+    (server: $server:literal, store: $store:ty, pool: $pool:ty, url: $url:path, ddl: $ddl:path) => {
+        /// A pool, and a fresh table name with the legacy naming.
+        async fn scratch() -> ($pool, postbox_core::TableName) {
+            let name = $crate::scratch_table(concat!($server, "_adopt"));
+            let plain: $store = $crate::store_setup::connected($server, $url(), |url| {
+                let name = name.clone();
+                async move { <$store>::connect(&url, &name, 4).await }
+            })
+            .await;
+            let table = postbox_core::TableName::new(&name)
+                .unwrap()
+                .with_naming($crate::adopted::legacy_naming());
+            (plain.pool().clone(), table)
+        }
+
+        /// A legacy table, with rows if `rows`, adopted.
+        async fn adopted_table(rows: bool) -> $store {
+            let (pool, table) = scratch().await;
+            sqlx::query(&$ddl(table.as_str()))
+                .execute(&pool)
+                .await
+                .unwrap();
+            if rows {
+                let insert = $crate::adopted::legacy_rows(table.as_str());
+                sqlx::query(&insert).execute(&pool).await.unwrap();
+            }
+            let store = <$store>::named(pool, table);
+            let report = store.adopt(true).await.expect("adopt --apply");
+            assert!(report.blockers.is_empty() && report.applied, "{report:?}");
+            store
+        }
+
+        async fn adopted_store() -> std::sync::Arc<dyn postbox_core::store::OutboxStore> {
+            std::sync::Arc::new(adopted_table(false).await)
+        }
+
+        mod conformance {
+            $crate::conformance_suite!(super::adopted_store);
+        }
+
+        #[tokio::test]
+        async fn legacy_rows_read_as_their_postbox_status() {
+            let store: std::sync::Arc<dyn postbox_core::store::OutboxStore> =
+                std::sync::Arc::new(adopted_table(true).await);
+            $crate::adopted::legacy_rows_read_as_their_postbox_status(store).await;
+        }
+    };
 }
