@@ -18,12 +18,40 @@ const NAMES: &str = "[database.columns]\n\
 #[tokio::test]
 async fn a_legacy_postgres_table_is_adopted_checked_and_relayed() {
     let (url, pool) = server_pool::<sqlx::Postgres>("postgres").await;
-    let db = Db::Pg(pool);
-    let t = scratch_table("cliadopt");
     let clock = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
-    db.exec(&legacy_ddl(&t, "BIGSERIAL PRIMARY KEY", "TEXT", clock))
-        .await;
-    db.exec(&legacy_rows(&t)).await;
+    let t = scratch_table("cliadopt");
+    let ddl = legacy_ddl(&t, "BIGSERIAL PRIMARY KEY", "TEXT", clock);
+    let index = format!(
+        "CREATE INDEX CONCURRENTLY IF NOT EXISTS {t}_pending_idx ON {t} (app_code, biz_type, next_retry_at_ms, id) \
+         WHERE state IN ('pending', 'init')"
+    );
+    adopt_scenario(Db::Pg(pool), &url, &t, &ddl, &index, "$1").await;
+}
+
+#[tokio::test]
+async fn a_legacy_mariadb_table_is_adopted_checked_and_relayed() {
+    let (url, pool) = server_pool::<sqlx::MySql>("mysql").await;
+    let clock = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
+    let t = scratch_table("cliadopt");
+    let ddl = legacy_ddl(
+        &t,
+        "BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY",
+        "MEDIUMTEXT",
+        clock,
+    );
+    let index = format!(
+        "ALTER TABLE {t} ADD INDEX {t}_due_idx (app_code, state, next_retry_at_ms, biz_type, id), \
+         ALGORITHM=INPLACE, LOCK=NONE"
+    );
+    adopt_scenario(Db::My(pool), &url, &t, &ddl, &index, "?").await;
+}
+
+/// The legacy table `t` (`ddl`) of `db` at `url`, with the legacy rows:
+/// the plan (which shows `index`), `--json`, `lint-sql` on a query with
+/// `bind` placeholders, `--apply`, `doctor`, the relay, the counts.
+async fn adopt_scenario(db: Db, url: &str, t: &str, ddl: &str, index: &str, bind: &str) {
+    db.exec(ddl).await;
+    db.exec(&legacy_rows(t)).await;
     let project = Project::new(|dir| {
         format!(
             "[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"leg\"]\n\
@@ -43,8 +71,7 @@ async fn a_legacy_postgres_table_is_adopted_checked_and_relayed() {
             "event_type = biz_type",
             "init → pending",
             "columns to add: headers, delivered_to, replay_count",
-            &format!("CREATE INDEX CONCURRENTLY IF NOT EXISTS {t}_pending_idx ON {t} (app_code, biz_type,"),
-            "state IN ('pending', 'init')",
+            index,
         ],
     );
     let planned = json(&project.run(&["--json", "adopt"]));
@@ -55,7 +82,7 @@ async fn a_legacy_postgres_table_is_adopted_checked_and_relayed() {
     std::fs::write(
         &sql,
         format!(
-            "SELECT id FROM {t} WHERE app_code = $1 AND (state = 'init' OR locked_until_ms < $2)"
+            "SELECT id FROM {t} WHERE app_code = {bind} AND (state = 'init' OR locked_until_ms < {bind})"
         ),
     )
     .unwrap();
