@@ -69,21 +69,25 @@ impl FailoverPublisher {
         failback_after: Duration,
     ) -> Self {
         let n = targets.len();
+        // The first target reachable now (a relay may start while the
+        // primary is down): the rules take over from there.
+        let first = (targets.iter())
+            .position(|t| t.publisher.connected() != Some(false))
+            .unwrap_or(0);
         let publisher = Inner {
             name,
             targets,
             failover_after,
             failback_after,
             state: Mutex::new(State {
-                active: 0,
+                active: first,
                 seen: vec![None; n],
             }),
         };
-        for (i, t) in publisher.targets.iter().enumerate() {
-            let active = if i == 0 { 1.0 } else { 0.0 };
-            metrics::gauge!(m::PUBLISHER_ACTIVE_TARGET, "publisher" => publisher.name.clone(), "target" => t.name.clone()).set(active);
+        publisher.export(first);
+        if first > 0 {
+            tracing::warn!(publisher = %publisher.name, target = %publisher.targets[first].name, "primary unreachable at start: publishing to the next reachable target");
         }
-        postbox_core::publish::set_active_target(&publisher.name, &publisher.targets[0].name);
         let inner = Arc::new(publisher);
         let watched = Arc::downgrade(&inner);
         tokio::spawn(async move {
@@ -94,6 +98,11 @@ impl FailoverPublisher {
                     return;
                 };
                 inner.choose(Instant::now());
+                // Again on every look: a recorder installed after this
+                // publisher was made (the relay's admin server) gets the
+                // state too, not only the next switch.
+                let active = inner.state.lock().unwrap_or_else(|p| p.into_inner()).active;
+                inner.export(active);
             }
         });
         FailoverPublisher { inner }
@@ -101,6 +110,16 @@ impl FailoverPublisher {
 }
 
 impl Inner {
+    /// Says which target is active: the gauge of each, and the admin API's
+    /// record.
+    fn export(&self, active: usize) {
+        for (i, t) in self.targets.iter().enumerate() {
+            let value = if i == active { 1.0 } else { 0.0 };
+            metrics::gauge!(m::PUBLISHER_ACTIVE_TARGET, "publisher" => self.name.clone(), "target" => t.name.clone()).set(value);
+        }
+        postbox_core::publish::set_active_target(&self.name, &self.targets[active].name);
+    }
+
     /// Looks at every target's connection, switches when the rules say
     /// so, and returns the target to publish to.
     fn choose(&self, now: Instant) -> &Arc<dyn Publisher> {
@@ -147,10 +166,106 @@ impl Inner {
         let to_name = &self.targets[to].name;
         tracing::warn!(publisher = %self.name, from = %from, to = %to_name, reason = why, "publisher switched targets");
         metrics::counter!(m::PUBLISHER_SWITCHES_TOTAL, "publisher" => self.name.clone(), "from" => from.clone(), "to" => to_name.clone()).increment(1);
-        metrics::gauge!(m::PUBLISHER_ACTIVE_TARGET, "publisher" => self.name.clone(), "target" => from.clone()).set(0.0);
-        metrics::gauge!(m::PUBLISHER_ACTIVE_TARGET, "publisher" => self.name.clone(), "target" => to_name.clone()).set(1.0);
-        postbox_core::publish::set_active_target(&self.name, to_name);
+        self.export(to);
         state.active = to;
+    }
+}
+
+/// How long a target unreachable at start waits before it tries again,
+/// at first and at most (doubling in between).
+const CONNECT_AGAIN: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
+
+/// A target that could not be reached when the relay started: it keeps
+/// connecting in the background (each failure logged, at most every 30 s)
+/// and counts as unreachable until it is connected, so the failover
+/// publisher neither picks it nor fails back to it before then.
+pub struct Connecting {
+    name: String,
+    connected: Arc<std::sync::OnceLock<Arc<dyn Publisher>>>,
+}
+
+impl Connecting {
+    /// Target `name`, whose first connection failed with `error`;
+    /// `connect` tries again.
+    pub fn start<F, Fut>(name: String, error: &postbox_core::Error, connect: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = postbox_core::Result<Arc<dyn Publisher>>> + Send,
+    {
+        tracing::warn!(publisher = %name, error = %error, "failover target unreachable at start; connecting in the background");
+        let connected = Arc::new(std::sync::OnceLock::new());
+        let cell = Arc::downgrade(&connected);
+        let who = name.clone();
+        tokio::spawn(async move {
+            let mut wait = CONNECT_AGAIN.0;
+            loop {
+                tokio::time::sleep(wait).await;
+                if cell.strong_count() == 0 {
+                    return;
+                }
+                match connect().await {
+                    Ok(publisher) => {
+                        tracing::info!(publisher = %who, "failover target connected");
+                        if let Some(cell) = cell.upgrade() {
+                            let _ = cell.set(publisher);
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(publisher = %who, error = %e, "failover target still unreachable");
+                        wait = (wait * 2).min(CONNECT_AGAIN.1);
+                    }
+                }
+            }
+        });
+        Connecting { name, connected }
+    }
+}
+
+#[async_trait]
+impl Publisher for Connecting {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+        match self.connected.get() {
+            Some(p) => p.publish(batch).await,
+            None => (batch.iter())
+                .map(|_| {
+                    Err(PublishError::failed(format!(
+                        "{} is not connected yet",
+                        self.name
+                    )))
+                })
+                .collect(),
+        }
+    }
+
+    async fn publish_each(
+        &self,
+        batch: &[Delivery<'_>],
+        publish_timeout: Duration,
+        results: &PublishResults,
+    ) {
+        match self.connected.get() {
+            Some(p) => p.publish_each(batch, publish_timeout, results).await,
+            None => results.set_all(self.publish(batch).await),
+        }
+    }
+
+    fn connected(&self) -> Option<bool> {
+        Some(
+            self.connected
+                .get()
+                .is_some_and(|p| p.connected() != Some(false)),
+        )
+    }
+
+    async fn close(&self) {
+        if let Some(p) = self.connected.get() {
+            p.close().await;
+        }
     }
 }
 

@@ -103,8 +103,10 @@ async fn build_here(config: &PublisherConfig) -> Result<Arc<dyn Publisher>> {
 
 /// A [`failover::FailoverPublisher`] named `name` over `configs` (the
 /// primary's, then each failover target's), each connected by `connect`
-/// under the name `<name>.<target>`; a target's config error names its
-/// `failover.<i>` key.
+/// under the name `<name>.<target>`. A target unreachable at start keeps
+/// connecting in the background ([`failover::Connecting`]) as long as
+/// another one is reachable; when none is, the primary's error (a target's
+/// names its `failover.<i>` key).
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
 async fn with_failover<C, F, Fut>(
     name: &str,
@@ -117,24 +119,41 @@ async fn with_failover<C, F, Fut>(
     connect: F,
 ) -> Result<Arc<dyn Publisher>>
 where
-    F: Fn(C, String) -> Fut,
-    Fut: std::future::Future<Output = Result<Arc<dyn Publisher>>>,
+    C: Clone + Send + Sync + 'static,
+    F: Fn(C, String) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Arc<dyn Publisher>>> + Send + 'static,
 {
     let mut targets = Vec::with_capacity(configs.len());
+    let mut first_error = None;
     for (i, one) in configs.into_iter().enumerate() {
         let target = postbox_core::config::target_name(failover, i);
-        let publisher = match connect(one, format!("{name}.{target}")).await {
+        let full = format!("{name}.{target}");
+        let publisher = match connect(one.clone(), full.clone()).await {
             Ok(p) => p,
-            Err(e) if i == 0 => return Err(e),
             Err(e) => {
-                let at = postbox_core::config::KeyPath::root("failover").index(i - 1);
-                return Err(e.within(&at));
+                let e = match i {
+                    0 => e,
+                    _ => e.within(&postbox_core::config::KeyPath::root("failover").index(i - 1)),
+                };
+                let again = connect.clone();
+                let later = failover::Connecting::start(full.clone(), &e, move || {
+                    again(one.clone(), full.clone())
+                });
+                first_error.get_or_insert(e);
+                Arc::new(later)
             }
         };
         targets.push(failover::Target {
             name: target,
             publisher,
         });
+    }
+    if let Some(e) = first_error.filter(|_| {
+        targets
+            .iter()
+            .all(|t| t.publisher.connected() == Some(false))
+    }) {
+        return Err(e);
     }
     Ok(Arc::new(failover::FailoverPublisher::new(
         name.to_owned(),

@@ -559,3 +559,84 @@ async fn a_nats_publisher_fails_over_to_the_secondary_system_and_back() {
     )
     .await;
 }
+
+/// A relay that starts while the primary is down publishes to the failover
+/// target (it refused to start before: every target had to answer), and
+/// moves to the primary once it is up and steady.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_starts_while_the_primary_is_down_and_fails_back_when_it_is_up() {
+    let (primary, secondary) = (NatsCluster::start(1).await, NatsCluster::start(1).await);
+    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
+    let (url, store) = common::server_outbox("postgres", "pbx_nats_late", 4).await;
+    let stream = scratch_name("PBXLATE").replace('-', "_");
+    for url in [&primary_url, &secondary_url] {
+        let js = async_nats::jetstream::new(async_nats::connect(url.as_str()).await.unwrap());
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{stream}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let (admin_toml, admin) = admin_toml();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::write_config(
+        dir.path(),
+        &format!(
+            "{}[[publishers]]\nkind = \"nats\"\nname = \"mq\"\nurl = \"{primary_url}\"\nstream = \"{stream}\"\nsubject = \"{stream}.{{app_code}}.{{event_type}}\"\n\
+             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n{admin_toml}",
+            outbox_toml(&url, store.table().as_str()),
+        ),
+    );
+    primary.kill(0);
+    let mut relay = common::spawn_async(dir.path(), &cfg, "relay", &[]);
+    let started = Instant::now();
+    let during = enqueue(&store, 300).await;
+    delivered(&store, 300, "the events sent while the primary is down").await;
+    let first_delivery = started.elapsed();
+    // The gauge is exported on the watcher's next look (every 0.5 s).
+    let on = async |target: &str| {
+        let labels = [("publisher", "mq"), ("target", target)];
+        eventually(
+            &format!("publishing on the {target}"),
+            Duration::from_secs(60),
+            async || {
+                let active = metric(&admin, "postbox_publisher_active_target", &labels).await;
+                (active == 1.0)
+                    .then_some(())
+                    .ok_or_else(|| format!("not on the {target}"))
+            },
+        )
+        .await
+    };
+    on("secondary").await;
+
+    let up = Instant::now();
+    primary.restart(0).await;
+    on("primary").await;
+    let failback = up.elapsed();
+    let after = enqueue(&store, 300).await;
+    delivered(&store, 600, "the events after the primary came up").await;
+    common::stopped(&mut relay).await;
+
+    let on_primary: HashSet<_> = stream_event_ids(&primary_url, &stream)
+        .await
+        .into_iter()
+        .collect();
+    let on_secondary: HashSet<_> = stream_event_ids(&secondary_url, &stream)
+        .await
+        .into_iter()
+        .collect();
+    println!(
+        "relay started with the primary down: 300 events through the secondary in {first_delivery:?}; on the primary {failback:?} after it started; 300 more there"
+    );
+    assert!(
+        during.iter().all(|id| on_secondary.contains(id)),
+        "while down: the secondary"
+    );
+    assert!(
+        after.iter().all(|id| on_primary.contains(id)),
+        "once up: the primary"
+    );
+}
