@@ -220,6 +220,8 @@ impl Dialect for MySqlDialect {
     const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
         columns_of: sql::ADOPT_COLUMNS,
         indexes: Some(sql::ADOPT_INDEXES),
+        invalid_indexes: None,
+        drop_index: "ALTER TABLE {table} DROP INDEX {name}",
         online_index: str::to_owned,
         add_column: sql::add_column,
     });

@@ -37,6 +37,8 @@ impl Dialect for PgDialect {
     const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
         columns_of: sql::ADOPT_COLUMNS,
         indexes: None,
+        invalid_indexes: Some(sql::ADOPT_INVALID_INDEXES),
+        drop_index: "DROP INDEX CONCURRENTLY IF EXISTS {name}",
         online_index: sql::online_index,
         add_column: sql::add_column,
     });

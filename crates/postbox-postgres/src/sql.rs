@@ -521,6 +521,12 @@ pub(crate) const STATEMENT_STATS: &str =
 pub(crate) const ADOPT_COLUMNS: &str = "SELECT column_name::TEXT FROM information_schema.columns \
      WHERE table_schema = current_schema() AND table_name = lower($1) ORDER BY ordinal_position";
 
+/// `postbox adopt`: indexes of the table a failed `CREATE INDEX
+/// CONCURRENTLY` left invalid (never used, still written).
+pub(crate) const ADOPT_INVALID_INDEXES: &str = "SELECT c.relname::TEXT FROM pg_index i \
+     JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_class t ON t.oid = i.indrelid \
+     WHERE t.relname = lower($1) AND t.relnamespace = current_schema()::regnamespace AND NOT i.indisvalid";
+
 /// A migration's index, built without blocking the table's writes.
 pub(crate) fn online_index(create: &str) -> String {
     create.replacen(

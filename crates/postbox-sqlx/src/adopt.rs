@@ -30,6 +30,12 @@ pub struct Adopt {
     /// A migration's `CREATE INDEX` as it runs on a live table without
     /// blocking its writes.
     pub online_index: fn(&str) -> String,
+    /// The names of the table's indexes a failed online build left
+    /// invalid (one column); the table's name. `None`: the database
+    /// leaves none.
+    pub invalid_indexes: Option<&'static str>,
+    /// `DROP INDEX` of one such index, `{name}`.
+    pub drop_index: &'static str,
     /// `ALTER TABLE … ADD COLUMN` of `definition` on `table`, as it runs
     /// without rewriting the table, with any statement needed after it.
     pub add_column: fn(table: &str, column: &str, definition: &str) -> Vec<String>,
@@ -93,6 +99,16 @@ impl SqlOutbox<D> {
             report.statements.extend((adopt.add_column)(t.as_str(), theirs, definition));
         }
         let existing = self.catalog_names(op).await?;
+        let invalid: Vec<String> = match adopt.invalid_indexes {
+            Some(sql) => {
+                let rows = query::<D>(sql, [Value::from(t.as_str())])
+                    .fetch_all(self.pool())
+                    .await
+                    .map_err(|e| db_error(op, e))?;
+                first_column(rows).map_err(|e| db_error(op, e))?
+            }
+            None => Vec::new(),
+        };
         let indexes: Vec<(String, Vec<String>)> = match adopt.indexes {
             Some(list) => list
                 .iter()
@@ -103,10 +119,29 @@ impl SqlOutbox<D> {
                 .map(|(name, create)| (name, vec![(adopt.online_index)(&create)]))
                 .collect(),
         };
+        let named = |list: &[String], name: &str| list.iter().any(|e| e.eq_ignore_ascii_case(name));
         for (name, create) in indexes {
-            if !existing.iter().any(|e| e.eq_ignore_ascii_case(&name)) {
-                report.missing_indexes.push(name);
-                report.statements.extend(create);
+            if named(&invalid, &name) {
+                // A build that failed (a duplicate event, a cancel) left
+                // it there but unused: it goes, and is built again.
+                report.statements.push(adopt.drop_index.replace("{name}", &name));
+            } else if named(&existing, &name) {
+                continue;
+            }
+            report.missing_indexes.push(name);
+            report.statements.extend(create);
+        }
+        if apply && report.blockers.is_empty() && report.missing_indexes.iter().any(|i| i.ends_with("_event_uq")) {
+            // The unique event index cannot be built over duplicates:
+            // name them before anything changes.
+            let duplicates = self.duplicate_events().await?;
+            if !duplicates.is_empty() {
+                report.blockers.push(format!(
+                    "events stored twice, which the unique ({}, {}) index postbox needs cannot hold: {}; keep one row of each",
+                    t.column("app_code"),
+                    t.column("event_id"),
+                    duplicates.join(", ")
+                ));
             }
         }
         if apply && report.blockers.is_empty() {
@@ -155,6 +190,30 @@ fn column_definitions(create: &str) -> Vec<String> {
     }
     out.push(body[start..].trim().to_owned());
     out
+}
+
+engine_impl! {
+impl SqlOutbox<D> {
+    /// Up to five `app_code/event_id` pairs stored more than once (one
+    /// read of the table).
+    async fn duplicate_events(&self) -> Result<Vec<String>> {
+        let sql = self.table().render(
+            "SELECT app_code, event_id FROM {table} GROUP BY app_code, event_id HAVING COUNT(*) > 1 LIMIT 5",
+        );
+        let rows = query::<D>(&sql, [])
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| db_error("look for events stored twice", e))?;
+        rows.iter()
+            .map(|r| {
+                let app: String = sqlx::Row::try_get(r, 0)?;
+                let id: String = sqlx::Row::try_get(r, 1)?;
+                Ok(format!("{app}/{id}"))
+            })
+            .collect::<std::result::Result<_, sqlx::Error>>()
+            .map_err(|e| db_error("look for events stored twice", e))
+    }
+}
 }
 
 /// What an index statement of the outbox table itself (not its archive

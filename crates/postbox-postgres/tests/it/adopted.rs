@@ -86,3 +86,68 @@ async fn adopt_reports_what_it_adds_then_runs_it_online_and_then_finds_nothing()
         "{blocked:?}"
     );
 }
+
+/// An event stored twice blocks the adoption, naming it, before anything
+/// changes; the unique index a failed online build left invalid (and so
+/// present by name, but never used by `ON CONFLICT`) is dropped and built
+/// again.
+#[tokio::test]
+async fn duplicates_block_and_an_invalid_index_is_built_again() {
+    let (pool, table) = scratch().await;
+    let t = table.as_str().to_owned();
+    sqlx::query(&ddl(&t)).execute(&pool).await.unwrap();
+    let twice = format!(
+        "INSERT INTO {t} (app_code, event_id, biz_type, payload) VALUES \
+         ('leg', 'dup', 'T', '{{}}'), ('leg', 'dup', 'T', '{{}}'), ('leg', 'one', 'T', '{{}}')"
+    );
+    sqlx::query(&twice).execute(&pool).await.unwrap();
+    let failed =
+        format!("CREATE UNIQUE INDEX CONCURRENTLY {t}_event_uq ON {t} (app_code, event_id)");
+    assert!(sqlx::query(&failed).execute(&pool).await.is_err());
+    let store = PgOutbox::named(pool.clone(), table);
+
+    let blocked = store.adopt(true).await.unwrap();
+    assert!(!blocked.applied, "{blocked:?}");
+    assert!(
+        blocked.blockers.iter().any(|b| b.contains("leg/dup")),
+        "{blocked:?}"
+    );
+    assert!(
+        blocked.statements[..4]
+            .iter()
+            .any(|s| s == &format!("DROP INDEX CONCURRENTLY IF EXISTS {t}_event_uq")),
+        "{:?}",
+        blocked.statements
+    );
+    let headers: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.columns WHERE table_name = $1 AND column_name = 'headers'",
+    )
+    .bind(&t)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(headers, 0, "nothing ran");
+
+    let keep_one =
+        format!("DELETE FROM {t} WHERE id = (SELECT max(id) FROM {t} WHERE event_id = 'dup')");
+    sqlx::query(&keep_one).execute(&pool).await.unwrap();
+    let applied = store.adopt(true).await.unwrap();
+    assert!(applied.applied, "{applied:?}");
+    let valid: bool = sqlx::query_scalar(
+        "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = $1",
+    )
+    .bind(format!("{t}_event_uq"))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(valid);
+    let dup = postbox_core::NewEvent::new("leg", "T", "{}").event_id("one");
+    let err = store.enqueue_batch(&[dup], 1 << 20).await;
+    assert!(
+        matches!(
+            err.as_deref(),
+            Ok([postbox_core::store::EnqueueOutcome::Duplicate])
+        ),
+        "{err:?}"
+    );
+}
