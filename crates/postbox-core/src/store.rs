@@ -692,6 +692,10 @@ pub struct AdoptReport {
     pub missing_columns: Vec<String>,
     /// Indexes postbox adds.
     pub missing_indexes: Vec<String>,
+    /// The table's own indexes postbox never reads (each still costs a
+    /// write on every change of its columns): candidates to drop once the
+    /// old worker is gone.
+    pub unread_indexes: Vec<String>,
     /// What stops the adoption until fixed (an event column the table
     /// lacks); nothing is applied while there is one.
     pub blockers: Vec<String>,

@@ -221,6 +221,7 @@ impl Dialect for MySqlDialect {
         columns_of: sql::ADOPT_COLUMNS,
         indexes: Some(sql::ADOPT_INDEXES),
         invalid_indexes: None,
+        indexes_of: sql::ADOPT_INDEXES_OF,
         drop_index: "ALTER TABLE {table} DROP INDEX {name}",
         online_index: str::to_owned,
         add_column: sql::add_column,

@@ -756,6 +756,11 @@ pub(crate) const ADOPT_COLUMNS: &str =
     "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
      WHERE table_schema = DATABASE() AND table_name = ? ORDER BY ordinal_position";
 
+/// `postbox adopt`: the table's secondary indexes.
+pub(crate) const ADOPT_INDEXES_OF: &str =
+    "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \
+     WHERE table_schema = DATABASE() AND table_name = ? AND index_name <> 'PRIMARY' ORDER BY 1";
+
 /// `postbox adopt`: the outbox table's indexes as the migrations leave
 /// them (versions 1, 7 and 8), each built in place while the table takes
 /// writes (`LOCK=NONE`). The head index comes with its two virtual columns

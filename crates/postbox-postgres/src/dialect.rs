@@ -38,6 +38,7 @@ impl Dialect for PgDialect {
         columns_of: sql::ADOPT_COLUMNS,
         indexes: None,
         invalid_indexes: Some(sql::ADOPT_INVALID_INDEXES),
+        indexes_of: sql::ADOPT_INDEXES_OF,
         drop_index: "DROP INDEX CONCURRENTLY IF EXISTS {name}",
         online_index: sql::online_index,
         add_column: sql::add_column,

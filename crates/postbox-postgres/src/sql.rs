@@ -527,6 +527,12 @@ pub(crate) const ADOPT_INVALID_INDEXES: &str = "SELECT c.relname::TEXT FROM pg_i
      JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_class t ON t.oid = i.indrelid \
      WHERE t.relname = lower($1) AND t.relnamespace = current_schema()::regnamespace AND NOT i.indisvalid";
 
+/// `postbox adopt`: the table's secondary indexes.
+pub(crate) const ADOPT_INDEXES_OF: &str = "SELECT c.relname::TEXT FROM pg_index i \
+     JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_class t ON t.oid = i.indrelid \
+     WHERE t.relname = lower($1) AND t.relnamespace = current_schema()::regnamespace AND NOT i.indisprimary \
+     ORDER BY 1";
+
 /// A migration's index, built without blocking the table's writes.
 pub(crate) fn online_index(create: &str) -> String {
     create.replacen(

@@ -34,6 +34,9 @@ pub struct Adopt {
     /// invalid (one column); the table's name. `None`: the database
     /// leaves none.
     pub invalid_indexes: Option<&'static str>,
+    /// The names of the table's secondary indexes (one column), the
+    /// primary key left out; the table's name.
+    pub indexes_of: &'static str,
     /// `DROP INDEX` of one such index, `{name}`.
     pub drop_index: &'static str,
     /// `ALTER TABLE … ADD COLUMN` of `definition` on `table`, as it runs
@@ -119,6 +122,7 @@ impl SqlOutbox<D> {
                 .map(|(name, create)| (name, vec![(adopt.online_index)(&create)]))
                 .collect(),
         };
+        let wanted: Vec<String> = indexes.iter().map(|(name, _)| name.clone()).collect();
         let named = |list: &[String], name: &str| list.iter().any(|e| e.eq_ignore_ascii_case(name));
         for (name, create) in indexes {
             if named(&invalid, &name) {
@@ -131,6 +135,21 @@ impl SqlOutbox<D> {
             report.missing_indexes.push(name);
             report.statements.extend(create);
         }
+        // The table's own indexes postbox never reads: each still costs a
+        // write on every change of its columns.
+        let rows = query::<D>(adopt.indexes_of, [Value::from(t.as_str())])
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| db_error(op, e))?;
+        let ours = |name: &str| {
+            name.eq_ignore_ascii_case(&format!("{t}{}", postbox_core::store::AGGREGATE_INDEX))
+                || wanted.iter().any(|w| w.eq_ignore_ascii_case(name))
+        };
+        report.unread_indexes = first_column::<String, _>(rows)
+            .map_err(|e| db_error(op, e))?
+            .into_iter()
+            .filter(|name| !ours(name))
+            .collect();
         if apply && report.blockers.is_empty() && report.missing_indexes.iter().any(|i| i.ends_with("_event_uq")) {
             // The unique event index cannot be built over duplicates:
             // name them before anything changes.

@@ -54,6 +54,12 @@ fn print(backend: &str, r: &AdoptReport, apply: bool) {
     };
     outln!("  columns to add: {}", list(&r.missing_columns));
     outln!("  indexes to add: {}", list(&r.missing_indexes));
+    if !r.unread_indexes.is_empty() {
+        outln!(
+            "  the table's own indexes postbox does not read (each is written on every change of its columns; drop them once the old worker is gone): {}",
+            r.unread_indexes.join(", ")
+        );
+    }
     for b in &r.blockers {
         outln!("  blocked: {b}");
     }

@@ -52,6 +52,11 @@ async fn a_legacy_mariadb_table_is_adopted_checked_and_relayed() {
 async fn adopt_scenario(db: Db, url: &str, t: &str, ddl: &str, index: &str, bind: &str) {
     db.exec(ddl).await;
     db.exec(&legacy_rows(t)).await;
+    // The old worker's claim index (seed 002's shape).
+    db.exec(&format!(
+        "CREATE INDEX {t}_claim_retry_idx ON {t} (app_code, state, next_retry_at_ms, created_at_ms, event_id)"
+    ))
+    .await;
     let project = Project::new(|dir| {
         format!(
             "[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"leg\"]\n\
@@ -71,6 +76,7 @@ async fn adopt_scenario(db: Db, url: &str, t: &str, ddl: &str, index: &str, bind
             "event_type = biz_type",
             "init → pending",
             "columns to add: headers, delivered_to, replay_count",
+            &format!("does not read (each is written on every change of its columns; drop them once the old worker is gone): {t}_claim_retry_idx"),
             index,
         ],
     );
