@@ -64,6 +64,9 @@ impl Marker {
         let mut created_at: HashMap<i64, i64> = HashMap::new();
         // Row id → event_id, to read a row back after a lost answer.
         let mut event_ids: HashMap<i64, String> = HashMap::new();
+        // Events to name in the log: their first failed attempt, and their
+        // dead-lettering (each once, not once per attempt).
+        let (mut first_failures, mut dead_letters) = (Vec::new(), Vec::new());
         for o in outcomes {
             let r = &o.event.record;
             let fence = o.event.fence();
@@ -89,7 +92,7 @@ impl Marker {
                     error,
                 } => {
                     if retry_count == 1 {
-                        tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempt = retry_count, retry_in = ?after.after, error = %error, "publish failed; will retry");
+                        first_failures.push(Logged::of(r, retry_count, &error));
                     } else {
                         tracing::debug!(event_id = %r.event_id, attempt = retry_count, retry_in = ?after.after, error = %error, "publish failed again");
                     }
@@ -133,7 +136,7 @@ impl Marker {
                     delivered_to,
                     error,
                 } => {
-                    tracing::warn!(event_id = %r.event_id, app_code = %r.app_code, event_type = %r.event_type, attempts = retry_count, error = %error, "event dead-lettered (status failed); replay it with `postbox replay`");
+                    dead_letters.push(Logged::of(r, retry_count, &error));
                     // Never due again: a replay makes it due.
                     (
                         crate::Status::Failed,
@@ -158,6 +161,16 @@ impl Marker {
                 .or_default()
                 .push(FailedRow::of(r));
         }
+        Logged::log(
+            &first_failures,
+            "publish failed; will retry",
+            "events failed their first attempt; will retry",
+        );
+        Logged::log(
+            &dead_letters,
+            "event dead-lettered (status failed); replay it with `postbox replay`",
+            "events dead-lettered (status failed); replay them with `postbox replay`",
+        );
         // Failed attempts: one write per fence and update (a batch's rows
         // that failed alike, e.g. every row a target refused, share one).
         for ((fence, update), rows) in failures {
@@ -447,5 +460,57 @@ where
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// An event the log names (a first failed attempt, a dead letter).
+struct Logged {
+    event_id: String,
+    app_code: String,
+    event_type: String,
+    attempt: i32,
+    error: String,
+}
+
+impl Logged {
+    /// More of them in one batch (a broker outage fails every event of
+    /// it) are one line, each event at DEBUG: the log names a poison
+    /// event without flooding when everything fails.
+    const ONE_BY_ONE: usize = 10;
+
+    fn of(r: &crate::EventRecord, attempt: i32, error: &str) -> Self {
+        Logged {
+            event_id: r.event_id.clone(),
+            app_code: r.app_code.clone(),
+            event_type: r.event_type.clone(),
+            attempt,
+            error: error.to_owned(),
+        }
+    }
+
+    /// One WARN line per event (`one`), or one for the batch (`many`)
+    /// with the count, the first events and the first error.
+    fn log(events: &[Logged], one: &str, many: &str) {
+        if events.len() <= Self::ONE_BY_ONE {
+            for e in events {
+                tracing::warn!(event_id = %e.event_id, app_code = %e.app_code, event_type = %e.event_type, attempt = e.attempt, error = %e.error, "{one}");
+            }
+            return;
+        }
+        for e in events {
+            tracing::debug!(event_id = %e.event_id, app_code = %e.app_code, event_type = %e.event_type, attempt = e.attempt, error = %e.error, "{one}");
+        }
+        let mut app_codes: Vec<&str> = events.iter().map(|e| e.app_code.as_str()).collect();
+        app_codes.sort_unstable();
+        app_codes.dedup();
+        let first: Vec<&str> = events.iter().take(3).map(|e| e.event_id.as_str()).collect();
+        tracing::warn!(
+            events = events.len(),
+            app_codes = %app_codes.join(","),
+            first = %first.join(","),
+            error = %events[0].error,
+            "{} {many} (each at debug)",
+            events.len()
+        );
     }
 }

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use postbox_core::config::{HumanDuration, RelaySettings, WorkerConfig};
-use postbox_core::store::OutboxStore;
+use postbox_core::store::{AppStats, OutboxStore};
 use postbox_core::NewEvent;
 use postbox_postgres::PgOutbox;
 use postbox_testkit::conformance::{fast_worker, retrying_worker, run_relay_until_for};
@@ -84,6 +84,56 @@ async fn poison_is_dead_lettered_and_logged_once_per_event() {
         );
     }
     assert!(!text.contains("claim failed"), "{text}");
+
+    // An outage fails every event of a batch: one line per batch, not one
+    // per event (each event is at debug). Dead letters first (one attempt
+    // allowed), then first failures (the retry far away).
+    for (event_type, worker, done, line) in [
+        (
+            "Dead",
+            retrying_worker(1, 20, 60),
+            (|s: &AppStats| s.failed == 125) as fn(&AppStats) -> bool,
+            "events dead-lettered",
+        ),
+        (
+            "Down",
+            retrying_worker(3, 60_000, 60_000),
+            |s: &AppStats| s.retryable == 120,
+            "events failed their first attempt; will retry",
+        ),
+    ] {
+        logs.0.lock().unwrap().clear();
+        let events: Vec<NewEvent> = (0..120)
+            .map(|i| NewEvent::new("conf", event_type, format!("{{\"n\":{i}}}")))
+            .collect();
+        store.enqueue_batch(&events, 1 << 20).await.unwrap();
+        let publisher = Arc::new(RecordingPublisher::new("rec").failing_type(event_type));
+        let worker = WorkerConfig {
+            batch_size: 120,
+            ..worker
+        };
+        run_relay_until_for(store.clone(), vec![publisher], worker, "conf", done).await;
+        let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        // One line per claimed batch (all 120 at once, unless a claim
+        // returned fewer), three of its events named as examples.
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains(line)).collect();
+        let counted: usize = (lines.iter())
+            .filter_map(|l| {
+                l.split("events=")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse::<usize>()
+                    .ok()
+            })
+            .sum();
+        let named = events.iter().filter(|e| text.contains(&e.event_id)).count();
+        assert_eq!(counted, 120, "every event counted in a batch line:\n{text}");
+        assert!(
+            named <= 3 * lines.len() && lines.len() <= 4,
+            "not one line per event:\n{text}"
+        );
+    }
 }
 
 /// Issue 11: a relay stage that panics (here the publish stage, through a
