@@ -92,12 +92,19 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
     let mut checks = Vec::new();
     match store.inspect_schema().await {
         Ok(schema) => {
+            // A table named its own way is adopted, not created.
+            let adopted = !store.table().naming().is_plain();
+            let command = if adopted {
+                "postbox adopt --apply"
+            } else {
+                "postbox migrate"
+            };
             checks.push(if schema.version == 0 {
                 check(
                     "schema_version",
                     Level::Fail,
                     format!(
-                        "table `{}` was never migrated: run `postbox migrate`",
+                        "table `{}` was never migrated: run `{command}`",
                         store.table()
                     ),
                 )
@@ -140,6 +147,22 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
             ));
         }
         Err(e) => checks.push(check("schema", Level::Fail, e.to_string())),
+    }
+    // The table's own indexes postbox never reads (an adopted table's old
+    // claim indexes): each is still written on every state change.
+    if let Ok(adopt) = store.adopt(false).await {
+        checks.push(if adopt.unread_indexes.is_empty() {
+            check("indexes:unread", Level::Ok, "every index of the table is postbox's")
+        } else {
+            check(
+                "indexes:unread",
+                Level::Warn,
+                format!(
+                    "postbox never reads {}: each is written on every change of its columns; drop them once nothing else reads them",
+                    adopt.unread_indexes.join(", ")
+                ),
+            )
+        });
     }
     let app_code = config
         .database

@@ -101,6 +101,10 @@ async fn adopt_scenario(db: Db, url: &str, t: &str, ddl: &str, index: &str, bind
     assert_says(&applied, &["applied", "at version 11"]);
     let doctor = project.run(&["doctor"]);
     assert_eq!(doctor.status.code(), Some(0), "{}", text(&doctor));
+    assert_says(
+        &doctor,
+        &["WARN  indexes:unread", &format!("{t}_claim_retry_idx")],
+    );
 
     // The relay delivers the legacy new rows, takes over the row the old
     // worker left `running`, then its aggregate's next one, and a new event.
