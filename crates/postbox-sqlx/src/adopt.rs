@@ -61,11 +61,7 @@ impl SqlOutbox<D> {
         };
         let t = self.table().clone();
         let op = "inspect the table to adopt";
-        let rows = query::<D>(adopt.columns_of, [Value::from(t.as_str())])
-            .fetch_all(self.pool())
-            .await
-            .map_err(|e| db_error(op, e))?;
-        let found: Vec<String> = first_column(rows).map_err(|e| db_error(op, e))?;
+        let found = self.names_of_table(adopt.columns_of, op).await?;
         if found.is_empty() {
             return Err(Error::Schema(format!(
                 "table `{t}` does not exist: `postbox migrate` creates a new outbox table; `adopt` is for one you have"
@@ -102,14 +98,8 @@ impl SqlOutbox<D> {
             report.statements.extend((adopt.add_column)(t.as_str(), theirs, definition));
         }
         let existing = self.catalog_names(op).await?;
-        let invalid: Vec<String> = match adopt.invalid_indexes {
-            Some(sql) => {
-                let rows = query::<D>(sql, [Value::from(t.as_str())])
-                    .fetch_all(self.pool())
-                    .await
-                    .map_err(|e| db_error(op, e))?;
-                first_column(rows).map_err(|e| db_error(op, e))?
-            }
+        let invalid = match adopt.invalid_indexes {
+            Some(sql) => self.names_of_table(sql, op).await?,
             None => Vec::new(),
         };
         let indexes: Vec<(String, Vec<String>)> = match adopt.indexes {
@@ -137,19 +127,12 @@ impl SqlOutbox<D> {
         }
         // The table's own indexes postbox never reads: each still costs a
         // write on every change of its columns.
-        let rows = query::<D>(adopt.indexes_of, [Value::from(t.as_str())])
-            .fetch_all(self.pool())
-            .await
-            .map_err(|e| db_error(op, e))?;
         let ours = |name: &str| {
             name.eq_ignore_ascii_case(&format!("{t}{}", postbox_core::store::AGGREGATE_INDEX))
-                || wanted.iter().any(|w| w.eq_ignore_ascii_case(name))
+                || named(&wanted, name)
         };
-        report.unread_indexes = first_column::<String, _>(rows)
-            .map_err(|e| db_error(op, e))?
-            .into_iter()
-            .filter(|name| !ours(name))
-            .collect();
+        report.unread_indexes = self.names_of_table(adopt.indexes_of, op).await?;
+        report.unread_indexes.retain(|name| !ours(name));
         if apply && report.blockers.is_empty() && report.missing_indexes.iter().any(|i| i.ends_with("_event_uq")) {
             // The unique event index cannot be built over duplicates:
             // name them before anything changes.
@@ -213,6 +196,16 @@ fn column_definitions(create: &str) -> Vec<String> {
 
 engine_impl! {
 impl SqlOutbox<D> {
+    /// The names (one column) `sql` reads about the outbox table, its only
+    /// bind.
+    async fn names_of_table(&self, sql: &str, op: &'static str) -> Result<Vec<String>> {
+        let rows = query::<D>(sql, [Value::from(self.table().as_str())])
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| db_error(op, e))?;
+        first_column(rows).map_err(|e| db_error(op, e))
+    }
+
     /// Up to five `app_code/event_id` pairs stored more than once (one
     /// read of the table).
     async fn duplicate_events(&self) -> Result<Vec<String>> {
