@@ -708,6 +708,15 @@ pub struct AdoptReport {
     pub migrated: Option<MigrateReport>,
 }
 
+/// A step of `postbox adopt --apply`, as it happens.
+#[derive(Debug, Clone, Copy)]
+pub enum AdoptStep<'a> {
+    /// A statement starts.
+    Running(&'a str),
+    /// It ended, after this long.
+    Done(&'a str, std::time::Duration),
+}
+
 /// The tables of [`EXPECTED_TABLES`] and the migration version that creates
 /// each of them.
 pub const TABLE_VERSIONS: [(&str, u32); 7] = [
@@ -1105,7 +1114,18 @@ pub trait SchemaStore: Send + Sync + 'static {
     /// (`[database.columns]` and `[database.statuses]` name its own
     /// columns and statuses) and, with `apply`, adds what is missing
     /// without blocking its writes where the database can, then migrates.
-    async fn adopt(&self, apply: bool) -> Result<AdoptReport>;
+    async fn adopt(&self, apply: bool) -> Result<AdoptReport> {
+        self.adopt_with(apply, &|_| {}).await
+    }
+
+    /// [`SchemaStore::adopt`], telling `progress` as each statement of
+    /// `--apply` starts and ends (an index build on a large table takes
+    /// minutes).
+    async fn adopt_with(
+        &self,
+        apply: bool,
+        progress: &(dyn for<'s> Fn(AdoptStep<'s>) + Send + Sync),
+    ) -> Result<AdoptReport>;
 
     /// Plans of the three claim queries for `app_code`, taking up to `limit`
     /// rows. Nothing is changed: executions are rolled back.

@@ -9,7 +9,7 @@
 //! table as their own.
 
 use postbox_core::naming::COLUMNS;
-use postbox_core::store::AdoptReport;
+use postbox_core::store::{AdoptReport, AdoptStep};
 use postbox_core::{Error, Result};
 
 use sqlx::Database;
@@ -53,6 +53,16 @@ impl SqlOutbox<D> {
     /// Compares the live table with what postbox needs and, with `apply`,
     /// changes it ([`AdoptReport`]).
     pub async fn adopt(&self, apply: bool) -> Result<AdoptReport> {
+        self.adopt_with(apply, &|_| {}).await
+    }
+
+    /// [`SqlOutbox::adopt`], telling `progress` as each statement of
+    /// `apply` starts and ends.
+    pub async fn adopt_with(
+        &self,
+        apply: bool,
+        progress: &(dyn for<'s> Fn(AdoptStep<'s>) + Send + Sync),
+    ) -> Result<AdoptReport> {
         let Some(adopt) = D::ADOPT else {
             return Err(Error::Schema(format!(
                 "`postbox adopt` is for PostgreSQL and MariaDB/MySQL tables, not {}",
@@ -149,11 +159,17 @@ impl SqlOutbox<D> {
         if apply && report.blockers.is_empty() {
             for sql in &report.statements {
                 tracing::info!(table = %t, statement = %sql, "adopt");
+                progress(AdoptStep::Running(sql));
+                let started = std::time::Instant::now();
                 query::<D>(sql, [])
                     .execute(self.pool())
                     .await
                     .map_err(|e| db_error("adopt the table", e))?;
+                progress(AdoptStep::Done(sql, started.elapsed()));
             }
+            const MIGRATE: &str = "migrate: postbox's own tables, the trigger, the schema versions";
+            progress(AdoptStep::Running(MIGRATE));
+            let started = std::time::Instant::now();
             // The outbox table's indexes are built: `migrate` must not
             // drop and build them again under its lock (MySQL's versions
             // change them with `ALTER TABLE <table> …`; the statements
@@ -162,6 +178,7 @@ impl SqlOutbox<D> {
             let migrated = self
                 .migrate_skipping(|stmt| index_of(&t, stmt).is_some() || stmt.starts_with(&alter))
                 .await?;
+            progress(AdoptStep::Done(MIGRATE, started.elapsed()));
             report.migrated = Some(migrated);
             report.applied = true;
         }

@@ -167,8 +167,12 @@ macro_rules! capabilities_from_inherent {
                 async fn aggregate_index(&self, wanted: bool) -> Result<Vec<String>> {
                     <$ty>::aggregate_index(self, wanted).await
                 }
-                async fn adopt(&self, apply: bool) -> Result<postbox_core::store::AdoptReport> {
-                    <$ty>::adopt(self, apply).await
+                async fn adopt_with(
+                    &self,
+                    apply: bool,
+                    progress: &(dyn for<'s> Fn(postbox_core::store::AdoptStep<'s>) + Send + Sync),
+                ) -> Result<postbox_core::store::AdoptReport> {
+                    <$ty>::adopt_with(self, apply, progress).await
                 }
                 async fn explain_claims(&self, app_code: &str, limit: u32) -> Result<Vec<QueryPlan>> {
                     <$ty>::explain_claims(self, app_code, limit).await

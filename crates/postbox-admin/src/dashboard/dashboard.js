@@ -215,6 +215,10 @@ async function showTimeline(eventId) {
 // (`POST /api/replay`, after confirming the count of a dry run) ----
 
 let searchNext = null;
+// Each search's number: an answer to an older one (a search the page ran
+// after a replay while the form was being changed) never replaces the
+// results of a newer one.
+let searchSeq = 0;
 
 function searchFilter() {
   const f = new FormData($("#search"));
@@ -237,20 +241,24 @@ function resultRow(r) {
 async function search(more) {
   const { eventId, filter } = searchFilter();
   const body = $("#results tbody");
+  const seq = ++searchSeq;
   try {
     if (eventId) {
       const d = await getJson("/api/events/" + encodeURIComponent(eventId));
+      if (seq !== searchSeq) return;
       body.replaceChildren(...d.rows.map(resultRow));
       searchNext = null;
     } else {
       const q = new URLSearchParams(Object.assign({ limit: "50" }, filter));
       if (more && searchNext != null) q.set("before_id", searchNext);
       const page = await getJson("/api/events?" + q);
+      if (seq !== searchSeq) return;
       const rows = page.items.map(resultRow);
       if (more) body.append(...rows); else body.replaceChildren(...rows);
       searchNext = page.next;
     }
   } catch (e) {
+    if (seq !== searchSeq) return;
     if (e.status === 404 && eventId) body.replaceChildren();
     else return say("Search failed: " + e.message, false);
   }

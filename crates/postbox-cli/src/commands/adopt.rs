@@ -1,7 +1,8 @@
 //! `postbox adopt`: run postbox on an outbox table a team already has.
 
 use postbox_core::config::Uses;
-use postbox_core::store::AdoptReport;
+use postbox_core::store::{AdoptReport, AdoptStep};
+use postbox_lint::one_line;
 
 use crate::cli::{AdoptArgs, Global};
 use crate::error::CliError;
@@ -11,7 +12,13 @@ use crate::output;
 pub async fn run(g: &Global, args: AdoptArgs) -> Result<(), CliError> {
     let config = load_config(g, Uses::DATABASE)?;
     let store = open_store(&config).await?;
-    let report = store.adopt(args.apply).await?;
+    // Each statement as it runs: an index build on a large table takes
+    // minutes (on stderr, so `--json` stays one document).
+    let progress = |step: AdoptStep<'_>| match step {
+        AdoptStep::Running(sql) => errln!("adopt: running {}", one_line(sql, 120)),
+        AdoptStep::Done(_, took) => errln!("adopt: done in {:.1} s", took.as_secs_f64()),
+    };
+    let report = store.adopt_with(args.apply, &progress).await?;
     if g.json {
         output::json(&report)?;
     } else {

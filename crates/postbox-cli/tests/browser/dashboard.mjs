@@ -65,7 +65,14 @@ await run("dashboard", initial, async (page, result) => {
   await page.locator("#search select[name=app_code]").selectOption(args.app);
   await page.locator("#search input[name=aggregate_id]").fill(args.aggregate);
   await page.locator("#search button[type=submit]").click();
-  await results.nth(2).waitFor({ timeout: 10000 });
+  // The aggregate's three events: a search the page ran after the replay,
+  // answered late, must not replace them.
+  await page.waitForFunction(
+    (ids) => [...document.querySelectorAll("#results tbody tr")].map((r) => r.dataset.eventId).join() === ids.join(),
+    args.aggregate_ids,
+    { timeout: 10000 },
+  ).catch(() => {});
+  await page.waitForTimeout(300);
   result.aggregate_rows = await results.evaluateAll((rows) => rows.map((r) => r.dataset.eventId));
 
   // Runtime controls: pause the app_code from the form, then clear it.

@@ -98,7 +98,15 @@ async fn adopt_scenario(db: Db, url: &str, t: &str, ddl: &str, index: &str, bind
 
     let applied = project.run(&["adopt", "--apply"]);
     assert_ok(&applied);
-    assert_says(&applied, &["applied", "at version 11"]);
+    assert_says(
+        &applied,
+        &[
+            "adopt: running",
+            "adopt: done in",
+            "applied",
+            "at version 11",
+        ],
+    );
     let doctor = project.run(&["doctor"]);
     assert_eq!(doctor.status.code(), Some(0), "{}", text(&doctor));
     assert_says(

@@ -163,6 +163,7 @@ async fn dashboard_replays_a_failed_event_in_a_browser() {
         "replay": ids[6],
         "lookup": ids[0],
         "aggregate": "room-1",
+        "aggregate_ids": [ids[6], ids[2], ids[0]],
         "relay": "dash-relay",
     });
     let result = run_browser("dashboard.mjs", &args);
