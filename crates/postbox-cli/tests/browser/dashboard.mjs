@@ -27,6 +27,14 @@ await run("dashboard", initial, async (page, result) => {
   await route.first().waitFor({ timeout: 15000 });
   result.topology = await route.first().locator("td").allTextContents();
   const failedRows = page.locator("#failed tbody tr");
+  // The counts render first in a refresh and the failed list after them:
+  // wait for the list to follow (up to 20 s), then read it.
+  const failedListed = async (n) => {
+    await page.waitForFunction(
+      (n) => document.querySelectorAll("#failed tbody tr").length === n, n, { timeout: 20000 },
+    ).catch(() => {});
+    return failedRows.count();
+  };
   await failedRows.first().waitFor({ timeout: 15000 });
   result.failed_listed = await failedRows.count();
 
@@ -41,7 +49,7 @@ await run("dashboard", initial, async (page, result) => {
   result.message = await page.locator("#replay-message").textContent();
   // The counts follow on the server's next poll.
   await cell("failed").filter({ hasText: new RegExp(`^${args.counts.failed - 1}$`) }).waitFor({ timeout: 20000 });
-  result.failed_after = await failedRows.count();
+  result.failed_after = await failedListed(args.counts.failed - 1);
 
   // Search: one event by id (delivered), then the failed ones, replayed in
   // bulk after confirming their count.
@@ -58,7 +66,7 @@ await run("dashboard", initial, async (page, result) => {
   await page.locator("#search-replay").click();
   await page.locator("#replay-message.ok").filter({ hasText: "matching" }).waitFor({ timeout: 15000 });
   await cell("failed").filter({ hasText: /^0$/ }).waitFor({ timeout: 20000 });
-  result.failed_at_end = await failedRows.count();
+  result.failed_at_end = await failedListed(0);
 
   // Search by aggregate: its events in the app_code, newest first.
   await page.locator("#search select[name=status]").selectOption("");
