@@ -511,32 +511,75 @@ async fn stream_event_ids(url: &str, stream: &str) -> Vec<String> {
     ids
 }
 
+/// Two single-server JetStream systems, each with the stream `stream`, a
+/// PostgreSQL outbox, and a config whose publisher `mq` publishes to the
+/// primary with the secondary as its failover target (`failover_after =
+/// "2s"`, `failback_after = "3s"`) and `[admin]` on `admin`.
+struct NatsPair {
+    primary: NatsCluster,
+    secondary: NatsCluster,
+    primary_url: String,
+    secondary_url: String,
+    store: Arc<dyn OutboxStore>,
+    stream: String,
+    admin: String,
+    dir: tempfile::TempDir,
+    cfg: String,
+}
+
+impl NatsPair {
+    async fn start(prefix: &str) -> NatsPair {
+        let (primary, secondary) = (NatsCluster::start(1).await, NatsCluster::start(1).await);
+        let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
+        let (url, store) = common::server_outbox("postgres", prefix, 4).await;
+        let stream = scratch_name("PBXFO").replace('-', "_");
+        for url in [&primary_url, &secondary_url] {
+            let js = async_nats::jetstream::new(async_nats::connect(url.as_str()).await.unwrap());
+            js.create_stream(async_nats::jetstream::stream::Config {
+                name: stream.clone(),
+                subjects: vec![format!("{stream}.>")],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        }
+        let (admin_toml, admin) = admin_toml();
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = common::write_config(
+            dir.path(),
+            &format!(
+                "{}[[publishers]]\nkind = \"nats\"\nname = \"mq\"\nurl = \"{primary_url}\"\nstream = \"{stream}\"\nsubject = \"{stream}.{{app_code}}.{{event_type}}\"\n\
+                 failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n{admin_toml}",
+                outbox_toml(&url, store.table().as_str()),
+            ),
+        );
+        NatsPair {
+            primary,
+            secondary,
+            primary_url,
+            secondary_url,
+            store,
+            stream,
+            admin,
+            dir,
+            cfg,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_publisher_fails_over_to_the_secondary_system_and_back() {
-    let (primary, secondary) = (NatsCluster::start(1).await, NatsCluster::start(1).await);
-    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
-    let (url, store) = common::server_outbox("postgres", "pbx_nats_failover", 4).await;
-    let stream = scratch_name("PBXFO").replace('-', "_");
-    for url in [&primary_url, &secondary_url] {
-        let js = async_nats::jetstream::new(async_nats::connect(url.as_str()).await.unwrap());
-        js.create_stream(async_nats::jetstream::stream::Config {
-            name: stream.clone(),
-            subjects: vec![format!("{stream}.>")],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    }
-    let (admin_toml, admin) = admin_toml();
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = common::write_config(
-        dir.path(),
-        &format!(
-            "{}[[publishers]]\nkind = \"nats\"\nname = \"mq\"\nurl = \"{primary_url}\"\nstream = \"{stream}\"\nsubject = \"{stream}.{{app_code}}.{{event_type}}\"\n\
-             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n{admin_toml}",
-            outbox_toml(&url, store.table().as_str()),
-        ),
-    );
+    let NatsPair {
+        primary,
+        secondary: _secondary,
+        primary_url,
+        secondary_url,
+        store,
+        stream,
+        admin,
+        dir,
+        cfg,
+    } = NatsPair::start("pbx_nats_failover").await;
     let setup = Failover {
         label: "nats failover",
         dir: dir.path(),
@@ -565,30 +608,17 @@ async fn a_nats_publisher_fails_over_to_the_secondary_system_and_back() {
 /// moves to the primary once it is up and steady.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_starts_while_the_primary_is_down_and_fails_back_when_it_is_up() {
-    let (primary, secondary) = (NatsCluster::start(1).await, NatsCluster::start(1).await);
-    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
-    let (url, store) = common::server_outbox("postgres", "pbx_nats_late", 4).await;
-    let stream = scratch_name("PBXLATE").replace('-', "_");
-    for url in [&primary_url, &secondary_url] {
-        let js = async_nats::jetstream::new(async_nats::connect(url.as_str()).await.unwrap());
-        js.create_stream(async_nats::jetstream::stream::Config {
-            name: stream.clone(),
-            subjects: vec![format!("{stream}.>")],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    }
-    let (admin_toml, admin) = admin_toml();
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = common::write_config(
-        dir.path(),
-        &format!(
-            "{}[[publishers]]\nkind = \"nats\"\nname = \"mq\"\nurl = \"{primary_url}\"\nstream = \"{stream}\"\nsubject = \"{stream}.{{app_code}}.{{event_type}}\"\n\
-             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n{admin_toml}",
-            outbox_toml(&url, store.table().as_str()),
-        ),
-    );
+    let NatsPair {
+        primary,
+        secondary: _secondary,
+        primary_url,
+        secondary_url,
+        store,
+        stream,
+        admin,
+        dir,
+        cfg,
+    } = NatsPair::start("pbx_nats_late").await;
     primary.kill(0);
     let mut relay = common::spawn_async(dir.path(), &cfg, "relay", &[]);
     let started = Instant::now();
