@@ -1085,6 +1085,27 @@ pub trait ArchiveStore: Send + Sync + 'static {
         req: &ArchiveRequest,
         on_batch: &(dyn Fn(u64) + Send + Sync),
     ) -> Result<ArchiveReport>;
+
+    // What a store whose archive is kept in another database
+    // (`[archive] url`) asks of the store opened on that database: the
+    // archive's own table is read and written, never the outbox table.
+
+    /// Copies `rows` into `<table>_archive` as they are; a row whose id or
+    /// event the archive already holds is left alone (a run that crashed
+    /// after copying copies again). Returns the rows copied.
+    async fn put_archived(&self, rows: &[EventRecord]) -> Result<u64>;
+
+    /// The archived rows a filter takes (its `app_code` is set; `limit`
+    /// is not applied), in id order, as a replay brings them back.
+    async fn archived_rows(&self, filter: &EventFilter) -> Result<Vec<EventRecord>>;
+
+    /// The ids of at most `filter.limit` archived rows the filter takes,
+    /// in id order (a paced replay's next batch).
+    async fn archived_ids(&self, filter: &EventFilter) -> Result<Vec<i64>>;
+
+    /// Deletes archived rows by id (rows a replay brought back into the
+    /// outbox table). Returns the rows deleted.
+    async fn delete_archived(&self, ids: &[i64]) -> Result<u64>;
 }
 
 /// The schema and its diagnostics (`postbox migrate`, `postbox doctor`).

@@ -19,7 +19,7 @@ use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
 };
 use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, query, records, Dialect, ReplayStep, SqlOutbox, Value};
+use postbox_sqlx::{db_error, query, records, Connect, Dialect, ReplayStep, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -260,7 +260,7 @@ impl Dialect for MySqlDialect {
 
     /// Connects to `url` (`mysql://…` or `mariadb://…`); a server database
     /// is never created.
-    async fn connect_pool(url: &str, max_connections: u32, _create: bool) -> Result<MySqlPool> {
+    async fn connect_pool(url: &str, max_connections: u32, how: Connect) -> Result<MySqlPool> {
         let normalized = match url.strip_prefix("mariadb://") {
             Some(rest) => format!("mysql://{rest}"),
             None => url.to_owned(),
@@ -269,6 +269,7 @@ impl Dialect for MySqlDialect {
             url,
             &normalized,
             max_connections,
+            how,
             "connecting to MySQL",
             |opts| opts,
         )
@@ -441,6 +442,21 @@ impl Dialect for MySqlDialect {
         table: &TableName,
     ) -> std::result::Result<(), sqlx::Error> {
         release_lock(conn, sql::ARCHIVE_UNLOCK, table).await
+    }
+
+    fn archive_pick_lock<'a>(
+        outbox: &'a MySqlOutbox,
+        app_code: &'a str,
+        before_ms: i64,
+        size: u32,
+    ) -> (&'a str, Vec<Value<'a>>) {
+        let binds = vec![
+            app_code.into(),
+            before_ms.into(),
+            before_ms.into(),
+            i64::from(size).into(),
+        ];
+        (&outbox.own().archive_pick_lock, binds)
     }
 
     /// Locks one batch's rows, copies them into the archive and deletes

@@ -502,6 +502,12 @@ pub(crate) const ARCHIVE_DELETE: &str = "DELETE FROM {table} WHERE id IN ({ids})
        OR EXISTS (SELECT 1 FROM {archive} a \
          WHERE a.app_code = {table}.app_code AND a.event_id = {table}.event_id))";
 
+/// `id` in the ids bound first (expanded to one placeholder each).
+pub(crate) const ID_LIST: &str = "id IN ({ids})";
+
+/// An insert that leaves alone a row whose key is there.
+pub(crate) const INSERT_IGNORE: (&str, &str) = ("INSERT IGNORE INTO", "");
+
 /// Which of the event ids `{ids}` of an app_code (bound first) are
 /// archived. Index: `{archive}_event_uq (app_code, event_id)`.
 pub(crate) const ARCHIVED_EVENT_IDS: &str =

@@ -11,7 +11,7 @@ use sqlx::{PgConnection, PgPool, Postgres, Row};
 use postbox_core::store::{ClaimRequest, QueryPlan, StatementStats};
 use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, query, records, Dialect, SqlOutbox, Value};
+use postbox_sqlx::{db_error, query, records, Connect, Dialect, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -26,6 +26,7 @@ pub struct Own {
     pub(crate) claims: ClaimStatements,
     pub(crate) archive_batch: String,
     pub(crate) archive_pick: String,
+    archive_pick_lock: String,
     pub(crate) delivered_estimate: String,
 }
 
@@ -50,6 +51,7 @@ impl Dialect for PgDialect {
             claims: ClaimStatements::render(t, sql::CLAIMS),
             archive_batch: t.render(sql::ARCHIVE_BATCH),
             archive_pick: t.render(sql::ARCHIVE_PICK),
+            archive_pick_lock: t.render(sql::ARCHIVE_PICK_LOCK),
             delivered_estimate: t.render(sql::DELIVERED_ESTIMATE),
         }
     }
@@ -59,11 +61,12 @@ impl Dialect for PgDialect {
     /// with common tables (the recursive scans of the fair and
     /// per-aggregate claims) passes `jit_above_cost`, when compiling it
     /// takes about 20 ms, ten times the claim itself.
-    async fn connect_pool(url: &str, max_connections: u32, _create: bool) -> Result<PgPool> {
+    async fn connect_pool(url: &str, max_connections: u32, how: Connect) -> Result<PgPool> {
         postbox_sqlx::connect_server(
             url,
             url,
             max_connections,
+            how,
             "connecting to PostgreSQL",
             |opts: sqlx::postgres::PgConnectOptions| opts.options([("jit", "off")]),
         )
@@ -186,6 +189,16 @@ impl Dialect for PgDialect {
             .execute(&mut **conn)
             .await
             .map(|_| ())
+    }
+
+    fn archive_pick_lock<'a>(
+        outbox: &'a SqlOutbox<Self>,
+        app_code: &'a str,
+        before_ms: i64,
+        size: u32,
+    ) -> (&'a str, Vec<Value<'a>>) {
+        let binds = vec![app_code.into(), before_ms.into(), i64::from(size).into()];
+        (&outbox.own().archive_pick_lock, binds)
     }
 
     /// One statement: copy, delete, and count both.

@@ -269,6 +269,12 @@ pub(crate) const UNARCHIVE_FILTER_DRY: &str = concat!(
      ORDER BY id"
 );
 
+/// `id` in the id array bound as `$1`.
+pub(crate) const ID_LIST: &str = "id = ANY($1)";
+
+/// An insert that leaves alone a row whose key is there.
+pub(crate) const INSERT_IGNORE: (&str, &str) = ("INSERT INTO", " ON CONFLICT DO NOTHING");
+
 /// Removes from the archive the rows a replay brought back.
 pub(crate) const DELETE_UNARCHIVED: &str = "DELETE FROM {archive} WHERE id = ANY($1)";
 
@@ -342,6 +348,9 @@ pub(crate) const ARCHIVED_EVENT_IDS: &str =
 
 /// The selecting part of [`ARCHIVE_BATCH`], for `doctor`'s EXPLAIN.
 pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
+
+/// One archive batch's ids, locked (an archive in another database).
+pub(crate) const ARCHIVE_PICK_LOCK: &str = concat!(archive_pick!(), " FOR UPDATE");
 
 postbox_sqlx::partial_stuck_aggregates!(now: now_ms!(), "$1", "$2", "$3");
 

@@ -31,22 +31,71 @@ pub fn open(
 async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn OutboxStore>, Error> {
     let db = &settings.database;
     let table = db.adopted_table()?;
+    let archive = open_archive_here(settings, create).await?;
     let options = postbox_sqlx::OpenOptions {
         url: db.url.expose(),
         table: &table,
         max_connections: db.max_connections,
-        create: create == Create::IfMissing,
+        connect: postbox_sqlx::Connect::now(create == Create::IfMissing),
         max_payload_bytes: db.max_payload_bytes,
+        archive,
     };
-    let opened = match settings.database_kind() {
+    match open_kind(settings.database_kind(), options).await {
+        Ok(store) => Ok(store),
+        // SQLite has no server address: its error stands as it is.
+        Err(e) => {
+            let at = server_address(settings.database_kind(), db.url.expose());
+            Err(not_reached(e, at, "database.url").await)
+        }
+    }
+}
+
+/// The store `archive.url` names, for the outbox table (only its archive
+/// is used there); `None` when the archive is beside the table.
+pub fn open_archive(
+    settings: &Settings,
+    create: Create,
+) -> BoxFuture<'_, Result<Option<Arc<dyn OutboxStore>>, Error>> {
+    Box::pin(open_archive_here(settings, create))
+}
+
+async fn open_archive_here(
+    settings: &Settings,
+    create: Create,
+) -> Result<Option<Arc<dyn OutboxStore>>, Error> {
+    let (Some(url), Some(kind)) = (&settings.archive.url, settings.archive_kind()) else {
+        return Ok(None);
+    };
+    let table = settings.database.adopted_table()?;
+    let options = postbox_sqlx::OpenOptions {
+        url: url.expose(),
+        table: &table,
+        max_connections: settings.archive.max_connections,
+        // Connected on first use: the relay starts and delivers while the
+        // archive's database is down (only archiving and archive reads
+        // wait for it).
+        connect: postbox_sqlx::Connect {
+            create: create == Create::IfMissing,
+            lazy: true,
+            key: "archive.url",
+        },
+        max_payload_bytes: settings.database.max_payload_bytes,
+        archive: None,
+    };
+    match open_kind(kind, options).await {
+        Ok(store) => Ok(Some(store)),
+        Err(e) => Err(not_reached(e, server_address(kind, url.expose()), "archive.url").await),
+    }
+}
+
+async fn open_kind(
+    kind: DatabaseKind,
+    options: postbox_sqlx::OpenOptions<'_>,
+) -> Result<Arc<dyn OutboxStore>, Error> {
+    match kind {
         DatabaseKind::Postgres => postbox_postgres::open(options).await,
         DatabaseKind::MySql => postbox_mysql::open(options).await,
         DatabaseKind::Sqlite => postbox_sqlite::open(options).await,
-    };
-    match opened {
-        Ok(store) => Ok(store),
-        // SQLite has no server address: its error stands as it is.
-        Err(e) => Err(not_reached(e, server_address(settings)).await),
     }
 }
 
@@ -91,10 +140,9 @@ async fn require_schema_here(store: &dyn OutboxStore) -> Result<(), Error> {
     })
 }
 
-/// Host and port of a PostgreSQL or MariaDB/MySQL `database.url`.
-fn server_address(settings: &Settings) -> Option<(String, u16)> {
-    let url = settings.database.url.expose();
-    match settings.database_kind() {
+/// Host and port of a PostgreSQL or MariaDB/MySQL database URL.
+fn server_address(kind: DatabaseKind, url: &str) -> Option<(String, u16)> {
+    match kind {
         DatabaseKind::Postgres => url
             .parse::<sqlx::postgres::PgConnectOptions>()
             .ok()
@@ -111,7 +159,7 @@ fn server_address(settings: &Settings) -> Option<(String, u16)> {
 /// A pool that cannot open a connection says only `pool timed out`: this
 /// names the address it tried and the cause, from one plain TCP connection
 /// to it.
-async fn not_reached(e: Error, at: Option<(String, u16)>) -> Error {
+async fn not_reached(e: Error, at: Option<(String, u16)>, key: &str) -> Error {
     let timed_out = matches!(
         &e,
         Error::Database { source, .. }
@@ -123,12 +171,12 @@ async fn not_reached(e: Error, at: Option<(String, u16)>) -> Error {
     let unreachable = |context: String, cause: String| Error::Io {
         context,
         source: std::io::Error::other(format!(
-            "{cause}; check database.url and that the server is running"
+            "{cause}; check {key} and that the server is running"
         )),
     };
     if host.starts_with('/') {
         return unreachable(
-            format!("cannot connect to the database through the socket in `{host}` (port {port})"),
+            format!("cannot connect to the database of {key} through the socket in `{host}` (port {port})"),
             "no connection within the pool's timeout".to_owned(),
         );
     }
@@ -144,7 +192,7 @@ async fn not_reached(e: Error, at: Option<(String, u16)>) -> Error {
         Ok(Ok(_)) => "the port accepts TCP connections, but no database connection opened in time (TLS settings, a proxy, or an overloaded server?)".to_owned(),
     };
     unreachable(
-        format!("cannot connect to the database at {address}"),
+        format!("cannot connect to the database of {key} at {address}"),
         cause,
     )
 }

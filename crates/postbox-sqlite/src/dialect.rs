@@ -14,7 +14,7 @@ use postbox_core::redact::redact_url;
 use postbox_core::store::{ClaimRequest, QueryPlan};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, finish, query, records, Dialect, SqlOutbox, Value};
+use postbox_sqlx::{db_error, finish, query, records, Connect, Dialect, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -70,10 +70,12 @@ impl Dialect for SqliteDialect {
     /// WAL mode with `synchronous = NORMAL`, a 10 s busy timeout and
     /// foreign keys on. An in-memory database gets exactly one connection,
     /// kept open, so every user sees the same database.
-    async fn connect_pool(url: &str, max_connections: u32, create: bool) -> Result<SqlitePool> {
+    /// A file's pool connects now (`how.lazy` is for servers).
+    async fn connect_pool(url: &str, max_connections: u32, how: Connect) -> Result<SqlitePool> {
+        let create = how.create;
         let memory = is_memory_url(url);
         let opts = SqliteConnectOptions::from_str(url)
-            .map_err(|e| Error::config("database.url", format!("{}: {e}", redact_url(url))))?;
+            .map_err(|e| Error::config(how.key, format!("{}: {e}", redact_url(url))))?;
         if !create && !memory && !opts.get_filename().exists() {
             return Err(Error::Database {
                 operation: "opening the SQLite database",
@@ -210,6 +212,17 @@ impl Dialect for SqliteDialect {
         _: &TableName,
     ) -> std::result::Result<(), sqlx::Error> {
         Ok(())
+    }
+
+    /// The pick alone: the batch's `BEGIN IMMEDIATE` holds the write lock.
+    fn archive_pick_lock<'a>(
+        outbox: &'a SqlOutbox<Self>,
+        app_code: &'a str,
+        before_ms: i64,
+        size: u32,
+    ) -> (&'a str, Vec<Value<'a>>) {
+        let binds = vec![app_code.into(), before_ms.into(), i64::from(size).into()];
+        (&outbox.own().archive_pick, binds)
     }
 
     async fn archive_batch(

@@ -345,6 +345,12 @@ pub(crate) const ARCHIVE_DELETE: &str = concat!(
          WHERE a.app_code = {table}.app_code AND a.event_id = {table}.event_id))"
 );
 
+/// `id` in the JSON array of ids bound as `?1`.
+pub(crate) const ID_LIST: &str = "id IN (SELECT value FROM json_each(?1))";
+
+/// An insert that leaves alone a row whose key is there.
+pub(crate) const INSERT_IGNORE: (&str, &str) = ("INSERT INTO", " ON CONFLICT DO NOTHING");
+
 /// Which of the event ids `?2` (a JSON array) of app_code `?1` are
 /// archived. Index: `{archive}_event_uq (app_code, event_id)`.
 pub(crate) const ARCHIVED_EVENT_IDS: &str = "SELECT event_id FROM {archive} \

@@ -319,6 +319,30 @@ pub enum ReplayStep {
     Unarchive,
 }
 
+/// How [`Dialect::connect_pool`] connects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connect {
+    /// Create a database that does not exist (SQLite's file; a server
+    /// database is never created).
+    pub create: bool,
+    /// Connect on first use instead of now (a server's pool): the
+    /// archive's database, which the relay must not wait for.
+    pub lazy: bool,
+    /// The configuration key the URL comes from, for errors.
+    pub key: &'static str,
+}
+
+impl Connect {
+    /// `database.url`, connected now.
+    pub fn now(create: bool) -> Self {
+        Connect {
+            create,
+            lazy: false,
+            key: "database.url",
+        }
+    }
+}
+
 /// A database: its statement set and the hooks for what differs.
 #[async_trait]
 pub trait Dialect: Sized + Send + Sync + 'static {
@@ -343,6 +367,13 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// Run after version 1 is applied to a new outbox table: continue the
     /// ids of an archive that was kept.
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str];
+    /// `id` in a list of ids bound first (`id = ANY($1)`, `id IN ({ids})`,
+    /// a JSON array on SQLite), for statements on either table.
+    const ID_LIST: &'static str;
+    /// How an insert leaves alone a row whose key is already there: the
+    /// statement's head and its tail (`INSERT IGNORE INTO` on MySQL,
+    /// `ON CONFLICT DO NOTHING` elsewhere).
+    const INSERT_IGNORE: (&'static str, &'static str);
     /// The outbox table's own indexes (suffixes), which `doctor` expects
     /// besides [`postbox_core::store::EXPECTED_INDEXES`].
     const EXTRA_INDEXES: &'static [&'static str];
@@ -461,13 +492,11 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// Renders [`Dialect::Own`] for `table`.
     fn own(table: &TableName) -> Self::Own;
 
-    /// Connects a pool of `max_connections` to `url`; `create` allows
-    /// creating a database that does not exist (SQLite's file; a server
-    /// database is never created).
+    /// Connects a pool of `max_connections` to `url` as `how` says.
     async fn connect_pool(
         url: &str,
         max_connections: u32,
-        create: bool,
+        how: Connect,
     ) -> Result<sqlx::Pool<Self::DB>>;
 
     /// Rows a statement changed (sqlx has no trait for it).
@@ -507,6 +536,17 @@ pub trait Dialect: Sized + Send + Sync + 'static {
         conn: &mut PoolConnection<Self::DB>,
         table: &TableName,
     ) -> std::result::Result<(), sqlx::Error>;
+
+    /// The statement that picks one archive batch's ids and locks them
+    /// until the transaction ends, with its binds (`app_code`, rows
+    /// updated before `before_ms`, at most `size`): the batch an archive
+    /// kept in another database copies and then deletes.
+    fn archive_pick_lock<'a>(
+        outbox: &'a SqlOutbox<Self>,
+        app_code: &'a str,
+        before_ms: i64,
+        size: u32,
+    ) -> (&'a str, Vec<Value<'a>>);
 
     /// Moves one batch (see `ArchiveStore::archive`) on `conn`, which holds
     /// the archive lock; `(deleted, copied)`.
@@ -657,6 +697,8 @@ macro_rules! dialect_constants {
         const EXTRA_INDEXES: &'static [&'static str] = sql::INDEXES;
         const CREATE_AGGREGATE_INDEX: &'static [&'static str] = sql::CREATE_AGGREGATE_INDEX;
         const DROP_AGGREGATE_INDEX: &'static str = sql::DROP_AGGREGATE_INDEX;
+        const ID_LIST: &'static str = sql::ID_LIST;
+        const INSERT_IGNORE: (&'static str, &'static str) = sql::INSERT_IGNORE;
     };
 }
 

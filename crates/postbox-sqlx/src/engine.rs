@@ -24,8 +24,9 @@ use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
 use postbox_core::relay::CancellationToken;
 use postbox_core::wake::{Due, Wake};
 
-use crate::dialect::{Dialect, ReplayStep, Statements, Value, WakeFuture, Q};
+use crate::dialect::{Connect, Dialect, ReplayStep, Statements, Value, WakeFuture, Q};
 use crate::{db_error, filter_query, history_entries, list_query, minute_counts, records, ListArg};
+use elsewhere::Source;
 
 /// An outbox table in the database of dialect `D`. `PgOutbox`,
 /// `MySqlOutbox` and `SqliteOutbox` are this type.
@@ -37,6 +38,9 @@ pub struct SqlOutbox<D: Dialect> {
     own: Arc<D::Own>,
     /// Signalled after every `enqueue` (shared by clones).
     wake: postbox_core::wake::Wake,
+    /// The store holding `<table>_archive` in another database
+    /// (`[archive] url`); `None`: the archive is beside the table.
+    elsewhere: Option<Arc<dyn OutboxStore>>,
 }
 
 impl<D: Dialect> Clone for SqlOutbox<D> {
@@ -48,6 +52,7 @@ impl<D: Dialect> Clone for SqlOutbox<D> {
             sql: self.sql.clone(),
             own: self.own.clone(),
             wake: self.wake.clone(),
+            elsewhere: self.elsewhere.clone(),
         }
     }
 }
@@ -63,7 +68,7 @@ impl<D: Dialect> std::fmt::Debug for SqlOutbox<D> {
 }
 
 /// What [`SqlOutbox::open`] opens.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct OpenOptions<'a> {
     /// The database URL.
     pub url: &'a str,
@@ -71,10 +76,13 @@ pub struct OpenOptions<'a> {
     pub table: &'a TableName,
     /// The pool's size.
     pub max_connections: u32,
-    /// Create a missing database (SQLite's file); other databases ignore it.
-    pub create: bool,
+    /// Create a missing database (SQLite's file), connect lazily.
+    pub connect: Connect,
     /// The payload limit `enqueue` enforces.
     pub max_payload_bytes: usize,
+    /// The store opened on the database that keeps `<table>_archive`
+    /// (`[archive] url`), when not this one.
+    pub archive: Option<Arc<dyn OutboxStore>>,
 }
 
 /// A store being opened by [`SqlOutbox::open`].
@@ -103,20 +111,27 @@ impl<D: Dialect> SqlOutbox<D> {
             table,
             max_payload_bytes: 1024 * 1024,
             wake: postbox_core::wake::Wake::new(),
+            elsewhere: None,
         }
     }
 
     /// Connects a pool of `max_connections` to `url` (the dialect's
     /// connect options; SQLite creates a missing database file).
     pub async fn connect(url: &str, table: &str, max_connections: u32) -> Result<Self> {
-        Self::new(D::connect_pool(url, max_connections, true).await?, table)
+        Self::new(
+            D::connect_pool(url, max_connections, Connect::now(true)).await?,
+            table,
+        )
     }
 
     /// Like [`SqlOutbox::connect`], but never creates the database: a
     /// missing SQLite file is an error naming it (for commands that only
     /// read or need the schema `postbox migrate` creates).
     pub async fn connect_existing(url: &str, table: &str, max_connections: u32) -> Result<Self> {
-        Self::new(D::connect_pool(url, max_connections, false).await?, table)
+        Self::new(
+            D::connect_pool(url, max_connections, Connect::now(false)).await?,
+            table,
+        )
     }
 
     /// Opens the store `options` describe as a `dyn OutboxStore`. Each
@@ -129,9 +144,10 @@ impl<D: Dialect> SqlOutbox<D> {
     {
         Box::pin(async move {
             let pool =
-                D::connect_pool(options.url, options.max_connections, options.create).await?;
-            let store = Self::named(pool, options.table.clone())
+                D::connect_pool(options.url, options.max_connections, options.connect).await?;
+            let mut store = Self::named(pool, options.table.clone())
                 .with_max_payload_bytes(options.max_payload_bytes);
+            store.elsewhere = options.archive;
             Ok(Arc::new(store) as Arc<dyn OutboxStore>)
         })
     }
@@ -140,6 +156,19 @@ impl<D: Dialect> SqlOutbox<D> {
     pub fn with_max_payload_bytes(mut self, limit: usize) -> Self {
         self.max_payload_bytes = limit;
         self
+    }
+
+    /// Keeps `<table>_archive` in the database `archive` is opened on
+    /// (a store for the same table there): archiving copies into it,
+    /// reads and replays of archived rows read it, `migrate` migrates it.
+    pub fn with_archive_elsewhere(mut self, archive: Arc<dyn OutboxStore>) -> Self {
+        self.elsewhere = Some(archive);
+        self
+    }
+
+    /// The store keeping the archive in another database, if any.
+    pub fn archive_elsewhere(&self) -> Option<&Arc<dyn OutboxStore>> {
+        self.elsewhere.as_ref()
     }
 
     /// The pool.
@@ -277,6 +306,8 @@ macro_rules! engine_impl {
     };
 }
 
+mod elsewhere;
+
 engine_impl! {
 impl SqlOutbox<D> {
     /// Deletes history beyond [`HISTORY_LIMIT`] entries for the events of rows `ids`.
@@ -367,6 +398,7 @@ impl SqlOutbox<D> {
         conn: &mut <D::DB as Database>::Connection,
         f: &EventFilter,
         dry_run: bool,
+        forget: &mut Vec<i64>,
     ) -> Result<Vec<EventRecord>> {
         let db = |e| db_error("replay", e);
         let (live, archived) = if dry_run {
@@ -389,6 +421,10 @@ impl SqlOutbox<D> {
         }
         // A time range, or an aggregate's events, also covers rows already
         // archived (delivered ones).
+        if let Some(to) = self.elsewhere() {
+            out.extend(self.unarchive_elsewhere(to, conn, f, dry_run, forget).await?);
+            return Ok(out);
+        }
         let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
         let archived_sql = self.table.render(&archived.sql);
         let binds = list_values(&archived.args).collect();
@@ -443,6 +479,8 @@ impl SqlOutbox<D> {
         ];
         probes
             .into_iter()
+            // An archive in another database is explained by its own store.
+            .filter(|(query, ..)| *query != REPLAY_ARCHIVED_QUERY || self.elsewhere.is_none())
             .filter_map(|(query, table, expected_index, sql, values)| {
                 let (sql, values) = D::expand(&sql, values).into_iter().next()?;
                 Some(ReplayProbe {
@@ -656,6 +694,9 @@ impl SqlOutbox<D> {
 
     /// Archived rows matching a filter, newest first.
     pub async fn list_archived(&self, f: &EventFilter) -> Result<Vec<EventRecord>> {
+        if let Some(to) = self.elsewhere() {
+            return to.list_archived(f).await;
+        }
         let select = D::STATEMENTS.list_select.replace("{table}", "{archive}");
         self.list_from(&select, f, &self.table.archive()).await
     }
@@ -712,6 +753,9 @@ impl SqlOutbox<D> {
 
     /// Archived rows with this event id in one of `app_codes`.
     pub async fn find_archived(&self, event_id: &str, app_codes: &[String]) -> Result<Vec<EventRecord>> {
+        if let Some(to) = self.elsewhere() {
+            return to.find_archived(event_id, app_codes).await;
+        }
         self.find_in(&self.sql.find_archived, event_id, app_codes, "find archived event").await
     }
 
@@ -896,6 +940,9 @@ impl SqlOutbox<D> {
         if event_ids.is_empty() {
             return Ok(Vec::new());
         }
+        if let Some(to) = self.elsewhere() {
+            return to.archived_event_ids(app_code, event_ids).await;
+        }
         let db = |e| db_error("look up archived events", e);
         let mut conn = self.pool.acquire().await.map_err(db)?;
         let binds = vec![app_code.into(), Value::Texts(event_ids)];
@@ -935,7 +982,7 @@ impl SqlOutbox<D> {
     pub async fn replay_ids_after(&self, f: &EventFilter, after_id: i64, size: u32) -> Result<Vec<i64>> {
         let f = EventFilter { after_id: Some(after_id), through_id: None, before_id: None, limit: size, ..f.clone() };
         if f.aggregate_id.is_some() {
-            self.require_aggregate_index(&[self.table.as_str(), &self.table.archive()]).await?;
+            self.require_aggregate_index(&self.tables_read_with_archive()).await?;
         }
         let app_codes = match &f.app_code {
             Some(code) => vec![code.clone()],
@@ -946,7 +993,10 @@ impl SqlOutbox<D> {
             let f = EventFilter { app_code: Some(code), ..f.clone() };
             let mut tables = vec![("{table}", "status")];
             if f.reaches_archive() {
-                tables.push(("{archive}", "'delivered'"));
+                match self.elsewhere() {
+                    Some(to) => ids.extend(to.archived_ids(&f).await?),
+                    None => tables.push(("{archive}", "'delivered'")),
+                }
             }
             for (table, status) in tables {
                 let q = crate::ids_query(table, &f, status, D::PLACEHOLDERS);
@@ -982,7 +1032,7 @@ impl SqlOutbox<D> {
         // A filter without an app_code likewise runs once per app_code, so
         // that every replay statement reads an index its app_code leads.
         if let ReplaySelector::Filter(EventFilter { aggregate_id: Some(_), .. }) = &selector {
-            self.require_aggregate_index(&[self.table.as_str(), &self.table.archive()]).await?;
+            self.require_aggregate_index(&self.tables_read_with_archive()).await?;
         }
         let app_codes = match &selector {
             ReplaySelector::EventIds { app_code: Some(code), .. } => vec![code.clone()],
@@ -991,6 +1041,9 @@ impl SqlOutbox<D> {
         };
         // A dry run only reads (one consistent snapshot).
         let mut tx = self.begin_relay(!dry_run).await.map_err(db)?;
+        // Rows brought back from an archive in another database, deleted
+        // there once this transaction commits.
+        let mut forget = Vec::new();
         let res = async {
             let mut out = match selector {
                 ReplaySelector::EventIds { event_ids, .. } => {
@@ -1011,7 +1064,7 @@ impl SqlOutbox<D> {
                     let mut out = Vec::new();
                     for code in &app_codes {
                         let f = EventFilter { app_code: Some(code.clone()), ..f.clone() };
-                        out.extend(self.replay_filtered(&mut tx, &f, dry_run).await?);
+                        out.extend(self.replay_filtered(&mut tx, &f, dry_run, &mut forget).await?);
                     }
                     out
                 }
@@ -1039,6 +1092,9 @@ impl SqlOutbox<D> {
         }
         .await;
         let out = finish(tx, res, "replay").await?;
+        if let Some(to) = self.elsewhere() {
+            self.forget_unarchived(to, &forget).await;
+        }
         if !dry_run && !out.is_empty() {
             self.wake.signal();
         }
@@ -1074,16 +1130,32 @@ impl SqlOutbox<D> {
                     if req.max_batches.is_some_and(|m| report.batches >= m) {
                         return Ok(report);
                     }
-                    let mut own;
-                    let conn = match session.as_mut() {
-                        Some(conn) => conn,
+                    let (moved, copied) = match self.elsewhere() {
+                        // Rows archived here before the archive moved go
+                        // first, then the outbox's.
+                        Some(to) => {
+                            let (moved, copied) = self
+                                .archive_batch_elsewhere(to, Source::LocalArchive, app_code, req.before_ms, req.batch_size)
+                                .await?;
+                            if moved > 0 {
+                                (moved, copied)
+                            } else {
+                                self.archive_batch_elsewhere(to, Source::Outbox, app_code, req.before_ms, req.batch_size)
+                                    .await?
+                            }
+                        }
                         None => {
-                            own = self.pool.acquire().await.map_err(db)?;
-                            &mut own
+                            let mut own;
+                            let conn = match session.as_mut() {
+                                Some(conn) => conn,
+                                None => {
+                                    own = self.pool.acquire().await.map_err(db)?;
+                                    &mut own
+                                }
+                            };
+                            D::archive_batch(self, conn, app_code, req.before_ms, req.batch_size).await?
                         }
                     };
-                    let (moved, copied) =
-                        D::archive_batch(self, conn, app_code, req.before_ms, req.batch_size).await?;
                     postbox_core::archive::log_archived_duplicates(
                         self.table.as_str(),
                         moved as i64,
@@ -1165,7 +1237,19 @@ impl SqlOutbox<D> {
             tracing::warn!(error = %e, "could not release the migration lock; closing its connection");
             conn.close_on_drop();
         }
-        report
+        let mut report = report?;
+        if let Some(to) = self.elsewhere() {
+            let archive = to.migrate().await?;
+            if !archive.applied.is_empty() {
+                report.notes.push(format!(
+                    "the archive database: versions {:?} applied (`{}` is kept there)",
+                    archive.applied,
+                    self.table.archive()
+                ));
+            }
+            report.notes.extend(archive.notes.into_iter().map(|n| format!("the archive database: {n}")));
+        }
+        Ok(report)
     }
 
     /// [`SqlOutbox::migrate`] on `conn`, in one write transaction.
@@ -1341,14 +1425,25 @@ impl SqlOutbox<D> {
         D::statement_stats(self).await
     }
 
+    /// The tables of this database a replay reaching the archive reads:
+    /// the outbox table, and its archive unless that is in another
+    /// database (whose store checks its own).
+    fn tables_read_with_archive(&self) -> Vec<String> {
+        let mut tables = vec![self.table.as_str().to_owned()];
+        if self.elsewhere.is_none() {
+            tables.push(self.table.archive());
+        }
+        tables
+    }
+
     /// A search by aggregate reads [`AGGREGATE_INDEX`] on each of `tables`;
     /// where it is missing the search is refused (never a scan of the
     /// table), naming the command that creates it.
-    async fn require_aggregate_index(&self, tables: &[&str]) -> Result<()> {
+    async fn require_aggregate_index(&self, tables: &[impl AsRef<str>]) -> Result<()> {
         let names = self.catalog_names("look for the aggregate index").await?;
         let missing: Vec<String> = tables
             .iter()
-            .map(|on| format!("{on}{AGGREGATE_INDEX}"))
+            .map(|on| format!("{}{AGGREGATE_INDEX}", on.as_ref()))
             .filter(|name| !names.contains(name))
             .collect();
         if missing.is_empty() {

@@ -23,10 +23,10 @@ pub mod __private {
 
 pub use adopt::Adopt;
 pub use dialect::{
-    Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP, PARTIAL_ARCHIVE_INDEX,
-    PARTIAL_CLAIM_INDEXES, V10_DESCRIPTION, V11_DESCRIPTION, V5_DESCRIPTION, V6_DESCRIPTION,
-    V6_PENDING_INDEX, V7_DESCRIPTION, V7_HEAD_INDEX, V8_DESCRIPTION, V8_PENDING_INDEX,
-    V9_DESCRIPTION,
+    Connect, Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP,
+    PARTIAL_ARCHIVE_INDEX, PARTIAL_CLAIM_INDEXES, V10_DESCRIPTION, V11_DESCRIPTION, V5_DESCRIPTION,
+    V6_DESCRIPTION, V6_PENDING_INDEX, V7_DESCRIPTION, V7_HEAD_INDEX, V8_DESCRIPTION,
+    V8_PENDING_INDEX, V9_DESCRIPTION,
 };
 pub use engine::{
     finish, query, OpenOptions, Opened, ReplayProbe, ReplayProbeArgs, SqlOutbox, MIGRATIONS_LEDGER,
@@ -58,6 +58,7 @@ pub async fn connect_server<DB: sqlx::Database>(
     url: &str,
     parse_from: &str,
     max_connections: u32,
+    how: Connect,
     operation: &'static str,
     tune: impl FnOnce(
         <DB::Connection as sqlx::Connection>::Options,
@@ -65,14 +66,17 @@ pub async fn connect_server<DB: sqlx::Database>(
 ) -> Result<sqlx::Pool<DB>> {
     let opts: <DB::Connection as sqlx::Connection>::Options = parse_from.parse().map_err(|e| {
         Error::config(
-            "database.url",
+            how.key,
             format!("{}: {e}", postbox_core::redact::redact_url(url)),
         )
     })?;
-    sqlx::pool::PoolOptions::<DB>::new()
+    let pool = sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(max_connections)
-        .acquire_timeout(std::time::Duration::from_secs(10))
-        .connect_with(tune(opts))
+        .acquire_timeout(std::time::Duration::from_secs(10));
+    if how.lazy {
+        return Ok(pool.connect_lazy_with(tune(opts)));
+    }
+    pool.connect_with(tune(opts))
         .await
         .map_err(|e| db_error(operation, e))
 }

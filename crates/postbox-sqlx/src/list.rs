@@ -24,7 +24,7 @@ pub enum Placeholders {
 
 impl Placeholders {
     /// The `n`th placeholder (from 1).
-    fn nth(self, n: usize) -> String {
+    pub(crate) fn nth(self, n: usize) -> String {
         match self {
             Placeholders::Numbered => format!("${n}"),
             Placeholders::Question => "?".to_owned(),

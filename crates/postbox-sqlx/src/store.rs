@@ -151,6 +151,18 @@ macro_rules! capabilities_from_inherent {
                 async fn archive(&self, req: &ArchiveRequest, on_batch: &(dyn Fn(u64) + Send + Sync)) -> Result<ArchiveReport> {
                     <$ty>::archive(self, req, on_batch).await
                 }
+                async fn put_archived(&self, rows: &[EventRecord]) -> Result<u64> {
+                    <$ty>::put_archived(self, rows).await
+                }
+                async fn archived_rows(&self, filter: &EventFilter) -> Result<Vec<EventRecord>> {
+                    <$ty>::archived_rows(self, filter).await
+                }
+                async fn archived_ids(&self, filter: &EventFilter) -> Result<Vec<i64>> {
+                    <$ty>::archived_ids(self, filter).await
+                }
+                async fn delete_archived(&self, ids: &[i64]) -> Result<u64> {
+                    <$ty>::delete_archived(self, ids).await
+                }
             }
 
             #[async_trait]

@@ -12,6 +12,7 @@ use crate::error::CliError;
 use crate::held_back::{describe_held_back, held_back, HELD_BACK_AFTER_MS};
 use crate::open::{load_config, open_store};
 use crate::output;
+use postbox_runtime::store::Create;
 
 /// How a check came out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -41,6 +42,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     let config = load_config(g, Uses::DATABASE)?;
     let store = open_store(&config).await?;
     let mut checks = database_checks(store.as_ref(), &config).await;
+    checks.extend(archive_database_check(&config).await);
     checks.extend(app_code_checks(store.as_ref(), &config).await);
     // Loaded for the database only: name what other commands will miss.
     if let Err(e) = config.require_env(Uses::ALL) {
@@ -206,6 +208,41 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
 
 /// Rows of an app_code outside `database.app_codes` are never delivered
 /// (a producer's typo): pending ones fail the check, old ones warn.
+/// `[archive] url`: the archive's database answers and holds a migrated
+/// `<table>_archive` (none when the archive is beside the table).
+async fn archive_database_check(settings: &postbox_core::config::Settings) -> Option<Check> {
+    let url = settings.archive.url.as_ref()?;
+    let name = "archive:database";
+    let store = match postbox_runtime::store::open_archive(settings, Create::Never).await {
+        Ok(store) => store?,
+        Err(e) => return Some(check(name, Level::Fail, e.to_string())),
+    };
+    let archive = store.table().archive();
+    Some(match store.inspect_schema().await {
+        Err(e) => check(name, Level::Fail, format!("{url}: {e}")),
+        Ok(schema) if schema.version < schema.latest_version => check(
+            name,
+            Level::Fail,
+            format!(
+                "{url} is at schema version {} of {}: run `postbox migrate` (it migrates both databases)",
+                schema.version, schema.latest_version
+            ),
+        ),
+        Ok(schema) => match schema.objects.iter().find(|o| !o.present && o.name.starts_with(&archive)) {
+            Some(o) => check(
+                name,
+                Level::Fail,
+                format!("{url}: {} `{}` is missing: run `postbox migrate`", o.kind, o.name),
+            ),
+            None => check(
+                name,
+                Level::Ok,
+                format!("`{archive}` is kept in the {} database at {url}", store.backend()),
+            ),
+        },
+    })
+}
+
 async fn app_code_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check> {
     let served = &config.database.app_codes;
     let present = match store.present_app_codes().await {

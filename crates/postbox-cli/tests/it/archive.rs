@@ -360,3 +360,386 @@ async fn enqueue_refuses_archived_event_ids_and_the_archiver_moves_past_duplicat
         3
     );
 }
+
+/// The event ids of app_code `arch` that `sql` selects.
+async fn event_ids(db: &Db, sql: &str) -> std::collections::HashSet<String> {
+    let ids: Vec<String> = match db {
+        Db::Pg(p) => sqlx::query_scalar(sql).fetch_all(p).await,
+        Db::My(p) => sqlx::query_scalar(sql).fetch_all(p).await,
+        Db::Lite(p) => sqlx::query_scalar(sql).fetch_all(p).await,
+    }
+    .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    ids.into_iter().collect()
+}
+
+/// Where every event is: the outbox table and the archive beside it (on
+/// `hot`), the archive in the other database (`far`).
+struct Places {
+    live: std::collections::HashSet<String>,
+    beside: std::collections::HashSet<String>,
+    far: std::collections::HashSet<String>,
+}
+
+impl Places {
+    async fn read(hot: &Db, far: &Db, t: &str) -> Places {
+        Places {
+            live: event_ids(hot, &format!("SELECT event_id FROM {t}")).await,
+            beside: event_ids(hot, &format!("SELECT event_id FROM {t}_archive")).await,
+            far: event_ids(far, &format!("SELECT event_id FROM {t}_archive")).await,
+        }
+    }
+
+    /// No event is lost: `total` distinct events, wherever they are.
+    fn assert_none_lost(&self, total: usize) {
+        let all: std::collections::HashSet<&String> = self
+            .live
+            .iter()
+            .chain(&self.beside)
+            .chain(&self.far)
+            .collect();
+        assert_eq!(all.len(), total, "events lost");
+    }
+
+    /// Every event in exactly one place.
+    fn assert_each_once(&self, total: usize) {
+        self.assert_none_lost(total);
+        assert_eq!(
+            self.live.len() + self.beside.len() + self.far.len(),
+            total,
+            "events in two places"
+        );
+    }
+}
+
+/// Issue 16.5: `[archive] url` keeps `<table>_archive` in another database
+/// (here the outbox is PostgreSQL's and the archive MariaDB's). `migrate`
+/// creates it there and `doctor` checks it; `archive` moves what was
+/// archived beside the table before, then the old delivered rows, and a
+/// run killed at any point (or one that crashed after copying, planted
+/// here) loses and duplicates nothing; `events show` and time-range
+/// replays, plain and paced, read it, bringing rows back; an archive that
+/// holds another event under a row's id stops the run, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_archive_in_another_database_survives_kills_and_replays_from_there() {
+    let (pg_url, pg) = server_pool::<sqlx::Postgres>("postgres").await;
+    let (my_url, my) = server_pool::<sqlx::MySql>("mysql").await;
+    let (hot, far) = (Db::Pg(pg), Db::My(my));
+    let t = scratch_table("farc");
+    let project = Project::migrated(|dir| {
+        format!(
+            "[database]\nurl = \"{pg_url}\"\ntable = \"{t}\"\napp_codes = [\"arch\"]\n\
+             [outbox_worker]\npoll_interval = \"50ms\"\n\
+             [archive]\nurl = \"{my_url}\"\n\
+             [[publishers]]\nkind = \"file\"\npath = \"{}/out.jsonl\"\n",
+            dir.display()
+        )
+    });
+    let run = |args: &[&str]| project.run(args);
+    let count_far = format!("SELECT COUNT(*) FROM {t}_archive");
+    let far_count = || far.count(&count_far);
+    assert_eq!(
+        far_count().await,
+        0,
+        "migrate created the archive in MariaDB"
+    );
+    let out = run(&["--json", "doctor"]);
+    let report = json(&out);
+    let check = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "archive:database")
+        .unwrap_or_else(|| panic!("no archive:database check: {report}"))
+        .clone();
+    assert_eq!(check["level"], "ok", "{check}");
+    assert!(
+        check["message"]
+            .as_str()
+            .unwrap()
+            .contains("mysql database"),
+        "{check}"
+    );
+
+    let sql = RowsSql {
+        insert: format!(
+            "INSERT INTO {t} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+             SELECT 'arch', {{status}} || '-' || g, 'Old', '{{}}', {{status}}, 1000000000000 + g, {{updated}} \
+             FROM generate_series(1, {{n}}) g"
+        ),
+        seq: "g",
+        now_ms: "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT",
+    };
+    let load = Load {
+        old_delivered: 20_000,
+        old_published: 100,
+        fresh: 1_000,
+        pending: 500,
+    };
+    hot.exec(&sql.rows("'delivered'", true, load.old_delivered))
+        .await;
+    hot.exec(&sql.rows("'published'", true, load.old_published))
+        .await;
+    // Fresh rows get their own event ids (the old rows' ids are `status-g`).
+    hot.exec(
+        &sql.rows("'delivered'", false, load.fresh)
+            .replace("'delivered' || '-'", "'fresh-'"),
+    )
+    .await;
+    hot.exec(&sql.rows("'pending'", true, load.pending)).await;
+    // Rows archived beside the table before `[archive] url` was set.
+    let beside = 300;
+    hot.exec(&format!(
+        "INSERT INTO {t}_archive (id, app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         SELECT 10000000 + g, 'arch', 'beside-' || g, 'Old', '{{}}', 'delivered', 1000000000000 + g, 1000000000000 + g \
+         FROM generate_series(1, {beside}) g"
+    ))
+    .await;
+    // A run that crashed after copying 50 rows into the archive, before
+    // deleting them from the outbox.
+    let Db::Pg(pg) = &hot else { unreachable!() };
+    let copied: Vec<(i64, String, i64, i64)> = sqlx::query_as(&format!(
+        "SELECT id, event_id, created_at_ms, updated_at_ms FROM {t} \
+         WHERE status = 'delivered' ORDER BY updated_at_ms, id LIMIT 50"
+    ))
+    .fetch_all(pg)
+    .await
+    .unwrap();
+    for (id, event_id, created, updated) in &copied {
+        far.exec(&format!(
+            "INSERT INTO {t}_archive (id, app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+             VALUES ({id}, 'arch', '{event_id}', 'Old', '{{}}', 'delivered', {created}, {updated})"
+        ))
+        .await;
+    }
+    let total = (load.total() + beside) as usize;
+    Places::read(&hot, &far, &t).await.assert_none_lost(total);
+
+    // Runs SIGKILLed mid-way, each further along.
+    for reached in [1_000, 8_000] {
+        let mut child = project.spawn(&["archive", "--batch-size", "500"], Stdio::null());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while far_count().await < reached {
+            assert!(
+                Instant::now() < deadline,
+                "the archive never reached {reached} rows"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        Places::read(&hot, &far, &t).await.assert_none_lost(total);
+    }
+    assert!(
+        far_count().await < load.old() + beside,
+        "the kills landed mid-way"
+    );
+
+    // Run again: finishes the job; every event in exactly one place.
+    let out = run(&["--json", "archive", "--older-than", "30d"]);
+    assert_ok(&out);
+    assert_eq!(json(&out)["complete"], true);
+    let places = Places::read(&hot, &far, &t).await;
+    places.assert_each_once(total);
+    assert_eq!(
+        places.beside.len(),
+        0,
+        "what was archived beside the table moved"
+    );
+    assert_eq!(places.far.len() as i64, load.old() + beside);
+    assert_eq!(places.live.len() as i64, load.fresh + load.pending);
+    assert!(places.far.contains("beside-7") && places.far.contains(&copied[0].1));
+    assert_eq!(
+        far.count(&format!(
+            "SELECT COUNT(*) FROM {t}_archive WHERE event_id = 'published-3' AND status = 'delivered' \
+             AND payload = '{{}}' AND created_at_ms = 1000000000003 AND updated_at_ms = 1000000000003"
+        ))
+        .await,
+        1,
+        "rows are copied as they were (a legacy status as the status it reads as)"
+    );
+
+    // Reads find archived events there.
+    let out = run(&["events", "show", "delivered-7"]);
+    assert_ok(&out);
+    assert_says(&out, &["delivered-7", "archived"]);
+
+    // A time range replays archived rows: brought back as pending, gone
+    // from the archive. Created in [101, 201): 100 old delivered rows and
+    // 100 archived beside the table before, archived; 100 fresh and 100
+    // pending rows, live.
+    let range = [
+        "--app-code",
+        "arch",
+        "--since",
+        "1000000000101",
+        "--until",
+        "1000000000201",
+    ];
+    let out = run(&[&["--json", "replay", "--dry-run"][..], &range].concat());
+    assert_ok(&out);
+    assert_eq!(json(&out)["count"], 400, "dry run");
+    assert_eq!(
+        far_count().await,
+        load.old() + beside,
+        "a dry run changes nothing"
+    );
+    let out = run(&[&["--json", "replay"][..], &range].concat());
+    assert_ok(&out);
+    assert_eq!(json(&out)["count"], 400);
+    let places = Places::read(&hot, &far, &t).await;
+    places.assert_each_once(total);
+    assert!(places.live.contains("delivered-150") && places.live.contains("beside-150"));
+    assert_eq!(
+        hot.count(&format!(
+            "SELECT COUNT(*) FROM {t} WHERE status = 'pending' AND replay_count = 1 \
+             AND created_at_ms >= 1000000000101 AND created_at_ms < 1000000000201"
+        ))
+        .await,
+        400
+    );
+
+    // A paced replay of the next range (60 rows of each kind), beside a
+    // relay taking its batches.
+    let mut relay = project.spawn(&["relay"], Stdio::null());
+    let out = run(&[
+        "--json",
+        "replay",
+        "--app-code",
+        "arch",
+        "--since",
+        "1000000000201",
+        "--until",
+        "1000000000261",
+        "--rate",
+        "1000",
+        "--batch",
+        "25",
+    ]);
+    assert_ok(&out);
+    assert_eq!(json(&out)["replayed"], 240, "{}", text(&out));
+    // The pending rows, and the replayed fresh and archived rows.
+    let delivered = (load.pending + 300 + 180) as usize;
+    let undelivered = format!("SELECT COUNT(*) FROM {t} WHERE status <> 'delivered'");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while project.lines("out.jsonl") < delivered || hot.count(&undelivered).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the relay delivered {} of {delivered}",
+            project.lines("out.jsonl")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal("TERM", relay.id());
+    assert!(relay.wait().unwrap().success());
+    let places = Places::read(&hot, &far, &t).await;
+    places.assert_each_once(total);
+    assert!(places.live.contains("beside-230") && !places.far.contains("beside-230"));
+
+    // Archived again, everything delivered: all of it is there.
+    assert_ok(&run(&["archive", "--older-than", "1ms"]));
+    let places = Places::read(&hot, &far, &t).await;
+    places.assert_each_once(total);
+    assert_eq!(places.far.len(), total);
+    assert_eq!(
+        far.count(&format!(
+            "SELECT COUNT(*) FROM {t}_archive WHERE replay_count >= 1"
+        ))
+        .await,
+        640,
+        "replayed rows come back with their replay counted"
+    );
+
+    // The archive holds another event under a live row's id: the run stops
+    // naming it, and the row stays.
+    hot.exec(&format!(
+        "INSERT INTO {t} (id, app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         VALUES (20000000, 'arch', 'late', 'Old', '{{}}', 'delivered', 1, 1)"
+    ))
+    .await;
+    far.exec(&format!(
+        "INSERT INTO {t}_archive (id, app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         VALUES (20000000, 'other', 'intruder', 'Old', '{{}}', 'delivered', 1, 1)"
+    ))
+    .await;
+    let out = run(&["archive", "--older-than", "1ms"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_says(&out, &["holds other events under the ids", "20000000"]);
+    assert_eq!(
+        hot.count(&format!("SELECT COUNT(*) FROM {t} WHERE event_id = 'late'"))
+            .await,
+        1
+    );
+
+    hot.drop_tables(&t).await;
+    far.drop_tables(&t).await;
+}
+
+/// `[archive] url` is connected on first use: a relay starts and delivers
+/// while the archive's database is down, and `archive` then fails naming
+/// `archive.url`. A bad `archive.url` exits 2 naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_delivers_while_the_archive_database_is_down() {
+    let body = |dir: &std::path::Path| {
+        let d = dir.display();
+        format!(
+            "[database]\nurl = \"sqlite://{d}/outbox.db\"\ntable = \"room_outbox\"\napp_codes = [\"room\"]\n\
+             [outbox_worker]\npoll_interval = \"50ms\"\n\
+             [[publishers]]\nkind = \"file\"\npath = \"{d}/out.jsonl\"\n"
+        )
+    };
+    let project = Project::migrated(body);
+    for i in 0..3 {
+        project.enqueue("room", &format!("{{\"n\":{i}}}"));
+    }
+    let dir = project.path();
+    // Nothing listens on port 9 of loopback.
+    let down = common::write_config(
+        dir,
+        &format!(
+            "{}[archive]\nurl = \"postgres://postbox:s3cret@127.0.0.1:9/archive\"\n",
+            body(dir)
+        ),
+    );
+    let mut relay = std::process::Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir)
+        .args(["--config", &down, "relay"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while project.lines("out.jsonl") < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the relay waited for the archive's database"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal("TERM", relay.id());
+    assert!(relay.wait().unwrap().success());
+    let db = Db::Lite(sqlite_pool(&format!("sqlite://{}/outbox.db", dir.display())).await);
+    db.exec("UPDATE room_outbox SET updated_at_ms = 1").await;
+    let out = common::run(dir, &["--config", &down, "archive"], &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_says(&out, &["archive.url"]);
+    assert!(!text(&out).contains("s3cret"), "{}", text(&out));
+    assert_eq!(
+        db.count("SELECT COUNT(*) FROM room_outbox").await,
+        3,
+        "nothing moved"
+    );
+
+    for (line, says) in [
+        ("url = \"oracle://h/db\"", "`oracle`"),
+        (
+            &*format!("url = \"sqlite://{}/outbox.db\"", dir.display()),
+            "is database.url",
+        ),
+        ("url = \"${POSTBOX_NO_SUCH_VAR}\"", "POSTBOX_NO_SUCH_VAR"),
+    ] {
+        let cfg = common::write_config(dir, &format!("{}[archive]\n{line}\n", body(dir)));
+        let out = common::run(dir, &["--config", &cfg, "status"], &[]);
+        assert_eq!(out.status.code(), Some(2), "{line}: {}", text(&out));
+        assert_says(&out, &["archive.url", says]);
+    }
+}

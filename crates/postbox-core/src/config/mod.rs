@@ -317,6 +317,11 @@ pub struct ArchiveConfig {
     pub batch_size: u32,
     /// How often the relay archives.
     pub interval: HumanDuration,
+    /// The database that keeps `<table>_archive`, when not the outbox's
+    /// (any backend postbox supports; `migrate` creates it there).
+    pub url: Option<SecretUrl>,
+    /// The pool's size for `url`.
+    pub max_connections: u32,
 }
 
 impl Default for ArchiveConfig {
@@ -326,6 +331,8 @@ impl Default for ArchiveConfig {
             older_than: HumanDuration::secs(30 * 86_400),
             batch_size: 10_000,
             interval: HumanDuration::secs(3_600),
+            url: None,
+            max_connections: 4,
         }
     }
 }

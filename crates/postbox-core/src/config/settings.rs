@@ -18,6 +18,7 @@ use crate::Error;
 pub struct Settings {
     config: Config,
     database: DatabaseKind,
+    archive: Option<DatabaseKind>,
 }
 
 impl Deref for Settings {
@@ -32,6 +33,12 @@ impl Settings {
     /// The database `database.url` names.
     pub fn database_kind(&self) -> DatabaseKind {
         self.database
+    }
+
+    /// The database `archive.url` names, when the archive is kept in
+    /// another database.
+    pub fn archive_kind(&self) -> Option<DatabaseKind> {
+        self.archive
     }
 
     /// `[admin]`, or the defaults when it is absent (the default address,
@@ -194,9 +201,26 @@ impl Config {
         if self.archive.interval.get().is_zero() {
             return Err(Error::config("archive.interval", "must be > 0"));
         }
+        let archive = match &self.archive.url {
+            None => None,
+            Some(url) if url.expose() == self.database.url.expose() => {
+                return Err(Error::config(
+                    "archive.url",
+                    "is database.url: leave it unset to keep the archive beside the table",
+                ));
+            }
+            Some(url) => Some(DatabaseKind::of(
+                url,
+                &KeyPath::root("archive").join("url"),
+            )?),
+        };
+        if self.archive.max_connections == 0 {
+            return Err(Error::config("archive.max_connections", "must be > 0"));
+        }
         Ok(Settings {
             config: self,
             database,
+            archive,
         })
     }
 
@@ -212,6 +236,10 @@ impl Config {
         check(
             KeyPath::root("database").join("url"),
             self.database.url.unresolved(),
+        )?;
+        check(
+            KeyPath::root("archive").join("url"),
+            self.archive.url.as_ref().and_then(|u| u.unresolved()),
         )?;
         if uses.publishers {
             for (i, p) in self.publishers.iter().enumerate() {
