@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::ArchiveConfig;
+use crate::config::{ArchiveConfig, PartitionArchive};
 use crate::store::{ArchiveReport, ArchiveRequest, OutboxStore};
 use crate::Result;
 
@@ -18,6 +18,7 @@ pub async fn archive_once(
     older_than_ms: i64,
     batch_size: u32,
     max_batches: Option<u64>,
+    partitions: PartitionArchive,
     on_batch: &(dyn Fn(u64) + Send + Sync),
 ) -> Result<ArchiveReport> {
     let now = store.now_ms().await?;
@@ -26,6 +27,7 @@ pub async fn archive_once(
         before_ms: now - older_than_ms,
         batch_size,
         max_batches,
+        partitions,
     };
     let counted = |n: u64| {
         metrics::counter!(crate::metrics::ARCHIVED_TOTAL).increment(n);
@@ -70,6 +72,7 @@ pub async fn run_scheduled(
             older_than_ms,
             config.batch_size,
             None,
+            config.partitions,
             &|_| {},
         );
         tokio::select! {

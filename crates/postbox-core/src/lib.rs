@@ -18,6 +18,7 @@ pub mod error;
 pub mod event;
 pub mod metrics;
 pub mod naming;
+pub mod partition;
 pub mod publish;
 pub mod redact;
 pub mod relay;

@@ -514,6 +514,9 @@ pub struct ArchiveRequest {
     pub batch_size: u32,
     /// Stop after this many batches (`None`: until done).
     pub max_batches: Option<u64>,
+    /// A partitioned table's partitions whose rows are all done: moved
+    /// into the archive or dropped.
+    pub partitions: crate::config::PartitionArchive,
 }
 
 /// Outcome of one archive run.
@@ -676,6 +679,17 @@ pub struct MigrateReport {
     /// What `migrate` found in the database that disagreed with its ledger,
     /// and what it did about it (one sentence each; empty when they agree).
     pub notes: Vec<String>,
+}
+
+/// A partitioned table's partitions after the one holding the database
+/// clock's now ([`SchemaStore::partitions_ahead`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PartitionsAhead {
+    /// Ready after the current one (0 also when no partition holds now:
+    /// an insert would fail).
+    pub ahead: u32,
+    /// The last partition's name.
+    pub through: Option<String>,
 }
 
 /// What `postbox adopt` found on a table a team already has, and what it
@@ -1117,6 +1131,15 @@ pub trait SchemaStore: Send + Sync + 'static {
     /// The schema version and which expected tables and indexes exist, read
     /// from the catalog.
     async fn inspect_schema(&self) -> Result<SchemaReport>;
+
+    /// A partitioned table (`[database] partitioning`): creates the
+    /// current partition and those ahead that are missing, returning their
+    /// names (nothing on a plain table).
+    async fn keep_partitions(&self) -> Result<Vec<String>>;
+
+    /// A partitioned table: how many partitions are ready after the
+    /// current one, and the last (`None` on a plain table).
+    async fn partitions_ahead(&self) -> Result<Option<PartitionsAhead>>;
 
     /// The database's own statistics of the statements whose text names
     /// the outbox table (PostgreSQL `pg_stat_statements`, MariaDB/MySQL

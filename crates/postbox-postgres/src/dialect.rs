@@ -35,6 +35,7 @@ impl Dialect for PgDialect {
     postbox_sqlx::dialect_constants!(db: Postgres, backend: "postgres", placeholders: Numbered, begin_write: None);
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
+    const PARTITIONS: Option<postbox_sqlx::PartitionSql> = Some(sql::PARTITIONS);
     const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
         columns_of: sql::ADOPT_COLUMNS,
         indexes: None,

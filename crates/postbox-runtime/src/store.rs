@@ -39,6 +39,7 @@ async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn Outbox
         connect: postbox_sqlx::Connect::now(create == Create::IfMissing),
         max_payload_bytes: db.max_payload_bytes,
         archive,
+        partitioning: db.partitioning,
     };
     match open_kind(settings.database_kind(), options).await {
         Ok(store) => Ok(store),
@@ -81,6 +82,7 @@ async fn open_archive_here(
         },
         max_payload_bytes: settings.database.max_payload_bytes,
         archive: None,
+        partitioning: None,
     };
     match open_kind(kind, options).await {
         Ok(store) => Ok(Some(store)),

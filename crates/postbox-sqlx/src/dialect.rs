@@ -319,6 +319,46 @@ pub enum ReplayStep {
     Unarchive,
 }
 
+/// What the engine runs on a range-partitioned outbox table, where the
+/// database has one (`{name}`, `{from}`, `{to}`: a partition and its
+/// range; `$1`: the outbox table's name).
+#[derive(Debug, Clone, Copy)]
+pub struct PartitionSql {
+    /// Version 1 for a new partitioned table, in place of the plain one.
+    pub v1: &'static [&'static str],
+    /// Run before partition DDL, on its connection.
+    pub lock_timeout: &'static str,
+    /// Creates one partition.
+    pub create: &'static str,
+    /// The attached partitions: name, bound expression, detach pending.
+    pub attached: &'static str,
+    /// Whether the table is partitioned.
+    pub is_partitioned: &'static str,
+    /// Detached partitions not yet archived or dropped, by name.
+    pub detached: &'static str,
+    /// Whether `{name}` holds a row that is not done.
+    pub busy: &'static str,
+    /// Detaches without blocking the table's readers and writers.
+    pub detach: &'static str,
+    /// Finishes a detach that was interrupted.
+    pub finalize: &'static str,
+    /// Attaches a detached partition back.
+    pub attach: &'static str,
+    /// Deletes the keys of `{name}`'s events.
+    pub forget_keys: &'static str,
+    /// Drops `{name}`.
+    pub drop: &'static str,
+    /// The aggregate index `{name}` on the parent alone (invalid until
+    /// every partition's is attached).
+    pub index_parent: &'static str,
+    /// The aggregate index `{index}` on partition `{name}`, online.
+    pub index_partition: &'static str,
+    /// Attaches partition index `{index}` to `{parent}`.
+    pub attach_index: &'static str,
+    /// Drops the parent's index `{parent}` and with it the partitions'.
+    pub drop_index: &'static str,
+}
+
 /// How [`Dialect::connect_pool`] connects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Connect {
@@ -367,6 +407,8 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     /// Run after version 1 is applied to a new outbox table: continue the
     /// ids of an archive that was kept.
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str];
+    /// Range partitioning on `created_at_ms`, where the database has it.
+    const PARTITIONS: Option<PartitionSql> = None;
     /// `id` in a list of ids bound first (`id = ANY($1)`, `id IN ({ids})`,
     /// a JSON array on SQLite), for statements on either table.
     const ID_LIST: &'static str;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use sqlx::{Database, Transaction};
 
 use postbox_core::event::Fence;
+use postbox_core::partition::Partitioning;
 use postbox_core::store::{
     check_ledger, AppStats, ArchiveReport, ArchiveRequest, DeferUpdate, EnqueueOutcome,
     EventFilter, FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayRequest,
@@ -41,6 +42,8 @@ pub struct SqlOutbox<D: Dialect> {
     /// The store holding `<table>_archive` in another database
     /// (`[archive] url`); `None`: the archive is beside the table.
     elsewhere: Option<Arc<dyn OutboxStore>>,
+    /// `[database] partitioning` (PostgreSQL).
+    partitioning: Option<Partitioning>,
 }
 
 impl<D: Dialect> Clone for SqlOutbox<D> {
@@ -53,6 +56,7 @@ impl<D: Dialect> Clone for SqlOutbox<D> {
             own: self.own.clone(),
             wake: self.wake.clone(),
             elsewhere: self.elsewhere.clone(),
+            partitioning: self.partitioning,
         }
     }
 }
@@ -83,6 +87,8 @@ pub struct OpenOptions<'a> {
     /// The store opened on the database that keeps `<table>_archive`
     /// (`[archive] url`), when not this one.
     pub archive: Option<Arc<dyn OutboxStore>>,
+    /// A range-partitioned table (`[database] partitioning`).
+    pub partitioning: Option<Partitioning>,
 }
 
 /// A store being opened by [`SqlOutbox::open`].
@@ -112,6 +118,7 @@ impl<D: Dialect> SqlOutbox<D> {
             max_payload_bytes: 1024 * 1024,
             wake: postbox_core::wake::Wake::new(),
             elsewhere: None,
+            partitioning: None,
         }
     }
 
@@ -148,6 +155,7 @@ impl<D: Dialect> SqlOutbox<D> {
             let mut store = Self::named(pool, options.table.clone())
                 .with_max_payload_bytes(options.max_payload_bytes);
             store.elsewhere = options.archive;
+            store.partitioning = options.partitioning;
             Ok(Arc::new(store) as Arc<dyn OutboxStore>)
         })
     }
@@ -163,6 +171,13 @@ impl<D: Dialect> SqlOutbox<D> {
     /// reads and replays of archived rows read it, `migrate` migrates it.
     pub fn with_archive_elsewhere(mut self, archive: Arc<dyn OutboxStore>) -> Self {
         self.elsewhere = Some(archive);
+        self
+    }
+
+    /// Creates and keeps the table range-partitioned on `created_at_ms`
+    /// (PostgreSQL; see [`postbox_core::partition`]).
+    pub fn with_partitioning(mut self, partitioning: Partitioning) -> Self {
+        self.partitioning = Some(partitioning);
         self
     }
 
@@ -307,6 +322,7 @@ macro_rules! engine_impl {
 }
 
 mod elsewhere;
+mod partitions;
 
 engine_impl! {
 impl SqlOutbox<D> {
@@ -1125,6 +1141,10 @@ impl SqlOutbox<D> {
         }
         let report = async {
             let mut report = ArchiveReport::default();
+            let drop = req.partitions == postbox_core::config::PartitionArchive::Drop;
+            let (rows, partitions) = self.archive_partitions(req.before_ms, drop, on_batch).await?;
+            report.moved += rows;
+            report.batches += partitions;
             for app_code in &req.app_codes {
                 loop {
                     if req.max_batches.is_some_and(|m| report.batches >= m) {
@@ -1199,7 +1219,13 @@ impl SqlOutbox<D> {
                 self.table
             )));
         }
-        self.migrate_skipping(|_| false).await
+        self.refuse_unpartitioned().await?;
+        let report = self.migrate_skipping(|_| false).await?;
+        let created = self.keep_partitions().await?;
+        if !created.is_empty() {
+            tracing::info!(table = %self.table, partitions = created.len(), first = %created[0], "partitions created");
+        }
+        Ok(report)
     }
 
     /// The outbox table exists and the ledger has no version of it.
@@ -1302,6 +1328,10 @@ impl SqlOutbox<D> {
                 if !pending && !check.rerun.contains(version) {
                     continue;
                 }
+                let statements = match (version, self.partition_sql()) {
+                    (1, Some((_, sql))) => sql.v1,
+                    _ => statements,
+                };
                 for stmt in statements.iter().map(|st| self.table.render(st)) {
                     if skip(&stmt) {
                         continue;
@@ -1406,6 +1436,11 @@ impl SqlOutbox<D> {
         for on in [self.table.as_str().to_owned(), self.table.archive()] {
             let name = format!("{on}{AGGREGATE_INDEX}");
             if names.contains(&name) == wanted {
+                continue;
+            }
+            if on == self.table.as_str() && self.partition_sql().is_some() {
+                self.partitioned_aggregate_index(wanted, &name).await?;
+                changed.push(name);
                 continue;
             }
             let drop = [D::DROP_AGGREGATE_INDEX];

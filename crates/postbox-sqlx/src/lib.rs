@@ -23,7 +23,7 @@ pub mod __private {
 
 pub use adopt::Adopt;
 pub use dialect::{
-    Connect, Dialect, Migration, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP,
+    Connect, Dialect, Migration, PartitionSql, ReplayStep, Statements, Value, DELIVERED_COUNT_CAP,
     PARTIAL_ARCHIVE_INDEX, PARTIAL_CLAIM_INDEXES, V10_DESCRIPTION, V11_DESCRIPTION, V5_DESCRIPTION,
     V6_DESCRIPTION, V6_PENDING_INDEX, V7_DESCRIPTION, V7_HEAD_INDEX, V8_DESCRIPTION,
     V8_PENDING_INDEX, V9_DESCRIPTION,

@@ -173,6 +173,12 @@ macro_rules! capabilities_from_inherent {
                 async fn inspect_schema(&self) -> Result<SchemaReport> {
                     <$ty>::inspect_schema(self).await
                 }
+                async fn keep_partitions(&self) -> Result<Vec<String>> {
+                    <$ty>::keep_partitions(self).await
+                }
+                async fn partitions_ahead(&self) -> Result<Option<postbox_core::store::PartitionsAhead>> {
+                    <$ty>::partitions_ahead(self).await
+                }
                 async fn statement_stats(&self) -> Result<StatementStats> {
                     <$ty>::statement_stats(self).await
                 }

@@ -166,6 +166,7 @@ pub async fn legacy_rows_read_as_their_postbox_status(store: Arc<dyn OutboxStore
         before_ms: i64::MAX,
         batch_size: 100,
         max_batches: None,
+        partitions: Default::default(),
     };
     let archived = store.archive(&request, &|_| {}).await.unwrap();
     assert_eq!(archived.moved, 2, "{archived:?}");

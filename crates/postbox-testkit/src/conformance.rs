@@ -1823,6 +1823,7 @@ async fn archive_moves_past_live_duplicates_of_archived_events(store: Arc<dyn Ou
                 before_ms: store.now_ms().await.expect("now") + 60_000,
                 batch_size,
                 max_batches: None,
+                partitions: Default::default(),
             };
             store.archive(&req, &|_| {}).await.expect("archive")
         }
@@ -2237,6 +2238,7 @@ async fn deliver_and_archive(store: &dyn OutboxStore, n: u32) -> Vec<postbox_cor
         before_ms: store.now_ms().await.unwrap() + 1,
         batch_size: 10,
         max_batches: None,
+        partitions: Default::default(),
     };
     let report = store.archive(&archive, &|_| {}).await.unwrap();
     assert_eq!(report.moved, u64::from(n), "{report:?}");
@@ -3170,6 +3172,7 @@ async fn relay_samples_a_type_and_drops_the_rest(store: Arc<dyn OutboxStore>) {
         before_ms: store.now_ms().await.expect("now") + 60_000,
         batch_size: 100,
         max_batches: None,
+        partitions: Default::default(),
     };
     let report = store.archive(&req, &|_| {}).await.expect("archive");
     assert_eq!(report.moved, 220, "{report:?}");

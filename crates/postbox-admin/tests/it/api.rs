@@ -362,6 +362,7 @@ async fn archived_events_are_shown_and_listed() {
                 before_ms: 2000,
                 batch_size: 10,
                 max_batches: None,
+                partitions: Default::default(),
             },
             &|_| {},
         )

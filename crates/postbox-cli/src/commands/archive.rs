@@ -45,6 +45,7 @@ pub async fn run(g: &Global, args: ArchiveArgs) -> Result<(), CliError> {
         older_than.as_millis_i64(),
         batch_size,
         args.max_batches,
+        config.archive.partitions,
         &|n| {
             let total = moved.fetch_add(n, Ordering::Relaxed) + n;
             bar.set_position(total);

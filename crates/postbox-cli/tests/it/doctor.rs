@@ -346,6 +346,7 @@ async fn scans_scenario(server: &str, db: Db) {
         before_ms: store.now_ms().await.unwrap() + 1,
         batch_size: 10,
         max_batches: None,
+        partitions: Default::default(),
     };
     store.archive(&archive, &|_| {}).await.unwrap();
     assert_ok(&run(&["status"]));

@@ -162,6 +162,9 @@ pub struct DatabaseConfig {
     /// Legacy status values the table's rows hold, each with the status it
     /// reads as (`published = "delivered"`); postbox writes only its own.
     pub statuses: BTreeMap<String, String>,
+    /// PostgreSQL: a new outbox table range-partitioned on
+    /// `created_at_ms`, by day or by week.
+    pub partitioning: Option<crate::partition::Partitioning>,
 }
 
 impl DatabaseConfig {
@@ -183,6 +186,7 @@ impl Default for DatabaseConfig {
             max_connections: 10,
             columns: BTreeMap::new(),
             statuses: BTreeMap::new(),
+            partitioning: None,
         }
     }
 }
@@ -322,6 +326,20 @@ pub struct ArchiveConfig {
     pub url: Option<SecretUrl>,
     /// The pool's size for `url`.
     pub max_connections: u32,
+    /// A partitioned table's partitions whose rows are all done: `move`
+    /// them into the archive, or `drop` them.
+    pub partitions: PartitionArchive,
+}
+
+/// What archiving does with a whole partition (`archive.partitions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PartitionArchive {
+    /// Copy its rows into `<table>_archive`, then drop it.
+    #[default]
+    Move,
+    /// Drop it: its rows are not kept.
+    Drop,
 }
 
 impl Default for ArchiveConfig {
@@ -333,6 +351,7 @@ impl Default for ArchiveConfig {
             interval: HumanDuration::secs(3_600),
             url: None,
             max_connections: 4,
+            partitions: PartitionArchive::Move,
         }
     }
 }

@@ -195,6 +195,23 @@ impl Config {
         }
         self.tracing.validate()?;
         self.database.adopted_table()?;
+        if self.database.partitioning.is_some() {
+            if database != DatabaseKind::Postgres {
+                return Err(Error::config(
+                    "database.partitioning",
+                    "is PostgreSQL's: MariaDB cannot keep `(app_code, event_id)` unique across partitions, nor detach one online (README: Partitioned outbox)",
+                ));
+            }
+            if !self.database.table.naming().is_plain()
+                || !self.database.columns.is_empty()
+                || !self.database.statuses.is_empty()
+            {
+                return Err(Error::config(
+                    "database.partitioning",
+                    "is for a table postbox creates, not an adopted one",
+                ));
+            }
+        }
         if self.archive.batch_size == 0 {
             return Err(Error::config("archive.batch_size", "must be > 0"));
         }

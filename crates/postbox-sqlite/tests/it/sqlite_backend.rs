@@ -519,6 +519,7 @@ async fn archive_leaves_the_pool_free_between_batches() {
                 before_ms: now_ms(),
                 batch_size: 1,
                 max_batches: None,
+                partitions: Default::default(),
             };
             let report = one
                 .archive(&request, &|_| first_batch.notify_one())

@@ -1,0 +1,228 @@
+//! A range-partitioned outbox table (`[database] partitioning`, issue
+//! 16.4): the whole conformance suite runs on a table partitioned by day,
+//! whose claims and indexes work per partition and whose events stay
+//! unique across partitions.
+
+use std::sync::Arc;
+
+use postbox_core::partition::Partitioning;
+use postbox_core::store::EnqueueOutcome;
+use postbox_core::OutboxStore;
+use postbox_postgres::PgOutbox;
+use postbox_testkit::scratch_table;
+use postbox_testkit::servers::postgres_url;
+use postbox_testkit::store_setup::migrated;
+
+async fn partitioned() -> PgOutbox {
+    migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("pgpart"), 4)
+            .await
+            .map(|s| s.with_partitioning(Partitioning::Daily))
+    })
+    .await
+}
+
+async fn fresh_store() -> Arc<dyn OutboxStore> {
+    Arc::new(partitioned().await)
+}
+
+mod conformance {
+    use super::fresh_store;
+    use postbox_testkit::conformance_suite;
+    conformance_suite!(fresh_store);
+}
+
+const DAY: i64 = 86_400_000;
+
+/// The partition of `day` days before the clock's, created for the test
+/// (the keeper creates only the current one and those ahead).
+async fn past_partition(store: &PgOutbox, day: i64) -> (String, postbox_core::partition::Range) {
+    let now = store.now_ms().await.unwrap();
+    let range = Partitioning::Daily.range_of(now - day * DAY);
+    let t = store.table().as_str();
+    let name = range.name(t);
+    sqlx::query(&format!(
+        "CREATE TABLE {name} PARTITION OF {t} FOR VALUES FROM ({}) TO ({})",
+        range.from_ms, range.to_ms
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    (name, range)
+}
+
+/// `n` rows of `status` created at `created` (updated long ago), events
+/// `prefix-0…`.
+async fn rows(store: &PgOutbox, prefix: &str, status: &str, created: i64, n: i64) {
+    let t = store.table().as_str();
+    sqlx::query(&format!(
+        "INSERT INTO {t} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         SELECT 'part', '{prefix}-' || g, 'T', '{{}}', '{status}', {created} + g, 1 FROM generate_series(0, {n} - 1) g"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+}
+
+async fn count(store: &PgOutbox, sql: &str) -> i64 {
+    let sql = sql.replace("{t}", store.table().as_str());
+    sqlx::query_scalar(&sql)
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+}
+
+fn archive_all(now: i64, drop: bool) -> postbox_core::store::ArchiveRequest {
+    postbox_core::store::ArchiveRequest {
+        app_codes: vec!["part".into()],
+        before_ms: now,
+        batch_size: 1000,
+        max_batches: None,
+        partitions: if drop {
+            postbox_core::config::PartitionArchive::Drop
+        } else {
+            postbox_core::config::PartitionArchive::Move
+        },
+    }
+}
+
+/// Issue 16.4: `migrate` keeps 14 daily partitions ahead; an event is
+/// unique across partitions; archiving detaches (`CONCURRENTLY`) and moves
+/// each old partition whose rows are all done, row-archives the delivered
+/// rows of one that is not, finishes a partition an interrupted run left
+/// detached (dropping it in `drop` mode), and attaches back one that a
+/// replay made busy after it was detached; a moved event's key is gone, so
+/// it can be written again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_partitions_are_detached_and_moved_whole_and_events_stay_unique() {
+    let store = partitioned().await;
+    let ahead = store.partitions_ahead().await.unwrap().unwrap();
+    assert_eq!(ahead.ahead, 14, "{ahead:?}");
+    assert_eq!(
+        store.keep_partitions().await.unwrap(),
+        Vec::<String>::new(),
+        "nothing missing"
+    );
+
+    let (d3, r3) = past_partition(&store, 3).await;
+    let (d2, r2) = past_partition(&store, 2).await;
+    let (d1, r1) = past_partition(&store, 1).await;
+    rows(&store, "d3", "delivered", r3.from_ms, 100).await;
+    rows(&store, "d2", "delivered", r2.from_ms, 100).await;
+    rows(&store, "d2p", "pending", r2.from_ms + 500, 1).await;
+    rows(&store, "d1", "published", r1.from_ms, 50).await;
+
+    // Unique across partitions: the same event created on another day is
+    // not written (the INSERT returns no row, as ON CONFLICT DO NOTHING).
+    let t = store.table().as_str().to_owned();
+    let dup = sqlx::query(&format!(
+        "INSERT INTO {t} (app_code, event_id, event_type, payload, created_at_ms) VALUES ('part', 'd3-7', 'T', '{{}}', {})",
+        r1.from_ms + 999
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(dup.rows_affected(), 0);
+    let dup = store
+        .enqueue_batch(
+            &[postbox_core::NewEvent::new("part", "T", "{}").event_id("d2-5")],
+            1 << 20,
+        )
+        .await
+        .unwrap();
+    assert_eq!(dup[0], EnqueueOutcome::Duplicate);
+
+    let now = store.now_ms().await.unwrap();
+    let report = store
+        .archive(&archive_all(now, false), &|_| {})
+        .await
+        .unwrap();
+    assert!(report.complete);
+    assert_eq!(
+        report.moved,
+        100 + 50 + 100,
+        "two partitions whole, one's delivered rows"
+    );
+    let attached = |name: String| {
+        let store = &store;
+        async move {
+            count(
+                store,
+                &format!("SELECT COUNT(*) FROM pg_inherits WHERE inhrelid = to_regclass('{name}')"),
+            )
+            .await
+        }
+    };
+    let exists = |name: String| {
+        let store = &store;
+        async move {
+            count(
+                store,
+                &format!("SELECT COUNT(*) FROM pg_class WHERE relname = '{name}'"),
+            )
+            .await
+        }
+    };
+    assert_eq!(
+        exists(d3.clone()).await + exists(d1.clone()).await,
+        0,
+        "moved and dropped"
+    );
+    assert_eq!(attached(d2.clone()).await, 1, "its pending row holds it");
+    assert_eq!(count(&store, "SELECT COUNT(*) FROM {t}_archive").await, 250);
+    assert_eq!(count(&store, "SELECT COUNT(*) FROM {t}").await, 1);
+    assert_eq!(
+        count(&store, "SELECT COUNT(*) FROM {t}_keys").await,
+        1,
+        "only the live event's key"
+    );
+    // A moved event can be written again.
+    let again = store
+        .enqueue_batch(
+            &[postbox_core::NewEvent::new("part", "T", "{}").event_id("d3-7")],
+            1 << 20,
+        )
+        .await
+        .unwrap();
+    assert!(matches!(again[0], EnqueueOutcome::Inserted(_)), "{again:?}");
+
+    // A run that stopped after detaching: the next one drops it (`drop`).
+    sqlx::query(&format!(
+        "UPDATE {t} SET status = 'delivered' WHERE event_id = 'd2p-0'"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "ALTER TABLE {t} DETACH PARTITION {d2} CONCURRENTLY"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    // And one a replay made busy after it was detached: attached back.
+    let (d4, r4) = past_partition(&store, 4).await;
+    rows(&store, "d4", "pending", r4.from_ms, 3).await;
+    sqlx::query(&format!(
+        "ALTER TABLE {t} DETACH PARTITION {d4} CONCURRENTLY"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let report = store
+        .archive(&archive_all(now, true), &|_| {})
+        .await
+        .unwrap();
+    assert_eq!(report.moved, 1, "the detached partition's one row, dropped");
+    assert_eq!(exists(d2).await, 0);
+    assert_eq!(
+        count(&store, "SELECT COUNT(*) FROM {t}_archive").await,
+        250,
+        "drop keeps nothing"
+    );
+    assert_eq!(attached(d4).await, 1, "attached back with its pending rows");
+    assert_eq!(
+        count(&store, "SELECT COUNT(*) FROM {t} WHERE status = 'pending'").await,
+        4
+    );
+    assert_eq!(count(&store, "SELECT COUNT(*) FROM {t}_keys").await, 4);
+}
