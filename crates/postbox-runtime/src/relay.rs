@@ -146,6 +146,28 @@ impl RelayService {
     }
 }
 
+/// Inside `postbox relay` on a partitioned table: creates missing
+/// partitions at start and every [`postbox_core::partition::KEEP_EVERY`] until `shutdown` (any
+/// relay may; creating is idempotent). A failure is logged and tried again
+/// next time; `doctor` fails when fewer than two are left ahead.
+async fn keep_partitions(store: Arc<dyn OutboxStore>, shutdown: CancellationToken) {
+    loop {
+        match store.keep_partitions().await {
+            Ok(created) if !created.is_empty() => {
+                tracing::info!(table = %store.table(), partitions = ?created, "partitions created ahead");
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "could not create partitions ahead; trying again in 10 minutes")
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(postbox_core::partition::KEEP_EVERY) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -188,27 +210,5 @@ mod tests {
         shutdown.cancel();
         let report = relay.run(shutdown).await.unwrap();
         assert_eq!(report.claimed, 0);
-    }
-}
-
-/// Inside `postbox relay` on a partitioned table: creates missing
-/// partitions at start and every [`postbox_core::partition::KEEP_EVERY`] until `shutdown` (any
-/// relay may; creating is idempotent). A failure is logged and tried again
-/// next time; `doctor` fails when fewer than two are left ahead.
-async fn keep_partitions(store: Arc<dyn OutboxStore>, shutdown: CancellationToken) {
-    loop {
-        match store.keep_partitions().await {
-            Ok(created) if !created.is_empty() => {
-                tracing::info!(table = %store.table(), partitions = ?created, "partitions created ahead");
-            }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::error!(error = %e, "could not create partitions ahead; trying again in 10 minutes")
-            }
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(postbox_core::partition::KEEP_EVERY) => {}
-            _ = shutdown.cancelled() => return,
-        }
     }
 }
