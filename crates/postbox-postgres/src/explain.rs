@@ -4,6 +4,8 @@
 //! that a tiny, fresh or unanalysed table (where any plan is about as cheap
 //! as any other) still shows which index a query can use.
 
+use std::collections::HashMap;
+
 use serde_json::Value;
 use sqlx::Row;
 
@@ -36,6 +38,7 @@ pub(crate) async fn claim_plans(
     let t = outbox.table().as_str();
     let mut plans = Vec::with_capacity(CLAIM_INDEXES.len());
     let mut tx = outbox.pool().begin().await.map_err(db)?;
+    let parents = partition_parents(&mut tx, t).await?;
     for (query, source, ordered, index_suffix) in CLAIM_INDEXES {
         let sql = outbox.own().claims.of(source, ordered);
         let expected_index = format!("{t}{index_suffix}");
@@ -44,7 +47,14 @@ pub(crate) async fn claim_plans(
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        plans.push(plan(query, t, expected_index, &row, Analysed::Yes)?);
+        plans.push(plan(
+            query,
+            t,
+            expected_index,
+            &row,
+            Analysed::Yes,
+            &parents,
+        )?);
     }
     tx.rollback().await.map_err(db)?;
     Ok(plans)
@@ -55,6 +65,7 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
     let db = |e| db_error("explain", e);
     let t = outbox.table().as_str();
     let mut tx = outbox.pool().begin().await.map_err(db)?;
+    let parents = partition_parents(&mut tx, t).await?;
     // On a small, empty or unanalysed table every plan costs about the
     // same, and the planner picks whichever postbox index (or a whole
     // primary-key scan) comes first: steer it the way a large table
@@ -81,7 +92,14 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        plans.push(plan(query, t, format!("{t}{suffix}"), &row, Analysed::No)?);
+        plans.push(plan(
+            query,
+            t,
+            format!("{t}{suffix}"),
+            &row,
+            Analysed::No,
+            &parents,
+        )?);
     }
     let row = sqlx::query(&format!(
         "EXPLAIN (FORMAT JSON) {}",
@@ -99,6 +117,7 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
         format!("{t}{ARCHIVE_INDEX}"),
         &row,
         Analysed::No,
+        &parents,
     )?);
     let args = ReplayProbeArgs::new(app_code);
     for probe in outbox.replay_probes(&args) {
@@ -113,10 +132,34 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             probe.expected_index,
             &row,
             Analysed::No,
+            &parents,
         )?);
     }
     tx.rollback().await.map_err(db)?;
     Ok(plans)
+}
+
+/// A partitioned table's partitions and their indexes, each with what it
+/// is a partition of (the table, or the table's index): a plan scans
+/// partitions through their own indexes. Empty for a plain table.
+async fn partition_parents(
+    tx: &mut sqlx::PgConnection,
+    table: &str,
+) -> Result<HashMap<String, String>> {
+    let rows = sqlx::query(
+        "SELECT c.relname::TEXT, p.relname::TEXT FROM pg_inherits i \
+           JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_class p ON p.oid = i.inhparent \
+         WHERE i.inhparent = to_regclass($1) \
+            OR i.inhparent IN (SELECT indexrelid FROM pg_index WHERE indrelid = to_regclass($1))",
+    )
+    .bind(table)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(|e| db_error("list partitions", e))?;
+    rows.iter()
+        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .collect::<std::result::Result<_, sqlx::Error>>()
+        .map_err(|e| db_error("list partitions", e))
 }
 
 /// `EXPLAIN (FORMAT JSON)` output; a text PostgreSQL did not write as JSON
@@ -143,6 +186,7 @@ fn plan(
     expected_index: String,
     row: &sqlx::postgres::PgRow,
     analysed: Analysed,
+    parents: &HashMap<String, String>,
 ) -> Result<QueryPlan> {
     let text: String = row
         .try_get_unchecked(0)
@@ -156,13 +200,15 @@ fn plan(
         rows_examined: (analysed == Analysed::Yes).then_some(0),
         plan: text,
     };
-    visit(&json[0]["Plan"], table, &mut plan);
+    visit(&json[0]["Plan"], table, &mut plan, parents);
     Ok(plan)
 }
 
-/// Collects the scans of `table` in a plan tree.
-pub(crate) fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
-    if node["Relation Name"].as_str() == Some(table) {
+/// Collects the scans of `table` (or of its partitions, named by their
+/// parents) in a plan tree.
+fn visit(node: &Value, table: &str, plan: &mut QueryPlan, parents: &HashMap<String, String>) {
+    let parent = |name: &str| parents.get(name).map_or(name, String::as_str).to_owned();
+    if node["Relation Name"].as_str().map(parent).as_deref() == Some(table) {
         let kind = node["Node Type"].as_str().unwrap_or("");
         // An index scan without an index condition reads the whole index.
         let whole_index =
@@ -170,9 +216,9 @@ pub(crate) fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
         if kind == "Seq Scan" || whole_index {
             plan.full_scan = true;
         }
-        if let Some(index) = node["Index Name"].as_str() {
-            if !plan.indexes_used.iter().any(|i| i == index) {
-                plan.indexes_used.push(index.to_owned());
+        if let Some(index) = node["Index Name"].as_str().map(parent) {
+            if !plan.indexes_used.contains(&index) {
+                plan.indexes_used.push(index);
             }
         }
         if kind.contains("Scan") {
@@ -186,7 +232,7 @@ pub(crate) fn visit(node: &Value, table: &str, plan: &mut QueryPlan) {
     }
     if let Some(children) = node["Plans"].as_array() {
         for child in children {
-            visit(child, table, plan);
+            visit(child, table, plan, parents);
         }
     }
 }

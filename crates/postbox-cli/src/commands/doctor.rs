@@ -43,6 +43,7 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     let store = open_store(&config).await?;
     let mut checks = database_checks(store.as_ref(), &config).await;
     checks.extend(archive_database_check(&config).await);
+    checks.extend(partitions_check(store.as_ref()).await);
     checks.extend(app_code_checks(store.as_ref(), &config).await);
     // Loaded for the database only: name what other commands will miss.
     if let Err(e) = config.require_env(Uses::ALL) {
@@ -208,6 +209,29 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
 
 /// Rows of an app_code outside `database.app_codes` are never delivered
 /// (a producer's typo): pending ones fail the check, old ones warn.
+/// A partitioned table: enough partitions ready ahead of the clock (an
+/// insert past the last one fails).
+async fn partitions_check(store: &dyn OutboxStore) -> Option<Check> {
+    let name = "partitions:ahead";
+    match store.partitions_ahead().await {
+        Ok(None) => None,
+        Ok(Some(p)) if p.ahead >= 2 => Some(check(
+            name,
+            Level::Ok,
+            format!("{} ready after the current one, through `{}`", p.ahead, p.through.unwrap_or_default()),
+        )),
+        Ok(Some(p)) => Some(check(
+            name,
+            Level::Fail,
+            format!(
+                "{} ready after the current one: a relay creates them every 10 minutes, `postbox migrate` now (inserts fail past the last)",
+                p.ahead
+            ),
+        )),
+        Err(e) => Some(check(name, Level::Fail, e.to_string())),
+    }
+}
+
 /// `[archive] url`: the archive's database answers and holds a migrated
 /// `<table>_archive` (none when the archive is beside the table).
 async fn archive_database_check(settings: &postbox_core::config::Settings) -> Option<Check> {

@@ -743,3 +743,107 @@ async fn a_relay_delivers_while_the_archive_database_is_down() {
         assert_says(&out, &["archive.url", says]);
     }
 }
+
+/// Issue 16.4 as a user runs it: `partitioning = "daily"` on PostgreSQL;
+/// `migrate` creates the partitioned table with 14 days ahead, `doctor`
+/// passes (its claim and replay plans read the partitions' indexes) and
+/// shows the partitions, the relay delivers, and `archive` moves an old
+/// partition whole. MariaDB refuses the key, naming why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_by_partition() {
+    let (url, pool) = server_pool::<sqlx::Postgres>("postgres").await;
+    let db = Db::Pg(pool);
+    let t = scratch_table("cpart");
+    let project = Project::migrated(|dir| {
+        format!(
+            "[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"room\"]\npartitioning = \"daily\"\n\
+             [outbox_worker]\npoll_interval = \"50ms\"\n\
+             [[publishers]]\nkind = \"file\"\npath = \"{}/out.jsonl\"\n",
+            dir.display()
+        )
+    });
+    let run = |args: &[&str]| project.run(args);
+    assert_eq!(
+        db.count(&format!(
+            "SELECT COUNT(*) FROM pg_inherits WHERE inhparent = to_regclass('{t}')"
+        ))
+        .await,
+        15,
+        "today and 14 days ahead"
+    );
+    let out = run(&["--json", "doctor"]);
+    let report = json(&out);
+    assert_ok(&out);
+    let ahead = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "partitions:ahead")
+        .unwrap_or_else(|| panic!("{report}"))
+        .clone();
+    assert_eq!(ahead["level"], "ok", "{ahead}");
+    assert!(
+        ahead["message"].as_str().unwrap().starts_with("14 ready"),
+        "{ahead}"
+    );
+
+    for i in 0..20 {
+        project.enqueue("room", &format!("{{\"n\":{i}}}"));
+    }
+    let mut relay = project.spawn(&["relay"], Stdio::null());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while project.lines("out.jsonl") < 20 {
+        assert!(
+            Instant::now() < deadline,
+            "the relay delivered {}",
+            project.lines("out.jsonl")
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    signal("TERM", relay.id());
+    assert!(relay.wait().unwrap().success());
+
+    // An old day's partition, all delivered: archived whole.
+    let day = 86_400_000i64;
+    let now: i64 = db
+        .count("SELECT (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT")
+        .await;
+    let from = (now - 3 * day).div_euclid(day) * day;
+    db.exec(&format!(
+        "CREATE TABLE {t}_old PARTITION OF {t} FOR VALUES FROM ({from}) TO ({})",
+        from + day
+    ))
+    .await;
+    db.exec(&format!(
+        "INSERT INTO {t} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         SELECT 'room', 'old-' || g, 'T', '{{}}', 'delivered', {from} + g, 1 FROM generate_series(1, 300) g"
+    ))
+    .await;
+    let out = run(&["--json", "archive", "--older-than", "1d"]);
+    assert_ok(&out);
+    assert_eq!(json(&out)["moved"], 300, "{}", text(&out));
+    assert_eq!(
+        db.count(&format!(
+            "SELECT COUNT(*) FROM pg_class WHERE relname = '{t}_old'"
+        ))
+        .await,
+        0
+    );
+    assert_eq!(
+        db.count(&format!("SELECT COUNT(*) FROM {t}_archive")).await,
+        300
+    );
+    assert_eq!(db.count(&format!("SELECT COUNT(*) FROM {t}")).await, 20);
+    db.drop_tables(&t).await;
+    db.exec(&format!("DROP TABLE IF EXISTS {t}_keys")).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let (my_url, _) = server_pool::<sqlx::MySql>("mysql").await;
+    let cfg = common::write_config(
+        dir.path(),
+        &format!("[database]\nurl = \"{my_url}\"\npartitioning = \"weekly\"\n"),
+    );
+    let out = common::run(dir.path(), &["--config", &cfg, "status"], &[]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert_says(&out, &["database.partitioning", "PostgreSQL"]);
+}

@@ -185,6 +185,8 @@ impl SqlOutbox<D> {
         };
         let now = self.now_ms().await?;
         let current = partitioning.range_of(now);
+        // Finished below with those an interrupted run left detached.
+        let mut detached = Vec::new();
         for part in self.attached_partitions().await? {
             if part.detach_pending {
                 self.partition_ddl(&self.partition_statement(sql.finalize, &part.name, None)).await?;
@@ -196,10 +198,17 @@ impl SqlOutbox<D> {
             self.partition_ddl(&self.partition_statement(sql.detach, &part.name, None)).await?;
             if self.partition_busy(&sql, &part.name).await? {
                 self.partition_ddl(&self.partition_statement(sql.attach, &part.name, Some(&part.range))).await?;
+                continue;
+            }
+            detached.push(part.name);
+        }
+        for name in self.detached_partitions(&sql).await? {
+            if !detached.contains(&name) {
+                detached.push(name);
             }
         }
         let (mut rows, mut parts) = (0, 0);
-        for name in self.detached_partitions(&sql).await? {
+        for name in detached {
             if self.partition_busy(&sql, &name).await? {
                 // Detached by a run that stopped before it could attach it
                 // back: a row in it is not done.
