@@ -442,7 +442,14 @@ impl SqlOutbox<D> {
             return Ok(out);
         }
         let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
-        let archived_sql = self.table.render(&archived.sql);
+        let mut archived_sql = self.table.render(&archived.sql);
+        if let (false, Some(when)) = (dry_run, self.created_when_back().await?) {
+            // The statement keeps each row's `created_at_ms` (see
+            // `unarchive_insert!`): not where its partition is gone.
+            let keep = "replay_count + 1, created_at_ms, ";
+            debug_assert!(archived_sql.contains(keep), "{archived_sql}");
+            archived_sql = archived_sql.replacen(keep, &format!("replay_count + 1, {}, ", when.sql()), 1);
+        }
         let binds = list_values(&archived.args).collect();
         let op = "replay from archive";
         let mut back = if dry_run {

@@ -611,3 +611,75 @@ async fn migrate_recreates_tables_dropped_by_hand() {
     .await;
     drop_tables(&other).await;
 }
+
+/// Issue 16.4, what MariaDB's partitioning allows (README: Partitioned
+/// outbox): a table partitioned by range of `created_at_ms` cannot have a
+/// unique `(app_code, event_id)` (error 1503: every unique key must hold
+/// the partitioning columns), so without one the same event is written
+/// twice into two partitions; and a partition leaves the table only by
+/// `DROP PARTITION` or `CONVERT PARTITION … TO TABLE`, both under a
+/// metadata lock on the whole table (no online detach). postbox therefore
+/// refuses `partitioning` on MariaDB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_range_partitions_cannot_keep_an_event_unique() {
+    let store = store("mpart").await;
+    let pool = store.pool();
+    let t = format!("{}_ranged", store.table());
+    let columns = "id BIGINT NOT NULL AUTO_INCREMENT, app_code VARCHAR(64) NOT NULL, \
+                   event_id VARCHAR(64) NOT NULL, created_at_ms BIGINT NOT NULL";
+    let partitions = "PARTITION BY RANGE (created_at_ms) \
+                      (PARTITION p1 VALUES LESS THAN (1000), PARTITION p2 VALUES LESS THAN (2000))";
+    let refused = sqlx::query(&format!(
+        "CREATE TABLE {t} ({columns}, PRIMARY KEY (id, created_at_ms), UNIQUE KEY (app_code, event_id)) {partitions}"
+    ))
+    .execute(pool)
+    .await
+    .unwrap_err();
+    let code = refused
+        .as_database_error()
+        .and_then(|e| e.code())
+        .unwrap_or_default();
+    assert_eq!(code, "HY000", "{refused}");
+    assert!(
+        refused
+            .to_string()
+            .contains("UNIQUE INDEX must include all columns"),
+        "{refused}"
+    );
+
+    sqlx::query(&format!(
+        "CREATE TABLE {t} ({columns}, PRIMARY KEY (id, created_at_ms), \
+         UNIQUE KEY (app_code, event_id, created_at_ms)) {partitions}"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    for at in [10, 1010] {
+        sqlx::query(&format!(
+            "INSERT INTO {t} (app_code, event_id, created_at_ms) VALUES ('a', 'same', {at})"
+        ))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    let twice: i64 =
+        sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t} WHERE event_id = 'same'"))
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(twice, 2, "one event, written into two partitions");
+    sqlx::query(&format!(
+        "ALTER TABLE {t} CONVERT PARTITION p1 TO TABLE {t}_p1"
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    let left: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {t}"))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 1);
+    for drop in [format!("DROP TABLE {t}"), format!("DROP TABLE {t}_p1")] {
+        sqlx::query(&drop).execute(pool).await.unwrap();
+    }
+}

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use postbox_core::partition::Partitioning;
-use postbox_core::store::EnqueueOutcome;
+use postbox_core::store::{EnqueueOutcome, ReplayStore};
 use postbox_core::OutboxStore;
 use postbox_postgres::PgOutbox;
 use postbox_testkit::scratch_table;
@@ -225,4 +225,33 @@ async fn old_partitions_are_detached_and_moved_whole_and_events_stay_unique() {
         4
     );
     assert_eq!(count(&store, "SELECT COUNT(*) FROM {t}_keys").await, 4);
+
+    // A time-range replay of an archived partition's day: its rows come
+    // back created now (their partition is gone), d3-7 stays the live one.
+    let range = postbox_core::store::ReplaySelector::Filter(postbox_core::store::EventFilter {
+        app_code: Some("part".into()),
+        since_ms: Some(r3.from_ms),
+        until_ms: Some(r3.to_ms),
+        ..Default::default()
+    });
+    let back = ReplayStore::replay(&store, &range, false, "test")
+        .await
+        .unwrap();
+    assert_eq!(back.len(), 99, "all but d3-7, live again (created today)");
+    let today = Partitioning::Daily
+        .range_of(store.now_ms().await.unwrap())
+        .from_ms;
+    assert_eq!(
+        count(&store, &format!("SELECT COUNT(*) FROM {{t}} WHERE event_id LIKE 'd3-%' AND created_at_ms >= {today}")).await,
+        100
+    );
+    assert_eq!(
+        count(
+            &store,
+            "SELECT COUNT(*) FROM {t}_archive WHERE event_id LIKE 'd3-%'"
+        )
+        .await,
+        1,
+        "d3-7's archived copy"
+    );
 }

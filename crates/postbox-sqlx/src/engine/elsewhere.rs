@@ -157,8 +157,11 @@ impl SqlOutbox<D> {
             return Ok(archived.into_iter().filter(|r| !live.contains(&r.event_id)).collect());
         }
         let now: i64 = sqlx::query_scalar(&self.sql.now_ms).fetch_one(&mut *conn).await.map_err(db)?;
+        let when = self.created_when_back().await?;
+        let created = |r: &EventRecord| when.as_ref().map_or(r.created_at_ms, |w| w.of(r.created_at_ms));
         for chunk in archived.chunks(INSERT_CHUNK) {
-            let (sql, binds) = self.insert_rows("{table}", chunk.iter().map(|r| pending_values(r, now)));
+            let values = chunk.iter().map(|r| pending_values(r, created(r), now));
+            let (sql, binds) = self.insert_rows("{table}", values);
             query::<D>(&sql, binds).execute(&mut *conn).await.map_err(db)?;
         }
         // What the outbox now holds under those ids with the same events:
@@ -313,8 +316,9 @@ fn archived_values<'r>(r: &'r EventRecord, delivered_to: Option<&'r str>) -> [Va
 }
 
 /// An archived row's values as a replay puts it back: pending, its
-/// attempts and progress cleared, one more replay, changed `now`.
-fn pending_values(r: &EventRecord, now: i64) -> [Value<'_>; 18] {
+/// attempts and progress cleared, one more replay, created at `created`
+/// (see `SqlOutbox::created_when_back`), changed `now`.
+fn pending_values(r: &EventRecord, created: i64, now: i64) -> [Value<'_>; 18] {
     [
         r.id.into(),
         r.app_code.as_str().into(),
@@ -332,7 +336,7 @@ fn pending_values(r: &EventRecord, now: i64) -> [Value<'_>; 18] {
         Value::Text(None),
         Value::Text(None),
         Value::Int32(r.replay_count + 1),
-        r.created_at_ms.into(),
+        created.into(),
         now.into(),
     ]
 }

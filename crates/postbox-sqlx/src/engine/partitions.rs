@@ -335,6 +335,18 @@ impl SqlOutbox<D> {
         }
     }
 
+    /// Where archived rows a replay brings back are created, on a
+    /// partitioned table: at their own `created_at_ms` where a partition
+    /// holds it, else now (their partition was archived, and an insert
+    /// with no partition to go to fails). `None` on a plain table.
+    pub(super) async fn created_when_back(&self) -> Result<Option<CreatedWhenBack>> {
+        if self.partition_sql().is_none() {
+            return Ok(None);
+        }
+        let ranges = self.attached_partitions().await?.into_iter().map(|a| a.range).collect();
+        Ok(Some(CreatedWhenBack { ranges, now_ms: self.now_ms().await? }))
+    }
+
     /// Detached partitions left by an interrupted archive run.
     async fn detached_partitions(&self, sql: &PartitionSql) -> Result<Vec<String>> {
         let rows = query::<D>(sql.detached, [self.table.as_str().into()])
@@ -344,6 +356,50 @@ impl SqlOutbox<D> {
         first_column(rows).map_err(|e| db_error("list detached partitions", e))
     }
 }
+}
+
+/// [`SqlOutbox::created_when_back`]'s answer.
+#[derive(Debug, Clone)]
+pub(super) struct CreatedWhenBack {
+    ranges: Vec<Range>,
+    now_ms: i64,
+}
+
+impl CreatedWhenBack {
+    /// A row created at `created_ms` is created at this when it comes back.
+    pub(super) fn of(&self, created_ms: i64) -> i64 {
+        let held = self
+            .ranges
+            .iter()
+            .any(|r| r.from_ms <= created_ms && created_ms < r.to_ms);
+        if held {
+            created_ms
+        } else {
+            self.now_ms
+        }
+    }
+
+    /// [`CreatedWhenBack::of`] as an SQL expression of `created_at_ms`.
+    pub(super) fn sql(&self) -> String {
+        let held: Vec<String> = self
+            .ranges
+            .iter()
+            .map(|r| {
+                format!(
+                    "(created_at_ms >= {} AND created_at_ms < {})",
+                    r.from_ms, r.to_ms
+                )
+            })
+            .collect();
+        if held.is_empty() {
+            return self.now_ms.to_string();
+        }
+        format!(
+            "CASE WHEN {} THEN created_at_ms ELSE {} END",
+            held.join(" OR "),
+            self.now_ms
+        )
+    }
 }
 
 /// `FOR VALUES FROM ('1') TO ('2')` (PostgreSQL's `pg_get_expr` of a
