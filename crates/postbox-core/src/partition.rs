@@ -19,6 +19,26 @@ pub enum Partitioning {
     Weekly,
 }
 
+/// `[database] partitioning`: `"none"` (a plain table), `"daily"` or
+/// `"weekly"`.
+pub fn deserialize_partitioning<'de, D>(d: D) -> Result<Option<Partitioning>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    #[derive(Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    enum Given {
+        None,
+        Daily,
+        Weekly,
+    }
+    Ok(match Given::deserialize(d)? {
+        Given::None => None,
+        Given::Daily => Some(Partitioning::Daily),
+        Given::Weekly => Some(Partitioning::Weekly),
+    })
+}
+
 /// One partition's range of `created_at_ms`, `[from_ms, to_ms)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Range {

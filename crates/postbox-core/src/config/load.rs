@@ -136,6 +136,37 @@ mod tests {
     }
 
     #[test]
+    fn partitioning_is_none_daily_or_weekly_on_postgres() {
+        let pg = "[database]\nurl = \"postgres://h/db\"\n";
+        let of = |v: &str| {
+            load_str(&format!("{pg}partitioning = \"{v}\"")).map(|c| c.database.partitioning)
+        };
+        assert_eq!(of("none").unwrap(), None);
+        assert_eq!(
+            of("daily").unwrap(),
+            Some(crate::partition::Partitioning::Daily)
+        );
+        assert_eq!(
+            of("weekly").unwrap(),
+            Some(crate::partition::Partitioning::Weekly)
+        );
+        assert_eq!(load_str(pg).unwrap().database.partitioning, None);
+        assert_eq!(
+            key_of(&format!("{pg}partitioning = \"hourly\"")),
+            "database.partitioning"
+        );
+        assert_eq!(
+            key_of("[database]\npartitioning = \"daily\""),
+            "database.partitioning",
+            "SQLite"
+        );
+        assert_eq!(
+            key_of("[archive]\npartitions = \"keep\""),
+            "archive.partitions"
+        );
+    }
+
+    #[test]
     fn refuses_bad_values_naming_the_key() {
         let w = "[outbox_worker]\n";
         for (toml, key) in [

@@ -163,7 +163,9 @@ pub struct DatabaseConfig {
     /// reads as (`published = "delivered"`); postbox writes only its own.
     pub statuses: BTreeMap<String, String>,
     /// PostgreSQL: a new outbox table range-partitioned on
-    /// `created_at_ms`, by day or by week.
+    /// `created_at_ms`, by day or by week (`"none"`, the default: a plain
+    /// table).
+    #[serde(deserialize_with = "crate::partition::deserialize_partitioning")]
     pub partitioning: Option<crate::partition::Partitioning>,
 }
 
