@@ -447,7 +447,13 @@ pub(crate) const PARTITIONS: postbox_sqlx::PartitionSql = postbox_sqlx::Partitio
     detached: "SELECT c.relname::TEXT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
        WHERE n.nspname = current_schema() AND c.relkind = 'r' AND NOT c.relispartition \
          AND c.relname ~ ('^' || $1 || '_p[0-9]{8}$') ORDER BY c.relname",
-    busy: "SELECT (EXISTS (SELECT 1 FROM {name} WHERE status NOT IN ('delivered', 'published', 'dropped')))::INT",
+    // One probe of each not-done status's partial index (a partition's
+    // copies of `{table}_pending_idx`, `_retry_idx`, `_lease_idx`,
+    // `_failed_idx`), never a scan of the partition.
+    busy: "SELECT (EXISTS (SELECT 1 FROM {name} WHERE status = 'pending') \
+       OR EXISTS (SELECT 1 FROM {name} WHERE status = 'retryable') \
+       OR EXISTS (SELECT 1 FROM {name} WHERE status = 'delivering') \
+       OR EXISTS (SELECT 1 FROM {name} WHERE status = 'failed'))::INT",
     detach: "ALTER TABLE {table} DETACH PARTITION {name} CONCURRENTLY",
     finalize: "ALTER TABLE {table} DETACH PARTITION {name} FINALIZE",
     attach: "ALTER TABLE {table} ATTACH PARTITION {name} FOR VALUES FROM ({from}) TO ({to})",

@@ -749,11 +749,12 @@ async fn a_relay_delivers_while_the_archive_database_is_down() {
     }
 }
 
-/// Issue 16.4 as a user runs it: `partitioning = "daily"` on PostgreSQL;
-/// `migrate` creates the partitioned table with 14 days ahead, `doctor`
-/// passes (its claim and replay plans read the partitions' indexes) and
-/// shows the partitions, the relay delivers, and `archive` moves an old
-/// partition whole. MariaDB refuses the key, naming why.
+/// Issue 16.4 as a user runs it: `partitioning = "daily"` on PostgreSQL,
+/// the archive kept in SQLite; `migrate` creates the partitioned table
+/// with 14 days ahead, `doctor` passes (its claim and replay plans read the
+/// partitions' indexes) and shows the partitions, the relay creates
+/// missing ones and delivers, and `archive` moves an old partition whole
+/// into the other database. MariaDB refuses the key, naming why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_by_partition() {
     let (url, pool) = server_pool::<sqlx::Postgres>("postgres").await;
@@ -763,8 +764,9 @@ async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_b
         format!(
             "[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"room\"]\npartitioning = \"daily\"\n\
              [outbox_worker]\npoll_interval = \"50ms\"\n\
-             [[publishers]]\nkind = \"file\"\npath = \"{}/out.jsonl\"\n",
-            dir.display()
+             [archive]\nurl = \"sqlite://{d}/archive.db\"\n\
+             [[publishers]]\nkind = \"file\"\npath = \"{d}/out.jsonl\"\n",
+            d = dir.display()
         )
     });
     let run = |args: &[&str]| project.run(args);
@@ -853,11 +855,23 @@ async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_b
         .await,
         0
     );
+    // Copied into the archive kept in SQLite, checked there, then dropped.
+    let far = format!("sqlite://{}/archive.db", project.path().display());
+    let far = Db::Lite(sqlite_pool(&far).await);
     assert_eq!(
-        db.count(&format!("SELECT COUNT(*) FROM {t}_archive")).await,
+        far.count(&format!("SELECT COUNT(*) FROM {t}_archive"))
+            .await,
         300
     );
+    assert_eq!(
+        db.count(&format!("SELECT COUNT(*) FROM {t}_archive")).await,
+        0
+    );
     assert_eq!(db.count(&format!("SELECT COUNT(*) FROM {t}")).await, 20);
+    assert_eq!(
+        db.count(&format!("SELECT COUNT(*) FROM {t}_keys")).await,
+        20
+    );
     db.drop_tables(&t).await;
     db.exec(&format!("DROP TABLE IF EXISTS {t}_keys")).await;
 

@@ -291,8 +291,22 @@ fn joined_delivered_to(r: &EventRecord) -> Option<String> {
     Some(r.delivered_to.join(",")).filter(|s| !s.is_empty())
 }
 
-/// A row's values as the archive keeps them.
-fn archived_values<'r>(r: &'r EventRecord, delivered_to: Option<&'r str>) -> [Value<'r>; 18] {
+/// The state a row is written with, beside its event's own columns.
+struct State<'r> {
+    status: &'r str,
+    retry_count: i32,
+    next_retry_at_ms: i64,
+    lock_until_ms: i64,
+    worker_id: Option<&'r str>,
+    last_error: Option<&'r str>,
+    delivered_to: Option<&'r str>,
+    replay_count: i32,
+    created_at_ms: i64,
+    updated_at_ms: i64,
+}
+
+/// A row's 18 values in [`crate::columns!`] order: `r`'s event, in `state`.
+fn row_values<'r>(r: &'r EventRecord, state: State<'r>) -> [Value<'r>; 18] {
     [
         r.id.into(),
         r.app_code.as_str().into(),
@@ -302,41 +316,51 @@ fn archived_values<'r>(r: &'r EventRecord, delivered_to: Option<&'r str>) -> [Va
         r.aggregate_version.into(),
         r.payload.as_str().into(),
         r.headers.as_deref().into(),
-        r.status.as_str().into(),
-        Value::Int32(r.retry_count),
-        r.next_retry_at_ms.into(),
-        r.lock_until_ms.into(),
-        r.worker_id.as_deref().into(),
-        r.last_error.as_deref().into(),
-        delivered_to.into(),
-        Value::Int32(r.replay_count),
-        r.created_at_ms.into(),
-        r.updated_at_ms.into(),
+        state.status.into(),
+        Value::Int32(state.retry_count),
+        state.next_retry_at_ms.into(),
+        state.lock_until_ms.into(),
+        state.worker_id.into(),
+        state.last_error.into(),
+        state.delivered_to.into(),
+        Value::Int32(state.replay_count),
+        state.created_at_ms.into(),
+        state.updated_at_ms.into(),
     ]
+}
+
+/// A row's values as the archive keeps them.
+fn archived_values<'r>(r: &'r EventRecord, delivered_to: Option<&'r str>) -> [Value<'r>; 18] {
+    let state = State {
+        status: r.status.as_str(),
+        retry_count: r.retry_count,
+        next_retry_at_ms: r.next_retry_at_ms,
+        lock_until_ms: r.lock_until_ms,
+        worker_id: r.worker_id.as_deref(),
+        last_error: r.last_error.as_deref(),
+        delivered_to,
+        replay_count: r.replay_count,
+        created_at_ms: r.created_at_ms,
+        updated_at_ms: r.updated_at_ms,
+    };
+    row_values(r, state)
 }
 
 /// An archived row's values as a replay puts it back: pending, its
 /// attempts and progress cleared, one more replay, created at `created`
 /// (see `SqlOutbox::created_when_back`), changed `now`.
 fn pending_values(r: &EventRecord, created: i64, now: i64) -> [Value<'_>; 18] {
-    [
-        r.id.into(),
-        r.app_code.as_str().into(),
-        r.event_id.as_str().into(),
-        r.event_type.as_str().into(),
-        r.aggregate_id.as_deref().into(),
-        r.aggregate_version.into(),
-        r.payload.as_str().into(),
-        r.headers.as_deref().into(),
-        "pending".into(),
-        Value::Int32(0),
-        0i64.into(),
-        0i64.into(),
-        Value::Text(None),
-        Value::Text(None),
-        Value::Text(None),
-        Value::Int32(r.replay_count + 1),
-        created.into(),
-        now.into(),
-    ]
+    let state = State {
+        status: "pending",
+        retry_count: 0,
+        next_retry_at_ms: 0,
+        lock_until_ms: 0,
+        worker_id: None,
+        last_error: None,
+        delivered_to: None,
+        replay_count: r.replay_count + 1,
+        created_at_ms: created,
+        updated_at_ms: now,
+    };
+    row_values(r, state)
 }
