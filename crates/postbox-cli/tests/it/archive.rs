@@ -885,3 +885,93 @@ async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_b
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert_says(&out, &["database.partitioning", "PostgreSQL"]);
 }
+
+/// The archive in another database from MariaDB's and SQLite's side
+/// (their own batch pick and lock, id lists and replay inserts): `rows`
+/// inserts 2,000 old delivered rows of app_code `arch` (events `old-1…`,
+/// created at `1000000000000 + n`) into the outbox table.
+async fn archive_elsewhere_from(
+    hot: Db,
+    hot_url: &str,
+    far: Db,
+    far_url: &str,
+    t: &str,
+    rows: &str,
+) {
+    let project = Project::migrated(|_| {
+        format!(
+            "[database]\nurl = \"{hot_url}\"\ntable = \"{t}\"\napp_codes = [\"arch\"]\n\
+             [archive]\nurl = \"{far_url}\"\n"
+        )
+    });
+    let run = |args: &[&str]| project.run(args);
+    hot.exec(rows).await;
+    let out = run(&["--json", "archive", "--batch-size", "300"]);
+    assert_ok(&out);
+    assert_eq!(json(&out)["moved"], 2000, "{}", text(&out));
+    assert_eq!(
+        far.count(&format!("SELECT COUNT(*) FROM {t}_archive"))
+            .await,
+        2000
+    );
+    assert_eq!(hot.count(&format!("SELECT COUNT(*) FROM {t}")).await, 0);
+    assert_eq!(
+        hot.count(&format!("SELECT COUNT(*) FROM {t}_archive"))
+            .await,
+        0
+    );
+    assert_says(&run(&["events", "show", "old-17"]), &["old-17", "archived"]);
+    let out = run(&[
+        "--json",
+        "replay",
+        "--app-code",
+        "arch",
+        "--since",
+        "1000000000101",
+        "--until",
+        "1000000000201",
+    ]);
+    assert_ok(&out);
+    assert_eq!(json(&out)["count"], 100, "{}", text(&out));
+    assert_eq!(
+        hot.count(&format!(
+            "SELECT COUNT(*) FROM {t} WHERE status = 'pending' AND replay_count = 1"
+        ))
+        .await,
+        100
+    );
+    assert_eq!(
+        far.count(&format!("SELECT COUNT(*) FROM {t}_archive"))
+            .await,
+        1900
+    );
+    hot.drop_tables(t).await;
+    far.drop_tables(t).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_outbox_archives_into_postgres() {
+    let (my_url, my) = server_pool::<sqlx::MySql>("mysql").await;
+    let (pg_url, pg) = server_pool::<sqlx::Postgres>("postgres").await;
+    let t = scratch_table("myfar");
+    let rows = format!(
+        "INSERT INTO {t} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         SELECT 'arch', CONCAT('old-', seq), 'Old', '{{}}', 'delivered', 1000000000000 + seq, 1 FROM seq_1_to_2000"
+    );
+    archive_elsewhere_from(Db::My(my), &my_url, Db::Pg(pg), &pg_url, &t, &rows).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_outbox_archives_into_mariadb() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("outbox.db").display());
+    let (my_url, my) = server_pool::<sqlx::MySql>("mysql").await;
+    let t = scratch_table("litefar");
+    let rows = format!(
+        "WITH RECURSIVE s(g) AS (SELECT 1 UNION ALL SELECT g + 1 FROM s WHERE g < 2000) \
+         INSERT INTO {t} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         SELECT 'arch', 'old-' || g, 'Old', '{{}}', 'delivered', 1000000000000 + g, 1 FROM s"
+    );
+    let hot = Db::Lite(sqlite_pool(&url).await);
+    archive_elsewhere_from(hot, &url, Db::My(my), &my_url, &t, &rows).await;
+}
