@@ -107,20 +107,23 @@ pub use postbox_sqlx::ScriptVersion;
 /// `database.url` names, for the schema versions after `from`, as SQL text
 /// (`postbox migrate --print-sql`); no connection is made.
 pub fn migration_script(settings: &Settings, from: u32) -> Vec<ScriptVersion> {
+    let partitioned = settings.database.partitioning.is_some();
     let table = &settings
         .database
         .adopted_table()
         .expect("the settings checked the table's names");
     match settings.database_kind() {
         DatabaseKind::Postgres => {
-            postbox_sqlx::migration_script::<postbox_postgres::PgDialect>(table, from)
+            postbox_sqlx::migration_script::<postbox_postgres::PgDialect>(table, from, partitioned)
         }
         DatabaseKind::MySql => {
-            postbox_sqlx::migration_script::<postbox_mysql::MySqlDialect>(table, from)
+            postbox_sqlx::migration_script::<postbox_mysql::MySqlDialect>(table, from, partitioned)
         }
-        DatabaseKind::Sqlite => {
-            postbox_sqlx::migration_script::<postbox_sqlite::SqliteDialect>(table, from)
-        }
+        DatabaseKind::Sqlite => postbox_sqlx::migration_script::<postbox_sqlite::SqliteDialect>(
+            table,
+            from,
+            partitioned,
+        ),
     }
 }
 

@@ -21,11 +21,18 @@ pub struct ScriptVersion {
 }
 
 /// The versions after `from` (0: all), for `table`, as dialect `D` runs
-/// them. The first carries the ledger's `CREATE TABLE IF NOT EXISTS`.
+/// them (`partitioned`: version 1 creates the table range-partitioned,
+/// where the dialect can; its partitions depend on the clock, and
+/// `migrate` or any relay creates them). The first carries the ledger's
+/// `CREATE TABLE IF NOT EXISTS`.
 /// Left out: the migration lock (apply the script once, not from two
 /// places at a time) and, on MySQL, continuing the ids of an archive that
 /// was kept while the outbox table was dropped (`migrate` does that).
-pub fn migration_script<D: Dialect>(table: &TableName, from: u32) -> Vec<ScriptVersion> {
+pub fn migration_script<D: Dialect>(
+    table: &TableName,
+    from: u32,
+    partitioned: bool,
+) -> Vec<ScriptVersion> {
     let s = &D::STATEMENTS;
     let mut out: Vec<ScriptVersion> = Vec::new();
     for (version, description, statements) in D::MIGRATIONS.iter().filter(|m| m.0 > from) {
@@ -33,6 +40,10 @@ pub fn migration_script<D: Dialect>(table: &TableName, from: u32) -> Vec<ScriptV
         if out.is_empty() {
             sql.push(s.create_migrations_table.to_owned());
         }
+        let statements = match (*version, D::PARTITIONS) {
+            (1, Some(p)) if partitioned => p.v1,
+            _ => statements,
+        };
         sql.extend(statements.iter().map(|st| table.render(st)));
         if *version == 1 {
             sql.extend(

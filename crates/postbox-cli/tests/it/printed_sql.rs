@@ -15,10 +15,21 @@ use postbox_testkit::servers::{ensure_database, mysql_url, postgres_url};
 /// The versioned files `migrate --print-sql --out` writes for `table` at
 /// `url` (in `format`), in the order a tool applies them.
 fn printed(dir: &Path, url: &str, table: &str, format: &str) -> Vec<std::path::PathBuf> {
+    printed_with(dir, url, table, format, "")
+}
+
+/// [`printed`] with `more` lines in `[database]`.
+fn printed_with(
+    dir: &Path,
+    url: &str,
+    table: &str,
+    format: &str,
+    more: &str,
+) -> Vec<std::path::PathBuf> {
     let config = dir.join("postbox.toml");
     std::fs::write(
         &config,
-        format!("[database]\nurl = \"{url}\"\ntable = \"{table}\"\n"),
+        format!("[database]\nurl = \"{url}\"\ntable = \"{table}\"\n{more}"),
     )
     .unwrap();
     let out = dir.join("sql");
@@ -199,4 +210,51 @@ fn from_prints_only_the_later_versions() {
         "{text}"
     );
     assert!(!db.exists(), "nothing connected");
+}
+
+/// Issue 16.4: with `partitioning = "daily"` the printed version 1 creates
+/// the table partitioned (with its keys table and triggers); applied with
+/// psql, `postbox migrate` finds every version applied and creates the
+/// partitions, and the table takes events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_table_is_printed_partitioned() {
+    use postbox_core::partition::Partitioning;
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let table = scratch_table("printpart");
+    let dir = tempfile::tempdir().unwrap();
+    let files = printed_with(
+        dir.path(),
+        &url,
+        &table,
+        "flyway",
+        "partitioning = \"daily\"\n",
+    );
+    let v1 = std::fs::read_to_string(&files[0]).unwrap();
+    assert!(
+        v1.contains("PARTITION BY RANGE (created_at_ms)") && v1.contains("_keys"),
+        "{v1}"
+    );
+    let args = [url.as_str(), "-q", "-v", "ON_ERROR_STOP=1", "-f", "-"];
+    for file in &files {
+        apply("psql", &args, file);
+    }
+    let store = postbox_postgres::PgOutbox::connect(&url, &table, 4)
+        .await
+        .unwrap()
+        .with_partitioning(Partitioning::Daily);
+    let report = store.migrate().await.unwrap();
+    assert!(report.applied.is_empty(), "{report:?}");
+    let ahead = store.partitions_ahead().await.unwrap().unwrap();
+    assert_eq!(ahead.ahead, 14, "{ahead:?}");
+    let event = postbox_core::NewEvent::new("app", "T", "{}");
+    let twice = store
+        .enqueue_batch(&[event.clone(), event], 1 << 20)
+        .await
+        .unwrap();
+    assert!(matches!(
+        twice[0],
+        postbox_core::store::EnqueueOutcome::Inserted(_)
+    ));
+    assert_eq!(twice[1], postbox_core::store::EnqueueOutcome::Duplicate);
 }
