@@ -80,9 +80,10 @@ impl Dialect for SqliteDialect {
             return Err(Error::Database {
                 operation: "opening the SQLite database",
                 source: format!(
-                    "database file `{}` does not exist (database.url = `{}`): run `postbox migrate` to create it, or point database.url at the right file",
+                    "database file `{}` does not exist ({key} = `{}`): run `postbox migrate` to create it, or point {key} at the right file",
                     opts.get_filename().display(),
-                    redact_url(url)
+                    redact_url(url),
+                    key = how.key,
                 )
                 .into(),
             });
