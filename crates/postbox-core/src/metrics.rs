@@ -34,6 +34,14 @@ pub const ARCHIVED_TOTAL: &str = "postbox_archived_total";
 pub const OUTBOX_EVENTS: &str = "postbox_outbox_events";
 /// Gauge `{app_code}`: age of the oldest pending row, from the admin poller.
 pub const OUTBOX_OLDEST_PENDING_AGE_SECONDS: &str = "postbox_outbox_oldest_pending_age_seconds";
+/// Gauge `{table}`: a partitioned outbox table's partitions ready after
+/// the current one (set by each relay when it checks, every 10 minutes).
+pub const PARTITIONS_AHEAD: &str = "postbox_partitions_ahead";
+/// Sets [`PARTITIONS_AHEAD`] for `table`.
+pub fn partitions_ahead(table: &str, ahead: u32) {
+    metrics::gauge!(PARTITIONS_AHEAD, "table" => table.to_owned()).set(f64::from(ahead));
+}
+
 /// Histogram `{consumer}`: seconds a consumer's handler took over one
 /// message (`postbox consume`; the HTTP bridge's POST and answer).
 pub const CONSUME_HANDLER_SECONDS: &str = "postbox_consume_handler_seconds";
@@ -94,6 +102,10 @@ pub fn describe() {
         CONSUME_HANDLER_SECONDS,
         Unit::Seconds,
         "Time a consumer's handler took over one message."
+    );
+    describe_gauge!(
+        PARTITIONS_AHEAD,
+        "A partitioned outbox table's partitions ready after the current one (inserts past the last fail)."
     );
     describe_gauge!(
         OUTBOX_EVENTS,

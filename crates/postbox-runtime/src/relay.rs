@@ -161,6 +161,11 @@ async fn keep_partitions(store: Arc<dyn OutboxStore>, shutdown: CancellationToke
                 tracing::error!(error = %e, "could not create partitions ahead; trying again in 10 minutes")
             }
         }
+        match store.partitions_ahead().await {
+            Ok(Some(p)) => postbox_core::metrics::partitions_ahead(store.table().as_str(), p.ahead),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "could not count the partitions ahead"),
+        }
         tokio::select! {
             _ = tokio::time::sleep(postbox_core::partition::KEEP_EVERY) => {}
             _ = shutdown.cancelled() => return,

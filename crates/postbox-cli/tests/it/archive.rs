@@ -760,11 +760,13 @@ async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_b
     let (url, pool) = server_pool::<sqlx::Postgres>("postgres").await;
     let db = Db::Pg(pool);
     let t = scratch_table("cpart");
+    let admin = format!("127.0.0.1:{}", postbox_testkit::clusters::free_port());
     let project = Project::migrated(|dir| {
         format!(
             "[database]\nurl = \"{url}\"\ntable = \"{t}\"\napp_codes = [\"room\"]\npartitioning = \"daily\"\n\
              [outbox_worker]\npoll_interval = \"50ms\"\n\
              [archive]\nurl = \"sqlite://{d}/archive.db\"\n\
+             [admin]\nlisten = \"{admin}\"\n\
              [[publishers]]\nkind = \"file\"\npath = \"{d}/out.jsonl\"\n",
             d = dir.display()
         )
@@ -826,6 +828,13 @@ async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_b
         "partitioned: 20 events delivered, {} partitions (3 created again by the relay)",
         db.count(&partitions).await
     );
+    // The relay exports how many are ready ahead (the alert rule's gauge).
+    let metrics =
+        postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/metrics", &[]).await;
+    let samples = postbox_testkit::http::parse_prometheus(&metrics.body).unwrap();
+    let ahead =
+        postbox_testkit::http::sample_value(&samples, "postbox_partitions_ahead", &[("table", &t)]);
+    assert_eq!(ahead, Some(14.0), "{}", metrics.body);
     signal("TERM", relay.id());
     assert!(relay.wait().unwrap().success());
 

@@ -23,7 +23,7 @@ fn the_alert_rules_pass_promtool() {
         );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && text.contains("SUCCESS: 5 rules found"),
+        out.status.success() && text.contains("SUCCESS: 6 rules found"),
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
