@@ -277,7 +277,8 @@ impl SqlOutbox<D> {
                 // A row the archive took under neither its id nor its event
                 // (its id belongs to another event there) would be lost.
                 let lost = self.table.render(&format!(
-                    "SELECT COUNT(*) FROM {name} d WHERE NOT EXISTS (SELECT 1 FROM {{archive}} a                      WHERE a.app_code = d.app_code AND a.event_id = d.event_id)"
+                    "SELECT COUNT(*) FROM {name} d WHERE NOT EXISTS (SELECT 1 FROM {{archive}} a \
+                     WHERE a.app_code = d.app_code AND a.event_id = d.event_id)"
                 ));
                 let lost: i64 = query::<D>(&lost, [])
                     .try_map(|row: <D::DB as Database>::Row| sqlx::Row::try_get(&row, 0))
