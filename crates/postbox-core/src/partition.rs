@@ -58,11 +58,6 @@ impl Partitioning {
         }
     }
 
-    /// `doctor` fails with fewer partitions than this ahead of the clock.
-    pub fn minimum_ahead(self) -> u32 {
-        2
-    }
-
     fn span_ms(self) -> i64 {
         match self {
             Partitioning::Daily => DAY_MS,
@@ -125,6 +120,10 @@ impl Range {
         format!("{table}_p{date}")
     }
 }
+
+/// `doctor` fails with fewer partitions than this ready after the current
+/// one.
+pub const MINIMUM_AHEAD: u32 = 2;
 
 /// How often a relay makes sure partitions are ready ahead.
 pub const KEEP_EVERY: Duration = Duration::from_secs(600);

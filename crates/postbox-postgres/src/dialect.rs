@@ -23,6 +23,7 @@ pub struct PgDialect;
 #[derive(Debug)]
 pub struct Own {
     pub(crate) insert_event: String,
+    insert_event_partitioned: String,
     pub(crate) claims: ClaimStatements,
     pub(crate) archive_batch: String,
     pub(crate) archive_pick: String,
@@ -49,6 +50,7 @@ impl Dialect for PgDialect {
     fn own(t: &TableName) -> Own {
         Own {
             insert_event: t.render(sql::INSERT_EVENT),
+            insert_event_partitioned: t.render(sql::INSERT_EVENT_PARTITIONED),
             claims: ClaimStatements::render(t, sql::CLAIMS),
             archive_batch: t.render(sql::ARCHIVE_BATCH),
             archive_pick: t.render(sql::ARCHIVE_PICK),
@@ -121,7 +123,12 @@ impl Dialect for PgDialect {
         event: &NewEvent,
     ) -> Result<i64> {
         let headers = event.headers_json();
-        let row = query::<Self>(&outbox.own().insert_event, insert_values(event, &headers))
+        let own = outbox.own();
+        let insert = match outbox.partitioning() {
+            Some(_) => &own.insert_event_partitioned,
+            None => &own.insert_event,
+        };
+        let row = query::<Self>(insert, insert_values(event, &headers))
             .fetch_optional(conn)
             .await
             .map_err(|e| db_error("enqueue", e))?;

@@ -27,11 +27,20 @@ macro_rules! o_columns {
 pub(crate) const NOW_MS: &str = concat!("SELECT ", now_ms!());
 
 /// Enqueue inside the caller's transaction. `ON CONFLICT DO NOTHING` keeps
-/// the caller's transaction usable when the event id already exists.
+/// the caller's transaction usable when the event id already exists; its
+/// one arbiter is `{table}_event_uq` (not also the primary key, which a
+/// generated id never meets).
 pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
      (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers) \
      VALUES ($1, $2, $3, $4, $5, $6, $7) \
-     ON CONFLICT DO NOTHING \
+     ON CONFLICT (app_code, event_id) DO NOTHING \
+     RETURNING id";
+
+/// [`INSERT_EVENT`] on a partitioned table, whose `{table}_event_uq` is not
+/// unique: the key trigger skips a duplicate (no row comes back either).
+pub(crate) const INSERT_EVENT_PARTITIONED: &str = "INSERT INTO {table} \
+     (app_code, event_id, event_type, aggregate_id, aggregate_version, payload, headers) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7) \
      RETURNING id";
 
 /// One claim: up to $2 rows of tenant $1 that `$pick` selects, in the

@@ -181,9 +181,9 @@ impl<D: Dialect> SqlOutbox<D> {
         self
     }
 
-    /// The store keeping the archive in another database, if any.
-    pub fn archive_elsewhere(&self) -> Option<&Arc<dyn OutboxStore>> {
-        self.elsewhere.as_ref()
+    /// How the table is partitioned, if it is.
+    pub fn partitioning(&self) -> Option<Partitioning> {
+        self.partitioning
     }
 
     /// The pool.

@@ -215,7 +215,7 @@ async fn partitions_check(store: &dyn OutboxStore) -> Option<Check> {
     let name = "partitions:ahead";
     match store.partitions_ahead().await {
         Ok(None) => None,
-        Ok(Some(p)) if p.ahead >= 2 => Some(check(
+        Ok(Some(p)) if p.ahead >= postbox_core::partition::MINIMUM_AHEAD => Some(check(
             name,
             Level::Ok,
             format!("{} ready after the current one, through `{}`", p.ahead, p.through.unwrap_or_default()),

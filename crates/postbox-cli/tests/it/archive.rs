@@ -443,14 +443,7 @@ async fn an_archive_in_another_database_survives_kills_and_replays_from_there() 
         "migrate created the archive in MariaDB"
     );
     let out = run(&["--json", "doctor"]);
-    let report = json(&out);
-    let check = report["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "archive:database")
-        .unwrap_or_else(|| panic!("no archive:database check: {report}"))
-        .clone();
+    let check = common::expect_in(&json(&out)["checks"], "name", "archive:database");
     assert_eq!(check["level"], "ok", "{check}");
     assert!(
         check["message"]
@@ -781,15 +774,8 @@ async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_b
         "today and 14 days ahead"
     );
     let out = run(&["--json", "doctor"]);
-    let report = json(&out);
     assert_ok(&out);
-    let ahead = report["checks"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["name"] == "partitions:ahead")
-        .unwrap_or_else(|| panic!("{report}"))
-        .clone();
+    let ahead = common::expect_in(&json(&out)["checks"], "name", "partitions:ahead");
     assert_eq!(ahead["level"], "ok", "{ahead}");
     assert!(
         ahead["message"].as_str().unwrap().starts_with("14 ready"),

@@ -517,7 +517,8 @@ async fn stream_event_ids(url: &str, stream: &str) -> Vec<String> {
 /// "2s"`, `failback_after = "3s"`) and `[admin]` on `admin`.
 struct NatsPair {
     primary: NatsCluster,
-    secondary: NatsCluster,
+    /// Held so that the secondary runs as long as the pair (it stops on drop).
+    _secondary: NatsCluster,
     primary_url: String,
     secondary_url: String,
     store: Arc<dyn OutboxStore>,
@@ -555,7 +556,7 @@ impl NatsPair {
         );
         NatsPair {
             primary,
-            secondary,
+            _secondary: secondary,
             primary_url,
             secondary_url,
             store,
@@ -569,35 +570,25 @@ impl NatsPair {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_publisher_fails_over_to_the_secondary_system_and_back() {
-    let NatsPair {
-        primary,
-        secondary: _secondary,
-        primary_url,
-        secondary_url,
-        store,
-        stream,
-        admin,
-        dir,
-        cfg,
-    } = NatsPair::start("pbx_nats_failover").await;
+    let pair = NatsPair::start("pbx_nats_failover").await;
     let setup = Failover {
         label: "nats failover",
-        dir: dir.path(),
-        cfg: &cfg,
-        store: &store,
-        admin: &admin,
+        dir: pair.dir.path(),
+        cfg: &pair.cfg,
+        store: &pair.store,
+        admin: &pair.admin,
     };
     fail_over_and_back(
         setup,
-        async || primary.kill(0),
-        async || primary.restart(0).await,
+        async || pair.primary.kill(0),
+        async || pair.primary.restart(0).await,
         async |primary| {
             let url = if primary {
-                &primary_url
+                &pair.primary_url
             } else {
-                &secondary_url
+                &pair.secondary_url
             };
-            stream_event_ids(url, &stream).await
+            stream_event_ids(url, &pair.stream).await
         },
     )
     .await;
@@ -608,22 +599,17 @@ async fn a_nats_publisher_fails_over_to_the_secondary_system_and_back() {
 /// moves to the primary once it is up and steady.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_starts_while_the_primary_is_down_and_fails_back_when_it_is_up() {
-    let NatsPair {
-        primary,
-        secondary: _secondary,
-        primary_url,
-        secondary_url,
-        store,
-        stream,
-        admin,
-        dir,
-        cfg,
-    } = NatsPair::start("pbx_nats_late").await;
-    primary.kill(0);
-    let mut relay = common::spawn_async(dir.path(), &cfg, "relay", &[]);
+    let pair = NatsPair::start("pbx_nats_late").await;
+    pair.primary.kill(0);
+    let mut relay = common::spawn_async(pair.dir.path(), &pair.cfg, "relay", &[]);
     let started = Instant::now();
-    let during = enqueue(&store, 300).await;
-    delivered(&store, 300, "the events sent while the primary is down").await;
+    let during = enqueue(&pair.store, 300).await;
+    delivered(
+        &pair.store,
+        300,
+        "the events sent while the primary is down",
+    )
+    .await;
     let first_delivery = started.elapsed();
     // The gauge is exported on the watcher's next look (every 0.5 s).
     let on = async |target: &str| {
@@ -632,7 +618,7 @@ async fn a_relay_starts_while_the_primary_is_down_and_fails_back_when_it_is_up()
             &format!("publishing on the {target}"),
             Duration::from_secs(60),
             async || {
-                let active = metric(&admin, "postbox_publisher_active_target", &labels).await;
+                let active = metric(&pair.admin, "postbox_publisher_active_target", &labels).await;
                 (active == 1.0)
                     .then_some(())
                     .ok_or_else(|| format!("not on the {target}"))
@@ -643,18 +629,18 @@ async fn a_relay_starts_while_the_primary_is_down_and_fails_back_when_it_is_up()
     on("secondary").await;
 
     let up = Instant::now();
-    primary.restart(0).await;
+    pair.primary.restart(0).await;
     on("primary").await;
     let failback = up.elapsed();
-    let after = enqueue(&store, 300).await;
-    delivered(&store, 600, "the events after the primary came up").await;
+    let after = enqueue(&pair.store, 300).await;
+    delivered(&pair.store, 600, "the events after the primary came up").await;
     common::stopped(&mut relay).await;
 
-    let on_primary: HashSet<_> = stream_event_ids(&primary_url, &stream)
+    let on_primary: HashSet<_> = stream_event_ids(&pair.primary_url, &pair.stream)
         .await
         .into_iter()
         .collect();
-    let on_secondary: HashSet<_> = stream_event_ids(&secondary_url, &stream)
+    let on_secondary: HashSet<_> = stream_event_ids(&pair.secondary_url, &pair.stream)
         .await
         .into_iter()
         .collect();

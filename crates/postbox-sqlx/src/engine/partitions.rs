@@ -14,7 +14,7 @@ use crate::db_error;
 use crate::dialect::{Dialect, PartitionSql};
 
 /// One partition of the table.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct Attached {
     pub name: String,
     pub range: Range,
@@ -360,7 +360,7 @@ impl SqlOutbox<D> {
 }
 
 /// [`SqlOutbox::created_when_back`]'s answer.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct CreatedWhenBack {
     ranges: Vec<Range>,
     now_ms: i64,
