@@ -76,6 +76,21 @@ impl Dialect for PgDialect {
         .await
     }
 
+    /// `synchronous_commit = off` for the session, connected on first use
+    /// (a store that never relays never opens them). Two connections: the
+    /// claimer's and the marker's.
+    fn async_commit_pool(pool: &PgPool) -> Option<PgPool> {
+        let options = (*pool.connect_options())
+            .clone()
+            .options([("synchronous_commit", "off")]);
+        Some(
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(std::time::Duration::from_secs(10))
+                .connect_lazy_with(options),
+        )
+    }
+
     /// From `pg_stat_statements`, which must be preloaded and created.
     async fn statement_stats(outbox: &SqlOutbox<Self>) -> Result<StatementStats> {
         let rows = sqlx::query(sql::STATEMENT_STATS)
@@ -149,7 +164,7 @@ impl Dialect for PgDialect {
         let claimed = if source == ClaimSource::ExpiredLease {
             // The takeover counts an attempt: record it in the claim's
             // transaction.
-            let mut tx = outbox.pool().begin().await.map_err(db)?;
+            let mut tx = outbox.bookkeeping_pool().begin().await.map_err(db)?;
             let claimed = records(
                 query.fetch_all(&mut *tx).await.map_err(db)?,
                 outbox.table().naming(),
@@ -167,7 +182,10 @@ impl Dialect for PgDialect {
         } else {
             // One statement: no transaction round trips on the hot path.
             records(
-                query.fetch_all(outbox.pool()).await.map_err(db)?,
+                query
+                    .fetch_all(outbox.bookkeeping_pool())
+                    .await
+                    .map_err(db)?,
                 outbox.table().naming(),
                 "claim",
             )?

@@ -148,6 +148,13 @@ pub(crate) const CLAIMS: [&str; 5] = postbox_sqlx::claims!();
 /// Fenced: only rows still leased by this claim. Primary key lookups.
 /// `next_retry_at_ms` becomes the time of delivery (as for every terminal
 /// row: see `postbox_sqlx::v5_partial_indexes!`).
+///
+/// Every fenced statement writes its status test as `(status =
+/// 'delivering') IS TRUE` (the same rows: `status` is never NULL), which
+/// the planner cannot match to `{table}_lease_idx`'s predicate. Written
+/// plainly, statistics that see few delivering rows (any analysed table)
+/// make it read that whole index, every row in flight, and filter by id:
+/// with 20,000 rows leased, 11 ms per mark of 100 instead of 1.1 ms.
 pub(crate) const MARK_DELIVERED: &str = concat!(
     "UPDATE {table} SET status = 'delivered', lock_until_ms = 0, last_error = NULL, \
        next_retry_at_ms = ",
@@ -155,7 +162,7 @@ pub(crate) const MARK_DELIVERED: &str = concat!(
     ", updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
+     WHERE id = ANY($1) AND (status = 'delivering') IS TRUE AND worker_id = $2 AND lock_until_ms = $3"
 );
 
 /// Fenced failed attempt: `retryable` (due after a backoff) or `failed`.
@@ -166,7 +173,7 @@ pub(crate) const MARK_FAILED: &str = concat!(
        lock_until_ms = 0, delivered_to = $5, last_error = $6, updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE id = ANY($7) AND status = 'delivering' AND worker_id = $8 AND lock_until_ms = $9"
+     WHERE id = ANY($7) AND (status = 'delivering') IS TRUE AND worker_id = $8 AND lock_until_ms = $9"
 );
 
 /// Fenced release at shutdown: due again at once, no attempt counted.
@@ -174,7 +181,7 @@ pub(crate) const RELEASE: &str =
     concat!(
     "UPDATE {table} SET status = CASE WHEN retry_count = 0 THEN 'pending' ELSE 'retryable' END, \
        next_retry_at_ms = 0, lock_until_ms = 0, worker_id = NULL, updated_at_ms = ", now_ms!(), " \
-     WHERE id = ANY($1) AND status = 'delivering' AND worker_id = $2 AND lock_until_ms = $3"
+     WHERE id = ANY($1) AND (status = 'delivering') IS TRUE AND worker_id = $2 AND lock_until_ms = $3"
 );
 
 /// Fenced, no attempt counted: a publisher was behind, so the rows wait
@@ -187,7 +194,7 @@ pub(crate) const DEFER: &str = concat!(
        lock_until_ms = 0, worker_id = NULL, delivered_to = $2, last_error = $3, updated_at_ms = ",
     now_ms!(),
     " \
-     WHERE id = ANY($4) AND status = 'delivering' AND worker_id = $5 AND lock_until_ms = $6"
+     WHERE id = ANY($4) AND (status = 'delivering') IS TRUE AND worker_id = $5 AND lock_until_ms = $6"
 );
 
 /// Counts of one tenant's rows by status (`postbox_sqlx::count_open!`):

@@ -40,6 +40,7 @@ async fn open_here(settings: &Settings, create: Create) -> Result<Arc<dyn Outbox
         max_payload_bytes: db.max_payload_bytes,
         archive,
         partitioning: db.partitioning,
+        relay_commit: db.relay_commit,
     };
     match open_kind(settings.database_kind(), options).await {
         Ok(store) => Ok(store),
@@ -83,6 +84,8 @@ async fn open_archive_here(
         max_payload_bytes: settings.database.max_payload_bytes,
         archive: None,
         partitioning: None,
+        // Nothing relays there.
+        relay_commit: postbox_core::config::RelayCommit::Sync,
     };
     match open_kind(kind, options).await {
         Ok(store) => Ok(Some(store)),

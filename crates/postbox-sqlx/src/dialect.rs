@@ -541,6 +541,16 @@ pub trait Dialect: Sized + Send + Sync + 'static {
         how: Connect,
     ) -> Result<sqlx::Pool<Self::DB>>;
 
+    /// A pool beside `pool` (its connect options, a connection for the
+    /// claims and one for the marks) whose transactions commit without
+    /// waiting for the log flush, for the relay's bookkeeping writes
+    /// ([`postbox_core::config::RelayCommit`]); `None` where a session
+    /// cannot choose that (the default).
+    fn async_commit_pool(pool: &sqlx::Pool<Self::DB>) -> Option<sqlx::Pool<Self::DB>> {
+        let _ = pool;
+        None
+    }
+
     /// Rows a statement changed (sqlx has no trait for it).
     fn rows_affected(done: &<Self::DB as Database>::QueryResult) -> u64;
 

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use sqlx::{Database, Transaction};
 
+use postbox_core::config::RelayCommit;
 use postbox_core::event::Fence;
 use postbox_core::partition::Partitioning;
 use postbox_core::store::{
@@ -33,6 +34,11 @@ use elsewhere::Source;
 /// `MySqlOutbox` and `SqliteOutbox` are this type.
 pub struct SqlOutbox<D: Dialect> {
     pool: sqlx::Pool<D::DB>,
+    /// The relay's bookkeeping writes (claims, marks, deferrals,
+    /// releases): `pool`, or on PostgreSQL with `relay_commit = "async"`
+    /// two connections of its own that commit without waiting for the
+    /// WAL flush ([`Dialect::async_commit_pool`]).
+    bookkeeping: sqlx::Pool<D::DB>,
     table: TableName,
     max_payload_bytes: usize,
     sql: Arc<Statements<String>>,
@@ -50,6 +56,7 @@ impl<D: Dialect> Clone for SqlOutbox<D> {
     fn clone(&self) -> Self {
         SqlOutbox {
             pool: self.pool.clone(),
+            bookkeeping: self.bookkeeping.clone(),
             table: self.table.clone(),
             max_payload_bytes: self.max_payload_bytes,
             sql: self.sql.clone(),
@@ -89,6 +96,8 @@ pub struct OpenOptions<'a> {
     pub archive: Option<Arc<dyn OutboxStore>>,
     /// A range-partitioned table (`[database] partitioning`).
     pub partitioning: Option<Partitioning>,
+    /// How the relay's bookkeeping writes commit (`[database] relay_commit`).
+    pub relay_commit: RelayCommit,
 }
 
 /// A store being opened by [`SqlOutbox::open`].
@@ -111,6 +120,7 @@ impl<D: Dialect> SqlOutbox<D> {
     /// Uses `pool` for `table`, an adopted table's names included.
     pub fn named(pool: sqlx::Pool<D::DB>, table: TableName) -> Self {
         SqlOutbox {
+            bookkeeping: pool.clone(),
             pool,
             sql: Arc::new(D::STATEMENTS.render(&table)),
             own: Arc::new(D::own(&table)),
@@ -123,22 +133,26 @@ impl<D: Dialect> SqlOutbox<D> {
     }
 
     /// Connects a pool of `max_connections` to `url` (the dialect's
-    /// connect options; SQLite creates a missing database file).
+    /// connect options; SQLite creates a missing database file). The
+    /// relay's bookkeeping writes commit asynchronously where the database
+    /// can ([`RelayCommit::Async`]).
     pub async fn connect(url: &str, table: &str, max_connections: u32) -> Result<Self> {
-        Self::new(
+        Ok(Self::new(
             D::connect_pool(url, max_connections, Connect::now(true)).await?,
             table,
-        )
+        )?
+        .with_relay_commit(RelayCommit::Async))
     }
 
     /// Like [`SqlOutbox::connect`], but never creates the database: a
     /// missing SQLite file is an error naming it (for commands that only
     /// read or need the schema `postbox migrate` creates).
     pub async fn connect_existing(url: &str, table: &str, max_connections: u32) -> Result<Self> {
-        Self::new(
+        Ok(Self::new(
             D::connect_pool(url, max_connections, Connect::now(false)).await?,
             table,
-        )
+        )?
+        .with_relay_commit(RelayCommit::Async))
     }
 
     /// Opens the store `options` describe as a `dyn OutboxStore`. Each
@@ -153,11 +167,30 @@ impl<D: Dialect> SqlOutbox<D> {
             let pool =
                 D::connect_pool(options.url, options.max_connections, options.connect).await?;
             let mut store = Self::named(pool, options.table.clone())
-                .with_max_payload_bytes(options.max_payload_bytes);
+                .with_max_payload_bytes(options.max_payload_bytes)
+                .with_relay_commit(options.relay_commit);
             store.elsewhere = options.archive;
             store.partitioning = options.partitioning;
             Ok(Arc::new(store) as Arc<dyn OutboxStore>)
         })
+    }
+
+    /// How the relay's bookkeeping writes commit. A store made with
+    /// [`SqlOutbox::new`] runs them on the caller's pool (whose connections
+    /// may carry settings of the caller's own) until this is called.
+    pub fn with_relay_commit(mut self, commit: RelayCommit) -> Self {
+        self.bookkeeping = match commit {
+            RelayCommit::Async => D::async_commit_pool(&self.pool),
+            RelayCommit::Sync => None,
+        }
+        .unwrap_or_else(|| self.pool.clone());
+        self
+    }
+
+    /// The pool the relay's claims and marks run on (see
+    /// [`SqlOutbox::with_relay_commit`]).
+    pub fn bookkeeping_pool(&self) -> &sqlx::Pool<D::DB> {
+        &self.bookkeeping
     }
 
     /// Sets the payload limit `enqueue` enforces (default 1 MiB).
@@ -377,15 +410,26 @@ impl SqlOutbox<D> {
         &self,
         write: bool,
     ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
+        self.begin_relay_on(&self.pool, write).await
+    }
+
+    /// [`SqlOutbox::begin_relay`] on `pool`.
+    async fn begin_relay_on(
+        &self,
+        pool: &sqlx::Pool<D::DB>,
+        write: bool,
+    ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
         match D::RELAY_ISOLATION {
             Some(isolation) => {
-                let conn = self.pool.acquire().await?;
+                let conn = pool.acquire().await?;
                 let begin = D::BEGIN_WRITE.filter(|_| write).unwrap_or("BEGIN");
                 let statement = format!("{isolation}; {begin}");
                 Transaction::begin(conn, Some(statement.into())).await
             }
-            None if write => self.begin_write().await,
-            None => self.pool.begin().await,
+            None => match D::BEGIN_WRITE.filter(|_| write) {
+                Some(begin) => pool.begin_with(begin).await,
+                None => pool.begin().await,
+            },
         }
     }
 
@@ -579,14 +623,14 @@ impl SqlOutbox<D> {
             // set first on the same connection: it applies to the next
             // transaction, which an autocommit statement is.
             let (text, values) = parts.remove(0);
-            let mut conn = self.pool.acquire().await.map_err(db)?;
+            let mut conn = self.bookkeeping.acquire().await.map_err(db)?;
             if let Some(isolation) = D::RELAY_ISOLATION {
                 sqlx::Executor::execute(&mut *conn, isolation).await.map_err(db)?;
             }
             let done = query::<D>(&text, values).execute(&mut *conn).await.map_err(db)?;
             return Ok(D::rows_affected(&done));
         }
-        let mut tx = self.begin_relay(true).await.map_err(db)?;
+        let mut tx = self.begin_relay_on(&self.bookkeeping, true).await.map_err(db)?;
         let res = self.execute_expanded(&mut tx, sql, binds).await.map_err(db);
         finish(tx, res, op).await
     }
@@ -599,7 +643,7 @@ impl SqlOutbox<D> {
             return Ok(0);
         }
         let db = |e| db_error("mark failed attempts", e);
-        let mut tx = self.begin_relay(true).await.map_err(db)?;
+        let mut tx = self.begin_relay_on(&self.bookkeeping, true).await.map_err(db)?;
         let res = async {
             let delivered_to = Some(u.delivered_to.join(",")).filter(|s| !s.is_empty());
             let binds = vec![

@@ -167,6 +167,25 @@ mod tests {
     }
 
     #[test]
+    fn relay_commit_is_async_unless_asked_sync() {
+        use crate::config::RelayCommit;
+        let of = |v: &str| {
+            load_str(&format!("[database]\nrelay_commit = \"{v}\""))
+                .map(|c| c.database.relay_commit)
+        };
+        assert_eq!(
+            load_str("").unwrap().database.relay_commit,
+            RelayCommit::Async
+        );
+        assert_eq!(of("sync").unwrap(), RelayCommit::Sync);
+        assert_eq!(of("async").unwrap(), RelayCommit::Async);
+        assert_eq!(
+            key_of("[database]\nrelay_commit = \"later\""),
+            "database.relay_commit"
+        );
+    }
+
+    #[test]
     fn refuses_bad_values_naming_the_key() {
         let w = "[outbox_worker]\n";
         for (toml, key) in [

@@ -167,6 +167,30 @@ pub struct DatabaseConfig {
     /// table).
     #[serde(deserialize_with = "crate::partition::deserialize_partitioning")]
     pub partitioning: Option<crate::partition::Partitioning>,
+    /// How the relay's own writes commit (PostgreSQL): see [`RelayCommit`].
+    pub relay_commit: RelayCommit,
+}
+
+/// `[database] relay_commit`: how the relay's own bookkeeping writes
+/// (claims, marks, deferrals, releases) commit on PostgreSQL.
+///
+/// Losing one of them in a database crash loses no event: a lost claim
+/// leaves its rows pending, a lost mark leaves them leased until the
+/// lease ends; either way they are published again (at least once, as
+/// any crash gives), and consumers dedupe by `event_id`. So by default
+/// they do not wait for the WAL flush (`synchronous_commit = off` on the
+/// relay's two bookkeeping connections only). Every other write (a
+/// producer's events, replays, controls, archiving) commits as the
+/// server is configured. MariaDB and SQLite commit as configured
+/// (`innodb_flush_log_at_trx_commit` is server-wide).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum RelayCommit {
+    /// Without waiting for the WAL flush (the default).
+    #[default]
+    Async,
+    /// As the server is configured, like any other write.
+    Sync,
 }
 
 impl DatabaseConfig {
@@ -189,6 +213,7 @@ impl Default for DatabaseConfig {
             columns: BTreeMap::new(),
             statuses: BTreeMap::new(),
             partitioning: None,
+            relay_commit: RelayCommit::Async,
         }
     }
 }

@@ -251,3 +251,107 @@ async fn a_search_by_aggregate_reads_its_index_in_the_table_and_the_archive() {
     );
     drop_tables(&pool, &t).await;
 }
+
+/// Index entries read through `index` so far, once the count is settled
+/// (as [`settled_scans`]).
+async fn settled_index_reads(pool: &sqlx::PgPool, index: &str) -> i64 {
+    let read = async || -> i64 {
+        sqlx::query_scalar(
+            "SELECT COALESCE(SUM(idx_tup_read), 0)::BIGINT FROM pg_stat_user_indexes WHERE indexrelname = $1",
+        )
+        .bind(index)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    };
+    let mut last = read().await;
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
+        let now = read().await;
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+}
+
+/// 20,000 rows in flight (leased), in a table analysed while they were
+/// pending, as any table whose statistics see few delivering rows: a
+/// mark of 100 of them reads those 100 by primary key. Written with a
+/// plain `status = 'delivering'`, it read `_lease_idx` whole (every row
+/// in flight, 20,000 entries, 11 ms instead of 1.1 ms per mark) and
+/// filtered by id, a cost that grew with the rows in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mark_reads_its_rows_by_primary_key_however_many_are_in_flight() {
+    use postbox_core::event::Fence;
+    let store = plans_store("mark_plan").await;
+    let t = store.table().as_str().to_owned();
+    let pool = store.pool().clone();
+    load(
+        &pool,
+        [
+            format!(
+                "INSERT INTO {t} (app_code, event_id, event_type, payload) \
+                 SELECT 'plan', 'm-' || g, 'New', '{{}}' FROM generate_series(1, 20000) g"
+            ),
+            format!("VACUUM ANALYZE {t}"),
+            format!(
+                "UPDATE {t} SET status = 'delivering', worker_id = 'w', lock_until_ms = 5, \
+                   next_retry_at_ms = 5"
+            ),
+        ],
+    )
+    .await;
+    let ids: Vec<i64> = sqlx::query_scalar(&format!("SELECT id FROM {t} ORDER BY id LIMIT 300"))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let fence = Fence {
+        worker_id: "w".into(),
+        lock_until_ms: 5,
+    };
+    let lease_idx = format!("{t}_lease_idx");
+    let before = settled_index_reads(&pool, &lease_idx).await;
+    assert_eq!(
+        store.mark_delivered(&fence, &ids[..100]).await.unwrap(),
+        100
+    );
+    let release = store.release(&fence, &ids[100..200]).await.unwrap();
+    assert_eq!(release, 100);
+    let defer = postbox_core::store::DeferUpdate {
+        after_ms: 1_000,
+        delivered_to: vec![],
+        reason: "behind".into(),
+    };
+    assert_eq!(store.defer(&fence, &ids[200..], &defer).await.unwrap(), 100);
+    // The bookkeeping connections report their reads when they close.
+    store.bookkeeping_pool().close().await;
+    let read = settled_index_reads(&pool, &lease_idx).await - before;
+    assert_eq!(read, 0, "the marks read {read} entries of {lease_idx}");
+    drop_tables(&pool, &t).await;
+}
+
+/// The relay's bookkeeping writes (claims, marks) run on connections that
+/// commit without waiting for the WAL flush (`relay_commit = "async"`,
+/// the default); every other connection of the store commits as the
+/// server is configured, and `"sync"` keeps the relay's writes so too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_relays_bookkeeping_commits_asynchronously() {
+    use postbox_core::config::RelayCommit;
+    let store = plans_store("relay_commit").await;
+    let setting = async |pool: &sqlx::PgPool| -> String {
+        sqlx::query_scalar("SHOW synchronous_commit")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(setting(store.bookkeeping_pool()).await, "off");
+    assert_eq!(setting(store.pool()).await, "on");
+    let sync = store.clone().with_relay_commit(RelayCommit::Sync);
+    assert_eq!(setting(sync.bookkeeping_pool()).await, "on");
+    // A store on the caller's own pool keeps to that pool until asked.
+    let own = PgOutbox::new(store.pool().clone(), store.table().as_str()).unwrap();
+    assert_eq!(setting(own.bookkeeping_pool()).await, "on");
+    let t = store.table().as_str().to_owned();
+    drop_tables(store.pool(), &t).await;
+}
