@@ -36,6 +36,8 @@ pub struct WrappedStore {
     panicking: AtomicBool,
     calls: AtomicU64,
     failure_writes: AtomicU64,
+    /// Ids whose `mark_delivered` the database answered as applied.
+    marked: Mutex<Vec<i64>>,
 }
 
 impl WrappedStore {
@@ -50,7 +52,14 @@ impl WrappedStore {
             panicking: false.into(),
             calls: AtomicU64::new(0),
             failure_writes: AtomicU64::new(0),
+            marked: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Ids of the rows the database reported marked delivered, in order
+    /// (those of calls that marked every id they were given).
+    pub fn marked(&self) -> Vec<i64> {
+        self.marked.lock().expect("marked").clone()
     }
 
     /// `mark_failed` calls so far (each one write, of any number of rows).
@@ -148,6 +157,9 @@ impl RelayStore for WrappedStore {
         let n = self.inner.mark_delivered(fence, ids).await?;
         if self.lose_answer(ids) {
             return Err(lost_connection("mark delivered"));
+        }
+        if n == ids.len() as u64 {
+            self.marked.lock().expect("marked").extend_from_slice(ids);
         }
         Ok(n)
     }

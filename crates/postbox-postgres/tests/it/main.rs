@@ -3,6 +3,7 @@
 
 mod adopted;
 mod claim_plans;
+mod crash;
 mod partitioned;
 mod poison_log;
 mod postgres;
