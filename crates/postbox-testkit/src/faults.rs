@@ -38,6 +38,7 @@ pub struct WrappedStore {
     failure_writes: AtomicU64,
     /// Ids whose `mark_delivered` the database answered as applied.
     marked: Mutex<Vec<i64>>,
+    beats: AtomicU64,
 }
 
 impl WrappedStore {
@@ -53,6 +54,7 @@ impl WrappedStore {
             calls: AtomicU64::new(0),
             failure_writes: AtomicU64::new(0),
             marked: Mutex::new(Vec::new()),
+            beats: AtomicU64::new(0),
         }
     }
 
@@ -65,6 +67,11 @@ impl WrappedStore {
     /// `mark_failed` calls so far (each one write, of any number of rows).
     pub fn failure_writes(&self) -> u64 {
         self.failure_writes.load(Ordering::SeqCst)
+    }
+
+    /// Heartbeats written so far (each also counted in [`calls`](Self::calls)).
+    pub fn beats(&self) -> u64 {
+        self.beats.load(Ordering::SeqCst)
     }
 
     /// Calls so far that reached the database.
@@ -186,6 +193,8 @@ impl RelayStore for WrappedStore {
         self.inner.controls().await
     }
     async fn beat(&self, beat: &postbox_core::store::RelayBeat) -> Result<()> {
+        self.count();
+        self.beats.fetch_add(1, Ordering::SeqCst);
         self.inner.beat(beat).await
     }
     async fn defer(&self, fence: &Fence, ids: &[i64], update: &DeferUpdate) -> Result<u64> {

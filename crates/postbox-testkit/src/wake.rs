@@ -169,6 +169,34 @@ pub async fn idle_relay_makes_one_store_call_per_second(store: Arc<dyn OutboxSto
     );
 }
 
+/// An idle relay over 20.5 s at the default config (`poll_interval` 1 s,
+/// a heartbeat every 10 s): at most 21 round trips in all, heartbeats
+/// included (each takes the place of a probe). Before, the two beats of
+/// the window came on top of about 20 probes.
+pub async fn an_idle_relays_heartbeat_stays_within_one_call_per_second(
+    store: Arc<dyn OutboxStore>,
+) {
+    let counting = Arc::new(WrappedStore::new(store));
+    let (publisher, shutdown, run) = spawn_relay(
+        counting.clone(),
+        WorkerConfig::default(),
+        vec!["idle-beat".to_owned()],
+    );
+    // Past the start (its first probe and the registering beat).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let (calls, beats) = (counting.calls(), counting.beats());
+    tokio::time::sleep(Duration::from_millis(20_500)).await;
+    let (calls, beats) = (counting.calls() - calls, counting.beats() - beats);
+    shutdown.cancel();
+    run.await.expect("relay task").expect("relay run");
+    assert!(publisher.delivered().is_empty());
+    assert!(beats >= 2, "the idle relay beat {beats} times in 20.5 s");
+    assert!(
+        calls <= 21,
+        "an idle relay made {calls} round trips in 20.5 s ({beats} of them heartbeats): at most one per second allowed"
+    );
+}
+
 /// A relay polling only every 30 s, gone idle, delivers an event within a
 /// few seconds of `produce` writing it (which must commit it).
 pub async fn an_idle_relay_wakes_for<F>(
@@ -258,6 +286,14 @@ macro_rules! wake_suite {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn due_answers_per_app_code() {
             $crate::wake::due_answers_per_app_code(std::sync::Arc::new($make().await)).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn an_idle_relays_heartbeat_stays_within_one_call_per_second() {
+            $crate::wake::an_idle_relays_heartbeat_stays_within_one_call_per_second(
+                std::sync::Arc::new($make().await),
+            )
+            .await;
         }
 
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

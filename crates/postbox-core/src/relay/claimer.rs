@@ -118,6 +118,12 @@ impl Claimer {
                     sources.push(ClaimSource::Pending);
                     plan.push((i, sources));
                 }
+            } else if let Some(beat) = self.tally.take_beat() {
+                // Idle, and the heartbeat is due: this round's one round
+                // trip writes it instead of probing (see `heartbeat`).
+                if let Err(e) = self.store.beat(&beat).await {
+                    tracing::debug!(error = %e, "could not write the relay heartbeat");
+                }
             } else {
                 match self.store.due(&self.app_codes).await {
                     Ok(dues) => {
@@ -188,9 +194,11 @@ impl Claimer {
             }
             if round.full && !round.error {
                 draining = true;
+                self.tally.set_idle(false);
                 continue;
             }
             draining = false;
+            self.tally.set_idle(!round.found);
             if round.found {
                 fast = Some(FAST_POLL);
             }
@@ -211,6 +219,7 @@ impl Claimer {
                     // claim pending at once, then poll fast, for an
                     // in-process producer may commit a little later.
                     draining = true;
+                    self.tally.set_idle(false);
                     fast = Some(FAST_POLL);
                     let wait = WAKE_COALESCE.saturating_sub(round_started.elapsed());
                     if !wait.is_zero() {

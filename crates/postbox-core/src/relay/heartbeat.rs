@@ -2,28 +2,55 @@
 //! written when it starts, every [`RELAY_BEAT`] while it runs and once more
 //! when it stops, so that `postbox relays`, `GET /api/relays` and the
 //! dashboard list every relay of the table, on any host, with what it did.
-//! One write per beat: an idle relay still makes at most one database
-//! round trip per second in all.
+//! One write per beat. While the relay is idle the beat is not written
+//! beside the idle probe: it is handed to the claimer, whose next idle
+//! round writes it *instead of* probing, so an idle relay still makes at
+//! most one database round trip per poll interval in all (the probe it
+//! skips is the safety net's: due retries and expired leases wait one
+//! interval more, once per beat; pushed and in-process wake-ups are not
+//! delayed).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
 use crate::store::{RelayBeat, RelayStore, RELAY_BEAT};
 
-/// What the stages did since the relay started, counted as they go.
+/// What the stages did since the relay started, counted as they go, and
+/// the beat the claimer is to write while the relay is idle.
 #[derive(Debug, Default)]
 pub(super) struct Tally {
     pub claimed: AtomicU64,
     pub delivered: AtomicU64,
     pub failed: AtomicU64,
+    /// The claimer's last round found nothing and it sleeps until its next
+    /// probe.
+    idle: AtomicBool,
+    /// A beat for the claimer's next idle round to write.
+    handed: Mutex<Option<RelayBeat>>,
 }
 
 impl Tally {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Whether the claimer's last round found nothing.
+    pub fn set_idle(&self, idle: bool) {
+        self.idle.store(idle, Ordering::Relaxed);
+    }
+
+    /// The beat handed to the claimer, if any (taking it).
+    pub fn take_beat(&self) -> Option<RelayBeat> {
+        self.handed.lock().map(|mut b| b.take()).unwrap_or(None)
+    }
+
+    fn hand(&self, beat: Option<RelayBeat>) {
+        if let Ok(mut slot) = self.handed.lock() {
+            *slot = beat;
+        }
     }
 }
 
@@ -47,13 +74,22 @@ impl Heartbeat {
             let elapsed_ms = since.0.elapsed().as_millis().max(1) as u64;
             let per_minute = delivered.saturating_sub(since.1) * 60_000 / elapsed_ms;
             since = (Instant::now(), delivered);
-            match self.store.beat(&self.beat(per_minute, false)).await {
-                Ok(()) => failures = 0,
-                Err(e) => {
-                    failures += 1;
-                    // One line per streak: the relay works on without it.
-                    if failures == 1 {
-                        tracing::warn!(error = %e, "could not write the relay heartbeat (run `postbox migrate` for schema version 10); relaying goes on");
+            let beat = self.beat(per_minute, false);
+            if self.tally.idle.load(Ordering::Relaxed) {
+                // The claimer writes it in place of its next probe.
+                self.tally.hand(Some(beat));
+            } else {
+                // Written here; a beat handed earlier and not taken (the
+                // relay got busy) is stale.
+                self.tally.hand(None);
+                match self.store.beat(&beat).await {
+                    Ok(()) => failures = 0,
+                    Err(e) => {
+                        failures += 1;
+                        // One line per streak: the relay works on without it.
+                        if failures == 1 {
+                            tracing::warn!(error = %e, "could not write the relay heartbeat (run `postbox migrate` for schema version 10); relaying goes on");
+                        }
                     }
                 }
             }
