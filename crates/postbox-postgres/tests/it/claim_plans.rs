@@ -22,19 +22,50 @@ async fn load(pool: &sqlx::PgPool, statements: impl IntoIterator<Item = String>)
     }
 }
 
+/// `rows` pending rows of app_code `plan` in `t` (event ids `<prefix><n>`),
+/// then `VACUUM ANALYZE`: statistics that see every row pending.
+fn analysed_backlog(t: &str, prefix: &str, rows: u32) -> [String; 2] {
+    [
+        format!(
+            "INSERT INTO {t} (app_code, event_id, event_type, payload) \
+             SELECT 'plan', '{prefix}' || g, 'New', '{{}}' FROM generate_series(1, {rows}) g"
+        ),
+        format!("VACUUM ANALYZE {t}"),
+    ]
+}
+
 /// Rows read by sequential scans of `tables` so far, once the count is
+/// settled (see [`settled`]).
+async fn settled_scans(pool: &sqlx::PgPool, tables: &[&str]) -> i64 {
+    settled(
+        pool,
+        "SELECT COALESCE(SUM(seq_tup_read), 0)::BIGINT FROM pg_stat_user_tables WHERE relname = ANY($1)",
+        tables,
+    )
+    .await
+}
+
+/// Index entries read through `index` so far, once the count is settled.
+async fn settled_index_reads(pool: &sqlx::PgPool, index: &str) -> i64 {
+    settled(
+        pool,
+        "SELECT COALESCE(SUM(idx_tup_read), 0)::BIGINT FROM pg_stat_user_indexes WHERE indexrelname = ANY($1)",
+        &[index],
+    )
+    .await
+}
+
+/// A statistics count (`sql` over the relation names `names`), once
 /// settled: a backend reports its statistics when its transaction ends,
 /// at most once a second (an idle pooled connection's, up to a second
 /// later), so the count is read until two reads a second apart agree.
-async fn settled_scans(pool: &sqlx::PgPool, tables: &[&str]) -> i64 {
+async fn settled(pool: &sqlx::PgPool, sql: &str, names: &[&str]) -> i64 {
     let read = async || -> i64 {
-        sqlx::query_scalar(
-            "SELECT COALESCE(SUM(seq_tup_read), 0)::BIGINT FROM pg_stat_user_tables WHERE relname = ANY($1)",
-        )
-        .bind(tables)
-        .fetch_one(pool)
-        .await
-        .unwrap()
+        sqlx::query_scalar(sql)
+            .bind(names)
+            .fetch_one(pool)
+            .await
+            .unwrap()
     };
     let mut last = read().await;
     loop {
@@ -82,18 +113,13 @@ async fn pending_claim_keeps_its_index_while_an_analysed_backlog_drains() {
     let pool = store.pool().clone();
     load(
         &pool,
-        [
-            format!(
-                "INSERT INTO {t} (app_code, event_id, event_type, payload) \
-                 SELECT 'plan', 'p-' || g, 'New', '{{}}' FROM generate_series(1, 40000) g"
-            ),
-            format!("VACUUM ANALYZE {t}"),
+        analysed_backlog(&t, "p-", 40_000).into_iter().chain([
             // The first half delivered, as a relay would leave them.
             format!(
                 "UPDATE {t} SET status = 'delivered', next_retry_at_ms = 1, updated_at_ms = 1 \
                  WHERE id <= (SELECT MIN(id) + 19999 FROM {t})"
             ),
-        ],
+        ]),
     )
     .await;
     let plans = store.explain_claims("plan", 500).await.unwrap();
@@ -252,29 +278,6 @@ async fn a_search_by_aggregate_reads_its_index_in_the_table_and_the_archive() {
     drop_tables(&pool, &t).await;
 }
 
-/// Index entries read through `index` so far, once the count is settled
-/// (as [`settled_scans`]).
-async fn settled_index_reads(pool: &sqlx::PgPool, index: &str) -> i64 {
-    let read = async || -> i64 {
-        sqlx::query_scalar(
-            "SELECT COALESCE(SUM(idx_tup_read), 0)::BIGINT FROM pg_stat_user_indexes WHERE indexrelname = $1",
-        )
-        .bind(index)
-        .fetch_one(pool)
-        .await
-        .unwrap()
-    };
-    let mut last = read().await;
-    loop {
-        tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
-        let now = read().await;
-        if now == last {
-            return now;
-        }
-        last = now;
-    }
-}
-
 /// 20,000 rows in flight (leased), in a table analysed while they were
 /// pending, as any table whose statistics see few delivering rows: a
 /// mark of 100 of them reads those 100 by primary key. Written with a
@@ -289,17 +292,12 @@ async fn a_mark_reads_its_rows_by_primary_key_however_many_are_in_flight() {
     let pool = store.pool().clone();
     load(
         &pool,
-        [
-            format!(
-                "INSERT INTO {t} (app_code, event_id, event_type, payload) \
-                 SELECT 'plan', 'm-' || g, 'New', '{{}}' FROM generate_series(1, 20000) g"
-            ),
-            format!("VACUUM ANALYZE {t}"),
-            format!(
+        analysed_backlog(&t, "m-", 20_000)
+            .into_iter()
+            .chain([format!(
                 "UPDATE {t} SET status = 'delivering', worker_id = 'w', lock_until_ms = 5, \
                    next_retry_at_ms = 5"
-            ),
-        ],
+            )]),
     )
     .await;
     let ids: Vec<i64> = sqlx::query_scalar(&format!("SELECT id FROM {t} ORDER BY id LIMIT 300"))
