@@ -108,6 +108,11 @@ impl Partitioning {
 }
 
 impl Range {
+    /// Whether `ms` falls in the range (`from_ms` included, `to_ms` not).
+    pub fn contains(&self, ms: i64) -> bool {
+        self.from_ms <= ms && ms < self.to_ms
+    }
+
     /// The partition's table name: `<table>_p<yyyymmdd of its start>`.
     pub fn name(&self, table: &str) -> String {
         let start = UNIX_EPOCH + Duration::from_millis(self.from_ms.max(0) as u64);

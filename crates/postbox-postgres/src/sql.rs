@@ -454,7 +454,8 @@ pub(crate) const PARTITIONS: postbox_sqlx::PartitionSql = postbox_sqlx::Partitio
     // Partitions are created and detached with a short lock timeout: such
     // DDL waits for transactions on the table, and everything queued
     // behind it would wait too.
-    lock_timeout: "SET LOCAL lock_timeout = '3s'",
+    lock_timeout: "SET lock_timeout = '3s'",
+    reset_lock_timeout: "RESET lock_timeout",
     create: "CREATE TABLE IF NOT EXISTS {name} PARTITION OF {table} FOR VALUES FROM ({from}) TO ({to})",
     attached: "SELECT c.relname::TEXT, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending::INT \
        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \

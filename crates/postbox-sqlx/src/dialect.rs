@@ -326,8 +326,11 @@ pub enum ReplayStep {
 pub struct PartitionSql {
     /// Version 1 for a new partitioned table, in place of the plain one.
     pub v1: &'static [&'static str],
-    /// Run before partition DDL, on its connection.
+    /// Run before partition DDL, on its connection (for the session: the
+    /// DDL runs outside a transaction).
     pub lock_timeout: &'static str,
+    /// Run after it, putting the connection back as it was.
+    pub reset_lock_timeout: &'static str,
     /// Creates one partition.
     pub create: &'static str,
     /// The attached partitions: name, bound expression, detach pending.

@@ -207,8 +207,6 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
     checks
 }
 
-/// Rows of an app_code outside `database.app_codes` are never delivered
-/// (a producer's typo): pending ones fail the check, old ones warn.
 /// A partitioned table: enough partitions ready ahead of the clock (an
 /// insert past the last one fails).
 async fn partitions_check(store: &dyn OutboxStore) -> Option<Check> {
@@ -267,6 +265,8 @@ async fn archive_database_check(settings: &postbox_core::config::Settings) -> Op
     })
 }
 
+/// Rows of an app_code outside `database.app_codes` are never delivered
+/// (a producer's typo): pending ones fail the check, old ones warn.
 async fn app_code_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check> {
     let served = &config.database.app_codes;
     let present = match store.present_app_codes().await {

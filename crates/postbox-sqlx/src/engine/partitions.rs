@@ -103,7 +103,6 @@ impl SqlOutbox<D> {
         let Some((partitioning, sql)) = self.partition_sql() else {
             return Ok(Vec::new());
         };
-        let db = |e| db_error("create partitions", e);
         let now = self.now_ms().await?;
         let attached = self.attached_partitions().await?;
         let mut created = Vec::new();
@@ -113,11 +112,8 @@ impl SqlOutbox<D> {
                 continue;
             }
             let name = range.name(self.table.as_str());
-            let mut tx = self.pool.begin().await.map_err(db)?;
-            sqlx::query(sql.lock_timeout).execute(&mut *tx).await.map_err(db)?;
             let create = self.partition_statement(sql.create, &name, Some(&range));
-            sqlx::query(&create).execute(&mut *tx).await.map_err(db)?;
-            tx.commit().await.map_err(db)?;
+            self.partition_ddl(&sql, &create, "create partitions").await?;
             created.push(name);
         }
         Ok(created)
@@ -132,7 +128,7 @@ impl SqlOutbox<D> {
         let now = self.now_ms().await?;
         let current = partitioning.range_of(now);
         let attached = self.attached_partitions().await?;
-        let covered = attached.iter().any(|a| a.range.from_ms <= now && now < a.range.to_ms);
+        let covered = attached.iter().any(|a| a.range.contains(now));
         let ahead: Vec<&Attached> = attached.iter().filter(|a| a.range.from_ms >= current.to_ms).collect();
         let last = ahead.iter().max_by_key(|a| a.range.to_ms).map(|a| a.name.clone());
         Ok(Some(PartitionsAhead {
@@ -189,15 +185,15 @@ impl SqlOutbox<D> {
         let mut detached = Vec::new();
         for part in self.attached_partitions().await? {
             if part.detach_pending {
-                self.partition_ddl(&self.partition_statement(sql.finalize, &part.name, None)).await?;
+                self.partition_ddl(&sql, &self.partition_statement(sql.finalize, &part.name, None), "archive a partition").await?;
                 continue;
             }
             if part.range.to_ms > before_ms.min(current.from_ms) || self.partition_busy(&sql, &part.name).await? {
                 continue;
             }
-            self.partition_ddl(&self.partition_statement(sql.detach, &part.name, None)).await?;
+            self.partition_ddl(&sql, &self.partition_statement(sql.detach, &part.name, None), "archive a partition").await?;
             if self.partition_busy(&sql, &part.name).await? {
-                self.partition_ddl(&self.partition_statement(sql.attach, &part.name, Some(&part.range))).await?;
+                self.partition_ddl(&sql, &self.partition_statement(sql.attach, &part.name, Some(&part.range)), "archive a partition").await?;
                 continue;
             }
             detached.push(part.name);
@@ -215,7 +211,7 @@ impl SqlOutbox<D> {
                 let Some(range) = partitioning.range_named(self.table.as_str(), &name) else {
                     continue;
                 };
-                self.partition_ddl(&self.partition_statement(sql.attach, &name, Some(&range))).await?;
+                self.partition_ddl(&sql, &self.partition_statement(sql.attach, &name, Some(&range)), "archive a partition").await?;
                 continue;
             }
             let moved = self.finish_detached(&sql, &name, drop).await?;
@@ -239,12 +235,12 @@ impl SqlOutbox<D> {
 
     /// One DDL statement outside a transaction (`DETACH … CONCURRENTLY`
     /// cannot run in one), waiting at most the lock timeout for its locks.
-    async fn partition_ddl(&self, stmt: &str) -> Result<()> {
-        let db = |e| db_error("archive a partition", e);
+    async fn partition_ddl(&self, sql: &PartitionSql, stmt: &str, op: &'static str) -> Result<()> {
+        let db = |e| db_error(op, e);
         let mut conn = self.pool.acquire().await.map_err(db)?;
-        sqlx::query("SET lock_timeout = '3s'").execute(&mut *conn).await.map_err(db)?;
+        sqlx::query(sql.lock_timeout).execute(&mut *conn).await.map_err(db)?;
         let res = sqlx::query(stmt).execute(&mut *conn).await;
-        if sqlx::query("RESET lock_timeout").execute(&mut *conn).await.is_err() {
+        if sqlx::query(sql.reset_lock_timeout).execute(&mut *conn).await.is_err() {
             conn.close_on_drop();
         }
         res.map(drop).map_err(db)
@@ -369,11 +365,7 @@ pub(super) struct CreatedWhenBack {
 impl CreatedWhenBack {
     /// A row created at `created_ms` is created at this when it comes back.
     pub(super) fn of(&self, created_ms: i64) -> i64 {
-        let held = self
-            .ranges
-            .iter()
-            .any(|r| r.from_ms <= created_ms && created_ms < r.to_ms);
-        if held {
+        if self.ranges.iter().any(|r| r.contains(created_ms)) {
             created_ms
         } else {
             self.now_ms
