@@ -124,6 +124,7 @@ async fn stats(store: &dyn OutboxStore) -> (i64, i64) {
 }
 
 async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
+    let _heavy = common::one_heavy_test_at_a_time().await;
     let table = store.table().as_str().to_owned();
     // Kept after the run (relay logs and outputs) for a look when it fails.
     // Named by process too: another run of the suite on this machine (a

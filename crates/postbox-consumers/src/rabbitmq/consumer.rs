@@ -2,6 +2,7 @@
 //! retry and dead copies confirmed before the original is acked, reconnect
 //! with backoff.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Channel, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties};
 use postbox_core::config::{ConsumerConfig, ConsumerKind, Ordering};
 use postbox_core::{BoxFuture, Error};
 use tokio_util::sync::CancellationToken;
@@ -78,6 +79,7 @@ impl RabbitMqConsumer {
     async fn process(
         &self,
         delivery: Delivery,
+        connection: &Connection,
         publishing: &Channel,
         report: &mut ConsumeReport,
     ) -> Result<(), String> {
@@ -90,6 +92,7 @@ impl RabbitMqConsumer {
         let mut in_hand = InHand {
             consumer: self,
             delivery: &delivery,
+            connection,
             publishing,
             ordered: None,
         };
@@ -126,6 +129,8 @@ impl RabbitMqConsumer {
 struct InHand<'a> {
     consumer: &'a RabbitMqConsumer,
     delivery: &'a Delivery,
+    /// Every wait on the broker ends when it is lost ([`unless_lost`]).
+    connection: &'a Connection,
     publishing: &'a Channel,
     ordered: Option<Ordered<'a>>,
 }
@@ -182,7 +187,7 @@ impl Transport for InHand<'_> {
         if let Some(ordered) = &self.ordered {
             ordered.release().await;
         }
-        ack(self.delivery).await?;
+        self.acknowledge().await?;
         Ok(Settled::Done)
     }
 
@@ -192,13 +197,13 @@ impl Transport for InHand<'_> {
             ordered.hold(self.consumer.hold_lapse(delay)).await;
         }
         self.copy(Some(delay), None, next_attempt).await?;
-        ack(self.delivery).await?;
+        self.acknowledge().await?;
         Ok(Settled::Done)
     }
 
     async fn dead(&mut self, copy: DeadCopy<'_>) -> Result<Settled, String> {
         self.copy(None, Some(copy.last_error), copy.attempt).await?;
-        ack(self.delivery).await?;
+        self.acknowledge().await?;
         if let Some(ordered) = &self.ordered {
             ordered.release().await;
         }
@@ -211,6 +216,15 @@ impl Transport for InHand<'_> {
 }
 
 impl InHand<'_> {
+    /// Acknowledges the delivery in hand.
+    async fn acknowledge(&self) -> Result<(), String> {
+        let acked = self.delivery.acker.ack(BasicAckOptions::default());
+        match unless_lost(self.connection, acked).await {
+            Some(done) => done.map(|_| ()).map_err(|e| format!("ack: {e}")),
+            None => Err("ack: the connection was lost".to_owned()),
+        }
+    }
+
     /// Publishes a retry copy (with `delay`) or a dead copy (with
     /// `last_error`) and waits for the broker's confirm.
     async fn copy(
@@ -229,22 +243,26 @@ impl InHand<'_> {
             delay.map(|d| d.as_millis()),
             last_error,
         );
-        let confirm = self
-            .publishing
-            .basic_publish(
-                "".into(),
-                queue.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &self.delivery.data,
-                props,
-            )
+        let published = async {
+            self.publishing
+                .basic_publish(
+                    "".into(),
+                    queue.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &self.delivery.data,
+                    props,
+                )
+                .await
+                .map_err(|e| format!("publishing to {queue}: {e}"))?
+                .await
+                .map_err(|e| format!("confirm from {queue}: {e}"))
+        };
+        let confirm = unless_lost(self.connection, published)
             .await
-            .map_err(|e| format!("publishing to {queue}: {e}"))?
-            .await
-            .map_err(|e| format!("confirm from {queue}: {e}"))?;
+            .unwrap_or_else(|| Err(format!("publishing to {queue}: the connection was lost")))?;
         confirmed(confirm, &queue)
     }
 }
@@ -310,13 +328,34 @@ impl Ordered<'_> {
     }
 }
 
-async fn ack(delivery: &Delivery) -> Result<(), String> {
-    delivery
-        .acker
-        .ack(BasicAckOptions::default())
-        .await
-        .map(|_| ())
-        .map_err(|e| format!("ack: {e}"))
+/// A session's end when its connection was lost while `doing`.
+fn lost_during(doing: &str) -> SessionEnd {
+    SessionEnd::Broken(format!("the connection was lost while {doing}"))
+}
+
+/// How long closing the channels and the connection may take at shutdown.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often a wait on the broker looks whether its connection is lost.
+const LOST_CHECK: Duration = Duration::from_millis(100);
+
+/// `work` (an acknowledgement, a publish and its confirm), or `None` once
+/// `connection` is lost. lapin may drop an operation sent as its connection
+/// fails without ever answering it: awaited alone, it would hold the
+/// consumer on a dead connection for good (the broker has already put the
+/// message back for redelivery).
+async fn unless_lost<T>(connection: &Connection, work: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        done = work => Some(done),
+        _ = lost(connection) => None,
+    }
+}
+
+/// Ends once `connection` is no longer connected.
+async fn lost(connection: &Connection) {
+    while connection.status().connected() {
+        tokio::time::sleep(LOST_CHECK).await;
+    }
 }
 
 impl RabbitMqConsumer {
@@ -366,9 +405,10 @@ impl Session for RabbitMqConsumer {
                 .await?;
             Ok::<_, lapin::Error>((consuming, publishing))
         };
-        let (consuming, publishing) = match setup.await {
-            Ok(c) => c,
-            Err(e) => return broken(e),
+        let (consuming, publishing) = match unless_lost(&conn, setup).await {
+            Some(Ok(c)) => c,
+            Some(Err(e)) => return broken(e),
+            None => return lost_during("setting up"),
         };
         if !self.core.config.declare {
             // Nothing else checks a hand-made topology: a retry queue that does
@@ -393,7 +433,10 @@ impl Session for RabbitMqConsumer {
                 .await?;
             self.start_consuming(&consuming).await
         };
-        let mut consumer = match topology.await {
+        let Some(topology) = unless_lost(&conn, topology).await else {
+            return lost_during("declaring the queues");
+        };
+        let mut consumer = match topology {
             Ok(c) => c,
             Err(e) if e.is_amqp_soft_error() => {
                 let _ = conn.close(200, "setup refused".into()).await;
@@ -429,23 +472,34 @@ impl Session for RabbitMqConsumer {
                 _ = run.shutdown.cancelled() => {
                     // Stop taking; anything prefetched but not started goes
                     // back to the queue when the channel closes.
-                    let _ = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default()).await;
-                    let _ = consuming.close(200, "shutdown".into()).await;
-                    let _ = publishing.close(200, "shutdown".into()).await;
-                    let _ = conn.close(200, "shutdown".into()).await;
+                    let closing = async {
+                        let _ = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default()).await;
+                        let _ = consuming.close(200, "shutdown".into()).await;
+                        let _ = publishing.close(200, "shutdown".into()).await;
+                        let _ = conn.close(200, "shutdown".into()).await;
+                    };
+                    // Closing ends the connection: bounded by time, not by
+                    // its loss.
+                    let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
                     tracing::info!(consumer = self.core.config.name(), "consumer stopped");
                     return SessionEnd::Cancelled;
                 }
                 _ = self.core.state.paused(), if !pausing => {
                     // Stop the pushes; the deliveries already pushed are
                     // finished below, then the stream ends.
-                    if let Err(e) = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default()).await {
-                        return broken(e);
+                    let cancel = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default());
+                    match unless_lost(&conn, cancel).await {
+                        Some(Ok(())) => {}
+                        Some(Err(e)) => return broken(e),
+                        None => return lost_during("pausing"),
                     }
                     pausing = true;
                     continue;
                 }
                 next = consumer.next() => next,
+                // The stream ends with an error when the connection fails;
+                // this is the safety net should it not.
+                _ = lost(&conn) => return lost_during("waiting for messages"),
             };
             let delivery = match next {
                 Some(Ok(d)) => d,
@@ -456,16 +510,17 @@ impl Session for RabbitMqConsumer {
                     if !self.core.state.unless_paused(run.shutdown).await {
                         continue; // shutdown: the branch above closes
                     }
-                    consumer = match self.start_consuming(&consuming).await {
-                        Ok(c) => c,
-                        Err(e) => return broken(e),
+                    consumer = match unless_lost(&conn, self.start_consuming(&consuming)).await {
+                        Some(Ok(c)) => c,
+                        Some(Err(e)) => return broken(e),
+                        None => return lost_during("resuming"),
                     };
                     pausing = false;
                     continue;
                 }
                 None => return SessionEnd::Broken("the broker cancelled the consumer".to_owned()),
             };
-            if let Err(reason) = self.process(delivery, &publishing, run.report).await {
+            if let Err(reason) = self.process(delivery, &conn, &publishing, run.report).await {
                 return SessionEnd::Broken(reason);
             }
         }

@@ -17,6 +17,16 @@ pub use postbox_testkit::cli_fixtures::{expect_in, find_in, pluck};
 /// (`--event-id`, `--app-code`) may follow.
 pub const ENQUEUE_T: [&str; 5] = ["enqueue", "--event-type", "T", "--payload", "{}"];
 
+/// Held by the tests that load the machine for a minute or more (clusters
+/// of broker nodes, four relay processes with kills), one at a time: on a
+/// 2-core machine two of them at once starve each other's time budgets
+/// (leases, retry budgets, elections) and fail for want of CPU, not for a
+/// fault in postbox.
+pub async fn one_heavy_test_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    HEAVY.lock().await
+}
+
 /// Runs `postbox args…` in `dir` with extra environment variables.
 pub fn run(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_postbox"));
