@@ -14,6 +14,7 @@ use sqlx::mysql::{MySqlPool, MySqlQueryResult};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Executor, MySql, MySqlConnection, Row};
 
+use postbox_core::config::RelayCommit;
 use postbox_core::store::{ClaimRequest, QueryPlan, StatementStats, HISTORY_LIMIT};
 use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
@@ -260,6 +261,25 @@ impl Dialect for MySqlDialect {
 
     /// Connects to `url` (`mysql://…` or `mariadb://…`); a server database
     /// is never created.
+    /// Two connections (the claimer's and the marker's), connected on
+    /// first use, whose sessions run at READ COMMITTED
+    /// ([`MySqlDialect::RELAY_ISOLATION`]): a fenced mark is then one
+    /// statement, not a `SET TRANSACTION` and the statement. Commits stay
+    /// as the server is configured (`innodb_flush_log_at_trx_commit` is
+    /// server-wide), whatever `commit` says.
+    fn relay_pool(pool: &MySqlPool, commit: RelayCommit) -> Option<MySqlPool> {
+        let _ = commit;
+        Some(
+            sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(2)
+                .acquire_timeout(std::time::Duration::from_secs(10))
+                .after_connect(|conn, _| {
+                    Box::pin(async move { conn.execute(sql::SESSION_ISOLATION).await.map(|_| ()) })
+                })
+                .connect_lazy_with((*pool.connect_options()).clone()),
+        )
+    }
+
     async fn connect_pool(url: &str, max_connections: u32, how: Connect) -> Result<MySqlPool> {
         let normalized = match url.strip_prefix("mariadb://") {
             Some(rest) => format!("mysql://{rest}"),
@@ -358,7 +378,7 @@ impl Dialect for MySqlDialect {
             ClaimSource::ExpiredLease => &own.claim_take_expired,
             ClaimSource::Pending | ClaimSource::DueRetry => &own.claim_take,
         };
-        let mut tx = outbox.begin_relay(true).await.map_err(db)?;
+        let mut tx = outbox.begin_bookkeeping(true).await.map_err(db)?;
         // 1. Lock up to `limit` rows, skipping those another relay holds.
         let limit = i64::from(req.limit);
         let mut claim = sqlx::query(own.claims.of(source, req.ordered));

@@ -62,6 +62,9 @@ pub(crate) const INSERT_EVENT: &str = "INSERT INTO {table} \
 /// Run before the claim transaction starts: read-committed locking reads
 /// take no gap locks, so a claim never blocks producers' inserts.
 pub(crate) const CLAIM_ISOLATION: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
+/// [`CLAIM_ISOLATION`] for every transaction of a session: the relay's own
+/// connections.
+pub(crate) const SESSION_ISOLATION: &str = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// Claim step 1: lock up to `limit` rows of a tenant (bound in that
 /// order: tenant, limit) that `$pick` selects, in the order `$order`,

@@ -8,6 +8,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgQueryResult;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 
+use postbox_core::config::RelayCommit;
 use postbox_core::store::{ClaimRequest, QueryPlan, StatementStats};
 use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Q};
@@ -76,10 +77,13 @@ impl Dialect for PgDialect {
         .await
     }
 
-    /// `synchronous_commit = off` for the session, connected on first use
-    /// (a store that never relays never opens them). Two connections: the
-    /// claimer's and the marker's.
-    fn async_commit_pool(pool: &PgPool) -> Option<PgPool> {
+    /// With `relay_commit = "async"`: `synchronous_commit = off` for the
+    /// session, connected on first use (a store that never relays never
+    /// opens them). Two connections: the claimer's and the marker's.
+    fn relay_pool(pool: &PgPool, commit: RelayCommit) -> Option<PgPool> {
+        if commit == RelayCommit::Sync {
+            return None;
+        }
         let options = (*pool.connect_options())
             .clone()
             .options([("synchronous_commit", "off")]);

@@ -545,12 +545,18 @@ pub trait Dialect: Sized + Send + Sync + 'static {
     ) -> Result<sqlx::Pool<Self::DB>>;
 
     /// A pool beside `pool` (its connect options, a connection for the
-    /// claims and one for the marks) whose transactions commit without
-    /// waiting for the log flush, for the relay's bookkeeping writes
-    /// ([`postbox_core::config::RelayCommit`]); `None` where a session
-    /// cannot choose that (the default).
-    fn async_commit_pool(pool: &sqlx::Pool<Self::DB>) -> Option<sqlx::Pool<Self::DB>> {
-        let _ = pool;
+    /// claims and one for the marks, connected on first use) for the
+    /// relay's bookkeeping writes, with the session settings they want:
+    /// commits that do not wait for the log flush where `commit` asks for
+    /// it and a session can choose that
+    /// ([`postbox_core::config::RelayCommit`]), and
+    /// [`Dialect::RELAY_ISOLATION`] set once per session rather than
+    /// before every write. `None` (the default): the writes use `pool`.
+    fn relay_pool(
+        pool: &sqlx::Pool<Self::DB>,
+        commit: postbox_core::config::RelayCommit,
+    ) -> Option<sqlx::Pool<Self::DB>> {
+        let _ = (pool, commit);
         None
     }
 

@@ -35,10 +35,15 @@ use elsewhere::Source;
 pub struct SqlOutbox<D: Dialect> {
     pool: sqlx::Pool<D::DB>,
     /// The relay's bookkeeping writes (claims, marks, deferrals,
-    /// releases): `pool`, or on PostgreSQL with `relay_commit = "async"`
-    /// two connections of its own that commit without waiting for the
-    /// WAL flush ([`Dialect::async_commit_pool`]).
+    /// releases): `pool`, or two connections of the relay's own with the
+    /// session settings its writes want ([`Dialect::relay_pool`]: on
+    /// PostgreSQL with `relay_commit = "async"`, commits that do not wait
+    /// for the WAL flush; on MySQL, `READ COMMITTED`).
     bookkeeping: sqlx::Pool<D::DB>,
+    /// Whether `bookkeeping`'s sessions already run at
+    /// [`Dialect::RELAY_ISOLATION`], which then costs no statement per
+    /// write.
+    bookkeeping_isolated: bool,
     table: TableName,
     max_payload_bytes: usize,
     sql: Arc<Statements<String>>,
@@ -57,6 +62,7 @@ impl<D: Dialect> Clone for SqlOutbox<D> {
         SqlOutbox {
             pool: self.pool.clone(),
             bookkeeping: self.bookkeeping.clone(),
+            bookkeeping_isolated: self.bookkeeping_isolated,
             table: self.table.clone(),
             max_payload_bytes: self.max_payload_bytes,
             sql: self.sql.clone(),
@@ -121,6 +127,7 @@ impl<D: Dialect> SqlOutbox<D> {
     pub fn named(pool: sqlx::Pool<D::DB>, table: TableName) -> Self {
         SqlOutbox {
             bookkeeping: pool.clone(),
+            bookkeeping_isolated: false,
             pool,
             sql: Arc::new(D::STATEMENTS.render(&table)),
             own: Arc::new(D::own(&table)),
@@ -179,11 +186,10 @@ impl<D: Dialect> SqlOutbox<D> {
     /// [`SqlOutbox::new`] runs them on the caller's pool (whose connections
     /// may carry settings of the caller's own) until this is called.
     pub fn with_relay_commit(mut self, commit: RelayCommit) -> Self {
-        self.bookkeeping = match commit {
-            RelayCommit::Async => D::async_commit_pool(&self.pool),
-            RelayCommit::Sync => None,
-        }
-        .unwrap_or_else(|| self.pool.clone());
+        (self.bookkeeping, self.bookkeeping_isolated) = match D::relay_pool(&self.pool, commit) {
+            Some(own) => (own, true),
+            None => (self.pool.clone(), false),
+        };
         self
     }
 
@@ -410,16 +416,31 @@ impl SqlOutbox<D> {
         &self,
         write: bool,
     ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
-        self.begin_relay_on(&self.pool, write).await
+        Self::begin_relay_on(&self.pool, write, D::RELAY_ISOLATION).await
     }
 
-    /// [`SqlOutbox::begin_relay`] on `pool`.
-    async fn begin_relay_on(
+    /// [`SqlOutbox::begin_relay`] on the relay's bookkeeping connections
+    /// ([`SqlOutbox::bookkeeping_pool`]), for claims and marks.
+    pub async fn begin_bookkeeping(
         &self,
-        pool: &sqlx::Pool<D::DB>,
         write: bool,
     ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
-        match D::RELAY_ISOLATION {
+        Self::begin_relay_on(&self.bookkeeping, write, self.bookkeeping_isolation()).await
+    }
+
+    /// The isolation statement a bookkeeping write must send first: none
+    /// when the sessions already run at it.
+    fn bookkeeping_isolation(&self) -> Option<&'static str> {
+        D::RELAY_ISOLATION.filter(|_| !self.bookkeeping_isolated)
+    }
+
+    /// A transaction on `pool` at `isolation`, if any.
+    async fn begin_relay_on(
+        pool: &sqlx::Pool<D::DB>,
+        write: bool,
+        isolation: Option<&'static str>,
+    ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
+        match isolation {
             Some(isolation) => {
                 let conn = pool.acquire().await?;
                 let begin = D::BEGIN_WRITE.filter(|_| write).unwrap_or("BEGIN");
@@ -619,18 +640,19 @@ impl SqlOutbox<D> {
         let mut parts = D::expand(sql, binds.clone());
         if parts.len() == 1 {
             // One statement in autocommit: no BEGIN/COMMIT round trips on
-            // the relay's hot path. The dialect's isolation, if any, is
-            // set first on the same connection: it applies to the next
-            // transaction, which an autocommit statement is.
+            // the relay's hot path. The dialect's isolation, if the
+            // session does not run at it, is set first on the same
+            // connection: it applies to the next transaction, which an
+            // autocommit statement is.
             let (text, values) = parts.remove(0);
             let mut conn = self.bookkeeping.acquire().await.map_err(db)?;
-            if let Some(isolation) = D::RELAY_ISOLATION {
+            if let Some(isolation) = self.bookkeeping_isolation() {
                 sqlx::Executor::execute(&mut *conn, isolation).await.map_err(db)?;
             }
             let done = query::<D>(&text, values).execute(&mut *conn).await.map_err(db)?;
             return Ok(D::rows_affected(&done));
         }
-        let mut tx = self.begin_relay_on(&self.bookkeeping, true).await.map_err(db)?;
+        let mut tx = self.begin_bookkeeping(true).await.map_err(db)?;
         let res = self.execute_expanded(&mut tx, sql, binds).await.map_err(db);
         finish(tx, res, op).await
     }
@@ -643,7 +665,7 @@ impl SqlOutbox<D> {
             return Ok(0);
         }
         let db = |e| db_error("mark failed attempts", e);
-        let mut tx = self.begin_relay_on(&self.bookkeeping, true).await.map_err(db)?;
+        let mut tx = self.begin_bookkeeping(true).await.map_err(db)?;
         let res = async {
             let delivered_to = Some(u.delivered_to.join(",")).filter(|s| !s.is_empty());
             let binds = vec![

@@ -129,3 +129,91 @@ async fn a_replay_by_status_reads_no_whole_table() {
         .await
         .unwrap();
 }
+
+/// The relay's claims and marks run on two connections of its own whose
+/// sessions are at READ COMMITTED, so a fenced mark is one statement: it
+/// used to send `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` first, a
+/// round trip of its own before every mark, release and deferral. Counted
+/// by `performance_schema` (on in `scripts/test`) for those connections'
+/// threads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mark_on_the_relays_connections_is_one_statement() {
+    use postbox_core::store::ClaimRequest;
+    use postbox_core::{ClaimSource, NewEvent};
+    let store = scratch_store("one_statement").await;
+    let relay = store.bookkeeping_pool();
+    let setting = async |pool: &sqlx::MySqlPool| -> String {
+        sqlx::query_scalar("SELECT @@tx_isolation")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(setting(relay).await, "READ-COMMITTED");
+    assert_eq!(setting(store.pool()).await, "REPEATABLE-READ");
+    // The relay's two connections, open, and their threads.
+    let (mut a, mut b) = (
+        relay.acquire().await.unwrap(),
+        relay.acquire().await.unwrap(),
+    );
+    let mut ids = Vec::new();
+    for conn in [&mut a, &mut b] {
+        let id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        ids.push(id.to_string());
+    }
+    drop((a, b));
+    let statements = async |name: &str| -> i64 {
+        let sql = format!(
+            "SELECT CAST(COALESCE(SUM(s.COUNT_STAR), 0) AS SIGNED) \
+             FROM performance_schema.events_statements_summary_by_thread_by_event_name s \
+             JOIN performance_schema.threads t ON t.THREAD_ID = s.THREAD_ID \
+             WHERE t.PROCESSLIST_ID IN ({}) AND s.EVENT_NAME = 'statement/{name}'",
+            ids.join(",")
+        );
+        sqlx::query_scalar(&sql)
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    };
+    let events: Vec<_> = (0..100)
+        .map(|i| NewEvent::new("room", "T", format!(r#"{{"i":{i}}}"#)))
+        .collect();
+    store.enqueue_batch(&events, 1 << 20).await.unwrap();
+    let req = ClaimRequest {
+        app_code: "room",
+        limit: 100,
+        worker_id: "w",
+        lease_ms: 60_000,
+        ordered: false,
+        skip_types: &[],
+    };
+    let claimed = store.claim(ClaimSource::Pending, &req).await.unwrap();
+    assert_eq!(claimed.len(), 100);
+    let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
+    // Prepared statements count as `com/Execute`; a SET is sent as text.
+    let (sets, executes) = (
+        statements("sql/set_option").await,
+        statements("com/Execute").await,
+    );
+    let marked = store
+        .mark_delivered(&claimed[0].fence(), &ids)
+        .await
+        .unwrap();
+    assert_eq!(marked, 100);
+    assert_eq!(
+        statements("com/Execute").await - executes,
+        1,
+        "the mark ran on the relay's connections"
+    );
+    assert_eq!(
+        statements("sql/set_option").await - sets,
+        0,
+        "no SET before the mark"
+    );
+    sqlx::query(&format!("DROP TABLE {}", store.table().as_str()))
+        .execute(store.pool())
+        .await
+        .ok();
+}
