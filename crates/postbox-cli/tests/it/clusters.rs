@@ -192,7 +192,6 @@ fn queue_types(node: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_and_consumer_carry_on_when_a_nats_cluster_node_dies() {
-    let _heavy = common::one_heavy_test_at_a_time().await;
     let cluster = NatsCluster::start(3).await;
     let urls = toml_list(&cluster.urls());
     let (url, store) = common::server_outbox("postgres", "pbx_nats_cluster", 4).await;

@@ -1,4 +1,4 @@
-//! Four real `postbox relay` processes drain at least 40,000 events written
+//! Four real `postbox relay` processes drain at least 52,000 events written
 //! by concurrent producers while one relay is SIGKILLed and restarted twice.
 //! Every event is delivered at least once, nothing is left undelivered, and
 //! every duplicate is explained by a killed relay's lease.
@@ -17,7 +17,10 @@ use postbox_core::store::{EnqueueOutcome, OutboxStore};
 use postbox_core::{NewEvent, Status};
 use tokio::process::{Child, Command};
 
-const EVENTS_PER_PRODUCER: usize = 10_000;
+/// 52,000 events at least, 26,000 per app_code: past the 25,000 delivered
+/// rows `stats` counts one by one (DELIVERED_COUNT_CAP), so the drain is
+/// judged by the open rows, never by an estimated delivered count.
+const EVENTS_PER_PRODUCER: usize = 13_000;
 const PRODUCERS: usize = 4;
 const RELAYS: usize = 4;
 const APPS: [&str; 2] = ["room", "wallet"];
@@ -113,6 +116,8 @@ async fn holds_leases(store: &dyn OutboxStore, dir: &Path, incarnation: usize) -
         .any(|r| r.worker_id.as_deref() == Some(worker_id.as_str()))
 }
 
+/// Delivered rows (exact up to 25,000 per app_code, then the database's
+/// estimate) and open rows (exact).
 async fn stats(store: &dyn OutboxStore) -> (i64, i64) {
     let all = store.stats(&APPS.map(String::from)).await.expect("stats");
     let delivered = all.iter().map(|s| s.delivered).sum();
@@ -223,8 +228,10 @@ async fn drain_with_kills(store: Arc<dyn OutboxStore>, url: &str) {
                 tokio::time::sleep(Duration::from_millis(30)).await;
             }
         }
+        // Every row written and none open: all delivered. (The delivered
+        // count is an estimate past 25,000 per app_code: it cannot say so.)
         let written = producers.iter().all(|p| p.is_finished());
-        if written && delivered == produced_count.load(Ordering::Relaxed) && open == 0 {
+        if written && open == 0 {
             break;
         }
         if Instant::now() >= deadline {

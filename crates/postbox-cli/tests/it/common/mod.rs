@@ -17,11 +17,11 @@ pub use postbox_testkit::cli_fixtures::{expect_in, find_in, pluck};
 /// (`--event-id`, `--app-code`) may follow.
 pub const ENQUEUE_T: [&str; 5] = ["enqueue", "--event-type", "T", "--payload", "{}"];
 
-/// Held by the tests that load the machine for a minute or more (clusters
-/// of broker nodes, four relay processes with kills), one at a time: on a
-/// 2-core machine two of them at once starve each other's time budgets
-/// (leases, retry budgets, elections) and fail for want of CPU, not for a
-/// fault in postbox.
+/// Held by the tests that load the machine for a minute or more (a
+/// cluster of three RabbitMQ nodes, four relay processes with kills), one
+/// at a time: on a 2-core machine two of them at once starve each other's
+/// time budgets (leases, retry budgets, elections), which would fail them
+/// for want of CPU, not for a fault in postbox.
 pub async fn one_heavy_test_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
     static HEAVY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     HEAVY.lock().await
