@@ -220,7 +220,12 @@ impl InHand<'_> {
     async fn acknowledge(&self) -> Result<(), String> {
         let acked = self.delivery.acker.ack(BasicAckOptions::default());
         match unless_lost(self.connection, acked).await {
-            Some(done) => done.map(|_| ()).map_err(|e| format!("ack: {e}")),
+            Some(Ok(true)) => Ok(()),
+            // lapin sends nothing for a delivery of a channel that ended.
+            Some(Ok(false)) => {
+                Err("ack: the channel is closed; the broker redelivers the message".to_owned())
+            }
+            Some(Err(e)) => Err(format!("ack: {e}")),
             None => Err("ack: the connection was lost".to_owned()),
         }
     }
@@ -496,10 +501,12 @@ impl Session for RabbitMqConsumer {
                     pausing = true;
                     continue;
                 }
-                next = consumer.next() => next,
-                // The stream ends with an error when the connection fails;
-                // this is the safety net should it not.
+                // Before the stream, which may still hold prefetched
+                // deliveries after the loss (their acks could not be sent;
+                // the broker redelivers them), and ends with an error only
+                // once lapin has noticed it.
                 _ = lost(&conn) => return lost_during("waiting for messages"),
+                next = consumer.next() => next,
             };
             let delivery = match next {
                 Some(Ok(d)) => d,
