@@ -259,8 +259,6 @@ impl Dialect for MySqlDialect {
         }
     }
 
-    /// Connects to `url` (`mysql://…` or `mariadb://…`); a server database
-    /// is never created.
     /// Two connections (the claimer's and the marker's), connected on
     /// first use, whose sessions run at READ COMMITTED
     /// ([`MySqlDialect::RELAY_ISOLATION`]): a fenced mark is then one
@@ -280,6 +278,8 @@ impl Dialect for MySqlDialect {
         )
     }
 
+    /// Connects to `url` (`mysql://…` or `mariadb://…`); a server database
+    /// is never created.
     async fn connect_pool(url: &str, max_connections: u32, how: Connect) -> Result<MySqlPool> {
         let normalized = match url.strip_prefix("mariadb://") {
             Some(rest) => format!("mysql://{rest}"),

@@ -182,9 +182,11 @@ impl<D: Dialect> SqlOutbox<D> {
         })
     }
 
-    /// How the relay's bookkeeping writes commit. A store made with
-    /// [`SqlOutbox::new`] runs them on the caller's pool (whose connections
-    /// may carry settings of the caller's own) until this is called.
+    /// How the relay's bookkeeping writes commit; they run on connections
+    /// of their own where the dialect has them ([`Dialect::relay_pool`]).
+    /// A store made with [`SqlOutbox::new`] runs them on the caller's pool
+    /// (whose connections may carry settings of the caller's own) until
+    /// this is called.
     pub fn with_relay_commit(mut self, commit: RelayCommit) -> Self {
         (self.bookkeeping, self.bookkeeping_isolated) = match D::relay_pool(&self.pool, commit) {
             Some(own) => (own, true),
