@@ -168,7 +168,7 @@ impl Dialect for PgDialect {
         let claimed = if source == ClaimSource::ExpiredLease {
             // The takeover counts an attempt: record it in the claim's
             // transaction.
-            let mut tx = outbox.bookkeeping_pool().begin().await.map_err(db)?;
+            let mut tx = outbox.begin_bookkeeping(true).await.map_err(db)?;
             let claimed = records(
                 query.fetch_all(&mut *tx).await.map_err(db)?,
                 outbox.table().naming(),

@@ -304,9 +304,18 @@ impl<D: Dialect> SqlOutbox<D> {
     pub async fn begin_write(
         &self,
     ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
-        match D::BEGIN_WRITE {
-            Some(begin) => self.pool.begin_with(begin).await,
-            None => self.pool.begin().await,
+        Self::begin_on(&self.pool, true).await
+    }
+
+    /// A transaction on `pool`: [`Dialect::BEGIN_WRITE`]'s for a `write`,
+    /// else a plain one.
+    async fn begin_on(
+        pool: &sqlx::Pool<D::DB>,
+        write: bool,
+    ) -> std::result::Result<Transaction<'static, D::DB>, sqlx::Error> {
+        match D::BEGIN_WRITE.filter(|_| write) {
+            Some(begin) => pool.begin_with(begin).await,
+            None => pool.begin().await,
         }
     }
 }
@@ -449,10 +458,7 @@ impl SqlOutbox<D> {
                 let statement = format!("{isolation}; {begin}");
                 Transaction::begin(conn, Some(statement.into())).await
             }
-            None => match D::BEGIN_WRITE.filter(|_| write) {
-                Some(begin) => pool.begin_with(begin).await,
-                None => pool.begin().await,
-            },
+            None => Self::begin_on(pool, write).await,
         }
     }
 
