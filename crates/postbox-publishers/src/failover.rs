@@ -262,10 +262,23 @@ impl Publisher for Connecting {
         )
     }
 
+    fn max_in_flight(&self) -> usize {
+        self.connected.get().map_or(1, |p| p.max_in_flight())
+    }
+
     async fn close(&self) {
         if let Some(p) = self.connected.get() {
             p.close().await;
         }
+    }
+}
+
+impl FailoverPublisher {
+    /// The target publishing now.
+    fn active(&self) -> &Arc<dyn Publisher> {
+        let inner = &self.inner;
+        let active = inner.state.lock().unwrap_or_else(|p| p.into_inner()).active;
+        &inner.targets[active].publisher
     }
 }
 
@@ -291,9 +304,12 @@ impl Publisher for FailoverPublisher {
     }
 
     fn connected(&self) -> Option<bool> {
-        let inner = &self.inner;
-        let active = inner.state.lock().unwrap_or_else(|p| p.into_inner()).active;
-        inner.targets[active].publisher.connected()
+        self.active().connected()
+    }
+
+    /// The active target's: the next batch goes there.
+    fn max_in_flight(&self) -> usize {
+        self.active().max_in_flight()
     }
 
     async fn close(&self) {

@@ -84,6 +84,7 @@ cases! {$
     relay_delivers_everything,
     relay_fanout_retries_only_the_failed_publisher,
     relay_keeps_pace_when_a_publisher_hangs,
+    relay_publishes_as_many_batches_at_once_as_its_publisher_takes,
     relay_keeps_pace_when_a_publisher_is_slow,
     relay_claims_fairly_across_app_codes,
     relay_dead_letters_poison_while_others_flow,
@@ -1279,6 +1280,40 @@ async fn relay_keeps_pace_when_a_publisher_hangs(store: Arc<dyn OutboxStore>) {
     );
 }
 
+/// A lane has as many batches in flight as its publisher takes
+/// (`Publisher::max_in_flight`): RabbitMQ's publisher takes two, so the
+/// broker stores one batch while the next is sent; others take one at a
+/// time. Every event is delivered once either way.
+async fn relay_publishes_as_many_batches_at_once_as_its_publisher_takes(
+    store: Arc<dyn OutboxStore>,
+) {
+    for (round, takes) in [1, 2].into_iter().enumerate() {
+        let evs = events(100, "T");
+        enqueue(store.as_ref(), &evs).await;
+        let p = Arc::new(RecordingPublisher::new("rec").in_flight(takes));
+        p.set_delay(Duration::from_millis(200));
+        let config = WorkerConfig {
+            batch_size: 10,
+            ..fast_worker()
+        };
+        let done = 100 * (round as i64 + 1);
+        let report = run_relay_until(store.clone(), vec![p.clone()], config, move |s| {
+            s.delivered == done
+        })
+        .await;
+        assert_eq!(
+            p.most_at_once(),
+            takes,
+            "batches in flight at once with a publisher that takes {takes}: {report:?}"
+        );
+        let mut ids = p.delivered_ids();
+        ids.sort();
+        let mut want: Vec<String> = evs.iter().map(|e| e.event_id.clone()).collect();
+        want.sort();
+        assert_eq!(ids, want, "each event once");
+    }
+}
+
 /// A publisher that is slow but answers (no timeout, so no breaker) holds
 /// back only its own deliveries: the healthy one gets every event at its
 /// own pace while the slow one's share waits for it as deferred rows (no
@@ -1598,7 +1633,12 @@ async fn relay_orders_events_per_aggregate(store: Arc<dyn OutboxStore>) {
         enqueue(store.as_ref(), batch).await;
     }
 
-    let p = Arc::new(RecordingPublisher::new("rec").failing_type("Poison"));
+    // Two batches at once per relay, as RabbitMQ's: ordering holds anyway.
+    let p = Arc::new(
+        RecordingPublisher::new("rec")
+            .failing_type("Poison")
+            .in_flight(2),
+    );
     let config = WorkerConfig {
         ordering: Ordering::PerAggregate,
         ..retrying_worker(4, 100, 400)

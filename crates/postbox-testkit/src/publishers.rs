@@ -2,7 +2,7 @@
 //! demand.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -20,6 +20,11 @@ pub struct RecordingPublisher {
     hanging: AtomicBool,
     /// Milliseconds each publish call takes before answering.
     delay_ms: AtomicU64,
+    /// [`Publisher::max_in_flight`] (0 counts as 1).
+    in_flight: usize,
+    /// Publish calls under way now, and the most seen at once.
+    running: AtomicUsize,
+    most_at_once: AtomicUsize,
     delivered: Mutex<Vec<(String, i32, bool)>>,
     attempts: Mutex<HashMap<String, u32>>,
     offers: Mutex<Vec<(String, bool)>>,
@@ -38,6 +43,17 @@ impl RecordingPublisher {
     pub fn failing_type(mut self, event_type: &str) -> Self {
         self.fail_types.push(event_type.to_owned());
         self
+    }
+
+    /// Takes `n` batches at once ([`Publisher::max_in_flight`]).
+    pub fn in_flight(mut self, n: usize) -> Self {
+        self.in_flight = n;
+        self
+    }
+
+    /// The most publish calls that were under way at once.
+    pub fn most_at_once(&self) -> usize {
+        self.most_at_once.load(Ordering::SeqCst)
     }
 
     /// Panics when handed an event of this type (a publisher bug).
@@ -97,7 +113,14 @@ impl Publisher for RecordingPublisher {
         &self.name
     }
 
+    fn max_in_flight(&self) -> usize {
+        self.in_flight.max(1)
+    }
+
     async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<Result<(), PublishError>> {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_at_once.fetch_max(now, Ordering::SeqCst);
+        let _running = Running(&self.running);
         if self.hanging.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
         }
@@ -139,5 +162,14 @@ impl Publisher for RecordingPublisher {
             }
         }
         out
+    }
+}
+
+/// Counts a publish call out when it ends (or is dropped).
+struct Running<'a>(&'a AtomicUsize);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }

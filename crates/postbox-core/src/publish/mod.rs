@@ -199,6 +199,17 @@ pub trait Publisher: Send + Sync + 'static {
         }
     }
 
+    /// How many batches the relay may have this publisher publish at once,
+    /// each from its own claim. 1, the default: a batch's confirmations are
+    /// all in before the next batch begins. A publisher whose target
+    /// confirms asynchronously (RabbitMQ) takes 2, so the target is never
+    /// idle while confirmations travel. Batches in flight together may
+    /// reach the target in either order; ordering per aggregate holds
+    /// regardless (an aggregate never has two events in flight).
+    fn max_in_flight(&self) -> usize {
+        1
+    }
+
     /// Whether the publisher holds a live connection to its target right
     /// now: `None` when it cannot tell (a file, HTTP requests). A
     /// publisher with failover targets switches on this.

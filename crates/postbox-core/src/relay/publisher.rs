@@ -9,7 +9,10 @@
 //! ```
 //!
 //! A lane is one publisher's task with a queue of [`LANE_QUEUE`] batches,
-//! so each publisher goes at its own pace (SPEC §3, isolation). A batch's
+//! so each publisher goes at its own pace (SPEC §3, isolation). It
+//! publishes one batch at a time, or as many as its publisher takes at once
+//! ([`Publisher::max_in_flight`]: RabbitMQ's next batch goes out while the
+//! confirms of the last are on their way). A batch's
 //! rows go to every lane that needs them and has room. A lane that is full
 //! (its publisher is behind: slow, or hung until its timeouts) does not
 //! take them: those rows are *deferred* for it, no attempt counted
@@ -673,33 +676,58 @@ struct Pace {
     held_rows: usize,
     /// Until when the rows deferred so far are expected to keep it busy.
     booked_until: Option<Instant>,
-    /// The publish under way: when it started, and its rows.
-    running: Option<(Instant, usize)>,
+    /// The publishes under way: when each started, and its rows.
+    running: Vec<(Instant, usize)>,
 }
 
 impl Pace {
     /// Seconds per row: the average, or before the first publish ended,
-    /// what the one under way has taken so far (a lower bound).
+    /// what the oldest one under way has taken so far (a lower bound).
     fn per_row_estimate(&self, now: Instant) -> Option<f64> {
         self.per_row.or_else(|| {
-            self.running
-                .map(|(since, rows)| now.duration_since(since).as_secs_f64() / rows.max(1) as f64)
+            (self.running.first())
+                .map(|&(since, rows)| now.duration_since(since).as_secs_f64() / rows.max(1) as f64)
         })
     }
 
-    /// How long until the publish under way is expected to end (and so
-    /// a full lane to have room): its expected time left, or before the
-    /// first publish ended, as long again as it has taken so far.
+    /// How long until a publish under way is expected to end (and so a
+    /// full lane to have room): the soonest expected time left, or before
+    /// the first publish ended, as long again as the oldest has taken so
+    /// far. Publishes that overlap share the lane's pace.
     fn room_in(&self, now: Instant) -> Duration {
-        let Some((since, rows)) = self.running else {
-            return Duration::ZERO;
-        };
-        let taken = now.duration_since(since);
-        match self.per_row {
-            Some(per_row) => {
-                Duration::from_secs_f64((per_row * rows as f64).min(3600.0)).saturating_sub(taken)
+        let overlapping = self.running.len() as f64;
+        let left = |&(since, rows): &(Instant, usize)| {
+            let taken = now.duration_since(since);
+            match self.per_row {
+                Some(per_row) => {
+                    Duration::from_secs_f64((per_row * rows as f64 * overlapping).min(3600.0))
+                        .saturating_sub(taken)
+                }
+                None => taken,
             }
-            None => taken,
+        };
+        self.running
+            .iter()
+            .map(left)
+            .min()
+            .unwrap_or(Duration::ZERO)
+    }
+
+    /// Starts counting a publish of `rows`.
+    fn start(&mut self, started: Instant, rows: usize) {
+        self.running.push((started, rows));
+    }
+
+    /// Ends the publish [`start`](Pace::start)ed at `started`; when some
+    /// of it confirmed, it counts towards the lane's pace, shared with the
+    /// publishes it overlapped at the end.
+    fn end(&mut self, started: Instant, rows: usize, confirmed: bool) {
+        let overlapping = self.running.len().max(1);
+        if let Some(k) = self.running.iter().position(|&r| r == (started, rows)) {
+            self.running.swap_remove(k);
+        }
+        if confirmed {
+            self.record(rows, started.elapsed() / overlapping as u32);
         }
     }
 
@@ -729,7 +757,9 @@ impl Pace {
     }
 }
 
-/// The task behind one lane: publishes its jobs in order.
+/// The task behind one lane: starts its jobs in order, as many at once as
+/// its publisher takes ([`Publisher::max_in_flight`]), and answers each as
+/// it ends.
 struct LaneWorker {
     publisher: Arc<dyn Publisher>,
     breaker: Breaker,
@@ -745,19 +775,32 @@ impl LaneWorker {
     }
 
     async fn run(self, mut queue: mpsc::Receiver<Job>) {
-        while let Some(job) = queue.recv().await {
-            let Job {
-                events,
-                todo,
-                claimed_at,
-                answer,
-            } = job;
-            let answered = self.publish(&events, &todo, claimed_at).await;
-            // The rows go back to the stage whole: this lane's share of
-            // them is dropped before it answers.
-            drop(events);
-            let _ = answer.send(answered);
+        let mut running = FuturesUnordered::new();
+        let mut open = true;
+        while open || !running.is_empty() {
+            let room = running.len() < self.publisher.max_in_flight().max(1);
+            tokio::select! {
+                job = queue.recv(), if open && room => match job {
+                    Some(job) => running.push(self.serve(job)),
+                    None => open = false,
+                },
+                Some(()) = running.next(), if !running.is_empty() => {}
+            }
         }
+    }
+
+    async fn serve(&self, job: Job) {
+        let Job {
+            events,
+            todo,
+            claimed_at,
+            answer,
+        } = job;
+        let answered = self.publish(&events, &todo, claimed_at).await;
+        // The rows go back to the stage whole: this lane's share of them
+        // is dropped before it answers.
+        drop(events);
+        let _ = answer.send(answered);
     }
 
     async fn publish(
@@ -784,26 +827,23 @@ impl LaneWorker {
         // mark reserve; results not in by then count as timed out.
         let deadline = tokio::time::Instant::from_std(claimed_at) + self.budget.publish_deadline();
         let started = Instant::now();
-        self.pace().running = Some((started, deliveries.len()));
+        self.pace().start(started, deliveries.len());
         let published =
             std::panic::AssertUnwindSafe(publish_bounded(p, &deliveries, self.timeout, deadline))
                 .catch_unwind()
                 .await;
         let rows = deliveries.len();
         drop(deliveries);
-        let mut pace = self.pace();
-        pace.running = None;
+        // A publish that confirmed nothing (timeouts, a target that is
+        // down) says nothing about the publisher's pace.
+        let confirmed = matches!(&published, Ok(results) if results.iter().any(Result::is_ok));
+        self.pace().end(started, rows, confirmed);
         match published {
             Ok(results) => {
                 if let Some(spans) = spans {
                     spans.end(&results);
                 }
                 trip_or_reset(p.name(), &self.breaker, &results);
-                // A publish that confirmed nothing (timeouts, a target
-                // that is down) says nothing about the publisher's pace.
-                if results.iter().any(Result::is_ok) {
-                    pace.record(rows, started.elapsed());
-                }
                 Answer::Published(results)
             }
             Err(panic) => Answer::Panicked(panic),

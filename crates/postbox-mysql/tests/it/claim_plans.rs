@@ -164,6 +164,14 @@ async fn a_mark_on_the_relays_connections_is_one_statement() {
         ids.push(id.to_string());
     }
     drop((a, b));
+    let counting: i64 = sqlx::query_scalar("SELECT CAST(@@performance_schema AS SIGNED)")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        counting, 1,
+        "this test counts statements in performance_schema, which is off: turn it on in the server's config and restart it (scripts/test does)"
+    );
     let statements = async |name: &str| -> i64 {
         let sql = format!(
             "SELECT CAST(COALESCE(SUM(s.COUNT_STAR), 0) AS SIGNED) \

@@ -86,10 +86,12 @@ pub(super) enum OpenError {
     Other(String),
 }
 
-/// A live connection with its confirm-mode publishing channel.
+/// A live connection with its idle confirm-mode publishing channels.
 pub(super) struct Link {
     pub connection: Connection,
-    pub channel: Option<Channel>,
+    /// Channels with no batch in flight; a batch takes one (or opens one)
+    /// and gives it back once its confirms are in.
+    pub idle: Vec<Channel>,
     /// The broker's reason while it blocks the connection (resource alarm).
     pub blocked: Arc<Mutex<Option<String>>>,
     events: JoinHandle<()>,
@@ -212,7 +214,7 @@ impl Target {
         ));
         let mut link = Link {
             connection,
-            channel: None,
+            idle: Vec::new(),
             blocked,
             events,
         };
@@ -221,7 +223,7 @@ impl Target {
             .open_channel(&link.connection)
             .await
             .map_err(OpenError::Other)?;
-        link.channel = Some(channel);
+        link.idle.push(channel);
         Ok(link)
     }
 

@@ -11,7 +11,9 @@
 //!
 //! A batch is published in order and its confirms are awaited together;
 //! each event's result counts as soon as its confirm arrives, so under
-//! `publish_timeout` only events still unconfirmed time out. The
+//! `publish_timeout` only events still unconfirmed time out. The relay
+//! has two batches in flight at a time, each on a channel of its own: the
+//! next batch is sent while the last one's confirms are on their way. The
 //! connection lives in a session task of its own ([`session`]) that
 //! reconnects with backoff and jitter after the broker or the network drops
 //! it (lapin itself does not reconnect); publishes meanwhile fail and their
@@ -186,6 +188,12 @@ impl Publisher for RabbitMqPublisher {
 
     fn connected(&self) -> Option<bool> {
         Some(self.connected.load(Ordering::Relaxed))
+    }
+
+    /// Two: the broker stores and confirms one batch while the next is
+    /// sent (see [`session`]).
+    fn max_in_flight(&self) -> usize {
+        2
     }
 
     async fn close(&self) {

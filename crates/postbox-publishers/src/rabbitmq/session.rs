@@ -1,13 +1,19 @@
-//! The task that owns the connection: publishes batches one at a time,
-//! awaits their confirms together, and reconnects with backoff.
+//! The task that owns the connection: publishes each batch on a channel of
+//! its own, awaits the batch's confirms together, and reconnects with
+//! backoff. Batches that come while others await their confirms start at
+//! once on other channels (the relay sends two at a time: the broker is
+//! never idle while confirms travel); a channel is reused once its batch
+//! is done.
 //!
 //! Callers talk to it through a queue and a reply channel on which each
 //! message's result comes as soon as its confirm does, so a caller that
 //! gives up (the relay's `publish_timeout` drops its future) keeps the
 //! results that came and never leaves a connection half-updated: the
 //! session sees the reply channel close, stops waiting, and retires the
-//! channel so late confirms of the abandoned batch can never be mistaken
-//! for the next batch's.
+//! channel, so late confirms and returns of the abandoned batch can never
+//! be mistaken for a later batch's. A channel has one batch at a time
+//! because lapin hands a returned message to whichever confirm of the
+//! channel it resolves next.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -17,7 +23,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use futures::future::poll_fn;
+use futures::future::{poll_fn, BoxFuture};
+use futures::stream::{FuturesUnordered, StreamExt};
 use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
 use lapin::Channel;
@@ -53,6 +60,9 @@ pub(super) enum Request {
 pub(super) struct Session {
     target: Arc<Target>,
     link: Option<Link>,
+    /// Counts the links: a batch's channel belongs to `link` only when
+    /// the batch started on this one.
+    generation: u64,
     /// Whether `link` is up, for [`super::RabbitMqPublisher`]'s `connected`.
     connected: Arc<AtomicBool>,
     /// Consecutive failed connection attempts.
@@ -68,6 +78,7 @@ impl Session {
         Session {
             target,
             link: Some(link),
+            generation: 0,
             connected,
             failures: 0,
             next_attempt: Instant::now(),
@@ -75,34 +86,47 @@ impl Session {
         }
     }
 
-    /// Serves requests until `Close` or until every sender is gone.
+    /// Serves requests until `Close` or until every sender is gone; the
+    /// batches in flight then end first.
     pub async fn run(mut self, mut requests: mpsc::Receiver<Request>) {
         let mut health = tokio::time::interval(HEALTH_CHECK);
         health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
+        let mut in_flight: FuturesUnordered<BoxFuture<'static, Done>> = FuturesUnordered::new();
+        let done = loop {
             let disconnected = self.link.is_none();
             tokio::select! {
                 request = requests.recv() => match request {
-                    Some(Request::Publish { messages, reply }) => self.publish(messages, reply).await,
-                    Some(Request::Close { done }) => {
-                        self.close().await;
-                        let _ = done.send(());
-                        return;
+                    Some(Request::Publish { messages, reply }) => {
+                        if let Some(batch) = self.publish(messages, reply).await {
+                            in_flight.push(batch);
+                        }
                     }
-                    None => {
-                        self.close().await;
-                        return;
-                    }
+                    Some(Request::Close { done }) => break Some(done),
+                    None => break None,
                 },
+                Some(batch) = in_flight.next(), if !in_flight.is_empty() => self.finish(batch),
                 _ = tokio::time::sleep_until(self.next_attempt), if disconnected => self.reconnect().await,
                 _ = health.tick() => self.check_health(),
             }
+        };
+        while let Some(batch) = in_flight.next().await {
+            self.finish(batch);
+        }
+        self.close().await;
+        if let Some(done) = done {
+            let _ = done.send(());
         }
     }
 
-    async fn publish(&mut self, messages: Vec<Result<Outgoing, String>>, reply: Reply) {
+    /// Starts a batch on a channel of its own: the future sends it and
+    /// awaits its confirms ([`Session::finish`] takes its end).
+    async fn publish(
+        &mut self,
+        messages: Vec<Result<Outgoing, String>>,
+        reply: Reply,
+    ) -> Option<BoxFuture<'static, Done>> {
         if reply.is_closed() {
-            return; // the caller gave up while this waited in the queue
+            return None; // the caller gave up while this waited in the queue
         }
         let channel = match self.ready_channel().await {
             Ok(channel) => channel,
@@ -114,38 +138,71 @@ impl Session {
                     };
                     let _ = reply.send((i, Err(PublishError::failed(why))));
                 }
-                return;
+                return None;
             }
         };
-        let outcome = tokio::select! {
-            biased;
-            sent = send_and_confirm(&channel, &self.target, &messages, &reply) => Some(sent),
-            _ = reply.closed() => None,
-        };
-        let Some(sent) = outcome else {
+        let target = self.target.clone();
+        let generation = self.generation;
+        Some(Box::pin(async move {
+            let mut messages = messages;
+            let sent = tokio::select! {
+                biased;
+                sent = send_and_confirm(&channel, &target, &mut messages, &reply) => Some(sent),
+                _ = reply.closed() => None,
+            };
+            Done {
+                channel,
+                generation,
+                sent,
+            }
+        }))
+    }
+
+    /// What a batch's end says about its channel: back to the idle ones,
+    /// retired, or the connection lost.
+    fn finish(&mut self, batch: Done) {
+        let Done {
+            channel,
+            generation,
+            sent,
+        } = batch;
+        if generation != self.generation || self.link.is_none() {
+            // Its connection was replaced meanwhile.
+            return retire(&self.target.name, channel, "its connection was replaced");
+        }
+        match sent {
             // The relay stopped waiting (its publish_timeout, or shutdown).
             // What was sent may still be confirmed and routed: the rows are
             // retried, so a consumer may see those events twice.
-            self.retire_channel("a publish was abandoned before all confirms arrived");
-            return;
-        };
-        match sent {
-            Sent {
+            None => retire(
+                &self.target.name,
+                channel,
+                "a publish was abandoned before all confirms arrived",
+            ),
+            Some(Sent {
                 broken: Some(reason),
                 ..
-            } => self.lose_channel(&reason),
+            }) => self.lose_channel(channel, &reason),
             // A channel whose messages a queue refused may hold a stale
             // view of it: a quorum queue whose leader moved while the
             // channel was opened (RabbitMQ 3.10 nacks every later message
             // of that channel). The next batch gets a fresh channel.
-            Sent { nacked: true, .. } => {
-                self.retire_channel("the broker nacked messages on this channel")
+            Some(Sent { nacked: true, .. }) => retire(
+                &self.target.name,
+                channel,
+                "the broker nacked messages on this channel",
+            ),
+            Some(Sent { .. }) => {
+                if let Some(link) = &mut self.link {
+                    if channel.status().connected() {
+                        link.idle.push(channel);
+                    }
+                }
             }
-            Sent { .. } => {}
         }
     }
 
-    /// The publishing channel, reconnecting or reopening it when needed.
+    /// An idle publishing channel, or a new one, reconnecting when needed.
     async fn ready_channel(&mut self) -> Result<Channel, String> {
         self.check_health();
         if self.link.is_none() && Instant::now() >= self.next_attempt {
@@ -170,14 +227,13 @@ impl Session {
                 "the broker blocks publishing on this connection ({reason}); the event is retried once the alarm clears"
             ));
         }
-        if let Some(channel) = link.channel.as_ref().filter(|c| c.status().connected()) {
-            return Ok(channel.clone());
+        while let Some(channel) = link.idle.pop() {
+            if channel.status().connected() {
+                return Ok(channel);
+            }
         }
         match timeout(CONNECT_TIMEOUT, self.target.open_channel(&link.connection)).await {
-            Ok(Ok(channel)) => {
-                link.channel = Some(channel.clone());
-                Ok(channel)
-            }
+            Ok(Ok(channel)) => Ok(channel),
             Ok(Err(reason)) => {
                 self.lose_connection(&reason);
                 Err(reason)
@@ -208,6 +264,7 @@ impl Session {
                     "reconnected to RabbitMQ"
                 );
                 self.link = Some(link);
+                self.generation += 1;
                 self.connected.store(true, Ordering::Relaxed);
                 self.failures = 0;
             }
@@ -246,29 +303,14 @@ impl Session {
     }
 
     /// After a failed publish: a dead connection is replaced, a channel the
-    /// broker closed (e.g. a deleted exchange) is reopened.
-    fn lose_channel(&mut self, reason: &str) {
+    /// broker closed (e.g. a deleted exchange) is not used again.
+    fn lose_channel(&mut self, channel: Channel, reason: &str) {
         match &self.link {
-            Some(link) if link.connection.status().connected() => self.retire_channel(reason),
+            Some(link) if link.connection.status().connected() => {
+                retire(&self.target.name, channel, reason)
+            }
             _ => self.lose_connection(reason),
         }
-    }
-
-    /// Closes the publishing channel in the background; the next publish
-    /// opens a new one. Closing waits for the broker (a blocked connection
-    /// sends nothing until the alarm clears), so nothing here blocks.
-    fn retire_channel(&mut self, reason: &str) {
-        let Some(channel) = self.link.as_mut().and_then(|l| l.channel.take()) else {
-            return;
-        };
-        tracing::debug!(publisher = %self.target.name, %reason, "retiring the publishing channel");
-        tokio::spawn(async move {
-            let _ = timeout(
-                CLOSE_TIMEOUT,
-                channel.close(200, "postbox: channel retired".into()),
-            )
-            .await;
-        });
     }
 
     fn lose_connection(&mut self, reason: &str) {
@@ -294,14 +336,15 @@ impl Session {
     }
 }
 
-/// Publishes every message in order (each `basic.publish` only waits for
-/// its frames to be written), then awaits all confirms together, sending
+/// Publishes every message, queued in order at once (each `basic.publish`
+/// only waits for its frames to be written), then awaits all confirms
+/// together, sending
 /// each message's result on `reply` as soon as its confirm arrives. Says
 /// whether the channel or connection broke, and whether the broker nacked.
 async fn send_and_confirm(
     channel: &Channel,
     target: &Target,
-    messages: &[Result<Outgoing, String>],
+    messages: &mut [Result<Outgoing, String>],
     reply: &Reply,
 ) -> Sent {
     let mandatory = BasicPublishOptions {
@@ -311,37 +354,51 @@ async fn send_and_confirm(
     let fail = |i: usize, reason: &str| {
         let _ = reply.send((i, Err(PublishError::failed(reason))));
     };
-    let mut pending = Vec::with_capacity(messages.len());
     let mut broken: Option<String> = None;
     let mut nacked = false;
-    for (i, m) in messages.iter().enumerate() {
-        let m = match m {
-            Ok(m) => m,
-            Err(reason) => {
-                fail(i, reason);
-                continue;
-            }
-        };
-        if let Some(reason) = &broken {
-            fail(i, reason);
-            continue;
+    // Every publish at once: lapin queues a message's frames on the first
+    // poll of its `basic_publish` (polled here in batch order) and answers
+    // once its IO loop wrote them, so its IO thread writes the batch in a
+    // few large writes and this task wakes a few times, not once per
+    // message.
+    let mut sends = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter_mut().enumerate() {
+        match m {
+            Ok(m) => sends.push((
+                i,
+                futures::future::maybe_done(Box::pin(channel.basic_publish(
+                    target.exchange.clone(),
+                    m.routing_key.clone(),
+                    mandatory,
+                    &m.body,
+                    std::mem::take(&mut m.properties),
+                ))),
+            )),
+            Err(reason) => fail(i, reason),
         }
-        match channel
-            .basic_publish(
-                target.exchange.clone(),
-                m.routing_key.clone(),
-                mandatory,
-                &m.body,
-                m.properties.clone(),
-            )
-            .await
-        {
-            Ok(confirm) => pending.push((i, confirm)),
-            Err(e) => {
+    }
+    poll_fn(|cx| {
+        let mut done = true;
+        for (_, send) in &mut sends {
+            done &= Pin::new(send).poll(cx).is_ready();
+        }
+        if done {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    let mut pending = Vec::with_capacity(sends.len());
+    for (i, mut send) in sends {
+        match Pin::new(&mut send).take_output() {
+            Some(Ok(confirm)) => pending.push((i, confirm)),
+            Some(Err(e)) => {
                 let reason = target.describe("publishing", &e);
                 fail(i, &reason);
-                broken = Some(reason);
+                broken.get_or_insert(reason);
             }
+            None => unreachable!("every publish was polled to its end"),
         }
     }
 
@@ -406,6 +463,32 @@ async fn send_and_confirm(
         }
     }
     Sent { broken, nacked }
+}
+
+/// Closes a publishing channel in the background; it is not used again.
+/// Closing waits for the broker (a blocked connection sends nothing until
+/// the alarm clears), so nothing here blocks.
+fn retire(publisher: &str, channel: Channel, reason: &str) {
+    tracing::debug!(publisher, %reason, "retiring a publishing channel");
+    if !channel.status().connected() {
+        return;
+    }
+    tokio::spawn(async move {
+        let _ = timeout(
+            CLOSE_TIMEOUT,
+            channel.close(200, "postbox: channel retired".into()),
+        )
+        .await;
+    });
+}
+
+/// A batch whose sending ended, with the channel it took.
+struct Done {
+    channel: Channel,
+    /// The session's `generation` when the batch started.
+    generation: u64,
+    /// `None`: the caller stopped waiting first.
+    sent: Option<Sent>,
 }
 
 /// How a batch's sending ended.

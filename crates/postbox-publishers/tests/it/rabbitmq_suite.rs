@@ -320,3 +320,93 @@ async fn publish_each_keeps_the_confirms_that_came_before_the_deadline() {
     }
     publisher.close().await;
 }
+
+/// Issue 12: the relay has two batches in flight on a RabbitMQ publisher
+/// (`max_in_flight`): the second is sent while the first one's confirms
+/// are still on their way, on a channel of its own. Here the broker's
+/// confirms are held back for good: both batches reach the queue all the
+/// same, long before the first one's publish times out. One batch at a
+/// time, the second would wait out the first's 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_batch_goes_out_while_the_first_awaits_its_confirms() {
+    let _broker = broker_shared().await;
+    let target = scratch_exchange("inflight", "#").await;
+    let (exchange, inbox) = (&target.name, &target.inbox);
+    let proxy = ConfirmProxy::start(0).await;
+    let mut config = config(exchange, "{event_type}", false);
+    config.url = SecretUrl::new(proxy.url.clone());
+    let publisher = RabbitMqPublisher::connect(&config).await.unwrap();
+    assert_eq!(publisher.max_in_flight(), 2);
+
+    let events = sample_events("room", 40);
+    let (first, second) = events.split_at(20);
+    let first: Vec<Delivery<'_>> = first.iter().map(Delivery::of).collect();
+    let second: Vec<Delivery<'_>> = second.iter().map(Delivery::of).collect();
+    let timeout = Duration::from_secs(30);
+    let (first_results, second_results) = (PublishResults::new(20), PublishResults::new(20));
+    let publishes = async {
+        tokio::join!(
+            publisher.publish_each(&first, timeout, &first_results),
+            async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                publisher
+                    .publish_each(&second, timeout, &second_results)
+                    .await
+            }
+        )
+    };
+    tokio::select! {
+        _ = publishes => panic!("the batches ended although the broker confirmed nothing"),
+        got = inbox.wait_for(40, Duration::from_secs(10)) => {
+            assert_eq!(got.len(), 40, "both batches reached the queue unconfirmed: {got:?}");
+        }
+    }
+    publisher.close().await;
+}
+
+/// Batches in flight together each get their own results: lapin hands a
+/// returned (unroutable) message to whichever confirm of its channel it
+/// resolves next, so each batch has a channel to itself and a return never
+/// fails an event of the other batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_in_flight_together_keep_their_own_returns() {
+    let _broker = broker_shared().await;
+    let target = scratch_exchange("together", "RoomCreated").await;
+    let (exchange, inbox) = (&target.name, &target.inbox);
+    let publisher = publisher_to(exchange).await;
+    let timeout = Duration::from_secs(10);
+    let mut routed = 0;
+    for _ in 0..5 {
+        let events = sample_events("room", 60); // RoomCreated, UserJoined, GiftSent, …
+        let (first, second) = events.split_at(30);
+        let first: Vec<Delivery<'_>> = first.iter().map(Delivery::of).collect();
+        let second: Vec<Delivery<'_>> = second.iter().map(Delivery::of).collect();
+        let (first_results, second_results) = (PublishResults::new(30), PublishResults::new(30));
+        tokio::join!(
+            publisher.publish_each(&first, timeout, &first_results),
+            publisher.publish_each(&second, timeout, &second_results),
+        );
+        let results = [first_results, second_results]
+            .into_iter()
+            .flat_map(|r| r.into_results(timeout));
+        for (e, r) in events.iter().zip(results) {
+            if e.event_type == "RoomCreated" {
+                assert_eq!(r, Ok(()), "{}", e.event_id);
+                routed += 1;
+            } else {
+                let err = r.unwrap_err().to_string();
+                assert!(
+                    err.starts_with(&format!(
+                        "unroutable: exchange {exchange}, routing key {}",
+                        e.event_type
+                    )),
+                    "{}: {err}",
+                    e.event_id
+                );
+            }
+        }
+    }
+    let got = inbox.wait_for(routed, Duration::from_secs(10)).await;
+    assert_eq!(got.len(), routed);
+    publisher.close().await;
+}
