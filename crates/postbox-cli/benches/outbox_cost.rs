@@ -122,6 +122,8 @@ const NO_PROGRESS: Duration = Duration::from_secs(120);
 /// The payload of every loaded row: ~100 bytes of JSON (`n` = row number).
 const PAD: &str = "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx";
 const PLAIN_INSERT_PG: &str = include_str!("../../../docs/plain-insert.postgres.sql");
+const IN_THE_CHANGE_PG: &str =
+    include_str!("../../../docs/plain-insert-in-the-change.postgres.sql");
 const PLAIN_INSERT_MYSQL: &str = include_str!("../../../docs/plain-insert.mysql.sql");
 /// The database the latency section has to itself.
 const IDLE_DB: &str = "postbox_bench_idle";
@@ -1613,15 +1615,26 @@ enum Variant {
     /// Plus an INSERT into the minimal table of the drain section: what any
     /// outbox row costs, for reference.
     MinimalInsert,
+    /// The business statement writes the outbox row itself
+    /// (`docs/plain-insert-in-the-change.postgres.sql`: one data-modifying
+    /// CTE, no round trip added). PostgreSQL only.
+    InTheChange,
 }
 
 impl Variant {
-    const ALL: [Variant; 4] = [
-        Variant::Business,
-        Variant::Enqueue,
-        Variant::PlainInsert,
-        Variant::MinimalInsert,
-    ];
+    /// The variants `db` runs.
+    fn of(db: Db) -> Vec<Variant> {
+        let mut all = vec![
+            Variant::Business,
+            Variant::Enqueue,
+            Variant::PlainInsert,
+            Variant::MinimalInsert,
+        ];
+        if db == Db::Postgres {
+            all.push(Variant::InTheChange);
+        }
+        all
+    }
 
     fn label(self) -> &'static str {
         match self {
@@ -1629,6 +1642,7 @@ impl Variant {
             Variant::Enqueue => "+enqueue",
             Variant::PlainInsert => "+plain INSERT",
             Variant::MinimalInsert => "+minimal INSERT",
+            Variant::InTheChange => "one statement",
         }
     }
 }
@@ -1641,6 +1655,8 @@ struct ProducerSql {
     plain_insert: String,
     /// `(app_code, event_id, event_type, payload)` into the minimal table.
     minimal_insert: String,
+    /// The business statement with the outbox row in it (PostgreSQL).
+    in_the_change: String,
 }
 
 impl ProducerSql {
@@ -1656,6 +1672,10 @@ impl ProducerSql {
             minimal_insert: format!(
                 "INSERT INTO {minimal} (app_code, event_id, event_type, payload) VALUES ({p1}, {p2}, {p3}, {p4})"
             ),
+            in_the_change: IN_THE_CHANGE_PG
+                .trim()
+                .replace("room_outbox", table)
+                .replace("accounts", accounts),
         }
     }
 }
@@ -1685,13 +1705,27 @@ macro_rules! business_transaction {
         let (k, version) = ($k, $version);
         let aggregate = format!("acct-{k}");
         let mut tx = $pool.begin().await.expect("begin");
-        sqlx::query(&$sql.update)
-            .bind(k)
-            .execute(&mut *tx)
-            .await
-            .expect("business update");
+        if $variant != Variant::InTheChange {
+            sqlx::query(&$sql.update)
+                .bind(k)
+                .execute(&mut *tx)
+                .await
+                .expect("business update");
+        }
         match $variant {
             Variant::Business => {}
+            Variant::InTheChange => {
+                sqlx::query(&$sql.in_the_change)
+                    .bind(k)
+                    .bind(APP)
+                    .bind(new_event_id())
+                    .bind("BalanceChanged")
+                    .bind(account_payload(k, version))
+                    .bind(None::<String>)
+                    .execute(&mut *tx)
+                    .await
+                    .expect("business update with its outbox row");
+            }
             Variant::Enqueue => {
                 let event = NewEvent::new(APP, "BalanceChanged", account_payload(k, version))
                     .aggregate(aggregate, version);
@@ -1785,15 +1819,16 @@ async fn produce(
 async fn producer_run(
     producer: &Producer,
     sql: &ProducerSql,
+    variants: &[Variant],
     first: usize,
     accounts: &mut Accounts,
 ) -> HashMap<Variant, f64> {
-    let mut order = Variant::ALL;
-    order.rotate_left(first % Variant::ALL.len());
+    let mut order = variants.to_vec();
+    order.rotate_left(first % variants.len());
     let mut spent: HashMap<Variant, (u64, Duration)> = HashMap::new();
     loop {
         let mut ran = false;
-        for v in order {
+        for &v in &order {
             let (n, t) = spent.entry(v).or_default();
             if *n >= PRODUCER_TX || *t >= PRODUCER_TIME {
                 continue;
@@ -1860,16 +1895,23 @@ async fn producer_section(db: Db, runs: usize) {
         next: 0,
         versions: vec![0; ACCOUNTS as usize],
     };
+    let variants = Variant::of(db);
     // Warm-up: the connection, prepared statements, caches.
-    for v in Variant::ALL {
+    for &v in &variants {
         produce(&producer, &sql, v, 300, &mut acc).await;
     }
     let mut rates: HashMap<Variant, Vec<f64>> = HashMap::new();
     let mut ratios: HashMap<Variant, Vec<f64>> = HashMap::new();
+    let in_the_change = variants.contains(&Variant::InTheChange);
     let overheads = |rate: &dyn Fn(Variant) -> f64| {
         let b = rate(Variant::Business);
+        let one = if in_the_change {
+            format!(", one statement {:.3}", b / rate(Variant::InTheChange))
+        } else {
+            String::new()
+        };
         format!(
-            "enqueue {:.3}, plain INSERT {:.3} (minimal INSERT {:.3})",
+            "enqueue {:.3}, plain INSERT {:.3}{one} (minimal INSERT {:.3})",
             b / rate(Variant::Enqueue),
             b / rate(Variant::PlainInsert),
             b / rate(Variant::MinimalInsert)
@@ -1877,8 +1919,8 @@ async fn producer_section(db: Db, runs: usize) {
     };
     for run in 1..=runs {
         // Each run starts with another variant.
-        let this = producer_run(&producer, &sql, run - 1, &mut acc).await;
-        for v in Variant::ALL {
+        let this = producer_run(&producer, &sql, &variants, run - 1, &mut acc).await;
+        for &v in &variants {
             rates.entry(v).or_default().push(this[&v]);
             ratios
                 .entry(v)
@@ -1886,13 +1928,13 @@ async fn producer_section(db: Db, runs: usize) {
                 .push(this[&Variant::Business] / this[&v]);
         }
         let mut line = format!("run {run}:");
-        for v in Variant::ALL {
+        for &v in &variants {
             line.push_str(&format!("  {} {:>5.0} tx/s", v.label(), this[&v]));
         }
         println!("{line}  | overhead {}", overheads(&|v| this[&v]));
     }
     let med = |v: Variant| median(&rates[&v]);
-    let line: Vec<String> = Variant::ALL
+    let line: Vec<String> = variants
         .iter()
         .map(|&v| format!("{} {:.0} tx/s", v.label(), med(v)))
         .collect();
@@ -1903,10 +1945,8 @@ async fn producer_section(db: Db, runs: usize) {
     );
     let of = |v: Variant| median(&ratios[&v]);
     println!(
-        "producer overhead, median of the runs' own ratios: enqueue {:.3}, plain INSERT {:.3} (minimal INSERT {:.3})",
-        of(Variant::Enqueue),
-        of(Variant::PlainInsert),
-        of(Variant::MinimalInsert)
+        "producer overhead, median of the runs' own ratios: {}",
+        overheads(&|v| 1.0 / of(v))
     );
     match producer {
         Producer::Pg(pool, _) => pool.close().await,

@@ -173,3 +173,58 @@ async fn a_replay_elsewhere_wakes_an_idle_relay() {
     })
     .await;
 }
+
+/// The README's one-statement form (`docs/plain-insert-in-the-change.postgres.sql`,
+/// exactly): the business UPDATE and its outbox row in one data-modifying
+/// CTE. The trigger fires for the CTE's INSERT too, so an idle relay wakes;
+/// the row's version is the one the UPDATE wrote; an UPDATE that changes
+/// nothing writes no event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outbox_row_written_by_the_business_statement_wakes_the_relay() {
+    let store = outbox().await;
+    let (pool, table) = (store.pool().clone(), store.table().as_str().to_owned());
+    let accounts = format!("{table}_accounts");
+    for sql in [
+        format!("CREATE TABLE {accounts} (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL, version BIGINT NOT NULL)"),
+        format!("INSERT INTO {accounts} VALUES (7, 100, 4)"),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    }
+    let statement = include_str!("../../../../docs/plain-insert-in-the-change.postgres.sql")
+        .replace("room_outbox", &table)
+        .replace("accounts", &accounts);
+    let change = async |account: i64, event_id: &str| {
+        let mut tx = pool.begin().await.expect("begin");
+        let written = sqlx::query(&statement)
+            .bind(account)
+            .bind("wake")
+            .bind(event_id)
+            .bind("BalanceChanged")
+            .bind(r#"{"delta":1}"#)
+            .bind(None::<String>)
+            .execute(&mut *tx)
+            .await
+            .expect("the one statement")
+            .rows_affected();
+        tx.commit().await.expect("commit");
+        written
+    };
+    let store = Arc::new(store);
+    wake::an_idle_relay_wakes_for(store.clone(), "wake", async {
+        assert_eq!(change(7, "in-the-change-1").await, 1);
+        "in-the-change-1".to_owned()
+    })
+    .await;
+    let rows = store.find("in-the-change-1").await.unwrap();
+    assert_eq!(
+        (rows[0].aggregate_id.as_deref(), rows[0].aggregate_version),
+        (Some("acct-7"), Some(5)),
+        "the version the UPDATE wrote"
+    );
+    assert_eq!(change(8, "in-the-change-2").await, 0, "no account 8");
+    assert!(store.find("in-the-change-2").await.unwrap().is_empty());
+    sqlx::query(&format!("DROP TABLE {accounts}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
