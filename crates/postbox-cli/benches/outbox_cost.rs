@@ -94,8 +94,8 @@ use lapin::options::{
 };
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use postbox_core::config::{
-    FilePublisherConfig, HumanDuration, RabbitMqPublisherConfig, RelaySettings, WakeMode,
-    WorkerConfig,
+    FilePublisherConfig, HumanDuration, NatsPublisherConfig, RabbitMqPublisherConfig,
+    RelaySettings, WakeMode, WorkerConfig,
 };
 use postbox_core::event::new_event_id;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
@@ -106,6 +106,7 @@ use postbox_core::{ClaimSource, NewEvent, Publisher};
 use postbox_mysql::MySqlOutbox;
 use postbox_postgres::PgOutbox;
 use postbox_publishers::file::FilePublisher;
+use postbox_publishers::nats::NatsPublisher;
 use postbox_publishers::rabbitmq::RabbitMqPublisher;
 use postbox_testkit::amqp::{bind_queue, declare_queue, declare_topic_exchange, Lifetime};
 use postbox_testkit::conformance::app_stats;
@@ -163,6 +164,7 @@ impl Db {
 enum Section {
     Drain,
     Rabbitmq,
+    Nats,
     Producer,
     Latency,
     Isolation,
@@ -178,8 +180,9 @@ impl Section {
             "latency" => Section::Latency,
             "isolation" => Section::Isolation,
             "history" => Section::History,
+            "nats" => Section::Nats,
             other => {
-                panic!("unknown section `{other}`: drain, rabbitmq, producer, latency, isolation or history")
+                panic!("unknown section `{other}`: drain, rabbitmq, nats, producer, latency, isolation or history")
             }
         }
     }
@@ -233,6 +236,9 @@ async fn main() {
     }
     if wanted(Section::Rabbitmq) {
         rabbitmq_section(db, rows.unwrap_or(50_000), runs).await;
+    }
+    if wanted(Section::Nats) {
+        nats_section(db, rows.unwrap_or(50_000), runs).await;
     }
     if wanted(Section::Producer) {
         producer_section(db, runs).await;
@@ -688,7 +694,12 @@ impl Minimal {
 
     /// Drains every row: claim → (publish) → mark, one batch after the
     /// other. Returns events/s and where the time went.
-    async fn drain(&self, rows: u64, batch: u32, broker: Option<&Broker>) -> (f64, String) {
+    async fn drain(
+        &self,
+        rows: u64,
+        batch: u32,
+        broker: Option<&dyn MinimalTarget>,
+    ) -> (f64, String) {
         let start = Instant::now();
         let (done, claiming, publishing, marking) = self.drain_as("minimal", batch, broker).await;
         let elapsed = start.elapsed();
@@ -708,7 +719,7 @@ impl Minimal {
         &self,
         worker: &str,
         batch: u32,
-        broker: Option<&Broker>,
+        broker: Option<&dyn MinimalTarget>,
     ) -> (u64, Duration, Duration, Duration) {
         let mut done = 0u64;
         let (mut claiming, mut publishing, mut marking) =
@@ -1155,7 +1166,7 @@ async fn drain_minimal(
     db: Db,
     rows: u64,
     batch: u32,
-    broker: Option<&Broker>,
+    broker: Option<&dyn MinimalTarget>,
     analysed: bool,
 ) -> Drained {
     let minimal = Minimal::create(db, rows, analysed).await;
@@ -1431,6 +1442,20 @@ struct Broker {
     queue: String,
 }
 
+/// Where the minimal loop publishes a batch (and awaits its
+/// confirmations) between its claim and its mark.
+#[async_trait]
+trait MinimalTarget: Sync {
+    async fn publish(&self, rows: &[MinimalRow]);
+}
+
+#[async_trait]
+impl MinimalTarget for Broker {
+    async fn publish(&self, rows: &[MinimalRow]) {
+        Broker::publish(self, rows).await
+    }
+}
+
 impl Broker {
     async fn declare() -> Broker {
         let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
@@ -1594,6 +1619,139 @@ async fn rabbitmq_section(db: Db, rows: u64, runs: usize) {
             pm / im
         );
     }
+}
+
+// ---------------------------------------------------------------------------
+// Section: NATS JetStream.
+
+/// A scratch JetStream stream (file storage) capturing `<subject>.>`.
+struct Stream {
+    js: async_nats::jetstream::Context,
+    name: String,
+    subject: String,
+}
+
+impl Stream {
+    async fn declare() -> Stream {
+        let client = async_nats::connect(postbox_testkit::servers::nats_url())
+            .await
+            .unwrap_or_else(|e| panic!("connect to NATS: {e}"));
+        let js = async_nats::jetstream::new(client);
+        let name = scratch_table("cost_s");
+        let subject = scratch_table("cost_subj");
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{subject}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create stream {name}: {e}"));
+        Stream { js, name, subject }
+    }
+
+    /// The postbox NATS publisher to this stream.
+    async fn postbox_publisher(&self) -> Arc<dyn Publisher> {
+        let mut config = NatsPublisherConfig::new(
+            SecretUrl::new(postbox_testkit::servers::nats_url()),
+            self.name.clone(),
+        );
+        config.name = Some("bench".to_owned());
+        config.subject =
+            postbox_core::template::Template::parse(&format!("{}.{{event_type}}", self.subject))
+                .expect("subject template");
+        Arc::new(
+            NatsPublisher::connect(&config)
+                .await
+                .expect("NATS publisher"),
+        )
+    }
+
+    /// How many messages the stream holds.
+    async fn held(&self) -> u64 {
+        let mut stream = self.js.get_stream(&self.name).await.expect("stream");
+        stream.info().await.expect("stream info").state.messages
+    }
+
+    async fn delete(self) {
+        self.js
+            .delete_stream(&self.name)
+            .await
+            .expect("delete stream");
+    }
+}
+
+#[async_trait]
+impl MinimalTarget for Stream {
+    /// Publishes every row (message id = event_id, for JetStream's
+    /// dedupe), then awaits every PubAck.
+    async fn publish(&self, rows: &[MinimalRow]) {
+        let mut acks = Vec::with_capacity(rows.len());
+        for r in rows {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", r.event_id.as_str());
+            let ack = self
+                .js
+                .publish_with_headers(
+                    format!("{}.{}", self.subject, r.event_type),
+                    headers,
+                    r.payload.clone().into(),
+                )
+                .await
+                .expect("publish");
+            acks.push(ack);
+        }
+        for ack in
+            futures::future::join_all(acks.into_iter().map(std::future::IntoFuture::into_future))
+                .await
+        {
+            ack.expect("PubAck");
+        }
+    }
+}
+
+async fn nats_section(db: Db, rows: u64, runs: usize) {
+    println!(
+        "\n== nats: {rows} rows, batch_size {RABBIT_BATCH}; minimal loop + async-nats vs relay + NATS publisher (JetStream, every PubAck awaited) =="
+    );
+    let (mut m, mut p) = (Vec::new(), Vec::new());
+    // A stream per drain: JetStream drops a message id it stored within
+    // its duplicate window, and each drain's rows have the same ids.
+    let one = |postbox: bool| async move {
+        let stream = Stream::declare().await;
+        let d = if postbox {
+            let publisher = stream.postbox_publisher().await;
+            drain_postbox(db, rows, RABBIT_BATCH, publisher).await
+        } else {
+            drain_minimal(db, rows, RABBIT_BATCH, Some(&stream), true).await
+        };
+        let held = stream.held().await;
+        assert!(held >= rows, "the stream held {held} of {rows} messages");
+        stream.delete().await;
+        d
+    };
+    for run in 1..=runs {
+        let (mr, pr) = if run % 2 == 1 {
+            let mr = one(false).await;
+            (mr, one(true).await)
+        } else {
+            let pr = one(true).await;
+            (one(false).await, pr)
+        };
+        println!(
+            "run {run}: minimal {:>8.0} events/s | postbox {:>8.0} events/s | postbox/minimal {:.2}   (minimal loop: {})",
+            mr.per_s,
+            pr.per_s,
+            pr.per_s / mr.per_s,
+            mr.split.as_deref().unwrap_or(""),
+        );
+        m.push(mr.per_s);
+        p.push(pr.per_s);
+    }
+    let (mm, pm) = (median(&m), median(&p));
+    println!(
+        "median: minimal {mm:.0} events/s, postbox {pm:.0} events/s, postbox/minimal = {:.2}",
+        pm / mm
+    );
 }
 
 // ---------------------------------------------------------------------------

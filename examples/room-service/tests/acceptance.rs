@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use postbox::store::{EventFilter, ReplaySelector};
 use postbox::Status;
-use postbox_testkit::consumer_fixtures::wait_until;
+use postbox_testkit::consumer_fixtures::{eventually, wait_until};
 use room_service::im::Faults;
 use serde_json::{json, Value};
 use stack::{all_delivered, log_lines, Options, Stack};
@@ -56,10 +56,18 @@ async fn normal(options: Options, rooms: &str) {
             "IM got {room}'s events in version order"
         );
     }
-    wait_until(
+    // On a timeout, say which events activity lacks and what it saw.
+    eventually(
         "activity handled every event",
         Duration::from_secs(30),
-        async || all.iter().all(|id| s.activity.has(id)),
+        async || {
+            let missing: Vec<&String> = all.iter().filter(|id| !s.activity.has(id)).collect();
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("missing {missing:?}; seen {:?}", s.activity.seen()))
+            }
+        },
     )
     .await;
     wait_until(

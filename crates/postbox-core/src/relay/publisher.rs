@@ -973,4 +973,25 @@ mod tests {
         pace.record(1, Duration::from_secs(3_000));
         assert_eq!(pace.defer(500, now, Duration::from_secs(1)), MAX_DEFER);
     }
+
+    #[test]
+    fn publishes_in_flight_together_share_the_lanes_pace() {
+        let mut pace = Pace::default();
+        let started = Instant::now() - Duration::from_millis(400);
+        pace.start(started, 100);
+        pace.start(started + Duration::from_millis(200), 100);
+        // Ending while the other still runs: its 400 ms were shared.
+        pace.end(started, 100, true);
+        let per_row = pace.per_row.expect("recorded");
+        assert!(
+            (0.0019..0.0025).contains(&per_row),
+            "about 2 ms a row, not 4: {per_row}"
+        );
+        // The one left is expected to end after its share of 100 rows.
+        let left = pace.room_in(Instant::now());
+        assert!(left <= Duration::from_millis(50), "{left:?}");
+        pace.end(started + Duration::from_millis(200), 100, false);
+        assert!(pace.running.is_empty());
+        assert_eq!(pace.room_in(Instant::now()), Duration::ZERO);
+    }
 }
