@@ -1442,6 +1442,38 @@ struct Broker {
     queue: String,
 }
 
+/// The rates of a section's runs, minimal loop and postbox side by side.
+#[derive(Default)]
+struct Pairs {
+    minimal: Vec<f64>,
+    postbox: Vec<f64>,
+}
+
+impl Pairs {
+    /// Prints and keeps one run's pair.
+    fn add(&mut self, run: usize, minimal: &Drained, postbox: &Drained) {
+        println!(
+            "run {run}: minimal {:>8.0} events/s | postbox {:>8.0} events/s | postbox/minimal {:.2}   (minimal loop: {})",
+            minimal.per_s,
+            postbox.per_s,
+            postbox.per_s / minimal.per_s,
+            minimal.split.as_deref().unwrap_or(""),
+        );
+        self.minimal.push(minimal.per_s);
+        self.postbox.push(postbox.per_s);
+    }
+
+    /// Prints the medians and their ratio; returns postbox's median.
+    fn medians(&self) -> f64 {
+        let (mm, pm) = (median(&self.minimal), median(&self.postbox));
+        println!(
+            "median: minimal {mm:.0} events/s, postbox {pm:.0} events/s, postbox/minimal = {:.2}",
+            pm / mm
+        );
+        pm
+    }
+}
+
 /// Where the minimal loop publishes a batch (and awaits its
 /// confirmations) between its claim and its mark.
 #[async_trait]
@@ -1557,7 +1589,7 @@ async fn rabbitmq_section(db: Db, rows: u64, runs: usize) {
         "\n== rabbitmq: {rows} rows, batch_size {RABBIT_BATCH}; minimal loop + lapin vs relay + RabbitMQ publisher (persistent, mandatory, confirms) =="
     );
     let broker = Broker::declare().await;
-    let (mut m, mut p, mut mi) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut pairs, mut mi) = (Pairs::default(), Vec::new());
     for run in 1..=runs {
         // `analysed`: the minimal loop's table (see the drain section).
         let one = |postbox: bool, analysed: bool| {
@@ -1596,22 +1628,10 @@ async fn rabbitmq_section(db: Db, rows: u64, runs: usize) {
             );
             mi.push(r.per_s);
         }
-        println!(
-            "run {run}: minimal {:>8.0} events/s | postbox {:>8.0} events/s | postbox/minimal {:.2}   (minimal loop: {})",
-            mr.per_s,
-            pr.per_s,
-            pr.per_s / mr.per_s,
-            mr.split.as_deref().unwrap_or(""),
-        );
-        m.push(mr.per_s);
-        p.push(pr.per_s);
+        pairs.add(run, &mr, &pr);
     }
     broker.delete().await;
-    let (mm, pm) = (median(&m), median(&p));
-    println!(
-        "median: minimal {mm:.0} events/s, postbox {pm:.0} events/s, postbox/minimal = {:.2}",
-        pm / mm
-    );
+    let pm = pairs.medians();
     if !mi.is_empty() {
         let im = median(&mi);
         println!(
@@ -1713,7 +1733,7 @@ async fn nats_section(db: Db, rows: u64, runs: usize) {
     println!(
         "\n== nats: {rows} rows, batch_size {RABBIT_BATCH}; minimal loop + async-nats vs relay + NATS publisher (JetStream, every PubAck awaited) =="
     );
-    let (mut m, mut p) = (Vec::new(), Vec::new());
+    let mut pairs = Pairs::default();
     // A stream per drain: JetStream drops a message id it stored within
     // its duplicate window, and each drain's rows have the same ids.
     let one = |postbox: bool| async move {
@@ -1737,21 +1757,9 @@ async fn nats_section(db: Db, rows: u64, runs: usize) {
             let pr = one(true).await;
             (one(false).await, pr)
         };
-        println!(
-            "run {run}: minimal {:>8.0} events/s | postbox {:>8.0} events/s | postbox/minimal {:.2}   (minimal loop: {})",
-            mr.per_s,
-            pr.per_s,
-            pr.per_s / mr.per_s,
-            mr.split.as_deref().unwrap_or(""),
-        );
-        m.push(mr.per_s);
-        p.push(pr.per_s);
+        pairs.add(run, &mr, &pr);
     }
-    let (mm, pm) = (median(&m), median(&p));
-    println!(
-        "median: minimal {mm:.0} events/s, postbox {pm:.0} events/s, postbox/minimal = {:.2}",
-        pm / mm
-    );
+    pairs.medians();
 }
 
 // ---------------------------------------------------------------------------
