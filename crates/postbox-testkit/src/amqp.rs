@@ -59,3 +59,13 @@ pub async fn bind_queue(channel: &Channel, queue: &str, exchange: &str, pattern:
         .await
         .unwrap_or_else(|e| panic!("bind queue {queue} to {exchange}: {e}"));
 }
+
+/// The test broker's URL ([`crate::servers::amqp_url`]) as reached through
+/// a proxy listening at `proxy`, and the broker's own `host:port`, which
+/// the proxy connects to.
+pub fn through_proxy(proxy: std::net::SocketAddr) -> (String, String) {
+    let broker = crate::servers::amqp_url();
+    let (scheme_auth, rest) = broker.split_once('@').expect("amqp url with user");
+    let (server, vhost) = rest.split_once('/').expect("amqp url with vhost");
+    (format!("{scheme_auth}@{proxy}/{vhost}"), server.to_owned())
+}

@@ -356,6 +356,20 @@ async fn unless_lost<T>(connection: &Connection, work: impl Future<Output = T>) 
     }
 }
 
+/// `work` on the broker ([`unless_lost`]), or the session's end when it
+/// fails or the connection is lost while `doing`.
+async fn on_broker<T>(
+    connection: &Connection,
+    doing: &str,
+    work: impl Future<Output = Result<T, lapin::Error>>,
+) -> Result<T, SessionEnd> {
+    match unless_lost(connection, work).await {
+        Some(Ok(done)) => Ok(done),
+        Some(Err(e)) => Err(SessionEnd::Broken(e.to_string())),
+        None => Err(lost_during(doing)),
+    }
+}
+
 /// Ends once `connection` is no longer connected.
 async fn lost(connection: &Connection) {
     while connection.status().connected() {
@@ -410,10 +424,9 @@ impl Session for RabbitMqConsumer {
                 .await?;
             Ok::<_, lapin::Error>((consuming, publishing))
         };
-        let (consuming, publishing) = match unless_lost(&conn, setup).await {
-            Some(Ok(c)) => c,
-            Some(Err(e)) => return broken(e),
-            None => return lost_during("setting up"),
+        let (consuming, publishing) = match on_broker(&conn, "setting up", setup).await {
+            Ok(c) => c,
+            Err(end) => return end,
         };
         if !self.core.config.declare {
             // Nothing else checks a hand-made topology: a retry queue that does
@@ -493,10 +506,8 @@ impl Session for RabbitMqConsumer {
                     // Stop the pushes; the deliveries already pushed are
                     // finished below, then the stream ends.
                     let cancel = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default());
-                    match unless_lost(&conn, cancel).await {
-                        Some(Ok(())) => {}
-                        Some(Err(e)) => return broken(e),
-                        None => return lost_during("pausing"),
+                    if let Err(end) = on_broker(&conn, "pausing", cancel).await {
+                        return end;
                     }
                     pausing = true;
                     continue;
@@ -517,10 +528,11 @@ impl Session for RabbitMqConsumer {
                     if !self.core.state.unless_paused(run.shutdown).await {
                         continue; // shutdown: the branch above closes
                     }
-                    consumer = match unless_lost(&conn, self.start_consuming(&consuming)).await {
-                        Some(Ok(c)) => c,
-                        Some(Err(e)) => return broken(e),
-                        None => return lost_during("resuming"),
+                    consumer = match on_broker(&conn, "resuming", self.start_consuming(&consuming))
+                        .await
+                    {
+                        Ok(c) => c,
+                        Err(end) => return end,
                     };
                     pausing = false;
                     continue;

@@ -640,12 +640,8 @@ struct ResettableLink {
 impl ResettableLink {
     async fn start() -> ResettableLink {
         use tokio::net::{TcpListener, TcpStream};
-        let upstream = postbox_testkit::servers::amqp_url();
-        let (scheme_auth, rest) = upstream.split_once('@').expect("amqp url with user");
-        let (server, vhost) = rest.split_once('/').expect("amqp url with vhost");
-        let server = server.to_owned();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("{scheme_auth}@{}/{vhost}", listener.local_addr().unwrap());
+        let (url, server) = postbox_testkit::amqp::through_proxy(listener.local_addr().unwrap());
         let open: Arc<Mutex<Vec<CancellationToken>>> = Arc::default();
         let links = open.clone();
         tokio::spawn(async move {

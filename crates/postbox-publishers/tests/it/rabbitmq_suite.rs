@@ -215,12 +215,8 @@ struct ConfirmProxy {
 
 impl ConfirmProxy {
     async fn start(confirm_up_to: u64) -> Self {
-        let upstream_url = postbox_testkit::servers::amqp_url();
-        let (scheme_auth, rest) = upstream_url.split_once('@').expect("amqp url with user");
-        let (upstream, vhost) = rest.split_once('/').expect("amqp url with vhost");
-        let upstream = upstream.to_owned();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("{scheme_auth}@{}/{vhost}", listener.local_addr().unwrap());
+        let (url, upstream) = postbox_testkit::amqp::through_proxy(listener.local_addr().unwrap());
         let limit = Arc::new(AtomicU64::new(confirm_up_to));
         let confirm_up_to = limit.clone();
         tokio::spawn(async move {
