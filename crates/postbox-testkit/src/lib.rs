@@ -17,6 +17,7 @@ pub mod publisher_suite;
 pub mod publishers;
 pub mod records;
 pub mod servers;
+pub mod sql_text;
 pub mod store_setup;
 pub mod wake;
 

@@ -552,6 +552,113 @@ async fn plain_insert_from_other_languages_and_legacy_rows() {
     drop_tables(&store).await;
 }
 
+/// The README's one-round-trip form (`docs/plain-insert-in-the-change.mysql.sql`,
+/// exactly, its `?` filled in as a driver that prepares client-side does):
+/// the business UPDATE, checking the version it read, and its outbox row
+/// in one multi-statement query. An UPDATE that matches no row (a stale
+/// version, no such account) writes no event; an INSERT that fails (a
+/// duplicate `event_id`) fails the query, so the producer rolls its change
+/// back and nothing is committed without its event.
+#[tokio::test]
+async fn the_business_update_and_its_outbox_row_in_one_round_trip() {
+    use postbox_testkit::sql_text::{interpolate, Literal};
+
+    let store = store("mb_change").await;
+    let (pool, table) = (store.pool().clone(), store.table().as_str().to_owned());
+    let accounts = format!("{table}_accounts");
+    for sql in [
+        format!("CREATE TABLE {accounts} (id BIGINT NOT NULL PRIMARY KEY, balance BIGINT NOT NULL, version BIGINT NOT NULL) ENGINE=InnoDB"),
+        format!("INSERT INTO {accounts} VALUES (7, 100, 4)"),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    }
+    let statements = include_str!("../../../../docs/plain-insert-in-the-change.mysql.sql")
+        .replace("room_outbox", &table)
+        .replace("accounts", &accounts);
+    // Account `id`, read at version `read`, changed with event `event_id`.
+    let change = async |id: i64, read: i64, event_id: &str| {
+        let aggregate = format!("acct-{id}");
+        let sql = interpolate(
+            &statements,
+            &[
+                Literal::Int(id),
+                Literal::Int(read),
+                Literal::Text("room"),
+                Literal::Text(event_id),
+                Literal::Text("BalanceChanged"),
+                Literal::Text(&aggregate),
+                Literal::Int(read + 1),
+                Literal::Text(r#"{"delta":1,"note":"it's"}"#),
+                Literal::Null,
+            ],
+        );
+        let mut tx = pool.begin().await.expect("begin");
+        let sent = sqlx::raw_sql(&sql).execute(&mut *tx).await;
+        match sent {
+            Ok(_) => tx.commit().await.expect("commit"),
+            Err(_) => tx.rollback().await.expect("rollback"),
+        }
+        sent.map(|_| ())
+    };
+    let account = async || -> (i64, i64) {
+        let row = sqlx::query(&format!(
+            "SELECT balance, version FROM {accounts} WHERE id = 7"
+        ))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        (row.get(0), row.get(1))
+    };
+
+    change(7, 4, "change-1").await.expect("the one round trip");
+    let row = store.find("change-1").await.unwrap().remove(0);
+    assert_eq!(
+        (
+            row.aggregate_id.as_deref(),
+            row.aggregate_version,
+            row.status
+        ),
+        (Some("acct-7"), Some(5), Status::Pending)
+    );
+    assert_eq!(row.payload, r#"{"delta":1,"note":"it's"}"#);
+    assert_eq!(account().await, (101, 5));
+    assert_eq!(
+        ids(&claim(&store, ClaimSource::Pending, "w1").await),
+        vec![row.id]
+    );
+
+    change(7, 4, "change-2")
+        .await
+        .expect("a stale version is no error");
+    change(8, 0, "change-3")
+        .await
+        .expect("no account 8 is no error");
+    for unchanged in ["change-2", "change-3"] {
+        assert!(
+            store.find(unchanged).await.unwrap().is_empty(),
+            "{unchanged}: no change, no event"
+        );
+    }
+    assert_eq!(account().await, (101, 5));
+
+    let duplicate = change(7, 5, "change-1").await;
+    assert!(
+        matches!(&duplicate, Err(sqlx::Error::Database(e)) if e.message().contains("Duplicate")),
+        "the INSERT's failure reaches the producer: {duplicate:?}"
+    );
+    assert_eq!(
+        account().await,
+        (101, 5),
+        "the change without its event rolled back"
+    );
+
+    sqlx::query(&format!("DROP TABLE {accounts}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    drop_tables(&store).await;
+}
+
 #[tokio::test]
 async fn connect_accepts_mariadb_urls_and_hides_passwords() {
     let url = mysql_url();
