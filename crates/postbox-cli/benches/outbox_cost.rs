@@ -101,7 +101,7 @@ use postbox_core::event::new_event_id;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::SecretUrl;
 use postbox_core::relay::{CancellationToken, Relay};
-use postbox_core::store::{ClaimRequest, OutboxStore};
+use postbox_core::store::{ClaimRequest, OutboxStore, EXPECTED_TABLES};
 use postbox_core::{ClaimSource, NewEvent, Publisher};
 use postbox_mysql::MySqlOutbox;
 use postbox_postgres::PgOutbox;
@@ -848,9 +848,11 @@ async fn load_pending(db: Db, table: &str, rows: u64, prefix: &str) {
 }
 
 async fn drop_postbox_table(db: Db, table: &str) {
+    let tables = EXPECTED_TABLES.map(|suffix| format!("{table}{suffix}"));
+    exec(db, &format!("DROP TABLE IF EXISTS {}", tables.join(", "))).await;
     exec(
         db,
-        &format!("DROP TABLE IF EXISTS {table}, {table}_archive, {table}_history"),
+        &format!("DELETE FROM postbox_schema_migrations WHERE table_name = '{table}'"),
     )
     .await;
     if db == Db::Postgres {

@@ -10,6 +10,7 @@ use sqlx::Row;
 use postbox_core::event::Fence;
 use postbox_core::store::{
     ClaimRequest, EnqueueOutcome, EventFilter, FailureUpdate, ReplaySelector, ReplayStore,
+    EXPECTED_TABLES,
 };
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Status};
 use postbox_mysql::MySqlOutbox;
@@ -40,14 +41,10 @@ postbox_testkit::wake_suite!(wake_store);
 
 async fn drop_tables(store: &MySqlOutbox) {
     let t = store.table().as_str().to_owned();
-    for sql in [
-        format!("DROP TABLE IF EXISTS {t}"),
-        format!("DROP TABLE IF EXISTS {t}_archive"),
-        format!("DROP TABLE IF EXISTS {t}_history"),
-        format!("DROP TABLE IF EXISTS {t}_controls"),
-        format!("DROP TABLE IF EXISTS {t}_control_log"),
-        format!("DELETE FROM postbox_schema_migrations WHERE table_name = '{t}'"),
-    ] {
+    let tables = EXPECTED_TABLES.map(|suffix| format!("DROP TABLE IF EXISTS {t}{suffix}"));
+    for sql in tables.into_iter().chain([format!(
+        "DELETE FROM postbox_schema_migrations WHERE table_name = '{t}'"
+    )]) {
         sqlx::query(&sql).execute(store.pool()).await.unwrap();
     }
 }
