@@ -28,7 +28,6 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
 use lapin::Channel;
-use lapin::{Confirmation, PublisherConfirm};
 use postbox_core::publish::PublishError;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{timeout, Instant};
@@ -404,19 +403,11 @@ async fn send_and_confirm(
     }
 
     // lapin hands a returned (unroutable) message to whichever confirm it
-    // resolves next, so returns are matched to events by message_id. The
-    // broker sends a message's return before its ack, so the confirm
-    // carrying it resolves no later than the message's own: after some
-    // confirms resolved, a second look takes every confirm resolved by then,
-    // and the returns of all of them are in hand before any is recorded.
+    // resolves next, so returns are matched to events by message_id, and
+    // every confirm resolved is taken (`settled`) before any is recorded.
     let mut returned: HashMap<String, BasicReturnMessage> = HashMap::new();
     while !pending.is_empty() {
-        let mut resolved = poll_fn(|cx| match take_resolved(&mut pending, cx) {
-            r if r.is_empty() => Poll::Pending,
-            r => Poll::Ready(r),
-        })
-        .await;
-        resolved.extend(poll_fn(|cx| Poll::Ready(take_resolved(&mut pending, cx))).await);
+        let resolved = settled(&mut pending).await;
         let mut confirmed = Vec::with_capacity(resolved.len());
         for (i, c) in resolved {
             match c {
@@ -500,12 +491,41 @@ struct Sent {
     nacked: bool,
 }
 
+/// Waits until some confirms of `pending` resolved, then takes them and
+/// every other confirm resolved before the wait ends, with their batch
+/// indexes.
+///
+/// lapin gives a message's return to the next confirm it resolves, which
+/// may be another message's (the first of a `multiple` ack, or an ack
+/// arriving between the return and the message's own ack): that confirm
+/// resolves no later than the returned message's. lapin resolves them on
+/// its IO thread while this task looks, so one look can find the message's
+/// confirm resolved and miss the earlier one, looked at a moment before it
+/// resolved. The looks go on until one finds nothing new: a confirm that
+/// resolved before one look found another then resolved before the next
+/// look began, and that look took it. So the return of every message taken
+/// is in hand.
+async fn settled<F: Future + Unpin>(pending: &mut Vec<(usize, F)>) -> Vec<(usize, F::Output)> {
+    let mut resolved = poll_fn(|cx| match take_resolved(pending, cx) {
+        r if r.is_empty() => Poll::Pending,
+        r => Poll::Ready(r),
+    })
+    .await;
+    loop {
+        let more = poll_fn(|cx| Poll::Ready(take_resolved(pending, cx))).await;
+        if more.is_empty() {
+            return resolved;
+        }
+        resolved.extend(more);
+    }
+}
+
 /// Takes the confirms of `pending` that have resolved, with their batch
 /// index; the others stay, registered to wake `cx`.
-fn take_resolved(
-    pending: &mut Vec<(usize, PublisherConfirm)>,
+fn take_resolved<F: Future + Unpin>(
+    pending: &mut Vec<(usize, F)>,
     cx: &mut Context<'_>,
-) -> Vec<(usize, lapin::Result<Confirmation>)> {
+) -> Vec<(usize, F::Output)> {
     let mut resolved = Vec::new();
     let mut k = 0;
     while k < pending.len() {
@@ -532,4 +552,57 @@ fn close_in_background(link: Link) {
             .await;
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    /// A confirm that lapin's IO thread resolves at a given moment, the
+    /// moments counted in looks at any confirm of the batch.
+    struct Resolves {
+        at: usize,
+        clock: Arc<AtomicUsize>,
+    }
+
+    impl Future for Resolves {
+        type Output = ();
+
+        fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
+            if self.clock.fetch_add(1, Ordering::SeqCst) >= self.at {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        }
+    }
+
+    /// Message 1 was returned; lapin gave its return to message 0's
+    /// confirm and resolved both just after the second look passed
+    /// message 0 and before it reached message 1. Message 1 is taken only
+    /// with message 0, whose confirm carries its return.
+    #[tokio::test]
+    async fn a_confirm_is_taken_with_every_confirm_resolved_before_it() {
+        let clock = Arc::new(AtomicUsize::new(0));
+        let confirm = |at| Resolves {
+            at,
+            clock: clock.clone(),
+        };
+        // Looks: 1st at 0 (message 0), 1 (1), 2 (2, resolved); 2nd at 3
+        // (message 0, not yet), 4 (1, resolved with 0 at 4).
+        let mut pending = vec![(0, confirm(4)), (1, confirm(4)), (2, confirm(0))];
+        let taken: Vec<usize> = settled(&mut pending)
+            .await
+            .into_iter()
+            .map(|(i, _)| i)
+            .collect();
+        assert!(taken.contains(&1), "message 1 resolved: {taken:?}");
+        assert!(
+            taken.contains(&0),
+            "message 1 taken without the confirm carrying its return: {taken:?}"
+        );
+        assert!(pending.is_empty());
+    }
 }
