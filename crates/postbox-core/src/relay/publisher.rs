@@ -674,8 +674,12 @@ struct Pace {
     per_row: Option<f64>,
     /// Rows queued on the lane or being published.
     held_rows: usize,
-    /// Until when the rows deferred so far are expected to keep it busy.
-    booked_until: Option<Instant>,
+    /// Rows deferred for the lane and not yet worked through, as of
+    /// `booked_at`. Counted in rows, not time: when the lane speeds up
+    /// (a target that recovers), what they are expected to take shrinks
+    /// with it.
+    booked_rows: f64,
+    booked_at: Option<Instant>,
     /// The publishes under way: when each started, and its rows.
     running: Vec<(Instant, usize)>,
 }
@@ -685,15 +689,16 @@ impl Pace {
     /// what the oldest one under way has taken so far (a lower bound).
     fn per_row_estimate(&self, now: Instant) -> Option<f64> {
         self.per_row.or_else(|| {
-            (self.running.first())
+            (self.running.iter().min_by_key(|&&(since, _)| since))
                 .map(|&(since, rows)| now.duration_since(since).as_secs_f64() / rows.max(1) as f64)
         })
     }
 
     /// How long until a publish under way is expected to end (and so a
     /// full lane to have room): the soonest expected time left, or before
-    /// the first publish ended, as long again as the oldest has taken so
-    /// far. Publishes that overlap share the lane's pace.
+    /// the first publish ended, as long again as the youngest has taken so
+    /// far (the least any of them can be expected to take). Publishes that
+    /// overlap share the lane's pace.
     fn room_in(&self, now: Instant) -> Duration {
         let overlapping = self.running.len() as f64;
         let left = |&(since, rows): &(Instant, usize)| {
@@ -745,15 +750,20 @@ impl Pace {
     /// How long `rows` deferred at `now` should wait: until the lane has
     /// published what it holds and what was deferred before them
     /// (`fallback`, the poll interval, before its first publish ended).
+    /// The rows deferred before are taken to have come back and been
+    /// published at the lane's present pace since the last deferral.
     fn defer(&mut self, rows: usize, now: Instant, fallback: Duration) -> Duration {
         let Some(per_row) = self.per_row_estimate(now) else {
             return fallback.clamp(MIN_DEFER, MAX_DEFER);
         };
-        let busy = now + Duration::from_secs_f64((per_row * self.held_rows as f64).min(3600.0));
-        let start = self.booked_until.map_or(busy, |b| b.max(busy));
-        let until = start + Duration::from_secs_f64((per_row * rows as f64).min(3600.0));
-        self.booked_until = Some(until);
-        (until - now).clamp(MIN_DEFER, MAX_DEFER)
+        if let Some(at) = self.booked_at {
+            let worked = now.duration_since(at).as_secs_f64() / per_row.max(f64::MIN_POSITIVE);
+            self.booked_rows = (self.booked_rows - worked).max(0.0);
+        }
+        self.booked_rows += rows as f64;
+        self.booked_at = Some(now);
+        let ahead = self.held_rows as f64 + self.booked_rows;
+        Duration::from_secs_f64((per_row * ahead).min(3600.0)).clamp(MIN_DEFER, MAX_DEFER)
     }
 }
 
@@ -972,6 +982,26 @@ mod tests {
         // A hung publisher's pace is capped, not hours.
         pace.record(1, Duration::from_secs(3_000));
         assert_eq!(pace.defer(500, now, Duration::from_secs(1)), MAX_DEFER);
+    }
+
+    /// A lane slow for a while books many deferred rows; once its target
+    /// recovers, new rows wait for what the lane now takes, not for the
+    /// slow pace's bookings (rows deferred for a recovered webhook were
+    /// due only after MAX_DEFER, stalling their aggregates).
+    #[test]
+    fn a_lane_that_speeds_up_takes_deferred_rows_back_at_its_new_pace() {
+        let now = Instant::now();
+        let mut pace = Pace::default();
+        pace.record(100, Duration::from_secs(10));
+        for _ in 0..50 {
+            assert!(pace.defer(100, now, Duration::from_secs(1)) >= Duration::from_secs(10));
+        }
+        for _ in 0..30 {
+            pace.record(100, Duration::from_millis(10));
+        }
+        let later = now + Duration::from_secs(1);
+        let wait = pace.defer(10, later, Duration::from_secs(1));
+        assert!(wait <= Duration::from_secs(1), "{wait:?}");
     }
 
     #[test]
