@@ -13,7 +13,9 @@
 //! the database pays while it lasts. The timeouts of the trial batches
 //! count as attempts. The first
 //! batch after the cool-down is a trial: any confirmation closes the
-//! breaker; another batch of timeouts opens it for twice as long. Each
+//! breaker; another batch of timeouts opens it for twice as long. A
+//! batch that times out while the breaker is already open (it was in
+//! flight beside the one that opened it) changes nothing. Each
 //! opening and closing is one log line, not one per batch.
 
 use std::sync::Mutex;
@@ -66,6 +68,12 @@ impl Breaker {
     pub(crate) fn record(&self, result: BatchResult, now: Instant) -> Change {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         match result {
+            // Another batch in flight at the same time (a publisher that
+            // takes several at once) already opened it: one outage, one
+            // cool-down, not one doubling per batch.
+            BatchResult::AllTimedOut if state.open_until.is_some_and(|until| until > now) => {
+                Change::None
+            }
             BatchResult::AllTimedOut => {
                 state.cool_down = if state.cool_down.is_zero() {
                     FIRST_COOL_DOWN
@@ -137,6 +145,41 @@ mod tests {
             b.record(BatchResult::AllTimedOut, later),
             Change::Opened(FIRST_COOL_DOWN),
             "a new streak starts from the first cool-down"
+        );
+    }
+
+    /// RabbitMQ's lane has two batches in flight: both time out in one
+    /// outage, and both pass the breaker as trials after a cool-down. The
+    /// second of each pair finds the breaker open and leaves it as it is,
+    /// so the cool-downs go 5 s, 10 s, as with one batch at a time (they
+    /// went 10 s, 40 s).
+    #[test]
+    fn batches_in_flight_together_open_it_once() {
+        let b = Breaker::default();
+        let t0 = Instant::now();
+        let beside = Duration::from_millis(3);
+        assert_eq!(
+            b.record(BatchResult::AllTimedOut, t0),
+            Change::Opened(FIRST_COOL_DOWN)
+        );
+        assert_eq!(
+            b.record(BatchResult::AllTimedOut, t0 + beside),
+            Change::None
+        );
+        let trial = t0 + FIRST_COOL_DOWN;
+        assert_eq!(b.skip(trial), None);
+        assert_eq!(
+            b.record(BatchResult::AllTimedOut, trial),
+            Change::Opened(FIRST_COOL_DOWN * 2)
+        );
+        assert_eq!(
+            b.record(BatchResult::AllTimedOut, trial + beside),
+            Change::None
+        );
+        assert_eq!(
+            b.skip(trial + beside),
+            Some(FIRST_COOL_DOWN * 2 - beside),
+            "open for the second cool-down, no longer"
         );
     }
 }
