@@ -814,13 +814,26 @@ async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_b
         "partitioned: 20 events delivered, {} partitions (3 created again by the relay)",
         db.count(&partitions).await
     );
-    // The relay exports how many are ready ahead (the alert rule's gauge).
-    let metrics =
-        postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/metrics", &[]).await;
-    let samples = postbox_testkit::http::parse_prometheus(&metrics.body).unwrap();
-    let ahead =
-        postbox_testkit::http::sample_value(&samples, "postbox_partitions_ahead", &[("table", &t)]);
-    assert_eq!(ahead, Some(14.0), "{}", metrics.body);
+    // The relay exports how many are ready ahead (the alert rule's gauge),
+    // once it has counted them after creating them.
+    let ahead = postbox_testkit::consumer_fixtures::eventually(
+        "postbox_partitions_ahead on /metrics",
+        Duration::from_secs(10),
+        async || {
+            let metrics =
+                postbox_testkit::http::request(admin.parse().unwrap(), "GET", "/metrics", &[])
+                    .await;
+            let samples = postbox_testkit::http::parse_prometheus(&metrics.body)?;
+            postbox_testkit::http::sample_value(
+                &samples,
+                "postbox_partitions_ahead",
+                &[("table", &t)],
+            )
+            .ok_or(metrics.body)
+        },
+    )
+    .await;
+    assert_eq!(ahead, 14.0);
     signal("TERM", relay.id());
     assert!(relay.wait().unwrap().success());
 
