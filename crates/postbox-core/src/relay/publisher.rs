@@ -311,8 +311,8 @@ impl PublishStage {
     /// longer than the patience ([`patience`]). Gives it back to wait
     /// (`Some`) while a full lane it needs may have room soon: until room
     /// comes, or the patience (`until`, set on the first wait) ends. With
-    /// one publisher it waits for room however long it takes. A batch no
-    /// publisher needs is done at once.
+    /// one publisher, or every lane full, it waits for room however long
+    /// it takes. A batch no publisher needs is done at once.
     fn dispatch(
         &self,
         batch: Prepared,
@@ -326,6 +326,16 @@ impl PublishStage {
             .copied()
             .filter(|&l| lanes[l].jobs.capacity() == 0)
             .collect();
+        // Every lane full: no publisher could use the time the batch
+        // waits, so it waits for room on any of them (plain backpressure),
+        // however long; then it is dispatched again as things stand.
+        if !full.is_empty() && lanes.iter().all(|lane| lane.jobs.capacity() == 0) {
+            return Ok(Some(Parked {
+                batch,
+                waiting_on: (0..lanes.len()).collect(),
+                until: None,
+            }));
+        }
         let now = Instant::now();
         if !full.is_empty() && until.is_none_or(|t| now < t) {
             match patience(lanes, batch.events.len()) {
