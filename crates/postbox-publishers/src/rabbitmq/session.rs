@@ -68,6 +68,8 @@ pub(super) struct Session {
     failures: u32,
     next_attempt: Instant,
     last_error: String,
+    /// Routing keys the broker refused lately; shared with the batches.
+    refused: Arc<RefusedKeys>,
 }
 
 impl Session {
@@ -82,6 +84,7 @@ impl Session {
             failures: 0,
             next_attempt: Instant::now(),
             last_error: String::new(),
+            refused: Arc::default(),
         }
     }
 
@@ -141,12 +144,13 @@ impl Session {
             }
         };
         let target = self.target.clone();
+        let refused = self.refused.clone();
         let generation = self.generation;
         Some(Box::pin(async move {
             let mut messages = messages;
             let sent = tokio::select! {
                 biased;
-                sent = send_and_confirm(&channel, &target, &mut messages, &reply) => Some(sent),
+                sent = send_and_confirm(&channel, &target, &refused, &mut messages, &reply) => Some(sent),
                 _ = reply.closed() => None,
             };
             Done {
@@ -343,6 +347,7 @@ impl Session {
 async fn send_and_confirm(
     channel: &Channel,
     target: &Target,
+    refused: &RefusedKeys,
     messages: &mut [Result<Outgoing, String>],
     reply: &Reply,
 ) -> Sent {
@@ -361,8 +366,13 @@ async fn send_and_confirm(
     // few large writes and this task wakes a few times, not once per
     // message.
     let mut sends = Vec::with_capacity(messages.len());
+    let now = Instant::now();
     for (i, m) in messages.iter_mut().enumerate() {
         match m {
+            Ok(m) if refused.holds(m.routing_key.as_str(), now) => fail(
+                i,
+                &refused_message(target.exchange.as_str(), m.routing_key.as_str()),
+            ),
             Ok(m) => sends.push((
                 i,
                 futures::future::maybe_done(Box::pin(channel.basic_publish(
@@ -393,6 +403,7 @@ async fn send_and_confirm(
         match Pin::new(&mut send).take_output() {
             Some(Ok(confirm)) => pending.push((i, confirm)),
             Some(Err(e)) => {
+                refused.learn(&e, Instant::now());
                 let reason = target.describe("publishing", &e);
                 fail(i, &reason);
                 broken.get_or_insert(reason);
@@ -426,6 +437,7 @@ async fn send_and_confirm(
                     confirmed.push((i, Ok(acked)));
                 }
                 Err(e) => {
+                    refused.learn(&e, Instant::now());
                     let reason = target.describe("waiting for the confirm", &e);
                     broken.get_or_insert_with(|| reason.clone());
                     confirmed.push((i, Err(reason)));
@@ -489,6 +501,63 @@ struct Sent {
     broken: Option<String>,
     /// The broker nacked at least one message.
     nacked: bool,
+}
+
+/// How long messages with a routing key the broker refused are failed
+/// without being sent; then one batch tries the key again, in case the
+/// permission was granted.
+const REFUSED_FOR: Duration = Duration::from_secs(60);
+
+/// Routing keys the broker refused from this publisher's user lately
+/// (topic permissions: `ACCESS_REFUSED - access to topic '<key>' in
+/// exchange …`). The broker closes the channel at such a message, so
+/// every message of its batch not yet confirmed fails with it: one event
+/// type without write access would fail every batch it is in, and its
+/// neighbours would use up their retries for nothing. For [`REFUSED_FOR`]
+/// after a refusal, messages with that key fail at once, unsent, and the
+/// rest of their batch is published.
+#[derive(Default)]
+struct RefusedKeys(std::sync::Mutex<HashMap<String, Instant>>);
+
+impl RefusedKeys {
+    fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether messages with `key` are held back at `now`.
+    fn holds(&self, key: &str, now: Instant) -> bool {
+        let mut keys = self.keys();
+        match keys.get(key) {
+            Some(&until) if now < until => true,
+            Some(_) => {
+                keys.remove(key);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Remembers the key `error` says the broker refused, if it does.
+    fn learn(&self, error: &lapin::Error, now: Instant) {
+        if let Some(key) = refused_topic(&error.to_string()) {
+            tracing::warn!(routing_key = key, "the broker refuses this routing key (topic permissions); its messages fail unsent for {REFUSED_FOR:?}");
+            self.keys().insert(key.to_owned(), now + REFUSED_FOR);
+        }
+    }
+}
+
+/// The routing key of a topic-permission refusal in a broker's error text.
+fn refused_topic(error: &str) -> Option<&str> {
+    let (_, rest) = error.split_once("ACCESS_REFUSED - access to topic '")?;
+    Some(rest.split_once('\'')?.0)
+}
+
+/// Why a message with a refused routing key was not sent.
+fn refused_message(exchange: &str, key: &str) -> String {
+    format!(
+        "refused: the broker does not let this user write routing key '{key}' to exchange {exchange} (ACCESS_REFUSED, topic permissions); not sent for {} s after a refusal, so the rest of the batch goes through; grant write access to this routing key",
+        REFUSED_FOR.as_secs()
+    )
 }
 
 /// Waits until some confirms of `pending` resolved, then takes them and
@@ -577,6 +646,27 @@ mod tests {
                 Poll::Pending
             }
         }
+    }
+
+    #[test]
+    fn a_topic_refusal_names_its_routing_key() {
+        let error = "protocol error: AMQP soft error: ACCESS-REFUSED: ACCESS_REFUSED - access to topic 'room.GiftSent' in exchange 'events' in vhost '/' refused for user 'app'";
+        assert_eq!(refused_topic(error), Some("room.GiftSent"));
+        assert_eq!(
+            refused_topic("ACCESS_REFUSED - access to exchange 'events' refused"),
+            None
+        );
+        let keys = RefusedKeys::default();
+        let now = Instant::now();
+        keys.keys()
+            .insert("room.GiftSent".into(), now + REFUSED_FOR);
+        assert!(keys.holds("room.GiftSent", now));
+        assert!(!keys.holds("room.Other", now));
+        assert!(
+            !keys.holds("room.GiftSent", now + REFUSED_FOR),
+            "tried again after"
+        );
+        assert!(keys.keys().is_empty());
     }
 
     /// Message 1 was returned; lapin gave its return to message 0's
