@@ -7,11 +7,19 @@
 //! until the pass closes its channel, when the broker puts them back in
 //! their places. RabbitMQ has no id for a message, so a letter's
 //! `position` is its place in the queue at the time of reading.
+//!
+//! A replay takes an event once per pass. A replayed letter the handler
+//! refuses again comes back to the end of `<queue>.dead` while the pass
+//! still reads, and is read in place of a letter the broker has not put
+//! back yet (one an earlier pass held, say): that copy is the new failure,
+//! left where it is, not replayed again.
 
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
+use std::collections::HashSet;
+
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
@@ -59,6 +67,7 @@ async fn pass_over(
         .map_err(|e| format!("{dead} does not exist ({e}); is the consumer declared?"))?
         .message_count();
     let mut report = DeadReport::new(dead.to_owned());
+    let mut replayed: HashSet<String> = HashSet::new();
     for place in 1..=u64::from(held) {
         let Some(got) = reading
             .basic_get(dead.into(), BasicGetOptions { no_ack: false })
@@ -77,7 +86,11 @@ async fn pass_over(
             &d.data,
             None,
         );
-        if report.saw(&letter, pass.filter, pass.action) && pass.writes() {
+        let again = |id: &String| pass.action == DeadAction::Replay && replayed.contains(id);
+        if letter.event_id.as_ref().is_some_and(again) {
+            // Back from this pass's own replay: read, not taken.
+            report.scanned += 1;
+        } else if report.saw(&letter, pass.filter, pass.action) && pass.writes() {
             if pass.action == DeadAction::Replay {
                 let confirm = publishing
                     .basic_publish(
@@ -101,6 +114,9 @@ async fn pass_over(
                 .await
                 .map_err(|e| format!("removing the letter at {place}: {e}"))?;
             report.done += 1;
+            if pass.action == DeadAction::Replay {
+                replayed.extend(letter.event_id);
+            }
         }
         if pass.stops_after(&report) {
             return Ok(report);
