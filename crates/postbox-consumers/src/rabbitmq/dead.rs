@@ -14,12 +14,12 @@
 //! back yet (one an earlier pass held, say): that copy is the new failure,
 //! left where it is, not replayed again.
 
+use std::collections::HashSet;
+
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
-use std::collections::HashSet;
-
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 

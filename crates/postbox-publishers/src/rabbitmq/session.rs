@@ -539,9 +539,17 @@ impl RefusedKeys {
 
     /// Remembers the key `error` says the broker refused, if it does.
     fn learn(&self, error: &lapin::Error, now: Instant) {
-        if let Some(key) = refused_topic(&error.to_string()) {
+        let text = error.to_string();
+        let Some(key) = refused_topic(&text) else {
+            return;
+        };
+        // Every message of the batch fails with the same error: one line.
+        if self
+            .keys()
+            .insert(key.to_owned(), now + REFUSED_FOR)
+            .is_none()
+        {
             tracing::warn!(routing_key = key, "the broker refuses this routing key (topic permissions); its messages fail unsent for {REFUSED_FOR:?}");
-            self.keys().insert(key.to_owned(), now + REFUSED_FOR);
         }
     }
 }
