@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use postbox_core::event::EventRecord;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::SecretUrl;
 use postbox_core::{Error, Publisher};
@@ -360,6 +361,29 @@ async fn a_second_batch_goes_out_while_the_first_awaits_its_confirms() {
     publisher.close().await;
 }
 
+/// `events` published as two batches in flight together (halves), each
+/// given `timeout`; the results in the events' order.
+async fn in_two_batches_at_once(
+    publisher: &RabbitMqPublisher,
+    events: &[EventRecord],
+    timeout: Duration,
+) -> Vec<Result<(), PublishError>> {
+    let (first, second) = events.split_at(events.len() / 2);
+    let first: Vec<Delivery<'_>> = first.iter().map(Delivery::of).collect();
+    let second: Vec<Delivery<'_>> = second.iter().map(Delivery::of).collect();
+    let results = (
+        PublishResults::new(first.len()),
+        PublishResults::new(second.len()),
+    );
+    tokio::join!(
+        publisher.publish_each(&first, timeout, &results.0),
+        publisher.publish_each(&second, timeout, &results.1),
+    );
+    let mut all = results.0.into_results(timeout);
+    all.extend(results.1.into_results(timeout));
+    all
+}
+
 /// Batches in flight together each get their own results: lapin hands a
 /// returned (unroutable) message to whichever confirm of its channel it
 /// resolves next, so each batch has a channel to itself and a return never
@@ -374,17 +398,7 @@ async fn batches_in_flight_together_keep_their_own_returns() {
     let mut routed = 0;
     for _ in 0..5 {
         let events = sample_events("room", 60); // RoomCreated, UserJoined, GiftSent, …
-        let (first, second) = events.split_at(30);
-        let first: Vec<Delivery<'_>> = first.iter().map(Delivery::of).collect();
-        let second: Vec<Delivery<'_>> = second.iter().map(Delivery::of).collect();
-        let (first_results, second_results) = (PublishResults::new(30), PublishResults::new(30));
-        tokio::join!(
-            publisher.publish_each(&first, timeout, &first_results),
-            publisher.publish_each(&second, timeout, &second_results),
-        );
-        let results = [first_results, second_results]
-            .into_iter()
-            .flat_map(|r| r.into_results(timeout));
+        let results = in_two_batches_at_once(&publisher, &events, timeout).await;
         for (e, r) in events.iter().zip(results) {
             if e.event_type == "RoomCreated" {
                 assert_eq!(r, Ok(()), "{}", e.event_id);
@@ -443,18 +457,7 @@ async fn a_routing_key_the_broker_refuses_fails_alone() {
     let mut delivered = 0;
     for round in 0..3 {
         let events = sample_events("room", 400); // RoomCreated, UserJoined, GiftSent, …
-        let (first, second) = events.split_at(200);
-        let first: Vec<Delivery<'_>> = first.iter().map(Delivery::of).collect();
-        let second: Vec<Delivery<'_>> = second.iter().map(Delivery::of).collect();
-        let (a, b) = (PublishResults::new(200), PublishResults::new(200));
-        tokio::join!(
-            publisher.publish_each(&first, timeout, &a),
-            publisher.publish_each(&second, timeout, &b),
-        );
-        let results = a
-            .into_results(timeout)
-            .into_iter()
-            .chain(b.into_results(timeout));
+        let results = in_two_batches_at_once(&publisher, &events, timeout).await;
         for (e, r) in events.iter().zip(results) {
             delivered += usize::from(r.is_ok());
             // The first refusal fails what its batches had not had confirmed.
