@@ -937,16 +937,6 @@ async fn events_show_smalls_and_a_closed_pipe() {
     fx.drop_tables().await;
 }
 
-/// Kills a child process (a relay) when dropped.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Issue 16.6: a paced time-range replay of live and archived rows keeps at
 /// most one batch pending ahead of the relay and holds its rate; SIGINT
 /// stops it after a batch, keeping its cursor; a run without `--resume`
@@ -993,7 +983,7 @@ async fn a_paced_replay_stays_one_batch_ahead_stops_and_resumes() {
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     let held = most.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(held, 20, "one batch ahead of a relay that is not running");
-    let relay = Killed(fx.project.spawn(&["relay"], Stdio::null()));
+    let relay = fx.project.spawn(&["relay"], Stdio::null());
     let out = first.wait_with_output().unwrap();
     sampling.store(false, std::sync::atomic::Ordering::Relaxed);
     sampler.await.unwrap();

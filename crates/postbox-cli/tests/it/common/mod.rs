@@ -142,21 +142,60 @@ impl Project {
     }
 
     /// `postbox --config postbox.toml args…` as a process of its own,
-    /// stdout dropped.
-    pub fn spawn(&self, args: &[&str], stderr: Stdio) -> Child {
-        Command::new(env!("CARGO_BIN_EXE_postbox"))
+    /// stdout dropped; killed if the test ends while it runs.
+    pub fn spawn(&self, args: &[&str], stderr: Stdio) -> Spawned {
+        let child = Command::new(env!("CARGO_BIN_EXE_postbox"))
             .current_dir(self.path())
             .args(self.args(args))
             .stdout(Stdio::null())
             .stderr(stderr)
             .spawn()
-            .expect("start postbox")
+            .expect("start postbox");
+        Spawned(Some(child))
     }
 
     fn args<'a>(&'a self, args: &[&'a str]) -> Vec<&'a str> {
         let mut all = vec!["--config", self.cfg.as_str()];
         all.extend_from_slice(args);
         all
+    }
+}
+
+/// A postbox process of a test ([`Project::spawn`]): killed and reaped
+/// when dropped while it still runs, so a test that fails part-way leaves
+/// no relay running behind it (one did, for over an hour, after a failed
+/// assertion skipped its SIGTERM).
+pub struct Spawned(Option<Child>);
+
+impl Spawned {
+    /// Waits for the process to exit, with its piped output.
+    pub fn wait_with_output(mut self) -> std::io::Result<Output> {
+        self.0.take().expect("a spawned process").wait_with_output()
+    }
+}
+
+impl std::ops::Deref for Spawned {
+    type Target = Child;
+
+    fn deref(&self) -> &Child {
+        self.0.as_ref().expect("a spawned process")
+    }
+}
+
+impl std::ops::DerefMut for Spawned {
+    fn deref_mut(&mut self) -> &mut Child {
+        self.0.as_mut().expect("a spawned process")
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
     }
 }
 
