@@ -2,7 +2,7 @@
 //! written in any language.
 //!
 //! The request carries `Idempotency-Key: <event_id>`; a 2xx answer acknowledges
-//! the message, `422 Unprocessable Entity` dead-letters it at once (the
+//! the message (a redirect is not followed: it takes the retry path), `422 Unprocessable Entity` dead-letters it at once (the
 //! service will never accept it; the answer's first 200 characters become
 //! its `x-last-error`), anything else (or no answer within the timeout)
 //! takes the retry path. Run it through an [`Inbox`](crate::inbox::Inbox) and an event
@@ -24,6 +24,8 @@ use crate::{Handled, Handler, HandlerError, Message};
 pub struct HttpHandler {
     client: reqwest::Client,
     url: SecretUrl,
+    /// The URL as errors show it: no password, no query (its tokens).
+    shown: String,
 }
 
 impl HttpHandler {
@@ -31,8 +33,12 @@ impl HttpHandler {
     pub fn new(url: SecretUrl, timeout: Duration) -> Result<Self, postbox_core::Error> {
         // reqwest is built without a bundled crypto provider: postbox uses ring.
         let _ = rustls::crypto::ring::default_provider().install_default();
+        // A redirect is not followed: reqwest would turn the POST into a
+        // GET without the event (301, 302, 303), and the 2xx that GET gets
+        // (a login page) would acknowledge an event the service never had.
         let client = reqwest::Client::builder()
             .timeout(timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| {
                 postbox_core::Error::config(
@@ -40,7 +46,8 @@ impl HttpHandler {
                     format!("cannot build an HTTP client: {e}"),
                 )
             })?;
-        Ok(HttpHandler { client, url })
+        let shown = postbox_core::redact::shown_url(url.expose());
+        Ok(HttpHandler { client, url, shown })
     }
 
     /// Delivers one event; `Ok` on 2xx.
@@ -63,7 +70,7 @@ impl HttpHandler {
                 // reqwest errors may quote the URL; never let its password through.
                 HandlerError::new(format!(
                     "POST to {} {what}: {}",
-                    self.url,
+                    self.shown,
                     postbox_core::redact::redact_url(&e.without_url().to_string())
                 ))
             })?;
@@ -71,9 +78,21 @@ impl HttpHandler {
         if status.is_success() {
             return Ok(());
         }
+        if status.is_redirection() {
+            let to = response
+                .headers()
+                .get(reqwest::header::LOCATION)
+                .and_then(|l| l.to_str().ok())
+                .map(postbox_core::redact::shown_url)
+                .unwrap_or_default();
+            return Err(HandlerError::new(format!(
+                "POST to {} answered {status} (to `{to}`): redirects are not followed, so the event was not delivered; set handler.http to the URL that takes the POST",
+                self.shown
+            )));
+        }
         let body = response.text().await.unwrap_or_default();
         let body: String = body.chars().take(200).collect();
-        let error = format!("POST to {} answered {status}: {body}", self.url);
+        let error = format!("POST to {} answered {status}: {body}", self.shown);
         // 422: the service understood the event and will never accept it.
         Err(if status == reqwest::StatusCode::UNPROCESSABLE_ENTITY {
             HandlerError::permanent(error)
@@ -125,12 +144,11 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// Answers one request 200 and returns its body.
-    async fn one_request(listener: tokio::net::TcpListener) -> String {
-        let (mut socket, _) = listener.accept().await.unwrap();
+    /// Reads one request from `socket`: its first line and its body.
+    async fn read_request(socket: &mut tokio::net::TcpStream) -> (String, String) {
         let mut buf = Vec::new();
         let mut chunk = [0u8; 4096];
-        let body = loop {
+        loop {
             let n = socket.read(&mut chunk).await.unwrap();
             assert!(n > 0, "the request ended early");
             buf.extend_from_slice(&chunk[..n]);
@@ -145,16 +163,71 @@ mod tests {
                     k.eq_ignore_ascii_case("content-length")
                         .then(|| v.trim().parse().unwrap())
                 })
-                .unwrap();
+                .unwrap_or(0);
             if buf.len() >= end + 4 + len {
-                break String::from_utf8(buf[end + 4..end + 4 + len].to_vec()).unwrap();
+                let first = text.lines().next().unwrap_or_default().to_owned();
+                break (
+                    first,
+                    String::from_utf8(buf[end + 4..end + 4 + len].to_vec()).unwrap(),
+                );
             }
-        };
+        }
+    }
+
+    /// Answers one request 200 and returns its body.
+    async fn one_request(listener: tokio::net::TcpListener) -> String {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let (_, body) = read_request(&mut socket).await;
         socket
             .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             .await
             .unwrap();
         body
+    }
+
+    /// A service behind a proxy that sends the POST to a login page: the
+    /// redirect is not followed, so no GET's 200 acknowledges the event;
+    /// the message takes the retry path, its error naming the redirect.
+    #[tokio::test]
+    async fn a_redirect_is_not_an_acknowledgement() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/events?key=k3y", listener.local_addr().unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = std::sync::Arc::clone(&seen);
+        tokio::spawn(async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let (first, _) = read_request(&mut socket).await;
+                let redirect = first.starts_with("POST");
+                log.lock().unwrap().push(first);
+                let answer: &[u8] = if redirect {
+                    b"HTTP/1.1 302 Found\r\nlocation: /login?token=t0k\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                } else {
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                };
+                socket.write_all(answer).await.unwrap();
+            }
+        });
+        let handler = HttpHandler::new(SecretUrl::new(url), Duration::from_secs(5)).unwrap();
+        let props = lapin::BasicProperties::default()
+            .with_message_id("ev-1".into())
+            .with_type("Credited".into())
+            .with_app_id("wallet".into());
+        let message =
+            crate::rabbitmq::message_from_delivery(&props, "wallet.Credited", b"{}", false)
+                .unwrap();
+        let error = handler.post(&message).await.unwrap_err();
+        assert_eq!(*seen.lock().unwrap(), ["POST /events?key=k3y HTTP/1.1"]);
+        assert!(!error.is_permanent(), "{error:?}");
+        let text = error.message();
+        assert!(
+            text.contains("302") && text.contains("not delivered"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("k3y") && !text.contains("t0k"),
+            "a token in the error: {text}"
+        );
     }
 
     /// The envelope POSTed for a RabbitMQ message carries the body as the

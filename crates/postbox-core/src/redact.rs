@@ -5,30 +5,27 @@ use std::fmt;
 use serde::{Deserialize, Deserializer};
 
 /// Replaces the password in `scheme://user:password@host/...` with `***`, and
-/// the value of `password=`/`token=`/`secret=` query parameters.
+/// the value of query parameters that carry credentials (`password=`,
+/// `token=`, `secret=`, `key=`, `sig=`, …).
+///
+/// A password pasted into a URL unencoded may hold `/`, `?` or `#` (a
+/// base64 one often does): the user information ends at the last `@`
+/// before the query, not at the first `/`, so all of it is hidden.
 ///
 /// ```
 /// use postbox_core::redact::redact_url;
 /// assert_eq!(redact_url("postgres://app:s3cret@db:5432/x"), "postgres://app:***@db:5432/x");
+/// assert_eq!(redact_url("amqps://app:ab/cd+e==@mq/v"), "amqps://app:***@mq/v");
 /// assert_eq!(redact_url("amqp://guest@h/"), "amqp://guest@h/");
 /// ```
 pub fn redact_url(url: &str) -> String {
     let mut out = url.to_owned();
-    if let Some(scheme_end) = out.find("://") {
-        let rest_start = scheme_end + 3;
-        let authority_end = out[rest_start..]
-            .find(['/', '?', '#'])
-            .map_or(out.len(), |i| rest_start + i);
-        if let Some(at) = out[rest_start..authority_end].rfind('@') {
-            let userinfo = &out[rest_start..rest_start + at];
-            if let Some(colon) = userinfo.find(':') {
-                let pw_start = rest_start + colon + 1;
-                let pw_end = rest_start + at;
-                out.replace_range(pw_start..pw_end, "***");
-            }
+    if let Some((start, at)) = userinfo(&out) {
+        if let Some(colon) = out[start..at].find(':') {
+            out.replace_range(start + colon + 1..at, "***");
         }
     }
-    for key in ["password=", "token=", "secret=", "sslpassword="] {
+    for key in SECRET_PARAMETERS {
         let mut from = 0;
         while let Some(pos) = out[from..].find(key) {
             let start = from + pos + key.len();
@@ -38,6 +35,46 @@ pub fn redact_url(url: &str) -> String {
         }
     }
     out
+}
+
+/// Query parameters whose value is a credential (matched anywhere in a
+/// parameter's name: `api_key=`, `access_token=`).
+const SECRET_PARAMETERS: [&str; 6] = [
+    "password=",
+    "token=",
+    "secret=",
+    "key=",
+    "sig=",
+    "signature=",
+];
+
+/// [`redact_url`] without the query and fragment: a URL as an error or a
+/// log line shows it (`https://hooks.example/in`).
+///
+/// ```
+/// use postbox_core::redact::shown_url;
+/// assert_eq!(shown_url("https://u:p@h.example/in?x=1#f"), "https://u:***@h.example/in");
+/// ```
+pub fn shown_url(url: &str) -> String {
+    let mut out = redact_url(url);
+    let authority = userinfo(&out).map_or(out.find("://").map_or(0, |i| i + 3), |(_, at)| at);
+    if let Some(cut) = out[authority..].find(['?', '#']) {
+        out.truncate(authority + cut);
+    }
+    out
+}
+
+/// Where the user information of `url` starts and the `@` that ends it:
+/// the last `@` before the first `?` or `#` after the first `@` (a `?`
+/// or `#` before it is the password's own). `None` without one.
+fn userinfo(url: &str) -> Option<(usize, usize)> {
+    let start = url.find("://")? + 3;
+    let first_at = start + url[start..].find('@')?;
+    let query = url[first_at..]
+        .find(['?', '#'])
+        .map_or(url.len(), |i| first_at + i);
+    let at = start + url[start..query].rfind('@')?;
+    Some((start, at))
 }
 
 /// A string that must never be printed: `Debug` and `Display` show `***`.
@@ -199,6 +236,35 @@ mod tests {
         );
         assert_eq!(redact_url("sqlite://postbox.db"), "sqlite://postbox.db");
         assert_eq!(redact_url("amqp://u:p@ss@h/v"), "amqp://u:***@h/v");
+    }
+
+    /// A password pasted unencoded: `/`, `?`, `#` and `@` in it are its
+    /// own, and a `@` in the query is not the end of the user information.
+    #[test]
+    fn hides_a_password_holding_url_delimiters() {
+        for (url, shown) in [
+            (
+                "amqps://postbox:ab/cd+ef==@mq.example/v",
+                "amqps://postbox:***@mq.example/v",
+            ),
+            ("amqp://u:a?b#c@h:5672/v", "amqp://u:***@h:5672/v"),
+            ("amqp://u:p@s/x@h/v", "amqp://u:***@h/v"),
+            ("amqp://u:pw@h/v?email=a@b", "amqp://u:***@h/v?email=a@b"),
+            (
+                "https://h.example/in?api_key=k1&sig=s2&x=1",
+                "https://h.example/in?api_key=***&sig=***&x=1",
+            ),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+        assert_eq!(
+            shown_url("amqps://u:ab/c?d@h/v?token=t#f"),
+            "amqps://u:***@h/v"
+        );
+        assert_eq!(
+            shown_url("http://127.0.0.1:9/in?key=k"),
+            "http://127.0.0.1:9/in"
+        );
     }
 
     #[test]

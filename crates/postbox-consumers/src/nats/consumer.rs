@@ -27,6 +27,9 @@ const PULL_WAIT: Duration = Duration::from_secs(1);
 /// Bounds every request to the server (PubAck, acks, API calls).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a session's end waits for its acks to leave.
+const FLUSH_WITHIN: Duration = Duration::from_secs(2);
+
 /// A NATS JetStream consumer driving one [`Handler`].
 ///
 /// Its tag is its connection name (default `{consumer_group}-{host}-{pid}`;
@@ -338,7 +341,11 @@ impl Session for NatsConsumer {
             .pull_loop(&consumer, &js, run.shutdown, run.report)
             .await;
         // Acks are plain publishes: make sure they left before closing.
-        let _ = client.flush().await;
+        // A client reconnecting to a server that is down holds the flush
+        // until the server is back: a stopping consumer does not wait for
+        // it (an ack that did not leave is a redelivery, which the
+        // consumer's dedupe by event_id absorbs).
+        let _ = tokio::time::timeout(FLUSH_WITHIN, client.flush()).await;
         if matches!(end, SessionEnd::Cancelled) {
             tracing::info!(consumer = self.core.config.name(), "consumer stopped");
         }

@@ -224,9 +224,7 @@ impl Relay {
             // It ends on `stop`; a panic in it is logged by the runtime.
             let _ = task.await;
         }
-        for p in &self.publishers {
-            p.close().await;
-        }
+        close_publishers(&self.publishers, CLOSE_WITHIN).await;
         // The registry hears that this relay stopped, whatever the cause.
         if let Ok(heartbeat) = heartbeat_task.await {
             heartbeat.last().await;
@@ -429,6 +427,25 @@ async fn releasing_on_failure<T, I>(
     }
 }
 
+/// How long shutdown waits for a publisher to flush and close.
+const CLOSE_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Closes every publisher at once, each given `within` ([`CLOSE_WITHIN`]): a target
+/// that is down (a NATS client reconnecting holds its flush until the
+/// server is back) must not keep a stopping relay from exiting. Every
+/// row is marked or released before this, so nothing waits on a close.
+async fn close_publishers(publishers: &[Arc<dyn Publisher>], within: std::time::Duration) {
+    futures::future::join_all(publishers.iter().map(|p| async move {
+        if tokio::time::timeout(within, p.close()).await.is_err() {
+            tracing::warn!(
+                publisher = p.name(),
+                "the publisher did not close within {within:?}; stopping without it"
+            );
+        }
+    }))
+    .await;
+}
+
 /// `{host}-{pid}-{4 hex}`: tells relays apart in `worker_id` and in logs.
 pub fn default_worker_id() -> String {
     let (host, pid) = heartbeat::host_and_pid();
@@ -498,6 +515,45 @@ mod tests {
         assert!(stop.is_cancelled());
         let text = stopped_by(vec![failed]).to_string();
         assert!(text.contains("its publish stage panicked: boom"), "{text}");
+    }
+
+    /// A publisher whose close never ends (NATS reconnecting to a server
+    /// that is down) does not hold the relay's shutdown, nor keep the
+    /// others from closing.
+    #[tokio::test]
+    async fn a_publisher_that_never_closes_does_not_hold_shutdown() {
+        struct Closing(&'static str, Option<Arc<std::sync::atomic::AtomicBool>>);
+        #[async_trait::async_trait]
+        impl Publisher for Closing {
+            fn name(&self) -> &str {
+                self.0
+            }
+            async fn publish(
+                &self,
+                batch: &[crate::publish::Delivery<'_>],
+            ) -> Vec<std::result::Result<(), crate::publish::PublishError>> {
+                batch.iter().map(|_| Ok(())).collect()
+            }
+            async fn close(&self) {
+                match &self.1 {
+                    Some(closed) => closed.store(true, std::sync::atomic::Ordering::SeqCst),
+                    None => std::future::pending().await,
+                }
+            }
+        }
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let publishers: Vec<Arc<dyn Publisher>> = vec![
+            Arc::new(Closing("hung", None)),
+            Arc::new(Closing("healthy", Some(Arc::clone(&closed)))),
+        ];
+        let within = std::time::Duration::from_millis(50);
+        tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            close_publishers(&publishers, within),
+        )
+        .await
+        .expect("shutdown waited on the hung publisher");
+        assert!(closed.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! `kind = "file"`: one JSON envelope per line (SPEC §4), appended to a file
-//! or written to stdout. A batch is confirmed once it is written.
+//! or written to stdout. A batch is confirmed once it is written (and, to
+//! a regular file, synced to disk).
 //!
 //! A batch is written whole or not at all: when a write to a regular file
 //! fails part-way (disk full, file-size limit), the file is truncated back to
@@ -96,7 +97,17 @@ fn append_whole(file: &std::fs::File, buf: &[u8], path: &str) -> std::result::Re
         Err(e) => return Err(format!("cannot stat `{path}` before writing: {e}")),
     };
     let mut writer = file;
-    let Err(e) = writer.write_all(buf).and_then(|()| writer.flush()) else {
+    // A regular file's lines are on disk before the batch counts as
+    // delivered: its rows are marked next, and an OS crash must not take
+    // back lines whose events postbox will never send again.
+    let written = writer
+        .write_all(buf)
+        .and_then(|()| writer.flush())
+        .and_then(|()| match before {
+            Some(_) => file.sync_data(),
+            None => Ok(()),
+        });
+    let Err(e) = written else {
         return Ok(());
     };
     let Some(before) = before else {
