@@ -499,11 +499,11 @@ pub(crate) const ARCHIVE_COPY: &str = concat!(
 /// archive, or whose event the archive already holds under another id (an
 /// event enqueued again after it was archived, and delivered again): the
 /// archived copy is kept, the live duplicate goes, so such rows never stop
-/// the archiver.
+/// the archiver. Present means the same event: a row whose id the archive
+/// holds for another event (ids reused after a reset) stays in the outbox.
 pub(crate) const ARCHIVE_DELETE: &str = "DELETE FROM {table} WHERE id IN ({ids}) \
-     AND (EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id) \
-       OR EXISTS (SELECT 1 FROM {archive} a \
-         WHERE a.app_code = {table}.app_code AND a.event_id = {table}.event_id))";
+     AND EXISTS (SELECT 1 FROM {archive} a \
+         WHERE a.app_code = {table}.app_code AND a.event_id = {table}.event_id)";
 
 /// `id` in the ids bound first (expanded to one placeholder each).
 pub(crate) const ID_LIST: &str = "id IN ({ids})";

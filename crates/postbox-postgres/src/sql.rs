@@ -336,11 +336,13 @@ macro_rules! archive_pick {
 }
 
 /// One archive batch, one statement: copy what the archive lacks (unique
-/// `id`), then delete from the outbox only rows now in the archive (copied
-/// here, or by an earlier run), or whose event the archive already holds
-/// under another id (an event enqueued again after it was archived, and
-/// delivered again): the archived copy is kept, the live duplicate goes, so
-/// such rows never stop the archiver. Returns the rows deleted and copied.
+/// `id`), then delete from the outbox only rows whose event the archive
+/// holds: copied here, by an earlier run, or under another id (an event
+/// enqueued again after it was archived, and delivered again: the archived
+/// copy is kept, the live duplicate goes, so such rows never stop the
+/// archiver). A row whose id the archive holds for another event (ids
+/// reused after a reset) is neither copied nor deleted: it stays in the
+/// outbox. Returns the rows deleted and copied.
 pub(crate) const ARCHIVE_BATCH: &str = concat!(
     "WITH picked AS (",
     archive_pick!(),
@@ -351,7 +353,7 @@ pub(crate) const ARCHIVE_BATCH: &str = concat!(
     columns!(),
     " FROM {table} WHERE id IN (SELECT id FROM picked) ON CONFLICT DO NOTHING RETURNING id), \
      deleted AS (DELETE FROM {table} t WHERE t.id IN (SELECT id FROM picked) \
-       AND (t.id IN (SELECT id FROM copied) OR EXISTS (SELECT 1 FROM {archive} a WHERE a.id = t.id) \
+       AND (t.id IN (SELECT id FROM copied) \
          OR EXISTS (SELECT 1 FROM {archive} a WHERE a.app_code = t.app_code AND a.event_id = t.event_id)) \
        RETURNING t.id) \
      SELECT (SELECT COUNT(*) FROM deleted) AS deleted, (SELECT COUNT(*) FROM copied) AS copied"

@@ -2690,6 +2690,62 @@ where
     plans
 }
 
+/// The archive holds another event under the id a live row has (ids
+/// reused: MySQL 5.7 restarts AUTO_INCREMENT at the table's highest id,
+/// so ids of archived rows come back; `TRUNCATE … RESTART IDENTITY`).
+/// The row cannot be copied under its id, and it is not archived: it
+/// stays in the outbox, never deleted as if the archive held it.
+pub async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event<DB>(
+    store: Arc<dyn OutboxStore>,
+    pool: sqlx::Pool<DB>,
+) where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    use postbox_core::store::ArchiveRequest;
+    let archive = || {
+        let store = store.clone();
+        async move {
+            let req = ArchiveRequest {
+                app_codes: vec![APP.to_owned()],
+                before_ms: store.now_ms().await.expect("now") + 60_000,
+                batch_size: 10,
+                max_batches: None,
+                partitions: Default::default(),
+            };
+            store.archive(&req, &|_| {}).await.expect("archive")
+        }
+    };
+    let old = events(1, "T");
+    enqueue(store.as_ref(), &old).await;
+    deliver_all(store.as_ref()).await;
+    assert_eq!(archive().await.moved, 1);
+    let new = events(1, "T");
+    let new_id = match store.enqueue_batch(&new, 1 << 20).await.expect("enqueue")[..] {
+        [EnqueueOutcome::Inserted(id)] => id,
+        ref other => panic!("{other:?}"),
+    };
+    deliver_all(store.as_ref()).await;
+    // The archived event now holds the live row's id, as after a reset.
+    let t = store.table().clone();
+    let sql = t.render(&format!(
+        "UPDATE {{archive}} SET id = {new_id} WHERE event_id = '{}'",
+        old[0].event_id
+    ));
+    sqlx::query(&sql).execute(&pool).await.expect(&sql);
+
+    let report = archive().await;
+    assert_eq!(report.moved, 0, "{report:?}");
+    let live = store.find(&new[0].event_id).await.expect("find");
+    assert_eq!(
+        live.len(),
+        1,
+        "row {new_id} deleted from the outbox, and not archived"
+    );
+    assert_eq!(live[0].status, Status::Delivered);
+}
+
 /// `migrate` after the outbox table (then its `_archive`/`_history`) were
 /// dropped by hand: the ledger still records version 3, yet `migrate`
 /// recreates what is missing, says so, and the store works again. Not a

@@ -302,6 +302,17 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event() {
+    let store = outbox().await;
+    let pool = store.pool().clone();
+    postbox_testkit::conformance::archive_keeps_a_row_whose_id_the_archive_holds_for_another_event(
+        Arc::new(store),
+        pool,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_recreates_tables_dropped_by_hand() {
     let store = outbox().await;
     let pool = store.pool().clone();
