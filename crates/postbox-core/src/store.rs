@@ -1117,6 +1117,11 @@ pub trait ArchiveStore: Send + Sync + 'static {
     /// in id order (a paced replay's next batch).
     async fn archived_ids(&self, filter: &EventFilter) -> Result<Vec<i64>>;
 
+    /// Every app_code with archived rows, sorted (one index probe per
+    /// app_code). A replay without an app_code visits these too: a
+    /// tenant whose rows are all archived has none in the outbox table.
+    async fn archived_app_codes(&self) -> Result<Vec<String>>;
+
     /// Deletes archived rows by id (rows a replay brought back into the
     /// outbox table). Returns the rows deleted.
     async fn delete_archived(&self, ids: &[i64]) -> Result<u64>;

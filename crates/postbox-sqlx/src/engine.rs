@@ -823,18 +823,22 @@ impl SqlOutbox<D> {
     /// One index probe per app_code ([`Statements::next_app_code`]),
     /// however many rows each has.
     pub async fn present_app_codes(&self) -> Result<Vec<String>> {
+        self.app_codes_in("{table}").await
+    }
+
+    /// Every app_code with rows in `table` (`{table}` or `{archive}`, each
+    /// led by an `(app_code, …)` index), sorted.
+    pub async fn app_codes_in(&self, table: &str) -> Result<Vec<String>> {
+        let next = self.table.render(&D::STATEMENTS.next_app_code.replace("{table}", table));
         // The first probe takes `>=` the empty string: a row a plain
         // INSERT wrote with an empty app_code is listed too.
         let app_code = self.table.column("app_code");
-        let first = self
-            .sql
-            .next_app_code
-            .replacen(&format!("{app_code} > "), &format!("{app_code} >= "), 1);
+        let first = next.replacen(&format!("{app_code} > "), &format!("{app_code} >= "), 1);
         let mut codes: Vec<String> = Vec::new();
         loop {
             let (sql, after) = match codes.last() {
                 None => (first.as_str(), ""),
-                Some(last) => (self.sql.next_app_code.as_str(), last.as_str()),
+                Some(last) => (next.as_str(), last.as_str()),
             };
             let next: Option<String> = query::<D>(sql, [after.into()])
                 .try_map(|row: <D::DB as Database>::Row| sqlx::Row::try_get(&row, 0))
@@ -1074,6 +1078,24 @@ impl SqlOutbox<D> {
             .map_err(|e| db_error("read database clock", e))
     }
 
+    /// The app_codes a replay by `f` visits when it names none: those
+    /// with rows and, where `f` reaches the archive, those with archived
+    /// rows (here, or in the archive database): a tenant whose rows are
+    /// all archived has none in the table, and its events would be left
+    /// out of the replay without a word.
+    async fn replay_app_codes(&self, f: &EventFilter) -> Result<Vec<String>> {
+        let mut codes = self.present_app_codes().await?;
+        if f.reaches_archive() {
+            codes.extend(self.app_codes_in("{archive}").await?);
+            if let Some(to) = self.elsewhere() {
+                codes.extend(to.archived_app_codes().await?);
+            }
+            codes.sort();
+            codes.dedup();
+        }
+        Ok(codes)
+    }
+
     /// A paced replay's next batch ([`postbox_core::ReplayStore::replay_ids_after`]):
     /// per app_code, through the same indexes as the replay.
     pub async fn replay_ids_after(&self, f: &EventFilter, after_id: i64, size: u32) -> Result<Vec<i64>> {
@@ -1083,7 +1105,7 @@ impl SqlOutbox<D> {
         }
         let app_codes = match &f.app_code {
             Some(code) => vec![code.clone()],
-            None => self.present_app_codes().await?,
+            None => self.replay_app_codes(&f).await?,
         };
         let mut ids: Vec<i64> = Vec::new();
         for code in app_codes {
@@ -1134,7 +1156,8 @@ impl SqlOutbox<D> {
         let app_codes = match &selector {
             ReplaySelector::EventIds { app_code: Some(code), .. } => vec![code.clone()],
             ReplaySelector::Filter(EventFilter { app_code: Some(code), .. }) => vec![code.clone()],
-            _ => self.present_app_codes().await?,
+            ReplaySelector::Filter(f) => self.replay_app_codes(f).await?,
+            ReplaySelector::EventIds { .. } => self.present_app_codes().await?,
         };
         // A dry run only reads (one consistent snapshot).
         let mut tx = self.begin_relay(!dry_run).await.map_err(db)?;

@@ -160,6 +160,9 @@ macro_rules! capabilities_from_inherent {
                 async fn archived_ids(&self, filter: &EventFilter) -> Result<Vec<i64>> {
                     <$ty>::archived_ids(self, filter).await
                 }
+                async fn archived_app_codes(&self) -> Result<Vec<String>> {
+                    <$ty>::app_codes_in(self, "{archive}").await
+                }
                 async fn delete_archived(&self, ids: &[i64]) -> Result<u64> {
                     <$ty>::delete_archived(self, ids).await
                 }

@@ -97,6 +97,7 @@ cases! {$
     relay_orders_an_aggregate_mixing_versions_and_nulls,
     ordered_claim_skips_held_aggregates_in_age_order,
     archive_moves_past_live_duplicates_of_archived_events,
+    a_replay_without_an_app_code_reaches_a_tenant_all_archived,
     stuck_aggregates_are_heads_that_cannot_move,
     history_records_attempts_dead_letters_and_replays,
     replay_goes_only_to_publishers_that_did_not_confirm,
@@ -1954,6 +1955,60 @@ async fn archive_moves_past_live_duplicates_of_archived_events(store: Arc<dyn Ou
             .len(),
         5
     );
+}
+
+/// A replay of a time range that names no app_code visits every tenant,
+/// including one whose rows are all archived (none left in the table,
+/// where the app_codes were read from): its events come back, in the
+/// dry run and in the replay, and the paced replay's batches hold them.
+async fn a_replay_without_an_app_code_reaches_a_tenant_all_archived(store: Arc<dyn OutboxStore>) {
+    use postbox_core::store::{ArchiveRequest, EventFilter, ReplaySelector};
+    let archived = events(2, "T");
+    enqueue(store.as_ref(), &archived).await;
+    deliver_all(store.as_ref()).await;
+    let now = store.now_ms().await.expect("now");
+    let req = ArchiveRequest {
+        app_codes: vec![APP.to_owned()],
+        before_ms: now + 60_000,
+        batch_size: 10,
+        max_batches: None,
+        partitions: Default::default(),
+    };
+    assert_eq!(
+        store.archive(&req, &|_| {}).await.expect("archive").moved,
+        2
+    );
+    // Another tenant has a live row.
+    enqueue(store.as_ref(), &[NewEvent::new("conf-live", "T", "{}")]).await;
+
+    let filter = EventFilter {
+        since_ms: Some(now - 3_600_000),
+        until_ms: Some(now + 60_000),
+        status: Some(Status::Delivered),
+        ..Default::default()
+    };
+    let mut want: Vec<String> = archived.iter().map(|e| e.event_id.clone()).collect();
+    want.sort();
+    let ids = store
+        .replay_ids_after(&filter, 0, 10)
+        .await
+        .expect("next batch");
+    assert_eq!(ids.len(), 2, "the paced replay's batch: {ids:?}");
+    let range = ReplaySelector::Filter(filter);
+    let event_ids = |rows: Vec<postbox_core::EventRecord>| {
+        let mut ids: Vec<String> = rows.into_iter().map(|r| r.event_id).collect();
+        ids.sort();
+        ids
+    };
+    let dry = store.replay(&range, true, "test").await.expect("dry run");
+    assert_eq!(event_ids(dry), want, "the dry run");
+    let done = store.replay(&range, false, "test").await.expect("replay");
+    assert_eq!(event_ids(done), want, "the replay");
+    for id in &want {
+        let rows = store.find(id).await.expect("find");
+        assert_eq!(rows.len(), 1, "{id} is back in the table");
+        assert_eq!(rows[0].status, Status::Pending);
+    }
 }
 
 /// Issue 10.1: `status` and `doctor` show aggregates whose head cannot
