@@ -514,7 +514,7 @@ impl SqlOutbox<D> {
             out.extend(self.unarchive_elsewhere(to, conn, f, dry_run, forget).await?);
             return Ok(out);
         }
-        let archived = filter_query(archived, f, "'delivered'", D::PLACEHOLDERS);
+        let archived = filter_query(archived, f, crate::list::ARCHIVED_STATUS, D::PLACEHOLDERS);
         let mut archived_sql = self.table.render(&archived.sql);
         if let (false, Some(when)) = (dry_run, self.created_when_back().await?) {
             // The statement keeps each row's `created_at_ms` (see
@@ -549,7 +549,7 @@ impl SqlOutbox<D> {
         let t = self.table.as_str();
         let archive = self.table.archive();
         let failed = filter_query(&self.sql.replay_filter, &args.failed, "status", D::PLACEHOLDERS);
-        let range = filter_query(&self.sql.unarchive_filter, &args.range, "'delivered'", D::PLACEHOLDERS);
+        let range = filter_query(&self.sql.unarchive_filter, &args.range, crate::list::ARCHIVED_STATUS, D::PLACEHOLDERS);
         let probes = [
             (
                 REPLAY_BY_ID_QUERY,
@@ -1114,7 +1114,7 @@ impl SqlOutbox<D> {
             if f.reaches_archive() {
                 match self.elsewhere() {
                     Some(to) => ids.extend(to.archived_ids(&f).await?),
-                    None => tables.push(("{archive}", "'delivered'")),
+                    None => tables.push(("{archive}", crate::list::ARCHIVED_STATUS)),
                 }
             }
             for (table, status) in tables {

@@ -168,6 +168,13 @@ fn predicates(filter: &EventFilter) -> (Vec<&'static str>, Vec<ListArg<'_>>) {
 /// is written into the statement, where the planner sees it and can use
 /// that status's partial index (a bound parameter hides it from a
 /// generic plan).
+/// The status of an archived row, as a replay's status filter compares
+/// it: `dropped` (sampled out, archived since schema version 11) or, for
+/// every other row there, `delivered` (`published` and a legacy table's
+/// own values included).
+pub const ARCHIVED_STATUS: &str =
+    "(CASE WHEN status = 'dropped' THEN 'dropped' ELSE 'delivered' END)";
+
 fn status_literal(column: &str, status: Status) -> String {
     format!("{column} = '{}'", status.as_str())
 }

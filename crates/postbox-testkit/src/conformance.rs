@@ -2745,6 +2745,65 @@ where
     plans
 }
 
+/// A replay's status filter reads an archived row's own status: a
+/// sampled-out (`dropped`) row archived beside delivered ones is not
+/// replayed by `--status delivered` (it was, sent as if delivered once),
+/// and `--status dropped` reaches it.
+pub async fn a_replay_by_status_tells_archived_dropped_rows_from_delivered<DB>(
+    store: Arc<dyn OutboxStore>,
+    pool: sqlx::Pool<DB>,
+) where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    use postbox_core::store::{ArchiveRequest, EventFilter, ReplaySelector};
+    let evs = events(2, "T");
+    enqueue(store.as_ref(), &evs).await;
+    deliver_all(store.as_ref()).await;
+    let sql = store.table().render(&format!(
+        "UPDATE {{table}} SET status = 'dropped' WHERE event_id = '{}'",
+        evs[0].event_id
+    ));
+    sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    let now = store.now_ms().await.expect("now");
+    let req = ArchiveRequest {
+        app_codes: vec![APP.to_owned()],
+        before_ms: now + 60_000,
+        batch_size: 10,
+        max_batches: None,
+        partitions: Default::default(),
+    };
+    assert_eq!(
+        store.archive(&req, &|_| {}).await.expect("archive").moved,
+        2
+    );
+    let by = |status: Status, dry_run: bool| {
+        let store = store.clone();
+        async move {
+            let range = ReplaySelector::Filter(EventFilter {
+                app_code: Some(APP.to_owned()),
+                since_ms: Some(now - 3_600_000),
+                until_ms: Some(now + 60_000),
+                status: Some(status),
+                ..Default::default()
+            });
+            let rows = store.replay(&range, dry_run, "test").await.expect("replay");
+            rows.into_iter().map(|r| r.event_id).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(by(Status::Dropped, true).await, [evs[0].event_id.clone()]);
+    assert_eq!(by(Status::Delivered, true).await, [evs[1].event_id.clone()]);
+    assert_eq!(
+        by(Status::Delivered, false).await,
+        [evs[1].event_id.clone()]
+    );
+    assert!(
+        store.find(&evs[0].event_id).await.expect("find").is_empty(),
+        "the dropped row stays archived"
+    );
+}
+
 /// The archive holds another event under the id a live row has (ids
 /// reused: MySQL 5.7 restarts AUTO_INCREMENT at the table's highest id,
 /// so ids of archived rows come back; `TRUNCATE … RESTART IDENTITY`).

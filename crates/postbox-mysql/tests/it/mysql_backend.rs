@@ -704,6 +704,19 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_by_status_tells_archived_dropped_rows_from_delivered() {
+    let store = store("mb_dropstatus").await;
+    let pool = store.pool().clone();
+    let other = MySqlOutbox::new(pool.clone(), store.table().as_str()).unwrap();
+    postbox_testkit::conformance::a_replay_by_status_tells_archived_dropped_rows_from_delivered(
+        std::sync::Arc::new(store),
+        pool,
+    )
+    .await;
+    drop_tables(&other).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event() {
     let store = store("mb_idreuse").await;
     let pool = store.pool().clone();

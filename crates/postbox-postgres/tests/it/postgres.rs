@@ -302,6 +302,17 @@ async fn an_open_producer_transaction_does_not_stall_the_relay() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_by_status_tells_archived_dropped_rows_from_delivered() {
+    let store = outbox().await;
+    let pool = store.pool().clone();
+    postbox_testkit::conformance::a_replay_by_status_tells_archived_dropped_rows_from_delivered(
+        Arc::new(store),
+        pool,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event() {
     let store = outbox().await;
     let pool = store.pool().clone();

@@ -471,6 +471,18 @@ async fn a_failed_claim_rolls_back_its_transaction() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_by_status_tells_archived_dropped_rows_from_delivered() {
+    let s = scratch("dropstatus").await;
+    let pool = s.outbox.pool().clone();
+    let store = SqliteOutbox::new(pool.clone(), TABLE).unwrap();
+    postbox_testkit::conformance::a_replay_by_status_tells_archived_dropped_rows_from_delivered(
+        std::sync::Arc::new(store),
+        pool,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event() {
     let s = scratch("idreuse").await;
     let pool = s.outbox.pool().clone();

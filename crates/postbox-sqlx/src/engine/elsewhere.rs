@@ -251,7 +251,7 @@ impl SqlOutbox<D> {
             self.require_aggregate_index(&[&self.table.archive()]).await?;
         }
         let select = format!("SELECT {} FROM {{archive}} WHERE 1 = 1{FILTERS} ORDER BY id", crate::columns!());
-        let q = filter_query(&select, f, "'delivered'", D::PLACEHOLDERS);
+        let q = filter_query(&select, f, crate::list::ARCHIVED_STATUS, D::PLACEHOLDERS);
         let sql = self.table.render(&q.sql);
         let rows = query::<D>(&sql, super::list_values(&q.args))
             .fetch_all(&self.pool)
@@ -265,7 +265,7 @@ impl SqlOutbox<D> {
         if f.aggregate_id.is_some() {
             self.require_aggregate_index(&[&self.table.archive()]).await?;
         }
-        let q = crate::ids_query("{archive}", f, "'delivered'", D::PLACEHOLDERS);
+        let q = crate::ids_query("{archive}", f, crate::list::ARCHIVED_STATUS, D::PLACEHOLDERS);
         let sql = self.table.render(&q.sql);
         let rows = query::<D>(&sql, super::list_values(&q.args))
             .fetch_all(&self.pool)
