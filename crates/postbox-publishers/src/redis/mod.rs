@@ -10,10 +10,18 @@
 //!
 //! The connection is a [`ConnectionManager`]: after a dropped connection the
 //! batch in flight fails (and is retried by the relay), and the next batch
-//! reconnects. On Redis 7.2 and later each connection announces itself as
+//! reconnects. A connection that fails a batch in a way its manager does
+//! not repair is replaced before the next batch: one whose replies stopped
+//! coming (a host that died, a conntrack entry gone, behind which the
+//! socket looks open until the kernel gives up, minutes later; the batch
+//! timed out, or the relay's `publish_timeout` dropped it), and one whose
+//! server is no longer the primary (`READONLY` after a failover behind an
+//! address that now points at the new primary). On Redis 7.2 and later each connection announces itself as
 //! library `postbox-<publisher name>` (`lib-name` in `CLIENT LIST`); older
 //! servers ignore it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -36,7 +44,30 @@ pub struct RedisPublisher {
     name: String,
     stream: Template,
     maxlen: Option<u64>,
-    conn: ConnectionManager,
+    client: redis::Client,
+    manager_config: ConnectionManagerConfig,
+    conn: Mutex<ConnectionManager>,
+    /// The connection failed a batch in a way its manager does not
+    /// repair: the next batch opens a new one.
+    suspect: Arc<AtomicBool>,
+}
+
+/// Marks the connection suspect when dropped armed: a batch whose
+/// replies never came (the relay dropped it at its deadline).
+struct Unanswered(Arc<AtomicBool>, bool);
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A server's error that says this server cannot take writes any more,
+/// which reconnecting to the same address repairs after a failover.
+fn not_primary(e: &redis::RedisError) -> bool {
+    matches!(e.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"))
 }
 
 impl RedisPublisher {
@@ -60,15 +91,38 @@ impl RedisPublisher {
             .set_response_timeout(Some(IO_TIMEOUT))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_with_config(client, manager_config)
+        let conn = ConnectionManager::new_with_config(client.clone(), manager_config.clone())
             .await
             .map_err(|e| fail(format!("cannot connect: {e}")))?;
+        warn_unless_persistent(&name, conn.clone()).await;
         Ok(RedisPublisher {
             name,
             stream: config.stream.clone(),
             maxlen: config.maxlen,
-            conn,
+            client,
+            manager_config,
+            conn: Mutex::new(conn),
+            suspect: Arc::new(AtomicBool::new(false)),
         })
+    }
+
+    /// The connection for the next batch: a new one when the last was
+    /// found suspect.
+    async fn connection(&self) -> RedisResult<ConnectionManager> {
+        if self.suspect.swap(false, Ordering::SeqCst) {
+            tracing::warn!(
+                publisher = %self.name,
+                "the Redis connection stopped answering or its server is no longer the primary; opening a new one"
+            );
+            let fresh = ConnectionManager::new_with_config(
+                self.client.clone(),
+                self.manager_config.clone(),
+            )
+            .await
+            .inspect_err(|_| self.suspect.store(true, Ordering::SeqCst))?;
+            *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = fresh;
+        }
+        Ok(self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone())
     }
 
     /// The stream `d` is appended to.
@@ -123,8 +177,19 @@ impl Publisher for RedisPublisher {
         for d in batch {
             pipe.add_command(self.xadd(d));
         }
-        let mut conn = self.conn.clone();
-        let replies: RedisResult<Vec<RedisResult<Value>>> = pipe.query_async(&mut conn).await;
+        let mut unanswered = Unanswered(Arc::clone(&self.suspect), true);
+        let replies: RedisResult<Vec<RedisResult<Value>>> = match self.connection().await {
+            Ok(mut conn) => pipe.query_async(&mut conn).await,
+            Err(e) => Err(e),
+        };
+        unanswered.1 = false;
+        let broken = match &replies {
+            Ok(replies) => replies.iter().any(|r| r.as_ref().is_err_and(not_primary)),
+            Err(e) => e.is_timeout() || not_primary(e),
+        };
+        if broken {
+            self.suspect.store(true, Ordering::SeqCst);
+        }
         match replies {
             Ok(replies) if replies.len() == batch.len() => replies
                 .into_iter()
@@ -153,6 +218,26 @@ impl Publisher for RedisPublisher {
                 );
                 vec![Err(PublishError::failed(message)); batch.len()]
             }
+        }
+    }
+}
+
+/// Says at start when the server keeps no append-only file: an `XADD`
+/// is answered from memory, so an event marked delivered is lost if the
+/// server dies before its next snapshot. A server that refuses `CONFIG`
+/// (a managed one) is not second-guessed.
+async fn warn_unless_persistent(name: &str, mut conn: ConnectionManager) {
+    let reply: RedisResult<Vec<String>> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("appendonly")
+        .query_async(&mut conn)
+        .await;
+    if let Ok(pair) = reply {
+        if pair.get(1).is_some_and(|v| v == "no") {
+            tracing::warn!(
+                publisher = %name,
+                "Redis runs with appendonly no: an event it acknowledged is marked delivered, and lost if Redis dies before its next snapshot; set appendonly yes (appendfsync everysec or always) where delivery must survive a crash"
+            );
         }
     }
 }

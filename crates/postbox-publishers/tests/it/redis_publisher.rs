@@ -232,3 +232,211 @@ async fn killed_connections_lose_nothing() {
     assert_eq!(ids.len(), N, "every event in the stream ({report:?})");
     let _ = std::fs::remove_file(&path);
 }
+
+/// A TCP proxy in front of Redis for one test: each new connection goes
+/// to the upstream set now (`route`); `blackhole` stops forwarding on
+/// every connection open at the time and keeps its sockets open, as a
+/// host that died does (the client sees no reset, only silence).
+struct Proxy {
+    url: String,
+    upstream: Arc<std::sync::Mutex<String>>,
+    /// Connections accepted so far.
+    accepted: Arc<std::sync::atomic::AtomicU64>,
+    /// Connections up to this one are silent.
+    cut: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Proxy {
+    async fn start(upstream: &str) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{}/0", listener.local_addr().unwrap());
+        let upstream = Arc::new(std::sync::Mutex::new(upstream.to_owned()));
+        let cut = Arc::new(AtomicU64::new(0));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let (to, cutoff, count) = (upstream.clone(), cut.clone(), accepted.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let generation = count.fetch_add(1, Ordering::SeqCst) + 1;
+                let addr = to.lock().unwrap().clone();
+                let Ok(server) = tokio::net::TcpStream::connect(&addr).await else {
+                    continue;
+                };
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                for (from, into) in [(client_read, server_write), (server_read, client_write)] {
+                    let cutoff = cutoff.clone();
+                    tokio::spawn(async move {
+                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                        let (mut from, mut into) = (from, into);
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = match from.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            if generation <= cutoff.load(Ordering::SeqCst) {
+                                // Silence, with both sockets left open.
+                                std::future::pending::<()>().await;
+                            }
+                            if into.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Proxy {
+            url,
+            upstream,
+            accepted,
+            cut,
+        }
+    }
+
+    /// New connections go to `addr` (`host:port`).
+    fn route(&self, addr: &str) {
+        *self.upstream.lock().unwrap() = addr.to_owned();
+    }
+
+    /// Every connection open now goes silent; later ones are forwarded.
+    fn blackhole(&self) {
+        use std::sync::atomic::Ordering;
+        self.cut
+            .store(self.accepted.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// `host:port` of the test server.
+fn redis_addr() -> String {
+    let url = redis_url();
+    let rest = url.trim_start_matches("redis://");
+    rest.split('/')
+        .next()
+        .unwrap()
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+/// Publishes `events` as one batch, given `within` (the relay's
+/// `publish_timeout`); `None` when the batch was dropped at the deadline.
+async fn publish_within(
+    publisher: &RedisPublisher,
+    events: &[postbox_core::EventRecord],
+    within: Duration,
+) -> Option<Vec<Result<(), postbox_core::publish::PublishError>>> {
+    let batch: Vec<Delivery<'_>> = events.iter().map(Delivery::of).collect();
+    tokio::time::timeout(within, publisher.publish(&batch))
+        .await
+        .ok()
+}
+
+/// The publisher's connection goes silent (its host died; the socket
+/// stays open): the batch in flight is dropped at the relay's deadline,
+/// and the next batch is published over a new connection, not sent into
+/// the silence until the kernel gives up on it minutes later.
+#[tokio::test]
+async fn a_connection_gone_silent_is_replaced() {
+    let stream = scratch_table("pbt_silent");
+    let _cleanup = DropKeys(vec![stream.clone()]);
+    let proxy = Proxy::start(&redis_addr()).await;
+    let mut c = config("redis-silent", &stream, None);
+    c.url = SecretUrl::new(proxy.url.clone());
+    let publisher = RedisPublisher::connect(&c).await.unwrap();
+    let events = sample_events("room", 30);
+    let first = publish_within(&publisher, &events[..10], Duration::from_secs(5)).await;
+    assert!(first.expect("answered").iter().all(Result::is_ok));
+
+    proxy.blackhole();
+    let silent = publish_within(&publisher, &events[10..20], Duration::from_secs(1)).await;
+    assert!(silent.is_none(), "a silent connection answered: {silent:?}");
+    let after = publish_within(&publisher, &events[20..], Duration::from_secs(8)).await;
+    let after = after.expect("the batch after the silence was not answered in 8 s");
+    assert!(after.iter().all(Result::is_ok), "{after:?}");
+    let ids: Vec<String> = xrange(&stream)
+        .await
+        .into_iter()
+        .map(|(_, f)| f["event_id"].clone())
+        .collect();
+    for e in &events[20..] {
+        assert!(
+            ids.contains(&e.event_id),
+            "{} not in the stream",
+            e.event_id
+        );
+    }
+}
+
+/// The server behind the publisher's address stops being the primary (a
+/// failover behind a proxy that now points at the new primary): its
+/// `READONLY` fails the batch, and the next batch reconnects and reaches
+/// the primary.
+#[tokio::test]
+async fn a_server_no_longer_primary_is_left_for_the_new_one() {
+    // A replica of nothing: read-only, as a demoted primary is.
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut replica = std::process::Command::new("redis-server")
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--replicaof", "127.0.0.1", "1", "--dir"])
+        .arg(dir.path())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("redis-server (Debian's redis-server package)");
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _replica = Kill(&mut replica);
+    let replica_addr = format!("127.0.0.1:{port}");
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(&replica_addr).is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let stream = scratch_table("pbt_readonly");
+    let _cleanup = DropKeys(vec![stream.clone()]);
+    let proxy = Proxy::start(&replica_addr).await;
+    let mut c = config("redis-failover", &stream, None);
+    c.url = SecretUrl::new(proxy.url.clone());
+    let publisher = RedisPublisher::connect(&c).await.unwrap();
+    let events = sample_events("room", 20);
+    let refused = publish_within(&publisher, &events[..10], Duration::from_secs(5))
+        .await
+        .expect("answered");
+    assert!(
+        refused.iter().all(|r| r
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("read only"))),
+        "{refused:?}"
+    );
+    proxy.route(&redis_addr());
+    let after = publish_within(&publisher, &events[10..], Duration::from_secs(5))
+        .await
+        .expect("answered");
+    assert!(after.iter().all(Result::is_ok), "{after:?}");
+    assert_eq!(xrange(&stream).await.len(), 10);
+}
