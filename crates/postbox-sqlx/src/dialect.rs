@@ -1019,46 +1019,68 @@ macro_rules! first_open_of {
 /// The ids a per-aggregate pending claim chooses from (the claim keeps
 /// the pending ones, in claim order), as a subquery for tenant `$app` and
 /// batch size `$limit`, where the database has partial indexes
-/// (PostgreSQL, SQLite; MySQL's form, the same two sets, is its
-/// `CLAIM_PENDING_ORDERED`):
+/// (PostgreSQL, SQLite; MySQL's form is its `CLAIM_PENDING_ORDERED`):
 ///
-/// 1. the head of each aggregate with open events, for the first
-///    2 × `$limit` such aggregates in key order, found by a loose index
-///    scan over the head index (a recursive query: one probe per
-///    aggregate to find the next, one to read its head);
+/// 1. the heads of aggregates with open events, in key order, found by a
+///    loose index scan over the head index (a recursive query: one probe
+///    per aggregate to find the next, one to read its head, one to see
+///    whether the head can be claimed), until 2 × `$limit` heads that can
+///    be claimed (pending, of a type not paused) are found, or
+///    [`held_scan!`] × `$limit` aggregates are passed;
 /// 2. of the `$limit` pending rows a plain claim would take
 ///    ([`fair_pending!`], `$fair` its form), those that are heads (or have
 ///    no aggregate).
 ///
 /// Neither reads the backlog behind an aggregate's head: a claim costs
-/// about 3 × `$limit` index probes whatever the backlog. The plain head
-/// check over the pending index read every pending row when there were
-/// fewer aggregates than the batch (a room service: 100 rooms), or when
-/// the heads were in flight (the next claim runs while a batch publishes):
-/// 252 ms per claim that found nothing at 26,000 pending rows in 100
-/// aggregates on PostgreSQL, 13 ms now. (1) finds every aggregate that can
-/// go when there are fewer than 2 × `$limit`, so an aggregate whose head
-/// waits to be retried holds back only itself, however many events queue
-/// behind it; (2) keeps the claim in age order when there are many
-/// aggregates, each with a few events.
+/// about 3 × `$limit` index probes when heads can go, whatever the
+/// backlog. The plain head check over the pending index read every pending
+/// row when there were fewer aggregates than the batch (a room service:
+/// 100 rooms), or when the heads were in flight (the next claim runs while
+/// a batch publishes): 252 ms per claim that found nothing at 26,000
+/// pending rows in 100 aggregates on PostgreSQL, 13 ms now. (1) passes
+/// over aggregates whose head cannot go (in flight, waiting for a retry,
+/// of a paused type): counting them toward its 2 × `$limit` made an
+/// aggregate past the first 2 × `$limit` held ones wait as long as they
+/// were held, however long a paused type stayed paused, when their
+/// followers were also the oldest pending rows (2). (2) keeps the claim
+/// in age order when there are many aggregates, each with a few events.
+///
+/// The scan's columns: `a` the aggregate, `h` the head of the one before
+/// (found as the scan moves on), `n` aggregates passed, `k` heads that can
+/// be claimed among those before `h`'s.
 #[macro_export]
 macro_rules! head_candidates {
     (app: $app:literal, limit: $limit:literal, skip: $skip:literal, fair: $fair:ident) => {
         concat!(
-            "WITH RECURSIVE aggs (a, n) AS (SELECT (SELECT p.aggregate_id FROM {table} p \
+            "WITH RECURSIVE aggs (a, h, n, k) AS (SELECT (SELECT p.aggregate_id FROM {table} p \
                WHERE p.app_code = ", $app, " AND p.aggregate_id IS NOT NULL", $crate::partial_head!(open),
-            " ORDER BY p.aggregate_id LIMIT 1), 1 \
+            " ORDER BY p.aggregate_id LIMIT 1), CAST(NULL AS BIGINT), 1, CAST(0 AS BIGINT) \
              UNION ALL SELECT (SELECT p.aggregate_id FROM {table} p \
                WHERE p.app_code = ", $app, " AND p.aggregate_id > aggs.a", $crate::partial_head!(open),
-            " ORDER BY p.aggregate_id LIMIT 1), aggs.n + 1 \
-             FROM aggs WHERE aggs.a IS NOT NULL AND aggs.n < 2 * ", $limit, "), ",
+            " ORDER BY p.aggregate_id LIMIT 1), ",
+            $crate::first_open_of!($app, "aggs.a", head: partial),
+            ", aggs.n + 1, aggs.k + (SELECT COUNT(*) FROM {table} q WHERE q.id = aggs.h \
+               AND q.status = 'pending' AND q.event_type", $skip, ") \
+             FROM aggs WHERE aggs.a IS NOT NULL AND aggs.k < 2 * ", $limit,
+            " AND aggs.n < ", $crate::held_scan!(), " * ", $limit, "), ",
             $crate::fair_pending!(app: $app, limit: $limit, take: $limit, skip: $skip, $fair),
-            " SELECT ", $crate::first_open_of!($app, "aggs.a", head: partial),
-            " FROM aggs WHERE aggs.a IS NOT NULL \
+            " SELECT aggs.h FROM aggs WHERE aggs.h IS NOT NULL \
              UNION ALL SELECT f.fid FROM fair f WHERE COALESCE(f.fid = ",
             $crate::first_open_of!($app, "(SELECT o.aggregate_id FROM {table} o WHERE o.id = f.fid)", head: partial),
             ", TRUE)"
         )
+    };
+}
+
+/// How many batches' worth of aggregates a per-aggregate claim passes
+/// over looking for heads that can go ([`head_candidates!`]): past 32 ×
+/// the batch size of held aggregates in key order (3,200 at the default
+/// batch of 100), those after them wait until some move. Each one passed
+/// costs three index probes.
+#[macro_export]
+macro_rules! held_scan {
+    () => {
+        "32"
     };
 }
 

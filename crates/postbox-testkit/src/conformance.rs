@@ -96,6 +96,7 @@ cases! {$
     relay_orders_events_per_aggregate,
     relay_orders_an_aggregate_mixing_versions_and_nulls,
     ordered_claim_skips_held_aggregates_in_age_order,
+    ordered_claim_reaches_past_many_held_aggregates,
     archive_moves_past_live_duplicates_of_archived_events,
     a_replay_without_an_app_code_reaches_a_tenant_all_archived,
     stuck_aggregates_are_heads_that_cannot_move,
@@ -1871,6 +1872,62 @@ async fn ordered_claim_skips_held_aggregates_in_age_order(store: Arc<dyn OutboxS
     enqueue(store.as_ref(), &next).await;
     let none = claim_ids(5).await;
     assert!(none.is_empty(), "followers of heads in flight: {none:?}");
+}
+
+/// More aggregates are held than a claim looks at first (2 × the batch),
+/// their followers the oldest pending rows: heads in flight, or of a
+/// paused type. A fresh aggregate's event is still claimed; it waited
+/// until the held heads moved, or for as long as the type stayed paused.
+async fn ordered_claim_reaches_past_many_held_aggregates(store: Arc<dyn OutboxStore>) {
+    let ids_of = |evs: &[NewEvent]| -> Vec<String> {
+        let mut ids: Vec<String> = evs.iter().map(|e| e.event_id.clone()).collect();
+        ids.sort();
+        ids
+    };
+    let claim = |limit: u32, skip: Vec<String>| {
+        let store = store.clone();
+        async move {
+            let req = ClaimRequest {
+                ordered: true,
+                skip_types: &skip,
+                ..req("w", limit, 600_000)
+            };
+            let got = store
+                .claim(ClaimSource::Pending, &req)
+                .await
+                .expect("claim");
+            let mut ids: Vec<String> = got.into_iter().map(|c| c.record.event_id).collect();
+            ids.sort();
+            ids
+        }
+    };
+    // Six aggregates whose keys sort first: heads taken (in flight).
+    let heads: Vec<NewEvent> = (0..6)
+        .map(|i| NewEvent::new(APP, "Y", "{}").aggregate(format!("a-{i}"), 1))
+        .collect();
+    enqueue(store.as_ref(), &heads).await;
+    assert_eq!(claim(6, Vec::new()).await, ids_of(&heads));
+    let followers: Vec<NewEvent> = (0..6)
+        .map(|i| NewEvent::new(APP, "Y", "{}").aggregate(format!("a-{i}"), 2))
+        .collect();
+    enqueue(store.as_ref(), &followers).await;
+    // Six more whose pending heads are of a type about to be paused.
+    let paused: Vec<NewEvent> = (0..6)
+        .flat_map(|i| {
+            [
+                NewEvent::new(APP, "P", "{}").aggregate(format!("b-{i}"), 1),
+                NewEvent::new(APP, "Y", "{}").aggregate(format!("b-{i}"), 2),
+            ]
+        })
+        .collect();
+    enqueue(store.as_ref(), &paused).await;
+    let fresh = vec![NewEvent::new(APP, "Y", "{}").aggregate("z-1", 1)];
+    enqueue(store.as_ref(), &fresh).await;
+    assert_eq!(
+        claim(2, vec!["P".to_owned()]).await,
+        ids_of(&fresh),
+        "the free head behind twelve held aggregates"
+    );
 }
 
 /// Claims and delivers every pending row of [`APP`].
