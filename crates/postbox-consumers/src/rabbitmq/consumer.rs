@@ -230,6 +230,19 @@ impl InHand<'_> {
         }
     }
 
+    /// Gives a delivery no handler started back at shutdown: a copy at the
+    /// end of the queue with the same attempt, then the ack. Left to the
+    /// channel's close, the broker would requeue it `redelivered`, which
+    /// the next consumer counts as a failed attempt (a consumer that
+    /// stopped while handling it): every restart would charge the
+    /// messages prefetched then, and send them to `.dead` at
+    /// `max_attempts = 1` unhandled.
+    async fn give_back(&self, attempt: u32) -> Result<(), String> {
+        let queue = self.consumer.core.config.queue.clone();
+        self.copy_to(&queue, None, None, attempt).await?;
+        self.acknowledge().await
+    }
+
     /// Publishes a retry copy (with `delay`) or a dead copy (with
     /// `last_error`) and waits for the broker's confirm.
     async fn copy(
@@ -242,6 +255,18 @@ impl InHand<'_> {
             Some(_) => retry_queue(&self.consumer.core.config.queue),
             None => dead_queue(&self.consumer.core.config.queue),
         };
+        self.copy_to(&queue, delay, last_error, attempt).await
+    }
+
+    /// Publishes a copy of the delivery to `queue` and waits for the
+    /// broker's confirm.
+    async fn copy_to(
+        &self,
+        queue: &str,
+        delay: Option<Duration>,
+        last_error: Option<&str>,
+        attempt: u32,
+    ) -> Result<(), String> {
         let props = copy_properties(
             &self.delivery.properties,
             attempt,
@@ -252,7 +277,7 @@ impl InHand<'_> {
             self.publishing
                 .basic_publish(
                     "".into(),
-                    queue.as_str().into(),
+                    queue.into(),
                     BasicPublishOptions {
                         mandatory: true,
                         ..BasicPublishOptions::default()
@@ -268,7 +293,7 @@ impl InHand<'_> {
         let confirm = unless_lost(self.connection, published)
             .await
             .unwrap_or_else(|| Err(format!("publishing to {queue}: the connection was lost")))?;
-        confirmed(confirm, &queue)
+        confirmed(confirm, queue)
     }
 }
 
@@ -378,6 +403,34 @@ async fn lost(connection: &Connection) {
 }
 
 impl RabbitMqConsumer {
+    /// [`InHand::give_back`] for a delivery read at shutdown. One already
+    /// redelivered is left to the close: its count stands as it came.
+    async fn give_back(
+        &self,
+        delivery: &Delivery,
+        connection: &Connection,
+        publishing: &Channel,
+    ) -> Result<(), String> {
+        if delivery.redelivered {
+            return Ok(());
+        }
+        let attempt = super::message_from_delivery(
+            &delivery.properties,
+            delivery.routing_key.as_str(),
+            &delivery.data,
+            false,
+        )?
+        .attempt;
+        let in_hand = InHand {
+            consumer: self,
+            delivery,
+            connection,
+            publishing,
+            ordered: None,
+        };
+        in_hand.give_back(attempt).await
+    }
+
     /// `basic.consume` of the queue under this consumer's tag.
     async fn start_consuming(&self, channel: &Channel) -> Result<lapin::Consumer, lapin::Error> {
         channel
@@ -488,10 +541,17 @@ impl Session for RabbitMqConsumer {
             let next = tokio::select! {
                 biased;
                 _ = run.shutdown.cancelled() => {
-                    // Stop taking; anything prefetched but not started goes
-                    // back to the queue when the channel closes.
+                    // Stop taking, and give back what the broker pushed
+                    // before the cancel and no handler started, uncounted
+                    // (`InHand::give_back`); the stream ends once they are
+                    // all read.
                     let closing = async {
                         let _ = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default()).await;
+                        while let Some(Ok(delivery)) = consumer.next().await {
+                            if self.give_back(&delivery, &conn, &publishing).await.is_err() {
+                                break;
+                            }
+                        }
                         let _ = consuming.close(200, "shutdown".into()).await;
                         let _ = publishing.close(200, "shutdown".into()).await;
                         let _ = conn.close(200, "shutdown".into()).await;

@@ -247,6 +247,10 @@ impl Handler for Slow {
     }
 }
 
+/// Shutdown finishes the message in hand; the rest go back to the queue,
+/// those the broker had already pushed (prefetch 3) as they were: not
+/// `redelivered`, which the next consumer would count as a failed attempt
+/// of a consumer that stopped while handling them.
 #[tokio::test]
 async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
     let (_conn, ch) = broker().await;
@@ -259,7 +263,9 @@ async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
         hold: Duration::from_millis(800),
         calls: Mutex::new(0),
     });
-    let consumer = RabbitMqConsumer::new(consumer_config(&queue), handler.clone()).unwrap();
+    let mut config = consumer_config(&queue);
+    config.prefetch = 3;
+    let consumer = RabbitMqConsumer::new(config, handler.clone()).unwrap();
     let (stop, run) = start(consumer);
     wait_until(
         "the first message in hand",
@@ -277,6 +283,19 @@ async fn shutdown_finishes_the_message_in_hand_and_leaves_the_rest() {
         async || ready(&ch, &queue).await == 4,
     )
     .await;
+    let mut back = Vec::new();
+    for _ in 0..4 {
+        let m = ch
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+            .expect("a message back in the queue");
+        let id = m.properties.message_id().as_ref().unwrap().to_string();
+        back.push((id, m.delivery.redelivered));
+    }
+    back.sort();
+    let expected: Vec<(String, bool)> = (1..5).map(|i| (format!("s-{i}"), false)).collect();
+    assert_eq!(back, expected, "each back once, none as a redelivery");
     delete(&ch, &queue).await;
 }
 
