@@ -156,6 +156,12 @@ pub struct ConsumeReport {
 }
 
 impl ConsumeReport {
+    /// Messages settled for good: handled, skipped or dead-lettered (a
+    /// retried or held-back one comes back).
+    pub(crate) fn done(&self) -> u64 {
+        self.ok + self.duplicate + self.stale + self.dead
+    }
+
     /// Counts one settled message of `consumer` in the report and in
     /// `postbox_consume_total{consumer,result}`.
     pub(crate) fn count(&mut self, consumer: &str, what: Counted) {

@@ -1,6 +1,13 @@
 //! The reconnect loop every consumer shares: run a session (connect, set up,
 //! consume) until shutdown; when the connection breaks, pause (0.5 s doubling
-//! to 30 s, reset after a session that got connected) and start another.
+//! to 30 s) and start another. The pause starts over after a session that
+//! got connected and then settled a message for good (handled, skipped or
+//! dead-lettered) or lasted [`STEADY`]: one that breaks on the same message
+//! each time (a dead copy the broker refuses: `<queue>.dead` full with
+//! `overflow = reject-publish`; the message goes round through
+//! `<queue>.retry` in between) backs off like a broker that cannot be
+//! reached, instead of reconnecting about once a second for as long as the
+//! message stays.
 
 use std::future::Future;
 use std::time::Duration;
@@ -10,6 +17,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::state::ConsumerState;
 use super::{ConsumeReport, Core};
+
+/// A connected session that lasted this long counts as a working one,
+/// even if it settled nothing (an idle queue).
+const STEADY: Duration = Duration::from_secs(30);
 
 /// How one session ended.
 pub(crate) enum SessionEnd {
@@ -65,6 +76,8 @@ pub(crate) async fn run_sessions<S: Session>(
             return Ok(report);
         }
         let state = consumer.core().state.clone();
+        let done = report.done();
+        let started = std::time::Instant::now();
         let mut run = Run {
             shutdown: &shutdown,
             report: &mut report,
@@ -73,12 +86,13 @@ pub(crate) async fn run_sessions<S: Session>(
         };
         let end = consumer.session(&mut run).await;
         let connected = run.connected;
+        let worked = connected && (report.done() > done || started.elapsed() >= STEADY);
         state.set_connected(false);
         match end {
             SessionEnd::Cancelled => return Ok(report),
             SessionEnd::Fatal(e) => return Err(e),
             SessionEnd::Broken(reason) => {
-                if connected {
+                if worked {
                     pause = Duration::from_millis(500);
                 }
                 let core = consumer.core();

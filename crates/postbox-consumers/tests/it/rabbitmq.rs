@@ -758,3 +758,88 @@ async fn goes_on_through_connection_resets_while_acknowledging() {
         .unwrap();
     delete(&ch, &queue).await;
 }
+
+/// Fails every event for good.
+struct Refuses;
+
+#[async_trait]
+impl Handler for Refuses {
+    async fn handle(&self, _m: &Message) -> Result<Handled, HandlerError> {
+        Err(HandlerError::permanent("never"))
+    }
+}
+
+/// `<queue>.dead` full and refusing (`max-length = 1`, `overflow =
+/// reject-publish`): the second event's dead copy is refused, the session
+/// breaks on it, and the next one meets it again. The consumer backs off
+/// (0.5 s doubling) instead of reconnecting about once a second for as long as
+/// the dead queue stays full.
+#[tokio::test]
+async fn a_refused_dead_copy_backs_off_instead_of_reconnecting_every_second() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("refused");
+    declare(&ch, &queue).await;
+    let policy = format!("{queue}-full");
+    let set = tokio::process::Command::new("rabbitmqctl")
+        .args(["-q", "set_policy", "--apply-to", "queues", &policy])
+        .arg(format!("^{}$", regex_escape(&format!("{queue}.dead"))))
+        .arg(r#"{"max-length":1,"overflow":"reject-publish"}"#)
+        .status()
+        .await
+        .expect("rabbitmqctl on PATH");
+    assert!(set.success());
+    for i in 0..2 {
+        publish(&ch, &queue, &format!("r-{i}"), None, "{}").await;
+    }
+    // Count the consumer's connections through a proxy.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (url, upstream) = postbox_testkit::amqp::through_proxy(listener.local_addr().unwrap());
+    let opened = Arc::new(AtomicU64::new(0));
+    let count = opened.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            let upstream = upstream.clone();
+            tokio::spawn(async move {
+                let mut client = client;
+                if let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    let mut config = consumer_config(&queue);
+    config.url = postbox_core::redact::SecretUrl::new(url);
+    let consumer = RabbitMqConsumer::new(config, Arc::new(Refuses)).unwrap();
+    let (stop, run) = start(consumer);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    stop.cancel();
+    let _ = run.await.unwrap();
+    let _ = tokio::process::Command::new("rabbitmqctl")
+        .args(["-q", "clear_policy", &policy])
+        .status()
+        .await;
+    let sessions = opened.load(Ordering::SeqCst);
+    // Backing off: sessions at about 0, 0.5, 1.5, 3.5 s; without, one
+    // about every second (the message goes round through `.retry`).
+    assert!((2..=5).contains(&sessions), "{sessions} connections in 6 s");
+    assert_eq!(
+        ready(&ch, &format!("{queue}.dead")).await,
+        1,
+        "the first dead copy"
+    );
+    delete(&ch, &queue).await;
+}
+
+/// `text` with the regular expression's special characters escaped.
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| match c {
+            '.' | '*' | '+' | '?' | '(' | ')' | '[' | ']' | '{' | '}' | '^' | '$' | '|' | '\\' => {
+                vec!['\\', c]
+            }
+            c => vec![c],
+        })
+        .collect()
+}
