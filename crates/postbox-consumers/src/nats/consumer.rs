@@ -2,7 +2,7 @@
 //! nak with a growing delay on failure, a confirmed dead copy before the
 //! original is terminated, reconnect with backoff.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -86,7 +86,8 @@ impl NatsConsumer {
     ) -> SessionEnd {
         let mut stopping = false;
         loop {
-            if stopping || !self.core.state.unless_paused(shutdown).await {
+            if stopping || shutdown.is_cancelled() || !self.core.state.unless_paused(shutdown).await
+            {
                 return SessionEnd::Cancelled;
             }
             let mut batch = match consumer
@@ -99,30 +100,74 @@ impl NatsConsumer {
                 Ok(b) => b,
                 Err(e) => return SessionEnd::Broken(format!("pull request: {e}")),
             };
+            // Messages the pull brought while one was in hand, oldest first.
+            let mut waiting: VecDeque<jetstream::Message> = VecDeque::new();
+            let mut pulled = false;
             loop {
                 // A pull in flight is never abandoned: a message the server
                 // sends after we stopped listening would wait out ack_wait.
                 // On shutdown the pull runs to its end and anything it brings
                 // is given back at once.
-                let next = tokio::select! {
-                    biased;
-                    _ = shutdown.cancelled(), if !stopping => {
-                        stopping = true;
-                        continue;
+                let message = match waiting.pop_front() {
+                    Some(m) => m,
+                    None if pulled => break,
+                    None => {
+                        let next = tokio::select! {
+                            biased;
+                            _ = shutdown.cancelled(), if !stopping => {
+                                stopping = true;
+                                continue;
+                            }
+                            next = tokio::time::timeout(PULL_WAIT + REQUEST_TIMEOUT, batch.next()) => next,
+                        };
+                        match next {
+                            Err(_) => {
+                                return SessionEnd::Broken("no answer to a pull request".to_owned())
+                            }
+                            Ok(None) => break,
+                            Ok(Some(Err(e))) => return SessionEnd::Broken(format!("pull: {e}")),
+                            Ok(Some(Ok(m))) => m,
+                        }
                     }
-                    next = tokio::time::timeout(PULL_WAIT + REQUEST_TIMEOUT, batch.next()) => next,
                 };
-                let message = match next {
-                    Err(_) => return SessionEnd::Broken("no answer to a pull request".to_owned()),
-                    Ok(None) => break,
-                    Ok(Some(Err(e))) => return SessionEnd::Broken(format!("pull: {e}")),
-                    Ok(Some(Ok(m))) => m,
-                };
+                stopping |= shutdown.is_cancelled();
                 if stopping {
                     let _ = message.ack_with(AckKind::Nak(None)).await;
                     continue;
                 }
-                if let Err(reason) = self.process(message, js, report).await {
+                // While it is handled, the rest of the pull is read as it
+                // comes and kept alive: `ack_wait` runs for each from its
+                // delivery, and the server would hand one that waits past
+                // it to another consumer of the group while it is still
+                // here (handled twice).
+                let work = self.process(message, js, report);
+                tokio::pin!(work);
+                let every = self.core.config.ack_wait.get() / 3;
+                let mut keep_alive =
+                    tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+                let mut pull_failed = None;
+                let done = loop {
+                    tokio::select! {
+                        done = &mut work => break done,
+                        next = batch.next(), if !pulled => match next {
+                            Some(Ok(m)) => waiting.push_back(m),
+                            Some(Err(e)) => {
+                                pulled = true;
+                                pull_failed = Some(format!("pull: {e}"));
+                            }
+                            None => pulled = true,
+                        },
+                        _ = keep_alive.tick(), if !waiting.is_empty() => {
+                            for m in &waiting {
+                                let _ = m.ack_with(AckKind::Progress).await;
+                            }
+                        }
+                    }
+                };
+                if let Err(reason) = done {
+                    return SessionEnd::Broken(reason);
+                }
+                if let Some(reason) = pull_failed.filter(|_| waiting.is_empty()) {
                     return SessionEnd::Broken(reason);
                 }
             }

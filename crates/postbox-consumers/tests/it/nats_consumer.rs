@@ -357,3 +357,66 @@ async fn a_replayed_event_failing_again_gets_its_own_dead_copy() {
     }
     b.cleanup().await;
 }
+
+/// Prefetch 3, each message taking 0.7 s, `ack_wait` 1 s: the messages a
+/// pull brought wait behind the one in hand longer than `ack_wait`, and
+/// are kept (progress) meanwhile. Each is handled once, by the consumer
+/// that pulled it; the last one used to be redelivered to a second
+/// consumer of the group while it still waited, and handled twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefetched_messages_are_kept_while_they_wait() {
+    let b = NatsBroker::new().await;
+    let group = nats_redis_suite::group("prefetch");
+    let events = nats_redis_suite::publish_events(&b, 0..3).await;
+    let calls = nats_redis_suite::Calls::default();
+    let config = b.config(
+        &group,
+        serde_json::json!({ "prefetch": 3, "ack_wait": "1s" }),
+    );
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        config,
+        nats_redis_suite::recording("a", &calls, Duration::from_millis(700)),
+        "a",
+        cancel.clone(),
+    );
+    nats_redis_suite::wait_until(Duration::from_secs(15), "the first in hand", || {
+        !calls.lock().unwrap().is_empty()
+    })
+    .await;
+    // A second consumer of the group, idle: it gets what the server redelivers.
+    let other_cancel = CancellationToken::new();
+    let other = b.spawn(
+        b.config(&group, serde_json::json!({ "ack_wait": "1s" })),
+        nats_redis_suite::recording("b", &calls, Duration::ZERO),
+        "b",
+        other_cancel.clone(),
+    );
+    nats_redis_suite::wait_until(Duration::from_secs(15), "three handled", || {
+        calls.lock().unwrap().len() >= 3
+    })
+    .await;
+    // Room for a redelivery to show.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    nats_redis_suite::stop(&other_cancel, other).await;
+    let report = nats_redis_suite::stop(&cancel, task).await;
+    let seen: Vec<(String, String, u32)> = calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c.who.clone(),
+                c.message.event_id().to_owned(),
+                c.message.attempt,
+            )
+        })
+        .collect();
+    let expected: Vec<(String, String, u32)> = events
+        .iter()
+        .map(|e| ("a".to_owned(), e.event_id.clone(), 1))
+        .collect();
+    assert_eq!(seen, expected, "each once, on its first delivery");
+    assert_eq!(report.ok, 3, "{report:?}");
+    b.cleanup().await;
+}
