@@ -8,6 +8,7 @@
 //! through [`Dialect::bind`], so no encoding bound appears here.
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use sqlx::{Database, Transaction};
@@ -509,11 +510,9 @@ impl SqlOutbox<D> {
             return Ok(out);
         }
         // A time range, or an aggregate's events, also covers rows already
-        // archived (delivered ones).
-        if let Some(to) = self.elsewhere() {
-            out.extend(self.unarchive_elsewhere(to, conn, f, dry_run, forget).await?);
-            return Ok(out);
-        }
+        // archived (delivered ones): here, and with `[archive] url` in the
+        // archive database too, after those archived here before it was
+        // set (they move over only as archive runs go).
         let archived = filter_query(archived, f, crate::list::ARCHIVED_STATUS, D::PLACEHOLDERS);
         let mut archived_sql = self.table.render(&archived.sql);
         if let (false, Some(when)) = (dry_run, self.created_when_back().await?) {
@@ -539,6 +538,12 @@ impl SqlOutbox<D> {
                 .map_err(db)?;
         }
         out.extend(back);
+        if let Some(to) = self.elsewhere() {
+            // An event in both archives (a move cut short) comes back once.
+            let remote = self.unarchive_elsewhere(to, conn, f, dry_run, forget).await?;
+            let have: HashSet<i64> = out.iter().map(|r| r.id).collect();
+            out.extend(remote.into_iter().filter(|r| !have.contains(&r.id)));
+        }
         Ok(out)
     }
 
@@ -1112,9 +1117,10 @@ impl SqlOutbox<D> {
             let f = EventFilter { app_code: Some(code), ..f.clone() };
             let mut tables = vec![("{table}", "status")];
             if f.reaches_archive() {
-                match self.elsewhere() {
-                    Some(to) => ids.extend(to.archived_ids(&f).await?),
-                    None => tables.push(("{archive}", crate::list::ARCHIVED_STATUS)),
+                // Archived here (before `[archive] url` was set) and there.
+                tables.push(("{archive}", crate::list::ARCHIVED_STATUS));
+                if let Some(to) = self.elsewhere() {
+                    ids.extend(to.archived_ids(&f).await?);
                 }
             }
             for (table, status) in tables {

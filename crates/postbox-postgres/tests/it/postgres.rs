@@ -330,3 +330,72 @@ async fn migrate_recreates_tables_dropped_by_hand() {
     postbox_testkit::conformance::migrate_recreates_tables_dropped_by_hand(Arc::new(store), pool)
         .await;
 }
+
+/// `[archive] url` set after rows were archived beside the table: until
+/// archive runs move them over, a time-range replay (and the paced
+/// replay's batches) still finds them here. It read only the archive
+/// database, and left them out without a word.
+#[tokio::test]
+async fn with_the_archive_elsewhere_a_replay_reads_rows_still_archived_here() {
+    use postbox_core::store::{ArchiveRequest, ClaimRequest, EventFilter, ReplaySelector};
+    use postbox_core::ClaimSource;
+    use postbox_testkit::servers::ensure_database;
+    let hot = outbox().await;
+    let t = hot.table().as_str().to_owned();
+    let store: &dyn OutboxStore = &hot;
+    let e = NewEvent::new("room", "T", "{}");
+    store
+        .enqueue_batch(std::slice::from_ref(&e), 1024)
+        .await
+        .unwrap();
+    let req = ClaimRequest {
+        app_code: "room",
+        limit: 10,
+        worker_id: "w",
+        lease_ms: 60_000,
+        ordered: false,
+        skip_types: &[],
+    };
+    let claimed = store.claim(ClaimSource::Pending, &req).await.unwrap();
+    store
+        .mark_delivered(&claimed[0].fence(), &[claimed[0].record.id])
+        .await
+        .unwrap();
+    let now = store.now_ms().await.unwrap();
+    let archive = ArchiveRequest {
+        app_codes: vec!["room".into()],
+        before_ms: now + 60_000,
+        batch_size: 10,
+        max_batches: None,
+        partitions: Default::default(),
+    };
+    assert_eq!(store.archive(&archive, &|_| {}).await.unwrap().moved, 1);
+
+    let far_url = format!("{}_far", postgres_url());
+    ensure_database("postgres", &far_url).await;
+    let far = PgOutbox::connect(&far_url, &t, 2).await.unwrap();
+    far.migrate().await.unwrap();
+    let hot = PgOutbox::connect(&postgres_url(), &t, 4)
+        .await
+        .unwrap()
+        .with_archive_elsewhere(Arc::new(far));
+    let store: &dyn OutboxStore = &hot;
+    let filter = EventFilter {
+        app_code: Some("room".into()),
+        since_ms: Some(now - 3_600_000),
+        until_ms: Some(now + 60_000),
+        ..Default::default()
+    };
+    assert_eq!(
+        store.replay_ids_after(&filter, 0, 10).await.unwrap().len(),
+        1
+    );
+    let range = ReplaySelector::Filter(filter);
+    let dry = store.replay(&range, true, "test").await.unwrap();
+    assert_eq!(dry.len(), 1, "the dry run: {dry:?}");
+    let done = store.replay(&range, false, "test").await.unwrap();
+    assert_eq!(done.len(), 1, "the replay: {done:?}");
+    let rows = store.find(&e.event_id).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].status, postbox_core::Status::Pending);
+}
