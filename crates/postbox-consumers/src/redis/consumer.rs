@@ -243,7 +243,12 @@ impl RedisConsumer {
     }
 
     fn broken_or_refused(&self, e: RedisError) -> SessionEnd {
-        if is_refusal(&e) {
+        // With `declare`, a group gone mid-run (`XGROUP DESTROY`, the key
+        // deleted, a failover to a replica that never had it) is made again
+        // by the next session's set-up: not a reason to stop every
+        // consumer of the process.
+        let made_again = self.core.config.declare && e.code() == Some("NOGROUP");
+        if is_refusal(&e) && !made_again {
             SessionEnd::Fatal(refused(&self.core.config, &e))
         } else {
             SessionEnd::Broken(e.to_string())

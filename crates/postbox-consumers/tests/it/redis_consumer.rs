@@ -388,3 +388,54 @@ async fn an_entry_another_consumer_took_is_not_taken_back() {
     assert_eq!(report.ok, 0, "{report:?}");
     b.cleanup().await;
 }
+
+/// The group is destroyed while a consumer with `declare = true` runs
+/// (`XGROUP DESTROY`; a failover to a replica that never had it): the
+/// consumer makes it again and goes on, instead of stopping (and with it
+/// every consumer of the process) on `NOGROUP`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_group_destroyed_mid_run_is_made_again() {
+    let b = RedisBroker::new().await;
+    let group = nats_redis_suite::group("regroup");
+    let calls = nats_redis_suite::Calls::default();
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        b.config(&group, serde_json::json!({})),
+        nats_redis_suite::recording("a", &calls, std::time::Duration::ZERO),
+        "a",
+        cancel.clone(),
+    );
+    let first = test_event(0);
+    b.publish(&first).await;
+    nats_redis_suite::wait_until(
+        std::time::Duration::from_secs(10),
+        "the first handled",
+        || !calls.lock().unwrap().is_empty(),
+    )
+    .await;
+    let destroyed: i64 = redis::cmd("XGROUP")
+        .arg("DESTROY")
+        .arg(&b.stream)
+        .arg(&group)
+        .query_async(&mut b.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(destroyed, 1);
+    let second = test_event(1);
+    b.publish(&second).await;
+    nats_redis_suite::wait_until(
+        std::time::Duration::from_secs(20),
+        "the second handled after the group was made again",
+        || {
+            calls
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|c| c.message.event_id() == second.event_id)
+        },
+    )
+    .await;
+    assert!(!task.is_finished(), "the consumer stopped");
+    nats_redis_suite::stop(&cancel, task).await;
+    b.cleanup().await;
+}
