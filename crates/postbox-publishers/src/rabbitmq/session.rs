@@ -45,6 +45,28 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(30);
 /// as soon as it is known; at most one per message.
 pub(super) type Reply = mpsc::UnboundedSender<(usize, Result<(), PublishError>)>;
 
+/// Runs `work` (a channel being opened, a reconnect: up to
+/// [`CONNECT_TIMEOUT`] each) while the batches in flight go on, so each
+/// one's results reach its caller as its confirms come rather than once
+/// `work` is done, by when the caller's `publish_timeout` would have
+/// counted confirmed messages as timed out (sent again, the breaker
+/// tripped). The batches that end meanwhile go to `ended`, for
+/// [`Session::finish`] once `work` has let go of the session.
+async fn beside<T>(
+    work: impl Future<Output = T>,
+    in_flight: &mut FuturesUnordered<BoxFuture<'static, Done>>,
+    ended: &mut Vec<Done>,
+) -> T {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            biased;
+            out = &mut work => return out,
+            Some(done) = in_flight.next(), if !in_flight.is_empty() => ended.push(done),
+        }
+    }
+}
+
 /// What a [`super::RabbitMqPublisher`] asks of its session.
 pub(super) enum Request {
     /// Publish these messages (or report why one could not be built).
@@ -99,7 +121,12 @@ impl Session {
             tokio::select! {
                 request = requests.recv() => match request {
                     Some(Request::Publish { messages, reply }) => {
-                        if let Some(batch) = self.publish(messages, reply).await {
+                        let mut ended = Vec::new();
+                        let batch = beside(self.publish(messages, reply), &mut in_flight, &mut ended).await;
+                        for done in ended {
+                            self.finish(done);
+                        }
+                        if let Some(batch) = batch {
                             in_flight.push(batch);
                         }
                     }
@@ -107,7 +134,13 @@ impl Session {
                     None => break None,
                 },
                 Some(batch) = in_flight.next(), if !in_flight.is_empty() => self.finish(batch),
-                _ = tokio::time::sleep_until(self.next_attempt), if disconnected => self.reconnect().await,
+                _ = tokio::time::sleep_until(self.next_attempt), if disconnected => {
+                    let mut ended = Vec::new();
+                    beside(self.reconnect(), &mut in_flight, &mut ended).await;
+                    for done in ended {
+                        self.finish(done);
+                    }
+                }
                 _ = health.tick() => self.check_health(),
             }
         };

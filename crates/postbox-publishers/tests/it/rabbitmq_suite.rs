@@ -361,6 +361,163 @@ async fn a_second_batch_goes_out_while_the_first_awaits_its_confirms() {
     publisher.close().await;
 }
 
+/// A TCP proxy to the broker that can hold back the publisher confirms
+/// (`basic.ack` frames, kept and sent on once released) and stall the
+/// next `channel.open` the client sends, with what follows it, as a
+/// broker slow to open channels does.
+struct StallProxy {
+    url: String,
+    hold_acks: Arc<std::sync::atomic::AtomicBool>,
+    stall_open_ms: Arc<AtomicU64>,
+}
+
+impl StallProxy {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (url, upstream) = postbox_testkit::amqp::through_proxy(listener.local_addr().unwrap());
+        let hold_acks = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stall_open_ms = Arc::new(AtomicU64::new(0));
+        let (hold, stall) = (hold_acks.clone(), stall_open_ms.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = TcpStream::connect(&upstream).await.unwrap();
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(stall_channel_open(client_read, server_write, stall.clone()));
+                tokio::spawn(hold_confirms(server_read, client_write, hold.clone()));
+            }
+        });
+        StallProxy {
+            url,
+            hold_acks,
+            stall_open_ms,
+        }
+    }
+}
+
+/// One AMQP frame: its header (type, channel, size) and the rest.
+async fn read_frame(
+    from: &mut tokio::net::tcp::OwnedReadHalf,
+) -> std::io::Result<([u8; 7], Vec<u8>)> {
+    let mut header = [0u8; 7];
+    from.read_exact(&mut header).await?;
+    let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]) as usize;
+    let mut rest = vec![0u8; size + 1];
+    from.read_exact(&mut rest).await?;
+    Ok((header, rest))
+}
+
+/// Client to broker: the next `channel.open` (class 20, method 10) after
+/// `stall_ms` is set waits that long.
+async fn stall_channel_open(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    stall_ms: Arc<AtomicU64>,
+) -> std::io::Result<()> {
+    let mut protocol = [0u8; 8];
+    from.read_exact(&mut protocol).await?;
+    to.write_all(&protocol).await?;
+    loop {
+        let (header, rest) = read_frame(&mut from).await?;
+        if header[0] == 1 && rest.len() >= 4 && rest[..4] == [0, 20, 0, 10] {
+            let ms = stall_ms.swap(0, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        to.write_all(&header).await?;
+        to.write_all(&rest).await?;
+    }
+}
+
+/// Broker to client: `basic.ack` frames are kept while `hold` is set, and
+/// sent once it is cleared.
+async fn hold_confirms(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    hold: Arc<std::sync::atomic::AtomicBool>,
+) -> std::io::Result<()> {
+    let (frames, mut incoming) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(frame) = read_frame(&mut from).await {
+            if frames.send(frame).is_err() {
+                return;
+            }
+        }
+    });
+    let mut held: Vec<([u8; 7], Vec<u8>)> = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    loop {
+        let frame = tokio::select! {
+            frame = incoming.recv() => match frame {
+                Some(frame) => Some(frame),
+                None => return Ok(()),
+            },
+            _ = tick.tick() => None,
+        };
+        let holding = hold.load(Ordering::SeqCst);
+        if !holding {
+            for (header, rest) in held.drain(..) {
+                to.write_all(&header).await?;
+                to.write_all(&rest).await?;
+            }
+        }
+        let Some((header, rest)) = frame else {
+            continue;
+        };
+        if holding && header[0] == 1 && rest.len() >= 4 && rest[..4] == [0, 60, 0, 80] {
+            held.push((header, rest));
+            continue;
+        }
+        to.write_all(&header).await?;
+        to.write_all(&rest).await?;
+    }
+}
+
+/// The confirms of a batch in flight reach its caller as they come while
+/// the session opens a channel for the next batch (up to 10 s on a broker
+/// slow to answer). They were taken only once that channel was open, by
+/// when the caller's `publish_timeout` had counted the confirmed messages
+/// as timed out: sent again, and the breaker tripped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confirms_reach_the_caller_while_another_batch_opens_its_channel() {
+    let _broker = broker_shared().await;
+    let target = scratch_exchange("opening", "#").await;
+    let proxy = StallProxy::start().await;
+    let mut config = config(&target.name, "{event_type}", false);
+    config.url = SecretUrl::new(proxy.url.clone());
+    let publisher = RabbitMqPublisher::connect(&config).await.unwrap();
+    let events = sample_events("room", 20);
+    let (first, second) = events.split_at(10);
+    let first: Vec<Delivery<'_>> = first.iter().map(Delivery::of).collect();
+    let second: Vec<Delivery<'_>> = second.iter().map(Delivery::of).collect();
+    let (short, long) = (Duration::from_millis(1500), Duration::from_secs(15));
+    let results = (PublishResults::new(10), PublishResults::new(10));
+    proxy.hold_acks.store(true, Ordering::SeqCst);
+    tokio::join!(publisher.publish_each(&first, short, &results.0), async {
+        // The first batch is out, its confirms held; the second asks for a
+        // channel, whose opening stalls; then the confirms go through.
+        assert_eq!(
+            target
+                .inbox
+                .wait_for(10, Duration::from_secs(5))
+                .await
+                .len(),
+            10
+        );
+        proxy.stall_open_ms.store(4_000, Ordering::SeqCst);
+        tokio::join!(publisher.publish_each(&second, long, &results.1), async {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            proxy.hold_acks.store(false, Ordering::SeqCst);
+        });
+    });
+    assert_eq!(
+        results.0.into_results(short),
+        vec![Ok(()); 10],
+        "the first batch's confirms, while the second's channel opened"
+    );
+    assert_eq!(results.1.into_results(long), vec![Ok(()); 10]);
+    publisher.close().await;
+}
+
 /// `events` published as two batches in flight together (halves), each
 /// given `timeout`; the results in the events' order.
 async fn in_two_batches_at_once(
