@@ -130,7 +130,20 @@ struct DeadParams {
 }
 
 impl DeadParams {
-    fn request(self, verb: DeadVerb) -> Result<DeadRequest, ApiError> {
+    fn request(mut self, verb: DeadVerb) -> Result<DeadRequest, ApiError> {
+        // An empty field is no filter: `"error": ""` would match every
+        // letter, and must not stand in for `"all": true`.
+        for field in [
+            &mut self.event_type,
+            &mut self.event_id,
+            &mut self.since,
+            &mut self.until,
+            &mut self.error,
+        ] {
+            if field.as_deref().is_some_and(|v| v.trim().is_empty()) {
+                *field = None;
+            }
+        }
         let now = postbox_core::time::now_ms();
         let time = |name: &str, v: Option<String>| {
             v.map(|s| {
@@ -269,4 +282,27 @@ async fn switch(
     let mut shown = consumer.snapshot();
     shown["changed"] = changed.into();
     Ok(Json(shown))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `{"error": ""}` is no filter: a purge or replay with it is refused
+    /// without `"all": true` (it took every dead letter before).
+    #[test]
+    fn an_empty_filter_field_does_not_stand_in_for_all() {
+        let params: DeadParams =
+            serde_json::from_str(r#"{"error": "", "event_type": " "}"#).unwrap();
+        let Err(refused) = params.request(DeadVerb::Purge) else {
+            panic!("an empty error filter stood in for all");
+        };
+        assert!(
+            refused.message.contains("\"all\": true"),
+            "{}",
+            refused.message
+        );
+        let params: DeadParams = serde_json::from_str(r#"{"error": "timeout"}"#).unwrap();
+        assert!(params.request(DeadVerb::Purge).is_ok());
+    }
 }

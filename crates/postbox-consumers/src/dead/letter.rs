@@ -109,16 +109,21 @@ pub struct DeadFilter {
 
 impl DeadFilter {
     /// Whether it takes every letter (no field given): a replay or purge
-    /// must then say `all`.
+    /// must then say `all`. An empty text is no filter (`--error
+    /// "$UNSET"`): it would match every letter, and must not stand in for
+    /// `all`.
     pub fn is_empty(&self) -> bool {
-        *self == DeadFilter::default()
+        given(&self.event_id).is_none()
+            && given(&self.event_type).is_none()
+            && given(&self.error).is_none()
+            && self.since_ms.is_none()
+            && self.until_ms.is_none()
     }
 
     /// Whether `letter` is one this filter takes.
     pub fn matches(&self, letter: &DeadLetter) -> bool {
-        let text = |want: &Option<String>, have: Option<&str>| {
-            want.as_deref().is_none_or(|w| have == Some(w))
-        };
+        let text =
+            |want: &Option<String>, have: Option<&str>| given(want).is_none_or(|w| have == Some(w));
         let time = |bound: Option<i64>, ok: fn(i64, i64) -> bool| {
             bound.is_none_or(|b| letter.dead_at_ms.is_some_and(|t| ok(t, b)))
         };
@@ -126,13 +131,18 @@ impl DeadFilter {
             && text(&self.event_type, Some(&letter.event_type))
             && time(self.since_ms, |t, b| t >= b)
             && time(self.until_ms, |t, b| t < b)
-            && self.error.as_deref().is_none_or(|want| {
+            && given(&self.error).is_none_or(|want| {
                 letter
                     .last_error
                     .as_deref()
                     .is_some_and(|e| e.to_lowercase().contains(&want.to_lowercase()))
             })
     }
+}
+
+/// A text filter as given: `None` when absent or empty.
+fn given(text: &Option<String>) -> Option<&str> {
+    text.as_deref().filter(|t| !t.is_empty())
 }
 
 /// What a pass does with the letters its filter takes.
@@ -307,6 +317,24 @@ mod tests {
             payload: Envelope::payload_of("{}"),
         };
         DeadLetter::of("3".into(), Ok(e), headers, b"{}", Some(2_000))
+    }
+
+    /// `--error "$UNSET"`: an empty text filters nothing, so it needs
+    /// `all` like no filter at all; it took every letter before.
+    #[test]
+    fn an_empty_text_is_no_filter() {
+        let empty = DeadFilter {
+            error: Some(String::new()),
+            event_type: Some(String::new()),
+            ..DeadFilter::default()
+        };
+        assert!(empty.is_empty());
+        let some = DeadFilter {
+            error: Some("timeout".into()),
+            ..DeadFilter::default()
+        };
+        assert!(!some.is_empty());
+        assert!(!some.matches(&letter()), "the letter's error is HTTP 500");
     }
 
     #[test]
