@@ -327,11 +327,15 @@ pub(crate) const ARCHIVE_UNLOCK: &str =
 /// The rows one archive batch takes ($1 app_code, $2 cut-off, $3 batch
 /// size): delivered (and legacy `published`) rows last updated before the
 /// cut-off. Index: `{table}_done_idx (app_code, updated_at_ms, id) WHERE
-/// status IN ('delivered', 'published')`, read in its order.
+/// status IN ('delivered', 'published')`, read in its order. A row whose
+/// id the archive holds for another event (ids reused after a reset) is
+/// left out: it is never archived, and as the oldest it would otherwise
+/// fill every batch, which then moves nothing, and the run ends there.
 macro_rules! archive_pick {
     () => {
         "SELECT id FROM {table} WHERE app_code = $1 AND status IN ('delivered', 'published', 'dropped') \
-           AND updated_at_ms < $2 ORDER BY updated_at_ms, id LIMIT $3"
+           AND updated_at_ms < $2 AND NOT EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id \
+             AND (a.app_code <> {table}.app_code OR a.event_id <> {table}.event_id)) ORDER BY updated_at_ms, id LIMIT $3"
     };
 }
 

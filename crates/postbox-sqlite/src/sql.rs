@@ -314,7 +314,8 @@ pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail
 macro_rules! archive_pick {
     () => {
         "SELECT id FROM {table} WHERE app_code = ?1 AND status IN ('delivered', 'published', 'dropped') \
-           AND updated_at_ms < ?2 ORDER BY updated_at_ms, id LIMIT ?3"
+           AND updated_at_ms < ?2 AND NOT EXISTS (SELECT 1 FROM {archive} a WHERE a.id = {table}.id \
+             AND (a.app_code <> {table}.app_code OR a.event_id <> {table}.event_id)) ORDER BY updated_at_ms, id LIMIT ?3"
     };
 }
 

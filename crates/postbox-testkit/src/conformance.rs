@@ -1875,8 +1875,8 @@ async fn ordered_claim_skips_held_aggregates_in_age_order(store: Arc<dyn OutboxS
 }
 
 /// More aggregates are held than a claim looks at first (2 × the batch),
-/// their followers the oldest pending rows: heads in flight, or of a
-/// paused type. A fresh aggregate's event is still claimed; it waited
+/// their followers the oldest pending rows: heads in flight (versioned or
+/// not), or of a paused type. A fresh aggregate's event is still claimed; it waited
 /// until the held heads moved, or for as long as the type stayed paused.
 async fn ordered_claim_reaches_past_many_held_aggregates(store: Arc<dyn OutboxStore>) {
     let ids_of = |evs: &[NewEvent]| -> Vec<String> {
@@ -1921,12 +1921,24 @@ async fn ordered_claim_reaches_past_many_held_aggregates(store: Arc<dyn OutboxSt
         })
         .collect();
     enqueue(store.as_ref(), &paused).await;
+    // Six whose events carry no version (one order among them: by id),
+    // heads taken.
+    let unversioned = |i: usize| {
+        let mut e = NewEvent::new(APP, "Y", "{}");
+        e.aggregate_id = Some(format!("c-{i}"));
+        e
+    };
+    let heads: Vec<NewEvent> = (0..6).map(unversioned).collect();
+    enqueue(store.as_ref(), &heads).await;
+    assert_eq!(claim(6, vec!["P".to_owned()]).await, ids_of(&heads));
+    let followers: Vec<NewEvent> = (0..6).map(unversioned).collect();
+    enqueue(store.as_ref(), &followers).await;
     let fresh = vec![NewEvent::new(APP, "Y", "{}").aggregate("z-1", 1)];
     enqueue(store.as_ref(), &fresh).await;
     assert_eq!(
-        claim(2, vec!["P".to_owned()]).await,
+        claim(3, vec!["P".to_owned()]).await,
         ids_of(&fresh),
-        "the free head behind twelve held aggregates"
+        "the free head behind eighteen held aggregates"
     );
 }
 
@@ -2875,13 +2887,13 @@ pub async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event<DB
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
 {
     use postbox_core::store::ArchiveRequest;
-    let archive = || {
+    let archive = |batch_size: u32| {
         let store = store.clone();
         async move {
             let req = ArchiveRequest {
                 app_codes: vec![APP.to_owned()],
                 before_ms: store.now_ms().await.expect("now") + 60_000,
-                batch_size: 10,
+                batch_size,
                 max_batches: None,
                 partitions: Default::default(),
             };
@@ -2891,7 +2903,7 @@ pub async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event<DB
     let old = events(1, "T");
     enqueue(store.as_ref(), &old).await;
     deliver_all(store.as_ref()).await;
-    assert_eq!(archive().await.moved, 1);
+    assert_eq!(archive(10).await.moved, 1);
     let new = events(1, "T");
     let new_id = match store.enqueue_batch(&new, 1 << 20).await.expect("enqueue")[..] {
         [EnqueueOutcome::Inserted(id)] => id,
@@ -2905,9 +2917,14 @@ pub async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event<DB
         old[0].event_id
     ));
     sqlx::query(&sql).execute(&pool).await.expect(&sql);
+    // Later rows: the archiver moves past the one it cannot take, even
+    // one row a batch (it filled every batch, which moved nothing).
+    let later = events(2, "T");
+    enqueue(store.as_ref(), &later).await;
+    deliver_all(store.as_ref()).await;
 
-    let report = archive().await;
-    assert_eq!(report.moved, 0, "{report:?}");
+    let report = archive(1).await;
+    assert_eq!(report.moved, 2, "{report:?}");
     let live = store.find(&new[0].event_id).await.expect("find");
     assert_eq!(
         live.len(),

@@ -100,9 +100,16 @@ impl NatsConsumer {
                 Ok(b) => b,
                 Err(e) => return SessionEnd::Broken(format!("pull request: {e}")),
             };
-            // Messages the pull brought while one was in hand, oldest first.
+            // Messages the pull brought while one was in hand, oldest first,
+            // told every third of ack_wait (counted from the pull, not from
+            // each message taken) that they are still here.
             let mut waiting: VecDeque<jetstream::Message> = VecDeque::new();
             let mut pulled = false;
+            let mut pull_failed = None;
+            let every = self.core.config.ack_wait.get() / 3;
+            let mut keep_alive =
+                tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            keep_alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 // A pull in flight is never abandoned: a message the server
                 // sends after we stopped listening would wait out ack_wait.
@@ -142,10 +149,6 @@ impl NatsConsumer {
                 // here (handled twice).
                 let work = self.process(message, js, report);
                 tokio::pin!(work);
-                let every = self.core.config.ack_wait.get() / 3;
-                let mut keep_alive =
-                    tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-                let mut pull_failed = None;
                 let done = loop {
                     tokio::select! {
                         done = &mut work => break done,
@@ -167,8 +170,10 @@ impl NatsConsumer {
                 if let Err(reason) = done {
                     return SessionEnd::Broken(reason);
                 }
-                if let Some(reason) = pull_failed.filter(|_| waiting.is_empty()) {
-                    return SessionEnd::Broken(reason);
+                if waiting.is_empty() {
+                    if let Some(reason) = pull_failed.take() {
+                        return SessionEnd::Broken(reason);
+                    }
                 }
             }
         }

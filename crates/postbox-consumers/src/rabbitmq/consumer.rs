@@ -366,6 +366,10 @@ fn lost_during(doing: &str) -> SessionEnd {
 /// How long closing the channels and the connection may take at shutdown.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a stopping consumer keeps giving back what was prefetched
+/// (well within [`CLOSE_TIMEOUT`], so a give-back is not cut short).
+const GIVE_BACK_WITHIN: Duration = Duration::from_secs(2);
+
 /// How often a wait on the broker looks whether its connection is lost.
 const LOST_CHECK: Duration = Duration::from_millis(100);
 
@@ -403,8 +407,12 @@ async fn lost(connection: &Connection) {
 }
 
 impl RabbitMqConsumer {
-    /// [`InHand::give_back`] for a delivery read at shutdown. One already
-    /// redelivered is left to the close: its count stands as it came.
+    /// [`InHand::give_back`] for a delivery read at shutdown. Left to the
+    /// close instead (requeued where it was, and counted): one already
+    /// redelivered (its count stands as it came), one that cannot be read,
+    /// and an event of an aggregate, whose copy at the end of the queue
+    /// would come after its later versions (an inbox would then skip it
+    /// as stale).
     async fn give_back(
         &self,
         delivery: &Delivery,
@@ -414,13 +422,18 @@ impl RabbitMqConsumer {
         if delivery.redelivered {
             return Ok(());
         }
-        let attempt = super::message_from_delivery(
+        let Ok(message) = super::message_from_delivery(
             &delivery.properties,
             delivery.routing_key.as_str(),
             &delivery.data,
             false,
-        )?
-        .attempt;
+        ) else {
+            return Ok(());
+        };
+        if message.envelope.aggregate_id.is_some() {
+            return Ok(());
+        }
+        let attempt = message.attempt;
         let in_hand = InHand {
             consumer: self,
             delivery,
@@ -547,8 +560,14 @@ impl Session for RabbitMqConsumer {
                     // all read.
                     let closing = async {
                         let _ = consuming.basic_cancel(self.core.tag.as_str().into(), BasicCancelOptions::default()).await;
+                        // Each give-back runs to its end (a copy whose
+                        // original is not acked is a duplicate); past
+                        // GIVE_BACK_WITHIN the rest are left to the close.
+                        let started = tokio::time::Instant::now();
                         while let Some(Ok(delivery)) = consumer.next().await {
-                            if self.give_back(&delivery, &conn, &publishing).await.is_err() {
+                            if started.elapsed() >= GIVE_BACK_WITHIN
+                                || self.give_back(&delivery, &conn, &publishing).await.is_err()
+                            {
                                 break;
                             }
                         }

@@ -44,7 +44,15 @@ pub(super) async fn create_group(
         .await;
     match created {
         Ok(()) => {
-            tracing::info!(stream, group, "created Redis consumer group");
+            // From the stream's start: a group made again after it was
+            // lost (see `RedisConsumer::broken_or_refused`) delivers the
+            // entries still in the stream once more; consumers dedupe by
+            // event_id. From `$` it would skip those added meanwhile.
+            tracing::info!(
+                stream,
+                group,
+                "created Redis consumer group, reading the stream from its start"
+            );
             Ok(())
         }
         Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),

@@ -358,25 +358,25 @@ async fn a_replayed_event_failing_again_gets_its_own_dead_copy() {
     b.cleanup().await;
 }
 
-/// Prefetch 3, each message taking 0.7 s, `ack_wait` 1 s: the messages a
-/// pull brought wait behind the one in hand longer than `ack_wait`, and
-/// are kept (progress) meanwhile. Each is handled once, by the consumer
+/// Prefetch 5, each message taking 0.3 s (less than a third of
+/// `ack_wait`, 1 s): the messages a pull brought wait behind the ones in
+/// hand longer than `ack_wait`, and are kept (progress) meanwhile. Each is handled once, by the consumer
 /// that pulled it; the last one used to be redelivered to a second
 /// consumer of the group while it still waited, and handled twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn prefetched_messages_are_kept_while_they_wait() {
     let b = NatsBroker::new().await;
     let group = nats_redis_suite::group("prefetch");
-    let events = nats_redis_suite::publish_events(&b, 0..3).await;
+    let events = nats_redis_suite::publish_events(&b, 0..5).await;
     let calls = nats_redis_suite::Calls::default();
     let config = b.config(
         &group,
-        serde_json::json!({ "prefetch": 3, "ack_wait": "1s" }),
+        serde_json::json!({ "prefetch": 5, "ack_wait": "1s" }),
     );
     let cancel = CancellationToken::new();
     let task = b.spawn(
         config,
-        nats_redis_suite::recording("a", &calls, Duration::from_millis(700)),
+        nats_redis_suite::recording("a", &calls, Duration::from_millis(300)),
         "a",
         cancel.clone(),
     );
@@ -392,8 +392,8 @@ async fn prefetched_messages_are_kept_while_they_wait() {
         "b",
         other_cancel.clone(),
     );
-    nats_redis_suite::wait_until(Duration::from_secs(15), "three handled", || {
-        calls.lock().unwrap().len() >= 3
+    nats_redis_suite::wait_until(Duration::from_secs(15), "five handled", || {
+        calls.lock().unwrap().len() >= 5
     })
     .await;
     // Room for a redelivery to show.
@@ -417,6 +417,6 @@ async fn prefetched_messages_are_kept_while_they_wait() {
         .map(|e| ("a".to_owned(), e.event_id.clone(), 1))
         .collect();
     assert_eq!(seen, expected, "each once, on its first delivery");
-    assert_eq!(report.ok, 3, "{report:?}");
+    assert_eq!(report.ok, 5, "{report:?}");
     b.cleanup().await;
 }
