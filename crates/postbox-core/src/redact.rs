@@ -123,7 +123,20 @@ impl fmt::Display for Secret {
 
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let raw = String::deserialize(d)?;
+        /// A secret as written: a token of digits set through the
+        /// environment (`POSTBOX__ADMIN__TOKEN=9876…`) reads as a number.
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Unsigned(u64),
+            Signed(i64),
+        }
+        let raw = match Raw::deserialize(d)? {
+            Raw::Text(s) => s,
+            Raw::Unsigned(n) => n.to_string(),
+            Raw::Signed(n) => n.to_string(),
+        };
         let (value, unresolved) = expand_env_lenient(&raw).map_err(serde::de::Error::custom)?;
         Ok(Secret(value, unresolved))
     }

@@ -99,16 +99,85 @@ fn from_figment(errors: figment::Error) -> Error {
     } else {
         path.join(".")
     };
+    let reason = hide_secrets(&e.kind, reason, &path);
+    let mut reason = reason;
     if let Some(meta) = &e.metadata {
         reason.push_str(&format!(" (from {})", meta.name));
     }
     Error::config(key, reason)
 }
 
+/// A config error's reason without the secrets it may quote: a syntax
+/// error's excerpt of the file (the line with the mistake: a database URL
+/// with its password, a token) is left out, what remains has URL
+/// passwords hidden, and a value of the wrong type under a key that holds
+/// a secret is named by its type only.
+fn hide_secrets(kind: &figment::error::Kind, reason: String, path: &[String]) -> String {
+    use figment::error::{Actual, Kind};
+    let secret_key = path.last().is_some_and(|k| {
+        let k = k.to_ascii_lowercase();
+        ["url", "token", "password", "secret", "key", "dsn"]
+            .iter()
+            .any(|s| k.contains(s))
+    });
+    let type_of = |actual: &Actual| match actual {
+        Actual::Bool(_) => "a boolean",
+        Actual::Unsigned(_) | Actual::Signed(_) => "an integer",
+        Actual::Float(_) => "a float",
+        Actual::Str(_) | Actual::Char(_) => "a string",
+        _ => "another type",
+    };
+    match kind {
+        Kind::InvalidType(actual, expected) | Kind::InvalidValue(actual, expected)
+            if secret_key =>
+        {
+            format!(
+                "invalid value: found {} (value hidden), expected {expected}",
+                type_of(actual)
+            )
+        }
+        _ => {
+            // The excerpt lines of a TOML syntax error: `  |`, `3 | url = …`.
+            let kept: Vec<&str> = reason
+                .lines()
+                .filter(|line| {
+                    let t = line.trim_start();
+                    let digits = t.trim_start_matches(|c: char| c.is_ascii_digit());
+                    !digits.trim_start().starts_with('|')
+                })
+                .collect();
+            crate::redact::redact_url(
+                &kept
+                    .join(" ")
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            )
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::Write;
+
+    /// A config error never quotes a secret: not the line a syntax error
+    /// points at, not a value of the wrong type under a secret's key.
+    #[test]
+    fn config_errors_hide_secrets() {
+        let syntax = load_str("[database]\nurl = \"postgres://app:hunter2@db/x\" table\n");
+        let text = format!("{syntax:?}");
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(text.contains("line 2"), "where the mistake is: {text}");
+        let typed = load_str("[database]\nurl = 98765432101234\n");
+        let text = format!("{typed:?}");
+        assert!(!text.contains("98765432101234"), "{text}");
+        assert!(text.contains("database.url"), "{text}");
+        // A token of digits (set through the environment) is a token.
+        let digits = load_str("[admin]\ntoken = 98765432101234\n").expect("a token of digits");
+        assert_eq!(digits.admin_or_default().token.expose(), "98765432101234");
+    }
 
     fn load_str(toml: &str) -> Result<Settings, Error> {
         let mut f = tempfile::Builder::new().suffix(".toml").tempfile().unwrap();
