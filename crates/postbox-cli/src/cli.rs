@@ -444,7 +444,7 @@ pub struct ArchiveArgs {
 #[derive(Debug, Args)]
 pub struct EnqueueArgs {
     /// JSON-lines file of envelopes (`-` for stdin); given event_ids are kept.
-    #[arg(long, conflicts_with_all = ["event_type", "payload"])]
+    #[arg(long, conflicts_with_all = ["event_type", "payload", "event_id", "aggregate_id", "aggregate_version", "headers"])]
     pub file: Option<PathBuf>,
     /// Event type, e.g. RoomCreated.
     #[arg(long, required_unless_present = "file")]
@@ -467,8 +467,9 @@ pub struct EnqueueArgs {
     /// Extra header, `key=value`; repeatable.
     #[arg(long = "header")]
     pub headers: Vec<String>,
-    /// Rows per transaction when reading a file.
-    #[arg(long, default_value_t = 500)]
+    /// Rows per transaction when reading a file (1 to 10,000).
+    #[arg(long, default_value_t = 500,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000))]
     pub batch_size: usize,
     /// Accept an app_code outside `database.app_codes` (no relay with this
     /// config delivers such rows).

@@ -165,6 +165,7 @@ impl Error {
                 | Error::InvalidTableName(_)
                 | Error::InvalidEvent(_)
                 | Error::InvalidInput { .. }
+                | Error::PayloadTooLarge { .. }
         )
     }
 }

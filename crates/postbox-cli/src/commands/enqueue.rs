@@ -42,6 +42,14 @@ struct Summary {
     /// Skipped: the event was already delivered and archived.
     archived: u64,
     invalid: Vec<Invalid>,
+    /// Every line up to this one was handled (written, a duplicate,
+    /// skipped or invalid); the lines after it were not, when the run
+    /// `stopped`.
+    done_through_line: u64,
+    /// Why the run stopped before the end of the file (interrupted, a
+    /// read error, the database gone).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stopped: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -139,25 +147,53 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         batch: Vec::with_capacity(args.batch_size),
         summary: Summary::default(),
     };
+    // Ctrl-C or SIGTERM: the batch read so far is written, then the run
+    // stops and says where (a second signal exits at once).
+    let interrupted = postbox_core::relay::CancellationToken::new();
+    postbox_runtime::signals::spawn_signal_handler(interrupted.clone(), || {});
+    let mut reader = reader;
     let mut line_no = 0u64;
-    for line in reader.lines() {
-        line_no += 1;
-        let line = line.map_err(|e| CliError::runtime(format!("reading line {line_no}: {e}")))?;
-        bar.inc(line.len() as u64 + 1);
-        if line.trim().is_empty() {
-            continue;
+    let mut raw = Vec::new();
+    let mut stopped = None;
+    loop {
+        if interrupted.is_cancelled() {
+            stopped = Some(format!("interrupted after line {line_no}"));
+            break;
         }
-        match parse_line(&line, &default_app, max_payload)
-            .and_then(|e| check_app(&e.app_code).map(|()| e))
-        {
-            Ok(e) => out.batch.push(e),
+        raw.clear();
+        match reader.read_until(b'\n', &mut raw) {
+            Ok(0) => break,
+            Ok(n) => bar.inc(n as u64),
+            Err(e) => {
+                stopped = Some(format!("reading line {}: {e}", line_no + 1));
+                break;
+            }
+        }
+        line_no += 1;
+        // A line that is not UTF-8 is one bad line, not the end of the run.
+        let parsed = match std::str::from_utf8(&raw) {
+            Ok(line) if line.trim().is_empty() => continue,
+            Ok(line) => parse_line(
+                line.trim_end_matches(['\n', '\r']),
+                &default_app,
+                max_payload,
+            )
+            .and_then(|e| check_app(&e.app_code).map(|()| e)),
+            Err(e) => Err(format!("not UTF-8 text: {e}")),
+        };
+        match parsed {
+            Ok(e) => out.batch.push((line_no, e)),
             Err(error) => out.summary.invalid.push(Invalid {
                 line: line_no,
                 error,
             }),
         }
         if out.batch.len() >= args.batch_size.max(1) {
-            out.write_batch().await?;
+            if let Err(e) = out.write_batch().await {
+                stopped = Some(e.to_string());
+                break;
+            }
+            out.summary.done_through_line = line_no;
             bar.set_message(format!(
                 "{} written, {} duplicate, {} invalid",
                 out.summary.inserted,
@@ -166,9 +202,19 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             ));
         }
     }
-    out.write_batch().await?;
+    // What was read before a stop is written too, unless the database is
+    // what stopped it.
+    if !out.batch.is_empty() {
+        match out.write_batch().await {
+            Ok(()) => out.summary.done_through_line = line_no,
+            Err(e) => stopped = stopped.or(Some(e.to_string())),
+        }
+    } else if stopped.is_none() || interrupted.is_cancelled() {
+        out.summary.done_through_line = line_no;
+    }
     bar.finish_and_clear();
-    let summary = out.summary;
+    let mut summary = out.summary;
+    summary.stopped = stopped;
 
     if g.json {
         output::json(&summary)?;
@@ -192,6 +238,13 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         if summary.invalid.len() > 20 {
             errln!("  … and {} more", summary.invalid.len() - 20);
         }
+    }
+    if let Some(why) = &summary.stopped {
+        let next = summary.done_through_line + 1;
+        return Err(CliError::runtime(format!(
+            "stopped: {why}; lines 1 to {} are handled and the rest are not: go on with `tail -n +{next} FILE | postbox enqueue --file -` (lines without an event_id get a new one each run)",
+            summary.done_through_line
+        )));
     }
     if summary.invalid.is_empty() {
         Ok(())
@@ -235,15 +288,50 @@ struct FileWriter<'a> {
     store: &'a dyn postbox_core::OutboxStore,
     max_payload: usize,
     allow_archived: bool,
-    /// Read, not written yet.
-    batch: Vec<NewEvent>,
+    /// Read, not written yet, each with its line.
+    batch: Vec<(u64, NewEvent)>,
     summary: Summary,
 }
 
 impl FileWriter<'_> {
-    /// Writes and empties the batch.
+    /// Writes and empties the batch. A batch the database refuses for its
+    /// content (a NUL byte PostgreSQL's text refuses, an over-long value)
+    /// is written row by row, so the bad row is counted invalid with its
+    /// line and the others are written; any other failure (the database
+    /// gone) stops the run, the batch unwritten.
     async fn write_batch(&mut self) -> Result<(), CliError> {
-        let (store, batch, summary) = (self.store, &mut self.batch, &mut self.summary);
+        let rows = std::mem::take(&mut self.batch);
+        let mut events: Vec<NewEvent> = rows.iter().map(|(_, e)| e.clone()).collect();
+        match self.write_events(&mut events).await {
+            Err(CliError::Usage(_)) if rows.len() > 1 => {
+                for (line, event) in rows {
+                    let mut one = vec![event];
+                    match self.write_events(&mut one).await {
+                        Ok(()) => {}
+                        Err(CliError::Usage(error)) => {
+                            self.summary.invalid.push(Invalid { line, error })
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                self.summary.invalid.sort_by_key(|i| i.line);
+                Ok(())
+            }
+            Err(CliError::Usage(error)) => {
+                self.summary.invalid.push(Invalid {
+                    line: rows[0].0,
+                    error,
+                });
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// Writes `batch` in one transaction, counting what happened to each
+    /// event (an archived one is left out and counted).
+    async fn write_events(&mut self, batch: &mut Vec<NewEvent>) -> Result<(), CliError> {
+        let (store, summary) = (self.store, &mut self.summary);
         if !self.allow_archived && !batch.is_empty() {
             // The outbox's unique key covers the live table only: an event id
             // already archived would be written and delivered again.

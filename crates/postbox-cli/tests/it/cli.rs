@@ -1065,3 +1065,61 @@ async fn a_paced_replay_stays_one_batch_ahead_stops_and_resumes() {
     drop(relay);
     fx.drop_tables().await;
 }
+
+/// `enqueue --file` reads past a bad line: one that is not UTF-8, one
+/// whose payload PostgreSQL refuses (a NUL byte), each counted invalid
+/// with its line, while the lines around them, in the same batches, are
+/// written. It stopped at the first: the summary lost, the rest unread.
+/// Flags that do not apply to a file are refused, not ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_file_reads_past_bad_lines() {
+    let project = Project::room_and_wallet_to_a_file("enq_bad").await;
+    let file = project.path().join("events.jsonl");
+    let mut body = Vec::new();
+    body.extend_from_slice(b"{\"event_id\":\"f-1\",\"event_type\":\"T\",\"payload\":{}}\n");
+    body.extend_from_slice(b"{\"event_id\":\"f-2\",\"event_type\":\"T\",\"payload\":\"\xff\"}\n");
+    body.extend_from_slice(
+        b"{\"event_id\":\"f-3\",\"event_type\":\"T\",\"payload\":\"a\\u0000b\"}\n",
+    );
+    body.extend_from_slice(b"{\"event_id\":\"f-4\",\"event_type\":\"T\",\"payload\":{}}\n");
+    body.extend_from_slice(b"{\"event_id\":\"f-5\",\"event_type\":\"T\",\"payload\":{}}\n");
+    std::fs::write(&file, body).unwrap();
+    let path = file.to_str().unwrap();
+    let up = project.run(&["--json", "enqueue", "--file", path, "--batch-size", "2"]);
+    assert_eq!(up.status.code(), Some(1), "invalid lines: {}", text(&up));
+    let summary = json(&up);
+    assert_eq!(summary["inserted"], 3, "{summary}");
+    let bad: Vec<(u64, String)> = summary["invalid"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            (
+                i["line"].as_u64().unwrap(),
+                i["error"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        bad.iter().map(|b| b.0).collect::<Vec<_>>(),
+        [2, 3],
+        "{summary}"
+    );
+    assert!(bad[0].1.contains("UTF-8"), "{bad:?}");
+    assert_eq!(summary["done_through_line"], 5, "{summary}");
+    assert!(summary.get("stopped").is_none(), "{summary}");
+    let listed = json(&project.run(&["--json", "events", "list"]));
+    let mut ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["event_id"].as_str().unwrap())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["f-1", "f-4", "f-5"]);
+
+    let refused = project.run(&["enqueue", "--file", path, "--event-id", "x"]);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    let huge = project.run(&["enqueue", "--file", path, "--batch-size", "100000000000"]);
+    assert_eq!(huge.status.code(), Some(2), "{}", text(&huge));
+}
