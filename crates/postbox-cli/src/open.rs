@@ -10,10 +10,17 @@ use postbox_runtime::store::{self, Create};
 use crate::cli::Global;
 use crate::error::CliError;
 
-/// `[database]` and `[[consumers]]`: `migrate` (which creates the inboxes)
-/// and `consume`.
+/// `[database]` and `[[consumers]]`: `migrate` (which creates the inboxes).
 pub const WITH_CONSUMERS: Uses = Uses {
     consumers: true,
+    ..Uses::DATABASE
+};
+
+/// `[database]`, `[[consumers]]` and `[admin]` (the consumers' API, when
+/// it is set): `consume`.
+pub const CONSUME: Uses = Uses {
+    consumers: true,
+    admin: true,
     ..Uses::DATABASE
 };
 

@@ -7,10 +7,10 @@ use postbox_runtime::signals::spawn_signal_handler;
 use crate::cli::Global;
 use crate::error::CliError;
 use crate::logging;
-use crate::open::{load_config, WITH_CONSUMERS};
+use crate::open::{load_config, CONSUME};
 
 pub async fn run(g: &Global) -> Result<(), CliError> {
-    let settings = load_config(g, WITH_CONSUMERS)?;
+    let settings = load_config(g, CONSUME)?;
     let spans = postbox_runtime::spans::start(&settings.tracing)?;
     let shutdown = CancellationToken::new();
     spawn_signal_handler(shutdown.clone(), logging::flush);

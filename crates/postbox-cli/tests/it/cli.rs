@@ -858,6 +858,11 @@ async fn reading_commands_need_no_unrelated_secrets() {
     let serve = run(&["serve"]);
     assert_eq!(serve.status.code(), Some(2), "{}", text(&serve));
     assert_says(&serve, &["admin.token"]);
+    // `consume` serves the consumers' API under `[admin]`: an unset token
+    // would answer 401 to everyone, the dashboard included.
+    let consume = run(&["consume"]);
+    assert_eq!(consume.status.code(), Some(2), "{}", text(&consume));
+    assert_says(&consume, &["admin.token"]);
     let v = json(&run(&["--json", "doctor"]));
     assert_eq!(
         find_in(&v["checks"], "name", "config:env").map(|c| c["level"].clone()),
