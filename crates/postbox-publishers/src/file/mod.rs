@@ -46,9 +46,13 @@ impl FilePublisher {
                 .append(true)
                 .open(&config.path)
                 .await
-                .map_err(|source| Error::Io {
-                    context: format!("opening file publisher path `{}`", config.path),
-                    source,
+                // A path that cannot be opened (no such folder, no
+                // permission) is the entry's `path` to fix: exit 2 naming it.
+                .map_err(|e| {
+                    Error::config(
+                        "path",
+                        format!("cannot open `{}` for appending: {e}", config.path),
+                    )
                 })?;
             Sink::File(Arc::new(std::sync::Mutex::new(file.into_std().await)))
         };

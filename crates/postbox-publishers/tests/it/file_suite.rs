@@ -113,3 +113,24 @@ async fn file_sink_under_a_size_limit() {
     let next = publisher.publish(&deliveries[11..]).await;
     assert!(next.iter().all(|r| r.is_ok()), "{next:?}");
 }
+
+/// A path in a folder that does not exist is the entry's `path` to fix: a
+/// config error naming it (exit 2), not a run-time failure.
+#[tokio::test]
+async fn a_path_that_cannot_be_opened_is_a_config_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir
+        .path()
+        .join("no-such-folder/out.jsonl")
+        .display()
+        .to_string();
+    let err = match FilePublisher::open(&FilePublisherConfig { name: None, path }).await {
+        Ok(_) => panic!("opened a file in a folder that does not exist"),
+        Err(e) => e,
+    };
+    assert!(err.is_usage(), "{err}");
+    assert!(
+        matches!(&err, postbox_core::Error::Config { key, .. } if key == "path"),
+        "{err:?}"
+    );
+}
