@@ -293,6 +293,20 @@ mod tests {
                 "[[publishers]]\nkind = \"file\"\npath = \"-\"\ncolour = 1".into(),
                 "publishers.0.colour",
             ),
+            // A value of the wrong type inside an entry names its key,
+            // not only the entry.
+            (
+                "[[publishers]]\nkind = \"webhook\"\nurl = \"http://h/\"\ntimeout = \"abc\"".into(),
+                "publishers.0.timeout",
+            ),
+            (
+                "[[publishers]]\nkind = \"rabbitmq\"\nurl = \"amqp://h/\"\nexchange = \"x\"\ndeclare = \"yes\"".into(),
+                "publishers.0.declare",
+            ),
+            (
+                "[[publishers]]\nkind = \"rabbitmq\"\nurl = \"amqp://h/\"\nexchange = \"x\"\n[[publishers.failover]]\nurl = 7".into(),
+                "publishers.0.failover.0.url",
+            ),
             ("[database]\nurl = \"oracle://x\"".into(), "database.url"),
         ] {
             assert_eq!(key_of(&toml), key, "{toml}");

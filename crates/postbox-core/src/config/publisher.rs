@@ -8,8 +8,7 @@ use crate::template::Template;
 use crate::Error;
 
 /// One fanout target. The `kind` key selects the variant.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase")]
+#[derive(Debug, Clone)]
 pub enum PublisherConfig {
     /// JSON lines to a file or stdout.
     File(FilePublisherConfig),
@@ -21,6 +20,69 @@ pub enum PublisherConfig {
     Redis(RedisPublisherConfig),
     /// An HTTP endpoint receiving the JSON envelope.
     Webhook(WebhookPublisherConfig),
+}
+
+/// The `kind`s there are.
+const KINDS: &[&str] = &["file", "rabbitmq", "nats", "redis", "webhook"];
+
+impl<'de> Deserialize<'de> for PublisherConfig {
+    /// The entry's `kind`, then its variant. serde reads an internally
+    /// tagged enum through a buffer, and an error inside names only the
+    /// entry (`publishers.0`): here each variant is read with the path to
+    /// the key that failed, put before [`KEY_MARK`] for the loader
+    /// (`publishers.0.timeout`).
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut entry = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+        let kind = match entry.remove("kind") {
+            Some(serde_json::Value::String(kind)) => kind,
+            Some(_) => {
+                return Err(D::Error::custom(format!(
+                    "kind{KEY_MARK}must be one of {KINDS:?}"
+                )))
+            }
+            None => return Err(D::Error::missing_field("kind")),
+        };
+        let entry = serde_json::Value::Object(entry);
+        match kind.as_str() {
+            "file" => variant(entry).map(PublisherConfig::File),
+            "rabbitmq" => variant(entry).map(PublisherConfig::Rabbitmq),
+            "nats" => variant(entry).map(PublisherConfig::Nats),
+            "redis" => variant(entry).map(PublisherConfig::Redis),
+            "webhook" => variant(entry).map(PublisherConfig::Webhook),
+            other => Err(D::Error::custom(format!(
+                "kind{KEY_MARK}unknown kind `{other}`, expected one of {KINDS:?}"
+            ))),
+        }
+    }
+}
+
+/// One publisher entry's variant, its error naming the key inside the
+/// entry that failed (an unknown key names itself).
+fn variant<T: serde::de::DeserializeOwned, E: serde::de::Error>(
+    entry: serde_json::Value,
+) -> Result<T, E> {
+    serde_path_to_error::deserialize(entry).map_err(|e| {
+        // `failover[0].url` as the loader's keys name it: `failover.0.url`.
+        let path = e.path().to_string().replace('[', ".").replace(']', "");
+        let inner = e.into_inner().to_string();
+        if inner.contains(KEY_MARK) {
+            // A template key named itself already.
+            return E::custom(inner);
+        }
+        let key = match inner
+            .strip_prefix("unknown field `")
+            .and_then(|r| r.split_once('`'))
+        {
+            Some((field, _)) if path == "." => field.to_owned(),
+            _ => path,
+        };
+        if key == "." {
+            E::custom(inner)
+        } else {
+            E::custom(format!("{key}{KEY_MARK}{inner}"))
+        }
+    })
 }
 
 impl PublisherConfig {
