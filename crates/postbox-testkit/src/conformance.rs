@@ -1942,6 +1942,22 @@ async fn ordered_claim_reaches_past_many_held_aggregates(store: Arc<dyn OutboxSt
     );
 }
 
+/// Archives the delivered rows of [`APP`] (up to a minute ahead of the
+/// database clock), `batch_size` rows a batch.
+async fn archive_delivered(
+    store: &dyn OutboxStore,
+    batch_size: u32,
+) -> postbox_core::store::ArchiveReport {
+    let req = postbox_core::store::ArchiveRequest {
+        app_codes: vec![APP.to_owned()],
+        before_ms: store.now_ms().await.expect("now") + 60_000,
+        batch_size,
+        max_batches: None,
+        partitions: Default::default(),
+    };
+    store.archive(&req, &|_| {}).await.expect("archive")
+}
+
 /// Claims and delivers every pending row of [`APP`].
 async fn deliver_all(store: &dyn OutboxStore) {
     loop {
@@ -1964,24 +1980,10 @@ async fn deliver_all(store: &dyn OutboxStore) {
 /// every batch moved nothing. The archive keeps its copy, the live
 /// duplicate is deleted, and the rows after it are archived.
 async fn archive_moves_past_live_duplicates_of_archived_events(store: Arc<dyn OutboxStore>) {
-    use postbox_core::store::ArchiveRequest;
     let first = events(3, "T");
     enqueue(store.as_ref(), &first).await;
     deliver_all(store.as_ref()).await;
-    let archive = |batch_size: u32| {
-        let store = store.clone();
-        async move {
-            let req = ArchiveRequest {
-                app_codes: vec![APP.to_owned()],
-                before_ms: store.now_ms().await.expect("now") + 60_000,
-                batch_size,
-                max_batches: None,
-                partitions: Default::default(),
-            };
-            store.archive(&req, &|_| {}).await.expect("archive")
-        }
-    };
-    assert_eq!(archive(10).await.moved, 3);
+    assert_eq!(archive_delivered(store.as_ref(), 10).await.moved, 3);
     let mut ids: Vec<String> = first.iter().map(|e| e.event_id.clone()).collect();
     ids.push("never-enqueued".into());
     let mut expected = ids[..3].to_vec();
@@ -2003,7 +2005,7 @@ async fn archive_moves_past_live_duplicates_of_archived_events(store: Arc<dyn Ou
     let later = events(2, "T");
     enqueue(store.as_ref(), &later).await;
     deliver_all(store.as_ref()).await;
-    let report = archive(2).await;
+    let report = archive_delivered(store.as_ref(), 2).await;
     assert!(report.complete, "{report:?}");
     assert_eq!(
         report.moved, 5,
@@ -2031,22 +2033,12 @@ async fn archive_moves_past_live_duplicates_of_archived_events(store: Arc<dyn Ou
 /// where the app_codes were read from): its events come back, in the
 /// dry run and in the replay, and the paced replay's batches hold them.
 async fn a_replay_without_an_app_code_reaches_a_tenant_all_archived(store: Arc<dyn OutboxStore>) {
-    use postbox_core::store::{ArchiveRequest, EventFilter, ReplaySelector};
+    use postbox_core::store::{EventFilter, ReplaySelector};
     let archived = events(2, "T");
     enqueue(store.as_ref(), &archived).await;
     deliver_all(store.as_ref()).await;
     let now = store.now_ms().await.expect("now");
-    let req = ArchiveRequest {
-        app_codes: vec![APP.to_owned()],
-        before_ms: now + 60_000,
-        batch_size: 10,
-        max_batches: None,
-        partitions: Default::default(),
-    };
-    assert_eq!(
-        store.archive(&req, &|_| {}).await.expect("archive").moved,
-        2
-    );
+    assert_eq!(archive_delivered(store.as_ref(), 10).await.moved, 2);
     // Another tenant has a live row.
     enqueue(store.as_ref(), &[NewEvent::new("conf-live", "T", "{}")]).await;
 
@@ -2826,7 +2818,7 @@ pub async fn a_replay_by_status_tells_archived_dropped_rows_from_delivered<DB>(
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
 {
-    use postbox_core::store::{ArchiveRequest, EventFilter, ReplaySelector};
+    use postbox_core::store::{EventFilter, ReplaySelector};
     let evs = events(2, "T");
     enqueue(store.as_ref(), &evs).await;
     deliver_all(store.as_ref()).await;
@@ -2836,17 +2828,7 @@ pub async fn a_replay_by_status_tells_archived_dropped_rows_from_delivered<DB>(
     ));
     sqlx::query(&sql).execute(&pool).await.expect(&sql);
     let now = store.now_ms().await.expect("now");
-    let req = ArchiveRequest {
-        app_codes: vec![APP.to_owned()],
-        before_ms: now + 60_000,
-        batch_size: 10,
-        max_batches: None,
-        partitions: Default::default(),
-    };
-    assert_eq!(
-        store.archive(&req, &|_| {}).await.expect("archive").moved,
-        2
-    );
+    assert_eq!(archive_delivered(store.as_ref(), 10).await.moved, 2);
     let by = |status: Status, dry_run: bool| {
         let store = store.clone();
         async move {
@@ -2886,24 +2868,10 @@ pub async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event<DB
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
 {
-    use postbox_core::store::ArchiveRequest;
-    let archive = |batch_size: u32| {
-        let store = store.clone();
-        async move {
-            let req = ArchiveRequest {
-                app_codes: vec![APP.to_owned()],
-                before_ms: store.now_ms().await.expect("now") + 60_000,
-                batch_size,
-                max_batches: None,
-                partitions: Default::default(),
-            };
-            store.archive(&req, &|_| {}).await.expect("archive")
-        }
-    };
     let old = events(1, "T");
     enqueue(store.as_ref(), &old).await;
     deliver_all(store.as_ref()).await;
-    assert_eq!(archive(10).await.moved, 1);
+    assert_eq!(archive_delivered(store.as_ref(), 10).await.moved, 1);
     let new = events(1, "T");
     let new_id = match store.enqueue_batch(&new, 1 << 20).await.expect("enqueue")[..] {
         [EnqueueOutcome::Inserted(id)] => id,
@@ -2923,7 +2891,7 @@ pub async fn archive_keeps_a_row_whose_id_the_archive_holds_for_another_event<DB
     enqueue(store.as_ref(), &later).await;
     deliver_all(store.as_ref()).await;
 
-    let report = archive(1).await;
+    let report = archive_delivered(store.as_ref(), 1).await;
     assert_eq!(report.moved, 2, "{report:?}");
     let live = store.find(&new[0].event_id).await.expect("find");
     assert_eq!(

@@ -241,15 +241,10 @@ async fn forward_frames(
     limit: Arc<AtomicU64>,
 ) -> std::io::Result<()> {
     loop {
-        // type (1), channel (2), size (4), payload, frame end (1).
-        let mut header = [0u8; 7];
-        from.read_exact(&mut header).await?;
-        let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]) as usize;
-        let mut rest = vec![0u8; size + 1];
-        from.read_exact(&mut rest).await?;
+        let (header, mut rest) = read_frame(&mut from).await?;
         // A method frame of basic.ack: class 60, method 80, delivery tag
         // (u64), bits (multiple).
-        if header[0] == 1 && size >= 13 && rest[..4] == [0, 60, 0, 80] {
+        if header[0] == 1 && rest.len() > 13 && rest[..4] == [0, 60, 0, 80] {
             let tag = u64::from_be_bytes(rest[4..12].try_into().unwrap());
             let multiple = rest[12] & 1 == 1;
             let up_to = limit.load(Ordering::SeqCst);
@@ -395,7 +390,8 @@ impl StallProxy {
     }
 }
 
-/// One AMQP frame: its header (type, channel, size) and the rest.
+/// One AMQP frame: its header (type (1), channel (2), size (4)) and the
+/// rest (payload, frame end (1)).
 async fn read_frame(
     from: &mut tokio::net::tcp::OwnedReadHalf,
 ) -> std::io::Result<([u8; 7], Vec<u8>)> {
