@@ -382,16 +382,22 @@ impl Dialect for MySqlDialect {
         // 1. Lock up to `limit` rows, skipping those another relay holds.
         let limit = i64::from(req.limit);
         let mut claim = sqlx::query(own.claims.of(source, req.ordered));
-        if source == ClaimSource::Pending && !req.ordered {
-            // New rows: the candidates dealt across types, in that order.
-            let dealt = pending_candidates(&mut tx, own, req, limit)
+        // New rows: the candidates dealt across types, in that order, the
+        // paused types read past (under per-aggregate ordering, those of
+        // them that are heads are one of the claim's candidate sets).
+        let mut dealt = String::new();
+        if source == ClaimSource::Pending {
+            let ids = pending_candidates(&mut tx, own, req, limit)
                 .await
                 .map_err(db)?;
-            if dealt.is_empty() {
+            if ids.is_empty() && !req.ordered {
                 tx.commit().await.map_err(db)?;
                 return Ok(Vec::new());
             }
-            claim = claim.bind(serde_json::to_string(&dealt).unwrap_or_default());
+            dealt = serde_json::to_string(&ids).unwrap_or_default();
+            if !req.ordered {
+                claim = claim.bind(dealt.clone());
+            }
         }
         for bind in sql::claim_binds(source, req.ordered) {
             claim = match *bind {
@@ -400,6 +406,7 @@ impl Dialect for MySqlDialect {
                 sql::Bind::Skipped => {
                     claim.bind(serde_json::to_string(req.skip_types).unwrap_or_default())
                 }
+                sql::Bind::Dealt => claim.bind(dealt.clone()),
             };
         }
         let rows = claim.fetch_all(&mut *tx).await.map_err(db)?;

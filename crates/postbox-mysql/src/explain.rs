@@ -63,7 +63,7 @@ pub(crate) fn inlined_claim(
     binds.iter().fold(sql.to_owned(), |sql, bind| match bind {
         Bind::Tenant => sql.replacen('?', &literal(app_code), 1),
         Bind::Limit(times) => sql.replacen('?', &(times * i64::from(limit)).to_string(), 1),
-        Bind::Skipped => sql.replacen('?', "'[]'", 1),
+        Bind::Skipped | Bind::Dealt => sql.replacen('?', "'[]'", 1),
     })
 }
 
@@ -127,7 +127,9 @@ fn visit(node: &Value, plan: &mut QueryPlan) {
             let name = map.get("table_name").and_then(Value::as_str);
             if name.is_some_and(|n| !n.starts_with('<')) {
                 let access = map.get("access_type").and_then(Value::as_str).unwrap_or("");
-                if access == "ALL" || access == "index" {
+                // A `JSON_TABLE` of bound ids is read whole: it is no table.
+                let table_function = map.contains_key("table_function");
+                if (access == "ALL" || access == "index") && !table_function {
                     plan.full_scan = true;
                 }
                 if let Some(key) = map.get("key").and_then(Value::as_str) {

@@ -150,29 +150,37 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
 
 /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: the pending heads
 /// among the candidates `postbox_sqlx::head_candidates!` describes, found
-/// in MariaDB's own way. (1) The heads of the first 2 × limit aggregates
-/// with open events: MariaDB seeks a correlated bound only by equality, so
-/// the recursive scan other databases use would read the index from the
-/// app_code's start (every delivered row's NULL key) per step; instead
-/// `GROUP BY` over the head index reads it in order, index only, and
-/// stops at the limit (each aggregate's lowest `aggregate_seq`, then the
-/// lowest id at it by one equality probe). Its cost is the open rows of
-/// those aggregates (26 ms at 26,000 pending in 100 aggregates), not the
-/// delivered history. (2) Of the first `limit` pending rows in
-/// `{table}_due_idx`'s order (by type, then id), the heads.
+/// in MariaDB's own way.
+///
+/// (1) Heads of aggregates with open events, in key order, passing over
+/// those whose head cannot go (in flight, waiting for a retry, of a paused
+/// type), up to [`HELD_SCAN`] × limit aggregates, until 2 × limit heads
+/// that can go are found. MariaDB seeks a correlated bound only by
+/// equality, so the recursive scan other databases use would read the
+/// index from the app_code's start (every delivered row's NULL key) per
+/// step; instead `GROUP BY` over the head index reads it in order, index
+/// only, up to its limit (each aggregate's lowest `aggregate_seq`, then the
+/// lowest id at it by one equality probe), and each head is checked by
+/// primary key. Its cost is the open rows of those aggregates (26 ms at
+/// 26,000 pending in 100 aggregates), not the delivered history: at 5,000
+/// aggregates of 4 open events, 3–4 ms a claim, none held or 3,000 held.
+/// Counting the held aggregates among the first 2 × limit (0.7 ms) made a
+/// free aggregate past them wait as long as they were held; an
+/// early-stopping `HAVING` (2 ms) read every open row of the tenant when
+/// few heads could go. `s0` carries a `LIMIT` of no effect so that MariaDB
+/// materializes it: merged into the `EXISTS` that reads it, the prepared
+/// statement fails from its second execution on ("Unknown column 'g.a'",
+/// MariaDB 10.11).
+///
+/// (2) Of the pending rows a plain claim would take (dealt across types,
+/// the paused ones read past: `MySqlDialect::claim`'s candidate reads,
+/// bound as a JSON array), the heads. Read here in `{table}_due_idx`'s
+/// order (by type, then id), a paused type that sorts first filled them
+/// all, and an event without an aggregate of any other type waited as
+/// long as the pause.
+///
 /// The candidates are a derived table joined to the outbox by primary
 /// key: as `c.id IN (…)` MariaDB ran the union once per pending row.
-/// (1) passes over aggregates whose head cannot go (in flight, waiting
-/// for a retry, of a paused type), up to [`HELD_SCAN`] × limit
-/// aggregates: counting them made an aggregate past the first 2 × limit
-/// held ones wait as long as they were held, however long a paused type
-/// stayed paused. Each head is checked by primary key. (`s0` carries a
-/// `LIMIT` of no effect so that MariaDB materializes it: merged into the
-/// `EXISTS` that reads it, a prepared statement fails from its second
-/// execution on, "Unknown column 'g.a'", MariaDB 10.11.) At 5,000
-/// aggregates of 4 open events: 3–4 ms a claim, none held or 3,000 held
-/// (0.7 ms counting the held ones; an early-stopping `HAVING` took 2 ms,
-/// but every open row of the tenant when few heads could go).
 /// Reads inside it are not locking: a head another relay holds is
 /// skipped by the outer `SKIP LOCKED` and never replaced by the event
 /// after it. Binds in the order of [`PENDING_ORDERED_BINDS`].
@@ -193,8 +201,8 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
            AND NOT JSON_CONTAINS(?, JSON_QUOTE(x.event_type))) \
          LIMIT ?) s1 \
        UNION \
-       SELECT o.id FROM (SELECT id, app_code, aggregate_id FROM {table} \
-           WHERE app_code = ? AND status = 'pending' ORDER BY next_retry_at_ms, event_type, id LIMIT ?) o \
+       SELECT o.id FROM JSON_TABLE(?, '$[*]' COLUMNS (fid BIGINT PATH '$')) d \
+           STRAIGHT_JOIN {table} o FORCE INDEX (PRIMARY) ON o.id = d.fid \
          WHERE o.aggregate_id IS NULL OR o.id = (SELECT p.id FROM {table} p FORCE INDEX ({table}_head_idx) \
            WHERE p.app_code = o.app_code AND p.open_aggregate_id = o.aggregate_id \
            ORDER BY p.aggregate_seq, p.id LIMIT 1)\
@@ -217,18 +225,20 @@ pub(crate) enum Bind {
     Limit(i64),
     /// The event types paused by a runtime control, as a JSON array.
     Skipped,
+    /// The pending rows a plain claim would take, dealt across types
+    /// (`MySqlDialect::claim`), as a JSON array of ids.
+    Dealt,
 }
 
 /// What each `?` of [`CLAIM_PENDING_ORDERED`] takes, in order. A paused
 /// type's head is left out, and still holds its aggregate back.
-pub(crate) const PENDING_ORDERED_BINDS: [Bind; 10] = [
+pub(crate) const PENDING_ORDERED_BINDS: [Bind; 9] = [
     Bind::Tenant,
     Bind::Tenant,
     Bind::Limit(HELD_SCAN),
     Bind::Skipped,
     Bind::Limit(2),
-    Bind::Tenant,
-    Bind::Limit(1),
+    Bind::Dealt,
     Bind::Tenant,
     Bind::Skipped,
     Bind::Limit(1),
@@ -879,6 +889,7 @@ mod tests {
                 Bind::Skipped => {
                     assert!(before.ends_with("JSON_CONTAINS("), "types at {at}: {sql}")
                 }
+                Bind::Dealt => assert!(before.ends_with("JSON_TABLE("), "ids at {at}: {sql}"),
             }
         }
     }

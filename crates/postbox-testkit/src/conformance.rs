@@ -97,6 +97,7 @@ cases! {$
     relay_orders_an_aggregate_mixing_versions_and_nulls,
     ordered_claim_skips_held_aggregates_in_age_order,
     ordered_claim_reaches_past_many_held_aggregates,
+    ordered_claim_reads_past_a_paused_type,
     archive_moves_past_live_duplicates_of_archived_events,
     a_replay_without_an_app_code_reaches_a_tenant_all_archived,
     stuck_aggregates_are_heads_that_cannot_move,
@@ -1940,6 +1941,30 @@ async fn ordered_claim_reaches_past_many_held_aggregates(store: Arc<dyn OutboxSt
         ids_of(&fresh),
         "the free head behind eighteen held aggregates"
     );
+}
+
+/// Under per-aggregate ordering, a paused type whose name sorts first and
+/// whose backlog fills a batch does not hide the other types' events
+/// without an aggregate (MariaDB's claim read its candidates in type
+/// order, the paused rows first, and claimed nothing while the pause
+/// lasted).
+async fn ordered_claim_reads_past_a_paused_type(store: Arc<dyn OutboxStore>) {
+    let paused: Vec<NewEvent> = (0..3).map(|_| NewEvent::new(APP, "A", "{}")).collect();
+    enqueue(store.as_ref(), &paused).await;
+    let other = vec![NewEvent::new(APP, "B", "{}")];
+    enqueue(store.as_ref(), &other).await;
+    let skip = vec!["A".to_owned()];
+    let req = ClaimRequest {
+        ordered: true,
+        skip_types: &skip,
+        ..req("w", 2, 60_000)
+    };
+    let got = store
+        .claim(ClaimSource::Pending, &req)
+        .await
+        .expect("claim");
+    let ids: Vec<&str> = got.iter().map(|c| c.record.event_id.as_str()).collect();
+    assert_eq!(ids, [other[0].event_id.as_str()], "the other type's event");
 }
 
 /// Archives the delivered rows of [`APP`] (up to a minute ahead of the
