@@ -41,7 +41,11 @@ await run("consumers dashboard", initial, async (page, result) => {
   const replayed = page.locator(`#dead tr[data-event-id="${args.replay}"]`);
   result.position_before = (await replayed.locator("td").first().textContent()).trim();
   await replayed.locator("button.dead-replay").click();
-  await page.locator("#replay-message.ok").waitFor({ timeout: 15000 });
+  // The replay's own message: the one before (the resume's) is `.ok` too.
+  await page.waitForFunction(() => {
+    const m = document.querySelector("#replay-message.ok");
+    return m && m.textContent.startsWith("Replayed ");
+  }, null, { timeout: 15000 });
   result.message = await page.locator("#replay-message").textContent();
   // The handler refuses it again: it comes back dead, behind the others.
   const deadline = Date.now() + 20000;

@@ -42,6 +42,22 @@ pub enum DeadError {
     },
 }
 
+/// The lock a pass over `config`'s dead letters holds: passes over one
+/// consumer's letters run one at a time in a process. A RabbitMQ pass
+/// holds the letters it reads until it ends, so a pass beside it (the
+/// dashboard listing them while a replay runs) found fewer letters than
+/// the queue held and replayed or purged nothing.
+fn pass_lock(config: &ConsumerConfig) -> std::sync::Arc<tokio::sync::Mutex<()>> {
+    type Locks = std::collections::HashMap<String, std::sync::Arc<tokio::sync::Mutex<()>>>;
+    static LOCKS: std::sync::OnceLock<std::sync::Mutex<Locks>> = std::sync::OnceLock::new();
+    let key = format!("{:?} {}", config.kind, config.queue);
+    let mut locks = LOCKS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    locks.entry(key).or_default().clone()
+}
+
 /// One pass over `config`'s dead letters: `action` on those `filter`
 /// takes (none changed when `dry_run`), `progress` called as it goes.
 pub async fn run(
@@ -58,6 +74,8 @@ pub async fn run(
         dry_run,
         progress,
     };
+    let lock = pass_lock(config);
+    let _one_at_a_time = lock.lock().await;
     match config.kind {
         #[cfg(feature = "rabbitmq")]
         ConsumerKind::Rabbitmq => crate::rabbitmq::dead::run(&pass).await,

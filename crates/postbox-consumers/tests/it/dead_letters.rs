@@ -234,3 +234,31 @@ async fn rabbitmq_dead_letters_are_listed_replayed_and_purged() {
     assert_eq!(common::ready(&ch, &format!("{queue}.dead")).await, 0);
     common::delete(&ch, &queue).await;
 }
+
+/// Passes over one consumer's dead letters beside each other (the
+/// dashboard listing them while a purge or replay runs): each pass sees
+/// every letter. A RabbitMQ pass holds the letters it reads until it ends,
+/// so the purge beside the lists found fewer letters than the queue held,
+/// stopped early and purged nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn passes_side_by_side_each_see_every_letter() {
+    let (_conn, ch) = common::broker().await;
+    let queue = common::scratch_queue("deadside");
+    let config = common::consumer_config(&queue);
+    common::declare(&ch, &queue).await;
+    let dead = format!("{queue}.dead");
+    for i in 0..20 {
+        common::publish(&ch, &dead, &format!("kept-{i}"), None, "{}").await;
+    }
+    for round in 0..5 {
+        let id = format!("gone-{round}");
+        common::publish(&ch, &dead, &id, None, "{}").await;
+        let lists = futures::future::join_all(
+            (0..4).map(|_| pass(&config, DeadAction::List(100), DeadFilter::default(), false)),
+        );
+        let (purged, _) = tokio::join!(pass(&config, DeadAction::Purge, by_id(&id), false), lists);
+        assert_eq!(purged.done, 1, "round {round}: {purged:?}");
+    }
+    assert_eq!(matched(&config, DeadFilter::default()).await, 20);
+    common::delete(&ch, &queue).await;
+}
