@@ -168,9 +168,13 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
 /// free aggregate past them wait as long as they were held; an
 /// early-stopping `HAVING` (2 ms) read every open row of the tenant when
 /// few heads could go. `s0` carries a `LIMIT` of no effect so that MariaDB
-/// materializes it: merged into the `EXISTS` that reads it, the prepared
+/// materializes it: merged into the check that reads it, the prepared
 /// statement fails from its second execution on ("Unknown column 'g.a'",
-/// MariaDB 10.11).
+/// MariaDB 10.11). The check is a scalar subquery, one primary-key probe
+/// per head: as `EXISTS` MariaDB may turn it into a semi-join that scans
+/// the outbox (it did on an empty table, failing `doctor`'s plan check).
+/// The `GROUP BY` names the outbox without an alias: `doctor` finds the
+/// statement's read of the head index by the table's name.
 ///
 /// (2) Of the pending rows a plain claim would take (dealt across types,
 /// the paused ones read past: `MySqlDialect::claim`'s candidate reads,
@@ -193,12 +197,12 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
        SELECT s1.head_id FROM (SELECT s0.head_id FROM (\
          SELECT (SELECT MIN(h.id) FROM {table} h FORCE INDEX ({table}_head_idx) \
              WHERE h.app_code = ? AND h.open_aggregate_id = g.a AND h.aggregate_seq = g.s) AS head_id \
-           FROM (SELECT o.open_aggregate_id AS a, MIN(o.aggregate_seq) AS s \
-             FROM {table} o FORCE INDEX ({table}_head_idx) \
-             WHERE o.app_code = ? AND o.open_aggregate_id IS NOT NULL \
-             GROUP BY o.open_aggregate_id LIMIT ?) g LIMIT 18446744073709551615) s0 \
-         WHERE EXISTS (SELECT 1 FROM {table} x WHERE x.id = s0.head_id AND x.status = 'pending' \
-           AND NOT JSON_CONTAINS(?, JSON_QUOTE(x.event_type))) \
+           FROM (SELECT open_aggregate_id AS a, MIN(aggregate_seq) AS s \
+             FROM {table} FORCE INDEX ({table}_head_idx) \
+             WHERE app_code = ? AND open_aggregate_id IS NOT NULL \
+             GROUP BY open_aggregate_id LIMIT ?) g LIMIT 18446744073709551615) s0 \
+         WHERE (SELECT COUNT(*) FROM {table} x WHERE x.id = s0.head_id AND x.status = 'pending' \
+           AND NOT JSON_CONTAINS(?, JSON_QUOTE(x.event_type))) > 0 \
          LIMIT ?) s1 \
        UNION \
        SELECT o.id FROM JSON_TABLE(?, '$[*]' COLUMNS (fid BIGINT PATH '$')) d \

@@ -564,13 +564,18 @@ impl Session for RabbitMqConsumer {
                         // original is not acked is a duplicate); past
                         // GIVE_BACK_WITHIN the rest are left to the close.
                         let started = tokio::time::Instant::now();
-                        while let Some(Ok(delivery)) = consumer.next().await {
-                            if started.elapsed() >= GIVE_BACK_WITHIN
-                                || self.give_back(&delivery, &conn, &publishing).await.is_err()
-                            {
-                                break;
+                        let giving_back = async {
+                            while let Some(Ok(delivery)) = consumer.next().await {
+                                if started.elapsed() >= GIVE_BACK_WITHIN
+                                    || self.give_back(&delivery, &conn, &publishing).await.is_err()
+                                {
+                                    break;
+                                }
                             }
-                        }
+                        };
+                        // A stream the broker does not end (no cancel-ok)
+                        // does not hold the close.
+                        let _ = tokio::time::timeout(2 * GIVE_BACK_WITHIN, giving_back).await;
                         let _ = consuming.close(200, "shutdown".into()).await;
                         let _ = publishing.close(200, "shutdown".into()).await;
                         let _ = conn.close(200, "shutdown".into()).await;
