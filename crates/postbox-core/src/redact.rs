@@ -123,20 +123,32 @@ impl fmt::Display for Secret {
 
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        /// A secret as written: a token of digits set through the
-        /// environment (`POSTBOX__ADMIN__TOKEN=9876…`) reads as a number.
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Text(String),
-            Unsigned(u64),
-            Signed(i64),
+        /// A secret as written: text, or a number (a token of digits set
+        /// through the environment, `POSTBOX__ADMIN__TOKEN=9876…`, reads
+        /// as one), taken as its digits.
+        struct Raw;
+        impl serde::de::Visitor<'_> for Raw {
+            type Value = String;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string (a secret, or `${VAR}` to read one from the environment)")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+                Ok(v.to_owned())
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_u128<E: serde::de::Error>(self, v: u128) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_i128<E: serde::de::Error>(self, v: i128) -> Result<String, E> {
+                Ok(v.to_string())
+            }
         }
-        let raw = match Raw::deserialize(d)? {
-            Raw::Text(s) => s,
-            Raw::Unsigned(n) => n.to_string(),
-            Raw::Signed(n) => n.to_string(),
-        };
+        let raw = d.deserialize_any(Raw)?;
         let (value, unresolved) = expand_env_lenient(&raw).map_err(serde::de::Error::custom)?;
         Ok(Secret(value, unresolved))
     }
@@ -278,6 +290,17 @@ mod tests {
             shown_url("http://127.0.0.1:9/in?key=k"),
             "http://127.0.0.1:9/in"
         );
+    }
+
+    /// A secret is text or a number (its digits); anything else is refused
+    /// saying what is expected, without the value.
+    #[test]
+    fn a_secret_reads_text_or_digits() {
+        let read = |json: &str| serde_json::from_str::<Secret>(json);
+        assert_eq!(read("\"s3cret\"").unwrap().expose(), "s3cret");
+        assert_eq!(read("98765432101234").unwrap().expose(), "98765432101234");
+        let refused = read("true").unwrap_err().to_string();
+        assert!(refused.contains("expected a string"), "{refused}");
     }
 
     #[test]
