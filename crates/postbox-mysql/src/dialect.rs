@@ -20,7 +20,9 @@ use postbox_core::{
     ClaimSource, ClaimedEvent, Error, EventRecord, NewEvent, Result, Status, TableName,
 };
 use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, query, records, Connect, Dialect, ReplayStep, SqlOutbox, Value};
+use postbox_sqlx::{
+    claimed_records, db_error, query, records, Connect, Dialect, ReplayStep, SqlOutbox, Value,
+};
 
 use crate::sql;
 
@@ -387,7 +389,10 @@ impl Dialect for MySqlDialect {
         // them that are heads are one of the claim's candidate sets).
         let mut dealt = String::new();
         if source == ClaimSource::Pending {
-            let ids = pending_candidates(&mut tx, own, req, limit)
+            // Under per-aggregate ordering, deeper: the followers of
+            // held aggregates are read past (`sql::CLAIM_PENDING_ORDERED`).
+            let depth = if req.ordered { sql::FOLLOWER_SCAN } else { 1 };
+            let ids = pending_candidates(&mut tx, own, req, limit, depth)
                 .await
                 .map_err(db)?;
             if ids.is_empty() && !req.ordered {
@@ -417,9 +422,14 @@ impl Dialect for MySqlDialect {
         // 2. One lease end for the whole batch, on the database clock: the fence.
         let db_now_ms: i64 = first.try_get("db_now_ms").map_err(db)?;
         let lock_until_ms = db_now_ms + req.lease_ms;
-        let mut claimed = records(rows, outbox.table().naming(), "claim")?;
-        // 3. Take the lease.
-        let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
+        let (mut claimed, mut unreadable) = claimed_records(rows, outbox.table().naming())?;
+        // 3. Take the lease (also of the rows that cannot be read, failed
+        // once it is taken).
+        let ids: Vec<i64> = claimed
+            .iter()
+            .map(|r| r.id)
+            .chain(unreadable.iter().map(|u| u.id))
+            .collect();
         let binds = vec![
             req.worker_id.into(),
             lock_until_ms.into(),
@@ -437,8 +447,21 @@ impl Dialect for MySqlDialect {
                 .await
                 .map_err(db)?;
         }
-        // 4. Commit, and hand out the rows as the update left them.
+        // 4. Commit, fail the rows that cannot be read, and hand out the
+        // others as the update left them.
         tx.commit().await.map_err(db)?;
+        if !unreadable.is_empty() {
+            for u in &mut unreadable {
+                // Read before the update: the lease is the one just taken.
+                u.lock_until_ms = None;
+                if source == ClaimSource::ExpiredLease {
+                    u.retry_count += 1;
+                }
+            }
+            outbox
+                .fail_unreadable(req.app_code, &unreadable, req.worker_id, lock_until_ms)
+                .await;
+        }
         for r in &mut claimed {
             if source == ClaimSource::ExpiredLease {
                 r.retry_count += 1;
@@ -632,9 +655,10 @@ impl Dialect for MySqlDialect {
 type MySqlOutbox = SqlOutbox<MySqlDialect>;
 
 /// The pending rows a claim of `limit` may take, dealt across event types
-/// (`postbox_sqlx::fair_pending!`): each type's oldest `limit` rows, read
-/// type after type through `{table}_due_idx` ([`sql::PENDING_FIRST`]), then
-/// the first 2 × `limit` in round-robin order ([`deal`]). One read when the
+/// (`postbox_sqlx::fair_pending!`): each type's oldest `depth` × `limit`
+/// rows, read type after type through `{table}_due_idx`
+/// ([`sql::PENDING_FIRST`]), then the first 2 × `limit` (`depth` ×
+/// `limit` when deeper) in round-robin order ([`deal`]). One read when the
 /// backlog is under `limit` rows; with a backlog, one per type that fills a
 /// read, one more for a type a read cut short, and a last one that finds
 /// no further type. At most `limit` types are dealt (the batch could not
@@ -645,15 +669,17 @@ async fn pending_candidates(
     own: &Own,
     req: &ClaimRequest<'_>,
     limit: i64,
+    depth: i64,
 ) -> std::result::Result<Vec<i64>, sqlx::Error> {
     let app_code = req.app_code;
+    let read_size = limit * depth;
     let mut types: Vec<(String, Vec<i64>)> = Vec::new();
     let mut after: Option<String> = None;
     let read = async |tx: &mut MySqlConnection, sql: &str, event_type: &str| {
         sqlx::query(sql)
             .bind(app_code)
             .bind(event_type)
-            .bind(limit)
+            .bind(read_size)
             .fetch_all(tx)
             .await?
             .into_iter()
@@ -668,7 +694,7 @@ async fn pending_candidates(
             None => read(tx, &own.pending_first, "").await?,
             Some(t) => read(tx, &own.pending_after, t).await?,
         };
-        let full = rows.len() as i64 == limit;
+        let full = rows.len() as i64 == read_size;
         let first_type = types.len();
         let mut last: Option<String> = None;
         for (id, event_type) in rows {
@@ -686,7 +712,7 @@ async fn pending_candidates(
             break;
         }
         // The last type may have been cut short by the limit; alone in the
-        // read, it has its `limit` rows already.
+        // read, it has its `read_size` rows already.
         if types.len() - first_type > 1 && !req.skip_types.contains(&last) {
             let rows = read(tx, &own.pending_of_type, &last).await?;
             if let Some((_, ids)) = types.last_mut() {
@@ -697,7 +723,7 @@ async fn pending_candidates(
     }
     types.retain(|(event_type, _)| !req.skip_types.contains(event_type));
     let types: Vec<Vec<i64>> = types.into_iter().map(|(_, ids)| ids).collect();
-    Ok(deal(&types, 2 * limit.max(0) as usize))
+    Ok(deal(&types, (limit * depth.max(2)).max(0) as usize))
 }
 
 /// Round-robin over `types` (each a type's ids, oldest first): every

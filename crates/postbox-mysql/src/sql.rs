@@ -178,12 +178,18 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
 /// The `GROUP BY` names the outbox without an alias: `doctor` finds the
 /// statement's read of the head index by the table's name.
 ///
-/// (2) Of the pending rows a plain claim would take (dealt across types,
+/// (2) The pending rows a plain claim would take (dealt across types,
 /// the paused ones read past: `MySqlDialect::claim`'s candidate reads,
-/// bound as a JSON array), the heads. Read here in `{table}_due_idx`'s
-/// order (by type, then id), a paused type that sorts first filled them
-/// all, and an event without an aggregate of any other type waited as
-/// long as the pause.
+/// bound as a JSON array), counting only heads and events without an
+/// aggregate: the first 2 × limit of them in the dealt order, among each
+/// type's oldest [`FOLLOWER_SCAN`] × limit pending rows (the join stops at
+/// its limit, so it reads past followers only when they come first).
+/// Read here in `{table}_due_idx`'s order (by type, then id), a paused
+/// type that sorts first filled them all, and an event without an
+/// aggregate of any other type waited as long as the pause; taking the
+/// oldest batch of each type and keeping its heads, the followers of
+/// held aggregates filled it, and such an event waited as long as they
+/// were held.
 ///
 /// The candidates are a derived table joined to the outbox by primary
 /// key: as `c.id IN (…)` MariaDB ran the union once per pending row.
@@ -207,11 +213,12 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
            AND NOT JSON_CONTAINS(?, JSON_QUOTE(x.event_type))) > 0 \
          LIMIT ?) s1 \
        UNION \
-       SELECT o.id FROM JSON_TABLE(?, '$[*]' COLUMNS (fid BIGINT PATH '$')) d \
+       SELECT s2.id FROM (SELECT o.id FROM JSON_TABLE(?, '$[*]' COLUMNS (fid BIGINT PATH '$')) d \
            STRAIGHT_JOIN {table} o FORCE INDEX (PRIMARY) ON o.id = d.fid \
          WHERE o.aggregate_id IS NULL OR o.id = (SELECT p.id FROM {table} p FORCE INDEX ({table}_head_idx) \
            WHERE p.app_code = o.app_code AND p.open_aggregate_id = o.aggregate_id \
-           ORDER BY p.aggregate_seq, p.id LIMIT 1)\
+           ORDER BY p.aggregate_seq, p.id LIMIT 1) \
+         LIMIT ?) s2\
      ) k STRAIGHT_JOIN {table} c ON c.id = k.head_id \
      WHERE c.app_code = ? AND c.status = 'pending' \
        AND NOT JSON_CONTAINS(?, JSON_QUOTE(c.event_type)) \
@@ -221,6 +228,11 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
 /// How many batches' worth of aggregates the per-aggregate claim passes
 /// over looking for heads that can go (`postbox_sqlx::held_scan!`).
 const HELD_SCAN: i64 = 8;
+
+/// How many batches' worth of each type's oldest pending rows the
+/// per-aggregate claim reads for heads and events without an aggregate
+/// (`postbox_sqlx::follower_scan!`).
+pub(crate) const FOLLOWER_SCAN: i64 = 2;
 
 /// What a `?` of a claim statement takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,13 +250,14 @@ pub(crate) enum Bind {
 
 /// What each `?` of [`CLAIM_PENDING_ORDERED`] takes, in order. A paused
 /// type's head is left out, and still holds its aggregate back.
-pub(crate) const PENDING_ORDERED_BINDS: [Bind; 9] = [
+pub(crate) const PENDING_ORDERED_BINDS: [Bind; 10] = [
     Bind::Tenant,
     Bind::Tenant,
     Bind::Limit(HELD_SCAN),
     Bind::Skipped,
     Bind::Limit(2),
     Bind::Dealt,
+    Bind::Limit(2),
     Bind::Tenant,
     Bind::Skipped,
     Bind::Limit(1),

@@ -98,6 +98,7 @@ cases! {$
     ordered_claim_skips_held_aggregates_in_age_order,
     ordered_claim_reaches_past_many_held_aggregates,
     ordered_claim_reads_past_a_paused_type,
+    ordered_claim_finds_events_without_an_aggregate_behind_held_followers,
     archive_moves_past_live_duplicates_of_archived_events,
     a_replay_without_an_app_code_reaches_a_tenant_all_archived,
     stuck_aggregates_are_heads_that_cannot_move,
@@ -1965,6 +1966,61 @@ async fn ordered_claim_reads_past_a_paused_type(store: Arc<dyn OutboxStore>) {
         .expect("claim");
     let ids: Vec<&str> = got.iter().map(|c| c.record.event_id.as_str()).collect();
     assert_eq!(ids, [other[0].event_id.as_str()], "the other type's event");
+}
+
+/// Under per-aggregate ordering, the oldest pending rows of a type are
+/// followers of held aggregates (heads in flight, or of a paused type),
+/// more than a batch of them: an event of that type without an aggregate,
+/// behind them, is still claimed (up to `postbox_sqlx::follower_scan!`
+/// batches of them). The claim took its candidates from the
+/// oldest batch of each type and kept the heads among them, so it claimed
+/// nothing for as long as the aggregates were held (a pause: until it was
+/// lifted).
+async fn ordered_claim_finds_events_without_an_aggregate_behind_held_followers(
+    store: Arc<dyn OutboxStore>,
+) {
+    let claim = |limit: u32, skip: Vec<String>| {
+        let store = store.clone();
+        async move {
+            let req = ClaimRequest {
+                ordered: true,
+                skip_types: &skip,
+                ..req("w", limit, 600_000)
+            };
+            let got = store
+                .claim(ClaimSource::Pending, &req)
+                .await
+                .expect("claim");
+            got.into_iter()
+                .map(|c| c.record.event_id)
+                .collect::<Vec<String>>()
+        }
+    };
+    // Two aggregates whose heads go out now (in flight) and two whose
+    // heads are of a type about to be paused; three followers each, all
+    // of type "Y".
+    let taken: Vec<NewEvent> = (0..2)
+        .map(|i| NewEvent::new(APP, "Y", "{}").aggregate(format!("a-{i}"), 1))
+        .collect();
+    enqueue(store.as_ref(), &taken).await;
+    assert_eq!(claim(2, Vec::new()).await.len(), 2, "the two heads");
+    let paused: Vec<NewEvent> = (0..2)
+        .map(|i| NewEvent::new(APP, "P", "{}").aggregate(format!("b-{i}"), 1))
+        .collect();
+    enqueue(store.as_ref(), &paused).await;
+    let followers: Vec<NewEvent> = (2..4)
+        .flat_map(|v| {
+            ["a-0", "a-1", "b-0", "b-1"].map(|k| NewEvent::new(APP, "Y", "{}").aggregate(k, v))
+        })
+        .collect();
+    enqueue(store.as_ref(), &followers).await;
+    let free = vec![NewEvent::new(APP, "Y", "{}")];
+    enqueue(store.as_ref(), &free).await;
+    assert_eq!(
+        claim(5, vec!["P".to_owned()]).await,
+        [free[0].event_id.clone()],
+        "the event without an aggregate behind eight held followers"
+    );
 }
 
 /// Archives the delivered rows of [`APP`] (up to a minute ahead of the
