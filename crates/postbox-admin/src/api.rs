@@ -234,7 +234,9 @@ pub(crate) async fn replay(
         app_code: params.app_code.clone().filter(|s| !s.is_empty()),
         event_ids: vec![event_id.clone()],
     };
-    if matches!(targets.pick, ReplayPick::Only(_)) {
+    if matches!(targets.pick, ReplayPick::Only(_))
+        || matches!(selector, ReplaySelector::EventIds { app_code: None, .. })
+    {
         let before = state
             .store
             .replay_to(ReplayRequest {
@@ -244,6 +246,15 @@ pub(crate) async fn replay(
                 targets: &targets,
             })
             .await?;
+        if let Some((_, apps)) = selector.ambiguous_ids(&before).first() {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                format!(
+                    "event `{event_id}` is in app_codes {}: event ids are unique per app_code; give `app_code`",
+                    apps.join(", ")
+                ),
+            ));
+        }
         let left_out = targets.unconfirmed_left_out(&before);
         if !left_out.is_empty() {
             return Err(ApiError::new(

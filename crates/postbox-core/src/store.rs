@@ -185,6 +185,37 @@ pub enum ReplaySelector {
     Filter(EventFilter),
 }
 
+impl ReplaySelector {
+    /// Event ids given without an app_code that `rows` (what the selector
+    /// found, e.g. by a dry run) hold in more than one app_code, each with
+    /// those app_codes, sorted. Event ids are unique per app_code only, so
+    /// such an id names several events: replaying them all re-sends events
+    /// of tenants the operator did not mean, and the caller asks for the
+    /// app_code instead.
+    pub fn ambiguous_ids(&self, rows: &[EventRecord]) -> Vec<(String, Vec<String>)> {
+        let Self::EventIds {
+            app_code: None,
+            event_ids,
+        } = self
+        else {
+            return Vec::new();
+        };
+        event_ids
+            .iter()
+            .filter_map(|id| {
+                let mut apps: Vec<String> = rows
+                    .iter()
+                    .filter(|r| &r.event_id == id)
+                    .map(|r| r.app_code.clone())
+                    .collect();
+                apps.sort();
+                apps.dedup();
+                (apps.len() > 1).then(|| (id.clone(), apps))
+            })
+            .collect()
+    }
+}
+
 /// Which publishers a replay sends to. Fanout progress lives in the row's
 /// `delivered_to` (publishers that confirmed it); the relay sends a row only
 /// to the publishers *not* listed there. So a replay picks its targets by

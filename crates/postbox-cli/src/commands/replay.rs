@@ -63,7 +63,8 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
         }
         return paced_replay(g, store.as_ref(), filter, &targets, &args).await;
     }
-    if matches!(targets.pick, ReplayPick::Only(_)) {
+    let by_id_anywhere = matches!(selector, ReplaySelector::EventIds { app_code: None, .. });
+    if matches!(targets.pick, ReplayPick::Only(_)) || by_id_anywhere {
         let before = store
             .replay_to(ReplayRequest {
                 selector: &selector,
@@ -72,6 +73,17 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
                 targets: &targets,
             })
             .await?;
+        let ambiguous = selector.ambiguous_ids(&before);
+        if !ambiguous.is_empty() {
+            return Err(CliError::usage(format!(
+                "{}: event ids are unique per app_code, so this would replay each of them; give --app-code",
+                ambiguous
+                    .iter()
+                    .map(|(id, apps)| format!("`{id}` is in app_codes {}", apps.join(", ")))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            )));
+        }
         let left_out = targets.unconfirmed_left_out(&before);
         if !left_out.is_empty() {
             return Err(CliError::usage(format!(

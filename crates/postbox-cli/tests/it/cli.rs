@@ -314,6 +314,46 @@ fn sqlite_workflow_end_to_end() {
     let bad_time = run(&["replay", "--since", "yesterday"]);
     assert_eq!(bad_time.status.code(), Some(2));
     assert!(text(&bad_time).contains("--since"));
+
+    // Event ids are unique per app_code: an id in two of them, given
+    // without --app-code, is refused (both events were replayed before).
+    assert_ok(&run(&[
+        "enqueue",
+        "--app-code",
+        "other",
+        "--allow-unserved-app-code",
+        "--event-type",
+        "GiftSent",
+        "--payload",
+        "{}",
+        "--event-id",
+        "evt-2",
+    ]));
+    for args in [&["replay", "evt-2"][..], &["replay", "evt-2", "--dry-run"]] {
+        let both = run(args);
+        assert_eq!(both.status.code(), Some(2), "{}", text(&both));
+        assert_says(
+            &both,
+            &["`evt-2` is in app_codes other, room", "--app-code"],
+        );
+    }
+    let rows = json(&run(&["--json", "events", "show", "evt-2"]));
+    let counts: Vec<(&str, i64)> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["app_code"].as_str().unwrap(),
+                r["replay_count"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert!(
+        counts.contains(&("room", 1)) && counts.contains(&("other", 0)),
+        "the refused replay changed nothing: {counts:?}"
+    );
+    assert_ok(&run(&["replay", "evt-2", "--app-code", "room"]));
 }
 
 /// The quickstart delivers every demo event, then keeps its dashboard up
