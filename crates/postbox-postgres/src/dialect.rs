@@ -12,7 +12,7 @@ use postbox_core::config::RelayCommit;
 use postbox_core::store::{ClaimRequest, QueryPlan, StatementStats};
 use postbox_core::{ClaimSource, ClaimedEvent, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{duplicate_event, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, query, records, Connect, Dialect, SqlOutbox, Value};
+use postbox_sqlx::{claimed_records, db_error, query, Connect, Dialect, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -165,14 +165,13 @@ impl Dialect for PgDialect {
     ) -> Result<Vec<ClaimedEvent>> {
         let db = |e| db_error("claim", e);
         let query = sql::claim_query(outbox.own().claims.of(source, req.ordered), source, req);
-        let claimed = if source == ClaimSource::ExpiredLease {
+        let (claimed, unreadable) = if source == ClaimSource::ExpiredLease {
             // The takeover counts an attempt: record it in the claim's
             // transaction.
             let mut tx = outbox.begin_bookkeeping(true).await.map_err(db)?;
-            let claimed = records(
+            let (claimed, unreadable) = claimed_records(
                 query.fetch_all(&mut *tx).await.map_err(db)?,
                 outbox.table().naming(),
-                "claim",
             )?;
             if !claimed.is_empty() {
                 let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
@@ -182,18 +181,23 @@ impl Dialect for PgDialect {
                     .map_err(db)?;
             }
             tx.commit().await.map_err(db)?;
-            claimed
+            (claimed, unreadable)
         } else {
             // One statement: no transaction round trips on the hot path.
-            records(
+            claimed_records(
                 query
                     .fetch_all(outbox.bookkeeping_pool())
                     .await
                     .map_err(db)?,
                 outbox.table().naming(),
-                "claim",
             )?
         };
+        if !unreadable.is_empty() {
+            // Each row carries the lease end the claim wrote.
+            outbox
+                .fail_unreadable(req.app_code, &unreadable, req.worker_id, 0)
+                .await;
+        }
         Ok(claimed
             .into_iter()
             .map(|record| ClaimedEvent { record, source })

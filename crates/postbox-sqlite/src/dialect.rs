@@ -14,7 +14,7 @@ use postbox_core::redact::redact_url;
 use postbox_core::store::{ClaimRequest, QueryPlan};
 use postbox_core::{ClaimSource, ClaimedEvent, Error, NewEvent, Result, TableName};
 use postbox_sqlx::dialect::{enqueue_error, insert_values, ClaimStatements, Q};
-use postbox_sqlx::{db_error, finish, query, records, Connect, Dialect, SqlOutbox, Value};
+use postbox_sqlx::{claimed_records, db_error, finish, query, Connect, Dialect, SqlOutbox, Value};
 
 use crate::sql;
 
@@ -172,7 +172,7 @@ impl Dialect for SqliteDialect {
             .fetch_all(&mut *tx)
             .await
             .map_err(db)?;
-            let claimed = records(rows, outbox.table().naming(), "claim")?;
+            let (claimed, unreadable) = claimed_records(rows, outbox.table().naming())?;
             if source == ClaimSource::ExpiredLease && !claimed.is_empty() {
                 // The takeover counted an attempt: record it with the claim.
                 let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();
@@ -181,10 +181,15 @@ impl Dialect for SqliteDialect {
                     .await
                     .map_err(db)?;
             }
-            Ok(claimed)
+            Ok((claimed, unreadable))
         }
         .await;
-        let mut claimed = finish(tx, res, "claim").await?;
+        let (mut claimed, unreadable) = finish(tx, res, "claim").await?;
+        if !unreadable.is_empty() {
+            outbox
+                .fail_unreadable(req.app_code, &unreadable, req.worker_id, lock_until_ms)
+                .await;
+        }
         // RETURNING gives no order; hand rows out in claim order.
         // (An expired-lease claim now shares one lease end: creation order.)
         claimed.sort_by_key(|r| match source {

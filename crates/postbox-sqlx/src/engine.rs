@@ -22,7 +22,7 @@ use postbox_core::store::{
     ReplaySelector, SchemaReport, StuckAggregate, AGGREGATE_INDEX, EXPECTED_TABLES, HISTORY_LIMIT,
     REPLAY_ARCHIVED_QUERY, REPLAY_BY_ID_QUERY, REPLAY_FAILED_QUERY,
 };
-use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, TableName};
+use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, Status, TableName};
 
 use postbox_core::relay::CancellationToken;
 use postbox_core::wake::{Due, Wake};
@@ -668,6 +668,48 @@ impl SqlOutbox<D> {
         let mut tx = self.begin_bookkeeping(true).await.map_err(db)?;
         let res = self.execute_expanded(&mut tx, sql, binds).await.map_err(db);
         finish(tx, res, op).await
+    }
+
+    /// Fails the rows a claim took but could not read ([`crate::Unreadable`],
+    /// leased by `worker_id` until their own lease end, or `lock_until_ms`
+    /// where the claim did not read it back), as dead letters with what
+    /// was wrong, so that the rest of the backlog goes on. A row this
+    /// cannot write stays leased, and its lease expires.
+    pub async fn fail_unreadable(
+        &self,
+        app_code: &str,
+        rows: &[crate::Unreadable],
+        worker_id: &str,
+        lock_until_ms: i64,
+    ) {
+        for row in rows {
+            let error = postbox_core::event::truncate_error(&format!(
+                "unreadable row, not delivered: {}",
+                row.reason
+            ));
+            tracing::error!(
+                app_code,
+                id = row.id,
+                error = %error,
+                "a claimed outbox row cannot be read; it is failed (dead-lettered), the others go on"
+            );
+            let fence = Fence {
+                worker_id: worker_id.to_owned(),
+                lock_until_ms: row.lock_until_ms.unwrap_or(lock_until_ms),
+            };
+            let update = FailureUpdate {
+                status: Status::Failed,
+                retry_count: row.retry_count,
+                retry_after_ms: 0,
+                retry_jitter_ms: 0,
+                delivered_to: Vec::new(),
+                error,
+                publisher: None,
+            };
+            if let Err(e) = self.mark_failed(&fence, &[row.id], &update).await {
+                tracing::warn!(app_code, id = row.id, error = %e, "could not fail an unreadable row; its lease will expire");
+            }
+        }
     }
 
     /// Records one failed attempt of each of `ids` (the same update) and a

@@ -192,6 +192,51 @@ pub fn records<R: OutboxRow>(
         .map_err(|e| db_error(op, e))
 }
 
+/// A claimed row that cannot be read as an event: a producer wrote a value
+/// of another type than the column's (SQLite keeps what it is given: a
+/// BLOB payload, a version as text), or a status postbox does not know
+/// that the claim still matched (MySQL's case-insensitive `'PENDING'`).
+/// The claim fails it ([`SqlOutbox::fail_unreadable`]) instead of handing
+/// it out: refusing the whole claim for it stopped every new event of its
+/// tenant for good, since the row came back first in every claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unreadable {
+    /// The row.
+    pub id: i64,
+    /// Its failed attempts so far, where they can be read.
+    pub retry_count: i32,
+    /// Its lease end, where the claim wrote it and it can be read.
+    pub lock_until_ms: Option<i64>,
+    /// What could not be read.
+    pub reason: String,
+}
+
+/// Reads the rows a claim took: the events, and the rows that cannot be
+/// read as one ([`Unreadable`]). Only a row whose id cannot be read fails
+/// the claim.
+pub fn claimed_records<R: OutboxRow>(
+    rows: Vec<R>,
+    naming: &Naming,
+) -> Result<(Vec<EventRecord>, Vec<Unreadable>)> {
+    let mut good = Vec::with_capacity(rows.len());
+    let mut bad = Vec::new();
+    for row in &rows {
+        match record(row, naming) {
+            Ok(r) => good.push(r),
+            Err(e) => {
+                let named = Renamed(row, naming);
+                bad.push(Unreadable {
+                    id: named.int("id").map_err(|e| db_error("claim", e))?,
+                    retry_count: named.int32("retry_count").unwrap_or(0),
+                    lock_until_ms: named.int("lock_until_ms").ok(),
+                    reason: e.to_string(),
+                })
+            }
+        }
+    }
+    Ok((good, bad))
+}
+
 /// Reads `minute_ms, delivered` rows of the deliveries-per-minute query.
 pub fn minute_counts<R: OutboxRow>(rows: Vec<R>) -> Result<Vec<postbox_core::store::MinuteCount>> {
     rows.iter()

@@ -549,6 +549,40 @@ async fn plain_insert_from_other_languages_and_legacy_rows() {
     drop_tables(&store).await;
 }
 
+/// A row the claim matches but cannot read (a producer wrote the status
+/// as an enum's name, `'PENDING'`, which the case-insensitive collation
+/// takes for `'pending'`) is failed with the reason, and the events behind
+/// it are claimed. The whole claim failed on it before: it came back first
+/// every time, and nothing of the tenant was delivered again.
+#[tokio::test]
+async fn a_row_the_claim_cannot_read_is_failed_and_the_rest_go_on() {
+    let store = store("mb_unreadable").await;
+    let t = store.table().as_str().to_owned();
+    sqlx::query(&format!(
+        "INSERT INTO {t} (app_code, event_id, event_type, payload, status) \
+         VALUES ('room', 'java-1', 'RoomCreated', '{{}}', 'PENDING')"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let good = enqueue_committed(&store, &NewEvent::new("room", "RoomCreated", "{}")).await;
+    let got = claim(&store, ClaimSource::Pending, "w1").await;
+    assert_eq!(ids(&got), vec![good], "the readable row, once");
+    let (status, error): (String, String) = sqlx::query_as(&format!(
+        "SELECT status, last_error FROM {t} WHERE event_id = 'java-1'"
+    ))
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(status, "failed");
+    assert!(
+        error.contains("unreadable row") && error.contains("PENDING"),
+        "{error}"
+    );
+    assert!(claim(&store, ClaimSource::Pending, "w1").await.is_empty());
+    drop_tables(&store).await;
+}
+
 /// The README's one-round-trip form (`docs/plain-insert-in-the-change.mysql.sql`,
 /// exactly, its `?` filled in as a driver that prepares client-side does):
 /// the business UPDATE, checking the version it read, and its outbox row

@@ -131,6 +131,39 @@ async fn migrate_is_idempotent() {
     assert_eq!(s.outbox.backend(), "sqlite");
 }
 
+/// A row the claim takes but cannot read (SQLite keeps what a producer
+/// gives it: a payload bound as bytes is a BLOB, not TEXT) is failed with
+/// the reason, and the events behind it are claimed. The whole claim
+/// failed on it before: it came back first every time, and nothing of
+/// the tenant was delivered again.
+#[tokio::test]
+async fn a_row_the_claim_cannot_read_is_failed_and_the_rest_go_on() {
+    let s = scratch("unreadable").await;
+    sqlx::query(&format!(
+        "INSERT INTO {TABLE} (app_code, event_id, event_type, payload) VALUES ('room', 'go-1', 'T', X'7b7d')"
+    ))
+    .execute(s.outbox.pool())
+    .await
+    .unwrap();
+    let good = enqueue_all(&s.outbox, &[ev("T")]).await;
+    let got = claim(&s.outbox, ClaimSource::Pending, "w", 30_000).await;
+    assert_eq!(ids(&got), good, "the readable row");
+    let (status, error): (String, String) = sqlx::query_as(&format!(
+        "SELECT status, last_error FROM {TABLE} WHERE event_id = 'go-1'"
+    ))
+    .fetch_one(s.outbox.pool())
+    .await
+    .unwrap();
+    assert_eq!(status, "failed");
+    assert!(
+        error.contains("unreadable row") && error.contains("payload"),
+        "{error}"
+    );
+    assert!(claim(&s.outbox, ClaimSource::Pending, "w", 30_000)
+        .await
+        .is_empty());
+}
+
 #[tokio::test]
 async fn enqueue_commits_and_rolls_back_with_the_caller() {
     let s = scratch("enqueue-tx").await;
