@@ -197,6 +197,34 @@ pub async fn an_idle_relays_heartbeat_stays_within_one_call_per_second(
     );
 }
 
+/// An idle relay polling every 12 s (longer than a heartbeat, 10 s) still
+/// looks at its store between heartbeats: about every 13 s over 30 s.
+/// Each round found a heartbeat handed over and wrote it in place of its
+/// probe, then slept a whole poll, by which time the next beat waited: it
+/// probed once at start and never again, so rows written by other
+/// processes, retries and expired leases waited for good.
+pub async fn an_idle_relay_polling_slower_than_its_heartbeat_still_probes(
+    store: Arc<dyn OutboxStore>,
+) {
+    let counting = Arc::new(WrappedStore::new(store));
+    let config = WorkerConfig {
+        poll_interval: HumanDuration::secs(12),
+        ..WorkerConfig::default()
+    };
+    let (publisher, shutdown, run) =
+        spawn_relay(counting.clone(), config, vec!["slow-poll".to_owned()]);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let (calls, beats) = (counting.calls(), counting.beats());
+    shutdown.cancel();
+    run.await.expect("relay task").expect("relay run");
+    assert!(publisher.delivered().is_empty());
+    assert!(
+        calls - beats >= 3,
+        "an idle relay polling every 12 s probed {} times in 30 s ({beats} heartbeats)",
+        calls - beats
+    );
+}
+
 /// A relay polling only every 30 s, gone idle, delivers an event within a
 /// few seconds of `produce` writing it (which must commit it).
 pub async fn an_idle_relay_wakes_for<F>(

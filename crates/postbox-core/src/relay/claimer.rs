@@ -63,6 +63,11 @@ struct Claim<'a> {
     controls: &'a Controls,
 }
 
+/// The longest pause after a round that wrote the heartbeat in place of
+/// its probe: the probe it stood in for follows within it (the default
+/// `poll_interval`, 1 s, is not longer).
+const BEAT_THEN_PROBE: Duration = Duration::from_secs(1);
+
 /// How long a due retry of a paused type waits before the sweep takes it
 /// again (to give it back again, or to publish it once resumed).
 const PAUSED_RECHECK: Duration = Duration::from_secs(5);
@@ -108,6 +113,7 @@ impl Claimer {
             let mut round = Round::default();
             let mut next_due: Option<Duration> = None;
             let mut plan: Vec<(usize, Vec<ClaimSource>)> = Vec::new();
+            let mut beat_round = false;
             if draining {
                 for (i, sweep) in last_sweep.iter_mut().enumerate() {
                     let mut sources = Vec::with_capacity(3);
@@ -120,7 +126,9 @@ impl Claimer {
                 }
             } else if let Some(beat) = self.tally.take_beat() {
                 // Idle, and the heartbeat is due: this round's one round
-                // trip writes it instead of probing (see `heartbeat`).
+                // trip writes it instead of probing (see `heartbeat`); the
+                // probe follows within a second.
+                beat_round = true;
                 if let Err(e) = self.store.beat(&beat).await {
                     tracing::debug!(error = %e, "could not write the relay heartbeat");
                 }
@@ -209,6 +217,11 @@ impl Claimer {
                 if let Some(f) = fast {
                     pause = pause.min(f);
                     fast = Some(f * 2).filter(|next| *next < poll);
+                }
+                if beat_round {
+                    // A poll longer than a heartbeat found one handed over
+                    // at every round: it never probed again.
+                    pause = pause.min(BEAT_THEN_PROBE);
                 }
                 next_due.map_or(pause, |due| pause.min(due))
             };

@@ -47,10 +47,12 @@ impl Tally {
         self.handed.lock().map(|mut b| b.take()).unwrap_or(None)
     }
 
-    fn hand(&self, beat: Option<RelayBeat>) {
-        if let Ok(mut slot) = self.handed.lock() {
-            *slot = beat;
-        }
+    /// Hands `beat` to the claimer; the beat handed before and not taken.
+    fn hand(&self, beat: Option<RelayBeat>) -> Option<RelayBeat> {
+        self.handed
+            .lock()
+            .map(|mut slot| std::mem::replace(&mut *slot, beat))
+            .unwrap_or(None)
     }
 }
 
@@ -75,13 +77,15 @@ impl Heartbeat {
             let per_minute = delivered.saturating_sub(since.1) * 60_000 / elapsed_ms;
             since = (Instant::now(), delivered);
             let beat = self.beat(per_minute, false);
-            if self.tally.idle.load(Ordering::Relaxed) {
-                // The claimer writes it in place of its next probe.
-                self.tally.hand(Some(beat));
-            } else {
-                // Written here; a beat handed earlier and not taken (the
-                // relay got busy) is stale.
+            // The claimer writes it in place of its next probe, when idle
+            // and coming round within a beat; else it is written here (a
+            // beat handed earlier and not taken is stale).
+            let idle = self.tally.idle.load(Ordering::Relaxed);
+            let untaken = self.tally.hand(idle.then_some(beat.clone()));
+            if untaken.is_some() {
                 self.tally.hand(None);
+            }
+            if !idle || untaken.is_some() {
                 match self.store.beat(&beat).await {
                     Ok(()) => failures = 0,
                     Err(e) => {

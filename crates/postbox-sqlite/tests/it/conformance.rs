@@ -33,6 +33,15 @@ async fn a_stream_of_commits_is_claimed_in_few_rounds() {
         .await;
 }
 
+/// The relay's idle loop is the same on every backend: run on one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_relay_polling_slower_than_its_heartbeat_still_probes() {
+    postbox_testkit::wake::an_idle_relay_polling_slower_than_its_heartbeat_still_probes(Arc::new(
+        outbox().await,
+    ))
+    .await;
+}
+
 /// A relay with no publisher refuses to start instead of marking every row
 /// delivered.
 #[tokio::test]
