@@ -51,6 +51,13 @@ impl TableName {
         }
     }
 
+    /// The name in lower case, as PostgreSQL keeps an unquoted name (postbox
+    /// never quotes it): its catalog is read by this name.
+    pub fn folded(mut self) -> Self {
+        self.0.make_ascii_lowercase();
+        self
+    }
+
     /// The name as written.
     pub fn as_str(&self) -> &str {
         &self.0

@@ -35,6 +35,7 @@ pub struct Own {
 #[async_trait]
 impl Dialect for PgDialect {
     postbox_sqlx::dialect_constants!(db: Postgres, backend: "postgres", placeholders: Numbered, begin_write: None);
+    const FOLDS_NAMES: bool = true;
     const CONTINUE_IDS_AFTER_ARCHIVE: &'static [&'static str] = &[sql::CONTINUE_IDS_AFTER_ARCHIVE];
     const REPLAY_FAILED_INDEX: &'static str = "_failed_idx";
     const PARTITIONS: Option<postbox_sqlx::PartitionSql> = Some(sql::PARTITIONS);

@@ -397,6 +397,12 @@ pub trait Dialect: Sized + Send + Sync + 'static {
 
     /// `postgres`, `mysql` or `sqlite`.
     const BACKEND: &'static str;
+
+    /// The database folds an unquoted table name to lower case (PostgreSQL):
+    /// the store uses the name so folded, or its catalog reads (is the
+    /// table there, which partitions does it have) find nothing of a
+    /// `Room_Outbox`, and every `migrate` rebuilt its indexes.
+    const FOLDS_NAMES: bool = false;
     /// How [`crate::list_query`] writes placeholders.
     const PLACEHOLDERS: Placeholders;
     /// The statement that starts a write transaction, when not the default

@@ -126,6 +126,11 @@ impl<D: Dialect> SqlOutbox<D> {
 
     /// Uses `pool` for `table`, an adopted table's names included.
     pub fn named(pool: sqlx::Pool<D::DB>, table: TableName) -> Self {
+        let table = if D::FOLDS_NAMES {
+            table.folded()
+        } else {
+            table
+        };
         SqlOutbox {
             bookkeeping: pool.clone(),
             bookkeeping_isolated: false,

@@ -22,6 +22,25 @@ async fn fresh_store() -> Arc<dyn OutboxStore> {
 
 conformance_suite!(fresh_store);
 
+/// A table named in mixed case (PostgreSQL keeps it in lower case, since
+/// postbox never quotes it) is found by its second `migrate`: every run
+/// took it for gone, applied every version again and rebuilt its indexes.
+#[tokio::test]
+async fn a_mixed_case_table_name_is_migrated_once() {
+    let name = scratch_table("Room_Outbox");
+    let store = migrated("postgres", postgres_url(), |url| {
+        let name = name.clone();
+        async move { PgOutbox::connect(&url, &name, 2).await }
+    })
+    .await;
+    let again = store.migrate().await.unwrap();
+    assert!(
+        again.applied.is_empty() && again.notes.is_empty(),
+        "the second migrate of {name}: {again:?}"
+    );
+    assert_eq!(store.table().as_str(), name.to_ascii_lowercase());
+}
+
 #[tokio::test]
 async fn migrate_is_idempotent() {
     let store = outbox().await;
