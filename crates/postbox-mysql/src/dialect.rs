@@ -580,6 +580,41 @@ impl Dialect for MySqlDialect {
     /// archive holds, so archiving never meets an id already there.
     /// `AUTO_INCREMENT` takes no parameter or expression: the value is
     /// read first.
+    /// A statement whose indexes or columns clash (`ER_DUP_KEYNAME` 1061,
+    /// `ER_CANT_DROP_FIELD_OR_KEY` 1091, `ER_DUP_FIELDNAME` 1060) was
+    /// applied when every index and column it adds is on its table and
+    /// every index it drops is gone ([`schema_changes`]).
+    async fn applied_before(
+        conn: &mut MySqlConnection,
+        stmt: &str,
+        error: &sqlx::Error,
+    ) -> std::result::Result<bool, sqlx::Error> {
+        let sqlx::Error::Database(e) = error else {
+            return Ok(false);
+        };
+        let code = e
+            .try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .map(|e| e.number());
+        if !matches!(code, Some(1060 | 1061 | 1091)) {
+            return Ok(false);
+        }
+        let Some(changes) = schema_changes(stmt) else {
+            return Ok(false);
+        };
+        let indexes: Vec<String> = sqlx::query_scalar(sql::INDEXES_OF)
+            .bind(&changes.table)
+            .fetch_all(&mut *conn)
+            .await?;
+        let columns: Vec<String> = sqlx::query_scalar(sql::COLUMNS_OF)
+            .bind(&changes.table)
+            .fetch_all(&mut *conn)
+            .await?;
+        let has = |names: &[String], n: &String| names.iter().any(|x| x.eq_ignore_ascii_case(n));
+        Ok(changes.added_indexes.iter().all(|i| has(&indexes, i))
+            && changes.dropped_indexes.iter().all(|i| !has(&indexes, i))
+            && changes.added_columns.iter().all(|c| has(&columns, c)))
+    }
+
     async fn continue_ids(
         conn: &mut MySqlConnection,
         table: &TableName,
@@ -653,6 +688,41 @@ impl Dialect for MySqlDialect {
 }
 
 type MySqlOutbox = SqlOutbox<MySqlDialect>;
+
+/// What a migration statement makes: `CREATE INDEX i ON t …` or `ALTER
+/// TABLE t` with `ADD INDEX i`, `DROP INDEX i` and `ADD COLUMN c` clauses.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct SchemaChanges {
+    table: String,
+    added_indexes: Vec<String>,
+    dropped_indexes: Vec<String>,
+    added_columns: Vec<String>,
+}
+
+/// Reads [`SchemaChanges`] from a migration statement; `None` for any
+/// other statement.
+fn schema_changes(stmt: &str) -> Option<SchemaChanges> {
+    let words: Vec<&str> = stmt.split_whitespace().collect();
+    let mut out = SchemaChanges::default();
+    let name = |w: &str| w.trim_end_matches([',', '(']).to_owned();
+    match words.as_slice() {
+        ["CREATE", "INDEX", index, "ON", table, ..] => {
+            out.table = name(table);
+            out.added_indexes.push(name(index));
+        }
+        ["ALTER", "TABLE", table, ..] => out.table = name(table),
+        _ => return None,
+    }
+    for w in words.windows(3) {
+        match w {
+            ["ADD", "INDEX", i] => out.added_indexes.push(name(i)),
+            ["DROP", "INDEX", i] => out.dropped_indexes.push(name(i)),
+            ["ADD", "COLUMN", c] => out.added_columns.push(name(c)),
+            _ => {}
+        }
+    }
+    Some(out)
+}
 
 /// The pending rows a claim of `limit` may take, dealt across event types
 /// (`postbox_sqlx::fair_pending!`): each type's oldest `depth` × `limit`

@@ -625,11 +625,24 @@ pub(crate) const EXISTING_TABLES: &str =
 /// continue after so that archiving never meets an id already there.
 pub(crate) const ARCHIVE_MAX_ID: &str = "SELECT MAX(id) FROM {archive}";
 
+/// The indexes of a table of this database (`applied_before`).
+pub(crate) const INDEXES_OF: &str =
+    "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \
+     WHERE table_schema = DATABASE() AND table_name = ?";
+
+/// The columns of a table of this database (`applied_before`).
+pub(crate) const COLUMNS_OF: &str =
+    "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
+     WHERE table_schema = DATABASE() AND table_name = ?";
+
 /// `(version, description, statements)`, applied in order. MySQL commits
 /// implicitly around every DDL statement, so the migration's transaction
 /// does not make a run atomic: the named lock
-/// ([`MIGRATION_LOCK`]) is held by one connection for the whole run, and
-/// every statement is idempotent, so a run cut short is simply re-run.
+/// ([`MIGRATION_LOCK`]) is held by one connection for the whole run. A
+/// run cut short after the server committed a statement but before the
+/// ledger recorded its version is re-run: a statement that adds an index
+/// or column already there, or drops one already gone, counts as applied
+/// when the table has all it makes (`MySqlDialect::applied_before`).
 pub(crate) const MIGRATIONS: &[Migration] = postbox_sqlx::migrations!(
     (5, postbox_sqlx::V5_DESCRIPTION, V5_INDEXES),
     (7, postbox_sqlx::V7_DESCRIPTION, V7_HEAD_INDEX),

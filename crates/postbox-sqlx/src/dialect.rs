@@ -529,6 +529,19 @@ pub trait Dialect: Sized + Send + Sync + 'static {
         Ok(())
     }
 
+    /// Whether `stmt`, a migration statement that failed with `error`, had
+    /// been applied already: a run cut short after the database committed
+    /// the statement but before the ledger recorded its version (MySQL
+    /// commits each `ALTER TABLE` on its own), so the table has what the
+    /// statement makes.
+    async fn applied_before(
+        _conn: &mut <Self::DB as Database>::Connection,
+        _stmt: &str,
+        _error: &sqlx::Error,
+    ) -> std::result::Result<bool, sqlx::Error> {
+        Ok(false)
+    }
+
     /// Run after version 1 created a new outbox table, besides
     /// [`Dialect::CONTINUE_IDS_AFTER_ARCHIVE`], where continuing a kept
     /// archive's ids needs a value no statement can compute (MySQL's

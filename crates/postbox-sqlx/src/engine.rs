@@ -1498,7 +1498,12 @@ impl SqlOutbox<D> {
                         // A column a kept table already has (its table was
                         // not dropped when the outbox was): applied.
                         Err(e) if adds_an_existing_column(&stmt, &e) => {}
-                        Err(e) => return Err(db(e)),
+                        Err(e) => {
+                            if !D::applied_before(&mut tx, &stmt, &e).await.map_err(db)? {
+                                return Err(db(e));
+                            }
+                            tracing::info!(table = %self.table, version, "migrate: the version's change was already made (a run cut short before recording it)");
+                        }
                     }
                 }
                 if pending && *version == 1 {

@@ -102,6 +102,30 @@ async fn migrate_is_idempotent_and_serialised() {
     drop_tables(&store).await;
 }
 
+/// A `migrate` cut short after the server committed a version's `ALTER
+/// TABLE` but before the ledger recorded it (each MySQL DDL statement
+/// commits on its own) is run again: the versions whose changes are there
+/// are recorded, the others applied. Re-running version 5's `ALTER`
+/// failed on its index already there (1061), version 7's on its column
+/// (1060), and every later `migrate` failed the same way.
+#[tokio::test]
+async fn a_migrate_cut_short_after_an_alter_is_run_again() {
+    let store = store("mb_cut_short").await;
+    let t = store.table().as_str().to_owned();
+    sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name = ? AND version >= 5")
+        .bind(&t)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let again = store
+        .migrate()
+        .await
+        .expect("the migrate after one cut short");
+    assert_eq!(again.applied, vec![5, 7, 8, 9, 10, 11]);
+    assert!(store.migrate().await.unwrap().applied.is_empty());
+    drop_tables(&store).await;
+}
+
 #[tokio::test]
 async fn enqueue_commits_rolls_back_and_dedupes() {
     let store = store("mb_enqueue").await;
