@@ -11,6 +11,12 @@ use crate::{trace, Error};
 pub const MAX_ID_LEN: usize = 64;
 /// Longest `event_type` and `aggregate_id`, in bytes.
 pub const MAX_NAME_LEN: usize = 128;
+
+/// The longest headers an event may carry, as JSON: the `headers` column
+/// is a MySQL `TEXT` (65,535 bytes), which a session without strict mode
+/// cuts short silently (the event then went out with no header at all),
+/// less room for the trace context `enqueue` adds.
+pub const MAX_HEADERS_BYTES: usize = 65_535 - 1_024;
 /// Longest `last_error` stored, in bytes.
 pub const MAX_ERROR_LEN: usize = 2000;
 
@@ -178,6 +184,14 @@ impl NewEvent {
         check("event_type", &self.event_type, MAX_NAME_LEN)?;
         if let Some(agg) = &self.aggregate_id {
             check("aggregate_id", agg, MAX_NAME_LEN)?;
+        }
+        if let Some(headers) = &self.headers {
+            let size = serde_json::to_string(headers).map_or(0, |h| h.len());
+            if size > MAX_HEADERS_BYTES {
+                return Err(Error::InvalidEvent(format!(
+                    "headers are {size} bytes as JSON, longer than {MAX_HEADERS_BYTES}"
+                )));
+            }
         }
         if self.payload.len() > max_payload_bytes {
             return Err(Error::PayloadTooLarge {
@@ -369,6 +383,18 @@ mod tests {
         ));
         let e = NewEvent::new("a", "T", "{}").event_id("x".repeat(65));
         assert!(e.validate(10).unwrap_err().to_string().contains("event_id"));
+    }
+
+    /// Headers longer than the column holds everywhere are refused at
+    /// enqueue (MariaDB without strict mode stored them cut short: the
+    /// event went out with no header at all).
+    #[test]
+    fn headers_longer_than_the_column_are_refused() {
+        let big = NewEvent::new("a", "T", "{}").header("blob", "x".repeat(70_000));
+        let err = big.validate(1 << 20).unwrap_err();
+        assert!(err.to_string().contains("headers are 70"), "{err}");
+        let fine = NewEvent::new("a", "T", "{}").header("k", "x".repeat(60_000));
+        assert!(fine.validate(1 << 20).is_ok());
     }
 
     #[test]
