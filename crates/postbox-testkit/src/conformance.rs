@@ -110,6 +110,7 @@ cases! {$
     controls_are_set_cleared_and_logged,
     relay_applies_controls_while_it_runs,
     relay_holds_a_paused_event_type_and_delivers_the_others,
+    a_paused_types_due_retries_do_not_hold_back_the_others,
     relays_register_by_their_heartbeats,
     relay_samples_a_type_and_drops_the_rest,
 }
@@ -3369,6 +3370,67 @@ async fn relay_holds_a_paused_event_type_and_delivers_the_others(store: Arc<dyn 
         shutdown.cancel();
         handle.await.expect("relay task").expect("relay run");
     }
+}
+
+/// A paused type's due retries, a hundred of them, come before another
+/// type's in due order: the other type's retry is delivered at once. The
+/// due-retry claim takes rows in due order whatever their type, and gave
+/// back a batch of the paused type per round: at the default poll of a
+/// second and a batch of 10, the other retry waited ten seconds.
+async fn a_paused_types_due_retries_do_not_hold_back_the_others(store: Arc<dyn OutboxStore>) {
+    use postbox_core::control::Control;
+    let app = "conf_paused_retries";
+    let fail_now = async |events: &[NewEvent]| {
+        enqueue(store.as_ref(), events).await;
+        let claimed = store
+            .claim(
+                ClaimSource::Pending,
+                &claim_request(app, "w0", 1_000, 30_000),
+            )
+            .await
+            .unwrap();
+        let ids: Vec<i64> = claimed.iter().map(|c| c.record.id).collect();
+        store
+            .mark_failed(
+                &claimed[0].fence(),
+                &ids,
+                &first_failure_due_now("down", "rec"),
+            )
+            .await
+            .unwrap();
+    };
+    let audits: Vec<NewEvent> = (0..100)
+        .map(|_| NewEvent::new(app, "Audit", "{}"))
+        .collect();
+    fail_now(&audits).await;
+    let pay = NewEvent::new(app, "Pay", "{}");
+    fail_now(std::slice::from_ref(&pay)).await;
+    let pause = Control {
+        paused: true,
+        ..Control::new(app, "Audit")
+    };
+    store.set_control(&pause, "test").await.unwrap();
+    let p = Arc::new(RecordingPublisher::new("rec"));
+    let config = WorkerConfig {
+        batch_size: 10,
+        ..WorkerConfig::default()
+    };
+    let settings = RelaySettings::new(config, vec![app.to_owned()]).expect("[outbox_worker]");
+    let shutdown = CancellationToken::new();
+    let handle =
+        tokio::spawn(Relay::new(store.clone(), vec![p.clone()], settings).run(shutdown.clone()));
+    wait_until(
+        "the other type's retry delivered",
+        Duration::from_secs(4),
+        async || p.attempts(&pay.event_id) > 0,
+    )
+    .await;
+    shutdown.cancel();
+    handle.await.expect("relay task").expect("relay run");
+    assert!(
+        audits.iter().all(|e| p.attempts(&e.event_id) == 0),
+        "a paused Audit was published"
+    );
 }
 
 /// Issue 14.5: heartbeats register a relay in `<table>_relays`, each one

@@ -63,6 +63,12 @@ struct Claim<'a> {
     controls: &'a Controls,
 }
 
+/// How long one round goes on claiming due retries (or expired leases)
+/// of one app_code past batches all of paused types: each batch is given
+/// back, due again after [`PAUSED_RECHECK`], so the next claim reads past
+/// it; a longer paused backlog is read past over the next rounds.
+const CLAIM_PAST_HELD: Duration = Duration::from_secs(1);
+
 /// The longest pause after a round that wrote the heartbeat in place of
 /// its probe: the probe it stood in for follows within it (the default
 /// `poll_interval`, 1 s, is not longer).
@@ -84,6 +90,9 @@ struct Round {
     found: bool,
     /// A claim (or the probe) failed, not transiently.
     error: bool,
+    /// A claim came back with `batch_size` rows, all of paused types, and
+    /// gave them back: what comes after them was not looked at.
+    held_full: bool,
 }
 
 impl Claimer {
@@ -183,21 +192,35 @@ impl Claimer {
             for (i, sources) in plan {
                 let skip_types = controls.paused_types(&self.app_codes[i]);
                 for source in sources {
-                    let claim = Claim {
-                        app: i,
-                        source,
-                        skip_types: &skip_types,
-                        controls: &controls,
-                    };
-                    let Some(outcome) = self
-                        .claim_one(claim, &out, &shutdown, &mut claimed, &mut db_errors)
-                        .await
-                    else {
-                        return Ok(claimed);
-                    };
-                    round.full |= outcome.full;
-                    round.found |= outcome.found;
-                    round.error |= outcome.error;
+                    // Due retries and expired leases are claimed in due
+                    // order whatever their type: a batch all of paused
+                    // types, given back, is claimed past at once, or the
+                    // other types' rows due after a paused backlog waited
+                    // one poll per batch of it.
+                    let past_held = Instant::now();
+                    loop {
+                        let claim = Claim {
+                            app: i,
+                            source,
+                            skip_types: &skip_types,
+                            controls: &controls,
+                        };
+                        let Some(outcome) = self
+                            .claim_one(claim, &out, &shutdown, &mut claimed, &mut db_errors)
+                            .await
+                        else {
+                            return Ok(claimed);
+                        };
+                        round.full |= outcome.full;
+                        round.found |= outcome.found;
+                        round.error |= outcome.error;
+                        if !outcome.held_full
+                            || source == ClaimSource::Pending
+                            || past_held.elapsed() >= CLAIM_PAST_HELD
+                        {
+                            break;
+                        }
+                    }
                 }
             }
             if round.full && !round.error {
@@ -297,6 +320,7 @@ impl Claimer {
                 // claimed just before a pause was read) go back. Nothing
                 // to look at while nothing is paused.
                 let mut events = events;
+                let fetched = events.len();
                 if controls.any_paused() {
                     let held;
                     (held, events) = events
@@ -307,6 +331,7 @@ impl Claimer {
                     }
                 }
                 if events.is_empty() {
+                    round.held_full = fetched == batch_size as usize;
                     return Some(round);
                 }
                 *db_errors = 0;
