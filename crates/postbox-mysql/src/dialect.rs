@@ -566,6 +566,10 @@ impl Dialect for MySqlDialect {
                 "another `postbox migrate` on table `{table}` held the migration lock for 60s; try again"
             )));
         }
+        sqlx::query(sql::MIGRATION_LOCK_WAIT)
+            .execute(&mut **conn)
+            .await
+            .map_err(|e| db_error("migrate", e))?;
         Ok(())
     }
 
@@ -573,13 +577,12 @@ impl Dialect for MySqlDialect {
         conn: &mut PoolConnection<MySql>,
         table: &TableName,
     ) -> std::result::Result<(), sqlx::Error> {
+        sqlx::query(sql::MIGRATION_LOCK_WAIT_RESET)
+            .execute(&mut **conn)
+            .await?;
         release_lock(conn, sql::MIGRATION_UNLOCK, table).await
     }
 
-    /// A (re)created outbox table continues after the highest id a kept
-    /// archive holds, so archiving never meets an id already there.
-    /// `AUTO_INCREMENT` takes no parameter or expression: the value is
-    /// read first.
     /// A statement whose indexes or columns clash (`ER_DUP_KEYNAME` 1061,
     /// `ER_CANT_DROP_FIELD_OR_KEY` 1091, `ER_DUP_FIELDNAME` 1060) was
     /// applied when every index and column it adds is on its table and
@@ -615,6 +618,10 @@ impl Dialect for MySqlDialect {
             && changes.added_columns.iter().all(|c| has(&columns, c)))
     }
 
+    /// A (re)created outbox table continues after the highest id a kept
+    /// archive holds, so archiving never meets an id already there.
+    /// `AUTO_INCREMENT` takes no parameter or expression: the value is
+    /// read first.
     async fn continue_ids(
         conn: &mut MySqlConnection,
         table: &TableName,

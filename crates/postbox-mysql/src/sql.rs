@@ -625,6 +625,17 @@ pub(crate) const EXISTING_TABLES: &str =
 /// continue after so that archiving never meets an id already there.
 pub(crate) const ARCHIVE_MAX_ID: &str = "SELECT MAX(id) FROM {archive}";
 
+/// How long a migration statement waits for the table's metadata lock
+/// (the server's default is a day). An `ALTER TABLE` waiting behind a
+/// long transaction on the table (a producer's, a report's) holds back
+/// every statement on the table queued after it, producers' `INSERT`s
+/// included, for as long as it waits: it gives up after 5 s instead, and
+/// `migrate` can be run again at a quieter moment.
+pub(crate) const MIGRATION_LOCK_WAIT: &str = "SET SESSION lock_wait_timeout = 5";
+
+/// Gives the pooled connection back with the server's default.
+pub(crate) const MIGRATION_LOCK_WAIT_RESET: &str = "SET SESSION lock_wait_timeout = DEFAULT";
+
 /// The indexes of a table of this database (`applied_before`).
 pub(crate) const INDEXES_OF: &str =
     "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \

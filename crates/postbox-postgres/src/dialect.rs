@@ -260,7 +260,8 @@ impl Dialect for PgDialect {
     /// Serialises concurrent `migrate` runs, of any table: they share the
     /// migrations table, whose `CREATE … IF NOT EXISTS` is not race-free.
     async fn migration_lock(conn: &mut PgConnection) -> std::result::Result<(), sqlx::Error> {
-        sqlx::query(sql::MIGRATION_LOCK)
+        sqlx::query(sql::MIGRATION_LOCK).execute(&mut *conn).await?;
+        sqlx::query(sql::MIGRATION_LOCK_WAIT)
             .execute(conn)
             .await
             .map(|_| ())

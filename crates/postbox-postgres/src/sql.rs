@@ -397,6 +397,15 @@ pub(crate) const DOCTOR_OBJECTS: &str =
 /// migrations table, whose `CREATE … IF NOT EXISTS` is not race-free.
 pub(crate) const MIGRATION_LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('postbox_migrate'))";
 
+/// Set once the migration lock is held: a statement of the migration gives
+/// up after waiting 5 s for a lock on the table, and the whole migration
+/// rolls back. Its `DROP INDEX` and `CREATE INDEX` wait for every open
+/// transaction that touched the table (a producer's, a report's), and
+/// while they wait every statement on the table queues behind them,
+/// producers' `INSERT`s included; without a limit, for as long as that
+/// transaction stayed open.
+pub(crate) const MIGRATION_LOCK_WAIT: &str = "SET LOCAL lock_timeout = '5s'";
+
 postbox_sqlx::ledger_statements!(int: "INT", options: "", now: now_ms!(), "$1", "$2", "$3");
 
 /// Which of the given tables exist in the current schema.

@@ -41,6 +41,39 @@ async fn a_mixed_case_table_name_is_migrated_once() {
     assert_eq!(store.table().as_str(), name.to_ascii_lowercase());
 }
 
+/// A `migrate` that must change the table while a transaction that wrote
+/// to it stays open (a producer's) gives up within seconds, changing
+/// nothing, instead of waiting for it: while it waited, every statement on
+/// the table queued behind its lock, the producers' `INSERT`s included.
+#[tokio::test]
+async fn migrate_gives_up_on_a_table_a_long_transaction_holds() {
+    let store = outbox().await;
+    let t = store.table().as_str().to_owned();
+    let pool = store.pool().clone();
+    sqlx::query("DELETE FROM postbox_schema_migrations WHERE table_name = $1 AND version >= 5")
+        .bind(&t)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut producer = pool.begin().await.unwrap();
+    store
+        .enqueue(&mut producer, &NewEvent::new("app", "T", "{}"))
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let waited = tokio::time::timeout(std::time::Duration::from_secs(20), store.migrate()).await;
+    let err = waited
+        .expect("migrate waited for the producer's transaction")
+        .expect_err("the table was locked");
+    assert!(err.to_string().contains("lock timeout"), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    producer.rollback().await.unwrap();
+    assert_eq!(
+        store.migrate().await.unwrap().applied,
+        vec![5, 6, 7, 8, 9, 10, 11]
+    );
+}
+
 #[tokio::test]
 async fn migrate_is_idempotent() {
     let store = outbox().await;
