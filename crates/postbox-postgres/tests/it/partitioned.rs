@@ -86,6 +86,43 @@ fn archive_all(now: i64, drop: bool) -> postbox_core::store::ArchiveRequest {
     }
 }
 
+/// Two keepers side by side (a `migrate` and a starting relay) both make
+/// the missing partitions without an error: `CREATE TABLE IF NOT EXISTS …
+/// PARTITION OF` is not safe beside itself, and the one that lost the race
+/// failed with "already exists".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_partition_keepers_side_by_side_both_succeed() {
+    let store = partitioned().await;
+    let t = store.table().as_str().to_owned();
+    let other = PgOutbox::connect(&postgres_url(), &t, 4)
+        .await
+        .unwrap()
+        .with_partitioning(Partitioning::Daily);
+    for round in 0..3 {
+        let ahead: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::TEXT FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = to_regclass($1)",
+        )
+        .bind(&t)
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+        for name in ahead {
+            sqlx::query(&format!("DROP TABLE {name}"))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+        let (a, b) = tokio::join!(store.keep_partitions(), other.keep_partitions());
+        let (a, b) = (
+            a.unwrap_or_else(|e| panic!("round {round}: {e}")),
+            b.unwrap_or_else(|e| panic!("round {round}: {e}")),
+        );
+        assert!(a.len() + b.len() >= 15, "round {round}: {a:?} {b:?}");
+        assert_eq!(store.partitions_ahead().await.unwrap().unwrap().ahead, 14);
+    }
+}
+
 /// Issue 16.4: `migrate` keeps 14 daily partitions ahead; an event is
 /// unique across partitions; archiving detaches (`CONCURRENTLY`) and moves
 /// each old partition whose rows are all done, row-archives the delivered

@@ -113,7 +113,16 @@ impl SqlOutbox<D> {
             }
             let name = range.name(self.table.as_str());
             let create = self.partition_statement(sql.create, &name, Some(&range));
-            self.partition_ddl(&sql, &create, "create partitions").await?;
+            if let Err(e) = self.partition_ddl(&sql, &create, "create partitions").await {
+                // Another `migrate` or a starting relay may have made it
+                // meanwhile (`CREATE TABLE IF NOT EXISTS … PARTITION OF`
+                // is not safe side by side: "already exists"): only a
+                // range still missing is an error.
+                if !self.attached_partitions().await?.iter().any(overlaps) {
+                    return Err(e);
+                }
+                continue;
+            }
             created.push(name);
         }
         Ok(created)
