@@ -222,6 +222,7 @@ impl Dialect for MySqlDialect {
     const REPLAY_FAILED_INDEX: &'static str = "_due_idx";
     const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
         columns_of: sql::ADOPT_COLUMNS,
+        column_facts: sql::ADOPT_COLUMN_FACTS,
         indexes: Some(sql::ADOPT_INDEXES),
         invalid_indexes: None,
         indexes_of: sql::ADOPT_INDEXES_OF,

@@ -840,6 +840,15 @@ pub(crate) const ADOPT_COLUMNS: &str =
     "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
      WHERE table_schema = DATABASE() AND table_name = ? ORDER BY ordinal_position";
 
+/// `postbox adopt`: each column's name, NULL allowed, default, length.
+/// (A `NOT NULL` column without a default has a NULL `column_default`
+/// too, and a nullable one's default may be NULL: both count as none.)
+pub(crate) const ADOPT_COLUMN_FACTS: &str =
+    "SELECT CAST(column_name AS CHAR), CAST(is_nullable = 'YES' AS SIGNED), \
+       CAST(column_default IS NOT NULL AND column_default <> 'NULL' AS SIGNED), \
+       CAST(character_maximum_length AS SIGNED) \
+     FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = ?";
+
 /// `postbox adopt`: the table's secondary indexes.
 pub(crate) const ADOPT_INDEXES_OF: &str =
     "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \

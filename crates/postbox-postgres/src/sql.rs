@@ -638,6 +638,11 @@ pub(crate) const STATEMENT_STATS: &str =
 pub(crate) const ADOPT_COLUMNS: &str = "SELECT column_name::TEXT FROM information_schema.columns \
      WHERE table_schema = current_schema() AND table_name = lower($1) ORDER BY ordinal_position";
 
+/// `postbox adopt`: each column's name, NULL allowed, default, length.
+pub(crate) const ADOPT_COLUMN_FACTS: &str = "SELECT column_name::TEXT, (is_nullable = 'YES')::INT, \
+       (column_default IS NOT NULL)::INT, character_maximum_length::BIGINT \
+     FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = lower($1)";
+
 /// `postbox adopt`: indexes of the table a failed `CREATE INDEX
 /// CONCURRENTLY` left invalid (never used, still written).
 pub(crate) const ADOPT_INVALID_INDEXES: &str = "SELECT c.relname::TEXT FROM pg_index i \

@@ -34,6 +34,10 @@ pub struct Adopt {
     /// invalid (one column); the table's name. `None`: the database
     /// leaves none.
     pub invalid_indexes: Option<&'static str>,
+    /// Each column of the table: its name, whether it allows NULL (0/1),
+    /// whether it has a default (0/1), and its length in characters (NULL
+    /// but for text); the table's name.
+    pub column_facts: &'static str,
     /// The names of the table's secondary indexes (one column), the
     /// primary key left out; the table's name.
     pub indexes_of: &'static str,
@@ -107,15 +111,19 @@ impl SqlOutbox<D> {
                 .ok_or_else(|| Error::Schema(format!("no definition of column `{theirs}`")))?;
             report.statements.extend((adopt.add_column)(t.as_str(), theirs, definition));
         }
+        self.check_columns(&definitions, &mut report).await?;
         let existing = self.catalog_names(op).await?;
         let invalid = match adopt.invalid_indexes {
             Some(sql) => self.names_of_table(sql, op).await?,
             None => Vec::new(),
         };
+        let widen = self.aggregate_width(&definitions).await?;
         let indexes: Vec<(String, Vec<String>)> = match adopt.indexes {
             Some(list) => list
                 .iter()
-                .map(|(suffix, create)| (format!("{t}{suffix}"), create.iter().map(|c| t.render(c)).collect()))
+                .map(|(suffix, create)| {
+                    (format!("{t}{suffix}"), create.iter().map(|c| widen(t.render(c))).collect())
+                })
                 .collect(),
             None => outbox_indexes(&t, D::MIGRATIONS)
                 .into_iter()
@@ -183,6 +191,101 @@ impl SqlOutbox<D> {
             report.applied = true;
         }
         Ok(report)
+    }
+}
+}
+
+/// One column of a table to adopt, as its catalog describes it.
+#[derive(Debug)]
+struct ColumnFacts {
+    name: String,
+    nullable: bool,
+    has_default: bool,
+    length: Option<i64>,
+}
+
+engine_impl! {
+impl SqlOutbox<D> {
+    /// The table's columns ([`Adopt::column_facts`]).
+    async fn column_facts(&self) -> Result<Vec<ColumnFacts>> {
+        let Some(adopt) = D::ADOPT else {
+            return Ok(Vec::new());
+        };
+        let db = |e| db_error("inspect the table to adopt", e);
+        let rows = query::<D>(adopt.column_facts, [Value::from(self.table().as_str())])
+            .fetch_all(self.pool())
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok(ColumnFacts {
+                    name: sqlx::Row::try_get(r, 0)?,
+                    nullable: sqlx::Row::try_get::<i32, _>(r, 1)? != 0,
+                    has_default: sqlx::Row::try_get::<i32, _>(r, 2)? != 0,
+                    length: sqlx::Row::try_get(r, 3)?,
+                })
+            })
+            .collect::<std::result::Result<_, sqlx::Error>>()
+            .map_err(db)
+    }
+
+    /// Blockers for columns the table has in a form postbox's statements
+    /// would never match: NULL allowed where postbox's own table says `NOT
+    /// NULL` (a row with a NULL lease end or retry time is never claimed,
+    /// nor counted), or a status with no default (postbox's `enqueue` and
+    /// the documented `INSERT` write none: such rows would get NULL).
+    async fn check_columns(&self, definitions: &[String], report: &mut AdoptReport) -> Result<()> {
+        let t = self.table().clone();
+        let facts = self.column_facts().await?;
+        let fact = |theirs: &str| facts.iter().find(|f| f.name.eq_ignore_ascii_case(theirs));
+        for ours in COLUMNS {
+            // The definitions are written with the table's names.
+            let theirs = t.column(ours);
+            let not_null = definitions
+                .iter()
+                .any(|d| d.split_whitespace().next() == Some(theirs) && d.contains("NOT NULL"));
+            let Some(f) = fact(theirs) else { continue };
+            if not_null && f.nullable {
+                report.blockers.push(format!(
+                    "column `{theirs}` allows NULL, and postbox's statements never match a NULL `{ours}` \
+                     (such a row is never claimed nor counted): set its NULLs to a value and make it NOT NULL"
+                ));
+            }
+            if ours == "status" && !f.has_default {
+                report.blockers.push(format!(
+                    "column `{theirs}` has no default: postbox's enqueue and the documented INSERT write no status, \
+                     so the row would never be claimed; give it the default its pending status is written as"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Widens the head index's copy of the aggregate (MySQL's virtual
+    /// `open_aggregate_id`, as long as postbox's own `aggregate_id`) to the
+    /// table's: shorter, an `INSERT` of a longer aggregate failed (or, out
+    /// of strict mode, two aggregates alike in their first characters
+    /// became one).
+    async fn aggregate_width(&self, definitions: &[String]) -> Result<impl Fn(String) -> String + use<D>> {
+        let column = self.table().column("aggregate_id");
+        let ours = definitions
+            .iter()
+            .find(|d| d.split_whitespace().next() == Some(column))
+            .and_then(|d| d.split_once("VARCHAR(")?.1.split_once(')')?.0.parse::<i64>().ok());
+        let theirs = self
+            .column_facts()
+            .await?
+            .into_iter()
+            .find(|f| f.name.eq_ignore_ascii_case(column))
+            .and_then(|f| f.length);
+        let widen = match (ours, theirs) {
+            (Some(o), Some(t)) if t > o => Some((format!("open_aggregate_id VARCHAR({o})"), format!("open_aggregate_id VARCHAR({t})"))),
+            _ => None,
+        };
+        Ok(move |stmt: String| match &widen {
+            Some((from, to)) => stmt.replace(from.as_str(), to),
+            None => stmt,
+        })
     }
 }
 }
