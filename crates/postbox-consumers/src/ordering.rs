@@ -3,16 +3,51 @@
 //! Without it, an event whose handler fails waits in retry while later events
 //! of its aggregate are handled; when it comes back the inbox skips it as
 //! stale. With it, the consumer records a *hold* when an event goes to retry
-//! — `(consumer_group, aggregate_id, event_id, aggregate_version)` in
-//! `<inbox table>_holds`, in the inbox database so every process of the group
-//! sees it — and a later version of that aggregate is not handled while the
-//! hold stands: it goes to retry behind the held event, without counting an
-//! attempt, and takes a hold of its own, so versions after it wait behind it
-//! in turn. Only holds of lower versions block an event, so two holds never
-//! wait on each other. The hold is released when its event is handled (or found a
-//! duplicate or stale) or dead-lettered. A hold lapses on its own after the
-//! event's retry delay plus `max_retry_delay` plus a minute, so a retry copy
-//! lost outside postbox cannot block its aggregate for ever.
+//! — `(consumer_group, aggregate_id, event_id, aggregate_version, until_ms)`
+//! in `<inbox table>_holds`, in the inbox database so every process of the
+//! group sees it — and a later version of that aggregate is not handled
+//! while the hold stands: it goes to retry behind the held event, without
+//! counting an attempt, and takes a hold of its own, so versions after it
+//! wait behind it in turn. Only holds of lower versions block an event, so
+//! two holds never wait on each other. The hold is released when its event
+//! is handled (or found a duplicate or stale) or dead-lettered, and moved on
+//! when its event goes to retry again.
+//!
+//! # When the held event does not come back
+//!
+//! A clock cannot tell a retry copy that is gone (purged, moved or
+//! dead-lettered by hand) from one still on its way: a retry copy returns
+//! to the *tail* of the queue, behind however long a backlog. So a hold
+//! never lets a later version through because of a timer. Its lapse time,
+//! `until_ms` (the copy's retry delay + `max_retry_delay` + a grace of a
+//! minute), is only the moment by which the copy has surely left the retry
+//! queue (which expires copies at its head only, so one waits at most
+//! `max_retry_delay` behind longer ones) and entered the main queue. A later
+//! version that finds the hold *lapsed* ([`wait_for`]):
+//!
+//! 1. goes round the queue once more, behind the held event, noting the
+//!    hold as it found it (event and lapse time) on its copy: if the held
+//!    copy still exists it is now ahead in the queue;
+//! 2. comes back. Every delivery of the held event releases its hold, or
+//!    moves it (a new lapse time): a hold still there as noted means the
+//!    held event did not come by while this copy went round behind it. It
+//!    is gone; the hold is dropped ([`AggregateHolds::drop_gone`], only as
+//!    noted) and the later version goes on.
+//!
+//! An aggregate whose held event is gone is so held back for one lapse plus
+//! one round of the queue, not for ever. Holding on while later versions
+//! keep coming (renewing the hold from the events parked behind it) would
+//! instead hold such an aggregate back for as long as it has traffic, and
+//! would still miss a later version that comes only after the lapse.
+//!
+//! Residual risk: the held event's copy sits, unsettled, in another
+//! consumer's hands (a slow handler, or `prefetch > 1` keeping it in that
+//! consumer's buffer) for the whole round the later version takes; the later
+//! version is then handled first and the held event skipped as stale by the
+//! inbox (counted `stale`, logged). And the retry queue taking longer than
+//! the grace to expire a copy (a backlog of copies expiring at once) makes
+//! the round start too early in the same way: raise the grace
+//! (`RabbitMqConsumer::with_hold_grace`).
 //!
 //! Events without `aggregate_id` or `aggregate_version` are never held back.
 //! Order across retries is what this keeps; several consumer processes on
@@ -23,20 +58,55 @@ use postbox_core::Error;
 
 use crate::inbox::Inbox;
 
+/// A hold of an aggregate: the event that holds it back, and when the hold
+/// lapses (see the module docs for what a lapse means).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// The held event.
+    pub event_id: String,
+    /// When its copy has surely left the retry queue, in ms since the epoch.
+    pub until_ms: i64,
+}
+
+/// What a later version of an aggregate does about the hold before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// The hold stands: wait behind it (go to retry, unhandled).
+    Behind,
+    /// The hold lapsed: go round the queue once more behind the held event,
+    /// noting the hold on the copy, to learn whether the held event is gone.
+    Check,
+    /// The hold lapsed and has not changed while this copy went round
+    /// behind it: the held event is gone; drop the hold and go on.
+    Gone,
+}
+
+/// What an event does about `hold`, the earliest hold before it, at
+/// `now_ms`; `noted` is the lapsed hold its copy noted when it went round
+/// the queue last (see the module docs).
+pub fn wait_for(hold: &Hold, now_ms: i64, noted: Option<&Hold>) -> Wait {
+    if hold.until_ms > now_ms {
+        Wait::Behind
+    } else if noted == Some(hold) {
+        Wait::Gone
+    } else {
+        Wait::Check
+    }
+}
+
 /// Where the holds of per-aggregate ordering live (shared by every process of
 /// a consumer group).
 #[async_trait]
 pub trait AggregateHolds: Send + Sync {
-    /// The event holding `aggregate_id` back for an event at `version`: a
-    /// live hold of another event with a lower version.
+    /// The hold before an event at `version` of `aggregate_id`: the hold of
+    /// another event with the lowest lower version, lapsed or not.
     async fn blocker(
         &self,
         consumer_group: &str,
         aggregate_id: &str,
         version: i64,
         event_id: &str,
-        now_ms: i64,
-    ) -> Result<Option<String>, Error>;
+    ) -> Result<Option<Hold>, Error>;
 
     /// Holds `aggregate_id` back behind `event_id` (at `version`) until
     /// `until_ms`, or moves the lapse time of an existing hold.
@@ -49,14 +119,24 @@ pub trait AggregateHolds: Send + Sync {
         until_ms: i64,
     ) -> Result<(), Error>;
 
-    /// Releases the hold of `event_id` (and lapsed holds of the aggregate).
+    /// Releases the hold of `event_id` (only its own: a lapsed hold of
+    /// another event is that event's until it comes back or is found gone).
     async fn release(
         &self,
         consumer_group: &str,
         aggregate_id: &str,
         event_id: &str,
-        now_ms: i64,
     ) -> Result<(), Error>;
+
+    /// Drops `hold` of `aggregate_id`, its event found gone, if it is still
+    /// as noted (not released, nor moved by its event coming back); whether
+    /// it did.
+    async fn drop_gone(
+        &self,
+        consumer_group: &str,
+        aggregate_id: &str,
+        hold: &Hold,
+    ) -> Result<bool, Error>;
 }
 
 /// The holds table beside an [`Inbox`]: `<inbox table>_holds`.
@@ -72,6 +152,7 @@ struct Statements {
     blocker: String,
     hold: String,
     release: String,
+    drop_gone: String,
 }
 
 struct Dialect {
@@ -79,6 +160,7 @@ struct Dialect {
     blocker: &'static str,
     hold: &'static str,
     release: &'static str,
+    drop_gone: &'static str,
 }
 
 impl Statements {
@@ -89,6 +171,7 @@ impl Statements {
             blocker: r(d.blocker),
             hold: r(d.hold),
             release: r(d.release),
+            drop_gone: r(d.drop_gone),
         }
     }
 }
@@ -115,10 +198,13 @@ macro_rules! create_holds {
 const POSTGRES: Dialect = Dialect {
     create: create_holds!(""),
     // primary key prefix (consumer_group, aggregate_id)
-    blocker: "SELECT event_id FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND aggregate_version < $3 AND event_id <> $4 AND until_ms > $5 ORDER BY aggregate_version LIMIT 1",
+    blocker: "SELECT event_id, until_ms FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND aggregate_version < $3 AND event_id <> $4 ORDER BY aggregate_version LIMIT 1",
     hold: "INSERT INTO {table}_holds (consumer_group, aggregate_id, event_id, aggregate_version, until_ms) VALUES ($1, $2, $3, $4, $5) ON CONFLICT (consumer_group, aggregate_id, event_id) DO UPDATE SET aggregate_version = EXCLUDED.aggregate_version, until_ms = EXCLUDED.until_ms",
     // primary key prefix (consumer_group, aggregate_id)
-    release: "DELETE FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND (event_id = $3 OR until_ms < $4)",
+    // primary key
+    release: "DELETE FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND event_id = $3",
+    // primary key
+    drop_gone: "DELETE FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND event_id = $3 AND until_ms = $4",
 };
 
 #[cfg(feature = "mysql")]
@@ -126,10 +212,13 @@ const MYSQL: Dialect = Dialect {
     create: create_holds!(" ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"),
     // primary key prefix (consumer_group, aggregate_id); the cast because a
     // `_bin` collation reads back as VARBINARY
-    blocker: "SELECT CAST(event_id AS CHAR CHARACTER SET utf8mb4) FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND aggregate_version < ? AND event_id <> ? AND until_ms > ? ORDER BY aggregate_version LIMIT 1",
+    blocker: "SELECT CAST(event_id AS CHAR CHARACTER SET utf8mb4), until_ms FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND aggregate_version < ? AND event_id <> ? ORDER BY aggregate_version LIMIT 1",
     hold: "INSERT INTO {table}_holds (consumer_group, aggregate_id, event_id, aggregate_version, until_ms) VALUES (?, ?, ?, ?, ?) ON DUPLICATE KEY UPDATE aggregate_version = VALUES(aggregate_version), until_ms = VALUES(until_ms)",
     // primary key prefix (consumer_group, aggregate_id)
-    release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND (event_id = ? OR until_ms < ?)",
+    // primary key
+    release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND event_id = ?",
+    // primary key
+    drop_gone: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND event_id = ? AND until_ms = ?",
 };
 
 #[cfg(feature = "sqlite")]
@@ -143,21 +232,24 @@ const SQLITE: Dialect = Dialect {
         PRIMARY KEY (consumer_group, aggregate_id, event_id)
     )",
     // primary key prefix (consumer_group, aggregate_id)
-    blocker: "SELECT event_id FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND aggregate_version < ? AND event_id <> ? AND until_ms > ? ORDER BY aggregate_version LIMIT 1",
+    blocker: "SELECT event_id, until_ms FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND aggregate_version < ? AND event_id <> ? ORDER BY aggregate_version LIMIT 1",
     hold: "INSERT INTO {table}_holds (consumer_group, aggregate_id, event_id, aggregate_version, until_ms) VALUES (?, ?, ?, ?, ?) ON CONFLICT (consumer_group, aggregate_id, event_id) DO UPDATE SET aggregate_version = excluded.aggregate_version, until_ms = excluded.until_ms",
     // primary key prefix (consumer_group, aggregate_id)
-    release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND (event_id = ? OR until_ms < ?)",
+    // primary key
+    release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND event_id = ?",
+    // primary key
+    drop_gone: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND event_id = ? AND until_ms = ?",
 };
 
-/// Runs the holds' statement `$sql` with `$arg`s bound in order; `$what`
-/// says what failed.
+/// Runs the holds' statement `$sql` with `$arg`s bound in order: the rows
+/// it affected; `$what` says what failed.
 macro_rules! execute {
     ($holds:ident, $sql:ident, $what:literal, $($arg:expr),+) => {
         sqlx::query(&$holds.sql.$sql)
             $(.bind($arg))+
             .execute(&$holds.pool)
             .await
-            .map(drop)
+            .map(|done| done.rows_affected())
             .map_err(|e| Error::database($what, e))
     };
 }
@@ -188,17 +280,16 @@ macro_rules! holds_backend {
                 aggregate_id: &str,
                 version: i64,
                 event_id: &str,
-                now_ms: i64,
-            ) -> Result<Option<String>, Error> {
-                sqlx::query_scalar::<_, String>(&self.sql.blocker)
+            ) -> Result<Option<Hold>, Error> {
+                let row = sqlx::query_as::<_, (String, i64)>(&self.sql.blocker)
                     .bind(consumer_group)
                     .bind(aggregate_id)
                     .bind(version)
                     .bind(event_id)
-                    .bind(now_ms)
                     .fetch_optional(&self.pool)
                     .await
-                    .map_err(|e| Error::database("reading ordering holds", e))
+                    .map_err(|e| Error::database("reading ordering holds", e))?;
+                Ok(row.map(|(event_id, until_ms)| Hold { event_id, until_ms }))
             }
 
             async fn hold(
@@ -219,6 +310,7 @@ macro_rules! holds_backend {
                     version,
                     until_ms
                 )
+                .map(drop)
             }
 
             async fn release(
@@ -226,7 +318,6 @@ macro_rules! holds_backend {
                 consumer_group: &str,
                 aggregate_id: &str,
                 event_id: &str,
-                now_ms: i64,
             ) -> Result<(), Error> {
                 execute!(
                     self,
@@ -234,9 +325,27 @@ macro_rules! holds_backend {
                     "releasing an ordering hold",
                     consumer_group,
                     aggregate_id,
-                    event_id,
-                    now_ms
+                    event_id
                 )
+                .map(drop)
+            }
+
+            async fn drop_gone(
+                &self,
+                consumer_group: &str,
+                aggregate_id: &str,
+                hold: &Hold,
+            ) -> Result<bool, Error> {
+                execute!(
+                    self,
+                    drop_gone,
+                    "dropping the ordering hold of a gone event",
+                    consumer_group,
+                    aggregate_id,
+                    &hold.event_id,
+                    hold.until_ms
+                )
+                .map(|dropped| dropped > 0)
             }
         }
     };
@@ -248,3 +357,41 @@ holds_backend!(sqlx::Postgres, POSTGRES);
 holds_backend!(sqlx::MySql, MYSQL);
 #[cfg(feature = "sqlite")]
 holds_backend!(sqlx::Sqlite, SQLITE);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hold(event_id: &str, until_ms: i64) -> Hold {
+        Hold {
+            event_id: event_id.to_owned(),
+            until_ms,
+        }
+    }
+
+    #[test]
+    fn a_standing_hold_is_waited_behind() {
+        let e1 = hold("e1", 1_000);
+        assert_eq!(wait_for(&e1, 999, None), Wait::Behind);
+        // Noted or not: a hold that stands is never dropped.
+        assert_eq!(wait_for(&e1, 999, Some(&e1)), Wait::Behind);
+    }
+
+    #[test]
+    fn a_lapsed_hold_is_checked_by_a_round_of_the_queue_first() {
+        let e1 = hold("e1", 1_000);
+        assert_eq!(wait_for(&e1, 1_000, None), Wait::Check);
+        assert_eq!(wait_for(&e1, 5_000, None), Wait::Check);
+        // Moved since it was noted: its event came back and went to retry
+        // again, so it is on its way.
+        assert_eq!(wait_for(&e1, 5_000, Some(&hold("e1", 900))), Wait::Check);
+        // Another event's hold was noted (that one was released meanwhile).
+        assert_eq!(wait_for(&e1, 5_000, Some(&hold("e0", 1_000))), Wait::Check);
+    }
+
+    #[test]
+    fn a_lapsed_hold_unchanged_after_a_round_is_gone() {
+        let e1 = hold("e1", 1_000);
+        assert_eq!(wait_for(&e1, 5_000, Some(&e1)), Wait::Gone);
+    }
+}

@@ -26,9 +26,11 @@ pub(crate) use state::Counted;
 macro_rules! consumer_basics {
     ($consumer:ident, $fields:expr) => {
         impl $consumer {
-            /// Replaces the tag (default: [`consumer_tag`](crate::consumer_tag)
-            /// of the queue or group); a process running several consumers on
-            /// one queue or group gives each its own.
+            /// Replaces the tag (default: `{queue or group}-{host}-{pid}`, with
+            /// the config's `name` after the queue or group when it is
+            /// another: `{group}-{name}-{host}-{pid}`, so entries of one
+            /// config on one queue or group get their own); tags of
+            /// consumers on one queue or group must differ.
             pub fn with_tag(mut self, tag: impl Into<String>) -> Self {
                 self.core.tag = tag.into();
                 self
@@ -71,6 +73,37 @@ pub fn consumer_tag(queue: &str) -> String {
     format!("{queue}-{host}-{}", std::process::id())
 }
 
+/// The tag a consumer gives itself unless told otherwise (`with_tag`):
+/// [`consumer_tag`] of `base` (its queue, or its group), with its
+/// configured `name` after `base` when the two differ:
+/// `{base}-{name}-{host}-{pid}`. One process may run several entries on
+/// one queue or group (their names differ: a config refuses two entries
+/// of one name); on Redis the tag is the group member, whose pending
+/// entries its "still mine" checks and its `XGROUP DELCONSUMER` at
+/// shutdown act on, so two entries sharing it would take each other's
+/// entries for their own and could drop them.
+///
+/// At most [`MAX_TAG_LEN`] bytes (an AMQP consumer tag and connection name
+/// are short strings): a long `base` is cut, never the name, host or pid
+/// that tell the consumers apart.
+fn default_tag(base: &str, name: &str) -> String {
+    let process = consumer_tag("");
+    let after_base = if name == base {
+        process
+    } else {
+        format!("-{name}{process}")
+    };
+    let mut end = MAX_TAG_LEN.saturating_sub(after_base.len()).min(base.len());
+    while !base.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{after_base}", &base[..end])
+}
+
+/// The longest tag [`default_tag`] makes: AMQP short strings are at most
+/// 255 bytes.
+const MAX_TAG_LEN: usize = 255;
+
 /// What every consumer is made of: its config, the handler it calls, the
 /// retry policy of its config and the tag it gives itself to the broker.
 pub(crate) struct Core {
@@ -86,7 +119,8 @@ pub(crate) struct Core {
 
 impl Core {
     /// The core of a `kind` consumer (`broker` names it when `config` is of
-    /// another kind); its tag is [`consumer_tag`] of `tag_of(&config)`.
+    /// another kind); its tag is [`default_tag`] of `tag_of(&config)` and
+    /// the config's name.
     pub(crate) fn new(
         config: ConsumerConfig,
         handler: Arc<dyn Handler>,
@@ -103,7 +137,7 @@ impl Core {
         Ok(Core {
             broker,
             policy: RetryPolicy::of(&config),
-            tag: consumer_tag(tag_of(&config)),
+            tag: default_tag(tag_of(&config), config.name()),
             state: Arc::new(state::ConsumerState::new(
                 config.name(),
                 config.kind.as_str(),
@@ -197,6 +231,77 @@ mod tests {
                 ..ConsumeReport::default()
             }
         );
+    }
+
+    struct Nothing;
+
+    #[async_trait::async_trait]
+    impl Handler for Nothing {
+        async fn handle(&self, _: &crate::Message) -> Result<Handled, crate::HandlerError> {
+            Ok(Handled::Ok)
+        }
+    }
+
+    /// The default tag of a `kind` consumer of stream or queue `q`, group
+    /// `g`, named `name`.
+    fn default_tag_of(kind: ConsumerKind, name: Option<&str>) -> String {
+        let config: ConsumerConfig = serde_json::from_value(serde_json::json!({
+            "kind": kind.as_str(),
+            "url": "redis://127.0.0.1",
+            "queue": "q",
+            "consumer_group": "g",
+            "name": name,
+        }))
+        .unwrap();
+        fn queue(c: &ConsumerConfig) -> &str {
+            &c.queue
+        }
+        let base: fn(&ConsumerConfig) -> &str = match kind {
+            ConsumerKind::Rabbitmq => queue,
+            _ => ConsumerConfig::consumer_group,
+        };
+        Core::new(config, Arc::new(Nothing), kind, "broker", base)
+            .unwrap()
+            .tag
+    }
+
+    /// Two entries of one config on the same queue or group, named apart
+    /// (`postbox consume` refuses two entries of one name), get tags apart:
+    /// on Redis the tag is the member name, whose pending entries a
+    /// stopping consumer checks and drops (`XGROUP DELCONSUMER`).
+    #[test]
+    fn consumers_named_apart_get_tags_apart() {
+        let pid = std::process::id();
+        for kind in [
+            ConsumerKind::Rabbitmq,
+            ConsumerKind::Nats,
+            ConsumerKind::Redis,
+        ] {
+            let a = default_tag_of(kind, Some("orders-a"));
+            let b = default_tag_of(kind, Some("orders-b"));
+            assert_ne!(a, b, "{kind:?}");
+            assert!(a.contains("-orders-a-"), "{a}");
+            assert!(a.ends_with(&format!("-{pid}")), "{a}");
+        }
+        // Unnamed, or named as its queue: `{queue}-{host}-{pid}` (SPEC §7).
+        assert_eq!(
+            default_tag_of(ConsumerKind::Rabbitmq, None),
+            consumer_tag("q")
+        );
+        assert_eq!(
+            default_tag_of(ConsumerKind::Redis, Some("g")),
+            consumer_tag("g")
+        );
+    }
+
+    #[test]
+    fn a_long_base_is_cut_to_fit_an_amqp_short_string() {
+        let base = "q".repeat(300);
+        let tag = default_tag(&base, "orders-a");
+        assert_eq!(tag.len(), MAX_TAG_LEN, "{tag}");
+        assert!(tag.ends_with(&format!("-orders-a{}", consumer_tag(""))));
+        let short = default_tag("q", "orders-a");
+        assert_eq!(short, format!("q-orders-a{}", consumer_tag("")));
     }
 
     #[test]

@@ -15,14 +15,22 @@
 //!                └─ Skip (another consumer owns it now)
 //! ```
 //!
+//! A handler that panics has failed that attempt like one that returned an
+//! error (`handler panicked: <message>`, [`Contained`]): the message takes
+//! the retry path and the consumer goes on.
+//!
 //! The decision, the metric, the log line and the report are written here
 //! once; a broker implements only the [`Transport`] actions, each of which
 //! says whether it settled the message ([`Settled::Done`], counted) or left
 //! it to the broker or another consumer ([`Settled::NotHere`], not counted;
 //! the transport logged why).
 
+use std::any::Any;
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+use async_trait::async_trait;
+use futures::FutureExt as _;
 use opentelemetry::context::FutureExt as _;
 use opentelemetry::Context;
 use tracing::Instrument;
@@ -190,6 +198,7 @@ impl Settler<'_> {
             Verdict::Skip => return Ok(()),
         }
         let started = std::time::Instant::now();
+        let handler = &Contained(handler);
         let handling = match consume {
             None => transport.handle(handler, message).await,
             Some(consume) => {
@@ -286,6 +295,45 @@ impl Settler<'_> {
             );
         }
         Ok(())
+    }
+}
+
+/// A handler whose panics are contained: a panic fails the attempt with
+/// `handler panicked: <message>` (retried, then dead-lettered), where it
+/// would otherwise end the consumer's task mid-message (the broker
+/// redelivers the message, which panics the next consumer in turn) and,
+/// under `postbox consume`, stop every other consumer of the process.
+///
+/// Inside the transport's `handle`, so a transport's progress signals and
+/// keep-alives around the handler go on as for any other failure.
+struct Contained<'a>(&'a dyn Handler);
+
+#[async_trait]
+impl Handler for Contained<'_> {
+    async fn handle(&self, message: &Message) -> Result<Handled, HandlerError> {
+        // Unwind safety: what the unwound future leaves behind is the
+        // handler's own state, which after a panic is no worse than after an
+        // error it returned midway (an inbox handler's transaction is rolled
+        // back as it is dropped); the consumer's state is not touched in
+        // there.
+        AssertUnwindSafe(self.0.handle(message))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| {
+                Err(HandlerError::new(format!(
+                    "handler panicked: {}",
+                    panic_message(panic.as_ref())
+                )))
+            })
+    }
+}
+
+/// What a panic said: its `&str` or `String` payload (what `panic!` gives).
+fn panic_message(panic: &(dyn Any + Send)) -> &str {
+    match (panic.downcast_ref::<&str>(), panic.downcast_ref::<String>()) {
+        (Some(s), _) => s,
+        (_, Some(s)) => s,
+        _ => "(a payload that is not text)",
     }
 }
 
@@ -482,6 +530,44 @@ mod tests {
         let r = run(&mut t, Ok(message(1)), Ok(Handled::Ok)).await;
         assert!(t.actions.is_empty());
         assert_eq!(r, ConsumeReport::default());
+    }
+
+    /// Panics instead of answering.
+    struct Panics;
+
+    #[async_trait]
+    impl Handler for Panics {
+        async fn handle(&self, m: &Message) -> Result<Handled, HandlerError> {
+            panic!("no room for {}", m.event_id());
+        }
+    }
+
+    /// A handler that panics has failed that attempt: the message takes the
+    /// retry path (then the dead letters) with the panic as its error, and
+    /// the consumer is still there for the next message.
+    #[tokio::test]
+    async fn a_panicking_handler_fails_the_attempt() {
+        let settle = async |t: &mut Recorder, attempt: u32| {
+            let mut report = ConsumeReport::default();
+            Settler {
+                consumer: "c",
+                policy: &POLICY,
+                report: &mut report,
+                state: None,
+            }
+            .process(&Panics, t, Ok(message(attempt)), attempt)
+            .await
+            .unwrap();
+            report
+        };
+        let mut t = Recorder::default();
+        let r = settle(&mut t, 1).await;
+        assert_eq!(t.actions, ["retry 100ms as 2"]);
+        assert_eq!(r.retry, 1);
+        let mut t = Recorder::default();
+        let r = settle(&mut t, 3).await;
+        assert_eq!(t.actions, ["dead e1 3 handler panicked: no room for e1"]);
+        assert_eq!(r.dead, 1);
     }
 
     #[tokio::test]

@@ -32,7 +32,8 @@ const FLUSH_WITHIN: Duration = Duration::from_secs(2);
 
 /// A NATS JetStream consumer driving one [`Handler`].
 ///
-/// Its tag is its connection name (default `{consumer_group}-{host}-{pid}`;
+/// Its tag is its connection name (default `{consumer_group}-{host}-{pid}`,
+/// with the config's `name` after the group when it is another;
 /// `CONNZ` and `nats server report connections` show it).
 pub struct NatsConsumer {
     core: Core,

@@ -18,21 +18,27 @@ use postbox_core::config::{ConsumerConfig, ConsumerKind, Ordering};
 use postbox_core::{BoxFuture, Error};
 use tokio_util::sync::CancellationToken;
 
-use super::message::{confirmed, copy_properties, delivery_count, message_from_delivery};
+use super::message::{
+    confirmed, copy_properties, delivery_count, message_from_delivery, noted_hold,
+};
 use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
 use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
 use crate::consume::settle::{DeadCopy, Settled, Transport, Verdict};
 use crate::consume::{consumer_basics, ConsumeReport, Core};
-use crate::ordering::AggregateHolds;
+use crate::ordering::{wait_for, AggregateHolds, Hold, Wait};
 use crate::{Handler, Message};
 
 /// A RabbitMQ consumer driving one [`Handler`].
 ///
-/// Its tag is its consumer tag (default `{queue}-{host}-{pid}`), also its
+/// Its tag is its consumer tag (default `{queue}-{host}-{pid}`, with the
+/// config's `name` after the queue when it is another), also its
 /// AMQP connection name.
 pub struct RabbitMqConsumer {
     core: Core,
     holds: Option<Arc<dyn AggregateHolds>>,
+    /// Added to a hold's lapse time beyond the longest wait in
+    /// `<queue>.retry` ([`HOLD_GRACE`] unless set).
+    hold_grace: Duration,
     /// The node the next session tries first: the one after the node the
     /// last session lost.
     next_node: std::sync::atomic::AtomicUsize,
@@ -49,6 +55,7 @@ impl RabbitMqConsumer {
                 &c.queue
             })?,
             holds: None,
+            hold_grace: HOLD_GRACE,
             next_node: Default::default(),
         })
     }
@@ -57,6 +64,17 @@ impl RabbitMqConsumer {
     /// that setting): [`crate::ordering::Holds::of`] the consumer's inbox.
     pub fn with_holds(mut self, holds: Arc<dyn AggregateHolds>) -> Self {
         self.holds = Some(holds);
+        self
+    }
+
+    /// Replaces [`HOLD_GRACE`] (one minute), what a hold's lapse time adds
+    /// to the longest its event's copy can wait in `<queue>.retry`. A later
+    /// version that finds the hold lapsed starts checking whether the held
+    /// event is gone ([`crate::ordering`]): too short a grace starts that
+    /// check before the copy left `<queue>.retry`, too long one holds an
+    /// aggregate whose event is gone back longer.
+    pub fn with_hold_grace(mut self, grace: Duration) -> Self {
+        self.hold_grace = grace;
         self
     }
 
@@ -95,6 +113,7 @@ impl RabbitMqConsumer {
             connection,
             publishing,
             ordered: None,
+            noted: None,
         };
         self.core.settle(report, &mut in_hand, read, 1).await
     }
@@ -116,10 +135,13 @@ impl RabbitMqConsumer {
         })
     }
 
-    /// How long a hold taken for a retry copy waiting `delay` stands unless
-    /// released.
+    /// When a hold taken for a retry copy waiting `delay` lapses: by then
+    /// the copy has surely left `<queue>.retry` for `<queue>` (it waits at
+    /// most `max_retry_delay` behind copies with longer delays). A lapse
+    /// only makes a later version check whether the copy is gone
+    /// ([`crate::ordering`]), it never lets it through.
     fn hold_lapse(&self, delay: Duration) -> Duration {
-        delay + self.core.policy.max_retry_delay + HOLD_GRACE
+        delay + self.core.policy.max_retry_delay + self.hold_grace
     }
 }
 
@@ -133,6 +155,9 @@ struct InHand<'a> {
     connection: &'a Connection,
     publishing: &'a Channel,
     ordered: Option<Ordered<'a>>,
+    /// The lapsed hold a held-back copy of it goes round the queue behind,
+    /// noted on the copy ([`crate::ordering`]).
+    noted: Option<Hold>,
 }
 
 impl Transport for InHand<'_> {
@@ -153,31 +178,63 @@ impl Transport for InHand<'_> {
                 ),
             };
         }
-        if let Some(ordered) = &self.ordered {
-            match ordered.blocker(postbox_core::time::now_ms()).await {
-                Ok(None) => {}
-                // Being held back is not a failure: a retry copy with the
-                // same attempt number. It holds its aggregate in turn (in
-                // `retry`), like a failed event: otherwise a later version
-                // arriving once `blocker` was handled, while this one still
-                // waits, would find no hold, be handled first and make this
-                // one stale. The blocker query only sees holds of lower
-                // versions, so this hold never blocks `blocker`.
-                Ok(Some(blocker)) => {
-                    return Verdict::HeldBack {
-                        blocker,
-                        delay: self.consumer.core.policy.retry_delay,
-                    }
-                }
+        let Some(ordered) = &self.ordered else {
+            return Verdict::Handle;
+        };
+        let noted = noted_hold(&self.delivery.properties);
+        loop {
+            let hold = match ordered.blocker().await {
+                Ok(None) => return Verdict::Handle,
+                Ok(Some(hold)) => hold,
                 Err(e) => {
                     return Verdict::Failed {
                         attempt: message.attempt,
                         error: format!("per-aggregate ordering check: {e}"),
                     }
                 }
+            };
+            match wait_for(&hold, postbox_core::time::now_ms(), noted.as_ref()) {
+                Wait::Behind => {}
+                Wait::Check => {
+                    tracing::info!(
+                        consumer = self.consumer.core.config.name(),
+                        blocker = %hold.event_id,
+                        "the hold of an earlier event of its aggregate lapsed: going round the queue once more behind it, to see whether it comes back"
+                    );
+                    self.noted = Some(hold.clone());
+                }
+                Wait::Gone => {
+                    match ordered.drop_gone(&hold).await {
+                        Ok(true) => tracing::warn!(
+                            consumer = self.consumer.core.config.name(),
+                            blocker = %hold.event_id,
+                            aggregate_id = %ordered.aggregate_id,
+                            "an earlier event of its aggregate did not come back while this one went round the queue behind its lapsed hold: it is gone (purged or moved outside postbox?); its hold is dropped and later versions go on"
+                        ),
+                        // Released or moved meanwhile: read it again.
+                        Ok(false) => {}
+                        Err(e) => {
+                            return Verdict::Failed {
+                                attempt: message.attempt,
+                                error: format!("per-aggregate ordering check: {e}"),
+                            }
+                        }
+                    }
+                    continue;
+                }
             }
+            // Being held back is not a failure: a retry copy with the same
+            // attempt number. It holds its aggregate in turn (in `retry`),
+            // like a failed event: otherwise a later version arriving once
+            // the blocker was handled, while this one still waits, would
+            // find no hold, be handled first and make this one stale. The
+            // blocker query only sees holds of lower versions, so this hold
+            // never blocks the blocker.
+            return Verdict::HeldBack {
+                blocker: hold.event_id,
+                delay: self.consumer.core.policy.retry_delay,
+            };
         }
-        Verdict::Handle
     }
 
     async fn ack(&mut self) -> Result<Settled, String> {
@@ -272,6 +329,7 @@ impl InHand<'_> {
             attempt,
             delay.map(|d| d.as_millis()),
             last_error,
+            delay.and(self.noted.as_ref()),
         );
         let published = async {
             self.publishing
@@ -297,8 +355,10 @@ impl InHand<'_> {
     }
 }
 
-/// Added to a hold's lapse time beyond the longest wait in `<queue>.retry`.
-const HOLD_GRACE: Duration = Duration::from_secs(60);
+/// Added to a hold's lapse time beyond the longest wait in `<queue>.retry`:
+/// room for the broker to expire a backlog of copies there, and for clocks
+/// of the group's processes that disagree.
+pub const HOLD_GRACE: Duration = Duration::from_secs(60);
 
 /// One event's view of the ordering holds.
 struct Ordered<'a> {
@@ -310,15 +370,17 @@ struct Ordered<'a> {
 }
 
 impl Ordered<'_> {
-    async fn blocker(&self, now_ms: i64) -> Result<Option<String>, Error> {
+    /// The hold before this event, lapsed or not.
+    async fn blocker(&self) -> Result<Option<Hold>, Error> {
         self.holds
-            .blocker(
-                self.group,
-                &self.aggregate_id,
-                self.version,
-                &self.event_id,
-                now_ms,
-            )
+            .blocker(self.group, &self.aggregate_id, self.version, &self.event_id)
+            .await
+    }
+
+    /// Drops `hold`, its event found gone, if it is still as noted.
+    async fn drop_gone(&self, hold: &Hold) -> Result<bool, Error> {
+        self.holds
+            .drop_gone(self.group, &self.aggregate_id, hold)
             .await
     }
 
@@ -345,15 +407,10 @@ impl Ordered<'_> {
     async fn release(&self) {
         if let Err(e) = self
             .holds
-            .release(
-                self.group,
-                &self.aggregate_id,
-                &self.event_id,
-                postbox_core::time::now_ms(),
-            )
+            .release(self.group, &self.aggregate_id, &self.event_id)
             .await
         {
-            tracing::warn!(error = %e, aggregate_id = %self.aggregate_id, "could not release the aggregate's hold: its later events wait until it lapses");
+            tracing::warn!(error = %e, aggregate_id = %self.aggregate_id, "could not release the aggregate's hold: its later events wait until it lapses and they have gone round the queue once more");
         }
     }
 }
@@ -440,6 +497,7 @@ impl RabbitMqConsumer {
             connection,
             publishing,
             ordered: None,
+            noted: None,
         };
         in_hand.give_back(attempt).await
     }

@@ -9,7 +9,24 @@ use postbox_core::wire::rabbitmq::{is_death_header, DELIVERY_COUNT, PERSISTENT};
 use postbox_core::wire::{self, AGGREGATE_ID, AGGREGATE_VERSION, CONSUME_ATTEMPT, CREATED_AT_MS};
 
 use crate::message::checked_event_id;
+use crate::ordering::Hold;
 use crate::Message;
+
+/// On a copy held back behind a lapsed hold (`ordering =
+/// "per_aggregate"`): that hold as found, `{event_id}@{until_ms}`, so that
+/// on its return the consumer can tell whether the held event came by
+/// meanwhile ([`crate::ordering`]). Consumer bookkeeping: not in the
+/// envelope's headers, and not carried over to any other copy.
+pub(crate) const NOTED_HOLD: &str = "x-postbox-noted-hold";
+
+/// The lapsed hold a copy noted when it was held back ([`NOTED_HOLD`]).
+pub(crate) fn noted_hold(properties: &BasicProperties) -> Option<Hold> {
+    let value = properties.headers().as_ref()?.inner().get(NOTED_HOLD)?;
+    let (event_id, until_ms) = as_string(value)?
+        .rsplit_once('@')
+        .and_then(|(e, u)| Some((e.to_owned(), u.parse().ok()?)))?;
+    Some(Hold { event_id, until_ms })
+}
 
 /// Reads the SPEC §4 mapping of the RabbitMQ publisher: `message_id` is the
 /// event id, `type` the event type, `app_id` the app code, and the
@@ -53,8 +70,9 @@ pub fn message_from_delivery(
                         .unwrap_or(1);
                     headers.insert(key.to_owned(), to_json(value));
                 }
-                // Broker bookkeeping of dead-lettering, not the event's.
-                k if is_death_header(k) => {}
+                // Broker bookkeeping of dead-lettering, and the consumer's
+                // of ordering: not the event's.
+                k if is_death_header(k) || k == NOTED_HOLD => {}
                 _ => {
                     headers.insert(key.to_owned(), to_json(value));
                 }
@@ -100,19 +118,28 @@ pub(crate) fn delivery_count(properties: &BasicProperties) -> u32 {
 
 /// Properties of a copy: the original's identity and headers, persistent,
 /// with the next attempt number, and either a delay (`expiration`) or the
-/// last error and the time it was dead-lettered.
+/// last error and the time it was dead-lettered; `noted`, the lapsed hold
+/// a held-back copy goes round behind ([`NOTED_HOLD`]).
 pub(crate) fn copy_properties(
     original: &BasicProperties,
     next_attempt: u32,
     expiration_ms: Option<u128>,
     last_error: Option<&str>,
+    noted: Option<&Hold>,
 ) -> BasicProperties {
-    // `x-delivery-count` counted deliveries of the original, not of this copy.
-    let mut headers = headers_without(original, &[DELIVERY_COUNT]);
+    // `x-delivery-count` counted deliveries of the original, not of this
+    // copy; a hold the original noted was noted for its own round.
+    let mut headers = headers_without(original, &[DELIVERY_COUNT, NOTED_HOLD]);
     headers.insert(
         CONSUME_ATTEMPT.into(),
         AMQPValue::LongLongInt(i64::from(next_attempt)),
     );
+    if let Some(hold) = noted {
+        headers.insert(
+            NOTED_HOLD.into(),
+            AMQPValue::LongString(format!("{}@{}", hold.event_id, hold.until_ms).into()),
+        );
+    }
     if let Some(e) = last_error {
         headers.insert(
             wire::LAST_ERROR.into(),
@@ -296,17 +323,32 @@ mod tests {
 
     #[test]
     fn a_copy_carries_the_next_attempt_and_is_read_back() {
-        let copy = copy_properties(&props(), 3, Some(2000), None);
+        let copy = copy_properties(&props(), 3, Some(2000), None, None);
         assert_eq!(copy.expiration().as_ref().unwrap().as_str(), "2000");
         assert_eq!(copy.delivery_mode(), &Some(2));
         let m = message_from_delivery(&copy, "rk", b"not json", true).unwrap();
         assert_eq!(m.attempt, 3);
         assert_eq!(m.envelope.event_id, "ev-1");
         assert_eq!(m.envelope.payload.get(), r#""not json""#);
-        let dead = copy_properties(&copy, 4, None, Some("boom"));
+        let dead = copy_properties(&copy, 4, None, Some("boom"), None);
         assert!(dead.expiration().is_none());
         let h = dead.headers().as_ref().unwrap();
         assert!(h.contains_key(wire::LAST_ERROR));
+    }
+
+    #[test]
+    fn a_noted_hold_is_read_back_and_carried_by_no_other_copy() {
+        let hold = Hold {
+            event_id: "ev@0".into(),
+            until_ms: 1_700_000_000_123,
+        };
+        let held = copy_properties(&props(), 2, Some(100), None, Some(&hold));
+        assert_eq!(noted_hold(&held), Some(hold));
+        let m = message_from_delivery(&held, "rk", b"{}", false).unwrap();
+        assert!(!m.envelope.headers.contains_key(NOTED_HOLD));
+        let retried = copy_properties(&held, 3, Some(100), None, None);
+        assert_eq!(noted_hold(&retried), None);
+        assert_eq!(noted_hold(&props()), None);
     }
 
     #[test]

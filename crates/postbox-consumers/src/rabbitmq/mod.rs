@@ -34,7 +34,7 @@ mod message;
 mod topology;
 
 pub use crate::consume::{consumer_tag, ConsumeReport};
-pub use consumer::RabbitMqConsumer;
+pub use consumer::{RabbitMqConsumer, HOLD_GRACE};
 pub use message::message_from_delivery;
 pub use topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
 

@@ -56,7 +56,8 @@ return 0
 /// A Redis Streams consumer-group member driving one [`Handler`].
 ///
 /// Its tag is its consumer name within the group (default
-/// `{group}-{host}-{pid}`; `XINFO CONSUMERS` shows it).
+/// `{group}-{host}-{pid}`, with the config's `name` after the group when it
+/// is another, see `with_tag`; `XINFO CONSUMERS` shows it).
 pub struct RedisConsumer {
     core: Core,
 }

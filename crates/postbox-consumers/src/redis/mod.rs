@@ -1,7 +1,8 @@
 //! The Redis Streams consumer (SPEC §7).
 //!
 //! A member of the consumer group `consumer_group` on the stream `queue`,
-//! named `{group}-{host}-{pid}`. `declare = true` creates the group (from
+//! named `{group}-{host}-{pid}` (`{group}-{name}-{host}-{pid}` for an entry
+//! whose `name` is not its group's). `declare = true` creates the group (from
 //! the start of the stream, `XGROUP CREATE … 0 MKSTREAM`).
 //!
 //! - New entries: `XREADGROUP … COUNT prefetch BLOCK`, so a consumer holds

@@ -163,6 +163,88 @@ async fn poison_lands_in_dead_after_growing_delays_while_others_flow() {
     delete(&ch, &queue).await;
 }
 
+/// Panics on `e1`'s first `panics` attempts, handles everything else.
+struct PanicsAtE1 {
+    panics: u32,
+    seen: Mutex<Vec<(String, u32)>>,
+}
+
+#[async_trait]
+impl Handler for PanicsAtE1 {
+    async fn handle(&self, m: &Message) -> Result<Handled, HandlerError> {
+        self.seen
+            .lock()
+            .unwrap()
+            .push((m.event_id().to_owned(), m.attempt));
+        if m.event_id() == "e1" && m.attempt <= self.panics {
+            panic!("e1 blew up at attempt {}", m.attempt);
+        }
+        Ok(Handled::Ok)
+    }
+}
+
+/// A handler that panics has failed that attempt: e1 is retried (and
+/// handled, or dead-lettered with the panic once its attempts are spent),
+/// e2 is handled, and the consumer goes on.
+#[tokio::test]
+async fn a_panicking_handler_fails_the_attempt_and_the_consumer_goes_on() {
+    let (_conn, ch) = broker().await;
+    for (panics, max_attempts) in [(1, 5), (2, 2)] {
+        let queue = scratch_queue("panic");
+        declare(&ch, &queue).await;
+        publish(&ch, &queue, "e1", None, "{}").await;
+        publish(&ch, &queue, "e2", None, "{}").await;
+        let mut config = consumer_config(&queue);
+        config.max_attempts = max_attempts;
+        let handler = Arc::new(PanicsAtE1 {
+            panics,
+            seen: Mutex::new(Vec::new()),
+        });
+        let consumer = RabbitMqConsumer::new(config, handler.clone()).unwrap();
+        let state = consumer.state();
+        let (stop, run) = start(consumer);
+        wait_until("e1 settled", Duration::from_secs(15), async || {
+            handler.seen.lock().unwrap().len() == 3
+                && ready(&ch, &format!("{queue}.retry")).await == 0
+                && ready(&ch, &queue).await == 0
+        })
+        .await;
+        // Still consuming: what comes next is handled.
+        publish(&ch, &queue, "e3", None, "{}").await;
+        wait_until("e3 handled", Duration::from_secs(10), async || {
+            handler.seen.lock().unwrap().len() == 4
+        })
+        .await;
+        assert_eq!(state.snapshot().state, "consuming");
+        stop.cancel();
+        let report = run.await.unwrap().unwrap();
+        let seen = handler.seen.lock().unwrap().clone();
+        let seen: Vec<(&str, u32)> = seen.iter().map(|(e, a)| (e.as_str(), *a)).collect();
+        assert_eq!(seen, [("e1", 1), ("e2", 1), ("e1", 2), ("e3", 1)]);
+        if panics < max_attempts {
+            assert_eq!((report.ok, report.retry, report.dead), (3, 1, 0));
+        } else {
+            assert_eq!((report.ok, report.retry, report.dead), (2, 1, 1));
+            let dead = ch
+                .basic_get(
+                    format!("{queue}.dead").as_str().into(),
+                    BasicGetOptions::default(),
+                )
+                .await
+                .unwrap()
+                .expect("e1's dead copy");
+            let headers = dead.properties.headers().clone().unwrap();
+            let error = match headers.inner().get("x-last-error") {
+                Some(lapin::types::AMQPValue::LongString(s)) => s.to_string(),
+                other => panic!("x-last-error is {other:?}"),
+            };
+            assert_eq!(error, "handler panicked: e1 blew up at attempt 2");
+            dead.acker.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        delete(&ch, &queue).await;
+    }
+}
+
 #[tokio::test]
 async fn inbox_counts_duplicates_and_skips_stale_versions() {
     let dir = tempfile::tempdir().unwrap();
@@ -486,13 +568,169 @@ async fn per_aggregate_ordering_holds_later_events_behind_a_retry() {
     }
 }
 
+/// Fails `e1`'s first attempt like [`FailsFirstE1`]; takes `work` over
+/// each event of another aggregate (a backlog between e1 and e2).
+struct SlowBacklog {
+    work: Duration,
+}
+
+#[async_trait]
+impl TxHandler<sqlx::Postgres> for SlowBacklog {
+    async fn handle(&self, tx: &mut Tx<sqlx::Postgres>, m: &Message) -> Result<(), HandlerError> {
+        FailsFirstE1.handle(tx, m).await?;
+        if m.event_id().starts_with("backlog-") {
+            tokio::time::sleep(self.work).await;
+        }
+        Ok(())
+    }
+}
+
+/// e1 fails; the backlog between e1 and e2 takes longer than e1's hold
+/// stands (retry delay + max_retry_delay + grace), so e2 comes after the
+/// hold lapsed, while e1's retry copy still waits in the queue behind it.
+/// A lapsed hold does not let e2 through: e2 goes round the queue once,
+/// behind e1's copy, and e1 is handled before it, not skipped as stale.
+#[tokio::test]
+async fn per_aggregate_ordering_outlasts_a_backlog_longer_than_the_hold() {
+    use postbox_consumers::ordering::Holds;
+    use postbox_core::config::Ordering;
+
+    let (inbox, table) = ordering_inbox().await;
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("ordering_backlog");
+    declare(&ch, &queue).await;
+    publish(&ch, &queue, "e1", Some(("room-1", 1)), "{}").await;
+    let backlog = 6;
+    for i in 0..backlog {
+        let id = format!("backlog-{i}");
+        publish(&ch, &queue, &id, Some(("room-2", i + 1)), "{}").await;
+    }
+    publish(&ch, &queue, "e2", Some(("room-1", 2)), "{}").await;
+
+    let handler = Arc::new(Outcomes {
+        inner: InboxHandler::new(
+            inbox.clone(),
+            queue.clone(),
+            SlowBacklog {
+                work: Duration::from_millis(150),
+            },
+        ),
+        log: Mutex::new(Vec::new()),
+    });
+    let mut config = consumer_config(&queue);
+    config.ordering = Ordering::PerAggregate;
+    config.retry_delay = HumanDuration::millis(200);
+    config.max_retry_delay = HumanDuration::millis(300);
+    // e1's hold stands 200 + 300 + 100 ms; the backlog takes 6 × 150 ms.
+    let consumer = RabbitMqConsumer::new(config, handler.clone())
+        .unwrap()
+        .with_holds(Arc::new(Holds::<sqlx::Postgres>::of(&inbox).await.unwrap()))
+        .with_hold_grace(Duration::from_millis(100));
+    let (stop, run) = start(consumer);
+    wait_until("e1 and e2 settled", Duration::from_secs(15), async || {
+        let log = handler.log.lock().unwrap();
+        log.iter().filter(|l| l.starts_with("e1:")).count() == 2
+            && log.iter().any(|l| l.starts_with("e2:"))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let report = run.await.unwrap().unwrap();
+    let log = handler.log.lock().unwrap().clone();
+    println!("{log:?} {report:?}");
+    let room_1: Vec<&str> = log
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.starts_with("backlog-"))
+        .collect();
+    assert_eq!(room_1, ["e1:error", "e1:ok", "e2:ok"], "{log:?}");
+    assert_eq!(
+        (report.ok, report.stale),
+        (backlog as u64 + 2, 0),
+        "{report:?}"
+    );
+    assert!(report.held >= 1, "e2 went round behind e1: {report:?}");
+    assert_eq!(ready(&ch, &queue).await, 0);
+    assert_eq!(ready(&ch, &format!("{queue}.retry")).await, 0);
+    let holds: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
+        .fetch_one(inbox.pool())
+        .await
+        .unwrap();
+    assert_eq!(holds, 0, "every hold was released");
+    delete(&ch, &queue).await;
+    for t in ["_holds", "_versions", ""] {
+        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
+            .execute(inbox.pool())
+            .await;
+    }
+}
+
+/// The hold of an event whose copy is gone (purged by hand): a later
+/// version waits behind it until it lapses, goes round the queue once more
+/// to see that the event does not come back, then drops the hold and is
+/// handled; its aggregate is not blocked for good.
+#[tokio::test]
+async fn a_hold_whose_event_is_gone_holds_its_aggregate_one_round_past_its_lapse() {
+    use postbox_consumers::ordering::{AggregateHolds, Holds};
+    use postbox_core::config::Ordering;
+
+    let (inbox, table) = ordering_inbox().await;
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("ordering_gone");
+    declare(&ch, &queue).await;
+    let holds = Arc::new(Holds::<sqlx::Postgres>::of(&inbox).await.unwrap());
+    let lapse = postbox_core::time::now_ms() + 600;
+    holds.hold(&queue, "room-1", "e1", 1, lapse).await.unwrap();
+    publish(&ch, &queue, "e2", Some(("room-1", 2)), "{}").await;
+    let handler = Arc::new(Outcomes {
+        inner: InboxHandler::new(inbox.clone(), queue.clone(), FailsFirstE1),
+        log: Mutex::new(Vec::new()),
+    });
+    let mut config = consumer_config(&queue);
+    config.ordering = Ordering::PerAggregate;
+    config.retry_delay = HumanDuration::millis(200);
+    let consumer = RabbitMqConsumer::new(config, handler.clone())
+        .unwrap()
+        .with_holds(holds);
+    let (stop, run) = start(consumer);
+    wait_until("e2 handled", Duration::from_secs(10), async || {
+        !handler.log.lock().unwrap().is_empty()
+    })
+    .await;
+    let handled_at = postbox_core::time::now_ms();
+    stop.cancel();
+    let report = run.await.unwrap().unwrap();
+    let log = handler.log.lock().unwrap().clone();
+    println!("{log:?} {report:?}");
+    assert_eq!(log, ["e2:ok"]);
+    assert!(
+        handled_at >= lapse + 200,
+        "handled before a round past the lapse"
+    );
+    // Behind the standing hold every 200 ms, then once round to check.
+    assert!(report.held >= 2, "{report:?}");
+    let left: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
+        .fetch_one(inbox.pool())
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "the gone event's hold was dropped, e2's released");
+    delete(&ch, &queue).await;
+    for t in ["_holds", "_versions", ""] {
+        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
+            .execute(inbox.pool())
+            .await;
+    }
+}
+
 /// The holds' SQL on each inbox database: a hold blocks later versions of
-/// its aggregate only, lapses, moves, and is released.
+/// its aggregate only, still stands when lapsed (the consumer decides what
+/// a lapse means), moves, is released only by its own event, and is
+/// dropped as gone only as it was noted.
 macro_rules! holds_case {
     ($name:ident, $db:ty, $setup:expr) => {
         #[tokio::test]
         async fn $name() {
-            use postbox_consumers::ordering::{AggregateHolds, Holds};
+            use postbox_consumers::ordering::{AggregateHolds, Hold, Holds};
             use postbox_testkit::servers::scratch_table;
 
             let (url, _dir): (String, Option<tempfile::TempDir>) = $setup.await;
@@ -501,39 +739,53 @@ macro_rules! holds_case {
             let holds = Holds::<$db>::of(&inbox).await.unwrap();
             Holds::<$db>::of(&inbox).await.unwrap(); // a second process starting
             let now = postbox_core::time::now_ms();
-            let blocker = async |version: i64, event: &str, at: i64| {
-                holds.blocker("g", "a", version, event, at).await.unwrap()
+            let blocker = async |version: i64, event: &str| {
+                holds.blocker("g", "a", version, event).await.unwrap()
             };
-            assert_eq!(blocker(2, "e2", now).await, None);
+            let held = |event: &str, until_ms: i64| Hold {
+                event_id: event.to_owned(),
+                until_ms,
+            };
+            assert_eq!(blocker(2, "e2").await, None);
             holds.hold("g", "a", "e1", 1, now + 10_000).await.unwrap();
-            assert_eq!(blocker(2, "e2", now).await.as_deref(), Some("e1"));
-            assert_eq!(blocker(1, "e1", now).await, None, "not behind itself");
-            assert_eq!(blocker(0, "e0", now).await, None, "earlier versions pass");
+            assert_eq!(blocker(2, "e2").await, Some(held("e1", now + 10_000)));
+            assert_eq!(blocker(1, "e1").await, None, "not behind itself");
+            assert_eq!(blocker(0, "e0").await, None, "earlier versions pass");
             assert_eq!(
-                holds.blocker("g", "b", 2, "b2", now).await.unwrap(),
+                holds.blocker("g", "b", 2, "b2").await.unwrap(),
                 None,
                 "other aggregates pass"
             );
             assert_eq!(
-                holds.blocker("h", "a", 2, "e2", now).await.unwrap(),
+                holds.blocker("h", "a", 2, "e2").await.unwrap(),
                 None,
                 "other groups pass"
             );
-            assert_eq!(blocker(2, "e2", now + 20_000).await, None, "lapsed");
-            holds.hold("g", "a", "e1", 1, now + 30_000).await.unwrap();
+            holds.hold("g", "a", "e1", 1, now - 1).await.unwrap();
             assert_eq!(
-                blocker(2, "e2", now + 20_000).await.as_deref(),
-                Some("e1"),
-                "moved"
+                blocker(2, "e2").await,
+                Some(held("e1", now - 1)),
+                "moved, and still there once lapsed"
             );
             // A later version's own hold does not block the earlier one.
             holds.hold("g", "a", "e2", 2, now + 30_000).await.unwrap();
-            assert_eq!(blocker(1, "e1", now).await, None);
-            assert_eq!(blocker(3, "e3", now).await.as_deref(), Some("e1"));
-            holds.release("g", "a", "e1", now).await.unwrap();
-            assert_eq!(blocker(3, "e3", now).await.as_deref(), Some("e2"));
-            holds.release("g", "a", "e2", now).await.unwrap();
-            assert_eq!(blocker(3, "e3", now).await, None);
+            assert_eq!(blocker(1, "e1").await, None);
+            assert_eq!(blocker(3, "e3").await, Some(held("e1", now - 1)));
+            // Releasing e2 leaves e1's lapsed hold: it is e1's.
+            holds.release("g", "a", "e2").await.unwrap();
+            assert_eq!(blocker(3, "e3").await, Some(held("e1", now - 1)));
+            holds.hold("g", "a", "e2", 2, now + 30_000).await.unwrap();
+            // Dropped as gone only as noted.
+            let noted_before_it_moved = held("e1", now - 2);
+            let gone = holds.drop_gone("g", "a", &noted_before_it_moved);
+            assert!(!gone.await.unwrap(), "moved since it was noted");
+            assert!(holds
+                .drop_gone("g", "a", &held("e1", now - 1))
+                .await
+                .unwrap());
+            assert_eq!(blocker(3, "e3").await, Some(held("e2", now + 30_000)));
+            holds.release("g", "a", "e2").await.unwrap();
+            assert_eq!(blocker(3, "e3").await, None);
             for t in ["_holds", "_versions", ""] {
                 let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
                     .execute(inbox.pool())

@@ -439,3 +439,79 @@ async fn a_group_destroyed_mid_run_is_made_again() {
     nats_redis_suite::stop(&cancel, task).await;
     b.cleanup().await;
 }
+
+/// The members of `group` (`XINFO CONSUMERS`), by name.
+async fn members(b: &RedisBroker, group: &str) -> Vec<String> {
+    let rows: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("CONSUMERS")
+        .arg(&b.stream)
+        .arg(group)
+        .query_async(&mut b.conn.clone())
+        .await
+        .unwrap();
+    let mut names: Vec<String> = rows
+        .iter()
+        .map(|r| redis::from_redis_value_ref(&r["name"]).unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Two entries of one config on one stream and group, named apart and
+/// left with their default tags (as `postbox consume` runs them), are two
+/// members of the group, each owning what it took: one stopping leaves the
+/// other's pending entry alone (with one member name between them, each
+/// took the other's entries for its own, and the `XGROUP DELCONSUMER` of
+/// one stopping could drop what the other had in hand).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_consumers_of_one_group_in_one_process_are_two_members() {
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::time::Duration;
+    let b = RedisBroker::new().await;
+    let g = nats_redis_suite::group("members");
+    let mut running = Vec::new();
+    for name in ["orders-a", "orders-b"] {
+        let config = b.config(&g, serde_json::json!({ "name": name }));
+        let handler = Arc::new(Held {
+            entered: Default::default(),
+            release: Default::default(),
+        });
+        let consumer = RedisConsumer::new(config, handler.clone()).unwrap();
+        let tag = consumer.tag().to_owned();
+        let cancel = CancellationToken::new();
+        let task = tokio::spawn({
+            let cancel = cancel.clone();
+            async move { consumer.run(cancel).await }
+        });
+        running.push((tag, handler, cancel, task));
+    }
+    // One entry each: prefetch 1, and each holds its entry in its handler.
+    b.publish(&test_event(0)).await;
+    b.publish(&test_event(1)).await;
+    nats_redis_suite::wait_until(Duration::from_secs(10), "both handlers", || {
+        running.iter().all(|r| r.1.entered.load(SeqCst))
+    })
+    .await;
+    let mut owner_of_each = owners(&b, &g).await;
+    owner_of_each.sort();
+    let tags = [running[0].0.clone(), running[1].0.clone()];
+    assert_eq!(owner_of_each, tags, "one member per consumer");
+    assert_eq!(members(&b, &g).await, tags);
+    // `b` finishes its entry and stops; `a` still has its own in hand.
+    let (_, handler, cancel, task) = running.pop().unwrap();
+    handler.release.notify_one();
+    let report = nats_redis_suite::stop(&cancel, task).await;
+    assert_eq!(report.ok, 1, "{report:?}");
+    assert_eq!(
+        owners(&b, &g).await,
+        [tags[0].clone()],
+        "a's entry is pending"
+    );
+    assert_eq!(members(&b, &g).await, [tags[0].clone()], "b left the group");
+    let (_, handler, cancel, task) = running.pop().unwrap();
+    handler.release.notify_one();
+    let report = nats_redis_suite::stop(&cancel, task).await;
+    assert_eq!(report.ok, 1, "{report:?}");
+    assert_eq!(b.outstanding(&g).await, 0);
+    b.cleanup().await;
+}

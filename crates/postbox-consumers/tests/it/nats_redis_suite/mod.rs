@@ -415,6 +415,82 @@ pub async fn poison_goes_dead_after_growing_delays(b: &dyn Broker) {
     assert_eq!(b.outstanding(&g).await, 0);
 }
 
+/// Panics on the first attempt at `e1`, handles everything else.
+pub struct PanicsOnce {
+    pub e1: String,
+    pub calls: Calls,
+}
+
+#[async_trait]
+impl Handler for PanicsOnce {
+    async fn handle(&self, message: &Message) -> Result<Handled, HandlerError> {
+        self.calls.lock().unwrap().push(Call {
+            who: "a".into(),
+            message: message.clone(),
+            at: Instant::now(),
+        });
+        if message.event_id() == self.e1 && message.attempt == 1 {
+            panic!("e1 blew up");
+        }
+        Ok(Handled::Ok)
+    }
+}
+
+/// A handler that panics has failed that attempt: the message is retried
+/// after its delay and handled, the other message is handled, and the
+/// consumer goes on (it does not stop, nor take the process down).
+pub async fn a_panicking_handler_fails_the_attempt(b: &dyn Broker) {
+    let g = group("panic");
+    let events = publish_events(b, 0..2).await;
+    let calls = Calls::default();
+    let handler = Arc::new(PanicsOnce {
+        e1: events[0].event_id.clone(),
+        calls: calls.clone(),
+    });
+    let cancel = CancellationToken::new();
+    let config = b.config(&g, serde_json::json!({ "retry_delay": "200ms" }));
+    let (task, state) = b.start_controlled(Start {
+        config,
+        handler,
+        tag: "a".into(),
+        cancel: cancel.clone(),
+    });
+    wait_until(Duration::from_secs(20), "e1 handled on its retry", || {
+        calls.lock().unwrap().len() >= 3
+    })
+    .await;
+    // The consumer is still up, and takes what comes next.
+    let e3 = publish_events(b, 2..3).await;
+    wait_until(Duration::from_secs(10), "a message after the panic", || {
+        calls.lock().unwrap().len() >= 4
+    })
+    .await;
+    assert_eq!(state.snapshot().state, "consuming");
+    let report = stop(&cancel, task).await;
+    let seen: Vec<(String, u32)> = calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| (c.message.event_id().to_owned(), c.message.attempt))
+        .collect();
+    let (e1, e2, e3) = (&events[0].event_id, &events[1].event_id, &e3[0].event_id);
+    assert_eq!(
+        seen,
+        [
+            (e1.clone(), 1),
+            (e2.clone(), 1),
+            (e1.clone(), 2),
+            (e3.clone(), 1)
+        ]
+    );
+    assert_eq!(
+        (report.ok, report.retry, report.dead),
+        (3, 1, 0),
+        "{report:?}"
+    );
+    assert_eq!(b.outstanding(&g).await, 0);
+}
+
 /// (4) A consumer that dies mid-message: the message goes to the other.
 pub async fn a_killed_consumers_message_is_redelivered(b: &dyn Broker, extra: serde_json::Value) {
     let g = group("kill");
@@ -644,7 +720,8 @@ macro_rules! stream_consumer_suite {
             shutdown_finishes_the_message_in_hand(),
             inbox_counts_duplicates_and_stale_versions(),
             a_paused_consumer_takes_nothing_until_resumed(),
-            dead_letters_are_listed_replayed_and_purged()
+            dead_letters_are_listed_replayed_and_purged(),
+            a_panicking_handler_fails_the_attempt()
         );
     };
     ($new:expr; $($case:ident($($arg:expr)?)),+) => {
