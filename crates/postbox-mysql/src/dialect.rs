@@ -38,6 +38,7 @@ pub struct Own {
     pub(crate) pending_first: String,
     pending_after: String,
     pending_of_type: String,
+    pending_undue: String,
     claim_take: String,
     claim_take_expired: String,
     select_ids: String,
@@ -248,6 +249,7 @@ impl Dialect for MySqlDialect {
             pending_first: t.render(sql::PENDING_FIRST),
             pending_after: t.render(sql::PENDING_AFTER),
             pending_of_type: t.render(sql::PENDING_OF_TYPE),
+            pending_undue: t.render(sql::PENDING_UNDUE),
             claim_take: t.render(sql::CLAIM_TAKE),
             claim_take_expired: t.render(sql::CLAIM_TAKE_EXPIRED),
             select_ids: t.render(sql::SELECT_IDS),
@@ -396,9 +398,23 @@ impl Dialect for MySqlDialect {
             let ids = pending_candidates(&mut tx, own, req, limit, depth)
                 .await
                 .map_err(db)?;
-            if ids.is_empty() && !req.ordered {
-                tx.commit().await.map_err(db)?;
-                return Ok(Vec::new());
+            if ids.is_empty() {
+                // Pending rows a producer wrote with a time in
+                // `next_retry_at_ms` are not where the candidates are read
+                // (`sql::PENDING_UNDUE`): put them there for the next claim.
+                let moved = sqlx::query(&own.pending_undue)
+                    .bind(req.app_code)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?
+                    .rows_affected();
+                if moved > 0 {
+                    tracing::warn!(app_code = req.app_code, rows = moved, "pending rows had next_retry_at_ms set by their producer (it must be left to its default, 0): reset, so that they are claimed");
+                }
+                if !req.ordered {
+                    tx.commit().await.map_err(db)?;
+                    return Ok(Vec::new());
+                }
             }
             dealt = serde_json::to_string(&ids).unwrap_or_default();
             if !req.ordered {

@@ -130,6 +130,16 @@ pub(crate) const PENDING_FIRST: &str = pending_rows!(">=");
 /// [`PENDING_FIRST`] for the types after the one bound.
 pub(crate) const PENDING_AFTER: &str = pending_rows!(">");
 
+/// Pending rows whose `next_retry_at_ms` a producer set (a plain `INSERT`
+/// writing a "due at" time): the candidate reads seek the pending rows at
+/// 0 only, so these were never claimed (PostgreSQL and SQLite order by the
+/// column and take them). A claim that found no candidate sets up to 1,000
+/// of them to 0 for the next; when there are none, one probe of
+/// `{table}_due_idx` that finds nothing and writes nothing.
+pub(crate) const PENDING_UNDUE: &str =
+    "UPDATE {table} FORCE INDEX ({table}_due_idx) SET next_retry_at_ms = 0 \
+     WHERE app_code = ? AND status = 'pending' AND next_retry_at_ms <> 0 LIMIT 1000";
+
 /// The oldest pending rows of one type (see [`PENDING_FIRST`]).
 pub(crate) const PENDING_OF_TYPE: &str = pending_rows!("=");
 

@@ -573,6 +573,36 @@ async fn plain_insert_from_other_languages_and_legacy_rows() {
     drop_tables(&store).await;
 }
 
+/// A pending row whose producer set `next_retry_at_ms` (a "due at" habit
+/// of other languages' plain `INSERT`s) is claimed: the candidate reads
+/// seek the pending rows at 0, and it was never delivered (PostgreSQL and
+/// SQLite took it).
+#[tokio::test]
+async fn a_pending_row_written_with_a_due_time_is_claimed() {
+    let store = store("mb_undue").await;
+    let t = store.table().as_str().to_owned();
+    let now = store.now_ms().await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {t} (app_code, event_id, event_type, payload, next_retry_at_ms) \
+         VALUES ('room', 'go-due', 'RoomCreated', '{{}}', ?)"
+    ))
+    .bind(now)
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        got.extend(claim(&store, ClaimSource::Pending, "w1").await);
+    }
+    assert_eq!(
+        got.iter()
+            .map(|c| c.record.event_id.as_str())
+            .collect::<Vec<_>>(),
+        ["go-due"]
+    );
+    drop_tables(&store).await;
+}
+
 /// A row the claim matches but cannot read (a producer wrote the status
 /// as an enum's name, `'PENDING'`, which the case-insensitive collation
 /// takes for `'pending'`) is failed with the reason, and the events behind
