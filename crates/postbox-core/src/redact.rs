@@ -57,18 +57,38 @@ const SECRET_PARAMETERS: [&str; 6] = [
 /// ```
 pub fn shown_url(url: &str) -> String {
     let mut out = redact_url(url);
-    let authority = userinfo(&out).map_or(out.find("://").map_or(0, |i| i + 3), |(_, at)| at);
+    let authority = userinfo(&out).map_or_else(|| authority_start(&out), |(_, at)| at);
     if let Some(cut) = out[authority..].find(['?', '#']) {
         out.truncate(authority + cut);
     }
     out
 }
 
+/// Where the authority of `url` starts: after `scheme:` and its slashes
+/// however many (`postgres:/u:pw@h` is a typo a driver may still quote
+/// back), or at the start when there is no scheme (`u:pw@h`).
+fn authority_start(url: &str) -> usize {
+    let scheme = url.find(':').filter(|&colon| {
+        let name = &url[..colon];
+        name.starts_with(|c: char| c.is_ascii_alphabetic())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+            && url[colon + 1..].starts_with('/')
+    });
+    match scheme {
+        Some(colon) => {
+            colon + 1 + url[colon + 1..].len() - url[colon + 1..].trim_start_matches('/').len()
+        }
+        None => 0,
+    }
+}
+
 /// Where the user information of `url` starts and the `@` that ends it:
 /// the last `@` before the first `?` or `#` after the first `@` (a `?`
 /// or `#` before it is the password's own). `None` without one.
 fn userinfo(url: &str) -> Option<(usize, usize)> {
-    let start = url.find("://")? + 3;
+    let start = authority_start(url);
     let first_at = start + url[start..].find('@')?;
     let query = url[first_at..]
         .find(['?', '#'])
@@ -275,6 +295,10 @@ mod tests {
             ("amqp://u:a?b#c@h:5672/v", "amqp://u:***@h:5672/v"),
             ("amqp://u:p@s/x@h/v", "amqp://u:***@h/v"),
             ("amqp://u:pw@h/v?email=a@b", "amqp://u:***@h/v?email=a@b"),
+            // A slash short, or none at all: still hidden.
+            ("postgres:/u:pw@h/db", "postgres:/u:***@h/db"),
+            ("postgres:u:pw@h/db", "postgres:***@h/db"),
+            ("u:pw@h:5432", "u:***@h:5432"),
             (
                 "https://h.example/in?api_key=k1&sig=s2&x=1",
                 "https://h.example/in?api_key=***&sig=***&x=1",
