@@ -640,6 +640,11 @@ pub struct StatementStats {
     pub source: &'static str,
     /// The statements, the most total time first.
     pub statements: Vec<StatementStat>,
+    /// Statements run since the statistics filled up, not recorded one by
+    /// one (MariaDB/MySQL's digest table holds
+    /// `performance_schema_digests_size` of them, then counts every new one
+    /// in a single row): a scan among them cannot be seen. 0 when all are.
+    pub unrecorded: i64,
 }
 
 /// One normalised statement's totals since the statistics were reset.

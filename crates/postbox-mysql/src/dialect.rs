@@ -318,7 +318,12 @@ impl Dialect for MySqlDialect {
             .fetch_all(outbox.pool())
             .await
             .map_err(db)?;
-        postbox_sqlx::statement_stats_of(rows, "performance_schema")
+        let mut stats = postbox_sqlx::statement_stats_of(rows, "performance_schema")?;
+        stats.unrecorded = sqlx::query_scalar(sql::STATEMENTS_UNRECORDED)
+            .fetch_one(outbox.pool())
+            .await
+            .map_err(db)?;
+        Ok(stats)
     }
 
     fn rows_affected(done: &MySqlQueryResult) -> u64 {

@@ -834,6 +834,13 @@ pub(crate) const DROP_AGGREGATE_INDEX: &str = "DROP INDEX {name} ON {on}";
 /// `doctor --scans`: whether `performance_schema` is on.
 pub(crate) const PERFORMANCE_SCHEMA_ON: &str = "SELECT @@performance_schema + 0";
 
+/// `doctor --scans`: statements run since the digest table filled up
+/// (`performance_schema_digests_size`), each counted in its one row of no
+/// digest instead of its own.
+pub(crate) const STATEMENTS_UNRECORDED: &str =
+    "SELECT CAST(COALESCE(SUM(COUNT_STAR), 0) AS SIGNED) \
+     FROM performance_schema.events_statements_summary_by_digest WHERE DIGEST IS NULL";
+
 /// `doctor --scans`: the statement digests of this schema whose text names
 /// the table (`?`), the most time first (timers are in picoseconds).
 pub(crate) const STATEMENT_STATS: &str =

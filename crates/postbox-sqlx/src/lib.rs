@@ -331,7 +331,11 @@ pub fn statement_stats_of<R: OutboxRow>(
         .map(stat)
         .collect::<std::result::Result<_, _>>()
         .map_err(|e| db_error("read statement statistics", e))?;
-    Ok(postbox_core::store::StatementStats { source, statements })
+    Ok(postbox_core::store::StatementStats {
+        source,
+        statements,
+        unrecorded: 0,
+    })
 }
 
 /// Relays from rows of `RELAY_SELECT` (`relay_statements!`).

@@ -69,13 +69,15 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
             source: &'a str,
             table: &'a str,
             flagged: usize,
+            unrecorded: i64,
             statements: &'a [Scanned<'a>],
         }
         output::json(&Out {
-            ok: flagged == 0,
+            ok: flagged == 0 && stats.unrecorded == 0,
             source: stats.source,
             table,
             flagged,
+            unrecorded: stats.unrecorded,
             statements: &scanned,
         })?;
     } else {
@@ -104,6 +106,18 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
                 outln!("      {}: {}", r.name(), r.advice());
             }
         }
+    }
+    if stats.unrecorded > 0 {
+        let full = format!(
+            "{}'s statement table is full: {} statement(s) since were not recorded one by one, so a scan among them cannot be seen; \
+             empty it (TRUNCATE performance_schema.events_statements_summary_by_digest) or raise performance_schema_digests_size, \
+             and run `doctor --scans` again after some traffic",
+            stats.source, stats.unrecorded
+        );
+        if flagged == 0 {
+            return Err(CliError::runtime(format!("doctor --scans: {full}")));
+        }
+        errln!("warning: {full}");
     }
     if flagged == 0 {
         Ok(())

@@ -432,6 +432,29 @@ async fn scans_scenario(server: &str, db: Db) {
     );
     let shown = run(&["doctor", "--scans"]);
     assert_says(&shown, &["FLAG", "or-across-statuses", "no-app-code"]);
+    if let Db::My(_) = db {
+        // A digest table full to the brim records no new statement: the
+        // foreign claim run now is not seen, and `doctor --scans` says so
+        // instead of reporting the table clean.
+        db.exec("TRUNCATE TABLE performance_schema.events_statements_summary_by_digest")
+            .await;
+        let size = db.count("SELECT @@performance_schema_digests_size").await;
+        for i in 0..size + 10 {
+            db.exec(&format!("SELECT 1 AS c{i}")).await;
+        }
+        let unrecorded = "SELECT CAST(COALESCE(SUM(COUNT_STAR), 0) AS SIGNED) \
+            FROM performance_schema.events_statements_summary_by_digest WHERE DIGEST IS NULL";
+        assert!(db.count(unrecorded).await > 0, "the digest table filled");
+        db.exec(&foreign).await;
+        let full = run(&["--json", "doctor", "--scans"]);
+        assert_eq!(full.status.code(), Some(1), "{}", text(&full));
+        assert_says(
+            &full,
+            &["statement table is full", "TRUNCATE performance_schema"],
+        );
+        db.exec("TRUNCATE TABLE performance_schema.events_statements_summary_by_digest")
+            .await;
+    }
     db.drop_tables(&t).await;
 }
 
