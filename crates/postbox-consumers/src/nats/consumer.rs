@@ -115,7 +115,8 @@ impl NatsConsumer {
                 // A pull in flight is never abandoned: a message the server
                 // sends after we stopped listening would wait out ack_wait.
                 // On shutdown the pull runs to its end and anything it brings
-                // is given back at once.
+                // is given back at once, but for a message on its last
+                // attempt (handled first, see below).
                 let message = match waiting.pop_front() {
                     Some(m) => m,
                     None if pulled => break,
@@ -139,7 +140,15 @@ impl NatsConsumer {
                     }
                 };
                 stopping |= shutdown.is_cancelled();
-                if stopping {
+                // Given back, a delivery still counts: JetStream's delivery
+                // count is the attempt number, so one on its last attempt
+                // would come back past `max_attempts` and be dead-lettered
+                // unhandled. It is handled before the stop; the others go
+                // back at once.
+                let last_attempt = message
+                    .info()
+                    .is_ok_and(|i| i.delivered >= i64::from(self.core.policy.max_attempts));
+                if stopping && !last_attempt {
                     let _ = message.ack_with(AckKind::Nak(None)).await;
                     continue;
                 }

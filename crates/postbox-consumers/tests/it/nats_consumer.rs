@@ -358,6 +358,59 @@ async fn a_replayed_event_failing_again_gets_its_own_dead_copy() {
     b.cleanup().await;
 }
 
+/// A stop while a pull's messages wait behind the one in hand, with
+/// `max_attempts = 1`: each is handled once, none is dead-lettered unhandled.
+/// Given back (nak), a delivery still counts in JetStream's delivery count,
+/// which is the attempt number: a message on its last attempt came back past
+/// `max_attempts` and went to the dead subject without ever being handled.
+/// One on its last attempt is now handled before the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stop_spends_no_messages_last_attempt() {
+    let b = NatsBroker::new().await;
+    let group = nats_redis_suite::group("last_attempt");
+    let events = nats_redis_suite::publish_events(&b, 0..3).await;
+    let calls = nats_redis_suite::Calls::default();
+    let mut config = b.config(&group, serde_json::json!({ "prefetch": 3 }));
+    config.max_attempts = 1;
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        config.clone(),
+        nats_redis_suite::recording("a", &calls, Duration::from_millis(500)),
+        "a",
+        cancel.clone(),
+    );
+    nats_redis_suite::wait_until(Duration::from_secs(15), "the first in hand", || {
+        !calls.lock().unwrap().is_empty()
+    })
+    .await;
+    nats_redis_suite::stop(&cancel, task).await;
+    let next_cancel = CancellationToken::new();
+    let next = b.spawn(
+        config,
+        nats_redis_suite::recording("b", &calls, Duration::ZERO),
+        "b",
+        next_cancel.clone(),
+    );
+    nats_redis_suite::wait_until(Duration::from_secs(15), "all three settled", || {
+        calls.lock().unwrap().len() >= 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    nats_redis_suite::stop(&next_cancel, next).await;
+    let mut handled: Vec<String> = calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| c.message.event_id().to_owned())
+        .collect();
+    handled.sort();
+    let mut expected: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+    expected.sort();
+    assert_eq!(handled, expected, "each handled once");
+    assert!(b.dead(&group).await.is_empty(), "dead-lettered unhandled");
+    b.cleanup().await;
+}
+
 /// Prefetch 5, each message taking 0.3 s (less than a third of
 /// `ack_wait`, 1 s): the messages a pull brought wait behind the ones in
 /// hand longer than `ack_wait`, and are kept (progress) meanwhile. Each is handled once, by the consumer
