@@ -27,6 +27,14 @@ use postbox_core::{Error, Publisher, Result};
 
 pub use postbox_core::wire::nats::{msg_id, stream_subjects, subject_for};
 
+/// Events sent before their PubAcks are awaited. The JetStream context
+/// lets 5,000 acks be in flight and makes a publish past them wait for a
+/// free place, which only an awaited ack gives back: a batch sent whole
+/// before awaiting any stalled past 5,000 events (a `batch_size` of 6,000,
+/// or 2,500 beside the acks a timed-out batch left), every event then
+/// timing out although the stream had most of them.
+const ACK_WINDOW: usize = 1_000;
+
 /// How long a publish waits for its PubAck. While the client is
 /// disconnected, messages wait in its buffer and the ack times out into a
 /// retryable failure instead of hanging.
@@ -58,8 +66,11 @@ impl NatsPublisher {
             .connect(nodes::exposed(config.nodes()))
             .await
             .map_err(|e| start_error(&name, &config.url, format!("cannot connect: {e}")))?;
+        // A PubAck dropped unawaited (a batch past its deadline) keeps its
+        // place among the acks in flight no longer than an awaited one.
         let js = jetstream::ContextBuilder::new()
             .timeout(ACK_TIMEOUT)
+            .ack_timeout(ACK_TIMEOUT)
             .build(client.clone());
         let publisher = NatsPublisher {
             name,
@@ -159,9 +170,9 @@ impl NatsPublisher {
         Ok(h)
     }
 
-    /// Sends the whole batch first (the acks are awaited afterwards: one
-    /// round trip for the batch rather than one per event); per event its
-    /// subject and the PubAck to await, or why it could not be sent.
+    /// Sends a window of the batch first (the acks are awaited afterwards:
+    /// one round trip for the window rather than one per event); per event
+    /// its subject and the PubAck to await, or why it could not be sent.
     async fn send_all(&self, batch: &[Delivery<'_>]) -> Vec<(String, Sent)> {
         let mut pending = Vec::with_capacity(batch.len());
         for d in batch {
@@ -192,6 +203,13 @@ impl NatsPublisher {
         sent: Sent,
     ) -> std::result::Result<(), PublishError> {
         let ack = sent?.await.map_err(|e| self.publish_error(&subject, &e))?;
+        if ack.stream != self.stream {
+            // Stored, but where this publisher's consumers do not read.
+            return Err(PublishError::failed(format!(
+                "subject `{subject}` is captured by stream `{}`, not `{}`: the event is stored there, where consumers of `{}` never see it (fix `subject` or the streams' subjects); will retry",
+                ack.stream, self.stream, self.stream
+            )));
+        }
         if ack.duplicate {
             metrics::counter!("postbox_publish_duplicates_total", "publisher" => self.name.clone())
                 .increment(1);
@@ -224,13 +242,19 @@ impl Publisher for NatsPublisher {
     }
 
     async fn publish(&self, batch: &[Delivery<'_>]) -> Vec<std::result::Result<(), PublishError>> {
-        let pending = self.send_all(batch).await;
-        join_all(
-            pending
-                .into_iter()
-                .map(|(subject, sent)| self.await_ack(subject, sent)),
-        )
-        .await
+        let mut results = Vec::with_capacity(batch.len());
+        for window in batch.chunks(ACK_WINDOW) {
+            let pending = self.send_all(window).await;
+            results.extend(
+                join_all(
+                    pending
+                        .into_iter()
+                        .map(|(subject, sent)| self.await_ack(subject, sent)),
+                )
+                .await,
+            );
+        }
+        results
     }
 
     /// Every event's result is recorded as soon as its PubAck (or error)
@@ -242,18 +266,18 @@ impl Publisher for NatsPublisher {
         publish_timeout: Duration,
         results: &PublishResults,
     ) {
-        let work = async {
-            let pending = self.send_all(batch).await;
-            join_all(
-                pending
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, (subject, sent))| async move {
-                        results.set(i, self.await_ack(subject, sent).await);
-                    }),
-            )
-            .await;
-        };
+        let work =
+            async {
+                for (w, window) in batch.chunks(ACK_WINDOW).enumerate() {
+                    let pending = self.send_all(window).await;
+                    join_all(pending.into_iter().enumerate().map(
+                        |(i, (subject, sent))| async move {
+                            results.set(w * ACK_WINDOW + i, self.await_ack(subject, sent).await);
+                        },
+                    ))
+                    .await;
+                }
+            };
         let _ = tokio::time::timeout(publish_timeout, work).await;
     }
 

@@ -357,3 +357,49 @@ async fn publish_each_keeps_the_acks_that_came_before_the_deadline() {
     let mut s = jetstream().await.get_stream(&stream).await.unwrap();
     assert_eq!(s.info().await.unwrap().state.messages, 3);
 }
+
+/// A batch larger than the JetStream context's acks in flight (5,000) is
+/// published whole: it was sent whole before any PubAck was awaited, and
+/// the publish past the 5,000th waited for a place only an awaited ack
+/// gives back, so every event of the batch timed out.
+#[tokio::test]
+async fn a_batch_larger_than_the_acks_in_flight_is_published() {
+    let (stream, prefix) = scratch();
+    let _cleanup = DropStream(stream.clone());
+    let publisher = start("nats-big", &stream, &prefix, "{event_type}", true)
+        .await
+        .unwrap();
+    let events = sample_events("room", 6_000);
+    let batch: Vec<Delivery<'_>> = events.iter().map(Delivery::of).collect();
+    let results = tokio::time::timeout(Duration::from_secs(30), publisher.publish(&batch))
+        .await
+        .expect("the batch finished");
+    assert!(
+        results.iter().all(Result::is_ok),
+        "{:?}",
+        results.iter().find(|r| r.is_err())
+    );
+    let mut s = jetstream().await.get_stream(&stream).await.unwrap();
+    assert_eq!(s.info().await.unwrap().state.messages, 6_000);
+}
+
+/// A subject another stream captures is stored there, where this
+/// publisher's consumers never read: a failed attempt naming both streams,
+/// not a delivery (its PubAck was taken as one).
+#[tokio::test]
+async fn a_subject_another_stream_captures_is_a_failed_attempt() {
+    let (ours, _, _ours) = stream_of_a("nats-ours").await;
+    let (theirs, other_prefix) = scratch();
+    let _theirs = DropStream(theirs.clone());
+    start("nats-theirs", &theirs, &other_prefix, "{event_type}", true)
+        .await
+        .unwrap();
+    let subject = format!("{other_prefix}.{{event_type}}");
+    let misrouted = NatsPublisher::connect(&config("nats-misrouted", &ours, &subject, false))
+        .await
+        .unwrap();
+    let err = publish_one(&misrouted)
+        .await
+        .expect_err("stored in another stream");
+    assert!(err.contains(&theirs) && err.contains(&ours), "{err}");
+}
