@@ -171,11 +171,17 @@ pub fn init(g: &Global, default_filter: &str) {
     // Payloads never reach logs. lapin logs every returned (unroutable)
     // message with its body at WARN (the publisher reports the event
     // itself), and whole frames, bodies included, at TRACE: both are cut
-    // whatever `--log` or RUST_LOG asks for.
-    let filter = ["lapin=debug", "lapin::returned_messages=off"]
-        .into_iter()
-        .filter_map(|d| d.parse().ok())
-        .fold(filter, |f, directive| f.add_directive(directive));
+    // whatever `--log` or RUST_LOG asks for. Secrets never reach logs:
+    // the NATS client logs each connection attempt at DEBUG with the
+    // server's URL in `Debug` form, its password shown.
+    let filter = [
+        "lapin=debug",
+        "lapin::returned_messages=off",
+        "async_nats=info",
+    ]
+    .into_iter()
+    .filter_map(|d| d.parse().ok())
+    .fold(filter, |f, directive| f.add_directive(directive));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())

@@ -211,6 +211,32 @@ fn secrets_never_reach_output() {
     assert!(!text(&out).contains("hunter2"), "{}", text(&out));
 }
 
+/// A relay logging at debug whose NATS publisher cannot connect: the NATS
+/// client logs every connection attempt with the server's URL in `Debug`
+/// form, the password included.
+#[test]
+fn a_nats_password_never_reaches_debug_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = good(dir.path()).replace(
+        &format!(
+            "kind = \"file\"\npath = \"{}/out.jsonl\"",
+            dir.path().display()
+        ),
+        "kind = \"nats\"\nurl = \"nats://app:hunter2@127.0.0.1:1\"\nstream = \"S\"",
+    );
+    assert!(body.contains("hunter2"), "{body}");
+    let cfg = write_config(dir.path(), &body);
+    assert_ok(&postbox(dir.path(), &["--config", &cfg, "migrate"], &[]));
+    let out = postbox(
+        dir.path(),
+        &["--config", &cfg, "--log", "debug", "relay"],
+        &[],
+    );
+    assert_ne!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(text(&out).contains("127.0.0.1:1"), "{}", text(&out));
+    assert!(!text(&out).contains("hunter2"), "{}", text(&out));
+}
+
 #[test]
 fn sqlite_workflow_end_to_end() {
     let project = Project::new(good);
