@@ -48,8 +48,9 @@ const SECRET_PARAMETERS: [&str; 6] = [
     "signature=",
 ];
 
-/// [`redact_url`] without the query and fragment: a URL as an error or a
-/// log line shows it (`https://hooks.example/in`).
+/// [`redact_url`] without the query and fragment, and with long path
+/// segments hidden ([`hide_path_tokens`]): a URL as an error or a log line
+/// shows it (`https://hooks.example/in`).
 ///
 /// ```
 /// use postbox_core::redact::shown_url;
@@ -61,7 +62,35 @@ pub fn shown_url(url: &str) -> String {
     if let Some(cut) = out[authority..].find(['?', '#']) {
         out.truncate(authority + cut);
     }
+    if let Some(slash) = out[authority..].find('/') {
+        let path = hide_path_tokens(&out[authority + slash..]);
+        out.truncate(authority + slash);
+        out.push_str(&path);
+    }
     out
+}
+
+/// `path` with each segment of 16 characters or more shown as `***`: the
+/// secret of a webhook URL is often a path segment (Slack's
+/// `/services/T…/B…/<token>`, Discord's `/api/webhooks/<id>/<token>`), and
+/// an error or a log line shows the path to say which endpoint failed.
+///
+/// ```
+/// use postbox_core::redact::hide_path_tokens;
+/// assert_eq!(hide_path_tokens("/services/T01/B02/abcdefghijklmnopqrstuvwx"), "/services/T01/B02/***");
+/// assert_eq!(hide_path_tokens("/hooks/orders"), "/hooks/orders");
+/// ```
+pub fn hide_path_tokens(path: &str) -> String {
+    path.split('/')
+        .map(|segment| {
+            if segment.chars().count() >= 16 {
+                "***"
+            } else {
+                segment
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 /// Where the authority of `url` starts: after `scheme:` and its slashes

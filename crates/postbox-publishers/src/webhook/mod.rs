@@ -230,10 +230,7 @@ impl WebhookPublisher {
         } else {
             None
         };
-        let excerpt = match response.text().await {
-            Ok(text) => excerpt(&text),
-            Err(_) => String::new(),
-        };
+        let excerpt = excerpt(&String::from_utf8_lossy(&first_bytes(response).await));
         let kind = if retryable_status(status) {
             "retryable"
         } else {
@@ -330,15 +327,36 @@ fn parse_retry_after(value: &HeaderValue, now: SystemTime) -> Option<Duration> {
     Some(delay.min(MAX_RETRY_AFTER))
 }
 
-/// `scheme://host[:port]/path`: no userinfo, no query, no fragment.
+/// `scheme://host[:port]/path`: no userinfo, no query, no fragment, and
+/// no path segment long enough to be a token
+/// ([`postbox_core::redact::hide_path_tokens`]).
 fn shown_url(url: &Url) -> String {
     let mut shown = format!("{}://{}", url.scheme(), url.host_str().unwrap_or_default());
     if let Some(port) = url.port() {
         shown.push_str(&format!(":{port}"));
     }
-    shown.push_str(url.path());
+    shown.push_str(&postbox_core::redact::hide_path_tokens(url.path()));
     shown
 }
+
+/// The first [`EXCERPT_BYTES`] of an answer's body, what the error shows
+/// of it: the rest is never read (an endpoint or a proxy answering 500
+/// with a body of hundreds of MB had it held whole in memory, 16 at a
+/// time, and waited for to its end).
+async fn first_bytes(mut response: reqwest::Response) -> Vec<u8> {
+    let mut body = Vec::new();
+    while body.len() < EXCERPT_BYTES {
+        match response.chunk().await {
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    body.truncate(EXCERPT_BYTES);
+    body
+}
+
+/// How much of an error answer's body is read.
+const EXCERPT_BYTES: usize = 1024;
 
 fn excerpt(text: &str) -> String {
     let flat: String = text
@@ -409,6 +427,14 @@ mod tests {
     fn shown_url_hides_userinfo_and_query() {
         let url = Url::parse("https://user:pw@hooks.example:8443/in/x?token=abc").unwrap();
         assert_eq!(shown_url(&url), "https://hooks.example:8443/in/x");
+        // A token in the path (Slack's incoming webhooks) is hidden too.
+        let slack =
+            Url::parse("https://hooks.slack.com/services/T0001/B0002/XXXXXXXXXXXXXXXXXXXXXXXX")
+                .unwrap();
+        assert_eq!(
+            shown_url(&slack),
+            "https://hooks.slack.com/services/T0001/B0002/***"
+        );
     }
 
     #[test]

@@ -429,3 +429,42 @@ print("verified", len(requests))
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// An error answer whose body is huge (here 100 MB announced, its first
+/// bytes sent, the rest never): the attempt fails at once with the start
+/// of the body, which is all that is read. The whole body was read into
+/// memory before (16 requests at a time), and the attempt waited for it to
+/// the end, here until the timeout.
+#[tokio::test]
+async fn only_the_start_of_an_error_body_is_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut request = vec![0u8; 64 * 1024];
+                let _ = socket.read(&mut request).await;
+                let head =
+                    "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100000000\r\n\r\n";
+                let _ = socket.write_all(head.as_bytes()).await;
+                let _ = socket.write_all(&[b'x'; 4096]).await;
+                let _ = socket.write_all(b"boom").await;
+                tokio::time::sleep(Duration::from_secs(30)).await;
+            });
+        }
+    });
+    let publisher = WebhookPublisher::new(&config(&format!("{base}/in"), "s")).unwrap();
+    let events = sample_events("room", 1);
+    let started = Instant::now();
+    let results = publisher
+        .publish(&[postbox_core::publish::Delivery::of(&events[0])])
+        .await;
+    let err = results[0].as_ref().expect_err("a 500").to_string();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}: {err}",
+        started.elapsed()
+    );
+    assert!(err.contains("500") && err.contains("xxxx"), "{err}");
+}
