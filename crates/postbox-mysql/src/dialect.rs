@@ -391,16 +391,13 @@ impl Dialect for MySqlDialect {
         let mut tx = outbox.begin_bookkeeping(true).await.map_err(db)?;
         // 1. Lock up to `limit` rows, skipping those another relay holds.
         let limit = i64::from(req.limit);
-        let mut claim = sqlx::query(own.claims.of(source, req.ordered));
+        let statement = own.claims.of(source, req.ordered);
         // New rows: the candidates dealt across types, in that order, the
         // paused types read past (under per-aggregate ordering, those of
         // them that are heads are one of the claim's candidate sets).
         let mut dealt = String::new();
         if source == ClaimSource::Pending {
-            // Under per-aggregate ordering, deeper: the followers of
-            // held aggregates are read past (`sql::CLAIM_PENDING_ORDERED`).
-            let depth = if req.ordered { sql::FOLLOWER_SCAN } else { 1 };
-            let ids = pending_candidates(&mut tx, own, req, limit, depth)
+            let ids = pending_candidates(&mut tx, own, req, limit, 1)
                 .await
                 .map_err(db)?;
             if ids.is_empty() {
@@ -422,21 +419,45 @@ impl Dialect for MySqlDialect {
                 }
             }
             dealt = serde_json::to_string(&ids).unwrap_or_default();
-            if !req.ordered {
+        }
+        let claim_from = |dealt: String| {
+            let mut claim = sqlx::query(statement);
+            if source == ClaimSource::Pending && !req.ordered {
                 claim = claim.bind(dealt.clone());
             }
-        }
-        for bind in sql::claim_binds(source, req.ordered) {
-            claim = match *bind {
-                sql::Bind::Tenant => claim.bind(req.app_code),
-                sql::Bind::Limit(times) => claim.bind(times * limit),
-                sql::Bind::Skipped => {
-                    claim.bind(serde_json::to_string(req.skip_types).unwrap_or_default())
+            for bind in sql::claim_binds(source, req.ordered) {
+                claim = match *bind {
+                    sql::Bind::Tenant => claim.bind(req.app_code),
+                    sql::Bind::Limit(times) => claim.bind(times * limit),
+                    sql::Bind::Skipped => {
+                        claim.bind(serde_json::to_string(req.skip_types).unwrap_or_default())
+                    }
+                    sql::Bind::Dealt => claim.bind(dealt.clone()),
+                };
+            }
+            claim
+        };
+        let mut rows = claim_from(dealt).fetch_all(&mut *tx).await.map_err(db)?;
+        if source == ClaimSource::Pending && req.ordered && (rows.len() as i64) < limit {
+            // Came back short: once more from candidates read past the
+            // followers of held aggregates (`sql::FOLLOWER_SCAN`). The rows
+            // this transaction locked already come back again: kept once.
+            let deeper = pending_candidates(&mut tx, own, req, limit, sql::FOLLOWER_SCAN)
+                .await
+                .map_err(db)?;
+            let more = claim_from(serde_json::to_string(&deeper).unwrap_or_default())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db)?;
+            let id_of =
+                |r: &sqlx::mysql::MySqlRow| r.try_get::<i64, _>(outbox.table().column("id")).ok();
+            let mut seen: std::collections::HashSet<i64> = rows.iter().filter_map(id_of).collect();
+            for row in more {
+                if (rows.len() as i64) < limit && id_of(&row).is_some_and(|id| seen.insert(id)) {
+                    rows.push(row);
                 }
-                sql::Bind::Dealt => claim.bind(dealt.clone()),
-            };
+            }
         }
-        let rows = claim.fetch_all(&mut *tx).await.map_err(db)?;
         let Some(first) = rows.first() else {
             tx.commit().await.map_err(db)?;
             return Ok(Vec::new());
@@ -822,7 +843,15 @@ async fn pending_candidates(
     }
     types.retain(|(event_type, _)| !req.skip_types.contains(event_type));
     let types: Vec<Vec<i64>> = types.into_iter().map(|(_, ids)| ids).collect();
-    Ok(deal(&types, (limit * depth.max(2)).max(0) as usize))
+    // Deeper, each type keeps all it read (the claim keeps the first heads
+    // among them): dealt down to 2 × `limit` in all, a type's share was
+    // still its oldest `limit` rows with two types of backlog.
+    let take = if depth > 1 {
+        types.len() as i64 * read_size
+    } else {
+        2 * limit
+    };
+    Ok(deal(&types, take.max(0) as usize))
 }
 
 /// Round-robin over `types` (each a type's ids, oldest first): every

@@ -191,15 +191,15 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
 /// (2) The pending rows a plain claim would take (dealt across types,
 /// the paused ones read past: `MySqlDialect::claim`'s candidate reads,
 /// bound as a JSON array), counting only heads and events without an
-/// aggregate: the first 2 × limit of them in the dealt order, among each
-/// type's oldest [`FOLLOWER_SCAN`] × limit pending rows (the join stops at
-/// its limit, so it reads past followers only when they come first).
-/// Read here in `{table}_due_idx`'s order (by type, then id), a paused
-/// type that sorts first filled them all, and an event without an
-/// aggregate of any other type waited as long as the pause; taking the
-/// oldest batch of each type and keeping its heads, the followers of
-/// held aggregates filled it, and such an event waited as long as they
-/// were held.
+/// aggregate: the first 2 × limit of them in the dealt order (the join
+/// stops at its limit). Read here in `{table}_due_idx`'s order (by type,
+/// then id), a paused type that sorts first filled them all, and an event
+/// without an aggregate of any other type waited as long as the pause.
+/// When the claim comes back short it runs once more on candidates read
+/// [`FOLLOWER_SCAN`] batches deep per type, all of them dealt: taking the
+/// oldest batch of each type and keeping its heads, the followers of held
+/// aggregates filled it, and an event without an aggregate behind them
+/// waited as long as they were held.
 ///
 /// The candidates are a derived table joined to the outbox by primary
 /// key: as `c.id IN (…)` MariaDB ran the union once per pending row.
@@ -240,8 +240,8 @@ pub(crate) const CLAIM_PENDING_ORDERED: &str = concat!(
 const HELD_SCAN: i64 = 8;
 
 /// How many batches' worth of each type's oldest pending rows the
-/// per-aggregate claim reads for heads and events without an aggregate
-/// (`postbox_sqlx::follower_scan!`).
+/// per-aggregate claim that came back short reads for heads and events
+/// without an aggregate (`postbox_sqlx::follower_scan!`).
 pub(crate) const FOLLOWER_SCAN: i64 = 2;
 
 /// What a `?` of a claim statement takes.

@@ -26,6 +26,7 @@ pub struct Own {
     pub(crate) insert_event: String,
     insert_event_partitioned: String,
     pub(crate) claims: ClaimStatements,
+    claim_pending_ordered_deep: String,
     pub(crate) archive_batch: String,
     pub(crate) archive_pick: String,
     archive_pick_lock: String,
@@ -55,6 +56,7 @@ impl Dialect for PgDialect {
             insert_event: t.render(sql::INSERT_EVENT),
             insert_event_partitioned: t.render(sql::INSERT_EVENT_PARTITIONED),
             claims: ClaimStatements::render(t, sql::CLAIMS),
+            claim_pending_ordered_deep: t.render(sql::CLAIM_PENDING_ORDERED_DEEP),
             archive_batch: t.render(sql::ARCHIVE_BATCH),
             archive_pick: t.render(sql::ARCHIVE_PICK),
             archive_pick_lock: t.render(sql::ARCHIVE_PICK_LOCK),
@@ -186,13 +188,35 @@ impl Dialect for PgDialect {
             (claimed, unreadable)
         } else {
             // One statement: no transaction round trips on the hot path.
-            claimed_records(
+            let (mut claimed, mut unreadable) = claimed_records(
                 query
                     .fetch_all(outbox.bookkeeping_pool())
                     .await
                     .map_err(db)?,
                 outbox.table().naming(),
-            )?
+            )?;
+            // A per-aggregate claim that came back short claims once more,
+            // reading past the followers of held aggregates
+            // (`postbox_sqlx::deep_candidates!`).
+            let taken = (claimed.len() + unreadable.len()) as u32;
+            if source == ClaimSource::Pending && req.ordered && taken < req.limit {
+                let rest = postbox_core::store::ClaimRequest {
+                    limit: req.limit - taken,
+                    ..*req
+                };
+                let deep =
+                    sql::claim_query(&outbox.own().claim_pending_ordered_deep, source, &rest)
+                        .bind(i64::from(req.limit));
+                let (more, more_unreadable) = claimed_records(
+                    deep.fetch_all(outbox.bookkeeping_pool())
+                        .await
+                        .map_err(db)?,
+                    outbox.table().naming(),
+                )?;
+                claimed.extend(more);
+                unreadable.extend(more_unreadable);
+            }
+            (claimed, unreadable)
         };
         if !unreadable.is_empty() {
             // Each row carries the lease end the claim wrote.

@@ -110,7 +110,7 @@ pub(crate) const CLAIM_PENDING: &str = concat!(
 // row is in the one index of its status, so each state change writes one
 // claim-index entry, not one per index. Heads of aggregates through
 // `{table}_head_idx` (schema version 7).
-postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), app: "$1", limit: "$2", skip: " <> ALL($5::text[])", head: partial, fair: lateral);
+postbox_sqlx::claims_in_retry_order!(claim, now: now_ms!(), app: "$1", limit: "$2", batch: "$6", skip: " <> ALL($5::text[])", head: partial, fair: lateral);
 
 /// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
 /// the lost attempt is counted. Index: `{table}_lease_idx (app_code,

@@ -27,6 +27,7 @@ pub struct SqliteDialect;
 pub struct Own {
     pub(crate) insert_event: String,
     pub(crate) claims: ClaimStatements,
+    claim_pending_ordered_deep: String,
     pub(crate) archive_pick: String,
     pub(crate) archive_copy: String,
     pub(crate) archive_delete: String,
@@ -59,6 +60,7 @@ impl Dialect for SqliteDialect {
         Own {
             insert_event: t.render(sql::INSERT_EVENT),
             claims: ClaimStatements::render(t, sql::CLAIMS),
+            claim_pending_ordered_deep: t.render(sql::CLAIM_PENDING_ORDERED_DEEP),
             archive_pick: t.render(sql::ARCHIVE_PICK),
             archive_copy: t.render(sql::ARCHIVE_COPY),
             archive_delete: t.render(sql::ARCHIVE_DELETE),
@@ -158,21 +160,38 @@ impl Dialect for SqliteDialect {
         // `FOR UPDATE SKIP LOCKED`.
         let mut tx = outbox.begin_write().await.map_err(db)?;
         let res = async {
-            let rows = sqlx::query(sql)
-                .bind(req.app_code)
-                .bind(i64::from(req.limit))
-                .bind(req.worker_id)
-                .bind(lock_until_ms)
-                .bind(now);
-            // The pending claims leave the paused types out (`?6`).
-            let rows = match source {
-                ClaimSource::Pending => rows.bind(json_list(req.skip_types)),
-                ClaimSource::DueRetry | ClaimSource::ExpiredLease => rows,
+            macro_rules! run {
+                ($sql:expr, $limit:expr) => {{
+                    let rows = sqlx::query($sql)
+                        .bind(req.app_code)
+                        .bind(i64::from($limit))
+                        .bind(req.worker_id)
+                        .bind(lock_until_ms)
+                        .bind(now);
+                    // The pending claims leave the paused types out (`?6`).
+                    match source {
+                        ClaimSource::Pending => rows.bind(json_list(req.skip_types)),
+                        ClaimSource::DueRetry | ClaimSource::ExpiredLease => rows,
+                    }
+                }};
             }
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db)?;
-            let (claimed, unreadable) = claimed_records(rows, outbox.table().naming())?;
+            let rows = run!(sql, req.limit).fetch_all(&mut *tx).await.map_err(db)?;
+            let (mut claimed, mut unreadable) = claimed_records(rows, outbox.table().naming())?;
+            // A per-aggregate claim that came back short claims once more,
+            // reading past the followers of held aggregates
+            // (`postbox_sqlx::deep_candidates!`).
+            let taken = (claimed.len() + unreadable.len()) as u32;
+            if source == ClaimSource::Pending && req.ordered && taken < req.limit {
+                let deep = &outbox.own().claim_pending_ordered_deep;
+                let rows = run!(deep, req.limit - taken)
+                    .bind(i64::from(req.limit))
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                let (more, more_unreadable) = claimed_records(rows, outbox.table().naming())?;
+                claimed.extend(more);
+                unreadable.extend(more_unreadable);
+            }
             if source == ClaimSource::ExpiredLease && !claimed.is_empty() {
                 // The takeover counted an attempt: record it with the claim.
                 let ids: Vec<i64> = claimed.iter().map(|r| r.id).collect();

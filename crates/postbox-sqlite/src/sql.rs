@@ -84,7 +84,7 @@ pub(crate) const CLAIM_PENDING: &str = claim!(
 // Due retries through `{table}_retry_idx (app_code, next_retry_at_ms, id)
 // WHERE status = 'retryable'` (`postbox_sqlx::v5_partial_indexes!`).
 // Heads of aggregates through `{table}_head_idx` (schema version 7).
-postbox_sqlx::claims_in_retry_order!(claim, now: "?5", app: "?1", limit: "?2", skip: " NOT IN (SELECT value FROM json_each(?6))", head: partial, fair: in_list);
+postbox_sqlx::claims_in_retry_order!(claim, now: "?5", app: "?1", limit: "?2", batch: "?7", skip: " NOT IN (SELECT value FROM json_each(?6))", head: partial, fair: in_list);
 
 /// Take over rows whose lease expired (`postbox_sqlx::expired_lease_pick!`);
 /// the lost attempt is counted. Index: `{table}_lease_idx (app_code,

@@ -822,7 +822,7 @@ macro_rules! claims {
 /// invocation.
 #[macro_export]
 macro_rules! claims_in_retry_order {
-    ($claim:ident, now: $now:expr, app: $app:literal, limit: $limit:literal, skip: $skip:literal, head: partial, fair: $fair:ident) => {
+    ($claim:ident, now: $now:expr, app: $app:literal, limit: $limit:literal, batch: $batch:literal, skip: $skip:literal, head: partial, fair: $fair:ident) => {
         $crate::claims_in_retry_order!($claim, now: $now, head: partial, order: "next_retry_at_ms, id");
 
         /// [`CLAIM_PENDING`] for `ordering = "per_aggregate"`: only heads
@@ -834,6 +834,19 @@ macro_rules! claims_in_retry_order {
             concat!(
                 "status = 'pending' AND c.event_type", $skip, " AND ",
                 $crate::id_among!(c, $fair, $crate::head_candidates!(app: $app, limit: $limit, skip: $skip, fair: $fair))
+            ),
+            "next_retry_at_ms, id"
+        );
+
+        /// [`CLAIM_PENDING_ORDERED`] once more, after it came back short
+        /// (`$limit` the rows still wanted, `$batch` the batch size): from
+        /// `postbox_sqlx::deep_candidates!`, reading past the followers of
+        /// held aggregates.
+        pub(crate) const CLAIM_PENDING_ORDERED_DEEP: &str = $claim!(
+            "{table} c",
+            concat!(
+                "status = 'pending' AND c.event_type", $skip, " AND ",
+                $crate::id_among!(c, $fair, $crate::deep_candidates!(app: $app, batch: $batch, take: $limit, skip: $skip, fair: $fair))
             ),
             "next_retry_at_ms, id"
         );
@@ -1078,17 +1091,13 @@ macro_rules! first_open_of {
 ///    whether the head can be claimed), until 2 × `$limit` heads that can
 ///    be claimed (pending, of a type not paused) are found, or
 ///    [`held_scan!`] × `$limit` aggregates are passed;
-/// 2. the `$limit` pending rows a plain claim would take
-///    ([`fair_pending!`], `$fair` its form), counting only heads and
-///    events without an aggregate, read among each type's oldest
-///    [`follower_scan!`] × `$limit` pending rows. Counting the followers
-///    of held aggregates, the oldest batch of a type held none to claim
-///    when they were its oldest rows, and an event without an aggregate
-///    behind them waited as long as they were held.
+/// 2. of the `$limit` pending rows a plain claim would take
+///    ([`fair_pending!`], `$fair` its form), those that are heads (or have
+///    no aggregate). When the claim comes back short, the dialect claims
+///    again from [`deep_candidates!`], which reads past followers.
 ///
-/// Neither reads more than [`follower_scan!`] batches of the backlog
-/// behind the heads: a claim costs about 3 × `$limit` index probes when
-/// heads can go, a few times that when followers come first, whatever the
+/// Neither reads the backlog behind an aggregate's head: a claim costs
+/// about 3 × `$limit` index probes when heads can go, whatever the
 /// backlog. The plain head check over the pending index read every pending
 /// row when there were fewer aggregates than the batch (a room service:
 /// 100 rooms), or when the heads were in flight (the next claim runs while
@@ -1119,26 +1128,51 @@ macro_rules! head_candidates {
                AND q.status = 'pending' AND q.event_type", $skip, ") \
              FROM aggs WHERE aggs.a IS NOT NULL AND aggs.k < 2 * ", $limit,
             " AND aggs.n < ", $crate::held_scan!(), " * ", $limit, "), ",
-            $crate::fair_pending!(app: $app, limit: $limit, take: $limit, skip: $skip, $fair, heads),
-            " SELECT aggs.h FROM aggs WHERE aggs.h IS NOT NULL UNION ALL SELECT f.fid FROM fair f"
+            $crate::fair_pending!(app: $app, limit: $limit, take: $limit, skip: $skip, $fair),
+            " SELECT aggs.h FROM aggs WHERE aggs.h IS NOT NULL \
+             UNION ALL SELECT f.fid FROM fair f WHERE COALESCE(f.fid = ",
+            $crate::first_open_of!($app, "(SELECT o.aggregate_id FROM {table} o WHERE o.id = f.fid)", head: partial),
+            ", TRUE)"
         )
     };
 }
 
 /// How many batches' worth of each type's oldest pending rows a
-/// per-aggregate claim reads for heads and events without an aggregate
-/// ([`head_candidates!`] (2); MySQL's `FOLLOWER_SCAN`). Followers of held
-/// aggregates come first while their heads publish (the next claim runs
-/// beside the batch in flight), retry or are paused: an event without an
-/// aggregate behind more of them than this waits until they move. Each
-/// row read costs a heap read and a head probe, on claims that find
-/// nothing among them too: at 20,000 pending rows in 100 aggregates whose
-/// heads are in flight, a batch of 500 reads about 2,400 rows at 2 (8,400
-/// at 8).
+/// per-aggregate claim that came back short reads for heads and events
+/// without an aggregate ([`deep_candidates!`]; MySQL's `FOLLOWER_SCAN`).
+/// Followers of held aggregates come first while their heads publish (the
+/// next claim runs beside the batch in flight), retry or are paused: an
+/// event without an aggregate behind more of them than this waits until
+/// they move. Each row read costs a heap read and a head probe: at 20,000
+/// pending rows in 100 aggregates whose heads are in flight, a batch of
+/// 500 reads about 2,400 rows at 2 (8,400 at 8).
 #[macro_export]
 macro_rules! follower_scan {
     () => {
         "2"
+    };
+}
+
+/// The ids a per-aggregate pending claim that came back short takes from
+/// next (for tenant `$app`, batch size `$batch`, `$take` rows still
+/// wanted, where the database has partial indexes): the `$take` pending
+/// rows a plain claim would take,
+/// counting only heads and events without an aggregate, read among each
+/// type's oldest [`follower_scan!`] × `$batch` pending rows. When the
+/// followers of held aggregates (heads in flight, retrying, of a paused
+/// type) are a type's oldest rows, [`head_candidates!`] finds none of that
+/// type to claim, and an event without an aggregate behind them waited as
+/// long as they were held (the whole of a pause). Each row read costs a
+/// heap read and a head probe, which is why this runs only after a claim
+/// that came back short, never on one that filled its batch.
+#[macro_export]
+macro_rules! deep_candidates {
+    (app: $app:literal, batch: $batch:literal, take: $take:literal, skip: $skip:literal, fair: $fair:ident) => {
+        concat!(
+            "WITH RECURSIVE ",
+            $crate::fair_pending!(app: $app, limit: $batch, take: $take, skip: $skip, $fair, heads),
+            " SELECT f.fid FROM fair f"
+        )
     };
 }
 

@@ -2005,6 +2005,9 @@ async fn ordered_claim_finds_events_without_an_aggregate_behind_held_followers(
         .collect();
     enqueue(store.as_ref(), &taken).await;
     assert_eq!(claim(2, Vec::new()).await.len(), 2, "the two heads");
+    // Another type's events without an aggregate: the claim takes them
+    // and comes back short.
+    let others: Vec<NewEvent> = (0..2).map(|_| NewEvent::new(APP, "Z", "{}")).collect();
     let paused: Vec<NewEvent> = (0..2)
         .map(|i| NewEvent::new(APP, "P", "{}").aggregate(format!("b-{i}"), 1))
         .collect();
@@ -2017,10 +2020,18 @@ async fn ordered_claim_finds_events_without_an_aggregate_behind_held_followers(
     enqueue(store.as_ref(), &followers).await;
     let free = vec![NewEvent::new(APP, "Y", "{}")];
     enqueue(store.as_ref(), &free).await;
+    enqueue(store.as_ref(), &others).await;
+    let mut expected: Vec<String> = others
+        .iter()
+        .chain(&free)
+        .map(|e| e.event_id.clone())
+        .collect();
+    expected.sort();
+    let mut got = claim(5, vec!["P".to_owned()]).await;
+    got.sort();
     assert_eq!(
-        claim(5, vec!["P".to_owned()]).await,
-        [free[0].event_id.clone()],
-        "the event without an aggregate behind eight held followers"
+        got, expected,
+        "the other type's events, and the event without an aggregate behind eight held followers"
     );
 }
 
