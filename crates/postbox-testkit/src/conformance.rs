@@ -3430,17 +3430,29 @@ async fn a_paused_types_due_retries_do_not_hold_back_the_others(store: Arc<dyn O
     let shutdown = CancellationToken::new();
     let handle =
         tokio::spawn(Relay::new(store.clone(), vec![p.clone()], settings).run(shutdown.clone()));
+    let started = std::time::Instant::now();
     wait_until(
         "the other type's retry delivered",
         Duration::from_secs(4),
         async || p.attempts(&pay.event_id) > 0,
     )
     .await;
+    // Given back a second time while the pause lasts, a paused retry waits
+    // a minute, not 5 s: due every 5 s, a paused backlog came back faster
+    // than a relay claims past it, and was rewritten every 5 s.
+    tokio::time::sleep(Duration::from_secs(7).saturating_sub(started.elapsed())).await;
     shutdown.cancel();
     handle.await.expect("relay task").expect("relay run");
     assert!(
         audits.iter().all(|e| p.attempts(&e.event_id) == 0),
         "a paused Audit was published"
+    );
+    let now = store.now_ms().await.unwrap();
+    let row = status_of(store.as_ref(), &audits[0].event_id).await;
+    assert!(
+        row.next_retry_at_ms - now > 30_000,
+        "the paused retry, given back twice, is due in {} ms",
+        row.next_retry_at_ms - now
     );
 }
 

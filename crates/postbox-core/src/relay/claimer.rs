@@ -78,6 +78,14 @@ const BEAT_THEN_PROBE: Duration = Duration::from_secs(1);
 /// again (to give it back again, or to publish it once resumed).
 const PAUSED_RECHECK: Duration = Duration::from_secs(5);
 
+/// [`PAUSED_RECHECK`] for a row given back for a pause before. Due again
+/// every 5 s, a paused backlog of due retries came back faster than a
+/// relay could claim past it (a batch a round: past 5 batches it never got
+/// through), and the other types' retries and expired leases behind it in
+/// due order waited for the whole pause; and it was rewritten every 5 s.
+/// A paused type's retry is sent within this of the pause's end.
+const PAUSED_RECHECK_AGAIN: Duration = Duration::from_secs(60);
+
 /// Why rows were given back while paused (their `last_error` when deferred).
 const PAUSED: &str = "paused by a runtime control";
 
@@ -386,7 +394,8 @@ impl Claimer {
     /// Gives back rows a claim took while their app_code or type is paused,
     /// counting no attempt: a row never tried becomes `pending` again (the
     /// pending claims leave it out while paused); a retry stays
-    /// `retryable`, due after [`PAUSED_RECHECK`], keeping the publishers
+    /// `retryable`, due after [`PAUSED_RECHECK`] ([`PAUSED_RECHECK_AGAIN`]
+    /// when it was given back for a pause before), keeping the publishers
     /// that confirmed it.
     async fn hold_back(&self, held: Vec<ClaimedEvent>) {
         let (fresh, retries): (Vec<_>, Vec<_>) =
@@ -394,14 +403,21 @@ impl Claimer {
         if !fresh.is_empty() {
             super::release(self.store.as_ref(), &fresh, PAUSED).await;
         }
-        let mut waiting: HashMap<(Fence, Vec<String>), Vec<i64>> = HashMap::new();
+        let mut waiting: HashMap<(Fence, Vec<String>, bool), Vec<i64>> = HashMap::new();
         for e in retries {
-            let key = (e.fence(), e.record.delivered_to.clone());
+            // Given back for a pause before: the pause goes on.
+            let again = e.record.last_error.as_deref() == Some(PAUSED);
+            let key = (e.fence(), e.record.delivered_to.clone(), again);
             waiting.entry(key).or_default().push(e.record.id);
         }
-        for ((fence, delivered_to), ids) in waiting {
+        for ((fence, delivered_to, again), ids) in waiting {
+            let recheck = if again {
+                PAUSED_RECHECK_AGAIN
+            } else {
+                PAUSED_RECHECK
+            };
             let update = DeferUpdate {
-                after_ms: PAUSED_RECHECK.as_millis() as i64,
+                after_ms: recheck.as_millis() as i64,
                 delivered_to,
                 reason: PAUSED.to_owned(),
             };
