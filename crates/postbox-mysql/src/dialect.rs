@@ -609,10 +609,19 @@ impl Dialect for MySqlDialect {
                 "another `postbox migrate` on table `{table}` held the migration lock for 60s; try again"
             )));
         }
-        sqlx::query(sql::MIGRATION_LOCK_WAIT)
+        if let Err(e) = sqlx::query(sql::MIGRATION_LOCK_WAIT)
             .execute(&mut **conn)
             .await
-            .map_err(|e| db_error("migrate", e))?;
+        {
+            // Not left held by a connection going back to the pool.
+            if release_lock(conn, sql::MIGRATION_UNLOCK, table)
+                .await
+                .is_err()
+            {
+                conn.close_on_drop();
+            }
+            return Err(db_error("migrate", e));
+        }
         Ok(())
     }
 

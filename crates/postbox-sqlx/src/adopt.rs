@@ -117,7 +117,8 @@ impl SqlOutbox<D> {
             Some(sql) => self.names_of_table(sql, op).await?,
             None => Vec::new(),
         };
-        let widen = self.aggregate_width(&definitions).await?;
+        let (widen, too_long) = self.aggregate_width(&definitions).await?;
+        report.blockers.extend(too_long);
         let indexes: Vec<(String, Vec<String>)> = match adopt.indexes {
             Some(list) => list
                 .iter()
@@ -266,26 +267,40 @@ impl SqlOutbox<D> {
     /// table's: shorter, an `INSERT` of a longer aggregate failed (or, out
     /// of strict mode, two aggregates alike in their first characters
     /// became one).
-    async fn aggregate_width(&self, definitions: &[String]) -> Result<impl Fn(String) -> String + use<D>> {
+    async fn aggregate_width(
+        &self,
+        definitions: &[String],
+    ) -> Result<(impl Fn(String) -> String + use<D>, Option<String>)> {
         let column = self.table().column("aggregate_id");
         let ours = definitions
             .iter()
             .find(|d| d.split_whitespace().next() == Some(column))
             .and_then(|d| d.split_once("VARCHAR(")?.1.split_once(')')?.0.parse::<i64>().ok());
-        let theirs = self
-            .column_facts()
-            .await?
-            .into_iter()
-            .find(|f| f.name.eq_ignore_ascii_case(column))
-            .and_then(|f| f.length);
+        let facts = self.column_facts().await?;
+        let length_of = |name: &str| facts.iter().find(|f| f.name.eq_ignore_ascii_case(name)).and_then(|f| f.length);
+        let theirs = length_of(column);
         let widen = match (ours, theirs) {
             (Some(o), Some(t)) if t > o => Some((format!("open_aggregate_id VARCHAR({o})"), format!("open_aggregate_id VARCHAR({t})"))),
             _ => None,
         };
-        Ok(move |stmt: String| match &widen {
+        // The head index's key, (app_code, aggregate, version, id), in
+        // utf8mb4 (4 bytes a character) must fit InnoDB's 3,072 bytes: the
+        // build failed after the virtual columns were added.
+        let app = length_of(self.table().column("app_code")).unwrap_or(64);
+        let too_long = match (widen.is_some(), theirs) {
+            (true, Some(t)) if 4 * (t + app) + 16 > 3_072 => Some(format!(
+                "column `{column}` holds {t} characters: the head index postbox needs on (`{}`, aggregate, version, id) \
+                 would be longer than InnoDB's 3,072 bytes; shorten it to at most {} characters",
+                self.table().column("app_code"),
+                (3_072 - 16) / 4 - app
+            )),
+            _ => None,
+        };
+        let widen = move |stmt: String| match &widen {
             Some((from, to)) => stmt.replace(from.as_str(), to),
             None => stmt,
-        })
+        };
+        Ok((widen, too_long))
     }
 }
 }

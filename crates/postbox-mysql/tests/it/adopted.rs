@@ -116,3 +116,35 @@ async fn adopt_keeps_aggregates_as_long_as_the_tables() {
             .unwrap();
     }
 }
+
+/// Aggregates too long for the head index's key (InnoDB's 3,072 bytes) are
+/// a blocker, named before anything changes: the index build failed after
+/// the virtual columns were added, leaving the adoption half done.
+#[tokio::test]
+async fn adopt_names_aggregates_too_long_for_an_index() {
+    let (pool, table) = scratch().await;
+    let name = table.as_str().to_owned();
+    let store = MySqlOutbox::named(pool.clone(), table);
+    let legacy = ddl(&name).replace("aggregate_id VARCHAR(128)", "aggregate_id VARCHAR(1000)");
+    sqlx::query(&legacy).execute(&pool).await.unwrap();
+    let plan = store.adopt(true).await.unwrap();
+    assert!(!plan.applied, "{plan:#?}");
+    let said = plan.blockers.join("\n");
+    assert!(
+        said.contains("`aggregate_id` holds 1000 characters"),
+        "{said}"
+    );
+    let virtuals: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.columns WHERE table_schema = DATABASE() \
+         AND table_name = ? AND column_name = 'open_aggregate_id'",
+    )
+    .bind(&name)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(virtuals, 0, "nothing was changed");
+    sqlx::query(&format!("DROP TABLE {name}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
