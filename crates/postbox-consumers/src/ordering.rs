@@ -153,6 +153,7 @@ struct Statements {
     hold: String,
     release: String,
     drop_gone: String,
+    purge: String,
 }
 
 struct Dialect {
@@ -161,6 +162,8 @@ struct Dialect {
     hold: &'static str,
     release: &'static str,
     drop_gone: &'static str,
+    /// Binds cut-off ms, batch size.
+    purge: &'static str,
 }
 
 impl Statements {
@@ -172,6 +175,7 @@ impl Statements {
             hold: r(d.hold),
             release: r(d.release),
             drop_gone: r(d.drop_gone),
+            purge: r(d.purge),
         }
     }
 }
@@ -205,6 +209,7 @@ const POSTGRES: Dialect = Dialect {
     release: "DELETE FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND event_id = $3",
     // primary key
     drop_gone: "DELETE FROM {table}_holds WHERE consumer_group = $1 AND aggregate_id = $2 AND event_id = $3 AND until_ms = $4",
+    purge: "DELETE FROM {table}_holds WHERE ctid IN (SELECT ctid FROM {table}_holds WHERE until_ms < $1 LIMIT $2)",
 };
 
 #[cfg(feature = "mysql")]
@@ -219,6 +224,7 @@ const MYSQL: Dialect = Dialect {
     release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND event_id = ?",
     // primary key
     drop_gone: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND event_id = ? AND until_ms = ?",
+    purge: "DELETE FROM {table}_holds WHERE until_ms < ? LIMIT ?",
 };
 
 #[cfg(feature = "sqlite")]
@@ -239,6 +245,7 @@ const SQLITE: Dialect = Dialect {
     release: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND event_id = ?",
     // primary key
     drop_gone: "DELETE FROM {table}_holds WHERE consumer_group = ? AND aggregate_id = ? AND event_id = ? AND until_ms = ?",
+    purge: "DELETE FROM {table}_holds WHERE rowid IN (SELECT rowid FROM {table}_holds WHERE until_ms < ? LIMIT ?)",
 };
 
 /// Runs the holds' statement `$sql` with `$arg`s bound in order: the rows
@@ -269,6 +276,28 @@ macro_rules! holds_backend {
                     .await
                     .map_err(|e| Error::database("creating the ordering holds table", e))?;
                 Ok(holds)
+            }
+
+            /// Deletes the holds that lapsed before `before_ms` (the inbox's
+            /// retention ago), `batch_size` a statement; how many went. A
+            /// hold whose event never came back and that no later version
+            /// found is otherwise kept for ever (a crash between a dead
+            /// letter and its release, a release that failed).
+            pub async fn purge(&self, before_ms: i64, batch_size: u32) -> Result<u64, Error> {
+                let mut total = 0;
+                loop {
+                    let n = sqlx::query(&self.sql.purge)
+                        .bind(before_ms)
+                        .bind(i64::from(batch_size))
+                        .execute(&self.pool)
+                        .await
+                        .map_err(|e| Error::database("purging ordering holds", e))?
+                        .rows_affected();
+                    total += n;
+                    if n < u64::from(batch_size) {
+                        return Ok(total);
+                    }
+                }
             }
         }
 

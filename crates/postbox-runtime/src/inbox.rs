@@ -60,18 +60,25 @@ pub(crate) async fn bridge(
     macro_rules! bridge_on {
         ($db:ty) => {{
             let inbox = Inbox::<$db>::connect(url, table).await.map_err(refuse)?;
-            let holds: Option<Arc<dyn AggregateHolds>> = if ordered {
+            let holds = if ordered {
                 Some(Arc::new(Holds::<$db>::of(&inbox).await.map_err(refuse)?))
             } else {
                 None
             };
             spawn_purge(c.name(), retention, shutdown.clone(), {
-                let inbox = inbox.clone();
+                let (inbox, holds) = (inbox.clone(), holds.clone());
                 move |cut| {
-                    let inbox = inbox.clone();
-                    async move { inbox.purge(cut, PURGE_BATCH).await }
+                    let (inbox, holds) = (inbox.clone(), holds.clone());
+                    async move {
+                        let mut purged = inbox.purge(cut, PURGE_BATCH).await?;
+                        if let Some(holds) = holds {
+                            purged += holds.purge(cut, PURGE_BATCH).await?;
+                        }
+                        Ok(purged)
+                    }
                 }
             });
+            let holds = holds.map(|h| h as Arc<dyn AggregateHolds>);
             let handler: Arc<dyn Handler> = Arc::new(InboxHandler::new(inbox, group, http));
             (handler, holds)
         }};

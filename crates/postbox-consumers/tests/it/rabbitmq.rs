@@ -786,6 +786,16 @@ macro_rules! holds_case {
             assert_eq!(blocker(3, "e3").await, Some(held("e2", now + 30_000)));
             holds.release("g", "a", "e2").await.unwrap();
             assert_eq!(blocker(3, "e3").await, None);
+            // The purge takes the holds that lapsed before its cut-off (the
+            // inbox's retention ago), and only those: kept for ever before.
+            holds
+                .hold("g", "old", "o1", 1, now - 100_000)
+                .await
+                .unwrap();
+            holds.hold("g", "new", "n1", 1, now - 10).await.unwrap();
+            assert_eq!(holds.purge(now - 50_000, 1).await.unwrap(), 1);
+            assert_eq!(holds.blocker("g", "old", 2, "o2").await.unwrap(), None);
+            assert!(holds.blocker("g", "new", 2, "n2").await.unwrap().is_some());
             for t in ["_holds", "_versions", ""] {
                 let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
                     .execute(inbox.pool())
