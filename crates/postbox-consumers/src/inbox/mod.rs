@@ -232,6 +232,14 @@ macro_rules! inbox_backend {
                 let table = postbox_core::TableName::new(table)?;
                 let pool = sqlx::pool::PoolOptions::<$db>::new()
                     .max_connections(8)
+                    .after_connect(|conn, _| {
+                        Box::pin(async move {
+                            if let Some(sql) = $dialect.on_connect {
+                                sqlx::Executor::execute(conn, sql).await?;
+                            }
+                            Ok(())
+                        })
+                    })
                     .connect(&$crate::inbox::normalise_url(url))
                     .await
                     .map_err(|e| postbox_core::Error::database("connecting to the inbox database", e))?;
@@ -442,6 +450,8 @@ pub(crate) mod sql {
         pub purge_events: &'static str,
         /// Binds cut-off ms, batch size.
         pub purge_versions: &'static str,
+        /// Run on each new connection of a pool [`Inbox::connect`] opens.
+        pub on_connect: Option<&'static str>,
     }
 }
 

@@ -38,6 +38,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     purge_events: "DELETE FROM {table} WHERE created_at_ms < ? LIMIT ?",
     // {table}_versions_updated_idx
     purge_versions: "DELETE FROM {table}_versions WHERE updated_at_ms < ? LIMIT ?",
+    on_connect: None,
 };
 
 super::inbox_backend!(sqlx::MySql, DIALECT);

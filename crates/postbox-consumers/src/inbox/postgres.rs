@@ -33,6 +33,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     purge_events: "DELETE FROM {table} WHERE ctid IN (SELECT ctid FROM {table} WHERE created_at_ms < $1 LIMIT $2)",
     // {table}_versions_updated_idx
     purge_versions: "DELETE FROM {table}_versions WHERE ctid IN (SELECT ctid FROM {table}_versions WHERE updated_at_ms < $1 LIMIT $2)",
+    on_connect: None,
 };
 
 super::inbox_backend!(sqlx::Postgres, DIALECT);

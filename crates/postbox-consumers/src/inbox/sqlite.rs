@@ -32,6 +32,12 @@ pub(crate) const DIALECT: Dialect = Dialect {
     purge_events: "DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} WHERE created_at_ms < ? LIMIT ?)",
     // {table}_versions_updated_idx
     purge_versions: "DELETE FROM {table}_versions WHERE rowid IN (SELECT rowid FROM {table}_versions WHERE updated_at_ms < ? LIMIT ?)",
+    // A transaction holds the database's one write lock from the inbox
+    // insert until the handler's commit, so every other writer of the file
+    // (another consumer, another process) waits the handler's time: with
+    // sqlx's 5 s, one past a slow handler failed "database is locked", an
+    // attempt spent.
+    on_connect: Some("PRAGMA busy_timeout = 60000"),
 };
 
 super::inbox_backend!(sqlx::Sqlite, DIALECT);

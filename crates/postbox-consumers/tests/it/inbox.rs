@@ -519,3 +519,42 @@ mod postgres_locking {
         drop_tables(inbox.pool(), [effect, versions, table]).await;
     }
 }
+
+/// Holds the SQLite write lock its inbox transaction took for `0`, then
+/// succeeds (a slow handler).
+struct Slow(std::time::Duration);
+
+#[async_trait]
+impl TxHandler<sqlx::Sqlite> for Slow {
+    async fn handle(&self, _: &mut Tx<sqlx::Sqlite>, _: &Message) -> Result<(), HandlerError> {
+        tokio::time::sleep(self.0).await;
+        Ok(())
+    }
+}
+
+/// Two consumers (two processes) sharing one SQLite inbox file: while one
+/// handler runs 6 s, holding the file's write lock, the other waits for it
+/// and then handles its event. It failed "database is locked" after sqlx's
+/// 5 s, an attempt spent for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_inbox_waits_out_a_slow_handler_beside_it() {
+    let (url, _dir) = sqlite_file().await;
+    let table = scratch_table("inbox");
+    let first = Inbox::<sqlx::Sqlite>::connect(&url, &table).await.unwrap();
+    let second = Inbox::<sqlx::Sqlite>::connect(&url, &table).await.unwrap();
+    let slow = tokio::spawn(async move {
+        first
+            .process(
+                "g",
+                &message("e1", None),
+                &Slow(std::time::Duration::from_secs(6)),
+            )
+            .await
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let quick = second
+        .process("g", &message("e2", None), &Slow(std::time::Duration::ZERO))
+        .await;
+    assert_eq!(quick.unwrap(), Handled::Ok);
+    assert_eq!(slow.await.unwrap().unwrap(), Handled::Ok);
+}
