@@ -863,7 +863,7 @@ pub(crate) const ADOPT_COLUMNS: &str =
 pub(crate) const ADOPT_COLUMN_FACTS: &str =
     "SELECT CAST(column_name AS CHAR), CAST(is_nullable = 'YES' AS SIGNED), \
        CAST(column_default IS NOT NULL AND column_default <> 'NULL' AS SIGNED), \
-       CAST(character_maximum_length AS SIGNED) \
+       CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) \
      FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = ?";
 
 /// `postbox adopt`: the table's secondary indexes.

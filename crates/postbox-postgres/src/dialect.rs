@@ -207,14 +207,24 @@ impl Dialect for PgDialect {
                 let deep =
                     sql::claim_query(&outbox.own().claim_pending_ordered_deep, source, &rest)
                         .bind(i64::from(req.limit));
-                let (more, more_unreadable) = claimed_records(
-                    deep.fetch_all(outbox.bookkeeping_pool())
-                        .await
-                        .map_err(db)?,
-                    outbox.table().naming(),
-                )?;
-                claimed.extend(more);
-                unreadable.extend(more_unreadable);
+                let more = deep
+                    .fetch_all(outbox.bookkeeping_pool())
+                    .await
+                    .map_err(db)
+                    .and_then(|rows| claimed_records(rows, outbox.table().naming()));
+                match more {
+                    Ok((more, more_unreadable)) => {
+                        claimed.extend(more);
+                        unreadable.extend(more_unreadable);
+                    }
+                    // The first statement's rows are leased (committed):
+                    // they go out; the rest waits for the next claim.
+                    Err(e) => tracing::warn!(
+                        app_code = req.app_code,
+                        error = %e,
+                        "the per-aggregate claim's second statement failed; the rows of the first go on"
+                    ),
+                }
             }
             (claimed, unreadable)
         };

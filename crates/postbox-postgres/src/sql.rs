@@ -640,7 +640,7 @@ pub(crate) const ADOPT_COLUMNS: &str = "SELECT column_name::TEXT FROM informatio
 
 /// `postbox adopt`: each column's name, NULL allowed, default, length.
 pub(crate) const ADOPT_COLUMN_FACTS: &str = "SELECT column_name::TEXT, (is_nullable = 'YES')::INT, \
-       (column_default IS NOT NULL)::INT, character_maximum_length::BIGINT \
+       (column_default IS NOT NULL)::INT, character_maximum_length::BIGINT, character_octet_length::BIGINT \
      FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = lower($1)";
 
 /// `postbox adopt`: indexes of the table a failed `CREATE INDEX

@@ -203,6 +203,9 @@ struct ColumnFacts {
     nullable: bool,
     has_default: bool,
     length: Option<i64>,
+    /// Its length in bytes (text only): `length` times the character set's
+    /// widest character.
+    octets: Option<i64>,
 }
 
 engine_impl! {
@@ -224,6 +227,7 @@ impl SqlOutbox<D> {
                     nullable: sqlx::Row::try_get::<i32, _>(r, 1)? != 0,
                     has_default: sqlx::Row::try_get::<i32, _>(r, 2)? != 0,
                     length: sqlx::Row::try_get(r, 3)?,
+                    octets: sqlx::Row::try_get(r, 4)?,
                 })
             })
             .collect::<std::result::Result<_, sqlx::Error>>()
@@ -277,22 +281,24 @@ impl SqlOutbox<D> {
             .find(|d| d.split_whitespace().next() == Some(column))
             .and_then(|d| d.split_once("VARCHAR(")?.1.split_once(')')?.0.parse::<i64>().ok());
         let facts = self.column_facts().await?;
-        let length_of = |name: &str| facts.iter().find(|f| f.name.eq_ignore_ascii_case(name)).and_then(|f| f.length);
-        let theirs = length_of(column);
+        let fact = |name: &str| facts.iter().find(|f| f.name.eq_ignore_ascii_case(name));
+        let theirs = fact(column).and_then(|f| f.length);
         let widen = match (ours, theirs) {
             (Some(o), Some(t)) if t > o => Some((format!("open_aggregate_id VARCHAR({o})"), format!("open_aggregate_id VARCHAR({t})"))),
             _ => None,
         };
-        // The head index's key, (app_code, aggregate, version, id), in
-        // utf8mb4 (4 bytes a character) must fit InnoDB's 3,072 bytes: the
-        // build failed after the virtual columns were added.
-        let app = length_of(self.table().column("app_code")).unwrap_or(64);
-        let too_long = match (widen.is_some(), theirs) {
-            (true, Some(t)) if 4 * (t + app) + 16 > 3_072 => Some(format!(
-                "column `{column}` holds {t} characters: the head index postbox needs on (`{}`, aggregate, version, id) \
-                 would be longer than InnoDB's 3,072 bytes; shorten it to at most {} characters",
+        // MySQL's head index's key, (app_code, aggregate, version, id),
+        // must fit InnoDB's 3,072 bytes: the build failed after the virtual
+        // columns were added. (PostgreSQL's head index is over the column
+        // itself, and its key limit is no matter here.)
+        let octets = |name: &str| fact(name).and_then(|f| f.octets);
+        let app = octets(self.table().column("app_code")).unwrap_or(256);
+        let too_long = match (D::BACKEND == "mysql" && widen.is_some(), theirs, octets(column)) {
+            (true, Some(t), Some(bytes)) if bytes + app + 16 > 3_072 => Some(format!(
+                "column `{column}` holds {t} characters ({bytes} bytes): the head index postbox needs on (`{}`, aggregate, version, id) \
+                 would be longer than InnoDB's 3,072 bytes; shorten it to at most {} bytes",
                 self.table().column("app_code"),
-                (3_072 - 16) / 4 - app
+                3_072 - 16 - app
             )),
             _ => None,
         };

@@ -131,7 +131,7 @@ async fn adopt_names_aggregates_too_long_for_an_index() {
     assert!(!plan.applied, "{plan:#?}");
     let said = plan.blockers.join("\n");
     assert!(
-        said.contains("`aggregate_id` holds 1000 characters"),
+        said.contains("`aggregate_id` holds 1000 characters (4000 bytes)"),
         "{said}"
     );
     let virtuals: i64 = sqlx::query_scalar(
@@ -147,4 +147,32 @@ async fn adopt_names_aggregates_too_long_for_an_index() {
         .execute(&pool)
         .await
         .unwrap();
+}
+
+/// A legacy latin1 table's long aggregates fit the head index (one byte a
+/// character): no blocker. The check took every character for four bytes.
+#[tokio::test]
+async fn adopt_takes_long_aggregates_of_a_narrow_character_set() {
+    let (pool, table) = scratch().await;
+    let name = table.as_str().to_owned();
+    let store = MySqlOutbox::named(pool.clone(), table);
+    let legacy = format!(
+        "{} DEFAULT CHARSET = latin1",
+        ddl(&name).replace("aggregate_id VARCHAR(128)", "aggregate_id VARCHAR(1000)")
+    );
+    sqlx::query(&legacy).execute(&pool).await.unwrap();
+    let plan = store.adopt(true).await.unwrap();
+    assert!(plan.applied, "{plan:#?}");
+    for t in [
+        format!("{name}_archive"),
+        format!("{name}_history"),
+        format!("{name}_controls"),
+        format!("{name}_relays"),
+        name.clone(),
+    ] {
+        sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
 }

@@ -182,3 +182,22 @@ async fn adopt_names_columns_its_statements_would_never_match() {
         .await
         .unwrap();
 }
+
+/// Long aggregates are no blocker on PostgreSQL (its head index is over
+/// the column itself): the check meant for InnoDB's key limit refused a
+/// PostgreSQL table with a `VARCHAR(1000)` aggregate.
+#[tokio::test]
+async fn adopt_takes_long_aggregates() {
+    let (pool, table) = scratch().await;
+    let name = table.as_str().to_owned();
+    let store = PgOutbox::named(pool.clone(), table);
+    let legacy = ddl(&name).replace("aggregate_id VARCHAR(128)", "aggregate_id VARCHAR(1000)");
+    assert!(legacy.contains("VARCHAR(1000)"));
+    sqlx::query(&legacy).execute(&pool).await.unwrap();
+    let plan = store.adopt(false).await.unwrap();
+    assert!(plan.blockers.is_empty(), "{plan:#?}");
+    sqlx::query(&format!("DROP TABLE {name}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}

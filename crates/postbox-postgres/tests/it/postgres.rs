@@ -74,6 +74,64 @@ async fn migrate_gives_up_on_a_table_a_long_transaction_holds() {
     );
 }
 
+/// The per-aggregate claim's second statement (past the followers of held
+/// aggregates) fails: the rows its first statement leased are still handed
+/// out. They were dropped with the error, left `delivering` until their
+/// lease ended and then taken over as a failed attempt that never was.
+#[tokio::test]
+async fn a_failed_second_claim_statement_keeps_the_first_ones_rows() {
+    use postbox_core::store::ClaimRequest;
+    use postbox_core::ClaimSource;
+    let store = outbox().await;
+    let t = store.table().as_str().to_owned();
+    let claim = async |limit: u32| {
+        let req = ClaimRequest {
+            app_code: "app",
+            limit,
+            worker_id: "w",
+            lease_ms: 600_000,
+            ordered: true,
+            skip_types: &[],
+        };
+        store.claim(ClaimSource::Pending, &req).await
+    };
+    let heads: Vec<NewEvent> = (0..2)
+        .map(|i| NewEvent::new("app", "Y", "{}").aggregate(format!("a-{i}"), 1))
+        .collect();
+    store.enqueue_batch(&heads, 1 << 20).await.unwrap();
+    assert_eq!(claim(2).await.unwrap().len(), 2, "the heads, in flight");
+    let followers: Vec<NewEvent> = (2..4)
+        .flat_map(|v| {
+            (0..2).map(move |i| NewEvent::new("app", "Y", "{}").aggregate(format!("a-{i}"), v))
+        })
+        .collect();
+    store.enqueue_batch(&followers, 1 << 20).await.unwrap();
+    let boom = NewEvent::new("app", "Y", "{}").event_id("boom");
+    let z = NewEvent::new("app", "Z", "{}");
+    store
+        .enqueue_batch(&[boom, z.clone()], 1 << 20)
+        .await
+        .unwrap();
+    // Only the second statement reaches `boom`, behind the followers.
+    for stmt in [
+        "CREATE FUNCTION {t}_boom() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'boom'; END $$".to_owned(),
+        "CREATE TRIGGER {t}_boom BEFORE UPDATE ON {t} FOR EACH ROW WHEN (OLD.event_id = 'boom') EXECUTE FUNCTION {t}_boom()".to_owned(),
+    ] {
+        sqlx::query(&stmt.replace("{t}", &t)).execute(store.pool()).await.unwrap();
+    }
+    let got = claim(3).await.expect("the first statement's rows");
+    let ids: Vec<&str> = got.iter().map(|c| c.record.event_id.as_str()).collect();
+    assert_eq!(ids, [z.event_id.as_str()]);
+    sqlx::query(&format!("DROP TRIGGER {t}_boom ON {t}"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    sqlx::query(&format!("DROP FUNCTION {t}_boom"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+}
+
 #[tokio::test]
 async fn migrate_is_idempotent() {
     let store = outbox().await;
