@@ -16,6 +16,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{Global, LogFormat};
@@ -159,6 +161,22 @@ impl<'a> MakeWriter<'a> for QueueWriter {
     }
 }
 
+/// What is never logged, whatever `--log` or RUST_LOG asks for (a filter
+/// applied after theirs: a directive of theirs more specific than one of
+/// postbox's own, `async_nats::connector=debug`, took precedence over it).
+/// Payloads: lapin logs every returned (unroutable) message with its body
+/// at WARN (the publisher reports the event itself), and whole frames,
+/// bodies included, at TRACE. Secrets: the NATS client logs each
+/// connection attempt at DEBUG with the server's URL in `Debug` form, its
+/// password shown.
+fn never_logged(meta: &tracing::Metadata<'_>) -> bool {
+    let target = meta.target();
+    let level = *meta.level();
+    target.starts_with("lapin::returned_messages")
+        || (target.starts_with("lapin") && level == tracing::Level::TRACE)
+        || (target.starts_with("async_nats") && level > tracing::Level::INFO)
+}
+
 /// `default_filter` applies when neither `--log` nor RUST_LOG is given.
 pub fn init(g: &Global, default_filter: &str) {
     let _ = SINK.set(Sink::start(g.log_format));
@@ -168,27 +186,20 @@ pub fn init(g: &Global, default_filter: &str) {
         .map(EnvFilter::new)
         .or_else(|| EnvFilter::try_from_default_env().ok())
         .unwrap_or_else(|| EnvFilter::new(default_filter));
-    // Payloads never reach logs. lapin logs every returned (unroutable)
-    // message with its body at WARN (the publisher reports the event
-    // itself), and whole frames, bodies included, at TRACE: both are cut
-    // whatever `--log` or RUST_LOG asks for. Secrets never reach logs:
-    // the NATS client logs each connection attempt at DEBUG with the
-    // server's URL in `Debug` form, its password shown.
-    let filter = [
-        "lapin=debug",
-        "lapin::returned_messages=off",
-        "async_nats=info",
-    ]
-    .into_iter()
-    .filter_map(|d| d.parse().ok())
-    .fold(filter, |f, directive| f.add_directive(directive));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(QueueWriter);
+    // After the filter `--log` or RUST_LOG gives, whatever it asks for.
+    let never = tracing_subscriber::filter::filter_fn(|meta| !never_logged(meta));
     match g.log_format {
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-        LogFormat::Text => builder.with_target(false).init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .finish()
+            .with(never)
+            .init(),
+        LogFormat::Text => builder.with_target(false).finish().with(never).init(),
     }
     // A panic's message goes through the same queue (as JSON in json mode)
     // instead of a blocking write that could hang on a full stderr.

@@ -18,7 +18,9 @@
 //! A clock cannot tell a retry copy that is gone (purged, moved or
 //! dead-lettered by hand) from one still on its way: a retry copy returns
 //! to the *tail* of the queue, behind however long a backlog. So a hold
-//! never lets a later version through because of a timer. Its lapse time,
+//! never lets a later version through because of a timer (but the purge:
+//! a hold that lapsed the inbox's retention ago is deleted with the inbox's
+//! rows, when the inbox has forgotten the versions too). Its lapse time,
 //! `until_ms` (the copy's retry delay + `max_retry_delay` + a grace of a
 //! minute), is only the moment by which the copy has surely left the retry
 //! queue (which expires copies at its head only, so one waits at most

@@ -325,8 +325,10 @@ impl ClaimedEvent {
     }
 }
 
-/// Identifies one claim (fencing token). Every row of one claim query shares
-/// it, because the lease end is computed once per statement.
+/// Identifies one claim (fencing token). Every row of one claim statement
+/// shares it, because the lease end is computed once per statement (a
+/// per-aggregate claim on PostgreSQL may run two, and hand out rows of
+/// two fences: the marks group rows by fence).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Fence {
     /// Claiming relay.

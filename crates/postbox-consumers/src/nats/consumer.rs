@@ -68,7 +68,8 @@ impl NatsConsumer {
 
     /// Consumes until `shutdown` is cancelled, then stops pulling, finishes
     /// (and acknowledges) the message in hand, gives back the ones pulled but
-    /// not started (nak without delay) and returns. A broken connection is
+    /// not started (nak without delay; one on its last attempt is handled
+    /// first, since a nak'd delivery still counts) and returns. A broken connection is
     /// re-established with a growing pause (0.5 s to 30 s); messages it held
     /// unacknowledged come back after `ack_wait`.
     pub fn run(&self, shutdown: CancellationToken) -> BoxFuture<'_, Result<ConsumeReport, Error>> {
