@@ -226,5 +226,56 @@ macro_rules! adopted_suite {
                 std::sync::Arc::new(adopted_table(true).await);
             $crate::adopted::legacy_rows_read_as_their_postbox_status(store).await;
         }
+
+        /// Columns postbox's statements would never match are named before
+        /// anything changes: a lease end that allows NULL (a row with a NULL
+        /// one was never taken over), a status with no default (rows written
+        /// by `enqueue` got NULL and were never claimed). Both were adopted
+        /// silently.
+        #[tokio::test]
+        async fn adopt_names_columns_its_statements_would_never_match() {
+            let (pool, table) = scratch().await;
+            let name = table.as_str().to_owned();
+            let store = <$store>::named(pool.clone(), table);
+            let legacy = $ddl(&name)
+                .replace(
+                    "locked_until_ms BIGINT NOT NULL DEFAULT 0",
+                    "locked_until_ms BIGINT NULL",
+                )
+                .replace(
+                    "state VARCHAR(16) NOT NULL DEFAULT 'init'",
+                    "state VARCHAR(16) NULL",
+                );
+            sqlx::query(&legacy).execute(&pool).await.unwrap();
+            let plan = store.adopt(true).await.unwrap();
+            assert!(!plan.applied, "{plan:#?}");
+            let said = plan.blockers.join("\n");
+            assert!(said.contains("`locked_until_ms` allows NULL"), "{said}");
+            assert!(
+                said.contains("`state` allows NULL") && said.contains("`state` has no default"),
+                "{said}"
+            );
+            $crate::adopted::drop_adopted(&pool, &name).await;
+        }
     };
+}
+
+/// Drops a table `adopt` worked on and the tables `migrate` added beside it.
+pub async fn drop_adopted<DB: sqlx::Database>(pool: &sqlx::Pool<DB>, name: &str)
+where
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    for suffix in [
+        "_archive",
+        "_history",
+        "_controls",
+        "_control_log",
+        "_relays",
+        "",
+    ] {
+        let _ = sqlx::query(&format!("DROP TABLE IF EXISTS {name}{suffix}"))
+            .execute(pool)
+            .await;
+    }
 }

@@ -46,39 +46,6 @@ async fn adopt_reports_what_it_adds_then_runs_it_in_place_and_then_finds_nothing
     assert_applied_then_nothing_left(&store).await;
 }
 
-/// Columns postbox's statements would never match are named before
-/// anything changes: a lease end that allows NULL (a row with a NULL one
-/// was never taken over), a status with no default (rows written by
-/// `enqueue` got NULL and were never claimed). Both were adopted silently.
-#[tokio::test]
-async fn adopt_names_columns_its_statements_would_never_match() {
-    let (pool, table) = scratch().await;
-    let name = table.as_str().to_owned();
-    let store = MySqlOutbox::named(pool.clone(), table);
-    let legacy = ddl(&name)
-        .replace(
-            "locked_until_ms BIGINT NOT NULL DEFAULT 0",
-            "locked_until_ms BIGINT NULL",
-        )
-        .replace(
-            "state VARCHAR(16) NOT NULL DEFAULT 'init'",
-            "state VARCHAR(16) NULL",
-        );
-    sqlx::query(&legacy).execute(&pool).await.unwrap();
-    let plan = store.adopt(true).await.unwrap();
-    assert!(!plan.applied, "{plan:#?}");
-    let said = plan.blockers.join("\n");
-    assert!(said.contains("`locked_until_ms` allows NULL"), "{said}");
-    assert!(
-        said.contains("`state` allows NULL") && said.contains("`state` has no default"),
-        "{said}"
-    );
-    sqlx::query(&format!("DROP TABLE {name}"))
-        .execute(&pool)
-        .await
-        .unwrap();
-}
-
 /// A table whose aggregates are longer than postbox's own (255 against
 /// 128) keeps them whole in the head index: an `INSERT` of a longer
 /// aggregate failed after adopt ("Data too long for column
@@ -103,18 +70,7 @@ async fn adopt_keeps_aggregates_as_long_as_the_tables() {
     .expect("a 200-character aggregate");
     let row = store.find("long-1").await.unwrap().remove(0);
     assert_eq!(row.aggregate_id.as_deref(), Some(long.as_str()));
-    for t in [
-        format!("{name}_archive"),
-        format!("{name}_history"),
-        format!("{name}_controls"),
-        format!("{name}_relays"),
-        name.clone(),
-    ] {
-        sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
+    postbox_testkit::adopted::drop_adopted(&pool, &name).await;
 }
 
 /// Aggregates too long for the head index's key (InnoDB's 3,072 bytes) are
@@ -163,16 +119,5 @@ async fn adopt_takes_long_aggregates_of_a_narrow_character_set() {
     sqlx::query(&legacy).execute(&pool).await.unwrap();
     let plan = store.adopt(true).await.unwrap();
     assert!(plan.applied, "{plan:#?}");
-    for t in [
-        format!("{name}_archive"),
-        format!("{name}_history"),
-        format!("{name}_controls"),
-        format!("{name}_relays"),
-        name.clone(),
-    ] {
-        sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
+    postbox_testkit::adopted::drop_adopted(&pool, &name).await;
 }

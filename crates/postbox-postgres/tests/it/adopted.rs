@@ -150,39 +150,6 @@ async fn duplicates_block_and_an_invalid_index_is_built_again() {
     );
 }
 
-/// Columns postbox's statements would never match are named before
-/// anything changes: a lease end that allows NULL (a row with a NULL one
-/// was never taken over), a status with no default (rows written by
-/// `enqueue` got NULL and were never claimed). Both were adopted silently.
-#[tokio::test]
-async fn adopt_names_columns_its_statements_would_never_match() {
-    let (pool, table) = scratch().await;
-    let name = table.as_str().to_owned();
-    let store = PgOutbox::named(pool.clone(), table);
-    let legacy = ddl(&name)
-        .replace(
-            "locked_until_ms BIGINT NOT NULL DEFAULT 0",
-            "locked_until_ms BIGINT NULL",
-        )
-        .replace(
-            "state VARCHAR(16) NOT NULL DEFAULT 'init'",
-            "state VARCHAR(16) NULL",
-        );
-    sqlx::query(&legacy).execute(&pool).await.unwrap();
-    let plan = store.adopt(true).await.unwrap();
-    assert!(!plan.applied, "{plan:#?}");
-    let said = plan.blockers.join("\n");
-    assert!(said.contains("`locked_until_ms` allows NULL"), "{said}");
-    assert!(
-        said.contains("`state` allows NULL") && said.contains("`state` has no default"),
-        "{said}"
-    );
-    sqlx::query(&format!("DROP TABLE {name}"))
-        .execute(&pool)
-        .await
-        .unwrap();
-}
-
 /// Long aggregates are no blocker on PostgreSQL (its head index is over
 /// the column itself): the check meant for InnoDB's key limit refused a
 /// PostgreSQL table with a `VARCHAR(1000)` aggregate.
