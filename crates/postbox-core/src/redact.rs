@@ -58,7 +58,7 @@ const SECRET_PARAMETERS: [&str; 6] = [
 /// ```
 pub fn shown_url(url: &str) -> String {
     let mut out = redact_url(url);
-    let authority = userinfo(&out).map_or_else(|| authority_start(&out), |(_, at)| at);
+    let authority = userinfo(&out).map_or_else(|| authority_start(&out).unwrap_or(0), |(_, at)| at);
     if let Some(cut) = out[authority..].find(['?', '#']) {
         out.truncate(authority + cut);
     }
@@ -93,10 +93,14 @@ pub fn hide_path_tokens(path: &str) -> String {
         .join("/")
 }
 
-/// Where the authority of `url` starts: after `scheme:` and its slashes
-/// however many (`postgres:/u:pw@h` is a typo a driver may still quote
-/// back), or at the start when there is no scheme (`u:pw@h`).
-fn authority_start(url: &str) -> usize {
+/// Where the authority of `url` starts: after `://`; else after `scheme:`
+/// and its slashes however many (`postgres:/u:pw@h` is a typo a driver may
+/// still quote back); else at the start when there is no scheme (`u:pw@h`)
+/// and no space before the `@` (a sentence quoting a URL is not one).
+fn authority_start(url: &str) -> Option<usize> {
+    if let Some(i) = url.find("://") {
+        return Some(i + 3);
+    }
     let scheme = url.find(':').filter(|&colon| {
         let name = &url[..colon];
         name.starts_with(|c: char| c.is_ascii_alphabetic())
@@ -106,10 +110,13 @@ fn authority_start(url: &str) -> usize {
             && url[colon + 1..].starts_with('/')
     });
     match scheme {
-        Some(colon) => {
-            colon + 1 + url[colon + 1..].len() - url[colon + 1..].trim_start_matches('/').len()
+        Some(colon) => Some(
+            colon + 1 + url[colon + 1..].len() - url[colon + 1..].trim_start_matches('/').len(),
+        ),
+        None => {
+            let at = url.find('@')?;
+            (!url[..at].contains(char::is_whitespace)).then_some(0)
         }
-        None => 0,
     }
 }
 
@@ -117,7 +124,7 @@ fn authority_start(url: &str) -> usize {
 /// the last `@` before the first `?` or `#` after the first `@` (a `?`
 /// or `#` before it is the password's own). `None` without one.
 fn userinfo(url: &str) -> Option<(usize, usize)> {
-    let start = authority_start(url);
+    let start = authority_start(url)?;
     let first_at = start + url[start..].find('@')?;
     let query = url[first_at..]
         .find(['?', '#'])
