@@ -223,7 +223,6 @@ impl Dialect for MySqlDialect {
     const REPLAY_FAILED_INDEX: &'static str = "_due_idx";
     const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
         columns_of: sql::ADOPT_COLUMNS,
-        column_facts: sql::ADOPT_COLUMN_FACTS,
         indexes: Some(sql::ADOPT_INDEXES),
         invalid_indexes: None,
         indexes_of: sql::ADOPT_INDEXES_OF,
@@ -656,11 +655,11 @@ impl Dialect for MySqlDialect {
         let Some(changes) = schema_changes(stmt) else {
             return Ok(false);
         };
-        let indexes: Vec<String> = sqlx::query_scalar(sql::INDEXES_OF)
+        let indexes: Vec<String> = sqlx::query_scalar(sql::ADOPT_INDEXES_OF)
             .bind(&changes.table)
             .fetch_all(&mut *conn)
             .await?;
-        let columns: Vec<String> = sqlx::query_scalar(sql::COLUMNS_OF)
+        let columns: Vec<String> = sqlx::query_scalar(sql::ADOPT_COLUMNS)
             .bind(&changes.table)
             .fetch_all(&mut *conn)
             .await?;
@@ -786,8 +785,8 @@ fn schema_changes(stmt: &str) -> Option<SchemaChanges> {
 /// The pending rows a claim of `limit` may take, dealt across event types
 /// (`postbox_sqlx::fair_pending!`): each type's oldest `depth` × `limit`
 /// rows, read type after type through `{table}_due_idx`
-/// ([`sql::PENDING_FIRST`]), then the first 2 × `limit` (`depth` ×
-/// `limit` when deeper) in round-robin order ([`deal`]). One read when the
+/// ([`sql::PENDING_FIRST`]), then the first 2 × `limit` (all of them when
+/// deeper) in round-robin order ([`deal`]). One read when the
 /// backlog is under `limit` rows; with a backlog, one per type that fills a
 /// read, one more for a type a read cut short, and a last one that finds
 /// no further type. At most `limit` types are dealt (the batch could not

@@ -646,16 +646,6 @@ pub(crate) const MIGRATION_LOCK_WAIT: &str = "SET SESSION lock_wait_timeout = 5"
 /// Gives the pooled connection back with the server's default.
 pub(crate) const MIGRATION_LOCK_WAIT_RESET: &str = "SET SESSION lock_wait_timeout = DEFAULT";
 
-/// The indexes of a table of this database (`applied_before`).
-pub(crate) const INDEXES_OF: &str =
-    "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \
-     WHERE table_schema = DATABASE() AND table_name = ?";
-
-/// The columns of a table of this database (`applied_before`).
-pub(crate) const COLUMNS_OF: &str =
-    "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
-     WHERE table_schema = DATABASE() AND table_name = ?";
-
 /// `(version, description, statements)`, applied in order. MySQL commits
 /// implicitly around every DDL statement, so the migration's transaction
 /// does not make a run atomic: the named lock
@@ -852,21 +842,19 @@ pub(crate) const STATEMENT_STATS: &str =
      WHERE SCHEMA_NAME = DATABASE() AND LOCATE(LOWER(?), LOWER(DIGEST_TEXT)) > 0 \
      ORDER BY SUM_TIMER_WAIT DESC LIMIT 500";
 
-/// `postbox adopt`: the columns a table has, by name.
+/// `postbox adopt` (and, by its first column, `migrate`'s check of a run
+/// cut short): each column of a table: name, NULL allowed, default,
+/// length in characters and bytes. (A `NOT NULL` column without a default
+/// has a NULL `column_default` too, and a nullable one's default may be
+/// NULL: both count as none.)
 pub(crate) const ADOPT_COLUMNS: &str =
-    "SELECT CAST(column_name AS CHAR) FROM information_schema.columns \
-     WHERE table_schema = DATABASE() AND table_name = ? ORDER BY ordinal_position";
-
-/// `postbox adopt`: each column's name, NULL allowed, default, length.
-/// (A `NOT NULL` column without a default has a NULL `column_default`
-/// too, and a nullable one's default may be NULL: both count as none.)
-pub(crate) const ADOPT_COLUMN_FACTS: &str =
     "SELECT CAST(column_name AS CHAR), CAST(is_nullable = 'YES' AS SIGNED), \
        CAST(column_default IS NOT NULL AND column_default <> 'NULL' AS SIGNED), \
        CAST(character_maximum_length AS SIGNED), CAST(character_octet_length AS SIGNED) \
      FROM information_schema.columns WHERE table_schema = DATABASE() AND table_name = ?";
 
-/// `postbox adopt`: the table's secondary indexes.
+/// `postbox adopt` (and `migrate`'s check of a run cut short): the table's
+/// secondary indexes.
 pub(crate) const ADOPT_INDEXES_OF: &str =
     "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \
      WHERE table_schema = DATABASE() AND table_name = ? AND index_name <> 'PRIMARY' ORDER BY 1";

@@ -42,7 +42,6 @@ impl Dialect for PgDialect {
     const PARTITIONS: Option<postbox_sqlx::PartitionSql> = Some(sql::PARTITIONS);
     const ADOPT: Option<postbox_sqlx::Adopt> = Some(postbox_sqlx::Adopt {
         columns_of: sql::ADOPT_COLUMNS,
-        column_facts: sql::ADOPT_COLUMN_FACTS,
         indexes: None,
         invalid_indexes: Some(sql::ADOPT_INVALID_INDEXES),
         indexes_of: sql::ADOPT_INDEXES_OF,

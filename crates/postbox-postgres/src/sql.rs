@@ -634,12 +634,9 @@ pub(crate) const STATEMENT_STATS: &str =
        AND strpos(lower(query), lower($1)) > 0 \
      ORDER BY total_exec_time DESC LIMIT 500";
 
-/// `postbox adopt`: the columns a table has, by name.
-pub(crate) const ADOPT_COLUMNS: &str = "SELECT column_name::TEXT FROM information_schema.columns \
-     WHERE table_schema = current_schema() AND table_name = lower($1) ORDER BY ordinal_position";
-
-/// `postbox adopt`: each column's name, NULL allowed, default, length.
-pub(crate) const ADOPT_COLUMN_FACTS: &str = "SELECT column_name::TEXT, (is_nullable = 'YES')::INT, \
+/// `postbox adopt`: each column of a table: name, NULL allowed, default,
+/// length in characters and bytes.
+pub(crate) const ADOPT_COLUMNS: &str = "SELECT column_name::TEXT, (is_nullable = 'YES')::INT, \
        (column_default IS NOT NULL)::INT, character_maximum_length::BIGINT, character_octet_length::BIGINT \
      FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = lower($1)";
 

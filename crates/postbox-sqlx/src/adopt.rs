@@ -10,7 +10,7 @@
 
 use postbox_core::naming::COLUMNS;
 use postbox_core::store::{AdoptReport, AdoptStep};
-use postbox_core::{Error, Result};
+use postbox_core::{Error, Result, TableName};
 
 use sqlx::Database;
 
@@ -21,7 +21,9 @@ use crate::{db_error, SqlOutbox};
 /// How a dialect adopts a table.
 #[derive(Debug, Clone, Copy)]
 pub struct Adopt {
-    /// The table's column names (one column); the table's name.
+    /// The table's columns: name, whether it allows NULL (0/1), whether it
+    /// has a default (0/1), its length in characters and in bytes (NULL but
+    /// for text); the table's name.
     pub columns_of: &'static str,
     /// The outbox table's indexes, each as a suffix and the statement
     /// that builds it on a live table without blocking its writes; `None`:
@@ -34,10 +36,6 @@ pub struct Adopt {
     /// invalid (one column); the table's name. `None`: the database
     /// leaves none.
     pub invalid_indexes: Option<&'static str>,
-    /// Each column of the table: its name, whether it allows NULL (0/1),
-    /// whether it has a default (0/1), and its length in characters (NULL
-    /// but for text); the table's name.
-    pub column_facts: &'static str,
     /// The names of the table's secondary indexes (one column), the
     /// primary key left out; the table's name.
     pub indexes_of: &'static str,
@@ -75,13 +73,13 @@ impl SqlOutbox<D> {
         };
         let t = self.table().clone();
         let op = "inspect the table to adopt";
-        let found = self.names_of_table(adopt.columns_of, op).await?;
+        let found = self.column_facts(adopt.columns_of).await?;
         if found.is_empty() {
             return Err(Error::Schema(format!(
                 "table `{t}` does not exist: `postbox migrate` creates a new outbox table; `adopt` is for one you have"
             )));
         }
-        let has = |name: &str| found.iter().any(|c| c.eq_ignore_ascii_case(name));
+        let has = |name: &str| found.iter().any(|c| c.name.eq_ignore_ascii_case(name));
         let definitions = column_definitions(&t.render(D::MIGRATIONS[0].2[0]));
         let mut report = AdoptReport {
             table: t.as_str().to_owned(),
@@ -111,13 +109,13 @@ impl SqlOutbox<D> {
                 .ok_or_else(|| Error::Schema(format!("no definition of column `{theirs}`")))?;
             report.statements.extend((adopt.add_column)(t.as_str(), theirs, definition));
         }
-        self.check_columns(&definitions, &mut report).await?;
+        check_columns(&t, &definitions, &found, &mut report);
         let existing = self.catalog_names(op).await?;
         let invalid = match adopt.invalid_indexes {
             Some(sql) => self.names_of_table(sql, op).await?,
             None => Vec::new(),
         };
-        let (widen, too_long) = self.aggregate_width(&definitions).await?;
+        let (widen, too_long) = aggregate_width::<D>(&t, &definitions, &found);
         report.blockers.extend(too_long);
         let indexes: Vec<(String, Vec<String>)> = match adopt.indexes {
             Some(list) => list
@@ -210,13 +208,11 @@ struct ColumnFacts {
 
 engine_impl! {
 impl SqlOutbox<D> {
-    /// The table's columns ([`Adopt::column_facts`]).
-    async fn column_facts(&self) -> Result<Vec<ColumnFacts>> {
-        let Some(adopt) = D::ADOPT else {
-            return Ok(Vec::new());
-        };
+    /// The table's columns, as `sql` ([`Adopt::columns_of`]) reads them;
+    /// none when the table does not exist.
+    async fn column_facts(&self, sql: &str) -> Result<Vec<ColumnFacts>> {
         let db = |e| db_error("inspect the table to adopt", e);
-        let rows = query::<D>(adopt.column_facts, [Value::from(self.table().as_str())])
+        let rows = query::<D>(sql, [Value::from(self.table().as_str())])
             .fetch_all(self.pool())
             .await
             .map_err(db)?;
@@ -233,82 +229,94 @@ impl SqlOutbox<D> {
             .collect::<std::result::Result<_, sqlx::Error>>()
             .map_err(db)
     }
+}
+}
 
-    /// Blockers for columns the table has in a form postbox's statements
-    /// would never match: NULL allowed where postbox's own table says `NOT
-    /// NULL` (a row with a NULL lease end or retry time is never claimed,
-    /// nor counted), or a status with no default (postbox's `enqueue` and
-    /// the documented `INSERT` write none: such rows would get NULL).
-    async fn check_columns(&self, definitions: &[String], report: &mut AdoptReport) -> Result<()> {
-        let t = self.table().clone();
-        let facts = self.column_facts().await?;
-        let fact = |theirs: &str| facts.iter().find(|f| f.name.eq_ignore_ascii_case(theirs));
-        for ours in COLUMNS {
-            // The definitions are written with the table's names.
-            let theirs = t.column(ours);
-            let not_null = definitions
-                .iter()
-                .any(|d| d.split_whitespace().next() == Some(theirs) && d.contains("NOT NULL"));
-            let Some(f) = fact(theirs) else { continue };
-            if not_null && f.nullable {
-                report.blockers.push(format!(
-                    "column `{theirs}` allows NULL, and postbox's statements never match a NULL `{ours}` \
-                     (such a row is never claimed nor counted): set its NULLs to a value and make it NOT NULL"
-                ));
-            }
-            if ours == "status" && !f.has_default {
-                report.blockers.push(format!(
-                    "column `{theirs}` has no default: postbox's enqueue and the documented INSERT write no status, \
-                     so the row would never be claimed; give it the default its pending status is written as"
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Widens the head index's copy of the aggregate (MySQL's virtual
-    /// `open_aggregate_id`, as long as postbox's own `aggregate_id`) to the
-    /// table's: shorter, an `INSERT` of a longer aggregate failed (or, out
-    /// of strict mode, two aggregates alike in their first characters
-    /// became one).
-    async fn aggregate_width(
-        &self,
-        definitions: &[String],
-    ) -> Result<(impl Fn(String) -> String + use<D>, Option<String>)> {
-        let column = self.table().column("aggregate_id");
-        let ours = definitions
+/// Blockers for columns the table has in a form postbox's statements would
+/// never match: NULL allowed where postbox's own table says `NOT NULL` (a
+/// row with a NULL lease end or retry time is never claimed, nor counted),
+/// or a status with no default (postbox's `enqueue` and the documented
+/// `INSERT` write none: such rows would get NULL). `definitions` are
+/// postbox's own, written with the table's names.
+fn check_columns(
+    t: &TableName,
+    definitions: &[String],
+    facts: &[ColumnFacts],
+    report: &mut AdoptReport,
+) {
+    for ours in COLUMNS {
+        let theirs = t.column(ours);
+        let not_null = definitions
             .iter()
-            .find(|d| d.split_whitespace().next() == Some(column))
-            .and_then(|d| d.split_once("VARCHAR(")?.1.split_once(')')?.0.parse::<i64>().ok());
-        let facts = self.column_facts().await?;
-        let fact = |name: &str| facts.iter().find(|f| f.name.eq_ignore_ascii_case(name));
-        let theirs = fact(column).and_then(|f| f.length);
-        let widen = match (ours, theirs) {
-            (Some(o), Some(t)) if t > o => Some((format!("open_aggregate_id VARCHAR({o})"), format!("open_aggregate_id VARCHAR({t})"))),
-            _ => None,
+            .any(|d| d.split_whitespace().next() == Some(theirs) && d.contains("NOT NULL"));
+        let Some(f) = facts.iter().find(|f| f.name.eq_ignore_ascii_case(theirs)) else {
+            continue;
         };
-        // MySQL's head index's key, (app_code, aggregate, version, id),
-        // must fit InnoDB's 3,072 bytes: the build failed after the virtual
-        // columns were added. (PostgreSQL's head index is over the column
-        // itself, and its key limit is no matter here.)
-        let octets = |name: &str| fact(name).and_then(|f| f.octets);
-        let app = octets(self.table().column("app_code")).unwrap_or(256);
-        let too_long = match (D::BACKEND == "mysql" && widen.is_some(), theirs, octets(column)) {
-            (true, Some(t), Some(bytes)) if bytes + app + 16 > 3_072 => Some(format!(
-                "column `{column}` holds {t} characters ({bytes} bytes): the head index postbox needs on (`{}`, aggregate, version, id) \
-                 would be longer than InnoDB's 3,072 bytes; shorten it to at most {} bytes",
-                self.table().column("app_code"),
-                3_072 - 16 - app
-            )),
-            _ => None,
-        };
-        let widen = move |stmt: String| match &widen {
-            Some((from, to)) => stmt.replace(from.as_str(), to),
-            None => stmt,
-        };
-        Ok((widen, too_long))
+        if not_null && f.nullable {
+            report.blockers.push(format!(
+                "column `{theirs}` allows NULL, and postbox's statements never match a NULL `{ours}` \
+                 (such a row is never claimed nor counted): set its NULLs to a value and make it NOT NULL"
+            ));
+        }
+        if ours == "status" && !f.has_default {
+            report.blockers.push(format!(
+                "column `{theirs}` has no default: postbox's enqueue and the documented INSERT write no status, \
+                 so the row would never be claimed; give it the default its pending status is written as"
+            ));
+        }
     }
 }
+
+/// Widens the head index's copy of the aggregate (MySQL's virtual
+/// `open_aggregate_id`, as long as postbox's own `aggregate_id`) to the
+/// table's: shorter, an `INSERT` of a longer aggregate failed (or, out of
+/// strict mode, two aggregates alike in their first characters became
+/// one). With a blocker when MySQL's head index key, (app_code, aggregate,
+/// version, id), would not fit InnoDB's 3,072 bytes: the build failed
+/// after the virtual columns were added. (PostgreSQL's head index is over
+/// the column itself, and its key limit is no matter here.)
+fn aggregate_width<D: Dialect>(
+    t: &TableName,
+    definitions: &[String],
+    facts: &[ColumnFacts],
+) -> (impl Fn(String) -> String + use<D>, Option<String>) {
+    let column = t.column("aggregate_id");
+    let ours = definitions
+        .iter()
+        .find(|d| d.split_whitespace().next() == Some(column))
+        .and_then(|d| {
+            d.split_once("VARCHAR(")?
+                .1
+                .split_once(')')?
+                .0
+                .parse::<i64>()
+                .ok()
+        });
+    let fact = |name: &str| facts.iter().find(|f| f.name.eq_ignore_ascii_case(name));
+    let theirs = fact(column).and_then(|f| f.length);
+    let widen = match (ours, theirs) {
+        (Some(o), Some(t)) if t > o => Some((
+            format!("open_aggregate_id VARCHAR({o})"),
+            format!("open_aggregate_id VARCHAR({t})"),
+        )),
+        _ => None,
+    };
+    let octets = |name: &str| fact(name).and_then(|f| f.octets);
+    let app = octets(t.column("app_code")).unwrap_or(256);
+    let too_long = match (D::BACKEND == "mysql" && widen.is_some(), theirs, octets(column)) {
+        (true, Some(n), Some(bytes)) if bytes + app + 16 > 3_072 => Some(format!(
+            "column `{column}` holds {n} characters ({bytes} bytes): the head index postbox needs on (`{}`, aggregate, version, id) \
+             would be longer than InnoDB's 3,072 bytes; shorten it to at most {} bytes",
+            t.column("app_code"),
+            3_072 - 16 - app
+        )),
+        _ => None,
+    };
+    let widen = move |stmt: String| match &widen {
+        Some((from, to)) => stmt.replace(from.as_str(), to),
+        None => stmt,
+    };
+    (widen, too_long)
 }
 
 /// The column definitions of a `CREATE TABLE … ( … )` statement, one per

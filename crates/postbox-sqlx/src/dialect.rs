@@ -929,34 +929,49 @@ macro_rules! pending_types {
 #[macro_export]
 macro_rules! fair_pending {
     (app: $app:literal, limit: $limit:literal, take: $take:literal, skip: $skip:literal, lateral) => {
-        concat!(
-            $crate::pending_types!(app: $app),
-            ", fair (fid, rn, t) AS (SELECT k.id, k.rn, types.t FROM types CROSS JOIN LATERAL \
-               (SELECT s.id, row_number() OVER (ORDER BY s.next_retry_at_ms, s.id) AS rn FROM \
-                 (SELECT p.id, p.next_retry_at_ms FROM {table} p WHERE p.app_code = ", $app,
+        $crate::fair_pending!(@lateral app: $app, take: $take, skip: $skip, rows: concat!(
+            "(SELECT p.id, p.next_retry_at_ms FROM {table} p WHERE p.app_code = ", $app,
             " AND p.status = 'pending' AND p.event_type = types.t \
-                  ORDER BY p.next_retry_at_ms, p.id LIMIT ", $limit, ") s) k \
-             WHERE types.t IS NOT NULL AND types.t", $skip, " ORDER BY k.rn, k.id LIMIT ", $take, ")"
-        )
+              ORDER BY p.next_retry_at_ms, p.id LIMIT ", $limit, ")"
+        ))
     };
     (app: $app:literal, limit: $limit:literal, take: $take:literal, skip: $skip:literal, lateral, heads) => {
+        $crate::fair_pending!(@lateral app: $app, take: $take, skip: $skip,
+            rows: $crate::fair_pending!(@heads app: $app, limit: $limit, of: "types.t"))
+    };
+    (app: $app:literal, limit: $limit:literal, take: $take:literal, skip: $skip:literal, in_list) => {
+        $crate::fair_pending!(@in_list app: $app, take: $take, skip: $skip, ids: concat!(
+            "SELECT q.id FROM {table} q WHERE q.app_code = ", $app,
+            " AND q.status = 'pending' AND q.event_type = types.t \
+              ORDER BY q.next_retry_at_ms, q.id LIMIT ", $limit
+        ))
+    };
+    (app: $app:literal, limit: $limit:literal, take: $take:literal, skip: $skip:literal, in_list, heads) => {
+        $crate::fair_pending!(@in_list app: $app, take: $take, skip: $skip, ids: concat!(
+            "SELECT s.id FROM ", $crate::fair_pending!(@heads app: $app, limit: $limit, of: "types.t"), " s"
+        ))
+    };
+    // Deals `rows` (each type's rows, `id, next_retry_at_ms` in claim
+    // order) read with `LATERAL`.
+    (@lateral app: $app:literal, take: $take:literal, skip: $skip:literal, rows: $rows:expr) => {
         concat!(
             $crate::pending_types!(app: $app),
             ", fair (fid, rn, t) AS (SELECT k.id, k.rn, types.t FROM types CROSS JOIN LATERAL \
                (SELECT s.id, row_number() OVER (ORDER BY s.next_retry_at_ms, s.id) AS rn FROM ",
-            $crate::fair_pending!(@heads app: $app, limit: $limit, of: "types.t"),
+            $rows,
             " s) k \
              WHERE types.t IS NOT NULL AND types.t", $skip, " ORDER BY k.rn, k.id LIMIT ", $take, ")"
         )
     };
-    (app: $app:literal, limit: $limit:literal, take: $take:literal, skip: $skip:literal, in_list, heads) => {
+    // Deals `ids` (a select of each type's ids) read with `IN`.
+    (@in_list app: $app:literal, take: $take:literal, skip: $skip:literal, ids: $ids:expr) => {
         concat!(
             $crate::pending_types!(app: $app),
             ", fair (fid, rn, t) AS (SELECT p.id, row_number() OVER \
                (PARTITION BY p.event_type ORDER BY p.next_retry_at_ms, p.id) AS r, p.event_type \
-             FROM types JOIN {table} p ON p.id IN (SELECT s.id FROM ",
-            $crate::fair_pending!(@heads app: $app, limit: $limit, of: "types.t"),
-            " s) WHERE types.t IS NOT NULL AND types.t", $skip, " ORDER BY r, p.id LIMIT ", $take, ")"
+             FROM types JOIN {table} p ON p.id IN (",
+            $ids,
+            ") WHERE types.t IS NOT NULL AND types.t", $skip, " ORDER BY r, p.id LIMIT ", $take, ")"
         )
     };
     // One type's oldest `$limit` pending rows that are heads or have no
@@ -969,17 +984,6 @@ macro_rules! fair_pending {
              WHERE w.aggregate_id IS NULL OR w.id = ",
             $crate::first_open_of!($app, "w.aggregate_id", head: partial),
             " ORDER BY w.next_retry_at_ms, w.id LIMIT ", $limit, ")"
-        )
-    };
-    (app: $app:literal, limit: $limit:literal, take: $take:literal, skip: $skip:literal, in_list) => {
-        concat!(
-            $crate::pending_types!(app: $app),
-            ", fair (fid, rn, t) AS (SELECT p.id, row_number() OVER \
-               (PARTITION BY p.event_type ORDER BY p.next_retry_at_ms, p.id) AS r, p.event_type \
-             FROM types JOIN {table} p ON p.id IN (SELECT q.id FROM {table} q WHERE q.app_code = ", $app,
-            " AND q.status = 'pending' AND q.event_type = types.t \
-                  ORDER BY q.next_retry_at_ms, q.id LIMIT ", $limit, ") \
-             WHERE types.t IS NOT NULL AND types.t", $skip, " ORDER BY r, p.id LIMIT ", $take, ")"
         )
     };
 }

@@ -1877,6 +1877,23 @@ async fn ordered_claim_skips_held_aggregates_in_age_order(store: Arc<dyn OutboxS
     assert!(none.is_empty(), "followers of heads in flight: {none:?}");
 }
 
+/// The event ids a per-aggregate pending claim of `limit` by worker `w`
+/// takes (a 10-minute lease), `skip` paused, sorted.
+async fn ordered_claim(store: &dyn OutboxStore, limit: u32, skip: Vec<String>) -> Vec<String> {
+    let req = ClaimRequest {
+        ordered: true,
+        skip_types: &skip,
+        ..req("w", limit, 600_000)
+    };
+    let got = store
+        .claim(ClaimSource::Pending, &req)
+        .await
+        .expect("claim");
+    let mut ids: Vec<String> = got.into_iter().map(|c| c.record.event_id).collect();
+    ids.sort();
+    ids
+}
+
 /// More aggregates are held than a claim looks at first (2 × the batch),
 /// their followers the oldest pending rows: heads in flight (versioned or
 /// not), or of a paused type. A fresh aggregate's event is still claimed; it waited
@@ -1887,23 +1904,7 @@ async fn ordered_claim_reaches_past_many_held_aggregates(store: Arc<dyn OutboxSt
         ids.sort();
         ids
     };
-    let claim = |limit: u32, skip: Vec<String>| {
-        let store = store.clone();
-        async move {
-            let req = ClaimRequest {
-                ordered: true,
-                skip_types: &skip,
-                ..req("w", limit, 600_000)
-            };
-            let got = store
-                .claim(ClaimSource::Pending, &req)
-                .await
-                .expect("claim");
-            let mut ids: Vec<String> = got.into_iter().map(|c| c.record.event_id).collect();
-            ids.sort();
-            ids
-        }
-    };
+    let claim = |limit: u32, skip: Vec<String>| ordered_claim(store.as_ref(), limit, skip);
     // Six aggregates whose keys sort first: heads taken (in flight).
     let heads: Vec<NewEvent> = (0..6)
         .map(|i| NewEvent::new(APP, "Y", "{}").aggregate(format!("a-{i}"), 1))
@@ -1980,23 +1981,7 @@ async fn ordered_claim_reads_past_a_paused_type(store: Arc<dyn OutboxStore>) {
 async fn ordered_claim_finds_events_without_an_aggregate_behind_held_followers(
     store: Arc<dyn OutboxStore>,
 ) {
-    let claim = |limit: u32, skip: Vec<String>| {
-        let store = store.clone();
-        async move {
-            let req = ClaimRequest {
-                ordered: true,
-                skip_types: &skip,
-                ..req("w", limit, 600_000)
-            };
-            let got = store
-                .claim(ClaimSource::Pending, &req)
-                .await
-                .expect("claim");
-            got.into_iter()
-                .map(|c| c.record.event_id)
-                .collect::<Vec<String>>()
-        }
-    };
+    let claim = |limit: u32, skip: Vec<String>| ordered_claim(store.as_ref(), limit, skip);
     // Two aggregates whose heads go out now (in flight) and two whose
     // heads are of a type about to be paused; three followers each, all
     // of type "Y".
@@ -2027,8 +2012,7 @@ async fn ordered_claim_finds_events_without_an_aggregate_behind_held_followers(
         .map(|e| e.event_id.clone())
         .collect();
     expected.sort();
-    let mut got = claim(5, vec!["P".to_owned()]).await;
-    got.sort();
+    let got = claim(5, vec!["P".to_owned()]).await;
     assert_eq!(
         got, expected,
         "the other type's events, and the event without an aggregate behind eight held followers"
