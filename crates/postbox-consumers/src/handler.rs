@@ -89,11 +89,25 @@ impl std::error::Error for HandlerError {}
 pub trait Handler: Send + Sync {
     /// Handles `message`.
     async fn handle(&self, message: &Message) -> Result<Handled, HandlerError>;
+
+    /// Whether `message`'s effect is already recorded. Asked before a
+    /// message that comes back without a result (its consumer stopped
+    /// mid-message, or the ack of a handled message was lost) is retried or
+    /// dead-lettered unhandled: a message the handler has recorded is
+    /// acknowledged as a [`Handled::Duplicate`] instead. An inbox knows
+    /// ([`crate::inbox::InboxHandler`]); the default cannot tell (`false`).
+    async fn handled_before(&self, _message: &Message) -> Result<bool, HandlerError> {
+        Ok(false)
+    }
 }
 
 #[async_trait]
 impl<H: Handler + ?Sized> Handler for std::sync::Arc<H> {
     async fn handle(&self, message: &Message) -> Result<Handled, HandlerError> {
         (**self).handle(message).await
+    }
+
+    async fn handled_before(&self, message: &Message) -> Result<bool, HandlerError> {
+        (**self).handled_before(message).await
     }
 }

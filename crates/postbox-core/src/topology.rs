@@ -257,7 +257,9 @@ fn route_of(
             }
             format!("stream `{stream}`")
         }
-        PublisherConfig::Webhook(c) => format!("POST {}", c.url),
+        // As the publisher's errors show it: a webhook's secret is often
+        // in its path or query (Slack, Discord, Azure Functions' `?code=`).
+        PublisherConfig::Webhook(c) => format!("POST {}", crate::redact::shown_url(c.url.expose())),
         PublisherConfig::File(c) => format!("file `{}`", c.path),
     };
     (target, subscribers)
@@ -380,5 +382,25 @@ mod tests {
         assert_eq!(redis.target, "stream `postbox.room`");
         assert_eq!(redis.subscribers[0].name, "search");
         assert_eq!(t.idle_consumers, ["wallet"]);
+    }
+
+    /// A webhook's route shows its URL as the publisher's errors do: its
+    /// path token and query hidden (it showed them, to any viewer of
+    /// `/api/topology`).
+    #[test]
+    fn a_webhook_route_hides_the_url_s_secrets() {
+        let publishers: Vec<PublisherConfig> = vec![config(serde_json::json!({
+            "kind": "webhook",
+            "url": "https://u:pw@hooks.example/services/T01/B02/abcdefghijklmnopqrstuvwx?code=s3cret"
+        }))];
+        let kinds = vec![EventKind {
+            app_code: "room".into(),
+            event_type: "RoomCreated".into(),
+        }];
+        let t = Topology::build(kinds, &publishers, &[], BrokerFacts::default());
+        assert_eq!(
+            t.routes[0].target,
+            "POST https://u:***@hooks.example/services/T01/B02/***"
+        );
     }
 }

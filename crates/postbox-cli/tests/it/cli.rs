@@ -164,6 +164,24 @@ fn env_overrides_the_file_and_is_validated_too() {
     assert_says(&out, &["outbox_worker.batch_size"]);
 }
 
+/// A variable setting a key of the user's own names (an event type) keeps
+/// its case: it named `pricetick`, which no event has, and did nothing.
+#[test]
+fn env_overrides_keep_the_case_of_event_types() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), &good(dir.path()));
+    let out = postbox(
+        dir.path(),
+        &["--config", &cfg, "status"],
+        &[(
+            "POSTBOX__OUTBOX_WORKER__EVENT_TYPES__PriceTick__DELIVERY",
+            "sometimes",
+        )],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_says(&out, &["outbox_worker.event_types.PriceTick.delivery"]);
+}
+
 #[test]
 fn migrate_recreates_an_outbox_table_dropped_by_hand() {
     let project = Project::migrated(good);

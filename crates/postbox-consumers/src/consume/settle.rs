@@ -178,10 +178,16 @@ impl Settler<'_> {
         match transport.verdict(message).await {
             Verdict::Handle => {}
             Verdict::Failed { attempt, error } => {
-                return self.failed(transport, message, attempt, &error).await
+                if self.handled_before(handler, transport, message).await? {
+                    return Ok(());
+                }
+                return self.failed(transport, message, attempt, &error).await;
             }
             Verdict::Dead { attempt, reason } => {
-                return self.dead(transport, Some(message), attempt, &reason).await
+                if self.handled_before(handler, transport, message).await? {
+                    return Ok(());
+                }
+                return self.dead(transport, Some(message), attempt, &reason).await;
             }
             Verdict::HeldBack { blocker, delay } => {
                 if transport.retry(delay, message.attempt).await? == Settled::Done {
@@ -240,6 +246,39 @@ impl Settler<'_> {
                     .await
             }
         }
+    }
+
+    /// A message back without a result (its consumer stopped mid-message,
+    /// or its ack was lost) whose effect the handler has recorded (an
+    /// inbox): acknowledged as a duplicate, where it would be retried or,
+    /// on its last attempt, dead-lettered although handled. `true` when so.
+    /// A failure to ask is logged, and the message goes on as unhandled.
+    async fn handled_before<T: Transport>(
+        &mut self,
+        handler: &dyn Handler,
+        transport: &mut T,
+        message: &Message,
+    ) -> Result<bool, String> {
+        match handler.handled_before(message).await {
+            Ok(true) => {}
+            Ok(false) => return Ok(false),
+            Err(e) => {
+                tracing::warn!(
+                    consumer = self.consumer,
+                    error = %e,
+                    "could not ask the inbox whether the message came back handled; taken as unhandled"
+                );
+                return Ok(false);
+            }
+        }
+        if transport.ack().await? == Settled::Done {
+            self.count(Counted::Handled(Handled::Duplicate));
+            tracing::info!(
+                consumer = self.consumer,
+                "came back without a result, but its handler had recorded it (its ack was lost): acknowledged as a duplicate"
+            );
+        }
+        Ok(true)
     }
 
     /// Attempt `attempt` failed with `error`: retried after a delay, or
@@ -530,6 +569,59 @@ mod tests {
         let r = run(&mut t, Ok(message(1)), Ok(Handled::Ok)).await;
         assert!(t.actions.is_empty());
         assert_eq!(r, ConsumeReport::default());
+    }
+
+    /// A handler whose inbox has recorded every message.
+    struct Recorded;
+
+    #[async_trait]
+    impl Handler for Recorded {
+        async fn handle(&self, _: &Message) -> Result<Handled, HandlerError> {
+            panic!("a recorded message is not handled again");
+        }
+        async fn handled_before(&self, _: &Message) -> Result<bool, HandlerError> {
+            Ok(true)
+        }
+    }
+
+    /// A message back without a result after its attempts ran out (its ack
+    /// was lost after the handler's writes committed) is acknowledged as a
+    /// duplicate when the inbox has it, not dead-lettered; one with attempts
+    /// left is acknowledged too, not retried.
+    #[tokio::test]
+    async fn a_message_back_unacknowledged_that_the_inbox_has_is_a_duplicate() {
+        let verdicts = [
+            Verdict::Dead {
+                attempt: 4,
+                reason: "delivered 4 times without a result".into(),
+            },
+            Verdict::Failed {
+                attempt: 3,
+                error: "redelivered unacknowledged".into(),
+            },
+            Verdict::Failed {
+                attempt: 1,
+                error: "redelivered unacknowledged".into(),
+            },
+        ];
+        for verdict in verdicts {
+            let mut t = Recorder {
+                verdict: Some(verdict),
+                ..Recorder::default()
+            };
+            let mut report = ConsumeReport::default();
+            Settler {
+                consumer: "c",
+                policy: &POLICY,
+                report: &mut report,
+                state: None,
+            }
+            .process(&Recorded, &mut t, Ok(message(3)), 3)
+            .await
+            .unwrap();
+            assert_eq!(t.actions, ["ack"]);
+            assert_eq!((report.duplicate, report.dead, report.retry), (1, 0, 0));
+        }
     }
 
     /// Panics instead of answering.

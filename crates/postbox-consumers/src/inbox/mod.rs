@@ -97,6 +97,7 @@ impl<DB: sqlx::Database> Clone for Inbox<DB> {
 struct Statements {
     create: Vec<String>,
     insert_event: String,
+    has_event: String,
     insert_version: String,
     lock_version: String,
     update_version: String,
@@ -110,6 +111,7 @@ impl Statements {
         Statements {
             create: dialect.create.iter().map(|s| r(s)).collect(),
             insert_event: r(dialect.insert_event),
+            has_event: r(dialect.has_event),
             insert_version: r(dialect.insert_version),
             lock_version: r(dialect.lock_version),
             update_version: r(dialect.update_version),
@@ -332,6 +334,18 @@ macro_rules! inbox_backend {
                 Ok(Admission::Fresh)
             }
 
+            /// Whether `consumer_group` has recorded `event_id`: its
+            /// handler's writes committed.
+            pub async fn has(&self, consumer_group: &str, event_id: &str) -> Result<bool, $crate::HandlerError> {
+                let rows: i64 = sqlx::query_scalar(&self.sql.has_event)
+                    .bind(consumer_group)
+                    .bind(event_id)
+                    .fetch_one(&self.pool)
+                    .await
+                    .map_err(|e| $crate::inbox::db_err("check", e))?;
+                Ok(rows > 0)
+            }
+
             /// Runs `handler` and the inbox bookkeeping of `message` for
             /// `consumer_group` in one transaction.
             pub async fn process<H: $crate::inbox::TxHandler<$db> + ?Sized>(
@@ -423,6 +437,10 @@ macro_rules! inbox_backend {
             async fn handle(&self, message: &$crate::Message) -> Result<$crate::Handled, $crate::HandlerError> {
                 self.inbox.process(&self.consumer_group, message, &self.inner).await
             }
+
+            async fn handled_before(&self, message: &$crate::Message) -> Result<bool, $crate::HandlerError> {
+                self.inbox.has(&self.consumer_group, &message.envelope.event_id).await
+            }
         }
     };
 }
@@ -437,6 +455,8 @@ pub(crate) mod sql {
         pub create: &'static [&'static str],
         /// Binds group, event_id, now; affects 0 rows for a duplicate.
         pub insert_event: &'static str,
+        /// Binds group, event_id; counts the event's row (0 or 1).
+        pub has_event: &'static str,
         /// Binds group, aggregate_id, version, now; creates the row when the
         /// aggregate is new. Where it finds the row it must take no lock, or
         /// an exclusive one: never a shared lock that `lock_version` would

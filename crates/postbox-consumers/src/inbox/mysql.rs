@@ -25,6 +25,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     // primary key; event_id and group lengths are checked before, so IGNORE
     // only ever ignores the duplicate
     insert_event: "INSERT IGNORE INTO {table} (consumer_group, event_id, created_at_ms) VALUES (?, ?, ?)",
+    has_event: "SELECT COUNT(*) FROM {table} WHERE consumer_group = ? AND event_id = ?",
     // primary key of _versions. Not `INSERT IGNORE`: on a known aggregate it
     // takes a shared lock, and two transactions that both hold one and then
     // ask `FOR UPDATE` deadlock (error 1213). `ON DUPLICATE KEY UPDATE` takes

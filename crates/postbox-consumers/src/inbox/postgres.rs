@@ -23,6 +23,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     ],
     // primary key
     insert_event: "INSERT INTO {table} (consumer_group, event_id, created_at_ms) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+    has_event: "SELECT COUNT(*) FROM {table} WHERE consumer_group = $1 AND event_id = $2",
     // primary key of _versions
     insert_version: "INSERT INTO {table}_versions (consumer_group, aggregate_id, aggregate_version, updated_at_ms) VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
     // primary key of _versions

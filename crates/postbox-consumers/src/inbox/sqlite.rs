@@ -22,6 +22,7 @@ pub(crate) const DIALECT: Dialect = Dialect {
     ],
     // primary key
     insert_event: "INSERT OR IGNORE INTO {table} (consumer_group, event_id, created_at_ms) VALUES (?, ?, ?)",
+    has_event: "SELECT COUNT(*) FROM {table} WHERE consumer_group = ? AND event_id = ?",
     // primary key of _versions
     insert_version: "INSERT OR IGNORE INTO {table}_versions (consumer_group, aggregate_id, aggregate_version, updated_at_ms) VALUES (?, ?, ?, ?)",
     // primary key of _versions

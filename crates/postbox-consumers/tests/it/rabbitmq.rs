@@ -314,6 +314,86 @@ async fn inbox_counts_duplicates_and_skips_stale_versions() {
     delete(&ch, &queue).await;
 }
 
+/// A handled message whose ack was lost (its consumer stopped after the
+/// inbox committed, before the ack) comes back redelivered on its last
+/// attempt: it is acknowledged as a duplicate, where it was dead-lettered
+/// although handled.
+#[tokio::test]
+async fn a_handled_message_back_on_its_last_attempt_is_a_duplicate() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+    let inbox = Inbox::<sqlx::Sqlite>::connect(&url, "inbox").await.unwrap();
+    sqlx::query("CREATE TABLE effect (event_id TEXT NOT NULL)")
+        .execute(inbox.pool())
+        .await
+        .unwrap();
+    let (conn, ch) = broker().await;
+    let queue = scratch_queue("lost_ack");
+    declare(&ch, &queue).await;
+    publish(&ch, &queue, "e1", None, "{}").await;
+    let handler = Arc::new(InboxHandler::new(
+        inbox.clone(),
+        "console",
+        EffectRow::new("effect"),
+    ));
+
+    // The first consumer takes it, handles it (the inbox commits) and stops
+    // before its ack: its channel closes, the broker gives the message back.
+    let first = conn.create_channel().await.unwrap();
+    let taken = first
+        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .expect("the message");
+    assert!(!taken.delivery.redelivered);
+    let mut message = Message {
+        envelope: postbox_core::envelope::Envelope {
+            event_id: "e1".into(),
+            app_code: "test".into(),
+            event_type: "TestEvent".into(),
+            aggregate_id: None,
+            aggregate_version: None,
+            created_at_ms: 0,
+            headers: Default::default(),
+            payload: postbox_core::envelope::Envelope::payload_of("{}"),
+        },
+        attempt: 1,
+        redelivered: false,
+    };
+    assert_eq!(handler.handle(&message).await, Ok(Handled::Ok));
+    first.close(200, "stopped".into()).await.unwrap();
+    message.attempt = 2;
+    assert_eq!(handler.handle(&message).await, Ok(Handled::Duplicate));
+
+    // The next consumer allows one attempt: the redelivery is that attempt's
+    // end without a result, but the inbox has the event.
+    let mut config = consumer_config(&queue);
+    config.max_attempts = 1;
+    let consumer = RabbitMqConsumer::new(config, handler).unwrap();
+    let (stop, run) = start(consumer);
+    wait_until(
+        "the redelivered message settled",
+        Duration::from_secs(15),
+        async || ready(&ch, &queue).await == 0 && ready(&ch, &format!("{queue}.dead")).await == 0,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.cancel();
+    let report = run.await.unwrap().unwrap();
+    assert_eq!(
+        (report.ok, report.duplicate, report.retry, report.dead),
+        (0, 1, 0, 0),
+        "{report:?}"
+    );
+    assert_eq!(ready(&ch, &format!("{queue}.dead")).await, 0);
+    let effects: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM effect")
+        .fetch_one(inbox.pool())
+        .await
+        .unwrap();
+    assert_eq!(effects, 1);
+    delete(&ch, &queue).await;
+}
+
 /// Takes `hold` per message and counts calls.
 struct Slow {
     hold: Duration,

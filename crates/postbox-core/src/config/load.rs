@@ -59,13 +59,41 @@ pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Er
             }
         };
     }
-    figment = figment.merge(Env::prefixed("POSTBOX__").split("__"));
+    figment = figment.merge(
+        // `lowercase` last: each `split`/`map` sets it back to `true`.
+        Env::prefixed("POSTBOX__")
+            .split("__")
+            .map(|key| env_path(key.as_str()).into())
+            .lowercase(false),
+    );
     let mut config: Config = figment.extract().map_err(from_figment)?;
     if let Some(url) = &source.database_url {
         config.database.url = SecretUrl::new(url.clone());
     }
     config.require_env(uses)?;
     config.validate()
+}
+
+/// The config path a `POSTBOX__…` variable sets (after the prefix, `__`
+/// read as `.`): lower case, except a key of a map keyed by the user's own
+/// names, kept as written: `OUTBOX_WORKER.EVENT_TYPES.PriceTick.DELIVERY`
+/// is `outbox_worker.event_types.PriceTick.delivery` (lowered whole, it set
+/// a type `pricetick` no event has, and the override did nothing).
+fn env_path(key: &str) -> String {
+    let mut path: Vec<String> = Vec::new();
+    for segment in key.split('.') {
+        let parent: Vec<&str> = path.iter().map(String::as_str).collect();
+        let users_name = matches!(
+            parent.as_slice(),
+            ["outbox_worker", "event_types"] | ["admin", "redact"] | ["database", "statuses"]
+        );
+        path.push(if users_name {
+            segment.to_owned()
+        } else {
+            segment.to_ascii_lowercase()
+        });
+    }
+    path.join(".")
 }
 
 fn extension(p: &Path) -> &str {
@@ -177,6 +205,27 @@ mod tests {
         // A token of digits (set through the environment) is a token.
         let digits = load_str("[admin]\ntoken = 98765432101234\n").expect("a token of digits");
         assert_eq!(digits.admin_or_default().token.expose(), "98765432101234");
+    }
+
+    #[test]
+    fn environment_keys_keep_the_case_of_the_users_names() {
+        assert_eq!(
+            env_path("OUTBOX_WORKER.EVENT_TYPES.PriceTick.DELIVERY"),
+            "outbox_worker.event_types.PriceTick.delivery"
+        );
+        assert_eq!(
+            env_path("ADMIN.REDACT.UserSignedUp"),
+            "admin.redact.UserSignedUp"
+        );
+        assert_eq!(
+            env_path("DATABASE.STATUSES.PUBLISHED"),
+            "database.statuses.PUBLISHED"
+        );
+        assert_eq!(
+            env_path("DATABASE.COLUMNS.LOCK_UNTIL_MS"),
+            "database.columns.lock_until_ms"
+        );
+        assert_eq!(env_path("Database.Url"), "database.url");
     }
 
     fn load_str(toml: &str) -> Result<Settings, Error> {
