@@ -77,6 +77,11 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A request that would do harm as asked (a replay to chosen
+    /// publishers that would mark events delivered without the others):
+    /// the message says why and what to ask instead. Nothing changed.
+    #[error("{0}")]
+    Refused(String),
     /// A bug: something postbox relies on did not hold (a relay stage
     /// panicked). The message says what stopped.
     #[error("internal error (a bug in postbox; please report it): {0}")]
@@ -166,6 +171,7 @@ impl Error {
                 | Error::InvalidEvent(_)
                 | Error::InvalidInput { .. }
                 | Error::PayloadTooLarge { .. }
+                | Error::Refused(_)
         )
     }
 }

@@ -95,7 +95,14 @@ pub async fn run(
     stop: &CancellationToken,
     on_batch: &(dyn Fn(&Progress) + Send + Sync),
 ) -> Result<Ended> {
-    let mut progress = start(&b.state, &b.filter, resume)?;
+    let mut filter = b.filter.clone();
+    if filter.since_ms.is_some() && filter.until_ms.is_none() && !resume {
+        // A time range open at its end ends now, on the database's clock:
+        // events written while the backfill runs (ids above it) are not
+        // its rows, and the range is what a replay without pacing takes.
+        filter.until_ms = Some(store.now_ms().await? + 1);
+    }
+    let mut progress = start(&b.state, &filter, resume)?;
     // A resumed run replays the filter it started with: times given as
     // `2h` ago resolve to another instant on every run.
     let filter = progress.filter.clone();
@@ -135,9 +142,12 @@ pub async fn run(
         replayed_here += rows.len() as u64;
         save(&b.state, &progress)?;
         on_batch(&progress);
-        // One batch ahead of the relay at most.
+        // One batch ahead of the relay at most: its own rows (not another
+        // type's or aggregate's, held back by a pause or a retrying head).
         let waiting = EventFilter {
             app_code: filter.app_code.clone(),
+            event_type: filter.event_type.clone(),
+            aggregate_id: filter.aggregate_id.clone(),
             status: Some(Status::Pending),
             after_id: Some(first - 1),
             through_id: Some(last),
@@ -246,5 +256,69 @@ fn io(path: &Path, e: std::io::Error) -> Error {
     Error::Io {
         context: format!("replay state {}", path.display()),
         source: e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use postbox_core::store::ReplayPick;
+    use postbox_core::NewEvent;
+
+    /// A backfill of one event type waits for its own batch only: pending
+    /// rows of another type in the batch's id range (a paused type, a
+    /// follower behind a retrying head) held it for good.
+    #[tokio::test]
+    async fn a_backfill_waits_for_its_own_rows_only() {
+        let o = postbox_sqlite::SqliteOutbox::connect("sqlite::memory:", "room_outbox", 1)
+            .await
+            .unwrap();
+        o.migrate().await.unwrap();
+        let events: Vec<NewEvent> = (0..20)
+            .map(|i| NewEvent::new("room", if i % 2 == 0 { "A" } else { "B" }, "{}"))
+            .collect();
+        o.enqueue_batch(&events, 1 << 20).await.unwrap();
+        sqlx::query("UPDATE room_outbox SET status = 'delivered' WHERE event_type = 'A'")
+            .execute(o.pool())
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let targets = ReplayTargets::new(ReplayPick::Unconfirmed, Vec::new()).unwrap();
+        let b = Backfill {
+            filter: EventFilter {
+                event_type: Some("A".into()),
+                since_ms: Some(0),
+                ..EventFilter::default()
+            },
+            batch: NonZeroU32::new(4).unwrap(),
+            rate: None,
+            targets: &targets,
+            origin: "test",
+            state: dir.path().join("s.json"),
+        };
+        // The relay takes type A's rows; B's stay pending (B is paused).
+        let relay = {
+            let pool = o.pool().clone();
+            tokio::spawn(async move {
+                loop {
+                    sqlx::query(
+                        "UPDATE room_outbox SET status = 'delivered' \
+                         WHERE event_type = 'A' AND status = 'pending'",
+                    )
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        };
+        let stop = CancellationToken::new();
+        let ended =
+            tokio::time::timeout(Duration::from_secs(20), run(&o, &b, false, &stop, &|_| {})).await;
+        relay.abort();
+        match ended {
+            Ok(Ok(Ended::Done(p))) => assert_eq!(p.replayed, 10),
+            other => panic!("the backfill did not end with its 10 rows: {other:?}"),
+        }
     }
 }

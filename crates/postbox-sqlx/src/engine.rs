@@ -18,9 +18,9 @@ use postbox_core::event::Fence;
 use postbox_core::partition::Partitioning;
 use postbox_core::store::{
     check_ledger, AppStats, ArchiveReport, ArchiveRequest, DeferUpdate, EnqueueOutcome,
-    EventFilter, FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayRequest,
-    ReplaySelector, SchemaReport, StuckAggregate, AGGREGATE_INDEX, EXPECTED_TABLES, HISTORY_LIMIT,
-    REPLAY_ARCHIVED_QUERY, REPLAY_BY_ID_QUERY, REPLAY_FAILED_QUERY,
+    EventFilter, FailureUpdate, HistoryEntry, MigrateReport, MinuteCount, ReplayPick,
+    ReplayRequest, ReplaySelector, ReplayTargets, SchemaReport, StuckAggregate, AGGREGATE_INDEX,
+    EXPECTED_TABLES, HISTORY_LIMIT, REPLAY_ARCHIVED_QUERY, REPLAY_BY_ID_QUERY, REPLAY_FAILED_QUERY,
 };
 use postbox_core::{EventRecord, NewEvent, OutboxStore, Result, Status, TableName};
 
@@ -1218,30 +1218,19 @@ impl SqlOutbox<D> {
         // there once this transaction commits.
         let mut forget = Vec::new();
         let res = async {
-            let mut out = match selector {
-                ReplaySelector::EventIds { event_ids, .. } => {
-                    let mut out = Vec::new();
-                    for code in &app_codes {
-                        let binds = vec![Value::Texts(event_ids), code.as_str().into()];
-                        if dry_run {
-                            let rows = self.fetch_expanded(&mut tx, &self.sql.replay_ids_dry, binds).await.map_err(db)?;
-                            out.extend(records(rows, self.table.naming(), "replay")?);
-                        } else {
-                            out.extend(self.replay_rows(&mut tx, ReplayStep::Replay, &self.sql.replay_ids, binds, "replay").await?);
-                        }
-                    }
-                    out.sort_by_key(|r| r.id);
-                    out
-                }
-                ReplaySelector::Filter(f) => {
-                    let mut out = Vec::new();
-                    for code in &app_codes {
-                        let f = EventFilter { app_code: Some(code.clone()), ..f.clone() };
-                        out.extend(self.replay_filtered(&mut tx, &f, dry_run, &mut forget).await?);
-                    }
-                    out
-                }
-            };
+            // Chosen publishers only: an event not delivered that one left
+            // out has not confirmed would be marked delivered without it.
+            // Checked here, in the transaction, for every caller (a paced
+            // replay's batches, the API's bulk replay).
+            let only = matches!(targets.pick, ReplayPick::Only(_));
+            if only && !dry_run {
+                let before = self.replay_select(&mut tx, selector, &app_codes, true, &mut Vec::new()).await?;
+                refuse_left_out(targets, &before)?;
+            }
+            let mut out = self.replay_select(&mut tx, selector, &app_codes, dry_run, &mut forget).await?;
+            if only && dry_run {
+                refuse_left_out(targets, &out)?;
+            }
             if !dry_run && !out.is_empty() {
                 let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
                 if let Some(delivered_to) = targets.delivered_to_override() {
@@ -1270,6 +1259,41 @@ impl SqlOutbox<D> {
         }
         if !dry_run && !out.is_empty() {
             self.wake.signal();
+        }
+        Ok(out)
+    }
+
+    /// The rows `selector` replays in `app_codes`, replayed (or, for a dry
+    /// run, read) in `tx`.
+    async fn replay_select(
+        &self,
+        tx: &mut <D::DB as Database>::Connection,
+        selector: &ReplaySelector,
+        app_codes: &[String],
+        dry_run: bool,
+        forget: &mut Vec<i64>,
+    ) -> Result<Vec<EventRecord>> {
+        let db = |e| db_error("replay", e);
+        let mut out = Vec::new();
+        match selector {
+            ReplaySelector::EventIds { event_ids, .. } => {
+                for code in app_codes {
+                    let binds = vec![Value::Texts(event_ids), code.as_str().into()];
+                    if dry_run {
+                        let rows = self.fetch_expanded(&mut *tx, &self.sql.replay_ids_dry, binds).await.map_err(db)?;
+                        out.extend(records(rows, self.table.naming(), "replay")?);
+                    } else {
+                        out.extend(self.replay_rows(&mut *tx, ReplayStep::Replay, &self.sql.replay_ids, binds, "replay").await?);
+                    }
+                }
+                out.sort_by_key(|r| r.id);
+            }
+            ReplaySelector::Filter(f) => {
+                for code in app_codes {
+                    let f = EventFilter { app_code: Some(code.clone()), ..f.clone() };
+                    out.extend(self.replay_filtered(&mut *tx, &f, dry_run, forget).await?);
+                }
+            }
         }
         Ok(out)
     }
@@ -1774,6 +1798,20 @@ impl ReplayProbeArgs {
     fn app_code(&self) -> &str {
         self.failed.app_code.as_deref().unwrap_or_default()
     }
+}
+
+/// [`postbox_core::Error::Refused`] when `rows` (as they were before the
+/// replay) hold an event not delivered that a publisher `targets` leaves
+/// out has not confirmed.
+fn refuse_left_out(targets: &ReplayTargets, rows: &[EventRecord]) -> Result<()> {
+    let left_out = targets.unconfirmed_left_out(rows);
+    if left_out.is_empty() {
+        return Ok(());
+    }
+    Err(postbox_core::Error::Refused(format!(
+        "{}; replaying to the chosen publishers alone would mark it delivered without them: add them to the publishers, or leave the publishers out to send to every publisher that has not confirmed (nothing was replayed)",
+        left_out.join("; ")
+    )))
 }
 
 /// How `sql` names `table`: the alias after `FROM <table> ` (lower case,

@@ -91,6 +91,7 @@ cases! {$
     relay_dead_letters_poison_while_others_flow,
     relay_follows_the_backoff_schedule,
     relay_dead_letters_an_event_whose_last_lease_expired,
+    relay_dead_letters_an_event_taken_over_on_its_last_attempt_and_given_back,
     relay_shutdown_releases_and_leaves_nothing_delivering,
     relay_skips_retries_for_at_most_once_types,
     relay_orders_events_per_aggregate,
@@ -1585,6 +1586,52 @@ async fn relay_dead_letters_an_event_whose_last_lease_expired(store: Arc<dyn Out
     let row = status_of(store.as_ref(), &e.event_id).await;
     assert_eq!(row.retry_count, 2);
     assert!(row.last_error.unwrap_or_default().contains("lease expired"));
+}
+
+/// An event taken over on its last allowed attempt and given back before
+/// the relay refused it (the taking relay stopped, its type was paused, its
+/// batch waited too long) is refused when it comes back as a due retry: it
+/// was published once more, and could crash one more relay.
+async fn relay_dead_letters_an_event_taken_over_on_its_last_attempt_and_given_back(
+    store: Arc<dyn OutboxStore>,
+) {
+    let e = NewEvent::new(APP, "Crashy", "{}");
+    enqueue(store.as_ref(), std::slice::from_ref(&e)).await;
+    store
+        .claim(ClaimSource::Pending, &req("crashed-relay", 10, 1))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let taken = store
+        .claim(
+            ClaimSource::ExpiredLease,
+            &req("stopping-relay", 10, 30_000),
+        )
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].record.retry_count, 1);
+    let released = store
+        .release(&taken[0].fence(), &[taken[0].record.id])
+        .await
+        .unwrap();
+    assert_eq!(released, 1);
+    let p = Arc::new(RecordingPublisher::new("rec"));
+    let config = WorkerConfig {
+        max_retry_count: 1,
+        ..fast_worker()
+    };
+    run_relay_until(store.clone(), vec![p.clone()], config, |s| s.failed == 1).await;
+    assert_eq!(p.attempts(&e.event_id), 0, "not published once more");
+    let row = status_of(store.as_ref(), &e.event_id).await;
+    assert_eq!(row.retry_count, 2);
+    assert!(
+        row.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("no attempt left"),
+        "{row:?}"
+    );
 }
 
 /// Stopping the relay finishes what is in flight and gives back the rest:

@@ -325,6 +325,22 @@ async fn replay_picks_its_publishers() {
         fx.store.find(&ids[1]).await.unwrap()[0].status,
         Status::Failed
     );
+    // So is a bulk replay by filter, which did it (and said 200).
+    for dry_run in [true, false] {
+        let body = serde_json::json!({
+            "status": "failed", "app_code": fx.app, "publishers": "a", "dry_run": dry_run
+        });
+        let refused = request_with(addr, "POST", "/api/replay", &auth, Some(&body)).await;
+        assert_eq!(refused.status, 400, "{}", refused.body);
+        assert!(
+            refused.body.contains("not been confirmed by b"),
+            "{}",
+            refused.body
+        );
+    }
+    for id in &ids[1..] {
+        assert_eq!(fx.store.find(id).await.unwrap()[0].status, Status::Failed);
+    }
     // Once delivered (to both), backtracking to `a` alone is fine.
     fx.update(&ids[1], "status = 'delivered', delivered_to = NULL")
         .await;

@@ -740,6 +740,20 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     let only = run(&["replay", "e3", "--publisher", "a"]);
     assert_eq!(only.status.code(), Some(2), "{}", text(&only));
     assert_says(&only, &["e3", "not been confirmed by b"]);
+    // So is a paced replay (by batches), which did it without a word.
+    let paced = run(&[
+        "replay",
+        "--status",
+        "failed",
+        "--publisher",
+        "a",
+        "--batch",
+        "10",
+    ]);
+    assert_eq!(paced.status.code(), Some(2), "{}", text(&paced));
+    assert_says(&paced, &["e3", "not been confirmed by b"]);
+    let v = json(&run(&["--json", "events", "show", "e3"]));
+    assert_eq!(v[0]["status"], "failed", "nothing replayed: {v}");
     let with_b = run(&["replay", "e3", "--publisher", "a", "--publisher", "b"]);
     assert!(with_b.status.success(), "{}", text(&with_b));
     assert!(run(&["replay", "e4", "--all-publishers"]).status.success());
@@ -1108,6 +1122,13 @@ async fn a_paced_replay_stays_one_batch_ahead_stops_and_resumes() {
         || state.exists(),
         || "the paced replay wrote no state".into(),
     );
+    // An event written while it runs is not one of its rows: `--since 1d`
+    // ends when the backfill started (it went on to every later id).
+    fx.exec(
+        "INSERT INTO {table} (app_code, event_id, event_type, payload, status, created_at_ms, updated_at_ms) \
+         VALUES ('room', 'late-1', 'T', '{}', 'delivered', (EXTRACT(EPOCH FROM now()) * 1000)::BIGINT, 0)",
+    )
+    .await;
     signal("INT", child.id());
     let stopped = child.wait_with_output().unwrap();
     assert_eq!(stopped.status.code(), Some(1), "{}", text(&stopped));
@@ -1135,7 +1156,7 @@ async fn a_paced_replay_stays_one_batch_ahead_stops_and_resumes() {
     assert_ok(&resumed);
     assert_says(&resumed, &["replayed 120 event(s)"]);
     let wrong: i64 = sqlx::query_scalar(&format!(
-        "SELECT COUNT(*) FROM {} WHERE replay_count <> 2",
+        "SELECT COUNT(*) FROM {} WHERE replay_count <> CASE WHEN event_id = 'late-1' THEN 0 ELSE 2 END",
         fx.table
     ))
     .fetch_one(&fx.pool)

@@ -134,6 +134,10 @@ impl Decision {
 pub const EXPIRED_ON_LAST_ATTEMPT: &str =
     "lease expired on the last allowed attempt (the event may crash or hang its relay)";
 
+/// The error recorded for a row claimed with no attempt left that was
+/// not taken over from an expired lease right then.
+pub const NO_ATTEMPT_LEFT: &str = "no attempt left (its last allowed attempt's lease expired before it was given back, or max_retry_count was lowered)";
+
 /// Who a row refused before publishing is recorded as failing for.
 const RELAY: &str = "relay";
 
@@ -161,6 +165,14 @@ pub fn decide(
                 Some(why) => why.as_str(),
                 None if row.from_expired_lease && !policy.may_retry(row.retry_count) => {
                     EXPIRED_ON_LAST_ATTEMPT
+                }
+                // Past its attempts however it was claimed: taken over on
+                // its last allowed attempt, then given back (a stop, a
+                // paused type, a batch that waited too long) before this
+                // refusal, it came back as a due retry and went out once
+                // more; or the limit was lowered since it failed.
+                None if row.retry_count > 0 && !policy.may_retry(row.retry_count) => {
+                    NO_ATTEMPT_LEFT
                 }
                 None => return Decision::Publish,
             };
@@ -305,7 +317,7 @@ mod tests {
             Decision::Publish
         );
         assert_eq!(
-            decide(&claimed(10, false), policy(10), delay),
+            decide(&claimed(9, false), policy(10), delay),
             Decision::Publish
         );
         match decide(&claimed(10, true), policy(10), delay) {
@@ -431,10 +443,22 @@ mod tests {
             }
         }
 
-        /// A row never expired is always published, whatever its count.
+        /// A row not taken over right now is published while it has an
+        /// attempt left, by the one threshold; past it (taken over on its
+        /// last attempt, then given back before the refusal; or the limit
+        /// lowered) it is refused, counting one more, where it was
+        /// published once more.
         #[test]
-        fn a_row_not_from_an_expired_lease_is_published(n in 0i32..30, p in any_policy()) {
-            prop_assert_eq!(decide(&claimed(n, false), p, delay), Decision::Publish);
+        fn a_row_not_from_an_expired_lease_is_published_while_it_may_be(n in 0i32..30, p in any_policy()) {
+            match decide(&claimed(n, false), p, delay) {
+                Decision::Publish => prop_assert!(n == 0 || p.may_retry(n)),
+                Decision::Failed { retry_count, error, .. } => {
+                    prop_assert!(n > 0 && !p.may_retry(n));
+                    prop_assert_eq!(retry_count, n + 1);
+                    prop_assert!(error.contains(NO_ATTEMPT_LEFT), "{}", error);
+                }
+                other => prop_assert!(false, "{:?}", other),
+            }
         }
     }
 }
