@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use opentelemetry::KeyValue;
 use tokio::sync::mpsc;
@@ -194,7 +194,7 @@ impl Marker {
             }
         }
         for ((fence, update), ids) in deferred {
-            match retrying("defer rows", || self.store.defer(&fence, &ids, &update)).await {
+            match super::retrying("defer rows", || self.store.defer(&fence, &ids, &update)).await {
                 // Rows a lost answer hid are not counted; their write is
                 // no attempt, so nothing more is needed.
                 Ok((n, _)) => {
@@ -209,7 +209,7 @@ impl Marker {
         }
         for (fence, ids) in delivered {
             let rows = ids.len() as u64;
-            let (n, unknown) = match retrying("mark delivered", || {
+            let (n, unknown) = match super::retrying("mark delivered", || {
                 self.store.mark_delivered(&fence, &ids)
             })
             .await
@@ -287,7 +287,7 @@ impl Marker {
         let all = |rows: Vec<FailedRow>, written: fn() -> Written| {
             rows.into_iter().map(|r| (r, written())).collect()
         };
-        match retrying("mark failed attempts", || {
+        match super::retrying("mark failed attempts", || {
             self.store.mark_failed(fence, &ids, update)
         })
         .await
@@ -434,31 +434,6 @@ fn record_delivery_lag(ids: &[i64], n: u64, created_at: &HashMap<i64, i64>) {
     for id in ids {
         if let Some(created) = created_at.get(id) {
             lag.record((now - created).max(0) as f64 / 1000.0);
-        }
-    }
-}
-
-/// Retries a result write a few times: losing it only means the lease
-/// expires and the row is delivered again, but that is worth avoiding.
-/// Returns the value and whether an earlier try failed (and so may have
-/// committed before its answer was lost).
-async fn retrying<T, F, Fut>(what: &'static str, mut op: F) -> Result<(T, bool)>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T>>,
-{
-    let mut delay = Duration::from_millis(20);
-    let mut tries = 0;
-    loop {
-        match op().await {
-            Ok(v) => return Ok((v, tries > 0)),
-            Err(e) if tries < 5 => {
-                tries += 1;
-                tracing::warn!(error = %e, tries, "{what} failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
-            }
-            Err(e) => return Err(e),
         }
     }
 }

@@ -35,6 +35,7 @@ mod spans;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use serde::Serialize;
@@ -379,14 +380,54 @@ async fn release_rows(store: &dyn RelayStore, rows: Vec<(Fence, i64)>, why: &str
     }
     let mut released = 0;
     for (fence, ids) in by_fence {
-        match store.release(&fence, &ids).await {
-            Ok(n) => released += n,
+        match retrying("release leases", || store.release(&fence, &ids)).await {
+            Ok((n, _)) => released += n,
             Err(e) => {
                 tracing::warn!(error = %e, rows = ids.len(), "could not release leases ({why}); they expire by themselves");
             }
         }
     }
     released
+}
+
+/// How long a result write (a mark, a release) is tried again before it
+/// is given up. Giving up only means the rows' leases expire and they are
+/// tried again, but then an attempt is counted: a delivered row on its
+/// last allowed attempt, or of an `at_most_once` type, is dead-lettered
+/// although delivered. Within a database restart or failover (a few
+/// seconds); it gave up after 0.6 s.
+const WRITE_PATIENCE: Duration = Duration::from_secs(5);
+
+/// The longest pause between two tries of a result write.
+const WRITE_RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
+
+/// Tries a result write again, with a growing pause, for up to
+/// [`WRITE_PATIENCE`]. Every write it is given is fenced, so a try that
+/// committed before its answer was lost is harmless to repeat. Returns the
+/// value and whether an earlier try failed (and so may have committed
+/// before its answer was lost).
+async fn retrying<T, F, Fut>(what: &'static str, mut op: F) -> Result<(T, bool)>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let started = Instant::now();
+    let mut delay = Duration::from_millis(20);
+    let mut tries = 0u32;
+    loop {
+        match op().await {
+            Ok(v) => return Ok((v, tries > 0)),
+            Err(e) if started.elapsed() + delay < WRITE_PATIENCE => {
+                tries += 1;
+                if tries == 1 || tries.is_power_of_two() {
+                    tracing::warn!(error = %e, tries, "{what} failed; retrying");
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(WRITE_RETRY_MAX_DELAY);
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Runs a stage's `work` on the rows it holds (`held`). When `work`

@@ -33,6 +33,13 @@ async fn relay_writes_a_batch_of_failures_at_once() {
     postbox_testkit::faults::relay_writes_a_batch_of_failures_at_once(fresh_store().await).await;
 }
 
+/// A database blip while marking loses no result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_rides_out_a_database_blip_while_marking() {
+    postbox_testkit::faults::relay_rides_out_a_database_blip_while_marking(fresh_store().await)
+        .await;
+}
+
 /// Issue 11: a database error while marking is reported as one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_reports_a_failed_mark_as_a_database_error() {

@@ -234,6 +234,9 @@ fault_cases! {
     relay_recognises_its_own_mark_after_a_lost_answer("lostack");
     /// Issue 11: a database error while marking is reported as one.
     relay_reports_a_failed_mark_as_a_database_error("markerr");
+    /// A database blip while marking loses no result (given up after
+    /// 0.6 s before: the rows left to their leases).
+    relay_rides_out_a_database_blip_while_marking("markblip");
     /// Issue 11: a lost mark whose read-back fails too is a database error,
     /// not a takeover (failed before: counted and logged as fenced out).
     relay_reports_an_unreadable_lost_mark_as_a_database_error("markread");
