@@ -177,6 +177,9 @@ pub(crate) async fn publishers(State(state): State<AppState>) -> Json<serde_json
 /// one); by default a `delivered` event goes to every publisher and any
 /// other only to those that have not confirmed it.
 #[derive(Debug, Deserialize)]
+// An unknown key is refused, not dropped: `?dry_run=true` replayed for
+// real, `?publisher=a` (the CLI's flag) to every publisher.
+#[serde(deny_unknown_fields)]
 pub(crate) struct ReplayParams {
     app_code: Option<String>,
     publishers: Option<String>,
@@ -276,7 +279,16 @@ pub(crate) async fn replay(
         })
         .await?;
     if replayed.is_empty() {
-        let rows = state.store.find(&event_id).await?;
+        // Only the tenant asked for: a row of another app_code is not this
+        // event (it answered 409, "being delivered", for good).
+        let mut rows = state.store.find(&event_id).await?;
+        if let ReplaySelector::EventIds {
+            app_code: Some(code),
+            ..
+        } = &selector
+        {
+            rows.retain(|r| &r.app_code == code);
+        }
         return Err(if rows.is_empty() {
             ApiError::new(
                 StatusCode::NOT_FOUND,
@@ -333,6 +345,9 @@ pub(crate) struct BulkReplay {
     all: bool,
 }
 
+/// The most events one `POST /api/replay` takes (more: the paced replay).
+const BULK_REPLAY_MAX: u32 = 10_000;
+
 /// What a bulk replay took: how many rows (each app_code's), and the first
 /// of them.
 #[derive(Debug, Serialize)]
@@ -381,6 +396,18 @@ pub(crate) async fn replay_filtered(
         all_publishers: b.all_publishers,
     }
     .targets(&state.publishers)?;
+    // Bounded: a replay (or its dry run) of every row of a month read them
+    // all into this process (the relay's, with `[admin]` on `relay`) and
+    // wrote them in one transaction. Counted by their ids first.
+    let matching = state
+        .store
+        .replay_ids_after(&filter, 0, BULK_REPLAY_MAX + 1)
+        .await?;
+    if matching.len() > BULK_REPLAY_MAX as usize {
+        return Err(ApiError::bad_request(format!(
+            "the filter takes more than {BULK_REPLAY_MAX} events: replay them paced with `postbox replay` and the same filters plus `--rate` (a batch at a time, behind the relay, resumable), or narrow it"
+        )));
+    }
     let origin = crate::auth::origin(caller.as_deref(), peer);
     let selector = ReplaySelector::Filter(filter);
     let rows = state

@@ -157,6 +157,13 @@ impl DeadParams {
             || self.since.is_some()
             || self.until.is_some()
             || self.error.is_some();
+        if !matches!(verb, DeadVerb::List(_)) && self.limit.is_some() {
+            // Taken for a cap, it was ignored: `"all": true, "limit": 1`
+            // purged every dead letter.
+            return Err(ApiError::bad_request(
+                "`limit` applies to listing only: a replay or purge takes every letter its filter matches (preview it with \"dry_run\": true)",
+            ));
+        }
         if !matches!(verb, DeadVerb::List(_)) && !filtered && !self.all {
             return Err(ApiError::bad_request(
                 "give a filter (event_type, event_id, since, until, error) or \"all\": true to take every dead letter of the consumer",
@@ -304,5 +311,20 @@ mod tests {
         );
         let params: DeadParams = serde_json::from_str(r#"{"error": "timeout"}"#).unwrap();
         assert!(params.request(DeadVerb::Purge).is_ok());
+    }
+
+    /// `limit` caps a listing only: on a purge or replay it was ignored,
+    /// so `{"all": true, "limit": 1}` purged every letter.
+    #[test]
+    fn a_limit_on_a_purge_or_replay_is_refused() {
+        for verb in [DeadVerb::Purge, DeadVerb::Replay] {
+            let params: DeadParams = serde_json::from_str(r#"{"all": true, "limit": 1}"#).unwrap();
+            let Err(refused) = params.request(verb) else {
+                panic!("a limit taken for a cap");
+            };
+            assert!(refused.message.contains("`limit`"), "{}", refused.message);
+        }
+        let params: DeadParams = serde_json::from_str(r#"{"limit": 5}"#).unwrap();
+        assert!(params.request(DeadVerb::List(5)).is_ok());
     }
 }

@@ -17,6 +17,9 @@ use postbox_core::{Error, Result};
 use crate::auth::{self, Access};
 use crate::consumers_api::{self, ConsumerControl};
 
+/// How often the recorder's upkeep runs (the stats poller's interval).
+const UPKEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Serves `/healthz`, the Prometheus `/metrics` of this process and, with
 /// [`MetricsServer::with_consumers`], `/api/consumers`.
 pub struct MetricsServer {
@@ -77,6 +80,23 @@ impl MetricsServer {
         let addr = self.local_addr()?;
         tracing::info!(%addr, "metrics listening on http://{addr}/metrics");
         let prometheus = self.prometheus;
+        // Histogram samples pile up in the recorder until a scrape or an
+        // upkeep drains them: with nobody scraping (`[admin]` set for its
+        // pause/resume), one sample per handled message, for good. The
+        // relay's stats poller runs the upkeep; here this task does.
+        let upkeep = tokio::spawn({
+            let prometheus = prometheus.clone();
+            let shutdown = shutdown.clone();
+            async move {
+                let mut every = tokio::time::interval(UPKEEP_EVERY);
+                loop {
+                    tokio::select! {
+                        _ = every.tick() => prometheus.run_upkeep(),
+                        _ = shutdown.cancelled() => return,
+                    }
+                }
+            }
+        });
         let app = Router::new()
             .route("/", get(crate::dashboard::index))
             .route("/dashboard.js", get(crate::dashboard::script))
@@ -95,12 +115,14 @@ impl MetricsServer {
                 auth::guard,
             ))
             .into_make_service_with_connect_info::<SocketAddr>();
-        axum::serve(self.listener, app)
+        let served = axum::serve(self.listener, app)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
             .await
             .map_err(|e| Error::Io {
                 context: format!("metrics server on {addr}"),
                 source: e,
-            })
+            });
+        upkeep.abort();
+        served
     }
 }

@@ -307,6 +307,20 @@ async fn replay_picks_its_publishers() {
         Status::Failed
     );
 
+    // A key the route does not know is refused, not dropped: `dry_run`
+    // replayed for real.
+    let typo = request(addr, "POST", &path(0, "dry_run=true"), &auth).await;
+    assert_eq!(typo.status, 400, "{}", typo.body);
+    assert!(typo.body.contains("dry_run"), "{}", typo.body);
+    // An app_code the event is not in: not found (it answered 409, "being
+    // delivered right now", for an event of another tenant).
+    let elsewhere = request(addr, "POST", &path(0, "app_code=nosuch"), &auth).await;
+    assert_eq!(elsewhere.status, 404, "{}", elsewhere.body);
+    assert_eq!(
+        fx.store.find(&ids[0]).await.unwrap()[0].status,
+        Status::Failed
+    );
+
     let ok = request(addr, "POST", &path(0, ""), &auth).await;
     assert_eq!(ok.status, 200, "{}", ok.body);
     assert_eq!(ok.json()["targets"][0], serde_json::json!(["b"]));
@@ -359,6 +373,49 @@ async fn replay_picks_its_publishers() {
         .json();
     let replayed = expect_in(&d["timeline"], "kind", "replayed");
     assert_eq!(replayed["publisher"], "a", "{d}");
+    stop.cancel();
+}
+
+/// A bulk replay, or its dry run, takes at most 10,000 events: beyond,
+/// the paced replay. It read every matching row into the process and
+/// wrote them in one transaction.
+#[tokio::test]
+async fn a_bulk_replay_is_bounded() {
+    let fx = fixture("api_replay_max", "max").await;
+    sqlx::query(&format!(
+        "INSERT INTO {} (app_code, event_id, event_type, payload, status) \
+         SELECT '{}', 'm-' || g, 'Thing', '{{}}', 'failed' FROM generate_series(1, 10001) g",
+        fx.table, fx.app
+    ))
+    .execute(&fx.pool)
+    .await
+    .unwrap();
+    let (addr, stop) = fx.serve(Some(TOKEN)).await;
+    let bearer = format!("Bearer {TOKEN}");
+    let auth = [("Authorization", bearer.as_str())];
+    for dry_run in [true, false] {
+        let body =
+            serde_json::json!({ "status": "failed", "app_code": fx.app, "dry_run": dry_run });
+        let res = request_with(addr, "POST", "/api/replay", &auth, Some(&body)).await;
+        assert_eq!(res.status, 400, "{}", res.body);
+        assert!(res.body.contains("postbox replay"), "{}", res.body);
+    }
+    let failed: i64 = sqlx::query_scalar(&format!(
+        "SELECT COUNT(*) FROM {} WHERE status = 'failed'",
+        fx.table
+    ))
+    .fetch_one(&fx.pool)
+    .await
+    .unwrap();
+    assert_eq!(failed, 10_001, "nothing replayed");
+    sqlx::query(&format!("DELETE FROM {} WHERE event_id <> 'm-1'", fx.table))
+        .execute(&fx.pool)
+        .await
+        .unwrap();
+    let body = serde_json::json!({ "status": "failed", "app_code": fx.app, "dry_run": true });
+    let res = request_with(addr, "POST", "/api/replay", &auth, Some(&body)).await;
+    assert_eq!(res.status, 200, "{}", res.body);
+    assert_eq!(res.json()["count"], 1);
     stop.cancel();
 }
 
