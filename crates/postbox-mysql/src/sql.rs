@@ -547,13 +547,15 @@ pub(crate) const ARCHIVE_PICK: &str = archive_pick!();
 pub(crate) const ARCHIVE_PICK_LOCK: &str = concat!(archive_pick!(), " FOR UPDATE");
 
 /// Archive step 2: copy what the archive lacks (unique `id`; a row already
-/// there from an earlier run is skipped). Primary key lookups.
+/// there from an earlier run is skipped). Primary key lookups. Not `INSERT
+/// IGNORE`: that also stores a value too long for its column cut short
+/// (a warning, strict mode or not), and the live row was then deleted.
 pub(crate) const ARCHIVE_COPY: &str = concat!(
-    "INSERT IGNORE INTO {archive} (",
+    "INSERT INTO {archive} (",
     columns!(),
     ") SELECT ",
     columns!(),
-    " FROM {table} WHERE id IN ({ids})"
+    " FROM {table} WHERE id IN ({ids}) ON DUPLICATE KEY UPDATE id = {archive}.id"
 );
 
 /// Archive step 3: delete from the outbox only rows present in the
@@ -569,8 +571,9 @@ pub(crate) const ARCHIVE_DELETE: &str = "DELETE FROM {table} WHERE id IN ({ids})
 /// `id` in the ids bound first (expanded to one placeholder each).
 pub(crate) const ID_LIST: &str = "id IN ({ids})";
 
-/// An insert that leaves alone a row whose key is there.
-pub(crate) const INSERT_IGNORE: (&str, &str) = ("INSERT IGNORE INTO", "");
+/// An insert that leaves alone a row whose key is there, and fails on a
+/// value its column cannot hold (`INSERT IGNORE` stored it cut short).
+pub(crate) const INSERT_IGNORE: (&str, &str) = ("INSERT INTO", " ON DUPLICATE KEY UPDATE id = id");
 
 /// Which of the event ids `{ids}` of an app_code (bound first) are
 /// archived. Index: `{archive}_event_uq (app_code, event_id)`.

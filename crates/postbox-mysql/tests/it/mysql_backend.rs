@@ -901,3 +901,39 @@ async fn mariadb_range_partitions_cannot_keep_an_event_unique() {
         sqlx::query(&drop).execute(pool).await.unwrap();
     }
 }
+
+/// A row the archive's columns cannot hold (a PostgreSQL or SQLite outbox
+/// archiving to MariaDB: unbounded text there, `VARCHAR(128)` here) is
+/// refused, so the outbox keeps it: `INSERT IGNORE` stored it cut short,
+/// with a warning, and the archiver then deleted the live row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_archive_refuses_what_its_columns_cannot_hold() {
+    let store = store("mb_arcut").await;
+    let row = |id: i64, aggregate: String| postbox_core::EventRecord {
+        id,
+        app_code: "room".into(),
+        event_id: format!("cut-{id}"),
+        event_type: "T".into(),
+        aggregate_id: Some(aggregate),
+        payload: "{}".into(),
+        status: Status::Delivered,
+        ..postbox_core::EventRecord::default()
+    };
+    let refused = store.put_archived(&[row(1, "a".repeat(200))]).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(
+        store.put_archived(&[row(2, "a".repeat(20))]).await.unwrap(),
+        1
+    );
+    // A row already there is left alone.
+    store.put_archived(&[row(2, "a".repeat(20))]).await.unwrap();
+    let archived: Vec<(String, String)> = sqlx::query_as(&format!(
+        "SELECT event_id, aggregate_id FROM {}_archive ORDER BY id",
+        store.table().as_str()
+    ))
+    .fetch_all(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(archived, [("cut-2".to_owned(), "a".repeat(20))]);
+    drop_tables(&store).await;
+}
