@@ -52,6 +52,9 @@ pub(super) struct Claimer {
     pub controls: super::controls::ControlView,
     /// Rows claimed, for the heartbeat.
     pub tally: Arc<super::heartbeat::Tally>,
+    /// One row taken over from an expired lease in publication at a time
+    /// (see [`TAKEOVER_BATCH`]).
+    pub takeovers: Arc<tokio::sync::Semaphore>,
 }
 
 /// One claim query to run: app_code `app` (its index), from `source`,
@@ -62,6 +65,16 @@ struct Claim<'a> {
     skip_types: &'a [String],
     controls: &'a Controls,
 }
+
+/// Expired leases taken over per claim. Each row is published alone (a
+/// batch of its own): a relay that died on a batch (an event that crashes
+/// or hangs it) left every row of the batch leased, and taking them over
+/// together sent them together again, into the same crash, until every
+/// row of the batch was dead-lettered with the one event that did it, each
+/// published up to `max_retry_count` times. Alone, a crash costs the
+/// event that makes it its own attempts (and at most what else was in
+/// flight then). Few at a time: the rows wait for each other's publishes.
+const TAKEOVER_BATCH: u32 = 8;
 
 /// How long one round goes on claiming due retries (or expired leases)
 /// of one app_code past batches all of paused types: each batch is given
@@ -222,6 +235,11 @@ impl Claimer {
                         round.full |= outcome.full;
                         round.found |= outcome.found;
                         round.error |= outcome.error;
+                        if source == ClaimSource::ExpiredLease && outcome.full {
+                            // More leases expired than one takeover takes:
+                            // the next round takes the next ones.
+                            last_sweep[i] = None;
+                        }
                         if !outcome.held_full
                             || source == ClaimSource::Pending
                             || past_held.elapsed() >= CLAIM_PAST_HELD
@@ -309,9 +327,13 @@ impl Claimer {
         if shutdown.is_cancelled() {
             return None;
         }
+        let limit = match source {
+            ClaimSource::ExpiredLease => batch_size.min(TAKEOVER_BATCH),
+            _ => batch_size,
+        };
         let req = ClaimRequest {
             app_code,
-            limit: batch_size,
+            limit,
             worker_id: &self.worker_id,
             lease_ms: self.config.lease.as_millis_i64(),
             ordered: self.config.ordering == Ordering::PerAggregate,
@@ -339,7 +361,7 @@ impl Claimer {
                     }
                 }
                 if events.is_empty() {
-                    round.held_full = fetched == batch_size as usize;
+                    round.held_full = fetched == limit as usize;
                     return Some(round);
                 }
                 *db_errors = 0;
@@ -355,7 +377,7 @@ impl Claimer {
                         "took over expired leases; counted as failed attempts"
                     );
                 }
-                if events.len() as u32 == batch_size {
+                if events.len() as u32 == limit {
                     round.full = true;
                 }
                 if let Some(started) = traced_since {
@@ -369,10 +391,44 @@ impl Claimer {
                 }
                 // A reserved slot cannot refuse: a publish stage that stops
                 // drains and releases what is queued.
-                permit.send(Batch {
-                    events,
-                    claimed_at: claim_started,
-                });
+                if source != ClaimSource::ExpiredLease {
+                    permit.send(Batch {
+                        events,
+                        claimed_at: claim_started,
+                        gate: None,
+                    });
+                    return Some(round);
+                }
+                // Taken over: each row alone, once the one before it has
+                // been published (see [`TAKEOVER_BATCH`]).
+                let mut rows = events.into_iter();
+                let mut permit = Some(permit);
+                while let Some(row) = rows.next() {
+                    let next = async {
+                        let gate = self.takeovers.clone().acquire_owned().await.ok()?;
+                        let slot = match permit.take() {
+                            Some(slot) => slot,
+                            None => out.reserve().await.ok()?,
+                        };
+                        Some((gate, slot))
+                    };
+                    let next = tokio::select! {
+                        next = next => next,
+                        _ = shutdown.cancelled() => None,
+                    };
+                    let Some((gate, slot)) = next else {
+                        // Stopping: give back what was not handed on (its
+                        // takeover already counted).
+                        let left: Vec<ClaimedEvent> = std::iter::once(row).chain(rows).collect();
+                        super::release(self.store.as_ref(), &left, "the relay stops").await;
+                        return None;
+                    };
+                    slot.send(Batch {
+                        events: vec![row],
+                        claimed_at: claim_started,
+                        gate: Some(gate),
+                    });
+                }
             }
             Err(e) if e.is_transient() => {
                 // A deadlock with a producer or another relay: the claim was

@@ -80,6 +80,10 @@ pub(crate) struct Batch {
     events: Vec<ClaimedEvent>,
     /// When the claim returned, on this host's monotonic clock.
     claimed_at: std::time::Instant,
+    /// A row taken over from an expired lease holds the claimer's takeover
+    /// gate until its publish has answered (or it is given back): the next
+    /// one waits for it (see `claimer::TAKEOVER_BATCH`).
+    gate: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// Moves committed outbox rows to every publisher.
@@ -178,6 +182,7 @@ impl Relay {
             worker_id: self.worker_id.clone(),
             wake: wake.listen(),
             controls: controls.clone(),
+            takeovers: Arc::new(tokio::sync::Semaphore::new(1)),
         };
         let publishing = publisher::PublishStage {
             controls,

@@ -301,6 +301,7 @@ impl PublishStage {
         Prepared {
             events: batch.events,
             claimed_at: batch.claimed_at,
+            gate: batch.gate,
             before,
             todo,
         }
@@ -364,6 +365,7 @@ impl PublishStage {
         let Prepared {
             events,
             claimed_at,
+            gate,
             before,
             todo,
         } = batch;
@@ -397,6 +399,7 @@ impl PublishStage {
             for (l, answered) in answers {
                 lane_answers.push((l, answered.await.ok()));
             }
+            drop(gate);
             Answered {
                 events,
                 before,
@@ -602,6 +605,8 @@ async fn room(lanes: &[Lane], needed: &[usize]) {
 struct Prepared {
     events: Vec<ClaimedEvent>,
     claimed_at: Instant,
+    /// Held until the lanes answer (see [`super::Batch`]'s `gate`).
+    gate: Option<tokio::sync::OwnedSemaphorePermit>,
     before: Vec<Decision>,
     /// Per publisher (by index), the rows it still needs.
     todo: Vec<Vec<usize>>,
