@@ -311,8 +311,16 @@ impl FileWriter<'_> {
                         Err(CliError::Usage(error)) => {
                             self.summary.invalid.push(Invalid { line, error })
                         }
-                        Err(e) => return Err(e),
+                        Err(e) => {
+                            self.summary.invalid.sort_by_key(|i| i.line);
+                            return Err(e);
+                        }
                     }
+                    // Each row is its own transaction here: a stop further
+                    // on leaves this one handled, and the resume point says
+                    // so (it stayed at the batch's start, and resuming from
+                    // there wrote the rows before again).
+                    self.summary.done_through_line = line;
                 }
                 self.summary.invalid.sort_by_key(|i| i.line);
                 Ok(())

@@ -21,6 +21,18 @@ use crate::open::open_store_creating;
 const DEMO_TYPES: [&str; 4] = ["RoomCreated", "MemberJoined", "GiftSent", "MemberLeft"];
 
 pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
+    // Under --json, stdout is the one JSON document: the human lines go
+    // to stderr (they came first on stdout, before the document).
+    let json = g.json;
+    macro_rules! say {
+        ($($arg:tt)*) => {
+            if json {
+                errln!($($arg)*)
+            } else {
+                outln!($($arg)*)
+            }
+        };
+    }
     // `--keep-serving` is what every quickstart does now.
     let _ = args.keep_serving;
     let dir = &args.dir;
@@ -63,14 +75,14 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     let dashboard = bind_dashboard(store.clone(), &args.listen, &config).await?;
     let dashboard_addr = dashboard.local_addr()?;
 
-    outln!("postbox quickstart");
-    outln!("  database   {}", db.display());
-    outln!("  relay to   {}", out.display());
-    outln!(
+    say!("postbox quickstart");
+    say!("  database   {}", db.display());
+    say!("  relay to   {}", out.display());
+    say!(
         "  dashboard  http://{dashboard_addr}/   (it asks for the admin token: `token` in {})",
         config_path.display()
     );
-    outln!(
+    say!(
         "  writing {} demo events at {}/s; Ctrl-C stops early\n",
         args.events,
         args.rate
@@ -149,23 +161,23 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
         .map(|t| t.lines().count())
         .unwrap_or(0);
 
-    outln!(
+    say!(
         "wrote {written} events in transactions; the relay delivered {delivered} ({} claimed) to {lines} lines of JSON in {:.1}s.\n",
         report.claimed,
         started.elapsed().as_secs_f64()
     );
-    outln!("Where to look:");
-    outln!("  head -3 {}", out.display());
+    say!("Where to look:");
+    say!("  head -3 {}", out.display());
     let cfg = config_path.display();
     // The binary as it was run (e.g. target/release/postbox under cargo run).
     let bin = std::env::current_exe()
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| "postbox".to_owned());
-    outln!("  {bin} --config {cfg} status");
-    outln!("  {bin} --config {cfg} events list --limit 5");
-    outln!("  {bin} --config {cfg} enqueue --event-type Hello --payload '{{\"hi\":1}}'");
-    outln!("  {bin} --config {cfg} relay        # delivers it; Ctrl-C to stop");
-    outln!("  {bin} --config {cfg} serve        # the dashboard again");
+    say!("  {bin} --config {cfg} status");
+    say!("  {bin} --config {cfg} events list --limit 5");
+    say!("  {bin} --config {cfg} enqueue --event-type Hello --payload '{{\"hi\":1}}'");
+    say!("  {bin} --config {cfg} relay        # delivers it; Ctrl-C to stop");
+    say!("  {bin} --config {cfg} serve        # the dashboard again");
     if g.json {
         crate::output::json(&serde_json::json!({
             "database": db, "output": out, "config": config_path,
@@ -174,7 +186,7 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
         }))?;
     }
     if !interrupted.is_cancelled() {
-        outln!("\nThe dashboard stays up at http://{dashboard_addr}/ ; Ctrl-C to stop.");
+        say!("\nThe dashboard stays up at http://{dashboard_addr}/ ; Ctrl-C to stop.");
         interrupted.cancelled().await;
     }
     dashboard_stop.cancel();

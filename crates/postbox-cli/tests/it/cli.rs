@@ -402,6 +402,60 @@ fn sqlite_workflow_end_to_end() {
 /// The quickstart delivers every demo event, then keeps its dashboard up
 /// (stdout is a pipe here, not a terminal) until SIGINT, which ends it with
 /// exit 0.
+/// `quickstart --json` prints one JSON document on stdout, its human
+/// lines on stderr (they came first on stdout, before the document).
+#[test]
+fn quickstart_json_is_one_document_on_stdout() {
+    use std::io::Read;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir.path())
+        .args([
+            "--json",
+            "quickstart",
+            "--events",
+            "20",
+            "--rate",
+            "1000",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let mut stdout = child.stdout.take().unwrap();
+    let reader = {
+        let text = text.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                text.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while serde_json::from_str::<serde_json::Value>(&text.lock().unwrap()).is_err() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("stdout is not one JSON document: {}", text.lock().unwrap());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    signal("INT", child.id());
+    let status = child.wait().unwrap();
+    reader.join().unwrap();
+    assert!(status.success(), "{status}");
+    let v: serde_json::Value = serde_json::from_str(&text.lock().unwrap()).unwrap();
+    assert_eq!(v["written"], 20, "{v}");
+}
+
 #[test]
 fn quickstart_runs_with_no_server() {
     use std::io::{BufRead, Read, Write};
@@ -1226,6 +1280,58 @@ async fn enqueue_file_reads_past_bad_lines() {
         .collect();
     ids.sort_unstable();
     assert_eq!(ids, ["f-1", "f-4", "f-5"]);
+
+    // A batch written row by row (it held a bad row) that the database
+    // stops half way: the resume point is the last row handled, not the
+    // batch's start (resuming from there wrote its first rows again).
+    let table = std::fs::read_to_string(&project.cfg)
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("table = \"")
+                .map(|t| t.trim_end_matches('"').to_owned())
+        })
+        .unwrap();
+    let pool = sqlx::PgPool::connect(&postbox_testkit::postgres_url())
+        .await
+        .unwrap();
+    for sql in [
+        format!(
+            "CREATE FUNCTION {table}_stop() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             IF NEW.event_id = 'g-3' THEN RAISE EXCEPTION 'server going down' USING ERRCODE = '57P01'; END IF; \
+             RETURN NEW; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER {table}_stop BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION {table}_stop()"
+        ),
+    ] {
+        sqlx::query(&sql).execute(&pool).await.unwrap();
+    }
+    let stopping = project.path().join("stopping.jsonl");
+    std::fs::write(
+        &stopping,
+        "{\"event_id\":\"g-1\",\"event_type\":\"T\",\"payload\":{}}\n\
+         {\"event_id\":\"g-2\",\"event_type\":\"T\",\"payload\":\"a\\u0000b\"}\n\
+         {\"event_id\":\"g-3\",\"event_type\":\"T\",\"payload\":{}}\n",
+    )
+    .unwrap();
+    let stopped = project.run(&[
+        "--json",
+        "enqueue",
+        "--file",
+        stopping.to_str().unwrap(),
+        "--batch-size",
+        "3",
+    ]);
+    assert_eq!(stopped.status.code(), Some(1), "{}", text(&stopped));
+    let summary = json(&stopped);
+    assert_eq!(summary["inserted"], 1, "{summary}");
+    assert_eq!(summary["done_through_line"], 2, "{summary}");
+    assert!(summary["stopped"].is_string(), "{summary}");
+    sqlx::query(&format!("DROP TRIGGER {table}_stop ON {table}"))
+        .execute(&pool)
+        .await
+        .unwrap();
 
     let refused = project.run(&["enqueue", "--file", path, "--event-id", "x"]);
     assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
