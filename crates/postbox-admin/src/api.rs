@@ -213,6 +213,19 @@ impl ReplayParams {
     }
 }
 
+/// 400 when `rows` (as they are before a replay) hold an event not
+/// delivered that a publisher `targets` leaves out has not confirmed.
+fn refuse_left_out(targets: &ReplayTargets, rows: &[EventRecord]) -> ApiResult<()> {
+    let left_out = targets.unconfirmed_left_out(rows);
+    if left_out.is_empty() {
+        return Ok(());
+    }
+    Err(ApiError::bad_request(format!(
+        "{}; replaying to the chosen publishers alone would mark it delivered without them: add them to `publishers`, or leave `publishers` out",
+        left_out.join("; ")
+    )))
+}
+
 /// Rows put back to `pending`, and the publishers each goes to.
 #[derive(Debug, Serialize)]
 pub(crate) struct Replayed {
@@ -258,16 +271,7 @@ pub(crate) async fn replay(
                 ),
             ));
         }
-        let left_out = targets.unconfirmed_left_out(&before);
-        if !left_out.is_empty() {
-            return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!(
-                    "{}; replaying to the chosen publishers alone would mark it delivered without them: add them to `publishers`, or leave `publishers` out",
-                    left_out.join("; ")
-                ),
-            ));
-        }
+        refuse_left_out(&targets, &before)?;
     }
     let replayed = state
         .store
@@ -419,6 +423,10 @@ pub(crate) async fn replay_filtered(
             targets: &targets,
         })
         .await?;
+    if b.dry_run {
+        // The real run is refused for it (by the store): say so now.
+        refuse_left_out(&targets, &rows)?;
+    }
     if !b.dry_run {
         tracing::info!(
             origin,

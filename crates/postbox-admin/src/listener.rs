@@ -16,10 +16,14 @@ pub(crate) async fn listen(listen: &str) -> Result<TcpListener> {
             format!("`{listen}` is not a host:port address: {why}"),
         )
     };
-    let addrs: Vec<SocketAddr> = tokio::net::lookup_host(listen)
+    let mut addrs: Vec<SocketAddr> = tokio::net::lookup_host(listen)
         .await
         .map_err(|e| not_an_address(e.to_string()))?
         .collect();
+    // The first address that binds is the one listened on: IPv4 first, as
+    // scrapers and probes dial `127.0.0.1` (a resolver that lists `::1`
+    // first for `localhost` left them refused).
+    addrs.sort_by_key(|a| !a.is_ipv4());
     if addrs.is_empty() {
         return Err(not_an_address("the host has no address".to_owned()));
     }

@@ -41,7 +41,7 @@ impl Redaction {
 
     /// Masks `payload` (JSON text) as configured for `event_type`.
     pub(crate) fn apply_payload(&self, event_type: &str, payload: &mut String) {
-        let Some(paths) = self.by_type.get(event_type) else {
+        let Some(paths) = postbox_core::config::of_event_type(&self.by_type, event_type) else {
             return;
         };
         *payload = match serde_json::from_str::<Value>(payload) {

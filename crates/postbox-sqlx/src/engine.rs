@@ -1222,15 +1222,13 @@ impl SqlOutbox<D> {
             // out has not confirmed would be marked delivered without it.
             // Checked here, in the transaction, for every caller (a paced
             // replay's batches, the API's bulk replay).
-            let only = matches!(targets.pick, ReplayPick::Only(_));
-            if only && !dry_run {
+            // A dry run returns the rows, as they are, for the caller to
+            // check (and to say which id is ambiguous first).
+            if matches!(targets.pick, ReplayPick::Only(_)) && !dry_run {
                 let before = self.replay_select(&mut tx, selector, &app_codes, true, &mut Vec::new()).await?;
                 refuse_left_out(targets, &before)?;
             }
             let mut out = self.replay_select(&mut tx, selector, &app_codes, dry_run, &mut forget).await?;
-            if only && dry_run {
-                refuse_left_out(targets, &out)?;
-            }
             if !dry_run && !out.is_empty() {
                 let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
                 if let Some(delivered_to) = targets.delivered_to_override() {
@@ -1809,7 +1807,7 @@ fn refuse_left_out(targets: &ReplayTargets, rows: &[EventRecord]) -> Result<()> 
         return Ok(());
     }
     Err(postbox_core::Error::Refused(format!(
-        "{}; replaying to the chosen publishers alone would mark it delivered without them: add them to the publishers, or leave the publishers out to send to every publisher that has not confirmed (nothing was replayed)",
+        "{}; replaying to the chosen publishers alone would mark it delivered without them: add them to the publishers, or leave the publishers out to send to every publisher that has not confirmed (none of these was replayed)",
         left_out.join("; ")
     )))
 }

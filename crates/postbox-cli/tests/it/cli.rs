@@ -834,6 +834,23 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     fx.drop_tables().await;
 }
 
+/// A seed table's `published` rows are delivered ones: `replay --status
+/// delivered` and `events list --status delivered` take them (they were
+/// left out of the live table, while archived ones were taken).
+#[tokio::test]
+async fn published_rows_are_delivered_ones() {
+    let fx = PgSinks::with_events("cli_published", &["p1", "p2", "p3"]).await;
+    fx.exec("UPDATE {table} SET status = 'published' WHERE event_id = 'p1'")
+        .await;
+    fx.exec("UPDATE {table} SET status = 'delivered' WHERE event_id = 'p2'")
+        .await;
+    let dry = json(&fx.run(&["--json", "replay", "--status", "delivered", "--dry-run"]));
+    assert_eq!(dry["count"], 2, "{dry}");
+    let listed = json(&fx.run(&["--json", "events", "list", "--status", "delivered"]));
+    assert_eq!(listed.as_array().unwrap().len(), 2, "{listed}");
+    fx.drop_tables().await;
+}
+
 /// Issue 9.7: archived rows show in `events show` and `events list`,
 /// marked as archived.
 #[tokio::test]

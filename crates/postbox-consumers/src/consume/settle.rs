@@ -482,15 +482,24 @@ mod tests {
         read: Result<Message, String>,
         answer: Result<Handled, HandlerError>,
     ) -> ConsumeReport {
+        settle_with(&Answer(Mutex::new(Some(answer))), t, read, 1).await
+    }
+
+    /// Takes `read` to the end through `t` with `handler`; the report.
+    async fn settle_with(
+        handler: &dyn Handler,
+        t: &mut Recorder,
+        read: Result<Message, String>,
+        delivered: u32,
+    ) -> ConsumeReport {
         let mut report = ConsumeReport::default();
-        let handler = Answer(Mutex::new(Some(answer)));
         Settler {
             consumer: "c",
             policy: &POLICY,
             report: &mut report,
             state: None,
         }
-        .process(&handler, t, read, 1)
+        .process(handler, t, read, delivered)
         .await
         .unwrap();
         report
@@ -609,16 +618,7 @@ mod tests {
                 verdict: Some(verdict),
                 ..Recorder::default()
             };
-            let mut report = ConsumeReport::default();
-            Settler {
-                consumer: "c",
-                policy: &POLICY,
-                report: &mut report,
-                state: None,
-            }
-            .process(&Recorded, &mut t, Ok(message(3)), 3)
-            .await
-            .unwrap();
+            let report = settle_with(&Recorded, &mut t, Ok(message(3)), 3).await;
             assert_eq!(t.actions, ["ack"]);
             assert_eq!((report.duplicate, report.dead, report.retry), (1, 0, 0));
         }
@@ -640,17 +640,7 @@ mod tests {
     #[tokio::test]
     async fn a_panicking_handler_fails_the_attempt() {
         let settle = async |t: &mut Recorder, attempt: u32| {
-            let mut report = ConsumeReport::default();
-            Settler {
-                consumer: "c",
-                policy: &POLICY,
-                report: &mut report,
-                state: None,
-            }
-            .process(&Panics, t, Ok(message(attempt)), attempt)
-            .await
-            .unwrap();
-            report
+            settle_with(&Panics, t, Ok(message(attempt)), attempt).await
         };
         let mut t = Recorder::default();
         let r = settle(&mut t, 1).await;

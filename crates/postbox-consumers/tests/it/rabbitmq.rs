@@ -245,15 +245,22 @@ async fn a_panicking_handler_fails_the_attempt_and_the_consumer_goes_on() {
     }
 }
 
-#[tokio::test]
-async fn inbox_counts_duplicates_and_skips_stale_versions() {
-    let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
+/// A SQLite inbox `inbox` in `dir`, beside the table `effect` its
+/// handler writes event ids to.
+async fn sqlite_inbox_with_effect(dir: &std::path::Path) -> Inbox<sqlx::Sqlite> {
+    let url = format!("sqlite://{}", dir.join("inbox.db").display());
     let inbox = Inbox::<sqlx::Sqlite>::connect(&url, "inbox").await.unwrap();
     sqlx::query("CREATE TABLE effect (event_id TEXT NOT NULL)")
         .execute(inbox.pool())
         .await
         .unwrap();
+    inbox
+}
+
+#[tokio::test]
+async fn inbox_counts_duplicates_and_skips_stale_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = sqlite_inbox_with_effect(dir.path()).await;
 
     let (_conn, ch) = broker().await;
     let queue = scratch_queue("stale");
@@ -321,12 +328,7 @@ async fn inbox_counts_duplicates_and_skips_stale_versions() {
 #[tokio::test]
 async fn a_handled_message_back_on_its_last_attempt_is_a_duplicate() {
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("sqlite://{}", dir.path().join("inbox.db").display());
-    let inbox = Inbox::<sqlx::Sqlite>::connect(&url, "inbox").await.unwrap();
-    sqlx::query("CREATE TABLE effect (event_id TEXT NOT NULL)")
-        .execute(inbox.pool())
-        .await
-        .unwrap();
+    let inbox = sqlite_inbox_with_effect(dir.path()).await;
     let (conn, ch) = broker().await;
     let queue = scratch_queue("lost_ack");
     declare(&ch, &queue).await;

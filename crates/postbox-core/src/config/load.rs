@@ -207,6 +207,26 @@ mod tests {
         assert_eq!(digits.admin_or_default().token.expose(), "98765432101234");
     }
 
+    /// An override keyed in another case than the event type (a variable
+    /// in upper case) still applies; the type's own key wins.
+    #[test]
+    fn event_type_overrides_match_whatever_the_case() {
+        let c = load_str(
+            "[outbox_worker.event_types.ORDER_PLACED]\ndelivery = \"at_most_once\"\n\
+             [outbox_worker.event_types.Tick]\nmax_retry_count = 2\n\
+             [outbox_worker.event_types.tick]\nmax_retry_count = 3\n",
+        )
+        .unwrap();
+        let w = &c.outbox_worker;
+        assert_eq!(
+            w.delivery_for("order_placed"),
+            crate::config::Delivery::AtMostOnce
+        );
+        assert_eq!(w.max_retry_count_for("Tick"), 2);
+        assert_eq!(w.max_retry_count_for("tick"), 3);
+        assert_eq!(w.max_retry_count_for("Other"), w.max_retry_count);
+    }
+
     #[test]
     fn environment_keys_keep_the_case_of_the_users_names() {
         assert_eq!(

@@ -279,19 +279,32 @@ impl WorkerConfig {
 
     /// `max_retry_count` for one event type, after overrides.
     pub fn max_retry_count_for(&self, event_type: &str) -> u32 {
-        self.event_types
-            .get(event_type)
+        of_event_type(&self.event_types, event_type)
             .and_then(|o| o.max_retry_count)
             .unwrap_or(self.max_retry_count)
     }
 
     /// Delivery guarantee for one event type, after overrides.
     pub fn delivery_for(&self, event_type: &str) -> Delivery {
-        self.event_types
-            .get(event_type)
+        of_event_type(&self.event_types, event_type)
             .and_then(|o| o.delivery)
             .unwrap_or_default()
     }
+}
+
+/// The entry of a map keyed by event type (`[outbox_worker.event_types]`,
+/// `[admin.redact]`) for `event_type`: its own key, else the one that
+/// differs from it only in ASCII case. A `POSTBOX__…` variable writes its
+/// key as given, and in upper case by habit
+/// (`…__EVENT_TYPES__ORDER_PLACED__DELIVERY` for `order_placed`): with
+/// exact keys only, such an override did nothing, and a redaction set so
+/// showed what it should hide.
+pub fn of_event_type<'a, V>(map: &'a BTreeMap<String, V>, event_type: &str) -> Option<&'a V> {
+    map.get(event_type).or_else(|| {
+        map.iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(event_type))
+            .map(|(_, v)| v)
+    })
 }
 
 /// The retry schedule's shape.

@@ -66,14 +66,16 @@ struct Claim<'a> {
     controls: &'a Controls,
 }
 
-/// Expired leases taken over per claim. Each row is published alone (a
-/// batch of its own): a relay that died on a batch (an event that crashes
-/// or hangs it) left every row of the batch leased, and taking them over
-/// together sent them together again, into the same crash, until every
-/// row of the batch was dead-lettered with the one event that did it, each
-/// published up to `max_retry_count` times. Alone, a crash costs the
-/// event that makes it its own attempts (and at most what else was in
-/// flight then). Few at a time: the rows wait for each other's publishes.
+/// Expired leases taken over per round. Each is claimed alone, once the
+/// one before it has been published (the takeover gate), and published
+/// alone: a relay that died on a batch (an event that crashes or hangs it)
+/// left every row of the batch leased, and taking them over together sent
+/// them together into the same crash again, until every row of the batch
+/// was dead-lettered with the one event that did it. Alone, a crash costs
+/// the event that makes it its own attempts (and what else was in flight
+/// then); a row not yet taken over is not leased, so it does not expire
+/// with it. A round takes over this many, then claims the rest of its
+/// work; the next round goes on.
 const TAKEOVER_BATCH: u32 = 8;
 
 /// How long one round goes on claiming due retries (or expired leases)
@@ -219,6 +221,7 @@ impl Claimer {
                     // other types' rows due after a paused backlog waited
                     // one poll per batch of it.
                     let past_held = Instant::now();
+                    let mut taken_over = 0;
                     loop {
                         let claim = Claim {
                             app: i,
@@ -236,9 +239,14 @@ impl Claimer {
                         round.found |= outcome.found;
                         round.error |= outcome.error;
                         if source == ClaimSource::ExpiredLease && outcome.full {
-                            // More leases expired than one takeover takes:
+                            taken_over += 1;
+                            if taken_over < TAKEOVER_BATCH {
+                                continue;
+                            }
+                            // More expired leases than a round takes over:
                             // the next round takes the next ones.
                             last_sweep[i] = None;
+                            break;
                         }
                         if !outcome.held_full
                             || source == ClaimSource::Pending
@@ -315,6 +323,20 @@ impl Claimer {
         let app_code = self.app_codes[i].as_str();
         let batch_size = self.config.batch_size;
         let mut round = Round::default();
+        // A takeover waits for the one before it to be published before it
+        // claims (see [`TAKEOVER_BATCH`]), and takes the gate before a slot
+        // of the channel: a claimer holding a slot while it waits would
+        // keep a failing publish stage from draining its input, for good.
+        let gate = match source {
+            ClaimSource::ExpiredLease => {
+                let gate = tokio::select! {
+                    gate = self.takeovers.clone().acquire_owned() => gate.ok(),
+                    _ = shutdown.cancelled() => None,
+                };
+                Some(gate?)
+            }
+            _ => None,
+        };
         // Claim only when the publish stage can take the batch: a claimed
         // batch waits behind at most the one in flight (the wait
         // LeaseBudget allows for).
@@ -328,7 +350,7 @@ impl Claimer {
             return None;
         }
         let limit = match source {
-            ClaimSource::ExpiredLease => batch_size.min(TAKEOVER_BATCH),
+            ClaimSource::ExpiredLease => 1,
             _ => batch_size,
         };
         let req = ClaimRequest {
@@ -391,44 +413,11 @@ impl Claimer {
                 }
                 // A reserved slot cannot refuse: a publish stage that stops
                 // drains and releases what is queued.
-                if source != ClaimSource::ExpiredLease {
-                    permit.send(Batch {
-                        events,
-                        claimed_at: claim_started,
-                        gate: None,
-                    });
-                    return Some(round);
-                }
-                // Taken over: each row alone, once the one before it has
-                // been published (see [`TAKEOVER_BATCH`]).
-                let mut rows = events.into_iter();
-                let mut permit = Some(permit);
-                while let Some(row) = rows.next() {
-                    let next = async {
-                        let gate = self.takeovers.clone().acquire_owned().await.ok()?;
-                        let slot = match permit.take() {
-                            Some(slot) => slot,
-                            None => out.reserve().await.ok()?,
-                        };
-                        Some((gate, slot))
-                    };
-                    let next = tokio::select! {
-                        next = next => next,
-                        _ = shutdown.cancelled() => None,
-                    };
-                    let Some((gate, slot)) = next else {
-                        // Stopping: give back what was not handed on (its
-                        // takeover already counted).
-                        let left: Vec<ClaimedEvent> = std::iter::once(row).chain(rows).collect();
-                        super::release(self.store.as_ref(), &left, "the relay stops").await;
-                        return None;
-                    };
-                    slot.send(Batch {
-                        events: vec![row],
-                        claimed_at: claim_started,
-                        gate: Some(gate),
-                    });
-                }
+                permit.send(Batch {
+                    events,
+                    claimed_at: claim_started,
+                    gate,
+                });
             }
             Err(e) if e.is_transient() => {
                 // A deadlock with a producer or another relay: the claim was
