@@ -1224,11 +1224,25 @@ impl SqlOutbox<D> {
             // replay's batches, the API's bulk replay).
             // A dry run returns the rows, as they are, for the caller to
             // check (and to say which id is ambiguous first).
+            let mut checked = None;
             if matches!(targets.pick, ReplayPick::Only(_)) && !dry_run {
                 let before = self.replay_select(&mut tx, selector, &app_codes, true, &mut Vec::new()).await?;
                 refuse_left_out(targets, &before)?;
+                checked = Some(before.iter().map(|r| r.id).collect::<HashSet<i64>>());
             }
             let mut out = self.replay_select(&mut tx, selector, &app_codes, dry_run, &mut forget).await?;
+            if let Some(checked) = checked {
+                // A row the check did not see (being delivered then, marked
+                // since by a relay) was not checked: the whole replay is
+                // rolled back, to be run again.
+                if out.iter().any(|r| !checked.contains(&r.id)) {
+                    return Err(postbox_core::Error::Transient {
+                        operation: "replay",
+                        source: "a relay marked some of the rows between the replay's check and its write; run it again"
+                            .into(),
+                    });
+                }
+            }
             if !dry_run && !out.is_empty() {
                 let ids: Vec<i64> = out.iter().map(|r| r.id).collect();
                 if let Some(delivered_to) = targets.delivered_to_override() {

@@ -808,6 +808,18 @@ async fn replay_targets_only_unconfirmed_publishers_unless_told() {
     assert_says(&paced, &["e3", "not been confirmed by b"]);
     let v = json(&run(&["--json", "events", "show", "e3"]));
     assert_eq!(v[0]["status"], "failed", "nothing replayed: {v}");
+    // Naming every publisher that has not confirmed, the same filter goes.
+    let filtered = run(&[
+        "replay",
+        "--status",
+        "failed",
+        "--publisher",
+        "a",
+        "--publisher",
+        "b",
+    ]);
+    assert!(filtered.status.success(), "{}", text(&filtered));
+    assert_says(&filtered, &["replayed 2 event(s)"]);
     let with_b = run(&["replay", "e3", "--publisher", "a", "--publisher", "b"]);
     assert!(with_b.status.success(), "{}", text(&with_b));
     assert!(run(&["replay", "e4", "--all-publishers"]).status.success());
