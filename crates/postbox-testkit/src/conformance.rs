@@ -1701,6 +1701,12 @@ async fn a_relay_crash_costs_only_the_crashing_events_attempts(store: Arc<dyn Ou
     let row = status_of(store.as_ref(), &crashy.event_id).await;
     assert_eq!(row.status, Status::Failed);
     assert_eq!(publisher.0.delivered().len(), 9);
+    // Each of the others was taken over once (the first crash), and never
+    // went into another: one attempt counted.
+    for e in &all[1..] {
+        let row = status_of(store.as_ref(), &e.event_id).await;
+        assert_eq!(row.retry_count, 1, "{row:?}");
+    }
 }
 
 /// Stopping the relay finishes what is in flight and gives back the rest:

@@ -74,8 +74,9 @@ struct Claim<'a> {
 /// was dead-lettered with the one event that did it. Alone, a crash costs
 /// the event that makes it its own attempts (and what else was in flight
 /// then); a row not yet taken over is not leased, so it does not expire
-/// with it. A round takes over this many, then claims the rest of its
-/// work; the next round goes on.
+/// with it. The gate is not waited for: while it is busy the claimer
+/// claims its other work, and the round after the gate frees takes the
+/// next. A round takes over at most this many.
 const TAKEOVER_BATCH: u32 = 8;
 
 /// How long one round goes on claiming due retries (or expired leases)
@@ -116,6 +117,11 @@ struct Round {
     /// A claim came back with `batch_size` rows, all of paused types, and
     /// gave them back: what comes after them was not looked at.
     held_full: bool,
+    /// Expired leases were due, but the takeover before is still being
+    /// published: they are taken over once it has been.
+    takeover_waits: bool,
+    /// Rows taken over from expired leases.
+    taken_over: u64,
 }
 
 impl Claimer {
@@ -238,6 +244,15 @@ impl Claimer {
                         round.full |= outcome.full;
                         round.found |= outcome.found;
                         round.error |= outcome.error;
+                        round.taken_over += outcome.taken_over;
+                        if outcome.takeover_waits {
+                            // The gate is busy: the other sources go on, and
+                            // the next round (woken when the gate frees)
+                            // takes this app_code's expired leases.
+                            round.takeover_waits = true;
+                            last_sweep[i] = None;
+                            break;
+                        }
                         if source == ClaimSource::ExpiredLease && outcome.full {
                             taken_over += 1;
                             if taken_over < TAKEOVER_BATCH {
@@ -256,6 +271,12 @@ impl Claimer {
                         }
                     }
                 }
+            }
+            if round.taken_over > 0 {
+                tracing::warn!(
+                    rows = round.taken_over,
+                    "took over expired leases; counted as failed attempts"
+                );
             }
             if round.full && !round.error {
                 draining = true;
@@ -284,6 +305,8 @@ impl Claimer {
             };
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
+                // The takeover that held the gate has been published.
+                _ = self.takeovers.acquire(), if round.takeover_waits => {}
                 _ = self.wake.woken() => {
                     // Rows were written (here, or pushed by the database):
                     // claim pending at once, then poll fast, for an
@@ -328,13 +351,15 @@ impl Claimer {
         // of the channel: a claimer holding a slot while it waits would
         // keep a failing publish stage from draining its input, for good.
         let gate = match source {
-            ClaimSource::ExpiredLease => {
-                let gate = tokio::select! {
-                    gate = self.takeovers.clone().acquire_owned() => gate.ok(),
-                    _ = shutdown.cancelled() => None,
-                };
-                Some(gate?)
-            }
+            ClaimSource::ExpiredLease => match self.takeovers.clone().try_acquire_owned() {
+                Ok(gate) => Some(gate),
+                // Not waited for here: the claimer would claim nothing else
+                // meanwhile, for every app_code.
+                Err(_) => {
+                    round.takeover_waits = true;
+                    return Some(round);
+                }
+            },
             _ => None,
         };
         // Claim only when the publish stage can take the batch: a claimed
@@ -393,11 +418,12 @@ impl Claimer {
                 if source == ClaimSource::ExpiredLease {
                     metrics::counter!(crate::metrics::LEASE_EXPIRED_TOTAL)
                         .increment(events.len() as u64);
-                    tracing::warn!(
+                    tracing::debug!(
                         app_code,
-                        rows = events.len(),
-                        "took over expired leases; counted as failed attempts"
+                        event_id = %events[0].record.event_id,
+                        "took over an expired lease"
                     );
+                    round.taken_over += events.len() as u64;
                 }
                 if events.len() as u32 == limit {
                     round.full = true;
