@@ -346,15 +346,14 @@ impl Claimer {
         let app_code = self.app_codes[i].as_str();
         let batch_size = self.config.batch_size;
         let mut round = Round::default();
-        // A takeover waits for the one before it to be published before it
-        // claims (see [`TAKEOVER_BATCH`]), and takes the gate before a slot
-        // of the channel: a claimer holding a slot while it waits would
-        // keep a failing publish stage from draining its input, for good.
+        // A takeover claims only once the one before it has been published
+        // (see [`TAKEOVER_BATCH`]), and takes the gate before a slot of the
+        // channel. The gate is tried, never waited for: waiting, the
+        // claimer claimed nothing else meanwhile, for every app_code (and,
+        // holding a slot, kept a failing publish stage from draining).
         let gate = match source {
             ClaimSource::ExpiredLease => match self.takeovers.clone().try_acquire_owned() {
                 Ok(gate) => Some(gate),
-                // Not waited for here: the claimer would claim nothing else
-                // meanwhile, for every app_code.
                 Err(_) => {
                     round.takeover_waits = true;
                     return Some(round);
