@@ -56,6 +56,23 @@ fn start(
     (stop, run)
 }
 
+/// Holds left in the ordering inbox's `<table>_holds`.
+async fn holds_left(inbox: &Inbox<sqlx::Postgres>, table: &str) -> i64 {
+    sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
+        .fetch_one(inbox.pool())
+        .await
+        .unwrap()
+}
+
+/// Drops the ordering inbox's tables.
+async fn drop_ordering_inbox(inbox: &Inbox<sqlx::Postgres>, table: &str) {
+    for t in ["_holds", "_versions", ""] {
+        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
+            .execute(inbox.pool())
+            .await;
+    }
+}
+
 /// A PostgreSQL inbox in a scratch table, with the table's name.
 async fn ordering_inbox() -> (Inbox<sqlx::Postgres>, String) {
     use postbox_testkit::servers::{ensure_database, postgres_url, scratch_table};
@@ -637,17 +654,10 @@ async fn per_aggregate_ordering_holds_later_events_behind_a_retry() {
     assert_eq!(report.stale, 0);
     assert!(report.held >= 1, "{report:?}");
     assert_eq!(report.retry, 1, "only e1's failure counted as an attempt");
-    let holds: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
-        .fetch_one(inbox.pool())
-        .await
-        .unwrap();
+    let holds = holds_left(&inbox, &table).await;
     assert_eq!(holds, 0, "the hold was released");
 
-    for t in ["_holds", "_versions", ""] {
-        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
-            .execute(inbox.pool())
-            .await;
-    }
+    drop_ordering_inbox(&inbox, &table).await;
 }
 
 /// Fails `e1`'s first attempt like [`FailsFirstE1`]; takes `work` over
@@ -734,17 +744,10 @@ async fn per_aggregate_ordering_outlasts_a_backlog_longer_than_the_hold() {
     assert!(report.held >= 1, "e2 went round behind e1: {report:?}");
     assert_eq!(ready(&ch, &queue).await, 0);
     assert_eq!(ready(&ch, &format!("{queue}.retry")).await, 0);
-    let holds: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
-        .fetch_one(inbox.pool())
-        .await
-        .unwrap();
+    let holds = holds_left(&inbox, &table).await;
     assert_eq!(holds, 0, "every hold was released");
     delete(&ch, &queue).await;
-    for t in ["_holds", "_versions", ""] {
-        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
-            .execute(inbox.pool())
-            .await;
-    }
+    drop_ordering_inbox(&inbox, &table).await;
 }
 
 /// The hold of an event whose copy is gone (purged by hand): a later
@@ -791,17 +794,10 @@ async fn a_hold_whose_event_is_gone_holds_its_aggregate_one_round_past_its_lapse
     );
     // Behind the standing hold every 200 ms, then once round to check.
     assert!(report.held >= 2, "{report:?}");
-    let left: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
-        .fetch_one(inbox.pool())
-        .await
-        .unwrap();
+    let left = holds_left(&inbox, &table).await;
     assert_eq!(left, 0, "the gone event's hold was dropped, e2's released");
     delete(&ch, &queue).await;
-    for t in ["_holds", "_versions", ""] {
-        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
-            .execute(inbox.pool())
-            .await;
-    }
+    drop_ordering_inbox(&inbox, &table).await;
 }
 
 /// The holds' SQL on each inbox database: a hold blocks later versions of
@@ -980,17 +976,10 @@ async fn per_aggregate_ordering_holds_later_events_behind_a_held_back_one() {
     assert!(report.held >= 2, "e2 and e3 were held back: {report:?}");
     assert_eq!(ready(&ch, &queue).await, 0);
     assert_eq!(ready(&ch, &format!("{queue}.retry")).await, 0);
-    let holds: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}_holds"))
-        .fetch_one(inbox.pool())
-        .await
-        .unwrap();
+    let holds = holds_left(&inbox, &table).await;
     assert_eq!(holds, 0, "every hold was released");
     delete(&ch, &queue).await;
-    for t in ["_holds", "_versions", ""] {
-        let _ = sqlx::query(&format!("DROP TABLE {table}{t}"))
-            .execute(inbox.pool())
-            .await;
-    }
+    drop_ordering_inbox(&inbox, &table).await;
 }
 
 /// A TCP relay between a consumer and the broker whose connections can be

@@ -15,6 +15,24 @@ fn ddl(t: &str) -> String {
     )
 }
 
+/// A legacy table of the seed's shape, made on a scratch name, whose
+/// `aggregate_id` is `aggregate` (`VARCHAR(255)`) and whose definition
+/// ends with `options`; its name and a store on it.
+async fn legacy_with_aggregate(
+    aggregate: &str,
+    options: &str,
+) -> (sqlx::MySqlPool, String, MySqlOutbox) {
+    let (pool, table) = scratch().await;
+    let name = table.as_str().to_owned();
+    let store = MySqlOutbox::named(pool.clone(), table);
+    let legacy = ddl(&name).replace(
+        "aggregate_id VARCHAR(128)",
+        &format!("aggregate_id {aggregate}"),
+    ) + options;
+    sqlx::query(&legacy).execute(&pool).await.unwrap();
+    (pool, name, store)
+}
+
 postbox_testkit::adopted_suite!(server: "mysql", store: MySqlOutbox, pool: sqlx::MySqlPool, url: mysql_url, ddl: ddl);
 
 #[tokio::test]
@@ -52,11 +70,7 @@ async fn adopt_reports_what_it_adds_then_runs_it_in_place_and_then_finds_nothing
 /// 'open_aggregate_id'"), failing the producer's transaction.
 #[tokio::test]
 async fn adopt_keeps_aggregates_as_long_as_the_tables() {
-    let (pool, table) = scratch().await;
-    let name = table.as_str().to_owned();
-    let store = MySqlOutbox::named(pool.clone(), table);
-    let legacy = ddl(&name).replace("aggregate_id VARCHAR(128)", "aggregate_id VARCHAR(255)");
-    sqlx::query(&legacy).execute(&pool).await.unwrap();
+    let (pool, name, store) = legacy_with_aggregate("VARCHAR(255)", "").await;
     let plan = store.adopt(true).await.unwrap();
     assert!(plan.applied, "{plan:#?}");
     let long = "r".repeat(200);
@@ -78,11 +92,7 @@ async fn adopt_keeps_aggregates_as_long_as_the_tables() {
 /// the virtual columns were added, leaving the adoption half done.
 #[tokio::test]
 async fn adopt_names_aggregates_too_long_for_an_index() {
-    let (pool, table) = scratch().await;
-    let name = table.as_str().to_owned();
-    let store = MySqlOutbox::named(pool.clone(), table);
-    let legacy = ddl(&name).replace("aggregate_id VARCHAR(128)", "aggregate_id VARCHAR(1000)");
-    sqlx::query(&legacy).execute(&pool).await.unwrap();
+    let (pool, name, store) = legacy_with_aggregate("VARCHAR(1000)", "").await;
     let plan = store.adopt(true).await.unwrap();
     assert!(!plan.applied, "{plan:#?}");
     let said = plan.blockers.join("\n");
@@ -109,14 +119,8 @@ async fn adopt_names_aggregates_too_long_for_an_index() {
 /// character): no blocker. The check took every character for four bytes.
 #[tokio::test]
 async fn adopt_takes_long_aggregates_of_a_narrow_character_set() {
-    let (pool, table) = scratch().await;
-    let name = table.as_str().to_owned();
-    let store = MySqlOutbox::named(pool.clone(), table);
-    let legacy = format!(
-        "{} DEFAULT CHARSET = latin1",
-        ddl(&name).replace("aggregate_id VARCHAR(128)", "aggregate_id VARCHAR(1000)")
-    );
-    sqlx::query(&legacy).execute(&pool).await.unwrap();
+    let (pool, name, store) =
+        legacy_with_aggregate("VARCHAR(1000)", " DEFAULT CHARSET = latin1").await;
     let plan = store.adopt(true).await.unwrap();
     assert!(plan.applied, "{plan:#?}");
     postbox_testkit::adopted::drop_adopted(&pool, &name).await;
