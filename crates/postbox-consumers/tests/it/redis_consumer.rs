@@ -270,7 +270,10 @@ async fn a_thread_blocking_handler_keeps_its_entry() {
     // Published first: once the handler blocks a worker thread, the test's
     // own connection may have to wait for that thread too.
     b.publish(&test_event(0)).await;
-    let config = b.config(&g, serde_json::json!({ "retry_delay": "300ms" }));
+    // A retry delay far above the thief's keep-alive (every 50 ms), so that
+    // a thief slowed by a loaded machine still keeps its entry: at 300 ms
+    // `a` sometimes claimed it back as due, legitimately.
+    let config = b.config(&g, serde_json::json!({ "retry_delay": "3s" }));
     let cancel = CancellationToken::new();
     let ta = b.spawn(config.clone(), handler.clone(), "a", cancel.clone());
     let tb = b.spawn(config, handler.clone(), "b", cancel.clone());
@@ -307,9 +310,12 @@ struct Held {
 #[async_trait]
 impl Handler for Held {
     async fn handle(&self, _message: &Message) -> Result<Handled, HandlerError> {
-        self.entered
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        self.release.notified().await;
+        // Only the first call waits: a second one (the entry claimed back)
+        // must show as a count the test asserts on, not as a consumer that
+        // never stops.
+        if !self.entered.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            self.release.notified().await;
+        }
         Ok(Handled::Ok)
     }
 }
@@ -328,7 +334,10 @@ async fn an_entry_another_consumer_took_is_not_taken_back() {
         entered: Default::default(),
         release: Default::default(),
     });
-    let config = b.config(&g, serde_json::json!({ "retry_delay": "300ms" }));
+    // A retry delay far above the thief's keep-alive (every 50 ms), so that
+    // a thief slowed by a loaded machine still keeps its entry: at 300 ms
+    // `a` sometimes claimed it back as due, legitimately.
+    let config = b.config(&g, serde_json::json!({ "retry_delay": "3s" }));
     let cancel = CancellationToken::new();
     let task = b.spawn(config, handler.clone(), "a", cancel.clone());
     b.publish(&test_event(0)).await;
@@ -350,8 +359,8 @@ async fn an_entry_another_consumer_took_is_not_taken_back() {
         .query_async(&mut b.conn.clone())
         .await
         .unwrap();
-    // Several keep-alive periods (retry_delay / 3) later it is still theirs.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Two keep-alive periods (retry_delay / 3) later it is still theirs.
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
     assert_eq!(
         owners(&b, &g).await,
         ["thief"],
