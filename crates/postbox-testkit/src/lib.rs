@@ -13,6 +13,7 @@ pub mod consumer_fixtures;
 pub mod faults;
 pub mod http;
 pub mod netns;
+pub mod proxy;
 pub mod publisher_suite;
 pub mod publishers;
 pub mod records;

@@ -22,6 +22,7 @@ use super::message::{
     confirmed, copy_properties, delivery_count, message_from_delivery, noted_hold,
 };
 use super::topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
+use super::{lost, unless_lost};
 use crate::consume::session::{run_sessions, Run, Session, SessionEnd};
 use crate::consume::settle::{DeadCopy, Settled, Transport, Verdict};
 use crate::consume::{consumer_basics, ConsumeReport, Core};
@@ -427,21 +428,6 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// (well within [`CLOSE_TIMEOUT`], so a give-back is not cut short).
 const GIVE_BACK_WITHIN: Duration = Duration::from_secs(2);
 
-/// How often a wait on the broker looks whether its connection is lost.
-const LOST_CHECK: Duration = Duration::from_millis(100);
-
-/// `work` (an acknowledgement, a publish and its confirm), or `None` once
-/// `connection` is lost. lapin may drop an operation sent as its connection
-/// fails without ever answering it: awaited alone, it would hold the
-/// consumer on a dead connection for good (the broker has already put the
-/// message back for redelivery).
-async fn unless_lost<T>(connection: &Connection, work: impl Future<Output = T>) -> Option<T> {
-    tokio::select! {
-        done = work => Some(done),
-        _ = lost(connection) => None,
-    }
-}
-
 /// `work` on the broker ([`unless_lost`]), or the session's end when it
 /// fails or the connection is lost while `doing`.
 async fn on_broker<T>(
@@ -453,13 +439,6 @@ async fn on_broker<T>(
         Some(Ok(done)) => Ok(done),
         Some(Err(e)) => Err(SessionEnd::Broken(e.to_string())),
         None => Err(lost_during(doing)),
-    }
-}
-
-/// Ends once `connection` is no longer connected.
-async fn lost(connection: &Connection) {
-    while connection.status().connected() {
-        tokio::time::sleep(LOST_CHECK).await;
     }
 }
 

@@ -8,6 +8,13 @@
 //! their places. RabbitMQ has no id for a message, so a letter's
 //! `position` is its place in the queue at the time of reading.
 //!
+//! Every step waits for the broker at most [`STEP_WITHIN`], and no longer
+//! than the connection lives: a broker that stops answering, or a reply
+//! lapin never hands over, ends the pass with an error naming the step.
+//! Passes over one consumer's letters run one at a time, so a pass left
+//! waiting would hold every later one (the dashboard's, `postbox dead`'s)
+//! for good.
+//!
 //! A replay takes an event once per pass. A replayed letter the handler
 //! refuses again comes back to the end of `<queue>.dead` while the pass
 //! still reads, and is read in place of a letter the broker has not put
@@ -15,6 +22,8 @@
 //! left where it is, not replayed again.
 
 use std::collections::HashSet;
+use std::future::Future;
+use std::time::Duration;
 
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
@@ -24,8 +33,30 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
 use super::message::{confirmed, headers_json, message_from_delivery, replay_properties};
+use super::unless_lost;
 use crate::dead::letter::{DeadAction, DeadLetter, DeadReport, Failed, Pass};
 use postbox_core::wire::rabbitmq::dead_queue;
+
+/// How long one step of a pass (opening a channel, reading a letter, a
+/// replayed copy's confirm, an ack, the close) waits for the broker.
+const STEP_WITHIN: Duration = Duration::from_secs(15);
+
+/// `work`, `doing` on the broker: its result, or why it failed, or that the
+/// connection was lost or the broker gave no answer within [`STEP_WITHIN`].
+async fn step<T, E: std::fmt::Display>(
+    conn: &Connection,
+    doing: impl std::fmt::Display,
+    work: impl Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(STEP_WITHIN, unless_lost(conn, work)).await {
+        Ok(Some(Ok(done))) => Ok(done),
+        Ok(Some(Err(e))) => Err(format!("{doing}: {e}")),
+        Ok(None) => Err(format!("{doing}: the connection was lost")),
+        Err(_) => Err(format!(
+            "{doing}: no answer from the broker within {STEP_WITHIN:?}"
+        )),
+    }
+}
 
 pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
     let queue = pass.config.queue.clone();
@@ -38,7 +69,11 @@ pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
         .map_err(|e| (dead.clone(), format!("connecting: {e}")))?;
     let result = pass_over(&conn, pass, &queue, &dead).await;
     // Letters read and not taken go back to their places with the channel.
-    let _ = conn.close(200, "dead-letter pass done".into()).await;
+    // Bounded by time, not by the connection's loss (a closing connection
+    // is no longer connected). A close the broker does not answer is given
+    // up: the connection, once dropped, goes down with its socket.
+    let closing = conn.close(200, "dead-letter pass done".into());
+    let _ = tokio::time::timeout(STEP_WITHIN, closing).await;
     result.map_err(|e| (dead, e))
 }
 
@@ -48,32 +83,36 @@ async fn pass_over(
     queue: &str,
     dead: &str,
 ) -> Result<DeadReport, String> {
-    let reading = conn.create_channel().await.map_err(|e| e.to_string())?;
-    let publishing = conn.create_channel().await.map_err(|e| e.to_string())?;
-    publishing
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|e| e.to_string())?;
-    let held = reading
-        .queue_declare(
-            dead.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| format!("{dead} does not exist ({e}); is the consumer declared?"))?
-        .message_count();
+    let reading = step(conn, "opening a channel", conn.create_channel()).await?;
+    let publishing = step(conn, "opening a channel", conn.create_channel()).await?;
+    step(
+        conn,
+        "opening a channel",
+        publishing.confirm_select(ConfirmSelectOptions::default()),
+    )
+    .await?;
+    let declared = reading.queue_declare(
+        dead.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    );
+    let held = match step(conn, "counting the letters", declared).await {
+        Ok(queue) => queue.message_count(),
+        Err(e) if e.contains("NOT_FOUND") => {
+            return Err(format!(
+                "{dead} does not exist ({e}); is the consumer declared?"
+            ))
+        }
+        Err(e) => return Err(e),
+    };
     let mut report = DeadReport::new(dead.to_owned());
     let mut replayed: HashSet<String> = HashSet::new();
     for place in 1..=u64::from(held) {
-        let Some(got) = reading
-            .basic_get(dead.into(), BasicGetOptions { no_ack: false })
-            .await
-            .map_err(|e| format!("reading: {e}"))?
-        else {
+        let get = reading.basic_get(dead.into(), BasicGetOptions { no_ack: false });
+        let Some(got) = step(conn, "reading", get).await? else {
             break;
         };
         let d = got.delivery;
@@ -92,27 +131,22 @@ async fn pass_over(
             report.scanned += 1;
         } else if report.saw(&letter, pass.filter, pass.action) && pass.writes() {
             if pass.action == DeadAction::Replay {
-                let confirm = publishing
-                    .basic_publish(
-                        "".into(),
-                        queue.into(),
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..BasicPublishOptions::default()
-                        },
-                        &d.data,
-                        replay_properties(&d.properties),
-                    )
-                    .await
-                    .map_err(|e| format!("replaying to {queue}: {e}"))?
-                    .await
-                    .map_err(|e| format!("confirm from {queue}: {e}"))?;
+                let published = publishing.basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &d.data,
+                    replay_properties(&d.properties),
+                );
+                let published = step(conn, format!("replaying to {queue}"), published).await?;
+                let confirm = step(conn, format!("confirm from {queue}"), published).await?;
                 confirmed(confirm, queue)?;
             }
-            d.acker
-                .ack(BasicAckOptions::default())
-                .await
-                .map_err(|e| format!("removing the letter at {place}: {e}"))?;
+            let ack = d.acker.ack(BasicAckOptions::default());
+            step(conn, format!("removing the letter at {place}"), ack).await?;
             report.done += 1;
             if pass.action == DeadAction::Replay {
                 replayed.extend(letter.event_id);

@@ -38,8 +38,10 @@ pub use consumer::{RabbitMqConsumer, HOLD_GRACE};
 pub use message::message_from_delivery;
 pub use topology::{check_topology, dead_queue, declare_topology, retry_queue, TopologyError};
 
+use std::future::Future;
 use std::time::Duration;
 
+use lapin::Connection;
 use postbox_core::redact::SecretUrl;
 
 /// How long one connection attempt to one node may take.
@@ -68,4 +70,26 @@ pub(crate) async fn connect(
         }
     }
     Err(reasons.join("; "))
+}
+
+/// How often a wait on the broker looks whether its connection is lost.
+const LOST_CHECK: Duration = Duration::from_millis(100);
+
+/// `work` (an acknowledgement, a publish and its confirm), or `None` once
+/// `connection` is lost. lapin may drop an operation sent as its connection
+/// fails without ever answering it: awaited alone, it would hold the
+/// consumer on a dead connection for good (the broker has already put the
+/// message back for redelivery).
+async fn unless_lost<T>(connection: &Connection, work: impl Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        done = work => Some(done),
+        _ = lost(connection) => None,
+    }
+}
+
+/// Ends once `connection` is no longer connected.
+async fn lost(connection: &Connection) {
+    while connection.status().connected() {
+        tokio::time::sleep(LOST_CHECK).await;
+    }
 }

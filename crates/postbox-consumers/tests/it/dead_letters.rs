@@ -262,3 +262,54 @@ async fn passes_side_by_side_each_see_every_letter() {
     assert_eq!(matched(&config, DeadFilter::default()).await, 20);
     common::delete(&ch, &queue).await;
 }
+
+/// A broker that stops answering in the middle of a pass (a host that
+/// died, a partition: no reset, only silence) ends the pass with an error
+/// naming the step, and the next pass over those letters runs. The pass
+/// waited for good, and every later pass over the consumer's letters (the
+/// dashboard's, `postbox dead`'s) waited behind it.
+#[tokio::test]
+async fn a_pass_over_a_broker_gone_silent_ends_with_an_error() {
+    let (_conn, ch) = common::broker().await;
+    let queue = common::scratch_queue("deadsilent");
+    let config = common::consumer_config(&queue);
+    common::declare(&ch, &queue).await;
+    for i in 0..3 {
+        common::publish(
+            &ch,
+            &format!("{queue}.dead"),
+            &format!("kept-{i}"),
+            None,
+            "{}",
+        )
+        .await;
+    }
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (_, broker) = postbox_testkit::amqp::through_proxy(listener.local_addr().unwrap());
+    drop(listener);
+    let proxy = postbox_testkit::proxy::Proxy::start(&broker).await;
+    let (through, _) = postbox_testkit::amqp::through_proxy(proxy.addr());
+    // `basic.get`: class 60, method 70.
+    proxy.silence_on(&[0, 60, 0, 70]);
+    let silent = ConsumerConfig {
+        url: postbox_core::redact::SecretUrl::new(through),
+        ..config.clone()
+    };
+    let (every, started) = (DeadFilter::default(), std::time::Instant::now());
+    let pass = dead::run(&silent, DeadAction::Purge, &every, false, &|_, _| {});
+    let ended = tokio::time::timeout(Duration::from_secs(60), pass)
+        .await
+        .expect("the pass ends within a minute");
+    let error = ended.expect_err("a pass without answers fails").to_string();
+    assert!(
+        error.contains("reading: no answer from the broker within 15s"),
+        "{error}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(matched(&config, DeadFilter::default()).await, 3);
+    common::delete(&ch, &queue).await;
+}
