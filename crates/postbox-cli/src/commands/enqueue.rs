@@ -41,6 +41,9 @@ struct Summary {
     duplicates: u64,
     /// Skipped: the event was already delivered and archived.
     archived: u64,
+    /// How many lines were invalid.
+    invalid_count: u64,
+    /// The first [`INVALID_KEPT`] of them, by line.
     invalid: Vec<Invalid>,
     /// Every line up to this one was handled (written, a duplicate,
     /// skipped or invalid); the lines after it were not, when the run
@@ -56,6 +59,67 @@ struct Summary {
 struct Invalid {
     line: u64,
     error: String,
+}
+
+/// How many invalid lines a run reports one by one (the rest are counted):
+/// a file of millions of bad lines (the wrong file) must not fill memory.
+const INVALID_KEPT: usize = 1000;
+
+/// Room on a line besides its payload: the envelope's other fields.
+const LINE_SLACK: usize = 64 * 1024;
+
+/// How many bytes of a line one byte of payload may take: a string payload
+/// escaped as JSON (`\u0001`) takes six.
+const JSON_ESCAPED: usize = 6;
+
+impl Summary {
+    /// Counts line `line` invalid for `error`, keeping the first
+    /// [`INVALID_KEPT`] by line.
+    fn invalid_line(&mut self, line: u64, error: String) {
+        self.invalid_count += 1;
+        self.invalid.push(Invalid { line, error });
+        if self.invalid.len() >= 2 * INVALID_KEPT {
+            self.keep_first_invalid();
+        }
+    }
+
+    fn keep_first_invalid(&mut self) {
+        self.invalid.sort_by_key(|i| i.line);
+        self.invalid.truncate(INVALID_KEPT);
+    }
+}
+
+/// Reads one line (through its `\n`, or to the end) into `raw`, keeping at
+/// most `cap` bytes of it; the bytes the line had (0 at the end of the
+/// input). A line longer than `cap` is read past, never held whole: a file
+/// without line breaks is not read into memory.
+fn read_line_capped(
+    reader: &mut dyn BufRead,
+    raw: &mut Vec<u8>,
+    cap: usize,
+) -> std::io::Result<usize> {
+    let mut read = 0;
+    loop {
+        let buf = match reader.fill_buf() {
+            Ok(buf) => buf,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            return Ok(read);
+        }
+        let (n, ends) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (buf.len(), false),
+        };
+        let room = cap.saturating_sub(raw.len()).min(n);
+        raw.extend_from_slice(&buf[..room]);
+        reader.consume(n);
+        read += n;
+        if ends {
+            return Ok(read);
+        }
+    }
 }
 
 pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
@@ -152,6 +216,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
     let interrupted = postbox_core::relay::CancellationToken::new();
     postbox_runtime::signals::spawn_signal_handler(interrupted.clone(), || {});
     let mut reader = reader;
+    let longest_line = LINE_SLACK.saturating_add(max_payload.saturating_mul(JSON_ESCAPED));
     let mut line_no = 0u64;
     let mut raw = Vec::new();
     let mut stopped = None;
@@ -161,17 +226,23 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             break;
         }
         raw.clear();
-        match reader.read_until(b'\n', &mut raw) {
+        let n = match read_line_capped(&mut *reader, &mut raw, longest_line) {
             Ok(0) => break,
-            Ok(n) => bar.inc(n as u64),
+            Ok(n) => {
+                bar.inc(n as u64);
+                n
+            }
             Err(e) => {
                 stopped = Some(format!("reading line {}: {e}", line_no + 1));
                 break;
             }
-        }
+        };
         line_no += 1;
         // A line that is not UTF-8 is one bad line, not the end of the run.
         let parsed = match std::str::from_utf8(&raw) {
+            _ if n > raw.len() => Err(format!(
+                "{n} bytes long, over the {longest_line} a line may have (a payload of database.max_payload_bytes = {max_payload}, JSON-escaped, and the envelope)"
+            )),
             Ok(line) if line.trim().is_empty() => continue,
             Ok(line) => parse_line(
                 line.trim_end_matches(['\n', '\r']),
@@ -183,10 +254,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         };
         match parsed {
             Ok(e) => out.batch.push((line_no, e)),
-            Err(error) => out.summary.invalid.push(Invalid {
-                line: line_no,
-                error,
-            }),
+            Err(error) => out.summary.invalid_line(line_no, error),
         }
         if out.batch.len() >= args.batch_size.max(1) {
             if let Err(e) = out.write_batch().await {
@@ -196,9 +264,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             out.summary.done_through_line = line_no;
             bar.set_message(format!(
                 "{} written, {} duplicate, {} invalid",
-                out.summary.inserted,
-                out.summary.duplicates,
-                out.summary.invalid.len()
+                out.summary.inserted, out.summary.duplicates, out.summary.invalid_count
             ));
         }
     }
@@ -214,6 +280,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
     }
     bar.finish_and_clear();
     let mut summary = out.summary;
+    summary.keep_first_invalid();
     summary.stopped = stopped;
 
     if g.json {
@@ -224,7 +291,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             line_no,
             summary.inserted,
             summary.duplicates,
-            summary.invalid.len()
+            summary.invalid_count
         );
         if summary.archived > 0 {
             outln!(
@@ -235,8 +302,8 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         for bad in summary.invalid.iter().take(20) {
             errln!("  line {}: {}", bad.line, bad.error);
         }
-        if summary.invalid.len() > 20 {
-            errln!("  … and {} more", summary.invalid.len() - 20);
+        if summary.invalid_count > 20 {
+            errln!("  … and {} more", summary.invalid_count - 20);
         }
     }
     if let Some(why) = &summary.stopped {
@@ -246,12 +313,12 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             summary.done_through_line
         )));
     }
-    if summary.invalid.is_empty() {
+    if summary.invalid_count == 0 {
         Ok(())
     } else {
         Err(CliError::runtime(format!(
             "{} invalid line(s) were skipped; every valid line was written",
-            summary.invalid.len()
+            summary.invalid_count
         )))
     }
 }
@@ -308,13 +375,8 @@ impl FileWriter<'_> {
                     let mut one = vec![event];
                     match self.write_events(&mut one).await {
                         Ok(()) => {}
-                        Err(CliError::Usage(error)) => {
-                            self.summary.invalid.push(Invalid { line, error })
-                        }
-                        Err(e) => {
-                            self.summary.invalid.sort_by_key(|i| i.line);
-                            return Err(e);
-                        }
+                        Err(CliError::Usage(error)) => self.summary.invalid_line(line, error),
+                        Err(e) => return Err(e),
                     }
                     // Each row is its own transaction here: a stop further
                     // on leaves this one handled, and the resume point says
@@ -322,14 +384,10 @@ impl FileWriter<'_> {
                     // there wrote the rows before again).
                     self.summary.done_through_line = line;
                 }
-                self.summary.invalid.sort_by_key(|i| i.line);
                 Ok(())
             }
             Err(CliError::Usage(error)) => {
-                self.summary.invalid.push(Invalid {
-                    line: rows[0].0,
-                    error,
-                });
+                self.summary.invalid_line(rows[0].0, error);
                 Ok(())
             }
             other => other,
@@ -385,4 +443,39 @@ fn progress(total_bytes: Option<u64>) -> ProgressBar {
     };
     bar.set_draw_target(ProgressDrawTarget::stderr());
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_over_the_cap_is_read_past_not_held() {
+        let input = format!("{}\n{{\"x\":1}}\nlast", "a".repeat(100));
+        let mut reader = std::io::BufReader::with_capacity(16, input.as_bytes());
+        let mut raw = Vec::new();
+        assert_eq!(read_line_capped(&mut reader, &mut raw, 10).unwrap(), 101);
+        assert_eq!(raw, b"aaaaaaaaaa");
+        raw.clear();
+        assert_eq!(read_line_capped(&mut reader, &mut raw, 10).unwrap(), 8);
+        assert_eq!(raw, b"{\"x\":1}\n");
+        raw.clear();
+        assert_eq!(read_line_capped(&mut reader, &mut raw, 10).unwrap(), 4);
+        assert_eq!(raw, b"last");
+        raw.clear();
+        assert_eq!(read_line_capped(&mut reader, &mut raw, 10).unwrap(), 0);
+    }
+
+    #[test]
+    fn every_invalid_line_is_counted_and_the_first_are_kept() {
+        let mut summary = Summary::default();
+        for line in (1..=5000).rev() {
+            summary.invalid_line(line, "bad".to_owned());
+            assert!(summary.invalid.len() < 2 * INVALID_KEPT);
+        }
+        summary.keep_first_invalid();
+        assert_eq!(summary.invalid_count, 5000);
+        let kept: Vec<u64> = summary.invalid.iter().map(|i| i.line).collect();
+        assert_eq!(kept, (1..=INVALID_KEPT as u64).collect::<Vec<_>>());
+    }
 }

@@ -1275,12 +1275,18 @@ async fn enqueue_file_reads_past_bad_lines() {
     );
     body.extend_from_slice(b"{\"event_id\":\"f-4\",\"event_type\":\"T\",\"payload\":{}}\n");
     body.extend_from_slice(b"{\"event_id\":\"f-5\",\"event_type\":\"T\",\"payload\":{}}\n");
+    // Longer than any event may be (max_payload_bytes = 1 MiB): read past,
+    // never held whole.
+    body.extend(std::iter::repeat_n(b'x', 7 << 20));
+    body.push(b'\n');
+    body.extend_from_slice(b"{\"event_id\":\"f-7\",\"event_type\":\"T\",\"payload\":{}}\n");
     std::fs::write(&file, body).unwrap();
     let path = file.to_str().unwrap();
     let up = project.run(&["--json", "enqueue", "--file", path, "--batch-size", "2"]);
     assert_eq!(up.status.code(), Some(1), "invalid lines: {}", text(&up));
     let summary = json(&up);
-    assert_eq!(summary["inserted"], 3, "{summary}");
+    assert_eq!(summary["inserted"], 4, "{summary}");
+    assert_eq!(summary["invalid_count"], 3, "{summary}");
     let bad: Vec<(u64, String)> = summary["invalid"]
         .as_array()
         .unwrap()
@@ -1294,11 +1300,12 @@ async fn enqueue_file_reads_past_bad_lines() {
         .collect();
     assert_eq!(
         bad.iter().map(|b| b.0).collect::<Vec<_>>(),
-        [2, 3],
+        [2, 3, 6],
         "{summary}"
     );
     assert!(bad[0].1.contains("UTF-8"), "{bad:?}");
-    assert_eq!(summary["done_through_line"], 5, "{summary}");
+    assert!(bad[2].1.starts_with("7340033 bytes long"), "{bad:?}");
+    assert_eq!(summary["done_through_line"], 7, "{summary}");
     assert!(summary.get("stopped").is_none(), "{summary}");
     let listed = json(&project.run(&["--json", "events", "list"]));
     let mut ids: Vec<&str> = listed
@@ -1308,7 +1315,7 @@ async fn enqueue_file_reads_past_bad_lines() {
         .map(|r| r["event_id"].as_str().unwrap())
         .collect();
     ids.sort_unstable();
-    assert_eq!(ids, ["f-1", "f-4", "f-5"]);
+    assert_eq!(ids, ["f-1", "f-4", "f-5", "f-7"]);
 
     // A batch written row by row (it held a bad row) that the database
     // stops half way: the resume point is the last row handled, not the
