@@ -6,16 +6,12 @@ use tokio::net::TcpListener;
 
 use postbox_core::{Error, Result};
 
-/// A listener on `listen` (`host:port`, the key `admin.listen`): an
-/// address, or a host name resolved (`localhost:9464`, which `doctor`
-/// takes for loopback; it was refused as "not a host:port address").
-pub(crate) async fn listen(listen: &str) -> Result<TcpListener> {
-    let not_an_address = |why: String| {
-        Error::config(
-            "admin.listen",
-            format!("`{listen}` is not a host:port address: {why}"),
-        )
-    };
+/// A listener on `listen` (`host:port`, set by `key`): an address, or a
+/// host name resolved (`localhost:9464`, which `doctor` takes for
+/// loopback; it was refused as "not a host:port address").
+pub(crate) async fn listen(listen: &str, key: &str) -> Result<TcpListener> {
+    let not_an_address =
+        |why: String| Error::config(key, format!("`{listen}` is not a host:port address: {why}"));
     let mut addrs: Vec<SocketAddr> = tokio::net::lookup_host(listen)
         .await
         .map_err(|e| not_an_address(e.to_string()))?
@@ -28,7 +24,7 @@ pub(crate) async fn listen(listen: &str) -> Result<TcpListener> {
         return Err(not_an_address("the host has no address".to_owned()));
     }
     TcpListener::bind(&addrs[..]).await.map_err(|e| Error::Io {
-        context: format!("admin server cannot listen on {listen} (admin.listen)"),
+        context: format!("admin server cannot listen on {listen} ({key})"),
         source: e,
     })
 }
@@ -47,13 +43,17 @@ mod tests {
 
     #[tokio::test]
     async fn a_host_name_is_resolved() {
-        let l = listen("localhost:0").await.expect("localhost:0");
+        let l = listen("localhost:0", "admin.listen")
+            .await
+            .expect("localhost:0");
         assert!(local_addr(&l).unwrap().ip().is_loopback());
-        let l = listen("127.0.0.1:0").await.expect("an address");
+        let l = listen("127.0.0.1:0", "admin.listen")
+            .await
+            .expect("an address");
         assert!(local_addr(&l).unwrap().ip().is_loopback());
         for bad in ["localhost", "no port here", ":::"] {
-            let e = listen(bad).await.expect_err(bad);
-            assert!(e.to_string().contains("admin.listen"), "{e}");
+            let e = listen(bad, "--listen").await.expect_err(bad);
+            assert!(e.to_string().contains("--listen"), "{e}");
         }
     }
 }

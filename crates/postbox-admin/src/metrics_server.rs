@@ -44,7 +44,7 @@ impl MetricsServer {
     /// `listen` (`host:port`, the key `admin.listen`).
     pub async fn bind(listen: &str) -> Result<Self> {
         let prometheus = crate::recorder::install_recorder()?;
-        let listener = crate::listener::listen(listen).await?;
+        let listener = crate::listener::listen(listen, "admin.listen").await?;
         Ok(MetricsServer {
             listener,
             prometheus,

@@ -26,6 +26,9 @@ use crate::{api, dashboard};
 pub struct AdminSettings {
     /// Listen address, `host:port` (port 0 picks a free one).
     pub listen: String,
+    /// What set `listen`, named when it cannot be listened on:
+    /// `admin.listen`, or `--listen` where a flag overrides the key.
+    pub listen_from: &'static str,
     /// An operator token named `admin` (`admin.token`).
     pub token: Option<Secret>,
     /// Named tokens with their roles (`[[admin.tokens]]`). Without any
@@ -52,6 +55,7 @@ impl AdminSettings {
         let admin = settings.admin_or_default();
         AdminSettings {
             listen: admin.listen,
+            listen_from: "admin.listen",
             token: Some(admin.token).filter(|t| !t.is_empty()),
             tokens: admin.tokens,
             metrics: admin.metrics,
@@ -85,7 +89,7 @@ impl AdminServer {
 
     async fn bind_here(store: Arc<dyn OutboxStore>, settings: AdminSettings) -> Result<Self> {
         let prometheus = crate::recorder::install_recorder()?;
-        let listener = crate::listener::listen(&settings.listen).await?;
+        let listener = crate::listener::listen(&settings.listen, settings.listen_from).await?;
         let token = settings.token.clone().unwrap_or_default();
         let access = Access::new(&named_tokens(&token, &settings.tokens), settings.metrics);
         if access.is_open() {

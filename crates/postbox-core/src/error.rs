@@ -34,8 +34,9 @@ pub enum Error {
     /// A table name that is not a plain SQL identifier.
     #[error("invalid table name `{0}`: must match ^[A-Za-z_][A-Za-z0-9_]{{0,41}}$ (postbox adds suffixes of up to 21 characters, such as `_archive_created_idx`, and PostgreSQL cuts names at 63 characters, MySQL refuses them)")]
     InvalidTableName(String),
-    /// The configuration is wrong; `key` names the offending key.
-    #[error("config key `{key}`: {reason}")]
+    /// The configuration is wrong; `key` names the offending key (or the
+    /// command-line flag, `--listen`, that overrides it).
+    #[error("{} `{key}`: {reason}", if key.starts_with("--") { "flag" } else { "config key" })]
     Config {
         /// Dotted path of the key, e.g. `outbox_worker.batch_size`.
         key: String,

@@ -20,6 +20,7 @@ pub fn bind(
     let mut admin = AdminSettings::from_settings(settings, app_codes);
     if let Some(listen) = listen {
         admin.listen = listen;
+        admin.listen_from = "--listen";
     }
     let source = Arc::new(Topology {
         settings: settings.clone(),

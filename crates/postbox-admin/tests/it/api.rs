@@ -94,6 +94,7 @@ impl Fixture {
     ) -> (SocketAddr, CancellationToken) {
         let mut settings = AdminSettings {
             listen: "127.0.0.1:0".into(),
+            listen_from: "admin.listen",
             token: None,
             tokens: Vec::new(),
             metrics: MetricsAccess::Open,

@@ -46,6 +46,7 @@ async fn metrics_after_a_relay_run() {
         store.clone(),
         AdminSettings {
             listen: "127.0.0.1:0".into(),
+            listen_from: "admin.listen",
             token: None,
             tokens: Vec::new(),
             metrics: postbox_core::config::MetricsAccess::Open,

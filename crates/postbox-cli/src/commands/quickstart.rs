@@ -207,6 +207,7 @@ async fn bind_dashboard(
 ) -> Result<AdminServer, CliError> {
     let mut settings = AdminSettings::from_settings(config, Vec::new());
     settings.listen = listen.to_owned();
+    settings.listen_from = "--listen";
     settings.poll_interval = Duration::from_secs(1);
     match AdminServer::bind(store.clone(), settings.clone()).await {
         Ok(s) => Ok(s),

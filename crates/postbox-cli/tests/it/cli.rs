@@ -1374,3 +1374,14 @@ async fn enqueue_file_reads_past_bad_lines() {
     let huge = project.run(&["enqueue", "--file", path, "--batch-size", "100000000000"]);
     assert_eq!(huge.status.code(), Some(2), "{}", text(&huge));
 }
+
+/// `serve --listen` with an address that cannot be listened on names the
+/// flag: it named `admin.listen`, a key the config may not even have.
+#[tokio::test]
+async fn serve_names_its_listen_flag() {
+    let project = Project::room_and_wallet_to_a_file("serve_listen").await;
+    let out = project.run(&["serve", "--listen", "no port here"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("--listen"), "{}", text(&out));
+    assert!(!text(&out).contains("admin.listen"), "{}", text(&out));
+}
