@@ -19,21 +19,38 @@ pub struct Proxy {
 #[derive(Default)]
 struct State {
     silent: AtomicBool,
-    /// Bytes which, once a client sends them, silence the proxy (before
-    /// they are passed on).
+    /// Bytes which, the next time a client sends them, silence that
+    /// connection (before they are passed on).
     trigger: Mutex<Option<Vec<u8>>>,
+    /// Bytes which, the next time a client sends them, close that
+    /// connection (before they are passed on).
+    cut: Mutex<Option<Vec<u8>>>,
+}
+
+/// Whether `sent` holds `pattern`.
+fn holds(sent: &[u8], pattern: &[u8]) -> bool {
+    sent.windows(pattern.len()).any(|w| w == pattern)
 }
 
 impl State {
-    /// Whether `sent` (from a client) silences the proxy now.
-    fn silenced_by(&self, sent: &[u8]) -> bool {
-        let trigger = self.trigger.lock().unwrap();
-        if let Some(t) = trigger.as_deref() {
-            if sent.windows(t.len()).any(|w| w == t) {
-                self.silent.store(true, Ordering::SeqCst);
-            }
+    /// Whether `sent` (from a client) closes its connection now (once).
+    fn cut_by(&self, sent: &[u8]) -> bool {
+        let mut cut = self.cut.lock().unwrap();
+        let hit = cut.as_deref().is_some_and(|c| holds(sent, c));
+        if hit {
+            *cut = None;
         }
-        self.silent.load(Ordering::SeqCst)
+        hit
+    }
+
+    /// Whether `sent` (from a client) silences its connection (once).
+    fn silenced_by(&self, sent: &[u8]) -> bool {
+        let mut trigger = self.trigger.lock().unwrap();
+        let hit = trigger.as_deref().is_some_and(|t| holds(sent, t));
+        if hit {
+            *trigger = None;
+        }
+        hit
     }
 }
 
@@ -52,8 +69,11 @@ impl Proxy {
                 };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
-                tokio::spawn(forward(client_read, server_write, shared.clone(), true));
-                tokio::spawn(forward(server_read, client_write, shared.clone(), false));
+                let link = Arc::new(AtomicBool::new(false));
+                let up = Link::up(shared.clone(), link.clone());
+                let down = Link::down(shared.clone(), link);
+                tokio::spawn(forward(client_read, server_write, up));
+                tokio::spawn(forward(server_read, client_write, down));
             }
         });
         Proxy { addr, state }
@@ -69,21 +89,62 @@ impl Proxy {
         self.state.silent.store(true, Ordering::SeqCst);
     }
 
-    /// The proxy goes silent once a client sends `bytes` (within one read;
-    /// what carries them is not passed on): an AMQP method's class and
-    /// method ids, say, to stop the broker answering that method.
+    /// The next connection whose client sends `bytes` (within one read;
+    /// what carries them is not passed on) goes silent: an AMQP method's
+    /// class and method ids, say, to stop the broker answering that
+    /// method. Later connections are forwarded.
     pub fn silence_on(&self, bytes: &[u8]) {
         *self.state.trigger.lock().unwrap() = Some(bytes.to_vec());
+    }
+
+    /// The next connection whose client sends `bytes` is closed there (what
+    /// carries them is not passed on), as by a broker node restarting;
+    /// later connections are forwarded.
+    pub fn cut_on(&self, bytes: &[u8]) {
+        *self.state.cut.lock().unwrap() = Some(bytes.to_vec());
+    }
+}
+
+/// One direction of one connection.
+struct Link {
+    state: Arc<State>,
+    /// This connection went silent.
+    silent: Arc<AtomicBool>,
+    from_client: bool,
+}
+
+impl Link {
+    fn up(state: Arc<State>, silent: Arc<AtomicBool>) -> Link {
+        Link {
+            state,
+            silent,
+            from_client: true,
+        }
+    }
+
+    fn down(state: Arc<State>, silent: Arc<AtomicBool>) -> Link {
+        Link {
+            state,
+            silent,
+            from_client: false,
+        }
+    }
+
+    /// Whether `read` is held back, with all that follows.
+    fn holds_back(&self, read: &[u8]) -> bool {
+        if self.from_client && self.state.silenced_by(read) {
+            self.silent.store(true, Ordering::SeqCst);
+        }
+        self.silent.load(Ordering::SeqCst) || self.state.silent.load(Ordering::SeqCst)
     }
 }
 
 /// Copies `from` into `into` until either side closes, or for good (both
-/// left open) once the proxy is silent.
+/// left open) once the connection or the proxy is silent.
 async fn forward(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut into: tokio::net::tcp::OwnedWriteHalf,
-    state: Arc<State>,
-    from_client: bool,
+    link: Link,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -91,12 +152,14 @@ async fn forward(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        let silent = if from_client {
-            state.silenced_by(&buf[..n])
-        } else {
-            state.silent.load(Ordering::SeqCst)
-        };
-        if silent {
+        if link.from_client && link.state.cut_by(&buf[..n]) {
+            // The client's socket is reset (a zero linger sends RST once the
+            // other half goes, as the server ends on this half's close).
+            #[allow(deprecated)]
+            let _ = from.as_ref().set_linger(Some(std::time::Duration::ZERO));
+            return;
+        }
+        if link.holds_back(&buf[..n]) {
             // Both halves stay open: held by this task, which never ends.
             std::future::pending::<()>().await;
         }

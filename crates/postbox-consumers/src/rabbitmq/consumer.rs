@@ -534,13 +534,24 @@ impl Session for RabbitMqConsumer {
         if !self.core.config.declare {
             // Nothing else checks a hand-made topology: a retry queue that does
             // not dead-letter back to the queue drops every retried message.
-            match check_topology(&conn, &self.core.config.queue).await {
-                Ok(()) => {}
-                Err(TopologyError::Refused(reason)) => {
-                    let _ = conn.close(200, "setup refused".into()).await;
+            // Bounded: an answer lapin never hands over (its connection
+            // alive) held the consumer at "connecting" for good.
+            let check = unless_lost(&conn, check_topology(&conn, &self.core.config.queue));
+            match tokio::time::timeout(super::STEP_WITHIN, check).await {
+                Err(_) => {
+                    return SessionEnd::Broken(format!(
+                        "checking the queues: no answer from the broker within {:?}",
+                        super::STEP_WITHIN
+                    ))
+                }
+                Ok(None) => return lost_during("checking the queues"),
+                Ok(Some(Ok(()))) => {}
+                Ok(Some(Err(TopologyError::Refused(reason)))) => {
+                    let closing = conn.close(200, "setup refused".into());
+                    let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
                     return SessionEnd::Fatal(Error::config("queue", reason));
                 }
-                Err(TopologyError::Broken(e)) => return broken(e),
+                Ok(Some(Err(TopologyError::Broken(e)))) => return broken(e),
             }
         }
         let topology = async {
@@ -560,7 +571,8 @@ impl Session for RabbitMqConsumer {
         let mut consumer = match topology {
             Ok(c) => c,
             Err(e) if e.is_amqp_soft_error() => {
-                let _ = conn.close(200, "setup refused".into()).await;
+                let closing = conn.close(200, "setup refused".into());
+                let _ = tokio::time::timeout(CLOSE_TIMEOUT, closing).await;
                 let hint = if self.core.config.declare {
                     "check that the queue was not declared before with other arguments, and the user's permissions"
                 } else {

@@ -23,7 +23,6 @@
 
 use std::collections::HashSet;
 use std::future::Future;
-use std::time::Duration;
 
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
@@ -33,13 +32,9 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
 use super::message::{confirmed, headers_json, message_from_delivery, replay_properties};
-use super::unless_lost;
+use super::{unless_lost, STEP_WITHIN};
 use crate::dead::letter::{DeadAction, DeadLetter, DeadReport, Failed, Pass};
 use postbox_core::wire::rabbitmq::dead_queue;
-
-/// How long one step of a pass (opening a channel, reading a letter, a
-/// replayed copy's confirm, an ack, the close) waits for the broker.
-const STEP_WITHIN: Duration = Duration::from_secs(15);
 
 /// `work`, `doing` on the broker: its result, or why it failed, or that the
 /// connection was lost or the broker gave no answer within [`STEP_WITHIN`].

@@ -72,6 +72,11 @@ pub(crate) async fn connect(
     Err(reasons.join("; "))
 }
 
+/// How long one step on the broker outside a consumer's flow (a
+/// dead-letter pass's read, confirm, ack or close; a consumer's check of
+/// the queues it was given) waits for its answer.
+const STEP_WITHIN: Duration = Duration::from_secs(15);
+
 /// How often a wait on the broker looks whether its connection is lost.
 const LOST_CHECK: Duration = Duration::from_millis(100);
 

@@ -1179,3 +1179,39 @@ fn regex_escape(text: &str) -> String {
         })
         .collect()
 }
+
+/// The broker goes silent while a consumer with `declare = false` checks
+/// the queues it was given: the connection is found dead, and the consumer
+/// reconnects, checks again and consumes.
+#[tokio::test]
+async fn a_broker_gone_silent_while_checking_the_queues_is_reconnected() {
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("checkreset");
+    declare(&ch, &queue).await;
+    publish(&ch, &queue, "c-1", None, "{}").await;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (_, server) = postbox_testkit::amqp::through_proxy(listener.local_addr().unwrap());
+    drop(listener);
+    let proxy = postbox_testkit::proxy::Proxy::start(&server).await;
+    let (url, _) = postbox_testkit::amqp::through_proxy(proxy.addr());
+    let url = format!("{url}?heartbeat=1");
+    // `queue.declare` (class 50, method 10): the check's first passive one.
+    proxy.silence_on(&[0, 50, 0, 10]);
+    let mut config = consumer_config(&queue);
+    config.declare = false;
+    config.url = postbox_core::redact::SecretUrl::new(url);
+    let handler = Arc::new(Counting::default());
+    let (stop, run) = start(RabbitMqConsumer::new(config, handler.clone()).unwrap());
+    wait_until("the message handled", Duration::from_secs(30), async || {
+        handler.count() == 1
+    })
+    .await;
+    stop.cancel();
+    let report = tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("the consumer stops")
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.ok, 1, "{report:?}");
+    delete(&ch, &queue).await;
+}
