@@ -25,6 +25,7 @@
 //! or not published at all) is decided by [`crate::retry::decide`], in the
 //! publish stage; the mark stage writes the decision.
 
+mod bounded;
 mod breaker;
 mod claimer;
 mod controls;
@@ -106,6 +107,10 @@ impl Relay {
         settings: RelaySettings,
     ) -> Self {
         let (config, app_codes, max_payload_bytes) = settings.into_parts();
+        let store = Arc::new(bounded::Bounded {
+            inner: store,
+            within: config.lease.get(),
+        });
         Relay {
             store,
             publishers,

@@ -509,3 +509,52 @@ async fn with_the_archive_elsewhere_a_replay_reads_rows_still_archived_here() {
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].status, postbox_core::Status::Pending);
 }
+
+/// A claim the database never answers (a failover whose old primary
+/// vanished without a reset: no error, only no answer) is given up after
+/// the lease, and the relay claims again on a new connection. It waited
+/// for good, delivering nothing, while its heartbeat on another
+/// connection said it was alive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_database_never_answers_is_given_up_after_the_lease() {
+    let table = scratch_table("silentclaim");
+    let direct = migrated("postgres", postgres_url(), |url| {
+        let table = table.clone();
+        async move { PgOutbox::connect(&url, &table, 4).await }
+    })
+    .await;
+    let url = postgres_url();
+    let (head, rest) = url.split_once('@').expect("a URL with a user");
+    let (server, db) = rest.split_once('/').expect("a URL with a database");
+    let proxy = postbox_testkit::proxy::Proxy::start(server).await;
+    // The first claim's statement goes unanswered (seen in plain text).
+    proxy.silence_on(b"SKIP LOCKED");
+    let db = db.split('?').next().unwrap();
+    let through = format!("{head}@{}/{db}?sslmode=disable", proxy.addr());
+    let through = PgOutbox::connect(&through, &table, 4).await.unwrap();
+    let events: Vec<NewEvent> = (0..5)
+        .map(|i| NewEvent::new("conf", "T", format!("{{\"n\":{i}}}")))
+        .collect();
+    direct.enqueue_batch(&events, 1 << 20).await.unwrap();
+    let config = postbox_core::config::WorkerConfig {
+        lease: postbox_core::config::HumanDuration::secs(4),
+        publish_timeout: postbox_core::config::HumanDuration::secs(1),
+        ..postbox_testkit::conformance::fast_worker()
+    };
+    let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
+    let started = std::time::Instant::now();
+    postbox_testkit::conformance::run_relay_over_until(
+        Arc::new(through),
+        &direct,
+        vec![publisher.clone()],
+        config,
+        "conf",
+        |s| s.delivered == 5,
+    )
+    .await;
+    assert!(
+        started.elapsed() >= std::time::Duration::from_secs(4),
+        "the claim was silenced: {:?}",
+        started.elapsed()
+    );
+}
