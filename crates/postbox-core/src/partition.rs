@@ -93,6 +93,21 @@ impl Partitioning {
 }
 
 impl Partitioning {
+    /// How `range` was partitioned: a UTC day, an ISO week, or neither.
+    pub fn of_range(range: &Range) -> Option<Partitioning> {
+        [Partitioning::Daily, Partitioning::Weekly]
+            .into_iter()
+            .find(|p| p.range_of(range.from_ms) == *range)
+    }
+
+    /// `daily` or `weekly`, as the config spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Partitioning::Daily => "daily",
+            Partitioning::Weekly => "weekly",
+        }
+    }
+
     /// The range of the partition named `name` (`<table>_p<yyyymmdd>`).
     pub fn range_named(self, table: &str, name: &str) -> Option<Range> {
         let date = name.strip_prefix(table)?.strip_prefix("_p")?;

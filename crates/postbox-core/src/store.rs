@@ -1178,6 +1178,14 @@ pub trait SchemaStore: Send + Sync + 'static {
     /// names (nothing on a plain table).
     async fn keep_partitions(&self) -> Result<Vec<String>>;
 
+    /// Refuses a `database.partitioning` that is not how the table was
+    /// made (a config error naming the key): unset on a partitioned table,
+    /// set on a plain one, or `daily` where its partitions are weeks (or
+    /// the reverse). The table exists.
+    async fn check_partitioning(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// A partitioned table: how many partitions are ready after the
     /// current one, and the last (`None` on a plain table).
     async fn partitions_ahead(&self) -> Result<Option<PartitionsAhead>>;

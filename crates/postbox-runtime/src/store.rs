@@ -130,7 +130,8 @@ pub fn migration_script(settings: &Settings, from: u32) -> Vec<ScriptVersion> {
     }
 }
 
-/// Fails with a clear message when the outbox table does not exist yet.
+/// Fails with a clear message when the outbox table does not exist yet, or
+/// is not partitioned as `database.partitioning` says.
 pub fn require_schema(store: &dyn OutboxStore) -> BoxFuture<'_, Result<(), Error>> {
     Box::pin(require_schema_here(store))
 }
@@ -145,7 +146,8 @@ async fn require_schema_here(store: &dyn OutboxStore) -> Result<(), Error> {
             "cannot read outbox table `{}` ({e}); run `postbox migrate` first",
             store.table()
         ))
-    })
+    })?;
+    store.check_partitioning().await
 }
 
 /// Host and port of a PostgreSQL or MariaDB/MySQL database URL.

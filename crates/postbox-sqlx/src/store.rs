@@ -179,6 +179,9 @@ macro_rules! capabilities_from_inherent {
                 async fn keep_partitions(&self) -> Result<Vec<String>> {
                     <$ty>::keep_partitions(self).await
                 }
+                async fn check_partitioning(&self) -> Result<()> {
+                    <$ty>::check_partitioning(self).await
+                }
                 async fn partitions_ahead(&self) -> Result<Option<postbox_core::store::PartitionsAhead>> {
                     <$ty>::partitions_ahead(self).await
                 }

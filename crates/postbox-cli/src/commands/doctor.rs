@@ -43,7 +43,10 @@ pub async fn run(g: &Global) -> Result<(), CliError> {
     let store = open_store(&config).await?;
     let mut checks = database_checks(store.as_ref(), &config).await;
     checks.extend(archive_database_check(&config).await);
-    checks.extend(partitions_check(store.as_ref()).await);
+    let migrated = checks
+        .iter()
+        .any(|c| c.name == "schema_version" && c.level == Level::Ok);
+    checks.extend(partitions_check(store.as_ref(), migrated).await);
     checks.extend(app_code_checks(store.as_ref(), &config).await);
     // Loaded for the database only: name what other commands will miss.
     if let Err(e) = config.require_env(Uses::ALL) {
@@ -207,9 +210,15 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
     checks
 }
 
-/// A partitioned table: enough partitions ready ahead of the clock (an
+/// A partitioned table: partitioned as `database.partitioning` says (of a
+/// migrated table), and enough partitions ready ahead of the clock (an
 /// insert past the last one fails).
-async fn partitions_check(store: &dyn OutboxStore) -> Option<Check> {
+async fn partitions_check(store: &dyn OutboxStore, migrated: bool) -> Option<Check> {
+    if migrated {
+        if let Err(e) = store.check_partitioning().await {
+            return Some(check("partitions:config", Level::Fail, e.to_string()));
+        }
+    }
     let name = "partitions:ahead";
     match store.partitions_ahead().await {
         Ok(None) => None,

@@ -837,6 +837,25 @@ async fn a_partitioned_postgres_outbox_is_created_checked_relayed_and_archived_b
     signal("TERM", relay.id());
     assert!(relay.wait().unwrap().success());
 
+    // A config that leaves the key out (the migrate job's had it): the
+    // relay refuses to start, and `doctor` says why. It started, and kept
+    // no partition ahead: inserts failed once the last was past.
+    let unset = project.path().join("unset.toml");
+    std::fs::write(
+        &unset,
+        std::fs::read_to_string(&project.cfg)
+            .unwrap()
+            .replace("partitioning = \"daily\"\n", ""),
+    )
+    .unwrap();
+    let unset = unset.to_str().unwrap();
+    let out = common::postbox(project.path(), &["--config", unset, "relay"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert_says(&out, &["database.partitioning", "partitioned daily"]);
+    let out = common::postbox(project.path(), &["--config", unset, "--json", "doctor"]);
+    let config = common::expect_in(&json(&out)["checks"], "name", "partitions:config");
+    assert_eq!(config["level"], "fail", "{config}");
+
     // An old day's partition, all delivered: archived whole.
     let day = 86_400_000i64;
     let now: i64 = db

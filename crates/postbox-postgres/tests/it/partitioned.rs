@@ -292,3 +292,82 @@ async fn old_partitions_are_detached_and_moved_whole_and_events_stay_unique() {
         "d3-7's archived copy"
     );
 }
+
+/// `database.partitioning` must say how the table was made. Unset on a
+/// daily table, no relay kept partitions ahead (inserts failed once the
+/// last was past); `weekly` over days skipped each week overlapping a day
+/// made, leaving days without a partition; set on a plain table it did
+/// nothing. Each is now refused, naming the key.
+#[tokio::test]
+async fn the_partitioning_configured_is_the_table_s() {
+    let daily = partitioned().await;
+    daily.check_partitioning().await.expect("daily, as made");
+    let reopen = |p: Option<Partitioning>| {
+        let table = daily.table().as_str().to_owned();
+        async move {
+            let s = PgOutbox::connect(&postgres_url(), &table, 2).await.unwrap();
+            match p {
+                Some(p) => s.with_partitioning(p),
+                None => s,
+            }
+        }
+    };
+    for (p, says) in [
+        (None, "unset, but table"),
+        (Some(Partitioning::Weekly), "is a day"),
+    ] {
+        let e = reopen(p)
+            .await
+            .check_partitioning()
+            .await
+            .expect_err("refused");
+        let text = e.to_string();
+        assert!(
+            text.contains("database.partitioning") && text.contains(says),
+            "{text}"
+        );
+        assert!(text.contains("partitioned daily") || p.is_some(), "{text}");
+    }
+    let plain = migrated("postgres", postgres_url(), |url| async move {
+        PgOutbox::connect(&url, &scratch_table("pgplain"), 2).await
+    })
+    .await;
+    plain
+        .check_partitioning()
+        .await
+        .expect("a plain table, unset");
+    let table = plain.table().as_str().to_owned();
+    let claimed = PgOutbox::connect(&postgres_url(), &table, 2)
+        .await
+        .unwrap()
+        .with_partitioning(Partitioning::Daily);
+    let e = claimed.check_partitioning().await.expect_err("refused");
+    assert!(e.to_string().contains("is not partitioned"), "{e}");
+}
+
+/// A partition that cannot be detached (a transaction holding it past the
+/// lock timeout) leaves its delivered rows to the row batches: the run
+/// goes on. The whole run stopped with the error, archiving nothing, run
+/// after run while the transaction stayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_that_cannot_be_detached_leaves_its_rows_to_the_row_batches() {
+    let store = partitioned().await;
+    let (d3, r3) = past_partition(&store, 3).await;
+    rows(&store, "d3", "delivered", r3.from_ms, 100).await;
+    let (_, r2) = past_partition(&store, 2).await;
+    rows(&store, "d2", "delivered", r2.from_ms, 40).await;
+    rows(&store, "d2p", "pending", r2.from_ms + 500, 1).await;
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!("LOCK TABLE {d3} IN SHARE UPDATE EXCLUSIVE MODE"))
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let now = store.now_ms().await.unwrap();
+    let report = store
+        .archive(&archive_all(now, false), &|_| {})
+        .await
+        .expect("the run goes on past the partition");
+    assert_eq!(report.moved, 140, "{report:?}");
+    holder.rollback().await.unwrap();
+    assert_eq!(count(&store, "SELECT COUNT(*) FROM {t}").await, 1);
+}

@@ -70,11 +70,76 @@ impl SqlOutbox<D> {
         )))
     }
 
+    /// [`postbox_core::store::SchemaStore::check_partitioning`]. Unset on
+    /// a partitioned table, no relay kept partitions ahead and every insert
+    /// failed once the last one was past; `weekly` over daily partitions
+    /// skipped each week that overlapped a day made, leaving days without
+    /// a partition.
+    pub async fn check_partitioning(&self) -> Result<()> {
+        let Some(sql) = D::PARTITIONS else {
+            return Ok(());
+        };
+        let db = |e| db_error("check partitioning", e);
+        let partitioned: i32 = query::<D>(sql.is_partitioned, [self.table.as_str().into()])
+            .try_map(|row: <D::DB as Database>::Row| sqlx::Row::try_get(&row, 0))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        let key = "database.partitioning";
+        let table = &self.table;
+        if partitioned != 1 {
+            return match self.partitioning {
+                None => Ok(()),
+                Some(p) => Err(Error::config(
+                    key,
+                    format!(
+                        "`{}`, but table `{table}` is not partitioned: partitioning applies when migrate creates the table; leave it unset",
+                        p.as_str()
+                    ),
+                )),
+            };
+        }
+        let made: Vec<(String, Option<Partitioning>)> = self
+            .partitions_of(sql)
+            .await?
+            .into_iter()
+            .map(|a| (a.name, Partitioning::of_range(&a.range)))
+            .collect();
+        let table_is = made
+            .iter()
+            .find_map(|(_, p)| *p)
+            .map_or("partitioned".to_owned(), |p| format!("partitioned {}", p.as_str()));
+        match self.partitioning {
+            None => Err(Error::config(
+                key,
+                format!(
+                    "unset, but table `{table}` is {table_is}: set it as the table was made; unset, no relay keeps partitions ahead and every insert fails once the last one is past"
+                ),
+            )),
+            Some(p) => match made.iter().find(|(_, m)| *m != Some(p)) {
+                None => Ok(()),
+                Some((name, m)) => Err(Error::config(
+                    key,
+                    format!(
+                        "`{}`, but partition `{name}` of `{table}` is {}: set it as the table was made (a table keeps the partitioning it was created with)",
+                        p.as_str(),
+                        m.map_or("of another range", |m| if m == Partitioning::Daily { "a day" } else { "a week" })
+                    ),
+                )),
+            },
+        }
+    }
+
     /// The table's partitions, by name.
     pub(super) async fn attached_partitions(&self) -> Result<Vec<Attached>> {
         let Some((_, sql)) = self.partition_sql() else {
             return Ok(Vec::new());
         };
+        self.partitions_of(sql).await
+    }
+
+    /// The table's partitions, by name, read with `sql`'s statements.
+    async fn partitions_of(&self, sql: PartitionSql) -> Result<Vec<Attached>> {
         let db = |e| db_error("list partitions", e);
         let rows = query::<D>(sql.attached, [self.table.as_str().into()])
             .fetch_all(&self.pool)
