@@ -194,6 +194,16 @@ impl RoomService {
         answer
     }
 
+    /// The answer a command seen before got (or why the log cannot say);
+    /// `None` for a new command.
+    async fn answered_before(&self, command_id: &str) -> Option<Answer> {
+        match self.recorded(command_id).await {
+            Ok(Some(first)) => Some(replayed(first)),
+            Ok(None) => None,
+            Err(e) => Some(failed("command log", e)),
+        }
+    }
+
     async fn steps(&self, name: &str, room_id: &str, cmd: &Command, timing: &mut Timing) -> Answer {
         if !room::COMMANDS.contains(&name) {
             return refused(Refusal::Invalid(format!(
@@ -208,10 +218,8 @@ impl RoomService {
         }
         // 1. The command log: a command seen before answers as it did then.
         let t = Instant::now();
-        match self.recorded(&cmd.command_id).await {
-            Ok(Some(first)) => return replayed(first),
-            Ok(None) => {}
-            Err(e) => return failed("command log", e),
+        if let Some(before) = self.answered_before(&cmd.command_id).await {
+            return before;
         }
         timing.idempotency_ms = ms_since(t);
 
@@ -219,6 +227,12 @@ impl RoomService {
         let t = Instant::now();
         let cell = self.cell(room_id);
         let _held = cell.lock().await;
+        // Looked up again with the room held: a retry that overlapped its
+        // first try waited here while that one committed, and deciding
+        // again on the changed room answered 409 ("bob is in the room").
+        if let Some(before) = self.answered_before(&cmd.command_id).await {
+            return before;
+        }
         let state = match self.load(room_id).await {
             Ok(s) => s,
             Err(e) => return failed("load room", e),
