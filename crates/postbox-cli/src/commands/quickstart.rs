@@ -176,6 +176,8 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     say!("  {bin} --config {cfg} status");
     say!("  {bin} --config {cfg} events list --limit 5");
     say!("  {bin} --config {cfg} enqueue --event-type Hello --payload '{{\"hi\":1}}'");
+    // The config's [admin] listen is this dashboard's address while it runs.
+    say!("Once this one has stopped (Ctrl-C; its dashboard holds the config's admin.listen):");
     say!("  {bin} --config {cfg} relay        # delivers it; Ctrl-C to stop");
     say!("  {bin} --config {cfg} serve        # the dashboard again");
     if g.json {
