@@ -1385,3 +1385,40 @@ async fn serve_names_its_listen_flag() {
     assert!(text(&out).contains("--listen"), "{}", text(&out));
     assert!(!text(&out).contains("admin.listen"), "{}", text(&out));
 }
+
+/// A `POSTBOX__…` variable sets a key of one entry of a list
+/// (`POSTBOX__PUBLISHERS__0__PATH`). It made a map that replaced the whole
+/// list, and every command exited 2 ("found map, expected a sequence"). An
+/// index past the file's list is refused, naming it.
+#[test]
+fn env_overrides_reach_an_entry_of_a_list() {
+    let project = Project::migrated(good);
+    assert_ok(&project.run(&ENQUEUE_T));
+    let other = project.path().join("other.jsonl");
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(project.path())
+        .args(["--config", &project.cfg, "relay"])
+        .env("POSTBOX__PUBLISHERS__0__PATH", &other)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until(
+        20,
+        Duration::from_millis(50),
+        || project.lines("other.jsonl") == 1 || matches!(relay.try_wait(), Ok(Some(_))),
+        || "the event in other.jsonl".to_owned(),
+    );
+    signal("TERM", relay.id());
+    let stopped = relay.wait_with_output().unwrap();
+    assert!(stopped.status.success(), "{}", text(&stopped));
+    assert_eq!(project.lines("other.jsonl"), 1);
+    assert_eq!(project.lines("out.jsonl"), 0);
+    let out = postbox(
+        project.path(),
+        &["--config", &project.cfg, "status"],
+        &[("POSTBOX__PUBLISHERS__3__PATH", "x.jsonl")],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_says(&out, &["publishers.3", "has 1 entries"]);
+}

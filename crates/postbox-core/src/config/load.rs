@@ -59,11 +59,14 @@ pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Er
             }
         };
     }
-    figment = figment.merge(
+    let lists = ListOverrides::of(&figment, std::env::vars())?;
+    let in_lists = lists.paths.clone();
+    figment = figment.merge(lists).merge(
         // `lowercase` last: each `split`/`map` sets it back to `true`.
         Env::prefixed("POSTBOX__")
             .split("__")
             .map(|key| env_path(key.as_str()).into())
+            .filter(move |key| !in_lists.iter().any(|p| key == p.as_str()))
             .lowercase(false),
     );
     let mut config: Config = figment.extract().map_err(from_figment)?;
@@ -94,6 +97,115 @@ fn env_path(key: &str) -> String {
         });
     }
     path.join(".")
+}
+
+/// `POSTBOX__…` variables that set a key of one entry of a list in the
+/// file (`POSTBOX__PUBLISHERS__0__URL`, `POSTBOX__ADMIN__TOKENS__1__TOKEN`),
+/// applied to that entry. Read as the other variables are, they made a map
+/// `{"0": …}` that replaced the whole list, and loading failed ("found
+/// map, expected a sequence").
+struct ListOverrides {
+    /// The lists, each with its entries overridden, by path.
+    lists: figment::value::Dict,
+    /// The config paths of the variables applied here.
+    paths: Vec<String>,
+}
+
+impl ListOverrides {
+    fn of(file: &Figment, vars: impl Iterator<Item = (String, String)>) -> Result<Self, Error> {
+        use figment::value::Value;
+        let mut out = ListOverrides {
+            lists: Default::default(),
+            paths: Vec::new(),
+        };
+        let mut lists: Vec<(String, Vec<Value>)> = Vec::new();
+        for (name, raw) in vars {
+            let Some(rest) = name
+                .get(..9)
+                .filter(|p| p.eq_ignore_ascii_case("POSTBOX__"))
+                .map(|_| &name[9..])
+            else {
+                continue;
+            };
+            let path = env_path(&rest.replace("__", "."));
+            let segments: Vec<&str> = path.split('.').collect();
+            // The first numeric segment under a list of the file.
+            let Some((at, index)) = segments.iter().enumerate().skip(1).find_map(|(i, s)| {
+                let index: usize = s.parse().ok()?;
+                let list = segments[..i].join(".");
+                matches!(file.find_value(&list), Ok(Value::Array(..))).then_some((i, index))
+            }) else {
+                continue;
+            };
+            let list = segments[..at].join(".");
+            if !lists.iter().any(|(l, _)| *l == list) {
+                let Ok(Value::Array(_, entries)) = file.find_value(&list) else {
+                    continue;
+                };
+                lists.push((list.clone(), entries));
+            }
+            let entries = &mut lists.iter_mut().find(|(l, _)| *l == list).unwrap().1;
+            let Some(entry) = entries.get_mut(index) else {
+                return Err(Error::config(
+                    format!("{list}.{index}"),
+                    format!(
+                        "`{name}`: the file's `{list}` has {} entries (a variable sets a key of an entry, it does not add one)",
+                        entries.len()
+                    ),
+                ));
+            };
+            let value: Value = raw.parse().expect("infallible");
+            set_in(entry, &segments[at + 1..], value).map_err(|why| {
+                Error::config(format!("{list}.{index}"), format!("`{name}`: {why}"))
+            })?;
+            out.paths.push(path);
+        }
+        for (list, entries) in lists {
+            let nested = figment::util::nest(&list, Value::from(entries));
+            if let Some(dict) = nested.into_dict() {
+                out.lists = figment::value::Dict::from_iter(out.lists.into_iter().chain(dict));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl figment::Provider for ListOverrides {
+    fn metadata(&self) -> figment::Metadata {
+        figment::Metadata::named("`POSTBOX__` environment variable(s)")
+    }
+
+    fn data(
+        &self,
+    ) -> Result<figment::value::Map<figment::Profile, figment::value::Dict>, figment::Error> {
+        Ok(figment::Profile::Default.collect(self.lists.clone()))
+    }
+}
+
+/// Sets `path` (keys, at least one) inside the table `entry` to `value`,
+/// making the tables on the way.
+fn set_in(
+    entry: &mut figment::value::Value,
+    path: &[&str],
+    value: figment::value::Value,
+) -> Result<(), &'static str> {
+    use figment::value::Value;
+    let Value::Dict(_, dict) = entry else {
+        return Err("that entry is not a table");
+    };
+    match path {
+        [] => Err("name a key of the entry after its index"),
+        [key] => {
+            dict.insert((*key).to_owned(), value);
+            Ok(())
+        }
+        [key, rest @ ..] => set_in(
+            dict.entry((*key).to_owned())
+                .or_insert_with(|| Value::from(figment::value::Dict::new())),
+            rest,
+            value,
+        ),
+    }
 }
 
 fn extension(p: &Path) -> &str {
