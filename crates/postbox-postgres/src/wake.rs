@@ -103,7 +103,10 @@ pub(crate) async fn listen(
             }
         }
     }
-    pool.close().await;
+    // Bounded: the close waits for the answer to the UNLISTEN the listener
+    // sends as it goes, and a database gone silent never answers (the
+    // relay's stop waited for it).
+    let _ = tokio::time::timeout(Duration::from_secs(2), pool.close()).await;
 }
 
 #[cfg(test)]

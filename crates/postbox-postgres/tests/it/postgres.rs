@@ -558,3 +558,52 @@ async fn a_claim_the_database_never_answers_is_given_up_after_the_lease() {
         started.elapsed()
     );
 }
+
+/// A relay asked to stop while its database has gone silent (every
+/// connection, the LISTEN one too) stops within its lease and a few
+/// seconds. The LISTEN connection's close waited for an answer to its
+/// UNLISTEN for good, and the relay with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stops_while_its_database_is_silent() {
+    let table = scratch_table("silentstop");
+    let direct = migrated("postgres", postgres_url(), |url| {
+        let table = table.clone();
+        async move { PgOutbox::connect(&url, &table, 4).await }
+    })
+    .await;
+    let url = postgres_url();
+    let (head, rest) = url.split_once('@').expect("a URL with a user");
+    let (server, db) = rest.split_once('/').expect("a URL with a database");
+    let proxy = postbox_testkit::proxy::Proxy::start(server).await;
+    let db = db.split('?').next().unwrap();
+    let through = format!("{head}@{}/{db}?sslmode=disable", proxy.addr());
+    let through = PgOutbox::connect(&through, &table, 4).await.unwrap();
+    let events: Vec<NewEvent> = (0..5)
+        .map(|i| NewEvent::new("conf", "T", format!("{{\"n\":{i}}}")))
+        .collect();
+    direct.enqueue_batch(&events, 1 << 20).await.unwrap();
+    let config = postbox_core::config::WorkerConfig {
+        lease: postbox_core::config::HumanDuration::secs(4),
+        publish_timeout: postbox_core::config::HumanDuration::secs(1),
+        ..postbox_testkit::conformance::fast_worker()
+    };
+    let settings = postbox_core::config::RelaySettings::new(config, vec!["conf".into()]).unwrap();
+    let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
+    let relay =
+        postbox_core::relay::Relay::new(Arc::new(through), vec![publisher.clone()], settings);
+    let shutdown = postbox_core::relay::CancellationToken::new();
+    let run = tokio::spawn(relay.run(shutdown.clone()));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while publisher.delivered().len() < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "delivered before the silence"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    proxy.silence();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    shutdown.cancel();
+    let stopped = tokio::time::timeout(std::time::Duration::from_secs(15), run).await;
+    assert!(stopped.is_ok(), "the relay did not stop within 15 s");
+}
