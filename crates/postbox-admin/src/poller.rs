@@ -17,6 +17,9 @@ use postbox_core::Status;
 /// How far back the delivered-per-minute chart reaches.
 const CHART_SPAN_MS: i64 = 60 * 60 * 1000;
 
+/// How long one stats poll may wait for the database.
+const POLL_WITHIN: Duration = Duration::from_secs(30);
+
 /// The latest poll's figures.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Snapshot {
@@ -66,9 +69,18 @@ impl StatsPoller {
             .unwrap_or_else(|p| p.into_inner().clone())
     }
 
-    /// Polls once: updates the gauges and the snapshot.
+    /// Polls once: updates the gauges and the snapshot. A poll the
+    /// database does not answer within [`POLL_WITHIN`] is a failed one (the
+    /// figures served say so): a database gone silent held the poller for
+    /// good, the dashboard showing old figures as current.
     pub async fn poll_once(&self) {
-        let result = self.query().await;
+        let result = match tokio::time::timeout(POLL_WITHIN, self.query()).await {
+            Ok(result) => result,
+            Err(_) => Err(postbox_core::Error::Database {
+                operation: "admin stats poll",
+                source: format!("no answer from the database within {POLL_WITHIN:?}").into(),
+            }),
+        };
         let mut latest = self.latest.write().unwrap_or_else(|p| p.into_inner());
         match result {
             Ok(fresh) => {
@@ -91,7 +103,11 @@ impl StatsPoller {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = tick.tick() => self.poll_once().await,
+                _ = tick.tick() => tokio::select! {
+                    () = self.poll_once() => {}
+                    // A poll in flight does not hold the stop.
+                    _ = shutdown.cancelled() => return,
+                },
                 _ = shutdown.cancelled() => return,
             }
         }

@@ -168,3 +168,16 @@ async fn forward(
         }
     }
 }
+
+/// A proxy to the test PostgreSQL server ([`crate::servers::postgres_url`])
+/// and that server's URL through it, without TLS (so that what a client
+/// sends can be seen, for [`Proxy::silence_on`]).
+pub async fn to_postgres() -> (Proxy, String) {
+    let url = crate::servers::postgres_url();
+    let (head, rest) = url.split_once('@').expect("a URL with a user");
+    let (server, db) = rest.split_once('/').expect("a URL with a database");
+    let db = db.split('?').next().unwrap_or(db);
+    let proxy = Proxy::start(server).await;
+    let through = format!("{head}@{}/{db}?sslmode=disable", proxy.addr());
+    (proxy, through)
+}

@@ -141,3 +141,43 @@ async fn metrics_after_a_relay_run() {
     stop.cancel();
     serving.await.unwrap().expect("admin server stops cleanly");
 }
+
+/// The stats poller over a database gone silent: a poll gives up after
+/// its bound, and a stop does not wait for the poll in flight. The poll
+/// waited for good (the dashboard showing old figures as current), and
+/// the admin server's stop, and the relay's beside it, waited with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_the_database_never_answers_does_not_hold_the_stop() {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let table = scratch_table("silentpoll");
+    let store = PgOutbox::connect(&url, &table, 2).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
+    let through: Arc<dyn OutboxStore> = Arc::new(
+        PgOutbox::connect(&through, &table, 2)
+            .await
+            .expect("connect"),
+    );
+    let poller = postbox_admin::StatsPoller::new(
+        through,
+        vec!["silent".into()],
+        Duration::from_millis(100),
+        None,
+    );
+    poller.poll_once().await;
+    assert!(
+        poller.snapshot().error.is_none(),
+        "{:?}",
+        poller.snapshot().error
+    );
+    proxy.silence();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(poller.clone().run(shutdown.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .expect("the poller stops with a poll in flight")
+        .unwrap();
+}

@@ -523,14 +523,9 @@ async fn a_claim_the_database_never_answers_is_given_up_after_the_lease() {
         async move { PgOutbox::connect(&url, &table, 4).await }
     })
     .await;
-    let url = postgres_url();
-    let (head, rest) = url.split_once('@').expect("a URL with a user");
-    let (server, db) = rest.split_once('/').expect("a URL with a database");
-    let proxy = postbox_testkit::proxy::Proxy::start(server).await;
-    // The first claim's statement goes unanswered (seen in plain text).
+    let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
+    // The first claim's statement goes unanswered.
     proxy.silence_on(b"SKIP LOCKED");
-    let db = db.split('?').next().unwrap();
-    let through = format!("{head}@{}/{db}?sslmode=disable", proxy.addr());
     let through = PgOutbox::connect(&through, &table, 4).await.unwrap();
     let events: Vec<NewEvent> = (0..5)
         .map(|i| NewEvent::new("conf", "T", format!("{{\"n\":{i}}}")))
@@ -571,12 +566,7 @@ async fn a_relay_stops_while_its_database_is_silent() {
         async move { PgOutbox::connect(&url, &table, 4).await }
     })
     .await;
-    let url = postgres_url();
-    let (head, rest) = url.split_once('@').expect("a URL with a user");
-    let (server, db) = rest.split_once('/').expect("a URL with a database");
-    let proxy = postbox_testkit::proxy::Proxy::start(server).await;
-    let db = db.split('?').next().unwrap();
-    let through = format!("{head}@{}/{db}?sslmode=disable", proxy.addr());
+    let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
     let through = PgOutbox::connect(&through, &table, 4).await.unwrap();
     let events: Vec<NewEvent> = (0..5)
         .map(|i| NewEvent::new("conf", "T", format!("{{\"n\":{i}}}")))
