@@ -56,6 +56,10 @@ fn main() {
         }
     };
     let result = runtime.block_on(run(cli));
+    // A blocking write that never ends (the file publisher's stdout into a
+    // pipe nobody reads any more) does not hold the exit: dropped alone,
+    // the runtime waited for it for good.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     if let Err(e) = result {
         logging::fatal(log_format, &e, e.exit_code());
         std::process::exit(e.exit_code());

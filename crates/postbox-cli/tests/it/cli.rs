@@ -1422,3 +1422,41 @@ fn env_overrides_reach_an_entry_of_a_list() {
     assert_eq!(out.status.code(), Some(2));
     assert_says(&out, &["publishers.3", "has 1 entries"]);
 }
+
+/// A relay publishing to stdout (`path = "-"`) into a pipe nobody reads
+/// any more stops on SIGTERM. Its blocked write held the exit for good:
+/// the runtime, dropped at the end, waited for it.
+#[test]
+fn a_relay_writing_to_a_stalled_stdout_stops() {
+    let project = Project::migrated(|dir| {
+        good(dir).replace(
+            &format!("path = \"{}/out.jsonl\"", dir.display()),
+            "path = \"-\"",
+        )
+    });
+    let payload = format!("{{\"pad\":\"{}\"}}", "x".repeat(4000));
+    for _ in 0..4 {
+        let file = project.path().join("batch.jsonl");
+        let line = format!("{{\"event_type\":\"T\",\"payload\":{payload}}}\n");
+        std::fs::write(&file, line.repeat(50)).unwrap();
+        assert_ok(&project.run(&["enqueue", "--file", file.to_str().unwrap()]));
+    }
+    // 200 events of 4 KB: more than a pipe holds, and nobody reads it.
+    let mut relay = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(project.path())
+        .args(["--config", &project.cfg, "relay"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    signal("TERM", relay.id());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while relay.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = relay.kill();
+            panic!("the relay did not stop within 30 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
