@@ -272,13 +272,15 @@ impl Dialect for MySqlDialect {
     fn relay_pool(pool: &MySqlPool, commit: RelayCommit) -> Option<MySqlPool> {
         let _ = commit;
         Some(
-            sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(std::time::Duration::from_secs(10))
-                .after_connect(|conn, _| {
-                    Box::pin(async move { conn.execute(sql::SESSION_ISOLATION).await.map(|_| ()) })
-                })
-                .connect_lazy_with((*pool.connect_options()).clone()),
+            postbox_sqlx::released_within(
+                sqlx::mysql::MySqlPoolOptions::new()
+                    .max_connections(2)
+                    .acquire_timeout(std::time::Duration::from_secs(10)),
+            )
+            .after_connect(|conn, _| {
+                Box::pin(async move { conn.execute(sql::SESSION_ISOLATION).await.map(|_| ()) })
+            })
+            .connect_lazy_with((*pool.connect_options()).clone()),
         )
     }
 

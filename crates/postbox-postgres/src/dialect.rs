@@ -91,10 +91,12 @@ impl Dialect for PgDialect {
             .clone()
             .options([("synchronous_commit", "off")]);
         Some(
-            sqlx::postgres::PgPoolOptions::new()
-                .max_connections(2)
-                .acquire_timeout(std::time::Duration::from_secs(10))
-                .connect_lazy_with(options),
+            postbox_sqlx::released_within(
+                sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(2)
+                    .acquire_timeout(std::time::Duration::from_secs(10)),
+            )
+            .connect_lazy_with(options),
         )
     }
 

@@ -70,15 +70,43 @@ pub async fn connect_server<DB: sqlx::Database>(
             format!("{}: {e}", postbox_core::redact::redact_url(url)),
         )
     })?;
-    let pool = sqlx::pool::PoolOptions::<DB>::new()
-        .max_connections(max_connections)
-        .acquire_timeout(std::time::Duration::from_secs(10));
+    let pool = released_within(
+        sqlx::pool::PoolOptions::<DB>::new()
+            .max_connections(max_connections)
+            .acquire_timeout(std::time::Duration::from_secs(10)),
+    );
     if how.lazy {
         return Ok(pool.connect_lazy_with(tune(opts)));
     }
     pool.connect_with(tune(opts))
         .await
         .map_err(|e| db_error(operation, e))
+}
+
+/// How long a connection handed back to its pool may take to answer a
+/// ping.
+const RELEASE_PING_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `options` with a bound on the check of a connection handed back: one
+/// whose statement was abandoned (a relay call past its bound, on a
+/// database gone silent) is dropped within [`RELEASE_PING_WITHIN`]. sqlx
+/// pings each connection handed back, with no bound: the ping of a silent
+/// connection held its pool slot until the kernel gave up on the socket
+/// (15 minutes), and a relay's two-connection pool was used up by two such
+/// calls.
+pub fn released_within<DB: sqlx::Database>(
+    options: sqlx::pool::PoolOptions<DB>,
+) -> sqlx::pool::PoolOptions<DB> {
+    options.after_release(|conn, _| {
+        Box::pin(async move {
+            match tokio::time::timeout(RELEASE_PING_WITHIN, sqlx::Connection::ping(conn)).await {
+                Ok(Ok(())) => Ok(true),
+                Ok(Err(e)) => Err(e),
+                // Dropped at once, not closed politely.
+                Err(_) => Err(sqlx::Error::PoolTimedOut),
+            }
+        })
+    })
 }
 
 /// A row read by column name, as the types postbox's columns have: any

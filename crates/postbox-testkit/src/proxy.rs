@@ -4,7 +4,7 @@
 //! the client sees no reset and no error, only no answer.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -22,6 +22,8 @@ struct State {
     /// Bytes which, the next time a client sends them, silence that
     /// connection (before they are passed on).
     trigger: Mutex<Option<Vec<u8>>>,
+    /// Connections silenced by a trigger so far.
+    triggered: AtomicUsize,
     /// Bytes which, the next time a client sends them, close that
     /// connection (before they are passed on).
     cut: Mutex<Option<Vec<u8>>>,
@@ -49,6 +51,7 @@ impl State {
         let hit = trigger.as_deref().is_some_and(|t| holds(sent, t));
         if hit {
             *trigger = None;
+            self.triggered.fetch_add(1, Ordering::SeqCst);
         }
         hit
     }
@@ -95,6 +98,11 @@ impl Proxy {
     /// method. Later connections are forwarded.
     pub fn silence_on(&self, bytes: &[u8]) {
         *self.state.trigger.lock().unwrap() = Some(bytes.to_vec());
+    }
+
+    /// How many connections [`Proxy::silence_on`] has silenced.
+    pub fn silenced(&self) -> usize {
+        self.state.triggered.load(Ordering::SeqCst)
     }
 
     /// The next connection whose client sends `bytes` is closed there (what

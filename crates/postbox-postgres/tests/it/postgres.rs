@@ -524,8 +524,24 @@ async fn a_claim_the_database_never_answers_is_given_up_after_the_lease() {
     })
     .await;
     let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
-    // The first claim's statement goes unanswered.
+    // The first claims' statements go unanswered, each on a connection of
+    // its own: three, one more than the relay's claim-and-mark pool holds.
+    // (A connection handed back after its call gave up was held by sqlx's
+    // unbounded ping until the kernel gave up on it: two such calls used
+    // the pool up.)
     proxy.silence_on(b"SKIP LOCKED");
+    let proxy = Arc::new(proxy);
+    let rearm = tokio::spawn({
+        let proxy = proxy.clone();
+        async move {
+            for armed in 1..3 {
+                while proxy.silenced() < armed {
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+                proxy.silence_on(b"SKIP LOCKED");
+            }
+        }
+    });
     let through = PgOutbox::connect(&through, &table, 4).await.unwrap();
     let events: Vec<NewEvent> = (0..5)
         .map(|i| NewEvent::new("conf", "T", format!("{{\"n\":{i}}}")))
@@ -547,9 +563,11 @@ async fn a_claim_the_database_never_answers_is_given_up_after_the_lease() {
         |s| s.delivered == 5,
     )
     .await;
+    assert_eq!(proxy.silenced(), 3);
+    rearm.await.unwrap();
     assert!(
-        started.elapsed() >= std::time::Duration::from_secs(4),
-        "the claim was silenced: {:?}",
+        started.elapsed() >= std::time::Duration::from_secs(12),
+        "three claims were silenced: {:?}",
         started.elapsed()
     );
 }

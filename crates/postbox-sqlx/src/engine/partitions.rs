@@ -99,10 +99,15 @@ impl SqlOutbox<D> {
                 )),
             };
         }
+        // Those from the clock's on: older ones (of an earlier setting,
+        // merged by hand) are archived in time and hold up nothing, and a
+        // DEFAULT partition is the operator's own.
+        let now = self.now_ms().await?;
         let made: Vec<(String, Option<Partitioning>)> = self
-            .partitions_of(sql)
+            .partitions_read(sql, true)
             .await?
             .into_iter()
+            .filter(|a| a.range.to_ms > now)
             .map(|a| (a.name, Partitioning::of_range(&a.range)))
             .collect();
         let table_is = made
@@ -140,6 +145,13 @@ impl SqlOutbox<D> {
 
     /// The table's partitions, by name, read with `sql`'s statements.
     async fn partitions_of(&self, sql: PartitionSql) -> Result<Vec<Attached>> {
+        self.partitions_read(sql, false).await
+    }
+
+    /// The table's partitions; with `lenient`, one whose bound is not a
+    /// range of created_at_ms (a `DEFAULT` partition) is left out instead
+    /// of refused.
+    async fn partitions_read(&self, sql: PartitionSql, lenient: bool) -> Result<Vec<Attached>> {
         let db = |e| db_error("list partitions", e);
         let rows = query::<D>(sql.attached, [self.table.as_str().into()])
             .fetch_all(&self.pool)
@@ -151,6 +163,9 @@ impl SqlOutbox<D> {
             let bound: String = sqlx::Row::try_get(row, 1).map_err(db)?;
             let detach_pending = sqlx::Row::try_get::<i32, _>(row, 2).map_err(db)? == 1;
             let Some(range) = parse_bound(&bound) else {
+                if lenient {
+                    continue;
+                }
                 return Err(Error::Schema(format!(
                     "partition `{name}` of `{}` has the bound `{bound}`; postbox makes ranges of created_at_ms only",
                     self.table
