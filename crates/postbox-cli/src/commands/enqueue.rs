@@ -65,8 +65,10 @@ struct Invalid {
 /// a file of millions of bad lines (the wrong file) must not fill memory.
 const INVALID_KEPT: usize = 1000;
 
-/// Room on a line besides its payload: the envelope's other fields.
-const LINE_SLACK: usize = 64 * 1024;
+/// Room on a line besides its payload: the envelope's other fields, its
+/// headers (at most [`postbox_core::event::MAX_HEADERS_BYTES`] once
+/// compact, and JSON-escaped in the file) the most of them.
+const LINE_SLACK: usize = 64 * 1024 + JSON_ESCAPED * postbox_core::event::MAX_HEADERS_BYTES;
 
 /// How many bytes of a line one byte of payload may take: a string payload
 /// escaped as JSON (`\u0001`) takes six.
@@ -216,7 +218,10 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
     let interrupted = postbox_core::relay::CancellationToken::new();
     postbox_runtime::signals::spawn_signal_handler(interrupted.clone(), || {});
     let mut reader = reader;
-    let longest_line = LINE_SLACK.saturating_add(max_payload.saturating_mul(JSON_ESCAPED));
+    // The line break besides.
+    let longest_line = LINE_SLACK
+        .saturating_add(max_payload.saturating_mul(JSON_ESCAPED))
+        .saturating_add(2);
     let mut line_no = 0u64;
     let mut raw = Vec::new();
     let mut stopped = None;

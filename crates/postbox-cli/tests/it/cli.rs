@@ -1277,7 +1277,7 @@ async fn enqueue_file_reads_past_bad_lines() {
     body.extend_from_slice(b"{\"event_id\":\"f-5\",\"event_type\":\"T\",\"payload\":{}}\n");
     // Longer than any event may be (max_payload_bytes = 1 MiB): read past,
     // never held whole.
-    body.extend(std::iter::repeat_n(b'x', 7 << 20));
+    body.extend(std::iter::repeat_n(b'x', 7 << 20 | 1 << 19));
     body.push(b'\n');
     body.extend_from_slice(b"{\"event_id\":\"f-7\",\"event_type\":\"T\",\"payload\":{}}\n");
     std::fs::write(&file, body).unwrap();
@@ -1304,7 +1304,7 @@ async fn enqueue_file_reads_past_bad_lines() {
         "{summary}"
     );
     assert!(bad[0].1.contains("UTF-8"), "{bad:?}");
-    assert!(bad[2].1.starts_with("7340033 bytes long"), "{bad:?}");
+    assert!(bad[2].1.starts_with("7864321 bytes long"), "{bad:?}");
     assert_eq!(summary["done_through_line"], 7, "{summary}");
     assert!(summary.get("stopped").is_none(), "{summary}");
     let listed = json(&project.run(&["--json", "events", "list"]));

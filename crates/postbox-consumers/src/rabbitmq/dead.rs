@@ -67,8 +67,14 @@ pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
     // Bounded by time, not by the connection's loss (a closing connection
     // is no longer connected). A close the broker does not answer is given
     // up: the connection, once dropped, goes down with its socket.
+    // After a failed step the broker is not waited for again.
+    let within = if result.is_ok() {
+        STEP_WITHIN
+    } else {
+        std::time::Duration::from_secs(1)
+    };
     let closing = conn.close(200, "dead-letter pass done".into());
-    let _ = tokio::time::timeout(STEP_WITHIN, closing).await;
+    let _ = tokio::time::timeout(within, closing).await;
     result.map_err(|e| (dead, e))
 }
 

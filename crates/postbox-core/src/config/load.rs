@@ -59,7 +59,10 @@ pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Er
             }
         };
     }
-    let lists = ListOverrides::of(&figment, std::env::vars())?;
+    // `vars()` panics on a variable that is not UTF-8 (anyone's): skipped.
+    let vars = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+    let lists = ListOverrides::of(&figment, vars)?;
     let in_lists = lists.paths.clone();
     figment = figment.merge(lists).merge(
         // `lowercase` last: each `split`/`map` sets it back to `true`.
@@ -182,29 +185,35 @@ impl figment::Provider for ListOverrides {
     }
 }
 
-/// Sets `path` (keys, at least one) inside the table `entry` to `value`,
-/// making the tables on the way.
+/// Sets `path` (keys of tables, indexes of lists) inside `entry` to
+/// `value`, making the tables on the way; an empty path sets `entry`.
 fn set_in(
     entry: &mut figment::value::Value,
     path: &[&str],
     value: figment::value::Value,
-) -> Result<(), &'static str> {
+) -> Result<(), String> {
     use figment::value::Value;
-    let Value::Dict(_, dict) = entry else {
-        return Err("that entry is not a table");
+    let Some((key, rest)) = path.split_first() else {
+        *entry = value;
+        return Ok(());
     };
-    match path {
-        [] => Err("name a key of the entry after its index"),
-        [key] => {
-            dict.insert((*key).to_owned(), value);
-            Ok(())
-        }
-        [key, rest @ ..] => set_in(
+    match entry {
+        Value::Dict(_, dict) => set_in(
             dict.entry((*key).to_owned())
                 .or_insert_with(|| Value::from(figment::value::Dict::new())),
             rest,
             value,
         ),
+        Value::Array(_, items) => {
+            let len = items.len();
+            let item = key
+                .parse::<usize>()
+                .ok()
+                .and_then(|i| items.get_mut(i))
+                .ok_or_else(|| format!("`{key}`: the list there has {len} entries"))?;
+            set_in(item, rest, value)
+        }
+        _ => Err(format!("`{key}`: nothing there has keys")),
     }
 }
 
@@ -358,6 +367,42 @@ mod tests {
             "database.columns.lock_until_ms"
         );
         assert_eq!(env_path("Database.Url"), "database.url");
+    }
+
+    #[test]
+    fn list_overrides_reach_nested_lists_and_plain_entries() {
+        use figment::value::Value;
+        let file = Figment::new().merge(Toml::string(
+            r#"
+            [database]
+            app_codes = ["a", "b"]
+            [[publishers]]
+            kind = "rabbitmq"
+            urls = ["amqp://one", "amqp://two"]
+            "#,
+        ));
+        let vars = [
+            ("POSTBOX__PUBLISHERS__0__URLS__1", "amqp://secret"),
+            ("postbox__DATABASE__APP_CODES__1", "c"),
+            ("OTHER__PUBLISHERS__0__URLS__0", "not ours"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let overrides = ListOverrides::of(&file, vars.into_iter()).unwrap();
+        let merged = file.clone().merge(overrides);
+        let publishers: Vec<std::collections::BTreeMap<String, Value>> =
+            merged.extract_inner("publishers").unwrap();
+        let urls: Vec<String> = publishers[0]["urls"].deserialize().unwrap();
+        assert_eq!(urls, ["amqp://one", "amqp://secret"]);
+        let apps: Vec<String> = merged.extract_inner("database.app_codes").unwrap();
+        assert_eq!(apps, ["a", "c"]);
+        let past = [("POSTBOX__PUBLISHERS__0__URLS__5".to_owned(), "x".to_owned())];
+        match ListOverrides::of(&file, past.into_iter()) {
+            Err(Error::Config { key, reason }) => {
+                assert_eq!(key, "publishers.0");
+                assert!(reason.contains("has 2 entries"), "{reason}");
+            }
+            other => panic!("expected a config error, got {:?}", other.map(|o| o.paths)),
+        }
     }
 
     fn load_str(toml: &str) -> Result<Settings, Error> {

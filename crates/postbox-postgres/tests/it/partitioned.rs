@@ -302,6 +302,21 @@ async fn old_partitions_are_detached_and_moved_whole_and_events_stay_unique() {
 async fn the_partitioning_configured_is_the_table_s() {
     let daily = partitioned().await;
     daily.check_partitioning().await.expect("daily, as made");
+    // A week made long ago (an earlier setting) and a DEFAULT partition of
+    // the operator's own stand in nothing's way.
+    let t = daily.table().as_str().to_owned();
+    let now = daily.now_ms().await.unwrap();
+    let week = Partitioning::Weekly.range_of(now - 40 * DAY);
+    for sql in [
+        format!(
+            "CREATE TABLE {t}_oldweek PARTITION OF {t} FOR VALUES FROM ({}) TO ({})",
+            week.from_ms, week.to_ms
+        ),
+        format!("CREATE TABLE {t}_default PARTITION OF {t} DEFAULT"),
+    ] {
+        sqlx::query(&sql).execute(daily.pool()).await.unwrap();
+    }
+    daily.check_partitioning().await.expect("daily, as made");
     let reopen = |p: Option<Partitioning>| {
         let table = daily.table().as_str().to_owned();
         async move {
