@@ -5,10 +5,15 @@
 //! no TCP keepalive and the server's `statement_timeout` cannot answer for
 //! a server that is gone. A claim waiting so held the relay for good while
 //! its heartbeat, on another connection, kept saying it was alive. Each
-//! call here ends after the lease at most (a claim or mark that takes
-//! longer is of no use: the rows' leases have run out) with a database
-//! error, and the relay goes on as after any database error: it claims
-//! again, on a new connection.
+//! call here ends after the lease at most (a mark that takes longer is of
+//! no use: the rows' leases have run out) with a database error, and the
+//! relay goes on as after any database error: it claims again, on a new
+//! connection. A claim gets twice the lease: one that waited on a lock
+//! (DDL on the table) still commits on the server after the relay gave up
+//! on it, and its rows, leased to a relay that never publishes them, would
+//! wait out their lease and be taken over with an attempt counted. Their
+//! lease starts when the claim runs, so a late answer is still worth
+//! publishing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,13 +36,22 @@ impl Bounded {
         operation: &'static str,
         work: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        match tokio::time::timeout(self.within, work).await {
+        self.call_within(self.within, operation, work).await
+    }
+
+    async fn call_within<T>(
+        &self,
+        within: Duration,
+        operation: &'static str,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(within, work).await {
             Ok(done) => done,
             Err(_) => Err(Error::Database {
                 operation,
                 source: Box::new(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
-                    format!("no answer from the database within {:?}", self.within),
+                    format!("no answer from the database within {within:?}"),
                 )),
             }),
         }
@@ -63,7 +77,9 @@ impl RelayStore for Bounded {
         source: ClaimSource,
         req: &ClaimRequest<'_>,
     ) -> Result<Vec<ClaimedEvent>> {
-        self.call("claim", self.inner.claim(source, req)).await
+        let within = 2 * self.within;
+        self.call_within(within, "claim", self.inner.claim(source, req))
+            .await
     }
 
     async fn mark_delivered(&self, fence: &Fence, ids: &[i64]) -> Result<u64> {

@@ -512,11 +512,11 @@ async fn with_the_archive_elsewhere_a_replay_reads_rows_still_archived_here() {
 
 /// A claim the database never answers (a failover whose old primary
 /// vanished without a reset: no error, only no answer) is given up after
-/// the lease, and the relay claims again on a new connection. It waited
+/// twice the lease, and the relay claims again on a new connection. It waited
 /// for good, delivering nothing, while its heartbeat on another
 /// connection said it was alive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_the_database_never_answers_is_given_up_after_the_lease() {
+async fn a_claim_the_database_never_answers_is_given_up_and_made_again() {
     let table = scratch_table("silentclaim");
     let direct = migrated("postgres", postgres_url(), |url| {
         let table = table.clone();
@@ -548,8 +548,8 @@ async fn a_claim_the_database_never_answers_is_given_up_after_the_lease() {
         .collect();
     direct.enqueue_batch(&events, 1 << 20).await.unwrap();
     let config = postbox_core::config::WorkerConfig {
-        lease: postbox_core::config::HumanDuration::secs(4),
-        publish_timeout: postbox_core::config::HumanDuration::secs(1),
+        lease: postbox_core::config::HumanDuration::secs(2),
+        publish_timeout: postbox_core::config::HumanDuration::millis(500),
         ..postbox_testkit::conformance::fast_worker()
     };
     let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
@@ -566,7 +566,7 @@ async fn a_claim_the_database_never_answers_is_given_up_after_the_lease() {
     assert_eq!(proxy.silenced(), 3);
     rearm.await.unwrap();
     assert!(
-        started.elapsed() >= std::time::Duration::from_secs(12),
+        started.elapsed() >= std::time::Duration::from_secs(10),
         "three claims were silenced: {:?}",
         started.elapsed()
     );
