@@ -510,6 +510,34 @@ async fn with_the_archive_elsewhere_a_replay_reads_rows_still_archived_here() {
     assert_eq!(rows[0].status, postbox_core::Status::Pending);
 }
 
+/// A migrated table holding five `conf` events, a proxy to its server, and
+/// the server's URL through the proxy.
+async fn five_events_behind_a_proxy(
+    prefix: &str,
+) -> (PgOutbox, postbox_testkit::proxy::Proxy, String) {
+    let table = scratch_table(prefix);
+    let direct = migrated("postgres", postgres_url(), |url| {
+        let table = table.clone();
+        async move { PgOutbox::connect(&url, &table, 4).await }
+    })
+    .await;
+    let events: Vec<NewEvent> = (0..5)
+        .map(|i| NewEvent::new("conf", "T", format!("{{\"n\":{i}}}")))
+        .collect();
+    direct.enqueue_batch(&events, 1 << 20).await.unwrap();
+    let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
+    (direct, proxy, through)
+}
+
+/// A fast relay with a lease of `secs` (publishing within a quarter).
+fn leased_for(secs: u64) -> postbox_core::config::WorkerConfig {
+    postbox_core::config::WorkerConfig {
+        lease: postbox_core::config::HumanDuration::secs(secs),
+        publish_timeout: postbox_core::config::HumanDuration::millis(secs * 250),
+        ..postbox_testkit::conformance::fast_worker()
+    }
+}
+
 /// A claim the database never answers (a failover whose old primary
 /// vanished without a reset: no error, only no answer) is given up after
 /// twice the lease, and the relay claims again on a new connection. It waited
@@ -517,13 +545,8 @@ async fn with_the_archive_elsewhere_a_replay_reads_rows_still_archived_here() {
 /// connection said it was alive.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_the_database_never_answers_is_given_up_and_made_again() {
-    let table = scratch_table("silentclaim");
-    let direct = migrated("postgres", postgres_url(), |url| {
-        let table = table.clone();
-        async move { PgOutbox::connect(&url, &table, 4).await }
-    })
-    .await;
-    let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
+    let (direct, proxy, through) = five_events_behind_a_proxy("silentclaim").await;
+    let table = direct.table().as_str().to_owned();
     // The first claims' statements go unanswered, each on a connection of
     // its own: three, one more than the relay's claim-and-mark pool holds.
     // (A connection handed back after its call gave up was held by sqlx's
@@ -543,15 +566,7 @@ async fn a_claim_the_database_never_answers_is_given_up_and_made_again() {
         }
     });
     let through = PgOutbox::connect(&through, &table, 4).await.unwrap();
-    let events: Vec<NewEvent> = (0..5)
-        .map(|i| NewEvent::new("conf", "T", format!("{{\"n\":{i}}}")))
-        .collect();
-    direct.enqueue_batch(&events, 1 << 20).await.unwrap();
-    let config = postbox_core::config::WorkerConfig {
-        lease: postbox_core::config::HumanDuration::secs(2),
-        publish_timeout: postbox_core::config::HumanDuration::millis(500),
-        ..postbox_testkit::conformance::fast_worker()
-    };
+    let config = leased_for(2);
     let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
     let started = std::time::Instant::now();
     postbox_testkit::conformance::run_relay_over_until(
@@ -578,23 +593,11 @@ async fn a_claim_the_database_never_answers_is_given_up_and_made_again() {
 /// UNLISTEN for good, and the relay with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_stops_while_its_database_is_silent() {
-    let table = scratch_table("silentstop");
-    let direct = migrated("postgres", postgres_url(), |url| {
-        let table = table.clone();
-        async move { PgOutbox::connect(&url, &table, 4).await }
-    })
-    .await;
-    let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
-    let through = PgOutbox::connect(&through, &table, 4).await.unwrap();
-    let events: Vec<NewEvent> = (0..5)
-        .map(|i| NewEvent::new("conf", "T", format!("{{\"n\":{i}}}")))
-        .collect();
-    direct.enqueue_batch(&events, 1 << 20).await.unwrap();
-    let config = postbox_core::config::WorkerConfig {
-        lease: postbox_core::config::HumanDuration::secs(4),
-        publish_timeout: postbox_core::config::HumanDuration::secs(1),
-        ..postbox_testkit::conformance::fast_worker()
-    };
+    let (direct, proxy, through) = five_events_behind_a_proxy("silentstop").await;
+    let through = PgOutbox::connect(&through, direct.table().as_str(), 4)
+        .await
+        .unwrap();
+    let config = leased_for(4);
     let settings = postbox_core::config::RelaySettings::new(config, vec!["conf".into()]).unwrap();
     let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
     let relay =
