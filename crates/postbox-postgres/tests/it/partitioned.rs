@@ -317,6 +317,14 @@ async fn the_partitioning_configured_is_the_table_s() {
         sqlx::query(&sql).execute(daily.pool()).await.unwrap();
     }
     daily.check_partitioning().await.expect("daily, as made");
+    // The keeper and the archiver go on beside a DEFAULT partition (its
+    // bound is no range: both failed on it).
+    daily.keep_partitions().await.expect("the keeper runs");
+    assert_eq!(daily.partitions_ahead().await.unwrap().unwrap().ahead, 14);
+    daily
+        .archive(&archive_all(now, false), &|_| {})
+        .await
+        .expect("the archiver runs");
     let reopen = |p: Option<Partitioning>| {
         let table = daily.table().as_str().to_owned();
         async move {

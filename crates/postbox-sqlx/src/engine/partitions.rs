@@ -104,7 +104,7 @@ impl SqlOutbox<D> {
         // DEFAULT partition is the operator's own.
         let now = self.now_ms().await?;
         let made: Vec<(String, Option<Partitioning>)> = self
-            .partitions_read(sql, true)
+            .partitions_read(sql)
             .await?
             .into_iter()
             .filter(|a| a.range.to_ms > now)
@@ -135,23 +135,20 @@ impl SqlOutbox<D> {
         }
     }
 
-    /// The table's partitions, by name.
+    /// The table's partitions of created_at_ms ranges, by name; a
+    /// `DEFAULT` partition (the operator's own safety net) is left out: its
+    /// rows are archived row by row, and no range is made for it. It
+    /// failed every keeper run and every archive run.
     pub(super) async fn attached_partitions(&self) -> Result<Vec<Attached>> {
         let Some((_, sql)) = self.partition_sql() else {
             return Ok(Vec::new());
         };
-        self.partitions_of(sql).await
+        self.partitions_read(sql).await
     }
 
-    /// The table's partitions, by name, read with `sql`'s statements.
-    async fn partitions_of(&self, sql: PartitionSql) -> Result<Vec<Attached>> {
-        self.partitions_read(sql, false).await
-    }
-
-    /// The table's partitions; with `lenient`, one whose bound is not a
-    /// range of created_at_ms (a `DEFAULT` partition) is left out instead
-    /// of refused.
-    async fn partitions_read(&self, sql: PartitionSql, lenient: bool) -> Result<Vec<Attached>> {
+    /// The table's partitions whose bound is a range of created_at_ms
+    /// (not a `DEFAULT` one), read with `sql`'s statements.
+    async fn partitions_read(&self, sql: PartitionSql) -> Result<Vec<Attached>> {
         let db = |e| db_error("list partitions", e);
         let rows = query::<D>(sql.attached, [self.table.as_str().into()])
             .fetch_all(&self.pool)
@@ -163,13 +160,7 @@ impl SqlOutbox<D> {
             let bound: String = sqlx::Row::try_get(row, 1).map_err(db)?;
             let detach_pending = sqlx::Row::try_get::<i32, _>(row, 2).map_err(db)? == 1;
             let Some(range) = parse_bound(&bound) else {
-                if lenient {
-                    continue;
-                }
-                return Err(Error::Schema(format!(
-                    "partition `{name}` of `{}` has the bound `{bound}`; postbox makes ranges of created_at_ms only",
-                    self.table
-                )));
+                continue;
             };
             out.push(Attached { name, range, detach_pending });
         }
