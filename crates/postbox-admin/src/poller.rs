@@ -74,13 +74,14 @@ impl StatsPoller {
     /// figures served say so): a database gone silent held the poller for
     /// good, the dashboard showing old figures as current.
     pub async fn poll_once(&self) {
-        let result = match tokio::time::timeout(POLL_WITHIN, self.query()).await {
-            Ok(result) => result,
-            Err(_) => Err(postbox_core::Error::Database {
-                operation: "admin stats poll",
-                source: format!("no answer from the database within {POLL_WITHIN:?}").into(),
-            }),
-        };
+        let result = tokio::time::timeout(POLL_WITHIN, self.query())
+            .await
+            .unwrap_or_else(|_| {
+                Err(postbox_core::Error::no_answer(
+                    "admin stats poll",
+                    POLL_WITHIN,
+                ))
+            });
         let mut latest = self.latest.write().unwrap_or_else(|p| p.into_inner());
         match result {
             Ok(fresh) => {

@@ -140,6 +140,18 @@ impl Error {
         matches!(self, Error::Transient { .. })
     }
 
+    /// A database error of `operation`: no answer within `within` (a
+    /// database gone silent; postbox stopped waiting).
+    pub fn no_answer(operation: &'static str, within: std::time::Duration) -> Self {
+        Error::Database {
+            operation,
+            source: Box::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer from the database within {within:?}"),
+            )),
+        }
+    }
+
     /// A configuration error on `key`.
     pub fn config(key: impl Into<String>, reason: impl fmt::Display) -> Self {
         Error::Config {

@@ -24,9 +24,6 @@ struct State {
     trigger: Mutex<Option<Vec<u8>>>,
     /// Connections silenced by a trigger so far.
     triggered: AtomicUsize,
-    /// Bytes which, the next time a client sends them, close that
-    /// connection (before they are passed on).
-    cut: Mutex<Option<Vec<u8>>>,
 }
 
 /// Whether `sent` holds `pattern`.
@@ -35,16 +32,6 @@ fn holds(sent: &[u8], pattern: &[u8]) -> bool {
 }
 
 impl State {
-    /// Whether `sent` (from a client) closes its connection now (once).
-    fn cut_by(&self, sent: &[u8]) -> bool {
-        let mut cut = self.cut.lock().unwrap();
-        let hit = cut.as_deref().is_some_and(|c| holds(sent, c));
-        if hit {
-            *cut = None;
-        }
-        hit
-    }
-
     /// Whether `sent` (from a client) silences its connection (once).
     fn silenced_by(&self, sent: &[u8]) -> bool {
         let mut trigger = self.trigger.lock().unwrap();
@@ -72,11 +59,19 @@ impl Proxy {
                 };
                 let (client_read, client_write) = client.into_split();
                 let (server_read, server_write) = server.into_split();
-                let link = Arc::new(AtomicBool::new(false));
-                let up = Link::up(shared.clone(), link.clone());
-                let down = Link::down(shared.clone(), link);
-                tokio::spawn(forward(client_read, server_write, up));
-                tokio::spawn(forward(server_read, client_write, down));
+                let silent = Arc::new(AtomicBool::new(false));
+                for (from_client, from, into) in [
+                    (true, client_read, server_write),
+                    (false, server_read, client_write),
+                ] {
+                    let (state, silent) = (shared.clone(), silent.clone());
+                    let link = Link {
+                        state,
+                        silent,
+                        from_client,
+                    };
+                    tokio::spawn(forward(from, into, link));
+                }
             }
         });
         Proxy { addr, state }
@@ -104,13 +99,6 @@ impl Proxy {
     pub fn silenced(&self) -> usize {
         self.state.triggered.load(Ordering::SeqCst)
     }
-
-    /// The next connection whose client sends `bytes` is closed there (what
-    /// carries them is not passed on), as by a broker node restarting;
-    /// later connections are forwarded.
-    pub fn cut_on(&self, bytes: &[u8]) {
-        *self.state.cut.lock().unwrap() = Some(bytes.to_vec());
-    }
 }
 
 /// One direction of one connection.
@@ -122,22 +110,6 @@ struct Link {
 }
 
 impl Link {
-    fn up(state: Arc<State>, silent: Arc<AtomicBool>) -> Link {
-        Link {
-            state,
-            silent,
-            from_client: true,
-        }
-    }
-
-    fn down(state: Arc<State>, silent: Arc<AtomicBool>) -> Link {
-        Link {
-            state,
-            silent,
-            from_client: false,
-        }
-    }
-
     /// Whether `read` is held back, with all that follows.
     fn holds_back(&self, read: &[u8]) -> bool {
         if self.from_client && self.state.silenced_by(read) {
@@ -160,13 +132,6 @@ async fn forward(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        if link.from_client && link.state.cut_by(&buf[..n]) {
-            // The client's socket is reset (a zero linger sends RST once the
-            // other half goes, as the server ends on this half's close).
-            #[allow(deprecated)]
-            let _ = from.as_ref().set_linger(Some(std::time::Duration::ZERO));
-            return;
-        }
         if link.holds_back(&buf[..n]) {
             // Both halves stay open: held by this task, which never ends.
             std::future::pending::<()>().await;
@@ -187,5 +152,16 @@ pub async fn to_postgres() -> (Proxy, String) {
     let db = db.split('?').next().unwrap_or(db);
     let proxy = Proxy::start(server).await;
     let through = format!("{head}@{}/{db}?sslmode=disable", proxy.addr());
+    (proxy, through)
+}
+
+/// A proxy to the test RabbitMQ broker ([`crate::servers::amqp_url`]) and
+/// the broker's URL through it.
+pub async fn to_amqp() -> (Proxy, String) {
+    let url = crate::servers::amqp_url();
+    let (scheme_auth, rest) = url.split_once('@').expect("an AMQP URL with a user");
+    let (server, vhost) = rest.split_once('/').expect("an AMQP URL with a vhost");
+    let proxy = Proxy::start(server).await;
+    let through = format!("{scheme_auth}@{}/{vhost}", proxy.addr());
     (proxy, through)
 }

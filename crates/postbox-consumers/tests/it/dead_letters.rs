@@ -284,11 +284,7 @@ async fn a_pass_over_a_broker_gone_silent_ends_with_an_error() {
         )
         .await;
     }
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let (_, broker) = postbox_testkit::amqp::through_proxy(listener.local_addr().unwrap());
-    drop(listener);
-    let proxy = postbox_testkit::proxy::Proxy::start(&broker).await;
-    let (through, _) = postbox_testkit::amqp::through_proxy(proxy.addr());
+    let (proxy, through) = postbox_testkit::proxy::to_amqp().await;
     // `basic.get`: class 60, method 70.
     proxy.silence_on(&[0, 60, 0, 70]);
     let silent = ConsumerConfig {

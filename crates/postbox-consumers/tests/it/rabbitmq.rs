@@ -1189,11 +1189,7 @@ async fn a_broker_gone_silent_while_checking_the_queues_is_reconnected() {
     let queue = scratch_queue("checkreset");
     declare(&ch, &queue).await;
     publish(&ch, &queue, "c-1", None, "{}").await;
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let (_, server) = postbox_testkit::amqp::through_proxy(listener.local_addr().unwrap());
-    drop(listener);
-    let proxy = postbox_testkit::proxy::Proxy::start(&server).await;
-    let (url, _) = postbox_testkit::amqp::through_proxy(proxy.addr());
+    let (proxy, url) = postbox_testkit::proxy::to_amqp().await;
     let url = format!("{url}?heartbeat=1");
     // `queue.declare` (class 50, method 10): the check's first passive one.
     proxy.silence_on(&[0, 50, 0, 10]);

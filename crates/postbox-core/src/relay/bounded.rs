@@ -45,16 +45,9 @@ impl Bounded {
         operation: &'static str,
         work: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        match tokio::time::timeout(within, work).await {
-            Ok(done) => done,
-            Err(_) => Err(Error::Database {
-                operation,
-                source: Box::new(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no answer from the database within {within:?}"),
-                )),
-            }),
-        }
+        tokio::time::timeout(within, work)
+            .await
+            .unwrap_or_else(|_| Err(Error::no_answer(operation, within)))
     }
 }
 

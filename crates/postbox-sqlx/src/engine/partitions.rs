@@ -55,12 +55,8 @@ impl SqlOutbox<D> {
         if existing.is_empty() {
             return Ok(());
         }
-        let partitioned: i32 = query::<D>(sql.is_partitioned, [self.table.as_str().into()])
-            .try_map(|row: <D::DB as Database>::Row| sqlx::Row::try_get(&row, 0))
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(db)?;
-        if partitioned == 1 {
+        drop(conn);
+        if self.is_partitioned(sql, "migrate").await? {
             return Ok(());
         }
         Err(Error::Schema(format!(
@@ -68,6 +64,16 @@ impl SqlOutbox<D> {
              (move its rows into a new partitioned table, or leave partitioning unset)",
             self.table
         )))
+    }
+
+    /// Whether the outbox table is a partitioned one (in the catalog).
+    async fn is_partitioned(&self, sql: PartitionSql, operation: &'static str) -> Result<bool> {
+        let partitioned: i32 = query::<D>(sql.is_partitioned, [self.table.as_str().into()])
+            .try_map(|row: <D::DB as Database>::Row| sqlx::Row::try_get(&row, 0))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| db_error(operation, e))?;
+        Ok(partitioned == 1)
     }
 
     /// [`postbox_core::store::SchemaStore::check_partitioning`]. Unset on
@@ -79,15 +85,9 @@ impl SqlOutbox<D> {
         let Some(sql) = D::PARTITIONS else {
             return Ok(());
         };
-        let db = |e| db_error("check partitioning", e);
-        let partitioned: i32 = query::<D>(sql.is_partitioned, [self.table.as_str().into()])
-            .try_map(|row: <D::DB as Database>::Row| sqlx::Row::try_get(&row, 0))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(db)?;
         let key = "database.partitioning";
         let table = &self.table;
-        if partitioned != 1 {
+        if !self.is_partitioned(sql, "check partitioning").await? {
             return match self.partitioning {
                 None => Ok(()),
                 Some(p) => Err(Error::config(
