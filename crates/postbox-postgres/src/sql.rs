@@ -471,7 +471,10 @@ pub(crate) const PARTITIONS: postbox_sqlx::PartitionSql = postbox_sqlx::Partitio
     // behind it would wait too.
     lock_timeout: "SET lock_timeout = '3s'",
     reset_lock_timeout: "RESET lock_timeout",
-    create: "CREATE TABLE IF NOT EXISTS {name} PARTITION OF {table} FOR VALUES FROM ({from}) TO ({to})",
+    // Attached with `attach` in the same transaction. The partition's
+    // indexes, primary key and row triggers come with the attach; its `id`
+    // is filled by the table's identity, as inserts go through the table.
+    create: "CREATE TABLE IF NOT EXISTS {name} (LIKE {table} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)",
     attached: "SELECT c.relname::TEXT, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending::INT \
        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
        WHERE i.inhparent = to_regclass($1) ORDER BY c.relname",

@@ -331,7 +331,8 @@ pub struct PartitionSql {
     pub lock_timeout: &'static str,
     /// Run after it, putting the connection back as it was.
     pub reset_lock_timeout: &'static str,
-    /// Creates one partition.
+    /// Creates one partition's table, not yet attached (`attach` follows
+    /// in the same transaction).
     pub create: &'static str,
     /// The attached partitions: name, bound expression, detach pending.
     pub attached: &'static str,

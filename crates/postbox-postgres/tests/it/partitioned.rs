@@ -394,3 +394,65 @@ async fn a_partition_that_cannot_be_detached_leaves_its_rows_to_the_row_batches(
     holder.rollback().await.unwrap();
     assert_eq!(count(&store, "SELECT COUNT(*) FROM {t}").await, 1);
 }
+
+/// A partition is made while a long transaction reads the table (a report,
+/// a slow producer), and producers' inserts never wait for it: `CREATE
+/// TABLE … PARTITION OF` waited for that transaction for the table's ACCESS
+/// EXCLUSIVE lock, every insert queued behind it, and after the 3 s lock
+/// timeout the partition was not made either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_is_made_beside_a_long_transaction_and_inserts_do_not_wait() {
+    let store = Arc::new(partitioned().await);
+    let t = store.table().as_str().to_owned();
+    let now = store.now_ms().await.unwrap();
+    let last = Partitioning::Daily.range_of(now + 14 * DAY);
+    sqlx::query(&format!("DROP TABLE {}", last.name(&t)))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let mut report = store.pool().begin().await.unwrap();
+    sqlx::query(&format!("SELECT COUNT(*) FROM {t}"))
+        .execute(&mut *report)
+        .await
+        .unwrap();
+    let keeper = tokio::spawn({
+        let store = store.clone();
+        async move { store.keep_partitions().await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let beside = format!("INSERT INTO {t} (app_code, event_id, event_type, payload) VALUES ('part', 'beside', 'T', '{{}}')");
+    let insert = sqlx::query(&beside).execute(store.pool());
+    tokio::time::timeout(std::time::Duration::from_secs(2), insert)
+        .await
+        .expect("the insert waited behind the keeper")
+        .unwrap();
+    let made = keeper
+        .await
+        .unwrap()
+        .expect("the partition is made beside the transaction");
+    assert_eq!(made, vec![last.name(&t)]);
+    report.rollback().await.unwrap();
+    assert_eq!(store.partitions_ahead().await.unwrap().unwrap().ahead, 14);
+    // The new partition is a whole one: an event written into it gets an
+    // id from the table and stays unique.
+    for _ in 0..2 {
+        sqlx::query(&format!(
+            "INSERT INTO {t} (app_code, event_id, event_type, payload, created_at_ms) VALUES ('part', 'ahead', 'T', '{{}}', {})",
+            last.from_ms + 1
+        ))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        count(
+            &store,
+            &format!(
+                "SELECT COUNT(*) FROM {} WHERE event_id = 'ahead' AND id IS NOT NULL",
+                last.name(&t)
+            )
+        )
+        .await,
+        1
+    );
+}

@@ -183,12 +183,19 @@ impl SqlOutbox<D> {
                 continue;
             }
             let name = range.name(self.table.as_str());
+            // A table of its own, then attached, in one transaction:
+            // `CREATE TABLE … PARTITION OF` takes the table's ACCESS
+            // EXCLUSIVE lock, so while it waited for any transaction on
+            // the table (a report, a slow producer), every insert queued
+            // behind it; `ATTACH PARTITION` takes SHARE UPDATE EXCLUSIVE,
+            // which no insert, claim or read waits for or holds.
             let create = self.partition_statement(sql.create, &name, Some(&range));
-            if let Err(e) = self.partition_ddl(&sql, &create, "create partitions").await {
+            let attach = self.partition_statement(sql.attach, &name, Some(&range));
+            if let Err(e) = self.partition_ddl(&sql, &[&create, &attach], "create partitions").await {
                 // Another `migrate` or a starting relay may have made it
-                // meanwhile (`CREATE TABLE IF NOT EXISTS … PARTITION OF`
-                // is not safe side by side: "already exists"): only a
-                // range still missing is an error.
+                // meanwhile (`CREATE TABLE IF NOT EXISTS` is not safe side
+                // by side: "already exists", or the attach finds it
+                // attached): only a range still missing is an error.
                 if !self.attached_partitions().await?.iter().any(overlaps) {
                     return Err(e);
                 }
@@ -265,15 +272,15 @@ impl SqlOutbox<D> {
         let mut detached = Vec::new();
         for part in self.attached_partitions().await? {
             if part.detach_pending {
-                self.partition_ddl(&sql, &self.partition_statement(sql.finalize, &part.name, None), "archive a partition").await?;
+                self.partition_ddl(&sql, &[&self.partition_statement(sql.finalize, &part.name, None)], "archive a partition").await?;
                 continue;
             }
             if part.range.to_ms > before_ms.min(current.from_ms) || self.partition_busy(&sql, &part.name).await? {
                 continue;
             }
-            self.partition_ddl(&sql, &self.partition_statement(sql.detach, &part.name, None), "archive a partition").await?;
+            self.partition_ddl(&sql, &[&self.partition_statement(sql.detach, &part.name, None)], "archive a partition").await?;
             if self.partition_busy(&sql, &part.name).await? {
-                self.partition_ddl(&sql, &self.partition_statement(sql.attach, &part.name, Some(&part.range)), "archive a partition").await?;
+                self.partition_ddl(&sql, &[&self.partition_statement(sql.attach, &part.name, Some(&part.range))], "archive a partition").await?;
                 continue;
             }
             detached.push(part.name);
@@ -291,7 +298,7 @@ impl SqlOutbox<D> {
                 let Some(range) = partitioning.range_named(self.table.as_str(), &name) else {
                     continue;
                 };
-                self.partition_ddl(&sql, &self.partition_statement(sql.attach, &name, Some(&range)), "archive a partition").await?;
+                self.partition_ddl(&sql, &[&self.partition_statement(sql.attach, &name, Some(&range))], "archive a partition").await?;
                 continue;
             }
             let moved = self.finish_detached(&sql, &name, drop).await?;
@@ -313,17 +320,28 @@ impl SqlOutbox<D> {
         Ok(busy == 1)
     }
 
-    /// One DDL statement outside a transaction (`DETACH … CONCURRENTLY`
-    /// cannot run in one), waiting at most the lock timeout for its locks.
-    async fn partition_ddl(&self, sql: &PartitionSql, stmt: &str, op: &'static str) -> Result<()> {
+    /// DDL waiting at most the lock timeout for its locks: one statement
+    /// outside a transaction (`DETACH … CONCURRENTLY` cannot run in one),
+    /// or several in one.
+    async fn partition_ddl(&self, sql: &PartitionSql, stmts: &[&str], op: &'static str) -> Result<()> {
         let db = |e| db_error(op, e);
         let mut conn = self.pool.acquire().await.map_err(db)?;
         sqlx::query(sql.lock_timeout).execute(&mut *conn).await.map_err(db)?;
-        let res = sqlx::query(stmt).execute(&mut *conn).await;
+        let res = match stmts {
+            [one] => sqlx::query(one).execute(&mut *conn).await.map(drop),
+            many => async {
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                for stmt in many {
+                    sqlx::query(stmt).execute(&mut *tx).await?;
+                }
+                tx.commit().await
+            }
+            .await,
+        };
         if sqlx::query(sql.reset_lock_timeout).execute(&mut *conn).await.is_err() {
             conn.close_on_drop();
         }
-        res.map(drop).map_err(db)
+        res.map_err(db)
     }
 
     /// Moves (or drops) detached partition `name`, whose rows are all
