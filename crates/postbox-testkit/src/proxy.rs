@@ -1,7 +1,10 @@
 //! A TCP proxy for fault tests: it forwards to one upstream `host:port`
 //! and goes silent on demand. Silent means no byte flows either way while
 //! both sockets stay open, as when a host dies or the network partitions:
-//! the client sees no reset and no error, only no answer.
+//! the client sees no reset and no error, only no answer. A connection can
+//! also go deaf: the server reads nothing more from its client while its
+//! own bytes still flow, as RabbitMQ does to a connection it blocks under
+//! a memory or disk alarm.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -20,10 +23,16 @@ pub struct Proxy {
 struct State {
     silent: AtomicBool,
     /// Bytes which, the next time a client sends them, silence that
-    /// connection (before they are passed on).
-    trigger: Mutex<Option<Vec<u8>>>,
+    /// connection (before they are passed on); only its client's side
+    /// when `Trigger::deaf`.
+    trigger: Mutex<Option<Trigger>>,
     /// Connections silenced by a trigger so far.
     triggered: AtomicUsize,
+}
+
+struct Trigger {
+    bytes: Vec<u8>,
+    deaf: bool,
 }
 
 /// Whether `sent` holds `pattern`.
@@ -32,15 +41,17 @@ fn holds(sent: &[u8], pattern: &[u8]) -> bool {
 }
 
 impl State {
-    /// Whether `sent` (from a client) silences its connection (once).
-    fn silenced_by(&self, sent: &[u8]) -> bool {
+    /// Whether `sent` (from a client) silences its connection (once):
+    /// `Some(deaf)`.
+    fn silenced_by(&self, sent: &[u8]) -> Option<bool> {
         let mut trigger = self.trigger.lock().unwrap();
-        let hit = trigger.as_deref().is_some_and(|t| holds(sent, t));
-        if hit {
-            *trigger = None;
-            self.triggered.fetch_add(1, Ordering::SeqCst);
-        }
-        hit
+        let deaf = trigger
+            .as_ref()
+            .filter(|t| holds(sent, &t.bytes))
+            .map(|t| t.deaf)?;
+        *trigger = None;
+        self.triggered.fetch_add(1, Ordering::SeqCst);
+        Some(deaf)
     }
 }
 
@@ -69,6 +80,7 @@ impl Proxy {
                         state,
                         silent,
                         from_client,
+                        deaf: false,
                     };
                     tokio::spawn(forward(from, into, link));
                 }
@@ -92,10 +104,24 @@ impl Proxy {
     /// class and method ids, say, to stop the broker answering that
     /// method. Later connections are forwarded.
     pub fn silence_on(&self, bytes: &[u8]) {
-        *self.state.trigger.lock().unwrap() = Some(bytes.to_vec());
+        *self.state.trigger.lock().unwrap() = Some(Trigger {
+            bytes: bytes.to_vec(),
+            deaf: false,
+        });
     }
 
-    /// How many connections [`Proxy::silence_on`] has silenced.
+    /// As [`Proxy::silence_on`], but only the client's side goes silent:
+    /// nothing it sends from then on reaches the server, while what the
+    /// server sends (answers to earlier requests, heartbeats) still comes.
+    pub fn deafen_on(&self, bytes: &[u8]) {
+        *self.state.trigger.lock().unwrap() = Some(Trigger {
+            bytes: bytes.to_vec(),
+            deaf: true,
+        });
+    }
+
+    /// How many connections [`Proxy::silence_on`] and
+    /// [`Proxy::deafen_on`] have silenced.
     pub fn silenced(&self) -> usize {
         self.state.triggered.load(Ordering::SeqCst)
     }
@@ -107,15 +133,21 @@ struct Link {
     /// This connection went silent.
     silent: Arc<AtomicBool>,
     from_client: bool,
+    /// This client's side of the connection went silent.
+    deaf: bool,
 }
 
 impl Link {
     /// Whether `read` is held back, with all that follows.
-    fn holds_back(&self, read: &[u8]) -> bool {
-        if self.from_client && self.state.silenced_by(read) {
-            self.silent.store(true, Ordering::SeqCst);
+    fn holds_back(&mut self, read: &[u8]) -> bool {
+        if self.from_client {
+            match self.state.silenced_by(read) {
+                Some(true) => self.deaf = true,
+                Some(false) => self.silent.store(true, Ordering::SeqCst),
+                None => {}
+            }
         }
-        self.silent.load(Ordering::SeqCst) || self.state.silent.load(Ordering::SeqCst)
+        self.deaf || self.silent.load(Ordering::SeqCst) || self.state.silent.load(Ordering::SeqCst)
     }
 }
 
@@ -124,7 +156,7 @@ impl Link {
 async fn forward(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut into: tokio::net::tcp::OwnedWriteHalf,
-    link: Link,
+    mut link: Link,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {

@@ -100,6 +100,7 @@ impl RabbitMqConsumer {
         delivery: Delivery,
         connection: &Connection,
         publishing: &Channel,
+        shutdown: &CancellationToken,
         report: &mut ConsumeReport,
     ) -> Result<(), String> {
         let read = message_from_delivery(
@@ -113,6 +114,7 @@ impl RabbitMqConsumer {
             delivery: &delivery,
             connection,
             publishing,
+            shutdown,
             ordered: None,
             noted: None,
         };
@@ -155,6 +157,9 @@ struct InHand<'a> {
     /// Every wait on the broker ends when it is lost ([`unless_lost`]).
     connection: &'a Connection,
     publishing: &'a Channel,
+    /// A wait for a confirm ends [`CLOSE_TIMEOUT`] after the consumer was
+    /// asked to stop.
+    shutdown: &'a CancellationToken,
     ordered: Option<Ordered<'a>>,
     /// The lapsed hold a held-back copy of it goes round the queue behind,
     /// noted on the copy ([`crate::ordering`]).
@@ -349,9 +354,31 @@ impl InHand<'_> {
                 .await
                 .map_err(|e| format!("confirm from {queue}: {e}"))
         };
-        let confirm = unless_lost(self.connection, published)
-            .await
-            .unwrap_or_else(|| Err(format!("publishing to {queue}: the connection was lost")))?;
+        // A broker under a memory or disk alarm blocks a connection that
+        // publishes: it reads nothing more from it, so the confirm waits
+        // for the alarm to clear, and the connection is not lost (the
+        // broker's heartbeats still come). Waiting is right, until the
+        // consumer is asked to stop: then the copy is given up and the
+        // message left unacked, for the broker to deliver again.
+        let stopped = async {
+            self.shutdown.cancelled().await;
+            tokio::time::sleep(CLOSE_TIMEOUT).await;
+        };
+        let confirm = tokio::select! {
+            confirm = unless_lost(self.connection, published) => confirm
+                .unwrap_or_else(|| Err(format!("publishing to {queue}: the connection was lost")))?,
+            _ = stopped => {
+                let why = if self.connection.status().blocked() {
+                    "the broker blocked the connection (a memory or disk alarm)"
+                } else {
+                    "no answer from the broker"
+                };
+                return Err(format!(
+                    "publishing to {queue}: no confirm {}s after the consumer was asked to stop: {why}",
+                    CLOSE_TIMEOUT.as_secs()
+                ));
+            }
+        };
         confirmed(confirm, queue)
     }
 }
@@ -454,6 +481,7 @@ impl RabbitMqConsumer {
         delivery: &Delivery,
         connection: &Connection,
         publishing: &Channel,
+        shutdown: &CancellationToken,
     ) -> Result<(), String> {
         if delivery.redelivered {
             return Ok(());
@@ -475,6 +503,7 @@ impl RabbitMqConsumer {
             delivery,
             connection,
             publishing,
+            shutdown,
             ordered: None,
             noted: None,
         };
@@ -616,7 +645,7 @@ impl Session for RabbitMqConsumer {
                         let giving_back = async {
                             while let Some(Ok(delivery)) = consumer.next().await {
                                 if started.elapsed() >= GIVE_BACK_WITHIN
-                                    || self.give_back(&delivery, &conn, &publishing).await.is_err()
+                                    || self.give_back(&delivery, &conn, &publishing, run.shutdown).await.is_err()
                                 {
                                     break;
                                 }
@@ -672,7 +701,23 @@ impl Session for RabbitMqConsumer {
                 }
                 None => return SessionEnd::Broken("the broker cancelled the consumer".to_owned()),
             };
-            if let Err(reason) = self.process(delivery, &conn, &publishing, run.report).await {
+            if let Err(reason) = self
+                .process(delivery, &conn, &publishing, run.shutdown, run.report)
+                .await
+            {
+                if run.shutdown.is_cancelled() {
+                    tracing::warn!(
+                        consumer = self.core.config.name(),
+                        reason,
+                        "consumer stopped with a message unsettled: it stays unacked, and the broker delivers it again"
+                    );
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(1),
+                        conn.close(200, "shutdown".into()),
+                    )
+                    .await;
+                    return SessionEnd::Cancelled;
+                }
                 return SessionEnd::Broken(reason);
             }
         }

@@ -1211,3 +1211,38 @@ async fn a_broker_gone_silent_while_checking_the_queues_is_reconnected() {
     assert_eq!(report.ok, 1, "{report:?}");
     delete(&ch, &queue).await;
 }
+
+/// A broker under a memory or disk alarm blocks a connection that
+/// publishes: it reads nothing more from it, while its heartbeats still
+/// come, so the connection is not lost. A consumer waiting there for the
+/// confirm of a dead copy stops when asked (a deploy during the alarm),
+/// leaving the message unacked; it waited for the alarm to clear before.
+#[tokio::test]
+async fn a_consumer_blocked_by_a_broker_alarm_stops_when_asked() {
+    let (_conn, ch) = broker().await;
+    let queue = scratch_queue("alarm");
+    declare(&ch, &queue).await;
+    let (proxy, url) = postbox_testkit::proxy::to_amqp().await;
+    // `basic.publish` (class 60, method 40): the dead copy. From it on the
+    // broker reads nothing from the consumer's connection.
+    proxy.deafen_on(&[0, 60, 0, 40]);
+    let mut config = consumer_config(&queue);
+    config.url = postbox_core::redact::SecretUrl::new(url);
+    let (stop, run) = start(RabbitMqConsumer::new(config, Arc::new(Refuses)).unwrap());
+    publish(&ch, &queue, "alarm-1", None, "{}").await;
+    wait_until(
+        "the dead copy sent into the alarm",
+        Duration::from_secs(30),
+        async || proxy.silenced() == 1,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.cancel();
+    let report = tokio::time::timeout(Duration::from_secs(15), run)
+        .await
+        .expect("the consumer stops")
+        .unwrap()
+        .unwrap();
+    assert_eq!((report.ok, report.dead), (0, 0), "{report:?}");
+    delete(&ch, &queue).await;
+}
