@@ -4,7 +4,8 @@ use std::fmt;
 
 use serde::{Deserialize, Deserializer};
 
-/// Replaces the password in `scheme://user:password@host/...` with `***`, and
+/// Replaces the password in `scheme://user:password@host/...` (and a NATS
+/// URL's token, `nats://token@host`) with `***`, and
 /// the value of query parameters that carry credentials (`password=`,
 /// `token=`, `secret=`, `key=`, `sig=`, …).
 ///
@@ -17,12 +18,17 @@ use serde::{Deserialize, Deserializer};
 /// assert_eq!(redact_url("postgres://app:s3cret@db:5432/x"), "postgres://app:***@db:5432/x");
 /// assert_eq!(redact_url("amqps://app:ab/cd+e==@mq/v"), "amqps://app:***@mq/v");
 /// assert_eq!(redact_url("amqp://guest@h/"), "amqp://guest@h/");
+/// // NATS's `token@host`: the token stands where a user would.
+/// assert_eq!(redact_url("nats://s3cr3t@n1:4222"), "nats://***@n1:4222");
 /// ```
 pub fn redact_url(url: &str) -> String {
     let mut out = url.to_owned();
     if let Some((start, at)) = userinfo(&out) {
         if let Some(colon) = out[start..at].find(':') {
             out.replace_range(start + colon + 1..at, "***");
+        } else if out.starts_with("nats://") || out.starts_with("tls://") {
+            // NATS's `token@host`: the lone "user" is the secret.
+            out.replace_range(start..at, "***");
         }
     }
     for key in SECRET_PARAMETERS {
@@ -123,7 +129,7 @@ fn authority_start(url: &str) -> Option<usize> {
 /// Where the user information of `url` starts and the `@` that ends it:
 /// the last `@` before the first `?` or `#` after the first `@` (a `?`
 /// or `#` before it is the password's own). `None` without one.
-fn userinfo(url: &str) -> Option<(usize, usize)> {
+pub(crate) fn userinfo(url: &str) -> Option<(usize, usize)> {
     let start = authority_start(url)?;
     let first_at = start + url[start..].find('@')?;
     let query = url[first_at..]

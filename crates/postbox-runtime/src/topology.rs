@@ -123,9 +123,11 @@ async fn ask<T>(
 
 /// The stream's subjects and consumers; `None` when it does not exist.
 async fn nats_stream(url: &str, name: &str) -> Result<Option<NatsStream>, String> {
-    let client = async_nats::ConnectOptions::new()
+    let (options, servers) =
+        postbox_consumers::nats::connect_options(&[postbox_core::redact::SecretUrl::new(url)])?;
+    let client = options
         .name("postbox-topology")
-        .connect(url)
+        .connect(servers)
         .await
         .map_err(|e| e.to_string())?;
     let js = async_nats::jetstream::new(client);

@@ -217,6 +217,9 @@ pub struct NatsCluster {
     args: Vec<Vec<String>>,
     processes: std::sync::Mutex<Vec<Option<std::process::Child>>>,
     dir: PathBuf,
+    /// The user and password every client must give
+    /// ([`NatsCluster::start_with_user`]).
+    user: Option<(String, String)>,
 }
 
 fn nats_server(args: &[String]) -> std::process::Child {
@@ -230,6 +233,26 @@ impl NatsCluster {
     /// Starts `n` routed `nats-server -js` nodes and waits until JetStream
     /// answers on every one (a meta leader is elected).
     pub async fn start(n: usize) -> NatsCluster {
+        Self::start_as(n, None).await
+    }
+
+    /// [`NatsCluster::start`], with every client required to log in as
+    /// `user` with `password`.
+    pub async fn start_with_user(n: usize, user: &str, password: &str) -> NatsCluster {
+        Self::start_as(n, Some((user.to_owned(), password.to_owned()))).await
+    }
+
+    /// A client of node `url`, logged in as the cluster requires.
+    pub async fn connect(&self, url: &str) -> Result<async_nats::Client, async_nats::ConnectError> {
+        let options = async_nats::ConnectOptions::new();
+        let options = match &self.user {
+            Some((user, password)) => options.user_and_password(user.clone(), password.clone()),
+            None => options,
+        };
+        options.connect(url).await
+    }
+
+    async fn start_as(n: usize, user: Option<(String, String)>) -> NatsCluster {
         let dir = scratch_dir("nats-cluster");
         let ports: Vec<u16> = (0..n).map(|_| free_port()).collect();
         let routes: Vec<u16> = (0..n).map(|_| free_port()).collect();
@@ -256,6 +279,14 @@ impl NatsCluster {
                 "-l".into(),
                 dir.join(format!("n{i}.log")).display().to_string(),
             ]);
+            if let Some((name, password)) = &user {
+                args.extend([
+                    "--user".into(),
+                    name.clone(),
+                    "--pass".into(),
+                    password.clone(),
+                ]);
+            }
             if n > 1 {
                 args.extend(["--cluster_name".into(), name.clone()]);
                 args.extend([
@@ -272,12 +303,13 @@ impl NatsCluster {
             args: all_args,
             processes: std::sync::Mutex::new(processes),
             dir,
+            user,
         };
         let started = Instant::now();
         for url in cluster.urls() {
             loop {
                 let ready = async {
-                    let client = async_nats::connect(&url).await.map_err(|e| e.to_string())?;
+                    let client = cluster.connect(&url).await.map_err(|e| e.to_string())?;
                     let js = async_nats::jetstream::new(client);
                     // JetStream answers (a missing stream is an answer)
                     // once the cluster has a meta leader.
@@ -327,7 +359,7 @@ impl NatsCluster {
         self.processes.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(child);
         let url = self.urls()[i].clone();
         let started = Instant::now();
-        while async_nats::connect(&url).await.is_err() {
+        while self.connect(&url).await.is_err() {
             assert!(
                 started.elapsed() < Duration::from_secs(30),
                 "{url} did not come back"

@@ -54,6 +54,7 @@ impl NatsConsumer {
     /// A consumer of `config` (a `kind = "nats"` entry) calling `handler`
     /// for every message.
     pub fn new(config: ConsumerConfig, handler: Arc<dyn Handler>) -> Result<Self, Error> {
+        nodes::nats_nodes(config.nodes()).map_err(|e| Error::config("url", e))?;
         Ok(NatsConsumer {
             core: Core::new(
                 config,
@@ -371,11 +372,15 @@ impl Session for NatsConsumer {
     }
 
     async fn session(&self, run: &mut Run<'_>) -> SessionEnd {
-        let client = match async_nats::ConnectOptions::new()
+        let (options, servers) = match super::connect_options(self.core.config.nodes()) {
+            Ok(both) => both,
+            Err(e) => return SessionEnd::Fatal(Error::config("url", e)),
+        };
+        let client = match options
             .name(self.core.tag.clone())
             .request_timeout(Some(REQUEST_TIMEOUT))
             .retain_servers_order()
-            .connect(nodes::exposed(self.core.config.nodes()))
+            .connect(servers)
             .await
         {
             Ok(c) => c,

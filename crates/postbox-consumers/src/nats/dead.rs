@@ -21,13 +21,14 @@ use crate::dead::letter::{replay_headers, DeadAction, DeadLetter, DeadReport, Fa
 pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
     let subject = pass.config.nats_dead_subject();
     let fail = |e: String| (subject.clone(), e);
-    let client = async_nats::ConnectOptions::new()
+    let (options, servers) = super::connect_options(pass.config.nodes()).map_err(fail)?;
+    let client = options
         .name(format!(
             "postbox-dead-{}",
             crate::consume::consumer_tag(&pass.config.queue)
         ))
         .retain_servers_order()
-        .connect(postbox_core::config::nodes::exposed(pass.config.nodes()))
+        .connect(servers)
         .await
         .map_err(|e| fail(format!("connecting: {e}")))?;
     let js = jetstream::new(client);

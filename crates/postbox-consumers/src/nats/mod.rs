@@ -44,5 +44,26 @@ mod message;
 mod topology;
 
 pub use consumer::NatsConsumer;
+
+use postbox_core::config::nodes::{nats_nodes, NatsCredentials};
+use postbox_core::redact::SecretUrl;
+
+/// Options carrying the credentials in `nodes`' URLs, and the nodes
+/// without them, to connect to ([`nats_nodes`]: the client reads none
+/// from a URL).
+pub fn connect_options(
+    nodes: &[SecretUrl],
+) -> Result<(async_nats::ConnectOptions, Vec<String>), String> {
+    let (servers, credentials) = nats_nodes(nodes)?;
+    let options = async_nats::ConnectOptions::new();
+    let options = match credentials {
+        Some(NatsCredentials::UserPassword(user, password)) => {
+            options.user_and_password(user, password)
+        }
+        Some(NatsCredentials::Token(token)) => options.token(token),
+        None => options,
+    };
+    Ok((options, servers))
+}
 pub use message::{dead_headers, message_from_nats};
 pub use topology::{dead_stream, subject_matches, MAX_DELIVER};

@@ -22,6 +22,8 @@ struct NatsBroker {
     stream: String,
     prefix: String,
     js: jetstream::Context,
+    /// What consumers connect to.
+    url: String,
 }
 
 impl NatsBroker {
@@ -31,6 +33,12 @@ impl NatsBroker {
         let client = async_nats::connect(nats_url())
             .await
             .unwrap_or_else(|e| panic!("{} ({e})", how_to_start("nats")));
+        Self::on(client, nats_url()).await
+    }
+
+    /// [`NatsBroker::new`] on the server of `client`, which consumers
+    /// reach at `url`.
+    async fn on(client: async_nats::Client, url: String) -> Self {
         let js = jetstream::new(client);
         drop_stale_streams(&js).await;
         let stream = nats_redis_suite::group("PBT");
@@ -43,7 +51,12 @@ impl NatsBroker {
         })
         .await
         .unwrap_or_else(|e| panic!("creating the scratch stream (is JetStream on? `-js`): {e}"));
-        NatsBroker { stream, prefix, js }
+        NatsBroker {
+            stream,
+            prefix,
+            js,
+            url,
+        }
     }
 }
 
@@ -73,7 +86,7 @@ impl Broker for NatsBroker {
     fn config(&self, group: &str, overrides: serde_json::Value) -> ConsumerConfig {
         let settings = serde_json::json!({
             "kind": "nats",
-            "url": nats_url(),
+            "url": self.url,
             "stream": self.stream,
             "subject": format!("{}.>", self.prefix),
             "consumer_group": group,
@@ -472,4 +485,31 @@ async fn prefetched_messages_are_kept_while_they_wait() {
     assert_eq!(seen, expected, "each once, on its first delivery");
     assert_eq!(report.ok, 5, "{report:?}");
     b.cleanup().await;
+}
+
+/// A server that requires a login: the user and password in the URL
+/// (percent-encoded) log the consumer in. The NATS client reads no
+/// credentials from a URL: the consumer was refused as unauthorized and
+/// reconnected for good, consuming nothing.
+#[tokio::test]
+async fn credentials_in_the_url_log_in() {
+    let server = postbox_testkit::clusters::NatsCluster::start_with_user(1, "app", "p@ss:w").await;
+    let port = server.ports[0];
+    let client = server.connect(&server.urls()[0]).await.unwrap();
+    let b = NatsBroker::on(client, format!("nats://app:p%40ss%3Aw@127.0.0.1:{port}")).await;
+    let calls = nats_redis_suite::Calls::default();
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        b.config("login", serde_json::json!({})),
+        nats_redis_suite::recording("a", &calls, Duration::ZERO),
+        "a",
+        cancel.clone(),
+    );
+    b.publish(&test_event(0)).await;
+    crate::common::wait_until("the event consumed", Duration::from_secs(20), async || {
+        calls.lock().unwrap().len() == 1
+    })
+    .await;
+    cancel.cancel();
+    task.await.unwrap().unwrap();
 }

@@ -22,6 +22,78 @@ pub fn exposed(nodes: &[SecretUrl]) -> Vec<&str> {
     nodes.iter().map(SecretUrl::expose).collect()
 }
 
+/// What a NATS URL's user info carries: `nats://user:password@host` or
+/// `nats://token@host`, percent-decoded. Shown as `***`.
+#[derive(Clone, PartialEq, Eq)]
+pub enum NatsCredentials {
+    /// `user:password@`.
+    UserPassword(String, String),
+    /// `token@`.
+    Token(String),
+}
+
+impl std::fmt::Debug for NatsCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// The NATS nodes without their user info, and the credentials that user
+/// info carries: the NATS client sends only credentials set on its
+/// options, and none from a URL (a `nats://user:password@host` was
+/// refused as unauthorized). Nodes that carry credentials must carry the
+/// same ones; a node without any uses them too.
+pub fn nats_nodes(nodes: &[SecretUrl]) -> Result<(Vec<String>, Option<NatsCredentials>), String> {
+    let mut bare = Vec::with_capacity(nodes.len());
+    let mut found: Option<NatsCredentials> = None;
+    for node in nodes {
+        let url = node.expose();
+        let Some((start, at)) = crate::redact::userinfo(url) else {
+            bare.push(url.to_owned());
+            continue;
+        };
+        let info = &url[start..at];
+        let decoded = |part: &str| {
+            percent_decoded(part).ok_or_else(|| {
+                format!("{}: the user info is not valid percent-encoded UTF-8", node)
+            })
+        };
+        let these = match info.split_once(':') {
+            Some((user, password)) => {
+                NatsCredentials::UserPassword(decoded(user)?, decoded(password)?)
+            }
+            None => NatsCredentials::Token(decoded(info)?),
+        };
+        match &found {
+            Some(first) if *first != these => {
+                return Err(format!("{node}: its credentials differ from the first node's; every node of a NATS cluster is given the same"));
+            }
+            _ => found = Some(these),
+        }
+        bare.push(format!("{}{}", &url[..start], &url[at + 1..]));
+    }
+    Ok((bare, found))
+}
+
+/// `%XX` escapes decoded; `None` for a bad escape or bytes that are not
+/// UTF-8.
+fn percent_decoded(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 /// Whether `url` was written (an unset `${VAR}` counts: it is reported by
 /// `require_env`).
 fn given(url: &SecretUrl) -> bool {
@@ -104,3 +176,39 @@ pub(crate) fn unresolved<'a>(urls: &'a [SecretUrl], at: &KeyPath) -> Option<(Key
 
 /// Why Redis takes one server.
 pub(crate) const REDIS_ONE_SERVER: &str = "Redis takes one `url`: a stream lives on one primary, so a Redis failover needs Sentinel or a proxy in front that always points at the primary";
+
+#[cfg(test)]
+mod nats_tests {
+    use super::*;
+
+    fn urls(u: &[&str]) -> Vec<SecretUrl> {
+        u.iter().map(|u| SecretUrl::new(*u)).collect()
+    }
+
+    #[test]
+    fn nats_credentials_come_out_of_the_urls() {
+        let (bare, creds) =
+            nats_nodes(&urls(&["nats://app:p%40ss%3Aw@n1:4222", "nats://n2:4222"])).unwrap();
+        assert_eq!(bare, ["nats://n1:4222", "nats://n2:4222"]);
+        assert_eq!(
+            creds,
+            Some(NatsCredentials::UserPassword("app".into(), "p@ss:w".into()))
+        );
+        let (bare, creds) = nats_nodes(&urls(&["tls://s3cr3t@n1"])).unwrap();
+        assert_eq!(
+            (bare, creds),
+            (
+                vec!["tls://n1".to_owned()],
+                Some(NatsCredentials::Token("s3cr3t".into()))
+            )
+        );
+        assert_eq!(nats_nodes(&urls(&["nats://n1:4222"])).unwrap().1, None);
+        let differ = nats_nodes(&urls(&["nats://a:1@n1", "nats://a:2@n2"])).unwrap_err();
+        assert!(
+            differ.contains("differ") && !differ.contains(":2@"),
+            "{differ}"
+        );
+        assert!(nats_nodes(&urls(&["nats://a:%zz@n1"])).is_err());
+        assert_eq!(format!("{:?}", NatsCredentials::Token("t".into())), "***");
+    }
+}

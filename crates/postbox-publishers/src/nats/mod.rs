@@ -17,7 +17,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::future::join_all;
 
-use postbox_core::config::nodes;
+use postbox_core::config::nodes::{self, NatsCredentials};
 use postbox_core::config::NatsPublisherConfig;
 use postbox_core::publish::{Delivery, PublishError, PublishResults};
 use postbox_core::redact::redact_url;
@@ -60,10 +60,21 @@ impl NatsPublisher {
         // A cluster's nodes in the order given (the client also learns the
         // others from the server); on a lost connection it moves on to the
         // next live one.
-        let client = async_nats::ConnectOptions::new()
+        // The credentials the URLs carry, set on the options: the client
+        // reads none from a URL.
+        let (servers, credentials) =
+            nodes::nats_nodes(config.nodes()).map_err(|e| start_error(&name, &config.url, e))?;
+        let options = match credentials {
+            Some(NatsCredentials::UserPassword(user, password)) => {
+                async_nats::ConnectOptions::new().user_and_password(user, password)
+            }
+            Some(NatsCredentials::Token(token)) => async_nats::ConnectOptions::new().token(token),
+            None => async_nats::ConnectOptions::new(),
+        };
+        let client = options
             .name(format!("postbox publisher {name}"))
             .retain_servers_order()
-            .connect(nodes::exposed(config.nodes()))
+            .connect(servers)
             .await
             .map_err(|e| start_error(&name, &config.url, format!("cannot connect: {e}")))?;
         // A PubAck dropped unawaited (a batch past its deadline) keeps its

@@ -403,3 +403,41 @@ async fn a_subject_another_stream_captures_is_a_failed_attempt() {
         .expect_err("stored in another stream");
     assert!(err.contains(&theirs) && err.contains(&ours), "{err}");
 }
+
+/// A server that requires a login: the user and password in the URL
+/// (percent-encoded, as a URL carries them) log the publisher in. The
+/// NATS client reads no credentials from a URL: the publisher was refused
+/// as unauthorized, whatever the URL held.
+#[tokio::test]
+async fn credentials_in_the_url_log_in() {
+    let server = postbox_testkit::clusters::NatsCluster::start_with_user(1, "app", "p@ss:w").await;
+    let port = server.ports[0];
+    let (stream, prefix) = scratch();
+    let mut config = config(
+        "nats-login",
+        &stream,
+        &format!("{prefix}.{{event_type}}"),
+        true,
+    );
+    config.url = SecretUrl::new(format!("nats://app:p%40ss%3Aw@127.0.0.1:{port}"));
+    config.urls = vec![config.url.clone()];
+    let publisher = NatsPublisher::connect(&config).await.expect("logged in");
+    let events = sample_events("room", 1);
+    let results = publisher.publish(&[Delivery::of(&events[0])]).await;
+    assert!(results[0].is_ok(), "{results:?}");
+    let client = server.connect(&server.urls()[0]).await.unwrap();
+    let mut s = jetstream::new(client).get_stream(&stream).await.unwrap();
+    assert_eq!(s.info().await.unwrap().state.messages, 1);
+
+    config.url = SecretUrl::new(format!("nats://app:wrong@127.0.0.1:{port}"));
+    config.urls = vec![config.url.clone()];
+    let refused = NatsPublisher::connect(&config)
+        .await
+        .err()
+        .expect("a wrong password is refused")
+        .to_string();
+    assert!(
+        !refused.contains("wrong"),
+        "the password is not shown: {refused}"
+    );
+}
