@@ -420,8 +420,12 @@ impl Session for RedisConsumer {
         let stream = self.core.config.queue.as_str();
         let group = self.core.config.consumer_group();
         if self.core.config.declare {
+            // Refused for good only for a cause that stays (a key that is
+            // not a stream, no permission); a server loading its data
+            // after a restart (`LOADING`), a replica after a failover
+            // (`READONLY`) or a lost connection are waited out.
             if let Err(e) = create_group(&mut conn, stream, group).await {
-                return SessionEnd::Fatal(refused(&self.core.config, &e));
+                return self.broken_or_refused(e);
             }
         }
         let keeper = match Keeper::start(

@@ -20,11 +20,18 @@ use tokio_util::sync::CancellationToken;
 struct RedisBroker {
     stream: String,
     conn: MultiplexedConnection,
+    /// The server's URL.
+    url: String,
 }
 
 impl RedisBroker {
     async fn new() -> Self {
-        let client = redis::Client::open(redis_url()).expect("redis URL");
+        Self::on(redis_url()).await
+    }
+
+    /// [`RedisBroker::new`] on the server at `url`.
+    async fn on(url: String) -> Self {
+        let client = redis::Client::open(url.as_str()).expect("redis URL");
         let conn = client
             .get_multiplexed_async_connection()
             .await
@@ -33,6 +40,7 @@ impl RedisBroker {
         RedisBroker {
             stream: nats_redis_suite::group("pbt:stream").replace('_', ":"),
             conn,
+            url,
         }
     }
 }
@@ -64,7 +72,7 @@ impl Broker for RedisBroker {
     fn config(&self, group: &str, overrides: serde_json::Value) -> ConsumerConfig {
         let settings = serde_json::json!({
             "kind": "redis",
-            "url": redis_url(),
+            "url": self.url,
             "stream": self.stream,
             "consumer_group": group,
             "declare": true,
@@ -523,4 +531,98 @@ async fn two_consumers_of_one_group_in_one_process_are_two_members() {
     assert_eq!(report.ok, 1, "{report:?}");
     assert_eq!(b.outstanding(&g).await, 0);
     b.cleanup().await;
+}
+
+/// A Redis server of this test's own, on a free port, killed with the
+/// value.
+struct OwnRedis {
+    child: std::process::Child,
+    url: String,
+}
+
+impl OwnRedis {
+    /// Started with `args` on top of a port, no persistence and loopback.
+    async fn start(args: &[&str]) -> OwnRedis {
+        let port = postbox_testkit::clusters::free_port();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server (Debian's redis-server package)");
+        let url = format!("redis://127.0.0.1:{port}/0");
+        let own = OwnRedis { child, url };
+        let started = std::time::Instant::now();
+        while own.conn().await.is_err() {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "redis-server on {port} did not start"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        own
+    }
+
+    async fn conn(&self) -> redis::RedisResult<MultiplexedConnection> {
+        redis::Client::open(self.url.as_str())?
+            .get_multiplexed_async_connection()
+            .await
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A server that cannot take the group yet: a replica after a failover,
+/// or one loading its data after a restart (`READONLY`, `LOADING`). The
+/// consumer retries until it can, then consumes; it stopped for good on
+/// the first refusal ("check the user's permissions").
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_not_ready_for_the_group_is_waited_for() {
+    // A replica of a primary that is not there: it refuses writes.
+    let server = OwnRedis::start(&["--replicaof", "127.0.0.1", "1"]).await;
+    let b = RedisBroker::on(server.url.clone()).await;
+    let group = nats_redis_suite::group("notready");
+    let calls = nats_redis_suite::Calls::default();
+    let cancel = CancellationToken::new();
+    let task = b.spawn(
+        b.config(&group, serde_json::json!({})),
+        nats_redis_suite::recording("a", &calls, std::time::Duration::ZERO),
+        "a",
+        cancel.clone(),
+    );
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert!(
+        !task.is_finished(),
+        "the consumer stopped: {:?}",
+        task.await
+    );
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut b.conn.clone())
+        .await
+        .unwrap();
+    let event = test_event(0);
+    b.publish(&event).await;
+    nats_redis_suite::wait_until(
+        std::time::Duration::from_secs(30),
+        "the event handled once the server takes writes",
+        || !calls.lock().unwrap().is_empty(),
+    )
+    .await;
+    nats_redis_suite::stop(&cancel, task).await;
 }
