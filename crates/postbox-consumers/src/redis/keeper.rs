@@ -7,7 +7,7 @@ use std::time::Duration;
 use redis::aio::ConnectionManager;
 use redis::RedisError;
 
-use super::topology::connect;
+use super::topology::connect_answering_within;
 
 /// Resets the idle time (`XCLAIM … 0 … JUSTID`, no delivery counted) of the
 /// entries in `ARGV[3..]` that group `ARGV[1]` still has pending for
@@ -61,6 +61,8 @@ impl Keeper {
         let shared = Arc::new(Kept::default());
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let kept = shared.clone();
+        // A keep answered later than the next is due is of no use.
+        let answer = every.clamp(Duration::from_millis(250), Duration::from_secs(5));
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -79,23 +81,32 @@ impl Keeper {
                         if ids.is_empty() {
                             continue;
                         }
-                        if conn.is_none() {
-                            match connect(&url, Duration::ZERO).await {
-                                Ok(c) => conn = Some(c),
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "could not connect to keep the entries in hand");
-                                    continue;
+                        // A failed keep is tried once more at once, on a
+                        // new connection: the one kept idle between
+                        // handlers may have been dropped silently on the
+                        // way (a NAT or load balancer's idle timeout), and
+                        // is never answered again; each wait past `every`
+                        // brings the entries closer to being claimed.
+                        for fresh in [false, true] {
+                            if fresh || conn.is_none() {
+                                conn = None;
+                                match connect_answering_within(&url, answer).await {
+                                    Ok(c) => conn = Some(c),
+                                    Err(e) => {
+                                        tracing::warn!(error = %e, "could not connect to keep the entries in hand");
+                                        break;
+                                    }
                                 }
                             }
-                        }
-                        let Some(c) = conn.as_mut() else { continue };
-                        match keep_if_mine(c, &stream, &group, &name, &ids).await {
-                            Ok(lost) if !lost.is_empty() => {
-                                locked(&kept.lost).extend(lost);
-                            }
-                            Ok(_) => {}
-                            Err(e) => {
-                                tracing::warn!(error = %e, "could not keep the entries in hand");
+                            let Some(c) = conn.as_mut() else { break };
+                            match keep_if_mine(c, &stream, &group, &name, &ids).await {
+                                Ok(lost) => {
+                                    locked(&kept.lost).extend(lost);
+                                    break;
+                                }
+                                Err(e) => {
+                                    tracing::warn!(error = %e, again = !fresh, "could not keep the entries in hand");
+                                }
                             }
                         }
                     }

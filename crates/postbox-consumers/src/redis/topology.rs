@@ -14,11 +14,21 @@ pub use postbox_core::wire::redis::dead_stream;
 /// Connects with bounded waits; `block` is the longest `BLOCK` the
 /// connection's commands use.
 pub(super) async fn connect(url: &str, block: Duration) -> Result<ConnectionManager, String> {
+    connect_answering_within(url, IO_WITHIN + block).await
+}
+
+/// How long connecting, and a command that does not block, may take.
+const IO_WITHIN: Duration = Duration::from_secs(5);
+
+/// Connects; a command's answer is waited for at most `answer`.
+pub(super) async fn connect_answering_within(
+    url: &str,
+    answer: Duration,
+) -> Result<ConnectionManager, String> {
     let client = redis::Client::open(url).map_err(|e| e.to_string())?;
-    let io = Duration::from_secs(5);
     let config = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(io))
-        .set_response_timeout(Some(io + block))
+        .set_connection_timeout(Some(IO_WITHIN))
+        .set_response_timeout(Some(answer))
         .set_number_of_retries(2)
         .set_max_delay(Duration::from_secs(1));
     ConnectionManager::new_with_config(client, config)

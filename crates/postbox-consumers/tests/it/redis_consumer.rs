@@ -626,3 +626,71 @@ async fn a_server_not_ready_for_the_group_is_waited_for() {
     .await;
     nats_redis_suite::stop(&cancel, task).await;
 }
+
+/// The keep-alive's connection, idle between handlers, was dropped on the
+/// way without a word (a NAT or load balancer's idle timeout): its next
+/// keep is never answered. It is given up after the keep interval and a
+/// new connection keeps the entry, so no other consumer takes it while
+/// its handler runs. The dead connection was kept for good before: every
+/// keep failed, and the entry was handled twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_keep_alive_connection_dropped_on_the_way_is_replaced() {
+    let b = RedisBroker::new().await;
+    let group = nats_redis_suite::group("keepdrop");
+    let url = redis_url();
+    let rest = url.split_once("://").expect("a Redis URL").1;
+    let (server, db) = rest.split_once('/').unwrap_or((rest, "0"));
+    let proxy = postbox_testkit::proxy::Proxy::start(server).await;
+    // The keep-alive's script, and nothing else a consumer sends.
+    proxy.silence_on(b"p[1][2] == ARGV[2]");
+    let calls = nats_redis_suite::Calls::default();
+    let slow_config = b.config(
+        &group,
+        serde_json::json!({
+            "url": format!("redis://{}/{db}", proxy.addr()),
+            "retry_delay": "4s",
+        }),
+    );
+    let cancel = CancellationToken::new();
+    let slow = b.spawn(
+        slow_config,
+        nats_redis_suite::recording("a", &calls, std::time::Duration::from_secs(9)),
+        "a",
+        cancel.clone(),
+    );
+    b.publish(&test_event(0)).await;
+    nats_redis_suite::wait_until(
+        std::time::Duration::from_secs(10),
+        "a took the entry",
+        || !calls.lock().unwrap().is_empty(),
+    )
+    .await;
+    let other = b.spawn(
+        b.config(&group, serde_json::json!({ "retry_delay": "4s" })),
+        nats_redis_suite::recording("b", &calls, std::time::Duration::ZERO),
+        "b",
+        cancel.clone(),
+    );
+    nats_redis_suite::wait_until(
+        std::time::Duration::from_secs(10),
+        "the first keep sent",
+        || proxy.silenced() == 1,
+    )
+    .await;
+    // Past a's handler, and twice the retry delay.
+    tokio::time::sleep(std::time::Duration::from_secs(9)).await;
+    let who: Vec<String> = calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| c.who.clone())
+        .collect();
+    assert_eq!(
+        who,
+        ["a"],
+        "the entry was taken from a while its handler ran"
+    );
+    nats_redis_suite::stop(&cancel, slow).await;
+    nats_redis_suite::stop(&cancel, other).await;
+    b.cleanup().await;
+}
