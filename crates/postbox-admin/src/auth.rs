@@ -11,7 +11,11 @@
 //!   `operator` token.
 //!
 //! Without any token configured, reads are open (a local, trusted port)
-//! and every change is refused. Tokens are compared as SHA-256 digests in
+//! to requests addressed to an IP address or `localhost`, and every change
+//! is refused. A request addressed to a host name is refused then: a page
+//! the operator's browser opens elsewhere could point its own name at
+//! this address (DNS rebinding) and read events as a same-origin page.
+//! Tokens are compared as SHA-256 digests in
 //! constant time, against every configured token.
 
 use std::sync::Arc;
@@ -34,6 +38,9 @@ pub(crate) enum Refusal {
     NoTokenConfigured,
     /// Missing or unknown `Authorization: Bearer …`.
     BadToken,
+    /// No token configured, and the request was addressed to this host
+    /// name (`Host`), not to an IP address or `localhost`.
+    NamedHost(String),
     /// A known token whose role may not do this.
     NotAllowed {
         /// The token's name.
@@ -110,15 +117,16 @@ impl Access {
     ) -> Result<Option<Caller>, Refusal> {
         if self.is_open() {
             return match need {
-                AdminRole::Viewer => Ok(None),
+                AdminRole::Viewer => addressed_locally(headers).map(|()| None),
                 AdminRole::Operator => Err(Refusal::NoTokenConfigured),
             };
         }
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim())
             .ok_or(Refusal::BadToken)?;
         let given: [u8; 32] = Sha256::digest(given.as_bytes()).into();
         // Every token compared, whichever matches.
@@ -156,12 +164,43 @@ impl Access {
     }
 }
 
+/// Whether a request was addressed (`Host`) to an IP address or to
+/// `localhost`, as every client of an open API is: a browser's page
+/// whose own name was pointed at this address sends that name.
+fn addressed_locally(headers: &HeaderMap) -> Result<(), Refusal> {
+    // HTTP/1.0 and HTTP/2 requests may carry no Host (the authority is in
+    // the URI for HTTP/2, which browsers only speak over TLS).
+    let Some(host) = headers.get(header::HOST) else {
+        return Ok(());
+    };
+    let host = host.to_str().unwrap_or_default();
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, _port)| name),
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    let local = name.parse::<std::net::IpAddr>().is_ok()
+        || name == "localhost"
+        || name.ends_with(".localhost");
+    if local {
+        Ok(())
+    } else {
+        Err(Refusal::NamedHost(host.chars().take(255).collect()))
+    }
+}
+
 impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> Self {
         match r {
             Refusal::NoTokenConfigured => ApiError::new(
                 StatusCode::FORBIDDEN,
                 "changes are disabled: no admin token is configured (set `admin.token`, e.g. token = \"${POSTBOX_ADMIN_TOKEN}\", or [[admin.tokens]] with role = \"operator\")",
+            ),
+            Refusal::NamedHost(host) => ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "no admin token is configured, and this request was addressed to `{host}`: without a token the API answers only requests addressed to an IP address or localhost (a web page elsewhere could point its own name at this address and read events); use the address, or set `admin.token`"
+                ),
             ),
             Refusal::BadToken => ApiError::new(
                 StatusCode::UNAUTHORIZED,
@@ -274,6 +313,52 @@ mod tests {
             );
             assert_eq!(a.need(&Method::GET, "/metrics"), None, "nothing to ask for");
         }
+    }
+
+    /// DNS rebinding: a page at `evil.example` points its name at
+    /// 127.0.0.1 and reads the open API as a same-origin page. Without a
+    /// token, only requests addressed to an IP address or localhost are
+    /// answered; with one, the token decides.
+    #[test]
+    fn without_tokens_reads_are_open_only_to_requests_addressed_locally() {
+        let open = Access::new(&[], MetricsAccess::Open);
+        let host = |h: &str| {
+            let mut m = HeaderMap::new();
+            m.insert(header::HOST, h.parse().unwrap());
+            m
+        };
+        for ok in [
+            "127.0.0.1:9464",
+            "10.0.3.7",
+            "[::1]:9464",
+            "[fe80::1]",
+            "localhost:9464",
+            "LOCALHOST",
+            "app.localhost:80",
+            "localhost.",
+        ] {
+            assert_eq!(open.check(&host(ok), AdminRole::Viewer), Ok(None), "{ok}");
+        }
+        assert_eq!(open.check(&HeaderMap::new(), AdminRole::Viewer), Ok(None));
+        for bad in [
+            "evil.example:9464",
+            "evil.example",
+            "127.0.0.1.nip.io",
+            "localhost.evil.example",
+        ] {
+            assert_eq!(
+                open.check(&host(bad), AdminRole::Viewer),
+                Err(Refusal::NamedHost(bad.into())),
+                "{bad}"
+            );
+        }
+        let mut named = host("relay-1.internal:9464");
+        named.insert(header::AUTHORIZATION, "bearer view-s3cret".parse().unwrap());
+        assert_eq!(
+            access().check(&named, AdminRole::Viewer),
+            Ok(Some(Caller { name: "eve".into() })),
+            "a token decides, whatever the host (and the scheme's case)"
+        );
     }
 
     #[test]

@@ -170,9 +170,47 @@ fn router(state: AppState) -> Router {
         .route("/api/events/{event_id}/replay", post(api::replay))
         .route("/api/replay", post(api::replay_filtered))
         .route("/api/controls", get(api::controls).post(api::set_control))
+        .layer(middleware::from_fn(answer_within))
         .layer(middleware::from_fn_with_state(
             state.access.clone(),
             auth::guard,
         ))
         .with_state(state)
+}
+
+/// How long a call may take, its database statements included.
+const ANSWER_WITHIN: Duration = Duration::from_secs(30);
+
+/// Gives a call up after [`ANSWER_WITHIN`]: a database gone silent (a
+/// failover whose old primary vanished, a frozen host) answered no
+/// statement, and every call waiting on it held a connection of the pool
+/// (the relay's own, under `postbox relay`) for good, while the dashboard
+/// sent more every few seconds.
+async fn answer_within(
+    req: axum::extract::Request,
+    next: middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    match tokio::time::timeout(ANSWER_WITHIN, next.run(req)).await {
+        Ok(res) => res,
+        Err(_) => {
+            tracing::warn!(%method, path, "admin API: no answer within {}s; the call was given up", ANSWER_WITHIN.as_secs());
+            let reads = method == axum::http::Method::GET || method == axum::http::Method::HEAD;
+            let after = if reads {
+                ""
+            } else {
+                "; the change may have been made all the same: look before trying again"
+            };
+            crate::error::ApiError::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "no answer within {}s (the database is slow or not answering); the call was given up{after}",
+                    ANSWER_WITHIN.as_secs()
+                ),
+            )
+            .into_response()
+        }
+    }
 }

@@ -665,3 +665,59 @@ async fn each_route_answers_each_role_as_configured() {
     );
     stop.cancel();
 }
+
+/// A database gone silent under the admin server: a call answers 503
+/// after its bound, and the server still answers what needs no database.
+/// The call waited for good, holding a connection of the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_the_database_never_answers_is_given_up() {
+    let fx = fixture("api_silent", "api").await;
+    let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
+    let store: Arc<dyn OutboxStore> = Arc::new(
+        PgOutbox::connect(&through, &fx.table, 4)
+            .await
+            .expect("connect"),
+    );
+    let fx = Fixture { store, ..fx };
+    let (addr, stop) = fx.serve(None).await;
+    assert_eq!(request(addr, "GET", "/api/events", &[]).await.status, 200);
+    // The search's statement (its text is sent once, with the search
+    // filter): the database stops answering once it has it.
+    proxy.silence_on(b"event_type = $");
+    let search = "/api/events?event_type=Thing";
+    let res = tokio::time::timeout(Duration::from_secs(60), request(addr, "GET", search, &[]))
+        .await
+        .expect("an answer");
+    assert_eq!(res.status, 503, "{}", res.body);
+    assert!(res.body.contains("no answer within 30s"), "{}", res.body);
+    assert_eq!(proxy.silenced(), 1);
+    assert_eq!(request(addr, "GET", "/healthz", &[]).await.status, 200);
+    stop.cancel();
+}
+
+/// DNS rebinding: with no token, a request addressed to a host name (a
+/// page elsewhere whose name now points here) reads nothing; one
+/// addressed to the IP address does.
+#[tokio::test]
+async fn without_a_token_a_request_addressed_to_a_host_name_is_refused() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fx = fixture("api_rebind", "api").await;
+    fx.enqueue(1).await;
+    let (addr, stop) = fx.serve(None).await;
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(
+        b"GET /api/events HTTP/1.1\r\nHost: evil.example:9464\r\nConnection: close\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(
+        answer.contains("addressed to `evil.example:9464`") && answer.contains("admin.token"),
+        "{answer}"
+    );
+    assert!(!answer.contains("Thing"), "{answer}");
+    assert_eq!(request(addr, "GET", "/api/events", &[]).await.status, 200);
+    stop.cancel();
+}
