@@ -56,10 +56,19 @@ impl Redaction {
     }
 }
 
+/// Masks what `path` reaches in `value`; an array on the way is gone
+/// through element by element (`users.email` reaches the email of every
+/// user of `{"users": [...]}`).
 fn mask(value: &mut Value, path: &[String]) {
     let Some((first, rest)) = path.split_first() else {
         return;
     };
+    if let Value::Array(items) = value {
+        for item in items {
+            mask(item, path);
+        }
+        return;
+    }
     let Some(inner) = value.as_object_mut().and_then(|o| o.get_mut(first)) else {
         return;
     };
@@ -101,6 +110,17 @@ mod tests {
         assert_eq!(
             shown,
             serde_json::json!({"email":"***","name":"Al","contact":{"phone":"***","city":"X"}})
+        );
+        let mut listed = record(
+            "UserSignedUp",
+            r#"{"contact":[{"phone":"1"},{"phone":"2","city":"Y"}],"email":["a@b.c","d@e.f"]}"#,
+        );
+        r.apply(&mut listed);
+        let shown: Value = serde_json::from_str(&listed.payload).unwrap();
+        assert_eq!(
+            shown,
+            serde_json::json!({"contact":[{"phone":"***"},{"phone":"***","city":"Y"}],"email":"***"}),
+            "arrays on the way are gone through; a field holding an array is masked whole"
         );
         let mut other = record("RoomCreated", r#"{"email":"a@b.c"}"#);
         r.apply(&mut other);

@@ -1010,12 +1010,16 @@ pub trait InspectStore: RelayStore {
     }
 
     /// [`InspectStore::list`] and, unless the filter asks for a status no
-    /// archived row has, [`InspectStore::list_archived`], merged newest
-    /// first (by id) and cut to `filter.limit`.
+    /// archived row has (only `delivered` and `dropped` rows are archived),
+    /// [`InspectStore::list_archived`], merged newest first (by id) and cut
+    /// to `filter.limit`.
     async fn list_inspected(&self, filter: &EventFilter) -> Result<Vec<Inspected>> {
         let live = self.list(filter).await?;
         let mut all: Vec<Inspected> = tag(live, false).collect();
-        if filter.status.is_none_or(|s| s == Status::Delivered) {
+        if filter
+            .status
+            .is_none_or(|s| matches!(s, Status::Delivered | Status::Dropped))
+        {
             let archived = self.list_archived(filter).await?;
             all.extend(tag(archived, true));
             all.sort_by_key(|r| std::cmp::Reverse(r.record.id));

@@ -3053,6 +3053,24 @@ pub async fn a_replay_by_status_tells_archived_dropped_rows_from_delivered<DB>(
             rows.into_iter().map(|r| r.event_id).collect::<Vec<_>>()
         }
     };
+    // A search by status finds the archived rows of either status (the
+    // dashboard's "dropped" found none: only `delivered` read the archive).
+    for (status, ev) in [(Status::Dropped, &evs[0]), (Status::Delivered, &evs[1])] {
+        let listed = store
+            .list_inspected(&EventFilter {
+                app_code: Some(APP.to_owned()),
+                status: Some(status),
+                limit: 10,
+                ..Default::default()
+            })
+            .await
+            .expect("list");
+        let found: Vec<_> = listed
+            .iter()
+            .map(|r| (r.record.event_id.clone(), r.archived))
+            .collect();
+        assert_eq!(found, [(ev.event_id.clone(), true)], "{status:?}");
+    }
     assert_eq!(by(Status::Dropped, true).await, [evs[0].event_id.clone()]);
     assert_eq!(by(Status::Delivered, true).await, [evs[1].event_id.clone()]);
     assert_eq!(
