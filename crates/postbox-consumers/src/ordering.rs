@@ -254,13 +254,26 @@ const SQLITE: Dialect = Dialect {
 /// it affected; `$what` says what failed.
 macro_rules! execute {
     ($holds:ident, $sql:ident, $what:literal, $($arg:expr),+) => {
-        sqlx::query(&$holds.sql.$sql)
+        bounded($what, sqlx::query(&$holds.sql.$sql)
             $(.bind($arg))+
-            .execute(&$holds.pool)
+            .execute(&$holds.pool))
             .await
             .map(|done| done.rows_affected())
-            .map_err(|e| Error::database($what, e))
     };
+}
+
+/// A statement on the holds' database within the inbox's bound
+/// ([`crate::inbox::INBOX_WITHIN`]): one the database never answers (it
+/// went silent) would hold the message in hand for good.
+async fn bounded<T>(
+    what: &'static str,
+    statement: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, Error> {
+    let within = crate::inbox::INBOX_WITHIN;
+    match tokio::time::timeout(within, statement).await {
+        Ok(done) => done.map_err(|e| Error::database(what, e)),
+        Err(_) => Err(Error::no_answer(what, within)),
+    }
 }
 
 macro_rules! holds_backend {
@@ -312,14 +325,13 @@ macro_rules! holds_backend {
                 version: i64,
                 event_id: &str,
             ) -> Result<Option<Hold>, Error> {
-                let row = sqlx::query_as::<_, (String, i64)>(&self.sql.blocker)
+                let read = sqlx::query_as::<_, (String, i64)>(&self.sql.blocker)
                     .bind(consumer_group)
                     .bind(aggregate_id)
                     .bind(version)
                     .bind(event_id)
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(|e| Error::database("reading ordering holds", e))?;
+                    .fetch_optional(&self.pool);
+                let row = bounded("reading ordering holds", read).await?;
                 Ok(row.map(|(event_id, until_ms)| Hold { event_id, until_ms }))
             }
 

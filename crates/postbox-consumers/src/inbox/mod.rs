@@ -207,6 +207,27 @@ fn db_err(what: &str, e: sqlx::Error) -> HandlerError {
     HandlerError::new(format!("inbox {what}: {e}"))
 }
 
+/// How long one of the inbox's own steps (begin, check, commit, lookup)
+/// may wait for its database. A database gone silent (a failover whose
+/// old primary vanished, a frozen host) answers no statement and no TCP
+/// keepalive notices: the consumer waited for good with the message in
+/// hand, and did not stop when asked.
+pub(crate) const INBOX_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `step` of the inbox within [`INBOX_WITHIN`]; past it, a failure the
+/// consumer's retry path takes (the message is handled again later).
+pub(crate) async fn within<T>(
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<Result<T, sqlx::Error>, HandlerError> {
+    tokio::time::timeout(INBOX_WITHIN, step).await.map_err(|_| {
+        HandlerError::new(format!(
+            "inbox {what}: no answer from the inbox database within {}s",
+            INBOX_WITHIN.as_secs()
+        ))
+    })
+}
+
 /// Tries of the inbox check before a deadlock or serialization failure is
 /// handed to the consumer's retry path.
 pub(crate) const ADMISSION_TRIES: u32 = 5;
@@ -232,7 +253,7 @@ macro_rules! inbox_backend {
             /// Connects to `url` and creates the inbox tables when missing.
             pub async fn connect(url: &str, table: &str) -> Result<Self, postbox_core::Error> {
                 let table = postbox_core::TableName::new(table)?;
-                let pool = sqlx::pool::PoolOptions::<$db>::new()
+                let pool = postbox_sqlx::released_within(sqlx::pool::PoolOptions::<$db>::new())
                     .max_connections(8)
                     .after_connect(|conn, _| {
                         Box::pin(async move {
@@ -337,11 +358,12 @@ macro_rules! inbox_backend {
             /// Whether `consumer_group` has recorded `event_id`: its
             /// handler's writes committed.
             pub async fn has(&self, consumer_group: &str, event_id: &str) -> Result<bool, $crate::HandlerError> {
-                let rows: i64 = sqlx::query_scalar(&self.sql.has_event)
+                let lookup = sqlx::query_scalar(&self.sql.has_event)
                     .bind(consumer_group)
                     .bind(event_id)
-                    .fetch_one(&self.pool)
-                    .await
+                    .fetch_one(&self.pool);
+                let rows: i64 = $crate::inbox::within("check", lookup)
+                    .await?
                     .map_err(|e| $crate::inbox::db_err("check", e))?;
                 Ok(rows > 0)
             }
@@ -354,12 +376,15 @@ macro_rules! inbox_backend {
                 message: &$crate::Message,
                 handler: &H,
             ) -> Result<$crate::Handled, $crate::HandlerError> {
-                use $crate::inbox::{db_err, is_retryable, Admission, ADMISSION_TRIES};
+                use $crate::inbox::{db_err, is_retryable, within, Admission, ADMISSION_TRIES};
                 let env = &message.envelope;
                 let mut try_no = 1u32;
+                // The inbox's own steps are bounded ([`INBOX_WITHIN`]); a
+                // transaction given up is dropped, not rolled back (the
+                // rollback would wait too): its connection is closed.
                 let (mut tx, admission) = loop {
-                    let mut tx = self.pool.begin().await.map_err(|e| db_err("begin", e))?;
-                    match self.admit(&mut tx, consumer_group, env).await {
+                    let mut tx = within("begin", self.pool.begin()).await?.map_err(|e| db_err("begin", e))?;
+                    match within("check", self.admit(&mut tx, consumer_group, env)).await? {
                         Ok(admission) => break (tx, admission),
                         // A deadlock or serialization failure before the
                         // handler ran costs nothing: roll back and start the
@@ -404,7 +429,9 @@ macro_rules! inbox_backend {
                     let _ = tx.rollback().await;
                     return Err(e);
                 }
-                tx.commit().await.map_err(|e| db_err("commit", e))?;
+                // Given up, the commit may still have been made: the
+                // message then comes back as a duplicate.
+                within("commit", tx.commit()).await?.map_err(|e| db_err("commit", e))?;
                 Ok($crate::Handled::Ok)
             }
 

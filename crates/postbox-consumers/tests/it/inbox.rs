@@ -558,3 +558,50 @@ async fn a_sqlite_inbox_waits_out_a_slow_handler_beside_it() {
     assert_eq!(quick.unwrap(), Handled::Ok);
     assert_eq!(slow.await.unwrap().unwrap(), Handled::Ok);
 }
+
+/// The inbox's database goes silent while it checks an event (a failover
+/// whose old primary vanished): the check is given up after its bound, a
+/// failure the consumer retries, and the next try, on a connection that
+/// answers, handles the event once. The check waited for good, with the
+/// message in hand, and the consumer could not stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_the_database_never_answers_is_given_up() {
+    use postbox_consumers::inbox::Inbox;
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let table = scratch_table("inbox_silent");
+    let (proxy, through) = postbox_testkit::proxy::to_postgres().await;
+    let inbox = Inbox::<sqlx::Postgres>::connect(&through, &table)
+        .await
+        .unwrap();
+    let effect = create_effect_table(inbox.pool(), &table, "(event_id VARCHAR(64) NOT NULL)").await;
+    let ok = EffectRow::new(effect.clone());
+    proxy.silence_on(format!("INSERT INTO {table} ").as_bytes());
+    let m = message("silent-1", Some(("a", 1)));
+    let given_up = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        inbox.process("g", &m, &ok),
+    )
+    .await
+    .expect("the check is given up")
+    .unwrap_err();
+    assert!(
+        given_up
+            .to_string()
+            .contains("no answer from the inbox database"),
+        "{given_up}"
+    );
+    assert_eq!(proxy.silenced(), 1);
+    assert_eq!(inbox.process("g", &m, &ok).await.unwrap(), Handled::Ok);
+    assert_eq!(
+        inbox.process("g", &m, &ok).await.unwrap(),
+        Handled::Duplicate
+    );
+    let direct = sqlx::PgPool::connect(&url).await.unwrap();
+    assert_eq!(effects(&direct, &effect).await, ["silent-1"]);
+    drop_tables(
+        &direct,
+        [table.clone(), format!("{table}_versions"), effect],
+    )
+    .await;
+}
