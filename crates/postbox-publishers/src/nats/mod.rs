@@ -158,6 +158,19 @@ impl NatsPublisher {
             Ok(())
         };
         for (k, v) in d.headers() {
+            // `Nats-…` headers are JetStream's own: it acts on them when
+            // storing (`Nats-TTL` expires the message unread,
+            // `Nats-Expected-*` and `Nats-Rollup` refuse or purge), and a
+            // consumer never sees them. A producer's are left out.
+            if k.len() >= 5 && k[..5].eq_ignore_ascii_case("nats-") {
+                tracing::warn!(
+                    publisher = %self.name,
+                    event_id = %r.event_id,
+                    header = %k,
+                    "a producer's header named Nats-… is JetStream's own and is not sent"
+                );
+                continue;
+            }
             match v {
                 serde_json::Value::String(s) => put(&k, &s)?,
                 other => put(&k, &other.to_string())?,

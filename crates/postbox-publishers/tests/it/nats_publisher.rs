@@ -441,3 +441,32 @@ async fn credentials_in_the_url_log_in() {
         "the password is not shown: {refused}"
     );
 }
+
+/// A producer's header named `Nats-…` is JetStream's own, which acts on it
+/// when storing: `Nats-Expected-Stream` of another stream refused the event
+/// at every attempt, and `Nats-TTL` would expire it unread. It is left out;
+/// the other headers go.
+#[tokio::test]
+async fn a_producer_s_nats_header_is_left_out() {
+    let (stream, prefix) = scratch();
+    let _cleanup = DropStream(stream.clone());
+    let publisher = start("nats-own-headers", &stream, &prefix, "{event_type}", true)
+        .await
+        .unwrap();
+    let mut event = sample_events("room", 1).remove(0);
+    event.headers =
+        Some(r#"{"Nats-Expected-Stream":"ELSEWHERE","nats-ttl":"1s","tenant":"acme"}"#.to_owned());
+    let results = publisher.publish(&[Delivery::of(&event)]).await;
+    assert!(results[0].is_ok(), "{results:?}");
+    let s = jetstream().await.get_stream(&stream).await.unwrap();
+    let stored = s
+        .get_last_raw_message_by_subject(&format!("{prefix}.{}", event.event_type))
+        .await
+        .unwrap();
+    let headers = stored.headers;
+    assert_eq!(headers.get("tenant").map(|v| v.as_str()), Some("acme"));
+    assert!(
+        headers.get("Nats-Expected-Stream").is_none() && headers.get("nats-ttl").is_none(),
+        "{headers:?}"
+    );
+}
