@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, DeliverPolicy, PullConsumer};
 use async_nats::jetstream::context::{
-    ConsumerInfoErrorKind, GetStreamByNameErrorKind, GetStreamErrorKind,
+    ConsumerInfoErrorKind, CreateStreamErrorKind, GetStreamByNameErrorKind, GetStreamErrorKind,
 };
 use async_nats::jetstream::stream::{self, ConsumerErrorKind};
 use async_nats::jetstream::Context;
@@ -180,11 +180,26 @@ async fn create_stream(
     .await
     .map(drop)
     .map_err(|e| {
-        SetupError::Fatal(Error::config(
-            field,
-            format!("cannot create JetStream stream `{name}` for `{subjects}`: {e}"),
-        ))
+        let refused = match e.kind() {
+            CreateStreamErrorKind::JetStream(j) => refuses_for_good(&j),
+            _ => false,
+        };
+        let why = format!("cannot create JetStream stream `{name}` for `{subjects}`: {e}");
+        if refused {
+            SetupError::Fatal(Error::config(field, why))
+        } else {
+            SetupError::Broken(why)
+        }
     })
+}
+
+/// Whether a JetStream API error is an answer that stays the same when
+/// asked again (a name taken, settings refused: 4xx), not a cluster's
+/// passing state (no meta leader or quorum during a rolling restart,
+/// "JetStream system temporarily unavailable", no suitable peers: 5xx),
+/// which a consumer waits out like a lost connection.
+fn refuses_for_good(e: &async_nats::jetstream::Error) -> bool {
+    (400..500).contains(&e.code())
 }
 
 fn is_stream_not_found(kind: GetStreamErrorKind) -> bool {
@@ -194,7 +209,7 @@ fn is_stream_not_found(kind: GetStreamErrorKind) -> bool {
 fn consumer_error(config: &ConsumerConfig, e: stream::ConsumerError) -> SetupError {
     let durable = config.consumer_group();
     match e.kind() {
-        ConsumerErrorKind::JetStream(j) => SetupError::Fatal(Error::config(
+        ConsumerErrorKind::JetStream(j) if refuses_for_good(&j) => SetupError::Fatal(Error::config(
             "consumer_group",
             format!(
                 "JetStream refused durable consumer `{durable}` on stream `{}`: {j} (an existing consumer of that name with another filter or settings must be removed or renamed)",
@@ -202,5 +217,42 @@ fn consumer_error(config: &ConsumerConfig, e: stream::ConsumerError) -> SetupErr
             ),
         )),
         _ => SetupError::Broken(format!("setting up consumer `{durable}`: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(code: usize, err_code: u64, description: &str) -> async_nats::jetstream::Error {
+        serde_json::from_value(
+            serde_json::json!({ "code": code, "err_code": err_code, "description": description }),
+        )
+        .unwrap()
+    }
+
+    /// A cluster between leaders answers 5xx: the consumer waits it out.
+    /// Every JetStream error stopped the consumer for good as a config
+    /// error, the 503 of a rolling restart too.
+    #[test]
+    fn only_answers_that_stay_stop_the_consumer() {
+        let config: ConsumerConfig = serde_json::from_value(serde_json::json!({
+            "kind": "nats", "url": "nats://127.0.0.1:4222", "stream": "S", "consumer_group": "g",
+        }))
+        .unwrap();
+        let unavailable = answer(503, 10008, "JetStream system temporarily unavailable");
+        let taken = answer(400, 10148, "consumer already exists");
+        for (e, fatal) in [
+            (unavailable, false),
+            (answer(500, 10005, "no suitable peers for placement"), false),
+            (taken, true),
+        ] {
+            let error = stream::ConsumerError::with_source(
+                ConsumerErrorKind::JetStream(e.clone()),
+                e.clone(),
+            );
+            let end = consumer_error(&config, error);
+            assert_eq!(matches!(end, SetupError::Fatal(_)), fatal, "{e}");
+        }
     }
 }
