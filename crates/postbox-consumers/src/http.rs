@@ -90,8 +90,8 @@ impl HttpHandler {
                 self.shown
             )));
         }
-        let body = response.text().await.unwrap_or_default();
-        let body: String = body.chars().take(200).collect();
+        let body = first_bytes(response).await;
+        let body: String = String::from_utf8_lossy(&body).chars().take(200).collect();
         let error = format!("POST to {} answered {status}: {body}", self.shown);
         // 422: the service understood the event and will never accept it.
         Err(if status == reqwest::StatusCode::UNPROCESSABLE_ENTITY {
@@ -100,6 +100,23 @@ impl HttpHandler {
             HandlerError::new(error)
         })
     }
+}
+
+/// The start of an error answer's body, enough for its first 200
+/// characters: the rest is not read (a proxy's error page, a service
+/// answering a 500 with a dump, read whole at every retry, or waited for
+/// until the timeout when it trickles).
+async fn first_bytes(mut response: reqwest::Response) -> Vec<u8> {
+    const EXCERPT_BYTES: usize = 800;
+    let mut body = Vec::new();
+    while body.len() < EXCERPT_BYTES {
+        match response.chunk().await {
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    body.truncate(EXCERPT_BYTES);
+    body
 }
 
 /// `traceparent` and `tracestate` for the handler: the handler span's when
@@ -143,6 +160,47 @@ impl<DB: sqlx::Database> TxHandler<DB> for HttpHandler {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// An error answer whose body is long and keeps coming: its start is
+    /// shown, the rest never read. It was read whole: here, waited for
+    /// until the timeout, and the error showed no body at all.
+    #[tokio::test]
+    async fn an_error_answer_s_body_is_read_only_as_far_as_it_is_shown() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut request = vec![0u8; 64 * 1024];
+            let _ = conn.read(&mut request).await;
+            let head = "HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100000000\r\n\r\n";
+            conn.write_all(head.as_bytes()).await.unwrap();
+            conn.write_all("overloaded ".repeat(200).as_bytes())
+                .await
+                .unwrap();
+            // The rest never comes; the connection stays open.
+            std::future::pending::<()>().await;
+        });
+        let url = SecretUrl::new(format!("http://{addr}/events"));
+        let handler = HttpHandler::new(url, Duration::from_secs(3)).unwrap();
+        let message: Message = crate::Message {
+            envelope: serde_json::from_value(serde_json::json!({
+                "event_id": "e-1", "app_code": "a", "event_type": "T", "created_at_ms": 0, "headers": {}, "payload": {},
+            }))
+            .unwrap(),
+            attempt: 1,
+            redelivered: false,
+        };
+        let started = std::time::Instant::now();
+        let error = handler.post(&message).await.unwrap_err().to_string();
+        assert!(
+            error.contains("answered 500 Internal Server Error: overloaded overloaded"),
+            "{error}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "waited for the whole body"
+        );
+    }
 
     /// Reads one request from `socket`: its first line and its body.
     async fn read_request(socket: &mut tokio::net::TcpStream) -> (String, String) {
