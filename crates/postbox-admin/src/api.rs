@@ -309,8 +309,8 @@ pub(crate) async fn replay(
     for (r, to) in replayed.iter().zip(&to) {
         tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin, publishers = to.as_deref().unwrap_or("?"), "replayed: back to pending");
     }
-    // Fresh counts for the dashboard that asked, without waiting a poll.
-    state.poller.poll_once().await;
+    // Fresh counts for the dashboard that asked, before the next tick.
+    state.poller.poll_soon();
     let targets = to
         .into_iter()
         .map(|t| {
@@ -434,7 +434,7 @@ pub(crate) async fn replay_filtered(
             ?selector,
             "replayed by filter: back to pending"
         );
-        state.poller.poll_once().await;
+        state.poller.poll_soon();
     }
     let count = rows.len();
     let mut sample: Vec<EventRecord> = rows.into_iter().take(DEFAULT_PAGE as usize).collect();

@@ -41,6 +41,8 @@ pub struct StatsPoller {
     interval: Duration,
     latest: Arc<RwLock<Snapshot>>,
     prometheus: Option<PrometheusHandle>,
+    /// Asks [`StatsPoller::run`] for a poll before the next tick.
+    soon: Arc<tokio::sync::Notify>,
 }
 
 impl StatsPoller {
@@ -58,7 +60,17 @@ impl StatsPoller {
             interval,
             latest: Arc::default(),
             prometheus,
+            soon: Arc::default(),
         }
+    }
+
+    /// Asks for a poll now (after a replay, for the dashboard that made
+    /// it), without waiting for it: the call that asked answers at once
+    /// (a slow poll held a committed replay's answer, which a client that
+    /// gave up on it would send again), and any number of asks while one
+    /// is pending make one poll.
+    pub fn poll_soon(&self) {
+        self.soon.notify_one();
     }
 
     /// The latest snapshot.
@@ -104,7 +116,12 @@ impl StatsPoller {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = tick.tick() => tokio::select! {
+                _ = async {
+                    tokio::select! {
+                        _ = tick.tick() => {}
+                        () = self.soon.notified() => {}
+                    }
+                } => tokio::select! {
                     () = self.poll_once() => {}
                     // A poll in flight does not hold the stop.
                     _ = shutdown.cancelled() => return,

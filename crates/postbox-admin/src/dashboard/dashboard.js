@@ -484,7 +484,30 @@ $("#dead-reload").addEventListener("click", () => showDead(openConsumer));
 let servesOutbox = null;
 let servesConsumers = null;
 
-async function refresh() {
+// One round of requests at a time. Against a slow server the timer fired
+// every REFRESH_MS whatever the rounds still waiting, and they piled up,
+// each holding connections of the relay's pool. A refresh asked for while
+// a round runs (after a replay) runs once more after it, so that it shows
+// what the change did.
+let round = null;
+let again = false;
+function refresh() {
+  if (round) {
+    again = true;
+    return round;
+  }
+  round = (async () => {
+    do {
+      again = false;
+      await refreshRound();
+    } while (again);
+  })().finally(() => {
+    round = null;
+  });
+  return round;
+}
+
+async function refreshRound() {
   let reached = false;
   let failure = null;
   if (servesOutbox !== false) {
@@ -524,4 +547,6 @@ async function refresh() {
 }
 
 refresh();
-setInterval(refresh, REFRESH_MS);
+setInterval(() => {
+  if (!round) refresh();
+}, REFRESH_MS);

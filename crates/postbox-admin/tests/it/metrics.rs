@@ -181,3 +181,54 @@ async fn a_poll_the_database_never_answers_does_not_hold_the_stop() {
         .expect("the poller stops with a poll in flight")
         .unwrap();
 }
+
+/// A poll asked for (after a replay) runs before the next tick, without
+/// the asker waiting for it; asks while one is pending make one poll. A
+/// replay's answer waited for a whole poll, so a slow poll held an answer
+/// whose change was already committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_asked_for_runs_before_the_next_tick() {
+    let url = postgres_url();
+    ensure_database("postgres", &url).await;
+    let store: Arc<dyn OutboxStore> = Arc::new(
+        PgOutbox::connect(&url, &scratch_table("pollsoon"), 2)
+            .await
+            .expect("connect"),
+    );
+    store.migrate().await.expect("migrate");
+    let poller = postbox_admin::StatsPoller::new(
+        store.clone(),
+        vec!["soon".into()],
+        Duration::from_secs(3600),
+        None,
+    );
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn(poller.clone().run(shutdown.clone()));
+    let pending =
+        |p: &postbox_admin::StatsPoller| p.snapshot().apps.first().map_or(-1, |a| a.pending);
+    let started = std::time::Instant::now();
+    while pending(&poller) != 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the first poll"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    store
+        .enqueue_batch(&[NewEvent::new("soon", "T", "{}")], 1 << 20)
+        .await
+        .expect("enqueue");
+    for _ in 0..3 {
+        poller.poll_soon();
+    }
+    let asked = std::time::Instant::now();
+    while pending(&poller) != 1 {
+        assert!(
+            asked.elapsed() < Duration::from_secs(10),
+            "no poll before the next tick (an hour away)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    run.await.unwrap();
+}
