@@ -184,6 +184,19 @@ impl RabbitCluster {
         rabbitmqctl(&self.nodes[i].name, &["start_app"]).unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// Raises (or clears) a memory alarm on node `i`: its memory high
+    /// watermark set to one byte (or back to the default 0.4), so the
+    /// broker blocks every connection that publishes, as when it runs out
+    /// of memory. Blocking.
+    pub fn memory_alarm(&self, i: usize, on: bool) {
+        let args: &[&str] = if on {
+            &["set_vm_memory_high_watermark", "absolute", "1"]
+        } else {
+            &["set_vm_memory_high_watermark", "0.4"]
+        };
+        rabbitmqctl(&self.nodes[i].name, args).unwrap_or_else(|e| panic!("{e}"));
+    }
+
     /// Kills node `i` at once (SIGKILL), as a crash would.
     pub fn kill(&mut self, i: usize) {
         if let Some(pid) = self.nodes[i].pid.take() {

@@ -507,6 +507,65 @@ async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
     .await;
 }
 
+/// The primary broker blocks publishing (a memory alarm) and clears it:
+/// the publisher counts a blocked connection as down, fails over to the
+/// secondary and comes back. A blocked connection counted as up: the
+/// publisher stayed on the primary, every publish failed and the events
+/// walked towards `failed` while the secondary stood idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_fails_over_while_the_primary_blocks_publishing() {
+    let (primary, secondary) = tokio::join!(
+        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
+        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
+    );
+    let (primary, secondary) = (Arc::new(primary.unwrap()), secondary.unwrap());
+    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
+    let (url, store) = common::server_outbox("postgres", "pbx_alarm", 4).await;
+    let (exchange, queue) = (scratch_name("pbx_alx"), scratch_name("pbx_alq"));
+    exchange_and_queue(&primary_url, &exchange, &queue).await;
+    exchange_and_queue(&secondary_url, &exchange, &queue).await;
+    let (admin_toml, admin) = admin_toml();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::write_config(
+        dir.path(),
+        &format!(
+            "{}[[publishers]]\nkind = \"rabbitmq\"\nname = \"mq\"\nurl = \"{primary_url}\"\nexchange = \"{exchange}\"\n\
+             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n{admin_toml}",
+            outbox_toml(&url, store.table().as_str()),
+        ),
+    );
+    let (raising, clearing) = (primary.clone(), primary.clone());
+    let setup = Failover {
+        label: "rabbitmq failover on a memory alarm",
+        dir: dir.path(),
+        cfg: &cfg,
+        store: &store,
+        admin: &admin,
+    };
+    fail_over_and_back(
+        setup,
+        async || {
+            tokio::task::spawn_blocking(move || raising.memory_alarm(0, true))
+                .await
+                .unwrap()
+        },
+        async || {
+            tokio::task::spawn_blocking(move || clearing.memory_alarm(0, false))
+                .await
+                .unwrap()
+        },
+        async |primary| {
+            let url = if primary {
+                &primary_url
+            } else {
+                &secondary_url
+            };
+            drain(url, &queue).await
+        },
+    )
+    .await;
+}
+
 /// The `x-event-id` of every message in `stream` on the server at `url`.
 async fn stream_event_ids(url: &str, stream: &str) -> Vec<String> {
     let js = async_nats::jetstream::new(async_nats::connect(url).await.unwrap());

@@ -1,7 +1,7 @@
 //! Reaching the broker: the parsed URL, TLS trust, the connection name, and
 //! opening a connection with a confirm-mode channel on a checked exchange.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,6 +35,10 @@ pub(super) struct Target {
     ca_pem: Option<String>,
     declare: bool,
     connection_name: String,
+    /// Whether the broker blocks the current connection (a memory or disk
+    /// alarm): it takes no publish, so the publisher counts as down (a
+    /// failover moves to its next target).
+    pub blocked: Arc<AtomicBool>,
 }
 
 /// One node of the broker.
@@ -127,6 +131,7 @@ impl Target {
         }
         Ok(Target {
             connection_name: connection_name(&name),
+            blocked: Arc::default(),
             exchange: ShortString::try_new(config.exchange.clone())
                 .map_err(|e| Error::config("exchange", format!("publisher `{name}`: {e}")))?,
             declare: config.declare,
@@ -207,10 +212,13 @@ impl Target {
             .await
             .map_err(|e| self.other("connecting", &e))?;
         let blocked = Arc::new(Mutex::new(None));
+        // A new connection is not blocked until the broker says so.
+        self.blocked.store(false, Ordering::Relaxed);
         let events = tokio::spawn(watch_events(
             self.name.clone(),
             connection.events_listener(),
             blocked.clone(),
+            self.blocked.clone(),
         ));
         let mut link = Link {
             connection,
@@ -333,6 +341,7 @@ async fn watch_events(
     name: String,
     events: impl futures::Stream<Item = Event> + Send + 'static,
     blocked: Arc<Mutex<Option<String>>>,
+    is_blocked: Arc<AtomicBool>,
 ) {
     let mut events = std::pin::pin!(events);
     while let Some(event) = events.next().await {
@@ -340,10 +349,12 @@ async fn watch_events(
             Event::ConnectionBlocked(reason) => {
                 tracing::warn!(publisher = %name, %reason, "the broker blocked the connection; publishes fail until it lifts the alarm");
                 *blocked.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason);
+                is_blocked.store(true, Ordering::Relaxed);
             }
             Event::ConnectionUnblocked => {
                 tracing::info!(publisher = %name, "the broker unblocked the connection");
                 *blocked.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                is_blocked.store(false, Ordering::Relaxed);
             }
             _ => {}
         }

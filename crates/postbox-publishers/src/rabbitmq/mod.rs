@@ -58,6 +58,8 @@ use session::{Request, Session};
 pub struct RabbitMqPublisher {
     /// Whether the session holds a live connection.
     connected: Arc<AtomicBool>,
+    /// Whether the broker blocks that connection (a resource alarm).
+    blocked: Arc<AtomicBool>,
     name: String,
     connection_name: String,
     routing_key: Template,
@@ -88,6 +90,7 @@ impl RabbitMqPublisher {
         tokio::spawn(Session::new(target.clone(), link, connected.clone()).run(queue));
         Ok(RabbitMqPublisher {
             connected,
+            blocked: target.blocked.clone(),
             name: target.name.clone(),
             connection_name: target.connection_name().to_owned(),
             routing_key: config.routing_key.clone(),
@@ -186,8 +189,10 @@ impl Publisher for RabbitMqPublisher {
         let _ = tokio::time::timeout(publish_timeout, work).await;
     }
 
+    /// A connection the broker blocks (memory or disk alarm) counts as
+    /// down: it takes no publish until the alarm clears.
     fn connected(&self) -> Option<bool> {
-        Some(self.connected.load(Ordering::Relaxed))
+        Some(self.connected.load(Ordering::Relaxed) && !self.blocked.load(Ordering::Relaxed))
     }
 
     /// Two: the broker stores and confirms one batch while the next is
