@@ -6,8 +6,11 @@
 //! service will never accept it; the answer's first 200 characters become
 //! its `x-last-error`), anything else (or no answer within the timeout)
 //! takes the retry path. Run it through an [`Inbox`](crate::inbox::Inbox) and an event
-//! whose POST was answered 2xx is not posted again, whatever the broker
-//! redelivers.
+//! whose POST was answered 2xx and whose inbox row committed is not posted
+//! again, whatever the broker redelivers. The POST is not part of the
+//! inbox's transaction: a 2xx followed by a failed commit, or a crash
+//! between the two, posts the event again, so the service dedupes on
+//! `Idempotency-Key` all the same.
 
 use std::time::Duration;
 
@@ -144,7 +147,9 @@ impl Handler for HttpHandler {
 }
 
 /// Inside an inbox transaction the POST is the effect: the inbox row commits
-/// only after a 2xx answer.
+/// only after a 2xx answer (a commit that fails after it leaves the event
+/// to be posted again). On SQLite the database's write lock is held for
+/// the POST.
 #[async_trait]
 impl<DB: sqlx::Database> TxHandler<DB> for HttpHandler {
     async fn handle(
