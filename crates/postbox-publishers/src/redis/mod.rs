@@ -95,6 +95,14 @@ impl RedisPublisher {
             .await
             .map_err(|e| fail(format!("cannot connect: {e}")))?;
         warn_unless_persistent(&name, conn.clone()).await;
+        if let Some(n) = config.maxlen {
+            // Redis trims by length alone, read or not.
+            tracing::warn!(
+                publisher = %name,
+                maxlen = n,
+                "maxlen trims each stream to about {n} entries whether or not its consumer groups have read them: while consumers are down or behind by more, events marked delivered are dropped unread (and entries pending a retry vanish from their group); size it past the longest backlog consumers may build, or leave it out and trim with XTRIM MINID behind the groups"
+            );
+        }
         Ok(RedisPublisher {
             name,
             stream: config.stream.clone(),
