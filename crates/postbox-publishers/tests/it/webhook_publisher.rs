@@ -14,6 +14,7 @@ use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use hmac::{Hmac, Mac};
 use postbox_core::config::{HumanDuration, WebhookPublisherConfig};
+use postbox_core::publish::Delivery;
 use postbox_core::redact::{Secret, SecretUrl};
 use postbox_core::store::OutboxStore;
 use postbox_core::{NewEvent, Publisher};
@@ -101,7 +102,7 @@ fn answer(r: &Receiver, uri: Uri, headers: HeaderMap, body: Bytes) -> (Response,
     assert_eq!(headers["content-type"], "application/json");
     inner.accepted.push(Request {
         path: uri.path().to_owned(),
-        idempotency_key: headers["idempotency-key"].to_str().unwrap().to_owned(),
+        idempotency_key: String::from_utf8(headers["idempotency-key"].as_bytes().to_vec()).unwrap(),
         body: serde_json::from_slice(&body).unwrap(),
         text: String::from_utf8(body.to_vec()).unwrap(),
         at: Instant::now(),
@@ -467,4 +468,20 @@ async fn only_the_start_of_an_error_body_is_read() {
         started.elapsed()
     );
     assert!(err.contains("500") && err.contains("xxxx"), "{err}");
+}
+
+/// An event id that is not ASCII (a producer's own `订单-1`) is sent as
+/// it is, its UTF-8 bytes the Idempotency-Key header's value (HTTP takes
+/// bytes past ASCII in a value).
+#[tokio::test]
+async fn an_event_id_that_is_not_ascii_is_delivered() {
+    let (receiver, base) = Receiver::start(200).await;
+    let publisher = WebhookPublisher::new(&config(&format!("{base}/in"), SECRET)).unwrap();
+    let mut event = sample_events("room", 1).remove(0);
+    event.event_id = "订单-1".to_owned();
+    let results = publisher.publish(&[Delivery::of(&event)]).await;
+    assert!(results[0].is_ok(), "{results:?}");
+    let got = receiver.accepted();
+    assert_eq!(got[0].idempotency_key, "订单-1");
+    assert_eq!(got[0].body["event_id"], "订单-1");
 }
