@@ -182,6 +182,63 @@ pub fn scratch_name(prefix: &str) -> String {
     scratch_table(prefix)
 }
 
+/// A Redis server of a test's own on a free loopback port (no persistence),
+/// killed when dropped: for faults the shared server must not see (a
+/// replica's `READONLY`, a restart).
+pub struct OwnRedis {
+    child: std::process::Child,
+    /// `127.0.0.1:<port>`.
+    pub addr: String,
+    /// `redis://127.0.0.1:<port>/0`.
+    pub url: String,
+}
+
+impl OwnRedis {
+    /// Started with `args` besides its port, `--save ""` and
+    /// `--appendonly no`; returns once it takes connections.
+    pub async fn start(args: &[&str]) -> OwnRedis {
+        let port = crate::clusters::free_port();
+        let child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("redis-server (Debian's redis-server package)");
+        let addr = format!("127.0.0.1:{port}");
+        let own = OwnRedis {
+            child,
+            url: format!("redis://{addr}/0"),
+            addr,
+        };
+        let started = std::time::Instant::now();
+        while tokio::net::TcpStream::connect(&own.addr).await.is_err() {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "redis-server on {} did not start",
+                own.addr
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        own
+    }
+}
+
+impl Drop for OwnRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -533,59 +533,6 @@ async fn two_consumers_of_one_group_in_one_process_are_two_members() {
     b.cleanup().await;
 }
 
-/// A Redis server of this test's own, on a free port, killed with the
-/// value.
-struct OwnRedis {
-    child: std::process::Child,
-    url: String,
-}
-
-impl OwnRedis {
-    /// Started with `args` on top of a port, no persistence and loopback.
-    async fn start(args: &[&str]) -> OwnRedis {
-        let port = postbox_testkit::clusters::free_port();
-        let child = std::process::Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(args)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("redis-server (Debian's redis-server package)");
-        let url = format!("redis://127.0.0.1:{port}/0");
-        let own = OwnRedis { child, url };
-        let started = std::time::Instant::now();
-        while own.conn().await.is_err() {
-            assert!(
-                started.elapsed() < std::time::Duration::from_secs(20),
-                "redis-server on {port} did not start"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
-        own
-    }
-
-    async fn conn(&self) -> redis::RedisResult<MultiplexedConnection> {
-        redis::Client::open(self.url.as_str())?
-            .get_multiplexed_async_connection()
-            .await
-    }
-}
-
-impl Drop for OwnRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// A server that cannot take the group yet: a replica after a failover,
 /// or one loading its data after a restart (`READONLY`, `LOADING`). The
 /// consumer retries until it can, then consumes; it stopped for good on
@@ -593,7 +540,8 @@ impl Drop for OwnRedis {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_server_not_ready_for_the_group_is_waited_for() {
     // A replica of a primary that is not there: it refuses writes.
-    let server = OwnRedis::start(&["--replicaof", "127.0.0.1", "1"]).await;
+    let server =
+        postbox_testkit::servers::OwnRedis::start(&["--replicaof", "127.0.0.1", "1"]).await;
     let b = RedisBroker::on(server.url.clone()).await;
     let group = nats_redis_suite::group("notready");
     let calls = nats_redis_suite::Calls::default();

@@ -380,42 +380,9 @@ async fn a_connection_gone_silent_is_replaced() {
 #[tokio::test]
 async fn a_server_no_longer_primary_is_left_for_the_new_one() {
     // A replica of nothing: read-only, as a demoted primary is.
-    let port = {
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        probe.local_addr().unwrap().port()
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let mut replica = std::process::Command::new("redis-server")
-        .args([
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ])
-        .args(["--replicaof", "127.0.0.1", "1", "--dir"])
-        .arg(dir.path())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("redis-server (Debian's redis-server package)");
-    struct Kill<'a>(&'a mut std::process::Child);
-    impl Drop for Kill<'_> {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _replica = Kill(&mut replica);
-    let replica_addr = format!("127.0.0.1:{port}");
-    for _ in 0..100 {
-        if std::net::TcpStream::connect(&replica_addr).is_ok() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let replica =
+        postbox_testkit::servers::OwnRedis::start(&["--replicaof", "127.0.0.1", "1"]).await;
+    let replica_addr = replica.addr.clone();
 
     let stream = scratch_table("pbt_readonly");
     let _cleanup = DropKeys(vec![stream.clone()]);
