@@ -178,7 +178,11 @@ async fn forward(
 /// and that server's URL through it, without TLS (so that what a client
 /// sends can be seen, for [`Proxy::silence_on`]).
 pub async fn to_postgres() -> (Proxy, String) {
-    let url = crate::servers::postgres_url();
+    to_postgres_at(&crate::servers::postgres_url()).await
+}
+
+/// [`to_postgres`] for the database of `url` on that server.
+pub async fn to_postgres_at(url: &str) -> (Proxy, String) {
     let (head, rest) = url.split_once('@').expect("a URL with a user");
     let (server, db) = rest.split_once('/').expect("a URL with a database");
     let db = db.split('?').next().unwrap_or(db);

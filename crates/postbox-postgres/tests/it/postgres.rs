@@ -618,3 +618,76 @@ async fn a_relay_stops_while_its_database_is_silent() {
     let stopped = tokio::time::timeout(std::time::Duration::from_secs(15), run).await;
     assert!(stopped.is_ok(), "the relay did not stop within 15 s");
 }
+
+/// `[archive] url`'s database goes silent while an archive run copies a
+/// batch into it: the run gives up after its bound, its transaction on the
+/// outbox rolls back, and the batch's rows stay, unlocked (a replay takes
+/// them at once). The run held them locked for good (on SQLite, the write
+/// lock every producer waits for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_archive_database_gone_silent_is_given_up_and_its_batch_stays() {
+    use postbox_core::store::{ArchiveRequest, ClaimRequest, ReplaySelector};
+    use postbox_core::ClaimSource;
+    use postbox_testkit::servers::ensure_database;
+    let direct = outbox().await;
+    let t = direct.table().as_str().to_owned();
+    let e = NewEvent::new("room", "T", "{}");
+    let store: &dyn OutboxStore = &direct;
+    store
+        .enqueue_batch(std::slice::from_ref(&e), 1024)
+        .await
+        .unwrap();
+    let req = ClaimRequest {
+        app_code: "room",
+        limit: 10,
+        worker_id: "w",
+        lease_ms: 60_000,
+        ordered: false,
+        skip_types: &[],
+    };
+    let claimed = store.claim(ClaimSource::Pending, &req).await.unwrap();
+    store
+        .mark_delivered(&claimed[0].fence(), &[claimed[0].record.id])
+        .await
+        .unwrap();
+
+    let far_url = format!("{}_far", postgres_url());
+    ensure_database("postgres", &far_url).await;
+    let (proxy, through) = postbox_testkit::proxy::to_postgres_at(&far_url).await;
+    let far = PgOutbox::connect(&through, &t, 2).await.unwrap();
+    far.migrate().await.unwrap();
+    proxy.silence_on(format!("INSERT INTO {t}_archive").as_bytes());
+    let hot = PgOutbox::connect(&postgres_url(), &t, 4)
+        .await
+        .unwrap()
+        .with_archive_elsewhere(Arc::new(far));
+    let now = hot.now_ms().await.unwrap();
+    let archive = ArchiveRequest {
+        app_codes: vec!["room".into()],
+        before_ms: now + 60_000,
+        batch_size: 10,
+        max_batches: None,
+        partitions: Default::default(),
+    };
+    let run = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        hot.archive(&archive, &|_| {}),
+    )
+    .await
+    .expect("the run gives up");
+    let error = run.unwrap_err().to_string();
+    assert!(error.contains("no answer"), "{error}");
+    assert_eq!(proxy.silenced(), 1);
+    let replay = ReplaySelector::EventIds {
+        app_code: Some("room".into()),
+        event_ids: vec![e.event_id.clone()],
+    };
+    let replayed = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        direct.replay(&replay, false, "test"),
+    )
+    .await
+    .expect("the row is not held")
+    .unwrap();
+    assert_eq!(replayed.len(), 1, "the batch stays in the outbox");
+}

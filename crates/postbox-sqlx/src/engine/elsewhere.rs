@@ -35,6 +35,22 @@ use crate::{db_error, filter_query, records, FILTERS};
 /// limit on binds per statement).
 const INSERT_CHUNK: usize = 500;
 
+/// How long one call on the archive database may take. It runs inside a
+/// transaction of the outbox's database, holding its batch's rows (and
+/// SQLite's write lock, which every producer waits for): an archive
+/// database gone silent held them for good.
+pub(super) const FAR_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `call` on the archive database, within [`FAR_WITHIN`].
+pub(super) async fn far<T>(
+    what: &'static str,
+    call: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(FAR_WITHIN, call)
+        .await
+        .unwrap_or_else(|_| Err(Error::no_answer(what, FAR_WITHIN)))
+}
+
 /// Where one archive batch is taken from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Source {
@@ -94,9 +110,10 @@ impl SqlOutbox<D> {
             let select = self.rows_by_ids(from);
             let rows = self.fetch_expanded(&mut tx, &select, vec![Value::Ids(&ids)]).await.map_err(db)?;
             let rows = records(rows, self.table.naming(), "archive")?;
-            let copied = to.put_archived(&rows).await?;
+            let copied = far("archive: copy into the archive database", to.put_archived(&rows)).await?;
             let event_ids: Vec<String> = rows.iter().map(|r| r.event_id.clone()).collect();
-            let held: HashSet<String> = to.archived_event_ids(app_code, &event_ids).await?.into_iter().collect();
+            let held = far("archive: check the archive database", to.archived_event_ids(app_code, &event_ids)).await?;
+            let held: HashSet<String> = held.into_iter().collect();
             let (done, left): (Vec<&EventRecord>, Vec<&EventRecord>) =
                 rows.iter().partition(|r| held.contains(&r.event_id));
             let done: Vec<i64> = done.iter().map(|r| r.id).collect();
@@ -142,7 +159,7 @@ impl SqlOutbox<D> {
         forget: &mut Vec<i64>,
     ) -> Result<Vec<EventRecord>> {
         let db = |e| db_error("replay from archive", e);
-        let archived = to.archived_rows(f).await?;
+        let archived = far("replay: read the archive database", to.archived_rows(f)).await?;
         let Some(app_code) = f.app_code.as_deref().filter(|_| !archived.is_empty()) else {
             return Ok(Vec::new());
         };
@@ -189,7 +206,7 @@ impl SqlOutbox<D> {
         if ids.is_empty() {
             return;
         }
-        if let Err(e) = to.delete_archived(ids).await {
+        if let Err(e) = far("replay: delete from the archive database", to.delete_archived(ids)).await {
             tracing::warn!(
                 table = self.table.as_str(),
                 rows = ids.len(),

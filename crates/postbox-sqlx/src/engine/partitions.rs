@@ -413,13 +413,13 @@ impl SqlOutbox<D> {
                 return Ok(());
             };
             after = last.id;
-            to.put_archived(&rows).await?;
+            super::elsewhere::far("archive a partition: copy into the archive database", to.put_archived(&rows)).await?;
             let mut by_app: std::collections::BTreeMap<&str, Vec<String>> = Default::default();
             for r in &rows {
                 by_app.entry(r.app_code.as_str()).or_default().push(r.event_id.clone());
             }
             for (app_code, events) in by_app {
-                let held = to.archived_event_ids(app_code, &events).await?;
+                let held = super::elsewhere::far("archive a partition: check the archive database", to.archived_event_ids(app_code, &events)).await?;
                 if held.len() < events.len() {
                     return Err(Error::Schema(format!(
                         "the archive database's `{}` holds other events under the ids of rows of the detached partition `{name}`: it stays",
