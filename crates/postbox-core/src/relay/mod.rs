@@ -500,15 +500,34 @@ async fn close_publishers(publishers: &[Arc<dyn Publisher>], within: std::time::
 /// `{host}-{pid}-{4 hex}`: tells relays apart in `worker_id` and in logs.
 pub fn default_worker_id() -> String {
     let (host, pid) = heartbeat::host_and_pid();
-    let suffix: u16 = rand::random();
-    let mut id = format!("{host}-{pid}-{suffix:04x}");
-    id.truncate(120);
-    id
+    worker_id_of(&host, pid, rand::random())
+}
+
+/// `{host}-{pid}-{suffix}` within the `worker_id` column's 128 bytes: a
+/// long host name is cut (at a character's start), never the pid and
+/// suffix that tell a host's relays apart. The whole id was cut at byte
+/// 120: in a character of a host name that is not ASCII, a panic at start;
+/// past a long host name, every relay of the host had the same id.
+fn worker_id_of(host: &str, pid: u32, suffix: u16) -> String {
+    let mut end = host.len().min(100);
+    while !host.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}-{pid}-{suffix:04x}", &host[..end])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_host_name_is_cut_and_the_pid_kept() {
+        assert_eq!(worker_id_of("relay-1", 42, 0xab), "relay-1-42-00ab");
+        let host = "北".repeat(50);
+        let id = worker_id_of(&host, 4_000_000, 0xffff);
+        assert!(id.len() <= 128 && id.ends_with("-4000000-ffff"), "{id}");
+        assert_eq!(id, format!("{}-4000000-ffff", "北".repeat(33)));
+    }
 
     fn failure(stage: &'static str, cause: StageCause) -> StageFailure {
         StageFailure {
