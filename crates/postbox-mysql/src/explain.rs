@@ -77,6 +77,12 @@ pub(crate) async fn explain_claims(
         let db = |e| db_error("explain claims", e);
         let t = outbox.table().as_str();
         let mut conn = outbox.pool().acquire().await.map_err(db)?;
+        // `ANALYZE` runs the claims, locks and all: at the relay's
+        // isolation, whose locks never hold up a producer's insert
+        // (REPEATABLE READ's gap locks did, while `doctor` ran).
+        sqlx::Executor::execute(&mut *conn, crate::sql::CLAIM_ISOLATION)
+            .await
+            .map_err(db)?;
         let mut tx = conn.begin().await.map_err(db)?;
         let mut plans = Vec::with_capacity(crate::sql::CLAIM_INDEXES.len());
         for (query, source, ordered, index_suffix) in crate::sql::CLAIM_INDEXES {

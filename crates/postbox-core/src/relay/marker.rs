@@ -171,42 +171,10 @@ impl Marker {
             "event dead-lettered (status failed); replay it with `postbox replay`",
             "events dead-lettered (status failed); replay them with `postbox replay`",
         );
-        // Failed attempts: one write per fence and update (a batch's rows
-        // that failed alike, e.g. every row a target refused, share one).
-        for ((fence, update), rows) in failures {
-            let dead = update.status == crate::Status::Failed;
-            let dropped = update.status == crate::Status::Dropped;
-            for (row, written) in self.write_failures(&fence, &update, rows).await {
-                report.count(written, |report| {
-                    if dropped {
-                        report.dropped += 1;
-                        metrics::counter!(crate::metrics::DROPPED_TOTAL, "app_code" => row.app_code)
-                            .increment(1);
-                    } else if dead {
-                        report.failed += 1;
-                        super::heartbeat::Tally::add(&self.tally.failed, 1);
-                        metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => row.app_code)
-                            .increment(1);
-                    } else {
-                        report.retried += 1;
-                    }
-                });
-            }
-        }
-        for ((fence, update), ids) in deferred {
-            match super::retrying("defer rows", || self.store.defer(&fence, &ids, &update)).await {
-                // Rows a lost answer hid are not counted; their write is
-                // no attempt, so nothing more is needed.
-                Ok((n, _)) => {
-                    report.deferred += n;
-                    tracing::debug!(rows = n, reason = %update.reason, "rows deferred for a publisher behind");
-                }
-                Err(e) => {
-                    report.mark_errors += ids.len() as u64;
-                    tracing::error!(rows = ids.len(), worker_id = %fence.worker_id, error = %e, "could not defer rows (database error); their leases expire and they are tried again");
-                }
-            }
-        }
+        // Delivered rows first: the failures' and defers' writes may each
+        // take their retries, and a delivered mark that slipped past the
+        // lease was taken over and sent again (dead-lettered, when it was
+        // a row's last attempt, although delivered).
         for (fence, ids) in delivered {
             let rows = ids.len() as u64;
             let (n, unknown) = match super::retrying("mark delivered", || {
@@ -245,6 +213,42 @@ impl Marker {
             if lost > 0 {
                 report.fenced_out += lost;
                 tracing::warn!(rows = lost, worker_id = %fence.worker_id, "late result dropped: the lease was taken over by another relay, which will deliver again");
+            }
+        }
+        // Failed attempts: one write per fence and update (a batch's rows
+        // that failed alike, e.g. every row a target refused, share one).
+        for ((fence, update), rows) in failures {
+            let dead = update.status == crate::Status::Failed;
+            let dropped = update.status == crate::Status::Dropped;
+            for (row, written) in self.write_failures(&fence, &update, rows).await {
+                report.count(written, |report| {
+                    if dropped {
+                        report.dropped += 1;
+                        metrics::counter!(crate::metrics::DROPPED_TOTAL, "app_code" => row.app_code)
+                            .increment(1);
+                    } else if dead {
+                        report.failed += 1;
+                        super::heartbeat::Tally::add(&self.tally.failed, 1);
+                        metrics::counter!(crate::metrics::DEAD_LETTERED_TOTAL, "app_code" => row.app_code)
+                            .increment(1);
+                    } else {
+                        report.retried += 1;
+                    }
+                });
+            }
+        }
+        for ((fence, update), ids) in deferred {
+            match super::retrying("defer rows", || self.store.defer(&fence, &ids, &update)).await {
+                // Rows a lost answer hid are not counted; their write is
+                // no attempt, so nothing more is needed.
+                Ok((n, _)) => {
+                    report.deferred += n;
+                    tracing::debug!(rows = n, reason = %update.reason, "rows deferred for a publisher behind");
+                }
+                Err(e) => {
+                    report.mark_errors += ids.len() as u64;
+                    tracing::error!(rows = ids.len(), worker_id = %fence.worker_id, error = %e, "could not defer rows (database error); their leases expire and they are tried again");
+                }
             }
         }
         Ok(())
