@@ -225,6 +225,9 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
     let mut line_no = 0u64;
     let mut raw = Vec::new();
     let mut stopped = None;
+    // A batch whose write failed: its lines are not handled, whatever
+    // stopped the run.
+    let mut write_failed = false;
     loop {
         if interrupted.is_cancelled() {
             stopped = Some(format!("interrupted after line {line_no}"));
@@ -264,6 +267,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         if out.batch.len() >= args.batch_size.max(1) {
             if let Err(e) = out.write_batch().await {
                 stopped = Some(e.to_string());
+                write_failed = true;
                 break;
             }
             out.summary.done_through_line = line_no;
@@ -280,7 +284,8 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
             Ok(()) => out.summary.done_through_line = line_no,
             Err(e) => stopped = stopped.or(Some(e.to_string())),
         }
-    } else if stopped.is_none() || interrupted.is_cancelled() {
+    } else if !write_failed && (stopped.is_none() || interrupted.is_cancelled()) {
+        // Every line read is handled: written, or invalid and counted.
         out.summary.done_through_line = line_no;
     }
     bar.finish_and_clear();

@@ -1460,3 +1460,69 @@ fn a_relay_writing_to_a_stalled_stdout_stops() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// `enqueue --file` interrupted (Ctrl-C) while its batch waits on the
+/// database, whose write then fails: the resume point stays before the
+/// batch. It said the batch's lines were handled, and the `tail -n +N`
+/// it advised skipped events never written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_file_interrupted_during_a_failing_write_resumes_before_it() {
+    let (url, store) = common::server_outbox("postgres", "enq_stop", 2).await;
+    let table = store.table().as_str().to_owned();
+    let project = Project::migrated(|_| {
+        format!("[database]\nurl = \"{url}\"\ntable = \"{table}\"\napp_codes = [\"room\"]\n")
+    });
+    let file = project.path().join("events.jsonl");
+    let lines: String = (1..=3)
+        .map(|i| format!("{{\"app_code\":\"room\",\"event_id\":\"s-{i}\",\"event_type\":\"T\",\"payload\":{{}}}}\n"))
+        .collect();
+    std::fs::write(&file, lines).unwrap();
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(&format!("LOCK TABLE {table} IN EXCLUSIVE MODE"))
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let child = project.spawn(
+        &[
+            "enqueue",
+            "--file",
+            file.to_str().unwrap(),
+            "--batch-size",
+            "2",
+        ],
+        Stdio::piped(),
+    );
+    let waiting = format!("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO {table}%'");
+    let started = std::time::Instant::now();
+    let pid: i32 = loop {
+        if let Some(pid) = sqlx::query_scalar(&waiting)
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+        {
+            break pid;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the batch's insert never waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    signal("INT", child.id());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    holder.rollback().await.unwrap();
+    let stopped = child.wait_with_output().unwrap();
+    assert_eq!(stopped.status.code(), Some(1), "{}", text(&stopped));
+    assert_says(&stopped, &["lines 1 to 0 are handled", "tail -n +1 "]);
+    let written: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(written, 0);
+}
