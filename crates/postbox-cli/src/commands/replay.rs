@@ -106,18 +106,36 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
             tracing::info!(event_id = %r.event_id, app_code = %r.app_code, origin = "cli", publishers = %to, "event replayed");
         }
     }
+    // Ids asked for that were not replayed: unknown, or in flight.
+    let missing: Vec<&String> = match &selector {
+        ReplaySelector::EventIds { event_ids, .. } => event_ids
+            .iter()
+            .filter(|id| !rows.iter().any(|r| &r.event_id == *id))
+            .collect(),
+        ReplaySelector::Filter(_) => Vec::new(),
+    };
+    let not_replayed = || CliError::runtime(format!("{} event id(s) not replayed", missing.len()));
     if g.json {
         #[derive(serde::Serialize)]
         struct Out<'a> {
             dry_run: bool,
             count: usize,
             events: &'a [postbox_core::EventRecord],
+            not_replayed: &'a [&'a String],
         }
-        return output::json(&Out {
+        output::json(&Out {
             dry_run: args.dry_run,
             count: rows.len(),
             events: &rows,
-        });
+            not_replayed: &missing,
+        })?;
+        // The same exit as without --json: a script learns that some
+        // were not replayed (it exited 0).
+        return if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(not_replayed())
+        };
     }
     let verb = if args.dry_run {
         "would replay"
@@ -131,25 +149,16 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
             outln!("… and {} more", rows.len() - 50);
         }
     }
-    if let ReplaySelector::EventIds { event_ids, .. } = &selector {
-        let missing: Vec<&String> = event_ids
-            .iter()
-            .filter(|id| !rows.iter().any(|r| &r.event_id == *id))
-            .collect();
-        if !missing.is_empty() {
-            errln!(
-                "not found or being delivered right now: {}",
-                missing
-                    .iter()
-                    .map(|s| s.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
-            return Err(CliError::runtime(format!(
-                "{} event id(s) not replayed",
-                missing.len()
-            )));
-        }
+    if !missing.is_empty() {
+        errln!(
+            "not found or being delivered right now: {}",
+            missing
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        return Err(not_replayed());
     }
     Ok(())
 }

@@ -349,6 +349,15 @@ fn sqlite_workflow_end_to_end() {
         (d["count"].as_i64(), d["dry_run"].as_bool()),
         (Some(1), Some(true))
     );
+    // An id not replayed fails the run with --json too (it exited 0),
+    // and the JSON names it.
+    let partly = run(&["--json", "replay", "evt-2", "no-such-event", "--dry-run"]);
+    assert_eq!(partly.status.code(), Some(1), "{}", text(&partly));
+    let p = json(&partly);
+    assert_eq!(
+        (p["count"].as_i64(), p["not_replayed"].clone()),
+        (Some(1), json!(["no-such-event"]))
+    );
     assert!(run(&["replay", "evt-2"]).status.success());
     let row = json(&run(&["--json", "events", "show", "evt-2"]));
     assert_eq!(row[0]["status"], "pending");
