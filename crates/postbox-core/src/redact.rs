@@ -238,9 +238,32 @@ impl SecretUrl {
         &self.0
     }
 
-    /// The URL's scheme (`postgres`, `mysql`, `sqlite`, `amqp`, …).
+    /// The URL's scheme (`postgres`, `mysql`, `sqlite`, `amqp`, …); empty
+    /// when the value does not start with one (`host=db password=…`, a
+    /// bare password): what comes before its first `:` could be anything,
+    /// and was quoted in errors.
     pub fn scheme(&self) -> &str {
-        self.0.split(':').next().unwrap_or("")
+        let head = self.0.split(':').next().unwrap_or("");
+        let scheme = self.0.contains(':')
+            && head.len() <= 32
+            && head.starts_with(|c: char| c.is_ascii_alphabetic())
+            && head
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+        if scheme {
+            head
+        } else {
+            ""
+        }
+    }
+
+    /// Why a URL of a scheme not wanted is refused: its scheme, or that it
+    /// has none, never the value itself.
+    pub fn scheme_refused(&self) -> String {
+        match self.scheme() {
+            "" => "not a URL (it does not start with `scheme://`)".to_owned(),
+            other => format!("unsupported scheme `{other}`"),
+        }
     }
 }
 

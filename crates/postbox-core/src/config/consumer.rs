@@ -352,10 +352,7 @@ impl ConsumerConfig {
             if h.http.unresolved().is_none() && !matches!(h.http.scheme(), "http" | "https") {
                 return Err(Error::config(
                     at.join("handler.http"),
-                    format!(
-                        "unsupported scheme `{}`: use http:// or https://",
-                        h.http.scheme()
-                    ),
+                    format!("{}: use http:// or https://", h.http.scheme_refused()),
                 ));
             }
             if h.timeout.get().is_zero() {

@@ -24,9 +24,12 @@ impl DatabaseKind {
             "postgres" | "postgresql" => Ok(DatabaseKind::Postgres),
             "mysql" | "mariadb" => Ok(DatabaseKind::MySql),
             "sqlite" => Ok(DatabaseKind::Sqlite),
-            other => Err(Error::config(
+            _ => Err(Error::config(
                 key.clone(),
-                format!("unsupported scheme `{other}`: use postgres://, mysql:// or sqlite://"),
+                format!(
+                    "{}: use postgres://, mysql:// or sqlite://",
+                    url.scheme_refused()
+                ),
             )),
         }
     }
@@ -67,6 +70,24 @@ mod tests {
                 );
             }
             other => panic!("expected a config error, got {other:?}"),
+        }
+        // Not a URL: a libpq key/value string, an ADO one, a bare
+        // password. What came before the first `:` was quoted as the
+        // "scheme": the whole value, password and all.
+        for not_a_url in [
+            "host=db user=app password=hunter2 dbname=room",
+            "Server=db;Password=hunter2:x",
+            "hunter2",
+        ] {
+            match DatabaseKind::of(&SecretUrl::new(not_a_url), &key) {
+                Err(Error::Config { reason, .. }) => {
+                    assert!(
+                        reason.starts_with("not a URL") && !reason.contains("hunter2"),
+                        "{reason}"
+                    );
+                }
+                other => panic!("expected a config error, got {other:?}"),
+            }
         }
     }
 }

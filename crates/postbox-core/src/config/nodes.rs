@@ -159,8 +159,8 @@ pub(crate) fn check_schemes(
             return Err(Error::config(
                 key(at, i, urls.len()),
                 format!(
-                    "unsupported scheme `{}` for kind `{kind}`: use {}",
-                    url.scheme(),
+                    "{} for kind `{kind}`: use {}",
+                    url.scheme_refused(),
                     wanted.join(" or ")
                 ),
             ));
