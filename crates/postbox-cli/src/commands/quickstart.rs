@@ -44,6 +44,18 @@ pub async fn run(g: &Global, args: QuickstartArgs) -> Result<(), CliError> {
     let db = dir.join("postbox.db");
     let out = dir.join("events.jsonl");
     let config_path = dir.join("postbox.toml");
+    // Its files are deleted and written again: only where an earlier
+    // quickstart wrote them (`--dir .` in a project wiped its own
+    // `postbox.db` and `postbox.toml`).
+    let ours = |path: &Path| {
+        std::fs::read_to_string(path).is_ok_and(|text| text.starts_with(QUICKSTART_MARK))
+    };
+    if (config_path.exists() || db.exists()) && !ours(&config_path) {
+        return Err(CliError::Usage(format!(
+            "`{}` holds a postbox.toml or postbox.db that `postbox quickstart` did not write; it deletes and rewrites them: give --dir an empty or new folder",
+            dir.display()
+        )));
+    }
     for stale in [
         db.clone(),
         dir.join("postbox.db-wal"),
@@ -221,6 +233,10 @@ async fn bind_dashboard(
         Err(e) => Err(e.into()),
     }
 }
+
+/// The first line of the config quickstart writes, by which it knows a
+/// folder as its own.
+const QUICKSTART_MARK: &str = "# Written by `postbox quickstart`.";
 
 fn demo_config(db: &Path, out: &Path, listen: &str, token: &str) -> String {
     format!(

@@ -408,6 +408,31 @@ fn sqlite_workflow_end_to_end() {
     assert_ok(&run(&["replay", "evt-2", "--app-code", "room"]));
 }
 
+/// `quickstart --dir` on a folder holding a project's own postbox.toml and
+/// postbox.db (`--dir .`) is refused, the files left as they were: it
+/// deleted the database and wrote its demo config over the project's.
+#[test]
+fn quickstart_leaves_a_project_s_own_files_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("postbox.toml");
+    std::fs::write(&config, "[database]\nurl = \"sqlite://postbox.db\"\n").unwrap();
+    std::fs::write(dir.path().join("postbox.db"), b"the project's data").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(dir.path())
+        .args(["quickstart", "--dir", ".", "--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert_says(&out, &["did not write", "--dir"]);
+    assert_eq!(
+        std::fs::read(dir.path().join("postbox.db")).unwrap(),
+        b"the project's data"
+    );
+    assert!(std::fs::read_to_string(&config)
+        .unwrap()
+        .starts_with("[database]"));
+}
+
 /// The quickstart delivers every demo event, then keeps its dashboard up
 /// (stdout is a pipe here, not a terminal) until SIGINT, which ends it with
 /// exit 0.
