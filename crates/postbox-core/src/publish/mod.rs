@@ -110,10 +110,16 @@ impl PublishError {
 }
 
 /// The results of one batch as they come in, one slot per event (see
-/// [`Publisher::publish_each`]). A slot never filled counts as timed out.
+/// [`Publisher::publish_each`]). A slot never filled counts as timed out,
+/// unless the publisher says when it starts each event
+/// ([`PublishResults::start`]) and never started that one: it was not
+/// sent, and counts no attempt.
 #[derive(Debug)]
 pub struct PublishResults {
     slots: std::sync::Mutex<Vec<Option<Result<(), PublishError>>>>,
+    /// Per event, whether the publisher started it; `None` until the
+    /// publisher says of one.
+    started: std::sync::Mutex<Option<Vec<bool>>>,
 }
 
 impl PublishResults {
@@ -121,6 +127,22 @@ impl PublishResults {
     pub fn new(len: usize) -> Self {
         PublishResults {
             slots: std::sync::Mutex::new(vec![None; len]),
+            started: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Says that the event at `index` is being sent now. A publisher that
+    /// sends the events of a batch a few at a time (the webhook) says so
+    /// of each: those it never started when the batch's time ran out were
+    /// not sent, and are not counted as attempts.
+    pub fn start(&self, index: usize) {
+        let len = self.slots.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let mut started = self.started.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(seen) = started
+            .get_or_insert_with(|| vec![false; len])
+            .get_mut(index)
+        {
+            *seen = true;
         }
     }
 
@@ -152,11 +174,26 @@ impl PublishResults {
 
     /// One result per event; an event without one timed out after `timeout`.
     pub fn into_results(self, timeout: Duration) -> Vec<Result<(), PublishError>> {
+        self.into_outcomes(timeout)
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(PublishError::Timeout(timeout))))
+            .collect()
+    }
+
+    /// [`PublishResults::into_results`], with `None` for an event the
+    /// publisher never started (it says of each when it starts it).
+    pub fn into_outcomes(self, timeout: Duration) -> Vec<Option<Result<(), PublishError>>> {
+        let started = self.started.into_inner().unwrap_or_else(|p| p.into_inner());
         self.slots
             .into_inner()
             .unwrap_or_else(|p| p.into_inner())
             .into_iter()
-            .map(|r| r.unwrap_or(Err(PublishError::Timeout(timeout))))
+            .enumerate()
+            .map(|(i, r)| match r {
+                Some(r) => Some(r),
+                None if started.as_ref().is_some_and(|s| !s[i]) => None,
+                None => Some(Err(PublishError::Timeout(timeout))),
+            })
             .collect()
     }
 }

@@ -438,10 +438,15 @@ impl PublishStage {
                 deferred: Vec::new(),
             })
             .collect();
-        // `skipped`: the lane's breaker is open for that much longer.
-        let behind = |l: usize, rows: &mut Vec<Row>, skipped: Option<Duration>| {
+        // `skipped`: the lane's breaker is open for that much longer. Of
+        // the lane's rows, those `of` (all when `None`).
+        let behind_of = |l: usize,
+                         of: Option<&[usize]>,
+                         rows: &mut Vec<Row>,
+                         skipped: Option<Duration>| {
             let lane = &lanes[l];
-            let n = todo[l].len();
+            let these = of.unwrap_or(&todo[l]);
+            let n = these.len();
             // At shutdown the rows are given back due at once.
             let after = if shutdown.is_cancelled() {
                 Duration::ZERO
@@ -460,20 +465,31 @@ impl PublishStage {
             };
             metrics::counter!(m::PUBLISH_TOTAL, "publisher" => lane.name.clone(), "result" => result)
                 .increment(n as u64);
-            for &i in &todo[l] {
+            for &i in these {
                 rows[i].deferred.push((lane.name.clone(), after));
             }
+        };
+        let behind = |l: usize, rows: &mut Vec<Row>, skipped: Option<Duration>| {
+            behind_of(l, None, rows, skipped)
         };
         for (l, answer) in answers {
             let lane = &lanes[l];
             lane.pace().held_rows -= todo[l].len();
             match answer {
                 Some(Answer::Published(results)) => {
+                    // Rows the publisher never started before the batch's
+                    // time ran out were not sent: deferred for it, no
+                    // attempt (they were counted as timed out).
+                    let mut unsent = Vec::new();
                     for (&i, result) in todo[l].iter().zip(results) {
                         match result {
-                            Ok(()) => rows[i].confirmed.push(lane.name.clone()),
-                            Err(e) => rows[i].errors.push((lane.name.clone(), e)),
+                            Some(Ok(())) => rows[i].confirmed.push(lane.name.clone()),
+                            Some(Err(e)) => rows[i].errors.push((lane.name.clone(), e)),
+                            None => unsent.push(i),
                         }
+                    }
+                    if !unsent.is_empty() {
+                        behind_of(l, Some(&unsent), &mut rows, None);
                     }
                 }
                 Some(Answer::NotStarted) => behind(l, &mut rows, None),
@@ -662,8 +678,9 @@ struct Job {
 
 /// A lane's answer for one job.
 enum Answer {
-    /// One result per row, in the job's order.
-    Published(Vec<std::result::Result<(), PublishError>>),
+    /// One result per row, in the job's order; `None` for a row the
+    /// publisher never started.
+    Published(Vec<Option<std::result::Result<(), PublishError>>>),
     /// Not published: the job waited in the queue past the lease's publish
     /// budget, or the relay is stopping.
     NotStarted,
@@ -861,12 +878,19 @@ impl LaneWorker {
         drop(deliveries);
         // A publish that confirmed nothing (timeouts, a target that is
         // down) says nothing about the publisher's pace.
-        let confirmed = matches!(&published, Ok(results) if results.iter().any(Result::is_ok));
+        let confirmed =
+            matches!(&published, Ok(results) if results.iter().any(|r| matches!(r, Some(Ok(())))));
         self.pace().end(started, rows, confirmed);
         match published {
             Ok(results) => {
                 if let Some(spans) = spans {
-                    spans.end(&results);
+                    let ended: Vec<_> = (results.iter())
+                        .map(|r| {
+                            r.clone()
+                                .unwrap_or(Err(PublishError::Timeout(self.timeout)))
+                        })
+                        .collect();
+                    spans.end(&ended);
                 }
                 trip_or_reset(p.name(), &self.breaker, &results);
                 Answer::Published(results)
@@ -900,14 +924,13 @@ pub(super) struct Outcome {
     pub failed_publishers: Option<String>,
 }
 
-/// Opens `breaker` when every delivery of the batch timed out, closes it
-/// on a confirmation, and says so once.
-fn trip_or_reset(publisher: &str, breaker: &Breaker, results: &[Result<(), PublishError>]) {
-    let outcome = if results.iter().any(Result::is_ok) {
+/// Opens `breaker` when every delivery of the batch that was sent timed
+/// out, closes it on a confirmation, and says so once.
+fn trip_or_reset(publisher: &str, breaker: &Breaker, results: &[Option<Result<(), PublishError>>]) {
+    let sent = || results.iter().flatten();
+    let outcome = if sent().any(Result::is_ok) {
         BatchResult::Confirmed
-    } else if results
-        .iter()
-        .all(|r| matches!(r, Err(PublishError::Timeout(_))))
+    } else if sent().next().is_some() && sent().all(|r| matches!(r, Err(PublishError::Timeout(_))))
     {
         BatchResult::AllTimedOut
     } else {
@@ -934,7 +957,7 @@ async fn publish_bounded(
     deliveries: &[Delivery<'_>],
     timeout: Duration,
     deadline: tokio::time::Instant,
-) -> Vec<Result<(), PublishError>> {
+) -> Vec<Option<Result<(), PublishError>>> {
     let started = std::time::Instant::now();
     let results = PublishResults::new(deliveries.len());
     if tokio::time::timeout_at(deadline, p.publish_each(deliveries, timeout, &results))
@@ -944,15 +967,16 @@ async fn publish_bounded(
         tracing::warn!(
             publisher = p.name(),
             events = deliveries.len(),
-            "the batch's lease ran short before every publish ended; events without a result count as timed out"
+            "the batch's lease ran short before every publish ended; events sent without a result count as timed out, those not sent yet are deferred"
         );
     }
-    let results = results.into_results(timeout);
+    let results = results.into_outcomes(timeout);
     let publisher = p.name().to_owned();
     metrics::histogram!(m::PUBLISH_DURATION_SECONDS, "publisher" => publisher.clone())
         .record(started.elapsed().as_secs_f64());
     let (mut ok, mut error, mut timeout) = (0u64, 0u64, 0u64);
-    for r in &results {
+    // Rows never started are counted as deferred by the stage.
+    for r in results.iter().flatten() {
         match r {
             Ok(()) => ok += 1,
             Err(PublishError::Timeout(_)) => timeout += 1,

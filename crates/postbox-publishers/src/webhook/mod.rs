@@ -278,6 +278,9 @@ impl Publisher for WebhookPublisher {
             let in_flight = &in_flight;
             async move {
                 let _permit = in_flight.acquire().await;
+                // One not started when the batch's time runs out was not
+                // sent: no attempt is counted for it.
+                results.start(i);
                 results.set(i, self.send(d, timeout).await);
             }
         });

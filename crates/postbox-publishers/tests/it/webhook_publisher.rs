@@ -485,3 +485,39 @@ async fn an_event_id_that_is_not_ascii_is_delivered() {
     assert_eq!(got[0].idempotency_key, "订单-1");
     assert_eq!(got[0].body["event_id"], "订单-1");
 }
+
+/// A batch larger than the webhook sends in the time it has (16 requests
+/// at a time, each answered in 0.9 s, a 2 s publish deadline): the events
+/// it never started were not sent, and count no attempt; each reaches the
+/// receiver first as attempt 1. They were counted as timed out, so a slow
+/// endpoint walked events it never saw towards `failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_the_webhook_never_started_count_no_attempt() {
+    let (receiver, base) = Receiver::start(200).await;
+    receiver.0.lock().unwrap().delay = Duration::from_millis(900);
+    let store = store_with("wslow", 64).await;
+    let worker = postbox_core::config::WorkerConfig {
+        batch_size: 64,
+        lease: HumanDuration::millis(2500),
+        publish_timeout: HumanDuration::secs(1),
+        max_retry_count: 5,
+        ..fast_worker()
+    };
+    run_relay_until_for(store, publisher(&base), worker, "wslow", |s| {
+        s.delivered == 64
+    })
+    .await;
+    let mut first_attempt: std::collections::HashMap<String, i64> = Default::default();
+    for r in receiver.accepted() {
+        let attempt = r.body["headers"]["x-attempt"].as_i64().unwrap();
+        let id = r.body["event_id"].as_str().unwrap().to_owned();
+        let seen = first_attempt.entry(id).or_insert(attempt);
+        *seen = (*seen).min(attempt);
+    }
+    assert_eq!(first_attempt.len(), 64);
+    let late: Vec<_> = first_attempt.iter().filter(|(_, a)| **a > 1).collect();
+    assert!(
+        late.is_empty(),
+        "events first sent as a later attempt: {late:?}"
+    );
+}
