@@ -173,6 +173,28 @@ mod tests {
             .await;
             assert!(plan.contains(what), "{sql}\n{plan}");
         }
+        // The history prune (each failed attempt, takeover and replay, in
+        // the write lock producers wait for) reads the events' entries
+        // through `_history_event_idx`: it scanned the whole history,
+        // which only grows.
+        let sql = &o.statements().history_prune;
+        let plan = plan(
+            sqlx::query(&format!("EXPLAIN QUERY PLAN {sql}"))
+                .bind("[1]")
+                .bind(50_i64),
+            o.pool(),
+        )
+        .await;
+        assert!(
+            plan.contains("room_outbox_history_event_idx"),
+            "{sql}\n{plan}"
+        );
+        assert!(
+            !plan
+                .lines()
+                .any(|l| l.starts_with("SCAN") && !l.contains("json_each")),
+            "{sql}\n{plan}"
+        );
     }
 
     /// Issue 11: `doctor` read a failed schema-version query as "version

@@ -290,13 +290,15 @@ postbox_sqlx::history_writes! {
 
 /// Keeps the newest ?2 entries of each event of rows ?1 (JSON array).
 /// Index: `{table}_history_event_idx (event_id, app_code, id)`, read backwards.
-pub(crate) const HISTORY_PRUNE: &str = "DELETE FROM {table}_history AS d \
-     WHERE EXISTS (SELECT 1 FROM {table} t \
-         WHERE t.id IN (SELECT value FROM json_each(?1)) \
-           AND t.event_id = d.event_id AND t.app_code = d.app_code) \
-       AND d.id < (SELECT h.id FROM {table}_history h \
-         WHERE h.event_id = d.event_id AND h.app_code = d.app_code \
-         ORDER BY h.id DESC LIMIT 1 OFFSET ?2 - 1)";
+/// From the rows to their events' entries (a correlated `EXISTS` on the
+/// history scanned all of it, in the write lock, at every failed attempt).
+pub(crate) const HISTORY_PRUNE: &str = "DELETE FROM {table}_history WHERE id IN ( \
+       SELECT d.id FROM {table} t JOIN {table}_history d \
+         ON d.event_id = t.event_id AND d.app_code = t.app_code \
+       WHERE t.id IN (SELECT value FROM json_each(?1)) \
+         AND d.id < (SELECT h.id FROM {table}_history h \
+           WHERE h.event_id = t.event_id AND h.app_code = t.app_code \
+           ORDER BY h.id DESC LIMIT 1 OFFSET ?2 - 1))";
 
 /// An event's history, oldest first. Index: `{table}_history_event_idx`.
 pub(crate) const HISTORY: &str = "SELECT at_ms, kind, attempt, publisher, detail \
