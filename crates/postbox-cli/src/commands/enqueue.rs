@@ -95,6 +95,25 @@ impl Summary {
 /// most `cap` bytes of it; the bytes the line had (0 at the end of the
 /// input). A line longer than `cap` is read past, never held whole: a file
 /// without line breaks is not read into memory.
+/// The lines of `reader` ([`read_line_capped`]: bytes read, and the line
+/// or as much of it as was kept), read on a thread of its own; the end
+/// or a read error ends them.
+fn read_lines(
+    mut reader: Box<dyn BufRead + Send>,
+    cap: usize,
+) -> tokio::sync::mpsc::Receiver<std::io::Result<(usize, Vec<u8>)>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    std::thread::spawn(move || loop {
+        let mut raw = Vec::new();
+        let read = read_line_capped(&mut *reader, &mut raw, cap);
+        let end = matches!(read, Ok(0) | Err(_));
+        if tx.blocking_send(read.map(|n| (n, raw))).is_err() || end {
+            return;
+        }
+    });
+    rx
+}
+
 fn read_line_capped(
     reader: &mut dyn BufRead,
     raw: &mut Vec<u8>,
@@ -197,7 +216,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         return Ok(());
     };
 
-    let (reader, total_bytes): (Box<dyn BufRead>, Option<u64>) = if path.as_os_str() == "-" {
+    let (reader, total_bytes): (Box<dyn BufRead + Send>, Option<u64>) = if path.as_os_str() == "-" {
         (Box::new(std::io::BufReader::new(std::io::stdin())), None)
     } else {
         let f = std::fs::File::open(path)
@@ -217,30 +236,38 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
     // stops and says where (a second signal exits at once).
     let interrupted = postbox_core::relay::CancellationToken::new();
     postbox_runtime::signals::spawn_signal_handler(interrupted.clone(), || {});
-    let mut reader = reader;
     // The line break besides.
     let longest_line = LINE_SLACK
         .saturating_add(max_payload.saturating_mul(JSON_ESCAPED))
         .saturating_add(2);
+    // Lines are read on a thread of their own, one ahead: a signal is
+    // seen while the input waits (a producer piping into `--file -` that
+    // pauses), not only between lines. It was not, and the second Ctrl-C
+    // exited at once, the lines read but not written lost, with no
+    // resume line.
+    let mut lines = read_lines(reader, longest_line);
     let mut line_no = 0u64;
-    let mut raw = Vec::new();
     let mut stopped = None;
     // A batch whose write failed: its lines are not handled, whatever
     // stopped the run.
     let mut write_failed = false;
     loop {
-        if interrupted.is_cancelled() {
+        let next = tokio::select! {
+            biased;
+            _ = interrupted.cancelled() => None,
+            next = lines.recv() => Some(next),
+        };
+        let Some(next) = next else {
             stopped = Some(format!("interrupted after line {line_no}"));
             break;
-        }
-        raw.clear();
-        let n = match read_line_capped(&mut *reader, &mut raw, longest_line) {
-            Ok(0) => break,
-            Ok(n) => {
+        };
+        let (n, raw) = match next {
+            None | Some(Ok((0, _))) => break,
+            Some(Ok((n, raw))) => {
                 bar.inc(n as u64);
-                n
+                (n, raw)
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 stopped = Some(format!("reading line {}: {e}", line_no + 1));
                 break;
             }

@@ -1560,3 +1560,63 @@ async fn enqueue_file_interrupted_during_a_failing_write_resumes_before_it() {
         .unwrap();
     assert_eq!(written, 0);
 }
+
+/// `enqueue --file -` fed by a producer that pauses: Ctrl-C while stdin
+/// waits stops the run at once, the lines read so far written and the
+/// resume line given. The signal was seen only when the next line came:
+/// the run kept waiting, and a second Ctrl-C exited with nothing said.
+#[test]
+fn enqueue_from_a_pausing_pipe_stops_on_ctrl_c() {
+    use std::io::Write;
+    let project = Project::migrated(|dir| {
+        format!(
+            "[database]\nurl = \"sqlite://{}/o.db\"\napp_codes = [\"room\"]\n",
+            dir.display()
+        )
+    });
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(project.path())
+        .args([
+            "--config",
+            "postbox.toml",
+            "--json",
+            "enqueue",
+            "--file",
+            "-",
+            "--app-code",
+            "room",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    for i in 1..=3 {
+        writeln!(
+            stdin,
+            "{{\"event_id\":\"p-{i}\",\"event_type\":\"T\",\"payload\":{{}}}}"
+        )
+        .unwrap();
+    }
+    stdin.flush().unwrap();
+    // The producer pauses; stdin stays open.
+    std::thread::sleep(Duration::from_millis(800));
+    signal("INT", child.id());
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "still waiting on stdin 10 s after Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert_says(
+        &out,
+        &["interrupted after line 3", "lines 1 to 3 are handled"],
+    );
+    assert_eq!(json(&out)["inserted"], 3, "{}", text(&out));
+}
