@@ -95,13 +95,16 @@ impl ListParams {
                 "aggregate_id: give an app_code too (aggregate ids are a tenant's)",
             ));
         }
+        let (since_ms, until_ms) = (time("since", &self.since)?, time("until", &self.until)?);
+        postbox_core::time::check_range(since_ms, until_ms)
+            .map_err(|e| ApiError::bad_request(format!("since/until: {e}")))?;
         Ok(EventFilter {
             app_code,
             aggregate_id,
             status,
             event_type: non_empty(&self.event_type),
-            since_ms: time("since", &self.since)?,
-            until_ms: time("until", &self.until)?,
+            since_ms,
+            until_ms,
             before_id: self.before_id,
             limit,
             ..EventFilter::default()

@@ -28,13 +28,16 @@ pub fn filter(args: &FilterArgs, limit: u32) -> Result<EventFilter, CliError> {
             "--aggregate needs --app-code (aggregate ids are a tenant's)",
         ));
     }
+    let (since_ms, until_ms) = (time("since", &args.since)?, time("until", &args.until)?);
+    postbox_core::time::check_range(since_ms, until_ms)
+        .map_err(|e| CliError::usage(format!("--since/--until: {e}")))?;
     Ok(EventFilter {
         app_code: args.app_code.clone(),
         aggregate_id: args.aggregate.clone(),
         status,
         event_type: args.event_type.clone(),
-        since_ms: time("since", &args.since)?,
-        until_ms: time("until", &args.until)?,
+        since_ms,
+        until_ms,
         limit,
         ..EventFilter::default()
     })

@@ -80,6 +80,18 @@ fn parse_timestamp(s: &str) -> Option<Result<i64, String>> {
     Some(parsed)
 }
 
+/// Refuses a time range that holds no time: `since` at or after `until`
+/// (`--since 1h --until 2h`, the two swapped), which matched nothing and
+/// said so as "0 events".
+pub fn check_range(since_ms: Option<i64>, until_ms: Option<i64>) -> Result<(), String> {
+    match (since_ms, until_ms) {
+        (Some(since), Some(until)) if since >= until => {
+            Err("since is not before until: the range holds no time (the two swapped?)".to_owned())
+        }
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

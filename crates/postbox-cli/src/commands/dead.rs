@@ -91,11 +91,14 @@ fn dead_filter(args: &DeadFilterArgs) -> Result<DeadFilter, CliError> {
             .map(|s| parse_time_arg(s, now).map_err(|e| CliError::usage(format!("--{flag}: {e}"))))
             .transpose()
     };
+    let (since_ms, until_ms) = (time("since", &args.since)?, time("until", &args.until)?);
+    postbox_core::time::check_range(since_ms, until_ms)
+        .map_err(|e| CliError::usage(format!("--since/--until: {e}")))?;
     Ok(DeadFilter {
         event_id: args.event_id.clone(),
         event_type: args.event_type.clone(),
-        since_ms: time("since", &args.since)?,
-        until_ms: time("until", &args.until)?,
+        since_ms,
+        until_ms,
         error: args.error.clone(),
     })
 }

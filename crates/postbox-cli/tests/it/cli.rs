@@ -366,6 +366,10 @@ fn sqlite_workflow_end_to_end() {
     let bad_time = run(&["replay", "--since", "yesterday"]);
     assert_eq!(bad_time.status.code(), Some(2));
     assert!(text(&bad_time).contains("--since"));
+    // A range holding no time (the two swapped) is refused, not "0 events".
+    let swapped = run(&["replay", "--since", "1h", "--until", "2h", "--dry-run"]);
+    assert_eq!(swapped.status.code(), Some(2), "{}", text(&swapped));
+    assert_says(&swapped, &["--since/--until", "holds no time"]);
 
     // Event ids are unique per app_code: an id in two of them, given
     // without --app-code, is refused (both events were replayed before).
