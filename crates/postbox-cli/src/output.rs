@@ -91,3 +91,50 @@ fn table<'a>(rows: impl Iterator<Item = (&'a EventRecord, bool)>) {
         );
     }
 }
+
+/// How often [`Ticker`] logs.
+const TICK_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Progress of long work where its bar is not drawn (stderr not a
+/// terminal: cron, CI, a pipe): an INFO line every 10 s with the bar's
+/// count and message, so a long `archive` or `enqueue --file` shows it is
+/// moving (it printed nothing until the end). Stops when dropped.
+pub struct Ticker(Option<tokio::task::JoinHandle<()>>);
+
+impl Ticker {
+    /// Logs `bar`'s position as `counted` (`rows archived`, `bytes read`).
+    pub fn start(
+        bar: &indicatif::ProgressBar,
+        work: &'static str,
+        counted: &'static str,
+    ) -> Ticker {
+        use std::io::IsTerminal;
+        if std::io::stderr().is_terminal() {
+            return Ticker(None);
+        }
+        let bar = bar.clone();
+        Ticker(Some(tokio::spawn(async move {
+            let started = tokio::time::Instant::now();
+            let mut every = tokio::time::interval_at(started + TICK_EVERY, TICK_EVERY);
+            loop {
+                every.tick().await;
+                let message = bar.message();
+                tracing::info!(
+                    progress = bar.position(),
+                    elapsed_s = started.elapsed().as_secs(),
+                    "{work}: {} {counted} so far{}{message}",
+                    bar.position(),
+                    if message.is_empty() { "" } else { ", " },
+                );
+            }
+        })))
+    }
+}
+
+impl Drop for Ticker {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}

@@ -38,6 +38,7 @@ pub async fn run(g: &Global, args: ArchiveArgs) -> Result<(), CliError> {
             .unwrap_or_else(|_| ProgressStyle::default_spinner()),
     );
     bar.set_draw_target(ProgressDrawTarget::stderr());
+    let _ticker = crate::output::Ticker::start(&bar, "archive", "rows archived");
     let moved = AtomicU64::new(0);
     let report = postbox_core::archive::archive_once(
         store.as_ref(),

@@ -225,6 +225,7 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
         (Box::new(std::io::BufReader::new(f)), len)
     };
     let bar = progress(total_bytes);
+    let _ticker = crate::output::Ticker::start(&bar, "enqueue --file", "bytes read");
     let mut out = FileWriter {
         store: store.as_ref(),
         max_payload,

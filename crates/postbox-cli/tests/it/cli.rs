@@ -1624,3 +1624,46 @@ fn enqueue_from_a_pausing_pipe_stops_on_ctrl_c() {
     );
     assert_eq!(json(&out)["inserted"], 3, "{}", text(&out));
 }
+
+/// Long work whose progress bar is not drawn (stderr not a terminal: cron,
+/// CI) logs its progress every 10 s; it printed nothing until the end.
+#[test]
+fn enqueue_file_logs_progress_where_no_bar_is_drawn() {
+    use std::io::Write;
+    let project = Project::migrated(|dir| {
+        format!(
+            "[database]\nurl = \"sqlite://{}/o.db\"\napp_codes = [\"room\"]\n",
+            dir.display()
+        )
+    });
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(project.path())
+        .args([
+            "--config",
+            "postbox.toml",
+            "enqueue",
+            "--file",
+            "-",
+            "--app-code",
+            "room",
+            "--batch-size",
+            "1",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(
+        stdin,
+        "{{\"event_id\":\"t-1\",\"event_type\":\"T\",\"payload\":{{}}}}"
+    )
+    .unwrap();
+    stdin.flush().unwrap();
+    std::thread::sleep(Duration::from_millis(10_500));
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert_ok(&out);
+    assert_says(&out, &["enqueue --file: ", "bytes read so far, 1 written"]);
+}
