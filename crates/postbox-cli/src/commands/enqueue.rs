@@ -436,6 +436,9 @@ impl FileWriter<'_> {
     /// event (an archived one is left out and counted).
     async fn write_events(&mut self, batch: &mut Vec<NewEvent>) -> Result<(), CliError> {
         let (store, summary) = (self.store, &mut self.summary);
+        // Counted once the batch is written: a batch refused is written
+        // again row by row, and counted its archived rows twice.
+        let mut archived_left_out = 0;
         if !self.allow_archived && !batch.is_empty() {
             // The outbox's unique key covers the live table only: an event id
             // already archived would be written and delivered again.
@@ -455,12 +458,15 @@ impl FileWriter<'_> {
             }
             let before = batch.len();
             batch.retain(|e| !archived.contains(&(e.app_code.clone(), e.event_id.clone())));
-            summary.archived += (before - batch.len()) as u64;
+            archived_left_out = (before - batch.len()) as u64;
         }
         if batch.is_empty() {
+            summary.archived += archived_left_out;
             return Ok(());
         }
-        for outcome in store.enqueue_batch(batch, self.max_payload).await? {
+        let outcomes = store.enqueue_batch(batch, self.max_payload).await?;
+        summary.archived += archived_left_out;
+        for outcome in outcomes {
             match outcome {
                 EnqueueOutcome::Inserted(_) => summary.inserted += 1,
                 EnqueueOutcome::Duplicate => summary.duplicates += 1,
