@@ -123,12 +123,22 @@ fn list(report: &DeadReport) {
             output::clip(l.last_error.as_deref().unwrap_or(""), 80)
         );
     }
-    outln!(
-        "{} of {} dead letters in {} shown",
-        report.letters.len(),
-        report.matched,
-        report.dead_letters
-    );
+    if report.complete {
+        outln!(
+            "{} of {} dead letters in {} shown",
+            report.letters.len(),
+            report.matched,
+            report.dead_letters
+        );
+    } else {
+        // The list stopped reading at its limit: how many more match is
+        // not known (it said "50 of 50" of thousands).
+        outln!(
+            "the first {} dead letters in {} shown; more may match (raise --limit)",
+            report.letters.len(),
+            report.dead_letters
+        );
+    }
 }
 
 fn show(report: &DeadReport) {

@@ -1054,6 +1054,16 @@ async fn dead_letters_from_the_cli_and_the_api() {
         .collect();
     ids.sort();
     assert_eq!(ids, ["d-1", "d-2", "d-3"]);
+    // A list that stopped at its limit says so, not "2 of 2".
+    let out = cli(&["dead", "list", "--consumer", queue, "--limit", "2"])
+        .await
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        said.contains("the first 2 dead letters") && said.contains("more may match"),
+        "{said}"
+    );
     let out = cli(&["dead", "show", "--consumer", queue, "d-2"])
         .await
         .unwrap();
