@@ -158,6 +158,26 @@ pub async fn run(g: &Global, args: ReplayArgs) -> Result<(), CliError> {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+        // An archived one is no live row to replay by id: say so and how
+        // it comes back (it said "not found", while `events show` found
+        // it). The time range may hold other events of that millisecond:
+        // the dry run shows them.
+        let apps = match &selector {
+            ReplaySelector::EventIds {
+                app_code: Some(a), ..
+            } => vec![a.clone()],
+            _ => config.database.app_codes.clone(),
+        };
+        for id in &missing {
+            for r in store.find_archived(id, &apps).await.unwrap_or_default() {
+                errln!(
+                    "  `{id}` is archived: bring it back by its time, `postbox replay --app-code {} --since {} --until {} --dry-run`, then without --dry-run",
+                    r.app_code,
+                    r.created_at_ms,
+                    r.created_at_ms + 1
+                );
+            }
+        }
         return Err(not_replayed());
     }
     Ok(())

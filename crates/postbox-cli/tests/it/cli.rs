@@ -927,6 +927,23 @@ async fn archived_events_stay_visible_to_events_show_and_list() {
     assert_says(&show, &["archived"]);
     let v = json(&run(&["--json", "events", "show", "new-1"]));
     assert_eq!(v[0]["archived"], false);
+    // Replayed by id, an archived event is not found as a live row: the
+    // error says where it is and how it comes back (it said "not found").
+    let by_id = run(&["replay", "old-1"]);
+    assert_eq!(by_id.status.code(), Some(1), "{}", text(&by_id));
+    assert_says(&by_id, &["`old-1` is archived", "--since", "--dry-run"]);
+    let said = text(&by_id);
+    let hint = said
+        .split("`postbox ")
+        .nth(1)
+        .and_then(|h| h.split(" --dry-run`").next())
+        .unwrap();
+    let args: Vec<&str> = hint.split(' ').collect();
+    let back = json(&run(&[&["--json"][..], &args, &["--dry-run"]].concat()));
+    assert_eq!(
+        back["count"], 1,
+        "the hint's command brings it back: {hint}: {back}"
+    );
 
     let rows = json(&run(&["--json", "events", "list"]));
     assert_eq!(
