@@ -507,6 +507,9 @@ pub struct AppStats {
     pub retryable: i64,
     /// Dead letters.
     pub failed: i64,
+    /// Sampled out (`sample_percent`): terminal, never delivered. Counted
+    /// up to one past [`DELIVERED_COUNT_CAP`] (more is shown as that).
+    pub dropped: i64,
     /// Age of the oldest pending row, in seconds (0 when none).
     pub oldest_pending_age_seconds: f64,
     /// Retryable rows already due.

@@ -1295,7 +1295,10 @@ macro_rules! count_open {
             $crate::count_open!(@ $p, "failed"),
             ", (SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE app_code = ",
             $p,
-            " AND status IN ('delivered', 'published', 'dropped') AND status <> 'dropped' LIMIT 25001) d) AS delivered"
+            " AND status IN ('delivered', 'published', 'dropped') AND status <> 'dropped' LIMIT 25001) d) AS delivered, \
+             (SELECT COUNT(*) FROM (SELECT 1 FROM {table} WHERE app_code = ",
+            $p,
+            " AND status IN ('delivered', 'published', 'dropped') AND status = 'dropped' LIMIT 25001) x) AS dropped"
         )
     };
     (@ $p:literal, $status:literal) => {

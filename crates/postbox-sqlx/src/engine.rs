@@ -817,6 +817,7 @@ impl SqlOutbox<D> {
             s.retryable = count("retryable")?;
             s.failed = count("failed")?;
             s.delivered = count("delivered")?;
+            s.dropped = count("dropped")?;
             let oldest: Option<i64> = backlog.try_get("oldest_pending_ms").map_err(db)?;
             let due: i64 = backlog.try_get("retryable_due").map_err(db)?;
             let now: i64 = backlog.try_get("now_ms").map_err(db)?;

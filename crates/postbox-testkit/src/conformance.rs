@@ -3713,7 +3713,13 @@ async fn relay_samples_a_type_and_drops_the_rest(store: Arc<dyn OutboxStore>) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let gone = dropped(500).await;
-    let delivered = stats(store.as_ref()).await.delivered;
+    let counts = stats(store.as_ref()).await;
+    let delivered = counts.delivered;
+    assert_eq!(
+        counts.dropped,
+        gone.len() as i64,
+        "status counts the dropped rows too"
+    );
     println!(
         "sampling at 50 %: {} of 200 dropped, {delivered} delivered",
         gone.len()

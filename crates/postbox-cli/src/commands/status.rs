@@ -51,13 +51,14 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
         return output::json(&rows);
     }
     outln!(
-        "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>14} {:>12}",
+        "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>8} {:>14} {:>12}",
         "APP",
         "PENDING",
         "DELIVERING",
         "DELIVERED",
         "RETRYABLE",
         "FAILED",
+        "DROPPED",
         "OLDEST PENDING",
         "RETRY DUE"
     );
@@ -68,7 +69,7 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
             format!("{}*", output::clip(&s.app_code, 15))
         };
         outln!(
-            "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>14} {:>12}",
+            "{:<16} {:>10} {:>10} {:>12} {:>10} {:>8} {:>8} {:>14} {:>12}",
             app,
             s.pending,
             s.delivering,
@@ -79,6 +80,11 @@ pub async fn run(g: &Global, args: StatusArgs) -> Result<(), CliError> {
             },
             s.retryable,
             s.failed,
+            if s.dropped > postbox_core::store::DELIVERED_COUNT_CAP {
+                format!("{}+", postbox_core::store::DELIVERED_COUNT_CAP)
+            } else {
+                s.dropped.to_string()
+            },
             format!("{:.1}s", s.oldest_pending_age_seconds),
             s.retryable_due
         );
