@@ -491,7 +491,13 @@ impl Claimer {
                 delivered_to,
                 reason: PAUSED.to_owned(),
             };
-            if let Err(e) = self.store.defer(&fence, &ids, &update).await {
+            // Retried as the mark stage's writes are: a row left leased
+            // waits out its lease, and its takeover counts an attempt.
+            if let Err(e) = super::retrying("give back paused rows", || {
+                self.store.defer(&fence, &ids, &update)
+            })
+            .await
+            {
                 tracing::warn!(error = %e, rows = ids.len(), "could not give back paused rows; their leases expire by themselves");
             }
         }
