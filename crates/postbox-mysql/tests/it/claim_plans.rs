@@ -60,6 +60,61 @@ async fn the_ordered_claim_reads_heads_not_the_backlog() {
     postbox_testkit::assert_plan_reads(&plans, "claim_pending_ordered", 30_000);
 }
 
+/// The stats poll's oldest pending row over a backlog of 20,000 rows in
+/// five types reads one index entry per type, not the backlog: it read
+/// every pending entry at every poll, a monitoring cost that grew with the
+/// backlog (the seed's incident).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_oldest_pending_row_is_found_without_reading_the_backlog() {
+    use sqlx::Row;
+    let store = scratch_store("oldest").await;
+    let t = store.table().as_str().to_owned();
+    for sql in [
+        format!(
+            "INSERT INTO {t} (app_code, event_id, event_type, payload, created_at_ms) \
+             SELECT 'room', CONCAT('e-', seq), CONCAT('T', seq % 5), '{{}}', 1000 + seq FROM seq_1_to_20000"
+        ),
+        format!("ANALYZE TABLE {t}"),
+    ] {
+        sqlx::query(&sql).execute(store.pool()).await.unwrap();
+    }
+    let backlog = store.statements().backlog.replace("?1", "'room'");
+    let analyzed = sqlx::query(&format!("ANALYZE FORMAT=JSON {backlog}"))
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    let plan: String = analyzed.try_get(0).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&plan).unwrap();
+    fn r_rows(v: &serde_json::Value) -> f64 {
+        match v {
+            serde_json::Value::Object(m) => m
+                .iter()
+                .map(|(k, v)| {
+                    if k == "r_rows" {
+                        v.as_f64().unwrap_or(0.0)
+                    } else {
+                        r_rows(v)
+                    }
+                })
+                .sum(),
+            serde_json::Value::Array(a) => a.iter().map(r_rows).sum(),
+            _ => 0.0,
+        }
+    }
+    assert!(
+        r_rows(&json) < 1_000.0,
+        "read {} rows:\n{plan}",
+        r_rows(&json)
+    );
+    let stats = store.stats(&["room".to_owned()]).await.unwrap();
+    assert_eq!(stats[0].pending, 20_000);
+    assert!(
+        stats[0].oldest_pending_age_seconds > 1_000_000.0,
+        "{:?}",
+        stats[0]
+    );
+}
+
 /// A replay by filter without an app_code (`replay --status failed`) runs
 /// once per app_code with rows, each through `_due_idx (app_code, status,
 /// …)`: without the app_code, MariaDB had no index to read and scanned
