@@ -1589,30 +1589,8 @@ async fn enqueue_file_interrupted_during_a_failing_write_resumes_before_it() {
 #[test]
 fn enqueue_from_a_pausing_pipe_stops_on_ctrl_c() {
     use std::io::Write;
-    let project = Project::migrated(|dir| {
-        format!(
-            "[database]\nurl = \"sqlite://{}/o.db\"\napp_codes = [\"room\"]\n",
-            dir.display()
-        )
-    });
-    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .current_dir(project.path())
-        .args([
-            "--config",
-            "postbox.toml",
-            "--json",
-            "enqueue",
-            "--file",
-            "-",
-            "--app-code",
-            "room",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
+    let project = sqlite_room();
+    let (mut child, mut stdin) = enqueue_from_a_pipe(&project, &["--json"], &[]);
     for i in 1..=3 {
         writeln!(
             stdin,
@@ -1647,31 +1625,8 @@ fn enqueue_from_a_pausing_pipe_stops_on_ctrl_c() {
 #[test]
 fn enqueue_file_logs_progress_where_no_bar_is_drawn() {
     use std::io::Write;
-    let project = Project::migrated(|dir| {
-        format!(
-            "[database]\nurl = \"sqlite://{}/o.db\"\napp_codes = [\"room\"]\n",
-            dir.display()
-        )
-    });
-    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
-        .current_dir(project.path())
-        .args([
-            "--config",
-            "postbox.toml",
-            "enqueue",
-            "--file",
-            "-",
-            "--app-code",
-            "room",
-            "--batch-size",
-            "1",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
+    let project = sqlite_room();
+    let (child, mut stdin) = enqueue_from_a_pipe(&project, &[], &["--batch-size", "1"]);
     writeln!(
         stdin,
         "{{\"event_id\":\"t-1\",\"event_type\":\"T\",\"payload\":{{}}}}"
@@ -1683,4 +1638,36 @@ fn enqueue_file_logs_progress_where_no_bar_is_drawn() {
     let out = child.wait_with_output().unwrap();
     assert_ok(&out);
     assert_says(&out, &["enqueue --file: ", "bytes read so far, 1 written"]);
+}
+
+/// A migrated SQLite project serving app_code `room`.
+fn sqlite_room() -> Project {
+    Project::migrated(|dir| {
+        format!(
+            "[database]\nurl = \"sqlite://{}/o.db\"\napp_codes = [\"room\"]\n",
+            dir.display()
+        )
+    })
+}
+
+/// `postbox [global] enqueue --file - --app-code room [more]` started on
+/// `project`, its output piped, and the pipe it reads.
+fn enqueue_from_a_pipe(
+    project: &Project,
+    global: &[&str],
+    more: &[&str],
+) -> (std::process::Child, std::process::ChildStdin) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_postbox"))
+        .current_dir(project.path())
+        .args(["--config", "postbox.toml"])
+        .args(global)
+        .args(["enqueue", "--file", "-", "--app-code", "room"])
+        .args(more)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdin = child.stdin.take().unwrap();
+    (child, stdin)
 }

@@ -455,13 +455,41 @@ fn admin_toml() -> (String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
+    rabbit_fail_over_and_back("rabbitmq failover", "pbx_failover", |primary, up| {
+        if up {
+            primary.start_app(0)
+        } else {
+            primary.stop_app(0)
+        }
+    })
+    .await;
+}
+
+/// The primary broker blocks publishing (a memory alarm) and clears it:
+/// the publisher counts a blocked connection as down, fails over to the
+/// secondary and comes back. A blocked connection counted as up: the
+/// publisher stayed on the primary, every publish failed and the events
+/// walked towards `failed` while the secondary stood idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_fails_over_while_the_primary_blocks_publishing() {
+    rabbit_fail_over_and_back(
+        "rabbitmq failover on a memory alarm",
+        "pbx_alarm",
+        |primary, up| primary.memory_alarm(0, !up),
+    )
+    .await;
+}
+
+/// [`fail_over_and_back`] over two single-node RabbitMQ brokers, the
+/// primary taken down and up again by `set(primary, up)` (blocking).
+async fn rabbit_fail_over_and_back(label: &str, prefix: &str, set: fn(&RabbitCluster, bool)) {
     let (primary, secondary) = tokio::join!(
         tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
         tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
     );
     let (primary, secondary) = (Arc::new(primary.unwrap()), secondary.unwrap());
     let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
-    let (url, store) = common::server_outbox("postgres", "pbx_failover", 4).await;
+    let (url, store) = common::server_outbox("postgres", prefix, 4).await;
     let (exchange, queue) = (scratch_name("pbx_fox"), scratch_name("pbx_foq"));
     exchange_and_queue(&primary_url, &exchange, &queue).await;
     exchange_and_queue(&secondary_url, &exchange, &queue).await;
@@ -475,9 +503,9 @@ async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
             outbox_toml(&url, store.table().as_str()),
         ),
     );
-    let (stopping, starting) = (primary.clone(), primary.clone());
+    let (down, up) = (primary.clone(), primary.clone());
     let setup = Failover {
-        label: "rabbitmq failover",
+        label,
         dir: dir.path(),
         cfg: &cfg,
         store: &store,
@@ -486,71 +514,12 @@ async fn a_publisher_fails_over_to_the_secondary_broker_and_back() {
     fail_over_and_back(
         setup,
         async || {
-            tokio::task::spawn_blocking(move || stopping.stop_app(0))
+            tokio::task::spawn_blocking(move || set(&down, false))
                 .await
                 .unwrap()
         },
         async || {
-            tokio::task::spawn_blocking(move || starting.start_app(0))
-                .await
-                .unwrap()
-        },
-        async |primary| {
-            let url = if primary {
-                &primary_url
-            } else {
-                &secondary_url
-            };
-            drain(url, &queue).await
-        },
-    )
-    .await;
-}
-
-/// The primary broker blocks publishing (a memory alarm) and clears it:
-/// the publisher counts a blocked connection as down, fails over to the
-/// secondary and comes back. A blocked connection counted as up: the
-/// publisher stayed on the primary, every publish failed and the events
-/// walked towards `failed` while the secondary stood idle.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_publisher_fails_over_while_the_primary_blocks_publishing() {
-    let (primary, secondary) = tokio::join!(
-        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
-        tokio::task::spawn_blocking(|| RabbitCluster::start(1)),
-    );
-    let (primary, secondary) = (Arc::new(primary.unwrap()), secondary.unwrap());
-    let (primary_url, secondary_url) = (primary.urls()[0].clone(), secondary.urls()[0].clone());
-    let (url, store) = common::server_outbox("postgres", "pbx_alarm", 4).await;
-    let (exchange, queue) = (scratch_name("pbx_alx"), scratch_name("pbx_alq"));
-    exchange_and_queue(&primary_url, &exchange, &queue).await;
-    exchange_and_queue(&secondary_url, &exchange, &queue).await;
-    let (admin_toml, admin) = admin_toml();
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = common::write_config(
-        dir.path(),
-        &format!(
-            "{}[[publishers]]\nkind = \"rabbitmq\"\nname = \"mq\"\nurl = \"{primary_url}\"\nexchange = \"{exchange}\"\n\
-             failover = [{{ name = \"secondary\", url = \"{secondary_url}\" }}]\nfailover_after = \"2s\"\nfailback_after = \"3s\"\n{admin_toml}",
-            outbox_toml(&url, store.table().as_str()),
-        ),
-    );
-    let (raising, clearing) = (primary.clone(), primary.clone());
-    let setup = Failover {
-        label: "rabbitmq failover on a memory alarm",
-        dir: dir.path(),
-        cfg: &cfg,
-        store: &store,
-        admin: &admin,
-    };
-    fail_over_and_back(
-        setup,
-        async || {
-            tokio::task::spawn_blocking(move || raising.memory_alarm(0, true))
-                .await
-                .unwrap()
-        },
-        async || {
-            tokio::task::spawn_blocking(move || clearing.memory_alarm(0, false))
+            tokio::task::spawn_blocking(move || set(&up, true))
                 .await
                 .unwrap()
         },

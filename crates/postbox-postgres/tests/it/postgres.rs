@@ -447,30 +447,12 @@ async fn migrate_recreates_tables_dropped_by_hand() {
 /// database, and left them out without a word.
 #[tokio::test]
 async fn with_the_archive_elsewhere_a_replay_reads_rows_still_archived_here() {
-    use postbox_core::store::{ArchiveRequest, ClaimRequest, EventFilter, ReplaySelector};
-    use postbox_core::ClaimSource;
+    use postbox_core::store::{ArchiveRequest, EventFilter, ReplaySelector};
     use postbox_testkit::servers::ensure_database;
     let hot = outbox().await;
     let t = hot.table().as_str().to_owned();
     let store: &dyn OutboxStore = &hot;
-    let e = NewEvent::new("room", "T", "{}");
-    store
-        .enqueue_batch(std::slice::from_ref(&e), 1024)
-        .await
-        .unwrap();
-    let req = ClaimRequest {
-        app_code: "room",
-        limit: 10,
-        worker_id: "w",
-        lease_ms: 60_000,
-        ordered: false,
-        skip_types: &[],
-    };
-    let claimed = store.claim(ClaimSource::Pending, &req).await.unwrap();
-    store
-        .mark_delivered(&claimed[0].fence(), &[claimed[0].record.id])
-        .await
-        .unwrap();
+    let e = one_delivered(store).await;
     let now = store.now_ms().await.unwrap();
     let archive = ArchiveRequest {
         app_codes: vec!["room".into()],
@@ -626,30 +608,11 @@ async fn a_relay_stops_while_its_database_is_silent() {
 /// lock every producer waits for).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_archive_database_gone_silent_is_given_up_and_its_batch_stays() {
-    use postbox_core::store::{ArchiveRequest, ClaimRequest, ReplaySelector};
-    use postbox_core::ClaimSource;
+    use postbox_core::store::{ArchiveRequest, ReplaySelector};
     use postbox_testkit::servers::ensure_database;
     let direct = outbox().await;
     let t = direct.table().as_str().to_owned();
-    let e = NewEvent::new("room", "T", "{}");
-    let store: &dyn OutboxStore = &direct;
-    store
-        .enqueue_batch(std::slice::from_ref(&e), 1024)
-        .await
-        .unwrap();
-    let req = ClaimRequest {
-        app_code: "room",
-        limit: 10,
-        worker_id: "w",
-        lease_ms: 60_000,
-        ordered: false,
-        skip_types: &[],
-    };
-    let claimed = store.claim(ClaimSource::Pending, &req).await.unwrap();
-    store
-        .mark_delivered(&claimed[0].fence(), &[claimed[0].record.id])
-        .await
-        .unwrap();
+    let e = one_delivered(&direct).await;
 
     let far_url = format!("{}_far", postgres_url());
     ensure_database("postgres", &far_url).await;
@@ -690,4 +653,31 @@ async fn an_archive_database_gone_silent_is_given_up_and_its_batch_stays() {
     .expect("the row is not held")
     .unwrap();
     assert_eq!(replayed.len(), 1, "the batch stays in the outbox");
+}
+
+/// One `room` event enqueued, claimed and marked delivered in `store`.
+async fn one_delivered(store: &dyn OutboxStore) -> NewEvent {
+    use postbox_core::store::ClaimRequest;
+    let e = NewEvent::new("room", "T", "{}");
+    store
+        .enqueue_batch(std::slice::from_ref(&e), 1024)
+        .await
+        .unwrap();
+    let req = ClaimRequest {
+        app_code: "room",
+        limit: 10,
+        worker_id: "w",
+        lease_ms: 60_000,
+        ordered: false,
+        skip_types: &[],
+    };
+    let claimed = store
+        .claim(postbox_core::ClaimSource::Pending, &req)
+        .await
+        .unwrap();
+    store
+        .mark_delivered(&claimed[0].fence(), &[claimed[0].record.id])
+        .await
+        .unwrap();
+    e
 }
