@@ -37,6 +37,36 @@ pub(crate) fn local_addr(listener: &TcpListener) -> Result<SocketAddr> {
     })
 }
 
+/// How long a server stopping waits for its connections to end.
+const STOP_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Serves `app` on `listener` until `shutdown`, then waits at most
+/// [`STOP_WITHIN`] for the connections open then: a client that never
+/// finishes its request (a half-open connection, a stuck scraper) held
+/// the server, and the process with it, after SIGTERM for good.
+pub(crate) async fn serve_until(
+    listener: tokio::net::TcpListener,
+    app: axum::extract::connect_info::IntoMakeServiceWithConnectInfo<
+        axum::Router,
+        std::net::SocketAddr,
+    >,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> std::io::Result<()> {
+    let stop = shutdown.clone();
+    let served =
+        axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+    tokio::select! {
+        served = served => served,
+        () = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(STOP_WITHIN).await;
+        } => {
+            tracing::warn!("connections still open {}s after the stop: closed", STOP_WITHIN.as_secs());
+            Ok(())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

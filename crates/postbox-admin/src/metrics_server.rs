@@ -115,8 +115,7 @@ impl MetricsServer {
                 auth::guard,
             ))
             .into_make_service_with_connect_info::<SocketAddr>();
-        let served = axum::serve(self.listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        let served = crate::listener::serve_until(self.listener, app, shutdown)
             .await
             .map_err(|e| Error::Io {
                 context: format!("metrics server on {addr}"),

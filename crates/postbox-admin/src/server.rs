@@ -141,10 +141,7 @@ impl AdminServer {
         let poll_task = tokio::spawn(self.state.poller.clone().run(shutdown.clone()));
         tracing::info!(%addr, "admin API and dashboard listening on http://{addr}/");
         let app = router(self.state).into_make_service_with_connect_info::<SocketAddr>();
-        let stop = shutdown.clone();
-        let served = axum::serve(self.listener, app)
-            .with_graceful_shutdown(async move { stop.cancelled().await })
-            .await;
+        let served = crate::listener::serve_until(self.listener, app, shutdown.clone()).await;
         shutdown.cancel();
         let _ = poll_task.await;
         served.map_err(|e| Error::Io {

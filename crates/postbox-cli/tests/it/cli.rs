@@ -1671,3 +1671,52 @@ fn enqueue_from_a_pipe(
     let stdin = child.stdin.take().unwrap();
     (child, stdin)
 }
+
+/// A client that never finishes its request to the admin port (a
+/// half-open connection, a stuck scraper) does not hold the relay after
+/// SIGTERM: the admin server waits for open connections at most 5 s. It
+/// waited for good, and only a second signal ended the process.
+#[test]
+fn a_stuck_admin_client_does_not_hold_the_relay_s_exit() {
+    use std::io::Write;
+    let port = postbox_testkit::clusters::free_port();
+    let project = Project::migrated(|dir| {
+        format!(
+            "[database]\nurl = \"sqlite://{}/o.db\"\napp_codes = [\"room\"]\n\
+             [[publishers]]\nkind = \"file\"\npath = \"{}/out.jsonl\"\n\
+             [admin]\nlisten = \"127.0.0.1:{port}\"\n",
+            dir.display(),
+            dir.display()
+        )
+    });
+    let child = project.spawn(&["relay"], Stdio::piped());
+    let started = std::time::Instant::now();
+    let mut stuck = loop {
+        if let Ok(c) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            break c;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the admin port never opened"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // A request whose headers never end.
+    stuck
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    signal("TERM", child.id());
+    let stopping = std::time::Instant::now();
+    let mut child = child;
+    while child.try_wait().unwrap().is_none() {
+        assert!(
+            stopping.elapsed() < Duration::from_secs(15),
+            "the relay still runs 15 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    drop(stuck);
+}
