@@ -86,14 +86,8 @@ impl StatsPoller {
     /// figures served say so): a database gone silent held the poller for
     /// good, the dashboard showing old figures as current.
     pub async fn poll_once(&self) {
-        let result = tokio::time::timeout(POLL_WITHIN, self.query())
-            .await
-            .unwrap_or_else(|_| {
-                Err(postbox_core::Error::no_answer(
-                    "admin stats poll",
-                    POLL_WITHIN,
-                ))
-            });
+        let result =
+            postbox_core::Error::unless_silent("admin stats poll", POLL_WITHIN, self.query()).await;
         let mut latest = self.latest.write().unwrap_or_else(|p| p.into_inner());
         match result {
             Ok(fresh) => {

@@ -269,11 +269,9 @@ async fn bounded<T>(
     what: &'static str,
     statement: impl std::future::Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, Error> {
-    let within = crate::inbox::INBOX_WITHIN;
-    match tokio::time::timeout(within, statement).await {
-        Ok(done) => done.map_err(|e| Error::database(what, e)),
-        Err(_) => Err(Error::no_answer(what, within)),
-    }
+    use futures::TryFutureExt;
+    let statement = statement.map_err(|e| Error::database(what, e));
+    Error::unless_silent(what, crate::inbox::INBOX_WITHIN, statement).await
 }
 
 macro_rules! holds_backend {

@@ -152,6 +152,18 @@ impl Error {
         }
     }
 
+    /// `work`, or [`Error::no_answer`] when it has not ended within
+    /// `within`: every wait on a database that may go silent.
+    pub async fn unless_silent<T>(
+        operation: &'static str,
+        within: std::time::Duration,
+        work: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        tokio::time::timeout(within, work)
+            .await
+            .unwrap_or_else(|_| Err(Error::no_answer(operation, within)))
+    }
+
     /// A configuration error on `key`.
     pub fn config(key: impl Into<String>, reason: impl fmt::Display) -> Self {
         Error::Config {

@@ -45,9 +45,7 @@ impl Bounded {
         operation: &'static str,
         work: impl std::future::Future<Output = Result<T>>,
     ) -> Result<T> {
-        tokio::time::timeout(within, work)
-            .await
-            .unwrap_or_else(|_| Err(Error::no_answer(operation, within)))
+        Error::unless_silent(operation, within, work).await
     }
 }
 

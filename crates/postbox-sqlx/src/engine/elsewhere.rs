@@ -46,9 +46,7 @@ pub(super) async fn far<T>(
     what: &'static str,
     call: impl std::future::Future<Output = Result<T>>,
 ) -> Result<T> {
-    tokio::time::timeout(FAR_WITHIN, call)
-        .await
-        .unwrap_or_else(|_| Err(Error::no_answer(what, FAR_WITHIN)))
+    Error::unless_silent(what, FAR_WITHIN, call).await
 }
 
 /// Where one archive batch is taken from.
