@@ -52,8 +52,24 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
     };
     let mut controls: Vec<Arc<dyn postbox_admin::ConsumerControl>> = Vec::new();
     let mut tasks = tokio::task::JoinSet::new();
+    let mut failure = None;
     for (at, c) in settings.consumers() {
-        let (handler, holds) = build_handler(&at, c, &shutdown).await?;
+        // Opening an inbox waits on its database (bounded: `inbox::bridge`).
+        // A stop asked for meanwhile ends the start-up at once; a consumer
+        // that cannot be built stops those already running, each finishing
+        // the message in hand (dropping the task set aborted them).
+        let built = tokio::select! {
+            built = build_handler(&at, c, &shutdown) => built,
+            _ = shutdown.cancelled() => break,
+        };
+        let (handler, holds) = match built {
+            Ok(built) => built,
+            Err(e) => {
+                shutdown.cancel();
+                failure = Some(e);
+                break;
+            }
+        };
         let shutdown = shutdown.clone();
         let name = c.name().to_owned();
         let placed = at.clone();
@@ -102,7 +118,6 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
             }
         })
     });
-    let mut failure = None;
     while let Some(joined) = tasks.join_next().await {
         match joined {
             Ok((name, Ok(report))) => {

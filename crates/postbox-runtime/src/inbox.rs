@@ -37,6 +37,15 @@ pub async fn migrate(at: &KeyPath, config: &InboxConfig) -> Result<(), Error> {
     opened.map_err(|e| refused(at, config, e))
 }
 
+/// What opening an inbox is called in its error.
+const OPENING: &str = "opening the inbox database";
+
+/// How long opening an inbox may wait on its database: connecting (the
+/// pool gives up after 30 s) and creating the tables when missing, which
+/// a database that stopped answering after the connection would hold for
+/// good, the consumer neither starting nor failing.
+const OPEN_WITHIN: Duration = Duration::from_secs(60);
+
 /// `http` behind the inbox of consumer `c` (at key `at`, `consumers.0`),
 /// with the holds of `ordering = "per_aggregate"`; starts the inbox purge,
 /// which stops with `shutdown`.
@@ -59,9 +68,13 @@ pub(crate) async fn bridge(
     // crate, so each arm names its database once.
     macro_rules! bridge_on {
         ($db:ty) => {{
-            let inbox = Inbox::<$db>::connect(url, table).await.map_err(refuse)?;
+            let inbox =
+                Error::unless_silent(OPENING, OPEN_WITHIN, Inbox::<$db>::connect(url, table))
+                    .await
+                    .map_err(refuse)?;
             let holds = if ordered {
-                Some(Arc::new(Holds::<$db>::of(&inbox).await.map_err(refuse)?))
+                let holds = Error::unless_silent(OPENING, OPEN_WITHIN, Holds::<$db>::of(&inbox));
+                Some(Arc::new(holds.await.map_err(refuse)?))
             } else {
                 None
             };

@@ -740,6 +740,33 @@ fn consume_toml_with_inbox(queue: &str, url: &str, inbox: &str) -> String {
     )
 }
 
+/// SIGTERM while `consume` opens an inbox whose database never answers
+/// ends it at once, exit 0. It waited for the pool's 30 s connect timeout
+/// (then failed), and a database that stopped answering after the
+/// connection, while the inbox tables were checked, held it for good.
+#[tokio::test]
+async fn consume_stops_when_asked_while_its_inbox_database_is_silent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (proxy, inbox) = postbox_testkit::proxy::to_postgres().await;
+    proxy.silence();
+    let toml = consume_toml_with_inbox("q-silent-inbox", "http://127.0.0.1:1/", &inbox);
+    let config = write_config(dir.path(), &toml);
+    let mut child = consume(&config).stderr(Stdio::piped()).spawn().unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "consume is still opening its inbox"
+    );
+    common::signal("TERM", child.id().unwrap());
+    let exited = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+    let Ok(status) = exited else {
+        child.start_kill().unwrap();
+        panic!("consume still running 10 s after SIGTERM");
+    };
+    let stderr = stderr_of(&mut child).await;
+    assert!(status.unwrap().success(), "{stderr}");
+}
+
 #[tokio::test]
 async fn bad_consumer_config_exits_2_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
