@@ -79,6 +79,15 @@ struct Claim<'a> {
 /// next. A round takes over at most this many.
 const TAKEOVER_BATCH: u32 = 8;
 
+/// How long a claim in flight when the relay is asked to stop may still
+/// take. Bounded on its own at twice the lease (see `bounded.rs`), a claim
+/// on a database gone silent held the stop for a minute at the default
+/// lease, past the grace most supervisors give (Kubernetes: 30 s) before
+/// they kill the process. Given up, it is what a kill would leave: rows
+/// leased on the database by a claim that commits later wait out their
+/// lease.
+const CLAIM_AFTER_STOP: Duration = Duration::from_secs(5);
+
 /// How long one round goes on claiming due retries (or expired leases)
 /// of one app_code past batches all of paused types: each batch is given
 /// back, due again after [`PAUSED_RECHECK`], so the next claim reads past
@@ -167,11 +176,22 @@ impl Claimer {
                 // trip writes it instead of probing (see `heartbeat`); the
                 // probe follows within a second.
                 beat_round = true;
-                if let Err(e) = self.store.beat(&beat).await {
+                // Neither this beat nor the probe is worth waiting for
+                // once the relay stops: a database gone silent held the
+                // stop for the pool's connect timeout.
+                let beat = tokio::select! {
+                    beat = self.store.beat(&beat) => beat,
+                    _ = shutdown.cancelled() => break,
+                };
+                if let Err(e) = beat {
                     tracing::debug!(error = %e, "could not write the relay heartbeat");
                 }
             } else {
-                match self.store.due(&self.app_codes).await {
+                let probe = tokio::select! {
+                    probe = self.store.due(&self.app_codes) => probe,
+                    _ = shutdown.cancelled() => break,
+                };
+                match probe {
                     Ok(dues) => {
                         db_errors = 0;
                         for due in dues {
@@ -389,7 +409,27 @@ impl Claimer {
         // batch's age from before it.
         let claim_started = Instant::now();
         let traced_since = trace::exporting().then(SystemTime::now);
-        match self.store.claim(source, &req).await {
+        let claim = self.store.claim(source, &req);
+        tokio::pin!(claim);
+        let answer = tokio::select! {
+            answer = &mut claim => answer,
+            _ = shutdown.cancelled() => {
+                // Its answer is still worth having (its rows go to the
+                // publish stage, which releases them), for a while.
+                match tokio::time::timeout(CLAIM_AFTER_STOP, &mut claim).await {
+                    Ok(answer) => answer,
+                    Err(_) => {
+                        tracing::warn!(
+                            app_code,
+                            "the claim in flight had no answer {} s after the stop; leaving it (rows it may still lease on the database wait out their lease)",
+                            CLAIM_AFTER_STOP.as_secs()
+                        );
+                        return None;
+                    }
+                }
+            }
+        };
+        match answer {
             Ok(events) if events.is_empty() => {}
             Ok(events) => {
                 // A paused type's due retries and expired leases (and rows

@@ -18,6 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::store::{RelayBeat, RelayStore, RELAY_BEAT};
 
+/// How long the last beat, written as the relay stops, may take.
+const LAST_BEAT_WITHIN: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// What the stages did since the relay started, counted as they go, and
 /// the beat the claimer is to write while the relay is idle.
 #[derive(Debug, Default)]
@@ -86,7 +89,11 @@ impl Heartbeat {
                 self.tally.hand(None);
             }
             if !idle || untaken.is_some() {
-                match self.store.beat(&beat).await {
+                let written = tokio::select! {
+                    written = self.store.beat(&beat) => written,
+                    _ = stop.cancelled() => return self,
+                };
+                match written {
                     Ok(()) => failures = 0,
                     Err(e) => {
                         failures += 1;
@@ -104,9 +111,16 @@ impl Heartbeat {
         }
     }
 
-    /// The last beat: the relay stopped, with its final counts.
+    /// The last beat: the relay stopped, with its final counts. Given
+    /// [`LAST_BEAT_WITHIN`]: on a database gone silent it held the stop for
+    /// the pool's connect timeout, and the registry shows a relay whose
+    /// beats stopped as gone anyway.
     pub async fn last(&self) {
-        if let Err(e) = self.store.beat(&self.beat(0, true)).await {
+        let beat = self.beat(0, true);
+        let last = self.store.beat(&beat);
+        let last =
+            crate::Error::unless_silent("write the relay's last heartbeat", LAST_BEAT_WITHIN, last);
+        if let Err(e) = last.await {
             tracing::debug!(error = %e, "could not write the relay's last heartbeat");
         }
     }

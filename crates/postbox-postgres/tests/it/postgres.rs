@@ -570,16 +570,18 @@ async fn a_claim_the_database_never_answers_is_given_up_and_made_again() {
 }
 
 /// A relay asked to stop while its database has gone silent (every
-/// connection, the LISTEN one too) stops within its lease and a few
-/// seconds. The LISTEN connection's close waited for an answer to its
-/// UNLISTEN for good, and the relay with it.
+/// connection, the LISTEN one too) stops within seconds, whatever its
+/// lease. The LISTEN connection's close waited for an answer to its
+/// UNLISTEN for good, and the relay with it; then the idle probe and the
+/// last heartbeat in flight held the stop for the pool's connect timeout
+/// each (20 s in all).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_stops_while_its_database_is_silent() {
     let (direct, proxy, through) = five_events_behind_a_proxy("silentstop").await;
     let through = PgOutbox::connect(&through, direct.table().as_str(), 4)
         .await
         .unwrap();
-    let config = leased_for(4);
+    let config = leased_for(30);
     let settings = postbox_core::config::RelaySettings::new(config, vec!["conf".into()]).unwrap();
     let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
     let relay =
@@ -597,8 +599,37 @@ async fn a_relay_stops_while_its_database_is_silent() {
     proxy.silence();
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     shutdown.cancel();
+    let stopped = tokio::time::timeout(std::time::Duration::from_secs(10), run).await;
+    assert!(stopped.is_ok(), "the relay did not stop within 10 s");
+}
+
+/// A relay asked to stop while its claim waits on a connection gone
+/// silent (the rest of the database answering) stops within seconds: the
+/// claim's own bound is twice the lease, a minute by default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stops_while_its_claim_waits_on_a_silent_connection() {
+    let (direct, proxy, through) = five_events_behind_a_proxy("silentclaimstop").await;
+    proxy.silence_on(b"SKIP LOCKED");
+    let through = PgOutbox::connect(&through, direct.table().as_str(), 4)
+        .await
+        .unwrap();
+    let settings =
+        postbox_core::config::RelaySettings::new(leased_for(30), vec!["conf".into()]).unwrap();
+    let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
+    let relay =
+        postbox_core::relay::Relay::new(Arc::new(through), vec![publisher.clone()], settings);
+    let shutdown = postbox_core::relay::CancellationToken::new();
+    let run = tokio::spawn(relay.run(shutdown.clone()));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while proxy.silenced() == 0 {
+        assert!(std::time::Instant::now() < deadline, "the relay claims");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    shutdown.cancel();
     let stopped = tokio::time::timeout(std::time::Duration::from_secs(15), run).await;
     assert!(stopped.is_ok(), "the relay did not stop within 15 s");
+    assert!(publisher.delivered().is_empty());
 }
 
 /// `[archive] url`'s database goes silent while an archive run copies a
