@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 
 use axum::extract::{ConnectInfo, Path, Query, State};
 use axum::http::StatusCode;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +28,34 @@ const MAX_PAGE: u32 = 500;
 
 pub(crate) async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
+}
+
+/// `/healthz` of the admin server: beside a relay, 503 while the relay's
+/// claim loop has not gone round for longer than any round can take (see
+/// `postbox_core::relay::Pulse`), so that a supervisor's liveness probe
+/// restarts a wedged relay. A relay whose database or broker is down still
+/// goes round: it stays 200, and its metrics tell the rest.
+pub(crate) async fn relay_healthz(State(state): State<AppState>) -> Response {
+    match &state.pulse {
+        Some(pulse) if pulse.is_stalled() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({
+                "status": "stalled",
+                "error": format!(
+                    "the relay's claim loop has not gone round for {} s (stalled after {} s)",
+                    pulse.since_last_round().as_secs(),
+                    pulse.stalled_after().as_secs()
+                ),
+            })),
+        )
+            .into_response(),
+        Some(pulse) => Json(serde_json::json!({
+            "status": "ok",
+            "relay_last_round_ms_ago": pulse.since_last_round().as_millis() as u64,
+        }))
+        .into_response(),
+        None => healthz().await.into_response(),
+    }
 }
 
 pub(crate) async fn metrics(State(state): State<AppState>) -> Response {

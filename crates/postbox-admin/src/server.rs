@@ -114,6 +114,7 @@ impl AdminServer {
                 publishers: Arc::new(settings.publishers.clone()),
                 app_codes: Arc::new(settings.app_codes.clone()),
                 topology: None,
+                pulse: None,
             },
         })
     }
@@ -121,6 +122,13 @@ impl AdminServer {
     /// Also serves `GET /api/topology` from `source`.
     pub fn with_topology(mut self, source: Arc<dyn crate::state::TopologySource>) -> Self {
         self.state.topology = Some(source);
+        self
+    }
+
+    /// Runs beside a relay: `/healthz` answers 503 while its claim loop
+    /// has stalled.
+    pub fn with_relay_pulse(mut self, pulse: postbox_core::relay::Pulse) -> Self {
+        self.state.pulse = Some(pulse);
         self
     }
 
@@ -156,7 +164,7 @@ fn router(state: AppState) -> Router {
         .route("/", get(dashboard::index))
         .route("/dashboard.js", get(dashboard::script))
         .route("/dashboard.css", get(dashboard::style))
-        .route("/healthz", get(api::healthz))
+        .route("/healthz", get(api::relay_healthz))
         .route("/metrics", get(api::metrics))
         .route("/api/stats", get(api::stats))
         .route("/api/publishers", get(api::publishers))

@@ -27,6 +27,9 @@ pub(crate) struct AppState {
     /// Who publishes what and who consumes it (`/api/topology`), when the
     /// server was given the config's publishers and consumers.
     pub topology: Option<Arc<dyn TopologySource>>,
+    /// The claim loop of the relay this server runs beside, whose stall
+    /// `/healthz` reports.
+    pub pulse: Option<postbox_core::relay::Pulse>,
 }
 
 /// Gathers the topology (`postbox_runtime::topology`) for `/api/topology`.

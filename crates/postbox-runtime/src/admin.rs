@@ -47,17 +47,21 @@ impl postbox_admin::TopologySource for Topology {
 }
 
 /// Starts the admin server in the background when `[admin]` is set (beside
-/// the relay); it stops with `shutdown`.
+/// the relay, whose `pulse` its `/healthz` reports); it stops with
+/// `shutdown`.
 pub async fn spawn_if_configured(
     settings: &Settings,
     store: Arc<dyn OutboxStore>,
     app_codes: Vec<String>,
+    pulse: postbox_core::relay::Pulse,
     shutdown: CancellationToken,
 ) -> Result<Option<JoinHandle<()>>, Error> {
     if settings.admin.is_none() {
         return Ok(None);
     }
-    let server = bind(settings, store, app_codes, None).await?;
+    let server = bind(settings, store, app_codes, None)
+        .await?
+        .with_relay_pulse(pulse);
     Ok(Some(tokio::spawn(async move {
         if let Err(e) = server.run(shutdown).await {
             tracing::error!(error = %e, "admin server stopped");

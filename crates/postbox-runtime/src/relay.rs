@@ -113,10 +113,12 @@ impl RelayService {
     async fn run_here(self, shutdown: CancellationToken) -> Result<RelayReport, Error> {
         let shutdown = shutdown.child_token();
         let app_codes = self.relay.app_codes().to_vec();
+        let relay = Relay::new(self.store.clone(), self.publishers, self.relay);
         let admin = crate::admin::spawn_if_configured(
             &self.settings,
             self.store.clone(),
             app_codes.clone(),
+            relay.pulse(),
             shutdown.clone(),
         )
         .await?;
@@ -131,7 +133,6 @@ impl RelayService {
                 shutdown.clone(),
             ))
         });
-        let relay = Relay::new(self.store, self.publishers, self.relay);
         let report = relay.run(shutdown.clone()).await;
         // The relay stops only on shutdown or error; the admin server and
         // the archiver stop with it.

@@ -255,6 +255,62 @@ async fn pages_cover_every_row_exactly_once() {
     stop.cancel();
 }
 
+/// Beside a relay, `/healthz` is a liveness check: 503 once the relay's
+/// claim loop has not gone round for longer than any round can take (a
+/// wedged relay, for the supervisor to restart); it said 200 whatever the
+/// relay did.
+#[tokio::test]
+async fn healthz_fails_while_the_relay_beside_it_has_stalled() {
+    let fx = fixture("api_pulse", "pulse").await;
+    let serve = |pulse: postbox_core::relay::Pulse| {
+        let store = fx.store.clone();
+        let app = fx.app;
+        async move {
+            let settings = AdminSettings {
+                listen: "127.0.0.1:0".into(),
+                listen_from: "admin.listen",
+                token: None,
+                tokens: Vec::new(),
+                metrics: MetricsAccess::Open,
+                redact: Default::default(),
+                app_codes: vec![app.into()],
+                poll_interval: Duration::from_millis(100),
+                publishers: vec!["a".into()],
+            };
+            let server = AdminServer::bind(store, settings)
+                .await
+                .expect("bind admin")
+                .with_relay_pulse(pulse);
+            let addr = server.local_addr().unwrap();
+            let stop = CancellationToken::new();
+            tokio::spawn(server.run(stop.clone()));
+            (addr, stop)
+        }
+    };
+    let going = postbox_core::relay::Pulse::new(Duration::from_secs(60));
+    let (addr, stop) = serve(going).await;
+    let health = request(addr, "GET", "/healthz", &[]).await;
+    assert_eq!(health.status, 200, "{}", health.body);
+    assert!(health.json()["relay_last_round_ms_ago"].is_u64());
+    stop.cancel();
+
+    let stalled = postbox_core::relay::Pulse::new(Duration::from_millis(10));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (addr, stop) = serve(stalled).await;
+    let health = request(addr, "GET", "/healthz", &[]).await;
+    assert_eq!(health.status, 503, "{}", health.body);
+    assert_eq!(health.json()["status"], "stalled");
+    assert!(
+        health.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("claim loop"),
+        "{}",
+        health.body
+    );
+    stop.cancel();
+}
+
 #[tokio::test]
 async fn an_event_shows_its_rows_and_timeline() {
     let fx = fixture("api_show", "show").await;

@@ -42,6 +42,8 @@ pub(super) const FAST_POLL: Duration = Duration::from_millis(10);
 pub(super) const WAKE_COALESCE: Duration = Duration::from_millis(5);
 
 pub(super) struct Claimer {
+    /// Beats at every round (`/healthz`).
+    pub pulse: super::Pulse,
     pub store: Arc<dyn RelayStore>,
     pub config: WorkerConfig,
     pub app_codes: Vec<String>,
@@ -156,6 +158,7 @@ impl Claimer {
         // fast after activity.
         let mut fast: Option<Duration> = None;
         while !shutdown.is_cancelled() {
+            self.pulse.beat();
             let round_started = Instant::now();
             let mut round = Round::default();
             let mut next_due: Option<Duration> = None;

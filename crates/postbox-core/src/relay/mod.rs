@@ -32,6 +32,7 @@ mod controls;
 mod heartbeat;
 mod marker;
 mod publisher;
+mod pulse;
 mod spans;
 
 use std::collections::HashMap;
@@ -39,6 +40,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
+pub use pulse::Pulse;
 use serde::Serialize;
 use tokio::sync::mpsc;
 pub use tokio_util::sync::CancellationToken;
@@ -95,6 +97,7 @@ pub struct Relay {
     app_codes: Vec<String>,
     worker_id: String,
     max_payload_bytes: usize,
+    pulse: Pulse,
 }
 
 impl Relay {
@@ -114,11 +117,18 @@ impl Relay {
         Relay {
             store,
             publishers,
+            pulse: Pulse::of(&config),
             config,
             app_codes,
             worker_id: default_worker_id(),
             max_payload_bytes,
         }
+    }
+
+    /// Whether this relay's claim loop goes round, for a liveness check
+    /// (`/healthz`).
+    pub fn pulse(&self) -> Pulse {
+        self.pulse.clone()
     }
 
     /// Sets `database.max_payload_bytes` (default 1 MiB): a claimed row with
@@ -180,6 +190,7 @@ impl Relay {
         let controls = controls::ControlView::default();
         let tally = Arc::new(heartbeat::Tally::default());
         let claimer = claimer::Claimer {
+            pulse: self.pulse.clone(),
             tally: tally.clone(),
             store: self.store.clone(),
             config: self.config.clone(),
