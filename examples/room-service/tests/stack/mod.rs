@@ -387,6 +387,7 @@ impl Stack {
                 max_attempts = 5
                 retry_delay = "200ms"
                 consumer_group = "{group}"
+                ordering = "per_aggregate"
                 handler = {{ http = "http://{handler}/events", timeout = "5s" }}
                 inbox = {{ url = "{db_url}", table = "{group}_inbox" }}
                 "#
