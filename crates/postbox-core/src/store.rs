@@ -846,12 +846,27 @@ pub struct QueryPlan {
     pub rows_examined: Option<u64>,
     /// The database's own plan output.
     pub plan: String,
+    /// The table holds too few rows for the planner to prefer one fitting
+    /// index over another (PostgreSQL: under [`SMALL_TABLE_ROWS`] by its
+    /// statistics), where every index scan costs the same: a read through
+    /// another index than the expected one tells nothing yet.
+    pub too_small_to_tell: bool,
 }
 
+/// Below this many rows a table is too small for a plan to show which
+/// index a query can use ([`QueryPlan::too_small_to_tell`]).
+pub const SMALL_TABLE_ROWS: f64 = 10_000.0;
+
 impl QueryPlan {
-    /// The query reads through the index it was written for and scans nothing whole.
+    /// The query reads through the index it was written for (or, on a
+    /// table too small to tell, through any index) and scans nothing whole.
     pub fn is_good(&self) -> bool {
-        !self.full_scan && self.indexes_used.iter().any(|i| i == &self.expected_index)
+        !self.full_scan && (self.uses_expected() || self.too_small_to_tell)
+    }
+
+    /// The plan reads through the index the query was written for.
+    pub fn uses_expected(&self) -> bool {
+        self.indexes_used.iter().any(|i| i == &self.expected_index)
     }
 }
 

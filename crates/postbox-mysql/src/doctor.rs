@@ -67,6 +67,7 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
                         expected_index,
                         rows_examined: None,
                         plan: format!("cannot explain: {e}"),
+                        too_small_to_tell: false,
                     });
                     continue;
                 }
@@ -82,6 +83,7 @@ pub(crate) async fn index_use(outbox: &MySqlOutbox, app_code: &str) -> Result<Ve
                 expected_index,
                 rows_examined: None,
                 plan: text,
+                too_small_to_tell: false,
             });
         }
         Ok(plans)

@@ -107,6 +107,7 @@ pub(crate) async fn explain_claims(
                 full_scan: false,
                 rows_examined: measured.then_some(0),
                 plan: text,
+                too_small_to_tell: false,
             };
             visit(&json, &mut plan);
             plans.push(plan);

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use serde_json::Value;
 use sqlx::Row;
 
-use postbox_core::store::{ClaimRequest, QueryPlan, ARCHIVE_QUERY};
+use postbox_core::store::{ClaimRequest, QueryPlan, ARCHIVE_QUERY, SMALL_TABLE_ROWS};
 use postbox_core::{Error, Result};
 use postbox_sqlx::{db_error, ReplayProbeArgs};
 
@@ -126,17 +126,39 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        plans.push(plan(
+        let mut probed = plan(
             probe.query,
             &probe.table,
             probe.expected_index,
             &row,
             Analysed::No,
             &parents,
-        )?);
+        )?;
+        // Steering decides between an index and a scan, not between two
+        // indexes: on a table of a few rows the one a replay reads and
+        // `migrate --aggregate-index`'s cost the same, and the planner
+        // took either.
+        if !probed.uses_expected() {
+            probed.too_small_to_tell =
+                estimated_rows(&mut tx, &probe.table).await? < SMALL_TABLE_ROWS;
+        }
+        plans.push(probed);
     }
     tx.rollback().await.map_err(db)?;
     Ok(plans)
+}
+
+/// The planner's row count of `table` (`pg_class.reltuples`, -1 before
+/// its first analysis).
+async fn estimated_rows(tx: &mut sqlx::PgConnection, table: &str) -> Result<f64> {
+    let rows: Option<f32> =
+        sqlx::query_scalar("SELECT reltuples FROM pg_class WHERE oid = to_regclass($1)")
+            .bind(table)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|e| db_error("estimate rows", e))?
+            .flatten();
+    Ok(rows.map_or(0.0, f64::from))
 }
 
 /// A partitioned table's partitions and their indexes, each with what it
@@ -199,6 +221,7 @@ fn plan(
         full_scan: false,
         rows_examined: (analysed == Analysed::Yes).then_some(0),
         plan: text,
+        too_small_to_tell: false,
     };
     visit(&json[0]["Plan"], table, &mut plan, parents);
     Ok(plan)

@@ -102,5 +102,6 @@ pub(crate) fn query_plan(
         full_scan: text.iter().any(|d| d.starts_with(&format!("SCAN {table}"))),
         rows_examined: None,
         plan: text.join("\n"),
+        too_small_to_tell: false,
     }
 }

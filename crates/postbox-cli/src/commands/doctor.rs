@@ -179,7 +179,17 @@ async fn database_checks(store: &dyn OutboxStore, config: &Config) -> Vec<Check>
         Ok(plans) => {
             for p in plans {
                 let name = format!("plan:{}", p.query);
-                checks.push(if p.is_good() {
+                checks.push(if p.is_good() && !p.uses_expected() {
+                    check(
+                        name,
+                        Level::Ok,
+                        format!(
+                            "uses {} (the table is too small for the planner to prefer {}; run doctor again once it holds rows)",
+                            p.indexes_used.join(", "),
+                            p.expected_index
+                        ),
+                    )
+                } else if p.is_good() {
                     check(name, Level::Ok, format!("uses {}", p.expected_index))
                 } else {
                     let used = if p.indexes_used.is_empty() {

@@ -980,7 +980,12 @@ async fn archived_events_stay_visible_to_events_show_and_list() {
         pluck(&rows, &["event_id", "archived"]),
         [json!(["new-1", false]), json!(["old-1", true])]
     );
-    assert_says(&run(&["doctor"]), &["search:aggregate", "on"]);
+    // Its index costs a replay's read as much as the one the replay is
+    // written for on a table of two rows: doctor failed the replay plans
+    // (exit 1) right after the README's `migrate --aggregate-index`.
+    let doctor = run(&["doctor"]);
+    assert_says(&doctor, &["search:aggregate", "on"]);
+    assert!(!text(&doctor).contains("FAIL  plan:"), "{}", text(&doctor));
     let replay = json(&run(&[
         "--json",
         "replay",
