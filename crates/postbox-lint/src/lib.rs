@@ -32,9 +32,8 @@ use sqlparser::ast::{
 use sqlparser::dialect::{Dialect, GenericDialect, MySqlDialect, PostgreSqlDialect};
 use sqlparser::parser::Parser;
 
-/// A rule a statement can break.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+/// A rule a statement can break; serialized as its [`Rule::name`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Rule {
     /// `OR` between `status` and another condition.
     OrAcrossStatuses,
@@ -45,6 +44,14 @@ pub enum Rule {
     ReadsFarMore,
     /// The statement could not be parsed.
     Unparsed,
+}
+
+/// `--json` names a rule as the text output and the README do (it wrote
+/// `or_across_statuses` beside the text's `or-across-statuses`).
+impl Serialize for Rule {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
 }
 
 impl Rule {
@@ -592,6 +599,18 @@ pub fn one_line(s: &str, width: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_names_a_rule_as_the_text_does() {
+        for rule in [
+            Rule::OrAcrossStatuses,
+            Rule::NoAppCode,
+            Rule::ReadsFarMore,
+            Rule::Unparsed,
+        ] {
+            assert_eq!(serde_json::to_value(rule).unwrap(), rule.name());
+        }
+    }
 
     /// (what it shows, SQL, syntax, the findings as (line, rule)).
     type Case = (

@@ -362,7 +362,18 @@ pub async fn run(g: &Global, args: EnqueueArgs) -> Result<(), CliError> {
 }
 
 fn parse_line(line: &str, default_app: &str, max_payload: usize) -> Result<NewEvent, String> {
-    let l: Line = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    let l: Line = serde_json::from_str(line).map_err(|e| {
+        // serde_json counts lines and columns within this one line: "line
+        // 3: expected ident at line 1 column 2" named two lines.
+        let what = match e.classify() {
+            serde_json::error::Category::Data => "not an event envelope",
+            _ => "not a JSON object",
+        };
+        format!("{what}: {e}")
+            .trim_end_matches(&format!(" at line 1 column {}", e.column()))
+            .to_owned()
+            + &format!(" (at column {})", e.column())
+    })?;
     // The inverse of the envelope's rule (postbox_core::envelope).
     let payload = if l.payload.get().starts_with('"') {
         serde_json::from_str::<String>(l.payload.get()).map_err(|e| e.to_string())?
@@ -508,6 +519,20 @@ mod tests {
         assert_eq!(raw, b"last");
         raw.clear();
         assert_eq!(read_line_capped(&mut reader, &mut raw, 10).unwrap(), 0);
+    }
+
+    /// A bad line's error names the line once (the caller's number) and
+    /// what is wrong with it; it said "line 3: expected ident at line 1
+    /// column 2".
+    #[test]
+    fn a_bad_line_says_what_it_is_not() {
+        let not_json = parse_line("not json", "room", 1 << 20).unwrap_err();
+        assert!(not_json.starts_with("not a JSON object: "), "{not_json}");
+        assert!(!not_json.contains("line 1"), "{not_json}");
+        assert!(not_json.ends_with("(at column 2)"), "{not_json}");
+        let no_type = parse_line(r#"{"payload": {}}"#, "room", 1 << 20).unwrap_err();
+        assert!(no_type.starts_with("not an event envelope: "), "{no_type}");
+        assert!(no_type.contains("event_type"), "{no_type}");
     }
 
     #[test]

@@ -412,7 +412,7 @@ async fn scans_scenario(server: &str, db: Db) {
     assert!(hit["text"].as_str().unwrap().contains("OR"), "{hit}");
     assert_eq!(
         hit["flags"],
-        serde_json::json!(["or_across_statuses", "no_app_code"]),
+        serde_json::json!(["or-across-statuses", "no-app-code"]),
         "{hit}"
     );
     assert!(
@@ -522,9 +522,9 @@ fn lint_sql_reports_line_and_rule_and_passes_clean_sql() {
     assert_eq!(
         got,
         [
-            (2, "or_across_statuses"),
-            (2, "no_app_code"),
-            (6, "no_app_code")
+            (2, "or-across-statuses"),
+            (2, "no-app-code"),
+            (6, "no-app-code")
         ]
     );
     assert_ok(&run(&["lint-sql", "--table", "room_outbox", "good.sql"]));

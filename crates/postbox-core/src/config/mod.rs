@@ -491,8 +491,15 @@ impl AdminConfig {
     pub(crate) fn validate(&self) -> Result<(), Error> {
         let mut names = HashSet::new();
         let mut tokens = HashSet::new();
+        // An unset `${VAR}` (read as "") is no token to compare: it is
+        // named by `require_env`, for the commands that serve the API. Two
+        // of them were "the same token", and `status`, which needs none,
+        // exited 2.
+        let set = |s: &crate::redact::Secret| !s.is_empty() && s.unresolved().is_none();
         if !self.token.is_empty() {
             names.insert("admin");
+        }
+        if set(&self.token) {
             tokens.insert(self.token.expose());
         }
         for (i, t) in self.tokens.iter().enumerate() {
@@ -509,7 +516,7 @@ impl AdminConfig {
             if t.token.unresolved().is_none() && t.token.is_empty() {
                 return Err(Error::config(at.join("token"), "must not be empty"));
             }
-            if !t.token.is_empty() && !tokens.insert(t.token.expose()) {
+            if set(&t.token) && !tokens.insert(t.token.expose()) {
                 return Err(Error::config(
                     at.join("token"),
                     "is the same as another admin token: give each holder its own",

@@ -475,6 +475,33 @@ mod tests {
             .unwrap();
     }
 
+    /// Two admin tokens from unset variables are not "the same token":
+    /// only the commands serving the API need them (`require_env`), and
+    /// `postbox status` with the README's `[admin]` block exited 2.
+    #[test]
+    fn admin_tokens_of_unset_variables_are_left_to_the_commands_that_serve() {
+        let config = Config {
+            admin: Some(
+                serde_json::from_value(serde_json::json!({
+                    "token": "${POSTBOX_TEST_UNSET_ADMIN_TOKEN}",
+                    "tokens": [{ "name": "support", "role": "viewer", "token": "${POSTBOX_TEST_UNSET_SUPPORT_TOKEN}" }],
+                }))
+                .unwrap(),
+            ),
+            ..Config::default()
+        };
+        let settings = config.validate().expect("valid without the variables");
+        let serving = Uses {
+            admin: true,
+            ..Uses::default()
+        };
+        assert_eq!(
+            key_of(settings.require_env(serving).unwrap_err()),
+            "admin.token"
+        );
+        settings.require_env(Uses::default()).unwrap();
+    }
+
     #[test]
     fn admin_tokens_are_named_once_and_each_its_own() {
         let admin = |body: serde_json::Value| Config {
