@@ -29,7 +29,7 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties};
 
 use super::message::{confirmed, headers_json, message_from_delivery, replay_properties};
 use super::{unless_lost, STEP_WITHIN};
@@ -62,28 +62,44 @@ pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
     let (conn, _) = super::connect(pass.config.nodes(), 0, props)
         .await
         .map_err(|e| (dead.clone(), format!("connecting: {e}")))?;
-    let result = pass_over(&conn, pass, &queue, &dead).await;
-    // Letters read and not taken go back to their places with the channel.
+    let result = match open_channels(&conn).await {
+        Ok((reading, publishing)) => {
+            let result = pass_over(&conn, pass, &queue, &dead, &reading, &publishing).await;
+            // Letters read and not taken go back to their places with the
+            // channel. Closed before the connection: dropped, they were
+            // still closing when it closed, and lapin logged "ERROR
+            // Connection error: invalid channel state: Closing" after every
+            // pass that worked.
+            for channel in [&reading, &publishing] {
+                let closing = channel.close(200, "dead-letter pass done".into());
+                let _ = tokio::time::timeout(closing_within(&result), closing).await;
+            }
+            result
+        }
+        Err(e) => Err(e),
+    };
     // Bounded by time, not by the connection's loss (a closing connection
     // is no longer connected). A close the broker does not answer is given
     // up: the connection, once dropped, goes down with its socket.
-    // After a failed step the broker is not waited for again.
-    let within = if result.is_ok() {
-        STEP_WITHIN
-    } else {
-        std::time::Duration::from_secs(1)
-    };
+    let within = closing_within(&result);
     let closing = conn.close(200, "dead-letter pass done".into());
     let _ = tokio::time::timeout(within, closing).await;
     result.map_err(|e| (dead, e))
 }
 
-async fn pass_over(
-    conn: &Connection,
-    pass: &Pass<'_>,
-    queue: &str,
-    dead: &str,
-) -> Result<DeadReport, String> {
+/// How long closing waits for the broker: after a failed step it is not
+/// waited for again.
+fn closing_within<T>(result: &Result<T, String>) -> std::time::Duration {
+    if result.is_ok() {
+        STEP_WITHIN
+    } else {
+        std::time::Duration::from_secs(1)
+    }
+}
+
+/// The pass's two channels: one reading the letters, one publishing
+/// replays with confirms.
+async fn open_channels(conn: &Connection) -> Result<(Channel, Channel), String> {
     let reading = step(conn, "opening a channel", conn.create_channel()).await?;
     let publishing = step(conn, "opening a channel", conn.create_channel()).await?;
     step(
@@ -92,6 +108,17 @@ async fn pass_over(
         publishing.confirm_select(ConfirmSelectOptions::default()),
     )
     .await?;
+    Ok((reading, publishing))
+}
+
+async fn pass_over(
+    conn: &Connection,
+    pass: &Pass<'_>,
+    queue: &str,
+    dead: &str,
+    reading: &Channel,
+    publishing: &Channel,
+) -> Result<DeadReport, String> {
     let declared = reading.queue_declare(
         dead.into(),
         QueueDeclareOptions {
