@@ -37,6 +37,12 @@ pub fn load_config(g: &Global, uses: Uses) -> Result<Settings, CliError> {
     Ok(config::load_for(&source(g), uses)?)
 }
 
+/// [`load_config`] for a command that connects to nothing (`migrate
+/// --print-sql`): `database.url` need only name its database's kind.
+pub fn load_config_offline(g: &Global, uses: Uses) -> Result<Settings, CliError> {
+    Ok(config::load_offline(&source(g), uses)?)
+}
+
 /// Whether a config file would be read (`--config`, or `postbox.toml`
 /// here), not only defaults and the environment.
 pub fn has_config_file(g: &Global) -> Result<bool, CliError> {

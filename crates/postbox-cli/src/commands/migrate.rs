@@ -5,14 +5,14 @@ use postbox_runtime::store::ScriptVersion;
 
 use crate::cli::{Global, MigrateArgs, ScriptFormat};
 use crate::error::CliError;
-use crate::open::{load_config, open_store_creating, WITH_CONSUMERS};
+use crate::open::{load_config, load_config_offline, open_store_creating, WITH_CONSUMERS};
 use crate::output;
 
 pub async fn run(g: &Global, args: MigrateArgs) -> Result<(), CliError> {
-    let config = load_config(g, WITH_CONSUMERS)?;
     if args.print_sql {
-        return print_sql(&config, &args);
+        return print_sql(&load_config_offline(g, WITH_CONSUMERS)?, &args);
     }
+    let config = load_config(g, WITH_CONSUMERS)?;
     let store = open_store_creating(&config).await?;
     let report = store.migrate().await?;
     let inboxes = postbox_runtime::consumers::migrate_inboxes(&config).await?;

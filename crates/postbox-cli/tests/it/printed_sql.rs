@@ -212,6 +212,42 @@ fn from_prints_only_the_later_versions() {
     assert!(!db.exists(), "nothing connected");
 }
 
+/// `--print-sql` connects to nothing, so it needs no secret: a
+/// `database.url` whose password is an unset `${VAR}` still names its
+/// database (it exited 2, "environment variable … is not set", and a CI
+/// job printing the schema needed the production password). A URL that is
+/// one unset variable names no database: the variable is named.
+#[test]
+fn print_sql_needs_no_database_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("postbox.toml");
+    let print = |url: &str| {
+        std::fs::write(&config, format!("[database]\nurl = \"{url}\"\n")).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_postbox"))
+            .env_remove("POSTBOX_CONFIG")
+            .env_remove("POSTBOX_TEST_UNSET_PASSWORD")
+            .arg("--config")
+            .arg(&config)
+            .args(["migrate", "--print-sql"])
+            .output()
+            .unwrap()
+    };
+    let run = print("postgres://app:${POSTBOX_TEST_UNSET_PASSWORD}@db.example/app");
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(String::from_utf8_lossy(&run.stdout).contains("(PostgreSQL)"));
+    let run = print("${POSTBOX_TEST_UNSET_PASSWORD}");
+    assert_eq!(run.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        said.contains("database.url") && said.contains("POSTBOX_TEST_UNSET_PASSWORD"),
+        "{said}"
+    );
+}
+
 /// Issue 16.4: with `partitioning = "daily"` the printed version 1 creates
 /// the table partitioned (with its keys table and triggers); applied with
 /// psql, `postbox migrate` finds every version applied and creates the

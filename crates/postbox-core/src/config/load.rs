@@ -42,6 +42,32 @@ pub fn load(source: &ConfigSource) -> Result<Settings, Error> {
 /// [`load`] for a command that uses only `uses` besides `[database]`: an
 /// unset `${VAR}` in another section is not an error.
 pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Error> {
+    load_config(source)?.checked(uses)
+}
+
+/// [`load_for`] for a command that connects to nothing (`migrate
+/// --print-sql`): an unset `${VAR}` in `database.url` (its password, say)
+/// is no error, as long as what is left names the database's kind. It was,
+/// and printing the SQL for a team's migration tool in CI needed the
+/// production database's password.
+pub fn load_offline(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Error> {
+    let mut config = load_config(source)?;
+    // A URL that is one `${VAR}` names no kind: the variable is named.
+    if config.database.url.unresolved().is_some() && config.database.url.expose().contains("://") {
+        config.database.url = SecretUrl::new(config.database.url.expose().to_owned());
+    }
+    config.checked(uses)
+}
+
+impl Config {
+    fn checked(self, uses: super::Uses) -> Result<Settings, Error> {
+        self.require_env(uses)?;
+        self.validate()
+    }
+}
+
+/// The file, the environment and `--database-url`, not yet checked.
+fn load_config(source: &ConfigSource) -> Result<Config, Error> {
     let mut figment = Figment::new();
     let file = source.file_to_read()?;
     if let Some(f) = &file {
@@ -76,8 +102,7 @@ pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Er
     if let Some(url) = &source.database_url {
         config.database.url = SecretUrl::new(url.clone());
     }
-    config.require_env(uses)?;
-    config.validate()
+    Ok(config)
 }
 
 /// The config path a `POSTBOX__…` variable sets (after the prefix, `__`

@@ -23,7 +23,7 @@ pub use database::DatabaseKind;
 pub use duration::HumanDuration;
 pub use key::KeyPath;
 pub use lease_budget::LeaseBudget;
-pub use load::{load, load_for, ConfigSource};
+pub use load::{load, load_for, load_offline, ConfigSource};
 pub use publisher::{
     target_name, FailoverTarget, FilePublisherConfig, NatsPublisherConfig, PublisherConfig,
     RabbitMqPublisherConfig, RedisPublisherConfig, WebhookPublisherConfig, WebhookSignature,
