@@ -239,10 +239,23 @@ impl RoomService {
         };
         timing.lease_ms = ms_since(t);
 
-        // 3. The change, on a copy; a refusal writes nothing.
+        // 3. The change, on a copy; a refusal writes nothing. A gift may
+        // have been paid for by an earlier try of this command whose commit
+        // failed (409 or 503, "send it again"): refused now (the receiver
+        // left meanwhile), its debit goes back. Without it the sender paid
+        // for a gift nobody got. Idempotent; a command never debited has
+        // nothing to give back. A refund that fails answers 503, so the
+        // client's next try gives it back.
         let change = match room::decide(name, room_id, state.as_ref(), cmd) {
             Ok(c) => c,
-            Err(r) => return refused(r),
+            Err(r) => {
+                if room::debit_of(name, cmd).is_some() {
+                    if let Err(e) = self.wallet.refund(&cmd.command_id).await {
+                        return failed("wallet refund", e);
+                    }
+                }
+                return refused(r);
+            }
         };
 
         // 4. A gift is paid for before the room commits it. The debit is

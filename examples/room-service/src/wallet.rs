@@ -1,7 +1,9 @@
 //! The wallet: a second owner service, with its own database tables, its
 //! own outbox (`wallet_outbox`) and its own relay. The room service asks it
 //! for a debit before it commits a gift; every debit commits a
-//! `WalletDebited` event with it.
+//! `WalletDebited` event with it. A gift the room refuses after its debit
+//! (the first try's commit failed, and by the retry the receiver had left)
+//! is refunded, once, with a `WalletRefunded` event.
 //!
 //! Nobody else reads `wallet_outbox` (seed 002): the wallet's relay
 //! publishes it to RabbitMQ, and the notice side consumes it from there.
@@ -21,13 +23,20 @@ use crate::room::{Debit, Refusal};
 use crate::{args, now_ms};
 
 /// The wallet's tables; `wallet_outbox` is postbox's.
-pub const TABLES: [&str; 2] = [
+pub const TABLES: [&str; 3] = [
     "CREATE TABLE IF NOT EXISTS wallet_account (
         user_id VARCHAR(64) NOT NULL PRIMARY KEY,
         balance BIGINT NOT NULL,
         version BIGINT NOT NULL)",
     // One row per debit: the idempotency record, by the room's command_id.
     "CREATE TABLE IF NOT EXISTS wallet_debit (
+        command_id VARCHAR(64) NOT NULL PRIMARY KEY,
+        user_id VARCHAR(64) NOT NULL,
+        amount BIGINT NOT NULL,
+        balance_after BIGINT NOT NULL,
+        created_at_ms BIGINT NOT NULL)",
+    // One row per refund of a debit, by the same command_id.
+    "CREATE TABLE IF NOT EXISTS wallet_refund (
         command_id VARCHAR(64) NOT NULL PRIMARY KEY,
         user_id VARCHAR(64) NOT NULL,
         amount BIGINT NOT NULL,
@@ -42,6 +51,13 @@ pub struct WalletService {
     app_code: String,
     /// What a user has the first time the wallet sees them.
     initial_balance: i64,
+}
+
+/// `POST /refund`.
+#[derive(Debug, Deserialize)]
+pub struct RefundRequest {
+    /// The room command whose debit goes back.
+    pub command_id: String,
 }
 
 /// `POST /debit`.
@@ -71,10 +87,11 @@ impl WalletService {
         }
     }
 
-    /// `POST /debit`, `GET /accounts/{user_id}`.
+    /// `POST /debit`, `POST /refund`, `GET /accounts/{user_id}`.
     pub fn router(self) -> Router {
         Router::new()
             .route("/debit", post(debit))
+            .route("/refund", post(refund))
             .route("/accounts/{user_id}", get(account))
             .with_state(self)
     }
@@ -156,6 +173,84 @@ impl WalletService {
             json!({ "balance": balance, "event_id": event.event_id }),
         ))
     }
+
+    /// Gives back the debit of `req.command_id` and commits
+    /// `WalletRefunded` with it, once; a command never debited has
+    /// nothing to give back (`"refunded": false`).
+    pub async fn refund(&self, req: &RefundRequest) -> Result<Reply, postbox::Error> {
+        let db_error = |e| postbox::Error::database("refund", e);
+        let mut tx = self.db.begin().await?;
+        let debited: Option<(String, i64)> = tx
+            .fetch_optional(
+                "SELECT user_id, amount FROM wallet_debit WHERE command_id = ?",
+                args![req.command_id.as_str()],
+            )
+            .await?;
+        let Some((user_id, amount)) = debited else {
+            return Ok(reply(StatusCode::OK, json!({ "refunded": false })));
+        };
+        let done: Option<(i64,)> = tx
+            .fetch_optional(
+                "SELECT balance_after FROM wallet_refund WHERE command_id = ?",
+                args![req.command_id.as_str()],
+            )
+            .await?;
+        if let Some((balance,)) = done {
+            return Ok(reply(
+                StatusCode::OK,
+                json!({ "refunded": true, "balance": balance, "replayed": true }),
+            ));
+        }
+        tx.execute(
+            "UPDATE wallet_account SET balance = balance + ?, version = version + 1 WHERE user_id = ?",
+            args![amount, user_id.as_str()],
+        )
+        .await
+        .map_err(db_error)?;
+        let (balance, version): (i64, i64) = tx
+            .fetch_optional(
+                "SELECT balance, version FROM wallet_account WHERE user_id = ?",
+                args![user_id.as_str()],
+            )
+            .await?
+            .expect("a debited account exists");
+        let logged = tx
+            .execute(
+                "INSERT INTO wallet_refund (command_id, user_id, amount, balance_after, created_at_ms) VALUES (?, ?, ?, ?, ?)",
+                args![req.command_id.as_str(), user_id.as_str(), amount, balance, now_ms()],
+            )
+            .await;
+        match logged {
+            Err(e) if is_unique_violation(&e) => {
+                return Ok(reply(
+                    StatusCode::CONFLICT,
+                    json!({ "error": "a refund with this command_id is being written; send it again" }),
+                ))
+            }
+            other => other.map_err(db_error)?,
+        };
+        let payload = json!({
+            "user_id": user_id, "amount": amount, "balance": balance, "command_id": req.command_id,
+        });
+        let event = NewEvent::new(&self.app_code, "WalletRefunded", payload.to_string())
+            .aggregate(&user_id, version);
+        tx.enqueue(&event).await?;
+        tx.commit().await?;
+        Ok(reply(
+            StatusCode::OK,
+            json!({ "refunded": true, "balance": balance, "event_id": event.event_id }),
+        ))
+    }
+}
+
+async fn refund(State(wallet): State<WalletService>, Json(req): Json<RefundRequest>) -> Reply {
+    wallet.refund(&req).await.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "refund failed");
+        reply(
+            StatusCode::SERVICE_UNAVAILABLE,
+            json!({ "error": e.to_string() }),
+        )
+    })
 }
 
 async fn debit(State(wallet): State<WalletService>, Json(req): Json<DebitRequest>) -> Reply {
@@ -210,6 +305,24 @@ impl WalletClient {
         WalletClient {
             http,
             base: base.trim_end_matches('/').to_owned(),
+        }
+    }
+
+    /// Gives back the debit of `command_id`, if any (idempotent).
+    pub async fn refund(&self, command_id: &str) -> Result<(), String> {
+        let answer = self
+            .http
+            .post(format!("{}/refund", self.base))
+            .json(&json!({ "command_id": command_id }))
+            .send()
+            .await
+            .map_err(|e| format!("wallet unreachable: {e}"))?;
+        match answer.status() {
+            s if s.is_success() => Ok(()),
+            s => Err(format!(
+                "wallet answered {s}: {}",
+                answer.text().await.unwrap_or_default()
+            )),
         }
     }
 

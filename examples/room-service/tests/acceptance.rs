@@ -199,6 +199,60 @@ async fn the_same_command_id_twice_changes_nothing() {
     s.stop().await;
 }
 
+/// A gift paid for by a try whose commit failed, refused on the retry
+/// (the receiver left meanwhile), is refunded once, with its
+/// `WalletRefunded` event; the sender kept paying for a gift nobody got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gift_refused_after_its_debit_is_refunded() {
+    let s = Stack::start(Options::retries(5)).await;
+    s.ok(
+        "r1",
+        "create",
+        json!({ "command_id": "r1-c", "user_id": "alice" }),
+    )
+    .await;
+    // The first try of r1-g paid, then its commit failed: the wallet
+    // holds the debit, the room nothing.
+    let paid = s
+        .http
+        .post(format!("{}/debit", s.wallet))
+        .json(&json!({ "command_id": "r1-g", "user_id": "alice", "amount": 100 }))
+        .send()
+        .await
+        .unwrap();
+    assert!(paid.status().is_success());
+    let balance = || async {
+        let (b,): (i64,) = s
+            .wallet_db
+            .fetch_optional(
+                "SELECT balance FROM wallet_account WHERE user_id = ?",
+                room_service::args!["alice"],
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        b
+    };
+    assert_eq!(balance().await, 900);
+    // The retry: bob is not in the room (any more).
+    let gift = json!({ "command_id": "r1-g", "user_id": "alice", "to_user_id": "bob", "gift_id": "rose", "amount": 100 });
+    for _ in 0..2 {
+        let (status, answer) = s.command("r1", "sendGift", gift.clone()).await;
+        assert_eq!(status, 409, "{answer}");
+        assert_eq!(balance().await, 1000, "refunded, once");
+    }
+    let refunds: Vec<(String,)> = s
+        .wallet_db
+        .fetch_all(
+            "SELECT event_type FROM wallet_outbox WHERE event_type = 'WalletRefunded'",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(refunds.len(), 1);
+    s.stop().await;
+}
+
 /// IM down: commands still succeed; their rows go retryable, then failed at
 /// max_retry_count; IM back, replay delivers them, in order, to IM only
 /// (activity confirmed them the first time).

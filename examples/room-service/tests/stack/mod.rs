@@ -227,6 +227,8 @@ pub struct Stack {
     pub notice: Projection,
     pub room_db: Db,
     pub wallet_db: Db,
+    /// The wallet service's base URL.
+    pub wallet: String,
     pub proxy: Arc<Proxy>,
     pub shutdown: CancellationToken,
     /// The room and wallet relays: each must end without error at `stop`.
@@ -493,6 +495,7 @@ impl Stack {
             notice,
             room_db,
             wallet_db,
+            wallet: format!("http://{wallet_addr}"),
             proxy,
             shutdown,
             names,
