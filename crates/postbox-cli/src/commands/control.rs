@@ -12,13 +12,31 @@ use crate::error::CliError;
 use crate::open::{load_config, open_store, require_schema};
 use crate::output;
 
+/// Who runs this command, for a control's "set by": `$USER`, else
+/// `$LOGNAME`, else the process's uid (from `/proc/self/status`): cron,
+/// `sudo -i` and containers often set neither variable, and the log said
+/// `cli ?@host`.
+fn operator() -> String {
+    ["USER", "LOGNAME"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|u| !u.is_empty()))
+        .or_else(|| uid_in(&std::fs::read_to_string("/proc/self/status").ok()?))
+        .unwrap_or_else(|| "?".to_owned())
+}
+
+/// `uid N` from the real uid of a `/proc/<pid>/status` text.
+fn uid_in(status: &str) -> Option<String> {
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    Some(format!("uid {}", line.split_whitespace().next()?))
+}
+
 pub async fn run(g: &Global, args: ControlArgs) -> Result<(), CliError> {
     let settings = load_config(g, Uses::DATABASE)?;
     let store = open_store(&settings).await?;
     require_schema(store.as_ref()).await?;
     let by = format!(
         "cli {}@{}",
-        std::env::var("USER").unwrap_or_else(|_| "?".to_owned()),
+        operator(),
         postbox_core::wire::host_name().unwrap_or_else(|| "?".to_owned())
     );
     match args.action.unwrap_or(ControlAction::List { changes: 20 }) {
@@ -185,4 +203,16 @@ fn row(c: &Control) {
         c.updated_by,
         output::time(c.updated_at_ms)
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_uid_is_read_from_the_status_text() {
+        let status = "Name:\tpostbox\nUmask:\t0022\nUid:\t1000\t1000\t1000\t1000\nGid:\t100\n";
+        assert_eq!(uid_in(status).as_deref(), Some("uid 1000"));
+        assert_eq!(uid_in("Name:\tpostbox\n"), None);
+    }
 }
