@@ -43,13 +43,13 @@ pub(crate) async fn prepare(
         Err(e) if is_stream_not_found(e.kind()) => {
             let Some(subject) = config.subject.clone().filter(|_| config.declare) else {
                 return Err(SetupError::Fatal(Error::config(
-                    "queue",
+                    "stream",
                     format!("JetStream stream `{name}` does not exist: create it, or set declare = true and subject"),
                 )));
             };
             create_stream(
                 js,
-                "queue",
+                "stream",
                 stream::Config {
                     name: name.to_owned(),
                     subjects: vec![subject.clone()],

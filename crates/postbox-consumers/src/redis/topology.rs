@@ -84,7 +84,9 @@ pub(super) fn refused(config: &ConsumerConfig, e: &RedisError) -> Error {
         _ => "check the user's permissions",
     };
     Error::config(
-        "queue",
+        // `stream`, as the README writes a Redis or NATS entry's key
+        // (`queue` is its other name).
+        "stream",
         format!(
             "Redis refused group `{}` on stream `{}`: {} ({hint})",
             config.consumer_group(),

@@ -214,6 +214,12 @@ async fn a_missing_group_without_declare_names_the_key() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("declare = true"), "{err}");
+    // `stream`, the key a Redis entry is written with; it named `queue`,
+    // the key's other name, which the file never had.
+    let postbox_core::Error::Config { key, .. } = &err else {
+        panic!("a config error: {err}");
+    };
+    assert_eq!(key, "stream");
     b.cleanup().await;
 }
 
