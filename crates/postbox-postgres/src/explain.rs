@@ -138,7 +138,8 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
         // indexes: on a table of a few rows the one a replay reads and
         // `migrate --aggregate-index`'s cost the same, and the planner
         // took either.
-        if !probed.uses_expected() {
+        // A missing index is never "too small to tell".
+        if !probed.uses_expected() && exists(&mut tx, &probed.expected_index).await? {
             probed.too_small_to_tell =
                 estimated_rows(&mut tx, &probe.table).await? < SMALL_TABLE_ROWS;
         }
@@ -146,6 +147,15 @@ pub(crate) async fn index_use(outbox: &PgOutbox, app_code: &str) -> Result<Vec<Q
     }
     tx.rollback().await.map_err(db)?;
     Ok(plans)
+}
+
+/// Whether the relation (an index) `name` exists.
+async fn exists(tx: &mut sqlx::PgConnection, name: &str) -> Result<bool> {
+    sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| db_error("look up an index", e))
 }
 
 /// The planner's row count of `table` (`pg_class.reltuples`, -1 before
