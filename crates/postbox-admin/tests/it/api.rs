@@ -92,6 +92,15 @@ impl Fixture {
         &self,
         tweak: impl FnOnce(&mut AdminSettings),
     ) -> (SocketAddr, CancellationToken) {
+        self.serve_beside(tweak, None).await
+    }
+
+    /// [`Fixture::serve_with`], beside a relay of `pulse` when given.
+    async fn serve_beside(
+        &self,
+        tweak: impl FnOnce(&mut AdminSettings),
+        pulse: Option<postbox_core::relay::Pulse>,
+    ) -> (SocketAddr, CancellationToken) {
         let mut settings = AdminSettings {
             listen: "127.0.0.1:0".into(),
             listen_from: "admin.listen",
@@ -104,9 +113,12 @@ impl Fixture {
             publishers: vec!["a".into(), "b".into()],
         };
         tweak(&mut settings);
-        let server = AdminServer::bind(self.store.clone(), settings)
+        let mut server = AdminServer::bind(self.store.clone(), settings)
             .await
             .expect("bind admin");
+        if let Some(pulse) = pulse {
+            server = server.with_relay_pulse(pulse);
+        }
         let addr = server.local_addr().unwrap();
         let stop = CancellationToken::new();
         tokio::spawn(server.run(stop.clone()));
@@ -262,33 +274,8 @@ async fn pages_cover_every_row_exactly_once() {
 #[tokio::test]
 async fn healthz_fails_while_the_relay_beside_it_has_stalled() {
     let fx = fixture("api_pulse", "pulse").await;
-    let serve = |pulse: postbox_core::relay::Pulse| {
-        let store = fx.store.clone();
-        let app = fx.app;
-        async move {
-            let settings = AdminSettings {
-                listen: "127.0.0.1:0".into(),
-                listen_from: "admin.listen",
-                token: None,
-                tokens: Vec::new(),
-                metrics: MetricsAccess::Open,
-                redact: Default::default(),
-                app_codes: vec![app.into()],
-                poll_interval: Duration::from_millis(100),
-                publishers: vec!["a".into()],
-            };
-            let server = AdminServer::bind(store, settings)
-                .await
-                .expect("bind admin")
-                .with_relay_pulse(pulse);
-            let addr = server.local_addr().unwrap();
-            let stop = CancellationToken::new();
-            tokio::spawn(server.run(stop.clone()));
-            (addr, stop)
-        }
-    };
     let going = postbox_core::relay::Pulse::new(Duration::from_secs(60));
-    let (addr, stop) = serve(going).await;
+    let (addr, stop) = fx.serve_beside(|_| {}, Some(going)).await;
     let health = request(addr, "GET", "/healthz", &[]).await;
     assert_eq!(health.status, 200, "{}", health.body);
     assert!(health.json()["relay_last_round_ms_ago"].is_u64());
@@ -296,7 +283,7 @@ async fn healthz_fails_while_the_relay_beside_it_has_stalled() {
 
     let stalled = postbox_core::relay::Pulse::new(Duration::from_millis(10));
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let (addr, stop) = serve(stalled).await;
+    let (addr, stop) = fx.serve_beside(|_| {}, Some(stalled)).await;
     let health = request(addr, "GET", "/healthz", &[]).await;
     assert_eq!(health.status, 503, "{}", health.body);
     assert_eq!(health.json()["status"], "stalled");

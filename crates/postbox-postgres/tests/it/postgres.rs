@@ -569,6 +569,30 @@ async fn a_claim_the_database_never_answers_is_given_up_and_made_again() {
     );
 }
 
+/// A relay over `direct`'s table through `through` (a proxy's URL), at
+/// the default 30 s lease, publishing to a recorder: the recorder, the
+/// relay's stop token and its task.
+async fn relay_at_default_lease(
+    direct: &PgOutbox,
+    through: &str,
+) -> (
+    Arc<postbox_testkit::RecordingPublisher>,
+    postbox_core::relay::CancellationToken,
+    tokio::task::JoinHandle<postbox_core::Result<postbox_core::relay::RelayReport>>,
+) {
+    let through = PgOutbox::connect(through, direct.table().as_str(), 4)
+        .await
+        .unwrap();
+    let settings =
+        postbox_core::config::RelaySettings::new(leased_for(30), vec!["conf".into()]).unwrap();
+    let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
+    let relay =
+        postbox_core::relay::Relay::new(Arc::new(through), vec![publisher.clone()], settings);
+    let shutdown = postbox_core::relay::CancellationToken::new();
+    let run = tokio::spawn(relay.run(shutdown.clone()));
+    (publisher, shutdown, run)
+}
+
 /// A relay asked to stop while its database has gone silent (every
 /// connection, the LISTEN one too) stops within seconds, whatever its
 /// lease. The LISTEN connection's close waited for an answer to its
@@ -578,16 +602,7 @@ async fn a_claim_the_database_never_answers_is_given_up_and_made_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_stops_while_its_database_is_silent() {
     let (direct, proxy, through) = five_events_behind_a_proxy("silentstop").await;
-    let through = PgOutbox::connect(&through, direct.table().as_str(), 4)
-        .await
-        .unwrap();
-    let config = leased_for(30);
-    let settings = postbox_core::config::RelaySettings::new(config, vec!["conf".into()]).unwrap();
-    let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
-    let relay =
-        postbox_core::relay::Relay::new(Arc::new(through), vec![publisher.clone()], settings);
-    let shutdown = postbox_core::relay::CancellationToken::new();
-    let run = tokio::spawn(relay.run(shutdown.clone()));
+    let (publisher, shutdown, run) = relay_at_default_lease(&direct, &through).await;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while publisher.delivered().len() < 5 {
         assert!(
@@ -610,16 +625,7 @@ async fn a_relay_stops_while_its_database_is_silent() {
 async fn a_relay_stops_while_its_claim_waits_on_a_silent_connection() {
     let (direct, proxy, through) = five_events_behind_a_proxy("silentclaimstop").await;
     proxy.silence_on(b"SKIP LOCKED");
-    let through = PgOutbox::connect(&through, direct.table().as_str(), 4)
-        .await
-        .unwrap();
-    let settings =
-        postbox_core::config::RelaySettings::new(leased_for(30), vec!["conf".into()]).unwrap();
-    let publisher = Arc::new(postbox_testkit::RecordingPublisher::new("rec"));
-    let relay =
-        postbox_core::relay::Relay::new(Arc::new(through), vec![publisher.clone()], settings);
-    let shutdown = postbox_core::relay::CancellationToken::new();
-    let run = tokio::spawn(relay.run(shutdown.clone()));
+    let (publisher, shutdown, run) = relay_at_default_lease(&direct, &through).await;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while proxy.silenced() == 0 {
         assert!(std::time::Instant::now() < deadline, "the relay claims");
