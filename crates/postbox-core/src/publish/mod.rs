@@ -80,6 +80,12 @@ pub enum PublishError {
     /// The publish did not complete within `publish_timeout`.
     #[error("publish timed out after {0:?}")]
     Timeout(Duration),
+    /// The target could not be reached (no connection, or the broker
+    /// blocks this one): nothing was sent. Not the event's fault: the relay
+    /// defers the row for this publisher without counting an attempt, and
+    /// the publisher's breaker opens as for a batch of timeouts.
+    #[error("{0}")]
+    Unreachable(String),
     /// The target refused or failed; `retry_after` is the earliest retry the
     /// target asked for (HTTP `Retry-After`).
     #[error("{message}")]
@@ -104,7 +110,7 @@ impl PublishError {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             PublishError::Failed { retry_after, .. } => *retry_after,
-            PublishError::Timeout(_) => None,
+            PublishError::Timeout(_) | PublishError::Unreachable(_) => None,
         }
     }
 }

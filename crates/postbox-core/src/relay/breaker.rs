@@ -1,4 +1,5 @@
-//! A publisher that times out on a whole batch is skipped for a while.
+//! A publisher that times out on a whole batch (or whose target it cannot
+//! reach: [`crate::PublishError::Unreachable`]) is skipped for a while.
 //!
 //! Each publisher has its own lane (see [`super::publisher`]), so a target
 //! that hangs does not hold the others back; without this it would still

@@ -476,20 +476,30 @@ impl PublishStage {
             let lane = &lanes[l];
             lane.pace().held_rows -= todo[l].len();
             match answer {
-                Some(Answer::Published(results)) => {
+                Some(Answer::Published(results, cooling)) => {
                     // Rows the publisher never started before the batch's
                     // time ran out were not sent: deferred for it, no
-                    // attempt (they were counted as timed out).
-                    let mut unsent = Vec::new();
+                    // attempt (they were counted as timed out). Rows it
+                    // could not send because its target was unreachable
+                    // likewise: a broker restarting is not the events'
+                    // fault, and each retry counted an attempt until rows
+                    // were dead-lettered during the outage (at a backoff
+                    // of 200 ms to 2 s, ten attempts in 10 s).
+                    let (mut unsent, mut unreachable) = (Vec::new(), Vec::new());
                     for (&i, result) in todo[l].iter().zip(results) {
                         match result {
                             Some(Ok(())) => rows[i].confirmed.push(lane.name.clone()),
+                            Some(Err(PublishError::Unreachable(_))) => unreachable.push(i),
                             Some(Err(e)) => rows[i].errors.push((lane.name.clone(), e)),
                             None => unsent.push(i),
                         }
                     }
                     if !unsent.is_empty() {
                         behind_of(l, Some(&unsent), &mut rows, None);
+                    }
+                    if !unreachable.is_empty() {
+                        let cooling = cooling.unwrap_or(super::breaker::FIRST_COOL_DOWN);
+                        behind_of(l, Some(&unreachable), &mut rows, Some(cooling));
                     }
                 }
                 Some(Answer::NotStarted) => behind(l, &mut rows, None),
@@ -679,8 +689,12 @@ struct Job {
 /// A lane's answer for one job.
 enum Answer {
     /// One result per row, in the job's order; `None` for a row the
-    /// publisher never started.
-    Published(Vec<Option<std::result::Result<(), PublishError>>>),
+    /// publisher never started. With how much longer the publisher's
+    /// breaker is open after the batch, if it is.
+    Published(
+        Vec<Option<std::result::Result<(), PublishError>>>,
+        Option<Duration>,
+    ),
     /// Not published: the job waited in the queue past the lease's publish
     /// budget, or the relay is stopping.
     NotStarted,
@@ -893,7 +907,7 @@ impl LaneWorker {
                     spans.end(&ended);
                 }
                 trip_or_reset(p.name(), &self.breaker, &results);
-                Answer::Published(results)
+                Answer::Published(results, self.breaker.skip(Instant::now()))
             }
             Err(panic) => Answer::Panicked(panic),
         }
@@ -930,7 +944,13 @@ fn trip_or_reset(publisher: &str, breaker: &Breaker, results: &[Option<Result<()
     let sent = || results.iter().flatten();
     let outcome = if sent().any(Result::is_ok) {
         BatchResult::Confirmed
-    } else if sent().next().is_some() && sent().all(|r| matches!(r, Err(PublishError::Timeout(_))))
+    } else if sent().next().is_some()
+        && sent().all(|r| {
+            matches!(
+                r,
+                Err(PublishError::Timeout(_) | PublishError::Unreachable(_))
+            )
+        })
     {
         BatchResult::AllTimedOut
     } else {
@@ -941,7 +961,7 @@ fn trip_or_reset(publisher: &str, breaker: &Breaker, results: &[Option<Result<()
             publisher,
             events = results.len(),
             ?cool_down,
-            "every publish of the batch timed out: skipping this publisher for the cool-down so the others keep their pace (its events are retried for it later)"
+            "every publish of the batch timed out or found the target unreachable: skipping this publisher for the cool-down so the others keep their pace (its events are retried for it later)"
         ),
         Change::Closed => tracing::info!(publisher, "publisher confirms again: no longer skipped"),
         Change::None => {}

@@ -166,12 +166,15 @@ impl Session {
         let channel = match self.ready_channel().await {
             Ok(channel) => channel,
             Err(reason) => {
+                // Nothing was sent: the broker is unreachable (or blocks
+                // this connection), which is not the events' fault. A
+                // message that cannot be built fails on its own.
                 for (i, m) in messages.iter().enumerate() {
-                    let why = match m {
-                        Ok(_) => reason.clone(),
-                        Err(own) => own.clone(),
+                    let error = match m {
+                        Ok(_) => PublishError::Unreachable(reason.clone()),
+                        Err(own) => PublishError::failed(own.clone()),
                     };
-                    let _ = reply.send((i, Err(PublishError::failed(why))));
+                    let _ = reply.send((i, Err(error)));
                 }
                 return None;
             }

@@ -208,11 +208,19 @@ impl WebhookPublisher {
             Ok(r) => r,
             Err(e) if e.is_timeout() => return Err(PublishError::Timeout(timeout)),
             Err(e) => {
-                return Err(PublishError::failed(format!(
+                let unreachable = e.is_connect();
+                let message = format!(
                     "POST {} failed: {}",
                     self.shown_url,
                     error_chain(&e.without_url())
-                )))
+                );
+                // No connection was made (refused, no route, DNS): the
+                // request never reached the endpoint.
+                return Err(if unreachable {
+                    PublishError::Unreachable(message)
+                } else {
+                    PublishError::failed(message)
+                });
             }
         };
         let status = response.status();
