@@ -186,9 +186,13 @@ impl Publisher for RedisPublisher {
             pipe.add_command(self.xadd(d));
         }
         let mut unanswered = Unanswered(Arc::clone(&self.suspect), true);
+        let mut connected = true;
         let replies: RedisResult<Vec<RedisResult<Value>>> = match self.connection().await {
             Ok(mut conn) => pipe.query_async(&mut conn).await,
-            Err(e) => Err(e),
+            Err(e) => {
+                connected = false;
+                Err(e)
+            }
         };
         unanswered.1 = false;
         let broken = match &replies {
@@ -224,7 +228,15 @@ impl Publisher for RedisPublisher {
                     "Redis pipeline failed (will reconnect and retry): {}",
                     redact_url(&e.to_string())
                 );
-                vec![Err(PublishError::failed(message)); batch.len()]
+                // No connection to send on (refused, or none could be
+                // opened): nothing was sent. A connection lost mid-way
+                // may have run the XADDs, and counts.
+                let error = if !connected || e.is_connection_refusal() {
+                    PublishError::Unreachable(message)
+                } else {
+                    PublishError::failed(message)
+                };
+                vec![Err(error); batch.len()]
             }
         }
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use postbox_core::config::RedisPublisherConfig;
-use postbox_core::publish::Delivery;
+use postbox_core::publish::{Delivery, PublishError};
 use postbox_core::redact::SecretUrl;
 use postbox_core::store::OutboxStore;
 use postbox_core::template::Template;
@@ -371,6 +371,41 @@ async fn a_connection_gone_silent_is_replaced() {
             e.event_id
         );
     }
+}
+
+/// A Redis server that is gone (refusing connections) is unreachable, not
+/// failing: nothing was sent, and the relay defers the rows with no
+/// attempt counted (a restart of Redis dead-lettered events that had run
+/// out of retries meanwhile).
+#[tokio::test]
+async fn a_server_that_is_gone_is_unreachable() {
+    let own = postbox_testkit::servers::OwnRedis::start(&[]).await;
+    let stream = scratch_table("pbt_gone");
+    let mut c = config("redis-gone", &stream, None);
+    c.url = SecretUrl::new(own.url.clone());
+    let publisher = RedisPublisher::connect(&c).await.unwrap();
+    let events = sample_events("room", 3);
+    let sent = publish_within(&publisher, &events[..1], Duration::from_secs(5))
+        .await
+        .expect("answered");
+    assert!(sent.iter().all(Result::is_ok), "{sent:?}");
+    drop(own);
+    let mut unreachable = false;
+    for _ in 0..10 {
+        let results = publish_within(&publisher, &events[1..], Duration::from_secs(5))
+            .await
+            .expect("answered");
+        assert!(results.iter().all(Result::is_err), "{results:?}");
+        if results
+            .iter()
+            .all(|r| matches!(r, Err(PublishError::Unreachable(_))))
+        {
+            unreachable = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(unreachable, "a refused connection is unreachable");
 }
 
 /// The server behind the publisher's address stops being the primary (a
