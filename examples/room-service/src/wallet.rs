@@ -18,7 +18,7 @@ use postbox::NewEvent;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::db::{is_unique_violation, Db};
+use crate::db::{is_unique_violation, Db, Tx};
 use crate::room::{Debit, Refusal};
 use crate::{args, now_ms};
 
@@ -139,39 +139,8 @@ impl WalletService {
                 json!({ "error": "insufficient balance" }),
             ));
         }
-        let (balance, version): (i64, i64) = tx
-            .fetch_optional(
-                "SELECT balance, version FROM wallet_account WHERE user_id = ?",
-                args![req.user_id.as_str()],
-            )
-            .await?
-            .expect("the account was just written");
-        let logged = tx
-            .execute(
-                "INSERT INTO wallet_debit (command_id, user_id, amount, balance_after, created_at_ms) VALUES (?, ?, ?, ?, ?)",
-                args![req.command_id.as_str(), req.user_id.as_str(), req.amount, balance, now_ms()],
-            )
-            .await;
-        match logged {
-            Err(e) if is_unique_violation(&e) => {
-                return Ok(reply(
-                    StatusCode::CONFLICT,
-                    json!({ "error": "a debit with this command_id is being written; send it again" }),
-                ))
-            }
-            other => other.map_err(db_error)?,
-        };
-        let payload = json!({
-            "user_id": req.user_id, "amount": req.amount, "balance": balance, "command_id": req.command_id,
-        });
-        let event = NewEvent::new(&self.app_code, "WalletDebited", payload.to_string())
-            .aggregate(&req.user_id, version);
-        tx.enqueue(&event).await?;
-        tx.commit().await?;
-        Ok(reply(
-            StatusCode::OK,
-            json!({ "balance": balance, "event_id": event.event_id }),
-        ))
+        self.settle(tx, &DEBIT, &req.command_id, &req.user_id, req.amount)
+            .await
     }
 
     /// Gives back the debit of `req.command_id` and commits
@@ -207,55 +176,96 @@ impl WalletService {
         )
         .await
         .map_err(db_error)?;
+        self.settle(tx, &REFUND, &req.command_id, &user_id, amount)
+            .await
+    }
+
+    /// The end of a balance change `tx` made for `command_id`: the row of
+    /// `kind`'s log (once per command_id: a concurrent twin answers 409),
+    /// its event with the account's new version, one commit.
+    async fn settle(
+        &self,
+        mut tx: Tx,
+        kind: &Kind,
+        command_id: &str,
+        user_id: &str,
+        amount: i64,
+    ) -> Result<Reply, postbox::Error> {
         let (balance, version): (i64, i64) = tx
             .fetch_optional(
                 "SELECT balance, version FROM wallet_account WHERE user_id = ?",
-                args![user_id.as_str()],
+                args![user_id],
             )
             .await?
-            .expect("a debited account exists");
+            .expect("the account was just written");
         let logged = tx
             .execute(
-                "INSERT INTO wallet_refund (command_id, user_id, amount, balance_after, created_at_ms) VALUES (?, ?, ?, ?, ?)",
-                args![req.command_id.as_str(), user_id.as_str(), amount, balance, now_ms()],
+                &format!(
+                    "INSERT INTO {} (command_id, user_id, amount, balance_after, created_at_ms) VALUES (?, ?, ?, ?, ?)",
+                    kind.log
+                ),
+                args![command_id, user_id, amount, balance, now_ms()],
             )
             .await;
         match logged {
             Err(e) if is_unique_violation(&e) => {
                 return Ok(reply(
                     StatusCode::CONFLICT,
-                    json!({ "error": "a refund with this command_id is being written; send it again" }),
+                    json!({ "error": format!("a {} with this command_id is being written; send it again", kind.name) }),
                 ))
             }
-            other => other.map_err(db_error)?,
+            other => other.map_err(|e| postbox::Error::database(kind.name, e))?,
         };
         let payload = json!({
-            "user_id": user_id, "amount": amount, "balance": balance, "command_id": req.command_id,
+            "user_id": user_id, "amount": amount, "balance": balance, "command_id": command_id,
         });
-        let event = NewEvent::new(&self.app_code, "WalletRefunded", payload.to_string())
-            .aggregate(&user_id, version);
+        let event = NewEvent::new(&self.app_code, kind.event_type, payload.to_string())
+            .aggregate(user_id, version);
         tx.enqueue(&event).await?;
         tx.commit().await?;
-        Ok(reply(
-            StatusCode::OK,
-            json!({ "refunded": true, "balance": balance, "event_id": event.event_id }),
-        ))
+        let mut answer = json!({ "balance": balance, "event_id": event.event_id });
+        if kind.refund {
+            answer["refunded"] = true.into();
+        }
+        Ok(reply(StatusCode::OK, answer))
     }
 }
 
+/// A balance change's log table and event.
+struct Kind {
+    name: &'static str,
+    log: &'static str,
+    event_type: &'static str,
+    /// Its answer says `"refunded": true`.
+    refund: bool,
+}
+
+const DEBIT: Kind = Kind {
+    name: "debit",
+    log: "wallet_debit",
+    event_type: "WalletDebited",
+    refund: false,
+};
+
+const REFUND: Kind = Kind {
+    name: "refund",
+    log: "wallet_refund",
+    event_type: "WalletRefunded",
+    refund: true,
+};
+
 async fn refund(State(wallet): State<WalletService>, Json(req): Json<RefundRequest>) -> Reply {
-    wallet.refund(&req).await.unwrap_or_else(|e| {
-        tracing::error!(error = %e, "refund failed");
-        reply(
-            StatusCode::SERVICE_UNAVAILABLE,
-            json!({ "error": e.to_string() }),
-        )
-    })
+    answered("refund", wallet.refund(&req).await)
 }
 
 async fn debit(State(wallet): State<WalletService>, Json(req): Json<DebitRequest>) -> Reply {
-    wallet.debit(&req).await.unwrap_or_else(|e| {
-        tracing::error!(error = %e, "debit failed");
+    answered("debit", wallet.debit(&req).await)
+}
+
+/// A change's reply, or 503 when the database failed it.
+fn answered(what: &str, result: Result<Reply, postbox::Error>) -> Reply {
+    result.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "{what} failed");
         reply(
             StatusCode::SERVICE_UNAVAILABLE,
             json!({ "error": e.to_string() }),

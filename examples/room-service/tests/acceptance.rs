@@ -180,16 +180,7 @@ async fn the_same_command_id_twice_changes_nothing() {
     assert_eq!(state["gift_total"], 100);
     s.wait_rows("i1", "four rows delivered", |r| all_delivered(r, 4))
         .await;
-    let (balance,): (i64,) = s
-        .wallet_db
-        .fetch_optional(
-            "SELECT balance FROM wallet_account WHERE user_id = ?",
-            room_service::args!["alice"],
-        )
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(balance, 900, "debited once");
+    assert_eq!(s.balance("alice").await, 900, "debited once");
     let debits: Vec<(String,)> = s
         .wallet_db
         .fetch_all("SELECT command_id FROM wallet_debit", vec![])
@@ -221,25 +212,13 @@ async fn a_gift_refused_after_its_debit_is_refunded() {
         .await
         .unwrap();
     assert!(paid.status().is_success());
-    let balance = || async {
-        let (b,): (i64,) = s
-            .wallet_db
-            .fetch_optional(
-                "SELECT balance FROM wallet_account WHERE user_id = ?",
-                room_service::args!["alice"],
-            )
-            .await
-            .unwrap()
-            .unwrap();
-        b
-    };
-    assert_eq!(balance().await, 900);
+    assert_eq!(s.balance("alice").await, 900);
     // The retry: bob is not in the room (any more).
     let gift = json!({ "command_id": "r1-g", "user_id": "alice", "to_user_id": "bob", "gift_id": "rose", "amount": 100 });
     for _ in 0..2 {
         let (status, answer) = s.command("r1", "sendGift", gift.clone()).await;
         assert_eq!(status, 409, "{answer}");
-        assert_eq!(balance().await, 1000, "refunded, once");
+        assert_eq!(s.balance("alice").await, 1000, "refunded, once");
     }
     let refunds: Vec<(String,)> = s
         .wallet_db

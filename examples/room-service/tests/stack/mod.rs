@@ -543,6 +543,20 @@ impl Stack {
     }
 
     /// `(event_id, status, retry_count)` of a room's outbox rows, in version order.
+    /// `user`'s wallet balance.
+    pub async fn balance(&self, user: &str) -> i64 {
+        let (balance,): (i64,) = self
+            .wallet_db
+            .fetch_optional(
+                "SELECT balance FROM wallet_account WHERE user_id = ?",
+                room_service::args![user],
+            )
+            .await
+            .unwrap()
+            .expect("the account exists");
+        balance
+    }
+
     pub async fn rows(&self, room: &str) -> Vec<(String, String, i64)> {
         self.room_db
             .fetch_all(
