@@ -37,10 +37,11 @@ pub fn load_config(g: &Global, uses: Uses) -> Result<Settings, CliError> {
     Ok(config::load_for(&source(g), uses)?)
 }
 
-/// [`load_config`] for a command that connects to nothing (`migrate
-/// --print-sql`): `database.url` need only name its database's kind.
-pub fn load_config_offline(g: &Global, uses: Uses) -> Result<Settings, CliError> {
-    Ok(config::load_offline(&source(g), uses)?)
+/// [`load_config`] for a command that connects to nothing and reads only
+/// `[database]` (`migrate --print-sql`): `database.url` need only name its
+/// database's kind.
+pub fn load_config_offline(g: &Global) -> Result<Settings, CliError> {
+    Ok(config::load_offline(&source(g))?)
 }
 
 /// Whether a config file would be read (`--config`, or `postbox.toml`

@@ -233,7 +233,7 @@ impl Publisher for Connecting {
             Some(p) => p.publish(batch).await,
             None => (batch.iter())
                 .map(|_| {
-                    Err(PublishError::failed(format!(
+                    Err(PublishError::Unreachable(format!(
                         "{} is not connected yet",
                         self.name
                     )))

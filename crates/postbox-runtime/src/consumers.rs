@@ -59,10 +59,10 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
         // that cannot be built stops those already running, each finishing
         // the message in hand (dropping the task set aborted them).
         let built = tokio::select! {
-            built = build_handler(&at, c, &shutdown) => built,
+            built = build_consumer(&at, c, &shutdown) => built,
             _ = shutdown.cancelled() => break,
         };
-        let (handler, holds) = match built {
+        let (state, run) = match built {
             Ok(built) => built,
             Err(e) => {
                 shutdown.cancel();
@@ -70,39 +70,8 @@ async fn run_here(settings: &Settings, shutdown: CancellationToken) -> Result<()
                 break;
             }
         };
-        let shutdown = shutdown.clone();
         let name = c.name().to_owned();
         let placed = at.clone();
-        let (state, run): (
-            Arc<ConsumerState>,
-            BoxFuture<'static, Result<ConsumeReport, Error>>,
-        ) = match c.kind {
-            ConsumerKind::Rabbitmq => {
-                let mut consumer =
-                    RabbitMqConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
-                if let Some(holds) = holds {
-                    consumer = consumer.with_holds(holds);
-                }
-                (
-                    consumer.state(),
-                    Box::pin(async move { consumer.run(shutdown).await }),
-                )
-            }
-            ConsumerKind::Nats => {
-                let consumer = NatsConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
-                (
-                    consumer.state(),
-                    Box::pin(async move { consumer.run(shutdown).await }),
-                )
-            }
-            ConsumerKind::Redis => {
-                let consumer = RedisConsumer::new(c.clone(), handler).map_err(|e| e.within(&at))?;
-                (
-                    consumer.state(),
-                    Box::pin(async move { consumer.run(shutdown).await }),
-                )
-            }
-        };
         controls.push(Arc::new(Controlled {
             state,
             config: c.clone(),
@@ -222,6 +191,50 @@ pub fn redelivery_horizon(c: &ConsumerConfig) -> Duration {
 /// The HTTP bridge, through the inbox when one is configured (starting
 /// its purge); with `ordering = "per_aggregate"` also the holds beside the
 /// inbox.
+/// A consumer's state and its run until `shutdown`.
+type Built = (
+    Arc<ConsumerState>,
+    BoxFuture<'static, Result<ConsumeReport, Error>>,
+);
+
+/// Consumer `c` (at key `at`), its handler and, with an inbox, that
+/// inbox opened.
+async fn build_consumer(
+    at: &KeyPath,
+    c: &ConsumerConfig,
+    shutdown: &CancellationToken,
+) -> Result<Built, Error> {
+    let (handler, holds) = build_handler(at, c, shutdown).await?;
+    let shutdown = shutdown.clone();
+    Ok(match c.kind {
+        ConsumerKind::Rabbitmq => {
+            let mut consumer =
+                RabbitMqConsumer::new(c.clone(), handler).map_err(|e| e.within(at))?;
+            if let Some(holds) = holds {
+                consumer = consumer.with_holds(holds);
+            }
+            (
+                consumer.state(),
+                Box::pin(async move { consumer.run(shutdown).await }),
+            )
+        }
+        ConsumerKind::Nats => {
+            let consumer = NatsConsumer::new(c.clone(), handler).map_err(|e| e.within(at))?;
+            (
+                consumer.state(),
+                Box::pin(async move { consumer.run(shutdown).await }),
+            )
+        }
+        ConsumerKind::Redis => {
+            let consumer = RedisConsumer::new(c.clone(), handler).map_err(|e| e.within(at))?;
+            (
+                consumer.state(),
+                Box::pin(async move { consumer.run(shutdown).await }),
+            )
+        }
+    })
+}
+
 async fn build_handler(
     at: &KeyPath,
     c: &ConsumerConfig,

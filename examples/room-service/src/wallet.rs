@@ -114,6 +114,20 @@ impl WalletService {
             )
             .await?;
         if let Some((balance,)) = done {
+            // Refunded since (the room refused the command): answered
+            // "paid", a retry the room then accepted sent the gift free.
+            let refunded: Option<(i64,)> = tx
+                .fetch_optional(
+                    "SELECT amount FROM wallet_refund WHERE command_id = ?",
+                    args![req.command_id.as_str()],
+                )
+                .await?;
+            if refunded.is_some() {
+                return Ok(reply(
+                    StatusCode::CONFLICT,
+                    json!({ "error": "this command's debit was refunded: send the gift again with a new command_id" }),
+                ));
+            }
             return Ok(reply(
                 StatusCode::OK,
                 json!({ "balance": balance, "replayed": true }),
@@ -355,6 +369,9 @@ impl WalletClient {
         match answer.status() {
             s if s.is_success() => Ok(()),
             StatusCode::PAYMENT_REQUIRED => Err(Ok(Refusal::InsufficientBalance)),
+            StatusCode::CONFLICT => Err(Ok(Refusal::Conflict(
+                answer.text().await.unwrap_or_default(),
+            ))),
             StatusCode::BAD_REQUEST => Err(Ok(Refusal::Invalid(
                 answer.text().await.unwrap_or_default(),
             ))),

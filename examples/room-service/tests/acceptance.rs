@@ -229,6 +229,18 @@ async fn a_gift_refused_after_its_debit_is_refunded() {
         .await
         .unwrap();
     assert_eq!(refunds.len(), 1);
+    // Sent again once bob is in the room, the refunded command is refused
+    // (it was answered "paid" by the debit it no longer has, and the gift
+    // went out free).
+    s.ok(
+        "r1",
+        "join",
+        json!({ "command_id": "r1-j", "user_id": "bob" }),
+    )
+    .await;
+    let (status, answer) = s.command("r1", "sendGift", gift).await;
+    assert_eq!(status, 409, "{answer}");
+    assert_eq!(s.balance("alice").await, 1000);
     s.stop().await;
 }
 

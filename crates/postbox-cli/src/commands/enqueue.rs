@@ -91,10 +91,6 @@ impl Summary {
     }
 }
 
-/// Reads one line (through its `\n`, or to the end) into `raw`, keeping at
-/// most `cap` bytes of it; the bytes the line had (0 at the end of the
-/// input). A line longer than `cap` is read past, never held whole: a file
-/// without line breaks is not read into memory.
 /// The lines of `reader` ([`read_line_capped`]: bytes read, and the line
 /// or as much of it as was kept), read on a thread of its own; the end
 /// or a read error ends them.
@@ -114,6 +110,10 @@ fn read_lines(
     rx
 }
 
+/// Reads one line (through its `\n`, or to the end) into `raw`, keeping at
+/// most `cap` bytes of it; the bytes the line had (0 at the end of the
+/// input). A line longer than `cap` is read past, never held whole: a file
+/// without line breaks is not read into memory.
 fn read_line_capped(
     reader: &mut dyn BufRead,
     raw: &mut Vec<u8>,

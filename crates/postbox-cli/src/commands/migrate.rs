@@ -10,7 +10,8 @@ use crate::output;
 
 pub async fn run(g: &Global, args: MigrateArgs) -> Result<(), CliError> {
     if args.print_sql {
-        return print_sql(&load_config_offline(g, WITH_CONSUMERS)?, &args);
+        // Only the database's kind and the table's names are printed from.
+        return print_sql(&load_config_offline(g)?, &args);
     }
     let config = load_config(g, WITH_CONSUMERS)?;
     let store = open_store_creating(&config).await?;

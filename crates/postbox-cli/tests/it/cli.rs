@@ -1638,7 +1638,7 @@ fn enqueue_file_logs_progress_where_no_bar_is_drawn() {
     )
     .unwrap();
     stdin.flush().unwrap();
-    std::thread::sleep(Duration::from_millis(10_500));
+    std::thread::sleep(Duration::from_millis(12_000));
     drop(stdin);
     let out = child.wait_with_output().unwrap();
     assert_ok(&out);

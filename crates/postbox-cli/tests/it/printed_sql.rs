@@ -221,8 +221,12 @@ fn from_prints_only_the_later_versions() {
 fn print_sql_needs_no_database_password() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("postbox.toml");
+    // The archive's and a consumer's secrets are not read either.
+    let others = "[archive]\nurl = \"postgres://a:${POSTBOX_TEST_UNSET_PASSWORD}@history/h\"\n\
+        [[consumers]]\nkind = \"rabbitmq\"\nurl = \"amqp://u:${POSTBOX_TEST_UNSET_PASSWORD}@mq/%2f\"\n\
+        queue = \"q\"\nhandler = { http = \"http://127.0.0.1:1/\" }\n";
     let print = |url: &str| {
-        std::fs::write(&config, format!("[database]\nurl = \"{url}\"\n")).unwrap();
+        std::fs::write(&config, format!("[database]\nurl = \"{url}\"\n{others}")).unwrap();
         Command::new(env!("CARGO_BIN_EXE_postbox"))
             .env_remove("POSTBOX_CONFIG")
             .env_remove("POSTBOX_TEST_UNSET_PASSWORD")

@@ -70,10 +70,11 @@ pub(crate) async fn run(pass: &Pass<'_>) -> Result<DeadReport, Failed> {
             // still closing when it closed, and lapin logged "ERROR
             // Connection error: invalid channel state: Closing" after every
             // pass that worked.
-            for channel in [&reading, &publishing] {
-                let closing = channel.close(200, "dead-letter pass done".into());
-                let _ = tokio::time::timeout(closing_within(&result), closing).await;
-            }
+            let closing = futures::future::join(
+                reading.close(200, "dead-letter pass done".into()),
+                publishing.close(200, "dead-letter pass done".into()),
+            );
+            let _ = tokio::time::timeout(closing_within(&result), closing).await;
             result
         }
         Err(e) => Err(e),
@@ -101,14 +102,25 @@ fn closing_within<T>(result: &Result<T, String>) -> std::time::Duration {
 /// replays with confirms.
 async fn open_channels(conn: &Connection) -> Result<(Channel, Channel), String> {
     let reading = step(conn, "opening a channel", conn.create_channel()).await?;
-    let publishing = step(conn, "opening a channel", conn.create_channel()).await?;
-    step(
-        conn,
-        "opening a channel",
-        publishing.confirm_select(ConfirmSelectOptions::default()),
-    )
-    .await?;
-    Ok((reading, publishing))
+    let publishing = async {
+        let publishing = step(conn, "opening a channel", conn.create_channel()).await?;
+        step(
+            conn,
+            "opening a channel",
+            publishing.confirm_select(ConfirmSelectOptions::default()),
+        )
+        .await?;
+        Ok(publishing)
+    };
+    match publishing.await {
+        Ok(publishing) => Ok((reading, publishing)),
+        Err(e) => {
+            // Closed before the connection, as the pass's channels are.
+            let closing = reading.close(200, "dead-letter pass failed".into());
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), closing).await;
+            Err(e)
+        }
+    }
 }
 
 async fn pass_over(

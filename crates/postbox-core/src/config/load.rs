@@ -45,18 +45,20 @@ pub fn load_for(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Er
     load_config(source)?.checked(uses)
 }
 
-/// [`load_for`] for a command that connects to nothing (`migrate
-/// --print-sql`): an unset `${VAR}` in `database.url` (its password, say)
-/// is no error, as long as what is left names the database's kind. It was,
-/// and printing the SQL for a team's migration tool in CI needed the
+/// [`load_for`] for a command that connects to nothing and reads only
+/// `[database]` (`migrate --print-sql`): an unset `${VAR}` in
+/// `database.url` (its password, say) is no error, as long as what is left
+/// names the database's kind, and `[archive] url` is not read. It was, and
+/// printing the SQL for a team's migration tool in CI needed the
 /// production database's password.
-pub fn load_offline(source: &ConfigSource, uses: super::Uses) -> Result<Settings, Error> {
+pub fn load_offline(source: &ConfigSource) -> Result<Settings, Error> {
     let mut config = load_config(source)?;
     // A URL that is one `${VAR}` names no kind: the variable is named.
     if config.database.url.unresolved().is_some() && config.database.url.expose().contains("://") {
         config.database.url = SecretUrl::new(config.database.url.expose().to_owned());
     }
-    config.checked(uses)
+    config.archive.url = None;
+    config.checked(super::Uses::DATABASE)
 }
 
 impl Config {

@@ -366,6 +366,9 @@ impl Claimer {
         claimed: &mut u64,
         db_errors: &mut u32,
     ) -> Option<Round> {
+        // A round of many app_codes, each claim waiting on a slow publish
+        // stage, can outlast the pulse's window: each claim is a beat.
+        self.pulse.beat();
         let app_code = self.app_codes[i].as_str();
         let batch_size = self.config.batch_size;
         let mut round = Round::default();

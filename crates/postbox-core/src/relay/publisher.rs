@@ -479,7 +479,7 @@ impl PublishStage {
                 Some(Answer::Published(results, cooling)) => {
                     // Rows the publisher never started before the batch's
                     // time ran out were not sent: deferred for it, no
-                    // attempt (they were counted as timed out). Rows it
+                    // attempt. Rows it
                     // could not send because its target was unreachable
                     // likewise: a broker restarting is not the events'
                     // fault, and each retry counted an attempt until rows
@@ -995,11 +995,13 @@ async fn publish_bounded(
     metrics::histogram!(m::PUBLISH_DURATION_SECONDS, "publisher" => publisher.clone())
         .record(started.elapsed().as_secs_f64());
     let (mut ok, mut error, mut timeout) = (0u64, 0u64, 0u64);
-    // Rows never started are counted as deferred by the stage.
+    // Rows never started are counted as deferred by the stage, rows whose
+    // target was unreachable as skipped.
     for r in results.iter().flatten() {
         match r {
             Ok(()) => ok += 1,
             Err(PublishError::Timeout(_)) => timeout += 1,
+            Err(PublishError::Unreachable(_)) => {}
             Err(_) => error += 1,
         }
     }

@@ -208,14 +208,16 @@ impl WebhookPublisher {
             Ok(r) => r,
             Err(e) if e.is_timeout() => return Err(PublishError::Timeout(timeout)),
             Err(e) => {
-                let unreachable = e.is_connect();
+                let unreachable = e.is_connect() && refused(&e);
                 let message = format!(
                     "POST {} failed: {}",
                     self.shown_url,
                     error_chain(&e.without_url())
                 );
-                // No connection was made (refused, no route, DNS): the
-                // request never reached the endpoint.
+                // The endpoint refused the connection (down, restarting):
+                // the request never reached it. A name that does not
+                // resolve or a certificate refused is the config's fault,
+                // and counts.
                 return Err(if unreachable {
                     PublishError::Unreachable(message)
                 } else {
@@ -336,6 +338,23 @@ fn parse_retry_after(value: &HeaderValue, now: SystemTime) -> Option<Duration> {
             .unwrap_or_default(),
     };
     Some(delay.min(MAX_RETRY_AFTER))
+}
+
+/// Whether `e` is a connection the endpoint's host refused or reset.
+fn refused(e: &reqwest::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+            );
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// `scheme://host[:port]/path`: no userinfo, no query, no fragment, and
